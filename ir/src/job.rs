@@ -1,0 +1,187 @@
+//! The resolved job: every number the cost model uses, filled in and validated.
+//!
+//! Built by `shardwright_cost::resolve` from a [`crate::spec::SpecFile`]; written into the
+//! plan verbatim as its `inputs`, so every estimate traces back to a number here.
+
+use crate::spec::{Activation, Arch, Dtype, Norm, OptimizerKind, ParallelismSpec, TierKind};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Job {
+    pub name: String,
+    pub model: Model,
+    pub hardware: Hardware,
+    pub cluster: Cluster,
+    pub training: Training,
+    pub reliability: Reliability,
+    /// What the spec pinned (unpinned axes are searched).
+    #[schemars(with = "serde_json::Value")]
+    pub pinned: ParallelismSpec,
+    /// Efficiency parameters of the hardware profile in use.
+    pub efficiency: Efficiency,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Model {
+    #[schemars(with = "String")]
+    pub arch: Arch,
+    pub num_layers: u32,
+    pub hidden_size: u64,
+    pub num_attention_heads: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u64,
+    /// Dense-layer FFN width (0 when every layer is MoE).
+    pub ffn_hidden_size: u64,
+    #[schemars(with = "String")]
+    pub ffn_activation: Activation,
+    #[schemars(with = "String")]
+    pub norm: Norm,
+    pub vocab_size: u64,
+    pub seq_len: u64,
+    pub tied_embeddings: bool,
+    pub learned_positions: bool,
+    pub linear_bias: bool,
+    pub dropout: bool,
+    pub flash_attention: bool,
+    pub causal: bool,
+    pub moe: Option<Moe>,
+    /// Derived from the shape.
+    pub params_total: f64,
+    /// Parameters touched per token (MoE: k routed + shared experts).
+    pub params_active: f64,
+    /// Parameters stated in the spec, if any.
+    pub params_stated: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Moe {
+    pub num_experts: u32,
+    pub top_k: u32,
+    pub num_shared_experts: u32,
+    pub expert_ffn_hidden_size: u64,
+    pub shared_expert_ffn_hidden_size: u64,
+    pub first_k_dense: u32,
+}
+
+impl Model {
+    /// Number of MoE layers.
+    pub fn moe_layers(&self) -> u32 {
+        match &self.moe {
+            Some(m) => self.num_layers.saturating_sub(m.first_k_dense),
+            None => 0,
+        }
+    }
+    pub fn dense_layers(&self) -> u32 {
+        self.num_layers - self.moe_layers()
+    }
+    pub fn is_moe(&self) -> bool {
+        self.moe.is_some()
+    }
+}
+
+/// Hardware numbers of one GPU and its links. Units in the names.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Hardware {
+    /// Catalog name, or "custom".
+    pub gpu: String,
+    /// Which efficiency profile applies (a100, h100, ...).
+    pub kind: String,
+    pub hbm_bytes: f64,
+    pub peak_bf16_flops: f64,
+    pub peak_fp8_flops: f64,
+    pub hbm_gbps: f64,
+    /// Per GPU, one direction.
+    pub nvlink_gbps: f64,
+    /// Per GPU, one direction.
+    pub inter_node_gbps: f64,
+    pub nvlink_latency_s: f64,
+    pub inter_node_latency_s: f64,
+    pub pcie_gbps: f64,
+    /// Where these numbers come from.
+    pub sources: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Cluster {
+    pub num_gpus: u64,
+    pub gpus_per_node: u32,
+    pub nodes: u64,
+    pub hot_spares: u64,
+    /// GPUs the layout covers: num_gpus - hot_spares.
+    pub world_size: u64,
+    pub framework_reserve_bytes: f64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Training {
+    pub global_batch: u64,
+    pub grad_accum: Option<u64>,
+    pub tokens_per_step: f64,
+    pub token_budget: Option<f64>,
+    #[schemars(with = "String")]
+    pub compute_dtype: Dtype,
+    pub fp8_gemms: bool,
+    #[schemars(with = "String")]
+    pub grad_dtype: Dtype,
+    #[schemars(with = "String")]
+    pub master_dtype: Dtype,
+    #[schemars(with = "String")]
+    pub optimizer_state_dtype: Dtype,
+    #[schemars(with = "String")]
+    pub optimizer: OptimizerKind,
+    /// Optimizer state tensors per parameter (Adam: 2, SGD momentum: 1).
+    pub optimizer_states: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct StorageTier {
+    pub name: String,
+    #[schemars(with = "String")]
+    pub kind: TierKind,
+    pub write_gbps_per_node: f64,
+    pub aggregate_write_gbps: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Reliability {
+    pub gpu_mtbf_hours: f64,
+    pub job_mtbf_hours: f64,
+    /// Where the MTBF comes from.
+    pub mtbf_source: String,
+    pub restart_s: f64,
+    pub tiers: Vec<StorageTier>,
+    /// Index into `tiers` of the tier that must hold a checkpoint.
+    pub durable_tier: usize,
+    pub asynchronous: bool,
+    pub pinned_interval_s: Option<f64>,
+}
+
+/// Physical efficiency parameters of one GPU kind (the hardware profile). These are the only
+/// tunable numbers in the cost model; `shardwright calibrate` fits them.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Efficiency {
+    /// Profile name and version, e.g. "h100-builtin-1".
+    pub profile: String,
+    /// Best achievable dense GEMM efficiency (fraction of peak) for large shapes.
+    pub gemm_max: f64,
+    /// GEMM efficiency falls as max * 1/(1 + gemm_k0/k + gemm_mn0/min(m,n)).
+    pub gemm_k0: f64,
+    pub gemm_mn0: f64,
+    /// FP8 GEMMs reach this fraction of the fp8 peak relative to what bf16 reaches of its peak.
+    pub fp8_gemm_rel: f64,
+    /// Attention-core (flash attention) efficiency, fraction of peak.
+    pub attn_eff: f64,
+    /// Memory-bound elementwise traffic per layer per token, in units of hidden_size x 2 bytes
+    /// (norms, activations, residuals, rotary, dropout) for the forward pass.
+    pub elementwise_bytes_per_h: f64,
+    /// Achieved fraction of link rate (bus bandwidth / link bandwidth) per fabric.
+    pub nvlink_bus_eff: f64,
+    pub inter_node_bus_eff: f64,
+    /// Share of TP collective time hidden behind GEMMs (tp-comm-overlap).
+    pub tp_overlap: f64,
+    /// Share of the DP gradient reduce / param gather hidden behind compute.
+    pub dp_overlap: f64,
+    /// Fixed per-micro-batch overhead (kernel launches, Python, scheduling), seconds.
+    pub microbatch_overhead_s: f64,
+}

@@ -1,0 +1,356 @@
+//! The job spec as the user writes it (YAML or JSON).
+//!
+//! Every struct rejects unknown fields; [`crate::parse`] turns serde's message into one
+//! that names the field path and suggests the closest known field. Optional fields left out
+//! are filled by `shardwright_cost::resolve` with documented defaults; nothing here holds a
+//! hardware number the user did not write.
+
+use serde::{Deserialize, Serialize};
+
+/// Top level: `job` plus `cluster`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SpecFile {
+    pub job: JobSpec,
+    pub cluster: ClusterSpec,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub model: ModelSpec,
+    #[serde(default)]
+    pub parallelism: ParallelismSpec,
+    #[serde(default)]
+    pub precision: PrecisionSpec,
+    pub batch: BatchSpec,
+    #[serde(default)]
+    pub optimizer: OptimizerSpec,
+    #[serde(default)]
+    pub checkpoint: CheckpointSpec,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    Dense,
+    Moe,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    Gelu,
+    Relu,
+    Swiglu,
+}
+
+impl Activation {
+    /// Number of `h x f` weight matrices in the MLP (2 for GeLU/ReLU, 3 for gated SwiGLU).
+    pub fn mlp_matrices(self) -> f64 {
+        match self {
+            Activation::Gelu | Activation::Relu => 2.0,
+            Activation::Swiglu => 3.0,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Norm {
+    Rmsnorm,
+    Layernorm,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    #[serde(default)]
+    pub name: Option<String>,
+    pub arch: Arch,
+    /// Stated total parameter count; the derived count is reported and a difference over
+    /// 2% is a warning.
+    #[serde(default)]
+    pub params: Option<f64>,
+    pub num_layers: u32,
+    pub hidden_size: u64,
+    pub num_attention_heads: u32,
+    /// GQA/MQA: defaults to `num_attention_heads` (multi-head attention).
+    #[serde(default)]
+    pub num_kv_heads: Option<u32>,
+    /// Defaults to hidden_size / num_attention_heads.
+    #[serde(default)]
+    pub head_dim: Option<u32>,
+    /// FFN width of dense layers. Required unless every layer is MoE.
+    #[serde(default)]
+    pub ffn_hidden_size: Option<u64>,
+    #[serde(default = "default_activation")]
+    pub ffn_activation: Activation,
+    #[serde(default = "default_norm")]
+    pub norm: Norm,
+    pub vocab_size: u64,
+    pub seq_len: u64,
+    #[serde(default)]
+    pub tied_embeddings: bool,
+    /// Learned absolute position embeddings (GPT-2/3 style) add seq_len x hidden params.
+    #[serde(default)]
+    pub learned_positions: bool,
+    /// Biases on the linear layers (GPT-2/3, BLOOM, OPT).
+    #[serde(default)]
+    pub linear_bias: bool,
+    /// Dropout on (training-time masks are stored as activations).
+    #[serde(default)]
+    pub dropout: bool,
+    /// Flash attention (the s x s score matrix is never stored). Default true.
+    #[serde(default = "default_true")]
+    pub flash_attention: bool,
+    /// Causal self-attention (decoder LM). Default true.
+    #[serde(default = "default_true")]
+    pub causal: bool,
+    #[serde(default)]
+    pub moe: Option<MoeSpec>,
+}
+
+fn default_activation() -> Activation {
+    Activation::Swiglu
+}
+fn default_norm() -> Norm {
+    Norm::Rmsnorm
+}
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MoeSpec {
+    pub num_experts: u32,
+    pub top_k: u32,
+    #[serde(default)]
+    pub num_shared_experts: u32,
+    pub expert_ffn_hidden_size: u64,
+    /// Width of each shared expert; defaults to expert_ffn_hidden_size.
+    #[serde(default)]
+    pub shared_expert_ffn_hidden_size: Option<u64>,
+    /// The first k layers are dense (DeepSeek-V3: 3).
+    #[serde(default)]
+    pub first_k_dense: u32,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Recompute {
+    None,
+    Selective,
+    Full,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    Gpipe,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    Interleaved,
+}
+
+/// Any subset may be pinned; unpinned axes are searched.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelismSpec {
+    pub tp: Option<u32>,
+    pub pp: Option<u32>,
+    pub dp: Option<u32>,
+    pub cp: Option<u32>,
+    pub ep: Option<u32>,
+    /// Virtual pipeline stages per PP rank (interleaving factor). 1 = not interleaved.
+    pub vpp: Option<u32>,
+    pub micro_batch: Option<u32>,
+    pub zero_stage: Option<u8>,
+    pub recompute: Option<Recompute>,
+    pub sequence_parallel: Option<bool>,
+    pub schedule: Option<Schedule>,
+    /// Let tensor-parallel groups span nodes (off by default: TP wants NVLink).
+    #[serde(default)]
+    pub allow_tp_across_nodes: bool,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum Dtype {
+    Fp32,
+    Bf16,
+    Fp16,
+    Fp8,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> f64 {
+        match self {
+            Dtype::Fp32 => 4.0,
+            Dtype::Bf16 | Dtype::Fp16 => 2.0,
+            Dtype::Fp8 => 1.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrecisionSpec {
+    /// Compute/weight dtype (bf16 or fp16).
+    #[serde(default = "default_bf16")]
+    pub compute: Dtype,
+    /// Run the GEMMs in FP8 (Transformer Engine style); weights stay in `compute`.
+    #[serde(default)]
+    pub fp8_gemms: bool,
+    /// Gradient dtype (bf16: 2 bytes/param; fp32: Megatron's main-grad, 4).
+    #[serde(default = "default_bf16")]
+    pub grads: Dtype,
+    #[serde(default = "default_fp32")]
+    pub master_weights: Dtype,
+    #[serde(default = "default_fp32")]
+    pub optimizer_state: Dtype,
+}
+
+fn default_bf16() -> Dtype {
+    Dtype::Bf16
+}
+fn default_fp32() -> Dtype {
+    Dtype::Fp32
+}
+
+impl Default for PrecisionSpec {
+    fn default() -> Self {
+        PrecisionSpec {
+            compute: Dtype::Bf16,
+            fp8_gemms: false,
+            grads: Dtype::Bf16,
+            master_weights: Dtype::Fp32,
+            optimizer_state: Dtype::Fp32,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSpec {
+    /// Sequences per optimizer step.
+    pub global_batch: u64,
+    /// If stated, must equal global_batch / (micro_batch x dp).
+    #[serde(default)]
+    pub grad_accum: Option<u64>,
+    /// Tokens to train on (for time and GPU-hours to finish).
+    #[serde(default)]
+    pub token_budget: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    #[default]
+    Adam,
+    Adamw,
+    /// SGD with momentum: one state tensor.
+    Sgd,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSpec {
+    #[serde(default)]
+    pub kind: OptimizerKind,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointSpec {
+    /// Pin the interval instead of choosing it with Young/Daly.
+    #[serde(default)]
+    pub interval_minutes: Option<f64>,
+    /// Name of the storage tier that must hold a checkpoint before it counts (default: the
+    /// slowest, most durable tier listed).
+    #[serde(default)]
+    pub durable_tier: Option<String>,
+    /// Snapshot to host RAM, then write in the background (default true).
+    #[serde(default)]
+    pub asynchronous: Option<bool>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSpec {
+    /// Built-in catalog name (A100-40GB, A100-80GB, H100-SXM, H200, H800).
+    #[serde(default)]
+    pub gpu: Option<String>,
+    /// Explicit numbers; each one overrides the catalog entry.
+    #[serde(default)]
+    pub hardware: HardwareSpec,
+    pub gpus_per_node: u32,
+    #[serde(default)]
+    pub num_gpus: Option<u64>,
+    #[serde(default)]
+    pub nodes: Option<u64>,
+    /// GPUs held back as hot spares (not part of the layout).
+    #[serde(default)]
+    pub hot_spares: u64,
+    #[serde(default)]
+    pub reliability: ReliabilitySpec,
+    /// Checkpoint storage tiers, fastest first.
+    #[serde(default)]
+    pub storage: Option<Vec<StorageTierSpec>>,
+    /// Memory the framework keeps for itself per GPU (CUDA context, NCCL, allocator slack).
+    #[serde(default)]
+    pub framework_reserve_bytes: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HardwareSpec {
+    pub hbm_bytes: Option<f64>,
+    pub peak_bf16_flops: Option<f64>,
+    pub peak_fp8_flops: Option<f64>,
+    pub hbm_gbps: Option<f64>,
+    /// Per GPU, one direction.
+    pub nvlink_gbps: Option<f64>,
+    /// Per GPU, one direction (rail-optimized: one NIC per GPU).
+    pub inter_node_gbps: Option<f64>,
+    pub nvlink_latency_s: Option<f64>,
+    pub inter_node_latency_s: Option<f64>,
+    /// Host-to-device copy rate per GPU (PCIe), for checkpoint snapshots.
+    pub pcie_gbps: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ReliabilitySpec {
+    /// Mean time between failures of one GPU (with its share of host and network).
+    pub gpu_mtbf_hours: Option<f64>,
+    /// Or the whole job's MTBF (overrides gpu_mtbf_hours).
+    pub job_mtbf_hours: Option<f64>,
+    /// Time from a failure to training again (detect, replace, reload), seconds.
+    pub restart_s: Option<f64>,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum TierKind {
+    HostRam,
+    LocalNvme,
+    ParallelFs,
+    ObjectStore,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StorageTierSpec {
+    pub name: String,
+    pub kind: TierKind,
+    /// Write bandwidth available to one node, GB/s.
+    #[serde(default)]
+    pub write_gbps_per_node: Option<f64>,
+    /// Aggregate write bandwidth cap of the whole tier, GB/s (shared file systems).
+    #[serde(default)]
+    pub aggregate_write_gbps: Option<f64>,
+}
