@@ -1,1 +1,16 @@
-//! cost
+//! shardwright-cost: pure cost functions and the hardware catalog.
+//!
+//! Architecture invariant: no I/O, no search, no global state. Every function is a pure
+//! function of the resolved [`shardwright_ir::Job`] and a [`shardwright_ir::Layout`]; the
+//! only tunable numbers live in [`shardwright_ir::job::Efficiency`] (the hardware profile).
+
+pub mod catalog;
+pub mod collective;
+pub mod eval;
+pub mod flops;
+pub mod memory;
+pub mod reliability;
+pub mod resolve;
+
+pub use eval::{evaluate, Evaluation, LayerCosts, Split};
+pub use resolve::{resolve, ResolveOptions, Resolved};

@@ -150,6 +150,7 @@ pub struct Reliability {
     /// Where the MTBF comes from.
     pub mtbf_source: String,
     pub restart_s: f64,
+    pub checkpoint_fixed_s: f64,
     pub tiers: Vec<StorageTier>,
     /// Index into `tiers` of the tier that must hold a checkpoint.
     pub durable_tier: usize,
@@ -165,9 +166,11 @@ pub struct Efficiency {
     pub profile: String,
     /// Best achievable dense GEMM efficiency (fraction of peak) for large shapes.
     pub gemm_max: f64,
-    /// GEMM efficiency falls as max * 1/(1 + gemm_k0/k + gemm_mn0/min(m,n)).
+    /// GEMM efficiency = gemm_max / (1 + (gemm_flops0 / flops)^gemm_exp + gemm_k0 / k):
+    /// small GEMMs and short inner dimensions fall short of the large-GEMM rate.
+    pub gemm_flops0: f64,
+    pub gemm_exp: f64,
     pub gemm_k0: f64,
-    pub gemm_mn0: f64,
     /// FP8 GEMMs reach this fraction of the fp8 peak relative to what bf16 reaches of its peak.
     pub fp8_gemm_rel: f64,
     /// Attention-core (flash attention) efficiency, fraction of peak.
@@ -182,6 +185,7 @@ pub struct Efficiency {
     pub tp_overlap: f64,
     /// Share of the DP gradient reduce / param gather hidden behind compute.
     pub dp_overlap: f64,
-    /// Fixed per-micro-batch overhead (kernel launches, Python, scheduling), seconds.
-    pub microbatch_overhead_s: f64,
+    /// Fixed overhead per layer per micro-batch (kernel launches, host scheduling), seconds,
+    /// forward + backward.
+    pub layer_overhead_s: f64,
 }

@@ -84,8 +84,8 @@ pub struct MemoryBreakdown {
     pub hbm_bytes: f64,
     /// (hbm - total) / hbm.
     pub headroom: f64,
-    /// Which stage is the binding one ("first", "last", "only").
-    pub stage: String,
+    /// Pipeline stage (PP rank) with the largest footprint; the breakdown is that stage's.
+    pub stage: u32,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, JsonSchema)]
@@ -96,7 +96,7 @@ pub struct StepBreakdown {
     pub gemm_s: f64,
     pub attention_s: f64,
     pub elementwise_s: f64,
-    pub microbatch_overhead_s: f64,
+    pub overhead_s: f64,
     /// Exposed tensor-parallel collectives.
     pub tp_comm_s: f64,
     pub tp_comm_total_s: f64,

@@ -331,6 +331,8 @@ pub struct ReliabilitySpec {
     pub job_mtbf_hours: Option<f64>,
     /// Time from a failure to training again (detect, replace, reload), seconds.
     pub restart_s: Option<f64>,
+    /// Fixed stall per checkpoint besides moving bytes (barrier, planning, staging), seconds.
+    pub checkpoint_fixed_s: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord)]

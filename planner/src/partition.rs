@@ -1,0 +1,729 @@
+//! Pipeline stage partition.
+//!
+//! Assigns an ordered sequence of layer [`Item`]s (embedding, dense / MoE
+//! transformer layers, LM head, ...) to `stages` contiguous, non-empty pipeline
+//! stages, minimising the slowest stage's time subject to a per-GPU memory cap.
+//!
+//! Stage `j` (0-based) holds items `[starts[j], starts[j + 1])` and needs
+//!
+//! ```text
+//! time_j = Σ_i time_s_i
+//! mem_j  = Σ_i (static_bytes_i + inflight[j] * act_bytes_i)   <=  mem_cap_bytes
+//! ```
+//!
+//! where `inflight[j]` is the number of micro-batches whose activations stage
+//! `j` keeps alive (for 1F1B, `stages - j`). The number of stages is
+//! `inflight.len()`.
+//!
+//! Three solvers share one contract:
+//!
+//! * [`partition_lp`]: exact MILP solved with `good_lp` + `microlp`;
+//! * [`partition_dp`]: exact `O(stages · n²)` dynamic program over
+//!   (stage, prefix), the fast path;
+//! * [`partition_brute`]: enumeration of all `C(n-1, stages-1)` splits, for
+//!   tests and tiny inputs.
+//!
+//! # Canonical answer (determinism)
+//!
+//! Many splits can be optimal (e.g. runs of identical layers), so every
+//! function returns the same canonical one:
+//!
+//! 1. `T*` is the optimal max stage time. Stage sums are always evaluated the
+//!    same way (left-to-right `f64` fold over the stage's items), so the DP and
+//!    the enumeration obtain bit-identical `T*`. The MILP's optimum (which
+//!    carries solver tolerances) is snapped to the smallest such exactly
+//!    evaluated stage time that is feasible, which is the same `T*`.
+//! 2. The answer is the **lexicographically smallest `starts`** among the splits
+//!    that fit the memory cap and whose max stage time is
+//!    `<= T* + 1e-9 * |T*|` (a relative tolerance of 1e-9). For the LP and the
+//!    DP this is computed by a shared backward-feasibility DP plus a forward
+//!    greedy pass ([`canonical_split`]); the enumeration independently takes the
+//!    first such split in lexicographic order.
+//!
+//! The returned `stage_time_s`, `stage_mem_bytes` and `max_time_s` are the
+//! exact re-evaluation of the returned split.
+//!
+//! # Numerical inputs
+//!
+//! Inputs are expected to be finite. No function panics on other input: in
+//! the DP and the enumeration a stage whose time is not finite, or whose memory
+//! is NaN, never fits (so such inputs end in [`PartitionError::Infeasible`]);
+//! the LP rejects non-finite inputs with [`PartitionError::Solver`]. The
+//! memory check is exact (`mem <= cap`, no tolerance) in all three.
+
+use good_lp::{microlp, variable, Expression, ProblemVariables, Solution, SolverModel, Variable};
+use serde::{Deserialize, Serialize};
+
+/// One layer-like unit of the model, in pipeline order.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Item {
+    /// Compute time of this item per step (forward + backward), seconds.
+    pub time_s: f64,
+    /// Bytes that do not scale with in-flight micro-batches (weights, grads,
+    /// optimizer state share).
+    pub static_bytes: f64,
+    /// Activation bytes kept per in-flight micro-batch.
+    pub act_bytes: f64,
+}
+
+/// A contiguous split of the items into pipeline stages.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Partition {
+    /// stage_of_item boundaries: stage j holds items [starts[j], starts[j+1]) ; starts[0] == 0, len == stages
+    pub starts: Vec<usize>,
+    /// Per-stage time (sum of the items' `time_s`).
+    pub stage_time_s: Vec<f64>,
+    /// Per-stage memory (`Σ static_bytes + inflight[j] * act_bytes`).
+    pub stage_mem_bytes: Vec<f64>,
+    /// `max(stage_time_s)`.
+    pub max_time_s: f64,
+}
+
+/// Why no partition was returned.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PartitionError {
+    #[error("cannot split {items} items into {stages} non-empty stages")]
+    TooFewItems { items: usize, stages: usize },
+    #[error("no contiguous split into {stages} stages fits {cap_bytes} bytes per GPU")]
+    Infeasible { stages: usize, cap_bytes: f64 },
+    #[error("LP solver failed: {0}")]
+    Solver(String),
+}
+
+/// Relative tolerance on the optimal max stage time used to pick the canonical
+/// split (see the module docs).
+pub const TIME_REL_TOL: f64 = 1e-9;
+
+// ---------------------------------------------------------------------------
+// shared helpers
+// ---------------------------------------------------------------------------
+
+/// Memory contribution of one item on a stage with `inflight` micro-batches.
+#[inline]
+fn item_mem(it: &Item, inflight: f64) -> f64 {
+    it.static_bytes + inflight * it.act_bytes
+}
+
+/// Exact (time, mem) of a stage holding `items` on a stage with `inflight`
+/// micro-batches: left-to-right fold. Every solver evaluates stages with this
+/// exact summation order (incremental loops included), so results are
+/// bit-identical between solvers.
+fn eval_stage(items: &[Item], inflight: f64) -> (f64, f64) {
+    let mut t = 0.0;
+    let mut m = 0.0;
+    for it in items {
+        t += it.time_s;
+        m += item_mem(it, inflight);
+    }
+    (t, m)
+}
+
+/// A stage "fits" when its time is finite and its memory is within the cap.
+#[inline]
+fn fits(time: f64, mem: f64, cap: f64) -> bool {
+    time.is_finite() && mem <= cap
+}
+
+/// `T + 1e-9 * |T|`.
+#[inline]
+fn threshold(t: f64) -> f64 {
+    t + TIME_REL_TOL * t.abs()
+}
+
+fn check_sizes(items: &[Item], inflight: &[f64]) -> Result<usize, PartitionError> {
+    let stages = inflight.len();
+    if stages == 0 || items.len() < stages {
+        return Err(PartitionError::TooFewItems {
+            items: items.len(),
+            stages,
+        });
+    }
+    Ok(stages)
+}
+
+fn infeasible(stages: usize, cap: f64) -> PartitionError {
+    PartitionError::Infeasible {
+        stages,
+        cap_bytes: cap,
+    }
+}
+
+/// Evaluates a split given by its `starts` (assumed valid).
+fn build_partition(items: &[Item], inflight: &[f64], starts: Vec<usize>) -> Partition {
+    let n = items.len();
+    let mut stage_time_s = Vec::with_capacity(starts.len());
+    let mut stage_mem_bytes = Vec::with_capacity(starts.len());
+    for (j, &s) in starts.iter().enumerate() {
+        let e = starts.get(j + 1).copied().unwrap_or(n);
+        let (t, m) = eval_stage(&items[s..e], inflight[j]);
+        stage_time_s.push(t);
+        stage_mem_bytes.push(m);
+    }
+    let max_time_s = stage_time_s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    Partition {
+        starts,
+        stage_time_s,
+        stage_mem_bytes,
+        max_time_s,
+    }
+}
+
+/// Smallest `e` in `i+1..=e_max` such that stage `j` = items `[i, e)` fits the
+/// cap, has time `<= t_max`, and `next[e]` holds.
+fn first_end(
+    items: &[Item],
+    infl: f64,
+    cap: f64,
+    t_max: f64,
+    i: usize,
+    e_max: usize,
+    next: &[bool],
+) -> Option<usize> {
+    let (mut t, mut m) = (0.0, 0.0);
+    for e in i + 1..=e_max {
+        let it = &items[e - 1];
+        t += it.time_s;
+        m += item_mem(it, infl);
+        if next[e] && fits(t, m, cap) && t <= t_max {
+            return Some(e);
+        }
+    }
+    None
+}
+
+/// Lexicographically smallest `starts` such that every stage fits the memory
+/// cap and has time `<= t_max`; `None` if no such split exists.
+///
+/// Backward pass: `ok[j][i]` = items `[i, n)` can fill stages `j..stages`.
+/// Forward greedy: each stage ends at the smallest position from which the
+/// rest is still feasible. `O(stages · n²)` time, `O(stages · n)` memory.
+fn canonical_split(items: &[Item], inflight: &[f64], cap: f64, t_max: f64) -> Option<Vec<usize>> {
+    let n = items.len();
+    let stages = inflight.len();
+    let mut ok = vec![vec![false; n + 1]; stages + 1];
+    ok[stages][n] = true;
+    for j in (0..stages).rev() {
+        let (head, tail) = ok.split_at_mut(j + 1);
+        let next = &tail[0];
+        let e_max = n - (stages - j - 1);
+        // stage j may start at i in [j, n - (stages - j)]
+        for i in j..=n - (stages - j) {
+            head[j][i] = first_end(items, inflight[j], cap, t_max, i, e_max, next).is_some();
+        }
+    }
+    if !ok[0][0] {
+        return None;
+    }
+    let mut starts = Vec::with_capacity(stages);
+    let mut i = 0;
+    for j in 0..stages {
+        starts.push(i);
+        let e_max = n - (stages - j - 1);
+        i = first_end(items, inflight[j], cap, t_max, i, e_max, &ok[j + 1])?;
+    }
+    Some(starts)
+}
+
+/// Canonicalises for optimal time `t_star` (see module docs).
+fn canonical_partition(
+    items: &[Item],
+    inflight: &[f64],
+    cap: f64,
+    t_star: f64,
+) -> Option<Partition> {
+    let starts = canonical_split(items, inflight, cap, threshold(t_star))?;
+    Some(build_partition(items, inflight, starts))
+}
+
+// ---------------------------------------------------------------------------
+// dynamic program
+// ---------------------------------------------------------------------------
+
+/// Exact dynamic program over (prefix, stage); used as a fast path and as a
+/// cross-check. Same contract as [`partition_lp`].
+///
+/// `best[j][e]` = smallest achievable max stage time when items `[0, e)` fill
+/// stages `0..=j`, each fitting the cap; `O(stages · n²)`. The optimum `T*`
+/// is then canonicalised: the lexicographically smallest `starts` whose max
+/// stage time is `<= T* (1 + 1e-9)` is returned (see the module docs), so the
+/// result is identical to [`partition_lp`] and [`partition_brute`].
+pub fn partition_dp(
+    items: &[Item],
+    inflight: &[f64],
+    mem_cap_bytes: f64,
+) -> Result<Partition, PartitionError> {
+    let stages = check_sizes(items, inflight)?;
+    let n = items.len();
+    let cap = mem_cap_bytes;
+    // prev[i] = best max time for items [0, i) into stages 0..j (None = impossible)
+    let mut prev: Vec<Option<f64>> = vec![None; n + 1];
+    prev[0] = Some(f64::NEG_INFINITY);
+    for (j, &infl) in inflight.iter().enumerate() {
+        let mut cur: Vec<Option<f64>> = vec![None; n + 1];
+        // stage j starts at i in [j, n - (stages - j)], ends at e in (i, n - (stages - j - 1)]
+        let e_max = n - (stages - j - 1);
+        for i in j..=n - (stages - j) {
+            let Some(before) = prev[i] else { continue };
+            let (mut t, mut m) = (0.0, 0.0);
+            for e in i + 1..=e_max {
+                let it = &items[e - 1];
+                t += it.time_s;
+                m += item_mem(it, infl);
+                if !fits(t, m, cap) {
+                    continue;
+                }
+                let cand = before.max(t);
+                match cur[e] {
+                    Some(old) if old <= cand => {}
+                    _ => cur[e] = Some(cand),
+                }
+            }
+        }
+        prev = cur;
+    }
+    let t_star = prev[n].ok_or_else(|| infeasible(stages, cap))?;
+    canonical_partition(items, inflight, cap, t_star).ok_or_else(|| infeasible(stages, cap))
+}
+
+// ---------------------------------------------------------------------------
+// brute force
+// ---------------------------------------------------------------------------
+
+/// Calls `f(starts)` for every split of `n` items into `stages` non-empty
+/// contiguous stages, in lexicographic order of `starts`; stops early when `f`
+/// returns `true`.
+fn for_each_split(n: usize, stages: usize, mut f: impl FnMut(&[usize]) -> bool) {
+    debug_assert!(stages >= 1 && n >= stages);
+    let mut starts: Vec<usize> = (0..stages).collect();
+    loop {
+        if f(&starts) {
+            return;
+        }
+        // advance: rightmost index k >= 1 that can still move right
+        let mut k = stages - 1;
+        loop {
+            if k == 0 {
+                return;
+            }
+            // starts[k] can be at most n - (stages - k)
+            if starts[k] < n - (stages - k) {
+                break;
+            }
+            k -= 1;
+        }
+        starts[k] += 1;
+        for idx in k + 1..stages {
+            starts[idx] = starts[idx - 1] + 1;
+        }
+    }
+}
+
+/// Max stage time of a split if every stage fits, else `None`.
+fn split_max_time(items: &[Item], inflight: &[f64], cap: f64, starts: &[usize]) -> Option<f64> {
+    let n = items.len();
+    let mut worst = f64::NEG_INFINITY;
+    for (j, &s) in starts.iter().enumerate() {
+        let e = starts.get(j + 1).copied().unwrap_or(n);
+        let (t, m) = eval_stage(&items[s..e], inflight[j]);
+        if !fits(t, m, cap) {
+            return None;
+        }
+        worst = worst.max(t);
+    }
+    Some(worst)
+}
+
+/// Exhaustive enumeration of all `C(n-1, stages-1)` splits; only for tests /
+/// tiny inputs (panic-free; returns the same errors as [`partition_dp`]).
+///
+/// First pass finds the optimal `T*`; the second returns the first split, in
+/// lexicographic order of `starts`, that fits and whose max stage time is
+/// `<= T* (1 + 1e-9)` (the canonical answer of the module docs).
+pub fn partition_brute(
+    items: &[Item],
+    inflight: &[f64],
+    mem_cap_bytes: f64,
+) -> Result<Partition, PartitionError> {
+    let stages = check_sizes(items, inflight)?;
+    let n = items.len();
+    let cap = mem_cap_bytes;
+    let mut best: Option<f64> = None;
+    for_each_split(n, stages, |s| {
+        if let Some(t) = split_max_time(items, inflight, cap, s) {
+            match best {
+                Some(b) if b <= t => {}
+                _ => best = Some(t),
+            }
+        }
+        false
+    });
+    let t_star = best.ok_or_else(|| infeasible(stages, cap))?;
+    let thr = threshold(t_star);
+    let mut chosen: Option<Vec<usize>> = None;
+    for_each_split(n, stages, |s| {
+        match split_max_time(items, inflight, cap, s) {
+            Some(t) if t <= thr => {
+                chosen = Some(s.to_vec());
+                true
+            }
+            _ => false,
+        }
+    });
+    let starts = chosen.ok_or_else(|| infeasible(stages, cap))?;
+    Ok(build_partition(items, inflight, starts))
+}
+
+// ---------------------------------------------------------------------------
+// MILP
+// ---------------------------------------------------------------------------
+
+/// Normalised coefficients with magnitude below this are dropped from the
+/// MILP (only where dropping relaxes the model). microlp's LU factorisation
+/// reports "Singular matrix" on rows mixing O(1) entries with ~1e-8..1e-10
+/// ones; the exact snap after the solve restores exactness.
+const DROP_BELOW: f64 = 1e-6;
+
+/// Absolute slack (in normalised units) on the MILP objective bound and on the
+/// memory rows, covering microlp's feasibility / optimality tolerances.
+const LP_SLACK: f64 = 1e-7;
+
+/// A maximal run of consecutive identical items.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    item: Item,
+    start: usize,
+    len: usize,
+}
+
+fn runs_of(items: &[Item]) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for (i, it) in items.iter().enumerate() {
+        match runs.last_mut() {
+            Some(r) if r.item == *it => r.len += 1,
+            _ => runs.push(Run {
+                item: *it,
+                start: i,
+                len: 1,
+            }),
+        }
+    }
+    runs
+}
+
+/// A model quantity that is either fixed by presolve or a solver variable.
+#[derive(Clone, Copy, Debug)]
+enum Term {
+    Const(f64),
+    Var(Variable),
+}
+
+/// Linear expression builder that keeps constants apart and remembers whether
+/// it holds any variable.
+struct Lin {
+    expr: Expression,
+    constant: f64,
+    has_var: bool,
+}
+
+impl Lin {
+    fn new() -> Self {
+        Lin {
+            expr: Expression::default(),
+            constant: 0.0,
+            has_var: false,
+        }
+    }
+    fn add(&mut self, coef: f64, t: Term) {
+        match t {
+            Term::Const(c) => self.constant += coef * c,
+            Term::Var(v) => {
+                if coef != 0.0 {
+                    self.expr.add_mul(coef, v);
+                    self.has_var = true;
+                }
+            }
+        }
+    }
+}
+
+/// Adds `lin <= rhs`; a constant-only row is checked instead (`false` = violated).
+fn add_leq<M: SolverModel>(model: &mut M, lin: Lin, rhs: f64) -> bool {
+    let rhs = rhs - lin.constant;
+    if lin.has_var {
+        model.add_constraint(lin.expr.leq(rhs));
+        true
+    } else {
+        0.0 <= rhs
+    }
+}
+
+/// Exact MILP with good_lp (microlp backend).
+///
+/// **Formulation** (incremental "filling order" model over runs). Consecutive
+/// identical items are aggregated into runs `r` of `c_r` items with per-item
+/// time `t_r` and memory `m_rj = s_r + inflight[j] a_r`. For each stage end
+/// `j` and run `r`, the integer `d[j][r] ∈ [0, c_r]` counts the items of run `r`
+/// in stages `<= j` (`d[-1][r] = 0`, `d[stages-1][r] = c_r`). Runs fill in
+/// order, enforced with binaries `w[j][r]` ("run `r` is complete at the end of
+/// stage `j`"): `d[j][r] >= c_r w[j][r]` and `d[j][r+1] <= c_{r+1} w[j][r]`.
+/// With `x[j][r] = d[j][r] - d[j-1][r]` (items of run `r` in stage `j`):
+///
+/// ```text
+/// minimise z  subject to, for every stage j:
+///   Σ_r t_r  x[j][r] <= z           (slowest stage)
+///   Σ_r m_rj x[j][r] <= cap         (memory)
+///   Σ_r      x[j][r] >= 1           (non-empty)
+///   x[j][r] >= 0,  w[j-1][r] <= w[j][r]   (monotone; tightening)
+/// ```
+///
+/// Presolve fixes the range of each stage end (`k_j ∈ [j+1, n-stages+j+1]`)
+/// and with it many `d` / `w`; a 65-item model with 4 runs and 16 stages has
+/// ~100 integer variables. Times are scaled by the largest item time and bytes
+/// by the cap; when times are non-negative `z >= max item time` and
+/// `z >= Σt / stages` are added. Coefficients that are negligible after scaling
+/// (`< 1e-6`) are dropped where that relaxes the model, and the memory rows get
+/// a `1e-7` slack: the MILP is thus a (very slightly) relaxed model, and its
+/// optimum `z*` a lower bound on the true `T*`.
+///
+/// **Exact snap + canonical split.** The MILP only determines the optimum.
+/// `T*` is then the smallest achievable stage time (a left-to-right sum over a
+/// contiguous item range) that is `>= z* - 1e-7·scale` and admits a split
+/// fitting the exact cap with every stage `<= T*` (checked by the greedy/DP
+/// feasibility pass below; normally the first candidate tried). Finally the
+/// returned split is the lexicographically smallest `starts` that fits the cap
+/// with max stage time `<= T* (1 + 1e-9)`, the same canonical answer as
+/// [`partition_dp`] and [`partition_brute`], so all three return identical
+/// `starts`.
+///
+/// Errors: [`PartitionError::TooFewItems`], [`PartitionError::Infeasible`] (the
+/// MILP, or the exact check after it, proves it), and [`PartitionError::Solver`]
+/// for non-finite inputs, solver failures (a panic inside the solver is caught
+/// and reported), or a MILP bound that contradicts the exact check.
+pub fn partition_lp(
+    items: &[Item],
+    inflight: &[f64],
+    mem_cap_bytes: f64,
+) -> Result<Partition, PartitionError> {
+    check_sizes(items, inflight)?;
+    let cap = mem_cap_bytes;
+    let finite = cap.is_finite()
+        && inflight.iter().all(|x| x.is_finite())
+        && items.iter().all(|it| {
+            it.time_s.is_finite() && it.static_bytes.is_finite() && it.act_bytes.is_finite()
+        });
+    if !finite {
+        return Err(PartitionError::Solver(
+            "non-finite input (time, bytes, inflight or cap)".into(),
+        ));
+    }
+    let lower = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        solve_milp(items, inflight, cap)
+    }))
+    .map_err(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".into());
+        PartitionError::Solver(format!("solver panicked: {msg}"))
+    })??;
+    let t_star = snap_optimum(items, inflight, cap, lower)?;
+    canonical_partition(items, inflight, cap, t_star).ok_or_else(|| {
+        PartitionError::Solver("canonicalisation found no split at the snapped optimum".into())
+    })
+}
+
+/// Smallest achievable stage time `>= lower` for which a fitting split with
+/// all stages `<= it` exists (galloping search over the sorted candidates; the
+/// feasibility test is monotone in the time bound).
+fn snap_optimum(
+    items: &[Item],
+    inflight: &[f64],
+    cap: f64,
+    lower: f64,
+) -> Result<f64, PartitionError> {
+    let n = items.len();
+    let stages = inflight.len();
+    // every stage has at most n - stages + 1 items
+    let max_len = n - stages + 1;
+    let mut cand: Vec<f64> = Vec::new();
+    for i in 0..n {
+        let mut t = 0.0;
+        for it in &items[i..n.min(i + max_len)] {
+            t += it.time_s;
+            if t >= lower {
+                cand.push(t);
+            }
+        }
+    }
+    cand.sort_by(f64::total_cmp);
+    cand.dedup();
+    let feasible = |t: f64| canonical_split(items, inflight, cap, t).is_some();
+    let Some(&last) = cand.last() else {
+        return Err(infeasible(stages, cap));
+    };
+    if !feasible(last) {
+        // Nothing at or above the MILP bound fits. Either the instance is
+        // infeasible (consistent with the relaxed MILP being feasible only by
+        // tolerance) or the bound was wrong.
+        return if feasible(f64::INFINITY) {
+            Err(PartitionError::Solver(
+                "MILP lower bound exceeds every feasible split (solver tolerance)".into(),
+            ))
+        } else {
+            Err(infeasible(stages, cap))
+        };
+    }
+    // gallop: find hi with feasible(cand[hi]), lo = last index known infeasible (+1)
+    let mut lo = 0usize; // first index not known infeasible
+    let mut step = 1usize;
+    let mut hi = loop {
+        let probe = (lo + step - 1).min(cand.len() - 1);
+        if feasible(cand[probe]) {
+            break probe;
+        }
+        lo = probe + 1;
+        step *= 2;
+    };
+    // binary search in [lo, hi]
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if feasible(cand[mid]) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok(cand[hi])
+}
+
+/// Builds and solves the (slightly relaxed) MILP; returns its optimum `z*`
+/// minus the tolerance slack, in seconds: a lower bound on the optimal max
+/// stage time. `Err(Infeasible)` when the relaxed model is infeasible.
+fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, PartitionError> {
+    let n = items.len();
+    let stages = inflight.len();
+    let runs = runs_of(items);
+    let nr = runs.len();
+
+    // scaling
+    let t_scale = items.iter().map(|it| it.time_s.abs()).fold(0.0, f64::max);
+    let t_scale = if t_scale > 0.0 { t_scale } else { 1.0 };
+    let max_infl = inflight.iter().map(|x| x.abs()).fold(0.0, f64::max);
+    let item_mem_max = items
+        .iter()
+        .map(|it| it.static_bytes.abs() + max_infl * it.act_bytes.abs())
+        .fold(0.0, f64::max);
+    let m_scale = cap.abs().max(item_mem_max);
+    let m_scale = if m_scale > 0.0 { m_scale } else { 1.0 };
+    // drop tiny positive coefficients (a relaxation), keep everything else
+    let relax = |c: f64| if c > 0.0 && c < DROP_BELOW { 0.0 } else { c };
+
+    let mut vars = ProblemVariables::new();
+    let mut z_def = variable();
+    if items.iter().all(|it| it.time_s >= 0.0) {
+        let tmax = items.iter().map(|it| relax(it.time_s / t_scale)).fold(0.0, f64::max);
+        let tavg = items.iter().map(|it| relax(it.time_s / t_scale)).sum::<f64>() / stages as f64;
+        z_def = z_def.min(tmax.max(tavg) - LP_SLACK);
+    }
+    let z = vars.add(z_def);
+
+    // d[j][r]: items of run r in stages <= j ; w[j][r]: run r complete at end of stage j
+    let mut d: Vec<Vec<Term>> = Vec::with_capacity(stages);
+    let mut w: Vec<Vec<Term>> = Vec::with_capacity(stages);
+    for j in 0..stages {
+        let (k_lo, k_hi) = if j + 1 == stages {
+            (n, n)
+        } else {
+            (j + 1, n - stages + j + 1)
+        };
+        let mut dj = Vec::with_capacity(nr);
+        let mut bounds = Vec::with_capacity(nr);
+        for r in &runs {
+            let lo = k_lo.saturating_sub(r.start).min(r.len);
+            let hi = k_hi.saturating_sub(r.start).min(r.len);
+            bounds.push((lo, hi));
+            dj.push(if lo == hi {
+                Term::Const(lo as f64)
+            } else {
+                Term::Var(vars.add(variable().integer().min(lo as f64).max(hi as f64)))
+            });
+        }
+        let mut wj = Vec::with_capacity(nr.saturating_sub(1));
+        for r in 0..nr.saturating_sub(1) {
+            wj.push(if bounds[r + 1].0 > 0 {
+                Term::Const(1.0) // the next run has started: this one is complete
+            } else if bounds[r].1 < runs[r].len {
+                Term::Const(0.0) // this run cannot be complete yet
+            } else {
+                Term::Var(vars.add(variable().binary()))
+            });
+        }
+        d.push(dj);
+        w.push(wj);
+    }
+
+    let mut model = vars.minimise(z).using(microlp);
+    let mut consistent = true;
+
+    for j in 0..stages {
+        for r in 0..nr.saturating_sub(1) {
+            // c_r w[j][r] - d[j][r] <= 0
+            let mut a = Lin::new();
+            a.add(runs[r].len as f64, w[j][r]);
+            a.add(-1.0, d[j][r]);
+            consistent &= add_leq(&mut model, a, 0.0);
+            // d[j][r+1] - c_{r+1} w[j][r] <= 0
+            let mut b = Lin::new();
+            b.add(1.0, d[j][r + 1]);
+            b.add(-(runs[r + 1].len as f64), w[j][r]);
+            consistent &= add_leq(&mut model, b, 0.0);
+            if j > 0 {
+                // w[j-1][r] - w[j][r] <= 0
+                let mut c = Lin::new();
+                c.add(1.0, w[j - 1][r]);
+                c.add(-1.0, w[j][r]);
+                consistent &= add_leq(&mut model, c, 0.0);
+            }
+        }
+    }
+
+    for j in 0..stages {
+        let mut time = Lin::new();
+        let mut mem = Lin::new();
+        let mut count = Lin::new();
+        for (r, run) in runs.iter().enumerate() {
+            let t = relax(run.item.time_s / t_scale);
+            let m = relax(item_mem(&run.item, inflight[j]) / m_scale);
+            // x[j][r] = d[j][r] - d[j-1][r]
+            let add_x = |lin: &mut Lin, coef: f64| {
+                lin.add(coef, d[j][r]);
+                if j > 0 {
+                    lin.add(-coef, d[j - 1][r]);
+                }
+            };
+            if j > 0 {
+                // -x <= 0
+                let mut mono = Lin::new();
+                add_x(&mut mono, -1.0);
+                consistent &= add_leq(&mut model, mono, 0.0);
+            }
+            add_x(&mut time, t);
+            add_x(&mut mem, m);
+            add_x(&mut count, -1.0);
+        }
+        time.add(-1.0, Term::Var(z));
+        consistent &= add_leq(&mut model, time, 0.0);
+        consistent &= add_leq(&mut model, mem, cap / m_scale + LP_SLACK);
+        consistent &= add_leq(&mut model, count, -1.0);
+    }
+    if !consistent {
+        return Err(infeasible(stages, cap));
+    }
+
+    match model.solve() {
+        Ok(sol) => Ok((sol.value(z) - LP_SLACK) * t_scale),
+        Err(good_lp::ResolutionError::Infeasible) => Err(infeasible(stages, cap)),
+        Err(e) => Err(PartitionError::Solver(e.to_string())),
+    }
+}

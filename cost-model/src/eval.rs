@@ -1,0 +1,676 @@
+//! Evaluate one layout: memory per GPU, step time, throughput, MFU, goodput.
+//!
+//! Split in two phases so the planner's inner loop stays cheap:
+//! [`LayerCosts::new`] depends only on (tp, cp, ep, micro_batch, sequence parallel,
+//! recompute); [`evaluate`] adds pp, vpp, dp, ZeRO stage, schedule and the stage split.
+//!
+//! Step time (per optimizer step, slowest pipeline rank):
+//! `m * t_mb + bubble + p2p + dp_exposed + optimizer`, where `t_mb` is forward + backward
+//! (+ recompute) of one micro-batch on the rank: GEMMs at a shape-dependent efficiency,
+//! the attention core at the flash-attention efficiency, memory-bound elementwise traffic at
+//! HBM bandwidth, a per-layer launch overhead, and the exposed share of TP, CP and EP
+//! communication. Bubble = `(sum of rank times - slowest) / v` (= `(p-1)/v * t_mb` for
+//! balanced stages). Collectives run on the fabric their group crosses (see `group_link`).
+
+use crate::collective::{all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s};
+use crate::flops;
+use crate::memory;
+use crate::reliability;
+use shardwright_ir::job::{Efficiency, Job};
+use shardwright_ir::layout::Layout;
+use shardwright_ir::plan::{Estimate, MemoryBreakdown, ReliabilityEstimate, StepBreakdown};
+use shardwright_ir::spec::{Recompute, Schedule};
+
+/// Time pieces of one layer for one micro-batch (forward + backward + recompute), seconds.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LayerTime {
+    pub gemm: f64,
+    pub attn: f64,
+    pub elementwise: f64,
+    pub overhead: f64,
+    pub tp_total: f64,
+    pub tp_exposed: f64,
+    pub cp_exposed: f64,
+    pub ep: f64,
+}
+
+impl LayerTime {
+    pub fn total(&self) -> f64 {
+        self.gemm + self.attn + self.elementwise + self.overhead + self.tp_exposed + self.cp_exposed + self.ep
+    }
+    fn add_scaled(&mut self, o: &LayerTime, k: f64) {
+        self.gemm += o.gemm * k;
+        self.attn += o.attn * k;
+        self.elementwise += o.elementwise * k;
+        self.overhead += o.overhead * k;
+        self.tp_total += o.tp_total * k;
+        self.tp_exposed += o.tp_exposed * k;
+        self.cp_exposed += o.cp_exposed * k;
+        self.ep += o.ep * k;
+    }
+}
+
+/// Which link a group of ranks uses: `(bus GB/s, latency s, crosses nodes, ranks per node)`.
+/// Ranks of the group are `base + i * stride`, i < size; nodes hold `gpn` consecutive ranks.
+pub fn group_link(job: &Job, stride: u64, size: u64) -> (f64, f64, bool, u64) {
+    let gpn = job.cluster.gpus_per_node as u64;
+    let hw = &job.hardware;
+    let eff = &job.efficiency;
+    let nvl = hw.nvlink_gbps * eff.nvlink_bus_eff;
+    if size <= 1 {
+        return (nvl, hw.nvlink_latency_s, false, 1);
+    }
+    let span = stride * size;
+    if span <= gpn && gpn % span == 0 {
+        return (nvl, hw.nvlink_latency_s, false, size);
+    }
+    // Ranks of one group inside one node.
+    let per_node = if stride >= gpn { 1 } else { (gpn / stride).min(size).max(1) };
+    // NCCL runs one ring per NIC: a node's `per_node` group members drive `per_node` NICs.
+    let ib = hw.inter_node_gbps * eff.inter_node_bus_eff * per_node as f64;
+    (ib.min(nvl), hw.inter_node_latency_s, true, per_node)
+}
+
+/// GEMM efficiency at shape (m x k) @ (k x n).
+pub fn gemm_eff(e: &Efficiency, m: f64, n: f64, k: f64) -> f64 {
+    let fl = 2.0 * m * n * k;
+    if fl <= 0.0 {
+        return e.gemm_max;
+    }
+    e.gemm_max / (1.0 + (e.gemm_flops0 / fl).powf(e.gemm_exp) + e.gemm_k0 / k.max(1.0))
+}
+
+/// Per-layer quantities for fixed (tp, cp, ep, micro_batch, sp, recompute).
+#[derive(Clone, Copy, Debug)]
+pub struct LayerCosts {
+    pub tp: u32,
+    pub cp: u32,
+    pub ep: u32,
+    pub micro_batch: u32,
+    pub sp: bool,
+    pub recompute: Recompute,
+    pub dense: LayerTime,
+    pub moe: LayerTime,
+    /// LM head + loss, per micro-batch.
+    pub head: LayerTime,
+    pub dense_act_bytes: f64,
+    pub moe_act_bytes: f64,
+    /// Largest one-layer working set while recomputing (full recompute only).
+    pub recompute_work_bytes: f64,
+    pub logits_bytes: f64,
+    /// Parameters per GPU (after TP / EP split).
+    pub dense_layer_params: f64,
+    pub moe_layer_dense_params: f64,
+    pub moe_layer_expert_params: f64,
+    pub embed_params: f64,
+    pub head_params: f64,
+    /// One pipeline send per micro-batch boundary.
+    pub p2p_bytes: f64,
+    /// Tokens per micro-batch on one GPU (b s / cp).
+    pub tokens: f64,
+}
+
+struct Gemms {
+    time: f64,
+}
+
+impl Gemms {
+    fn new() -> Self {
+        Gemms { time: 0.0 }
+    }
+    /// Forward GEMM (m x k) @ (k x n); backward costs twice the forward at the same rate.
+    fn add(&mut self, job: &Job, peak: f64, m: f64, n: f64, k: f64) {
+        if m <= 0.0 || n <= 0.0 || k <= 0.0 {
+            return;
+        }
+        let eff = gemm_eff(&job.efficiency, m, n, k);
+        self.time += 2.0 * m * n * k / (peak * eff);
+    }
+}
+
+impl LayerCosts {
+    pub fn new(job: &Job, tp: u32, cp: u32, ep: u32, micro_batch: u32, sp: bool, rc: Recompute) -> LayerCosts {
+        let m = &job.model;
+        let e = &job.efficiency;
+        let hw = &job.hardware;
+        let t = tp as f64;
+        let h = m.hidden_size as f64;
+        let s = m.seq_len as f64;
+        let tokens = micro_batch as f64 * s / cp as f64;
+        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+        let gemm_peak = if job.training.fp8_gemms {
+            hw.peak_fp8_flops * e.fp8_gemm_rel
+        } else {
+            hw.peak_bf16_flops
+        };
+        let seq_div = if sp { t } else { 1.0 };
+        let mats = m.ffn_activation.mlp_matrices();
+        // passes: forward, backward (2x forward), recompute forward
+        let fwd_passes = if rc == Recompute::Full { 2.0 } else { 1.0 };
+        let gemm_passes = fwd_passes + 2.0;
+
+        // ---- attention block (shared by dense and MoE layers) ----
+        let mut attn_g = Gemms::new();
+        attn_g.add(job, gemm_peak, tokens, (qd + 2.0 * kvd) / t, h);
+        attn_g.add(job, gemm_peak, tokens, h, qd / t);
+        // Attention core: forward flops per GPU; flash backward does 2.5x the forward work.
+        let core_fwd = tokens * flops::attention_fwd_flops_per_token(m) / t;
+        let attn_rate = hw.peak_bf16_flops * e.attn_eff;
+        let core_passes = match rc {
+            Recompute::None => 1.0 + 2.5,
+            Recompute::Selective | Recompute::Full => 2.0 + 2.5,
+        };
+        let attn_core = core_fwd * core_passes / attn_rate;
+        // Elementwise traffic per forward: norms/residual/rotary on h (sharded with SP),
+        // activation function on the MLP width.
+        let hbm = hw.hbm_gbps * 1e9;
+        let ew_h = e.elementwise_bytes_per_h * 2.0 * tokens * h / seq_div;
+
+        // TP collectives: 2 per layer forward (all-reduce, or AG + RS with SP: same volume),
+        // 2 backward, 2 more when the forward is recomputed.
+        let (tp_gbps, tp_lat, _, _) = group_link(job, 1, tp as u64);
+        let tp_msg = tokens * h * 2.0;
+        let tp_one = if sp {
+            all_gather_s(tp_msg, tp as u64, tp_gbps, tp_lat) + reduce_scatter_s(tp_msg, tp as u64, tp_gbps, tp_lat)
+        } else {
+            all_reduce_s(tp_msg, tp as u64, tp_gbps, tp_lat)
+        };
+        // tp_one covers one collective; a layer has 2 per pass.
+        let tp_total = 2.0 * tp_one * (fwd_passes + 1.0);
+        let tp_exposed = tp_total * (1.0 - e.tp_overlap);
+
+        // CP ring attention: (c-1) K/V chunk passes forward, twice that backward (K, V and
+        // dK, dV), overlapped with the attention core of the same pass.
+        let cp_exposed = if cp > 1 {
+            let (cp_gbps, cp_lat, _, _) = group_link(job, tp as u64, cp as u64);
+            let kv_heads_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
+            let chunk = 2.0 * tokens * kv_heads_local * 2.0;
+            let fwd = (cp as f64 - 1.0) * send_s(chunk, cp_gbps, cp_lat);
+            let core_fwd_t = core_fwd / attn_rate;
+            let exp_f = (fwd - core_fwd_t).max(0.0);
+            let exp_b = (2.0 * fwd - 2.5 * core_fwd_t).max(0.0);
+            exp_f * fwd_passes + exp_b
+        } else {
+            0.0
+        };
+
+        let make = |mlp_gemm: f64, mlp_width_local: f64, ep_time: f64| -> LayerTime {
+            let ew_f = e.elementwise_bytes_per_h / 2.0 * 2.0 * tokens * mlp_width_local;
+            let ew_total = (ew_h + ew_f) / hbm * (fwd_passes + 2.0);
+            LayerTime {
+                gemm: (attn_g.time + mlp_gemm) * gemm_passes,
+                attn: attn_core,
+                elementwise: ew_total,
+                overhead: e.layer_overhead_s,
+                tp_total,
+                tp_exposed,
+                cp_exposed,
+                ep: ep_time,
+            }
+        };
+
+        // ---- dense MLP ----
+        let f = m.ffn_hidden_size as f64;
+        let mut mlp_g = Gemms::new();
+        mlp_g.add(job, gemm_peak, tokens, (mats - 1.0) * f / t, h);
+        mlp_g.add(job, gemm_peak, tokens, h, f / t);
+        let dense = make(mlp_g.time, (mats - 1.0) * f / t, 0.0);
+
+        // ---- MoE MLP ----
+        let (moe_t, moe_expert_params, moe_dense_params) = if let Some(moe) = &m.moe {
+            let k = moe.top_k as f64;
+            let fe = moe.expert_ffn_hidden_size as f64;
+            let fs = moe.shared_expert_ffn_hidden_size as f64;
+            let experts_local = moe.num_experts as f64 / ep as f64;
+            // Each rank processes on average tokens*k routed copies spread over its experts.
+            let per_expert = tokens * k / experts_local;
+            let mut g = Gemms::new();
+            g.add(job, gemm_peak, tokens, moe.num_experts as f64, h); // router
+            let mut eg = Gemms::new();
+            eg.add(job, gemm_peak, per_expert, (mats - 1.0) * fe / t, h);
+            eg.add(job, gemm_peak, per_expert, h, fe / t);
+            let expert_time = eg.time * experts_local;
+            let mut sg = Gemms::new();
+            if moe.num_shared_experts > 0 {
+                sg.add(job, gemm_peak, tokens, (mats - 1.0) * fs / t * moe.num_shared_experts as f64, h);
+                sg.add(job, gemm_peak, tokens, h, fs / t * moe.num_shared_experts as f64);
+            }
+            // EP all-to-all: dispatch + combine per pass, each rank sending tokens*k*h*2 bytes.
+            let ep_time = if ep > 1 {
+                let stride = tp as u64 * cp as u64;
+                let (_, lat, _, per_node) = group_link(job, stride, ep as u64);
+                let intra = hw.nvlink_gbps * e.nvlink_bus_eff;
+                let inter = hw.inter_node_gbps * e.inter_node_bus_eff;
+                let msg = tokens * k * h * 2.0 / seq_div;
+                2.0 * all_to_all_s(msg, ep as u64, per_node, intra, inter, lat) * (fwd_passes + 1.0)
+            } else {
+                0.0
+            };
+            let width = (mats - 1.0) * (fe * k + fs * moe.num_shared_experts as f64) / t;
+            let lt = make(g.time + expert_time + sg.time, width, ep_time);
+            let (_, routed_total, _, _) = flops::moe_mlp_params(m);
+            (lt, routed_total / (t * ep as f64), flops::moe_layer_dense_params(m) / t)
+        } else {
+            (LayerTime::default(), 0.0, 0.0)
+        };
+
+        // ---- LM head + cross entropy ----
+        let v = m.vocab_size as f64;
+        let mut hg = Gemms::new();
+        hg.add(job, gemm_peak, tokens, v / t, h);
+        let head = LayerTime {
+            gemm: hg.time * 3.0,
+            attn: 0.0,
+            // logits written, softmax read/write, grad written (fp32).
+            elementwise: 4.0 * 4.0 * tokens * v / t / hbm,
+            overhead: e.layer_overhead_s,
+            tp_total: 0.0,
+            tp_exposed: 0.0,
+            cp_exposed: 0.0,
+            ep: 0.0,
+        };
+
+        let dense_act = memory::dense_layer_activation_bytes(m, tokens, t, sp, rc);
+        let moe_act = if m.is_moe() {
+            memory::moe_layer_activation_bytes(m, tokens, t, sp, rc)
+        } else {
+            0.0
+        };
+        let work = if rc == Recompute::Full {
+            let full_dense = memory::dense_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective);
+            let full_moe = if m.is_moe() {
+                memory::moe_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective)
+            } else {
+                0.0
+            };
+            if m.dense_layers() > 0 { full_dense.max(full_moe) } else { full_moe }
+        } else {
+            0.0
+        };
+        let head_params = flops::head_params(m) / t + if m.tied_embeddings { v * h / t } else { 0.0 };
+        LayerCosts {
+            tp,
+            cp,
+            ep,
+            micro_batch,
+            sp,
+            recompute: rc,
+            dense,
+            moe: moe_t,
+            head,
+            dense_act_bytes: dense_act,
+            moe_act_bytes: moe_act,
+            recompute_work_bytes: work,
+            // fp32 logits and their gradient for one micro-batch, vocab split over TP.
+            logits_bytes: 8.0 * tokens * v / t,
+            dense_layer_params: flops::dense_layer_params(m) / t,
+            moe_layer_dense_params: moe_dense_params,
+            moe_layer_expert_params: moe_expert_params,
+            embed_params: flops::embedding_params(m) / t,
+            head_params,
+            p2p_bytes: tokens * h * 2.0 / seq_div,
+            tokens,
+        }
+    }
+}
+
+/// Layers held by one pipeline rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RankLoad {
+    pub dense_layers: u32,
+    pub moe_layers: u32,
+    pub embedding: bool,
+    pub head: bool,
+}
+
+/// How layers are assigned to pipeline ranks.
+pub enum Split<'a> {
+    /// As even as possible; extra layers go to the middle ranks first. With vpp > 1 the
+    /// layer count must divide evenly (Megatron's rule).
+    Balanced,
+    /// Layers per rank, in order (embedding on rank 0, head on the last rank).
+    Explicit(&'a [u32]),
+}
+
+/// Number of layers on rank `j` of `p` under the balanced split.
+pub fn balanced_layers(layers: u32, p: u32, j: u32) -> u32 {
+    let base = layers / p;
+    let extra = layers % p;
+    if extra == 0 {
+        return base;
+    }
+    // order in which ranks receive an extra layer: 1, 2, ..., p-2, then 0, then p-1
+    let pos = if p <= 2 {
+        j
+    } else if j == 0 {
+        p - 2
+    } else if j == p - 1 {
+        p - 1
+    } else {
+        j - 1
+    };
+    base + u32::from(pos < extra)
+}
+
+/// Rank `j`'s load given how many layers precede it and how many it holds.
+pub fn rank_load(job: &Job, start: u32, count: u32, j: u32, p: u32) -> RankLoad {
+    let dense_end = job.model.dense_layers();
+    let end = start + count;
+    let dense = dense_end.min(end).saturating_sub(start.min(dense_end));
+    RankLoad {
+        dense_layers: dense,
+        moe_layers: count - dense,
+        embedding: j == 0,
+        head: j == p - 1,
+    }
+}
+
+/// Activation-holding micro-batches at the peak on rank `j` (in units of the rank's layers).
+pub fn inflight(schedule: Schedule, p: u32, v: u32, m: u64, j: u32) -> f64 {
+    let m = m as f64;
+    match schedule {
+        Schedule::Gpipe => m,
+        Schedule::OneFOneB => ((p - j) as f64).min(m),
+        Schedule::Interleaved => {
+            let warm = (p - j - 1) as f64 * 2.0 + (v as f64 - 1.0) * p as f64 + 1.0;
+            (warm / v as f64).min(m)
+        }
+    }
+}
+
+/// Per-rank evaluation detail (for stage tables).
+#[derive(Clone, Debug, Default)]
+pub struct RankEval {
+    pub load: RankLoad,
+    pub first_layer: u32,
+    pub time_per_mb_s: f64,
+    pub memory: MemoryBreakdown,
+}
+
+/// Everything the planner needs about one layout.
+#[derive(Clone, Debug, Default)]
+pub struct Evaluation {
+    pub estimate: Estimate,
+    pub ranks: Vec<RankEval>,
+}
+
+fn rank_time(lc: &LayerCosts, l: &RankLoad) -> LayerTime {
+    let mut t = LayerTime::default();
+    t.add_scaled(&lc.dense, l.dense_layers as f64);
+    t.add_scaled(&lc.moe, l.moe_layers as f64);
+    if l.head {
+        t.add_scaled(&lc.head, 1.0);
+    }
+    t
+}
+
+fn rank_params(lc: &LayerCosts, l: &RankLoad) -> (f64, f64) {
+    let dense = l.dense_layers as f64 * lc.dense_layer_params
+        + l.moe_layers as f64 * lc.moe_layer_dense_params
+        + if l.embedding { lc.embed_params } else { 0.0 }
+        + if l.head { lc.head_params } else { 0.0 };
+    let expert = l.moe_layers as f64 * lc.moe_layer_expert_params;
+    (dense, expert)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rank_memory(job: &Job, lc: &LayerCosts, layout: &Layout, l: &RankLoad, j: u32) -> MemoryBreakdown {
+    let tr = &job.training;
+    let (dense_p, expert_p) = rank_params(lc, l);
+    let ddp = layout.dense_dp() as f64;
+    let edp = layout.expert_dp() as f64;
+    let w = tr.compute_dtype.bytes();
+    let g = tr.grad_dtype.bytes();
+    let master = tr.master_dtype.bytes();
+    let opt = tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
+    let z = layout.zero_stage;
+    let shard = |stage_min: u8, n: f64| if z >= stage_min { 1.0 / n } else { 1.0 };
+    let weights = w * (dense_p * shard(3, ddp) + expert_p * shard(3, edp));
+    let grads = g * (dense_p * shard(2, ddp) + expert_p * shard(2, edp));
+    let master_b = master * (dense_p * shard(1, ddp) + expert_p * shard(1, edp));
+    let opt_b = opt * (dense_p * shard(1, ddp) + expert_p * shard(1, edp));
+    let infl = inflight(layout.schedule, layout.pp, layout.vpp, layout.grad_accum, j);
+    let act_layer = l.dense_layers as f64 * lc.dense_act_bytes + l.moe_layers as f64 * lc.moe_act_bytes;
+    let embed_act = if l.embedding { 2.0 * lc.tokens * job.model.hidden_size as f64 } else { 0.0 };
+    let activations = infl * (act_layer + embed_act);
+    let logits = if l.head { lc.logits_bytes } else { 0.0 };
+    // Gradient buckets (40M elements, double-buffered), ZeRO-3 prefetch of two layers'
+    // full weights, and the recompute working set.
+    let local = dense_p + expert_p;
+    let mut temp = 2.0 * local.min(40e6) * g + lc.recompute_work_bytes;
+    if z >= 3 {
+        let layer = lc.dense_layer_params.max(lc.moe_layer_dense_params + lc.moe_layer_expert_params);
+        temp += 2.0 * layer * w;
+    }
+    let reserve = job.cluster.framework_reserve_bytes;
+    let total = weights + grads + master_b + opt_b + activations + logits + temp + reserve;
+    let hbm = job.hardware.hbm_bytes;
+    MemoryBreakdown {
+        weights_bytes: weights,
+        grads_bytes: grads,
+        master_bytes: master_b,
+        optimizer_bytes: opt_b,
+        activations_bytes: activations,
+        inflight_microbatches: infl,
+        logits_bytes: logits,
+        temporary_bytes: temp,
+        reserve_bytes: reserve,
+        total_bytes: total,
+        hbm_bytes: hbm,
+        headroom: (hbm - total) / hbm,
+        stage: j,
+    }
+}
+
+/// Evaluate a layout. `lc` must have been built for the layout's (tp, cp, ep, micro_batch,
+/// sequence_parallel, recompute). When `detail` is false the per-rank list stays empty (the
+/// search's fast path: no allocation).
+pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, detail: bool) -> Evaluation {
+    let p = layout.pp;
+    let v = layout.vpp.max(1);
+    let mb_count = layout.grad_accum;
+    let model = &job.model;
+    let mut ranks = Vec::new();
+    let mut worst_mem = MemoryBreakdown::default();
+    let mut slow = LayerTime::default();
+    let mut slow_total = -1.0;
+    let mut sum_total = 0.0;
+    let mut max_params = (0.0f64, 0.0f64);
+    let mut start = 0u32;
+    for j in 0..p {
+        let count = match split {
+            Split::Balanced => balanced_layers(model.num_layers, p, j),
+            Split::Explicit(c) => c[j as usize],
+        };
+        let load = rank_load(job, start, count, j, p);
+        let t = rank_time(lc, &load);
+        let total = t.total();
+        sum_total += total;
+        if total > slow_total {
+            slow_total = total;
+            slow = t;
+        }
+        let mem = rank_memory(job, lc, layout, &load, j);
+        if mem.total_bytes > worst_mem.total_bytes {
+            worst_mem = mem.clone();
+        }
+        let params = rank_params(lc, &load);
+        if params.0 + params.1 > max_params.0 + max_params.1 {
+            max_params = params;
+        }
+        if detail {
+            ranks.push(RankEval {
+                load,
+                first_layer: start,
+                time_per_mb_s: total,
+                memory: mem,
+            });
+        }
+        start += count;
+    }
+
+    let e = &job.efficiency;
+    let m = mb_count as f64;
+    let bubble = if p > 1 { (sum_total - slow_total) / v as f64 } else { 0.0 };
+    // Pipeline sends: forward activation and backward gradient per micro-batch per chunk
+    // boundary; the fill/drain path crosses p-1 boundaries; steady-state sends of a rank sit
+    // between its compute slots.
+    let pp_s = if p > 1 {
+        let stride = layout.tp as u64 * layout.cp as u64 * layout.ep as u64 * layout.dp as u64;
+        let (_, lat, crosses, _) = group_link(job, stride, p as u64);
+        // A send uses one GPU's link: its NIC when the neighbour stage is on another node.
+        let gbps = if crosses {
+            job.hardware.inter_node_gbps * e.inter_node_bus_eff
+        } else {
+            job.hardware.nvlink_gbps * e.nvlink_bus_eff
+        };
+        2.0 * send_s(lc.p2p_bytes, gbps, lat) * (m + p as f64 - 1.0)
+    } else {
+        0.0
+    };
+
+    // Data-parallel traffic of the rank with the most parameters.
+    let (dense_p, expert_p) = max_params;
+    let ddp = layout.dense_dp();
+    let edp = layout.expert_dp();
+    let tr = &job.training;
+    let (d_gbps, d_lat, _, _) = group_link(job, layout.tp as u64, ddp);
+    let (e_gbps, e_lat, _, _) = group_link(job, layout.tp as u64 * layout.ep as u64, edp);
+    let g = tr.grad_dtype.bytes();
+    let w = tr.compute_dtype.bytes();
+    let dp_coll = |params: f64, n: u64, gbps: f64, lat: f64| -> (f64, f64) {
+        // (per step, per micro-batch)
+        match layout.zero_stage {
+            0 => (all_reduce_s(params * g, n, gbps, lat), 0.0),
+            1 | 2 => (
+                reduce_scatter_s(params * g, n, gbps, lat) + all_gather_s(params * w, n, gbps, lat),
+                0.0,
+            ),
+            _ => (
+                0.0,
+                2.0 * all_gather_s(params * w, n, gbps, lat) + reduce_scatter_s(params * g, n, gbps, lat),
+            ),
+        }
+    };
+    let (ds, dm) = dp_coll(dense_p, ddp, d_gbps, d_lat);
+    let (es, em) = dp_coll(expert_p, edp, e_gbps, e_lat);
+    let dp_step = ds + es;
+    let dp_mb = dm + em;
+    let dp_total = dp_step + dp_mb * m;
+    // Overlap: step-level traffic hides behind the last micro-batch's backward and the first
+    // one's forward; ZeRO-3's per-micro-batch traffic behind that micro-batch's compute.
+    let compute_mb = slow.gemm + slow.attn + slow.elementwise;
+    let dp_exposed = (dp_step - e.dp_overlap * compute_mb).max(0.0) + m * (dp_mb - e.dp_overlap * compute_mb).max(0.0);
+
+    // Optimizer step: master, moments, grads, weights touched once (HBM bound).
+    let opt_bytes_per_param = 2.0 * tr.master_dtype.bytes()
+        + 2.0 * tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes()
+        + g
+        + w;
+    let shard = |n: u64| if layout.zero_stage >= 1 { 1.0 / n as f64 } else { 1.0 };
+    let opt_params = dense_p * shard(ddp) + expert_p * shard(edp);
+    let optimizer_s = opt_params * opt_bytes_per_param / (job.hardware.hbm_gbps * 1e9);
+
+    let step = m * slow_total + bubble + pp_s + dp_exposed + optimizer_s;
+    let tokens_per_step = tr.global_batch as f64 * model.seq_len as f64;
+    let tokens_per_s = tokens_per_step / step;
+    let world = layout.world() as f64;
+    let mf = flops::model_flops_per_token(model);
+    let hf = flops::hardware_flops_per_token(model, layout.recompute);
+    let peak = if tr.fp8_gemms { job.hardware.peak_fp8_flops } else { job.hardware.peak_bf16_flops };
+    let mfu = mf * tokens_per_s / (world * peak);
+    let hfu = hf * tokens_per_s / (world * peak);
+
+    let rel = reliability_estimate(job, layout, step, dense_p, expert_p);
+    let fits = worst_mem.total_bytes <= worst_mem.hbm_bytes;
+    let step_b = StepBreakdown {
+        compute_s: m * (slow.gemm + slow.attn + slow.elementwise + slow.overhead),
+        gemm_s: m * slow.gemm,
+        attention_s: m * slow.attn,
+        elementwise_s: m * slow.elementwise,
+        overhead_s: m * slow.overhead,
+        tp_comm_s: m * slow.tp_exposed,
+        tp_comm_total_s: m * slow.tp_total,
+        cp_comm_s: m * slow.cp_exposed,
+        ep_comm_s: m * slow.ep,
+        pp_p2p_s: pp_s,
+        pipeline_bubble_s: bubble,
+        bubble_fraction: bubble / step,
+        dp_comm_total_s: dp_total,
+        dp_comm_exposed_s: dp_exposed,
+        dp_overlap_share: if dp_total > 0.0 { 1.0 - dp_exposed / dp_total } else { 1.0 },
+        optimizer_s,
+        step_s: step,
+    };
+    Evaluation {
+        estimate: Estimate {
+            memory: worst_mem,
+            step: step_b,
+            tokens_per_step,
+            tokens_per_s,
+            tokens_per_s_per_gpu: tokens_per_s / world,
+            model_flops_per_token: mf,
+            hardware_flops_per_token: hf,
+            mfu,
+            hfu,
+            goodput_tokens_per_s: tokens_per_s * rel.goodput_fraction,
+            reliability: rel,
+            fits,
+        },
+        ranks,
+    }
+}
+
+/// Checkpoint cost, interval and goodput for a layout with the given step time.
+pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64, _dense_p: f64, _expert_p: f64) -> ReliabilityEstimate {
+    let r = &job.reliability;
+    let tr = &job.training;
+    let mtbf_s = r.job_mtbf_hours * 3600.0;
+    // What a resume needs: weights, fp32 master and optimizer moments, written once
+    // (distributed checkpoint: each unique shard by one rank).
+    let per_param = tr.compute_dtype.bytes() + tr.master_dtype.bytes() + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
+    let total = job.model.params_total * per_param;
+    let world = layout.world().max(1) as f64;
+    let per_gpu = total / world;
+    let gpn = job.cluster.gpus_per_node as f64;
+    let nodes = (world / gpn).max(1.0);
+    let tier_time = |i: usize| -> f64 {
+        let t = &r.tiers[i];
+        let mut bw = t.write_gbps_per_node * 1e9 * nodes;
+        if let Some(a) = t.aggregate_write_gbps {
+            bw = bw.min(a * 1e9);
+        }
+        total / bw
+    };
+    let durable = tier_time(r.durable_tier);
+    // Asynchronous: stall only for the snapshot into the fastest tier; then write behind.
+    let (stall, lag) = if r.asynchronous && !r.tiers.is_empty() {
+        let fastest = (0..r.tiers.len()).map(tier_time).fold(f64::INFINITY, f64::min);
+        (fastest + r.checkpoint_fixed_s, durable)
+    } else {
+        (durable + r.checkpoint_fixed_s, 0.0)
+    };
+    let young = reliability::young_interval_s(stall, mtbf_s);
+    let daly = reliability::daly_interval_s(stall, mtbf_s);
+    let target = r.pinned_interval_s.unwrap_or(daly).max(lag);
+    let steps = ((target / step_s).round() as u64).max(1);
+    let interval = steps as f64 * step_s;
+    let (good, overhead, loss) = reliability::goodput_fraction(interval, stall, mtbf_s, r.restart_s, lag);
+    ReliabilityEstimate {
+        job_mtbf_hours: r.job_mtbf_hours,
+        checkpoint_stall_s: stall,
+        checkpoint_write_s: durable,
+        checkpoint_bytes_per_gpu: per_gpu,
+        checkpoint_bytes_total: total,
+        interval_young_s: young,
+        interval_daly_s: daly,
+        interval_s: interval,
+        interval_minutes: interval / 60.0,
+        interval_steps: steps,
+        restart_s: r.restart_s,
+        checkpoint_overhead: overhead,
+        failure_loss: loss,
+        goodput_fraction: good,
+    }
+}

@@ -1,0 +1,169 @@
+//! Parameter counts and FLOPs.
+//!
+//! Conventions (written into every plan's `formulas`):
+//! - Parameters per dense layer: attention `h*qd (Q) + 2*h*kvd (K,V) + qd*h (O)` with
+//!   `qd = heads*head_dim`, `kvd = kv_heads*head_dim`; MLP `m*h*f` (m = 2 GeLU/ReLU, 3 SwiGLU);
+//!   norms `2h` (RMSNorm) or `4h` (LayerNorm); biases when the model has them.
+//!   MoE layer: router `h*E`, `E` experts and the shared ones, each `m*h*f_e`.
+//! - Model FLOPs per token (MFU): `6 * N_matmul_active + 6 * L * s * qd` for causal attention
+//!   (`12 * L * s * qd` non-causal, PaLM/NeMo style). `N_matmul_active` counts every weight
+//!   matrix a token passes through, LM head included, input embedding (a lookup) excluded.
+//! - Hardware FLOPs (HFU) add what recomputation runs again: full recompute adds one
+//!   forward of the layers (`+2 * N_layers + attention forward`), selective adds the
+//!   attention core forward.
+
+use shardwright_ir::job::Model;
+use shardwright_ir::spec::{Norm, Recompute};
+
+/// Parameters of one attention block.
+pub fn attention_params(m: &Model) -> f64 {
+    let h = m.hidden_size as f64;
+    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+    let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+    let w = h * qd + 2.0 * h * kvd + qd * h;
+    let b = if m.linear_bias { qd + 2.0 * kvd + h } else { 0.0 };
+    w + b
+}
+
+fn norm_params(m: &Model) -> f64 {
+    let h = m.hidden_size as f64;
+    match m.norm {
+        Norm::Rmsnorm => 2.0 * h,
+        Norm::Layernorm => 4.0 * h,
+    }
+}
+
+/// One MLP (or expert) of width `f`.
+pub fn mlp_params(m: &Model, f: u64) -> f64 {
+    let h = m.hidden_size as f64;
+    let f = f as f64;
+    let w = m.ffn_activation.mlp_matrices() * h * f;
+    let b = if m.linear_bias {
+        (m.ffn_activation.mlp_matrices() - 1.0) * f + h
+    } else {
+        0.0
+    };
+    w + b
+}
+
+/// Parameters of a dense transformer layer.
+pub fn dense_layer_params(m: &Model) -> f64 {
+    attention_params(m) + mlp_params(m, m.ffn_hidden_size) + norm_params(m)
+}
+
+/// (shared, routed-total, routed-active, router) parameters of one MoE layer's MLP part.
+pub fn moe_mlp_params(m: &Model) -> (f64, f64, f64, f64) {
+    let Some(moe) = &m.moe else {
+        return (0.0, 0.0, 0.0, 0.0);
+    };
+    let shared = moe.num_shared_experts as f64 * mlp_params(m, moe.shared_expert_ffn_hidden_size);
+    let one = mlp_params(m, moe.expert_ffn_hidden_size);
+    let router = m.hidden_size as f64 * moe.num_experts as f64;
+    (
+        shared,
+        moe.num_experts as f64 * one,
+        moe.top_k as f64 * one,
+        router,
+    )
+}
+
+/// Non-expert parameters of an MoE layer (attention, norms, router, shared experts).
+pub fn moe_layer_dense_params(m: &Model) -> f64 {
+    let (shared, _, _, router) = moe_mlp_params(m);
+    attention_params(m) + norm_params(m) + shared + router
+}
+
+pub fn embedding_params(m: &Model) -> f64 {
+    let h = m.hidden_size as f64;
+    let pos = if m.learned_positions {
+        m.seq_len as f64 * h
+    } else {
+        0.0
+    };
+    m.vocab_size as f64 * h + pos
+}
+
+/// LM head (0 extra parameters when tied) plus the final norm.
+pub fn head_params(m: &Model) -> f64 {
+    let h = m.hidden_size as f64;
+    let head = if m.tied_embeddings {
+        0.0
+    } else {
+        m.vocab_size as f64 * h
+    };
+    head + norm_params(m) / 2.0
+}
+
+/// (total, active) parameters.
+pub fn param_counts(m: &Model) -> (f64, f64) {
+    let dense = m.dense_layers() as f64 * dense_layer_params(m);
+    let (_, routed_total, routed_active, _) = moe_mlp_params(m);
+    let moe_dense = m.moe_layers() as f64 * moe_layer_dense_params(m);
+    let ends = embedding_params(m) + head_params(m);
+    let total = dense + moe_dense + m.moe_layers() as f64 * routed_total + ends;
+    let active = dense + moe_dense + m.moe_layers() as f64 * routed_active + ends;
+    (total, active)
+}
+
+/// Weight-matrix parameters a token passes through per step (LM head included, input
+/// embedding excluded), for the 6N term.
+pub fn matmul_params_active(m: &Model) -> f64 {
+    let dense = m.dense_layers() as f64 * dense_layer_params(m);
+    let (_, _, routed_active, _) = moe_mlp_params(m);
+    let moe = m.moe_layers() as f64 * (moe_layer_dense_params(m) + routed_active);
+    dense + moe + m.vocab_size as f64 * m.hidden_size as f64
+}
+
+/// Forward attention-core FLOPs per token per layer (QK^T and AV), causal halving applied.
+pub fn attention_fwd_flops_per_token(m: &Model) -> f64 {
+    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+    let full = 4.0 * m.seq_len as f64 * qd;
+    if m.causal {
+        full / 2.0
+    } else {
+        full
+    }
+}
+
+/// Model FLOPs per token for training (forward + backward, no recompute).
+pub fn model_flops_per_token(m: &Model) -> f64 {
+    6.0 * matmul_params_active(m) + 3.0 * m.num_layers as f64 * attention_fwd_flops_per_token(m)
+}
+
+/// Hardware FLOPs per token: model FLOPs plus recomputation.
+pub fn hardware_flops_per_token(m: &Model, recompute: Recompute) -> f64 {
+    let layers_matmul = matmul_params_active(m) - m.vocab_size as f64 * m.hidden_size as f64;
+    let attn = m.num_layers as f64 * attention_fwd_flops_per_token(m);
+    model_flops_per_token(m)
+        + match recompute {
+            Recompute::None => 0.0,
+            Recompute::Selective => attn,
+            Recompute::Full => 2.0 * layers_matmul + attn,
+        }
+}
+
+/// Narayanan et al. 2021 eq. 3 hardware FLOPs per token (full recompute, GPT, non-causal):
+/// `96 s L h^2 (1 + s/(6h) + V/(16 L h)) / s` per token.
+pub fn narayanan_flops_per_token(layers: f64, hidden: f64, seq: f64, vocab: f64) -> f64 {
+    96.0 * layers * hidden * hidden * (1.0 + seq / (6.0 * hidden) + vocab / (16.0 * layers * hidden))
+}
+
+/// Total training compute: `6 * params * tokens` (the seeds' rule of thumb).
+pub fn training_flops_6nd(params: f64, tokens: f64) -> f64 {
+    6.0 * params * tokens
+}
+
+/// Compute budget of a cluster: GPUs x peak x MFU x seconds.
+pub fn compute_budget_flops(gpus: f64, peak_flops: f64, mfu: f64, seconds: f64) -> f64 {
+    gpus * peak_flops * mfu * seconds
+}
+
+/// Chinchilla compute-optimal model size for budget C with D = 20 N: `C = 6 N D = 120 N^2`.
+pub fn chinchilla_optimal_params(compute_flops: f64) -> f64 {
+    (compute_flops / 120.0).sqrt()
+}
+
+/// Days to process `flops` on `gpus` at `mfu` of `peak` per GPU.
+pub fn days_for(flops: f64, gpus: f64, peak_flops: f64, mfu: f64) -> f64 {
+    flops / (gpus * peak_flops * mfu) / 86400.0
+}

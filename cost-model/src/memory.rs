@@ -1,0 +1,106 @@
+//! Bytes: model state under ZeRO, and activations per layer (Korthikanti et al. 2022).
+//!
+//! Activation bytes are derived per saved tensor (16-bit), so SwiGLU, GQA, flash attention,
+//! dropout and sequence parallelism change the constants the way they change the tensors:
+//! - sequence region (divided by tp only with sequence parallel): the two norm inputs and the
+//!   two norm outputs (inputs of the QKV and first MLP GEMMs), `4 x 2 T h` bytes, plus two
+//!   1-byte dropout masks when the model uses dropout;
+//! - attention (divided by tp): Q and O `2 T qd` each, K and V `2 T kvd` each, the softmax
+//!   log-sum-exp `4 T heads`; without flash attention also the `heads x s x T` scores
+//!   (softmax output 2 bytes, plus mask 1 + dropout output 2 with dropout);
+//! - MLP (divided by tp): GeLU/ReLU keep the first GEMM output and the activation output,
+//!   `2 x 2 T f`; SwiGLU keeps gate, up and their product, `3 x 2 T f`.
+//!
+//! For a GPT layer (4h GeLU MLP, dropout, no flash) this gives Korthikanti's
+//! `s b h (34 + 5 a s / h)` exactly; selective recompute drops the score terms; full
+//! recompute keeps only the layer input `2 T h` (/tp with sequence parallel).
+
+use shardwright_ir::job::Model;
+use shardwright_ir::spec::{Activation, Recompute};
+
+/// Bytes of model state per parameter under the seed convention (bf16 weights and grads,
+/// fp32 master and Adam m, v): 2 + 2 + 4 + 4 + 4 = 16.
+pub const SEED_BYTES_PER_PARAM: f64 = 16.0;
+
+/// Static bytes per parameter on one GPU for a ZeRO stage over `n` data-parallel ranks, with
+/// `w` weight bytes, `g` grad bytes and `o` optimizer bytes (fp32 master + moments).
+pub fn zero_bytes_per_param(stage: u8, n: f64, w: f64, g: f64, o: f64) -> f64 {
+    match stage {
+        0 => w + g + o,
+        1 => w + g + o / n,
+        2 => w + (g + o) / n,
+        _ => (w + g + o) / n,
+    }
+}
+
+/// Seed S5: static bytes per GPU for `params` under each ZeRO stage with `n` DP ranks.
+pub fn zero_static_bytes(params: f64, stage: u8, n: f64) -> f64 {
+    params * zero_bytes_per_param(stage, n, 2.0, 2.0, 12.0)
+}
+
+/// Activation bytes saved by one dense layer for one micro-batch, per GPU.
+/// `tokens` = micro_batch x seq_len / cp on this GPU.
+pub fn dense_layer_activation_bytes(m: &Model, tokens: f64, tp: f64, sp: bool, rc: Recompute) -> f64 {
+    let h = m.hidden_size as f64;
+    let seq_div = if sp { tp } else { 1.0 };
+    if rc == Recompute::Full {
+        return 2.0 * tokens * h / seq_div;
+    }
+    let attn = attention_activation_bytes(m, tokens, tp, rc);
+    let mlp = mlp_activation_bytes(m, tokens, m.ffn_hidden_size as f64, tp);
+    seq_region_bytes(m, tokens) / seq_div + attn + mlp
+}
+
+/// Norm inputs/outputs and dropout masks (the part sequence parallelism shards).
+pub fn seq_region_bytes(m: &Model, tokens: f64) -> f64 {
+    let h = m.hidden_size as f64;
+    let dropout = if m.dropout { 2.0 * tokens * h } else { 0.0 };
+    8.0 * tokens * h + dropout
+}
+
+pub fn attention_activation_bytes(m: &Model, tokens: f64, tp: f64, rc: Recompute) -> f64 {
+    let d = m.head_dim as f64;
+    let a = m.num_attention_heads as f64;
+    let qd = a * d;
+    let kvd = m.num_kv_heads as f64 * d;
+    let mut bytes = (4.0 * tokens * qd + 4.0 * tokens * kvd + 4.0 * tokens * a) / tp;
+    if !m.flash_attention && rc == Recompute::None {
+        let per_score = if m.dropout { 5.0 } else { 2.0 };
+        bytes += per_score * a * m.seq_len as f64 * tokens / tp;
+    }
+    bytes
+}
+
+pub fn mlp_activation_bytes(m: &Model, tokens: f64, f: f64, tp: f64) -> f64 {
+    let kept = match m.ffn_activation {
+        Activation::Gelu | Activation::Relu => 2.0,
+        Activation::Swiglu => 3.0,
+    };
+    kept * 2.0 * tokens * f / tp
+}
+
+/// MoE layer: attention as dense; the MLP part keeps the router logits (fp32), the permuted
+/// tokens sent to experts and the combined outputs (`2 x 2 T k h`), each routed expert's
+/// intermediate tensors for its `T k` token copies, and the shared experts.
+pub fn moe_layer_activation_bytes(m: &Model, tokens: f64, tp: f64, sp: bool, rc: Recompute) -> f64 {
+    let h = m.hidden_size as f64;
+    let seq_div = if sp { tp } else { 1.0 };
+    if rc == Recompute::Full {
+        return 2.0 * tokens * h / seq_div;
+    }
+    let Some(moe) = &m.moe else {
+        return dense_layer_activation_bytes(m, tokens, tp, sp, rc);
+    };
+    let k = moe.top_k as f64;
+    let router = 4.0 * tokens * moe.num_experts as f64 / seq_div;
+    let permuted = 4.0 * tokens * k * h / seq_div;
+    let experts = mlp_activation_bytes(m, tokens * k, moe.expert_ffn_hidden_size as f64, tp);
+    let shared = moe.num_shared_experts as f64
+        * mlp_activation_bytes(m, tokens, moe.shared_expert_ffn_hidden_size as f64, tp);
+    seq_region_bytes(m, tokens) / seq_div
+        + attention_activation_bytes(m, tokens, tp, rc)
+        + router
+        + permuted
+        + experts
+        + shared
+}

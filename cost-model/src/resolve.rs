@@ -1,0 +1,617 @@
+//! Spec -> Job: fill in hardware numbers and defaults, derive parameter counts, validate.
+//!
+//! Every problem is reported with its field path; all problems found are returned together,
+//! in the order the fields appear in the spec.
+
+use crate::catalog;
+use crate::flops;
+use shardwright_ir::job::*;
+use shardwright_ir::parse::{SpecError, SpecErrors};
+use shardwright_ir::spec::*;
+
+/// Llama 3 (arXiv 2407.21783, Table 5): 419 unexpected interruptions in 54 days on 16,384
+/// H100s => per-GPU MTBF = 54 * 24 * 16384 / 419 hours.
+pub const LLAMA3_GPU_MTBF_HOURS: f64 = 54.0 * 24.0 * 16384.0 / 419.0;
+/// Default framework reserve per GPU: CUDA context, NCCL buffers, allocator fragmentation.
+pub const DEFAULT_RESERVE_BYTES: f64 = 2.0 * 1024.0 * 1024.0 * 1024.0;
+/// Default time from a failure to training again (MegaScale: detection and diagnosis under
+/// 10 minutes), seconds.
+pub const DEFAULT_RESTART_S: f64 = 600.0;
+/// Default fixed stall per checkpoint (barrier + staging), seconds.
+pub const DEFAULT_CHECKPOINT_FIXED_S: f64 = 2.0;
+
+#[derive(Clone, Debug, Default)]
+pub struct ResolveOptions {
+    /// Efficiency profile to use instead of the built-in one for the GPU kind.
+    pub profile: Option<Efficiency>,
+}
+
+/// The resolved job and non-fatal findings.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    pub job: Job,
+    pub warnings: Vec<String>,
+}
+
+struct Errs(Vec<SpecError>);
+impl Errs {
+    fn push(&mut self, path: &str, reason: impl Into<String>) {
+        self.0.push(SpecError::new(path, reason));
+    }
+}
+
+fn positive(errs: &mut Errs, path: &str, v: f64) {
+    if !(v.is_finite() && v > 0.0) {
+        errs.push(path, format!("must be a positive number, got {v}"));
+    }
+}
+
+pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecErrors> {
+    let mut errs = Errs(Vec::new());
+    let mut warnings = Vec::new();
+    let js = &spec.job;
+    let ms = &js.model;
+
+    // ---- model ----
+    for (path, v) in [
+        ("job.model.num_layers", ms.num_layers as u64),
+        ("job.model.hidden_size", ms.hidden_size),
+        ("job.model.num_attention_heads", ms.num_attention_heads as u64),
+        ("job.model.vocab_size", ms.vocab_size),
+        ("job.model.seq_len", ms.seq_len),
+    ] {
+        if v == 0 {
+            errs.push(path, "must be at least 1");
+        }
+    }
+    let heads = ms.num_attention_heads.max(1);
+    let kv_heads = ms.num_kv_heads.unwrap_or(heads);
+    if kv_heads == 0 || heads % kv_heads.max(1) != 0 {
+        errs.push(
+            "job.model.num_kv_heads",
+            format!("{kv_heads} must divide num_attention_heads={heads}"),
+        );
+    }
+    let head_dim = match ms.head_dim {
+        Some(0) => {
+            errs.push("job.model.head_dim", "must be at least 1");
+            1
+        }
+        Some(d) => d as u64,
+        None => {
+            if ms.hidden_size % heads as u64 != 0 {
+                errs.push(
+                    "job.model.hidden_size",
+                    format!(
+                        "{} not divisible by num_attention_heads={heads}; give head_dim",
+                        ms.hidden_size
+                    ),
+                );
+            }
+            (ms.hidden_size / heads as u64).max(1)
+        }
+    };
+    let moe = match (&ms.arch, &ms.moe) {
+        (Arch::Dense, Some(_)) => {
+            errs.push("job.model.moe", "given but arch is dense; set arch: moe");
+            None
+        }
+        (Arch::Moe, None) => {
+            errs.push("job.model.moe", "arch is moe but the moe section is missing");
+            None
+        }
+        (Arch::Moe, Some(m)) => {
+            if m.num_experts == 0 {
+                errs.push("job.model.moe.num_experts", "must be at least 1");
+            }
+            if m.top_k == 0 || m.top_k > m.num_experts {
+                errs.push(
+                    "job.model.moe.top_k",
+                    format!("{} must be in 1..=num_experts ({})", m.top_k, m.num_experts),
+                );
+            }
+            if m.expert_ffn_hidden_size == 0 {
+                errs.push("job.model.moe.expert_ffn_hidden_size", "must be at least 1");
+            }
+            if m.first_k_dense > ms.num_layers {
+                errs.push(
+                    "job.model.moe.first_k_dense",
+                    format!("{} exceeds num_layers={}", m.first_k_dense, ms.num_layers),
+                );
+            }
+            Some(Moe {
+                num_experts: m.num_experts,
+                top_k: m.top_k,
+                num_shared_experts: m.num_shared_experts,
+                expert_ffn_hidden_size: m.expert_ffn_hidden_size,
+                shared_expert_ffn_hidden_size: m
+                    .shared_expert_ffn_hidden_size
+                    .unwrap_or(m.expert_ffn_hidden_size),
+                first_k_dense: m.first_k_dense.min(ms.num_layers),
+            })
+        }
+        (Arch::Dense, None) => None,
+    };
+    let needs_dense_ffn = moe.as_ref().map_or(true, |m| m.first_k_dense > 0);
+    let ffn = match ms.ffn_hidden_size {
+        Some(0) => {
+            errs.push("job.model.ffn_hidden_size", "must be at least 1");
+            0
+        }
+        Some(f) => f,
+        None if needs_dense_ffn => {
+            errs.push(
+                "job.model.ffn_hidden_size",
+                "required for dense layers (dense arch or moe.first_k_dense > 0)",
+            );
+            0
+        }
+        None => 0,
+    };
+    if let Some(p) = ms.params {
+        positive(&mut errs, "job.model.params", p);
+    }
+    let mut model = Model {
+        arch: ms.arch,
+        num_layers: ms.num_layers,
+        hidden_size: ms.hidden_size,
+        num_attention_heads: ms.num_attention_heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        ffn_hidden_size: ffn,
+        ffn_activation: ms.ffn_activation,
+        norm: ms.norm,
+        vocab_size: ms.vocab_size,
+        seq_len: ms.seq_len,
+        tied_embeddings: ms.tied_embeddings,
+        learned_positions: ms.learned_positions,
+        linear_bias: ms.linear_bias,
+        dropout: ms.dropout,
+        flash_attention: ms.flash_attention,
+        causal: ms.causal,
+        moe,
+        params_total: 0.0,
+        params_active: 0.0,
+        params_stated: ms.params,
+    };
+    let (total, active) = flops::param_counts(&model);
+    model.params_total = total;
+    model.params_active = active;
+    if let Some(stated) = ms.params {
+        if stated > 0.0 && ((total - stated) / stated).abs() > 0.02 {
+            warnings.push(format!(
+                "job.model.params: stated {:.4e} but the shape gives {:.4e} ({:+.1}%); the shape is used",
+                stated,
+                total,
+                (total / stated - 1.0) * 100.0
+            ));
+        }
+    }
+
+    // ---- cluster / hardware ----
+    let cs = &spec.cluster;
+    let entry = match &cs.gpu {
+        Some(name) => match catalog::find(name) {
+            Some(e) => Some(e),
+            None => {
+                errs.push(
+                    "cluster.gpu",
+                    format!(
+                        "unknown GPU `{name}`; known: {} (or give cluster.hardware numbers)",
+                        catalog::names().join(", ")
+                    ),
+                );
+                None
+            }
+        },
+        None => None,
+    };
+    let hw_spec = &cs.hardware;
+    let mut hw = match entry {
+        Some(e) => e.hardware(),
+        None => Hardware {
+            gpu: "custom".into(),
+            kind: "custom".into(),
+            hbm_bytes: 0.0,
+            peak_bf16_flops: 0.0,
+            peak_fp8_flops: 0.0,
+            hbm_gbps: 0.0,
+            nvlink_gbps: 0.0,
+            inter_node_gbps: 0.0,
+            nvlink_latency_s: 5e-6,
+            inter_node_latency_s: 12e-6,
+            pcie_gbps: 25.0,
+            sources: vec!["cluster.hardware in the spec".into()],
+        },
+    };
+    let mut overridden = Vec::new();
+    macro_rules! over {
+        ($field:ident) => {
+            if let Some(v) = hw_spec.$field {
+                positive(
+                    &mut errs,
+                    concat!("cluster.hardware.", stringify!($field)),
+                    v,
+                );
+                hw.$field = v;
+                overridden.push(stringify!($field));
+            }
+        };
+    }
+    over!(hbm_bytes);
+    over!(peak_bf16_flops);
+    over!(peak_fp8_flops);
+    over!(hbm_gbps);
+    over!(nvlink_gbps);
+    over!(inter_node_gbps);
+    over!(nvlink_latency_s);
+    over!(inter_node_latency_s);
+    over!(pcie_gbps);
+    if !overridden.is_empty() && entry.is_some() {
+        hw.sources
+            .push(format!("overridden by the spec: {}", overridden.join(", ")));
+    }
+    if entry.is_none() && cs.gpu.is_none() {
+        for (name, v) in [
+            ("hbm_bytes", hw.hbm_bytes),
+            ("peak_bf16_flops", hw.peak_bf16_flops),
+            ("hbm_gbps", hw.hbm_gbps),
+            ("nvlink_gbps", hw.nvlink_gbps),
+            ("inter_node_gbps", hw.inter_node_gbps),
+        ] {
+            if v <= 0.0 {
+                errs.push(
+                    &format!("cluster.hardware.{name}"),
+                    "required when cluster.gpu is not a catalog name",
+                );
+            }
+        }
+    }
+    if cs.gpus_per_node == 0 {
+        errs.push("cluster.gpus_per_node", "must be at least 1");
+    }
+    let gpn = cs.gpus_per_node.max(1) as u64;
+    let num_gpus = match (cs.num_gpus, cs.nodes) {
+        (Some(n), Some(nodes)) if n != nodes * gpn => {
+            errs.push(
+                "cluster.num_gpus",
+                format!("{n} but nodes x gpus_per_node = {nodes} x {gpn} = {}", nodes * gpn),
+            );
+            n
+        }
+        (Some(n), _) => n,
+        (None, Some(nodes)) => nodes * gpn,
+        (None, None) => {
+            errs.push("cluster", "give num_gpus or nodes");
+            0
+        }
+    };
+    if num_gpus == 0 && (cs.num_gpus.is_some() || cs.nodes.is_some()) {
+        errs.push("cluster.num_gpus", "must be at least 1");
+    }
+    if cs.hot_spares >= num_gpus && num_gpus > 0 {
+        errs.push(
+            "cluster.hot_spares",
+            format!("{} leaves no GPU for training out of {num_gpus}", cs.hot_spares),
+        );
+    }
+    let world = num_gpus.saturating_sub(cs.hot_spares);
+    let reserve = cs.framework_reserve_bytes.unwrap_or(DEFAULT_RESERVE_BYTES);
+    if !(reserve.is_finite() && reserve >= 0.0) {
+        errs.push("cluster.framework_reserve_bytes", "must be >= 0");
+    }
+    let cluster = Cluster {
+        num_gpus,
+        gpus_per_node: cs.gpus_per_node,
+        nodes: num_gpus.div_ceil(gpn),
+        hot_spares: cs.hot_spares,
+        world_size: world,
+        framework_reserve_bytes: reserve,
+    };
+
+    // ---- precision / training ----
+    let ps = &js.precision;
+    if !matches!(ps.compute, Dtype::Bf16 | Dtype::Fp16) {
+        errs.push("job.precision.compute", "must be bf16 or fp16 (use fp8_gemms for FP8)");
+    }
+    if ps.fp8_gemms && hw.peak_fp8_flops <= 0.0 {
+        errs.push(
+            "job.precision.fp8_gemms",
+            format!("{} has no FP8 tensor cores (peak_fp8_flops = 0)", hw.gpu),
+        );
+    }
+    let bs = &js.batch;
+    if bs.global_batch == 0 {
+        errs.push("job.batch.global_batch", "must be at least 1");
+    }
+    if let Some(t) = bs.token_budget {
+        positive(&mut errs, "job.batch.token_budget", t);
+    }
+    let states = match js.optimizer.kind {
+        OptimizerKind::Adam | OptimizerKind::Adamw => 2,
+        OptimizerKind::Sgd => 1,
+    };
+    let training = Training {
+        global_batch: bs.global_batch,
+        grad_accum: bs.grad_accum,
+        tokens_per_step: bs.global_batch as f64 * ms.seq_len as f64,
+        token_budget: bs.token_budget,
+        compute_dtype: ps.compute,
+        fp8_gemms: ps.fp8_gemms,
+        grad_dtype: ps.grads,
+        master_dtype: ps.master_weights,
+        optimizer_state_dtype: ps.optimizer_state,
+        optimizer: js.optimizer.kind,
+        optimizer_states: states,
+    };
+
+    // ---- parallelism pins ----
+    let pins = &js.parallelism;
+    validate_pins(&mut errs, pins, &model, &cluster, &training);
+
+    // ---- reliability ----
+    let rs = &cs.reliability;
+    let (gpu_mtbf, job_mtbf, source) = match (rs.job_mtbf_hours, rs.gpu_mtbf_hours) {
+        (Some(j), _) => {
+            positive(&mut errs, "cluster.reliability.job_mtbf_hours", j);
+            (j * world.max(1) as f64, j, "cluster.reliability.job_mtbf_hours".to_string())
+        }
+        (None, Some(g)) => {
+            positive(&mut errs, "cluster.reliability.gpu_mtbf_hours", g);
+            (g, g / world.max(1) as f64, "cluster.reliability.gpu_mtbf_hours".to_string())
+        }
+        (None, None) => (
+            LLAMA3_GPU_MTBF_HOURS,
+            LLAMA3_GPU_MTBF_HOURS / world.max(1) as f64,
+            "default: Llama 3 (arXiv 2407.21783 Table 5), 419 unexpected interruptions in 54 days on 16,384 GPUs".to_string(),
+        ),
+    };
+    let restart_s = rs.restart_s.unwrap_or(DEFAULT_RESTART_S);
+    if restart_s < 0.0 || !restart_s.is_finite() {
+        errs.push("cluster.reliability.restart_s", "must be >= 0");
+    }
+    let fixed_s = rs.checkpoint_fixed_s.unwrap_or(DEFAULT_CHECKPOINT_FIXED_S);
+    if fixed_s < 0.0 || !fixed_s.is_finite() {
+        errs.push("cluster.reliability.checkpoint_fixed_s", "must be >= 0");
+    }
+    let tiers: Vec<StorageTier> = match &cs.storage {
+        Some(list) if list.is_empty() => {
+            errs.push("cluster.storage", "list at least one tier");
+            Vec::new()
+        }
+        Some(list) => list
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let default_bw = match t.kind {
+                    TierKind::HostRam => hw.pcie_gbps * gpn as f64,
+                    TierKind::LocalNvme => 10.0,
+                    TierKind::ParallelFs => 5.0,
+                    TierKind::ObjectStore => 2.0,
+                };
+                let bw = t.write_gbps_per_node.unwrap_or(default_bw);
+                positive(&mut errs, &format!("cluster.storage[{i}].write_gbps_per_node"), bw);
+                if let Some(a) = t.aggregate_write_gbps {
+                    positive(&mut errs, &format!("cluster.storage[{i}].aggregate_write_gbps"), a);
+                }
+                StorageTier {
+                    name: t.name.clone(),
+                    kind: t.kind,
+                    write_gbps_per_node: bw,
+                    aggregate_write_gbps: t.aggregate_write_gbps,
+                }
+            })
+            .collect(),
+        None => vec![
+            StorageTier {
+                name: "host_ram".into(),
+                kind: TierKind::HostRam,
+                write_gbps_per_node: hw.pcie_gbps * gpn as f64,
+                aggregate_write_gbps: None,
+            },
+            StorageTier {
+                name: "parallel_fs".into(),
+                kind: TierKind::ParallelFs,
+                write_gbps_per_node: 5.0,
+                aggregate_write_gbps: Some(1000.0),
+            },
+        ],
+    };
+    let ck = &js.checkpoint;
+    let durable = match &ck.durable_tier {
+        Some(name) => match tiers.iter().position(|t| &t.name == name) {
+            Some(i) => i,
+            None => {
+                let known: Vec<&str> = tiers.iter().map(|t| t.name.as_str()).collect();
+                errs.push(
+                    "job.checkpoint.durable_tier",
+                    format!("no storage tier named `{name}`; known: {}", known.join(", ")),
+                );
+                0
+            }
+        },
+        None => tiers
+            .iter()
+            .enumerate()
+            .max_by_key(|(i, t)| (t.kind, *i))
+            .map(|(i, _)| i)
+            .unwrap_or(0),
+    };
+    if let Some(m) = ck.interval_minutes {
+        positive(&mut errs, "job.checkpoint.interval_minutes", m);
+    }
+    let reliability = Reliability {
+        gpu_mtbf_hours: gpu_mtbf,
+        job_mtbf_hours: job_mtbf,
+        mtbf_source: source,
+        restart_s,
+        checkpoint_fixed_s: fixed_s,
+        tiers,
+        durable_tier: durable,
+        asynchronous: ck.asynchronous.unwrap_or(true),
+        pinned_interval_s: ck.interval_minutes.map(|m| m * 60.0),
+    };
+
+    if !errs.0.is_empty() {
+        return Err(SpecErrors(errs.0));
+    }
+    let efficiency = opts
+        .profile
+        .clone()
+        .unwrap_or_else(|| catalog::builtin_efficiency(&hw.kind));
+    let job = Job {
+        name: js.name.clone().unwrap_or_else(|| "job".into()),
+        model,
+        hardware: hw,
+        cluster,
+        training,
+        reliability,
+        pinned: pins.clone(),
+        efficiency,
+    };
+    Ok(Resolved { job, warnings })
+}
+
+fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t: &Training) {
+    for (name, v) in [
+        ("tp", p.tp),
+        ("pp", p.pp),
+        ("dp", p.dp),
+        ("cp", p.cp),
+        ("ep", p.ep),
+        ("vpp", p.vpp),
+        ("micro_batch", p.micro_batch),
+    ] {
+        if v == Some(0) {
+            errs.push(&format!("job.parallelism.{name}"), "must be at least 1");
+        }
+    }
+    if let Some(z) = p.zero_stage {
+        if z > 3 {
+            errs.push("job.parallelism.zero_stage", format!("{z} is not one of 0, 1, 2, 3"));
+        }
+    }
+    let world = c.world_size;
+    let axes = [p.tp, p.pp, p.dp, p.cp, p.ep];
+    let pinned_product: u64 = axes.iter().flatten().map(|&v| v.max(1) as u64).product();
+    let spares = if c.hot_spares > 0 {
+        format!(" ({} minus {} hot spares)", c.num_gpus, c.hot_spares)
+    } else {
+        String::new()
+    };
+    if axes.iter().all(|a| a.is_some()) {
+        if pinned_product != world {
+            errs.push(
+                "job.parallelism",
+                format!(
+                    "tp*pp*dp*cp*ep = {}*{}*{}*{}*{} = {pinned_product} but cluster has {world} GPUs{spares}",
+                    p.tp.unwrap(),
+                    p.pp.unwrap(),
+                    p.dp.unwrap(),
+                    p.cp.unwrap(),
+                    p.ep.unwrap()
+                ),
+            );
+        }
+    } else if world > 0 && pinned_product > 0 && world % pinned_product != 0 {
+        errs.push(
+            "job.parallelism",
+            format!("pinned degrees multiply to {pinned_product}, which does not divide the {world} GPUs{spares}"),
+        );
+    }
+    if let Some(tp) = p.tp.filter(|&v| v > 0) {
+        if m.num_attention_heads % tp != 0 {
+            errs.push(
+                "job.model.num_attention_heads",
+                format!("{} not divisible by tp={tp}", m.num_attention_heads),
+            );
+        }
+        if m.num_kv_heads % tp != 0 && tp % m.num_kv_heads.max(1) != 0 {
+            errs.push(
+                "job.model.num_kv_heads",
+                format!("{} neither divisible by nor a divisor of tp={tp}", m.num_kv_heads),
+            );
+        }
+        if tp > c.gpus_per_node && !p.allow_tp_across_nodes {
+            errs.push(
+                "job.parallelism.tp",
+                format!(
+                    "{tp} exceeds gpus_per_node={} (TP across nodes); set allow_tp_across_nodes: true to permit it",
+                    c.gpus_per_node
+                ),
+            );
+        }
+    }
+    if let Some(pp) = p.pp.filter(|&v| v > 0) {
+        if pp > m.num_layers {
+            errs.push(
+                "job.parallelism.pp",
+                format!("{pp} stages for {} layers", m.num_layers),
+            );
+        }
+        if let Some(v) = p.vpp.filter(|&v| v > 1) {
+            if m.num_layers % (pp * v) != 0 {
+                errs.push(
+                    "job.parallelism.vpp",
+                    format!("num_layers={} not divisible by pp*vpp={}", m.num_layers, pp * v),
+                );
+            }
+        }
+    }
+    if let Some(ep) = p.ep.filter(|&v| v > 0) {
+        match &m.moe {
+            None if ep > 1 => errs.push(
+                "job.parallelism.ep",
+                format!("{ep} but the model has no experts"),
+            ),
+            Some(moe) if moe.num_experts % ep != 0 => errs.push(
+                "job.model.moe.num_experts",
+                format!("{} not divisible by ep={ep}", moe.num_experts),
+            ),
+            _ => {}
+        }
+    }
+    if let Some(cp) = p.cp.filter(|&v| v > 0) {
+        if m.seq_len % (2 * cp as u64) != 0 && cp > 1 {
+            errs.push(
+                "job.model.seq_len",
+                format!("{} not divisible by 2*cp={} (load-balanced ring attention)", m.seq_len, 2 * cp),
+            );
+        }
+    }
+    if let (Some(Schedule::Interleaved), Some(1)) = (p.schedule, p.vpp) {
+        errs.push("job.parallelism.schedule", "interleaved needs vpp > 1");
+    }
+    if let (Some(s), Some(v)) = (p.schedule, p.vpp) {
+        if v > 1 && s != Schedule::Interleaved {
+            errs.push("job.parallelism.vpp", format!("vpp={v} needs schedule: interleaved"));
+        }
+    }
+    if p.sequence_parallel == Some(true) && p.tp == Some(1) {
+        errs.push("job.parallelism.sequence_parallel", "needs tp > 1");
+    }
+    // Batch arithmetic when the replica count and micro-batch are pinned.
+    if let (Some(dp), Some(ep), Some(mb)) = (p.dp, p.ep.or(Some(1)), p.micro_batch) {
+        let per = dp as u64 * ep as u64 * mb as u64;
+        if per > 0 && t.global_batch % per != 0 {
+            errs.push(
+                "job.batch.global_batch",
+                format!(
+                    "{} not divisible by micro_batch*dp*ep = {mb}*{dp}*{ep} = {per}",
+                    t.global_batch
+                ),
+            );
+        } else if let (Some(ga), true) = (t.grad_accum, per > 0) {
+            if ga * per != t.global_batch {
+                errs.push(
+                    "job.batch.grad_accum",
+                    format!(
+                        "{ga} but global_batch / (micro_batch*dp*ep) = {} / {per} = {}",
+                        t.global_batch,
+                        t.global_batch / per
+                    ),
+                );
+            }
+        }
+    }
+}
