@@ -1,0 +1,368 @@
+//! From search results to the reviewable [`Plan`].
+//!
+//! The search ranks layouts with a balanced layer split. The best few are then refined:
+//! for non-interleaved pipelines the layers (with the embedding on the first rank and the
+//! LM head on the last) are re-assigned to stages by [`crate::partition::partition_lp`]
+//! (min slowest stage under each stage's memory cap), re-evaluated, and re-ranked.
+
+use crate::partition::{self, Item};
+use crate::search::{rank_cmp, search, Candidate};
+use shardwright_cost::eval::{evaluate, group_link, Evaluation, LayerCosts, RankEval, Split};
+use shardwright_cost::flops;
+use shardwright_ir::job::Job;
+use shardwright_ir::layout::Layout;
+use shardwright_ir::plan::*;
+use std::collections::BTreeMap;
+
+#[derive(Clone, Debug)]
+pub struct PlanOptions {
+    /// Alternatives to keep besides the chosen layout.
+    pub top_k: usize,
+    /// Refine the best candidates' stage partition with the LP (default on).
+    pub refine: bool,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { top_k: 5, refine: true }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("no feasible layout among {candidates} candidates; rejected: {reasons}")]
+    NoFeasible {
+        candidates: u64,
+        reasons: String,
+        summary: SearchSummary,
+    },
+}
+
+/// Evaluate a layout with its refined stage split when that helps (and fits).
+pub fn evaluate_refined(job: &Job, layout: &Layout, refine: bool) -> (Evaluation, Option<Vec<u32>>) {
+    let lc = LayerCosts::new(
+        job,
+        layout.tp,
+        layout.cp,
+        layout.ep,
+        layout.micro_batch,
+        layout.sequence_parallel,
+        layout.recompute,
+    );
+    let balanced = evaluate(job, &lc, layout, Split::Balanced, true);
+    if !refine || layout.pp <= 1 || layout.vpp > 1 {
+        return (balanced, None);
+    }
+    let Some(counts) = refine_split(job, &lc, layout, &balanced) else {
+        return (balanced, None);
+    };
+    let refined = evaluate(job, &lc, layout, Split::Explicit(&counts), true);
+    let better = refined.estimate.fits
+        && refined.estimate.step.step_s < balanced.estimate.step.step_s * (1.0 - 1e-9);
+    if better {
+        (refined, Some(counts))
+    } else {
+        (balanced, None)
+    }
+}
+
+/// Items: embedding, each layer, LM head; cap: HBM minus what does not scale with layers.
+fn refine_split(job: &Job, lc: &LayerCosts, layout: &Layout, bal: &Evaluation) -> Option<Vec<u32>> {
+    let tr = &job.training;
+    let z = layout.zero_stage;
+    let ddp = layout.dense_dp() as f64;
+    let edp = layout.expert_dp() as f64;
+    let w = tr.compute_dtype.bytes();
+    let g = tr.grad_dtype.bytes();
+    let o = tr.master_dtype.bytes() + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
+    let per_param = |n: f64| shardwright_cost::memory::zero_bytes_per_param(z, n, w, g, o);
+    let m = &job.model;
+    let mut items = Vec::with_capacity(m.num_layers as usize + 2);
+    let head_t = lc.head.total();
+    items.push(Item {
+        time_s: 0.0,
+        static_bytes: lc.embed_params * per_param(ddp),
+        act_bytes: 2.0 * lc.tokens * m.hidden_size as f64,
+    });
+    for l in 0..m.num_layers {
+        let moe = l >= m.dense_layers();
+        items.push(if moe {
+            Item {
+                time_s: lc.moe.total(),
+                static_bytes: lc.moe_layer_dense_params * per_param(ddp) + lc.moe_layer_expert_params * per_param(edp),
+                act_bytes: lc.moe_act_bytes,
+            }
+        } else {
+            Item {
+                time_s: lc.dense.total(),
+                static_bytes: lc.dense_layer_params * per_param(ddp),
+                act_bytes: lc.dense_act_bytes,
+            }
+        });
+    }
+    items.push(Item {
+        time_s: head_t,
+        static_bytes: lc.head_params * per_param(ddp) + lc.logits_bytes,
+        act_bytes: 0.0,
+    });
+    let inflight: Vec<f64> = (0..layout.pp)
+        .map(|j| shardwright_cost::eval::inflight(layout.schedule, layout.pp, layout.vpp, layout.grad_accum, j))
+        .collect();
+    // Everything else on a GPU: reserve, buckets, recompute working set (take the largest
+    // stage's figure from the balanced evaluation).
+    let other = bal
+        .ranks
+        .iter()
+        .map(|r| r.memory.reserve_bytes + r.memory.temporary_bytes)
+        .fold(0.0, f64::max);
+    let cap = job.hardware.hbm_bytes - other;
+    let part = partition::partition_lp(&items, &inflight, cap)
+        .or_else(|_| partition::partition_dp(&items, &inflight, cap))
+        .ok()?;
+    // Convert item boundaries into transformer layers per stage.
+    let n_items = items.len();
+    let mut counts = Vec::with_capacity(layout.pp as usize);
+    for j in 0..part.starts.len() {
+        let s = part.starts[j];
+        let e = if j + 1 < part.starts.len() { part.starts[j + 1] } else { n_items };
+        let layers = (s..e).filter(|&i| i > 0 && i < n_items - 1).count() as u32;
+        counts.push(layers);
+    }
+    Some(counts)
+}
+
+fn formulas() -> BTreeMap<String, String> {
+    let mut f = BTreeMap::new();
+    let mut put = |k: &str, v: &str| {
+        f.insert(k.to_string(), v.to_string());
+    };
+    put("model_flops_per_token", "6 * N_matmul_active + 3 * L * attn_fwd, attn_fwd = 4*s*heads*head_dim/2 (causal); N_matmul_active = weight matrices a token passes through (MoE: top_k routed + shared experts), LM head included, input embedding excluded");
+    put("hardware_flops_per_token", "model FLOPs + recompute: full adds 2*N_layers + attn_fwd per token, selective adds attn_fwd");
+    put("mfu", "model_flops_per_token * tokens_per_s / (world_size * peak), peak = dense BF16 peak (FP8 peak when fp8_gemms)");
+    put("hfu", "hardware_flops_per_token * tokens_per_s / (world_size * peak)");
+    put("step_s", "grad_accum * t_microbatch(slowest rank) + bubble + pp_p2p + dp_exposed + optimizer");
+    put("bubble", "(sum of per-rank micro-batch times - slowest) / vpp; equals (p-1)/(v*m) of the ideal time for balanced stages (Narayanan et al. 2021)");
+    put("collectives", "ring alpha-beta: all-reduce 2(n-1)/n*M/B + 2(n-1)a; all-gather/reduce-scatter (n-1)/n*M/B + (n-1)a; B = bus bandwidth of the fabric the group crosses (NVLink in a node; per-GPU NIC x group ranks per node across nodes)");
+    put("memory", "weights + grads + fp32 master + optimizer moments under ZeRO over the data-parallel ranks (experts over expert-dp) + activations (Korthikanti et al. 2022, per saved tensor) x in-flight micro-batches + logits + temporaries + framework reserve");
+    put("checkpoint_interval", "Daly (2006): sqrt(2*C*M)*(1 + sqrt(C/2M)/3 + C/18M) - C, at least the durable write time; Young: sqrt(2*C*M)");
+    put("goodput", "tokens_per_s * (1 - C/T - (T/2 + R + W)/M)");
+    put("mesh", "world = tp x cp x ep x dp x pp, tp fastest; dense data-parallel degree = cp*ep*dp, expert data-parallel = cp*dp");
+    f
+}
+
+fn rank_order(job: &Job, l: &Layout) -> RankOrder {
+    let gpn = job.cluster.gpus_per_node;
+    let mut groups = Vec::new();
+    let mut push = |axis: &str, stride: u64, size: u64| {
+        let (_, _, crosses, per_node) = group_link(job, stride, size);
+        let nodes = if crosses { size.div_ceil(per_node.max(1)) } else { 1 };
+        groups.push(GroupInfo {
+            axis: axis.into(),
+            size,
+            stride,
+            fabric: if crosses { "inter_node" } else { "nvlink" }.into(),
+            nodes_spanned: nodes,
+        });
+    };
+    let tp = l.tp as u64;
+    let cp = l.cp as u64;
+    let ep = l.ep as u64;
+    let dp = l.dp as u64;
+    push("tp", 1, tp);
+    push("cp", tp, cp);
+    push("ep", tp * cp, ep);
+    push("dp", tp * cp * ep, dp);
+    push("dense_dp", tp, cp * ep * dp);
+    push("pp", tp * cp * ep * dp, l.pp as u64);
+    RankOrder {
+        order: ["tp", "cp", "ep", "dp", "pp"].iter().map(|s| s.to_string()).collect(),
+        description: format!(
+            "rank = tp_i + {tp}*(cp_i + {cp}*(ep_i + {ep}*(dp_i + {dp}*pp_i))); node = rank / {gpn}"
+        ),
+        nodes: l.world().div_ceil(gpn as u64),
+        ranks_per_node: gpn,
+        groups,
+    }
+}
+
+fn ranges(first: u32, count: u32) -> String {
+    if count == 0 {
+        String::new()
+    } else if count == 1 {
+        format!("{first}")
+    } else {
+        format!("{}-{}", first, first + count - 1)
+    }
+}
+
+fn stages(job: &Job, l: &Layout, ranks: &[RankEval]) -> Vec<Stage> {
+    let v = l.vpp.max(1);
+    ranks
+        .iter()
+        .enumerate()
+        .map(|(j, r)| {
+            let n = r.load.dense_layers + r.load.moe_layers;
+            let layers = if v > 1 {
+                let chunk = job.model.num_layers / (l.pp * v);
+                (0..v)
+                    .map(|c| ranges((c * l.pp + j as u32) * chunk, chunk))
+                    .collect()
+            } else if n > 0 {
+                vec![ranges(r.first_layer, n)]
+            } else {
+                vec![]
+            };
+            Stage {
+                stage: j as u32,
+                layers,
+                num_layers: n,
+                has_embedding: r.load.embedding,
+                has_lm_head: r.load.head,
+                compute_per_microbatch_s: r.time_per_mb_s,
+                memory_bytes: r.memory.total_bytes,
+            }
+        })
+        .collect()
+}
+
+fn differs(a: &Layout, b: &Layout) -> Vec<String> {
+    let mut d = Vec::new();
+    macro_rules! cmp {
+        ($f:ident) => {
+            if a.$f != b.$f {
+                d.push(stringify!($f).to_string());
+            }
+        };
+    }
+    cmp!(tp);
+    cmp!(pp);
+    cmp!(dp);
+    cmp!(cp);
+    cmp!(ep);
+    cmp!(vpp);
+    cmp!(micro_batch);
+    cmp!(grad_accum);
+    cmp!(zero_stage);
+    cmp!(recompute);
+    cmp!(sequence_parallel);
+    cmp!(schedule);
+    d
+}
+
+/// Search, refine, and assemble the plan. `warnings` come from spec resolution.
+pub fn plan(
+    job: &Job,
+    resolve_warnings: &[String],
+    opts: &PlanOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<Plan, PlanError> {
+    let keep = opts.top_k + 1;
+    // Keep a few more than shown: refinement can reorder them.
+    let result = search(job, keep + 4, progress);
+    if result.best.is_empty() {
+        let reasons = result
+            .summary
+            .rejected
+            .iter()
+            .map(|(k, v)| {
+                let ex = result.summary.examples.get(k).cloned().unwrap_or_default();
+                format!("{k} x{v} (e.g. {ex})")
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        return Err(PlanError::NoFeasible {
+            candidates: result.summary.candidates,
+            reasons,
+            summary: result.summary,
+        });
+    }
+    let mut refined: Vec<(Candidate, Evaluation)> = result
+        .best
+        .iter()
+        .map(|c| {
+            let (ev, _) = evaluate_refined(job, &c.layout, opts.refine);
+            (
+                Candidate {
+                    layout: c.layout,
+                    estimate: ev.estimate.clone(),
+                },
+                ev,
+            )
+        })
+        .collect();
+    refined.sort_by(|a, b| rank_cmp(&a.0, &b.0));
+    refined.truncate(keep);
+    let (chosen, chosen_ev) = refined[0].clone();
+    let est = &chosen.estimate;
+    let layout = chosen.layout;
+
+    let alternatives = refined[1..]
+        .iter()
+        .enumerate()
+        .map(|(i, (c, _))| Alternative {
+            rank: i as u32 + 2,
+            layout: c.layout,
+            tokens_per_s: c.estimate.tokens_per_s,
+            goodput_tokens_per_s: c.estimate.goodput_tokens_per_s,
+            mfu: c.estimate.mfu,
+            memory_bytes: c.estimate.memory.total_bytes,
+            step_s: c.estimate.step.step_s,
+            goodput_delta_pct: (c.estimate.goodput_tokens_per_s / est.goodput_tokens_per_s - 1.0) * 100.0,
+            differs_in: differs(&layout, &c.layout),
+        })
+        .collect();
+
+    let mut warnings: Vec<String> = resolve_warnings.to_vec();
+    if !est.fits {
+        warnings.push(format!(
+            "the pinned layout does NOT fit: {:.1} GB needed on stage {} of {:.1} GB HBM",
+            est.memory.total_bytes / 1e9,
+            est.memory.stage,
+            est.memory.hbm_bytes / 1e9
+        ));
+    }
+    if layout.tp > job.cluster.gpus_per_node {
+        warnings.push(format!(
+            "tp={} spans nodes: tensor-parallel collectives run over the inter-node fabric",
+            layout.tp
+        ));
+    }
+    if est.step.bubble_fraction > 0.10 {
+        warnings.push(format!(
+            "pipeline bubble is {:.1}% of the step (pp={}, vpp={}, {} micro-batches)",
+            est.step.bubble_fraction * 100.0,
+            layout.pp,
+            layout.vpp,
+            layout.grad_accum
+        ));
+    }
+    if est.memory.headroom < 0.05 && est.fits {
+        warnings.push(format!(
+            "memory headroom is {:.1}% on stage {} (under 5%): allocator fragmentation may push it over",
+            est.memory.headroom * 100.0,
+            est.memory.stage
+        ));
+    }
+    let budget = job.training.token_budget.map(|tokens| {
+        let secs = tokens / est.goodput_tokens_per_s;
+        Budget {
+            token_budget: tokens,
+            model_flops: tokens * flops::model_flops_per_token(&job.model),
+            days: secs / 86400.0,
+            gpu_hours: secs / 3600.0 * job.cluster.num_gpus as f64,
+        }
+    });
+    Ok(Plan {
+        schema_version: SCHEMA_VERSION.to_string(),
+        inputs: job.clone(),
+        formulas: formulas(),
+        layout,
+        rank_order: rank_order(job, &layout),
+        stages: stages(job, &layout, &chosen_ev.ranks),
+        estimate: est.clone(),
+        budget,
+        alternatives,
+        search: result.summary,
+        warnings,
+    })
+}

@@ -1,0 +1,108 @@
+//! File I/O for the CLI: reading specs and plans, atomic writes, the progress bar.
+
+use crate::{usage, Failure};
+use anyhow::{anyhow, Context};
+use shardwright_cost::{resolve, ResolveOptions, Resolved};
+use shardwright_ir::job::Efficiency;
+use shardwright_ir::parse::{parse_spec, Format};
+use shardwright_planner::{plan, PlanError, PlanOptions};
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Read a file, or stdin for `-`.
+pub fn read_input(path: &Path) -> Result<String, Failure> {
+    if path == Path::new("-") {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s).context("reading stdin")?;
+        return Ok(s);
+    }
+    std::fs::read_to_string(path).map_err(|e| usage(anyhow!("{}: {e}", path.display())))
+}
+
+/// Write to a temp file beside the target, then rename: readers never see half a file.
+pub fn write_output(path: Option<&Path>, text: &str) -> Result<(), Failure> {
+    let Some(path) = path else {
+        std::io::stdout().write_all(text.as_bytes()).context("writing stdout")?;
+        return Ok(());
+    };
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| usage(anyhow!("{}: not a file path", path.display())))?;
+    let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
+    let res = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(anyhow!("writing {}: {e}", path.display()).into());
+    }
+    Ok(())
+}
+
+pub fn load_profile(path: &Path) -> Result<Efficiency, Failure> {
+    let text = read_input(path)?;
+    #[derive(serde::Deserialize)]
+    struct ProfileFile {
+        efficiency: Efficiency,
+    }
+    let v = shardwright_ir::parse::parse_value(&text, Format::Json)
+        .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
+    // Accept either a bare Efficiency object or a calibrate output with `efficiency`.
+    if v.get("efficiency").is_some() {
+        let p: ProfileFile = shardwright_ir::parse::from_value(v)
+            .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
+        return Ok(p.efficiency);
+    }
+    shardwright_ir::parse::from_value(v).map_err(|e| usage(anyhow!("{}: {e}", path.display())))
+}
+
+/// Parse and resolve a job spec; errors name the file and every bad field.
+pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Resolved, Failure> {
+    let text = read_input(path)?;
+    let spec = parse_spec(&text, Format::from_path(&path.to_string_lossy()))
+        .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
+    let opts = ResolveOptions {
+        profile: profile.map(load_profile).transpose()?,
+    };
+    resolve(&spec, &opts).map_err(|e| usage(anyhow!("{}:\n{e}", path.display())))
+}
+
+/// Run the planner with a progress bar that appears only if the search takes a while and
+/// stderr is a terminal.
+pub fn plan_with_progress(job: &Resolved, top: usize, show: bool) -> Result<shardwright_ir::Plan, Failure> {
+    let start = Instant::now();
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let mut cb = |done: u64, total: u64| {
+        if !show {
+            return;
+        }
+        if bar.is_none() && start.elapsed() > Duration::from_millis(300) {
+            let b = indicatif::ProgressBar::new(total);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("searching {bar:40} {pos}/{len} meshes {elapsed}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar = Some(b);
+        }
+        if let Some(b) = &bar {
+            b.set_position(done);
+        }
+    };
+    let opts = PlanOptions {
+        top_k: top,
+        ..PlanOptions::default()
+    };
+    let res = plan(&job.job, &job.warnings, &opts, &mut cb);
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    res.map_err(|e| match e {
+        PlanError::NoFeasible { .. } => Failure {
+            code: 3,
+            error: anyhow!("{e}"),
+        },
+    })
+}
