@@ -51,7 +51,10 @@
 //! the LP rejects non-finite inputs with [`PartitionError::Solver`]. The
 //! memory check is exact (`mem <= cap`, no tolerance) in all three.
 
-use good_lp::{microlp, variable, Expression, ProblemVariables, Solution, SolverModel, Variable};
+use good_lp::{
+    microlp, variable, Expression, ProblemVariables, Solution, SolverModel, Variable,
+    WithInitialSolution,
+};
 use serde::{Deserialize, Serialize};
 
 /// One layer-like unit of the model, in pipeline order.
@@ -387,27 +390,53 @@ const DROP_BELOW: f64 = 1e-6;
 /// memory rows, covering microlp's feasibility / optimality tolerances.
 const LP_SLACK: f64 = 1e-7;
 
-/// A maximal run of consecutive identical items.
-#[derive(Clone, Copy, Debug)]
-struct Run {
-    item: Item,
+/// Longest repeating pattern looked for when aggregating items into blocks.
+const MAX_PERIOD: usize = 8;
+
+/// A segment of consecutive items that repeats `pattern` `reps` times (a run
+/// of identical items is the case `pattern.len() == 1`).
+#[derive(Clone, Debug)]
+struct Block {
+    pattern: Vec<Item>,
     start: usize,
-    len: usize,
+    reps: usize,
 }
 
-fn runs_of(items: &[Item]) -> Vec<Run> {
-    let mut runs: Vec<Run> = Vec::new();
-    for (i, it) in items.iter().enumerate() {
-        match runs.last_mut() {
-            Some(r) if r.item == *it => r.len += 1,
-            _ => runs.push(Run {
-                item: *it,
-                start: i,
-                len: 1,
-            }),
-        }
+impl Block {
+    fn len(&self) -> usize {
+        self.pattern.len() * self.reps
     }
-    runs
+}
+
+/// Greedy decomposition into periodic blocks: at each position take the period
+/// `p <= MAX_PERIOD` whose repetitions cover the most items (ties: smaller
+/// `p`; `p > 1` needs at least two repetitions). E.g. `E D D D M×58 H` gives
+/// 4 blocks, `E (D M)×31 D H` gives 4 blocks as well.
+fn blocks_of(items: &[Item]) -> Vec<Block> {
+    let n = items.len();
+    let mut blocks = Vec::new();
+    let mut i = 0;
+    while i < n {
+        let (mut best_p, mut best_reps) = (1, 1);
+        for p in 1..=MAX_PERIOD.min(n - i) {
+            // matching length: items[i + k] == items[i + k - p] for k >= p
+            let mut m = p;
+            while i + m < n && items[i + m] == items[i + m - p] {
+                m += 1;
+            }
+            let reps = m / p;
+            if (p == 1 || reps >= 2) && reps * p > best_reps * best_p {
+                (best_p, best_reps) = (p, reps);
+            }
+        }
+        blocks.push(Block {
+            pattern: items[i..i + best_p].to_vec(),
+            start: i,
+            reps: best_reps,
+        });
+        i += best_p * best_reps;
+    }
+    blocks
 }
 
 /// A model quantity that is either fixed by presolve or a solver variable.
@@ -517,7 +546,12 @@ pub fn partition_lp(
         ));
     }
     let lower = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        solve_milp(items, inflight, cap)
+        let hint = if std::env::var("SW_HINT").is_ok() {
+            partition_dp(items, inflight, cap).ok().map(|p| p.starts)
+        } else {
+            None
+        };
+        solve_milp(items, inflight, cap, hint.as_deref())
     }))
     .map_err(|p| {
         let msg = p
@@ -597,14 +631,38 @@ fn snap_optimum(
     Ok(cand[hi])
 }
 
+/// Position of a stage end inside a block: `pos = p·a + Σ_k u[k]` (`a` full
+/// periods, then the first `Σu` items of the pattern; `u` is unary, i.e.
+/// non-increasing).
+struct Pos {
+    a: Term,
+    u: Vec<Term>,
+}
+
+impl Pos {
+    /// Adds `coef · Σ_{items before pos} weight` to `lin`, where `weights` are
+    /// the per-item weights of the block's pattern.
+    fn add_prefix(&self, lin: &mut Lin, coef: f64, weights: &[f64]) {
+        lin.add(coef * weights.iter().sum::<f64>(), self.a);
+        for (k, &u) in self.u.iter().enumerate() {
+            lin.add(coef * weights[k], u);
+        }
+    }
+}
+
 /// Builds and solves the (slightly relaxed) MILP; returns its optimum `z*`
 /// minus the tolerance slack, in seconds: a lower bound on the optimal max
 /// stage time. `Err(Infeasible)` when the relaxed model is infeasible.
-fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, PartitionError> {
+fn solve_milp(
+    items: &[Item],
+    inflight: &[f64],
+    cap: f64,
+    hint: Option<&[usize]>,
+) -> Result<f64, PartitionError> {
     let n = items.len();
     let stages = inflight.len();
-    let runs = runs_of(items);
-    let nr = runs.len();
+    let blocks = blocks_of(items);
+    let nb = blocks.len();
 
     // scaling
     let t_scale = items.iter().map(|it| it.time_s.abs()).fold(0.0, f64::max);
@@ -618,18 +676,36 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
     let m_scale = if m_scale > 0.0 { m_scale } else { 1.0 };
     // drop tiny positive coefficients (a relaxation), keep everything else
     let relax = |c: f64| if c > 0.0 && c < DROP_BELOW { 0.0 } else { c };
+    let time_w: Vec<Vec<f64>> = blocks
+        .iter()
+        .map(|b| b.pattern.iter().map(|it| relax(it.time_s / t_scale)).collect())
+        .collect();
 
     let mut vars = ProblemVariables::new();
     let mut z_def = variable();
+    let mut z_lb = f64::NEG_INFINITY;
     if items.iter().all(|it| it.time_s >= 0.0) {
         let tmax = items.iter().map(|it| relax(it.time_s / t_scale)).fold(0.0, f64::max);
         let tavg = items.iter().map(|it| relax(it.time_s / t_scale)).sum::<f64>() / stages as f64;
-        z_def = z_def.min(tmax.max(tavg) - LP_SLACK);
+        z_lb = tmax.max(tavg) - LP_SLACK;
+        z_def = z_def.min(z_lb);
     }
     let z = vars.add(z_def);
+    let mut warm: Vec<(Variable, f64)> = Vec::new();
+    if let Some(starts) = hint {
+        // z = max relaxed stage time of the hinted split
+        let mut zmax = z_lb;
+        for (j, &s0) in starts.iter().enumerate() {
+            let e = starts.get(j + 1).copied().unwrap_or(n);
+            let t: f64 = items[s0..e].iter().map(|it| relax(it.time_s / t_scale)).sum();
+            zmax = zmax.max(t);
+        }
+        warm.push((z, zmax + LP_SLACK));
+    }
 
-    // d[j][r]: items of run r in stages <= j ; w[j][r]: run r complete at end of stage j
-    let mut d: Vec<Vec<Term>> = Vec::with_capacity(stages);
+    // pos[j][b]: items of block b in stages <= j ; w[j][b]: block b complete at end of stage j
+    let mut pos: Vec<Vec<Pos>> = Vec::with_capacity(stages);
+    let mut pos_bounds: Vec<Vec<(usize, usize)>> = Vec::with_capacity(stages);
     let mut w: Vec<Vec<Term>> = Vec::with_capacity(stages);
     for j in 0..stages {
         let (k_lo, k_hi) = if j + 1 == stages {
@@ -637,53 +713,108 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
         } else {
             (j + 1, n - stages + j + 1)
         };
-        let mut dj = Vec::with_capacity(nr);
-        let mut bounds = Vec::with_capacity(nr);
-        for r in &runs {
-            let lo = k_lo.saturating_sub(r.start).min(r.len);
-            let hi = k_hi.saturating_sub(r.start).min(r.len);
-            bounds.push((lo, hi));
-            dj.push(if lo == hi {
-                Term::Const(lo as f64)
+        let mut pj = Vec::with_capacity(nb);
+        let mut bj = Vec::with_capacity(nb);
+        for b in &blocks {
+            let p = b.pattern.len();
+            let lo = k_lo.saturating_sub(b.start).min(b.len());
+            let hi = k_hi.saturating_sub(b.start).min(b.len());
+            bj.push((lo, hi));
+            pj.push(if lo == hi {
+                Pos {
+                    a: Term::Const((lo / p) as f64),
+                    u: (0..p - 1).map(|k| Term::Const(if k < lo % p { 1.0 } else { 0.0 })).collect(),
+                }
             } else {
-                Term::Var(vars.add(variable().integer().min(lo as f64).max(hi as f64)))
+                let (a_lo, a_hi) = (lo / p, hi / p);
+                Pos {
+                    a: if a_lo == a_hi {
+                        Term::Const(a_lo as f64)
+                    } else {
+                        Term::Var(vars.add(variable().integer().min(a_lo as f64).max(a_hi as f64)))
+                    },
+                    u: (0..p - 1).map(|_| Term::Var(vars.add(variable().binary()))).collect(),
+                }
             });
         }
-        let mut wj = Vec::with_capacity(nr.saturating_sub(1));
-        for r in 0..nr.saturating_sub(1) {
-            wj.push(if bounds[r + 1].0 > 0 {
-                Term::Const(1.0) // the next run has started: this one is complete
-            } else if bounds[r].1 < runs[r].len {
-                Term::Const(0.0) // this run cannot be complete yet
+        let mut wj = Vec::with_capacity(nb.saturating_sub(1));
+        for r in 0..nb.saturating_sub(1) {
+            wj.push(if bj[r + 1].0 > 0 {
+                Term::Const(1.0) // the next block has started: this one is complete
+            } else if bj[r].1 < blocks[r].len() {
+                Term::Const(0.0) // this block cannot be complete yet
             } else {
                 Term::Var(vars.add(variable().binary()))
             });
         }
-        d.push(dj);
+        if let Some(starts) = hint {
+            let k = starts.get(j + 1).copied().unwrap_or(n);
+            for (r, b) in blocks.iter().enumerate() {
+                let p = b.pattern.len();
+                let pv = k.saturating_sub(b.start).min(b.len());
+                if let Term::Var(v) = pj[r].a {
+                    warm.push((v, (pv / p) as f64));
+                }
+                for (kk, u) in pj[r].u.iter().enumerate() {
+                    if let Term::Var(v) = *u {
+                        warm.push((v, if kk < pv % p { 1.0 } else { 0.0 }));
+                    }
+                }
+                if let Some(Term::Var(v)) = wj.get(r) {
+                    warm.push((*v, if pv == b.len() { 1.0 } else { 0.0 }));
+                }
+            }
+        }
+        pos.push(pj);
+        pos_bounds.push(bj);
         w.push(wj);
     }
 
     let mut model = vars.minimise(z).using(microlp);
+    if !warm.is_empty() {
+        model = model.with_initial_solution(warm);
+    }
     let mut consistent = true;
+    let ones: Vec<Vec<f64>> = blocks.iter().map(|b| vec![1.0; b.pattern.len()]).collect();
 
     for j in 0..stages {
-        for r in 0..nr.saturating_sub(1) {
-            // c_r w[j][r] - d[j][r] <= 0
-            let mut a = Lin::new();
-            a.add(runs[r].len as f64, w[j][r]);
-            a.add(-1.0, d[j][r]);
-            consistent &= add_leq(&mut model, a, 0.0);
-            // d[j][r+1] - c_{r+1} w[j][r] <= 0
-            let mut b = Lin::new();
-            b.add(1.0, d[j][r + 1]);
-            b.add(-(runs[r + 1].len as f64), w[j][r]);
-            consistent &= add_leq(&mut model, b, 0.0);
-            if j > 0 {
-                // w[j-1][r] - w[j][r] <= 0
+        for (r, blk) in blocks.iter().enumerate() {
+            let pjr = &pos[j][r];
+            let (lo, hi) = pos_bounds[j][r];
+            if blk.pattern.len() > 1 {
+                // lo <= pos <= hi (also keeps pos <= block length); for p == 1
+                // these are the bounds of `a` itself
+                let mut up = Lin::new();
+                pjr.add_prefix(&mut up, 1.0, &ones[r]);
+                consistent &= add_leq(&mut model, up, hi as f64);
+                let mut down = Lin::new();
+                pjr.add_prefix(&mut down, -1.0, &ones[r]);
+                consistent &= add_leq(&mut model, down, -(lo as f64));
+            }
+            // unary offset: u[k+1] <= u[k]
+            for k in 1..pjr.u.len() {
                 let mut c = Lin::new();
-                c.add(1.0, w[j - 1][r]);
-                c.add(-1.0, w[j][r]);
+                c.add(1.0, pjr.u[k]);
+                c.add(-1.0, pjr.u[k - 1]);
                 consistent &= add_leq(&mut model, c, 0.0);
+            }
+            if r + 1 < nb {
+                // filling order: L_r w <= pos[j][r] ; pos[j][r+1] <= L_{r+1} w
+                let mut a = Lin::new();
+                a.add(blk.len() as f64, w[j][r]);
+                pjr.add_prefix(&mut a, -1.0, &ones[r]);
+                consistent &= add_leq(&mut model, a, 0.0);
+                let mut b = Lin::new();
+                pos[j][r + 1].add_prefix(&mut b, 1.0, &ones[r + 1]);
+                b.add(-(blocks[r + 1].len() as f64), w[j][r]);
+                consistent &= add_leq(&mut model, b, 0.0);
+                if j > 0 {
+                    // w[j-1][r] <= w[j][r]
+                    let mut c = Lin::new();
+                    c.add(1.0, w[j - 1][r]);
+                    c.add(-1.0, w[j][r]);
+                    consistent &= add_leq(&mut model, c, 0.0);
+                }
             }
         }
     }
@@ -692,25 +823,28 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
         let mut time = Lin::new();
         let mut mem = Lin::new();
         let mut count = Lin::new();
-        for (r, run) in runs.iter().enumerate() {
-            let t = relax(run.item.time_s / t_scale);
-            let m = relax(item_mem(&run.item, inflight[j]) / m_scale);
-            // x[j][r] = d[j][r] - d[j-1][r]
-            let add_x = |lin: &mut Lin, coef: f64| {
-                lin.add(coef, d[j][r]);
+        for (r, blk) in blocks.iter().enumerate() {
+            let mem_w: Vec<f64> = blk
+                .pattern
+                .iter()
+                .map(|it| relax(item_mem(it, inflight[j]) / m_scale))
+                .collect();
+            // stage quantity = prefix(pos[j]) - prefix(pos[j-1])
+            let add_x = |lin: &mut Lin, coef: f64, weights: &[f64]| {
+                pos[j][r].add_prefix(lin, coef, weights);
                 if j > 0 {
-                    lin.add(-coef, d[j - 1][r]);
+                    pos[j - 1][r].add_prefix(lin, -coef, weights);
                 }
             };
             if j > 0 {
-                // -x <= 0
+                // items of block r in stage j >= 0
                 let mut mono = Lin::new();
-                add_x(&mut mono, -1.0);
+                add_x(&mut mono, -1.0, &ones[r]);
                 consistent &= add_leq(&mut model, mono, 0.0);
             }
-            add_x(&mut time, t);
-            add_x(&mut mem, m);
-            add_x(&mut count, -1.0);
+            add_x(&mut time, 1.0, &time_w[r]);
+            add_x(&mut mem, 1.0, &mem_w);
+            add_x(&mut count, -1.0, &ones[r]);
         }
         time.add(-1.0, Term::Var(z));
         consistent &= add_leq(&mut model, time, 0.0);
