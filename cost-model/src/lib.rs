@@ -9,6 +9,7 @@ pub mod collective;
 pub mod eval;
 pub mod flops;
 pub mod memory;
+pub mod pipeline;
 pub mod reliability;
 pub mod resolve;
 
