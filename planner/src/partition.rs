@@ -51,10 +51,7 @@
 //! the LP rejects non-finite inputs with [`PartitionError::Solver`]. The
 //! memory check is exact (`mem <= cap`, no tolerance) in all three.
 
-use good_lp::{
-    microlp, variable, Expression, ProblemVariables, Solution, SolverModel, Variable,
-    WithInitialSolution,
-};
+use good_lp::{microlp, variable, Expression, ProblemVariables, Solution, SolverModel, Variable};
 use serde::{Deserialize, Serialize};
 
 /// One layer-like unit of the model, in pipeline order.
@@ -488,41 +485,52 @@ fn add_leq<M: SolverModel>(model: &mut M, lin: Lin, rhs: f64) -> bool {
 
 /// Exact MILP with good_lp (microlp backend).
 ///
-/// **Formulation** (incremental "filling order" model over runs). Consecutive
-/// identical items are aggregated into runs `r` of `c_r` items with per-item
-/// time `t_r` and memory `m_rj = s_r + inflight[j] a_r`. For each stage end
-/// `j` and run `r`, the integer `d[j][r] ∈ [0, c_r]` counts the items of run `r`
-/// in stages `<= j` (`d[-1][r] = 0`, `d[stages-1][r] = c_r`). Runs fill in
-/// order, enforced with binaries `w[j][r]` ("run `r` is complete at the end of
-/// stage `j`"): `d[j][r] >= c_r w[j][r]` and `d[j][r+1] <= c_{r+1} w[j][r]`.
-/// With `x[j][r] = d[j][r] - d[j-1][r]` (items of run `r` in stage `j`):
+/// **Aggregation.** Items are grouped into periodic blocks (`blocks_of`): a
+/// block repeats a pattern of `p <= 8` items `q` times, e.g. a run of identical
+/// MoE layers (`p = 1`) or alternating dense/MoE layers (`p = 2`).
+/// `E D D D M×58 H` and `E (D M)×31 D H` both become 4 blocks.
+///
+/// **Formulation** (incremental "filling order" model). For each stage end `j`
+/// and block `b` (length `L_b`), the position `pos[j][b] ∈ [0, L_b]` = number of
+/// the block's items in stages `<= j` is written as `p·a[j][b] + Σ_k u[j][b][k]`
+/// with an integer `a` (full periods) and a unary offset (binaries
+/// `u[k] >= u[k+1]`, `k < p-1`; none when `p = 1`). Any per-item quantity summed
+/// over the block's first `pos` items is then linear:
+/// `F(pos) = a·Σ_k f_k + Σ_k f_k u[k]`. `pos[-1][b] = 0`, `pos[stages-1][b] = L_b`.
+/// Blocks fill in order via binaries `w[j][b]` ("block `b` complete at the end of
+/// stage `j`"): `L_b w[j][b] <= pos[j][b]`, `pos[j][b+1] <= L_{b+1} w[j][b]`.
+/// With `Δ_j F = F(pos[j]) - F(pos[j-1])` (the stage's share of the block):
 ///
 /// ```text
 /// minimise z  subject to, for every stage j:
-///   Σ_r t_r  x[j][r] <= z           (slowest stage)
-///   Σ_r m_rj x[j][r] <= cap         (memory)
-///   Σ_r      x[j][r] >= 1           (non-empty)
-///   x[j][r] >= 0,  w[j-1][r] <= w[j][r]   (monotone; tightening)
+///   Σ_b Δ_j time_b          <= z      (slowest stage)
+///   Σ_b Δ_j mem_b(inflight_j) <= cap  (memory)
+///   Σ_b Δ_j count_b         >= 1      (non-empty)
+///   Δ_j count_b >= 0,  w[j-1][b] <= w[j][b]                (monotone)
+///   Δ_j count_b <= K_jb,  Σ_b Δ_j count_b <= K_j           (rounding cuts)
 /// ```
 ///
-/// Presolve fixes the range of each stage end (`k_j ∈ [j+1, n-stages+j+1]`)
-/// and with it many `d` / `w`; a 65-item model with 4 runs and 16 stages has
-/// ~100 integer variables. Times are scaled by the largest item time and bytes
-/// by the cap; when times are non-negative `z >= max item time` and
-/// `z >= Σt / stages` are added. Coefficients that are negligible after scaling
-/// (`< 1e-6`) are dropped where that relaxes the model, and the memory rows get
-/// a `1e-7` slack: the MILP is thus a (very slightly) relaxed model, and its
-/// optimum `z*` a lower bound on the true `T*`.
+/// `K_jb` (`K_j`) is the largest number of consecutive items of the block (of
+/// the whole sequence) that fit the cap on stage `j` — a Chvátal–Gomory style
+/// cut, valid when all bytes and inflights are non-negative (only then added);
+/// it is what makes memory-bound instances fast. Presolve fixes the range of
+/// each stage end (`k_j ∈ [j+1, n-stages+j+1]`) and with it many variables.
+/// Times are scaled by the largest item time and bytes by the cap; when times
+/// are non-negative `z >= max item time` and `z >= Σt / stages` are added.
+/// Coefficients that are negligible after scaling (`< 1e-6`; microlp reports a
+/// singular basis on rows mixing them with O(1) entries) are dropped where that
+/// relaxes the model, and memory rows get a `1e-7` slack: the MILP is a (very
+/// slightly) relaxed model and its optimum `z*` a lower bound on `T*`.
 ///
-/// **Exact snap + canonical split.** The MILP only determines the optimum.
-/// `T*` is then the smallest achievable stage time (a left-to-right sum over a
-/// contiguous item range) that is `>= z* - 1e-7·scale` and admits a split
-/// fitting the exact cap with every stage `<= T*` (checked by the greedy/DP
-/// feasibility pass below; normally the first candidate tried). Finally the
-/// returned split is the lexicographically smallest `starts` that fits the cap
-/// with max stage time `<= T* (1 + 1e-9)`, the same canonical answer as
-/// [`partition_dp`] and [`partition_brute`], so all three return identical
-/// `starts`.
+/// **Exact snap + canonical split.** The MILP determines the optimum up to
+/// those tolerances. `T*` is then the smallest achievable stage time (a
+/// left-to-right sum over a contiguous item range) that is `>= z* - 1e-7·scale`
+/// and admits a split fitting the exact cap with every stage `<= T*`, checked by
+/// the greedy/DP feasibility pass (galloping over the sorted candidates; the
+/// first candidate normally succeeds). Finally the returned split is the
+/// lexicographically smallest `starts` that fits the cap with max stage time
+/// `<= T* (1 + 1e-9)` — the canonical answer shared with [`partition_dp`] and
+/// [`partition_brute`], so all three return identical `starts`.
 ///
 /// Errors: [`PartitionError::TooFewItems`], [`PartitionError::Infeasible`] (the
 /// MILP, or the exact check after it, proves it), and [`PartitionError::Solver`]
@@ -546,12 +554,7 @@ pub fn partition_lp(
         ));
     }
     let lower = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let hint = if std::env::var("SW_HINT").is_ok() {
-            partition_dp(items, inflight, cap).ok().map(|p| p.starts)
-        } else {
-            None
-        };
-        solve_milp(items, inflight, cap, hint.as_deref())
+        solve_milp(items, inflight, cap)
     }))
     .map_err(|p| {
         let msg = p
@@ -631,6 +634,47 @@ fn snap_optimum(
     Ok(cand[hi])
 }
 
+/// Largest `c <= len` such that some `c` consecutive items of the periodic
+/// sequence `pattern, pattern, ...` (of total length `len`) fit `cap` on a
+/// stage with `inflight` micro-batches. Assumes non-negative memory.
+fn max_fitting_window(pattern: &[Item], len: usize, inflight: f64, cap: f64) -> usize {
+    let p = pattern.len();
+    let m: Vec<f64> = pattern.iter().map(|it| item_mem(it, inflight)).collect();
+    // window sums starting at each pattern offset, extended one item at a time
+    let mut sums = vec![0.0; p];
+    for c in 1..=len {
+        let mut any = false;
+        for (o, sum) in sums.iter_mut().enumerate() {
+            *sum += m[(o + c - 1) % p];
+            any |= *sum <= cap && o + c <= len;
+        }
+        if !any {
+            return c - 1;
+        }
+    }
+    len
+}
+
+/// Longest range of consecutive items that fits `cap` on a stage with
+/// `inflight` micro-batches (two pointers). Assumes non-negative memory.
+fn longest_fitting_range(items: &[Item], inflight: f64, cap: f64) -> usize {
+    let (mut best, mut lo, mut sum) = (0, 0, 0.0);
+    for hi in 0..items.len() {
+        sum += item_mem(&items[hi], inflight);
+        while sum > cap && lo <= hi {
+            sum -= item_mem(&items[lo], inflight);
+            lo += 1;
+        }
+        if lo <= hi {
+            best = best.max(hi + 1 - lo);
+        }
+        if lo > hi {
+            sum = 0.0; // reset accumulated rounding
+        }
+    }
+    best
+}
+
 /// Position of a stage end inside a block: `pos = p·a + Σ_k u[k]` (`a` full
 /// periods, then the first `Σu` items of the pattern; `u` is unary, i.e.
 /// non-increasing).
@@ -653,12 +697,7 @@ impl Pos {
 /// Builds and solves the (slightly relaxed) MILP; returns its optimum `z*`
 /// minus the tolerance slack, in seconds: a lower bound on the optimal max
 /// stage time. `Err(Infeasible)` when the relaxed model is infeasible.
-fn solve_milp(
-    items: &[Item],
-    inflight: &[f64],
-    cap: f64,
-    hint: Option<&[usize]>,
-) -> Result<f64, PartitionError> {
+fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, PartitionError> {
     let n = items.len();
     let stages = inflight.len();
     let blocks = blocks_of(items);
@@ -683,25 +722,12 @@ fn solve_milp(
 
     let mut vars = ProblemVariables::new();
     let mut z_def = variable();
-    let mut z_lb = f64::NEG_INFINITY;
     if items.iter().all(|it| it.time_s >= 0.0) {
         let tmax = items.iter().map(|it| relax(it.time_s / t_scale)).fold(0.0, f64::max);
         let tavg = items.iter().map(|it| relax(it.time_s / t_scale)).sum::<f64>() / stages as f64;
-        z_lb = tmax.max(tavg) - LP_SLACK;
-        z_def = z_def.min(z_lb);
+        z_def = z_def.min(tmax.max(tavg) - LP_SLACK);
     }
     let z = vars.add(z_def);
-    let mut warm: Vec<(Variable, f64)> = Vec::new();
-    if let Some(starts) = hint {
-        // z = max relaxed stage time of the hinted split
-        let mut zmax = z_lb;
-        for (j, &s0) in starts.iter().enumerate() {
-            let e = starts.get(j + 1).copied().unwrap_or(n);
-            let t: f64 = items[s0..e].iter().map(|it| relax(it.time_s / t_scale)).sum();
-            zmax = zmax.max(t);
-        }
-        warm.push((z, zmax + LP_SLACK));
-    }
 
     // pos[j][b]: items of block b in stages <= j ; w[j][b]: block b complete at end of stage j
     let mut pos: Vec<Vec<Pos>> = Vec::with_capacity(stages);
@@ -747,33 +773,12 @@ fn solve_milp(
                 Term::Var(vars.add(variable().binary()))
             });
         }
-        if let Some(starts) = hint {
-            let k = starts.get(j + 1).copied().unwrap_or(n);
-            for (r, b) in blocks.iter().enumerate() {
-                let p = b.pattern.len();
-                let pv = k.saturating_sub(b.start).min(b.len());
-                if let Term::Var(v) = pj[r].a {
-                    warm.push((v, (pv / p) as f64));
-                }
-                for (kk, u) in pj[r].u.iter().enumerate() {
-                    if let Term::Var(v) = *u {
-                        warm.push((v, if kk < pv % p { 1.0 } else { 0.0 }));
-                    }
-                }
-                if let Some(Term::Var(v)) = wj.get(r) {
-                    warm.push((*v, if pv == b.len() { 1.0 } else { 0.0 }));
-                }
-            }
-        }
         pos.push(pj);
         pos_bounds.push(bj);
         w.push(wj);
     }
 
     let mut model = vars.minimise(z).using(microlp);
-    if !warm.is_empty() {
-        model = model.with_initial_solution(warm);
-    }
     let mut consistent = true;
     let ones: Vec<Vec<f64>> = blocks.iter().map(|b| vec![1.0; b.pattern.len()]).collect();
 
@@ -819,10 +824,16 @@ fn solve_milp(
         }
     }
 
+    let nonneg_mem = inflight.iter().all(|&x| x >= 0.0)
+        && items.iter().all(|it| it.static_bytes >= 0.0 && it.act_bytes >= 0.0);
+    // the cuts' window sums are folded differently from `eval_stage`: relax the
+    // cap they use so that rounding can never make them cut off a feasible split
+    let cut_cap = cap + 1e-9 * cap.abs() + LP_SLACK * m_scale;
     for j in 0..stages {
         let mut time = Lin::new();
         let mut mem = Lin::new();
         let mut count = Lin::new();
+        let mut total = Lin::new();
         for (r, blk) in blocks.iter().enumerate() {
             let mem_w: Vec<f64> = blk
                 .pattern
@@ -842,9 +853,27 @@ fn solve_milp(
                 add_x(&mut mono, -1.0, &ones[r]);
                 consistent &= add_leq(&mut model, mono, 0.0);
             }
+            if nonneg_mem {
+                // rounding (knapsack) cut: stage j holds at most as many items
+                // of block r as the largest window of its pattern that fits
+                let kmax = max_fitting_window(&blk.pattern, blk.len(), inflight[j], cut_cap);
+                if kmax < blk.len() {
+                    let mut cut = Lin::new();
+                    add_x(&mut cut, 1.0, &ones[r]);
+                    consistent &= add_leq(&mut model, cut, kmax as f64);
+                }
+            }
             add_x(&mut time, 1.0, &time_w[r]);
             add_x(&mut mem, 1.0, &mem_w);
             add_x(&mut count, -1.0, &ones[r]);
+            add_x(&mut total, 1.0, &ones[r]);
+        }
+        if nonneg_mem {
+            // same cut over all items: longest run of consecutive items that fits
+            let kmax = longest_fitting_range(items, inflight[j], cut_cap);
+            if kmax < n {
+                consistent &= add_leq(&mut model, total, kmax as f64);
+            }
         }
         time.add(-1.0, Term::Var(z));
         consistent &= add_leq(&mut model, time, 0.0);
@@ -859,5 +888,166 @@ fn solve_milp(
         Ok(sol) => Ok((sol.value(z) - LP_SLACK) * t_scale),
         Err(good_lp::ResolutionError::Infeasible) => Err(infeasible(stages, cap)),
         Err(e) => Err(PartitionError::Solver(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn it(time_s: f64, static_bytes: f64, act_bytes: f64) -> Item {
+        Item {
+            time_s,
+            static_bytes,
+            act_bytes,
+        }
+    }
+
+    const E: Item = Item {
+        time_s: 0.004,
+        static_bytes: 3.7e9,
+        act_bytes: 0.06e9,
+    };
+    const D: Item = Item {
+        time_s: 0.030,
+        static_bytes: 2.6e9,
+        act_bytes: 0.45e9,
+    };
+    const M: Item = Item {
+        time_s: 0.042,
+        static_bytes: 5.8e9,
+        act_bytes: 0.55e9,
+    };
+    const H: Item = Item {
+        time_s: 0.028,
+        static_bytes: 3.7e9,
+        act_bytes: 0.9e9,
+    };
+
+    fn contiguous() -> Vec<Item> {
+        let mut v = vec![E, D, D, D];
+        v.extend(std::iter::repeat(M).take(58));
+        v.push(H);
+        v
+    }
+
+    fn interleaved() -> Vec<Item> {
+        let mut v = vec![E];
+        for _ in 0..31 {
+            v.push(D);
+            v.push(M);
+        }
+        v.push(D);
+        v.push(H);
+        v
+    }
+
+    /// Tiny deterministic generator (no extra dependencies).
+    struct Lcg(u64);
+    impl Lcg {
+        fn next(&mut self) -> f64 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (self.0 >> 11) as f64 / (1u64 << 53) as f64
+        }
+        fn below(&mut self, n: usize) -> usize {
+            ((self.next() * n as f64) as usize).min(n - 1)
+        }
+    }
+
+    #[test]
+    fn blocks_cover_items_in_order() {
+        let b = blocks_of(&contiguous());
+        let shape: Vec<(usize, usize)> = b.iter().map(|b| (b.pattern.len(), b.reps)).collect();
+        assert_eq!(shape, vec![(1, 1), (1, 3), (1, 58), (1, 1)]);
+        let b = blocks_of(&interleaved());
+        let shape: Vec<(usize, usize)> = b.iter().map(|b| (b.pattern.len(), b.reps)).collect();
+        assert_eq!(shape, vec![(1, 1), (2, 31), (1, 1), (1, 1)]);
+        let mut rng = Lcg(7);
+        for _ in 0..500 {
+            let n = 1 + rng.below(30);
+            let kinds = [E, D, M, H];
+            let nk = 2 + rng.below(3);
+            let items: Vec<Item> = (0..n).map(|_| kinds[rng.below(nk)]).collect();
+            let mut rebuilt = Vec::new();
+            for b in blocks_of(&items) {
+                assert_eq!(b.start, rebuilt.len());
+                assert!(b.reps >= 1 && (b.pattern.len() == 1 || b.reps >= 2));
+                for _ in 0..b.reps {
+                    rebuilt.extend_from_slice(&b.pattern);
+                }
+            }
+            assert_eq!(rebuilt, items);
+        }
+    }
+
+    #[test]
+    fn fitting_windows_match_brute_force() {
+        let mut rng = Lcg(11);
+        for _ in 0..2000 {
+            let n = 1 + rng.below(12);
+            let items: Vec<Item> =
+                (0..n).map(|_| it(1.0, (rng.below(5)) as f64, rng.below(3) as f64)).collect();
+            let infl = rng.below(4) as f64;
+            let cap = rng.below(20) as f64;
+            let brute = (0..n)
+                .flat_map(|i| (i + 1..=n).map(move |e| (i, e)))
+                .filter(|&(i, e)| eval_stage(&items[i..e], infl).1 <= cap)
+                .map(|(i, e)| e - i)
+                .max()
+                .unwrap_or(0);
+            assert_eq!(longest_fitting_range(&items, infl, cap), brute, "{items:?} {cap}");
+            // periodic version on a pattern
+            let p = 1 + rng.below(3.min(n));
+            let reps = 1 + rng.below(4);
+            let seq: Vec<Item> = (0..p * reps).map(|k| items[k % p]).collect();
+            assert_eq!(
+                max_fitting_window(&items[..p], p * reps, infl, cap),
+                longest_fitting_range(&seq, infl, cap),
+                "p {p} reps {reps}"
+            );
+        }
+    }
+
+    /// The MILP bound must be tight (so that the exact snap only absorbs
+    /// tolerances) and never above the true optimum.
+    fn assert_tight(items: &[Item], inflight: &[f64], cap: f64) {
+        let dp = partition_dp(items, inflight, cap);
+        let lb = solve_milp(items, inflight, cap);
+        match (&dp, &lb) {
+            (Ok(p), Ok(lb)) => {
+                let scale = items.iter().map(|i| i.time_s.abs()).fold(0.0, f64::max);
+                assert!(*lb <= p.max_time_s + 1e-12 * scale, "bound {lb} > T* {}", p.max_time_s);
+                assert!(
+                    p.max_time_s - lb <= 1e-6 * scale,
+                    "loose bound {lb} vs T* {} (n={}, stages={})",
+                    p.max_time_s,
+                    items.len(),
+                    inflight.len()
+                );
+            }
+            (Err(PartitionError::Infeasible { .. }), Err(PartitionError::Infeasible { .. })) => {}
+            _ => panic!("dp {dp:?} vs milp {lb:?}"),
+        }
+    }
+
+    #[test]
+    fn milp_bound_is_tight() {
+        let infl16: Vec<f64> = (0..16).map(|j| (16 - j) as f64).collect();
+        for cap_gb in [200.0, 80.0, 52.0, 48.0, 45.0, 44.0, 42.0, 40.0] {
+            assert_tight(&contiguous(), &infl16, cap_gb * 1e9);
+            assert_tight(&interleaved(), &infl16, cap_gb * 1e9);
+        }
+        let mut rng = Lcg(3);
+        for _ in 0..300 {
+            let n = 1 + rng.below(14);
+            let stages = 1 + rng.below(n.min(5));
+            let kinds: Vec<Item> = (0..3)
+                .map(|_| it(0.5 + rng.below(8) as f64, rng.next() * 8e9, rng.next() * 1e9))
+                .collect();
+            let items: Vec<Item> = (0..n).map(|_| kinds[rng.below(3)]).collect();
+            let inflight: Vec<f64> = (0..stages).map(|j| (stages - j) as f64).collect();
+            let total: f64 = items.iter().map(|i| i.static_bytes + stages as f64 * i.act_bytes).sum();
+            assert_tight(&items, &inflight, total * (0.1 + 0.8 * rng.next()));
+        }
     }
 }
