@@ -51,7 +51,11 @@
 //! the LP rejects non-finite inputs with [`PartitionError::Solver`]. The
 //! memory check is exact (`mem <= cap`, no tolerance) in all three.
 
-use good_lp::{microlp, variable, Expression, ProblemVariables, Solution, SolverModel, Variable};
+use good_lp::{
+    microlp, solvers::SolutionStatus, variable, Expression, ProblemVariables, Solution,
+    SolverModel, Variable,
+    WithTimeLimit,
+};
 use serde::{Deserialize, Serialize};
 
 /// One layer-like unit of the model, in pipeline order.
@@ -92,7 +96,7 @@ pub enum PartitionError {
 
 /// Relative tolerance on the optimal max stage time used to pick the canonical
 /// split (see the module docs).
-pub const TIME_REL_TOL: f64 = 1e-9;
+const TIME_REL_TOL: f64 = 1e-9;
 
 // ---------------------------------------------------------------------------
 // shared helpers
@@ -382,6 +386,12 @@ pub fn partition_brute(
 /// reports "Singular matrix" on rows mixing O(1) entries with ~1e-8..1e-10
 /// ones; the exact snap after the solve restores exactness.
 const DROP_BELOW: f64 = 1e-6;
+
+/// Wall-clock budget of one microlp branch & bound run. If it runs out after an
+/// incumbent was found, the proven lower bound is used (and the exact snap in
+/// [`partition_lp`] still returns the exact optimum); if no incumbent was found,
+/// [`PartitionError::Solver`] is returned.
+const MILP_TIME_LIMIT_S: f64 = 2.0;
 
 /// Absolute slack (in normalised units) on the MILP objective bound and on the
 /// memory rows, covering microlp's feasibility / optimality tolerances.
@@ -779,6 +789,7 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
     }
 
     let mut model = vars.minimise(z).using(microlp);
+    model = model.with_time_limit(MILP_TIME_LIMIT_S);
     let mut consistent = true;
     let ones: Vec<Vec<f64>> = blocks.iter().map(|b| vec![1.0; b.pattern.len()]).collect();
 
@@ -885,7 +896,18 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
     }
 
     match model.solve() {
-        Ok(sol) => Ok((sol.value(z) - LP_SLACK) * t_scale),
+        Ok(sol) => {
+            let bound = if matches!(sol.status(), SolutionStatus::Optimal) {
+                sol.value(z)
+            } else {
+                // time limit with an incumbent: fall back on the proven bound
+                match sol.into_inner().stats().best_bound {
+                    Some(b) if b.is_finite() => b,
+                    _ => return Err(PartitionError::Solver("time limit without a bound".into())),
+                }
+            };
+            Ok((bound - LP_SLACK) * t_scale)
+        }
         Err(good_lp::ResolutionError::Infeasible) => Err(infeasible(stages, cap)),
         Err(e) => Err(PartitionError::Solver(e.to_string())),
     }

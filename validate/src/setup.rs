@@ -1,0 +1,568 @@
+//! From a published run to a shardwright job spec with the run's layout pinned.
+//!
+//! Every rule here is a convention of a source family, of a field's wording, or of a model
+//! family, never of a run id:
+//!
+//! - **Source key**: the id prefix before the first `_` (`narayanan21`, `mcore`, ...).
+//! - **Architecture conventions per source** ([`SourceConvention`]): GPT-style sources
+//!   (Narayanan 2021, Korthikanti 2022, MT-NLG, BLOOM, OPT, Megatron-Core's GPT weak-scaling
+//!   table) use LayerNorm, linear biases, tied input/output embeddings, dropout, and learned
+//!   absolute positions unless the model notes name ALiBi or rotary; the ones from 2021-22
+//!   predate flash attention. Megatron-Core's table leaves the FFN unstated: Megatron's GPT
+//!   default (4h GeLU MLP, multi-head attention) applies, with a note. Other sources
+//!   (Llama, Qwen, DeepSeek, GPT-OSS recipes in NeMo / Megatron-Bridge) are modern decoders:
+//!   RMSNorm, no biases, rotary, untied embeddings, no dropout, flash attention.
+//! - **head_dim**: the file's `head_dim`, else `head_dim N` in the model notes, else the
+//!   model family's known value ([`KNOWN_HEAD_DIM`]), else hidden / heads.
+//! - **MoE**: `num_routed_experts -> num_experts`, `expert_ffn_hidden ->
+//!   expert_ffn_hidden_size`; `first_k_dense` only when the file states it (field or notes),
+//!   otherwise 0 with a note when the model lists a dense FFN width.
+//! - **Hardware**: `gpu_type` to the catalog ([`GPU_NAMES`]); `inter_node_bw_per_gpu_Gbps / 8`
+//!   overrides the catalog's inter-node GB/s; TPUs are skipped (ICI torus not modeled).
+//! - **Mesh**: see [`mesh_from_published`]. **Pins**: tp, pp, dp, cp, ep always; micro-batch,
+//!   virtual stages, sequence parallel, recompute ([`parse_recompute`]) and ZeRO stage
+//!   ([`parse_zero`]) when the source states them; the rest is left to the planner.
+
+use crate::report::Skip;
+use crate::runs::{Run, RunModel};
+use shardwright_cost::catalog;
+use shardwright_ir::spec::*;
+
+/// A run turned into a job spec, with notes on every assumption made.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSetup {
+    pub id: String,
+    /// Short stable key of the publication (id prefix before the first `_`).
+    pub source: String,
+    /// Efficiency-profile kind of the GPU ("a100", "h100").
+    pub gpu_kind: String,
+    pub spec: SpecFile,
+    pub notes: Vec<String>,
+}
+
+/// Published gpu_type -> catalog name.
+pub const GPU_NAMES: &[(&str, &str)] = &[
+    ("A100-SXM4-80GB", "A100-80GB"),
+    ("A100-SXM4-40GB", "A100-40GB"),
+    ("H100-SXM5-80GB", "H100-SXM"),
+    ("H200-SXM-141GB", "H200"),
+    ("H800-SXM-80GB", "H800"),
+];
+
+/// Model families whose head_dim is not hidden / heads: (name substring, head_dim, why).
+pub const KNOWN_HEAD_DIM: &[(&str, u32, &str)] = &[
+    ("qwen3", 128, "Qwen3 configs set head_dim = 128 independently of hidden/heads"),
+    ("gpt-oss", 64, "gpt-oss config: head_dim = 64"),
+];
+
+/// Architecture conventions of a source family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SourceConvention {
+    /// LayerNorm, linear biases, tied embeddings, dropout, learned positions (unless the
+    /// notes name ALiBi / rotary), 4h GeLU MLP.
+    pub gpt_style: bool,
+    pub flash_attention: bool,
+    /// When the FFN shape is not published, use Megatron's GPT default (4h GeLU, MHA).
+    pub megatron_gpt_default_ffn: bool,
+}
+
+/// The convention table, keyed by source key.
+pub fn source_convention(source: &str) -> Option<SourceConvention> {
+    let gpt_2021 = SourceConvention {
+        gpt_style: true,
+        flash_attention: false,
+        megatron_gpt_default_ffn: false,
+    };
+    match source {
+        // Megatron-LM 2021-22, DeepSpeed/Megatron-DeepSpeed, metaseq: before flash attention.
+        "narayanan21" | "korthikanti22" | "mtnlg" | "bloom" | "opt" => Some(gpt_2021),
+        // Megatron-Core GPT weak-scaling table (2024, Transformer Engine flash attention).
+        "mcore" => Some(SourceConvention {
+            gpt_style: true,
+            flash_attention: true,
+            megatron_gpt_default_ffn: true,
+        }),
+        // Modern decoders (Llama, Qwen, DeepSeek, GPT-OSS; PaLM is skipped as TPU).
+        "mbridge" | "nemo" | "palm" => Some(SourceConvention {
+            gpt_style: false,
+            flash_attention: true,
+            megatron_gpt_default_ffn: false,
+        }),
+        _ => None,
+    }
+}
+
+/// Id prefix before the first `_`.
+pub fn source_key(id: &str) -> String {
+    id.split('_').next().unwrap_or(id).to_string()
+}
+
+/// Convert the published (Megatron) mesh to shardwright's. shardwright's world is
+/// `tp x cp x ep x dp x pp` with `dp` counting replicas of the expert shards, so the dense
+/// data-parallel degree is `ep * dp`; the published `dp` already includes `ep`.
+///
+/// - `dp_pub % ep == 0`: `(ep, dp_pub / ep)`;
+/// - else `(dp_pub * tp) % ep == 0` (Megatron expert-tensor-parallel 1, EP spanning the TP
+///   ranks): `(ep / tp, dp_pub * tp / ep)`, with a note: expert TP = 1 is approximated by
+///   experts split over tp;
+/// - else not representable.
+///
+/// Returns `(ep, dp, note)`.
+pub fn mesh_from_published(tp: u32, dp_pub: u32, ep: u32) -> Option<(u32, u32, Option<String>)> {
+    let ep = ep.max(1);
+    if dp_pub % ep == 0 {
+        return Some((ep, dp_pub / ep, None));
+    }
+    if (dp_pub as u64 * tp as u64) % ep as u64 == 0 && ep % tp == 0 {
+        let ep2 = ep / tp;
+        let dp2 = dp_pub * tp / ep;
+        return Some((
+            ep2,
+            dp2,
+            Some(format!(
+                "published ep={ep} > dp={dp_pub} (expert TP = 1, EP spans the tp={tp} ranks): modeled as ep={ep2}, dp={dp2} with experts split over tp (approximation)"
+            )),
+        ));
+    }
+    None
+}
+
+/// Recompute from the source's wording: "full ..." / "rematerialization" -> full,
+/// "selective" -> selective, "none" -> none, null / "not stated" -> unpinned.
+pub fn parse_recompute(text: Option<&str>) -> Option<Recompute> {
+    let t = text?.trim().to_ascii_lowercase();
+    if t.is_empty() || t.contains("not stated") || t.contains("unknown") {
+        return None;
+    }
+    if t.contains("selective") {
+        Some(Recompute::Selective)
+    } else if t.starts_with("full") || t.contains("rematerializ") || t.contains("full recompute") {
+        Some(Recompute::Full)
+    } else if t.starts_with("none") || t.contains("no recompute") {
+        Some(Recompute::None)
+    } else {
+        None
+    }
+}
+
+/// ZeRO stage from the source's wording: "ZeRO-3" / "FSDP" / "fully sharded" -> 3,
+/// "distributed optimizer" / "ZeRO-1" -> 1, "ZeRO-2" -> 2, "DDP" / "Megatron DP" (without a
+/// distributed optimizer) -> 0; "not stated" / "not verified" / null -> unpinned.
+pub fn parse_zero(text: Option<&str>) -> Option<u8> {
+    let t = text?.trim().to_ascii_lowercase();
+    let has = |k: &str| t.contains(k);
+    if t.is_empty() || has("not stated") || has("not verified") || has("unknown") {
+        return None;
+    }
+    if has("zero-3") || has("zero3") || has("zero stage 3") {
+        Some(3)
+    } else if has("distributed optimizer") || has("zero-1") || has("zero1") {
+        Some(1)
+    } else if has("zero-2") || has("zero2") {
+        Some(2)
+    } else if (has("fsdp") && !has("fsdp=0")) || has("fully sharded") {
+        Some(3)
+    } else if has("ddp") || has("megatron dp") || t.starts_with("none") {
+        Some(0)
+    } else {
+        None
+    }
+}
+
+/// Activation from the published name ("gelu", "relu", "swiglu", "swiglu (clamped)").
+pub fn parse_activation(text: &str) -> Option<Activation> {
+    let t = text.trim().to_ascii_lowercase();
+    if t.starts_with("swiglu") {
+        Some(Activation::Swiglu)
+    } else if t.starts_with("gelu") || t.starts_with("geglu") {
+        Some(Activation::Gelu)
+    } else if t.starts_with("relu") {
+        Some(Activation::Relu)
+    } else {
+        None
+    }
+}
+
+/// The integer after `key` in `text` (skipping spaces, `=`, `:`), case-insensitive.
+fn number_after(text: &str, key: &str) -> Option<u32> {
+    let lower = text.to_ascii_lowercase();
+    let at = lower.find(key)? + key.len();
+    let rest = lower[at..].trim_start_matches([' ', '=', ':']);
+    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+    digits.parse().ok()
+}
+
+fn head_dim(m: &RunModel, notes: &mut Vec<String>) -> Option<u32> {
+    let natural = (m.num_attention_heads > 0 && m.hidden_size % m.num_attention_heads as u64 == 0)
+        .then(|| (m.hidden_size / m.num_attention_heads as u64) as u32);
+    let (d, from) = if let Some(d) = m.head_dim {
+        (d, "model.head_dim".to_string())
+    } else if let Some(d) = m.notes.as_deref().and_then(|n| number_after(n, "head_dim")) {
+        (d, "model notes".to_string())
+    } else {
+        let name = m.name.as_deref().unwrap_or("").to_ascii_lowercase();
+        match KNOWN_HEAD_DIM.iter().find(|(k, _, _)| name.contains(k)) {
+            Some((_, d, why)) => (*d, format!("model family ({why})")),
+            None => return None,
+        }
+    };
+    if Some(d) != natural {
+        notes.push(format!(
+            "head_dim {d} from {from} (hidden/heads = {:.1})",
+            m.hidden_size as f64 / m.num_attention_heads.max(1) as f64
+        ));
+    }
+    Some(d)
+}
+
+fn first_k_dense(m: &RunModel, notes: &mut Vec<String>) -> u32 {
+    let stated = m.moe.as_ref().and_then(|x| x.first_k_dense).or_else(|| {
+        let n = m.notes.as_deref()?;
+        number_after(n, "first_k_dense").or_else(|| number_after(n, "first_dense_layers"))
+    });
+    match stated {
+        Some(k) => k,
+        None => {
+            if m.ffn_hidden_size.is_some() {
+                notes.push(
+                    "MoE model lists a dense ffn_hidden_size but the file does not say how many leading layers are dense: first_k_dense = 0 (every layer MoE)"
+                        .into(),
+                );
+            }
+            0
+        }
+    }
+}
+
+/// Build the job spec for a run, or say why it cannot be represented.
+pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
+    let skip = |reason: String| Err(Skip::new(&run.id, reason));
+    let source = source_key(&run.id);
+    let mut notes = Vec::new();
+    let m = &run.model;
+    let hw = &run.hardware;
+    let par = &run.parallelism;
+
+    // ---- hardware ----
+    if hw.gpu_type.to_ascii_uppercase().starts_with("TPU") {
+        return skip(format!(
+            "{}: TPU pods (ICI 3D torus, no NVLink/NIC split) are not modeled",
+            hw.gpu_type
+        ));
+    }
+    let catalog_name = GPU_NAMES
+        .iter()
+        .find(|(p, _)| p.eq_ignore_ascii_case(&hw.gpu_type))
+        .map(|(_, c)| c.to_string())
+        .or_else(|| catalog::find(&hw.gpu_type).map(|e| e.names[0].to_string()));
+    let Some(catalog_name) = catalog_name else {
+        return skip(format!("gpu_type `{}` is not in the catalog", hw.gpu_type));
+    };
+    let entry = catalog::find(&catalog_name).expect("catalog name from the table");
+    let gpu_kind = entry.kind.to_string();
+    let gpus_per_node = match hw.gpus_per_node {
+        Some(g) if g > 0 => g,
+        _ => {
+            notes.push("gpus_per_node not published: 8".into());
+            8
+        }
+    };
+    let mut hardware = HardwareSpec::default();
+    match hw.inter_node_bw_per_gpu_gbps {
+        Some(g) if g > 0.0 => hardware.inter_node_gbps = Some(g / 8.0),
+        _ => notes.push(format!(
+            "inter-node bandwidth not published: catalog {} GB/s per GPU",
+            entry.inter_node_gbps
+        )),
+    }
+
+    // ---- model ----
+    let Some(conv) = source_convention(&source) else {
+        return skip(format!("no architecture convention for source `{source}`"));
+    };
+    let arch = match m.arch.to_ascii_lowercase().as_str() {
+        "dense" => Arch::Dense,
+        "moe" => Arch::Moe,
+        other => return skip(format!("model.arch `{other}` is neither dense nor moe")),
+    };
+    let activation = match m.ffn_activation.as_deref() {
+        Some(a) => match parse_activation(a) {
+            Some(x) => {
+                if a.to_ascii_lowercase().contains("clamp") {
+                    notes.push(format!("activation `{a}` modeled as plain swiglu"));
+                }
+                x
+            }
+            None => return skip(format!("ffn_activation `{a}` not recognised")),
+        },
+        None if conv.megatron_gpt_default_ffn => Activation::Gelu,
+        None => return skip("ffn_activation not published and no source convention".into()),
+    };
+    let ffn = match m.ffn_hidden_size {
+        Some(f) => Some(f),
+        None if arch == Arch::Dense && conv.megatron_gpt_default_ffn => {
+            notes.push(format!(
+                "FFN shape not published: Megatron GPT default 4h GeLU ({}), multi-head attention",
+                4 * m.hidden_size
+            ));
+            Some(4 * m.hidden_size)
+        }
+        None if arch == Arch::Dense => {
+            return skip("ffn_hidden_size not published for a dense model".into())
+        }
+        None => None,
+    };
+    let head_dim = head_dim(m, &mut notes);
+    if head_dim.is_none() && m.hidden_size % m.num_attention_heads.max(1) as u64 != 0 {
+        return skip("hidden_size not divisible by heads and no head_dim known".into());
+    }
+    let moe = match (&m.moe, arch) {
+        (Some(x), _) => Some(MoeSpec {
+            num_experts: x.num_routed_experts,
+            top_k: x.top_k,
+            num_shared_experts: x.num_shared_experts.unwrap_or(0),
+            expert_ffn_hidden_size: x.expert_ffn_hidden,
+            shared_expert_ffn_hidden_size: None,
+            first_k_dense: first_k_dense(m, &mut notes),
+        }),
+        (None, Arch::Moe) => return skip("arch moe without a moe section".into()),
+        (None, Arch::Dense) => None,
+    };
+    let model_notes = m.notes.as_deref().unwrap_or("").to_ascii_lowercase();
+    let learned_positions = conv.gpt_style
+        && !["alibi", "rotary", "rope"].iter().any(|k| model_notes.contains(k));
+    if conv.gpt_style && !learned_positions {
+        notes.push("positions from the model notes (ALiBi/rotary): no learned position table".into());
+    }
+    let model = ModelSpec {
+        name: m.name.clone(),
+        arch,
+        params: m.total_params_b.filter(|p| *p > 0.0).map(|p| p * 1e9),
+        num_layers: m.num_layers,
+        hidden_size: m.hidden_size,
+        num_attention_heads: m.num_attention_heads,
+        num_kv_heads: m.num_kv_heads,
+        head_dim,
+        ffn_hidden_size: ffn,
+        ffn_activation: activation,
+        norm: if conv.gpt_style { Norm::Layernorm } else { Norm::Rmsnorm },
+        vocab_size: m.vocab_size,
+        seq_len: m.seq_len,
+        tied_embeddings: conv.gpt_style,
+        learned_positions,
+        linear_bias: conv.gpt_style,
+        dropout: conv.gpt_style,
+        flash_attention: conv.flash_attention,
+        causal: true,
+        moe,
+    };
+
+    // ---- mesh ----
+    let Some(tp) = par.tp.filter(|v| *v > 0) else {
+        return skip("tensor-parallel degree (tp) not published".into());
+    };
+    let pp = par.pp.unwrap_or(1).max(1);
+    let cp = par.cp.unwrap_or(1).max(1);
+    let ep_pub = par.ep.unwrap_or(1).max(1);
+    let dp_pub = match par.dp {
+        Some(d) if d > 0 => d,
+        _ => {
+            let inner = tp as u64 * pp as u64 * cp as u64;
+            if hw.num_gpus % inner != 0 {
+                return skip("dp not published and num_gpus / (tp*pp*cp) is not whole".into());
+            }
+            notes.push("dp not published: num_gpus / (tp*pp*cp)".into());
+            (hw.num_gpus / inner) as u32
+        }
+    };
+    let Some((ep, dp, mesh_note)) = mesh_from_published(tp, dp_pub, ep_pub) else {
+        return skip(format!(
+            "ep={ep_pub} fits neither dp={dp_pub} nor dp*tp={}: mesh not representable",
+            dp_pub as u64 * tp as u64
+        ));
+    };
+    notes.extend(mesh_note);
+    let world = tp as u64 * pp as u64 * cp as u64 * ep as u64 * dp as u64;
+    if world != hw.num_gpus {
+        return skip(format!(
+            "tp*pp*cp*dp = {world} but the run used {} GPUs (spares or a different mesh)",
+            hw.num_gpus
+        ));
+    }
+
+    // ---- pins beyond the mesh ----
+    let mut pins = ParallelismSpec {
+        tp: Some(tp),
+        pp: Some(pp),
+        dp: Some(dp),
+        cp: Some(cp),
+        ep: Some(ep),
+        micro_batch: par.micro_batch_size.filter(|v| *v > 0),
+        allow_tp_across_nodes: tp > gpus_per_node,
+        ..Default::default()
+    };
+    if tp > gpus_per_node {
+        notes.push(format!("tp={tp} spans nodes"));
+    }
+    let schedule_text = par.pipeline_schedule.as_deref().unwrap_or("").to_ascii_lowercase();
+    match par.virtual_pipeline_stages_per_rank.filter(|v| *v > 0) {
+        Some(1) => {
+            pins.vpp = Some(1);
+            pins.schedule = Some(Schedule::OneFOneB);
+        }
+        Some(v) if pp > 1 && m.num_layers % (pp * v) == 0 => {
+            pins.vpp = Some(v);
+            pins.schedule = Some(Schedule::Interleaved);
+        }
+        Some(v) => {
+            let megatron = (m.num_layers + 2) % (pp * v) == 0;
+            notes.push(format!(
+                "published vpp={v} but num_layers={} is not a multiple of pp*vpp={}{}: vpp left to the planner",
+                m.num_layers,
+                pp * v,
+                if megatron {
+                    " (Megatron counts the embedding and loss as pipeline layers; not modeled)"
+                } else {
+                    ""
+                }
+            ));
+        }
+        None if pp > 1
+            && schedule_text.starts_with("1f1b")
+            && !schedule_text.contains("interleav") =>
+        {
+            pins.vpp = Some(1);
+            pins.schedule = Some(Schedule::OneFOneB);
+        }
+        None => {}
+    }
+    match par.sequence_parallel {
+        Some(true) if tp == 1 => notes.push("sequence_parallel with tp=1 ignored".into()),
+        Some(sp) => pins.sequence_parallel = Some(sp),
+        None => {}
+    }
+    pins.recompute = parse_recompute(par.activation_recompute.as_deref());
+    if let Some(t) = par.activation_recompute.as_deref() {
+        if pins.recompute.is_some() && t.to_ascii_lowercase().contains("unsure") {
+            notes.push(format!("recompute read from an unsure statement: \"{t}\""));
+        } else if pins.recompute.is_none() && !t.to_ascii_lowercase().contains("not stated") {
+            notes.push(format!("recompute wording not understood: \"{t}\""));
+        }
+    }
+    pins.zero_stage = parse_zero(par.zero_or_fsdp.as_deref());
+    if let Some(t) = par.zero_or_fsdp.as_deref() {
+        let lower = t.to_ascii_lowercase();
+        if pins.zero_stage == Some(0) && lower.contains("none stated") {
+            notes.push(format!("zero_or_fsdp \"{t}\" read as plain DDP (ZeRO 0)"));
+        } else if pins.zero_stage.is_none() {
+            notes.push(format!("zero_or_fsdp \"{t}\": ZeRO stage left to the planner"));
+        }
+    }
+    if let (Some(ga), Some(mb)) = (par.grad_accum_steps, pins.micro_batch) {
+        let per = mb as u64 * dp_pub as u64;
+        if per == 0 || ga * per != par.global_batch_size_seqs {
+            notes.push(format!(
+                "published grad_accum_steps={ga} disagrees with global_batch/(micro_batch*dp) = {}/{per}",
+                par.global_batch_size_seqs
+            ));
+        }
+    }
+
+    // ---- precision ----
+    let precision_text = par.precision.as_deref().unwrap_or("");
+    let fp8 = precision_text.to_ascii_lowercase().contains("fp8");
+    if fp8 && precision_text.to_ascii_lowercase().contains("unsure") {
+        notes.push(format!("FP8 read from an unsure statement: \"{precision_text}\""));
+    }
+    let precision = PrecisionSpec {
+        compute: Dtype::Bf16,
+        fp8_gemms: fp8,
+        ..PrecisionSpec::default()
+    };
+
+    let spec = SpecFile {
+        job: JobSpec {
+            name: Some(run.id.clone()),
+            model,
+            parallelism: pins,
+            precision,
+            batch: BatchSpec {
+                global_batch: par.global_batch_size_seqs,
+                grad_accum: None,
+                token_budget: None,
+            },
+            optimizer: OptimizerSpec::default(),
+            checkpoint: CheckpointSpec::default(),
+        },
+        cluster: ClusterSpec {
+            gpu: Some(catalog_name),
+            hardware,
+            gpus_per_node,
+            num_gpus: Some(hw.num_gpus),
+            nodes: None,
+            hot_spares: 0,
+            reliability: ReliabilitySpec::default(),
+            storage: None,
+            framework_reserve_bytes: None,
+        },
+    };
+    Ok(RunSetup {
+        id: run.id.clone(),
+        source,
+        gpu_kind,
+        spec,
+        notes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recompute_wording() {
+        assert_eq!(parse_recompute(Some("full")), Some(Recompute::Full));
+        assert_eq!(
+            parse_recompute(Some("full (FLOP accounting assumes recompute)")),
+            Some(Recompute::Full)
+        );
+        assert_eq!(
+            parse_recompute(Some("rematerialization (one sharded activation per layer saved)")),
+            Some(Recompute::Full)
+        );
+        assert_eq!(parse_recompute(Some("selective")), Some(Recompute::Selective));
+        assert_eq!(parse_recompute(Some("none")), Some(Recompute::None));
+        assert_eq!(parse_recompute(Some("not stated")), None);
+        assert_eq!(parse_recompute(None), None);
+    }
+
+    #[test]
+    fn zero_wording() {
+        assert_eq!(parse_zero(Some("ZeRO-3 (DeepSpeed), no tensor/pipeline parallelism")), Some(3));
+        assert_eq!(parse_zero(Some("FSDP (Fully Sharded Data Parallel) with Megatron-LM TP")), Some(3));
+        assert_eq!(parse_zero(Some("DDP + distributed optimizer (FSDP=0)")), Some(1));
+        assert_eq!(parse_zero(Some("ZeRO-1 (inside BF16_Optimizer; ZERO_STAGE=0 in config)")), Some(1));
+        assert_eq!(parse_zero(Some("DDP")), Some(0));
+        assert_eq!(parse_zero(Some("none stated (Megatron DP)")), Some(0));
+        assert_eq!(parse_zero(Some("not verified (DeepSpeed ZeRO-1 is commonly reported)")), None);
+        assert_eq!(parse_zero(None), None);
+    }
+
+    #[test]
+    fn mesh_conversion() {
+        assert_eq!(mesh_from_published(1, 32, 1), Some((1, 32, None)));
+        assert_eq!(mesh_from_published(1, 16, 8).map(|m| (m.0, m.1)), Some((8, 2)));
+        // Qwen3 tp2 dp16 ep32: expert TP 1, EP spans the TP ranks.
+        let (ep, dp, note) = mesh_from_published(2, 16, 32).unwrap();
+        assert_eq!((ep, dp), (16, 1));
+        assert!(note.unwrap().contains("approximation"));
+        assert_eq!(mesh_from_published(1, 3, 8), None);
+    }
+
+    #[test]
+    fn numbers_in_notes() {
+        assert_eq!(number_after("config (head_dim 64, alternating)", "head_dim"), Some(64));
+        assert_eq!(number_after("head_dim=128", "head_dim"), Some(128));
+        assert_eq!(number_after("no number", "head_dim"), None);
+    }
+}

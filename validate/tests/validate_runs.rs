@@ -1,0 +1,310 @@
+//! Published runs: ingestion, conversions, bookkeeping, summary statistics.
+//!
+//! No accuracy targets are asserted (the cost model is being calibrated separately);
+//! `cargo test -p shardwright-validate --test validate_runs -- --nocapture` prints the report.
+
+use shardwright_validate::*;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+fn runs_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/published-runs.json")
+}
+
+fn load() -> RunsFile {
+    let text = std::fs::read_to_string(runs_path()).expect("shared/data/published-runs.json");
+    load_runs(&text).expect("runs file parses")
+}
+
+fn run<'a>(f: &'a RunsFile, id: &str) -> &'a Run {
+    f.runs.iter().find(|r| r.id == id).unwrap_or_else(|| panic!("run {id}"))
+}
+
+/// Measured tokens/s/GPU of a run, through setup + resolve with the built-in profile.
+fn measured_of(f: &RunsFile, id: &str) -> Measured {
+    let r = run(f, id);
+    let setup = setup_run(r).unwrap_or_else(|s| panic!("{id} skipped: {}", s.reason));
+    let (job, _) = shardwright_validate::predict::resolve_spec(id, &setup.spec, None)
+        .unwrap_or_else(|s| panic!("{id}: {}", s.reason));
+    measured(r, &job).unwrap_or_else(|s| panic!("{id}: {}", s.reason))
+}
+
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    ((a / b) - 1.0).abs() <= rel
+}
+
+#[test]
+fn loads_all_runs() {
+    let f = load();
+    assert_eq!(f.runs.len(), 56);
+    let ids: BTreeSet<&str> = f.runs.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids.len(), 56, "ids are unique");
+}
+
+#[test]
+fn nine_sources() {
+    let f = load();
+    let sources: BTreeSet<String> = f.runs.iter().map(|r| source_key(&r.id)).collect();
+    let want: BTreeSet<String> = [
+        "narayanan21",
+        "korthikanti22",
+        "mcore",
+        "mtnlg",
+        "bloom",
+        "opt",
+        "palm",
+        "mbridge",
+        "nemo",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    assert_eq!(sources, want);
+}
+
+#[test]
+fn every_run_is_a_row_or_a_skip_with_a_reason() {
+    let f = load();
+    let report = validate(&f, None);
+    let rows: BTreeSet<&str> = report.rows.iter().map(|r| r.id.as_str()).collect();
+    let skips: BTreeSet<&str> = report.summary.skipped.iter().map(|s| s.id.as_str()).collect();
+    assert!(rows.is_disjoint(&skips));
+    assert_eq!(rows.len() + skips.len(), 56, "none silently dropped");
+    assert_eq!(report.rows.len() + report.summary.skipped.len(), 56);
+    for s in &report.summary.skipped {
+        assert!(!s.reason.trim().is_empty(), "{} skipped without a reason", s.id);
+    }
+    // The TPU run and OPT (TP not published, 'up to' TFLOP/s) cannot be compared.
+    let reason = |id: &str| {
+        report.summary.skipped.iter().find(|s| s.id == id).map(|s| s.reason.clone())
+    };
+    assert!(reason("palm_540b_6144tpuv4").unwrap().contains("TPU"));
+    assert!(reason("opt_175b_992gpu").is_some());
+    for r in &report.rows {
+        assert!(r.predicted_tokens_per_s_per_gpu.is_finite() && r.predicted_tokens_per_s_per_gpu > 0.0, "{}", r.id);
+        assert!(r.published_tokens_per_s_per_gpu > 0.0, "{}", r.id);
+        assert!(!r.metric.is_empty());
+        let expect = (r.predicted_tokens_per_s_per_gpu / r.published_tokens_per_s_per_gpu - 1.0) * 100.0;
+        assert!((r.error_pct - expect).abs() < 1e-9);
+    }
+    // Rows come in file order; every GPU run of the 9 sources except OPT is present.
+    let sources: BTreeSet<&str> = report.rows.iter().map(|r| r.source.as_str()).collect();
+    for s in ["narayanan21", "korthikanti22", "mcore", "mtnlg", "bloom", "mbridge", "nemo"] {
+        assert!(sources.contains(s), "no row from {s}");
+    }
+}
+
+#[test]
+fn narayanan_tflops_to_tokens() {
+    // 137 TFLOP/s / (96*24*2304^2*(1 + 2048/(6*2304) + 51200/(16*24*2304))) = 9287.9 tok/s/GPU.
+    let f = load();
+    let m = measured_of(&f, "narayanan21_t1_1.7B");
+    assert!(close(m.tokens_per_s_per_gpu, 9287.9, 0.01), "{m:?}");
+    assert!(m.metric.contains("tflops_per_gpu") && m.metric.contains("narayanan"), "{}", m.metric);
+    // ZeRO-3 174.6B on 384 GPUs: 144 TFLOP/s; the file's derived iteration time is 81.58 s.
+    let m = measured_of(&f, "narayanan21_t2_ZeRO-3_174.6B_384gpu");
+    let step = 1536.0 * 2048.0 / (m.tokens_per_s_per_gpu * 384.0);
+    assert!(close(step, 81.58, 0.01), "step {step}");
+}
+
+#[test]
+fn step_time_and_published_tokens() {
+    let f = load();
+    // Korthikanti 22B: 4 seqs x 2048 / 1.1 s / 8 GPUs = 930.9.
+    let m = measured_of(&f, "korthikanti22_22B_selective_sp");
+    assert!(close(m.tokens_per_s_per_gpu, 4.0 * 2048.0 / 1.1 / 8.0, 1e-9));
+    assert!(m.metric.starts_with("result.step_time_s"));
+    // MT-NLG on 2240 GPUs: 1920 x 2048 / 60.1 / 2240 = 29.21 (step time beats TFLOP/s).
+    let m = measured_of(&f, "mtnlg_530b_2240gpu");
+    assert!(close(m.tokens_per_s_per_gpu, 29.21, 0.005), "{m:?}");
+    // Megatron-Bridge publishes tokens/s/GPU directly.
+    let m = measured_of(&f, "mbridge_2602_llama3_70b_fp8_h100_64gpu");
+    assert_eq!(m.tokens_per_s_per_gpu, 1621.0);
+}
+
+#[test]
+fn mfu_with_model_flops() {
+    // Korthikanti 530B dp8 full recompute: only MFU 42.1% of 312 published. Model FLOPs per
+    // token (6 N_matmul + 12 L s h) ~ 72 L h^2 (1 + s/6h) + 6 h V = 3.23e12, so about 40.6
+    // tok/s/GPU; the file derives a 50.4 s step = 40.63 tok/s/GPU.
+    let f = load();
+    let m = measured_of(&f, "korthikanti22_530B_dp8_2240gpu_full_recompute");
+    assert!(m.metric.contains("mfu_pct"), "{}", m.metric);
+    let from_step = 2240.0 * 2048.0 / 50.4 / 2240.0;
+    assert!(close(m.tokens_per_s_per_gpu, from_step, 0.01), "{m:?} vs {from_step}");
+}
+
+#[test]
+fn model_tflops_conventions() {
+    let f = load();
+    // Megatron-Core GPT-1.7B (4h GeLU MHA convention, tied embeddings, learned positions,
+    // biases): L=24 h=2048 V=131072 s=4096. N_matmul = 24 * (layer matmuls + biases + norms)
+    // + V h; tokens = 408.8e12 / (6 N + 12 L s h).
+    let m = measured_of(&f, "mcore_h100_weak_1.7B");
+    let (l, h, v, s) = (24.0f64, 2048.0f64, 131072.0f64, 4096.0f64);
+    let layer = 12.0 * h * h + (3.0 * h + h) + (4.0 * h + h) + 4.0 * h; // weights, attn + mlp biases, layernorms
+    let n = l * layer + v * h;
+    let want = 408.8e12 / (6.0 * n + 12.0 * l * s * h);
+    assert!(close(m.tokens_per_s_per_gpu, want, 1e-6), "{m:?} vs {want}");
+    // NeMo Llama-2 7B FP8 at 4k: 768 TFLOP/s; N_matmul = 32 * (4 h^2 + 3 h f + 2h) + V h.
+    let m = measured_of(&f, "nemo_longseq_llama2_7b_fp8_4k_4gpu");
+    let (l, h, f_, v, s) = (32.0f64, 4096.0f64, 11008.0f64, 32000.0f64, 4096.0f64);
+    let n = l * (4.0 * h * h + 3.0 * h * f_ + 2.0 * h) + v * h;
+    let want = 768e12 / (6.0 * n + 12.0 * l * s * h);
+    assert!(close(m.tokens_per_s_per_gpu, want, 1e-6), "{m:?} vs {want}");
+}
+
+#[test]
+fn measurements_agree_with_the_files_derived_numbers() {
+    // Wherever the file derives tokens/s/GPU itself, the conversion agrees within 2%.
+    let f = load();
+    let report = validate(&f, None);
+    for row in &report.rows {
+        if let Some(d) = run(&f, &row.id).derived_f64("tokens_per_sec_per_gpu") {
+            assert!(
+                close(row.published_tokens_per_s_per_gpu, d, 0.02),
+                "{}: {} vs derived {d} ({})",
+                row.id,
+                row.published_tokens_per_s_per_gpu,
+                row.metric
+            );
+        }
+    }
+}
+
+#[test]
+fn conversions_follow_conventions() {
+    let f = load();
+    let r = run(&f, "mbridge_2602_qwen3_235b_fp8_h100_256gpu");
+    let s = setup_run(r).unwrap();
+    let p = &s.spec.job.parallelism;
+    // tp2 dp16 ep32 (expert TP 1): ep 16, dp 1 in shardwright's mesh.
+    assert_eq!((p.tp, p.ep, p.dp, p.pp), (Some(2), Some(16), Some(1), Some(8)));
+    assert_eq!(s.spec.job.model.head_dim, Some(128));
+    assert!(s.spec.job.precision.fp8_gemms);
+    assert!(s.notes.iter().any(|n| n.contains("approximation")));
+    assert_eq!(s.spec.cluster.hardware.inter_node_gbps, Some(50.0));
+
+    let s = setup_run(run(&f, "mbridge_2602_gptoss_120b_bf16_h100_64gpu")).unwrap();
+    let p = &s.spec.job.parallelism;
+    assert_eq!((p.ep, p.dp), (Some(8), Some(2)));
+    assert_eq!(s.spec.job.model.head_dim, Some(64));
+    assert!(!s.spec.job.precision.fp8_gemms);
+
+    let s = setup_run(run(&f, "mbridge_2509_deepseekv3_h100_1024gpu")).unwrap();
+    assert_eq!(s.spec.job.model.moe.as_ref().unwrap().first_k_dense, 0);
+    assert!(s.notes.iter().any(|n| n.contains("first_k_dense")));
+
+    let s = setup_run(run(&f, "mcore_h100_weak_1.7B")).unwrap();
+    assert_eq!(s.spec.job.model.ffn_hidden_size, Some(4 * 2048));
+    assert!(s.notes.iter().any(|n| n.contains("Megatron GPT default")));
+
+    let s = setup_run(run(&f, "narayanan21_t1_1.7B")).unwrap();
+    let m = &s.spec.job.model;
+    assert!(m.linear_bias && !m.flash_attention && m.learned_positions);
+    assert_eq!(s.spec.cluster.gpu.as_deref(), Some("A100-80GB"));
+    assert_eq!(s.spec.cluster.hardware.inter_node_gbps, Some(25.0));
+    assert_eq!(s.spec.job.parallelism.recompute, Some(shardwright_ir::spec::Recompute::Full));
+
+    let s = setup_run(run(&f, "bloom_176b_384gpu")).unwrap();
+    assert!(!s.spec.job.model.learned_positions, "ALiBi");
+    assert_eq!(s.spec.job.parallelism.zero_stage, Some(1));
+    assert_eq!(s.spec.job.parallelism.vpp, Some(1));
+
+    let s = setup_run(run(&f, "korthikanti22_175B_selective_sp")).unwrap();
+    let p = &s.spec.job.parallelism;
+    assert_eq!(p.vpp, Some(3));
+    assert_eq!(p.sequence_parallel, Some(true));
+    assert_eq!(p.recompute, Some(shardwright_ir::spec::Recompute::Selective));
+}
+
+#[test]
+fn load_errors_name_the_path() {
+    let text = std::fs::read_to_string(runs_path()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["runs"][3]["model"]["num_layers"] = serde_json::json!("many");
+    let e = load_runs(&v.to_string()).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.starts_with("runs[3].model.num_layers"), "{msg}");
+    assert!(msg.contains("narayanan21_t1_18.4B"), "{msg}");
+    assert!(load_runs("[1, 2]").is_err());
+    assert!(load_runs("{\"runs\": 3").is_err());
+}
+
+fn row(id: &str, source: &str, gpu: &str, err: f64, fits: bool) -> RunRow {
+    RunRow {
+        id: id.into(),
+        source: source.into(),
+        gpu_kind: gpu.into(),
+        layout: String::new(),
+        predicted_tokens_per_s_per_gpu: 100.0 * (1.0 + err / 100.0),
+        published_tokens_per_s_per_gpu: 100.0,
+        error_pct: err,
+        fits,
+        memory_gb: 1.0,
+        metric: "test".into(),
+        notes: vec![],
+    }
+}
+
+#[test]
+fn summary_statistics_by_hand() {
+    // |errors| sorted: 5, 10, 20, 40. Linear interpolation: median at position 1.5 ->
+    // (10 + 20) / 2 = 15; p90 at 2.7 -> 20 + 0.7 * 20 = 34; max 40. Signed sorted:
+    // -40, -10, 5, 20 -> median -2.5.
+    let rows = vec![
+        row("a", "s1", "a100", -10.0, true),
+        row("b", "s1", "a100", 5.0, true),
+        row("c", "s2", "h100", 20.0, false),
+        row("d", "s2", "h100", -40.0, true),
+    ];
+    let s = summarize(&rows, vec![Skip::new("e", "because")]);
+    assert_eq!(s.n, 4);
+    assert!((s.median_abs_pct - 15.0).abs() < 1e-12);
+    assert!((s.p90_abs_pct - 34.0).abs() < 1e-12);
+    assert_eq!(s.max_abs_pct, 40.0);
+    assert!((s.median_signed_pct + 2.5).abs() < 1e-12);
+    let s1 = &s.per_source["s1"];
+    assert_eq!(s1.n, 2);
+    assert!((s1.median_abs_pct - 7.5).abs() < 1e-12);
+    assert!((s1.p90_abs_pct - 9.5).abs() < 1e-12);
+    assert_eq!(s.per_gpu["h100"].max_abs_pct, 40.0);
+    assert_eq!(s.not_fitting, vec!["c".to_string()]);
+    assert_eq!(s.skipped.len(), 1);
+    // Edge cases: one value, none.
+    assert_eq!(percentile(&[7.0], 90.0), 7.0);
+    assert_eq!(stats(&[]).median_abs_pct, 0.0);
+}
+
+#[test]
+fn report_is_deterministic_and_printed() {
+    let f = load();
+    let a = validate(&f, None);
+    let b = validate(&f, None);
+    let text = render_text(&a);
+    assert_eq!(text, render_text(&b));
+    assert_eq!(to_json(&a), to_json(&b));
+    let json: serde_json::Value = serde_json::from_str(&to_json(&a)).unwrap();
+    assert!(json["summary"]["per_source"].is_object());
+    println!("{text}");
+}
+
+#[test]
+fn profile_override_applies_per_gpu_kind() {
+    let f = load();
+    let mut h100 = shardwright_cost::catalog::builtin_efficiency("h100");
+    h100.profile = "h100-test".into();
+    h100.gemm_max *= 0.5;
+    let mut map = std::collections::BTreeMap::new();
+    map.insert("h100".to_string(), h100);
+    let base = validate(&f, None);
+    let slow = validate(&f, Some(&map));
+    assert_eq!(slow.profiles.get("h100").map(String::as_str), Some("h100-test"));
+    assert_ne!(slow.profiles.get("a100").map(String::as_str), Some("h100-test"));
+    for (a, b) in base.rows.iter().zip(&slow.rows) {
+        assert_eq!(a.id, b.id);
+        if a.gpu_kind == "a100" {
+            assert_eq!(a.predicted_tokens_per_s_per_gpu, b.predicted_tokens_per_s_per_gpu);
+        }
+    }
+}
