@@ -48,7 +48,9 @@ impl FlopConvention {
             ));
         }
         if d.contains("convention not stated") || d.contains("convention unknown") {
-            return Err(format!("FLOP-counting convention not stated: \"{definition}\""));
+            return Err(format!(
+                "FLOP-counting convention not stated: \"{definition}\""
+            ));
         }
         const HARDWARE: &[&str] = &[
             "96*",
@@ -79,7 +81,9 @@ impl FlopConvention {
 
     pub fn name(self) -> &'static str {
         match self {
-            FlopConvention::NarayananHardware => "narayanan21 hardware FLOPs 96*L*h^2*(1+s/6h+V/16Lh)",
+            FlopConvention::NarayananHardware => {
+                "narayanan21 hardware FLOPs 96*L*h^2*(1+s/6h+V/16Lh)"
+            }
             FlopConvention::ModelNonCausal => "model FLOPs 6*N_matmul+12*L*s*heads*head_dim",
         }
     }
@@ -122,9 +126,13 @@ pub struct Measured {
 pub fn measured(run: &Run, job: &Job) -> Result<Measured, Skip> {
     let r = &run.result;
     let gpus = run.hardware.num_gpus as f64;
-    let tokens_per_step =
-        run.parallelism.global_batch_size_seqs as f64 * run.model.seq_len as f64;
-    let ok = |v: f64, metric: String| Ok(Measured { tokens_per_s_per_gpu: v, metric });
+    let tokens_per_step = run.parallelism.global_batch_size_seqs as f64 * run.model.seq_len as f64;
+    let ok = |v: f64, metric: String| {
+        Ok(Measured {
+            tokens_per_s_per_gpu: v,
+            metric,
+        })
+    };
     if let Some(t) = r.tokens_per_sec_per_gpu.filter(|v| *v > 0.0) {
         return ok(t, "result.tokens_per_sec_per_gpu (as published)".into());
     }
@@ -135,7 +143,10 @@ pub fn measured(run: &Run, job: &Job) -> Result<Measured, Skip> {
         );
     }
     if let Some(total) = r.tokens_per_sec_total.filter(|v| *v > 0.0) {
-        return ok(total / gpus, "result.tokens_per_sec_total / num_gpus".into());
+        return ok(
+            total / gpus,
+            "result.tokens_per_sec_total / num_gpus".into(),
+        );
     }
     let convention = r
         .tflops_definition
@@ -175,7 +186,10 @@ pub fn measured(run: &Run, job: &Job) -> Result<Measured, Skip> {
         }
         Err(reason) => why_not.push(reason),
     }
-    if let Some(t) = run.derived_f64("tokens_per_sec_per_gpu").filter(|v| *v > 0.0) {
+    if let Some(t) = run
+        .derived_f64("tokens_per_sec_per_gpu")
+        .filter(|v| *v > 0.0)
+    {
         return ok(
             t,
             format!(
@@ -188,6 +202,35 @@ pub fn measured(run: &Run, job: &Job) -> Result<Measured, Skip> {
         &run.id,
         format!("no comparable measurement: {}", why_not.join("; ")),
     ))
+}
+
+/// Why a run's measurement cannot be converted, judged without a job (used to give every
+/// reason when a run is skipped earlier). `None` when a conversion may exist.
+pub fn measurement_problem(run: &Run) -> Option<String> {
+    let r = &run.result;
+    let direct = [
+        r.tokens_per_sec_per_gpu,
+        r.step_time_s,
+        r.tokens_per_sec_total,
+    ]
+    .iter()
+    .any(|v| v.is_some_and(|x| x > 0.0));
+    if direct
+        || run
+            .derived_f64("tokens_per_sec_per_gpu")
+            .is_some_and(|x| x > 0.0)
+    {
+        return None;
+    }
+    match r
+        .tflops_definition
+        .as_deref()
+        .map(FlopConvention::from_definition)
+    {
+        Some(Ok(_)) => None,
+        Some(Err(why)) => Some(why),
+        None => Some("no tflops_definition: FLOP convention unknown".into()),
+    }
 }
 
 /// The peak a source divided by for its MFU: its own stated number, else the GPU's dense
@@ -211,12 +254,27 @@ mod tests {
     fn conventions_from_wording() {
         use FlopConvention::*;
         let f = FlopConvention::from_definition;
-        assert_eq!(f("computed with F = 96*B*s*l*h^2*(1 + s/6h + V/16lh)").unwrap(), NarayananHardware);
-        assert_eq!(f("Megatron-DeepSpeed 'TFLOPs' log field using the 4*2 coefficient").unwrap(), NarayananHardware);
-        assert_eq!(f("Per-GPU model teraFLOP/s, end-to-end").unwrap(), ModelNonCausal);
-        assert_eq!(f("TFLOPS/GPU (NeMo model FLOPs) with CP").unwrap(), ModelNonCausal);
+        assert_eq!(
+            f("computed with F = 96*B*s*l*h^2*(1 + s/6h + V/16lh)").unwrap(),
+            NarayananHardware
+        );
+        assert_eq!(
+            f("Megatron-DeepSpeed 'TFLOPs' log field using the 4*2 coefficient").unwrap(),
+            NarayananHardware
+        );
+        assert_eq!(
+            f("Per-GPU model teraFLOP/s, end-to-end").unwrap(),
+            ModelNonCausal
+        );
+        assert_eq!(
+            f("TFLOPS/GPU (NeMo model FLOPs) with CP").unwrap(),
+            ModelNonCausal
+        );
         assert_eq!(f("MFU/HFU per Chowdhery et al.").unwrap(), ModelNonCausal);
-        assert!(f("'utilization of up to 147 TFLOP/s per GPU' -- counting convention not stated").is_err());
+        assert!(
+            f("'utilization of up to 147 TFLOP/s per GPU' -- counting convention not stated")
+                .is_err()
+        );
         assert!(f("something else").is_err());
     }
 }

@@ -15,6 +15,9 @@
 //! Architecture invariant: estimates come only from `shardwright-cost` (and the planner's
 //! choice of unpinned axes); this crate converts units and conventions, nothing else.
 
+// `x % n == 0` rather than `is_multiple_of` (stable in 1.87): the workspace MSRV is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
 pub mod convert;
 pub mod predict;
 pub mod report;
@@ -23,6 +26,9 @@ pub mod setup;
 
 pub use convert::{measured, FlopConvention, Measured};
 pub use predict::{predict, Prediction};
-pub use report::{percentile, render_text, stats, summarize, to_json, validate, Report, RunRow, Skip, Stats, Summary};
+pub use report::{
+    percentile, render_text, stats, summarize, to_json, validate, Report, RunRow, Skip, Stats,
+    Summary,
+};
 pub use runs::{load_runs, Run, RunsFile, ValidateError};
 pub use setup::{setup_run, source_key, RunSetup};

@@ -8,8 +8,9 @@
 //!   (micro-batch 1, full recompute, ZeRO-1, sequence parallel on when tp > 1, no
 //!   interleaving) and that layout is evaluated; the row says so and shows `fits: false`.
 //!
-//! The final layout is always evaluated with the even layer split (`refine = false`): the
-//! published runs used Megatron's / DeepSpeed's even split, not shardwright's LP partition.
+//! Layouts are ranked and evaluated with the even layer split ([`REFINE_STAGE_SPLIT`] off):
+//! the published runs used Megatron's / DeepSpeed's even split, not shardwright's LP stage
+//! partition (which would also cost seconds per run at pp = 64).
 
 use crate::report::Skip;
 use shardwright_cost::resolve::{resolve, ResolveOptions};
@@ -46,7 +47,10 @@ pub fn resolve_spec(
         Ok(r) => Ok((r.job, r.warnings)),
         Err(e) => Err(Skip::new(
             id,
-            format!("spec does not resolve: {}", e.to_string().replace('\n', "; ")),
+            format!(
+                "spec does not resolve: {}",
+                e.to_string().replace('\n', "; ")
+            ),
         )),
     }
 }
@@ -60,7 +64,19 @@ pub fn pinned_layout(job: &Job) -> Option<Layout> {
     let recompute = p.recompute?;
     let vpp = p.vpp.or((pp == 1).then_some(1))?;
     let sequence_parallel = p.sequence_parallel.or((tp == 1).then_some(false))?;
-    Some(layout_with(job, tp, pp, dp, cp, ep, vpp, micro_batch, zero_stage, recompute, sequence_parallel))
+    Some(layout_with(
+        job,
+        tp,
+        pp,
+        dp,
+        cp,
+        ep,
+        vpp,
+        micro_batch,
+        zero_stage,
+        recompute,
+        sequence_parallel,
+    ))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -78,10 +94,11 @@ fn layout_with(
     sequence_parallel: bool,
 ) -> Layout {
     let per = micro_batch as u64 * dp as u64 * ep as u64;
-    let schedule = job
-        .pinned
-        .schedule
-        .unwrap_or(if vpp > 1 { Schedule::Interleaved } else { Schedule::OneFOneB });
+    let schedule = job.pinned.schedule.unwrap_or(if vpp > 1 {
+        Schedule::Interleaved
+    } else {
+        Schedule::OneFOneB
+    });
     Layout {
         tp,
         pp,
@@ -134,7 +151,14 @@ pub fn chosen_axes(job: &Job, layout: &Layout) -> Vec<String> {
         out.push(format!("recompute={}", recompute_name(layout.recompute)));
     }
     if p.sequence_parallel.is_none() && layout.tp > 1 {
-        out.push(format!("sp={}", if layout.sequence_parallel { "on" } else { "off" }));
+        out.push(format!(
+            "sp={}",
+            if layout.sequence_parallel {
+                "on"
+            } else {
+                "off"
+            }
+        ));
     }
     out
 }
@@ -144,9 +168,20 @@ pub fn predict(id: &str, job: Job, warnings: Vec<String>) -> Result<Prediction, 
     let mut notes: Vec<String> = warnings.iter().map(|w| format!("resolve: {w}")).collect();
     let layout = match pinned_layout(&job) {
         Some(l) => l,
-        None => match plan(&job, &warnings, &PlanOptions { top_k: 0, refine: true }, &mut |_, _| {}) {
+        None => match plan(
+            &job,
+            &warnings,
+            &PlanOptions {
+                top_k: 0,
+                refine: REFINE_STAGE_SPLIT,
+            },
+            &mut |_, _| {},
+        ) {
             Ok(p) => {
-                notes.push(format!("planner chose: {}", chosen_axes(&job, &p.layout).join(" ")));
+                notes.push(format!(
+                    "planner chose: {}",
+                    chosen_axes(&job, &p.layout).join(" ")
+                ));
                 p.layout
             }
             Err(PlanError::NoFeasible { reasons, .. }) => {

@@ -9,7 +9,7 @@
 //! median is the 50th percentile (the mean of the two middle values for even `n`). An empty
 //! set has all statistics 0.
 
-use crate::convert::measured;
+use crate::convert::{measured, measurement_problem};
 use crate::predict::{predict, resolve_spec};
 use crate::runs::RunsFile;
 use crate::setup::setup_run;
@@ -126,7 +126,9 @@ pub fn summarize(rows: &[RunRow], skipped: Vec<Skip>) -> Summary {
         for r in rows {
             m.entry(key(r).to_string()).or_default().push(r.error_pct);
         }
-        m.into_iter().map(|(k, v)| (k, stats(&v))).collect::<BTreeMap<_, _>>()
+        m.into_iter()
+            .map(|(k, v)| (k, stats(&v)))
+            .collect::<BTreeMap<_, _>>()
     };
     Summary {
         n: overall.n,
@@ -136,7 +138,11 @@ pub fn summarize(rows: &[RunRow], skipped: Vec<Skip>) -> Summary {
         median_signed_pct: overall.median_signed_pct,
         per_source: group(&|r| r.source.as_str()),
         per_gpu: group(&|r| r.gpu_kind.as_str()),
-        not_fitting: rows.iter().filter(|r| !r.fits).map(|r| r.id.clone()).collect(),
+        not_fitting: rows
+            .iter()
+            .filter(|r| !r.fits)
+            .map(|r| r.id.clone())
+            .collect(),
         skipped,
     }
 }
@@ -149,7 +155,12 @@ pub fn validate(runs: &RunsFile, profiles: Option<&BTreeMap<String, Efficiency>>
     let mut used: BTreeMap<String, String> = BTreeMap::new();
     for run in &runs.runs {
         let row = (|| {
-            let setup = setup_run(run)?;
+            let setup = setup_run(run).map_err(|mut s| {
+                if let Some(why) = measurement_problem(run) {
+                    s.reason = format!("{}; also: {why}", s.reason);
+                }
+                s
+            })?;
             let profile = profiles.and_then(|p| p.get(&setup.gpu_kind));
             let (job, warnings) = resolve_spec(&setup.id, &setup.spec, profile)?;
             used.insert(setup.gpu_kind.clone(), job.efficiency.profile.clone());
@@ -158,7 +169,11 @@ pub fn validate(runs: &RunsFile, profiles: Option<&BTreeMap<String, Efficiency>>
             let predicted = pred.estimate.tokens_per_s_per_gpu;
             let mut notes = setup.notes;
             notes.extend(pred.notes);
-            if let Some(c) = run.confidence.as_deref().filter(|c| *c != "exact from table") {
+            if let Some(c) = run
+                .confidence
+                .as_deref()
+                .filter(|c| *c != "exact from table")
+            {
                 notes.push(format!("file confidence: {c}"));
             }
             Ok::<RunRow, Skip>(RunRow {
@@ -196,7 +211,7 @@ pub fn to_json(report: &Report) -> String {
 fn stats_line(out: &mut String, name: &str, s: &Stats) {
     let _ = writeln!(
         out,
-        "  {name:<14} {:>3} {:>8.1} {:>8.1} {:>8.1} {:>+9.1}",
+        "  {name:<20} {:>3} {:>8.1} {:>8.1} {:>8.1} {:>+9.1}",
         s.n, s.median_abs_pct, s.p90_abs_pct, s.max_abs_pct, s.median_signed_pct
     );
 }
@@ -204,7 +219,13 @@ fn stats_line(out: &mut String, name: &str, s: &Stats) {
 /// Deterministic text report: a table of runs, notes per run, then the summary.
 pub fn render_text(report: &Report) -> String {
     let mut out = String::new();
-    let id_w = report.rows.iter().map(|r| r.id.len()).max().unwrap_or(2).max(2);
+    let id_w = report
+        .rows
+        .iter()
+        .map(|r| r.id.len())
+        .max()
+        .unwrap_or(2)
+        .max(2);
     let _ = writeln!(
         out,
         "{:<id_w$}  {:<5} {:>10} {:>10} {:>8}  {:<4} {:>7}  layout",
@@ -224,7 +245,9 @@ pub fn render_text(report: &Report) -> String {
             r.layout
         );
     }
-    out.push_str("\n(tokens/s per GPU; error = predicted/published - 1)\n\nMeasurements and notes\n");
+    out.push_str(
+        "\n(tokens/s per GPU; error = predicted/published - 1)\n\nMeasurements and notes\n",
+    );
     for r in &report.rows {
         let _ = writeln!(out, "{}\n    measured: {}", r.id, r.metric);
         for n in &r.notes {
@@ -235,7 +258,7 @@ pub fn render_text(report: &Report) -> String {
     out.push_str("\nSummary (|error| %, median/p90 by linear interpolation)\n");
     let _ = writeln!(
         out,
-        "  {:<14} {:>3} {:>8} {:>8} {:>8} {:>9}",
+        "  {:<20} {:>3} {:>8} {:>8} {:>8} {:>9}",
         "group", "n", "median", "p90", "max", "bias"
     );
     stats_line(
@@ -256,14 +279,22 @@ pub fn render_text(report: &Report) -> String {
         stats_line(&mut out, &format!("gpu {k}"), v);
     }
     if !report.profiles.is_empty() {
-        let p: Vec<String> = report.profiles.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let p: Vec<String> = report
+            .profiles
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
         let _ = writeln!(out, "profiles: {}", p.join(", "));
     }
     let _ = writeln!(
         out,
         "not fitting ({}): {}",
         s.not_fitting.len(),
-        if s.not_fitting.is_empty() { "-".to_string() } else { s.not_fitting.join(", ") }
+        if s.not_fitting.is_empty() {
+            "-".to_string()
+        } else {
+            s.not_fitting.join(", ")
+        }
     );
     let _ = writeln!(out, "skipped ({}):", s.skipped.len());
     for k in &s.skipped {

@@ -51,7 +51,11 @@ pub const GPU_NAMES: &[(&str, &str)] = &[
 
 /// Model families whose head_dim is not hidden / heads: (name substring, head_dim, why).
 pub const KNOWN_HEAD_DIM: &[(&str, u32, &str)] = &[
-    ("qwen3", 128, "Qwen3 configs set head_dim = 128 independently of hidden/heads"),
+    (
+        "qwen3",
+        128,
+        "Qwen3 configs set head_dim = 128 independently of hidden/heads",
+    ),
     ("gpt-oss", 64, "gpt-oss config: head_dim = 64"),
 ];
 
@@ -330,9 +334,18 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
     };
     let model_notes = m.notes.as_deref().unwrap_or("").to_ascii_lowercase();
     let learned_positions = conv.gpt_style
-        && !["alibi", "rotary", "rope"].iter().any(|k| model_notes.contains(k));
+        && !["alibi", "rotary", "rope"]
+            .iter()
+            .any(|k| model_notes.contains(k));
+    if model_notes.contains("sliding") {
+        notes.push(
+            "sliding-window attention layers not modeled: full attention FLOPs and memory".into(),
+        );
+    }
     if conv.gpt_style && !learned_positions {
-        notes.push("positions from the model notes (ALiBi/rotary): no learned position table".into());
+        notes.push(
+            "positions from the model notes (ALiBi/rotary): no learned position table".into(),
+        );
     }
     let model = ModelSpec {
         name: m.name.clone(),
@@ -345,7 +358,11 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
         head_dim,
         ffn_hidden_size: ffn,
         ffn_activation: activation,
-        norm: if conv.gpt_style { Norm::Layernorm } else { Norm::Rmsnorm },
+        norm: if conv.gpt_style {
+            Norm::Layernorm
+        } else {
+            Norm::Rmsnorm
+        },
         vocab_size: m.vocab_size,
         seq_len: m.seq_len,
         tied_embeddings: conv.gpt_style,
@@ -404,7 +421,11 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
     if tp > gpus_per_node {
         notes.push(format!("tp={tp} spans nodes"));
     }
-    let schedule_text = par.pipeline_schedule.as_deref().unwrap_or("").to_ascii_lowercase();
+    let schedule_text = par
+        .pipeline_schedule
+        .as_deref()
+        .unwrap_or("")
+        .to_ascii_lowercase();
     match par.virtual_pipeline_stages_per_rank.filter(|v| *v > 0) {
         Some(1) => {
             pins.vpp = Some(1);
@@ -455,7 +476,9 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
         if pins.zero_stage == Some(0) && lower.contains("none stated") {
             notes.push(format!("zero_or_fsdp \"{t}\" read as plain DDP (ZeRO 0)"));
         } else if pins.zero_stage.is_none() {
-            notes.push(format!("zero_or_fsdp \"{t}\": ZeRO stage left to the planner"));
+            notes.push(format!(
+                "zero_or_fsdp \"{t}\": ZeRO stage left to the planner"
+            ));
         }
     }
     if let (Some(ga), Some(mb)) = (par.grad_accum_steps, pins.micro_batch) {
@@ -472,7 +495,9 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
     let precision_text = par.precision.as_deref().unwrap_or("");
     let fp8 = precision_text.to_ascii_lowercase().contains("fp8");
     if fp8 && precision_text.to_ascii_lowercase().contains("unsure") {
-        notes.push(format!("FP8 read from an unsure statement: \"{precision_text}\""));
+        notes.push(format!(
+            "FP8 read from an unsure statement: \"{precision_text}\""
+        ));
     }
     let precision = PrecisionSpec {
         compute: Dtype::Bf16,
@@ -527,10 +552,15 @@ mod tests {
             Some(Recompute::Full)
         );
         assert_eq!(
-            parse_recompute(Some("rematerialization (one sharded activation per layer saved)")),
+            parse_recompute(Some(
+                "rematerialization (one sharded activation per layer saved)"
+            )),
             Some(Recompute::Full)
         );
-        assert_eq!(parse_recompute(Some("selective")), Some(Recompute::Selective));
+        assert_eq!(
+            parse_recompute(Some("selective")),
+            Some(Recompute::Selective)
+        );
         assert_eq!(parse_recompute(Some("none")), Some(Recompute::None));
         assert_eq!(parse_recompute(Some("not stated")), None);
         assert_eq!(parse_recompute(None), None);
@@ -538,20 +568,42 @@ mod tests {
 
     #[test]
     fn zero_wording() {
-        assert_eq!(parse_zero(Some("ZeRO-3 (DeepSpeed), no tensor/pipeline parallelism")), Some(3));
-        assert_eq!(parse_zero(Some("FSDP (Fully Sharded Data Parallel) with Megatron-LM TP")), Some(3));
-        assert_eq!(parse_zero(Some("DDP + distributed optimizer (FSDP=0)")), Some(1));
-        assert_eq!(parse_zero(Some("ZeRO-1 (inside BF16_Optimizer; ZERO_STAGE=0 in config)")), Some(1));
+        assert_eq!(
+            parse_zero(Some("ZeRO-3 (DeepSpeed), no tensor/pipeline parallelism")),
+            Some(3)
+        );
+        assert_eq!(
+            parse_zero(Some(
+                "FSDP (Fully Sharded Data Parallel) with Megatron-LM TP"
+            )),
+            Some(3)
+        );
+        assert_eq!(
+            parse_zero(Some("DDP + distributed optimizer (FSDP=0)")),
+            Some(1)
+        );
+        assert_eq!(
+            parse_zero(Some(
+                "ZeRO-1 (inside BF16_Optimizer; ZERO_STAGE=0 in config)"
+            )),
+            Some(1)
+        );
         assert_eq!(parse_zero(Some("DDP")), Some(0));
         assert_eq!(parse_zero(Some("none stated (Megatron DP)")), Some(0));
-        assert_eq!(parse_zero(Some("not verified (DeepSpeed ZeRO-1 is commonly reported)")), None);
+        assert_eq!(
+            parse_zero(Some("not verified (DeepSpeed ZeRO-1 is commonly reported)")),
+            None
+        );
         assert_eq!(parse_zero(None), None);
     }
 
     #[test]
     fn mesh_conversion() {
         assert_eq!(mesh_from_published(1, 32, 1), Some((1, 32, None)));
-        assert_eq!(mesh_from_published(1, 16, 8).map(|m| (m.0, m.1)), Some((8, 2)));
+        assert_eq!(
+            mesh_from_published(1, 16, 8).map(|m| (m.0, m.1)),
+            Some((8, 2))
+        );
         // Qwen3 tp2 dp16 ep32: expert TP 1, EP spans the TP ranks.
         let (ep, dp, note) = mesh_from_published(2, 16, 32).unwrap();
         assert_eq!((ep, dp), (16, 1));
@@ -561,7 +613,10 @@ mod tests {
 
     #[test]
     fn numbers_in_notes() {
-        assert_eq!(number_after("config (head_dim 64, alternating)", "head_dim"), Some(64));
+        assert_eq!(
+            number_after("config (head_dim 64, alternating)", "head_dim"),
+            Some(64)
+        );
         assert_eq!(number_after("head_dim=128", "head_dim"), Some(128));
         assert_eq!(number_after("no number", "head_dim"), None);
     }

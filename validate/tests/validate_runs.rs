@@ -17,7 +17,10 @@ fn load() -> RunsFile {
 }
 
 fn run<'a>(f: &'a RunsFile, id: &str) -> &'a Run {
-    f.runs.iter().find(|r| r.id == id).unwrap_or_else(|| panic!("run {id}"))
+    f.runs
+        .iter()
+        .find(|r| r.id == id)
+        .unwrap_or_else(|| panic!("run {id}"))
 }
 
 /// Measured tokens/s/GPU of a run, through setup + resolve with the built-in profile.
@@ -67,29 +70,65 @@ fn every_run_is_a_row_or_a_skip_with_a_reason() {
     let f = load();
     let report = validate(&f, None);
     let rows: BTreeSet<&str> = report.rows.iter().map(|r| r.id.as_str()).collect();
-    let skips: BTreeSet<&str> = report.summary.skipped.iter().map(|s| s.id.as_str()).collect();
+    let skips: BTreeSet<&str> = report
+        .summary
+        .skipped
+        .iter()
+        .map(|s| s.id.as_str())
+        .collect();
     assert!(rows.is_disjoint(&skips));
     assert_eq!(rows.len() + skips.len(), 56, "none silently dropped");
     assert_eq!(report.rows.len() + report.summary.skipped.len(), 56);
     for s in &report.summary.skipped {
-        assert!(!s.reason.trim().is_empty(), "{} skipped without a reason", s.id);
+        assert!(
+            !s.reason.trim().is_empty(),
+            "{} skipped without a reason",
+            s.id
+        );
     }
     // The TPU run and OPT (TP not published, 'up to' TFLOP/s) cannot be compared.
     let reason = |id: &str| {
-        report.summary.skipped.iter().find(|s| s.id == id).map(|s| s.reason.clone())
+        report
+            .summary
+            .skipped
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| s.reason.clone())
     };
     assert!(reason("palm_540b_6144tpuv4").unwrap().contains("TPU"));
     assert!(reason("opt_175b_992gpu").is_some());
     for r in &report.rows {
-        assert!(r.predicted_tokens_per_s_per_gpu.is_finite() && r.predicted_tokens_per_s_per_gpu > 0.0, "{}", r.id);
+        assert!(
+            r.predicted_tokens_per_s_per_gpu.is_finite() && r.predicted_tokens_per_s_per_gpu > 0.0,
+            "{}",
+            r.id
+        );
         assert!(r.published_tokens_per_s_per_gpu > 0.0, "{}", r.id);
         assert!(!r.metric.is_empty());
-        let expect = (r.predicted_tokens_per_s_per_gpu / r.published_tokens_per_s_per_gpu - 1.0) * 100.0;
+        let expect =
+            (r.predicted_tokens_per_s_per_gpu / r.published_tokens_per_s_per_gpu - 1.0) * 100.0;
         assert!((r.error_pct - expect).abs() < 1e-9);
     }
-    // Rows come in file order; every GPU run of the 9 sources except OPT is present.
+    // Rows come in file order.
+    let order: Vec<&str> = f
+        .runs
+        .iter()
+        .map(|r| r.id.as_str())
+        .filter(|id| rows.contains(id))
+        .collect();
+    let got: Vec<&str> = report.rows.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(order, got);
+    // Every source with a GPU run that can be compared has rows.
     let sources: BTreeSet<&str> = report.rows.iter().map(|r| r.source.as_str()).collect();
-    for s in ["narayanan21", "korthikanti22", "mcore", "mtnlg", "bloom", "mbridge", "nemo"] {
+    for s in [
+        "narayanan21",
+        "korthikanti22",
+        "mcore",
+        "mtnlg",
+        "bloom",
+        "mbridge",
+        "nemo",
+    ] {
         assert!(sources.contains(s), "no row from {s}");
     }
 }
@@ -100,7 +139,11 @@ fn narayanan_tflops_to_tokens() {
     let f = load();
     let m = measured_of(&f, "narayanan21_t1_1.7B");
     assert!(close(m.tokens_per_s_per_gpu, 9287.9, 0.01), "{m:?}");
-    assert!(m.metric.contains("tflops_per_gpu") && m.metric.contains("narayanan"), "{}", m.metric);
+    assert!(
+        m.metric.contains("tflops_per_gpu") && m.metric.contains("narayanan"),
+        "{}",
+        m.metric
+    );
     // ZeRO-3 174.6B on 384 GPUs: 144 TFLOP/s; the file's derived iteration time is 81.58 s.
     let m = measured_of(&f, "narayanan21_t2_ZeRO-3_174.6B_384gpu");
     let step = 1536.0 * 2048.0 / (m.tokens_per_s_per_gpu * 384.0);
@@ -112,7 +155,11 @@ fn step_time_and_published_tokens() {
     let f = load();
     // Korthikanti 22B: 4 seqs x 2048 / 1.1 s / 8 GPUs = 930.9.
     let m = measured_of(&f, "korthikanti22_22B_selective_sp");
-    assert!(close(m.tokens_per_s_per_gpu, 4.0 * 2048.0 / 1.1 / 8.0, 1e-9));
+    assert!(close(
+        m.tokens_per_s_per_gpu,
+        4.0 * 2048.0 / 1.1 / 8.0,
+        1e-9
+    ));
     assert!(m.metric.starts_with("result.step_time_s"));
     // MT-NLG on 2240 GPUs: 1920 x 2048 / 60.1 / 2240 = 29.21 (step time beats TFLOP/s).
     let m = measured_of(&f, "mtnlg_530b_2240gpu");
@@ -131,7 +178,10 @@ fn mfu_with_model_flops() {
     let m = measured_of(&f, "korthikanti22_530B_dp8_2240gpu_full_recompute");
     assert!(m.metric.contains("mfu_pct"), "{}", m.metric);
     let from_step = 2240.0 * 2048.0 / 50.4 / 2240.0;
-    assert!(close(m.tokens_per_s_per_gpu, from_step, 0.01), "{m:?} vs {from_step}");
+    assert!(
+        close(m.tokens_per_s_per_gpu, from_step, 0.01),
+        "{m:?} vs {from_step}"
+    );
 }
 
 #[test]
@@ -179,7 +229,10 @@ fn conversions_follow_conventions() {
     let s = setup_run(r).unwrap();
     let p = &s.spec.job.parallelism;
     // tp2 dp16 ep32 (expert TP 1): ep 16, dp 1 in shardwright's mesh.
-    assert_eq!((p.tp, p.ep, p.dp, p.pp), (Some(2), Some(16), Some(1), Some(8)));
+    assert_eq!(
+        (p.tp, p.ep, p.dp, p.pp),
+        (Some(2), Some(16), Some(1), Some(8))
+    );
     assert_eq!(s.spec.job.model.head_dim, Some(128));
     assert!(s.spec.job.precision.fp8_gemms);
     assert!(s.notes.iter().any(|n| n.contains("approximation")));
@@ -204,7 +257,10 @@ fn conversions_follow_conventions() {
     assert!(m.linear_bias && !m.flash_attention && m.learned_positions);
     assert_eq!(s.spec.cluster.gpu.as_deref(), Some("A100-80GB"));
     assert_eq!(s.spec.cluster.hardware.inter_node_gbps, Some(25.0));
-    assert_eq!(s.spec.job.parallelism.recompute, Some(shardwright_ir::spec::Recompute::Full));
+    assert_eq!(
+        s.spec.job.parallelism.recompute,
+        Some(shardwright_ir::spec::Recompute::Full)
+    );
 
     let s = setup_run(run(&f, "bloom_176b_384gpu")).unwrap();
     assert!(!s.spec.job.model.learned_positions, "ALiBi");
@@ -215,7 +271,10 @@ fn conversions_follow_conventions() {
     let p = &s.spec.job.parallelism;
     assert_eq!(p.vpp, Some(3));
     assert_eq!(p.sequence_parallel, Some(true));
-    assert_eq!(p.recompute, Some(shardwright_ir::spec::Recompute::Selective));
+    assert_eq!(
+        p.recompute,
+        Some(shardwright_ir::spec::Recompute::Selective)
+    );
 }
 
 #[test]
@@ -299,12 +358,21 @@ fn profile_override_applies_per_gpu_kind() {
     map.insert("h100".to_string(), h100);
     let base = validate(&f, None);
     let slow = validate(&f, Some(&map));
-    assert_eq!(slow.profiles.get("h100").map(String::as_str), Some("h100-test"));
-    assert_ne!(slow.profiles.get("a100").map(String::as_str), Some("h100-test"));
+    assert_eq!(
+        slow.profiles.get("h100").map(String::as_str),
+        Some("h100-test")
+    );
+    assert_ne!(
+        slow.profiles.get("a100").map(String::as_str),
+        Some("h100-test")
+    );
     for (a, b) in base.rows.iter().zip(&slow.rows) {
         assert_eq!(a.id, b.id);
         if a.gpu_kind == "a100" {
-            assert_eq!(a.predicted_tokens_per_s_per_gpu, b.predicted_tokens_per_s_per_gpu);
+            assert_eq!(
+                a.predicted_tokens_per_s_per_gpu,
+                b.predicted_tokens_per_s_per_gpu
+            );
         }
     }
 }
