@@ -6,6 +6,7 @@ use shardwright_cost::{resolve, ResolveOptions, Resolved};
 use shardwright_ir::job::Efficiency;
 use shardwright_ir::parse::{parse_spec, Format};
 use shardwright_planner::{plan, PlanError, PlanOptions};
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -42,21 +43,11 @@ pub fn write_output(path: Option<&Path>, text: &str) -> Result<(), Failure> {
     Ok(())
 }
 
-pub fn load_profile(path: &Path) -> Result<Efficiency, Failure> {
+/// A profile file written by `shardwright calibrate` (GPU kind -> efficiency).
+pub fn load_profile(path: &Path) -> Result<BTreeMap<String, Efficiency>, Failure> {
     let text = read_input(path)?;
-    #[derive(serde::Deserialize)]
-    struct ProfileFile {
-        efficiency: Efficiency,
-    }
-    let v = shardwright_ir::parse::parse_value(&text, Format::Json)
-        .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
-    // Accept either a bare Efficiency object or a calibrate output with `efficiency`.
-    if v.get("efficiency").is_some() {
-        let p: ProfileFile = shardwright_ir::parse::from_value(v)
-            .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
-        return Ok(p.efficiency);
-    }
-    shardwright_ir::parse::from_value(v).map_err(|e| usage(anyhow!("{}: {e}", path.display())))
+    shardwright_cost::catalog::parse_profile(&text)
+        .map_err(|e| usage(anyhow!("{}: not a hardware profile: {e}", path.display())))
 }
 
 /// Parse and resolve a job spec; errors name the file and every bad field.
@@ -65,7 +56,8 @@ pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Resolved, Failure
     let spec = parse_spec(&text, Format::from_path(&path.to_string_lossy()))
         .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
     let opts = ResolveOptions {
-        profile: profile.map(load_profile).transpose()?,
+        profile: None,
+        profiles: profile.map(load_profile).transpose()?,
     };
     resolve(&spec, &opts).map_err(|e| usage(anyhow!("{}:\n{e}", path.display())))
 }

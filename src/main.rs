@@ -12,6 +12,8 @@ const EXAMPLES: &str = "Examples:
   shardwright plan specs/llama3-405b-16k-h100.yaml -o plan.json
   shardwright plan specs/llama3-405b-16k-h100.yaml --top 10 | shardwright explain -
   shardwright explain plan.json
+  shardwright validate --runs ../shared/data/published-runs.json
+  shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json
   shardwright schema -o schema/plan.schema.json
 
 Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits.";
@@ -48,6 +50,36 @@ enum Cmd {
     Explain {
         /// Plan JSON (`-` for stdin).
         plan: PathBuf,
+    },
+    /// Predict published training runs with the cost model and compare with what was measured.
+    #[command(after_help = "Examples:\n  shardwright validate --runs ../shared/data/published-runs.json\n  shardwright validate --runs runs.json --json -o report.json")]
+    Validate {
+        /// Published-runs file (the shared/data/published-runs.json format).
+        #[arg(long)]
+        runs: PathBuf,
+        /// Hardware profile (default: the committed calibrated profile).
+        #[arg(long)]
+        profile: Option<PathBuf>,
+        /// Write JSON instead of the text tables.
+        #[arg(long)]
+        json: bool,
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+    /// Fit the hardware profile's efficiency parameters to published runs.
+    #[command(after_help = "Examples:\n  shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json --report validate/calibration-report.json")]
+    Calibrate {
+        #[arg(long)]
+        runs: PathBuf,
+        /// Where to write the profile (default: stdout).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Also write the fit report (in-sample and leave-one-source-out errors) here.
+        #[arg(long)]
+        report: Option<PathBuf>,
+        /// Version label for the profile names.
+        #[arg(long, default_value = "calibrated-1")]
+        version: String,
     },
     /// Write the JSON Schema of the plan.
     Schema {
@@ -129,6 +161,53 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 )));
             }
             print!("{}", explain::render(&plan).context("rendering the summary")?);
+            Ok(())
+        }
+        Cmd::Validate {
+            runs,
+            profile,
+            json,
+            output,
+        } => {
+            let text = io::read_input(&runs)?;
+            let file = shardwright_validate::load_runs(&text)
+                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+            let profiles = profile.as_deref().map(io::load_profile).transpose()?;
+            let report = shardwright_validate::validate(&file, profiles.as_ref());
+            let out = if json {
+                shardwright_validate::to_json(&report)
+            } else {
+                shardwright_validate::render_text(&report)
+            };
+            io::write_output(output.as_deref(), &out)?;
+            Ok(())
+        }
+        Cmd::Calibrate {
+            runs,
+            output,
+            report,
+            version,
+        } => {
+            let bytes = std::fs::read(&runs).map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+            let text = String::from_utf8(bytes.clone()).map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+            let file = shardwright_validate::load_runs(&text)
+                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+            let cal = shardwright_validate::calibrate::calibrate(&file, &bytes, &version);
+            io::write_output(output.as_deref(), &shardwright_ir::plan::to_json(&cal.profile))?;
+            if let Some(r) = report {
+                io::write_output(Some(&r), &shardwright_ir::plan::to_json(&cal))?;
+            }
+            eprintln!(
+                "in-sample |error|: median {:.1}%, p90 {:.1}%, max {:.1}% over {} runs",
+                cal.in_sample.median_abs_pct, cal.in_sample.p90_abs_pct, cal.in_sample.max_abs_pct, cal.in_sample.n
+            );
+            eprintln!(
+                "leave-one-source-out |error|: median {:.1}%, p90 {:.1}%, max {:.1}%",
+                cal.loso.median_abs_pct, cal.loso.p90_abs_pct, cal.loso.max_abs_pct
+            );
+            for (src, s) in &cal.loso_per_source {
+                eprintln!("  held out {src:<14} n={:<3} median {:>5.1}%  bias {:+.1}%", s.n, s.median_abs_pct, s.median_signed_pct);
+            }
             Ok(())
         }
         Cmd::Schema { output } => {

@@ -130,13 +130,36 @@ impl CatalogEntry {
     }
 }
 
-/// The built-in efficiency profile for a GPU kind. `shardwright calibrate` writes fitted
-/// profiles in the same shape; see `profiles/` for the committed one.
+/// The committed hardware profile written by `shardwright calibrate` (see its provenance).
+pub const CALIBRATED_PROFILE_JSON: &str = include_str!("../profiles/calibrated.json");
+
+#[derive(serde::Deserialize)]
+struct ProfileKinds {
+    kinds: std::collections::BTreeMap<String, Efficiency>,
+}
+
+/// Parse a profile file (`{"provenance": .., "kinds": {kind: Efficiency}}`).
+pub fn parse_profile(text: &str) -> Result<std::collections::BTreeMap<String, Efficiency>, String> {
+    serde_json::from_str::<ProfileKinds>(text)
+        .map(|p| p.kinds)
+        .map_err(|e| e.to_string())
+}
+
+/// The efficiency profile used by default: the committed calibrated profile for the GPU
+/// kind, or [`initial_efficiency`] for kinds it does not cover.
 pub fn builtin_efficiency(kind: &str) -> Efficiency {
+    static CAL: std::sync::OnceLock<std::collections::BTreeMap<String, Efficiency>> = std::sync::OnceLock::new();
+    let cal = CAL.get_or_init(|| parse_profile(CALIBRATED_PROFILE_JSON).unwrap_or_default());
+    cal.get(kind).cloned().unwrap_or_else(|| initial_efficiency(kind))
+}
+
+/// Hand-set starting point (the calibration starts here, so its output does not depend on
+/// the profile committed before it).
+pub fn initial_efficiency(kind: &str) -> Efficiency {
     match kind {
         // GEMM curve fitted to shared/data/h100-gemm-2026-11-22.json (12 shapes, rms 3%).
         "h100" => Efficiency {
-            profile: "h100-builtin-1".into(),
+            profile: "h100-initial".into(),
             gemm_max: 0.80,
             gemm_flops0: 1.6e10,
             gemm_exp: 0.8,
@@ -152,7 +175,7 @@ pub fn builtin_efficiency(kind: &str) -> Efficiency {
         },
         // A100: the same curve shape, saturating at a smaller GEMM (peak is 3.2x lower).
         _ => Efficiency {
-            profile: format!("{kind}-builtin-1"),
+            profile: format!("{kind}-initial"),
             gemm_max: 0.85,
             gemm_flops0: 5.0e9,
             gemm_exp: 0.8,
@@ -166,5 +189,17 @@ pub fn builtin_efficiency(kind: &str) -> Efficiency {
             dp_overlap: 0.8,
             layer_overhead_s: 20e-6,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn committed_profile_parses_and_covers_catalog_kinds() {
+        let kinds = parse_profile(CALIBRATED_PROFILE_JSON).expect("profiles/calibrated.json parses");
+        for e in CATALOG {
+            assert!(kinds.contains_key(e.kind), "no calibrated profile for {}", e.kind);
+        }
     }
 }

@@ -66,8 +66,9 @@ pub fn group_link(job: &Job, stride: u64, size: u64) -> (f64, f64, bool, u64) {
     }
     // Ranks of one group inside one node.
     let per_node = if stride >= gpn { 1 } else { (gpn / stride).min(size).max(1) };
-    // NCCL runs one ring per NIC: a node's `per_node` group members drive `per_node` NICs.
-    let ib = hw.inter_node_gbps * eff.inter_node_bus_eff * per_node as f64;
+    // Rail-optimized fabric: each GPU has its own NIC and a ring that leaves the node runs
+    // at that NIC's rate (the slowest link bounds the ring).
+    let ib = hw.inter_node_gbps * eff.inter_node_bus_eff;
     (ib.min(nvl), hw.inter_node_latency_s, true, per_node)
 }
 
@@ -154,14 +155,26 @@ impl LayerCosts {
         let mut attn_g = Gemms::new();
         attn_g.add(job, gemm_peak, tokens, (qd + 2.0 * kvd) / t, h);
         attn_g.add(job, gemm_peak, tokens, h, qd / t);
-        // Attention core: forward flops per GPU; flash backward does 2.5x the forward work.
+        // Attention core. Flash attention: the (causal) forward flops at the flash-attention
+        // rate, backward 2.5x the forward work (it recomputes the scores). Unfused attention
+        // (before flash attention): QK^T and AV as batched GEMMs with inner dimension
+        // head_dim over the full s x s square (the mask does not skip work), plus the
+        // scores' HBM traffic per element: written (2 B), scale-mask-softmax read and written
+        // (4 B), read by AV (2 B), and with dropout read, written and masked (5 B);
+        // backward twice the forward.
         let core_fwd = tokens * flops::attention_fwd_flops_per_token(m) / t;
         let attn_rate = hw.peak_bf16_flops * e.attn_eff;
-        let core_passes = match rc {
-            Recompute::None => 1.0 + 2.5,
-            Recompute::Selective | Recompute::Full => 2.0 + 2.5,
+        let recomputed = rc != Recompute::None;
+        let attn_core = if m.flash_attention {
+            core_fwd * (1.0 + f64::from(u8::from(recomputed)) + 2.5) / attn_rate
+        } else {
+            let heads_local = m.num_attention_heads as f64 / t;
+            let full = 4.0 * tokens * s * qd / t;
+            let eff = gemm_eff(e, tokens * heads_local, s, m.head_dim as f64);
+            let score_bytes = heads_local * s * tokens * (8.0 + if m.dropout { 5.0 } else { 0.0 });
+            let fwd = full / (hw.peak_bf16_flops * eff) + score_bytes / (hw.hbm_gbps * 1e9);
+            fwd * (1.0 + f64::from(u8::from(recomputed)) + 2.0)
         };
-        let attn_core = core_fwd * core_passes / attn_rate;
         // Elementwise traffic per forward: norms/residual/rotary on h (sharded with SP),
         // activation function on the MLP width.
         let hbm = hw.hbm_gbps * 1e9;
@@ -393,6 +406,10 @@ pub struct RankEval {
 pub struct Evaluation {
     pub estimate: Estimate,
     pub ranks: Vec<RankEval>,
+    /// Upper bound on the goodput any re-assignment of layers to pipeline stages can reach
+    /// (see [`evaluate`]); equals the goodput when the split cannot change (pp = 1 or
+    /// interleaved).
+    pub goodput_bound: f64,
 }
 
 fn rank_time(lc: &LayerCosts, l: &RankLoad) -> LayerTime {
@@ -583,6 +600,16 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
     let hfu = hf * tokens_per_s / (world * peak);
 
     let rel = reliability_estimate(job, layout, step, dense_p, expert_p);
+    // Bound for re-partitioning (v = 1): total work is fixed, the slowest rank is at least
+    // the mean, and m*max + (sum - max) grows with max; DP exposure and the optimizer step
+    // are at least 0. The 1e-3 slack covers the checkpoint interval's rounding to steps.
+    let goodput_bound = if p > 1 && v == 1 {
+        let mean = sum_total / p as f64;
+        let step_min = m * mean + (sum_total - mean) + pp_s;
+        tokens_per_step / step_min * rel.goodput_fraction * (1.0 + 1e-3)
+    } else {
+        tokens_per_step / step * rel.goodput_fraction
+    };
     let fits = worst_mem.total_bytes <= worst_mem.hbm_bytes;
     let step_b = StepBreakdown {
         compute_s: m * (slow.gemm + slow.attn + slow.elementwise + slow.overhead),
@@ -619,6 +646,7 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
             fits,
         },
         ranks,
+        goodput_bound,
     }
 }
 

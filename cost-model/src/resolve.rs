@@ -19,11 +19,16 @@ pub const DEFAULT_RESERVE_BYTES: f64 = 2.0 * 1024.0 * 1024.0 * 1024.0;
 pub const DEFAULT_RESTART_S: f64 = 600.0;
 /// Default fixed stall per checkpoint (barrier + staging), seconds.
 pub const DEFAULT_CHECKPOINT_FIXED_S: f64 = 2.0;
+/// Sanity limits that keep the search finite on absurd input.
+pub const MAX_GPUS: u64 = 1 << 24;
+pub const MAX_GLOBAL_BATCH: u64 = 1 << 32;
 
 #[derive(Clone, Debug, Default)]
 pub struct ResolveOptions {
     /// Efficiency profile to use instead of the built-in one for the GPU kind.
     pub profile: Option<Efficiency>,
+    /// Profiles by GPU kind (a calibrate output); used when `profile` is None.
+    pub profiles: Option<std::collections::BTreeMap<String, Efficiency>>,
 }
 
 /// The resolved job and non-fatal findings.
@@ -289,6 +294,12 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     if num_gpus == 0 && (cs.num_gpus.is_some() || cs.nodes.is_some()) {
         errs.push("cluster.num_gpus", "must be at least 1");
     }
+    if num_gpus > MAX_GPUS {
+        errs.push(
+            "cluster.num_gpus",
+            format!("{num_gpus} GPUs is beyond any cluster (limit {MAX_GPUS})"),
+        );
+    }
     if cs.hot_spares >= num_gpus && num_gpus > 0 {
         errs.push(
             "cluster.hot_spares",
@@ -323,6 +334,12 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     let bs = &js.batch;
     if bs.global_batch == 0 {
         errs.push("job.batch.global_batch", "must be at least 1");
+    }
+    if bs.global_batch > MAX_GLOBAL_BATCH {
+        errs.push(
+            "job.batch.global_batch",
+            format!("{} sequences is beyond any training run (limit {MAX_GLOBAL_BATCH})", bs.global_batch),
+        );
     }
     if let Some(t) = bs.token_budget {
         positive(&mut errs, "job.batch.token_budget", t);
@@ -458,6 +475,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     let efficiency = opts
         .profile
         .clone()
+        .or_else(|| opts.profiles.as_ref().and_then(|p| p.get(&hw.kind).cloned()))
         .unwrap_or_else(|| catalog::builtin_efficiency(&hw.kind));
     let job = Job {
         name: js.name.clone().unwrap_or_else(|| "job".into()),
@@ -591,7 +609,9 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
         errs.push("job.parallelism.sequence_parallel", "needs tp > 1");
     }
     // Batch arithmetic when the replica count and micro-batch are pinned.
-    if let (Some(dp), Some(ep), Some(mb)) = (p.dp, p.ep.or(Some(1)), p.micro_batch) {
+    // ep defaults to 1 only for dense models (an MoE spec may leave it to the search).
+    let ep_known = p.ep.or(if m.is_moe() { None } else { Some(1) });
+    if let (Some(dp), Some(ep), Some(mb)) = (p.dp, ep_known, p.micro_batch) {
         let per = dp as u64 * ep as u64 * mb as u64;
         if per > 0 && t.global_batch % per != 0 {
             errs.push(

@@ -38,8 +38,26 @@ pub enum PlanError {
     },
 }
 
-/// Evaluate a layout with its refined stage split when that helps (and fits).
+/// How the stage split is computed: the good_lp MILP, or the exact dynamic program (same
+/// optimum and the same canonical split, faster; used while ranking many candidates).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Partitioner {
+    Lp,
+    Dp,
+}
+
+/// Evaluate a layout with its refined stage split (good_lp) when that helps (and fits).
 pub fn evaluate_refined(job: &Job, layout: &Layout, refine: bool) -> (Evaluation, Option<Vec<u32>>) {
+    evaluate_refined_with(job, layout, refine, Partitioner::Lp)
+}
+
+/// [`evaluate_refined`] with a choice of partitioner.
+pub fn evaluate_refined_with(
+    job: &Job,
+    layout: &Layout,
+    refine: bool,
+    how: Partitioner,
+) -> (Evaluation, Option<Vec<u32>>) {
     let lc = LayerCosts::new(
         job,
         layout.tp,
@@ -53,7 +71,7 @@ pub fn evaluate_refined(job: &Job, layout: &Layout, refine: bool) -> (Evaluation
     if !refine || layout.pp <= 1 || layout.vpp > 1 {
         return (balanced, None);
     }
-    let Some(counts) = refine_split(job, &lc, layout, &balanced) else {
+    let Some(counts) = refine_split(job, &lc, layout, &balanced, how) else {
         return (balanced, None);
     };
     let refined = evaluate(job, &lc, layout, Split::Explicit(&counts), true);
@@ -67,7 +85,13 @@ pub fn evaluate_refined(job: &Job, layout: &Layout, refine: bool) -> (Evaluation
 }
 
 /// Items: embedding, each layer, LM head; cap: HBM minus what does not scale with layers.
-fn refine_split(job: &Job, lc: &LayerCosts, layout: &Layout, bal: &Evaluation) -> Option<Vec<u32>> {
+fn refine_split(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    bal: &Evaluation,
+    how: Partitioner,
+) -> Option<Vec<u32>> {
     let tr = &job.training;
     let z = layout.zero_stage;
     let ddp = layout.dense_dp() as f64;
@@ -116,9 +140,12 @@ fn refine_split(job: &Job, lc: &LayerCosts, layout: &Layout, bal: &Evaluation) -
         .map(|r| r.memory.reserve_bytes + r.memory.temporary_bytes)
         .fold(0.0, f64::max);
     let cap = job.hardware.hbm_bytes - other;
-    let part = partition::partition_lp(&items, &inflight, cap)
-        .or_else(|_| partition::partition_dp(&items, &inflight, cap))
-        .ok()?;
+    let part = match how {
+        Partitioner::Lp => partition::partition_lp(&items, &inflight, cap)
+            .or_else(|_| partition::partition_dp(&items, &inflight, cap)),
+        Partitioner::Dp => partition::partition_dp(&items, &inflight, cap),
+    }
+    .ok()?;
     // Convert item boundaries into transformer layers per stage.
     let n_items = items.len();
     let mut counts = Vec::with_capacity(layout.pp as usize);
@@ -257,8 +284,7 @@ pub fn plan(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Plan, PlanError> {
     let keep = opts.top_k + 1;
-    // Keep a few more than shown: refinement can reorder them.
-    let result = search(job, keep + 4, progress);
+    let result = search(job, keep, progress);
     if result.best.is_empty() {
         let reasons = result
             .summary
@@ -276,22 +302,38 @@ pub fn plan(
             summary: result.summary,
         });
     }
-    let mut refined: Vec<(Candidate, Evaluation)> = result
-        .best
-        .iter()
-        .map(|c| {
-            let (ev, _) = evaluate_refined(job, &c.layout, opts.refine);
-            (
-                Candidate {
-                    layout: c.layout,
-                    estimate: ev.estimate.clone(),
-                },
-                ev,
-            )
-        })
-        .collect();
-    refined.sort_by(|a, b| rank_cmp(&a.0, &b.0));
-    refined.truncate(keep);
+    // Branch and bound over stage splits: visit candidates by their goodput bound and stop
+    // once no bound can beat the keep-th refined goodput. The top `keep` is then exact.
+    let mut pool: Vec<Candidate> = result.best.iter().chain(result.hopefuls.iter()).cloned().collect();
+    pool.sort_by(|a, b| b.goodput_bound.total_cmp(&a.goodput_bound).then_with(|| a.layout.cmp(&b.layout)));
+    let mut refined: Vec<(Candidate, Evaluation)> = Vec::with_capacity(keep + 1);
+    for c in pool {
+        if refined.len() == keep && c.goodput_bound < refined[keep - 1].0.estimate.goodput_tokens_per_s {
+            break;
+        }
+        let (ev, _) = if opts.refine {
+            evaluate_refined_with(job, &c.layout, true, Partitioner::Dp)
+        } else {
+            evaluate_refined_with(job, &c.layout, false, Partitioner::Dp)
+        };
+        refined.push((
+            Candidate {
+                layout: c.layout,
+                estimate: ev.estimate.clone(),
+                goodput_bound: ev.goodput_bound,
+            },
+            ev,
+        ));
+        refined.sort_by(|a, b| rank_cmp(&a.0, &b.0));
+        refined.truncate(keep);
+    }
+    // The chosen layout's stage table comes from the good_lp partition (the same canonical
+    // split the DP finds).
+    if opts.refine {
+        let (ev, _) = evaluate_refined_with(job, &refined[0].0.layout, true, Partitioner::Lp);
+        refined[0].0.estimate = ev.estimate.clone();
+        refined[0].1 = ev;
+    }
     let (chosen, chosen_ev) = refined[0].clone();
     let est = &chosen.estimate;
     let layout = chosen.layout;

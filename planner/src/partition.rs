@@ -37,7 +37,7 @@
 //!    that fit the memory cap and whose max stage time is
 //!    `<= T* + 1e-9 * |T*|` (a relative tolerance of 1e-9). For the LP and the
 //!    DP this is computed by a shared backward-feasibility DP plus a forward
-//!    greedy pass ([`canonical_split`]); the enumeration independently takes the
+//!    greedy pass (`canonical_split`); the enumeration independently takes the
 //!    first such split in lexicographic order.
 //!
 //! The returned `stage_time_s`, `stage_mem_bytes` and `max_time_s` are the
@@ -53,15 +53,14 @@
 
 use good_lp::{
     microlp, solvers::SolutionStatus, variable, Expression, ProblemVariables, Solution,
-    SolverModel, Variable,
-    WithTimeLimit,
+    SolverModel, Variable, WithInitialSolution, WithTimeLimit,
 };
 use serde::{Deserialize, Serialize};
 
 /// One layer-like unit of the model, in pipeline order.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Item {
-    /// Compute time of this item per step (forward + backward), seconds.
+    /// Time this item adds to its stage, seconds.
     pub time_s: f64,
     /// Bytes that do not scale with in-flight micro-batches (weights, grads,
     /// optimizer state share).
@@ -73,7 +72,7 @@ pub struct Item {
 /// A contiguous split of the items into pipeline stages.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Partition {
-    /// stage_of_item boundaries: stage j holds items [starts[j], starts[j+1]) ; starts[0] == 0, len == stages
+    /// stage_of_item boundaries: stage j holds items `[starts[j], starts[j+1])` ; `starts[0] == 0`, len == stages
     pub starts: Vec<usize>,
     /// Per-stage time (sum of the items' `time_s`).
     pub stage_time_s: Vec<f64>,
@@ -163,7 +162,10 @@ fn build_partition(items: &[Item], inflight: &[f64], starts: Vec<usize>) -> Part
         stage_time_s.push(t);
         stage_mem_bytes.push(m);
     }
-    let max_time_s = stage_time_s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let max_time_s = stage_time_s
+        .iter()
+        .copied()
+        .fold(f64::NEG_INFINITY, f64::max);
     Partition {
         starts,
         stage_time_s,
@@ -211,8 +213,9 @@ fn canonical_split(items: &[Item], inflight: &[f64], cap: f64, t_max: f64) -> Op
         let next = &tail[0];
         let e_max = n - (stages - j - 1);
         // stage j may start at i in [j, n - (stages - j)]
-        for i in j..=n - (stages - j) {
-            head[j][i] = first_end(items, inflight[j], cap, t_max, i, e_max, next).is_some();
+        let last_start = n - (stages - j);
+        for (i, slot) in head[j].iter_mut().enumerate().take(last_start + 1).skip(j) {
+            *slot = first_end(items, inflight[j], cap, t_max, i, e_max, next).is_some();
         }
     }
     if !ok[0][0] {
@@ -266,8 +269,9 @@ pub fn partition_dp(
         let mut cur: Vec<Option<f64>> = vec![None; n + 1];
         // stage j starts at i in [j, n - (stages - j)], ends at e in (i, n - (stages - j - 1)]
         let e_max = n - (stages - j - 1);
-        for i in j..=n - (stages - j) {
-            let Some(before) = prev[i] else { continue };
+        let last_start = n - (stages - j);
+        for (i, &before) in prev.iter().enumerate().take(last_start + 1).skip(j) {
+            let Some(before) = before else { continue };
             let (mut t, mut m) = (0.0, 0.0);
             for e in i + 1..=e_max {
                 let it = &items[e - 1];
@@ -387,11 +391,10 @@ pub fn partition_brute(
 /// ones; the exact snap after the solve restores exactness.
 const DROP_BELOW: f64 = 1e-6;
 
-/// Wall-clock budget of one microlp branch & bound run. If it runs out after an
-/// incumbent was found, the proven lower bound is used (and the exact snap in
-/// [`partition_lp`] still returns the exact optimum); if no incumbent was found,
-/// [`PartitionError::Solver`] is returned.
-const MILP_TIME_LIMIT_S: f64 = 2.0;
+/// Wall-clock budget of one microlp branch & bound run. When it runs out, the
+/// proven lower bound is used (the run is seeded with an incumbent, so one
+/// exists) and the exact snap in [`partition_lp`] still returns the optimum.
+const MILP_TIME_LIMIT_S: f64 = 1.0;
 
 /// Absolute slack (in normalised units) on the MILP objective bound and on the
 /// memory rows, covering microlp's feasibility / optimality tolerances.
@@ -523,35 +526,47 @@ fn add_leq<M: SolverModel>(model: &mut M, lin: Lin, rhs: f64) -> bool {
 /// `K_jb` (`K_j`) is the largest number of consecutive items of the block (of
 /// the whole sequence) that fit the cap on stage `j` — a Chvátal–Gomory style
 /// cut, valid when all bytes and inflights are non-negative (only then added);
-/// it is what makes memory-bound instances fast. Presolve fixes the range of
-/// each stage end (`k_j ∈ [j+1, n-stages+j+1]`) and with it many variables.
-/// Times are scaled by the largest item time and bytes by the cap; when times
-/// are non-negative `z >= max item time` and `z >= Σt / stages` are added.
-/// Coefficients that are negligible after scaling (`< 1e-6`; microlp reports a
-/// singular basis on rows mixing them with O(1) entries) are dropped where that
-/// relaxes the model, and memory rows get a `1e-7` slack: the MILP is a (very
-/// slightly) relaxed model and its optimum `z*` a lower bound on `T*`.
+/// it is what makes memory-bound instances fast. With non-negative times, `z`
+/// is bounded below by the longest item, the average stage, and the cheapest
+/// window of `c*` consecutive items, where `c* = min{c : Σ_j min(K_j, c) >= n}`
+/// (some stage must hold `c*` items). Presolve fixes the range of each stage
+/// end (`k_j ∈ [j+1, n-stages+j+1]`) and with it many variables. Times are
+/// scaled by the largest item time and bytes by the cap. Coefficients that
+/// are negligible after scaling (`< 1e-6`; microlp reports a singular basis on
+/// rows mixing them with O(1) entries) are dropped where that relaxes the
+/// model, and memory rows get a `1e-7` slack: the MILP is a (very slightly)
+/// relaxed model and its optimum `z*` a lower bound on `T*`.
 ///
-/// **Exact snap + canonical split.** The MILP determines the optimum up to
-/// those tolerances. `T*` is then the smallest achievable stage time (a
-/// left-to-right sum over a contiguous item range) that is `>= z* - 1e-7·scale`
-/// and admits a split fitting the exact cap with every stage `<= T*`, checked by
-/// the greedy/DP feasibility pass (galloping over the sorted candidates; the
-/// first candidate normally succeeds). Finally the returned split is the
-/// lexicographically smallest `starts` that fits the cap with max stage time
-/// `<= T* (1 + 1e-9)` — the canonical answer shared with [`partition_dp`] and
-/// [`partition_brute`], so all three return identical `starts`.
+/// **Seed and time limit.** Feasibility is decided first by the exact
+/// memory-only pass (lexicographically smallest split that fits the cap,
+/// ignoring time; no such split → [`PartitionError::Infeasible`]); that split
+/// also seeds microlp's branch & bound as its first incumbent. The branch &
+/// bound runs with a 1 s wall-clock limit; if that runs out, its proven lower
+/// bound is used in place of `z*` (the result stays exact, see below). On the
+/// sizes this is meant for (tens of items with a few layer kinds) microlp
+/// proves optimality in milliseconds; it is slower when there are many stages
+/// per item and several blocks, and there the DP is the better tool.
 ///
-/// Errors: [`PartitionError::TooFewItems`], [`PartitionError::Infeasible`] (the
-/// MILP, or the exact check after it, proves it), and [`PartitionError::Solver`]
-/// for non-finite inputs, solver failures (a panic inside the solver is caught
-/// and reported), or a MILP bound that contradicts the exact check.
+/// **Exact snap + canonical split.** `T*` is then the smallest achievable stage
+/// time (a left-to-right sum over a contiguous item range) that is
+/// `>= z* - 1e-7·scale` and admits a split fitting the exact cap with every
+/// stage `<= T*`, checked by the greedy/DP feasibility pass (galloping over
+/// the sorted candidates; when microlp proved optimality the first candidate
+/// normally succeeds). Finally the returned split is the lexicographically
+/// smallest `starts` that fits the cap with max stage time `<= T* (1 + 1e-9)`:
+/// the canonical answer shared with [`partition_dp`] and [`partition_brute`],
+/// so all three return identical `starts`.
+///
+/// Errors: [`PartitionError::TooFewItems`], [`PartitionError::Infeasible`], and
+/// [`PartitionError::Solver`] for non-finite inputs, solver failures (a panic
+/// inside the solver is caught and reported), or a MILP bound that
+/// contradicts the exact check.
 pub fn partition_lp(
     items: &[Item],
     inflight: &[f64],
     mem_cap_bytes: f64,
 ) -> Result<Partition, PartitionError> {
-    check_sizes(items, inflight)?;
+    let stages = check_sizes(items, inflight)?;
     let cap = mem_cap_bytes;
     let finite = cap.is_finite()
         && inflight.iter().all(|x| x.is_finite())
@@ -563,8 +578,12 @@ pub fn partition_lp(
             "non-finite input (time, bytes, inflight or cap)".into(),
         ));
     }
+    // Any split that fits the memory cap (lexicographically smallest, ignoring
+    // time): decides feasibility exactly and seeds the MILP with an incumbent.
+    let seed = canonical_split(items, inflight, cap, f64::INFINITY)
+        .ok_or_else(|| infeasible(stages, cap))?;
     let lower = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        solve_milp(items, inflight, cap)
+        solve_milp(items, inflight, cap, Some(&seed))
     }))
     .map_err(|p| {
         let msg = p
@@ -704,10 +723,16 @@ impl Pos {
     }
 }
 
-/// Builds and solves the (slightly relaxed) MILP; returns its optimum `z*`
+/// Builds and solves the (slightly relaxed) MILP, optionally seeded with the
+/// split `hint`; returns its optimum `z*` (or, on time-out, its proven bound)
 /// minus the tolerance slack, in seconds: a lower bound on the optimal max
 /// stage time. `Err(Infeasible)` when the relaxed model is infeasible.
-fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, PartitionError> {
+fn solve_milp(
+    items: &[Item],
+    inflight: &[f64],
+    cap: f64,
+    hint: Option<&[usize]>,
+) -> Result<f64, PartitionError> {
     let n = items.len();
     let stages = inflight.len();
     let blocks = blocks_of(items);
@@ -727,17 +752,68 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
     let relax = |c: f64| if c > 0.0 && c < DROP_BELOW { 0.0 } else { c };
     let time_w: Vec<Vec<f64>> = blocks
         .iter()
-        .map(|b| b.pattern.iter().map(|it| relax(it.time_s / t_scale)).collect())
+        .map(|b| {
+            b.pattern
+                .iter()
+                .map(|it| relax(it.time_s / t_scale))
+                .collect()
+        })
         .collect();
+
+    let nonneg_mem = inflight.iter().all(|&x| x >= 0.0)
+        && items
+            .iter()
+            .all(|it| it.static_bytes >= 0.0 && it.act_bytes >= 0.0);
+    // the cuts' window sums are folded differently from `eval_stage`: relax the
+    // cap they use so that rounding can never make them cut off a feasible split
+    let cut_cap = cap + 1e-9 * cap.abs() + LP_SLACK * m_scale;
+    // K_j: most consecutive items that fit on stage j
+    let k_max: Vec<usize> = if nonneg_mem {
+        inflight
+            .iter()
+            .map(|&f| longest_fitting_range(items, f, cut_cap))
+            .collect()
+    } else {
+        vec![n; stages]
+    };
+    // some stage must hold at least c* items, c* = min { c : Σ_j min(K_j, c) >= n }
+    let Some(c_star) = (1..=n).find(|&c| k_max.iter().map(|&k| k.min(c)).sum::<usize>() >= n)
+    else {
+        // even the longest fitting stages cannot cover all items
+        return Err(infeasible(stages, cap));
+    };
 
     let mut vars = ProblemVariables::new();
     let mut z_def = variable();
     if items.iter().all(|it| it.time_s >= 0.0) {
-        let tmax = items.iter().map(|it| relax(it.time_s / t_scale)).fold(0.0, f64::max);
-        let tavg = items.iter().map(|it| relax(it.time_s / t_scale)).sum::<f64>() / stages as f64;
-        z_def = z_def.min(tmax.max(tavg) - LP_SLACK);
+        // valid lower bounds on the slowest stage (non-negative times): the
+        // longest item, the average stage, and the cheapest window of c* items
+        let tw: Vec<f64> = items.iter().map(|it| relax(it.time_s / t_scale)).collect();
+        let tmax = tw.iter().copied().fold(0.0, f64::max);
+        let tavg = tw.iter().sum::<f64>() / stages as f64;
+        let wmin = tw
+            .windows(c_star)
+            .map(|w| w.iter().sum::<f64>())
+            .fold(f64::INFINITY, f64::min);
+        z_def = z_def.min(tmax.max(tavg).max(wmin) - LP_SLACK);
     }
     let z = vars.add(z_def);
+    // warm start: (variable, value) pairs describing the hinted split
+    let mut warm: Vec<(Variable, f64)> = Vec::new();
+    if let Some(starts) = hint {
+        let zmax = starts
+            .iter()
+            .enumerate()
+            .map(|(j, &s0)| {
+                let e = starts.get(j + 1).copied().unwrap_or(n);
+                items[s0..e]
+                    .iter()
+                    .map(|it| relax(it.time_s / t_scale))
+                    .sum::<f64>()
+            })
+            .fold(f64::NEG_INFINITY, f64::max);
+        warm.push((z, zmax + LP_SLACK));
+    }
 
     // pos[j][b]: items of block b in stages <= j ; w[j][b]: block b complete at end of stage j
     let mut pos: Vec<Vec<Pos>> = Vec::with_capacity(stages);
@@ -759,7 +835,9 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
             pj.push(if lo == hi {
                 Pos {
                     a: Term::Const((lo / p) as f64),
-                    u: (0..p - 1).map(|k| Term::Const(if k < lo % p { 1.0 } else { 0.0 })).collect(),
+                    u: (0..p - 1)
+                        .map(|k| Term::Const(if k < lo % p { 1.0 } else { 0.0 }))
+                        .collect(),
                 }
             } else {
                 let (a_lo, a_hi) = (lo / p, hi / p);
@@ -769,7 +847,9 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
                     } else {
                         Term::Var(vars.add(variable().integer().min(a_lo as f64).max(a_hi as f64)))
                     },
-                    u: (0..p - 1).map(|_| Term::Var(vars.add(variable().binary()))).collect(),
+                    u: (0..p - 1)
+                        .map(|_| Term::Var(vars.add(variable().binary())))
+                        .collect(),
                 }
             });
         }
@@ -783,6 +863,24 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
                 Term::Var(vars.add(variable().binary()))
             });
         }
+        if let Some(starts) = hint {
+            let k = starts.get(j + 1).copied().unwrap_or(n);
+            for (r, b) in blocks.iter().enumerate() {
+                let p = b.pattern.len();
+                let at = k.saturating_sub(b.start).min(b.len());
+                if let Term::Var(v) = pj[r].a {
+                    warm.push((v, (at / p) as f64));
+                }
+                for (o, u) in pj[r].u.iter().enumerate() {
+                    if let Term::Var(v) = *u {
+                        warm.push((v, if o < at % p { 1.0 } else { 0.0 }));
+                    }
+                }
+                if let Some(Term::Var(v)) = wj.get(r) {
+                    warm.push((*v, if at == b.len() { 1.0 } else { 0.0 }));
+                }
+            }
+        }
         pos.push(pj);
         pos_bounds.push(bj);
         w.push(wj);
@@ -790,6 +888,9 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
 
     let mut model = vars.minimise(z).using(microlp);
     model = model.with_time_limit(MILP_TIME_LIMIT_S);
+    if !warm.is_empty() {
+        model = model.with_initial_solution(warm);
+    }
     let mut consistent = true;
     let ones: Vec<Vec<f64>> = blocks.iter().map(|b| vec![1.0; b.pattern.len()]).collect();
 
@@ -835,11 +936,6 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
         }
     }
 
-    let nonneg_mem = inflight.iter().all(|&x| x >= 0.0)
-        && items.iter().all(|it| it.static_bytes >= 0.0 && it.act_bytes >= 0.0);
-    // the cuts' window sums are folded differently from `eval_stage`: relax the
-    // cap they use so that rounding can never make them cut off a feasible split
-    let cut_cap = cap + 1e-9 * cap.abs() + LP_SLACK * m_scale;
     for j in 0..stages {
         let mut time = Lin::new();
         let mut mem = Lin::new();
@@ -881,7 +977,7 @@ fn solve_milp(items: &[Item], inflight: &[f64], cap: f64) -> Result<f64, Partiti
         }
         if nonneg_mem {
             // same cut over all items: longest run of consecutive items that fits
-            let kmax = longest_fitting_range(items, inflight[j], cut_cap);
+            let kmax = k_max[j];
             if kmax < n {
                 consistent &= add_leq(&mut model, total, kmax as f64);
             }
@@ -948,7 +1044,7 @@ mod tests {
 
     fn contiguous() -> Vec<Item> {
         let mut v = vec![E, D, D, D];
-        v.extend(std::iter::repeat(M).take(58));
+        v.resize(v.len() + 58, M);
         v.push(H);
         v
     }
@@ -968,7 +1064,10 @@ mod tests {
     struct Lcg(u64);
     impl Lcg {
         fn next(&mut self) -> f64 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (self.0 >> 11) as f64 / (1u64 << 53) as f64
         }
         fn below(&mut self, n: usize) -> usize {
@@ -1007,8 +1106,9 @@ mod tests {
         let mut rng = Lcg(11);
         for _ in 0..2000 {
             let n = 1 + rng.below(12);
-            let items: Vec<Item> =
-                (0..n).map(|_| it(1.0, (rng.below(5)) as f64, rng.below(3) as f64)).collect();
+            let items: Vec<Item> = (0..n)
+                .map(|_| it(1.0, (rng.below(5)) as f64, rng.below(3) as f64))
+                .collect();
             let infl = rng.below(4) as f64;
             let cap = rng.below(20) as f64;
             let brute = (0..n)
@@ -1017,7 +1117,11 @@ mod tests {
                 .map(|(i, e)| e - i)
                 .max()
                 .unwrap_or(0);
-            assert_eq!(longest_fitting_range(&items, infl, cap), brute, "{items:?} {cap}");
+            assert_eq!(
+                longest_fitting_range(&items, infl, cap),
+                brute,
+                "{items:?} {cap}"
+            );
             // periodic version on a pattern
             let p = 1 + rng.below(3.min(n));
             let reps = 1 + rng.below(4);
@@ -1034,11 +1138,15 @@ mod tests {
     /// tolerances) and never above the true optimum.
     fn assert_tight(items: &[Item], inflight: &[f64], cap: f64) {
         let dp = partition_dp(items, inflight, cap);
-        let lb = solve_milp(items, inflight, cap);
+        let lb = solve_milp(items, inflight, cap, None);
         match (&dp, &lb) {
             (Ok(p), Ok(lb)) => {
                 let scale = items.iter().map(|i| i.time_s.abs()).fold(0.0, f64::max);
-                assert!(*lb <= p.max_time_s + 1e-12 * scale, "bound {lb} > T* {}", p.max_time_s);
+                assert!(
+                    *lb <= p.max_time_s + 1e-12 * scale,
+                    "bound {lb} > T* {}",
+                    p.max_time_s
+                );
                 assert!(
                     p.max_time_s - lb <= 1e-6 * scale,
                     "loose bound {lb} vs T* {} (n={}, stages={})",
@@ -1064,11 +1172,20 @@ mod tests {
             let n = 1 + rng.below(14);
             let stages = 1 + rng.below(n.min(5));
             let kinds: Vec<Item> = (0..3)
-                .map(|_| it(0.5 + rng.below(8) as f64, rng.next() * 8e9, rng.next() * 1e9))
+                .map(|_| {
+                    it(
+                        0.5 + rng.below(8) as f64,
+                        rng.next() * 8e9,
+                        rng.next() * 1e9,
+                    )
+                })
                 .collect();
             let items: Vec<Item> = (0..n).map(|_| kinds[rng.below(3)]).collect();
             let inflight: Vec<f64> = (0..stages).map(|j| (stages - j) as f64).collect();
-            let total: f64 = items.iter().map(|i| i.static_bytes + stages as f64 * i.act_bytes).sum();
+            let total: f64 = items
+                .iter()
+                .map(|i| i.static_bytes + stages as f64 * i.act_bytes)
+                .sum();
             assert_tight(&items, &inflight, total * (0.1 + 0.8 * rng.next()));
         }
     }

@@ -24,6 +24,8 @@ pub const MIN_CP_SHARD_TOKENS: u64 = 256;
 pub struct Candidate {
     pub layout: Layout,
     pub estimate: Estimate,
+    /// Upper bound on the goodput a better stage split could reach.
+    pub goodput_bound: f64,
 }
 
 /// Ranking: higher goodput first, then higher throughput, then lower memory, then the
@@ -38,8 +40,11 @@ pub fn rank_cmp(a: &Candidate, b: &Candidate) -> Ordering {
 }
 
 pub struct SearchResult {
-    /// Best first; at most `keep` entries.
+    /// Best first (even stage split); at most `keep` entries.
     pub best: Vec<Candidate>,
+    /// Every other feasible candidate whose goodput bound reaches the `keep`-th best:
+    /// the only ones a better stage split could move into the top `keep`.
+    pub hopefuls: Vec<Candidate>,
     pub summary: SearchSummary,
 }
 
@@ -58,7 +63,7 @@ impl Tally {
 }
 
 fn divisors(n: u64) -> Vec<u64> {
-    let mut d: Vec<u64> = (1..=n).take_while(|i| i * i <= n).filter(|i| n % i == 0).collect();
+    let mut d: Vec<u64> = (1..=n).take_while(|&i| i <= n / i).filter(|i| n % i == 0).collect();
     let big: Vec<u64> = d.iter().rev().map(|i| n / i).filter(|j| j * j != n).collect();
     d.extend(big);
     d
@@ -83,6 +88,14 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
         summary: SearchSummary::default(),
     };
     let mut best: Vec<Candidate> = Vec::with_capacity(keep + 1);
+    let mut hopefuls: Vec<Candidate> = Vec::new();
+    let threshold = |best: &Vec<Candidate>| {
+        if best.len() == keep && keep > 0 {
+            best[keep - 1].estimate.goodput_tokens_per_s
+        } else {
+            f64::NEG_INFINITY
+        }
+    };
     let fully_pinned = pins.tp.is_some()
         && pins.pp.is_some()
         && pins.dp.is_some()
@@ -158,7 +171,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                     (None, _) => vec![true, false],
                 };
                 // micro-batch candidates: divisors of the per-replica batch, capped.
-                let mbs_all: Vec<u64> = divisors(gb).into_iter().filter(|&b| b <= MAX_MICRO_BATCH).collect();
+                let mbs_all: Vec<u64> = (1..=MAX_MICRO_BATCH.min(gb)).filter(|b| gb % b == 0).collect();
                 let mbs = pick(pins.micro_batch.map(|v| v as u64), mbs_all);
                 for &mb in &mbs {
                     for &sp in &sps {
@@ -258,7 +271,19 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                             }
                                             tally.summary.candidates += 1;
                                             tally.summary.feasible += u64::from(ev.estimate.fits);
-                                            insert_top(&mut best, keep, Candidate { layout, estimate: ev.estimate });
+                                            let cand = Candidate {
+                                                layout,
+                                                estimate: ev.estimate,
+                                                goodput_bound: ev.goodput_bound,
+                                            };
+                                            if cand.goodput_bound > cand.estimate.goodput_tokens_per_s {
+                                                hopefuls.push(cand.clone());
+                                                if hopefuls.len() > 4096 {
+                                                    let t = threshold(&best);
+                                                    hopefuls.retain(|c| c.goodput_bound >= t);
+                                                }
+                                            }
+                                            insert_top(&mut best, keep, cand);
                                         }
                                     }
                                 }
@@ -269,8 +294,11 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
             }
         }
     }
+    let t = threshold(&best);
+    hopefuls.retain(|c| c.goodput_bound >= t && !best.iter().any(|b| b.layout == c.layout));
     SearchResult {
         best,
+        hopefuls,
         summary: tally.summary,
     }
 }

@@ -18,6 +18,7 @@
 // `x % n == 0` rather than `is_multiple_of` (stable in 1.87): the workspace MSRV is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
+pub mod calibrate;
 pub mod convert;
 pub mod predict;
 pub mod report;

@@ -42,6 +42,7 @@ pub fn resolve_spec(
 ) -> Result<(Job, Vec<String>), Skip> {
     let opts = ResolveOptions {
         profile: profile.cloned(),
+        profiles: None,
     };
     match resolve(spec, &opts) {
         Ok(r) => Ok((r.job, r.warnings)),

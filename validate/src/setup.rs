@@ -68,6 +68,11 @@ pub struct SourceConvention {
     pub flash_attention: bool,
     /// When the FFN shape is not published, use Megatron's GPT default (4h GeLU, MHA).
     pub megatron_gpt_default_ffn: bool,
+    /// ZeRO stage when the source states none: Megatron-LM of 2021-22 had no distributed
+    /// optimizer, so its runs are plain data parallel.
+    pub default_zero: Option<u8>,
+    /// Megatron and DeepSpeed keep fp32 main gradients (4 bytes per parameter).
+    pub fp32_grads: bool,
 }
 
 /// The convention table, keyed by source key.
@@ -76,21 +81,32 @@ pub fn source_convention(source: &str) -> Option<SourceConvention> {
         gpt_style: true,
         flash_attention: false,
         megatron_gpt_default_ffn: false,
+        default_zero: None,
+        fp32_grads: true,
     };
     match source {
-        // Megatron-LM 2021-22, DeepSpeed/Megatron-DeepSpeed, metaseq: before flash attention.
-        "narayanan21" | "korthikanti22" | "mtnlg" | "bloom" | "opt" => Some(gpt_2021),
+        // Megatron-LM 2021-22 (no distributed optimizer yet).
+        "narayanan21" | "korthikanti22" => Some(SourceConvention {
+            default_zero: Some(0),
+            ..gpt_2021
+        }),
+        // DeepSpeed/Megatron-DeepSpeed, metaseq: before flash attention.
+        "mtnlg" | "bloom" | "opt" => Some(gpt_2021),
         // Megatron-Core GPT weak-scaling table (2024, Transformer Engine flash attention).
         "mcore" => Some(SourceConvention {
             gpt_style: true,
             flash_attention: true,
             megatron_gpt_default_ffn: true,
+            default_zero: None,
+            fp32_grads: true,
         }),
         // Modern decoders (Llama, Qwen, DeepSeek, GPT-OSS; PaLM is skipped as TPU).
         "mbridge" | "nemo" | "palm" => Some(SourceConvention {
             gpt_style: false,
             flash_attention: true,
             megatron_gpt_default_ffn: false,
+            default_zero: None,
+            fp32_grads: true,
         }),
         _ => None,
     }
@@ -471,6 +487,12 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
         }
     }
     pins.zero_stage = parse_zero(par.zero_or_fsdp.as_deref());
+    if pins.zero_stage.is_none() && par.zero_or_fsdp.is_none() {
+        if let Some(z) = conv.default_zero {
+            pins.zero_stage = Some(z);
+            notes.push(format!("ZeRO stage not published: {z} (source framework convention)"));
+        }
+    }
     if let Some(t) = par.zero_or_fsdp.as_deref() {
         let lower = t.to_ascii_lowercase();
         if pins.zero_stage == Some(0) && lower.contains("none stated") {
@@ -502,6 +524,7 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
     let precision = PrecisionSpec {
         compute: Dtype::Bf16,
         fp8_gemms: fp8,
+        grads: if conv.fp32_grads { Dtype::Fp32 } else { Dtype::Bf16 },
         ..PrecisionSpec::default()
     };
 

@@ -376,3 +376,17 @@ fn profile_override_applies_per_gpu_kind() {
         }
     }
 }
+
+#[test]
+#[ignore]
+fn calibrate_timing() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/published-runs.json");
+    let bytes = std::fs::read(&path).unwrap();
+    let runs = shardwright_validate::load_runs(std::str::from_utf8(&bytes).unwrap()).unwrap();
+    let t = std::time::Instant::now();
+    let c = shardwright_validate::calibrate::calibrate(&runs, &bytes, "test");
+    println!("{:.1}s", t.elapsed().as_secs_f64());
+    println!("{}", serde_json::to_string_pretty(&c.profile).unwrap());
+    println!("in-sample {:?}\nloso {:?}", c.in_sample, c.loso);
+    for (k, v) in &c.loso_per_source { println!("{k} {v:?}"); }
+}
