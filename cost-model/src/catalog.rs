@@ -171,6 +171,7 @@ pub fn initial_efficiency(kind: &str) -> Efficiency {
             inter_node_bus_eff: 0.8,
             tp_overlap: 0.3,
             dp_overlap: 0.8,
+            ep_overlap: 0.0,
             layer_overhead_s: 20e-6,
         },
         // A100: the same curve shape, saturating at a smaller GEMM (peak is 3.2x lower).
@@ -187,6 +188,7 @@ pub fn initial_efficiency(kind: &str) -> Efficiency {
             inter_node_bus_eff: 0.8,
             tp_overlap: 0.3,
             dp_overlap: 0.8,
+            ep_overlap: 0.0,
             layer_overhead_s: 20e-6,
         },
     }

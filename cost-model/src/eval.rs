@@ -256,12 +256,17 @@ impl LayerCosts {
                 let intra = hw.nvlink_gbps * e.nvlink_bus_eff;
                 let inter = hw.inter_node_gbps * e.inter_node_bus_eff;
                 let msg = tokens * k * h * 2.0 / seq_div;
-                2.0 * all_to_all_s(msg, ep as u64, per_node, intra, inter, lat) * (fwd_passes + 1.0)
+                2.0 * all_to_all_s(msg, ep as u64, per_node, intra, inter, lat) * (fwd_passes + 1.0) * (1.0 - e.ep_overlap)
             } else {
                 0.0
             };
             let width = (mats - 1.0) * (fe * k + fs * moe.num_shared_experts as f64) / t;
-            let lt = make(g.time + expert_time + sg.time, width, ep_time);
+            let mut lt = make(g.time + expert_time + sg.time, width, ep_time);
+            // Token permutation around the experts (memory bound): the routed copies are
+            // gathered into expert order and scattered back, each a read and a write of
+            // tokens*k*h 16-bit values, in every pass.
+            let permute_bytes = 4.0 * tokens * k * h * 2.0 / seq_div;
+            lt.elementwise += permute_bytes / hbm * (fwd_passes + 2.0);
             let (_, routed_total, _, _) = flops::moe_mlp_params(m);
             (lt, routed_total / (t * ep as f64), flops::moe_layer_dense_params(m) / t)
         } else {

@@ -185,6 +185,10 @@ pub struct Efficiency {
     pub tp_overlap: f64,
     /// Share of the DP gradient reduce / param gather hidden behind compute.
     pub dp_overlap: f64,
+    /// Share of the MoE dispatch/combine all-to-all hidden behind compute (Megatron's
+    /// a2a overlap with the other micro-batch's compute, DeepEP, DualPipe).
+    #[serde(default)]
+    pub ep_overlap: f64,
     /// Fixed overhead per layer per micro-batch (kernel launches, host scheduling), seconds,
     /// forward + backward.
     pub layer_overhead_s: f64,

@@ -91,7 +91,7 @@ struct Param {
     set: fn(&mut Efficiency, f64),
 }
 
-fn params(with_fp8: bool) -> Vec<Param> {
+fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
     let mut v = vec![
         Param { name: "gemm_max", lo: 0.4, hi: 0.95, get: |e| e.gemm_max, set: |e, x| e.gemm_max = x },
         Param { name: "attn_eff", lo: 0.15, hi: 0.8, get: |e| e.attn_eff, set: |e, x| e.attn_eff = x },
@@ -123,6 +123,9 @@ fn params(with_fp8: bool) -> Vec<Param> {
     if with_fp8 {
         v.push(Param { name: "fp8_gemm_rel", lo: 0.4, hi: 1.0, get: |e| e.fp8_gemm_rel, set: |e, x| e.fp8_gemm_rel = x });
     }
+    if with_moe {
+        v.push(Param { name: "ep_overlap", lo: 0.0, hi: 0.9, get: |e| e.ep_overlap, set: |e, x| e.ep_overlap = x });
+    }
     v
 }
 
@@ -133,7 +136,8 @@ fn loss(cases: &[&Case], eff: &Efficiency) -> f64 {
 /// Fit one kind's parameters on `cases` starting from `start`.
 pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
     let with_fp8 = cases.iter().any(|c| c.job.training.fp8_gemms);
-    let ps = params(with_fp8);
+    let with_moe = cases.iter().any(|c| c.layout.ep > 1);
+    let ps = params(with_fp8, with_moe);
     let mut x: Vec<f64> = ps.iter().map(|p| (((p.get)(start) - p.lo) / (p.hi - p.lo)).clamp(0.0, 1.0)).collect();
     let build = |x: &[f64]| {
         let mut e = start.clone();
