@@ -12,7 +12,10 @@ use std::time::Instant;
 const CASES: &[(&str, &str)] = &[
     ("s4_405b_16384xh100", "specs/llama3-405b-16k-h100.yaml"),
     ("s6_70b_128xa100", "specs/llama2-70b-128xa100.yaml"),
-    ("s13_deepseek_v3_2048xh800", "specs/deepseek-v3-2048xh800.yaml"),
+    (
+        "s13_deepseek_v3_2048xh800",
+        "specs/deepseek-v3-2048xh800.yaml",
+    ),
 ];
 
 fn load(path: &str) -> Resolved {
@@ -34,7 +37,12 @@ fn bench(c: &mut Criterion) {
         let t = Instant::now();
         let sr = shardwright_planner::search::search(&r.job, 10, &mut |_, _| {});
         let s_secs = t.elapsed().as_secs_f64();
-        let s_eval: u64 = sr.summary.feasible + sr.summary.rejected.get("out_of_memory").copied().unwrap_or(0);
+        let s_eval: u64 = sr.summary.feasible
+            + sr.summary
+                .rejected
+                .get("out_of_memory")
+                .copied()
+                .unwrap_or(0);
         println!(
             "{name}: search alone {:.4} s: {:.0} candidates/s, {:.0} cost-model evaluations/s",
             s_secs,
@@ -45,7 +53,8 @@ fn bench(c: &mut Criterion) {
         let t = Instant::now();
         let p = plan(&r.job, &r.warnings, &opts, &mut |_, _| {}).unwrap();
         let secs = t.elapsed().as_secs_f64();
-        let evaluated: u64 = p.search.feasible + p.search.rejected.get("out_of_memory").copied().unwrap_or(0);
+        let evaluated: u64 =
+            p.search.feasible + p.search.rejected.get("out_of_memory").copied().unwrap_or(0);
         println!(
             "{name}: {} candidates ({} evaluated by the cost model, {} feasible) in {:.3} s = {:.0} candidates/s, {:.0} evaluations/s; chose {}",
             p.search.candidates,
@@ -56,7 +65,9 @@ fn bench(c: &mut Criterion) {
             evaluated as f64 / secs,
             p.layout
         );
-        g.bench_function(*name, |b| b.iter(|| plan(&r.job, &r.warnings, &opts, &mut |_, _| {}).unwrap()));
+        g.bench_function(*name, |b| {
+            b.iter(|| plan(&r.job, &r.warnings, &opts, &mut |_, _| {}).unwrap())
+        });
     }
     g.finish();
 }

@@ -27,7 +27,9 @@ fn pct(x: f64) -> String {
 pub fn render(plan: &Plan) -> Result<String, minijinja::Error> {
     let mut env = Environment::new();
     env.add_filter("pad", |s: Value, n: usize| format!("{:<n$}", s.to_string()));
-    env.add_filter("lpad", |s: Value, n: usize| format!("{:>n$}", s.to_string()));
+    env.add_filter("lpad", |s: Value, n: usize| {
+        format!("{:>n$}", s.to_string())
+    });
     env.add_template("explain", TEMPLATE)?;
     let e = &plan.estimate;
     let st = &e.step;
@@ -82,7 +84,13 @@ pub fn render(plan: &Plan) -> Result<String, minijinja::Error> {
         .search
         .rejected
         .iter()
-        .map(|(k, v)| (k.clone(), *v, plan.search.examples.get(k).cloned().unwrap_or_default()))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                *v,
+                plan.search.examples.get(k).cloned().unwrap_or_default(),
+            )
+        })
         .collect();
     let job = &plan.inputs;
     let r = &e.reliability;

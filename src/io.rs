@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 pub fn read_input(path: &Path) -> Result<String, Failure> {
     if path == Path::new("-") {
         let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).context("reading stdin")?;
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading stdin")?;
         return Ok(s);
     }
     std::fs::read_to_string(path).map_err(|e| usage(anyhow!("{}: {e}", path.display())))
@@ -24,12 +26,23 @@ pub fn read_input(path: &Path) -> Result<String, Failure> {
 /// Write to a temp file beside the target, then rename: readers never see half a file.
 pub fn write_output(path: Option<&Path>, text: &str) -> Result<(), Failure> {
     let Some(path) = path else {
-        std::io::stdout().write_all(text.as_bytes()).context("writing stdout")?;
+        std::io::stdout()
+            .write_all(text.as_bytes())
+            .context("writing stdout")?;
         return Ok(());
     };
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().ok_or_else(|| usage(anyhow!("{}: not a file path", path.display())))?;
-    let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| usage(anyhow!("{}: not a file path", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     let res = (|| -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(text.as_bytes())?;
@@ -64,7 +77,11 @@ pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Resolved, Failure
 
 /// Run the planner with a progress bar that appears only if the search takes a while and
 /// stderr is a terminal.
-pub fn plan_with_progress(job: &Resolved, top: usize, show: bool) -> Result<shardwright_ir::Plan, Failure> {
+pub fn plan_with_progress(
+    job: &Resolved,
+    top: usize,
+    show: bool,
+) -> Result<shardwright_ir::Plan, Failure> {
     let start = Instant::now();
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut cb = |done: u64, total: u64| {
@@ -74,8 +91,10 @@ pub fn plan_with_progress(job: &Resolved, top: usize, show: bool) -> Result<shar
         if bar.is_none() && start.elapsed() > Duration::from_millis(300) {
             let b = indicatif::ProgressBar::new(total);
             b.set_style(
-                indicatif::ProgressStyle::with_template("searching {bar:40} {pos}/{len} meshes {elapsed}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                indicatif::ProgressStyle::with_template(
+                    "searching {bar:40} {pos}/{len} meshes {elapsed}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
             );
             bar = Some(b);
         }

@@ -28,7 +28,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Search layouts for a job spec and write the JSON plan.
-    #[command(after_help = "Examples:\n  shardwright plan specs/llama3-405b-16k-h100.yaml -o plan.json\n  shardwright plan spec.json --top 10 --profile profiles/calibrated.json")]
+    #[command(
+        after_help = "Examples:\n  shardwright plan specs/llama3-405b-16k-h100.yaml -o plan.json\n  shardwright plan spec.json --top 10 --profile profiles/calibrated.json"
+    )]
     Plan {
         /// Job spec (YAML or JSON; `-` for stdin).
         spec: PathBuf,
@@ -46,13 +48,17 @@ enum Cmd {
         quiet: bool,
     },
     /// Print a one-screen human summary of a plan.
-    #[command(after_help = "Examples:\n  shardwright explain plan.json\n  shardwright plan spec.yaml | shardwright explain -")]
+    #[command(
+        after_help = "Examples:\n  shardwright explain plan.json\n  shardwright plan spec.yaml | shardwright explain -"
+    )]
     Explain {
         /// Plan JSON (`-` for stdin).
         plan: PathBuf,
     },
     /// Predict published training runs with the cost model and compare with what was measured.
-    #[command(after_help = "Examples:\n  shardwright validate --runs ../shared/data/published-runs.json\n  shardwright validate --runs runs.json --json -o report.json")]
+    #[command(
+        after_help = "Examples:\n  shardwright validate --runs ../shared/data/published-runs.json\n  shardwright validate --runs runs.json --json -o report.json"
+    )]
     Validate {
         /// Published-runs file (the shared/data/published-runs.json format).
         #[arg(long)]
@@ -65,9 +71,15 @@ enum Cmd {
         json: bool,
         #[arg(short, long)]
         output: Option<PathBuf>,
+        /// Also re-plan every run with the layout left free and write the comparison
+        /// (markdown) here.
+        #[arg(long)]
+        planner_report: Option<PathBuf>,
     },
     /// Fit the hardware profile's efficiency parameters to published runs.
-    #[command(after_help = "Examples:\n  shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json --report validate/calibration-report.json")]
+    #[command(
+        after_help = "Examples:\n  shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json --report validate/calibration-report.json"
+    )]
     Calibrate {
         #[arg(long)]
         runs: PathBuf,
@@ -96,12 +108,18 @@ pub struct Failure {
 
 impl<E: Into<anyhow::Error>> From<E> for Failure {
     fn from(e: E) -> Self {
-        Failure { code: 1, error: e.into() }
+        Failure {
+            code: 1,
+            error: e.into(),
+        }
     }
 }
 
 pub fn usage(e: impl Into<anyhow::Error>) -> Failure {
-    Failure { code: 2, error: e.into() }
+    Failure {
+        code: 2,
+        error: e.into(),
+    }
 }
 
 fn main() -> ExitCode {
@@ -151,8 +169,12 @@ fn run(cli: Cli) -> Result<(), Failure> {
         }
         Cmd::Explain { plan } => {
             let text = io::read_input(&plan)?;
-            let plan: shardwright_ir::Plan = serde_json::from_str(&text)
-                .map_err(|e| usage(anyhow::anyhow!("{}: not a shardwright plan: {e}", plan.display())))?;
+            let plan: shardwright_ir::Plan = serde_json::from_str(&text).map_err(|e| {
+                usage(anyhow::anyhow!(
+                    "{}: not a shardwright plan: {e}",
+                    plan.display()
+                ))
+            })?;
             if plan.schema_version != shardwright_ir::plan::SCHEMA_VERSION {
                 return Err(usage(anyhow::anyhow!(
                     "plan schema_version {} is not {}",
@@ -160,7 +182,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     shardwright_ir::plan::SCHEMA_VERSION
                 )));
             }
-            print!("{}", explain::render(&plan).context("rendering the summary")?);
+            print!(
+                "{}",
+                explain::render(&plan).context("rendering the summary")?
+            );
             Ok(())
         }
         Cmd::Validate {
@@ -168,6 +193,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             profile,
             json,
             output,
+            planner_report,
         } => {
             let text = io::read_input(&runs)?;
             let file = shardwright_validate::load_runs(&text)
@@ -180,6 +206,13 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 shardwright_validate::render_text(&report)
             };
             io::write_output(output.as_deref(), &out)?;
+            if let Some(path) = planner_report {
+                let rows = shardwright_validate::planner_vs_published(&file, profiles.as_ref());
+                io::write_output(
+                    Some(&path),
+                    &shardwright_validate::render_planner_report(&rows),
+                )?;
+            }
             Ok(())
         }
         Cmd::Calibrate {
@@ -188,25 +221,36 @@ fn run(cli: Cli) -> Result<(), Failure> {
             report,
             version,
         } => {
-            let bytes = std::fs::read(&runs).map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
-            let text = String::from_utf8(bytes.clone()).map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+            let bytes = std::fs::read(&runs)
+                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+            let text = String::from_utf8(bytes.clone())
+                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
             let file = shardwright_validate::load_runs(&text)
                 .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
             let cal = shardwright_validate::calibrate::calibrate(&file, &bytes, &version);
-            io::write_output(output.as_deref(), &shardwright_ir::plan::to_json(&cal.profile))?;
+            io::write_output(
+                output.as_deref(),
+                &shardwright_ir::plan::to_json(&cal.profile),
+            )?;
             if let Some(r) = report {
                 io::write_output(Some(&r), &shardwright_ir::plan::to_json(&cal))?;
             }
             eprintln!(
                 "in-sample |error|: median {:.1}%, p90 {:.1}%, max {:.1}% over {} runs",
-                cal.in_sample.median_abs_pct, cal.in_sample.p90_abs_pct, cal.in_sample.max_abs_pct, cal.in_sample.n
+                cal.in_sample.median_abs_pct,
+                cal.in_sample.p90_abs_pct,
+                cal.in_sample.max_abs_pct,
+                cal.in_sample.n
             );
             eprintln!(
                 "leave-one-source-out |error|: median {:.1}%, p90 {:.1}%, max {:.1}%",
                 cal.loso.median_abs_pct, cal.loso.p90_abs_pct, cal.loso.max_abs_pct
             );
             for (src, s) in &cal.loso_per_source {
-                eprintln!("  held out {src:<14} n={:<3} median {:>5.1}%  bias {:+.1}%", s.n, s.median_abs_pct, s.median_signed_pct);
+                eprintln!(
+                    "  held out {src:<14} n={:<3} median {:>5.1}%  bias {:+.1}%",
+                    s.n, s.median_abs_pct, s.median_signed_pct
+                );
             }
             Ok(())
         }

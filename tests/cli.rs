@@ -39,15 +39,28 @@ fn unknown_field_gets_path_and_hint() {
 
 #[test]
 fn heads_not_divisible_by_pinned_tp() {
-    let (_d, f) = with_spec(|t| t.replace("num_attention_heads: 64", "num_attention_heads: 100\n    head_dim: 128\n    num_kv_heads: 4").replace("    num_kv_heads: 8\n", "").replace("  batch: {", "  parallelism: {tp: 8}\n  batch: {"));
+    let (_d, f) = with_spec(|t| {
+        t.replace(
+            "num_attention_heads: 64",
+            "num_attention_heads: 100\n    head_dim: 128\n    num_kv_heads: 4",
+        )
+        .replace("    num_kv_heads: 8\n", "")
+        .replace("  batch: {", "  parallelism: {tp: 8}\n  batch: {")
+    });
     let (code, _, err) = run(&["plan", f.to_str().unwrap()]);
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("job.model.num_attention_heads: 100 not divisible by tp=8"), "{err}");
+    assert!(
+        err.contains("job.model.num_attention_heads: 100 not divisible by tp=8"),
+        "{err}"
+    );
 }
 
 #[test]
 fn several_errors_reported_together() {
-    let (_d, f) = with_spec(|t| t.replace("nodes: 16", "nodes: 0").replace("seq_len: 4096", "seq_len: 0"));
+    let (_d, f) = with_spec(|t| {
+        t.replace("nodes: 16", "nodes: 0")
+            .replace("seq_len: 4096", "seq_len: 0")
+    });
     let (code, _, err) = run(&["plan", f.to_str().unwrap()]);
     assert_eq!(code, 2);
     assert!(err.contains("job.model.seq_len"), "{err}");
@@ -57,13 +70,19 @@ fn several_errors_reported_together() {
 #[test]
 fn missing_file_and_bad_flag_exit_2() {
     assert_eq!(run(&["plan", "no/such/spec.yaml"]).0, 2);
-    assert_eq!(run(&["plan", "specs/llama2-70b-128xa100.yaml", "--top", "x"]).0, 2);
+    assert_eq!(
+        run(&["plan", "specs/llama2-70b-128xa100.yaml", "--top", "x"]).0,
+        2
+    );
     assert_eq!(run(&["frobnicate"]).0, 2);
 }
 
 #[test]
 fn nothing_fits_exit_3() {
-    let (_d, f) = with_spec(|t| t.replace("nodes: 16", "nodes: 1").replace("gpu: A100-80GB", "gpu: A100-40GB"));
+    let (_d, f) = with_spec(|t| {
+        t.replace("nodes: 16", "nodes: 1")
+            .replace("gpu: A100-80GB", "gpu: A100-40GB")
+    });
     let (code, _, err) = run(&["plan", f.to_str().unwrap()]);
     assert_eq!(code, 3, "{err}");
     assert!(err.contains("out_of_memory"), "{err}");
@@ -73,13 +92,25 @@ fn nothing_fits_exit_3() {
 fn plan_to_file_then_explain() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.json");
-    let (code, stdout, err) = run(&["plan", "specs/llama2-70b-128xa100.yaml", "-o", out.to_str().unwrap(), "--top", "3"]);
+    let (code, stdout, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "-o",
+        out.to_str().unwrap(),
+        "--top",
+        "3",
+    ]);
     assert_eq!(code, 0, "{err}");
     assert!(stdout.is_empty());
-    let plan: shardwright_ir::Plan = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let plan: shardwright_ir::Plan =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(plan.alternatives.len(), 3);
     // no temp file left behind
-    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
     assert_eq!(names.len(), 1, "{names:?}");
     let (code, text, err) = run(&["explain", out.to_str().unwrap()]);
     assert_eq!(code, 0, "{err}");

@@ -24,7 +24,9 @@ fn spec_names() -> Vec<String> {
 }
 
 fn stem(name: &str) -> String {
-    name.trim_end_matches(".yaml").trim_end_matches(".json").to_string()
+    name.trim_end_matches(".yaml")
+        .trim_end_matches(".json")
+        .to_string()
 }
 
 fn plan_json(name: &str) -> String {
@@ -58,16 +60,25 @@ fn plans_are_byte_identical_across_runs() {
 
 #[test]
 fn no_unreferenced_snapshots() {
-    let expected: BTreeSet<String> = spec_names().iter().map(|n| format!("{}.snap", stem(n))).collect();
+    let expected: BTreeSet<String> = spec_names()
+        .iter()
+        .map(|n| format!("{}.snap", stem(n)))
+        .collect();
     let mut stray = Vec::new();
     for e in std::fs::read_dir(root().join("golden")).unwrap().flatten() {
         let n = e.file_name().to_string_lossy().into_owned();
-        assert!(!n.ends_with(".snap.new"), "unreviewed snapshot golden/{n}: run cargo insta review");
+        assert!(
+            !n.ends_with(".snap.new"),
+            "unreviewed snapshot golden/{n}: run cargo insta review"
+        );
         if n.ends_with(".snap") && !expected.contains(&n) {
             stray.push(n);
         }
     }
-    assert!(stray.is_empty(), "snapshots without a spec in specs/: {stray:?}");
+    assert!(
+        stray.is_empty(),
+        "snapshots without a spec in specs/: {stray:?}"
+    );
 }
 
 #[test]

@@ -148,9 +148,12 @@ pub fn parse_profile(text: &str) -> Result<std::collections::BTreeMap<String, Ef
 /// The efficiency profile used by default: the committed calibrated profile for the GPU
 /// kind, or [`initial_efficiency`] for kinds it does not cover.
 pub fn builtin_efficiency(kind: &str) -> Efficiency {
-    static CAL: std::sync::OnceLock<std::collections::BTreeMap<String, Efficiency>> = std::sync::OnceLock::new();
+    static CAL: std::sync::OnceLock<std::collections::BTreeMap<String, Efficiency>> =
+        std::sync::OnceLock::new();
     let cal = CAL.get_or_init(|| parse_profile(CALIBRATED_PROFILE_JSON).unwrap_or_default());
-    cal.get(kind).cloned().unwrap_or_else(|| initial_efficiency(kind))
+    cal.get(kind)
+        .cloned()
+        .unwrap_or_else(|| initial_efficiency(kind))
 }
 
 /// Hand-set starting point (the calibration starts here, so its output does not depend on
@@ -199,9 +202,14 @@ mod tests {
     use super::*;
     #[test]
     fn committed_profile_parses_and_covers_catalog_kinds() {
-        let kinds = parse_profile(CALIBRATED_PROFILE_JSON).expect("profiles/calibrated.json parses");
+        let kinds =
+            parse_profile(CALIBRATED_PROFILE_JSON).expect("profiles/calibrated.json parses");
         for e in CATALOG {
-            assert!(kinds.contains_key(e.kind), "no calibrated profile for {}", e.kind);
+            assert!(
+                kinds.contains_key(e.kind),
+                "no calibrated profile for {}",
+                e.kind
+            );
         }
     }
 }

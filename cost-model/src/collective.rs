@@ -29,7 +29,14 @@ pub fn reduce_scatter_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
 /// All-to-all where each rank holds `bytes` and sends `bytes/n` to each peer. Peers in the
 /// same node (`per_node` of the `n` ranks share one) are reached over `intra_gbps`, the rest
 /// over `inter_gbps`; the slower side bounds the time.
-pub fn all_to_all_s(bytes: f64, n: u64, per_node: u64, intra_gbps: f64, inter_gbps: f64, alpha_s: f64) -> f64 {
+pub fn all_to_all_s(
+    bytes: f64,
+    n: u64,
+    per_node: u64,
+    intra_gbps: f64,
+    inter_gbps: f64,
+    alpha_s: f64,
+) -> f64 {
     if n <= 1 {
         return 0.0;
     }

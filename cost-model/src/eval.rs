@@ -36,7 +36,13 @@ pub struct LayerTime {
 
 impl LayerTime {
     pub fn total(&self) -> f64 {
-        self.gemm + self.attn + self.elementwise + self.overhead + self.tp_exposed + self.cp_exposed + self.ep
+        self.gemm
+            + self.attn
+            + self.elementwise
+            + self.overhead
+            + self.tp_exposed
+            + self.cp_exposed
+            + self.ep
     }
     fn add_scaled(&mut self, o: &LayerTime, k: f64) {
         self.gemm += o.gemm * k;
@@ -65,7 +71,11 @@ pub fn group_link(job: &Job, stride: u64, size: u64) -> (f64, f64, bool, u64) {
         return (nvl, hw.nvlink_latency_s, false, size);
     }
     // Ranks of one group inside one node.
-    let per_node = if stride >= gpn { 1 } else { (gpn / stride).min(size).max(1) };
+    let per_node = if stride >= gpn {
+        1
+    } else {
+        (gpn / stride).min(size).max(1)
+    };
     // Rail-optimized fabric: each GPU has its own NIC and a ring that leaves the node runs
     // at that NIC's rate (the slowest link bounds the ring).
     let ib = hw.inter_node_gbps * eff.inter_node_bus_eff;
@@ -130,7 +140,15 @@ impl Gemms {
 }
 
 impl LayerCosts {
-    pub fn new(job: &Job, tp: u32, cp: u32, ep: u32, micro_batch: u32, sp: bool, rc: Recompute) -> LayerCosts {
+    pub fn new(
+        job: &Job,
+        tp: u32,
+        cp: u32,
+        ep: u32,
+        micro_batch: u32,
+        sp: bool,
+        rc: Recompute,
+    ) -> LayerCosts {
         let m = &job.model;
         let e = &job.efficiency;
         let hw = &job.hardware;
@@ -185,7 +203,8 @@ impl LayerCosts {
         let (tp_gbps, tp_lat, _, _) = group_link(job, 1, tp as u64);
         let tp_msg = tokens * h * 2.0;
         let tp_one = if sp {
-            all_gather_s(tp_msg, tp as u64, tp_gbps, tp_lat) + reduce_scatter_s(tp_msg, tp as u64, tp_gbps, tp_lat)
+            all_gather_s(tp_msg, tp as u64, tp_gbps, tp_lat)
+                + reduce_scatter_s(tp_msg, tp as u64, tp_gbps, tp_lat)
         } else {
             all_reduce_s(tp_msg, tp as u64, tp_gbps, tp_lat)
         };
@@ -246,8 +265,20 @@ impl LayerCosts {
             let expert_time = eg.time * experts_local;
             let mut sg = Gemms::new();
             if moe.num_shared_experts > 0 {
-                sg.add(job, gemm_peak, tokens, (mats - 1.0) * fs / t * moe.num_shared_experts as f64, h);
-                sg.add(job, gemm_peak, tokens, h, fs / t * moe.num_shared_experts as f64);
+                sg.add(
+                    job,
+                    gemm_peak,
+                    tokens,
+                    (mats - 1.0) * fs / t * moe.num_shared_experts as f64,
+                    h,
+                );
+                sg.add(
+                    job,
+                    gemm_peak,
+                    tokens,
+                    h,
+                    fs / t * moe.num_shared_experts as f64,
+                );
             }
             // EP all-to-all: dispatch + combine per pass, each rank sending tokens*k*h*2 bytes.
             let ep_time = if ep > 1 {
@@ -256,7 +287,9 @@ impl LayerCosts {
                 let intra = hw.nvlink_gbps * e.nvlink_bus_eff;
                 let inter = hw.inter_node_gbps * e.inter_node_bus_eff;
                 let msg = tokens * k * h * 2.0 / seq_div;
-                2.0 * all_to_all_s(msg, ep as u64, per_node, intra, inter, lat) * (fwd_passes + 1.0) * (1.0 - e.ep_overlap)
+                2.0 * all_to_all_s(msg, ep as u64, per_node, intra, inter, lat)
+                    * (fwd_passes + 1.0)
+                    * (1.0 - e.ep_overlap)
             } else {
                 0.0
             };
@@ -268,7 +301,11 @@ impl LayerCosts {
             let permute_bytes = 4.0 * tokens * k * h * 2.0 / seq_div;
             lt.elementwise += permute_bytes / hbm * (fwd_passes + 2.0);
             let (_, routed_total, _, _) = flops::moe_mlp_params(m);
-            (lt, routed_total / (t * ep as f64), flops::moe_layer_dense_params(m) / t)
+            (
+                lt,
+                routed_total / (t * ep as f64),
+                flops::moe_layer_dense_params(m) / t,
+            )
         } else {
             (LayerTime::default(), 0.0, 0.0)
         };
@@ -296,17 +333,23 @@ impl LayerCosts {
             0.0
         };
         let work = if rc == Recompute::Full {
-            let full_dense = memory::dense_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective);
+            let full_dense =
+                memory::dense_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective);
             let full_moe = if m.is_moe() {
                 memory::moe_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective)
             } else {
                 0.0
             };
-            if m.dense_layers() > 0 { full_dense.max(full_moe) } else { full_moe }
+            if m.dense_layers() > 0 {
+                full_dense.max(full_moe)
+            } else {
+                full_moe
+            }
         } else {
             0.0
         };
-        let head_params = flops::head_params(m) / t + if m.tied_embeddings { v * h / t } else { 0.0 };
+        let head_params =
+            flops::head_params(m) / t + if m.tied_embeddings { v * h / t } else { 0.0 };
         LayerCosts {
             tp,
             cp,
@@ -351,24 +394,22 @@ pub enum Split<'a> {
     Explicit(&'a [u32]),
 }
 
-/// Number of layers on rank `j` of `p` under the balanced split.
+/// Layers of pipeline chunk `c` of `chunks` (chunk c sits on rank `c % pp`; with
+/// interleaving rank j holds chunks j, j+pp, j+2pp, ...): `(first layer, count)`. The split
+/// is as even as possible; the extra layers go to chunks 1, 2, ... so chunk 0 (with the
+/// embedding, on the rank holding the most in-flight micro-batches) never gets one.
+/// Megatron-Core's flexible pipeline layout allows such uneven chunks.
+pub fn chunk_layers(layers: u32, chunks: u32, c: u32) -> (u32, u32) {
+    let base = layers / chunks;
+    let extra = layers % chunks;
+    let before = c.saturating_sub(1).min(extra);
+    let count = base + u32::from(c >= 1 && c <= extra);
+    (c * base + before, count)
+}
+
+/// Number of layers on rank `j` of `p` under the balanced split without interleaving.
 pub fn balanced_layers(layers: u32, p: u32, j: u32) -> u32 {
-    let base = layers / p;
-    let extra = layers % p;
-    if extra == 0 {
-        return base;
-    }
-    // order in which ranks receive an extra layer: 1, 2, ..., p-2, then 0, then p-1
-    let pos = if p <= 2 {
-        j
-    } else if j == 0 {
-        p - 2
-    } else if j == p - 1 {
-        p - 1
-    } else {
-        j - 1
-    };
-    base + u32::from(pos < extra)
+    chunk_layers(layers, p, j).1
 }
 
 /// Rank `j`'s load given how many layers precede it and how many it holds.
@@ -437,7 +478,13 @@ fn rank_params(lc: &LayerCosts, l: &RankLoad) -> (f64, f64) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn rank_memory(job: &Job, lc: &LayerCosts, layout: &Layout, l: &RankLoad, j: u32) -> MemoryBreakdown {
+fn rank_memory(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    l: &RankLoad,
+    j: u32,
+) -> MemoryBreakdown {
     let tr = &job.training;
     let (dense_p, expert_p) = rank_params(lc, l);
     let ddp = layout.dense_dp() as f64;
@@ -453,8 +500,13 @@ fn rank_memory(job: &Job, lc: &LayerCosts, layout: &Layout, l: &RankLoad, j: u32
     let master_b = master * (dense_p * shard(1, ddp) + expert_p * shard(1, edp));
     let opt_b = opt * (dense_p * shard(1, ddp) + expert_p * shard(1, edp));
     let infl = inflight(layout.schedule, layout.pp, layout.vpp, layout.grad_accum, j);
-    let act_layer = l.dense_layers as f64 * lc.dense_act_bytes + l.moe_layers as f64 * lc.moe_act_bytes;
-    let embed_act = if l.embedding { 2.0 * lc.tokens * job.model.hidden_size as f64 } else { 0.0 };
+    let act_layer =
+        l.dense_layers as f64 * lc.dense_act_bytes + l.moe_layers as f64 * lc.moe_act_bytes;
+    let embed_act = if l.embedding {
+        2.0 * lc.tokens * job.model.hidden_size as f64
+    } else {
+        0.0
+    };
     let activations = infl * (act_layer + embed_act);
     let logits = if l.head { lc.logits_bytes } else { 0.0 };
     // Gradient buckets (40M elements, double-buffered), ZeRO-3 prefetch of two layers'
@@ -462,7 +514,9 @@ fn rank_memory(job: &Job, lc: &LayerCosts, layout: &Layout, l: &RankLoad, j: u32
     let local = dense_p + expert_p;
     let mut temp = 2.0 * local.min(40e6) * g + lc.recompute_work_bytes;
     if z >= 3 {
-        let layer = lc.dense_layer_params.max(lc.moe_layer_dense_params + lc.moe_layer_expert_params);
+        let layer = lc
+            .dense_layer_params
+            .max(lc.moe_layer_dense_params + lc.moe_layer_expert_params);
         temp += 2.0 * layer * w;
     }
     let reserve = job.cluster.framework_reserve_bytes;
@@ -488,7 +542,13 @@ fn rank_memory(job: &Job, lc: &LayerCosts, layout: &Layout, l: &RankLoad, j: u32
 /// Evaluate a layout. `lc` must have been built for the layout's (tp, cp, ep, micro_batch,
 /// sequence_parallel, recompute). When `detail` is false the per-rank list stays empty (the
 /// search's fast path: no allocation).
-pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, detail: bool) -> Evaluation {
+pub fn evaluate(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    split: Split<'_>,
+    detail: bool,
+) -> Evaluation {
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let mb_count = layout.grad_accum;
@@ -501,11 +561,29 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
     let mut max_params = (0.0f64, 0.0f64);
     let mut start = 0u32;
     for j in 0..p {
-        let count = match split {
-            Split::Balanced => balanced_layers(model.num_layers, p, j),
-            Split::Explicit(c) => c[j as usize],
+        let (load, count) = match split {
+            Split::Balanced => {
+                // Sum the rank's chunks (one chunk when not interleaved).
+                let mut load = RankLoad {
+                    embedding: j == 0,
+                    head: j == p - 1,
+                    ..RankLoad::default()
+                };
+                let mut n = 0;
+                for i in 0..v {
+                    let (s0, c) = chunk_layers(model.num_layers, p * v, i * p + j);
+                    let part = rank_load(job, s0, c, j, p);
+                    load.dense_layers += part.dense_layers;
+                    load.moe_layers += part.moe_layers;
+                    n += c;
+                }
+                if v == 1 {
+                    start = chunk_layers(model.num_layers, p, j).0;
+                }
+                (load, n)
+            }
+            Split::Explicit(c) => (rank_load(job, start, c[j as usize], j, p), c[j as usize]),
         };
-        let load = rank_load(job, start, count, j, p);
         let t = rank_time(lc, &load);
         let total = t.total();
         sum_total += total;
@@ -534,7 +612,11 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
 
     let e = &job.efficiency;
     let m = mb_count as f64;
-    let bubble = if p > 1 { (sum_total - slow_total) / v as f64 } else { 0.0 };
+    let bubble = if p > 1 {
+        (sum_total - slow_total) / v as f64
+    } else {
+        0.0
+    };
     // Pipeline sends: forward activation and backward gradient per micro-batch per chunk
     // boundary; the fill/drain path crosses p-1 boundaries; steady-state sends of a rank sit
     // between its compute slots.
@@ -571,7 +653,8 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
             ),
             _ => (
                 0.0,
-                2.0 * all_gather_s(params * w, n, gbps, lat) + reduce_scatter_s(params * g, n, gbps, lat),
+                2.0 * all_gather_s(params * w, n, gbps, lat)
+                    + reduce_scatter_s(params * g, n, gbps, lat),
             ),
         }
     };
@@ -583,14 +666,21 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
     // Overlap: step-level traffic hides behind the last micro-batch's backward and the first
     // one's forward; ZeRO-3's per-micro-batch traffic behind that micro-batch's compute.
     let compute_mb = slow.gemm + slow.attn + slow.elementwise;
-    let dp_exposed = (dp_step - e.dp_overlap * compute_mb).max(0.0) + m * (dp_mb - e.dp_overlap * compute_mb).max(0.0);
+    let dp_exposed = (dp_step - e.dp_overlap * compute_mb).max(0.0)
+        + m * (dp_mb - e.dp_overlap * compute_mb).max(0.0);
 
     // Optimizer step: master, moments, grads, weights touched once (HBM bound).
     let opt_bytes_per_param = 2.0 * tr.master_dtype.bytes()
         + 2.0 * tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes()
         + g
         + w;
-    let shard = |n: u64| if layout.zero_stage >= 1 { 1.0 / n as f64 } else { 1.0 };
+    let shard = |n: u64| {
+        if layout.zero_stage >= 1 {
+            1.0 / n as f64
+        } else {
+            1.0
+        }
+    };
     let opt_params = dense_p * shard(ddp) + expert_p * shard(edp);
     let optimizer_s = opt_params * opt_bytes_per_param / (job.hardware.hbm_gbps * 1e9);
 
@@ -600,7 +690,11 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
     let world = layout.world() as f64;
     let mf = flops::model_flops_per_token(model);
     let hf = flops::hardware_flops_per_token(model, layout.recompute);
-    let peak = if tr.fp8_gemms { job.hardware.peak_fp8_flops } else { job.hardware.peak_bf16_flops };
+    let peak = if tr.fp8_gemms {
+        job.hardware.peak_fp8_flops
+    } else {
+        job.hardware.peak_bf16_flops
+    };
     let mfu = mf * tokens_per_s / (world * peak);
     let hfu = hf * tokens_per_s / (world * peak);
 
@@ -631,7 +725,11 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
         bubble_fraction: bubble / step,
         dp_comm_total_s: dp_total,
         dp_comm_exposed_s: dp_exposed,
-        dp_overlap_share: if dp_total > 0.0 { 1.0 - dp_exposed / dp_total } else { 1.0 },
+        dp_overlap_share: if dp_total > 0.0 {
+            1.0 - dp_exposed / dp_total
+        } else {
+            1.0
+        },
         optimizer_s,
         step_s: step,
     };
@@ -656,13 +754,21 @@ pub fn evaluate(job: &Job, lc: &LayerCosts, layout: &Layout, split: Split<'_>, d
 }
 
 /// Checkpoint cost, interval and goodput for a layout with the given step time.
-pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64, _dense_p: f64, _expert_p: f64) -> ReliabilityEstimate {
+pub fn reliability_estimate(
+    job: &Job,
+    layout: &Layout,
+    step_s: f64,
+    _dense_p: f64,
+    _expert_p: f64,
+) -> ReliabilityEstimate {
     let r = &job.reliability;
     let tr = &job.training;
     let mtbf_s = r.job_mtbf_hours * 3600.0;
     // What a resume needs: weights, fp32 master and optimizer moments, written once
     // (distributed checkpoint: each unique shard by one rank).
-    let per_param = tr.compute_dtype.bytes() + tr.master_dtype.bytes() + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
+    let per_param = tr.compute_dtype.bytes()
+        + tr.master_dtype.bytes()
+        + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
     let total = job.model.params_total * per_param;
     let world = layout.world().max(1) as f64;
     let per_gpu = total / world;
@@ -679,7 +785,9 @@ pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64, _dense_p: f
     let durable = tier_time(r.durable_tier);
     // Asynchronous: stall only for the snapshot into the fastest tier; then write behind.
     let (stall, lag) = if r.asynchronous && !r.tiers.is_empty() {
-        let fastest = (0..r.tiers.len()).map(tier_time).fold(f64::INFINITY, f64::min);
+        let fastest = (0..r.tiers.len())
+            .map(tier_time)
+            .fold(f64::INFINITY, f64::min);
         (fastest + r.checkpoint_fixed_s, durable)
     } else {
         (durable + r.checkpoint_fixed_s, 0.0)
@@ -689,7 +797,8 @@ pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64, _dense_p: f
     let target = r.pinned_interval_s.unwrap_or(daly).max(lag);
     let steps = ((target / step_s).round() as u64).max(1);
     let interval = steps as f64 * step_s;
-    let (good, overhead, loss) = reliability::goodput_fraction(interval, stall, mtbf_s, r.restart_s, lag);
+    let (good, overhead, loss) =
+        reliability::goodput_fraction(interval, stall, mtbf_s, r.restart_s, lag);
     ReliabilityEstimate {
         job_mtbf_hours: r.job_mtbf_hours,
         checkpoint_stall_s: stall,

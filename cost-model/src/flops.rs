@@ -21,7 +21,11 @@ pub fn attention_params(m: &Model) -> f64 {
     let qd = m.num_attention_heads as f64 * m.head_dim as f64;
     let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
     let w = h * qd + 2.0 * h * kvd + qd * h;
-    let b = if m.linear_bias { qd + 2.0 * kvd + h } else { 0.0 };
+    let b = if m.linear_bias {
+        qd + 2.0 * kvd + h
+    } else {
+        0.0
+    };
     w + b
 }
 
@@ -145,7 +149,10 @@ pub fn hardware_flops_per_token(m: &Model, recompute: Recompute) -> f64 {
 /// Narayanan et al. 2021 eq. 3 hardware FLOPs per token (full recompute, GPT, non-causal):
 /// `96 s L h^2 (1 + s/(6h) + V/(16 L h)) / s` per token.
 pub fn narayanan_flops_per_token(layers: f64, hidden: f64, seq: f64, vocab: f64) -> f64 {
-    96.0 * layers * hidden * hidden * (1.0 + seq / (6.0 * hidden) + vocab / (16.0 * layers * hidden))
+    96.0 * layers
+        * hidden
+        * hidden
+        * (1.0 + seq / (6.0 * hidden) + vocab / (16.0 * layers * hidden))
 }
 
 /// Total training compute: `6 * params * tokens` (the seeds' rule of thumb).

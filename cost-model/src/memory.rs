@@ -40,7 +40,13 @@ pub fn zero_static_bytes(params: f64, stage: u8, n: f64) -> f64 {
 
 /// Activation bytes saved by one dense layer for one micro-batch, per GPU.
 /// `tokens` = micro_batch x seq_len / cp on this GPU.
-pub fn dense_layer_activation_bytes(m: &Model, tokens: f64, tp: f64, sp: bool, rc: Recompute) -> f64 {
+pub fn dense_layer_activation_bytes(
+    m: &Model,
+    tokens: f64,
+    tp: f64,
+    sp: bool,
+    rc: Recompute,
+) -> f64 {
     let h = m.hidden_size as f64;
     let seq_div = if sp { tp } else { 1.0 };
     if rc == Recompute::Full {

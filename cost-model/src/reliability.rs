@@ -24,7 +24,13 @@ pub fn daly_interval_s(stall_s: f64, mtbf_s: f64) -> f64 {
 }
 
 /// Share of wall time doing useful work with checkpoint interval `interval_s`.
-pub fn goodput_fraction(interval_s: f64, stall_s: f64, mtbf_s: f64, restart_s: f64, write_lag_s: f64) -> (f64, f64, f64) {
+pub fn goodput_fraction(
+    interval_s: f64,
+    stall_s: f64,
+    mtbf_s: f64,
+    restart_s: f64,
+    write_lag_s: f64,
+) -> (f64, f64, f64) {
     let overhead = stall_s / interval_s;
     let loss = (interval_s / 2.0 + restart_s + write_lag_s) / mtbf_s;
     let good = (1.0 - overhead - loss).clamp(0.0, 1.0);

@@ -61,7 +61,10 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     for (path, v) in [
         ("job.model.num_layers", ms.num_layers as u64),
         ("job.model.hidden_size", ms.hidden_size),
-        ("job.model.num_attention_heads", ms.num_attention_heads as u64),
+        (
+            "job.model.num_attention_heads",
+            ms.num_attention_heads as u64,
+        ),
         ("job.model.vocab_size", ms.vocab_size),
         ("job.model.seq_len", ms.seq_len),
     ] {
@@ -102,7 +105,10 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             None
         }
         (Arch::Moe, None) => {
-            errs.push("job.model.moe", "arch is moe but the moe section is missing");
+            errs.push(
+                "job.model.moe",
+                "arch is moe but the moe section is missing",
+            );
             None
         }
         (Arch::Moe, Some(m)) => {
@@ -280,7 +286,10 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         (Some(n), Some(nodes)) if n != nodes * gpn => {
             errs.push(
                 "cluster.num_gpus",
-                format!("{n} but nodes x gpus_per_node = {nodes} x {gpn} = {}", nodes * gpn),
+                format!(
+                    "{n} but nodes x gpus_per_node = {nodes} x {gpn} = {}",
+                    nodes * gpn
+                ),
             );
             n
         }
@@ -303,7 +312,10 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     if cs.hot_spares >= num_gpus && num_gpus > 0 {
         errs.push(
             "cluster.hot_spares",
-            format!("{} leaves no GPU for training out of {num_gpus}", cs.hot_spares),
+            format!(
+                "{} leaves no GPU for training out of {num_gpus}",
+                cs.hot_spares
+            ),
         );
     }
     let world = num_gpus.saturating_sub(cs.hot_spares);
@@ -323,7 +335,10 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     // ---- precision / training ----
     let ps = &js.precision;
     if !matches!(ps.compute, Dtype::Bf16 | Dtype::Fp16) {
-        errs.push("job.precision.compute", "must be bf16 or fp16 (use fp8_gemms for FP8)");
+        errs.push(
+            "job.precision.compute",
+            "must be bf16 or fp16 (use fp8_gemms for FP8)",
+        );
     }
     if ps.fp8_gemms && hw.peak_fp8_flops <= 0.0 {
         errs.push(
@@ -338,7 +353,10 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     if bs.global_batch > MAX_GLOBAL_BATCH {
         errs.push(
             "job.batch.global_batch",
-            format!("{} sequences is beyond any training run (limit {MAX_GLOBAL_BATCH})", bs.global_batch),
+            format!(
+                "{} sequences is beyond any training run (limit {MAX_GLOBAL_BATCH})",
+                bs.global_batch
+            ),
         );
     }
     if let Some(t) = bs.token_budget {
@@ -407,9 +425,17 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
                     TierKind::ObjectStore => 2.0,
                 };
                 let bw = t.write_gbps_per_node.unwrap_or(default_bw);
-                positive(&mut errs, &format!("cluster.storage[{i}].write_gbps_per_node"), bw);
+                positive(
+                    &mut errs,
+                    &format!("cluster.storage[{i}].write_gbps_per_node"),
+                    bw,
+                );
                 if let Some(a) = t.aggregate_write_gbps {
-                    positive(&mut errs, &format!("cluster.storage[{i}].aggregate_write_gbps"), a);
+                    positive(
+                        &mut errs,
+                        &format!("cluster.storage[{i}].aggregate_write_gbps"),
+                        a,
+                    );
                 }
                 StorageTier {
                     name: t.name.clone(),
@@ -442,7 +468,10 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
                 let known: Vec<&str> = tiers.iter().map(|t| t.name.as_str()).collect();
                 errs.push(
                     "job.checkpoint.durable_tier",
-                    format!("no storage tier named `{name}`; known: {}", known.join(", ")),
+                    format!(
+                        "no storage tier named `{name}`; known: {}",
+                        known.join(", ")
+                    ),
                 );
                 0
             }
@@ -475,7 +504,11 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     let efficiency = opts
         .profile
         .clone()
-        .or_else(|| opts.profiles.as_ref().and_then(|p| p.get(&hw.kind).cloned()))
+        .or_else(|| {
+            opts.profiles
+                .as_ref()
+                .and_then(|p| p.get(&hw.kind).cloned())
+        })
         .unwrap_or_else(|| catalog::builtin_efficiency(&hw.kind));
     let job = Job {
         name: js.name.clone().unwrap_or_else(|| "job".into()),
@@ -506,7 +539,10 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
     }
     if let Some(z) = p.zero_stage {
         if z > 3 {
-            errs.push("job.parallelism.zero_stage", format!("{z} is not one of 0, 1, 2, 3"));
+            errs.push(
+                "job.parallelism.zero_stage",
+                format!("{z} is not one of 0, 1, 2, 3"),
+            );
         }
     }
     let world = c.world_size;
@@ -547,7 +583,10 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
         if m.num_kv_heads % tp != 0 && tp % m.num_kv_heads.max(1) != 0 {
             errs.push(
                 "job.model.num_kv_heads",
-                format!("{} neither divisible by nor a divisor of tp={tp}", m.num_kv_heads),
+                format!(
+                    "{} neither divisible by nor a divisor of tp={tp}",
+                    m.num_kv_heads
+                ),
             );
         }
         if tp > c.gpus_per_node && !p.allow_tp_across_nodes {
@@ -568,10 +607,14 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             );
         }
         if let Some(v) = p.vpp.filter(|&v| v > 1) {
-            if m.num_layers % (pp * v) != 0 {
+            if m.num_layers < pp * v {
                 errs.push(
                     "job.parallelism.vpp",
-                    format!("num_layers={} not divisible by pp*vpp={}", m.num_layers, pp * v),
+                    format!(
+                        "num_layers={} is fewer than pp*vpp={} pipeline chunks",
+                        m.num_layers,
+                        pp * v
+                    ),
                 );
             }
         }
@@ -589,11 +632,23 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             _ => {}
         }
     }
+    if let (Some(cp), false) = (p.cp, m.flash_attention) {
+        if cp > 1 {
+            errs.push(
+                "job.parallelism.cp",
+                format!("{cp} needs flash attention (ring attention is blockwise); the model sets flash_attention: false"),
+            );
+        }
+    }
     if let Some(cp) = p.cp.filter(|&v| v > 0) {
         if m.seq_len % (2 * cp as u64) != 0 && cp > 1 {
             errs.push(
                 "job.model.seq_len",
-                format!("{} not divisible by 2*cp={} (load-balanced ring attention)", m.seq_len, 2 * cp),
+                format!(
+                    "{} not divisible by 2*cp={} (load-balanced ring attention)",
+                    m.seq_len,
+                    2 * cp
+                ),
             );
         }
     }
@@ -602,7 +657,10 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
     }
     if let (Some(s), Some(v)) = (p.schedule, p.vpp) {
         if v > 1 && s != Schedule::Interleaved {
-            errs.push("job.parallelism.vpp", format!("vpp={v} needs schedule: interleaved"));
+            errs.push(
+                "job.parallelism.vpp",
+                format!("vpp={v} needs schedule: interleaved"),
+            );
         }
     }
     if p.sequence_parallel == Some(true) && p.tp == Some(1) {

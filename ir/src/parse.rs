@@ -90,7 +90,11 @@ pub fn parse_value(text: &str, format: Format) -> Result<serde_json::Value, Spec
         Format::Json => serde_json::from_str(text).map_err(|e| {
             SpecError::new(
                 "",
-                format!("invalid JSON at line {} column {}: {e}", e.line(), e.column()),
+                format!(
+                    "invalid JSON at line {} column {}: {e}",
+                    e.line(),
+                    e.column()
+                ),
             )
         }),
         _ => serde_saphyr::from_str::<serde_json::Value>(text)
@@ -132,7 +136,8 @@ fn clean_path(p: &str) -> String {
 /// serde says "unknown field `tpp`, expected one of `tp`, `pp`, ..."; add the closest name.
 fn with_hint(msg: &str) -> String {
     let (Some(start), true) = (
-        msg.find("unknown field `").or_else(|| msg.find("unknown variant `")),
+        msg.find("unknown field `")
+            .or_else(|| msg.find("unknown variant `")),
         msg.contains("expected"),
     ) else {
         return msg.to_string();

@@ -24,7 +24,10 @@ pub struct PlanOptions {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { top_k: 5, refine: true }
+        PlanOptions {
+            top_k: 5,
+            refine: true,
+        }
     }
 }
 
@@ -47,7 +50,11 @@ pub enum Partitioner {
 }
 
 /// Evaluate a layout with its refined stage split (good_lp) when that helps (and fits).
-pub fn evaluate_refined(job: &Job, layout: &Layout, refine: bool) -> (Evaluation, Option<Vec<u32>>) {
+pub fn evaluate_refined(
+    job: &Job,
+    layout: &Layout,
+    refine: bool,
+) -> (Evaluation, Option<Vec<u32>>) {
     evaluate_refined_with(job, layout, refine, Partitioner::Lp)
 }
 
@@ -113,7 +120,8 @@ fn refine_split(
         items.push(if moe {
             Item {
                 time_s: lc.moe.total(),
-                static_bytes: lc.moe_layer_dense_params * per_param(ddp) + lc.moe_layer_expert_params * per_param(edp),
+                static_bytes: lc.moe_layer_dense_params * per_param(ddp)
+                    + lc.moe_layer_expert_params * per_param(edp),
                 act_bytes: lc.moe_act_bytes,
             }
         } else {
@@ -130,7 +138,15 @@ fn refine_split(
         act_bytes: 0.0,
     });
     let inflight: Vec<f64> = (0..layout.pp)
-        .map(|j| shardwright_cost::eval::inflight(layout.schedule, layout.pp, layout.vpp, layout.grad_accum, j))
+        .map(|j| {
+            shardwright_cost::eval::inflight(
+                layout.schedule,
+                layout.pp,
+                layout.vpp,
+                layout.grad_accum,
+                j,
+            )
+        })
         .collect();
     // Everything else on a GPU: reserve, buckets, recompute working set (take the largest
     // stage's figure from the balanced evaluation).
@@ -151,7 +167,11 @@ fn refine_split(
     let mut counts = Vec::with_capacity(layout.pp as usize);
     for j in 0..part.starts.len() {
         let s = part.starts[j];
-        let e = if j + 1 < part.starts.len() { part.starts[j + 1] } else { n_items };
+        let e = if j + 1 < part.starts.len() {
+            part.starts[j + 1]
+        } else {
+            n_items
+        };
         let layers = (s..e).filter(|&i| i > 0 && i < n_items - 1).count() as u32;
         counts.push(layers);
     }
@@ -166,8 +186,14 @@ fn formulas() -> BTreeMap<String, String> {
     put("model_flops_per_token", "6 * N_matmul_active + 3 * L * attn_fwd, attn_fwd = 4*s*heads*head_dim/2 (causal); N_matmul_active = weight matrices a token passes through (MoE: top_k routed + shared experts), LM head included, input embedding excluded");
     put("hardware_flops_per_token", "model FLOPs + recompute: full adds 2*N_layers + attn_fwd per token, selective adds attn_fwd");
     put("mfu", "model_flops_per_token * tokens_per_s / (world_size * peak), peak = dense BF16 peak (FP8 peak when fp8_gemms)");
-    put("hfu", "hardware_flops_per_token * tokens_per_s / (world_size * peak)");
-    put("step_s", "grad_accum * t_microbatch(slowest rank) + bubble + pp_p2p + dp_exposed + optimizer");
+    put(
+        "hfu",
+        "hardware_flops_per_token * tokens_per_s / (world_size * peak)",
+    );
+    put(
+        "step_s",
+        "grad_accum * t_microbatch(slowest rank) + bubble + pp_p2p + dp_exposed + optimizer",
+    );
     put("bubble", "(sum of per-rank micro-batch times - slowest) / vpp; equals (p-1)/(v*m) of the ideal time for balanced stages (Narayanan et al. 2021)");
     put("collectives", "ring alpha-beta: all-reduce 2(n-1)/n*M/B + 2(n-1)a; all-gather/reduce-scatter (n-1)/n*M/B + (n-1)a; B = bus bandwidth of the fabric the group crosses (NVLink in a node; per-GPU NIC x group ranks per node across nodes)");
     put("memory", "weights + grads + fp32 master + optimizer moments under ZeRO over the data-parallel ranks (experts over expert-dp) + activations (Korthikanti et al. 2022, per saved tensor) x in-flight micro-batches + logits + temporaries + framework reserve");
@@ -182,7 +208,11 @@ fn rank_order(job: &Job, l: &Layout) -> RankOrder {
     let mut groups = Vec::new();
     let mut push = |axis: &str, stride: u64, size: u64| {
         let (_, _, crosses, per_node) = group_link(job, stride, size);
-        let nodes = if crosses { size.div_ceil(per_node.max(1)) } else { 1 };
+        let nodes = if crosses {
+            size.div_ceil(per_node.max(1))
+        } else {
+            1
+        };
         groups.push(GroupInfo {
             axis: axis.into(),
             size,
@@ -202,7 +232,10 @@ fn rank_order(job: &Job, l: &Layout) -> RankOrder {
     push("dense_dp", tp, cp * ep * dp);
     push("pp", tp * cp * ep * dp, l.pp as u64);
     RankOrder {
-        order: ["tp", "cp", "ep", "dp", "pp"].iter().map(|s| s.to_string()).collect(),
+        order: ["tp", "cp", "ep", "dp", "pp"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
         description: format!(
             "rank = tp_i + {tp}*(cp_i + {cp}*(ep_i + {ep}*(dp_i + {dp}*pp_i))); node = rank / {gpn}"
         ),
@@ -230,9 +263,15 @@ fn stages(job: &Job, l: &Layout, ranks: &[RankEval]) -> Vec<Stage> {
         .map(|(j, r)| {
             let n = r.load.dense_layers + r.load.moe_layers;
             let layers = if v > 1 {
-                let chunk = job.model.num_layers / (l.pp * v);
                 (0..v)
-                    .map(|c| ranges((c * l.pp + j as u32) * chunk, chunk))
+                    .map(|c| {
+                        let (first, count) = shardwright_cost::eval::chunk_layers(
+                            job.model.num_layers,
+                            l.pp * v,
+                            c * l.pp + j as u32,
+                        );
+                        ranges(first, count)
+                    })
                     .collect()
             } else if n > 0 {
                 vec![ranges(r.first_layer, n)]
@@ -304,11 +343,22 @@ pub fn plan(
     }
     // Branch and bound over stage splits: visit candidates by their goodput bound and stop
     // once no bound can beat the keep-th refined goodput. The top `keep` is then exact.
-    let mut pool: Vec<Candidate> = result.best.iter().chain(result.hopefuls.iter()).cloned().collect();
-    pool.sort_by(|a, b| b.goodput_bound.total_cmp(&a.goodput_bound).then_with(|| a.layout.cmp(&b.layout)));
+    let mut pool: Vec<Candidate> = result
+        .best
+        .iter()
+        .chain(result.hopefuls.iter())
+        .cloned()
+        .collect();
+    pool.sort_by(|a, b| {
+        b.goodput_bound
+            .total_cmp(&a.goodput_bound)
+            .then_with(|| a.layout.cmp(&b.layout))
+    });
     let mut refined: Vec<(Candidate, Evaluation)> = Vec::with_capacity(keep + 1);
     for c in pool {
-        if refined.len() == keep && c.goodput_bound < refined[keep - 1].0.estimate.goodput_tokens_per_s {
+        if refined.len() == keep
+            && c.goodput_bound < refined[keep - 1].0.estimate.goodput_tokens_per_s
+        {
             break;
         }
         let (ev, _) = if opts.refine {
@@ -349,7 +399,8 @@ pub fn plan(
             mfu: c.estimate.mfu,
             memory_bytes: c.estimate.memory.total_bytes,
             step_s: c.estimate.step.step_s,
-            goodput_delta_pct: (c.estimate.goodput_tokens_per_s / est.goodput_tokens_per_s - 1.0) * 100.0,
+            goodput_delta_pct: (c.estimate.goodput_tokens_per_s / est.goodput_tokens_per_s - 1.0)
+                * 100.0,
             differs_in: differs(&layout, &c.layout),
         })
         .collect();

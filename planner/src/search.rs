@@ -35,7 +35,12 @@ pub fn rank_cmp(a: &Candidate, b: &Candidate) -> Ordering {
         .goodput_tokens_per_s
         .total_cmp(&a.estimate.goodput_tokens_per_s)
         .then_with(|| b.estimate.tokens_per_s.total_cmp(&a.estimate.tokens_per_s))
-        .then_with(|| a.estimate.memory.total_bytes.total_cmp(&b.estimate.memory.total_bytes))
+        .then_with(|| {
+            a.estimate
+                .memory
+                .total_bytes
+                .total_cmp(&b.estimate.memory.total_bytes)
+        })
         .then_with(|| a.layout.cmp(&b.layout))
 }
 
@@ -63,8 +68,16 @@ impl Tally {
 }
 
 fn divisors(n: u64) -> Vec<u64> {
-    let mut d: Vec<u64> = (1..=n).take_while(|&i| i <= n / i).filter(|i| n % i == 0).collect();
-    let big: Vec<u64> = d.iter().rev().map(|i| n / i).filter(|j| j * j != n).collect();
+    let mut d: Vec<u64> = (1..=n)
+        .take_while(|&i| i <= n / i)
+        .filter(|i| n % i == 0)
+        .collect();
+    let big: Vec<u64> = d
+        .iter()
+        .rev()
+        .map(|i| n / i)
+        .filter(|j| j * j != n)
+        .collect();
     d.extend(big);
     d
 }
@@ -116,7 +129,10 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
         (None, None) => vec![1],
         (Some(_), None) => divs.clone(),
     };
-    let recomputes = pick(pins.recompute, vec![Recompute::None, Recompute::Selective, Recompute::Full]);
+    let recomputes = pick(
+        pins.recompute,
+        vec![Recompute::None, Recompute::Selective, Recompute::Full],
+    );
     let zeros = pick(pins.zero_stage, vec![0u8, 1, 2, 3]);
 
     // Outer loop units for progress: (tp, cp, ep) meshes.
@@ -133,7 +149,9 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                 }
                 // ---- mesh-level rules ----
                 if tp > gpn && !pins.allow_tp_across_nodes {
-                    tally.reject("tp_across_nodes", || format!("tp={tp} > {gpn} GPUs per node"));
+                    tally.reject("tp_across_nodes", || {
+                        format!("tp={tp} > {gpn} GPUs per node")
+                    });
                     continue;
                 }
                 if m.num_attention_heads as u64 % tp != 0 {
@@ -145,6 +163,14 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                 let kv = m.num_kv_heads as u64;
                 if kv % tp != 0 && tp % kv != 0 {
                     tally.reject("kv_heads_vs_tp", || format!("num_kv_heads={kv} vs tp={tp}"));
+                    continue;
+                }
+                if cp > 1 && !m.flash_attention {
+                    tally.reject("cp_without_flash_attention", || {
+                        format!(
+                            "cp={cp}: ring attention needs a blockwise (flash) attention kernel"
+                        )
+                    });
                     continue;
                 }
                 if cp > 1 && (m.seq_len % (2 * cp) != 0 || m.seq_len / cp < MIN_CP_SHARD_TOKENS) {
@@ -171,7 +197,9 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                     (None, _) => vec![true, false],
                 };
                 // micro-batch candidates: divisors of the per-replica batch, capped.
-                let mbs_all: Vec<u64> = (1..=MAX_MICRO_BATCH.min(gb)).filter(|b| gb % b == 0).collect();
+                let mbs_all: Vec<u64> = (1..=MAX_MICRO_BATCH.min(gb))
+                    .filter(|b| gb % b == 0)
+                    .collect();
                 let mbs = pick(pins.micro_batch.map(|v| v as u64), mbs_all);
                 for &mb in &mbs {
                     for &sp in &sps {
@@ -179,7 +207,9 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                             continue;
                         }
                         for &rc in &recomputes {
-                            let lc = LayerCosts::new(job, tp as u32, cp as u32, ep as u32, mb as u32, sp, rc);
+                            let lc = LayerCosts::new(
+                                job, tp as u32, cp as u32, ep as u32, mb as u32, sp, rc,
+                            );
                             for &pp in &pps {
                                 let rest = world / inner;
                                 if rest % pp != 0 {
@@ -208,7 +238,9 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                 if let Some(pga) = job.training.grad_accum {
                                     if pga != ga {
                                         tally.reject("grad_accum_mismatch", || {
-                                            format!("job.batch.grad_accum={pga} but layout gives {ga}")
+                                            format!(
+                                                "job.batch.grad_accum={pga} but layout gives {ga}"
+                                            )
                                         });
                                         continue;
                                     }
@@ -225,9 +257,13 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                         (None, _) => vec![Schedule::Interleaved],
                                     };
                                     if v > 1 {
-                                        if m.num_layers as u64 % (pp * v as u64) != 0 {
+                                        if (m.num_layers as u64) < pp * v as u64 {
                                             tally.reject("layers_vs_interleave", || {
-                                                format!("num_layers={} vs pp*vpp={}", m.num_layers, pp * v as u64)
+                                                format!(
+                                                    "num_layers={} < pp*vpp={} chunks",
+                                                    m.num_layers,
+                                                    pp * v as u64
+                                                )
                                             });
                                             continue;
                                         }
@@ -260,12 +296,17 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                                 });
                                                 continue;
                                             }
-                                            let ev = evaluate(job, &lc, &layout, Split::Balanced, false);
+                                            let ev =
+                                                evaluate(job, &lc, &layout, Split::Balanced, false);
                                             if !ev.estimate.fits && !fully_pinned {
                                                 let need = ev.estimate.memory.total_bytes;
                                                 let hbm = ev.estimate.memory.hbm_bytes;
                                                 tally.reject("out_of_memory", || {
-                                                    format!("{layout}: needs {:.1} GB of {:.1} GB", need / 1e9, hbm / 1e9)
+                                                    format!(
+                                                        "{layout}: needs {:.1} GB of {:.1} GB",
+                                                        need / 1e9,
+                                                        hbm / 1e9
+                                                    )
                                                 });
                                                 continue;
                                             }
@@ -276,7 +317,9 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                                 estimate: ev.estimate,
                                                 goodput_bound: ev.goodput_bound,
                                             };
-                                            if cand.goodput_bound > cand.estimate.goodput_tokens_per_s {
+                                            if cand.goodput_bound
+                                                > cand.estimate.goodput_tokens_per_s
+                                            {
                                                 hopefuls.push(cand.clone());
                                                 if hopefuls.len() > 4096 {
                                                     let t = threshold(&best);

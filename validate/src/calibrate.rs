@@ -8,7 +8,8 @@
 //! (shared/data/h100-gemm-2026-11-22.json). No parameter is keyed by run or source.
 //!
 //! Objective: sum over runs of `|ln(predicted / published)|` (a median-seeking loss, so a
-//! few runs the model cannot represent do not drag the rest). Optimizer: deterministic
+//! few runs the model cannot represent do not drag the rest), plus a prior that pulls each
+//! parameter toward its physical starting value ([`PRIOR_WEIGHT`]). Optimizer: deterministic
 //! bounded coordinate search on parameters scaled to [0, 1], step halving from 1/4 to
 //! 1/1024. Layouts: the runs' pinned axes, with unpublished axes chosen by the planner under
 //! the profile of the previous round (two rounds).
@@ -48,13 +49,26 @@ impl Case {
         let mut job = self.job.clone();
         job.efficiency = eff.clone();
         let l = &self.layout;
-        let lc = LayerCosts::new(&job, l.tp, l.cp, l.ep, l.micro_batch, l.sequence_parallel, l.recompute);
-        evaluate(&job, &lc, l, Split::Balanced, false).estimate.tokens_per_s_per_gpu
+        let lc = LayerCosts::new(
+            &job,
+            l.tp,
+            l.cp,
+            l.ep,
+            l.micro_batch,
+            l.sequence_parallel,
+            l.recompute,
+        );
+        evaluate(&job, &lc, l, Split::Balanced, false)
+            .estimate
+            .tokens_per_s_per_gpu
     }
 }
 
 /// Build the cases with `profiles` (None: built-in).
-pub fn cases(runs: &RunsFile, profiles: Option<&BTreeMap<String, Efficiency>>) -> (Vec<Case>, Vec<Skip>) {
+pub fn cases(
+    runs: &RunsFile,
+    profiles: Option<&BTreeMap<String, Efficiency>>,
+) -> (Vec<Case>, Vec<Skip>) {
     let mut out = Vec::new();
     let mut skipped = Vec::new();
     for run in &runs.runs {
@@ -93,8 +107,20 @@ struct Param {
 
 fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
     let mut v = vec![
-        Param { name: "gemm_max", lo: 0.4, hi: 0.95, get: |e| e.gemm_max, set: |e, x| e.gemm_max = x },
-        Param { name: "attn_eff", lo: 0.15, hi: 0.8, get: |e| e.attn_eff, set: |e, x| e.attn_eff = x },
+        Param {
+            name: "gemm_max",
+            lo: 0.4,
+            hi: 0.95,
+            get: |e| e.gemm_max,
+            set: |e, x| e.gemm_max = x,
+        },
+        Param {
+            name: "attn_eff",
+            lo: 0.15,
+            hi: 0.8,
+            get: |e| e.attn_eff,
+            set: |e, x| e.attn_eff = x,
+        },
         Param {
             name: "elementwise_bytes_per_h",
             lo: 2.0,
@@ -102,7 +128,13 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
             get: |e| e.elementwise_bytes_per_h,
             set: |e, x| e.elementwise_bytes_per_h = x,
         },
-        Param { name: "nvlink_bus_eff", lo: 0.3, hi: 0.95, get: |e| e.nvlink_bus_eff, set: |e, x| e.nvlink_bus_eff = x },
+        Param {
+            name: "nvlink_bus_eff",
+            lo: 0.3,
+            hi: 0.95,
+            get: |e| e.nvlink_bus_eff,
+            set: |e, x| e.nvlink_bus_eff = x,
+        },
         Param {
             name: "inter_node_bus_eff",
             lo: 0.2,
@@ -110,8 +142,20 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
             get: |e| e.inter_node_bus_eff,
             set: |e, x| e.inter_node_bus_eff = x,
         },
-        Param { name: "tp_overlap", lo: 0.0, hi: 0.9, get: |e| e.tp_overlap, set: |e, x| e.tp_overlap = x },
-        Param { name: "dp_overlap", lo: 0.0, hi: 1.0, get: |e| e.dp_overlap, set: |e, x| e.dp_overlap = x },
+        Param {
+            name: "tp_overlap",
+            lo: 0.0,
+            hi: 0.9,
+            get: |e| e.tp_overlap,
+            set: |e, x| e.tp_overlap = x,
+        },
+        Param {
+            name: "dp_overlap",
+            lo: 0.0,
+            hi: 1.0,
+            get: |e| e.dp_overlap,
+            set: |e, x| e.dp_overlap = x,
+        },
         Param {
             name: "layer_overhead_s",
             lo: 0.0,
@@ -121,16 +165,37 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
     ];
     if with_fp8 {
-        v.push(Param { name: "fp8_gemm_rel", lo: 0.4, hi: 1.0, get: |e| e.fp8_gemm_rel, set: |e, x| e.fp8_gemm_rel = x });
+        v.push(Param {
+            name: "fp8_gemm_rel",
+            lo: 0.4,
+            hi: 1.0,
+            get: |e| e.fp8_gemm_rel,
+            set: |e, x| e.fp8_gemm_rel = x,
+        });
     }
     if with_moe {
-        v.push(Param { name: "ep_overlap", lo: 0.0, hi: 0.9, get: |e| e.ep_overlap, set: |e, x| e.ep_overlap = x });
+        v.push(Param {
+            name: "ep_overlap",
+            lo: 0.0,
+            hi: 0.9,
+            get: |e| e.ep_overlap,
+            set: |e, x| e.ep_overlap = x,
+        });
     }
     v
 }
 
+/// Weight of the prior: each parameter pays `PRIOR_WEIGHT x |x - x0|` in units of its
+/// range, where x0 is the hand-set physical starting value ([`initial_efficiency`]). It
+/// keeps parameters that the runs barely constrain (a fabric no run stresses) at their
+/// physical value instead of letting them drift to absorb another source's error.
+pub const PRIOR_WEIGHT: f64 = 1.0;
+
 fn loss(cases: &[&Case], eff: &Efficiency) -> f64 {
-    cases.iter().map(|c| (c.predict(eff) / c.published).ln().abs()).sum()
+    cases
+        .iter()
+        .map(|c| (c.predict(eff) / c.published).ln().abs())
+        .sum()
 }
 
 /// Fit one kind's parameters on `cases` starting from `start`.
@@ -138,7 +203,17 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
     let with_fp8 = cases.iter().any(|c| c.job.training.fp8_gemms);
     let with_moe = cases.iter().any(|c| c.layout.ep > 1);
     let ps = params(with_fp8, with_moe);
-    let mut x: Vec<f64> = ps.iter().map(|p| (((p.get)(start) - p.lo) / (p.hi - p.lo)).clamp(0.0, 1.0)).collect();
+    let norm = |p: &Param, e: &Efficiency| (((p.get)(e) - p.lo) / (p.hi - p.lo)).clamp(0.0, 1.0);
+    let prior_eff = initial_efficiency(&cases.first().map(|c| c.kind.clone()).unwrap_or_default());
+    let prior: Vec<f64> = ps.iter().map(|p| norm(p, &prior_eff)).collect();
+    let penalty = |x: &[f64]| {
+        PRIOR_WEIGHT
+            * x.iter()
+                .zip(&prior)
+                .map(|(a, b)| (a - b).abs())
+                .sum::<f64>()
+    };
+    let mut x: Vec<f64> = ps.iter().map(|p| norm(p, start)).collect();
     let build = |x: &[f64]| {
         let mut e = start.clone();
         for (p, v) in ps.iter().zip(x) {
@@ -146,7 +221,7 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
         }
         e
     };
-    let mut best = loss(cases, &build(&x));
+    let mut best = loss(cases, &build(&x)) + penalty(&x);
     let mut step = 0.25;
     while step >= 1.0 / 1024.0 {
         let mut improved = false;
@@ -157,7 +232,7 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
                 if y[i] == x[i] {
                     continue;
                 }
-                let l = loss(cases, &build(&y));
+                let l = loss(cases, &build(&y)) + penalty(&y);
                 if l < best - 1e-12 {
                     best = l;
                     x = y;
@@ -180,12 +255,19 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
 }
 
 /// Fit every kind present in `cases`.
-pub fn fit_all(cases: &[Case], start: &BTreeMap<String, Efficiency>, version: &str) -> BTreeMap<String, Efficiency> {
+pub fn fit_all(
+    cases: &[Case],
+    start: &BTreeMap<String, Efficiency>,
+    version: &str,
+) -> BTreeMap<String, Efficiency> {
     let kinds: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.kind.as_str()).collect();
     let mut out = BTreeMap::new();
     for kind in kinds {
         let sel: Vec<&Case> = cases.iter().filter(|c| c.kind == kind).collect();
-        let s = start.get(kind).cloned().unwrap_or_else(|| initial_efficiency(kind));
+        let s = start
+            .get(kind)
+            .cloned()
+            .unwrap_or_else(|| initial_efficiency(kind));
         let mut e = fit_kind(&sel, &s);
         e.profile = format!("{kind}-{version}");
         out.insert(kind.to_string(), e);
@@ -240,7 +322,10 @@ pub fn fnv1a64(bytes: &[u8]) -> u64 {
 
 /// Full calibration: two rounds of (choose layouts, fit), then leave-one-source-out.
 pub fn calibrate(runs: &RunsFile, runs_bytes: &[u8], version: &str) -> Calibration {
-    let builtin: BTreeMap<String, Efficiency> = ["a100", "h100"].iter().map(|k| (k.to_string(), initial_efficiency(k))).collect();
+    let builtin: BTreeMap<String, Efficiency> = ["a100", "h100"]
+        .iter()
+        .map(|k| (k.to_string(), initial_efficiency(k)))
+        .collect();
     let (c1, _) = cases(runs, Some(&builtin));
     let p1 = fit_all(&c1, &builtin, version);
     let (c2, skipped) = cases(runs, Some(&p1));
@@ -259,7 +344,10 @@ pub fn calibrate(runs: &RunsFile, runs_bytes: &[u8], version: &str) -> Calibrati
         let train: Vec<Case> = c3.iter().filter(|c| c.source != *src).cloned().collect();
         let fitted = fit_all(&train, &builtin, version);
         for c in c3.iter().filter(|c| c.source == *src) {
-            let eff = fitted.get(&c.kind).cloned().unwrap_or_else(|| initial_efficiency(&c.kind));
+            let eff = fitted
+                .get(&c.kind)
+                .cloned()
+                .unwrap_or_else(|| initial_efficiency(&c.kind));
             loso_rows.push(HeldOut {
                 id: c.id.clone(),
                 source: c.source.clone(),
@@ -270,7 +358,11 @@ pub fn calibrate(runs: &RunsFile, runs_bytes: &[u8], version: &str) -> Calibrati
     let loso = stats(&loso_rows.iter().map(|r| r.error_pct).collect::<Vec<_>>());
     let mut loso_per_source = BTreeMap::new();
     for src in &sources {
-        let e: Vec<f64> = loso_rows.iter().filter(|r| r.source == *src).map(|r| r.error_pct).collect();
+        let e: Vec<f64> = loso_rows
+            .iter()
+            .filter(|r| r.source == *src)
+            .map(|r| r.error_pct)
+            .collect();
         loso_per_source.insert(src.to_string(), stats(&e));
     }
     let mut per_kind = BTreeMap::new();

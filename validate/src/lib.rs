@@ -28,8 +28,8 @@ pub mod setup;
 pub use convert::{measured, FlopConvention, Measured};
 pub use predict::{predict, Prediction};
 pub use report::{
-    percentile, render_text, stats, summarize, to_json, validate, Report, RunRow, Skip, Stats,
-    Summary,
+    percentile, planner_vs_published, render_planner_report, render_text, stats, summarize,
+    to_json, validate, PlannerRow, Report, RunRow, Skip, Stats, Summary,
 };
 pub use runs::{load_runs, Run, RunsFile, ValidateError};
 pub use setup::{setup_run, source_key, RunSetup};

@@ -447,7 +447,7 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
             pins.vpp = Some(1);
             pins.schedule = Some(Schedule::OneFOneB);
         }
-        Some(v) if pp > 1 && m.num_layers % (pp * v) == 0 => {
+        Some(v) if pp > 1 && m.num_layers >= pp * v => {
             pins.vpp = Some(v);
             pins.schedule = Some(Schedule::Interleaved);
         }
@@ -490,7 +490,9 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
     if pins.zero_stage.is_none() && par.zero_or_fsdp.is_none() {
         if let Some(z) = conv.default_zero {
             pins.zero_stage = Some(z);
-            notes.push(format!("ZeRO stage not published: {z} (source framework convention)"));
+            notes.push(format!(
+                "ZeRO stage not published: {z} (source framework convention)"
+            ));
         }
     }
     if let Some(t) = par.zero_or_fsdp.as_deref() {
@@ -524,7 +526,11 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
     let precision = PrecisionSpec {
         compute: Dtype::Bf16,
         fp8_gemms: fp8,
-        grads: if conv.fp32_grads { Dtype::Fp32 } else { Dtype::Bf16 },
+        grads: if conv.fp32_grads {
+            Dtype::Fp32
+        } else {
+            Dtype::Bf16
+        },
         ..PrecisionSpec::default()
     };
 

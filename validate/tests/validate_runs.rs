@@ -377,16 +377,85 @@ fn profile_override_applies_per_gpu_kind() {
     }
 }
 
+fn workspace() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Accuracy on the published runs with the committed profile. The targets are
+/// median <= 5% and p90 <= 12% in sample, and leave-one-source-out median <= 8%; the
+/// bounds below are what the model reaches today (p90 and LOSO miss the targets: see the
+/// closing note), so any regression fails CI.
 #[test]
-#[ignore]
-fn calibrate_timing() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/published-runs.json");
-    let bytes = std::fs::read(&path).unwrap();
-    let runs = shardwright_validate::load_runs(std::str::from_utf8(&bytes).unwrap()).unwrap();
-    let t = std::time::Instant::now();
-    let c = shardwright_validate::calibrate::calibrate(&runs, &bytes, "test");
-    println!("{:.1}s", t.elapsed().as_secs_f64());
-    println!("{}", serde_json::to_string_pretty(&c.profile).unwrap());
-    println!("in-sample {:?}\nloso {:?}", c.in_sample, c.loso);
-    for (k, v) in &c.loso_per_source { println!("{k} {v:?}"); }
+fn accuracy_stays_within_bounds() {
+    let runs = load();
+    let report = validate(&runs, None);
+    let s = &report.summary;
+    println!(
+        "in-sample: n={} median {:.2}% p90 {:.2}% max {:.2}%",
+        s.n, s.median_abs_pct, s.p90_abs_pct, s.max_abs_pct
+    );
+    assert_eq!(s.n, 54);
+    assert!(s.median_abs_pct <= 5.0, "median {}", s.median_abs_pct);
+    assert!(s.p90_abs_pct <= 14.5, "p90 {}", s.p90_abs_pct);
+    assert!(
+        s.not_fitting.is_empty(),
+        "runs that trained predicted out of memory: {:?}",
+        s.not_fitting
+    );
+}
+
+/// Calibration is deterministic, reproduces the committed profile byte for byte, and its
+/// leave-one-source-out error stays within today's bound.
+#[test]
+fn calibration_reproduces_committed_profile() {
+    let text = std::fs::read_to_string(runs_path()).unwrap();
+    let runs = load_runs(&text).unwrap();
+    let a = shardwright_validate::calibrate::calibrate(&runs, text.as_bytes(), "calibrated-1");
+    let b = shardwright_validate::calibrate::calibrate(&runs, text.as_bytes(), "calibrated-1");
+    let ja = shardwright_ir::plan::to_json(&a.profile);
+    assert_eq!(ja, shardwright_ir::plan::to_json(&b.profile));
+    let committed =
+        std::fs::read_to_string(workspace().join("cost-model/profiles/calibrated.json")).unwrap();
+    assert!(
+        ja == committed,
+        "cost-model/profiles/calibrated.json is stale: run `shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json --report validate/calibration-report.json`"
+    );
+    println!(
+        "loso: median {:.2}% p90 {:.2}%",
+        a.loso.median_abs_pct, a.loso.p90_abs_pct
+    );
+    assert!(a.in_sample.median_abs_pct <= 5.0);
+    assert!(
+        a.loso.median_abs_pct <= 9.5,
+        "LOSO median {}",
+        a.loso.median_abs_pct
+    );
+    assert_eq!(a.loso.n, 54);
+}
+
+/// The planner, given each run's model, GPU count and global batch with every axis free,
+/// never picks a layout predicted worse than the published one; the committed report lists
+/// where it differs.
+#[test]
+fn planner_never_worse_than_published_layout() {
+    let runs = load();
+    let rows = shardwright_validate::planner_vs_published(&runs, None);
+    assert_eq!(rows.len(), 54);
+    for r in &rows {
+        if r.published_fits {
+            assert!(
+                r.planner_goodput_tokens_per_s >= r.published_goodput_tokens_per_s * (1.0 - 1e-9),
+                "{}: planner {} < published {}",
+                r.id,
+                r.planner_goodput_tokens_per_s,
+                r.published_goodput_tokens_per_s
+            );
+        }
+    }
+    let committed =
+        std::fs::read_to_string(workspace().join("validate/planner-vs-published.md")).unwrap();
+    assert!(
+        committed == shardwright_validate::render_planner_report(&rows),
+        "validate/planner-vs-published.md is stale: regenerate it with `shardwright validate --runs ../shared/data/published-runs.json --planner-report validate/planner-vs-published.md`"
+    );
 }
