@@ -1,24 +1,9 @@
 //! CLI behaviour: exit codes, error messages that name the field, atomic output, explain.
 
+mod common;
+
+use common::{root, run};
 use std::path::PathBuf;
-use std::process::Command;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn run(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardwright"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 fn with_spec(edit: impl Fn(String) -> String) -> (tempfile::TempDir, PathBuf) {
     let text = std::fs::read_to_string(root().join("specs/llama2-70b-128xa100.yaml")).unwrap();

@@ -9,12 +9,9 @@ use shardwright_ir::parse::{parse_spec, Format};
 use shardwright_ir::spec::{Recompute, Schedule, SpecFile};
 use shardwright_ir::{Job, Plan};
 use shardwright_planner::{plan, PlanOptions};
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
+use common::root;
 
 fn spec(name: &str) -> SpecFile {
     let text = std::fs::read_to_string(root().join("specs").join(name)).unwrap();
@@ -31,16 +28,7 @@ fn plan_of(s: &SpecFile) -> Plan {
 }
 
 fn cli(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_shardwright"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    common::run(args)
 }
 
 fn cli_plan(spec_file: &str) -> Plan {

@@ -698,7 +698,7 @@ pub fn evaluate(
     let mfu = mf * tokens_per_s / (world * peak);
     let hfu = hf * tokens_per_s / (world * peak);
 
-    let rel = reliability_estimate(job, layout, step, dense_p, expert_p);
+    let rel = reliability_estimate(job, layout, step);
     // Bound for re-partitioning (v = 1): total work is fixed, the slowest rank is at least
     // the mean, and m*max + (sum - max) grows with max; DP exposure and the optimizer step
     // are at least 0. The 1e-3 slack covers the checkpoint interval's rounding to steps.
@@ -754,13 +754,7 @@ pub fn evaluate(
 }
 
 /// Checkpoint cost, interval and goodput for a layout with the given step time.
-pub fn reliability_estimate(
-    job: &Job,
-    layout: &Layout,
-    step_s: f64,
-    _dense_p: f64,
-    _expert_p: f64,
-) -> ReliabilityEstimate {
+pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64) -> ReliabilityEstimate {
     let r = &job.reliability;
     let tr = &job.training;
     let mtbf_s = r.job_mtbf_hours * 3600.0;
