@@ -228,7 +228,9 @@ impl LayerCosts {
         };
 
         let make = |mlp_gemm: f64, mlp_width_local: f64, ep_time: f64| -> LayerTime {
-            let ew_f = e.elementwise_bytes_per_h / 2.0 * 2.0 * tokens * mlp_width_local;
+            // Activation-function traffic on the MLP width: half the per-element bytes of
+            // the hidden-size ops, 16-bit values (so the same coefficient times tokens x width).
+            let ew_f = e.elementwise_bytes_per_h * tokens * mlp_width_local;
             let ew_total = (ew_h + ew_f) / hbm * (fwd_passes + 2.0);
             LayerTime {
                 gemm: (attn_g.time + mlp_gemm) * gemm_passes,

@@ -361,11 +361,7 @@ pub fn plan(
         {
             break;
         }
-        let (ev, _) = if opts.refine {
-            evaluate_refined_with(job, &c.layout, true, Partitioner::Dp)
-        } else {
-            evaluate_refined_with(job, &c.layout, false, Partitioner::Dp)
-        };
+        let (ev, _) = evaluate_refined_with(job, &c.layout, opts.refine, Partitioner::Dp);
         refined.push((
             Candidate {
                 layout: c.layout,
