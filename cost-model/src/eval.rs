@@ -328,17 +328,18 @@ impl LayerCosts {
             ep: 0.0,
         };
 
-        let dense_act = memory::dense_layer_activation_bytes(m, tokens, t, sp, rc);
+        let fp8 = job.training.fp8_gemms;
+        let dense_act = memory::dense_layer_activation_bytes(m, tokens, t, sp, rc, fp8);
         let moe_act = if m.is_moe() {
-            memory::moe_layer_activation_bytes(m, tokens, t, sp, rc)
+            memory::moe_layer_activation_bytes(m, tokens, t, sp, rc, fp8)
         } else {
             0.0
         };
         let work = if rc == Recompute::Full {
             let full_dense =
-                memory::dense_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective);
+                memory::dense_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective, fp8);
             let full_moe = if m.is_moe() {
-                memory::moe_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective)
+                memory::moe_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective, fp8)
             } else {
                 0.0
             };

@@ -40,36 +40,52 @@ pub fn zero_static_bytes(params: f64, stage: u8, n: f64) -> f64 {
 
 /// Activation bytes saved by one dense layer for one micro-batch, per GPU.
 /// `tokens` = micro_batch x seq_len / cp on this GPU.
+///
+/// `fp8`: the GEMMs run in FP8 (Transformer Engine). A linear layer then saves the FP8 cast
+/// of its input for the weight gradient (1 byte per element instead of 2): the norm outputs
+/// feeding QKV and FC1, the activation output feeding FC2 and the permuted tokens feeding
+/// the experts. The attention output is kept in 16 bits for the attention backward and the
+/// output projection saves its own FP8 copy (one byte more).
 pub fn dense_layer_activation_bytes(
     m: &Model,
     tokens: f64,
     tp: f64,
     sp: bool,
     rc: Recompute,
+    fp8: bool,
 ) -> f64 {
     let h = m.hidden_size as f64;
     let seq_div = if sp { tp } else { 1.0 };
     if rc == Recompute::Full {
         return 2.0 * tokens * h / seq_div;
     }
-    let attn = attention_activation_bytes(m, tokens, tp, rc);
-    let mlp = mlp_activation_bytes(m, tokens, m.ffn_hidden_size as f64, tp);
-    seq_region_bytes(m, tokens) / seq_div + attn + mlp
+    let attn = attention_activation_bytes(m, tokens, tp, rc, fp8);
+    let mlp = mlp_activation_bytes(m, tokens, m.ffn_hidden_size as f64, tp, fp8);
+    seq_region_bytes(m, tokens, fp8) / seq_div + attn + mlp
 }
 
-/// Norm inputs/outputs and dropout masks (the part sequence parallelism shards).
-pub fn seq_region_bytes(m: &Model, tokens: f64) -> f64 {
+/// Norm inputs/outputs and dropout masks (the part sequence parallelism shards): two norm
+/// inputs (16-bit) and two norm outputs (16-bit, or the FP8 GEMM-input copy).
+pub fn seq_region_bytes(m: &Model, tokens: f64, fp8: bool) -> f64 {
     let h = m.hidden_size as f64;
     let dropout = if m.dropout { 2.0 * tokens * h } else { 0.0 };
-    8.0 * tokens * h + dropout
+    let norm_out = if fp8 { 1.0 } else { 2.0 };
+    (4.0 + 2.0 * norm_out) * tokens * h + dropout
 }
 
-pub fn attention_activation_bytes(m: &Model, tokens: f64, tp: f64, rc: Recompute) -> f64 {
+pub fn attention_activation_bytes(
+    m: &Model,
+    tokens: f64,
+    tp: f64,
+    rc: Recompute,
+    fp8: bool,
+) -> f64 {
     let d = m.head_dim as f64;
     let a = m.num_attention_heads as f64;
     let qd = a * d;
     let kvd = m.num_kv_heads as f64 * d;
-    let mut bytes = (4.0 * tokens * qd + 4.0 * tokens * kvd + 4.0 * tokens * a) / tp;
+    let proj_in = if fp8 { tokens * qd } else { 0.0 };
+    let mut bytes = (4.0 * tokens * qd + 4.0 * tokens * kvd + 4.0 * tokens * a + proj_in) / tp;
     if !m.flash_attention && rc == Recompute::None {
         let per_score = if m.dropout { 5.0 } else { 2.0 };
         bytes += per_score * a * m.seq_len as f64 * tokens / tp;
@@ -77,34 +93,46 @@ pub fn attention_activation_bytes(m: &Model, tokens: f64, tp: f64, rc: Recompute
     bytes
 }
 
-pub fn mlp_activation_bytes(m: &Model, tokens: f64, f: f64, tp: f64) -> f64 {
-    let kept = match m.ffn_activation {
-        Activation::Gelu | Activation::Relu => 2.0,
-        Activation::Swiglu => 3.0,
+/// FC1 output (16-bit, for the activation's backward) and the activation output (FC2's
+/// input: 16-bit, or its FP8 copy).
+pub fn mlp_activation_bytes(m: &Model, tokens: f64, f: f64, tp: f64, fp8: bool) -> f64 {
+    let fc1_out = match m.ffn_activation {
+        Activation::Gelu | Activation::Relu => 1.0,
+        Activation::Swiglu => 2.0,
     };
-    kept * 2.0 * tokens * f / tp
+    let act_out = if fp8 { 1.0 } else { 2.0 };
+    (2.0 * fc1_out + act_out) * tokens * f / tp
 }
 
 /// MoE layer: attention as dense; the MLP part keeps the router logits (fp32), the permuted
 /// tokens sent to experts and the combined outputs (`2 x 2 T k h`), each routed expert's
 /// intermediate tensors for its `T k` token copies, and the shared experts.
-pub fn moe_layer_activation_bytes(m: &Model, tokens: f64, tp: f64, sp: bool, rc: Recompute) -> f64 {
+pub fn moe_layer_activation_bytes(
+    m: &Model,
+    tokens: f64,
+    tp: f64,
+    sp: bool,
+    rc: Recompute,
+    fp8: bool,
+) -> f64 {
     let h = m.hidden_size as f64;
     let seq_div = if sp { tp } else { 1.0 };
     if rc == Recompute::Full {
         return 2.0 * tokens * h / seq_div;
     }
     let Some(moe) = &m.moe else {
-        return dense_layer_activation_bytes(m, tokens, tp, sp, rc);
+        return dense_layer_activation_bytes(m, tokens, tp, sp, rc, fp8);
     };
     let k = moe.top_k as f64;
     let router = 4.0 * tokens * moe.num_experts as f64 / seq_div;
-    let permuted = 4.0 * tokens * k * h / seq_div;
-    let experts = mlp_activation_bytes(m, tokens * k, moe.expert_ffn_hidden_size as f64, tp);
+    // Expert FC1 input (16-bit or its FP8 copy) and the expert outputs the weighted
+    // combine keeps (16-bit).
+    let permuted = (if fp8 { 1.0 } else { 2.0 } + 2.0) * tokens * k * h / seq_div;
+    let experts = mlp_activation_bytes(m, tokens * k, moe.expert_ffn_hidden_size as f64, tp, fp8);
     let shared = moe.num_shared_experts as f64
-        * mlp_activation_bytes(m, tokens, moe.shared_expert_ffn_hidden_size as f64, tp);
-    seq_region_bytes(m, tokens) / seq_div
-        + attention_activation_bytes(m, tokens, tp, rc)
+        * mlp_activation_bytes(m, tokens, moe.shared_expert_ffn_hidden_size as f64, tp, fp8);
+    seq_region_bytes(m, tokens, fp8) / seq_div
+        + attention_activation_bytes(m, tokens, tp, rc, fp8)
         + router
         + permuted
         + experts

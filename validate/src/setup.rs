@@ -15,8 +15,9 @@
 //! - **head_dim**: the file's `head_dim`, else `head_dim N` in the model notes, else the
 //!   model family's known value ([`KNOWN_HEAD_DIM`]), else hidden / heads.
 //! - **MoE**: `num_routed_experts -> num_experts`, `expert_ffn_hidden ->
-//!   expert_ffn_hidden_size`; `first_k_dense` only when the file states it (field or notes),
-//!   otherwise 0 with a note when the model lists a dense FFN width.
+//!   expert_ffn_hidden_size`; `first_k_dense` as the file states it (field or notes), else
+//!   the count that makes the shape's total match the stated total parameters, else 0, with
+//!   a note either way when the model lists a dense FFN width.
 //! - **Hardware**: `gpu_type` to the catalog ([`GPU_NAMES`]); `inter_node_bw_per_gpu_Gbps / 8`
 //!   overrides the catalog's inter-node GB/s; TPUs are skipped (ICI torus not modeled).
 //! - **Mesh**: see [`mesh_from_published`]. **Pins**: tp, pp, dp, cp, ep always; micro-batch,
@@ -235,22 +236,71 @@ fn head_dim(m: &RunModel, notes: &mut Vec<String>) -> Option<u32> {
     Some(d)
 }
 
-fn first_k_dense(m: &RunModel, notes: &mut Vec<String>) -> u32 {
-    let stated = m.moe.as_ref().and_then(|x| x.first_k_dense).or_else(|| {
+/// `first_k_dense` as stated (field or notes), `None` when the file does not say.
+fn stated_first_k_dense(m: &RunModel) -> Option<u32> {
+    m.moe.as_ref().and_then(|x| x.first_k_dense).or_else(|| {
         let n = m.notes.as_deref()?;
         number_after(n, "first_k_dense").or_else(|| number_after(n, "first_dense_layers"))
-    });
-    match stated {
-        Some(k) => k,
-        None => {
-            if m.ffn_hidden_size.is_some() {
-                notes.push(
-                    "MoE model lists a dense ffn_hidden_size but the file does not say how many leading layers are dense: first_k_dense = 0 (every layer MoE)"
-                        .into(),
-                );
-            }
-            0
+    })
+}
+
+/// Total parameters of the spec's shape (None when it does not resolve).
+fn shape_params(spec: &SpecFile) -> Option<f64> {
+    let opts = shardwright_cost::resolve::ResolveOptions::default();
+    let r = shardwright_cost::resolve::resolve(spec, &opts).ok()?;
+    Some(shardwright_cost::flops::param_counts(&r.job.model).0)
+}
+
+/// When a MoE model lists a dense FFN width but not how many leading layers are dense, the
+/// stated total parameter count decides it: each dense layer in place of a MoE layer changes
+/// the total by a fixed amount, so the count is linear in k. The k whose total matches the
+/// stated one within 0.5% is used (DeepSeek-V3: 671B gives k = 3); otherwise k = 0. Either
+/// way the row says which.
+fn infer_first_k_dense(spec: &mut SpecFile, notes: &mut Vec<String>) {
+    let model = &spec.job.model;
+    let (Some(stated), Some(moe)) = (model.params, model.moe.as_ref()) else {
+        return;
+    };
+    if model.ffn_hidden_size.is_none() || moe.first_k_dense != 0 {
+        return;
+    }
+    let layers = model.num_layers;
+    let with_k = |spec: &SpecFile, k: u32| {
+        let mut s = spec.clone();
+        if let Some(m) = s.job.model.moe.as_mut() {
+            m.first_k_dense = k;
         }
+        shape_params(&s)
+    };
+    let inferred = (|| {
+        let p0 = with_k(spec, 0)?;
+        let p1 = with_k(spec, 1)?;
+        let slope = p1 - p0;
+        if slope == 0.0 {
+            return None;
+        }
+        let k = ((stated - p0) / slope).round();
+        if !(1.0..layers as f64).contains(&k) {
+            return None;
+        }
+        let k = k as u32;
+        let pk = with_k(spec, k)?;
+        ((pk - stated).abs() <= 0.005 * stated).then_some((k, p0, pk))
+    })();
+    match inferred {
+        Some((k, p0, pk)) => {
+            if let Some(m) = spec.job.model.moe.as_mut() {
+                m.first_k_dense = k;
+            }
+            notes.push(format!(
+                "first_k_dense not stated: {k} leading dense layers make the shape's total {:.4e} match the stated {:.4e} (every layer MoE would give {:.4e})",
+                pk, stated, p0
+            ));
+        }
+        None => notes.push(
+            "MoE model lists a dense ffn_hidden_size but the file does not say how many leading layers are dense, nor does the stated total decide it: first_k_dense = 0 (every layer MoE)"
+                .into(),
+        ),
     }
 }
 
@@ -343,7 +393,7 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
             num_shared_experts: x.num_shared_experts.unwrap_or(0),
             expert_ffn_hidden_size: x.expert_ffn_hidden,
             shared_expert_ffn_hidden_size: None,
-            first_k_dense: first_k_dense(m, &mut notes),
+            first_k_dense: stated_first_k_dense(m).unwrap_or(0),
         }),
         (None, Arch::Moe) => return skip("arch moe without a moe section".into()),
         (None, Arch::Dense) => None,
@@ -534,7 +584,7 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
         ..PrecisionSpec::default()
     };
 
-    let spec = SpecFile {
+    let mut spec = SpecFile {
         job: JobSpec {
             name: Some(run.id.clone()),
             model,
@@ -560,6 +610,9 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
             framework_reserve_bytes: None,
         },
     };
+    if stated_first_k_dense(m).is_none() {
+        infer_first_k_dense(&mut spec, &mut notes);
+    }
     Ok(RunSetup {
         id: run.id.clone(),
         source,

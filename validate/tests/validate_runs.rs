@@ -245,8 +245,12 @@ fn conversions_follow_conventions() {
     assert!(!s.spec.job.precision.fp8_gemms);
 
     let s = setup_run(run(&f, "mbridge_2509_deepseekv3_h100_1024gpu")).unwrap();
-    assert_eq!(s.spec.job.model.moe.as_ref().unwrap().first_k_dense, 0);
-    assert!(s.notes.iter().any(|n| n.contains("first_k_dense")));
+    // Not stated: the stated 671B total decides it (3 leading dense layers).
+    assert_eq!(s.spec.job.model.moe.as_ref().unwrap().first_k_dense, 3);
+    assert!(s
+        .notes
+        .iter()
+        .any(|n| n.contains("first_k_dense not stated: 3")));
 
     let s = setup_run(run(&f, "mcore_h100_weak_1.7B")).unwrap();
     assert_eq!(s.spec.job.model.ffn_hidden_size, Some(4 * 2048));
