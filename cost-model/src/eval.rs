@@ -176,10 +176,13 @@ impl LayerCosts {
         // Attention core. Flash attention: the (causal) forward flops at the flash-attention
         // rate, backward 2.5x the forward work (it recomputes the scores). Unfused attention
         // (before flash attention): QK^T and AV as batched GEMMs with inner dimension
-        // head_dim over the full s x s square (the mask does not skip work), plus the
-        // scores' HBM traffic per element: written (2 B), scale-mask-softmax read and written
-        // (4 B), read by AV (2 B), and with dropout read, written and masked (5 B);
-        // backward twice the forward.
+        // head_dim over the full s x s square (the mask does not skip work; backward twice
+        // the forward GEMM work), plus the scores' HBM traffic per element. Forward: written
+        // by QK^T (2 B), scale-mask-softmax read and written (4 B), read by AV (2 B); with
+        // dropout read, written and its mask written (5 B). Backward: dP written (2 B),
+        // softmax backward reads P and dP and writes dS (6 B), dQ and dK read dS and dV
+        // reads P (6 B); with dropout its backward reads the grad and the mask and writes
+        // (5 B).
         let core_fwd = tokens * flops::attention_fwd_flops_per_token(m) / t;
         let attn_rate = hw.peak_bf16_flops * e.attn_eff;
         let recomputed = rc != Recompute::None;
@@ -189,9 +192,13 @@ impl LayerCosts {
             let heads_local = m.num_attention_heads as f64 / t;
             let full = 4.0 * tokens * s * qd / t;
             let eff = gemm_eff(e, tokens * heads_local, s, m.head_dim as f64);
-            let score_bytes = heads_local * s * tokens * (8.0 + if m.dropout { 5.0 } else { 0.0 });
-            let fwd = full / (hw.peak_bf16_flops * eff) + score_bytes / (hw.hbm_gbps * 1e9);
-            fwd * (1.0 + f64::from(u8::from(recomputed)) + 2.0)
+            let scores = heads_local * s * tokens;
+            let drop = if m.dropout { 5.0 } else { 0.0 };
+            let hbm_bps = hw.hbm_gbps * 1e9;
+            let gemm_fwd = full / (hw.peak_bf16_flops * eff);
+            let fwd = gemm_fwd + scores * (8.0 + drop) / hbm_bps;
+            let bwd = 2.0 * gemm_fwd + scores * (14.0 + drop) / hbm_bps;
+            fwd * (1.0 + f64::from(u8::from(recomputed))) + bwd
         };
         // Elementwise traffic per forward: norms/residual/rotary on h (sharded with SP),
         // activation function on the MLP width.
@@ -668,9 +675,12 @@ pub fn evaluate(
     let dp_total = dp_step + dp_mb * m;
     // Overlap: step-level traffic hides behind the last micro-batch's backward and the first
     // one's forward; ZeRO-3's per-micro-batch traffic behind that micro-batch's compute.
+    // Only the share `dp_overlap` of the part that runs concurrently with compute is hidden
+    // (the collectives take SMs and HBM bandwidth from the GEMMs, and launches synchronize),
+    // so exposed = traffic - dp_overlap * min(traffic, compute).
     let compute_mb = slow.gemm + slow.attn + slow.elementwise;
-    let dp_exposed = (dp_step - e.dp_overlap * compute_mb).max(0.0)
-        + m * (dp_mb - e.dp_overlap * compute_mb).max(0.0);
+    let hidden = |traffic: f64| traffic - e.dp_overlap * traffic.min(compute_mb);
+    let dp_exposed = hidden(dp_step) + m * hidden(dp_mb);
 
     // Optimizer step: master, moments, grads, weights touched once (HBM bound).
     let opt_bytes_per_param = 2.0 * tr.master_dtype.bytes()
