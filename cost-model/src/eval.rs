@@ -675,11 +675,14 @@ pub fn evaluate(
     let dp_total = dp_step + dp_mb * m;
     // Overlap: step-level traffic hides behind the last micro-batch's backward and the first
     // one's forward; ZeRO-3's per-micro-batch traffic behind that micro-batch's compute.
-    // Only the share `dp_overlap` of the part that runs concurrently with compute is hidden
-    // (the collectives take SMs and HBM bandwidth from the GEMMs, and launches synchronize),
-    // so exposed = traffic - dp_overlap * min(traffic, compute).
+    // While the collectives run beside compute they take SMs and HBM bandwidth from it: the
+    // concurrent stretch costs the share (1 - dp_overlap) of its length. Exposed time is the
+    // larger of the traffic that outlasts the compute and that slowdown:
+    // max(traffic - compute, (1 - dp_overlap) * min(traffic, compute)).
     let compute_mb = slow.gemm + slow.attn + slow.elementwise;
-    let hidden = |traffic: f64| traffic - e.dp_overlap * traffic.min(compute_mb);
+    let hidden = |traffic: f64| {
+        (traffic - compute_mb).max((1.0 - e.dp_overlap) * traffic.min(compute_mb))
+    };
     let dp_exposed = hidden(dp_step) + m * hidden(dp_mb);
 
     // Optimizer step: master, moments, grads, weights touched once (HBM bound).
