@@ -191,7 +191,11 @@ impl LayerCosts {
         } else {
             let heads_local = m.num_attention_heads as f64 / t;
             let full = 4.0 * tokens * s * qd / t;
-            let eff = gemm_eff(e, tokens * heads_local, s, m.head_dim as f64);
+            // The batched GEMMs' own memory traffic is the score matrix, counted below, so
+            // their rate carries no short-inner-dimension (k = head_dim) penalty: only the
+            // size term of the GEMM curve.
+            let qk_flops = 2.0 * tokens * heads_local * s * m.head_dim as f64;
+            let eff = e.gemm_max / (1.0 + (e.gemm_flops0 / qk_flops.max(1.0)).powf(e.gemm_exp));
             let scores = heads_local * s * tokens;
             let drop = if m.dropout { 5.0 } else { 0.0 };
             let hbm_bps = hw.hbm_gbps * 1e9;
@@ -680,9 +684,8 @@ pub fn evaluate(
     // larger of the traffic that outlasts the compute and that slowdown:
     // max(traffic - compute, (1 - dp_overlap) * min(traffic, compute)).
     let compute_mb = slow.gemm + slow.attn + slow.elementwise;
-    let hidden = |traffic: f64| {
-        (traffic - compute_mb).max((1.0 - e.dp_overlap) * traffic.min(compute_mb))
-    };
+    let hidden =
+        |traffic: f64| (traffic - compute_mb).max((1.0 - e.dp_overlap) * traffic.min(compute_mb));
     let dp_exposed = hidden(dp_step) + m * hidden(dp_mb);
 
     // Optimizer step: master, moments, grads, weights touched once (HBM bound).
