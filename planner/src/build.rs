@@ -195,7 +195,7 @@ fn formulas() -> BTreeMap<String, String> {
         "grad_accum * t_microbatch(slowest rank) + bubble + pp_p2p + dp_exposed + optimizer",
     );
     put("bubble", "(sum of per-rank micro-batch times - slowest) / vpp; equals (p-1)/(v*m) of the ideal time for balanced stages (Narayanan et al. 2021)");
-    put("collectives", "ring alpha-beta: all-reduce 2(n-1)/n*M/B + 2(n-1)a; all-gather/reduce-scatter (n-1)/n*M/B + (n-1)a; B = bus bandwidth of the fabric the group crosses (NVLink in a node; per-GPU NIC x group ranks per node across nodes)");
+    put("collectives", "ring alpha-beta: all-reduce 2(n-1)/n*M/B + 2(n-1)a; all-gather/reduce-scatter (n-1)/n*M/B + (n-1)a; B = bus bandwidth of the fabric the group crosses (NVLink inside a node; across nodes one NIC per GPU, rail-optimized: a ring leaving the node runs at one NIC rate)");
     put("memory", "weights + grads + fp32 master + optimizer moments under ZeRO over the data-parallel ranks (experts over expert-dp) + activations (Korthikanti et al. 2022, per saved tensor) x in-flight micro-batches + logits + temporaries + framework reserve");
     put("checkpoint_interval", "Daly (2006): sqrt(2*C*M)*(1 + sqrt(C/2M)/3 + C/18M) - C, at least the durable write time; Young: sqrt(2*C*M)");
     put("goodput", "tokens_per_s * (1 - C/T - (T/2 + R + W)/M)");

@@ -385,10 +385,10 @@ fn workspace() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// Accuracy on the published runs with the committed profile. The targets are
-/// median <= 5% and p90 <= 12% in sample, and leave-one-source-out median <= 8%; the
-/// bounds below are what the model reaches today (p90 and LOSO miss the targets: see the
-/// closing note), so any regression fails CI.
+/// Accuracy on the published runs with the committed profile, against the targets:
+/// median |error| <= 5% and p90 <= 12% in sample (leave-one-source-out: see
+/// `calibration_reproduces_committed_profile`), and no run that trained predicted out of
+/// memory.
 #[test]
 fn accuracy_stays_within_bounds() {
     let runs = load();
@@ -400,7 +400,7 @@ fn accuracy_stays_within_bounds() {
     );
     assert_eq!(s.n, 54);
     assert!(s.median_abs_pct <= 5.0, "median {}", s.median_abs_pct);
-    assert!(s.p90_abs_pct <= 14.5, "p90 {}", s.p90_abs_pct);
+    assert!(s.p90_abs_pct <= 12.0, "p90 {}", s.p90_abs_pct);
     assert!(
         s.not_fitting.is_empty(),
         "runs that trained predicted out of memory: {:?}",
@@ -409,7 +409,7 @@ fn accuracy_stays_within_bounds() {
 }
 
 /// Calibration is deterministic, reproduces the committed profile byte for byte, and its
-/// leave-one-source-out error stays within today's bound.
+/// leave-one-source-out median |error| meets the target (<= 8%).
 #[test]
 fn calibration_reproduces_committed_profile() {
     let text = std::fs::read_to_string(runs_path()).unwrap();
@@ -430,7 +430,7 @@ fn calibration_reproduces_committed_profile() {
     );
     assert!(a.in_sample.median_abs_pct <= 5.0);
     assert!(
-        a.loso.median_abs_pct <= 9.5,
+        a.loso.median_abs_pct <= 8.0,
         "LOSO median {}",
         a.loso.median_abs_pct
     );
