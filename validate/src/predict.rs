@@ -24,6 +24,9 @@ use shardwright_planner::{evaluate_refined, plan, PlanError, PlanOptions};
 /// Use shardwright's LP stage partition for the final evaluation (off: even split).
 pub const REFINE_STAGE_SPLIT: bool = false;
 
+/// Share of HBM above which a row says that allocator pressure is not modeled.
+pub const NEAR_FULL_HBM: f64 = 0.95;
+
 /// A resolved job and its prediction.
 #[derive(Clone, Debug)]
 pub struct Prediction {
@@ -201,6 +204,13 @@ pub fn predict(id: &str, job: Job, warnings: Vec<String>) -> Result<Prediction, 
         notes.push("ZeRO-2/3 with pp > 1: the planner would reject this layout".into());
     }
     let (ev, _) = evaluate_refined(&job, &layout, REFINE_STAGE_SPLIT);
+    let mem = &ev.estimate.memory;
+    if mem.hbm_bytes > 0.0 && mem.total_bytes >= NEAR_FULL_HBM * mem.hbm_bytes {
+        notes.push(format!(
+            "predicted memory is {:.0}% of HBM: allocator pressure near the limit (cache flushes, fragmentation) is not modeled",
+            100.0 * mem.total_bytes / mem.hbm_bytes
+        ));
+    }
     Ok(Prediction {
         job,
         layout,

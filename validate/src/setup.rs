@@ -74,6 +74,9 @@ pub struct SourceConvention {
     pub default_zero: Option<u8>,
     /// Megatron and DeepSpeed keep fp32 main gradients (4 bytes per parameter).
     pub fp32_grads: bool,
+    /// What the single per-GPU-kind profile cannot represent about the source's framework,
+    /// said in every row of the source.
+    pub framework_note: Option<&'static str>,
 }
 
 /// The convention table, keyed by source key.
@@ -84,6 +87,7 @@ pub fn source_convention(source: &str) -> Option<SourceConvention> {
         megatron_gpt_default_ffn: false,
         default_zero: None,
         fp32_grads: true,
+        framework_note: None,
     };
     match source {
         // Megatron-LM 2021-22 (no distributed optimizer yet).
@@ -91,8 +95,15 @@ pub fn source_convention(source: &str) -> Option<SourceConvention> {
             default_zero: Some(0),
             ..gpt_2021
         }),
-        // DeepSpeed/Megatron-DeepSpeed, metaseq: before flash attention.
-        "mtnlg" | "bloom" | "opt" => Some(gpt_2021),
+        // DeepSpeed/Megatron-DeepSpeed: before flash attention.
+        "mtnlg" | "bloom" => Some(SourceConvention {
+            framework_note: Some(
+                "DeepSpeed pipeline engine: its framework efficiency is not represented (one profile per GPU kind, fitted mostly on Megatron-LM; MT-NLG's shape and layout ran about 27% slower per micro-batch than Korthikanti et al.'s Megatron run of the same 530B model)",
+            ),
+            ..gpt_2021
+        }),
+        // metaseq: before flash attention.
+        "opt" => Some(gpt_2021),
         // Megatron-Core GPT weak-scaling table (2024, Transformer Engine flash attention).
         "mcore" => Some(SourceConvention {
             gpt_style: true,
@@ -100,6 +111,7 @@ pub fn source_convention(source: &str) -> Option<SourceConvention> {
             megatron_gpt_default_ffn: true,
             default_zero: None,
             fp32_grads: true,
+            framework_note: None,
         }),
         // Modern decoders (Llama, Qwen, DeepSeek, GPT-OSS; PaLM is skipped as TPU).
         "mbridge" | "nemo" | "palm" => Some(SourceConvention {
@@ -108,6 +120,7 @@ pub fn source_convention(source: &str) -> Option<SourceConvention> {
             megatron_gpt_default_ffn: false,
             default_zero: None,
             fp32_grads: true,
+            framework_note: None,
         }),
         _ => None,
     }
@@ -350,6 +363,7 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
     let Some(conv) = source_convention(&source) else {
         return skip(format!("no architecture convention for source `{source}`"));
     };
+    notes.extend(conv.framework_note.map(String::from));
     let arch = match m.arch.to_ascii_lowercase().as_str() {
         "dense" => Arch::Dense,
         "moe" => Arch::Moe,
