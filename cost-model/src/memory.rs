@@ -115,14 +115,12 @@ pub fn moe_layer_activation_bytes(
     rc: Recompute,
     fp8: bool,
 ) -> f64 {
-    let h = m.hidden_size as f64;
-    let seq_div = if sp { tp } else { 1.0 };
-    if rc == Recompute::Full {
-        return 2.0 * tokens * h / seq_div;
-    }
-    let Some(moe) = &m.moe else {
+    // Full recompute keeps only the layer input, as for a dense layer.
+    let Some(moe) = m.moe.as_ref().filter(|_| rc != Recompute::Full) else {
         return dense_layer_activation_bytes(m, tokens, tp, sp, rc, fp8);
     };
+    let h = m.hidden_size as f64;
+    let seq_div = if sp { tp } else { 1.0 };
     let k = moe.top_k as f64;
     let router = 4.0 * tokens * moe.num_experts as f64 / seq_div;
     // Expert FC1 input (16-bit or its FP8 copy) and the expert outputs the weighted

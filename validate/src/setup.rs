@@ -296,9 +296,8 @@ fn infer_first_k_dense(spec: &mut SpecFile, notes: &mut Vec<String>) {
         if !(1.0..layers as f64).contains(&k) {
             return None;
         }
-        let k = k as u32;
-        let pk = with_k(spec, k)?;
-        ((pk - stated).abs() <= 0.005 * stated).then_some((k, p0, pk))
+        let pk = p0 + k * slope;
+        ((pk - stated).abs() <= 0.005 * stated).then_some((k as u32, p0, pk))
     })();
     match inferred {
         Some((k, p0, pk)) => {
