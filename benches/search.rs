@@ -5,7 +5,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use shardwright_cost::{resolve, ResolveOptions, Resolved};
-use shardwright_ir::parse::{parse_spec, Format};
+use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_planner::{plan, PlanOptions};
 use std::time::Instant;
 

@@ -1,8 +1,8 @@
 //! `shardwright explain`: a one-screen summary of a plan, rendered with minijinja.
 
 use minijinja::{context, Environment, Value};
-use shardwright_ir::layout::{recompute_name, schedule_name};
-use shardwright_ir::Plan;
+use shardwright_spec::layout::{recompute_name, schedule_name};
+use shardwright_spec::Plan;
 
 const TEMPLATE: &str = include_str!("templates/explain.txt");
 

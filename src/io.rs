@@ -3,8 +3,8 @@
 use crate::{usage, Failure};
 use anyhow::{anyhow, Context};
 use shardwright_cost::{resolve, ResolveOptions, Resolved};
-use shardwright_ir::job::Efficiency;
-use shardwright_ir::parse::{parse_spec, Format};
+use shardwright_spec::job::Efficiency;
+use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_planner::{plan, PlanError, PlanOptions};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -81,7 +81,7 @@ pub fn plan_with_progress(
     job: &Resolved,
     top: usize,
     show: bool,
-) -> Result<shardwright_ir::Plan, Failure> {
+) -> Result<shardwright_spec::Plan, Failure> {
     let start = Instant::now();
     let mut bar: Option<indicatif::ProgressBar> = None;
     let mut cb = |done: u64, total: u64| {

@@ -154,7 +154,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 eprintln!("warning: {w}");
             }
             let plan = io::plan_with_progress(&job, top, !quiet)?;
-            let text = shardwright_ir::plan::to_json(&plan);
+            let text = shardwright_spec::plan::to_json(&plan);
             io::write_output(output.as_deref(), &text)?;
             if let Some(o) = &output {
                 eprintln!(
@@ -169,17 +169,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
         }
         Cmd::Explain { plan } => {
             let text = io::read_input(&plan)?;
-            let plan: shardwright_ir::Plan = serde_json::from_str(&text).map_err(|e| {
+            let plan: shardwright_spec::Plan = serde_json::from_str(&text).map_err(|e| {
                 usage(anyhow::anyhow!(
                     "{}: not a shardwright plan: {e}",
                     plan.display()
                 ))
             })?;
-            if plan.schema_version != shardwright_ir::plan::SCHEMA_VERSION {
+            if plan.schema_version != shardwright_spec::plan::SCHEMA_VERSION {
                 return Err(usage(anyhow::anyhow!(
                     "plan schema_version {} is not {}",
                     plan.schema_version,
-                    shardwright_ir::plan::SCHEMA_VERSION
+                    shardwright_spec::plan::SCHEMA_VERSION
                 )));
             }
             print!(
@@ -230,10 +230,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let cal = shardwright_validate::calibrate::calibrate(&file, &bytes, &version);
             io::write_output(
                 output.as_deref(),
-                &shardwright_ir::plan::to_json(&cal.profile),
+                &shardwright_spec::plan::to_json(&cal.profile),
             )?;
             if let Some(r) = report {
-                io::write_output(Some(&r), &shardwright_ir::plan::to_json(&cal))?;
+                io::write_output(Some(&r), &shardwright_spec::plan::to_json(&cal))?;
             }
             eprintln!(
                 "in-sample |error|: median {:.1}%, p90 {:.1}%, max {:.1}% over {} runs",
@@ -255,7 +255,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
         Cmd::Schema { output } => {
-            io::write_output(output.as_deref(), &shardwright_ir::plan::plan_schema())?;
+            io::write_output(output.as_deref(), &shardwright_spec::plan::plan_schema())?;
             Ok(())
         }
     }

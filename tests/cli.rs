@@ -87,7 +87,7 @@ fn plan_to_file_then_explain() {
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(stdout.is_empty());
-    let plan: shardwright_ir::Plan =
+    let plan: shardwright_spec::Plan =
         serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(plan.alternatives.len(), 3);
     // no temp file left behind

@@ -3,7 +3,7 @@
 //! Snapshots without a spec are rejected, and so is a stale `schema/plan.schema.json`.
 
 use shardwright_cost::{resolve, ResolveOptions};
-use shardwright_ir::parse::{parse_spec, Format};
+use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_planner::{plan, PlanOptions};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -34,7 +34,7 @@ fn plan_json(name: &str) -> String {
     let spec = parse_spec(&text, Format::from_path(name)).unwrap();
     let r = resolve(&spec, &ResolveOptions::default()).unwrap();
     let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
-    shardwright_ir::plan::to_json(&p)
+    shardwright_spec::plan::to_json(&p)
 }
 
 #[test]
@@ -83,7 +83,7 @@ fn no_unreferenced_snapshots() {
 
 #[test]
 fn published_schema_is_current() {
-    let current = shardwright_ir::plan::plan_schema();
+    let current = shardwright_spec::plan::plan_schema();
     let path = root().join("schema/plan.schema.json");
     let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
     assert!(

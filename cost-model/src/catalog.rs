@@ -4,7 +4,7 @@
 //! (NVIDIA quotes NVLink as a bidirectional aggregate: H100 900 GB/s = 450 each way).
 //! HBM capacity is what the driver exposes (nvidia-smi total), not the marketing figure.
 
-use shardwright_ir::job::{Efficiency, Hardware};
+use shardwright_spec::job::{Efficiency, Hardware};
 
 pub struct CatalogEntry {
     pub names: &'static [&'static str],

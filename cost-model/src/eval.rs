@@ -16,10 +16,10 @@ use crate::collective::{all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter
 use crate::flops;
 use crate::memory;
 use crate::reliability;
-use shardwright_ir::job::{Efficiency, Job};
-use shardwright_ir::layout::Layout;
-use shardwright_ir::plan::{Estimate, MemoryBreakdown, ReliabilityEstimate, StepBreakdown};
-use shardwright_ir::spec::{Recompute, Schedule};
+use shardwright_spec::job::{Efficiency, Job};
+use shardwright_spec::layout::Layout;
+use shardwright_spec::plan::{Estimate, MemoryBreakdown, ReliabilityEstimate, StepBreakdown};
+use shardwright_spec::spec::{Recompute, Schedule};
 
 /// Time pieces of one layer for one micro-batch (forward + backward + recompute), seconds.
 #[derive(Clone, Copy, Debug, Default)]

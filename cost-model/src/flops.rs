@@ -12,8 +12,8 @@
 //!   forward of the layers (`+2 * N_layers + attention forward`), selective adds the
 //!   attention core forward.
 
-use shardwright_ir::job::Model;
-use shardwright_ir::spec::{Norm, Recompute};
+use shardwright_spec::job::Model;
+use shardwright_spec::spec::{Norm, Recompute};
 
 /// Parameters of one attention block.
 pub fn attention_params(m: &Model) -> f64 {

@@ -1,8 +1,8 @@
 //! shardwright-cost: pure cost functions and the hardware catalog.
 //!
 //! Architecture invariant: no I/O, no search, no global state. Every function is a pure
-//! function of the resolved [`shardwright_ir::Job`] and a [`shardwright_ir::Layout`]; the
-//! only tunable numbers live in [`shardwright_ir::job::Efficiency`] (the hardware profile).
+//! function of the resolved [`shardwright_spec::Job`] and a [`shardwright_spec::Layout`]; the
+//! only tunable numbers live in [`shardwright_spec::job::Efficiency`] (the hardware profile).
 
 pub mod catalog;
 pub mod collective;

@@ -15,8 +15,8 @@
 //! `s b h (34 + 5 a s / h)` exactly; selective recompute drops the score terms; full
 //! recompute keeps only the layer input `2 T h` (/tp with sequence parallel).
 
-use shardwright_ir::job::Model;
-use shardwright_ir::spec::{Activation, Recompute};
+use shardwright_spec::job::Model;
+use shardwright_spec::spec::{Activation, Recompute};
 
 /// Bytes of model state per parameter under the seed convention (bf16 weights and grads,
 /// fp32 master and Adam m, v): 2 + 2 + 4 + 4 + 4 = 16.

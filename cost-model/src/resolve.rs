@@ -5,9 +5,9 @@
 
 use crate::catalog;
 use crate::flops;
-use shardwright_ir::job::*;
-use shardwright_ir::parse::{SpecError, SpecErrors};
-use shardwright_ir::spec::*;
+use shardwright_spec::job::*;
+use shardwright_spec::parse::{SpecError, SpecErrors};
+use shardwright_spec::spec::*;
 
 /// Llama 3 (arXiv 2407.21783, Table 5): 419 unexpected interruptions in 54 days on 16,384
 /// H100s => per-GPU MTBF = 54 * 24 * 16384 / 419 hours.

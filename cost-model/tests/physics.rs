@@ -2,10 +2,10 @@
 
 use shardwright_cost::eval::{evaluate, LayerCosts, Split};
 use shardwright_cost::{memory, resolve, ResolveOptions};
-use shardwright_ir::layout::Layout;
-use shardwright_ir::parse::{parse_spec, Format};
-use shardwright_ir::spec::{Recompute, Schedule};
-use shardwright_ir::Job;
+use shardwright_spec::layout::Layout;
+use shardwright_spec::parse::{parse_spec, Format};
+use shardwright_spec::spec::{Recompute, Schedule};
+use shardwright_spec::Job;
 
 fn job(yaml: &str) -> Job {
     let spec = parse_spec(yaml, Format::Yaml).unwrap();

@@ -9,9 +9,9 @@ use crate::partition::{self, Item};
 use crate::search::{rank_cmp, search, Candidate};
 use shardwright_cost::eval::{evaluate, group_link, Evaluation, LayerCosts, RankEval, Split};
 use shardwright_cost::flops;
-use shardwright_ir::job::Job;
-use shardwright_ir::layout::Layout;
-use shardwright_ir::plan::*;
+use shardwright_spec::job::Job;
+use shardwright_spec::layout::Layout;
+use shardwright_spec::plan::*;
 use std::collections::BTreeMap;
 
 #[derive(Clone, Debug)]

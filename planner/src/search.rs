@@ -7,10 +7,10 @@
 //! costs one `evaluate` call with no allocation.
 
 use shardwright_cost::eval::{evaluate, LayerCosts, Split};
-use shardwright_ir::job::Job;
-use shardwright_ir::layout::Layout;
-use shardwright_ir::plan::{Estimate, SearchSummary};
-use shardwright_ir::spec::{Recompute, Schedule};
+use shardwright_spec::job::Job;
+use shardwright_spec::layout::Layout;
+use shardwright_spec::plan::{Estimate, SearchSummary};
+use shardwright_spec::spec::{Recompute, Schedule};
 use std::cmp::Ordering;
 
 /// Largest micro-batch considered (sequences).

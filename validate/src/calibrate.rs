@@ -25,8 +25,8 @@ use crate::setup::setup_run;
 use serde::Serialize;
 use shardwright_cost::catalog::initial_efficiency;
 use shardwright_cost::eval::{evaluate, LayerCosts, Split};
-use shardwright_ir::job::Efficiency;
-use shardwright_ir::{Job, Layout};
+use shardwright_spec::job::Efficiency;
+use shardwright_spec::{Job, Layout};
 use std::collections::BTreeMap;
 
 /// Version of the profile file format.
@@ -249,7 +249,7 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
     // Keep the stored numbers short and stable.
     for p in &ps {
         let v = (p.get)(&e);
-        (p.set)(&mut e, shardwright_ir::plan::round_sig(v, 4));
+        (p.set)(&mut e, shardwright_spec::plan::round_sig(v, 4));
     }
     e
 }

@@ -21,8 +21,8 @@ use crate::report::Skip;
 use crate::runs::Run;
 use serde::Serialize;
 use shardwright_cost::flops;
-use shardwright_ir::job::Model;
-use shardwright_ir::Job;
+use shardwright_spec::job::Model;
+use shardwright_spec::Job;
 
 /// How a source counted FLOPs when it reported TFLOP/s or MFU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

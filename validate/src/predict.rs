@@ -14,11 +14,11 @@
 
 use crate::report::Skip;
 use shardwright_cost::resolve::{resolve, ResolveOptions};
-use shardwright_ir::job::Efficiency;
-use shardwright_ir::layout::{recompute_name, Layout};
-use shardwright_ir::plan::Estimate;
-use shardwright_ir::spec::{Recompute, Schedule, SpecFile};
-use shardwright_ir::Job;
+use shardwright_spec::job::Efficiency;
+use shardwright_spec::layout::{recompute_name, Layout};
+use shardwright_spec::plan::Estimate;
+use shardwright_spec::spec::{Recompute, Schedule, SpecFile};
+use shardwright_spec::Job;
 use shardwright_planner::{evaluate_refined, plan, PlanError, PlanOptions};
 
 /// Use shardwright's LP stage partition for the final evaluation (off: even split).

@@ -14,7 +14,7 @@ use crate::predict::{predict, resolve_spec};
 use crate::runs::RunsFile;
 use crate::setup::setup_run;
 use serde::Serialize;
-use shardwright_ir::job::Efficiency;
+use shardwright_spec::job::Efficiency;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -205,7 +205,7 @@ pub fn validate(runs: &RunsFile, profiles: Option<&BTreeMap<String, Efficiency>>
 
 /// Canonical JSON (floats at 6 significant digits, like plans).
 pub fn to_json(report: &Report) -> String {
-    shardwright_ir::plan::to_json(report)
+    shardwright_spec::plan::to_json(report)
 }
 
 fn stats_line(out: &mut String, name: &str, s: &Stats) {
@@ -338,7 +338,7 @@ pub fn planner_vs_published(
             continue;
         };
         let mut free = setup.spec.clone();
-        free.job.parallelism = shardwright_ir::spec::ParallelismSpec {
+        free.job.parallelism = shardwright_spec::spec::ParallelismSpec {
             allow_tp_across_nodes: false,
             ..Default::default()
         };

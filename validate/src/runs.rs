@@ -6,7 +6,7 @@
 //! error that names its JSON path (`runs[3].model.num_layers`) and the run's id.
 
 use serde::{Deserialize, Serialize};
-use shardwright_ir::parse::{from_value, parse_value, Format};
+use shardwright_spec::parse::{from_value, parse_value, Format};
 
 /// Problems reading the runs file.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]

@@ -27,7 +27,7 @@
 use crate::report::Skip;
 use crate::runs::{Run, RunModel};
 use shardwright_cost::catalog;
-use shardwright_ir::spec::*;
+use shardwright_spec::spec::*;
 
 /// A run turned into a job spec, with notes on every assumption made.
 #[derive(Clone, Debug, PartialEq)]

@@ -263,7 +263,7 @@ fn conversions_follow_conventions() {
     assert_eq!(s.spec.cluster.hardware.inter_node_gbps, Some(25.0));
     assert_eq!(
         s.spec.job.parallelism.recompute,
-        Some(shardwright_ir::spec::Recompute::Full)
+        Some(shardwright_spec::spec::Recompute::Full)
     );
 
     let s = setup_run(run(&f, "bloom_176b_384gpu")).unwrap();
@@ -277,7 +277,7 @@ fn conversions_follow_conventions() {
     assert_eq!(p.sequence_parallel, Some(true));
     assert_eq!(
         p.recompute,
-        Some(shardwright_ir::spec::Recompute::Selective)
+        Some(shardwright_spec::spec::Recompute::Selective)
     );
 }
 
@@ -416,8 +416,8 @@ fn calibration_reproduces_committed_profile() {
     let runs = load_runs(&text).unwrap();
     let a = shardwright_validate::calibrate::calibrate(&runs, text.as_bytes(), "calibrated-1");
     let b = shardwright_validate::calibrate::calibrate(&runs, text.as_bytes(), "calibrated-1");
-    let ja = shardwright_ir::plan::to_json(&a.profile);
-    assert_eq!(ja, shardwright_ir::plan::to_json(&b.profile));
+    let ja = shardwright_spec::plan::to_json(&a.profile);
+    assert_eq!(ja, shardwright_spec::plan::to_json(&b.profile));
     let committed =
         std::fs::read_to_string(workspace().join("cost-model/profiles/calibrated.json")).unwrap();
     assert!(
