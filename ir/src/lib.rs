@@ -1,1 +1,24 @@
 //! shardwright-ir: the per-rank op graph of one training step.
+//!
+//! Architecture invariant: data, its canonical text form and its checks only. The lowering
+//! (plan -> graphs) and the simulator live elsewhere; nothing here knows about the cost
+//! model or the plan. Every quantity is an integer so graphs compare exactly and print the
+//! same bytes every time.
+//!
+//! - [`ids`]: typed u32 ids whose Display is their text name (`n12`, `g3`, `b5`).
+//! - [`graph`]: [`Graph`] (arena of [`Node`]s in program order), [`ProcessGroup`],
+//!   [`Buffer`], [`Op`].
+
+pub mod graph;
+pub mod ids;
+
+pub use graph::{
+    Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op, Pass,
+    ProcessGroup, Stream, Work,
+};
+pub use ids::{BufferId, GroupId, NodeId};
+pub mod program;
+pub use program::{Program, RankClass};
+pub mod matching;
+pub mod text;
+pub mod verify;

@@ -1,0 +1,522 @@
+//! The op graph of one rank for one training step.
+//!
+//! A [`Graph`] is an arena of [`Node`]s addressed by [`NodeId`] (the node's index), plus the
+//! [`ProcessGroup`]s and [`Buffer`]s its nodes reference. Node order is program order: the
+//! lowering emits nodes in the order one rank issues them, each stream runs its nodes in
+//! that order, and `deps` add the cross-stream (and data) edges. Every dependency points to
+//! an earlier node, so the arena order is a topological order (the verifier checks it).
+//!
+//! Everything is an integer: FLOPs, bytes, shapes. No floats, so graphs compare exactly,
+//! print canonically and round-trip through the text form.
+
+use crate::ids::{BufferId, GroupId, NodeId};
+use serde::{Deserialize, Serialize};
+
+/// Element type of a tensor or a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    Bf16,
+    F16,
+    Fp8,
+}
+
+impl DType {
+    pub const ALL: [DType; 4] = [DType::F32, DType::Bf16, DType::F16, DType::Fp8];
+    pub fn bytes(self) -> u64 {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 | DType::F16 => 2,
+            DType::Fp8 => 1,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+            DType::F16 => "f16",
+            DType::Fp8 => "fp8",
+        }
+    }
+}
+
+/// The queue a node runs on. Nodes of one stream run one at a time in program order;
+/// different streams overlap (CUDA streams on a GPU, threads on the CPU backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stream {
+    /// Kernels: GEMMs, attention, elementwise, optimizer, and memory events.
+    Compute,
+    /// Collectives inside a layer (TP, CP, EP) that the next kernel waits for.
+    Comm,
+    /// Pipeline sends and receives.
+    P2p,
+    /// Data-parallel traffic: gradient reduction, ZeRO parameter gathers.
+    Dp,
+    /// Checkpoint snapshots to host memory.
+    Io,
+}
+
+impl Stream {
+    pub const ALL: [Stream; 5] = [
+        Stream::Compute,
+        Stream::Comm,
+        Stream::P2p,
+        Stream::Dp,
+        Stream::Io,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Stream::Compute => "compute",
+            Stream::Comm => "comm",
+            Stream::P2p => "p2p",
+            Stream::Dp => "dp",
+            Stream::Io => "io",
+        }
+    }
+}
+
+/// Which part of the step a node belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pass {
+    Fwd,
+    Bwd,
+    /// Forward work repeated inside the backward (activation recomputation).
+    Recompute,
+    /// Once per step: gradient reduction tail, optimizer, checkpoint, memory set-up.
+    Step,
+}
+
+impl Pass {
+    pub const ALL: [Pass; 4] = [Pass::Fwd, Pass::Bwd, Pass::Recompute, Pass::Step];
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Fwd => "fwd",
+            Pass::Bwd => "bwd",
+            Pass::Recompute => "recompute",
+            Pass::Step => "step",
+        }
+    }
+}
+
+/// The fabric a process group's traffic crosses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fabric {
+    /// All members in one node (NVLink / NVSwitch).
+    Nvlink,
+    /// Members on several nodes (InfiniBand / RoCE, one NIC per GPU).
+    Network,
+}
+
+impl Fabric {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fabric::Nvlink => "nvlink",
+            Fabric::Network => "network",
+        }
+    }
+}
+
+/// A set of ranks that run collectives together, declared once and referenced by id.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessGroup {
+    pub id: GroupId,
+    /// Mesh axis (or axis product) the group spans: "tp", "cp", "ep", "dp", "pp",
+    /// "dense_dp", "expert_dp".
+    pub axis: String,
+    /// Index of this group among the groups of its axis.
+    pub index: u32,
+    /// Member ranks, ascending; a member's position is its rank inside the group.
+    pub ranks: Vec<u32>,
+    pub fabric: Fabric,
+}
+
+impl ProcessGroup {
+    /// Readable name, e.g. `tp.3`.
+    pub fn name(&self) -> String {
+        format!("{}.{}", self.axis, self.index)
+    }
+}
+
+/// What a buffer holds (memory accounting and checkpoint contents).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BufferKind {
+    /// Working-precision weights (the ZeRO-3 shard, or the gathered full layer).
+    Weight,
+    Grad,
+    /// fp32 master copy of the weights.
+    Master,
+    /// Optimizer moments.
+    Optimizer,
+    /// Activations saved for the backward.
+    Activation,
+    /// Logits and their gradient.
+    Logits,
+    /// Communication staging (gradient buckets, gathered parameters, messages).
+    Comm,
+    /// Transient working memory (recompute working set, kernel workspace).
+    Workspace,
+    /// Framework reserve: CUDA context, allocator slack.
+    Reserve,
+}
+
+impl BufferKind {
+    pub const ALL: [BufferKind; 9] = [
+        BufferKind::Weight,
+        BufferKind::Grad,
+        BufferKind::Master,
+        BufferKind::Optimizer,
+        BufferKind::Activation,
+        BufferKind::Logits,
+        BufferKind::Comm,
+        BufferKind::Workspace,
+        BufferKind::Reserve,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            BufferKind::Weight => "weight",
+            BufferKind::Grad => "grad",
+            BufferKind::Master => "master",
+            BufferKind::Optimizer => "optimizer",
+            BufferKind::Activation => "activation",
+            BufferKind::Logits => "logits",
+            BufferKind::Comm => "comm",
+            BufferKind::Workspace => "workspace",
+            BufferKind::Reserve => "reserve",
+        }
+    }
+}
+
+/// A named allocation. Alloc and Free nodes bracket its lifetime; a buffer allocated and
+/// never freed in the step lives across steps (weights, optimizer state).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub id: BufferId,
+    pub name: String,
+    pub kind: BufferKind,
+    pub bytes: u64,
+}
+
+/// Collective operations on a process group. `bytes` is always the size of the full
+/// logical tensor (NCCL's convention for bus bandwidth): the all-gather output, the
+/// reduce-scatter input, the all-reduce buffer, the all-to-all send buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Broadcast,
+}
+
+impl CollectiveKind {
+    pub const ALL: [CollectiveKind; 5] = [
+        CollectiveKind::AllReduce,
+        CollectiveKind::AllGather,
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::AllToAll,
+        CollectiveKind::Broadcast,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllToAll => "all_to_all",
+            CollectiveKind::Broadcast => "broadcast",
+        }
+    }
+}
+
+/// Memory-bound elementwise kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ElementwiseKind {
+    /// MLP activation (GeLU, SwiGLU, ...).
+    Activation,
+    Rope,
+    Residual,
+    Dropout,
+    /// MoE token permutation into / out of expert order.
+    Permute,
+    /// Gradient scaling, clipping, casts.
+    Scale,
+}
+
+impl ElementwiseKind {
+    pub const ALL: [ElementwiseKind; 6] = [
+        ElementwiseKind::Activation,
+        ElementwiseKind::Rope,
+        ElementwiseKind::Residual,
+        ElementwiseKind::Dropout,
+        ElementwiseKind::Permute,
+        ElementwiseKind::Scale,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            ElementwiseKind::Activation => "activation",
+            ElementwiseKind::Rope => "rope",
+            ElementwiseKind::Residual => "residual",
+            ElementwiseKind::Dropout => "dropout",
+            ElementwiseKind::Permute => "permute",
+            ElementwiseKind::Scale => "scale",
+        }
+    }
+}
+
+/// Work of a compute node: floating-point operations and HBM bytes moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Work {
+    pub flops: u64,
+    pub bytes: u64,
+}
+
+/// What a node does.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// `(m x k) @ (k x n)`; `weight` names the parameter it reads (or whose gradient it
+    /// produces), e.g. `L3.qkv`; `name` tells the role: `qkv`, `qkv.dgrad`, `qkv.wgrad`.
+    Gemm {
+        name: String,
+        m: u64,
+        n: u64,
+        k: u64,
+        dtype: DType,
+        weight: Option<String>,
+        work: Work,
+    },
+    /// The attention core (softmax(QK^T)V) of `batch` sequences on the local heads.
+    /// `seq_q` queries attend to `seq_kv` keys; `cp_chunk` is (this rank's chunk, chunks)
+    /// under context parallelism.
+    Attention {
+        causal: bool,
+        heads: u32,
+        kv_heads: u32,
+        seq_q: u64,
+        seq_kv: u64,
+        head_dim: u32,
+        batch: u32,
+        cp_chunk: Option<(u32, u32)>,
+        flash: bool,
+        work: Work,
+    },
+    Norm {
+        tokens: u64,
+        width: u64,
+        work: Work,
+    },
+    Elementwise {
+        kind: ElementwiseKind,
+        elems: u64,
+        work: Work,
+    },
+    Embedding {
+        tokens: u64,
+        hidden: u64,
+        vocab: u64,
+        work: Work,
+    },
+    /// Softmax cross-entropy over the (local share of the) vocabulary.
+    Loss {
+        tokens: u64,
+        vocab: u64,
+        work: Work,
+    },
+    /// AdamW on the local shard of `params` parameters.
+    OptimizerStep {
+        params: u64,
+        work: Work,
+    },
+    Collective {
+        kind: CollectiveKind,
+        group: GroupId,
+        bytes: u64,
+        dtype: DType,
+    },
+    Send {
+        peer: u32,
+        bytes: u64,
+        dtype: DType,
+    },
+    Recv {
+        peer: u32,
+        bytes: u64,
+        dtype: DType,
+    },
+    Alloc {
+        buffer: BufferId,
+    },
+    Free {
+        buffer: BufferId,
+    },
+    /// Snapshot of the rank's training state (`bytes`) when `step % every_steps == 0`.
+    Checkpoint {
+        every_steps: u64,
+        bytes: u64,
+    },
+}
+
+impl Op {
+    /// The compute work, for compute nodes.
+    pub fn work(&self) -> Option<Work> {
+        match self {
+            Op::Gemm { work, .. }
+            | Op::Attention { work, .. }
+            | Op::Norm { work, .. }
+            | Op::Elementwise { work, .. }
+            | Op::Embedding { work, .. }
+            | Op::Loss { work, .. }
+            | Op::OptimizerStep { work, .. } => Some(*work),
+            _ => None,
+        }
+    }
+    /// The op's keyword in the text form.
+    pub fn keyword(&self) -> &'static str {
+        match self {
+            Op::Gemm { .. } => "gemm",
+            Op::Attention { .. } => "attention",
+            Op::Norm { .. } => "norm",
+            Op::Elementwise { .. } => "elementwise",
+            Op::Embedding { .. } => "embedding",
+            Op::Loss { .. } => "loss",
+            Op::OptimizerStep { .. } => "optimizer_step",
+            Op::Collective { .. } => "collective",
+            Op::Send { .. } => "send",
+            Op::Recv { .. } => "recv",
+            Op::Alloc { .. } => "alloc",
+            Op::Free { .. } => "free",
+            Op::Checkpoint { .. } => "checkpoint",
+        }
+    }
+    pub fn is_comm(&self) -> bool {
+        matches!(
+            self,
+            Op::Collective { .. } | Op::Send { .. } | Op::Recv { .. }
+        )
+    }
+}
+
+/// One operation of one rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Node {
+    pub id: NodeId,
+    pub stream: Stream,
+    pub pass: Pass,
+    /// Micro-batch the node works on (None for per-step nodes).
+    pub mb: Option<u32>,
+    /// Global transformer layer index (None for embedding, head, per-step nodes).
+    pub layer: Option<u32>,
+    pub op: Op,
+    /// Nodes that must finish before this one starts (all earlier in program order).
+    pub deps: Vec<NodeId>,
+}
+
+/// The op graph of one rank for one training step.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Graph {
+    pub rank: u32,
+    pub world: u32,
+    /// Groups referenced by the nodes, ascending by id.
+    pub groups: Vec<ProcessGroup>,
+    /// Buffers referenced by the nodes; `buffers[i].id == BufferId(i)`.
+    pub buffers: Vec<Buffer>,
+    /// Program order; `nodes[i].id == NodeId(i)`.
+    pub nodes: Vec<Node>,
+}
+
+impl Graph {
+    pub fn new(rank: u32, world: u32) -> Graph {
+        Graph {
+            rank,
+            world,
+            ..Graph::default()
+        }
+    }
+
+    /// Append a node; returns its id.
+    pub fn push(
+        &mut self,
+        stream: Stream,
+        pass: Pass,
+        mb: Option<u32>,
+        layer: Option<u32>,
+        op: Op,
+        deps: Vec<NodeId>,
+    ) -> NodeId {
+        let id = NodeId(self.nodes.len() as u32);
+        self.nodes.push(Node {
+            id,
+            stream,
+            pass,
+            mb,
+            layer,
+            op,
+            deps,
+        });
+        id
+    }
+
+    /// Declare a buffer; returns its id.
+    pub fn buffer(&mut self, name: impl Into<String>, kind: BufferKind, bytes: u64) -> BufferId {
+        let id = BufferId(self.buffers.len() as u32);
+        self.buffers.push(Buffer {
+            id,
+            name: name.into(),
+            kind,
+            bytes,
+        });
+        id
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.0 as usize]
+    }
+
+    pub fn group(&self, id: GroupId) -> Option<&ProcessGroup> {
+        self.groups
+            .binary_search_by_key(&id, |g| g.id)
+            .ok()
+            .map(|i| &self.groups[i])
+    }
+
+    /// Sum of compute FLOPs (u128: a whole step of a large model overflows u64 on one
+    /// rank only in extreme cases, a sum over ranks easily).
+    pub fn flops(&self) -> u128 {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.op.work())
+            .map(|w| w.flops as u128)
+            .sum()
+    }
+
+    /// Peak bytes of live buffers over program order, and the node at which it is reached.
+    /// Buffers are live from their Alloc to their Free (or to the end of the step).
+    pub fn peak_memory(&self) -> (u64, Option<NodeId>) {
+        let mut live: u64 = 0;
+        let mut peak = 0;
+        let mut at = None;
+        for n in &self.nodes {
+            match n.op {
+                Op::Alloc { buffer } => {
+                    live += self.buffers.get(buffer.0 as usize).map_or(0, |b| b.bytes);
+                    if live > peak {
+                        peak = live;
+                        at = Some(n.id);
+                    }
+                }
+                Op::Free { buffer } => {
+                    live =
+                        live.saturating_sub(self.buffers.get(buffer.0 as usize).map_or(0, |b| b.bytes));
+                }
+                _ => {}
+            }
+        }
+        (peak, at)
+    }
+}

@@ -1,0 +1,1 @@
+//! Canonical text form of a graph (print and parse).

@@ -1,0 +1,1 @@
+//! Verifier of one graph (handles, order, memory events).

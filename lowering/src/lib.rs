@@ -1,0 +1,1 @@
+//! shardwright-lowering: plan -> per-rank op graphs.

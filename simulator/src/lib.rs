@@ -1,0 +1,1 @@
+//! shardwright-simulator: discrete-event simulation of a lowered step.
