@@ -1,1 +1,12 @@
-//! shardwright-lowering: plan -> per-rank op graphs.
+//! shardwright-lowering: plan -> per-rank op graphs, one per rank class.
+//!
+//! Architecture invariant: the lowering decides *what* each rank runs (ops, shapes,
+//! collectives, memory events, order); it never decides how long anything takes. Byte
+//! counts of state and activations come from the cost model (the single source of those
+//! numbers), so the verifier's memory comparison checks the schedule, not a second formula.
+
+pub mod lower;
+pub mod mesh;
+pub mod schedule;
+
+pub use lower::{lower, LowerError, Lowered};

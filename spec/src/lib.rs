@@ -7,6 +7,7 @@
 
 pub mod job;
 pub mod layout;
+pub mod mesh;
 pub mod parse;
 pub mod plan;
 pub mod spec;

@@ -1,0 +1,919 @@
+//! Plan -> per-rank op graphs.
+//!
+//! One graph per rank class. Ranks of one (pipeline stage, context-parallel index) pair run
+//! the same ops on the same shapes; they differ only in which groups they talk to and which
+//! pipeline neighbours they exchange with, which [`Program::graph_of`] relabels. So a
+//! 16,384-GPU plan with pp 16 and cp 4 lowers 64 graphs.
+//!
+//! What one rank runs in a step, in program order:
+//! 1. step set-up: allocation of the persistent state (working weights, gradients, fp32
+//!    master, optimizer moments: the cost model's per-stage bytes), gradient buckets, the
+//!    ZeRO-3 prefetch buffers and the framework reserve;
+//! 2. the pipeline schedule of the plan ([`crate::schedule`]); a forward slot receives its
+//!    input from the previous virtual stage, runs the chunk's layers and sends the output
+//!    on; a backward slot mirrors it. Per layer (Megatron-LM layout):
+//!    - attention block: norm, [SP all-gather], QKV GEMM (column-parallel), rotary,
+//!      [CP all-gather of K and V], attention core, output GEMM (row-parallel), TP
+//!      all-reduce (SP: reduce-scatter), residual;
+//!    - MLP block: norm, [SP all-gather], FC1, activation, FC2, all-reduce / reduce-scatter,
+//!      residual; or for MoE layers: router GEMM, permutation, EP dispatch all-to-all, the
+//!      local experts as grouped GEMMs, EP combine all-to-all, un-permutation, shared experts;
+//!    - backward: the same ops in reverse, each GEMM as a data-gradient and a
+//!      weight-gradient GEMM, each collective mirrored (all-gather <-> reduce-scatter,
+//!      all-reduce after the column-parallel data gradients); the attention core backward
+//!      does twice the forward FLOPs;
+//!    - recompute: full recomputation replays the layer's forward (pass `recompute`) before
+//!      its backward; selective replays the attention core;
+//!    - ZeRO-3: an all-gather of the layer's weights on the `dp` stream before each use and a
+//!      reduce-scatter of its gradients after each backward;
+//! 3. data-parallel gradient reduction per layer after the layer's last backward (bucketed,
+//!    on the `dp` stream, overlapping the rest of the backward): all-reduce (ZeRO-0) or
+//!    reduce-scatter (ZeRO-1/2) over the dense data-parallel group, expert gradients over
+//!    the expert data-parallel group;
+//! 4. optimizer step on the local shard, the ZeRO-1/2 parameter all-gather, and the
+//!    checkpoint snapshot (every `interval_steps` steps, per the plan).
+//!
+//! Every quantity is an integer; FLOPs count 2 m n k per GEMM and the causal attention core
+//! as in the plan's MFU formula, so the FLOPs of all ranks sum to the step's model FLOPs
+//! plus recomputation (checked by [`crate::check`]).
+
+use crate::mesh::declare_groups;
+use crate::schedule::{slots, Phase};
+use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
+use shardwright_ir::{
+    BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op,
+    Pass, Program, RankClass, Stream, Work,
+};
+use shardwright_spec::job::Job;
+use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
+use shardwright_spec::spec::{Recompute, Schedule};
+use shardwright_spec::{Layout, Plan};
+use std::collections::BTreeMap;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LowerError {
+    #[error("plan: {0}")]
+    Plan(String),
+    #[error("rank {0} is not in the plan's world of {1} ranks")]
+    Rank(u32, u32),
+}
+
+/// A lowered plan: the program and the cost model's view of it.
+pub struct Lowered {
+    pub program: Program,
+    pub mesh: Mesh,
+    pub job: Job,
+    pub layout: Layout,
+    pub lc: LayerCosts,
+    /// The cost model's evaluation with per-stage detail (the reference the verifier and the
+    /// simulator compare against).
+    pub eval: Evaluation,
+    /// For each class: (pipeline stage, context-parallel index).
+    pub class_coords: Vec<(u32, u32)>,
+    /// For each pipeline stage: its chunks as (first layer, layer count), local chunk order.
+    pub chunks: Vec<Vec<(u32, u32)>>,
+}
+
+/// The layer split over pipeline ranks that the plan's stage table states.
+fn stage_chunks(plan: &Plan, job: &Job) -> Result<Vec<Vec<(u32, u32)>>, LowerError> {
+    let l = &plan.layout;
+    let (p, v) = (l.pp, l.vpp.max(1));
+    let layers = job.model.num_layers;
+    if plan.stages.len() != p as usize {
+        return Err(LowerError::Plan(format!(
+            "stages: {} entries for pp={p}",
+            plan.stages.len()
+        )));
+    }
+    if v > 1 {
+        return Ok((0..p)
+            .map(|j| (0..v).map(|c| chunk_layers(layers, p * v, c * p + j)).collect())
+            .collect());
+    }
+    let mut out = Vec::new();
+    let mut first = 0;
+    for s in &plan.stages {
+        out.push(vec![(first, s.num_layers)]);
+        first += s.num_layers;
+    }
+    if first != layers {
+        return Err(LowerError::Plan(format!(
+            "stages: layer counts sum to {first}, the model has {layers}"
+        )));
+    }
+    Ok(out)
+}
+
+/// Lower every rank class of a plan.
+pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
+    let job = plan.inputs.clone();
+    let layout = plan.layout;
+    let world = layout.world();
+    if world > u32::MAX as u64 / 2 || world == 0 {
+        return Err(LowerError::Plan(format!("layout world {world} out of range")));
+    }
+    let chunks = stage_chunks(plan, &job)?;
+    let lc = LayerCosts::new(
+        &job,
+        layout.tp,
+        layout.cp,
+        layout.ep,
+        layout.micro_batch,
+        layout.sequence_parallel,
+        layout.recompute,
+    );
+    let counts: Vec<u32> = chunks
+        .iter()
+        .map(|c| c.iter().map(|x| x.1).sum())
+        .collect();
+    let split = if layout.vpp > 1 {
+        Split::Balanced
+    } else {
+        Split::Explicit(&counts)
+    };
+    let eval = evaluate(&job, &lc, &layout, split, true);
+    let mesh = Mesh::new(&layout, job.cluster.gpus_per_node);
+    let (groups, membership) = declare_groups(&mesh);
+    let mut program = Program {
+        world: world as u32,
+        groups,
+        membership,
+        classes: Vec::new(),
+        class_of: vec![0; world as usize],
+    };
+    let mut class_coords = Vec::new();
+    let ctx = Ctx {
+        job: &job,
+        layout: &layout,
+        lc: &lc,
+        eval: &eval,
+        mesh: &mesh,
+        chunks: &chunks,
+        interval_steps: plan.estimate.reliability.interval_steps,
+    };
+    for pp in 0..layout.pp {
+        for cp in 0..layout.cp {
+            let rep = mesh.rank(Coord {
+                tp: 0,
+                cp,
+                ep: 0,
+                dp: 0,
+                pp,
+            });
+            let graph = ctx.lower_rank(&program, rep);
+            let idx = program.classes.len() as u32;
+            let mut ranks = Vec::new();
+            for r in 0..world as u32 {
+                let c = mesh.coord(r);
+                if c.pp == pp && c.cp == cp {
+                    ranks.push(r);
+                    program.class_of[r as usize] = idx;
+                }
+            }
+            program.classes.push(RankClass { ranks, graph });
+            class_coords.push((pp, cp));
+        }
+    }
+    Ok(Lowered {
+        program,
+        mesh,
+        job,
+        layout,
+        lc,
+        eval,
+        class_coords,
+        chunks,
+    })
+}
+
+struct Ctx<'a> {
+    job: &'a Job,
+    layout: &'a Layout,
+    lc: &'a LayerCosts,
+    eval: &'a Evaluation,
+    mesh: &'a Mesh,
+    chunks: &'a [Vec<(u32, u32)>],
+    interval_steps: u64,
+}
+
+/// Model dimensions local to one rank.
+struct Dims {
+    /// Tokens per micro-batch on this rank (b s / cp).
+    t: u64,
+    /// Tokens in the sequence-parallel region (t / tp with SP).
+    ts: u64,
+    h: u64,
+    d: u64,
+    heads: u64,
+    kv_heads: u64,
+    /// MLP matrices (2 GeLU/ReLU, 3 SwiGLU).
+    mats: u64,
+    f: u64,
+    vocab: u64,
+    seq: u64,
+    w: DType,
+    sp: bool,
+}
+
+fn div_ceil(a: u64, b: u64) -> u64 {
+    a.div_ceil(b.max(1))
+}
+
+fn dtype(bytes: f64) -> DType {
+    match bytes as u64 {
+        4 => DType::F32,
+        1 => DType::Fp8,
+        _ => DType::Bf16,
+    }
+}
+
+/// Round a byte count up to a multiple of `n` elements of `dt` (collective padding).
+fn pad(bytes: u64, n: u64, dt: DType) -> u64 {
+    let unit = n.max(1) * dt.bytes();
+    bytes.div_ceil(unit) * unit
+}
+
+struct Builder<'a> {
+    g: Graph,
+    program: &'a Program,
+    rank: u32,
+    /// Last compute node (for cross-stream deps).
+    last: Option<NodeId>,
+    /// Comm nodes the next compute node must wait for.
+    pending: Vec<NodeId>,
+}
+
+impl Builder<'_> {
+    fn group(&mut self, kind: GroupKind) -> Option<GroupId> {
+        let id = self.program.group_for(self.rank, kind.name())?;
+        if self.g.group(id).is_none() {
+            let pg = self.program.group(id).clone();
+            let pos = self.g.groups.partition_point(|x| x.id < id);
+            self.g.groups.insert(pos, pg);
+        }
+        Some(id)
+    }
+
+    fn compute(&mut self, pass: Pass, mb: Option<u32>, layer: Option<u32>, op: Op) -> NodeId {
+        let deps = std::mem::take(&mut self.pending);
+        let id = self.g.push(Stream::Compute, pass, mb, layer, op, deps);
+        self.last = Some(id);
+        id
+    }
+
+    /// A collective that the following compute waits for (or, on the dp stream, that
+    /// waits for the preceding compute only).
+    #[allow(clippy::too_many_arguments)]
+    fn collective(
+        &mut self,
+        stream: Stream,
+        pass: Pass,
+        mb: Option<u32>,
+        layer: Option<u32>,
+        kind: CollectiveKind,
+        axis: GroupKind,
+        bytes: u64,
+        dt: DType,
+        blocking: bool,
+    ) -> Option<NodeId> {
+        let group = self.group(axis)?;
+        let n = self.program.group(group).ranks.len() as u64;
+        let bytes = match kind {
+            CollectiveKind::AllGather | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
+                pad(bytes, n, dt)
+            }
+            _ => pad(bytes, 1, dt),
+        };
+        let deps = self.last.into_iter().collect();
+        let id = self.g.push(
+            stream,
+            pass,
+            mb,
+            layer,
+            Op::Collective {
+                kind,
+                group,
+                bytes,
+                dtype: dt,
+            },
+            deps,
+        );
+        if blocking {
+            self.pending.push(id);
+        }
+        Some(id)
+    }
+
+    fn mem(&mut self, alloc: bool, buffer: BufferId, pass: Pass, mb: Option<u32>, layer: Option<u32>) {
+        let op = if alloc {
+            Op::Alloc { buffer }
+        } else {
+            Op::Free { buffer }
+        };
+        let id = self.g.push(Stream::Compute, pass, mb, layer, op, Vec::new());
+        let _ = id;
+    }
+}
+
+fn gemm(name: &str, m: u64, n: u64, k: u64, dt: DType, weight: Option<String>) -> Op {
+    let b = dt.bytes();
+    Op::Gemm {
+        name: name.to_string(),
+        m,
+        n,
+        k,
+        dtype: dt,
+        weight,
+        work: Work {
+            flops: 2 * m * n * k,
+            bytes: b * (m * k + k * n + m * n),
+        },
+    }
+}
+
+fn ew(kind: ElementwiseKind, elems: u64, bytes_per_elem: u64) -> Op {
+    Op::Elementwise {
+        kind,
+        elems,
+        work: Work {
+            flops: 0,
+            bytes: elems * bytes_per_elem,
+        },
+    }
+}
+
+fn norm(tokens: u64, width: u64) -> Op {
+    // read x, write y (16-bit), read the weight
+    Op::Norm {
+        tokens,
+        width,
+        work: Work {
+            flops: 0,
+            bytes: 4 * tokens * width + 2 * width,
+        },
+    }
+}
+
+/// One GEMM of a layer: forward shape (m x k) @ (k x n).
+#[derive(Clone)]
+struct G {
+    name: &'static str,
+    m: u64,
+    n: u64,
+    k: u64,
+    /// Expert GEMMs are grouped over the local experts.
+    experts: bool,
+}
+
+impl<'a> Ctx<'a> {
+    fn dims(&self) -> Dims {
+        let m = &self.job.model;
+        let l = self.layout;
+        let t = l.tp as u64;
+        let tokens = l.micro_batch as u64 * m.seq_len / l.cp as u64;
+        let sp = l.sequence_parallel && l.tp > 1;
+        Dims {
+            t: tokens,
+            ts: if sp { div_ceil(tokens, t) } else { tokens },
+            h: m.hidden_size,
+            d: m.head_dim,
+            heads: div_ceil(m.num_attention_heads as u64, t),
+            kv_heads: div_ceil(m.num_kv_heads as u64, t),
+            mats: m.ffn_activation.mlp_matrices() as u64,
+            f: div_ceil(m.ffn_hidden_size, t),
+            vocab: div_ceil(m.vocab_size, t),
+            seq: m.seq_len,
+            w: dtype(self.job.training.compute_dtype.bytes()),
+            sp,
+        }
+    }
+
+    fn is_moe_layer(&self, layer: u32) -> bool {
+        self.job.model.is_moe() && layer >= self.job.model.dense_layers()
+    }
+
+    /// GEMMs of the MLP part of `layer` in forward order.
+    fn mlp_gemms(&self, layer: u32, d: &Dims) -> Vec<G> {
+        let t = self.layout.tp as u64;
+        let g = |name, m, n, k, experts| G {
+            name,
+            m,
+            n,
+            k,
+            experts,
+        };
+        if !self.is_moe_layer(layer) {
+            return vec![
+                g("fc1", d.t, (d.mats - 1) * d.f, d.h, false),
+                g("fc2", d.t, d.h, d.f, false),
+            ];
+        }
+        let moe = self.job.model.moe.as_ref().expect("moe layer");
+        let k = moe.top_k as u64;
+        let fe = div_ceil(moe.expert_ffn_hidden_size, t);
+        let mut out = vec![
+            g("router", d.t, moe.num_experts as u64, d.h, false),
+            g("experts.fc1", d.t * k, (d.mats - 1) * fe, d.h, true),
+            g("experts.fc2", d.t * k, d.h, fe, true),
+        ];
+        if moe.num_shared_experts > 0 {
+            let fs = div_ceil(
+                moe.shared_expert_ffn_hidden_size * moe.num_shared_experts as u64,
+                t,
+            );
+            out.push(g("shared.fc1", d.t, (d.mats - 1) * fs, d.h, false));
+            out.push(g("shared.fc2", d.t, d.h, fs, false));
+        }
+        out
+    }
+
+    fn attention_op(&self, d: &Dims, cp_idx: u32, backward: bool) -> Op {
+        let m = &self.job.model;
+        let b = self.layout.micro_batch as u64;
+        let c = self.layout.cp;
+        // Score work: 2 s_kv d per query per head for QK^T and as much for AV; causal
+        // attention does half (the plan's MFU convention).
+        let full = 4 * d.t * d.seq * d.heads * d.d;
+        let fwd = if m.causal { full / 2 } else { full };
+        let flops = if backward { 2 * fwd } else { fwd };
+        let el = d.w.bytes();
+        // Q, K, V, O (and for the backward their gradients) once through HBM.
+        let qkvo = el * d.t * d.d * (2 * d.heads + 2 * d.kv_heads);
+        Op::Attention {
+            causal: m.causal,
+            heads: d.heads as u32,
+            kv_heads: d.kv_heads as u32,
+            seq_q: d.seq / c as u64,
+            seq_kv: d.seq,
+            head_dim: d.d as u32,
+            batch: b as u32,
+            cp_chunk: (c > 1).then_some((cp_idx, c)),
+            flash: m.flash_attention,
+            work: Work {
+                flops,
+                bytes: if backward { 2 * qkvo } else { qkvo },
+            },
+        }
+    }
+
+    /// Emit the forward (or recompute) of one layer.
+    fn layer_fwd(&self, b: &mut Builder, layer: u32, mb: u32, pass: Pass, cp_idx: u32) {
+        let d = self.dims();
+        let (mbo, lo) = (Some(mb), Some(layer));
+        let tp = self.layout.tp > 1;
+        let wname = |n: &str| Some(format!("L{layer}.{n}"));
+        let tp_in = |b: &mut Builder| {
+            if d.sp {
+                b.collective(Stream::Comm, pass, mbo, lo, CollectiveKind::AllGather, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+            }
+        };
+        let tp_out = |b: &mut Builder| {
+            if tp {
+                let kind = if d.sp {
+                    CollectiveKind::ReduceScatter
+                } else {
+                    CollectiveKind::AllReduce
+                };
+                b.collective(Stream::Comm, pass, mbo, lo, kind, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+            }
+        };
+        // attention block
+        b.compute(pass, mbo, lo, norm(d.ts, d.h));
+        tp_in(b);
+        b.compute(pass, mbo, lo, gemm("qkv", d.t, (d.heads + 2 * d.kv_heads) * d.d, d.h, d.w, wname("qkv")));
+        b.compute(pass, mbo, lo, ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4));
+        if self.layout.cp > 1 {
+            let kv = 2 * d.t * self.layout.cp as u64 * d.kv_heads * d.d * d.w.bytes();
+            b.collective(Stream::Comm, pass, mbo, lo, CollectiveKind::AllGather, GroupKind::Cp, kv, d.w, true);
+        }
+        b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, false));
+        b.compute(pass, mbo, lo, gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")));
+        tp_out(b);
+        b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
+        if self.job.model.dropout {
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
+        }
+        // MLP block
+        b.compute(pass, mbo, lo, norm(d.ts, d.h));
+        tp_in(b);
+        let gs = self.mlp_gemms(layer, &d);
+        if self.is_moe_layer(layer) {
+            let moe = self.job.model.moe.as_ref().expect("moe");
+            let k = moe.top_k as u64;
+            let routed = d.ts * k * d.h;
+            let g0 = &gs[0];
+            b.compute(pass, mbo, lo, gemm(g0.name, g0.m, g0.n, g0.k, d.w, wname(g0.name)));
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+            self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+            b.compute(pass, mbo, lo, gemm(gs[1].name, gs[1].m, gs[1].n, gs[1].k, d.w, wname(gs[1].name)));
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 6));
+            b.compute(pass, mbo, lo, gemm(gs[2].name, gs[2].m, gs[2].n, gs[2].k, d.w, wname(gs[2].name)));
+            self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+            if gs.len() > 3 {
+                b.compute(pass, mbo, lo, gemm(gs[3].name, gs[3].m, gs[3].n, gs[3].k, d.w, wname(gs[3].name)));
+                b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[3].m * gs[3].n, 6));
+                b.compute(pass, mbo, lo, gemm(gs[4].name, gs[4].m, gs[4].n, gs[4].k, d.w, wname(gs[4].name)));
+            }
+        } else {
+            b.compute(pass, mbo, lo, gemm(gs[0].name, gs[0].m, gs[0].n, gs[0].k, d.w, wname(gs[0].name)));
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6));
+            b.compute(pass, mbo, lo, gemm(gs[1].name, gs[1].m, gs[1].n, gs[1].k, d.w, wname(gs[1].name)));
+        }
+        tp_out(b);
+        b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
+        if self.job.model.dropout {
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
+        }
+    }
+
+    fn ep_a2a(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>, bytes: u64) {
+        if self.layout.ep > 1 {
+            let w = self.dims().w;
+            b.collective(Stream::Comm, pass, mb, layer, CollectiveKind::AllToAll, GroupKind::Ep, bytes, w, true);
+        }
+    }
+
+    /// Backward of one GEMM: data gradient then weight gradient.
+    fn gemm_bwd(&self, b: &mut Builder, layer: Option<u32>, mb: u32, g: &G, weight: Option<String>) {
+        let w = self.dims().w;
+        let dg = format!("{}.dgrad", g.name);
+        let wg = format!("{}.wgrad", g.name);
+        b.compute(Pass::Bwd, Some(mb), layer, gemm(&dg, g.m, g.k, g.n, w, weight.clone()));
+        b.compute(Pass::Bwd, Some(mb), layer, gemm(&wg, g.k, g.n, g.m, w, weight));
+    }
+
+    fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
+        let d = self.dims();
+        let (mbo, lo) = (Some(mb), Some(layer));
+        let pass = Pass::Bwd;
+        let tp = self.layout.tp > 1;
+        let wname = |n: &str| Some(format!("L{layer}.{n}"));
+        // Mirror of the forward's row-parallel output: SP all-gathers the gradient.
+        let grad_in = |b: &mut Builder| {
+            if d.sp {
+                b.collective(Stream::Comm, pass, mbo, lo, CollectiveKind::AllGather, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+            }
+        };
+        // Mirror of the column-parallel input: all-reduce (SP: reduce-scatter) of the input
+        // gradient.
+        let grad_out = |b: &mut Builder| {
+            if tp {
+                let kind = if d.sp {
+                    CollectiveKind::ReduceScatter
+                } else {
+                    CollectiveKind::AllReduce
+                };
+                b.collective(Stream::Comm, pass, mbo, lo, kind, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+            }
+        };
+        // MLP block
+        if self.job.model.dropout {
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
+        }
+        grad_in(b);
+        let gs = self.mlp_gemms(layer, &d);
+        if self.is_moe_layer(layer) {
+            let moe = self.job.model.moe.as_ref().expect("moe");
+            let routed = d.ts * moe.top_k as u64 * d.h;
+            if gs.len() > 3 {
+                self.gemm_bwd(b, lo, mb, &gs[4], wname(gs[4].name));
+                b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[3].m * gs[3].n, 8));
+                self.gemm_bwd(b, lo, mb, &gs[3], wname(gs[3].name));
+            }
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+            self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+            self.gemm_bwd(b, lo, mb, &gs[2], wname(gs[2].name));
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 8));
+            self.gemm_bwd(b, lo, mb, &gs[1], wname(gs[1].name));
+            self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+            self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
+        } else {
+            self.gemm_bwd(b, lo, mb, &gs[1], wname(gs[1].name));
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 8));
+            self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
+        }
+        grad_out(b);
+        b.compute(pass, mbo, lo, norm(d.ts, d.h));
+        // attention block
+        if self.job.model.dropout {
+            b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
+        }
+        grad_in(b);
+        let proj = G {
+            name: "proj",
+            m: d.t,
+            n: d.h,
+            k: d.heads * d.d,
+            experts: false,
+        };
+        self.gemm_bwd(b, lo, mb, &proj, wname("proj"));
+        if self.layout.recompute == Recompute::Selective {
+            b.compute(Pass::Recompute, mbo, lo, self.attention_op(&d, cp_idx, false));
+        }
+        b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, true));
+        if self.layout.cp > 1 {
+            let kv = 2 * d.t * self.layout.cp as u64 * d.kv_heads * d.d * d.w.bytes();
+            b.collective(Stream::Comm, pass, mbo, lo, CollectiveKind::ReduceScatter, GroupKind::Cp, kv, d.w, true);
+        }
+        b.compute(pass, mbo, lo, ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4));
+        let qkv = G {
+            name: "qkv",
+            m: d.t,
+            n: (d.heads + 2 * d.kv_heads) * d.d,
+            k: d.h,
+            experts: false,
+        };
+        self.gemm_bwd(b, lo, mb, &qkv, wname("qkv"));
+        grad_out(b);
+        b.compute(pass, mbo, lo, norm(d.ts, d.h));
+    }
+
+    /// Parameters of one layer on this rank: (dense, expert), from the cost model.
+    fn layer_params(&self, layer: u32) -> (f64, f64) {
+        if self.is_moe_layer(layer) {
+            (self.lc.moe_layer_dense_params, self.lc.moe_layer_expert_params)
+        } else {
+            (self.lc.dense_layer_params, 0.0)
+        }
+    }
+
+    /// Data-parallel gradient reduction of `params` (dense, expert) after their last
+    /// backward (per micro-batch under ZeRO-3).
+    fn grad_reduce(&self, b: &mut Builder, mb: Option<u32>, layer: Option<u32>, params: (f64, f64), out: &mut Vec<NodeId>) {
+        let g = dtype(self.job.training.grad_dtype.bytes());
+        let kind = if self.layout.zero_stage == 0 {
+            CollectiveKind::AllReduce
+        } else {
+            CollectiveKind::ReduceScatter
+        };
+        let pass = if mb.is_some() { Pass::Bwd } else { Pass::Step };
+        for (p, axis) in [(params.0, GroupKind::DenseDp), (params.1, GroupKind::ExpertDp)] {
+            if p <= 0.0 {
+                continue;
+            }
+            let bytes = p.round() as u64 * g.bytes();
+            if let Some(id) = b.collective(Stream::Dp, pass, mb, layer, kind, axis, bytes, g, false) {
+                out.push(id);
+            }
+        }
+    }
+
+    /// ZeRO-3 parameter all-gather before a use of `layer` (prefetched on the dp stream).
+    fn zero3_gather(&self, b: &mut Builder, pass: Pass, mb: u32, layer: Option<u32>, params: (f64, f64)) {
+        let w = self.dims().w;
+        for (p, axis) in [(params.0, GroupKind::DenseDp), (params.1, GroupKind::ExpertDp)] {
+            if p <= 0.0 {
+                continue;
+            }
+            let bytes = p.round() as u64 * w.bytes();
+            // The gather does not wait for compute: the dp stream runs ahead (prefetch).
+            let saved = b.last.take();
+            if let Some(id) = b.collective(Stream::Dp, pass, Some(mb), layer, CollectiveKind::AllGather, axis, bytes, w, false) {
+                b.pending.push(id);
+            }
+            b.last = saved;
+        }
+    }
+
+    fn lower_rank(&self, program: &Program, rank: u32) -> Graph {
+        let coord = self.mesh.coord(rank);
+        let (j, cp_idx) = (coord.pp, coord.cp);
+        let l = self.layout;
+        let (p, v) = (l.pp, l.vpp.max(1));
+        let m = l.grad_accum as u32;
+        let d = self.dims();
+        let mut b = Builder {
+            g: Graph::new(rank, program.world),
+            program,
+            rank,
+            last: None,
+            pending: Vec::new(),
+        };
+        let re = &self.eval.ranks[j as usize];
+        let mem = &re.memory;
+        let z3 = l.zero_stage >= 3;
+        let round = |x: f64| x.max(0.0).round() as u64;
+
+        // ---- persistent state and step buffers ----
+        let mut persistent = Vec::new();
+        for (name, kind, bytes) in [
+            ("weights", BufferKind::Weight, mem.weights_bytes),
+            ("grads", BufferKind::Grad, mem.grads_bytes),
+            ("master", BufferKind::Master, mem.master_bytes),
+            ("optimizer", BufferKind::Optimizer, mem.optimizer_bytes),
+            ("reserve", BufferKind::Reserve, mem.reserve_bytes),
+        ] {
+            if bytes > 0.0 {
+                persistent.push(b.g.buffer(name, kind, round(bytes)));
+            }
+        }
+        for id in persistent {
+            b.mem(true, id, Pass::Step, None, None);
+        }
+        // Temporaries the cost model counts: gradient buckets (and the ZeRO-3 prefetch of two
+        // layers' full weights), allocated for the step.
+        let (dense_p, expert_p) = {
+            let mut dp = 0.0;
+            let mut ep = 0.0;
+            for &(first, count) in &self.chunks[j as usize] {
+                for layer in first..first + count {
+                    let (a, e) = self.layer_params(layer);
+                    dp += a;
+                    ep += e;
+                }
+            }
+            if j == 0 {
+                dp += self.lc.embed_params;
+            }
+            if j == p - 1 {
+                dp += self.lc.head_params;
+            }
+            (dp, ep)
+        };
+        let g_bytes = self.job.training.grad_dtype.bytes();
+        let bucket = 2.0 * (dense_p + expert_p).min(40e6) * g_bytes;
+        let mut step_temps = vec![b.g.buffer("grad_buckets", BufferKind::Comm, round(bucket))];
+        if z3 {
+            let layer_full = self
+                .lc
+                .dense_layer_params
+                .max(self.lc.moe_layer_dense_params + self.lc.moe_layer_expert_params);
+            step_temps.push(b.g.buffer(
+                "zero3_prefetch",
+                BufferKind::Comm,
+                round(2.0 * layer_full * d.w.bytes() as f64),
+            ));
+        }
+        for &id in &step_temps {
+            b.mem(true, id, Pass::Step, None, None);
+        }
+
+        // ---- pipeline schedule ----
+        let stride = self.mesh.shape(GroupKind::Pp).dims[0].0 as i64;
+        let last_vs = p * v - 1;
+        let p2p_bytes = round(self.lc.p2p_bytes);
+        let chunks = &self.chunks[j as usize];
+        let sl = slots(l.schedule, p, if l.schedule == Schedule::Interleaved { v } else { 1 }, m, j);
+        let last_bwd: BTreeMap<u32, usize> = sl
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.phase == Phase::Bwd)
+            .map(|(i, s)| (s.chunk, i))
+            .collect();
+        let mut acts: BTreeMap<(u32, u32), BufferId> = BTreeMap::new();
+        let mut ends: BTreeMap<u32, BufferId> = BTreeMap::new();
+        let mut dp_nodes = Vec::new();
+        let act_bytes = |layer: u32| {
+            if self.is_moe_layer(layer) {
+                self.lc.moe_act_bytes
+            } else {
+                self.lc.dense_act_bytes
+            }
+        };
+        for (si, s) in sl.iter().enumerate() {
+            let vs = s.chunk * p + j;
+            let (first, count) = chunks[s.chunk as usize];
+            let has_embed = vs == 0;
+            let has_head = vs == last_vs;
+            let mbo = Some(s.mb);
+            let peer_prev = if j > 0 { rank as i64 - stride } else { rank as i64 + (p as i64 - 1) * stride } as u32;
+            let peer_next = if j + 1 < p { rank as i64 + stride } else { rank as i64 - (p as i64 - 1) * stride } as u32;
+            match s.phase {
+                Phase::Fwd => {
+                    if vs > 0 {
+                        let id = b.g.push(Stream::P2p, Pass::Fwd, mbo, None, Op::Recv { peer: peer_prev, bytes: p2p_bytes, dtype: d.w }, Vec::new());
+                        b.pending.push(id);
+                    }
+                    if has_embed {
+                        let buf = b.g.buffer(format!("embed.act.mb{}", s.mb), BufferKind::Activation, round(2.0 * self.lc.tokens * d.h as f64));
+                        ends.insert(s.mb, buf);
+                        b.mem(true, buf, Pass::Fwd, mbo, None);
+                        b.compute(Pass::Fwd, mbo, None, Op::Embedding { tokens: d.t, hidden: d.h, vocab: d.vocab, work: Work { flops: 0, bytes: 4 * d.t * d.h } });
+                        if l.tp > 1 {
+                            let kind = if d.sp { CollectiveKind::ReduceScatter } else { CollectiveKind::AllReduce };
+                            b.collective(Stream::Comm, Pass::Fwd, mbo, None, kind, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                        }
+                    }
+                    for layer in first..first + count {
+                        if z3 {
+                            self.zero3_gather(&mut b, Pass::Fwd, s.mb, Some(layer), self.layer_params(layer));
+                        }
+                        let buf = b.g.buffer(format!("L{layer}.act.mb{}", s.mb), BufferKind::Activation, round(act_bytes(layer)));
+                        acts.insert((layer, s.mb), buf);
+                        b.mem(true, buf, Pass::Fwd, mbo, Some(layer));
+                        self.layer_fwd(&mut b, layer, s.mb, Pass::Fwd, cp_idx);
+                    }
+                    if has_head {
+                        let buf = b.g.buffer(format!("logits.mb{}", s.mb), BufferKind::Logits, round(self.lc.logits_bytes));
+                        ends.insert(u32::MAX - s.mb, buf);
+                        b.mem(true, buf, Pass::Fwd, mbo, None);
+                        b.compute(Pass::Fwd, mbo, None, norm(d.ts, d.h));
+                        if d.sp {
+                            b.collective(Stream::Comm, Pass::Fwd, mbo, None, CollectiveKind::AllGather, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                        }
+                        let head_w = if self.job.model.tied_embeddings { "embedding" } else { "lm_head" };
+                        b.compute(Pass::Fwd, mbo, None, gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())));
+                        b.compute(Pass::Fwd, mbo, None, Op::Loss { tokens: d.t, vocab: d.vocab, work: Work { flops: 0, bytes: 8 * d.t * d.vocab } });
+                    } else {
+                        let deps = b.last.into_iter().collect();
+                        b.g.push(Stream::P2p, Pass::Fwd, mbo, None, Op::Send { peer: peer_next, bytes: p2p_bytes, dtype: d.w }, deps);
+                    }
+                }
+                Phase::Bwd => {
+                    if has_head {
+                        b.compute(Pass::Bwd, mbo, None, Op::Loss { tokens: d.t, vocab: d.vocab, work: Work { flops: 0, bytes: 8 * d.t * d.vocab } });
+                        let head_w = if self.job.model.tied_embeddings { "embedding" } else { "lm_head" };
+                        let g = G { name: "lm_head", m: d.t, n: d.vocab, k: d.h, experts: false };
+                        self.gemm_bwd(&mut b, None, s.mb, &g, Some(head_w.into()));
+                        if d.sp {
+                            b.collective(Stream::Comm, Pass::Bwd, mbo, None, CollectiveKind::ReduceScatter, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                        }
+                        b.compute(Pass::Bwd, mbo, None, norm(d.ts, d.h));
+                        if let Some(buf) = ends.remove(&(u32::MAX - s.mb)) {
+                            b.mem(false, buf, Pass::Bwd, mbo, None);
+                        }
+                    } else {
+                        let id = b.g.push(Stream::P2p, Pass::Bwd, mbo, None, Op::Recv { peer: peer_next, bytes: p2p_bytes, dtype: d.w }, Vec::new());
+                        b.pending.push(id);
+                    }
+                    let last_of_chunk = last_bwd.get(&s.chunk) == Some(&si);
+                    for layer in (first..first + count).rev() {
+                        if z3 {
+                            self.zero3_gather(&mut b, Pass::Bwd, s.mb, Some(layer), self.layer_params(layer));
+                        }
+                        let work = if l.recompute == Recompute::Full && self.lc.recompute_work_bytes > 0.0 {
+                            let w = b.g.buffer(format!("L{layer}.recompute.mb{}", s.mb), BufferKind::Workspace, round(self.lc.recompute_work_bytes));
+                            b.mem(true, w, Pass::Recompute, mbo, Some(layer));
+                            self.layer_fwd(&mut b, layer, s.mb, Pass::Recompute, cp_idx);
+                            Some(w)
+                        } else {
+                            None
+                        };
+                        self.layer_bwd(&mut b, layer, s.mb, cp_idx);
+                        if let Some(w) = work {
+                            b.mem(false, w, Pass::Bwd, mbo, Some(layer));
+                        }
+                        if let Some(buf) = acts.remove(&(layer, s.mb)) {
+                            b.mem(false, buf, Pass::Bwd, mbo, Some(layer));
+                        }
+                        if z3 {
+                            self.grad_reduce(&mut b, mbo, Some(layer), self.layer_params(layer), &mut dp_nodes);
+                        } else if last_of_chunk {
+                            self.grad_reduce(&mut b, None, Some(layer), self.layer_params(layer), &mut dp_nodes);
+                        }
+                    }
+                    if has_embed {
+                        b.compute(Pass::Bwd, mbo, None, Op::Embedding { tokens: d.t, hidden: d.h, vocab: d.vocab, work: Work { flops: 0, bytes: 4 * d.t * d.h } });
+                        if let Some(buf) = ends.remove(&s.mb) {
+                            b.mem(false, buf, Pass::Bwd, mbo, None);
+                        }
+                    } else {
+                        let deps = b.last.into_iter().collect();
+                        b.g.push(Stream::P2p, Pass::Bwd, mbo, None, Op::Send { peer: peer_prev, bytes: p2p_bytes, dtype: d.w }, deps);
+                    }
+                    if last_of_chunk || z3 {
+                        let mut ends_p = (0.0, 0.0);
+                        if has_embed {
+                            ends_p.0 += self.lc.embed_params;
+                        }
+                        if has_head {
+                            ends_p.0 += self.lc.head_params;
+                        }
+                        if ends_p.0 > 0.0 && (last_of_chunk || z3) {
+                            let mb = if z3 { mbo } else { None };
+                            self.grad_reduce(&mut b, mb, None, ends_p, &mut dp_nodes);
+                        }
+                    }
+                }
+            }
+        }
+
+        // ---- optimizer step, parameter all-gather, checkpoint ----
+        b.pending.extend(dp_nodes.iter().copied());
+        let opt_params = {
+            let shard = |n: u32| if l.zero_stage >= 1 { n.max(1) as f64 } else { 1.0 };
+            dense_p / shard(self.mesh.size(GroupKind::DenseDp)) + expert_p / shard(self.mesh.size(GroupKind::ExpertDp))
+        };
+        let tr = &self.job.training;
+        let per_param = 2.0 * tr.master_dtype.bytes()
+            + 2.0 * tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes()
+            + tr.grad_dtype.bytes()
+            + tr.compute_dtype.bytes();
+        let opt = b.compute(Pass::Step, None, None, Op::OptimizerStep { params: round(opt_params), work: Work { flops: 0, bytes: round(opt_params * per_param) } });
+        if l.zero_stage == 1 || l.zero_stage == 2 {
+            for (p_, axis) in [(dense_p, GroupKind::DenseDp), (expert_p, GroupKind::ExpertDp)] {
+                if p_ > 0.0 {
+                    b.collective(Stream::Dp, Pass::Step, None, None, CollectiveKind::AllGather, axis, round(p_) * d.w.bytes(), d.w, false);
+                }
+            }
+        }
+        let ck = round(self.eval.estimate.reliability.checkpoint_bytes_per_gpu);
+        b.g.push(Stream::Io, Pass::Step, None, None, Op::Checkpoint { every_steps: self.interval_steps.max(1), bytes: ck }, vec![opt]);
+        for &id in step_temps.iter().rev() {
+            b.mem(false, id, Pass::Step, None, None);
+        }
+        b.g
+    }
+}

@@ -1,0 +1,171 @@
+//! Pipeline schedules: the order in which one pipeline rank runs forward and backward
+//! passes of its model chunks over the micro-batches of a step.
+//!
+//! - GPipe: every forward, then every backward (in reverse micro-batch order).
+//! - 1F1B (PipeDream-Flush, Narayanan et al. 2021 sec. 2.2.1): rank `j` of `p` runs
+//!   `min(p - j - 1, m)` warm-up forwards, then alternates one forward and one backward,
+//!   then drains the remaining backwards.
+//! - Interleaved 1F1B (sec. 2.2.2, Megatron-LM's `forward_backward_pipelining_with_interleaving`):
+//!   each rank holds `v` chunks; virtual micro-batch `k` runs chunk `(k / p) % v` of
+//!   micro-batch `(k / (p v)) p + k % p` (groups of `p` micro-batches walk through the
+//!   chunks; a last, smaller group of `r = m mod p` micro-batches walks in steps of `r`);
+//!   backwards visit the chunks in reverse. Warm-up is `(p - j - 1) * 2 + (v - 1) * p`
+//!   virtual forwards, capped at `m v`.
+
+use shardwright_spec::spec::Schedule;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    Fwd,
+    Bwd,
+}
+
+/// One slot of a rank's schedule: a forward or backward pass of `chunk` on micro-batch `mb`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub phase: Phase,
+    pub mb: u32,
+    /// Local chunk index on this rank (0..v); the global virtual stage is `chunk * p + rank`.
+    pub chunk: u32,
+}
+
+/// (micro-batch, chunk) of the `k`-th virtual micro-batch of an interleaved schedule.
+fn virtual_mb(k: u32, p: u32, v: u32, m: u32, forward: bool) -> (u32, u32) {
+    let full = p * v;
+    let group = k / full;
+    let start = group * p;
+    let size = p.min(m - start);
+    let within = k - group * full;
+    let chunk = within / size;
+    let mb = start + within % size;
+    let chunk = if forward { chunk } else { v - 1 - chunk };
+    (mb, chunk)
+}
+
+/// The slots of pipeline rank `j` of `p`, with `v` chunks per rank and `m` micro-batches.
+pub fn slots(schedule: Schedule, p: u32, v: u32, m: u32, j: u32) -> Vec<Slot> {
+    let fwd = |mb, chunk| Slot {
+        phase: Phase::Fwd,
+        mb,
+        chunk,
+    };
+    let bwd = |mb, chunk| Slot {
+        phase: Phase::Bwd,
+        mb,
+        chunk,
+    };
+    let mut out = Vec::with_capacity(2 * (m * v) as usize);
+    match schedule {
+        Schedule::Gpipe => {
+            for c in 0..v {
+                for mb in 0..m {
+                    out.push(fwd(mb, c));
+                }
+            }
+            for c in (0..v).rev() {
+                for mb in (0..m).rev() {
+                    out.push(bwd(mb, c));
+                }
+            }
+        }
+        Schedule::OneFOneB | Schedule::Interleaved => {
+            let v = if schedule == Schedule::OneFOneB { 1 } else { v };
+            let total = m * v;
+            let warm = if v == 1 {
+                (p - j - 1).min(m)
+            } else {
+                ((p - j - 1) * 2 + (v - 1) * p).min(total)
+            };
+            let (mut f, mut b) = (0u32, 0u32);
+            for _ in 0..warm {
+                let (mb, c) = virtual_mb(f, p, v, m, true);
+                out.push(fwd(mb, c));
+                f += 1;
+            }
+            while f < total {
+                let (mb, c) = virtual_mb(f, p, v, m, true);
+                out.push(fwd(mb, c));
+                f += 1;
+                let (mb, c) = virtual_mb(b, p, v, m, false);
+                out.push(bwd(mb, c));
+                b += 1;
+            }
+            while b < total {
+                let (mb, c) = virtual_mb(b, p, v, m, false);
+                out.push(bwd(mb, c));
+                b += 1;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compact(s: &[Slot]) -> String {
+        s.iter()
+            .map(|x| {
+                format!(
+                    "{}{}{}",
+                    if x.phase == Phase::Fwd { "F" } else { "B" },
+                    x.mb,
+                    if x.chunk > 0 {
+                        format!(".{}", x.chunk)
+                    } else {
+                        String::new()
+                    }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn one_f_one_b_matches_narayanan_figure_4() {
+        // Figure 4 (top) of Narayanan et al. 2021: 4 stages, 8 micro-batches; device 1
+        // (j = 0) runs 3 warm-up forwards.
+        let s = slots(Schedule::OneFOneB, 4, 1, 8, 0);
+        assert_eq!(
+            compact(&s),
+            "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+        );
+        let last = slots(Schedule::OneFOneB, 4, 1, 8, 3);
+        assert_eq!(
+            compact(&last),
+            "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+        );
+    }
+
+    #[test]
+    fn interleaved_matches_megatron_order() {
+        // 2 stages, 2 chunks, 4 micro-batches, rank 0: warm-up (2-0-1)*2 + (2-1)*2 = 4
+        // virtual forwards: mb 0,1 of chunk 0 then mb 0,1 of chunk 1 (Figure 4, bottom).
+        let s = slots(Schedule::Interleaved, 2, 2, 4, 0);
+        assert_eq!(
+            compact(&s),
+            "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
+        );
+    }
+
+    #[test]
+    fn every_pass_runs_once() {
+        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
+            for (p, v, m) in [(1, 1, 3), (4, 1, 8), (4, 2, 8), (3, 3, 7), (4, 2, 5), (2, 4, 1)] {
+                let v = if sched == Schedule::Interleaved { v } else { 1 };
+                for j in 0..p {
+                    let s = slots(sched, p, v, m, j);
+                    assert_eq!(s.len() as u32, 2 * m * v);
+                    for mb in 0..m {
+                        for c in 0..v {
+                            let f = s.iter().position(|x| *x == Slot { phase: Phase::Fwd, mb, chunk: c });
+                            let b = s.iter().position(|x| *x == Slot { phase: Phase::Bwd, mb, chunk: c });
+                            assert!(f.unwrap() < b.unwrap(), "{sched:?} p{p} v{v} m{m} j{j}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
