@@ -1,7 +1,7 @@
 //! Canonical text form of a graph (print and parse).
 //!
 //! One line per declaration or node, in the order of the [`Graph`]'s vectors, so golden
-//! files diff line by line. [`print`] is total and [`parse`] inverts it exactly:
+//! files diff line by line. [`print()`] is total and [`parse`] inverts it exactly:
 //! `parse(&print(g)) == Ok(g)` for **every** graph, valid or not. The parser is purely
 //! syntactic (it does not renumber, sort or check references), so invalid graphs can be
 //! written by hand for verifier tests; semantic checks live in [`crate::verify`].
@@ -124,7 +124,7 @@ pub fn print(g: &Graph) -> String {
     out
 }
 
-/// One node as its line of [`print`] (without the newline); used by verifier messages.
+/// One node as its line of [`print()`] (without the newline); used by verifier messages.
 /// `_g` is the graph the node belongs to (the line does not depend on it today).
 pub fn print_node(_g: &Graph, n: &Node) -> String {
     let mut out = String::new();
@@ -355,7 +355,8 @@ fn decode_name(s: &str) -> Result<(String, &str), String> {
                             .strip_prefix('{')
                             .and_then(|r| r.find('}').map(|e| &r[..e]))
                             .ok_or("`\\u{HEX}` escape")?;
-                        let ch = (!close.is_empty() && close.len() <= 6)
+                        let hex = close.bytes().all(|b| b.is_ascii_hexdigit());
+                        let ch = (hex && !close.is_empty() && close.len() <= 6)
                             .then(|| u32::from_str_radix(close, 16).ok())
                             .flatten()
                             .and_then(char::from_u32)

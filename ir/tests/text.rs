@@ -326,3 +326,21 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn bad_escapes_are_errors() {
+    for bad in [
+        r#""\u{+41}""#,
+        r#""\u{}""#,
+        r#""\u{110000}""#,
+        r#""\u{d800}""#,
+        r#""\x""#,
+        r#""\u41""#,
+    ] {
+        let t = format!("graph rank=0 world=1\nbuffer b0 comm {bad} bytes=1");
+        let e = parse(&t).unwrap_err();
+        assert_eq!((e.line, e.column), (2, 16), "{bad}: {e}");
+    }
+    let t = "graph rank=0 world=1\nbuffer b0 comm \"\\u{41}\\u{1F600}\" bytes=1";
+    assert_eq!(parse(t).unwrap().buffers[0].name, "A\u{1F600}");
+}
