@@ -11,11 +11,15 @@
 //! ```text
 //! file      := line*                      (lines separated by '\n'; a trailing '\r' is ignored)
 //! line      := blank | comment | graph | group | buffer | node
+//!                                         (print writes: header comment, graph, groups,
+//!                                          buffers, nodes; parse accepts the last three
+//!                                          interleaved, appending each to its vector)
 //! comment   := ';' any*                   ("; shardwright-ir V" with V != 1 is rejected)
 //! graph     := 'graph' 'rank=' U32 'world=' U32          (exactly once, before all else)
-//! group     := 'group' GROUPID NAME '.' U32 FABRIC 'ranks=' [U32 (',' U32)*]
+//! group     := 'group' GROUPID NAME'.'U32 FABRIC 'ranks='[U32 (',' U32)*]
+//!                                         (bare axis: all before the last '.'; may be empty ranks)
 //! buffer    := 'buffer' BUFFERID BUFKIND NAME 'bytes=' U64
-//! node      := NODEID '=' op '@' STREAM PASS ['mb=' U32] ['layer=' U32] ['<-' deps]
+//! node      := NODEID '=' op '@'STREAM PASS ['mb='U32] ['layer='U32] ['<-' deps]
 //! deps      := NODEID (',' NODEID)*       (printed as "n1, n2": comma then space)
 //! op        := 'gemm' NAME 'm=' U64 'n=' U64 'k=' U64 DTYPE ['weight=' NAME] work
 //!            | 'attention' ['causal'] 'heads=' U32 'kv_heads=' U32 'seq_q=' U64
@@ -35,7 +39,8 @@
 //! QUOTED    := '"' (char | '\\' | '\"' | '\n' | '\r' | '\t' | '\u{' HEX+ '}')* '"'
 //! ```
 //!
-//! Tokens are separated by spaces; fields come in exactly the order above (the form is
+//! Tokens are separated by spaces (`key=value` and `@stream` are single tokens, with no
+//! space inside); fields come in exactly the order above (the form is
 //! canonical, there is one way to write each graph). Ids are written in their Display
 //! form (`n12`, `g3`, `b5`), enums by their `name()` (`bf16`, `all_reduce`, `@comm`,
 //! `recompute`, ...), integers in decimal without sign.
