@@ -1,1 +1,808 @@
 //! Canonical text form of a graph (print and parse).
+//!
+//! One line per declaration or node, in the order of the [`Graph`]'s vectors, so golden
+//! files diff line by line. [`print()`] is total and [`parse`] inverts it exactly:
+//! `parse(&print(g)) == Ok(g)` for **every** graph, valid or not. The parser is purely
+//! syntactic (it does not renumber, sort or check references), so invalid graphs can be
+//! written by hand for verifier tests; semantic checks live in [`crate::verify`].
+//!
+//! # Grammar
+//!
+//! ```text
+//! file      := line*                      (lines separated by '\n'; a trailing '\r' is ignored)
+//! line      := blank | comment | graph | group | buffer | node
+//!                                         (print writes: header comment, graph, groups,
+//!                                          buffers, nodes; parse accepts the last three
+//!                                          interleaved, appending each to its vector)
+//! comment   := ';' any*                   ("; shardwright-ir V" with V != 1 is rejected)
+//! graph     := 'graph' 'rank=' U32 'world=' U32          (exactly once, before all else)
+//! group     := 'group' GROUPID NAME'.'U32 FABRIC 'ranks='[U32 (',' U32)*]
+//!                                         (bare axis: all before the last '.'; may be empty ranks)
+//! buffer    := 'buffer' BUFFERID BUFKIND NAME 'bytes=' U64
+//! node      := NODEID '=' op '@'STREAM PASS ['mb='U32] ['layer='U32] ['<-' deps]
+//! deps      := NODEID (',' NODEID)*       (printed as "n1, n2": comma then space)
+//! op        := 'gemm' NAME 'm=' U64 'n=' U64 'k=' U64 DTYPE ['weight=' NAME] work
+//!            | 'attention' ['causal'] 'heads=' U32 'kv_heads=' U32 'seq_q=' U64
+//!              'seq_kv=' U64 'head_dim=' U32 'batch=' U32 ['cp=' U32 '/' U32] ['flash'] work
+//!            | 'norm' 'tokens=' U64 'width=' U64 work
+//!            | 'elementwise' EWKIND 'elems=' U64 work
+//!            | 'embedding' 'tokens=' U64 'hidden=' U64 'vocab=' U64 work
+//!            | 'loss' 'tokens=' U64 'vocab=' U64 work
+//!            | 'optimizer_step' 'params=' U64 work
+//!            | 'collective' COLLKIND GROUPID 'bytes=' U64 DTYPE
+//!            | 'send' 'peer=' U32 'bytes=' U64 DTYPE
+//!            | 'recv' 'peer=' U32 'bytes=' U64 DTYPE
+//!            | 'alloc' BUFFERID | 'free' BUFFERID
+//!            | 'checkpoint' 'every=' U64 'bytes=' U64
+//! work      := 'flops=' U64 'bytes=' U64
+//! NAME      := [A-Za-z0-9_.:/-]+ | QUOTED
+//! QUOTED    := '"' (char | '\\' | '\"' | '\n' | '\r' | '\t' | '\u{' HEX+ '}')* '"'
+//! ```
+//!
+//! Tokens are separated by spaces (`key=value` and `@stream` are single tokens, with no
+//! space inside); fields come in exactly the order above (the form is
+//! canonical, there is one way to write each graph). Ids are written in their Display
+//! form (`n12`, `g3`, `b5`), enums by their `name()` (`bf16`, `all_reduce`, `@comm`,
+//! `recompute`, ...), integers in decimal without sign.
+//!
+//! # Names
+//!
+//! Names (group axes, buffer names, gemm names and weights) are meant to be drawn from
+//! `[A-Za-z0-9_.:/-]+` and the verifier reports any other name (rule `name`). So that
+//! printing stays total and round-trips every graph, the printer *escapes* instead of
+//! rejecting: a name outside that set (including the empty name) is printed as a
+//! double-quoted string in which `\` and `"` are backslash-escaped and every control or
+//! non-space whitespace character is written `\n`, `\r`, `\t` or `\u{HEX}`.
+//!
+//! Node and group lines of the example:
+//! ```text
+//! group g0 tp.0 nvlink ranks=0,1,2,3,4,5,6,7
+//! n3 = collective all_reduce g0 bytes=33554432 bf16 @comm fwd mb=0 layer=0 <- n2
+//! ```
+
+use crate::graph::{
+    Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op, Pass,
+    ProcessGroup, Stream, Work,
+};
+use crate::ids::{BufferId, GroupId, NodeId};
+use std::fmt::{self, Write as _};
+
+/// The first line of every printed graph.
+pub const HEADER: &str = "; shardwright-ir 1";
+
+/// Whether `s` may be printed bare (without quotes): non-empty, `[A-Za-z0-9_.:/-]+`.
+pub fn is_bare_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b':' | b'/' | b'-'))
+}
+
+fn write_name(out: &mut String, s: &str) {
+    if is_bare_name(s) {
+        out.push_str(s);
+        return;
+    }
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() || (c.is_whitespace() && c != ' ') => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// The whole graph, one line per declaration and node, ending with a newline.
+pub fn print(g: &Graph) -> String {
+    let mut out = String::new();
+    out.push_str(HEADER);
+    out.push('\n');
+    let _ = writeln!(out, "graph rank={} world={}", g.rank, g.world);
+    for pg in &g.groups {
+        let _ = write!(out, "group {} ", pg.id);
+        write_name(&mut out, &pg.axis);
+        let _ = write!(out, ".{} {} ranks=", pg.index, pg.fabric.name());
+        for (i, r) in pg.ranks.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let _ = write!(out, "{r}");
+        }
+        out.push('\n');
+    }
+    for b in &g.buffers {
+        let _ = write!(out, "buffer {} {} ", b.id, b.kind.name());
+        write_name(&mut out, &b.name);
+        let _ = writeln!(out, " bytes={}", b.bytes);
+    }
+    for n in &g.nodes {
+        write_node(&mut out, n);
+        out.push('\n');
+    }
+    out
+}
+
+/// One node as its line of [`print()`] (without the newline); used by verifier messages.
+/// `_g` is the graph the node belongs to (the line does not depend on it today).
+pub fn print_node(_g: &Graph, n: &Node) -> String {
+    let mut out = String::new();
+    write_node(&mut out, n);
+    out
+}
+
+fn write_work(out: &mut String, w: &Work) {
+    let _ = write!(out, " flops={} bytes={}", w.flops, w.bytes);
+}
+
+fn write_node(out: &mut String, n: &Node) {
+    let _ = write!(out, "{} = {}", n.id, n.op.keyword());
+    match &n.op {
+        Op::Gemm {
+            name,
+            m,
+            n,
+            k,
+            dtype,
+            weight,
+            work,
+        } => {
+            out.push(' ');
+            write_name(out, name);
+            let _ = write!(out, " m={m} n={n} k={k} {}", dtype.name());
+            if let Some(w) = weight {
+                out.push_str(" weight=");
+                write_name(out, w);
+            }
+            write_work(out, work);
+        }
+        Op::Attention {
+            causal,
+            heads,
+            kv_heads,
+            seq_q,
+            seq_kv,
+            head_dim,
+            batch,
+            cp_chunk,
+            flash,
+            work,
+        } => {
+            if *causal {
+                out.push_str(" causal");
+            }
+            let _ = write!(
+                out,
+                " heads={heads} kv_heads={kv_heads} seq_q={seq_q} seq_kv={seq_kv} \
+                 head_dim={head_dim} batch={batch}"
+            );
+            if let Some((i, c)) = cp_chunk {
+                let _ = write!(out, " cp={i}/{c}");
+            }
+            if *flash {
+                out.push_str(" flash");
+            }
+            write_work(out, work);
+        }
+        Op::Norm {
+            tokens,
+            width,
+            work,
+        } => {
+            let _ = write!(out, " tokens={tokens} width={width}");
+            write_work(out, work);
+        }
+        Op::Elementwise { kind, elems, work } => {
+            let _ = write!(out, " {} elems={elems}", kind.name());
+            write_work(out, work);
+        }
+        Op::Embedding {
+            tokens,
+            hidden,
+            vocab,
+            work,
+        } => {
+            let _ = write!(out, " tokens={tokens} hidden={hidden} vocab={vocab}");
+            write_work(out, work);
+        }
+        Op::Loss {
+            tokens,
+            vocab,
+            work,
+        } => {
+            let _ = write!(out, " tokens={tokens} vocab={vocab}");
+            write_work(out, work);
+        }
+        Op::OptimizerStep { params, work } => {
+            let _ = write!(out, " params={params}");
+            write_work(out, work);
+        }
+        Op::Collective {
+            kind,
+            group,
+            bytes,
+            dtype,
+        } => {
+            let _ = write!(
+                out,
+                " {} {group} bytes={bytes} {}",
+                kind.name(),
+                dtype.name()
+            );
+        }
+        Op::Send { peer, bytes, dtype } | Op::Recv { peer, bytes, dtype } => {
+            let _ = write!(out, " peer={peer} bytes={bytes} {}", dtype.name());
+        }
+        Op::Alloc { buffer } | Op::Free { buffer } => {
+            let _ = write!(out, " {buffer}");
+        }
+        Op::Checkpoint { every_steps, bytes } => {
+            let _ = write!(out, " every={every_steps} bytes={bytes}");
+        }
+    }
+    let _ = write!(out, " @{} {}", n.stream.name(), n.pass.name());
+    if let Some(mb) = n.mb {
+        let _ = write!(out, " mb={mb}");
+    }
+    if let Some(l) = n.layer {
+        let _ = write!(out, " layer={l}");
+    }
+    for (i, d) in n.deps.iter().enumerate() {
+        out.push_str(if i == 0 { " <- " } else { ", " });
+        let _ = write!(out, "{d}");
+    }
+}
+
+/// A syntax error: where (1-based line and column, in characters), what token was found
+/// there, and what was expected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParseError {
+    pub line: usize,
+    pub column: usize,
+    /// The offending token, or `end of line` / `end of input`.
+    pub found: String,
+    /// What the parser expected at that point.
+    pub expected: String,
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "line {}, column {}: expected {}, found {}",
+            self.line, self.column, self.expected, self.found
+        )
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+const EOL: &str = "end of line";
+
+#[derive(Clone, Copy)]
+struct Tok<'a> {
+    text: &'a str,
+    /// 1-based character column.
+    col: usize,
+}
+
+/// Split a line at spaces/whitespace outside double quotes.
+fn tokenize(line: &str, lineno: usize) -> Result<Vec<Tok<'_>>, ParseError> {
+    let mut toks = Vec::new();
+    let mut chars = line.char_indices().enumerate().peekable();
+    while let Some(&(col0, (start, c))) = chars.peek() {
+        if c.is_whitespace() {
+            chars.next();
+            continue;
+        }
+        let mut end = line.len();
+        let mut in_quote = false;
+        let mut escaped = false;
+        let mut quote_col = 0;
+        while let Some(&(col, (i, c))) = chars.peek() {
+            if in_quote {
+                if escaped {
+                    escaped = false;
+                } else if c == '\\' {
+                    escaped = true;
+                } else if c == '"' {
+                    in_quote = false;
+                }
+            } else if c.is_whitespace() {
+                end = i;
+                break;
+            } else if c == '"' {
+                in_quote = true;
+                quote_col = col;
+            }
+            chars.next();
+        }
+        if in_quote {
+            return Err(ParseError {
+                line: lineno,
+                column: quote_col + 1,
+                found: format!("`{}`", &line[start..]),
+                expected: "a closing `\"`".into(),
+            });
+        }
+        toks.push(Tok {
+            text: &line[start..end],
+            col: col0 + 1,
+        });
+    }
+    Ok(toks)
+}
+
+/// Decode a name at the start of `s`: a quoted string (returning the rest of `s` after the
+/// closing quote) or else all of `s` as a bare name.
+fn decode_name(s: &str) -> Result<(String, &str), String> {
+    if let Some(body) = s.strip_prefix('"') {
+        let mut out = String::new();
+        let mut it = body.char_indices();
+        while let Some((i, c)) = it.next() {
+            match c {
+                '"' => return Ok((out, &body[i + 1..])),
+                '\\' => match it.next() {
+                    Some((_, '"')) => out.push('"'),
+                    Some((_, '\\')) => out.push('\\'),
+                    Some((_, 'n')) => out.push('\n'),
+                    Some((_, 'r')) => out.push('\r'),
+                    Some((_, 't')) => out.push('\t'),
+                    Some((j, 'u')) => {
+                        let rest = &body[j + 1..];
+                        let close = rest
+                            .strip_prefix('{')
+                            .and_then(|r| r.find('}').map(|e| &r[..e]))
+                            .ok_or("`\\u{HEX}` escape")?;
+                        let hex = close.bytes().all(|b| b.is_ascii_hexdigit());
+                        let ch = (hex && !close.is_empty() && close.len() <= 6)
+                            .then(|| u32::from_str_radix(close, 16).ok())
+                            .flatten()
+                            .and_then(char::from_u32)
+                            .ok_or("a valid `\\u{HEX}` code point")?;
+                        out.push(ch);
+                        for _ in 0..close.len() + 2 {
+                            it.next();
+                        }
+                    }
+                    _ => {
+                        return Err(
+                            "an escape (`\\\"`, `\\\\`, `\\n`, `\\r`, `\\t`, `\\u{HEX}`)".into(),
+                        )
+                    }
+                },
+                c => out.push(c),
+            }
+        }
+        Err("a closing `\"`".into())
+    } else if is_bare_name(s) {
+        Ok((s.to_string(), ""))
+    } else {
+        Err("a name (`[A-Za-z0-9_.:/-]+` or a quoted string)".into())
+    }
+}
+
+struct Cursor<'a> {
+    toks: Vec<Tok<'a>>,
+    pos: usize,
+    line: usize,
+    line_len: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn err_at(&self, tok: Option<Tok<'a>>, expected: impl Into<String>) -> ParseError {
+        match tok {
+            Some(t) => ParseError {
+                line: self.line,
+                column: t.col,
+                found: format!("`{}`", t.text),
+                expected: expected.into(),
+            },
+            None => ParseError {
+                line: self.line,
+                column: self.line_len + 1,
+                found: EOL.into(),
+                expected: expected.into(),
+            },
+        }
+    }
+    fn peek(&self) -> Option<Tok<'a>> {
+        self.toks.get(self.pos).copied()
+    }
+    fn next(&mut self, expected: &str) -> Result<Tok<'a>, ParseError> {
+        let t = self.peek().ok_or_else(|| self.err_at(None, expected))?;
+        self.pos += 1;
+        Ok(t)
+    }
+    fn keyword(&mut self, kw: &str) -> Result<(), ParseError> {
+        let exp = format!("`{kw}`");
+        let t = self.next(&exp)?;
+        if t.text == kw {
+            Ok(())
+        } else {
+            Err(self.err_at(Some(t), exp))
+        }
+    }
+    fn flag(&mut self, kw: &str) -> bool {
+        if self.peek().is_some_and(|t| t.text == kw) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+    /// `key=value` with the value checked by `f` (which names what it expects on error).
+    fn key<T>(
+        &mut self,
+        key: &str,
+        what: &str,
+        f: impl FnOnce(&str) -> Result<T, String>,
+    ) -> Result<T, ParseError> {
+        let exp = format!("`{key}=<{what}>`");
+        let t = self.next(&exp)?;
+        let v = t
+            .text
+            .strip_prefix(key)
+            .and_then(|r| r.strip_prefix('='))
+            .ok_or_else(|| self.err_at(Some(t), exp.clone()))?;
+        f(v).map_err(|e| self.err_at(Some(t), format!("`{key}=<{what}>`: {e}")))
+    }
+    fn has_key(&self, key: &str) -> bool {
+        self.peek()
+            .is_some_and(|t| t.text.strip_prefix(key).is_some_and(|r| r.starts_with('=')))
+    }
+    fn u64(&mut self, key: &str) -> Result<u64, ParseError> {
+        self.key(key, "integer", parse_int)
+    }
+    fn u32(&mut self, key: &str) -> Result<u32, ParseError> {
+        self.key(key, "integer", parse_int)
+    }
+    fn opt_u32(&mut self, key: &str) -> Result<Option<u32>, ParseError> {
+        if self.has_key(key) {
+            self.u32(key).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+    fn name(&mut self, what: &str) -> Result<String, ParseError> {
+        let t = self.next(what)?;
+        decode_name(t.text)
+            .and_then(|(n, rest)| {
+                if rest.is_empty() {
+                    Ok(n)
+                } else {
+                    Err("a space after the closing `\"`".into())
+                }
+            })
+            .map_err(|e| self.err_at(Some(t), format!("{what}: {e}")))
+    }
+    fn parse_tok<T>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&str) -> Option<T>,
+    ) -> Result<T, ParseError> {
+        let t = self.next(what)?;
+        f(t.text).ok_or_else(|| self.err_at(Some(t), what))
+    }
+    fn id<T: std::str::FromStr>(&mut self, what: &str) -> Result<T, ParseError> {
+        self.parse_tok(what, |s| s.parse().ok())
+    }
+    fn work(&mut self) -> Result<Work, ParseError> {
+        Ok(Work {
+            flops: self.u64("flops")?,
+            bytes: self.u64("bytes")?,
+        })
+    }
+    fn dtype(&mut self) -> Result<DType, ParseError> {
+        self.parse_tok("a dtype (f32, bf16, f16, fp8)", |s| {
+            DType::ALL.into_iter().find(|d| d.name() == s)
+        })
+    }
+    fn end(&self) -> Result<(), ParseError> {
+        match self.peek() {
+            None => Ok(()),
+            Some(t) => Err(self.err_at(Some(t), EOL)),
+        }
+    }
+}
+
+fn parse_int<T: std::str::FromStr>(s: &str) -> Result<T, String> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("not a decimal integer".into());
+    }
+    s.parse().map_err(|_| "integer out of range".into())
+}
+
+fn one_of<T: Copy>(all: &[T], name: impl Fn(T) -> &'static str, s: &str) -> Option<T> {
+    all.iter().copied().find(|&x| name(x) == s)
+}
+
+const FABRICS: [Fabric; 2] = [Fabric::Nvlink, Fabric::Network];
+
+/// Parse the text form (see the module doc). Syntactic only: ids are taken as written.
+pub fn parse(s: &str) -> Result<Graph, ParseError> {
+    let mut graph: Option<Graph> = None;
+    let mut last_line = 0;
+    for (i, raw) in s.split('\n').enumerate() {
+        let lineno = i + 1;
+        last_line = lineno;
+        let line = raw.strip_suffix('\r').unwrap_or(raw);
+        let trimmed = line.trim_start();
+        if trimmed.is_empty() {
+            continue;
+        }
+        if let Some(comment) = trimmed.strip_prefix(';') {
+            let mut words = comment.split_whitespace();
+            if words.next() == Some("shardwright-ir") {
+                if let Some(v) = words.next().filter(|v| *v != "1") {
+                    return Err(ParseError {
+                        line: lineno,
+                        column: line.chars().count() - trimmed.chars().count() + 1,
+                        found: format!("version `{v}`"),
+                        expected: "`; shardwright-ir 1`".into(),
+                    });
+                }
+            }
+            continue;
+        }
+        let toks = tokenize(line, lineno)?;
+        let mut c = Cursor {
+            toks,
+            pos: 0,
+            line: lineno,
+            line_len: line.chars().count(),
+        };
+        let Some(g) = graph.as_mut() else {
+            c.keyword("graph")?;
+            let rank = c.u32("rank")?;
+            let world = c.u32("world")?;
+            c.end()?;
+            graph = Some(Graph::new(rank, world));
+            continue;
+        };
+        parse_line(&mut c, g)?;
+        c.end()?;
+    }
+    graph.ok_or_else(|| ParseError {
+        line: last_line.max(1),
+        column: 1,
+        found: "end of input".into(),
+        expected: "`graph rank=<integer> world=<integer>`".into(),
+    })
+}
+
+fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
+    let first = c.peek().expect("non-empty line has a token");
+    match first.text {
+        "group" => {
+            c.pos += 1;
+            let id: GroupId = c.id("a group id (`gN`)")?;
+            let what = "a group name `<axis>.<index>`";
+            let t = c.next(what)?;
+            let (axis, index) = (|| {
+                let (axis, rest) = if t.text.starts_with('"') {
+                    decode_name(t.text)?
+                } else {
+                    let (a, _) = t.text.rsplit_once('.').ok_or("`.<index>`")?;
+                    if !is_bare_name(a) {
+                        return Err("an axis name (`[A-Za-z0-9_.:/-]+` or quoted)".into());
+                    }
+                    (a.to_string(), &t.text[a.len()..])
+                };
+                let idx = rest.strip_prefix('.').ok_or("`.<index>`")?;
+                Ok::<_, String>((axis, parse_int(idx)?))
+            })()
+            .map_err(|e| c.err_at(Some(t), format!("{what}: {e}")))?;
+            let fabric = c.parse_tok("a fabric (nvlink, network)", |s| {
+                one_of(&FABRICS, Fabric::name, s)
+            })?;
+            let ranks = c.key("ranks", "comma-separated ranks", |v| {
+                if v.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    v.split(',').map(parse_int).collect()
+                }
+            })?;
+            g.groups.push(ProcessGroup {
+                id,
+                axis,
+                index,
+                ranks,
+                fabric,
+            });
+        }
+        "buffer" => {
+            c.pos += 1;
+            let id: BufferId = c.id("a buffer id (`bN`)")?;
+            let kind = c.parse_tok("a buffer kind", |s| {
+                one_of(&BufferKind::ALL, BufferKind::name, s)
+            })?;
+            let name = c.name("a buffer name")?;
+            let bytes = c.u64("bytes")?;
+            g.buffers.push(Buffer {
+                id,
+                name,
+                kind,
+                bytes,
+            });
+        }
+        "graph" => {
+            return Err(c.err_at(
+                Some(first),
+                "`group`, `buffer` or a node id (`nN`); the `graph` line comes once",
+            ))
+        }
+        _ => {
+            let id: NodeId = c.id("`group`, `buffer` or a node id (`nN`)")?;
+            c.keyword("=")?;
+            let op = parse_op(c)?;
+            let stream = c.parse_tok(
+                "a stream (`@compute`, `@comm`, `@p2p`, `@dp`, `@io`)",
+                |s| {
+                    s.strip_prefix('@')
+                        .and_then(|s| one_of(&Stream::ALL, Stream::name, s))
+                },
+            )?;
+            let pass = c.parse_tok("a pass (fwd, bwd, recompute, step)", |s| {
+                one_of(&Pass::ALL, Pass::name, s)
+            })?;
+            let mb = c.opt_u32("mb")?;
+            let layer = c.opt_u32("layer")?;
+            let mut deps = Vec::new();
+            if c.flag("<-") {
+                loop {
+                    let t = c.next("a node id (`nN`)")?;
+                    let (text, more) = match t.text.strip_suffix(',') {
+                        Some(s) => (s, true),
+                        None => (t.text, false),
+                    };
+                    let d: NodeId = text
+                        .parse()
+                        .map_err(|_| c.err_at(Some(t), "a node id (`nN`)"))?;
+                    deps.push(d);
+                    if !more {
+                        break;
+                    }
+                }
+            }
+            g.nodes.push(Node {
+                id,
+                stream,
+                pass,
+                mb,
+                layer,
+                op,
+                deps,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn parse_op(c: &mut Cursor<'_>) -> Result<Op, ParseError> {
+    const OPS: &str = "an op (gemm, attention, norm, elementwise, embedding, loss, \
+                       optimizer_step, collective, send, recv, alloc, free, checkpoint)";
+    let t = c.next(OPS)?;
+    Ok(match t.text {
+        "gemm" => {
+            let name = c.name("a gemm name")?;
+            let m = c.u64("m")?;
+            let n = c.u64("n")?;
+            let k = c.u64("k")?;
+            let dtype = c.dtype()?;
+            let weight = if c.has_key("weight") {
+                let t = c.next("`weight=<name>`")?;
+                let v = &t.text["weight=".len()..];
+                let (w, rest) = decode_name(v)
+                    .map_err(|e| c.err_at(Some(t), format!("`weight=<name>`: {e}")))?;
+                if !rest.is_empty() {
+                    return Err(c.err_at(Some(t), "a space after the closing `\"`"));
+                }
+                Some(w)
+            } else {
+                None
+            };
+            Op::Gemm {
+                name,
+                m,
+                n,
+                k,
+                dtype,
+                weight,
+                work: c.work()?,
+            }
+        }
+        "attention" => {
+            let causal = c.flag("causal");
+            let heads = c.u32("heads")?;
+            let kv_heads = c.u32("kv_heads")?;
+            let seq_q = c.u64("seq_q")?;
+            let seq_kv = c.u64("seq_kv")?;
+            let head_dim = c.u32("head_dim")?;
+            let batch = c.u32("batch")?;
+            let cp_chunk = if c.has_key("cp") {
+                Some(c.key("cp", "chunk/chunks", |v| {
+                    let (a, b) = v.split_once('/').ok_or("`<chunk>/<chunks>`")?;
+                    Ok((parse_int(a)?, parse_int(b)?))
+                })?)
+            } else {
+                None
+            };
+            let flash = c.flag("flash");
+            Op::Attention {
+                causal,
+                heads,
+                kv_heads,
+                seq_q,
+                seq_kv,
+                head_dim,
+                batch,
+                cp_chunk,
+                flash,
+                work: c.work()?,
+            }
+        }
+        "norm" => Op::Norm {
+            tokens: c.u64("tokens")?,
+            width: c.u64("width")?,
+            work: c.work()?,
+        },
+        "elementwise" => Op::Elementwise {
+            kind: c.parse_tok("an elementwise kind", |s| {
+                one_of(&ElementwiseKind::ALL, ElementwiseKind::name, s)
+            })?,
+            elems: c.u64("elems")?,
+            work: c.work()?,
+        },
+        "embedding" => Op::Embedding {
+            tokens: c.u64("tokens")?,
+            hidden: c.u64("hidden")?,
+            vocab: c.u64("vocab")?,
+            work: c.work()?,
+        },
+        "loss" => Op::Loss {
+            tokens: c.u64("tokens")?,
+            vocab: c.u64("vocab")?,
+            work: c.work()?,
+        },
+        "optimizer_step" => Op::OptimizerStep {
+            params: c.u64("params")?,
+            work: c.work()?,
+        },
+        "collective" => Op::Collective {
+            kind: c.parse_tok("a collective kind", |s| {
+                one_of(&CollectiveKind::ALL, CollectiveKind::name, s)
+            })?,
+            group: c.id("a group id (`gN`)")?,
+            bytes: c.u64("bytes")?,
+            dtype: c.dtype()?,
+        },
+        "send" => Op::Send {
+            peer: c.u32("peer")?,
+            bytes: c.u64("bytes")?,
+            dtype: c.dtype()?,
+        },
+        "recv" => Op::Recv {
+            peer: c.u32("peer")?,
+            bytes: c.u64("bytes")?,
+            dtype: c.dtype()?,
+        },
+        "alloc" => Op::Alloc {
+            buffer: c.id("a buffer id (`bN`)")?,
+        },
+        "free" => Op::Free {
+            buffer: c.id("a buffer id (`bN`)")?,
+        },
+        "checkpoint" => Op::Checkpoint {
+            every_steps: c.u64("every")?,
+            bytes: c.u64("bytes")?,
+        },
+        _ => return Err(c.err_at(Some(t), OPS)),
+    })
+}

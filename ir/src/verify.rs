@@ -1,1 +1,478 @@
 //! Verifier of one graph (handles, order, memory events).
+//!
+//! [`verify_graph`] checks one rank's [`Graph`] on its own (cross-rank matching lives in
+//! [`crate::matching`]). It runs in two phases, naga-style: first every handle is checked,
+//! and if any is bad it stops there, so that the second phase can index freely. The second
+//! phase reports *every* violation, not just the first, in node order (graph-level errors
+//! first). Each error names its rule (the `[rule]` in its message):
+//!
+//! **Phase 1: handles**
+//! - `node-id`: `nodes[i].id == NodeId(i)`.
+//! - `buffer-id`: `buffers[i].id == BufferId(i)`.
+//! - `group-order`: `groups` are sorted by id, ids unique (so [`Graph::group`] works).
+//! - `group-ref`: every collective's group is declared in `groups`.
+//! - `buffer-ref`: every alloc/free names a declared buffer.
+//! - `dep-ref`: every dep names an existing node.
+//!
+//! **Phase 2: semantics**
+//! - `rank`: `world > 0` and `rank < world`.
+//! - `name`: group axes, buffer names, gemm names and weights are non-empty
+//!   `[A-Za-z0-9_.:/-]+` (so the text form prints them bare, see [`crate::text`]).
+//! - `group-ranks`: a group's ranks are non-empty, strictly ascending and `< world`.
+//! - `dep`: every dep points to a strictly earlier node. Program order is then a
+//!   topological order, so the dep graph is acyclic.
+//! - `cycle`: the dep graph has a cycle. Algorithm: the deps are loaded into a petgraph
+//!   `DiGraph` (edge dep -> node) and `petgraph::algo::toposort` is run; it fails exactly on a
+//!   cycle (self-loops included). A cycle always needs a dep that is not strictly earlier,
+//!   so `cycle` never comes alone: it is reported in addition to the `dep` errors, naming a
+//!   node on the cycle.
+//! - `group-member`: the rank is a member of every group its collectives use.
+//! - `peer`: a send/recv peer is another rank (`peer != rank`) and `peer < world`.
+//! - `stream`: compute ops (gemm, attention, norm, elementwise, embedding, loss,
+//!   optimizer_step) and alloc/free run on `compute`; collectives on `comm` or `dp`;
+//!   send/recv on `p2p` or `comm`; checkpoint on `io`.
+//! - `double-alloc`: a buffer is allocated at most once per step.
+//! - `free-before-alloc`: a transient buffer is freed only after its alloc.
+//! - `double-free`: a transient buffer is freed at most once.
+//! - `persistent-free`: persistent buffers (weight, grad, master, optimizer, reserve) live
+//!   across steps and are never freed.
+//! - `leak`: a transient buffer (activation, logits, comm, workspace) allocated in the
+//!   step is freed by its end (reported at the alloc node).
+//! - `message-size`: the bytes of a collective, send or recv are a multiple of the dtype
+//!   size; for all_gather, reduce_scatter and all_to_all a multiple of
+//!   `group size x dtype size` (every member holds an equal share).
+//! - `gemm-flops`: a gemm's `flops == 2 * m * n * k` (without overflow).
+
+use crate::graph::{BufferKind, CollectiveKind, Graph, Op, Stream};
+use crate::ids::{BufferId, NodeId};
+use crate::text::{is_bare_name, print_node};
+use std::fmt;
+
+/// Every rule name, phase 1 first, in the order of the module doc.
+pub const RULES: &[&str] = &[
+    "node-id",
+    "buffer-id",
+    "group-order",
+    "group-ref",
+    "buffer-ref",
+    "dep-ref",
+    "rank",
+    "name",
+    "group-ranks",
+    "dep",
+    "cycle",
+    "group-member",
+    "peer",
+    "stream",
+    "double-alloc",
+    "free-before-alloc",
+    "double-free",
+    "persistent-free",
+    "leak",
+    "message-size",
+    "gemm-flops",
+];
+
+/// One violated invariant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerifyError {
+    pub rank: u32,
+    /// The offending node, if the error is about one.
+    pub node: Option<NodeId>,
+    /// The rule's name (one of [`RULES`]).
+    pub rule: &'static str,
+    pub message: String,
+    /// The node's text line ([`print_node`]).
+    pub line: Option<String>,
+}
+
+impl fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {}", self.rank)?;
+        if let Some(n) = self.node {
+            write!(f, ", {n}")?;
+        }
+        write!(f, " [{}]: {}", self.rule, self.message)?;
+        if let Some(line) = &self.line {
+            write!(f, "\n    {line}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for VerifyError {}
+
+/// Whether buffers of this kind are transient (allocated and freed within the step).
+pub fn is_transient(kind: BufferKind) -> bool {
+    matches!(
+        kind,
+        BufferKind::Activation | BufferKind::Logits | BufferKind::Comm | BufferKind::Workspace
+    )
+}
+
+struct Errors<'g> {
+    g: &'g Graph,
+    list: Vec<VerifyError>,
+}
+
+impl Errors<'_> {
+    fn graph(&mut self, rule: &'static str, message: String) {
+        self.list.push(VerifyError {
+            rank: self.g.rank,
+            node: None,
+            rule,
+            message,
+            line: None,
+        });
+    }
+    /// An error at `nodes[i]` (by position, valid in both phases).
+    fn at(&mut self, i: usize, rule: &'static str, message: String) {
+        let n = &self.g.nodes[i];
+        self.list.push(VerifyError {
+            rank: self.g.rank,
+            node: Some(n.id),
+            rule,
+            message,
+            line: Some(print_node(self.g, n)),
+        });
+    }
+}
+
+/// Check every invariant of the module doc; all violations, or `Ok`.
+pub fn verify_graph(g: &Graph) -> Result<(), Vec<VerifyError>> {
+    let mut e = Errors {
+        g,
+        list: Vec::new(),
+    };
+    handles(g, &mut e);
+    if e.list.is_empty() {
+        semantics(g, &mut e);
+    }
+    if e.list.is_empty() {
+        return Ok(());
+    }
+    // Stable: within a node, the order in which rules were checked.
+    e.list.sort_by_key(|err| err.node.map(|n| n.0));
+    Err(e.list)
+}
+
+fn handles(g: &Graph, e: &mut Errors<'_>) {
+    for (i, b) in g.buffers.iter().enumerate() {
+        if b.id.index() != i {
+            e.graph(
+                "buffer-id",
+                format!("buffer {} (`{}`) is at index {i}", b.id, b.name),
+            );
+        }
+    }
+    for w in g.groups.windows(2) {
+        if w[0].id >= w[1].id {
+            e.graph(
+                "group-order",
+                format!(
+                    "groups not sorted by unique id: {} ({}) before {} ({})",
+                    w[0].id,
+                    w[0].name(),
+                    w[1].id,
+                    w[1].name()
+                ),
+            );
+        }
+    }
+    let len = g.nodes.len();
+    for (i, n) in g.nodes.iter().enumerate() {
+        if n.id.index() != i {
+            e.at(i, "node-id", format!("node {} is at index {i}", n.id));
+        }
+        match n.op {
+            Op::Collective { group, .. } if !g.groups.iter().any(|pg| pg.id == group) => {
+                e.at(i, "group-ref", format!("group {group} is not declared"));
+            }
+            Op::Alloc { buffer } | Op::Free { buffer } if buffer.index() >= g.buffers.len() => {
+                e.at(i, "buffer-ref", format!("buffer {buffer} is not declared"));
+            }
+            _ => {}
+        }
+        for d in &n.deps {
+            if d.index() >= len {
+                e.at(
+                    i,
+                    "dep-ref",
+                    format!("dep {d} does not exist (the graph has {len} nodes)"),
+                );
+            }
+        }
+    }
+}
+
+fn semantics(g: &Graph, e: &mut Errors<'_>) {
+    if g.world == 0 || g.rank >= g.world {
+        e.graph(
+            "rank",
+            format!("rank {} is not below world {}", g.rank, g.world),
+        );
+    }
+    for pg in &g.groups {
+        if !is_bare_name(&pg.axis) {
+            e.graph(
+                "name",
+                format!(
+                    "group {} axis {:?} is not [A-Za-z0-9_.:/-]+",
+                    pg.id, pg.axis
+                ),
+            );
+        }
+        if pg.ranks.is_empty() {
+            e.graph(
+                "group-ranks",
+                format!("group {} ({}) is empty", pg.id, pg.name()),
+            );
+        } else if !pg.ranks.windows(2).all(|w| w[0] < w[1]) {
+            e.graph(
+                "group-ranks",
+                format!(
+                    "group {} ({}) ranks are not strictly ascending",
+                    pg.id,
+                    pg.name()
+                ),
+            );
+        } else if let Some(r) = pg.ranks.iter().find(|&&r| r >= g.world) {
+            e.graph(
+                "group-ranks",
+                format!(
+                    "group {} ({}) has rank {r} >= world {}",
+                    pg.id,
+                    pg.name(),
+                    g.world
+                ),
+            );
+        }
+    }
+    for b in &g.buffers {
+        if !is_bare_name(&b.name) {
+            e.graph(
+                "name",
+                format!("buffer {} name {:?} is not [A-Za-z0-9_.:/-]+", b.id, b.name),
+            );
+        }
+    }
+
+    // Memory state per buffer: the alloc node, whether freed.
+    let mut alloc_at: Vec<Option<usize>> = vec![None; g.buffers.len()];
+    let mut freed = vec![false; g.buffers.len()];
+
+    for (i, n) in g.nodes.iter().enumerate() {
+        for d in &n.deps {
+            if d.index() >= i {
+                e.at(
+                    i,
+                    "dep",
+                    format!("dep {d} is not earlier in program order than {}", n.id),
+                );
+            }
+        }
+        let stream_ok = match n.op {
+            Op::Collective { .. } => matches!(n.stream, Stream::Comm | Stream::Dp),
+            Op::Send { .. } | Op::Recv { .. } => matches!(n.stream, Stream::P2p | Stream::Comm),
+            Op::Checkpoint { .. } => n.stream == Stream::Io,
+            _ => n.stream == Stream::Compute,
+        };
+        if !stream_ok {
+            let want = match n.op {
+                Op::Collective { .. } => "@comm or @dp",
+                Op::Send { .. } | Op::Recv { .. } => "@p2p or @comm",
+                Op::Checkpoint { .. } => "@io",
+                _ => "@compute",
+            };
+            e.at(
+                i,
+                "stream",
+                format!(
+                    "{} runs on @{}, expected {want}",
+                    n.op.keyword(),
+                    n.stream.name()
+                ),
+            );
+        }
+        match &n.op {
+            Op::Gemm {
+                name,
+                m,
+                n: nn,
+                k,
+                weight,
+                work,
+                ..
+            } => {
+                if !is_bare_name(name) {
+                    e.at(
+                        i,
+                        "name",
+                        format!("gemm name {name:?} is not [A-Za-z0-9_.:/-]+"),
+                    );
+                }
+                if let Some(w) = weight.as_ref().filter(|w| !is_bare_name(w)) {
+                    e.at(
+                        i,
+                        "name",
+                        format!("gemm weight {w:?} is not [A-Za-z0-9_.:/-]+"),
+                    );
+                }
+                let want = 2 * (*m as u128) * (*nn as u128) * (*k as u128);
+                if want != work.flops as u128 {
+                    e.at(
+                        i,
+                        "gemm-flops",
+                        format!("flops={} but 2*m*n*k = {want}", work.flops),
+                    );
+                }
+            }
+            Op::Collective {
+                kind,
+                group,
+                bytes,
+                dtype,
+            } => {
+                let pg = g.group(*group).expect("checked in phase 1");
+                if !pg.ranks.contains(&g.rank) {
+                    e.at(
+                        i,
+                        "group-member",
+                        format!("rank {} is not a member of {group} ({})", g.rank, pg.name()),
+                    );
+                }
+                let shards = match kind {
+                    CollectiveKind::AllGather
+                    | CollectiveKind::ReduceScatter
+                    | CollectiveKind::AllToAll => pg.ranks.len() as u64,
+                    CollectiveKind::AllReduce | CollectiveKind::Broadcast => 1,
+                };
+                let unit = shards * dtype.bytes();
+                if unit > 0 && bytes % unit != 0 {
+                    let of = if shards == 1 {
+                        format!("{} size {}", dtype.name(), dtype.bytes())
+                    } else {
+                        format!(
+                            "group size {shards} x {} size {} = {unit}",
+                            dtype.name(),
+                            dtype.bytes()
+                        )
+                    };
+                    e.at(
+                        i,
+                        "message-size",
+                        format!("{} bytes={bytes} is not a multiple of {of}", kind.name()),
+                    );
+                }
+            }
+            Op::Send { peer, bytes, dtype } | Op::Recv { peer, bytes, dtype } => {
+                if *peer == g.rank || *peer >= g.world {
+                    e.at(
+                        i,
+                        "peer",
+                        format!(
+                            "peer {peer} must be another rank below world {} (this is rank {})",
+                            g.world, g.rank
+                        ),
+                    );
+                }
+                if bytes % dtype.bytes() != 0 {
+                    e.at(
+                        i,
+                        "message-size",
+                        format!(
+                            "bytes={bytes} is not a multiple of {} size {}",
+                            dtype.name(),
+                            dtype.bytes()
+                        ),
+                    );
+                }
+            }
+            Op::Alloc { buffer } => {
+                let b = buffer.index();
+                if let Some(first) = alloc_at[b] {
+                    e.at(
+                        i,
+                        "double-alloc",
+                        format!(
+                            "buffer {buffer} (`{}`) was already allocated by {}",
+                            g.buffers[b].name, g.nodes[first].id
+                        ),
+                    );
+                } else {
+                    alloc_at[b] = Some(i);
+                }
+            }
+            Op::Free { buffer } => {
+                let b = buffer.index();
+                let buf = &g.buffers[b];
+                if !is_transient(buf.kind) {
+                    e.at(
+                        i,
+                        "persistent-free",
+                        format!(
+                            "buffer {buffer} (`{}`) is a persistent {} buffer",
+                            buf.name,
+                            buf.kind.name()
+                        ),
+                    );
+                } else if alloc_at[b].is_none() {
+                    e.at(
+                        i,
+                        "free-before-alloc",
+                        format!("buffer {buffer} (`{}`) is not allocated yet", buf.name),
+                    );
+                } else if freed[b] {
+                    e.at(
+                        i,
+                        "double-free",
+                        format!("buffer {buffer} (`{}`) is already freed", buf.name),
+                    );
+                } else {
+                    freed[b] = true;
+                }
+            }
+            _ => {}
+        }
+    }
+    for (b, at) in alloc_at.iter().enumerate() {
+        let buf = &g.buffers[b];
+        if let Some(i) = *at {
+            if is_transient(buf.kind) && !freed[b] {
+                e.at(
+                    i,
+                    "leak",
+                    format!(
+                        "transient {} buffer {} (`{}`) is never freed",
+                        buf.kind.name(),
+                        BufferId(b as u32),
+                        buf.name
+                    ),
+                );
+            }
+        }
+    }
+    cycle(g, e);
+}
+
+/// The documented acyclicity algorithm: petgraph toposort of the dep graph.
+fn cycle(g: &Graph, e: &mut Errors<'_>) {
+    use petgraph::graph::{DiGraph, NodeIndex};
+    let mut dg: DiGraph<(), ()> = DiGraph::with_capacity(g.nodes.len(), 0);
+    for _ in &g.nodes {
+        dg.add_node(());
+    }
+    for (i, n) in g.nodes.iter().enumerate() {
+        for d in &n.deps {
+            dg.add_edge(NodeIndex::new(d.index()), NodeIndex::new(i), ());
+        }
+    }
+    if let Err(c) = petgraph::algo::toposort(&dg, None) {
+        let i = c.node_id().index();
+        e.at(
+            i,
+            "cycle",
+            format!("{} is on a dependency cycle", g.nodes[i].id),
+        );
+    }
+}
