@@ -511,8 +511,8 @@ impl Graph {
                     }
                 }
                 Op::Free { buffer } => {
-                    live =
-                        live.saturating_sub(self.buffers.get(buffer.0 as usize).map_or(0, |b| b.bytes));
+                    live = live
+                        .saturating_sub(self.buffers.get(buffer.0 as usize).map_or(0, |b| b.bytes));
                 }
                 _ => {}
             }

@@ -51,7 +51,9 @@ impl Program {
 
     /// The class graph relabeled for `rank` (see the module doc).
     pub fn graph_of(&self, rank: u32) -> Option<Graph> {
-        let class = self.classes.get(*self.class_of.get(rank as usize)? as usize)?;
+        let class = self
+            .classes
+            .get(*self.class_of.get(rank as usize)? as usize)?;
         let rep = class.ranks[0];
         let mut g = class.graph.clone();
         if rank == rep {

@@ -41,8 +41,8 @@ use crate::mesh::declare_groups;
 use crate::schedule::{slots, Phase};
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
 use shardwright_ir::{
-    BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op,
-    Pass, Program, RankClass, Stream, Work,
+    BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
+    Program, RankClass, Stream, Work,
 };
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
@@ -87,7 +87,11 @@ fn stage_chunks(plan: &Plan, job: &Job) -> Result<Vec<Vec<(u32, u32)>>, LowerErr
     }
     if v > 1 {
         return Ok((0..p)
-            .map(|j| (0..v).map(|c| chunk_layers(layers, p * v, c * p + j)).collect())
+            .map(|j| {
+                (0..v)
+                    .map(|c| chunk_layers(layers, p * v, c * p + j))
+                    .collect()
+            })
             .collect());
     }
     let mut out = Vec::new();
@@ -110,7 +114,9 @@ pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
     let layout = plan.layout;
     let world = layout.world();
     if world > u32::MAX as u64 / 2 || world == 0 {
-        return Err(LowerError::Plan(format!("layout world {world} out of range")));
+        return Err(LowerError::Plan(format!(
+            "layout world {world} out of range"
+        )));
     }
     let chunks = stage_chunks(plan, &job)?;
     let lc = LayerCosts::new(
@@ -122,10 +128,7 @@ pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
         layout.sequence_parallel,
         layout.recompute,
     );
-    let counts: Vec<u32> = chunks
-        .iter()
-        .map(|c| c.iter().map(|x| x.1).sum())
-        .collect();
+    let counts: Vec<u32> = chunks.iter().map(|c| c.iter().map(|x| x.1).sum()).collect();
     let split = if layout.vpp > 1 {
         Split::Balanced
     } else {
@@ -279,9 +282,9 @@ impl Builder<'_> {
         let group = self.group(axis)?;
         let n = self.program.group(group).ranks.len() as u64;
         let bytes = match kind {
-            CollectiveKind::AllGather | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
-                pad(bytes, n, dt)
-            }
+            CollectiveKind::AllGather
+            | CollectiveKind::ReduceScatter
+            | CollectiveKind::AllToAll => pad(bytes, n, dt),
             _ => pad(bytes, 1, dt),
         };
         let deps = self.last.into_iter().collect();
@@ -304,13 +307,22 @@ impl Builder<'_> {
         Some(id)
     }
 
-    fn mem(&mut self, alloc: bool, buffer: BufferId, pass: Pass, mb: Option<u32>, layer: Option<u32>) {
+    fn mem(
+        &mut self,
+        alloc: bool,
+        buffer: BufferId,
+        pass: Pass,
+        mb: Option<u32>,
+        layer: Option<u32>,
+    ) {
         let op = if alloc {
             Op::Alloc { buffer }
         } else {
             Op::Free { buffer }
         };
-        let id = self.g.push(Stream::Compute, pass, mb, layer, op, Vec::new());
+        let id = self
+            .g
+            .push(Stream::Compute, pass, mb, layer, op, Vec::new());
         let _ = id;
     }
 }
@@ -464,7 +476,17 @@ impl<'a> Ctx<'a> {
         let wname = |n: &str| Some(format!("L{layer}.{n}"));
         let tp_in = |b: &mut Builder| {
             if d.sp {
-                b.collective(Stream::Comm, pass, mbo, lo, CollectiveKind::AllGather, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                b.collective(
+                    Stream::Comm,
+                    pass,
+                    mbo,
+                    lo,
+                    CollectiveKind::AllGather,
+                    GroupKind::Tp,
+                    d.t * d.h * d.w.bytes(),
+                    d.w,
+                    true,
+                );
             }
         };
         let tp_out = |b: &mut Builder| {
@@ -474,20 +496,62 @@ impl<'a> Ctx<'a> {
                 } else {
                     CollectiveKind::AllReduce
                 };
-                b.collective(Stream::Comm, pass, mbo, lo, kind, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                b.collective(
+                    Stream::Comm,
+                    pass,
+                    mbo,
+                    lo,
+                    kind,
+                    GroupKind::Tp,
+                    d.t * d.h * d.w.bytes(),
+                    d.w,
+                    true,
+                );
             }
         };
         // attention block
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
         tp_in(b);
-        b.compute(pass, mbo, lo, gemm("qkv", d.t, (d.heads + 2 * d.kv_heads) * d.d, d.h, d.w, wname("qkv")));
-        b.compute(pass, mbo, lo, ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4));
+        b.compute(
+            pass,
+            mbo,
+            lo,
+            gemm(
+                "qkv",
+                d.t,
+                (d.heads + 2 * d.kv_heads) * d.d,
+                d.h,
+                d.w,
+                wname("qkv"),
+            ),
+        );
+        b.compute(
+            pass,
+            mbo,
+            lo,
+            ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
+        );
         if self.layout.cp > 1 {
             let kv = 2 * d.t * self.layout.cp as u64 * d.kv_heads * d.d * d.w.bytes();
-            b.collective(Stream::Comm, pass, mbo, lo, CollectiveKind::AllGather, GroupKind::Cp, kv, d.w, true);
+            b.collective(
+                Stream::Comm,
+                pass,
+                mbo,
+                lo,
+                CollectiveKind::AllGather,
+                GroupKind::Cp,
+                kv,
+                d.w,
+                true,
+            );
         }
         b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, false));
-        b.compute(pass, mbo, lo, gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")));
+        b.compute(
+            pass,
+            mbo,
+            lo,
+            gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")),
+        );
         tp_out(b);
         b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
         if self.job.model.dropout {
@@ -502,23 +566,115 @@ impl<'a> Ctx<'a> {
             let k = moe.top_k as u64;
             let routed = d.ts * k * d.h;
             let g0 = &gs[0];
-            b.compute(pass, mbo, lo, gemm(g0.name, g0.m, g0.n, g0.k, d.w, wname(g0.name)));
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                gemm(g0.name, g0.m, g0.n, g0.k, d.w, wname(g0.name)),
+            );
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-            b.compute(pass, mbo, lo, gemm(gs[1].name, gs[1].m, gs[1].n, gs[1].k, d.w, wname(gs[1].name)));
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 6));
-            b.compute(pass, mbo, lo, gemm(gs[2].name, gs[2].m, gs[2].n, gs[2].k, d.w, wname(gs[2].name)));
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                gemm(
+                    gs[1].name,
+                    gs[1].m,
+                    gs[1].n,
+                    gs[1].k,
+                    d.w,
+                    wname(gs[1].name),
+                ),
+            );
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 6),
+            );
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                gemm(
+                    gs[2].name,
+                    gs[2].m,
+                    gs[2].n,
+                    gs[2].k,
+                    d.w,
+                    wname(gs[2].name),
+                ),
+            );
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             if gs.len() > 3 {
-                b.compute(pass, mbo, lo, gemm(gs[3].name, gs[3].m, gs[3].n, gs[3].k, d.w, wname(gs[3].name)));
-                b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[3].m * gs[3].n, 6));
-                b.compute(pass, mbo, lo, gemm(gs[4].name, gs[4].m, gs[4].n, gs[4].k, d.w, wname(gs[4].name)));
+                b.compute(
+                    pass,
+                    mbo,
+                    lo,
+                    gemm(
+                        gs[3].name,
+                        gs[3].m,
+                        gs[3].n,
+                        gs[3].k,
+                        d.w,
+                        wname(gs[3].name),
+                    ),
+                );
+                b.compute(
+                    pass,
+                    mbo,
+                    lo,
+                    ew(ElementwiseKind::Activation, gs[3].m * gs[3].n, 6),
+                );
+                b.compute(
+                    pass,
+                    mbo,
+                    lo,
+                    gemm(
+                        gs[4].name,
+                        gs[4].m,
+                        gs[4].n,
+                        gs[4].k,
+                        d.w,
+                        wname(gs[4].name),
+                    ),
+                );
             }
         } else {
-            b.compute(pass, mbo, lo, gemm(gs[0].name, gs[0].m, gs[0].n, gs[0].k, d.w, wname(gs[0].name)));
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6));
-            b.compute(pass, mbo, lo, gemm(gs[1].name, gs[1].m, gs[1].n, gs[1].k, d.w, wname(gs[1].name)));
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                gemm(
+                    gs[0].name,
+                    gs[0].m,
+                    gs[0].n,
+                    gs[0].k,
+                    d.w,
+                    wname(gs[0].name),
+                ),
+            );
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6),
+            );
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                gemm(
+                    gs[1].name,
+                    gs[1].m,
+                    gs[1].n,
+                    gs[1].k,
+                    d.w,
+                    wname(gs[1].name),
+                ),
+            );
         }
         tp_out(b);
         b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
@@ -530,17 +686,44 @@ impl<'a> Ctx<'a> {
     fn ep_a2a(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>, bytes: u64) {
         if self.layout.ep > 1 {
             let w = self.dims().w;
-            b.collective(Stream::Comm, pass, mb, layer, CollectiveKind::AllToAll, GroupKind::Ep, bytes, w, true);
+            b.collective(
+                Stream::Comm,
+                pass,
+                mb,
+                layer,
+                CollectiveKind::AllToAll,
+                GroupKind::Ep,
+                bytes,
+                w,
+                true,
+            );
         }
     }
 
     /// Backward of one GEMM: data gradient then weight gradient.
-    fn gemm_bwd(&self, b: &mut Builder, layer: Option<u32>, mb: u32, g: &G, weight: Option<String>) {
+    fn gemm_bwd(
+        &self,
+        b: &mut Builder,
+        layer: Option<u32>,
+        mb: u32,
+        g: &G,
+        weight: Option<String>,
+    ) {
         let w = self.dims().w;
         let dg = format!("{}.dgrad", g.name);
         let wg = format!("{}.wgrad", g.name);
-        b.compute(Pass::Bwd, Some(mb), layer, gemm(&dg, g.m, g.k, g.n, w, weight.clone()));
-        b.compute(Pass::Bwd, Some(mb), layer, gemm(&wg, g.k, g.n, g.m, w, weight));
+        b.compute(
+            Pass::Bwd,
+            Some(mb),
+            layer,
+            gemm(&dg, g.m, g.k, g.n, w, weight.clone()),
+        );
+        b.compute(
+            Pass::Bwd,
+            Some(mb),
+            layer,
+            gemm(&wg, g.k, g.n, g.m, w, weight),
+        );
     }
 
     fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
@@ -552,7 +735,17 @@ impl<'a> Ctx<'a> {
         // Mirror of the forward's row-parallel output: SP all-gathers the gradient.
         let grad_in = |b: &mut Builder| {
             if d.sp {
-                b.collective(Stream::Comm, pass, mbo, lo, CollectiveKind::AllGather, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                b.collective(
+                    Stream::Comm,
+                    pass,
+                    mbo,
+                    lo,
+                    CollectiveKind::AllGather,
+                    GroupKind::Tp,
+                    d.t * d.h * d.w.bytes(),
+                    d.w,
+                    true,
+                );
             }
         };
         // Mirror of the column-parallel input: all-reduce (SP: reduce-scatter) of the input
@@ -564,7 +757,17 @@ impl<'a> Ctx<'a> {
                 } else {
                     CollectiveKind::AllReduce
                 };
-                b.collective(Stream::Comm, pass, mbo, lo, kind, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                b.collective(
+                    Stream::Comm,
+                    pass,
+                    mbo,
+                    lo,
+                    kind,
+                    GroupKind::Tp,
+                    d.t * d.h * d.w.bytes(),
+                    d.w,
+                    true,
+                );
             }
         };
         // MLP block
@@ -578,20 +781,35 @@ impl<'a> Ctx<'a> {
             let routed = d.ts * moe.top_k as u64 * d.h;
             if gs.len() > 3 {
                 self.gemm_bwd(b, lo, mb, &gs[4], wname(gs[4].name));
-                b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[3].m * gs[3].n, 8));
+                b.compute(
+                    pass,
+                    mbo,
+                    lo,
+                    ew(ElementwiseKind::Activation, gs[3].m * gs[3].n, 8),
+                );
                 self.gemm_bwd(b, lo, mb, &gs[3], wname(gs[3].name));
             }
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
             self.gemm_bwd(b, lo, mb, &gs[2], wname(gs[2].name));
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 8));
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 8),
+            );
             self.gemm_bwd(b, lo, mb, &gs[1], wname(gs[1].name));
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
         } else {
             self.gemm_bwd(b, lo, mb, &gs[1], wname(gs[1].name));
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 8));
+            b.compute(
+                pass,
+                mbo,
+                lo,
+                ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 8),
+            );
             self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
         }
         grad_out(b);
@@ -610,14 +828,34 @@ impl<'a> Ctx<'a> {
         };
         self.gemm_bwd(b, lo, mb, &proj, wname("proj"));
         if self.layout.recompute == Recompute::Selective {
-            b.compute(Pass::Recompute, mbo, lo, self.attention_op(&d, cp_idx, false));
+            b.compute(
+                Pass::Recompute,
+                mbo,
+                lo,
+                self.attention_op(&d, cp_idx, false),
+            );
         }
         b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, true));
         if self.layout.cp > 1 {
             let kv = 2 * d.t * self.layout.cp as u64 * d.kv_heads * d.d * d.w.bytes();
-            b.collective(Stream::Comm, pass, mbo, lo, CollectiveKind::ReduceScatter, GroupKind::Cp, kv, d.w, true);
+            b.collective(
+                Stream::Comm,
+                pass,
+                mbo,
+                lo,
+                CollectiveKind::ReduceScatter,
+                GroupKind::Cp,
+                kv,
+                d.w,
+                true,
+            );
         }
-        b.compute(pass, mbo, lo, ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4));
+        b.compute(
+            pass,
+            mbo,
+            lo,
+            ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
+        );
         let qkv = G {
             name: "qkv",
             m: d.t,
@@ -633,7 +871,10 @@ impl<'a> Ctx<'a> {
     /// Parameters of one layer on this rank: (dense, expert), from the cost model.
     fn layer_params(&self, layer: u32) -> (f64, f64) {
         if self.is_moe_layer(layer) {
-            (self.lc.moe_layer_dense_params, self.lc.moe_layer_expert_params)
+            (
+                self.lc.moe_layer_dense_params,
+                self.lc.moe_layer_expert_params,
+            )
         } else {
             (self.lc.dense_layer_params, 0.0)
         }
@@ -641,7 +882,14 @@ impl<'a> Ctx<'a> {
 
     /// Data-parallel gradient reduction of `params` (dense, expert) after their last
     /// backward (per micro-batch under ZeRO-3).
-    fn grad_reduce(&self, b: &mut Builder, mb: Option<u32>, layer: Option<u32>, params: (f64, f64), out: &mut Vec<NodeId>) {
+    fn grad_reduce(
+        &self,
+        b: &mut Builder,
+        mb: Option<u32>,
+        layer: Option<u32>,
+        params: (f64, f64),
+        out: &mut Vec<NodeId>,
+    ) {
         let g = dtype(self.job.training.grad_dtype.bytes());
         let kind = if self.layout.zero_stage == 0 {
             CollectiveKind::AllReduce
@@ -649,28 +897,52 @@ impl<'a> Ctx<'a> {
             CollectiveKind::ReduceScatter
         };
         let pass = if mb.is_some() { Pass::Bwd } else { Pass::Step };
-        for (p, axis) in [(params.0, GroupKind::DenseDp), (params.1, GroupKind::ExpertDp)] {
+        for (p, axis) in [
+            (params.0, GroupKind::DenseDp),
+            (params.1, GroupKind::ExpertDp),
+        ] {
             if p <= 0.0 {
                 continue;
             }
             let bytes = p.round() as u64 * g.bytes();
-            if let Some(id) = b.collective(Stream::Dp, pass, mb, layer, kind, axis, bytes, g, false) {
+            if let Some(id) = b.collective(Stream::Dp, pass, mb, layer, kind, axis, bytes, g, false)
+            {
                 out.push(id);
             }
         }
     }
 
     /// ZeRO-3 parameter all-gather before a use of `layer` (prefetched on the dp stream).
-    fn zero3_gather(&self, b: &mut Builder, pass: Pass, mb: u32, layer: Option<u32>, params: (f64, f64)) {
+    fn zero3_gather(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        mb: u32,
+        layer: Option<u32>,
+        params: (f64, f64),
+    ) {
         let w = self.dims().w;
-        for (p, axis) in [(params.0, GroupKind::DenseDp), (params.1, GroupKind::ExpertDp)] {
+        for (p, axis) in [
+            (params.0, GroupKind::DenseDp),
+            (params.1, GroupKind::ExpertDp),
+        ] {
             if p <= 0.0 {
                 continue;
             }
             let bytes = p.round() as u64 * w.bytes();
             // The gather does not wait for compute: the dp stream runs ahead (prefetch).
             let saved = b.last.take();
-            if let Some(id) = b.collective(Stream::Dp, pass, Some(mb), layer, CollectiveKind::AllGather, axis, bytes, w, false) {
+            if let Some(id) = b.collective(
+                Stream::Dp,
+                pass,
+                Some(mb),
+                layer,
+                CollectiveKind::AllGather,
+                axis,
+                bytes,
+                w,
+                false,
+            ) {
                 b.pending.push(id);
             }
             b.last = saved;
@@ -755,7 +1027,17 @@ impl<'a> Ctx<'a> {
         let last_vs = p * v - 1;
         let p2p_bytes = round(self.lc.p2p_bytes);
         let chunks = &self.chunks[j as usize];
-        let sl = slots(l.schedule, p, if l.schedule == Schedule::Interleaved { v } else { 1 }, m, j);
+        let sl = slots(
+            l.schedule,
+            p,
+            if l.schedule == Schedule::Interleaved {
+                v
+            } else {
+                1
+            },
+            m,
+            j,
+        );
         let last_bwd: BTreeMap<u32, usize> = sl
             .iter()
             .enumerate()
@@ -778,73 +1060,234 @@ impl<'a> Ctx<'a> {
             let has_embed = vs == 0;
             let has_head = vs == last_vs;
             let mbo = Some(s.mb);
-            let peer_prev = if j > 0 { rank as i64 - stride } else { rank as i64 + (p as i64 - 1) * stride } as u32;
-            let peer_next = if j + 1 < p { rank as i64 + stride } else { rank as i64 - (p as i64 - 1) * stride } as u32;
+            let peer_prev = if j > 0 {
+                rank as i64 - stride
+            } else {
+                rank as i64 + (p as i64 - 1) * stride
+            } as u32;
+            let peer_next = if j + 1 < p {
+                rank as i64 + stride
+            } else {
+                rank as i64 - (p as i64 - 1) * stride
+            } as u32;
             match s.phase {
                 Phase::Fwd => {
                     if vs > 0 {
-                        let id = b.g.push(Stream::P2p, Pass::Fwd, mbo, None, Op::Recv { peer: peer_prev, bytes: p2p_bytes, dtype: d.w }, Vec::new());
+                        let id = b.g.push(
+                            Stream::P2p,
+                            Pass::Fwd,
+                            mbo,
+                            None,
+                            Op::Recv {
+                                peer: peer_prev,
+                                bytes: p2p_bytes,
+                                dtype: d.w,
+                            },
+                            Vec::new(),
+                        );
                         b.pending.push(id);
                     }
                     if has_embed {
-                        let buf = b.g.buffer(format!("embed.act.mb{}", s.mb), BufferKind::Activation, round(2.0 * self.lc.tokens * d.h as f64));
+                        let buf = b.g.buffer(
+                            format!("embed.act.mb{}", s.mb),
+                            BufferKind::Activation,
+                            round(2.0 * self.lc.tokens * d.h as f64),
+                        );
                         ends.insert(s.mb, buf);
                         b.mem(true, buf, Pass::Fwd, mbo, None);
-                        b.compute(Pass::Fwd, mbo, None, Op::Embedding { tokens: d.t, hidden: d.h, vocab: d.vocab, work: Work { flops: 0, bytes: 4 * d.t * d.h } });
+                        b.compute(
+                            Pass::Fwd,
+                            mbo,
+                            None,
+                            Op::Embedding {
+                                tokens: d.t,
+                                hidden: d.h,
+                                vocab: d.vocab,
+                                work: Work {
+                                    flops: 0,
+                                    bytes: 4 * d.t * d.h,
+                                },
+                            },
+                        );
                         if l.tp > 1 {
-                            let kind = if d.sp { CollectiveKind::ReduceScatter } else { CollectiveKind::AllReduce };
-                            b.collective(Stream::Comm, Pass::Fwd, mbo, None, kind, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                            let kind = if d.sp {
+                                CollectiveKind::ReduceScatter
+                            } else {
+                                CollectiveKind::AllReduce
+                            };
+                            b.collective(
+                                Stream::Comm,
+                                Pass::Fwd,
+                                mbo,
+                                None,
+                                kind,
+                                GroupKind::Tp,
+                                d.t * d.h * d.w.bytes(),
+                                d.w,
+                                true,
+                            );
                         }
                     }
                     for layer in first..first + count {
                         if z3 {
-                            self.zero3_gather(&mut b, Pass::Fwd, s.mb, Some(layer), self.layer_params(layer));
+                            self.zero3_gather(
+                                &mut b,
+                                Pass::Fwd,
+                                s.mb,
+                                Some(layer),
+                                self.layer_params(layer),
+                            );
                         }
-                        let buf = b.g.buffer(format!("L{layer}.act.mb{}", s.mb), BufferKind::Activation, round(act_bytes(layer)));
+                        let buf = b.g.buffer(
+                            format!("L{layer}.act.mb{}", s.mb),
+                            BufferKind::Activation,
+                            round(act_bytes(layer)),
+                        );
                         acts.insert((layer, s.mb), buf);
                         b.mem(true, buf, Pass::Fwd, mbo, Some(layer));
                         self.layer_fwd(&mut b, layer, s.mb, Pass::Fwd, cp_idx);
                     }
                     if has_head {
-                        let buf = b.g.buffer(format!("logits.mb{}", s.mb), BufferKind::Logits, round(self.lc.logits_bytes));
+                        let buf = b.g.buffer(
+                            format!("logits.mb{}", s.mb),
+                            BufferKind::Logits,
+                            round(self.lc.logits_bytes),
+                        );
                         ends.insert(u32::MAX - s.mb, buf);
                         b.mem(true, buf, Pass::Fwd, mbo, None);
                         b.compute(Pass::Fwd, mbo, None, norm(d.ts, d.h));
                         if d.sp {
-                            b.collective(Stream::Comm, Pass::Fwd, mbo, None, CollectiveKind::AllGather, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                            b.collective(
+                                Stream::Comm,
+                                Pass::Fwd,
+                                mbo,
+                                None,
+                                CollectiveKind::AllGather,
+                                GroupKind::Tp,
+                                d.t * d.h * d.w.bytes(),
+                                d.w,
+                                true,
+                            );
                         }
-                        let head_w = if self.job.model.tied_embeddings { "embedding" } else { "lm_head" };
-                        b.compute(Pass::Fwd, mbo, None, gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())));
-                        b.compute(Pass::Fwd, mbo, None, Op::Loss { tokens: d.t, vocab: d.vocab, work: Work { flops: 0, bytes: 8 * d.t * d.vocab } });
+                        let head_w = if self.job.model.tied_embeddings {
+                            "embedding"
+                        } else {
+                            "lm_head"
+                        };
+                        b.compute(
+                            Pass::Fwd,
+                            mbo,
+                            None,
+                            gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
+                        );
+                        b.compute(
+                            Pass::Fwd,
+                            mbo,
+                            None,
+                            Op::Loss {
+                                tokens: d.t,
+                                vocab: d.vocab,
+                                work: Work {
+                                    flops: 0,
+                                    bytes: 8 * d.t * d.vocab,
+                                },
+                            },
+                        );
                     } else {
                         let deps = b.last.into_iter().collect();
-                        b.g.push(Stream::P2p, Pass::Fwd, mbo, None, Op::Send { peer: peer_next, bytes: p2p_bytes, dtype: d.w }, deps);
+                        b.g.push(
+                            Stream::P2p,
+                            Pass::Fwd,
+                            mbo,
+                            None,
+                            Op::Send {
+                                peer: peer_next,
+                                bytes: p2p_bytes,
+                                dtype: d.w,
+                            },
+                            deps,
+                        );
                     }
                 }
                 Phase::Bwd => {
                     if has_head {
-                        b.compute(Pass::Bwd, mbo, None, Op::Loss { tokens: d.t, vocab: d.vocab, work: Work { flops: 0, bytes: 8 * d.t * d.vocab } });
-                        let head_w = if self.job.model.tied_embeddings { "embedding" } else { "lm_head" };
-                        let g = G { name: "lm_head", m: d.t, n: d.vocab, k: d.h, experts: false };
+                        b.compute(
+                            Pass::Bwd,
+                            mbo,
+                            None,
+                            Op::Loss {
+                                tokens: d.t,
+                                vocab: d.vocab,
+                                work: Work {
+                                    flops: 0,
+                                    bytes: 8 * d.t * d.vocab,
+                                },
+                            },
+                        );
+                        let head_w = if self.job.model.tied_embeddings {
+                            "embedding"
+                        } else {
+                            "lm_head"
+                        };
+                        let g = G {
+                            name: "lm_head",
+                            m: d.t,
+                            n: d.vocab,
+                            k: d.h,
+                            experts: false,
+                        };
                         self.gemm_bwd(&mut b, None, s.mb, &g, Some(head_w.into()));
                         if d.sp {
-                            b.collective(Stream::Comm, Pass::Bwd, mbo, None, CollectiveKind::ReduceScatter, GroupKind::Tp, d.t * d.h * d.w.bytes(), d.w, true);
+                            b.collective(
+                                Stream::Comm,
+                                Pass::Bwd,
+                                mbo,
+                                None,
+                                CollectiveKind::ReduceScatter,
+                                GroupKind::Tp,
+                                d.t * d.h * d.w.bytes(),
+                                d.w,
+                                true,
+                            );
                         }
                         b.compute(Pass::Bwd, mbo, None, norm(d.ts, d.h));
                         if let Some(buf) = ends.remove(&(u32::MAX - s.mb)) {
                             b.mem(false, buf, Pass::Bwd, mbo, None);
                         }
                     } else {
-                        let id = b.g.push(Stream::P2p, Pass::Bwd, mbo, None, Op::Recv { peer: peer_next, bytes: p2p_bytes, dtype: d.w }, Vec::new());
+                        let id = b.g.push(
+                            Stream::P2p,
+                            Pass::Bwd,
+                            mbo,
+                            None,
+                            Op::Recv {
+                                peer: peer_next,
+                                bytes: p2p_bytes,
+                                dtype: d.w,
+                            },
+                            Vec::new(),
+                        );
                         b.pending.push(id);
                     }
                     let last_of_chunk = last_bwd.get(&s.chunk) == Some(&si);
                     for layer in (first..first + count).rev() {
                         if z3 {
-                            self.zero3_gather(&mut b, Pass::Bwd, s.mb, Some(layer), self.layer_params(layer));
+                            self.zero3_gather(
+                                &mut b,
+                                Pass::Bwd,
+                                s.mb,
+                                Some(layer),
+                                self.layer_params(layer),
+                            );
                         }
-                        let work = if l.recompute == Recompute::Full && self.lc.recompute_work_bytes > 0.0 {
-                            let w = b.g.buffer(format!("L{layer}.recompute.mb{}", s.mb), BufferKind::Workspace, round(self.lc.recompute_work_bytes));
+                        let work = if l.recompute == Recompute::Full
+                            && self.lc.recompute_work_bytes > 0.0
+                        {
+                            let w = b.g.buffer(
+                                format!("L{layer}.recompute.mb{}", s.mb),
+                                BufferKind::Workspace,
+                                round(self.lc.recompute_work_bytes),
+                            );
                             b.mem(true, w, Pass::Recompute, mbo, Some(layer));
                             self.layer_fwd(&mut b, layer, s.mb, Pass::Recompute, cp_idx);
                             Some(w)
@@ -859,19 +1302,55 @@ impl<'a> Ctx<'a> {
                             b.mem(false, buf, Pass::Bwd, mbo, Some(layer));
                         }
                         if z3 {
-                            self.grad_reduce(&mut b, mbo, Some(layer), self.layer_params(layer), &mut dp_nodes);
+                            self.grad_reduce(
+                                &mut b,
+                                mbo,
+                                Some(layer),
+                                self.layer_params(layer),
+                                &mut dp_nodes,
+                            );
                         } else if last_of_chunk {
-                            self.grad_reduce(&mut b, None, Some(layer), self.layer_params(layer), &mut dp_nodes);
+                            self.grad_reduce(
+                                &mut b,
+                                None,
+                                Some(layer),
+                                self.layer_params(layer),
+                                &mut dp_nodes,
+                            );
                         }
                     }
                     if has_embed {
-                        b.compute(Pass::Bwd, mbo, None, Op::Embedding { tokens: d.t, hidden: d.h, vocab: d.vocab, work: Work { flops: 0, bytes: 4 * d.t * d.h } });
+                        b.compute(
+                            Pass::Bwd,
+                            mbo,
+                            None,
+                            Op::Embedding {
+                                tokens: d.t,
+                                hidden: d.h,
+                                vocab: d.vocab,
+                                work: Work {
+                                    flops: 0,
+                                    bytes: 4 * d.t * d.h,
+                                },
+                            },
+                        );
                         if let Some(buf) = ends.remove(&s.mb) {
                             b.mem(false, buf, Pass::Bwd, mbo, None);
                         }
                     } else {
                         let deps = b.last.into_iter().collect();
-                        b.g.push(Stream::P2p, Pass::Bwd, mbo, None, Op::Send { peer: peer_prev, bytes: p2p_bytes, dtype: d.w }, deps);
+                        b.g.push(
+                            Stream::P2p,
+                            Pass::Bwd,
+                            mbo,
+                            None,
+                            Op::Send {
+                                peer: peer_prev,
+                                bytes: p2p_bytes,
+                                dtype: d.w,
+                            },
+                            deps,
+                        );
                     }
                     if last_of_chunk || z3 {
                         let mut ends_p = (0.0, 0.0);
@@ -893,24 +1372,65 @@ impl<'a> Ctx<'a> {
         // ---- optimizer step, parameter all-gather, checkpoint ----
         b.pending.extend(dp_nodes.iter().copied());
         let opt_params = {
-            let shard = |n: u32| if l.zero_stage >= 1 { n.max(1) as f64 } else { 1.0 };
-            dense_p / shard(self.mesh.size(GroupKind::DenseDp)) + expert_p / shard(self.mesh.size(GroupKind::ExpertDp))
+            let shard = |n: u32| {
+                if l.zero_stage >= 1 {
+                    n.max(1) as f64
+                } else {
+                    1.0
+                }
+            };
+            dense_p / shard(self.mesh.size(GroupKind::DenseDp))
+                + expert_p / shard(self.mesh.size(GroupKind::ExpertDp))
         };
         let tr = &self.job.training;
         let per_param = 2.0 * tr.master_dtype.bytes()
             + 2.0 * tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes()
             + tr.grad_dtype.bytes()
             + tr.compute_dtype.bytes();
-        let opt = b.compute(Pass::Step, None, None, Op::OptimizerStep { params: round(opt_params), work: Work { flops: 0, bytes: round(opt_params * per_param) } });
+        let opt = b.compute(
+            Pass::Step,
+            None,
+            None,
+            Op::OptimizerStep {
+                params: round(opt_params),
+                work: Work {
+                    flops: 0,
+                    bytes: round(opt_params * per_param),
+                },
+            },
+        );
         if l.zero_stage == 1 || l.zero_stage == 2 {
-            for (p_, axis) in [(dense_p, GroupKind::DenseDp), (expert_p, GroupKind::ExpertDp)] {
+            for (p_, axis) in [
+                (dense_p, GroupKind::DenseDp),
+                (expert_p, GroupKind::ExpertDp),
+            ] {
                 if p_ > 0.0 {
-                    b.collective(Stream::Dp, Pass::Step, None, None, CollectiveKind::AllGather, axis, round(p_) * d.w.bytes(), d.w, false);
+                    b.collective(
+                        Stream::Dp,
+                        Pass::Step,
+                        None,
+                        None,
+                        CollectiveKind::AllGather,
+                        axis,
+                        round(p_) * d.w.bytes(),
+                        d.w,
+                        false,
+                    );
                 }
             }
         }
         let ck = round(self.eval.estimate.reliability.checkpoint_bytes_per_gpu);
-        b.g.push(Stream::Io, Pass::Step, None, None, Op::Checkpoint { every_steps: self.interval_steps.max(1), bytes: ck }, vec![opt]);
+        b.g.push(
+            Stream::Io,
+            Pass::Step,
+            None,
+            None,
+            Op::Checkpoint {
+                every_steps: self.interval_steps.max(1),
+                bytes: ck,
+            },
+            vec![opt],
+        );
         for &id in step_temps.iter().rev() {
             b.mem(false, id, Pass::Step, None, None);
         }

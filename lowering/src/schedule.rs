@@ -152,15 +152,34 @@ mod tests {
     #[test]
     fn every_pass_runs_once() {
         for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
-            for (p, v, m) in [(1, 1, 3), (4, 1, 8), (4, 2, 8), (3, 3, 7), (4, 2, 5), (2, 4, 1)] {
+            for (p, v, m) in [
+                (1, 1, 3),
+                (4, 1, 8),
+                (4, 2, 8),
+                (3, 3, 7),
+                (4, 2, 5),
+                (2, 4, 1),
+            ] {
                 let v = if sched == Schedule::Interleaved { v } else { 1 };
                 for j in 0..p {
                     let s = slots(sched, p, v, m, j);
                     assert_eq!(s.len() as u32, 2 * m * v);
                     for mb in 0..m {
                         for c in 0..v {
-                            let f = s.iter().position(|x| *x == Slot { phase: Phase::Fwd, mb, chunk: c });
-                            let b = s.iter().position(|x| *x == Slot { phase: Phase::Bwd, mb, chunk: c });
+                            let f = s.iter().position(|x| {
+                                *x == Slot {
+                                    phase: Phase::Fwd,
+                                    mb,
+                                    chunk: c,
+                                }
+                            });
+                            let b = s.iter().position(|x| {
+                                *x == Slot {
+                                    phase: Phase::Bwd,
+                                    mb,
+                                    chunk: c,
+                                }
+                            });
                             assert!(f.unwrap() < b.unwrap(), "{sched:?} p{p} v{v} m{m} j{j}");
                         }
                     }

@@ -21,23 +21,46 @@ pub fn plan_of(name: &str) -> Plan {
 
 #[test]
 fn smoke() {
-    for name in ["llama3-405b-16k-h100.yaml", "gpt-13b-8xa100-zero.yaml", "llama2-70b-128xa100.yaml", "deepseek-v3-2048xh800.yaml", "llama3-405b-pinned-tp8-pp16-dp128.yaml"] {
+    for name in [
+        "llama3-405b-16k-h100.yaml",
+        "gpt-13b-8xa100-zero.yaml",
+        "llama2-70b-128xa100.yaml",
+        "deepseek-v3-2048xh800.yaml",
+        "llama3-405b-pinned-tp8-pp16-dp128.yaml",
+    ] {
         let p = plan_of(name);
         let t = std::time::Instant::now();
         let l = shardwright_lowering::lower(&p).unwrap();
         let n: usize = l.program.classes.iter().map(|c| c.graph.nodes.len()).sum();
-        let fl: u128 = l.program.classes.iter().map(|c| c.graph.flops() * c.ranks.len() as u128).sum();
+        let fl: u128 = l
+            .program
+            .classes
+            .iter()
+            .map(|c| c.graph.flops() * c.ranks.len() as u128)
+            .sum();
         let model = p.estimate.model_flops_per_token * p.estimate.tokens_per_step;
         let hw = p.estimate.hardware_flops_per_token * p.estimate.tokens_per_step;
-        let peaks: Vec<String> = l.program.classes.iter().take(4).map(|c| format!("{:.2}GB", c.graph.peak_memory().0 as f64 / 1e9)).collect();
-        let est: Vec<String> = l.eval.ranks.iter().take(4).map(|r| format!("{:.2}GB", r.memory.total_bytes / 1e9)).collect();
+        let peaks: Vec<String> = l
+            .program
+            .classes
+            .iter()
+            .take(4)
+            .map(|c| format!("{:.2}GB", c.graph.peak_memory().0 as f64 / 1e9))
+            .collect();
+        let est: Vec<String> = l
+            .eval
+            .ranks
+            .iter()
+            .take(4)
+            .map(|r| format!("{:.2}GB", r.memory.total_bytes / 1e9))
+            .collect();
         eprintln!("{name}: {} layout {} classes {} nodes {:?} flops/model {:.6} flops/hw {:.6} peaks {:?} est {:?}", p.layout, l.program.classes.len(), n, t.elapsed(), fl as f64 / model, fl as f64 / hw, peaks, est);
     }
 }
 
 #[test]
 fn peak_detail() {
-    use shardwright_ir::{Op, BufferKind};
+    use shardwright_ir::{BufferKind, Op};
     let p = plan_of("llama2-70b-128xa100.yaml");
     let l = shardwright_lowering::lower(&p).unwrap();
     let g = &l.program.classes[0].graph;
@@ -46,9 +69,22 @@ fn peak_detail() {
     let mut live = std::collections::BTreeMap::<&str, (u64, u32)>::new();
     let mut set = std::collections::BTreeSet::new();
     for n in &g.nodes[..=at] {
-        match n.op { Op::Alloc{buffer} => {set.insert(buffer);}, Op::Free{buffer} => {set.remove(&buffer);}, _ => {} }
+        match n.op {
+            Op::Alloc { buffer } => {
+                set.insert(buffer);
+            }
+            Op::Free { buffer } => {
+                set.remove(&buffer);
+            }
+            _ => {}
+        }
     }
-    for b in set { let buf = &g.buffers[b.0 as usize]; let e = live.entry(buf.kind.name()).or_default(); e.0 += buf.bytes; e.1 += 1; }
+    for b in set {
+        let buf = &g.buffers[b.0 as usize];
+        let e = live.entry(buf.kind.name()).or_default();
+        e.0 += buf.bytes;
+        e.1 += 1;
+    }
     let _ = BufferKind::Weight;
     eprintln!("{live:?}");
     eprintln!("{:?}", l.eval.ranks[0].memory);
