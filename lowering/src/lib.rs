@@ -5,6 +5,8 @@
 //! counts of state and activations come from the cost model (the single source of those
 //! numbers), so the verifier's memory comparison checks the schedule, not a second formula.
 
+pub mod check;
+pub mod cost;
 pub mod lower;
 pub mod mesh;
 pub mod schedule;

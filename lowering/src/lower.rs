@@ -373,8 +373,6 @@ struct G {
     m: u64,
     n: u64,
     k: u64,
-    /// Expert GEMMs are grouped over the local experts.
-    experts: bool,
 }
 
 impl<'a> Ctx<'a> {
@@ -407,13 +405,7 @@ impl<'a> Ctx<'a> {
     /// GEMMs of the MLP part of `layer` in forward order.
     fn mlp_gemms(&self, layer: u32, d: &Dims) -> Vec<G> {
         let t = self.layout.tp as u64;
-        let g = |name, m, n, k, experts| G {
-            name,
-            m,
-            n,
-            k,
-            experts,
-        };
+        let g = |name, m, n, k, _grouped: bool| G { name, m, n, k };
         if !self.is_moe_layer(layer) {
             return vec![
                 g("fc1", d.t, (d.mats - 1) * d.f, d.h, false),
@@ -824,7 +816,6 @@ impl<'a> Ctx<'a> {
             m: d.t,
             n: d.h,
             k: d.heads * d.d,
-            experts: false,
         };
         self.gemm_bwd(b, lo, mb, &proj, wname("proj"));
         if self.layout.recompute == Recompute::Selective {
@@ -861,7 +852,6 @@ impl<'a> Ctx<'a> {
             m: d.t,
             n: (d.heads + 2 * d.kv_heads) * d.d,
             k: d.h,
-            experts: false,
         };
         self.gemm_bwd(b, lo, mb, &qkv, wname("qkv"));
         grad_out(b);
@@ -1234,7 +1224,6 @@ impl<'a> Ctx<'a> {
                             m: d.t,
                             n: d.vocab,
                             k: d.h,
-                            experts: false,
                         };
                         self.gemm_bwd(&mut b, None, s.mb, &g, Some(head_w.into()));
                         if d.sp {

@@ -90,3 +90,37 @@ fn peak_detail() {
     eprintln!("{:?}", l.eval.ranks[0].memory);
     eprintln!("lc act {} ", l.lc.dense_act_bytes);
 }
+
+#[test]
+fn lowered_graphs_verify() {
+    for name in ["llama3-405b-16k-h100.yaml", "gpt-13b-8xa100-zero.yaml", "llama2-70b-128xa100.yaml", "deepseek-v3-2048xh800.yaml", "llama3-405b-pinned-tp8-pp16-dp128.yaml"] {
+        let p = plan_of(name);
+        let l = shardwright_lowering::lower(&p).unwrap();
+        for c in &l.program.classes {
+            if let Err(errs) = shardwright_ir::verify::verify_graph(&c.graph) {
+                for e in errs.iter().take(5) { eprintln!("{name}: {e}"); }
+                panic!("{name}: {} errors", errs.len());
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore]
+fn print_rank0() {
+    let name = std::env::var("SPEC").unwrap();
+    let p = plan_of(&name);
+    let l = shardwright_lowering::lower(&p).unwrap();
+    print!("{}", shardwright_ir::text::print(&l.program.graph_of(0).unwrap()));
+}
+
+#[test]
+fn checks_pass_on_bundled_specs() {
+    for name in ["llama3-405b-16k-h100.yaml", "gpt-13b-8xa100-zero.yaml", "llama2-70b-128xa100.yaml", "deepseek-v3-2048xh800.yaml", "llama3-405b-pinned-tp8-pp16-dp128.yaml"] {
+        let p = plan_of(name);
+        let l = shardwright_lowering::lower(&p).unwrap();
+        let (rep, errs) = shardwright_lowering::check::check(&l, &p);
+        eprintln!("{name}: flops ir {} expected {} pad {} cm {:.6e} rc {:.6} plan {:.6} colls {}", rep.ir_flops, rep.expected_model_flops, rep.padding_flops, rep.cost_model_flops, rep.recompute_share, rep.plan_recompute_share, rep.collectives_checked);
+        for e in errs.iter().take(6) { eprintln!("   {e}"); }
+    }
+}

@@ -1,0 +1,339 @@
+//! Checks of a lowered plan against the plan itself (the IR-only checks are
+//! `shardwright_ir::verify` and `shardwright_ir::matching`).
+//!
+//! Rules (each error names rank, node where there is one, and the rule):
+//! - `flops`: the compute FLOPs of all ranks sum to the step's model FLOPs, counted here by
+//!   hand from the model shape (`6 x` every weight matrix a token passes through, LM head
+//!   included, plus `3 x` the causal attention core per layer, times the step's tokens),
+//!   exactly (integer arithmetic) when every sharded dimension divides evenly; padding of
+//!   uneven shards is allowed and reported.
+//! - `recompute`: the FLOPs of `recompute`-pass nodes, as a share of the model FLOPs, equal
+//!   the plan's `(HFU - MFU) / MFU` (to the plan's 6 printed digits).
+//! - `memory`: each stage's peak of live buffers (alloc/free events in program order) fits
+//!   the GPU's HBM and is within 5% of the cost model's per-stage estimate.
+//! - `bytes`: every collective moves the tensor it names: TP collectives the micro-batch's
+//!   hidden states `b s / cp x h`, CP the gathered K and V, EP the routed token copies,
+//!   pipeline sends the stage boundary's activations, and the data-parallel reductions of a
+//!   rank add up to that rank's gradients (up to the padding to a multiple of the group).
+
+use crate::lower::Lowered;
+use shardwright_ir::{CollectiveKind, Op, Pass};
+use shardwright_spec::Plan;
+use std::fmt;
+
+/// One failed rule.
+#[derive(Clone, Debug)]
+pub struct CheckError {
+    pub rank: u32,
+    pub node: Option<u32>,
+    pub rule: &'static str,
+    pub message: String,
+}
+
+impl fmt::Display for CheckError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.node {
+            Some(n) => write!(f, "rank {}, n{} [{}]: {}", self.rank, n, self.rule, self.message),
+            None => write!(f, "rank {} [{}]: {}", self.rank, self.rule, self.message),
+        }
+    }
+}
+
+/// Memory of one class: the IR's peak next to the cost model's estimate.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StageMemory {
+    pub stage: u32,
+    pub cp_index: u32,
+    pub rank: u32,
+    pub ir_peak_bytes: u64,
+    pub cost_model_bytes: f64,
+    pub hbm_bytes: f64,
+    pub rel_diff: f64,
+}
+
+/// What the checks measured, whether or not they passed.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CheckReport {
+    pub ir_flops: u128,
+    pub expected_model_flops: u128,
+    /// Extra FLOPs from uneven shards (padding) and replicated KV heads.
+    pub padding_flops: u128,
+    /// The cost model's model FLOPs of the step (its 6N also counts norm and bias parameters).
+    pub cost_model_flops: f64,
+    pub recompute_flops: u128,
+    pub recompute_share: f64,
+    pub plan_recompute_share: f64,
+    pub memory: Vec<StageMemory>,
+    pub collectives_checked: u64,
+}
+
+/// Hand count of the step's model FLOPs (see the module doc), and the same count with the
+/// lowering's padded shard sizes (the largest value the IR may legitimately reach).
+fn model_flops(l: &Lowered) -> (u128, u128) {
+    let m = &l.job.model;
+    let lay = &l.layout;
+    let t = lay.tp as u128;
+    let (h, d, a, g) = (
+        m.hidden_size as u128,
+        m.head_dim as u128,
+        m.num_attention_heads as u128,
+        m.num_kv_heads as u128,
+    );
+    let pad = |x: u128| x.div_ceil(t) * t;
+    let mats = m.ffn_activation.mlp_matrices() as u128;
+    let count = |padded: bool| -> u128 {
+        let p = |x: u128| if padded { pad(x) } else { x };
+        let attn = h * (p(a) * d) + 2 * h * (p(g) * d) + (p(a) * d) * h;
+        let dense = attn + mats * h * p(m.ffn_hidden_size as u128);
+        let moe = m.moe.as_ref().map_or(0, |moe| {
+            let k = moe.top_k as u128;
+            attn + h * moe.num_experts as u128
+                + k * mats * h * p(moe.expert_ffn_hidden_size as u128)
+                + mats
+                    * h
+                    * p(moe.shared_expert_ffn_hidden_size as u128 * moe.num_shared_experts as u128)
+        });
+        let dl = m.dense_layers() as u128;
+        let ml = m.num_layers as u128 - dl;
+        let head = p(m.vocab_size as u128) * h;
+        let s = m.seq_len as u128;
+        let causal_div = if m.causal { 2 } else { 1 };
+        let attn_core = 3 * m.num_layers as u128 * (4 * s * p(a) * d / causal_div);
+        let per_token = 6 * (dl * dense + ml * moe + head) + attn_core;
+        per_token * l.job.training.global_batch as u128 * s
+    };
+    (count(false), count(true))
+}
+
+/// Run every rule; returns the report and the errors (empty when the plan passes).
+pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
+    let mut errs = Vec::new();
+    let p = &l.program;
+    let m = &l.job.model;
+    let lay = &l.layout;
+    let w = l.job.training.compute_dtype.bytes() as u64;
+
+    // ---- FLOPs ----
+    let mut ir_flops: u128 = 0;
+    let mut rc_flops: u128 = 0;
+    for c in &p.classes {
+        let n = c.ranks.len() as u128;
+        for node in &c.graph.nodes {
+            if let Some(wk) = node.op.work() {
+                if node.pass == Pass::Recompute {
+                    rc_flops += wk.flops as u128 * n;
+                } else {
+                    ir_flops += wk.flops as u128 * n;
+                }
+            }
+        }
+    }
+    let (expected, padded) = model_flops(l);
+    if ir_flops < expected || ir_flops > padded {
+        errs.push(CheckError {
+            rank: 0,
+            node: None,
+            rule: "flops",
+            message: format!(
+                "compute FLOPs of all ranks {ir_flops} != model FLOPs of the step {expected} \
+                 (padded shards allow up to {padded})"
+            ),
+        });
+    }
+    let share = if ir_flops > 0 {
+        rc_flops as f64 / ir_flops as f64
+    } else {
+        0.0
+    };
+    let est = &plan.estimate;
+    let plan_share = if est.mfu > 0.0 {
+        (est.hfu - est.mfu) / est.mfu
+    } else {
+        0.0
+    };
+    if (share - plan_share).abs() > 1e-5_f64.max(2e-5 * plan_share) {
+        errs.push(CheckError {
+            rank: 0,
+            node: None,
+            rule: "recompute",
+            message: format!(
+                "recomputed FLOPs are {:.6}% of model FLOPs; the plan's (HFU - MFU) / MFU is {:.6}%",
+                100.0 * share,
+                100.0 * plan_share
+            ),
+        });
+    }
+
+    // ---- memory ----
+    let mut memory = Vec::new();
+    for (ci, c) in p.classes.iter().enumerate() {
+        let (stage, cp_index) = l.class_coords[ci];
+        let rank = c.ranks[0];
+        let (peak, at) = c.graph.peak_memory();
+        let mem = &l.eval.ranks[stage as usize].memory;
+        let rel = peak as f64 / mem.total_bytes - 1.0;
+        if peak as f64 > mem.hbm_bytes {
+            errs.push(CheckError {
+                rank,
+                node: at.map(|n| n.0),
+                rule: "memory",
+                message: format!(
+                    "peak {:.2} GB of live buffers exceeds HBM {:.2} GB",
+                    peak as f64 / 1e9,
+                    mem.hbm_bytes / 1e9
+                ),
+            });
+        }
+        if rel.abs() > 0.05 {
+            errs.push(CheckError {
+                rank,
+                node: at.map(|n| n.0),
+                rule: "memory",
+                message: format!(
+                    "stage {stage}: peak {:.2} GB from the schedule differs from the cost \
+                     model's {:.2} GB by {:+.1}%",
+                    peak as f64 / 1e9,
+                    mem.total_bytes / 1e9,
+                    100.0 * rel
+                ),
+            });
+        }
+        memory.push(StageMemory {
+            stage,
+            cp_index,
+            rank,
+            ir_peak_bytes: peak,
+            cost_model_bytes: mem.total_bytes,
+            hbm_bytes: mem.hbm_bytes,
+            rel_diff: rel,
+        });
+    }
+
+    // ---- collective bytes ----
+    let tokens = lay.micro_batch as u64 * m.seq_len / lay.cp as u64;
+    let sp = lay.sequence_parallel && lay.tp > 1;
+    let hidden = tokens * m.hidden_size * w;
+    let kv_local = (m.num_kv_heads as u64).div_ceil(lay.tp as u64);
+    let cp_kv = 2 * lay.micro_batch as u64 * m.seq_len * kv_local * m.head_dim * w;
+    let routed = m.moe.as_ref().map_or(0, |moe| {
+        tokens / if sp { lay.tp as u64 } else { 1 } * moe.top_k as u64 * m.hidden_size * w
+    });
+    let boundary = hidden / if sp { lay.tp as u64 } else { 1 };
+    let mut checked = 0u64;
+    for (ci, c) in p.classes.iter().enumerate() {
+        let rank = c.ranks[0];
+        let g = &c.graph;
+        let (stage, _) = l.class_coords[ci];
+        let mut grad_bytes = [0u64; 2];
+        let mut grad_slack = [0u64; 2];
+        for node in &g.nodes {
+            let mut bad = |want: u64, what: &str, got: u64, n: u64, unit: u64| {
+                // Collectives are padded to a multiple of the group size.
+                let hi = want.div_ceil(n * unit) * n * unit;
+                if got < want || got > hi {
+                    errs.push(CheckError {
+                        rank,
+                        node: Some(node.id.0),
+                        rule: "bytes",
+                        message: format!("{what}: moves {got} bytes, the tensor is {want}"),
+                    });
+                }
+            };
+            match &node.op {
+                Op::Collective {
+                    kind,
+                    group,
+                    bytes,
+                    dtype,
+                } => {
+                    checked += 1;
+                    let pg = p.group(*group);
+                    let n = pg.ranks.len() as u64;
+                    let unit = dtype.bytes();
+                    match pg.axis.as_str() {
+                        "tp" => bad(hidden, "TP collective of the hidden states", *bytes, n, unit),
+                        "cp" => bad(cp_kv, "CP exchange of K and V", *bytes, n, unit),
+                        "ep" => bad(routed, "EP all-to-all of the routed tokens", *bytes, n, unit),
+                        "dense_dp" | "expert_dp" => {
+                            let i = usize::from(pg.axis == "expert_dp");
+                            let is_grad = matches!(
+                                kind,
+                                CollectiveKind::AllReduce | CollectiveKind::ReduceScatter
+                            );
+                            if is_grad {
+                                // Under ZeRO-3 the reduction runs per micro-batch.
+                                let per = if lay.zero_stage >= 3 && node.mb.is_some() {
+                                    u64::from(node.mb == Some(0))
+                                } else {
+                                    1
+                                };
+                                grad_bytes[i] += *bytes * per;
+                                grad_slack[i] += n * unit * per;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                Op::Send { bytes, .. } | Op::Recv { bytes, .. } => {
+                    checked += 1;
+                    bad(boundary, "pipeline boundary activations", *bytes, 1, 1);
+                }
+                _ => {}
+            }
+        }
+        // The stage's gradients, unsharded.
+        let gb = l.job.training.grad_dtype.bytes();
+        let (dense_p, expert_p) = stage_params(l, stage);
+        for (i, (params, axis)) in [(dense_p, "dense"), (expert_p, "expert")].iter().enumerate() {
+            let want = (params.round() as u64) * gb as u64;
+            let got = grad_bytes[i];
+            if (got as i128 - want as i128).unsigned_abs() > grad_slack[i] as u128 + 64 * gb as u128 {
+                errs.push(CheckError {
+                    rank,
+                    node: None,
+                    rule: "bytes",
+                    message: format!(
+                        "{axis} gradient reductions move {got} bytes, the stage holds {want} bytes of {axis} gradients"
+                    ),
+                });
+            }
+        }
+    }
+    let report = CheckReport {
+        ir_flops,
+        expected_model_flops: expected,
+        padding_flops: ir_flops.saturating_sub(expected),
+        cost_model_flops: est.model_flops_per_token * est.tokens_per_step,
+        recompute_flops: rc_flops,
+        recompute_share: share,
+        plan_recompute_share: plan_share,
+        memory,
+        collectives_checked: checked,
+    };
+    (report, errs)
+}
+
+/// Parameters (dense, expert) held by pipeline stage `j`, from the cost model's per-layer
+/// counts.
+fn stage_params(l: &Lowered, j: u32) -> (f64, f64) {
+    let m = &l.job.model;
+    let mut dense = 0.0;
+    let mut expert = 0.0;
+    for &(first, count) in &l.chunks[j as usize] {
+        for layer in first..first + count {
+            if m.is_moe() && layer >= m.dense_layers() {
+                dense += l.lc.moe_layer_dense_params;
+                expert += l.lc.moe_layer_expert_params;
+            } else {
+                dense += l.lc.dense_layer_params;
+            }
+        }
+    }
+    if j == 0 {
+        dense += l.lc.embed_params;
+    }
+    if j == l.layout.pp - 1 {
+        dense += l.lc.head_params;
+    }
+    (dense, expert)
+}
