@@ -210,6 +210,29 @@ pub fn node_seconds(l: &Lowered, program: &Program, node: &Node) -> f64 {
     }
 }
 
+/// The simulator's cost function: [`node_seconds`] plus the per-layer launch overhead on
+/// the first norm of each layer's forward (the node right after the allocation of the
+/// layer's activations).
+pub struct PlanCost<'a>(pub &'a Lowered);
+
+impl shardwright_simulator::OpCost for PlanCost<'_> {
+    fn seconds(&self, program: &Program, class: usize, node: &Node) -> f64 {
+        let mut t = node_seconds(self.0, program, node);
+        if let (Op::Norm { .. }, Some(_), Pass::Fwd) = (&node.op, node.layer, node.pass) {
+            let g = &program.classes[class].graph;
+            let i = node.id.index();
+            if i > 0 {
+                if let Op::Alloc { buffer } = g.nodes[i - 1].op {
+                    if g.buffers[buffer.index()].kind == shardwright_ir::BufferKind::Activation {
+                        t += self.0.job.efficiency.layer_overhead_s;
+                    }
+                }
+            }
+        }
+        t
+    }
+}
+
 /// Per-node seconds for every class graph (index = class, node), with the per-layer launch
 /// overhead on the first forward norm of each (layer, micro-batch).
 pub fn costs(l: &Lowered) -> Vec<Vec<f64>> {

@@ -3,17 +3,18 @@
 //! [`simulate`] runs every rank of a [`Program`] at class level (never materializing
 //! per-rank graphs): each stream of a rank runs its nodes in program order, streams
 //! overlap, a node starts when its deps and its stream predecessor are done; a local op
-//! takes the caller's [`OpCost`]; a collective starts when the last member arrives and a
-//! send/recv pair when both sides are ready, and both take the longest duration any
-//! participant's cost reports. Ranks of one class behave identically, which is exact
+//! takes the caller's [`OpCost`]; a collective starts when the last member arrives and
+//! takes the longest duration any participant's cost reports; a send is eager (it occupies
+//! its stream for its duration and does not wait for the receiver) and its receive
+//! completes a duration after both sides are posted. Ranks of one class behave identically, which is exact
 //! once the class partition is equitable: [`simulate`] refines it with
 //! [`refine_classes`] (and splits a straggler out into its own class first), so a group
 //! may span several classes.
 //!
 //! Assumptions: no contention between streams or between concurrent collectives on a
 //! link (each op's duration is what the cost function says, whatever else runs); no
-//! launch latency beyond what the cost includes; send/recv are rendezvous (both sides
-//! block until the pair completes); memory events cost what the cost function says
+//! launch latency beyond what the cost includes; sends are eager (buffered, as NCCL's grouped
+//! send/recv and Megatron's batched p2p behave); memory events cost what the cost function says
 //! (usually zero).
 //!
 //! The engine is [`shardwright_ir::matching::run_timeline`]; times are max-plus so the
