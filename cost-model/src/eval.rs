@@ -10,12 +10,15 @@
 //! the attention core at the flash-attention efficiency, memory-bound elementwise traffic at
 //! HBM bandwidth, a per-layer launch overhead, and the exposed share of TP, CP and EP
 //! communication. Bubble = `(sum of rank times - slowest) / v` (= `(p-1)/v * t_mb` for
-//! balanced stages). Collectives run on the fabric their group crosses (see `group_link`).
+//! balanced stages); for interleaving with uneven chunks (layers not a multiple of `p v`)
+//! the bubble and the in-flight activations come from a walk of the schedule
+//! ([`crate::schedule::walk`]), since the closed forms assume equal chunks. Collectives run on the fabric their group crosses (see `group_link`).
 
 use crate::collective::{all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s};
 use crate::flops;
 use crate::memory;
 use crate::reliability;
+use crate::schedule;
 use shardwright_spec::job::{Efficiency, Job};
 use shardwright_spec::layout::Layout;
 use shardwright_spec::plan::{Estimate, MemoryBreakdown, ReliabilityEstimate, StepBreakdown};
@@ -498,6 +501,7 @@ fn rank_memory(
     layout: &Layout,
     l: &RankLoad,
     j: u32,
+    act_peak: Option<f64>,
 ) -> MemoryBreakdown {
     let tr = &job.training;
     let (dense_p, expert_p) = rank_params(lc, l);
@@ -521,7 +525,11 @@ fn rank_memory(
     } else {
         0.0
     };
-    let activations = infl * (act_layer + embed_act);
+    // The schedule walk's exact peak where the closed form does not hold (uneven chunks).
+    let (activations, infl) = match act_peak {
+        Some(a) if act_layer + embed_act > 0.0 => (a, a / (act_layer + embed_act)),
+        _ => (infl * (act_layer + embed_act), infl),
+    };
     let logits = if l.head { lc.logits_bytes } else { 0.0 };
     // Gradient buckets (40M elements, double-buffered), ZeRO-3 prefetch of two layers'
     // full weights, and the recompute working set.
@@ -574,6 +582,48 @@ pub fn evaluate(
     let mut sum_total = 0.0;
     let mut max_params = (0.0f64, 0.0f64);
     let mut start = 0u32;
+    // Interleaving with uneven chunks: the bubble and the in-flight activations come from a
+    // walk of the schedule (the closed forms assume equal chunks).
+    let walk = if layout.schedule == Schedule::Interleaved
+        && v > 1
+        && model.num_layers % (p * v) != 0
+        && matches!(split, Split::Balanced)
+    {
+        let n = (p * v) as usize;
+        let (mut fwd, mut bwd, mut act) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        let fshare = if layout.recompute == Recompute::Full {
+            0.25
+        } else {
+            1.0 / 3.0
+        };
+        for vs in 0..p * v {
+            let (s0, c) = chunk_layers(model.num_layers, p * v, vs);
+            let mut part = rank_load(job, s0, c, vs % p, p);
+            part.head = vs == p * v - 1;
+            part.embedding = vs == 0;
+            let t = rank_time(lc, &part).total();
+            fwd[vs as usize] = t * fshare;
+            bwd[vs as usize] = t * (1.0 - fshare);
+            act[vs as usize] = part.dense_layers as f64 * lc.dense_act_bytes
+                + part.moe_layers as f64 * lc.moe_act_bytes
+                + if part.embedding {
+                    2.0 * lc.tokens * model.hidden_size as f64
+                } else {
+                    0.0
+                };
+        }
+        Some(schedule::walk(
+            layout.schedule,
+            p,
+            v,
+            mb_count as u32,
+            &fwd,
+            &bwd,
+            &act,
+        ))
+    } else {
+        None
+    };
     for j in 0..p {
         let (load, count) = match split {
             Split::Balanced => {
@@ -605,7 +655,14 @@ pub fn evaluate(
             slow_total = total;
             slow = t;
         }
-        let mem = rank_memory(job, lc, layout, &load, j);
+        let mem = rank_memory(
+            job,
+            lc,
+            layout,
+            &load,
+            j,
+            walk.as_ref().map(|w| w.peak_act[j as usize]),
+        );
         if mem.total_bytes > worst_mem.total_bytes {
             worst_mem = mem.clone();
         }
@@ -626,10 +683,10 @@ pub fn evaluate(
 
     let e = &job.efficiency;
     let m = mb_count as f64;
-    let bubble = if p > 1 {
-        (sum_total - slow_total) / v as f64
-    } else {
-        0.0
+    let bubble = match &walk {
+        Some(w) => (w.makespan - m * slow_total).max(0.0),
+        None if p > 1 => (sum_total - slow_total) / v as f64,
+        None => 0.0,
     };
     // Pipeline sends: forward activation and backward gradient per micro-batch per chunk
     // boundary; the fill/drain path crosses p-1 boundaries; steady-state sends of a rank sit

@@ -9,6 +9,6 @@ pub mod check;
 pub mod cost;
 pub mod lower;
 pub mod mesh;
-pub mod schedule;
+
 
 pub use lower::{lower, LowerError, Lowered};

@@ -9,7 +9,7 @@
 //! 1. step set-up: allocation of the persistent state (working weights, gradients, fp32
 //!    master, optimizer moments: the cost model's per-stage bytes), gradient buckets, the
 //!    ZeRO-3 prefetch buffers and the framework reserve;
-//! 2. the pipeline schedule of the plan ([`crate::schedule`]); a forward slot receives its
+//! 2. the pipeline schedule of the plan ([`shardwright_cost::schedule`]); a forward slot receives its
 //!    input from the previous virtual stage, runs the chunk's layers and sends the output
 //!    on; a backward slot mirrors it. Per layer (Megatron-LM layout):
 //!    - attention block: norm, [SP all-gather], QKV GEMM (column-parallel), rotary,
@@ -38,7 +38,7 @@
 //! plus recomputation (checked by [`crate::check`]).
 
 use crate::mesh::declare_groups;
-use crate::schedule::{slots, Phase};
+use shardwright_cost::schedule::{slots, Phase};
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
