@@ -3,9 +3,9 @@
 use crate::{usage, Failure};
 use anyhow::{anyhow, Context};
 use shardwright_cost::{resolve, ResolveOptions, Resolved};
+use shardwright_planner::{plan, PlanError, PlanOptions};
 use shardwright_spec::job::Efficiency;
 use shardwright_spec::parse::{parse_spec, Format};
-use shardwright_planner::{plan, PlanError, PlanOptions};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::Path;

@@ -18,6 +18,7 @@ use crate::memory;
 use crate::reliability;
 use shardwright_spec::job::{Efficiency, Job};
 use shardwright_spec::layout::Layout;
+use shardwright_spec::mesh::{Fabric, GroupKind, Mesh};
 use shardwright_spec::plan::{Estimate, MemoryBreakdown, ReliabilityEstimate, StepBreakdown};
 use shardwright_spec::spec::{Recompute, Schedule};
 
@@ -56,30 +57,35 @@ impl LayerTime {
     }
 }
 
-/// Which link a group of ranks uses: `(bus GB/s, latency s, crosses nodes, ranks per node)`.
-/// Ranks of the group are `base + i * stride`, i < size; nodes hold `gpn` consecutive ranks.
-pub fn group_link(job: &Job, stride: u64, size: u64) -> (f64, f64, bool, u64) {
-    let gpn = job.cluster.gpus_per_node as u64;
+/// The link one process group runs on: achieved bus bandwidth, per-step latency, and the
+/// group's [`Fabric`] (from [`Mesh::fabric`], the one place groups are derived).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    pub gbps: f64,
+    pub latency_s: f64,
+    pub fabric: Fabric,
+}
+
+/// Which link a group with fabric `f` uses: NVLink inside a node; a ring that leaves the
+/// node runs at one NIC's rate (rail-optimized: each GPU has its own NIC, and the slowest
+/// link bounds the ring).
+pub fn group_link(job: &Job, f: Fabric) -> Link {
     let hw = &job.hardware;
     let eff = &job.efficiency;
     let nvl = hw.nvlink_gbps * eff.nvlink_bus_eff;
-    if size <= 1 {
-        return (nvl, hw.nvlink_latency_s, false, 1);
+    if !f.crosses_nodes {
+        return Link {
+            gbps: nvl,
+            latency_s: hw.nvlink_latency_s,
+            fabric: f,
+        };
     }
-    let span = stride * size;
-    if span <= gpn && gpn % span == 0 {
-        return (nvl, hw.nvlink_latency_s, false, size);
-    }
-    // Ranks of one group inside one node.
-    let per_node = if stride >= gpn {
-        1
-    } else {
-        (gpn / stride).min(size).max(1)
-    };
-    // Rail-optimized fabric: each GPU has its own NIC and a ring that leaves the node runs
-    // at that NIC's rate (the slowest link bounds the ring).
     let ib = hw.inter_node_gbps * eff.inter_node_bus_eff;
-    (ib.min(nvl), hw.inter_node_latency_s, true, per_node)
+    Link {
+        gbps: ib.min(nvl),
+        latency_s: hw.inter_node_latency_s,
+        fabric: f,
+    }
 }
 
 /// GEMM efficiency at shape (m x k) @ (k x n).
@@ -211,7 +217,10 @@ impl LayerCosts {
 
         // TP collectives: 2 per layer forward (all-reduce, or AG + RS with SP: same volume),
         // 2 backward, 2 more when the forward is recomputed.
-        let (tp_gbps, tp_lat, _, _) = group_link(job, 1, tp as u64);
+        // Groups inside one model replica depend only on (tp, cp, ep).
+        let mesh = Mesh::from_degrees(tp, cp, ep, 1, 1, job.cluster.gpus_per_node);
+        let tp_link = group_link(job, mesh.fabric(GroupKind::Tp));
+        let (tp_gbps, tp_lat) = (tp_link.gbps, tp_link.latency_s);
         let tp_msg = tokens * h * 2.0;
         let tp_one = if sp {
             all_gather_s(tp_msg, tp as u64, tp_gbps, tp_lat)
@@ -226,7 +235,8 @@ impl LayerCosts {
         // CP ring attention: (c-1) K/V chunk passes forward, twice that backward (K, V and
         // dK, dV), overlapped with the attention core of the same pass.
         let cp_exposed = if cp > 1 {
-            let (cp_gbps, cp_lat, _, _) = group_link(job, tp as u64, cp as u64);
+            let cp_link = group_link(job, mesh.fabric(GroupKind::Cp));
+            let (cp_gbps, cp_lat) = (cp_link.gbps, cp_link.latency_s);
             let kv_heads_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
             let chunk = 2.0 * tokens * kv_heads_local * 2.0;
             let fwd = (cp as f64 - 1.0) * send_s(chunk, cp_gbps, cp_lat);
@@ -295,8 +305,8 @@ impl LayerCosts {
             }
             // EP all-to-all: dispatch + combine per pass, each rank sending tokens*k*h*2 bytes.
             let ep_time = if ep > 1 {
-                let stride = tp as u64 * cp as u64;
-                let (_, lat, _, per_node) = group_link(job, stride, ep as u64);
+                let ep_link = group_link(job, mesh.fabric(GroupKind::Ep));
+                let (lat, per_node) = (ep_link.latency_s, ep_link.fabric.ranks_per_node);
                 let intra = hw.nvlink_gbps * e.nvlink_bus_eff;
                 let inter = hw.inter_node_gbps * e.inter_node_bus_eff;
                 let msg = tokens * k * h * 2.0 / seq_div;
@@ -566,6 +576,7 @@ pub fn evaluate(
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let mb_count = layout.grad_accum;
+    let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
     let model = &job.model;
     let mut ranks = Vec::new();
     let mut worst_mem = MemoryBreakdown::default();
@@ -635,8 +646,8 @@ pub fn evaluate(
     // boundary; the fill/drain path crosses p-1 boundaries; steady-state sends of a rank sit
     // between its compute slots.
     let pp_s = if p > 1 {
-        let stride = layout.tp as u64 * layout.cp as u64 * layout.ep as u64 * layout.dp as u64;
-        let (_, lat, crosses, _) = group_link(job, stride, p as u64);
+        let pp_link = group_link(job, mesh.fabric(GroupKind::Pp));
+        let (lat, crosses) = (pp_link.latency_s, pp_link.fabric.crosses_nodes);
         // A send uses one GPU's link: its NIC when the neighbour stage is on another node.
         let gbps = if crosses {
             job.hardware.inter_node_gbps * e.inter_node_bus_eff
@@ -653,8 +664,10 @@ pub fn evaluate(
     let ddp = layout.dense_dp();
     let edp = layout.expert_dp();
     let tr = &job.training;
-    let (d_gbps, d_lat, _, _) = group_link(job, layout.tp as u64, ddp);
-    let (e_gbps, e_lat, _, _) = group_link(job, layout.tp as u64 * layout.ep as u64, edp);
+    let d_link = group_link(job, mesh.fabric(GroupKind::DenseDp));
+    let e_link = group_link(job, mesh.fabric(GroupKind::ExpertDp));
+    let (d_gbps, d_lat) = (d_link.gbps, d_link.latency_s);
+    let (e_gbps, e_lat) = (e_link.gbps, e_link.latency_s);
     let g = tr.grad_dtype.bytes();
     let w = tr.compute_dtype.bytes();
     let dp_coll = |params: f64, n: u64, gbps: f64, lat: f64| -> (f64, f64) {

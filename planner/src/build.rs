@@ -7,10 +7,11 @@
 
 use crate::partition::{self, Item};
 use crate::search::{rank_cmp, search, Candidate};
-use shardwright_cost::eval::{evaluate, group_link, Evaluation, LayerCosts, RankEval, Split};
+use shardwright_cost::eval::{evaluate, Evaluation, LayerCosts, RankEval, Split};
 use shardwright_cost::flops;
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
+use shardwright_spec::mesh::{GroupKind, Mesh};
 use shardwright_spec::plan::*;
 use std::collections::BTreeMap;
 
@@ -205,32 +206,36 @@ fn formulas() -> BTreeMap<String, String> {
 
 fn rank_order(job: &Job, l: &Layout) -> RankOrder {
     let gpn = job.cluster.gpus_per_node;
-    let mut groups = Vec::new();
-    let mut push = |axis: &str, stride: u64, size: u64| {
-        let (_, _, crosses, per_node) = group_link(job, stride, size);
-        let nodes = if crosses {
-            size.div_ceil(per_node.max(1))
-        } else {
-            1
-        };
-        groups.push(GroupInfo {
-            axis: axis.into(),
-            size,
-            stride,
-            fabric: if crosses { "inter_node" } else { "nvlink" }.into(),
-            nodes_spanned: nodes,
-        });
-    };
-    let tp = l.tp as u64;
-    let cp = l.cp as u64;
-    let ep = l.ep as u64;
-    let dp = l.dp as u64;
-    push("tp", 1, tp);
-    push("cp", tp, cp);
-    push("ep", tp * cp, ep);
-    push("dp", tp * cp * ep, dp);
-    push("dense_dp", tp, cp * ep * dp);
-    push("pp", tp * cp * ep * dp, l.pp as u64);
+    let mesh = Mesh::new(l, gpn);
+    // Every group here has one stride (expert_dp, two strides when cp > 1 and ep > 1, is
+    // not listed: the plan's group record has a single stride).
+    let groups = [
+        GroupKind::Tp,
+        GroupKind::Cp,
+        GroupKind::Ep,
+        GroupKind::Dp,
+        GroupKind::DenseDp,
+        GroupKind::Pp,
+    ]
+    .into_iter()
+    .map(|k| {
+        let shape = mesh.shape(k);
+        let fabric = mesh.fabric(k);
+        GroupInfo {
+            axis: k.name().into(),
+            size: shape.size(),
+            stride: shape.stride(),
+            fabric: if fabric.crosses_nodes {
+                "inter_node"
+            } else {
+                "nvlink"
+            }
+            .into(),
+            nodes_spanned: fabric.nodes,
+        }
+    })
+    .collect();
+    let (tp, cp, ep, dp) = (l.tp, l.cp, l.ep, l.dp);
     RankOrder {
         order: ["tp", "cp", "ep", "dp", "pp"]
             .iter()
@@ -239,7 +244,7 @@ fn rank_order(job: &Job, l: &Layout) -> RankOrder {
         description: format!(
             "rank = tp_i + {tp}*(cp_i + {cp}*(ep_i + {ep}*(dp_i + {dp}*pp_i))); node = rank / {gpn}"
         ),
-        nodes: l.world().div_ceil(gpn as u64),
+        nodes: mesh.nodes() as u64,
         ranks_per_node: gpn,
         groups,
     }

@@ -7,11 +7,13 @@
 
 pub mod job;
 pub mod layout;
+pub mod mesh;
 pub mod parse;
 pub mod plan;
 pub mod spec;
 
 pub use job::Job;
 pub use layout::Layout;
+pub use mesh::{Coord, Fabric, GroupKind, GroupShape, Mesh};
 pub use parse::{parse_spec, Format, SpecError, SpecErrors};
 pub use plan::Plan;
