@@ -12,6 +12,7 @@ pub mod memory;
 pub mod pipeline;
 pub mod reliability;
 pub mod resolve;
+pub mod rules;
 
 pub use eval::{evaluate, Evaluation, LayerCosts, Split};
 pub use resolve::{resolve, ResolveOptions, Resolved};
