@@ -123,6 +123,8 @@ pub struct LayerCosts {
     pub head_params: f64,
     /// One pipeline send per micro-batch boundary.
     pub p2p_bytes: f64,
+    /// Activations the embedding's output keeps per in-flight micro-batch (16-bit).
+    pub embed_act_bytes: f64,
     /// Tokens per micro-batch on one GPU (b s / cp).
     pub tokens: f64,
 }
@@ -395,6 +397,7 @@ impl LayerCosts {
             embed_params: flops::embedding_params(m) / t,
             head_params,
             p2p_bytes: tokens * h * 2.0 / seq_div,
+            embed_act_bytes: 2.0 * tokens * h,
             tokens,
         }
     }
@@ -462,6 +465,59 @@ pub fn inflight(schedule: Schedule, p: u32, v: u32, m: u64, j: u32) -> f64 {
     }
 }
 
+/// What one pipeline item adds to the memory of the rank holding it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ItemMemory {
+    /// Weights, gradients, fp32 master and optimizer moments under the layout's ZeRO stage
+    /// (dense parameters over dense_dp, expert parameters over expert_dp); the LM head adds
+    /// its logits.
+    pub static_bytes: f64,
+    /// Activations kept per in-flight micro-batch.
+    pub act_bytes: f64,
+}
+
+/// Memory of each kind of pipeline item (the stage partition's inputs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ItemsMemory {
+    pub embedding: ItemMemory,
+    pub dense_layer: ItemMemory,
+    pub moe_layer: ItemMemory,
+    pub head: ItemMemory,
+}
+
+/// Per-item memory for `layout` (built on `lc` for its tp, cp, ep, micro-batch, sp and
+/// recompute). Everything that does not scale with the items a rank holds (reserve,
+/// buckets, working sets) is in [`RankEval::memory`].
+pub fn item_memory(job: &Job, lc: &LayerCosts, layout: &Layout) -> ItemsMemory {
+    let tr = &job.training;
+    let z = layout.zero_stage;
+    let ddp = layout.dense_dp() as f64;
+    let edp = layout.expert_dp() as f64;
+    let w = tr.compute_dtype.bytes();
+    let g = tr.grad_dtype.bytes();
+    let o = tr.master_dtype.bytes() + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
+    let per_param = |n: f64| memory::zero_bytes_per_param(z, n, w, g, o);
+    ItemsMemory {
+        embedding: ItemMemory {
+            static_bytes: lc.embed_params * per_param(ddp),
+            act_bytes: lc.embed_act_bytes,
+        },
+        dense_layer: ItemMemory {
+            static_bytes: lc.dense_layer_params * per_param(ddp),
+            act_bytes: lc.dense_act_bytes,
+        },
+        moe_layer: ItemMemory {
+            static_bytes: lc.moe_layer_dense_params * per_param(ddp)
+                + lc.moe_layer_expert_params * per_param(edp),
+            act_bytes: lc.moe_act_bytes,
+        },
+        head: ItemMemory {
+            static_bytes: lc.head_params * per_param(ddp) + lc.logits_bytes,
+            act_bytes: 0.0,
+        },
+    }
+}
+
 /// Per-rank evaluation detail (for stage tables).
 #[derive(Clone, Debug, Default)]
 pub struct RankEval {
@@ -526,11 +582,7 @@ fn rank_memory(
     let infl = inflight(layout.schedule, layout.pp, layout.vpp, layout.grad_accum, j);
     let act_layer =
         l.dense_layers as f64 * lc.dense_act_bytes + l.moe_layers as f64 * lc.moe_act_bytes;
-    let embed_act = if l.embedding {
-        2.0 * lc.tokens * job.model.hidden_size as f64
-    } else {
-        0.0
-    };
+    let embed_act = if l.embedding { lc.embed_act_bytes } else { 0.0 };
     let activations = infl * (act_layer + embed_act);
     let logits = if l.head { lc.logits_bytes } else { 0.0 };
     // Gradient buckets (40M elements, double-buffered), ZeRO-3 prefetch of two layers'

@@ -7,7 +7,9 @@
 
 use crate::partition::{self, Item};
 use crate::search::{rank_cmp, search, Candidate};
-use shardwright_cost::eval::{evaluate, Evaluation, LayerCosts, RankEval, Split};
+use shardwright_cost::eval::{
+    evaluate, item_memory, Evaluation, ItemMemory, LayerCosts, RankEval, Split,
+};
 use shardwright_cost::flops;
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
@@ -100,44 +102,24 @@ fn refine_split(
     bal: &Evaluation,
     how: Partitioner,
 ) -> Option<Vec<u32>> {
-    let tr = &job.training;
-    let z = layout.zero_stage;
-    let ddp = layout.dense_dp() as f64;
-    let edp = layout.expert_dp() as f64;
-    let w = tr.compute_dtype.bytes();
-    let g = tr.grad_dtype.bytes();
-    let o = tr.master_dtype.bytes() + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
-    let per_param = |n: f64| shardwright_cost::memory::zero_bytes_per_param(z, n, w, g, o);
+    // Memory per item comes from the cost model (ZeRO sharding, activations, logits).
+    let mem = item_memory(job, lc, layout);
+    let item = |time_s: f64, m: ItemMemory| Item {
+        time_s,
+        static_bytes: m.static_bytes,
+        act_bytes: m.act_bytes,
+    };
     let m = &job.model;
     let mut items = Vec::with_capacity(m.num_layers as usize + 2);
-    let head_t = lc.head.total();
-    items.push(Item {
-        time_s: 0.0,
-        static_bytes: lc.embed_params * per_param(ddp),
-        act_bytes: 2.0 * lc.tokens * m.hidden_size as f64,
-    });
+    items.push(item(0.0, mem.embedding));
     for l in 0..m.num_layers {
-        let moe = l >= m.dense_layers();
-        items.push(if moe {
-            Item {
-                time_s: lc.moe.total(),
-                static_bytes: lc.moe_layer_dense_params * per_param(ddp)
-                    + lc.moe_layer_expert_params * per_param(edp),
-                act_bytes: lc.moe_act_bytes,
-            }
+        items.push(if l >= m.dense_layers() {
+            item(lc.moe.total(), mem.moe_layer)
         } else {
-            Item {
-                time_s: lc.dense.total(),
-                static_bytes: lc.dense_layer_params * per_param(ddp),
-                act_bytes: lc.dense_act_bytes,
-            }
+            item(lc.dense.total(), mem.dense_layer)
         });
     }
-    items.push(Item {
-        time_s: head_t,
-        static_bytes: lc.head_params * per_param(ddp) + lc.logits_bytes,
-        act_bytes: 0.0,
-    });
+    items.push(item(lc.head.total(), mem.head));
     let inflight: Vec<f64> = (0..layout.pp)
         .map(|j| {
             shardwright_cost::eval::inflight(

@@ -17,8 +17,6 @@ struct Case {
     pins: &'static str,
 }
 
-const BASE_PINS: &str = "cp: 1, ep: 1, vpp: 1, micro_batch: 1, zero_stage: 1, recompute: none, sequence_parallel: false, schedule: 1f1b";
-
 fn spec_text(c: &Case, pinned: bool) -> String {
     let dense = "arch: dense, num_layers: 8, hidden_size: 1024, num_attention_heads: 16, num_kv_heads: 4, ffn_hidden_size: 4096, ffn_activation: swiglu, vocab_size: 32000, seq_len: 4096";
     let model = if c.model.is_empty() {
@@ -82,7 +80,6 @@ fn cases() -> Vec<Case> {
 
 #[test]
 fn resolve_and_search_reject_for_the_same_rule() {
-    let _ = BASE_PINS;
     let mut seen = std::collections::BTreeSet::new();
     for c in cases() {
         let pinned = parse_spec(&spec_text(&c, true), Format::Yaml).unwrap();
