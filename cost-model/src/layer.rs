@@ -474,13 +474,22 @@ pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -
                 },
                 moe,
             );
-            let mut rc = Emit {
-                out: &mut out,
-                pass: Pass::Recompute,
-            };
             match shape.recompute {
-                Recompute::Full => cx.layer_pass(&mut rc, moe),
-                Recompute::Selective => cx.attention_core(&mut rc),
+                // The forward again: the same ops, copied rather than recomputed (the
+                // search builds these for every shape).
+                Recompute::Full => {
+                    for i in 0..out.len() {
+                        let op = OpCost {
+                            pass: Pass::Recompute,
+                            ..out[i]
+                        };
+                        out.push(op);
+                    }
+                }
+                Recompute::Selective => cx.attention_core(&mut Emit {
+                    out: &mut out,
+                    pass: Pass::Recompute,
+                }),
                 Recompute::None => {}
             }
             cx.layer_pass(
