@@ -6,6 +6,7 @@ use shardwright_cost::eval::{evaluate, group_link, LayerCosts, Split};
 use shardwright_cost::{flops, memory, pipeline, reliability, resolve, ResolveOptions};
 use shardwright_planner::{plan, PlanOptions};
 use shardwright_spec::layout::Layout;
+use shardwright_spec::mesh::{GroupKind, Mesh};
 use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_spec::spec::{Recompute, Schedule, SpecFile};
 use shardwright_spec::{Job, Plan};
@@ -294,8 +295,14 @@ fn s13_moe_deepseek_v3_shape() {
     // Two all-to-alls per MoE layer forward (dispatch, combine) and two backward.
     let job = job_of(&spec("deepseek-v3-2048xh800.yaml"));
     let lc = LayerCosts::new(&job, 1, 1, 64, 1, false, Recompute::None);
-    let (_, lat, crosses, per_node) = group_link(&job, 1, 64);
-    assert!(crosses);
+    // The EP group (tp = cp = 1): 64 consecutive ranks, 8 per node.
+    let link = group_link(
+        &job,
+        Mesh::from_degrees(1, 1, 64, 1, 1, job.cluster.gpus_per_node).fabric(GroupKind::Ep),
+    );
+    let (lat, per_node) = (link.latency_s, link.fabric.ranks_per_node);
+    assert!(link.fabric.crosses_nodes);
+    assert_eq!(per_node, 8);
     let e = &job.efficiency;
     let msg = 4096.0 * 8.0 * 7168.0 * 2.0;
     let one = all_to_all_s(

@@ -14,13 +14,15 @@
 //! the bubble and the in-flight activations come from a walk of the schedule
 //! ([`crate::schedule::walk`]), since the closed forms assume equal chunks. Collectives run on the fabric their group crosses (see `group_link`).
 
-use crate::collective::{all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s};
+use crate::collective::{all_gather_s, all_reduce_s, reduce_scatter_s, send_s};
 use crate::flops;
+use crate::layer::{layer_ops, LayerKind, LayerShape, OpCost, OpKind};
 use crate::memory;
 use crate::reliability;
 use crate::schedule;
 use shardwright_spec::job::{Efficiency, Job};
 use shardwright_spec::layout::Layout;
+use shardwright_spec::mesh::{Fabric, GroupKind, Mesh};
 use shardwright_spec::plan::{Estimate, MemoryBreakdown, ReliabilityEstimate, StepBreakdown};
 use shardwright_spec::spec::{Recompute, Schedule};
 
@@ -33,6 +35,8 @@ pub struct LayerTime {
     pub overhead: f64,
     pub tp_total: f64,
     pub tp_exposed: f64,
+    /// Ring-attention K/V traffic, hidden or not.
+    pub cp_total: f64,
     pub cp_exposed: f64,
     pub ep: f64,
 }
@@ -54,35 +58,73 @@ impl LayerTime {
         self.overhead += o.overhead * k;
         self.tp_total += o.tp_total * k;
         self.tp_exposed += o.tp_exposed * k;
+        self.cp_total += o.cp_total * k;
         self.cp_exposed += o.cp_exposed * k;
         self.ep += o.ep * k;
     }
 }
 
-/// Which link a group of ranks uses: `(bus GB/s, latency s, crosses nodes, ranks per node)`.
-/// Ranks of the group are `base + i * stride`, i < size; nodes hold `gpn` consecutive ranks.
-pub fn group_link(job: &Job, stride: u64, size: u64) -> (f64, f64, bool, u64) {
-    let gpn = job.cluster.gpus_per_node as u64;
+/// The link one process group runs on: achieved bus bandwidth, per-step latency, and the
+/// group's [`Fabric`] (from [`Mesh::fabric`], the one place groups are derived).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Link {
+    pub gbps: f64,
+    pub latency_s: f64,
+    pub fabric: Fabric,
+}
+
+impl LayerTime {
+    /// Sum a layer template's ops by category: each op's exposed time goes to its
+    /// category, and TP's and CP's full traffic to their totals.
+    pub fn from_ops(ops: &[OpCost], overhead_s: f64) -> LayerTime {
+        let mut lt = LayerTime {
+            overhead: overhead_s,
+            ..LayerTime::default()
+        };
+        for op in ops {
+            match op.kind {
+                OpKind::Gemm { .. } => lt.gemm += op.exposed_s,
+                OpKind::AttentionCore { .. } => lt.attn += op.exposed_s,
+                OpKind::Elementwise { .. } => lt.elementwise += op.exposed_s,
+                OpKind::Collective { group, .. } => match group {
+                    GroupKind::Tp => {
+                        lt.tp_total += op.time_s;
+                        lt.tp_exposed += op.exposed_s;
+                    }
+                    GroupKind::Cp => {
+                        lt.cp_total += op.time_s;
+                        lt.cp_exposed += op.exposed_s;
+                    }
+                    GroupKind::Ep => lt.ep += op.exposed_s,
+                    // Data-parallel and pipeline traffic is per step, not per layer.
+                    GroupKind::Dp | GroupKind::Pp | GroupKind::DenseDp | GroupKind::ExpertDp => {}
+                },
+            }
+        }
+        lt
+    }
+}
+
+/// Which link a group with fabric `f` uses: NVLink inside a node; a ring that leaves the
+/// node runs at one NIC's rate (rail-optimized: each GPU has its own NIC, and the slowest
+/// link bounds the ring).
+pub fn group_link(job: &Job, f: Fabric) -> Link {
     let hw = &job.hardware;
     let eff = &job.efficiency;
     let nvl = hw.nvlink_gbps * eff.nvlink_bus_eff;
-    if size <= 1 {
-        return (nvl, hw.nvlink_latency_s, false, 1);
+    if !f.crosses_nodes {
+        return Link {
+            gbps: nvl,
+            latency_s: hw.nvlink_latency_s,
+            fabric: f,
+        };
     }
-    let span = stride * size;
-    if span <= gpn && gpn % span == 0 {
-        return (nvl, hw.nvlink_latency_s, false, size);
-    }
-    // Ranks of one group inside one node.
-    let per_node = if stride >= gpn {
-        1
-    } else {
-        (gpn / stride).min(size).max(1)
-    };
-    // Rail-optimized fabric: each GPU has its own NIC and a ring that leaves the node runs
-    // at that NIC's rate (the slowest link bounds the ring).
     let ib = hw.inter_node_gbps * eff.inter_node_bus_eff;
-    (ib.min(nvl), hw.inter_node_latency_s, true, per_node)
+    Link {
+        gbps: ib.min(nvl),
+        latency_s: hw.inter_node_latency_s,
+        fabric: f,
+    }
 }
 
 /// GEMM efficiency at shape (m x k) @ (k x n).
@@ -120,26 +162,10 @@ pub struct LayerCosts {
     pub head_params: f64,
     /// One pipeline send per micro-batch boundary.
     pub p2p_bytes: f64,
+    /// Activations the embedding's output keeps per in-flight micro-batch (16-bit).
+    pub embed_act_bytes: f64,
     /// Tokens per micro-batch on one GPU (b s / cp).
     pub tokens: f64,
-}
-
-struct Gemms {
-    time: f64,
-}
-
-impl Gemms {
-    fn new() -> Self {
-        Gemms { time: 0.0 }
-    }
-    /// Forward GEMM (m x k) @ (k x n); backward costs twice the forward at the same rate.
-    fn add(&mut self, job: &Job, peak: f64, m: f64, n: f64, k: f64) {
-        if m <= 0.0 || n <= 0.0 || k <= 0.0 {
-            return;
-        }
-        let eff = gemm_eff(&job.efficiency, m, n, k);
-        self.time += 2.0 * m * n * k / (peak * eff);
-    }
 }
 
 impl LayerCosts {
@@ -154,193 +180,39 @@ impl LayerCosts {
     ) -> LayerCosts {
         let m = &job.model;
         let e = &job.efficiency;
-        let hw = &job.hardware;
         let t = tp as f64;
         let h = m.hidden_size as f64;
         let s = m.seq_len as f64;
         let tokens = micro_batch as f64 * s / cp as f64;
-        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
-        let gemm_peak = if job.training.fp8_gemms {
-            hw.peak_fp8_flops * e.fp8_gemm_rel
-        } else {
-            hw.peak_bf16_flops
-        };
         let seq_div = if sp { t } else { 1.0 };
-        let mats = m.ffn_activation.mlp_matrices();
-        // passes: forward, backward (2x forward), recompute forward
-        let fwd_passes = if rc == Recompute::Full { 2.0 } else { 1.0 };
-        let gemm_passes = fwd_passes + 2.0;
 
-        // ---- attention block (shared by dense and MoE layers) ----
-        let mut attn_g = Gemms::new();
-        attn_g.add(job, gemm_peak, tokens, (qd + 2.0 * kvd) / t, h);
-        attn_g.add(job, gemm_peak, tokens, h, qd / t);
-        // Attention core. Flash attention: the (causal) forward flops at the flash-attention
-        // rate, backward 2.5x the forward work (it recomputes the scores). Unfused attention
-        // (before flash attention): QK^T and AV as batched GEMMs with inner dimension
-        // head_dim over the full s x s square (the mask does not skip work; backward twice
-        // the forward GEMM work), plus the scores' HBM traffic per element. Forward: written
-        // by QK^T (2 B), scale-mask-softmax read and written (4 B), read by AV (2 B); with
-        // dropout read, written and its mask written (5 B). Backward: dP written (2 B),
-        // softmax backward reads P and dP and writes dS (6 B), dQ and dK read dS and dV
-        // reads P (6 B); with dropout its backward reads the grad and the mask and writes
-        // (5 B).
-        let core_fwd = tokens * flops::attention_fwd_flops_per_token(m) / t;
-        let attn_rate = hw.peak_bf16_flops * e.attn_eff;
-        let recomputed = rc != Recompute::None;
-        let attn_core = if m.flash_attention {
-            core_fwd * (1.0 + f64::from(u8::from(recomputed)) + 2.5) / attn_rate
-        } else {
-            let heads_local = m.num_attention_heads as f64 / t;
-            let full = 4.0 * tokens * s * qd / t;
-            // The batched GEMMs' own memory traffic is the score matrix, counted below, so
-            // their rate carries no short-inner-dimension (k = head_dim) penalty: only the
-            // size term of the GEMM curve.
-            let qk_flops = 2.0 * tokens * heads_local * s * m.head_dim as f64;
-            let eff = e.gemm_max / (1.0 + (e.gemm_flops0 / qk_flops.max(1.0)).powf(e.gemm_exp));
-            let scores = heads_local * s * tokens;
-            let drop = if m.dropout { 5.0 } else { 0.0 };
-            let hbm_bps = hw.hbm_gbps * 1e9;
-            let gemm_fwd = full / (hw.peak_bf16_flops * eff);
-            let fwd = gemm_fwd + scores * (8.0 + drop) / hbm_bps;
-            let bwd = 2.0 * gemm_fwd + scores * (14.0 + drop) / hbm_bps;
-            fwd * (1.0 + f64::from(u8::from(recomputed))) + bwd
+        // Time: the sum of the layer template's ops (see `layer`), plus the per-layer
+        // overhead. Groups inside one model replica depend only on (tp, cp, ep).
+        let mesh = Mesh::from_degrees(tp, cp, ep, 1, 1, job.cluster.gpus_per_node);
+        let shape = LayerShape {
+            tp,
+            cp,
+            ep,
+            micro_batch,
+            sp,
+            recompute: rc,
         };
-        // Elementwise traffic per forward: norms/residual/rotary on h (sharded with SP),
-        // activation function on the MLP width.
-        let hbm = hw.hbm_gbps * 1e9;
-        let ew_h = e.elementwise_bytes_per_h * 2.0 * tokens * h / seq_div;
-
-        // TP collectives: 2 per layer forward (all-reduce, or AG + RS with SP: same volume),
-        // 2 backward, 2 more when the forward is recomputed.
-        let (tp_gbps, tp_lat, _, _) = group_link(job, 1, tp as u64);
-        let tp_msg = tokens * h * 2.0;
-        let tp_one = if sp {
-            all_gather_s(tp_msg, tp as u64, tp_gbps, tp_lat)
-                + reduce_scatter_s(tp_msg, tp as u64, tp_gbps, tp_lat)
-        } else {
-            all_reduce_s(tp_msg, tp as u64, tp_gbps, tp_lat)
+        let time = |kind: LayerKind| {
+            LayerTime::from_ops(&layer_ops(job, &mesh, &shape, kind), e.layer_overhead_s)
         };
-        // tp_one covers one collective; a layer has 2 per pass.
-        let tp_total = 2.0 * tp_one * (fwd_passes + 1.0);
-        let tp_exposed = tp_total * (1.0 - e.tp_overlap);
-
-        // CP ring attention: (c-1) K/V chunk passes forward, twice that backward (K, V and
-        // dK, dV), overlapped with the attention core of the same pass.
-        let cp_exposed = if cp > 1 {
-            let (cp_gbps, cp_lat, _, _) = group_link(job, tp as u64, cp as u64);
-            let kv_heads_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
-            let chunk = 2.0 * tokens * kv_heads_local * 2.0;
-            let fwd = (cp as f64 - 1.0) * send_s(chunk, cp_gbps, cp_lat);
-            let core_fwd_t = core_fwd / attn_rate;
-            let exp_f = (fwd - core_fwd_t).max(0.0);
-            let exp_b = (2.0 * fwd - 2.5 * core_fwd_t).max(0.0);
-            exp_f * fwd_passes + exp_b
-        } else {
-            0.0
-        };
-
-        let make = |mlp_gemm: f64, mlp_width_local: f64, ep_time: f64| -> LayerTime {
-            // Activation-function traffic on the MLP width: half the per-element bytes of
-            // the hidden-size ops, 16-bit values (so the same coefficient times tokens x width).
-            let ew_f = e.elementwise_bytes_per_h * tokens * mlp_width_local;
-            let ew_total = (ew_h + ew_f) / hbm * (fwd_passes + 2.0);
-            LayerTime {
-                gemm: (attn_g.time + mlp_gemm) * gemm_passes,
-                attn: attn_core,
-                elementwise: ew_total,
-                overhead: e.layer_overhead_s,
-                tp_total,
-                tp_exposed,
-                cp_exposed,
-                ep: ep_time,
-            }
-        };
-
-        // ---- dense MLP ----
-        let f = m.ffn_hidden_size as f64;
-        let mut mlp_g = Gemms::new();
-        mlp_g.add(job, gemm_peak, tokens, (mats - 1.0) * f / t, h);
-        mlp_g.add(job, gemm_peak, tokens, h, f / t);
-        let dense = make(mlp_g.time, (mats - 1.0) * f / t, 0.0);
-
-        // ---- MoE MLP ----
-        let (moe_t, moe_expert_params, moe_dense_params) = if let Some(moe) = &m.moe {
-            let k = moe.top_k as f64;
-            let fe = moe.expert_ffn_hidden_size as f64;
-            let fs = moe.shared_expert_ffn_hidden_size as f64;
-            let experts_local = moe.num_experts as f64 / ep as f64;
-            // Each rank processes on average tokens*k routed copies spread over its experts.
-            let per_expert = tokens * k / experts_local;
-            let mut g = Gemms::new();
-            g.add(job, gemm_peak, tokens, moe.num_experts as f64, h); // router
-            let mut eg = Gemms::new();
-            eg.add(job, gemm_peak, per_expert, (mats - 1.0) * fe / t, h);
-            eg.add(job, gemm_peak, per_expert, h, fe / t);
-            let expert_time = eg.time * experts_local;
-            let mut sg = Gemms::new();
-            if moe.num_shared_experts > 0 {
-                sg.add(
-                    job,
-                    gemm_peak,
-                    tokens,
-                    (mats - 1.0) * fs / t * moe.num_shared_experts as f64,
-                    h,
-                );
-                sg.add(
-                    job,
-                    gemm_peak,
-                    tokens,
-                    h,
-                    fs / t * moe.num_shared_experts as f64,
-                );
-            }
-            // EP all-to-all: dispatch + combine per pass, each rank sending tokens*k*h*2 bytes.
-            let ep_time = if ep > 1 {
-                let stride = tp as u64 * cp as u64;
-                let (_, lat, _, per_node) = group_link(job, stride, ep as u64);
-                let intra = hw.nvlink_gbps * e.nvlink_bus_eff;
-                let inter = hw.inter_node_gbps * e.inter_node_bus_eff;
-                let msg = tokens * k * h * 2.0 / seq_div;
-                2.0 * all_to_all_s(msg, ep as u64, per_node, intra, inter, lat)
-                    * (fwd_passes + 1.0)
-                    * (1.0 - e.ep_overlap)
-            } else {
-                0.0
-            };
-            let width = (mats - 1.0) * (fe * k + fs * moe.num_shared_experts as f64) / t;
-            let mut lt = make(g.time + expert_time + sg.time, width, ep_time);
-            // Token permutation around the experts (memory bound): the routed copies are
-            // gathered into expert order and scattered back, each a read and a write of
-            // tokens*k*h 16-bit values, in every pass.
-            let permute_bytes = 4.0 * tokens * k * h * 2.0 / seq_div;
-            lt.elementwise += permute_bytes / hbm * (fwd_passes + 2.0);
+        let dense = time(LayerKind::Dense);
+        let head = time(LayerKind::Head);
+        let (moe_t, moe_expert_params, moe_dense_params) = if m.is_moe() {
             let (_, routed_total, _, _) = flops::moe_mlp_params(m);
             (
-                lt,
+                time(LayerKind::Moe),
                 routed_total / (t * ep as f64),
                 flops::moe_layer_dense_params(m) / t,
             )
         } else {
             (LayerTime::default(), 0.0, 0.0)
         };
-
-        // ---- LM head + cross entropy ----
         let v = m.vocab_size as f64;
-        let mut hg = Gemms::new();
-        hg.add(job, gemm_peak, tokens, v / t, h);
-        let head = LayerTime {
-            gemm: hg.time * 3.0,
-            attn: 0.0,
-            // logits written, softmax read/write, grad written (fp32).
-            elementwise: 4.0 * 4.0 * tokens * v / t / hbm,
-            overhead: e.layer_overhead_s,
-            tp_total: 0.0,
-            tp_exposed: 0.0,
-            cp_exposed: 0.0,
-            ep: 0.0,
-        };
 
         let fp8 = job.training.fp8_gemms;
         let dense_act = memory::dense_layer_activation_bytes(m, tokens, t, sp, rc, fp8);
@@ -388,6 +260,7 @@ impl LayerCosts {
             embed_params: flops::embedding_params(m) / t,
             head_params,
             p2p_bytes: tokens * h * 2.0 / seq_div,
+            embed_act_bytes: 2.0 * tokens * h,
             tokens,
         }
     }
@@ -452,6 +325,59 @@ pub fn inflight(schedule: Schedule, p: u32, v: u32, m: u64, j: u32) -> f64 {
             let warm = (p - j - 1) as f64 * 2.0 + (v as f64 - 1.0) * p as f64 + 1.0;
             (warm / v as f64).min(m)
         }
+    }
+}
+
+/// What one pipeline item adds to the memory of the rank holding it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ItemMemory {
+    /// Weights, gradients, fp32 master and optimizer moments under the layout's ZeRO stage
+    /// (dense parameters over dense_dp, expert parameters over expert_dp); the LM head adds
+    /// its logits.
+    pub static_bytes: f64,
+    /// Activations kept per in-flight micro-batch.
+    pub act_bytes: f64,
+}
+
+/// Memory of each kind of pipeline item (the stage partition's inputs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ItemsMemory {
+    pub embedding: ItemMemory,
+    pub dense_layer: ItemMemory,
+    pub moe_layer: ItemMemory,
+    pub head: ItemMemory,
+}
+
+/// Per-item memory for `layout` (built on `lc` for its tp, cp, ep, micro-batch, sp and
+/// recompute). Everything that does not scale with the items a rank holds (reserve,
+/// buckets, working sets) is in [`RankEval::memory`].
+pub fn item_memory(job: &Job, lc: &LayerCosts, layout: &Layout) -> ItemsMemory {
+    let tr = &job.training;
+    let z = layout.zero_stage;
+    let ddp = layout.dense_dp() as f64;
+    let edp = layout.expert_dp() as f64;
+    let w = tr.compute_dtype.bytes();
+    let g = tr.grad_dtype.bytes();
+    let o = tr.master_dtype.bytes() + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
+    let per_param = |n: f64| memory::zero_bytes_per_param(z, n, w, g, o);
+    ItemsMemory {
+        embedding: ItemMemory {
+            static_bytes: lc.embed_params * per_param(ddp),
+            act_bytes: lc.embed_act_bytes,
+        },
+        dense_layer: ItemMemory {
+            static_bytes: lc.dense_layer_params * per_param(ddp),
+            act_bytes: lc.dense_act_bytes,
+        },
+        moe_layer: ItemMemory {
+            static_bytes: lc.moe_layer_dense_params * per_param(ddp)
+                + lc.moe_layer_expert_params * per_param(edp),
+            act_bytes: lc.moe_act_bytes,
+        },
+        head: ItemMemory {
+            static_bytes: lc.head_params * per_param(ddp) + lc.logits_bytes,
+            act_bytes: 0.0,
+        },
     }
 }
 
@@ -520,11 +446,7 @@ fn rank_memory(
     let infl = inflight(layout.schedule, layout.pp, layout.vpp, layout.grad_accum, j);
     let act_layer =
         l.dense_layers as f64 * lc.dense_act_bytes + l.moe_layers as f64 * lc.moe_act_bytes;
-    let embed_act = if l.embedding {
-        2.0 * lc.tokens * job.model.hidden_size as f64
-    } else {
-        0.0
-    };
+    let embed_act = if l.embedding { lc.embed_act_bytes } else { 0.0 };
     // The schedule walk's exact peak where the closed form does not hold (uneven chunks).
     let (activations, infl) = match act_peak {
         Some(a) if act_layer + embed_act > 0.0 => (a, a / (act_layer + embed_act)),
@@ -574,6 +496,7 @@ pub fn evaluate(
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let mb_count = layout.grad_accum;
+    let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
     let model = &job.model;
     let mut ranks = Vec::new();
     let mut worst_mem = MemoryBreakdown::default();
@@ -607,7 +530,7 @@ pub fn evaluate(
             act[vs as usize] = part.dense_layers as f64 * lc.dense_act_bytes
                 + part.moe_layers as f64 * lc.moe_act_bytes
                 + if part.embedding {
-                    2.0 * lc.tokens * model.hidden_size as f64
+                    lc.embed_act_bytes
                 } else {
                     0.0
                 };
@@ -692,8 +615,8 @@ pub fn evaluate(
     // boundary; the fill/drain path crosses p-1 boundaries; steady-state sends of a rank sit
     // between its compute slots.
     let pp_s = if p > 1 {
-        let stride = layout.tp as u64 * layout.cp as u64 * layout.ep as u64 * layout.dp as u64;
-        let (_, lat, crosses, _) = group_link(job, stride, p as u64);
+        let pp_link = group_link(job, mesh.fabric(GroupKind::Pp));
+        let (lat, crosses) = (pp_link.latency_s, pp_link.fabric.crosses_nodes);
         // A send uses one GPU's link: its NIC when the neighbour stage is on another node.
         let gbps = if crosses {
             job.hardware.inter_node_gbps * e.inter_node_bus_eff
@@ -710,8 +633,10 @@ pub fn evaluate(
     let ddp = layout.dense_dp();
     let edp = layout.expert_dp();
     let tr = &job.training;
-    let (d_gbps, d_lat, _, _) = group_link(job, layout.tp as u64, ddp);
-    let (e_gbps, e_lat, _, _) = group_link(job, layout.tp as u64 * layout.ep as u64, edp);
+    let d_link = group_link(job, mesh.fabric(GroupKind::DenseDp));
+    let e_link = group_link(job, mesh.fabric(GroupKind::ExpertDp));
+    let (d_gbps, d_lat) = (d_link.gbps, d_link.latency_s);
+    let (e_gbps, e_lat) = (e_link.gbps, e_link.latency_s);
     let g = tr.grad_dtype.bytes();
     let w = tr.compute_dtype.bytes();
     let dp_coll = |params: f64, n: u64, gbps: f64, lat: f64| -> (f64, f64) {

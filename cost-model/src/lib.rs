@@ -8,10 +8,12 @@ pub mod catalog;
 pub mod collective;
 pub mod eval;
 pub mod flops;
+pub mod layer;
 pub mod memory;
 pub mod pipeline;
 pub mod reliability;
 pub mod resolve;
+pub mod rules;
 pub mod schedule;
 
 pub use eval::{evaluate, Evaluation, LayerCosts, Split};

@@ -5,6 +5,7 @@
 
 use crate::catalog;
 use crate::flops;
+use crate::rules::{self, Rejection};
 use shardwright_spec::job::*;
 use shardwright_spec::parse::{SpecError, SpecErrors};
 use shardwright_spec::spec::*;
@@ -523,6 +524,23 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     Ok(Resolved { job, warnings })
 }
 
+/// The pinned axes as the layout rules see them (ep is 1 for a dense model when not pinned;
+/// an MoE spec may leave it to the search). Zero degrees are reported separately.
+pub fn pinned_axes(p: &ParallelismSpec, m: &Model) -> rules::Axes {
+    let pos = |v: Option<u32>| v.filter(|&v| v > 0).map(u64::from);
+    rules::Axes {
+        tp: pos(p.tp),
+        cp: pos(p.cp),
+        ep: pos(p.ep.or(if m.is_moe() { None } else { Some(1) })),
+        pp: pos(p.pp),
+        dp: pos(p.dp),
+        vpp: pos(p.vpp),
+        micro_batch: pos(p.micro_batch),
+        grad_accum: None,
+        zero_stage: p.zero_stage,
+    }
+}
+
 fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t: &Training) {
     for (name, v) in [
         ("tp", p.tp),
@@ -573,81 +591,101 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             format!("pinned degrees multiply to {pinned_product}, which does not divide the {world} GPUs{spares}"),
         );
     }
-    if let Some(tp) = p.tp.filter(|&v| v > 0) {
-        if m.num_attention_heads % tp != 0 {
-            errs.push(
-                "job.model.num_attention_heads",
-                format!("{} not divisible by tp={tp}", m.num_attention_heads),
-            );
-        }
-        if m.num_kv_heads % tp != 0 && tp % m.num_kv_heads.max(1) != 0 {
-            errs.push(
-                "job.model.num_kv_heads",
-                format!(
-                    "{} neither divisible by nor a divisor of tp={tp}",
-                    m.num_kv_heads
-                ),
-            );
-        }
-        if tp > c.gpus_per_node && !p.allow_tp_across_nodes {
-            errs.push(
-                "job.parallelism.tp",
-                format!(
-                    "{tp} exceeds gpus_per_node={} (TP across nodes); set allow_tp_across_nodes: true to permit it",
-                    c.gpus_per_node
-                ),
-            );
-        }
+    // Layout rules on the pinned axes: the same rule set the search applies.
+    let ctx = rules::Ctx {
+        model: m,
+        gpus_per_node: c.gpus_per_node,
+        allow_tp_across_nodes: p.allow_tp_across_nodes,
+        global_batch: t.global_batch,
+        grad_accum: t.grad_accum,
+    };
+    let axes = pinned_axes(p, m);
+    let broken = rules::violations(&ctx, &axes);
+    let has = |r: Rejection| broken.contains(&r);
+    let tp = p.tp.unwrap_or(1);
+    if has(Rejection::HeadsNotDivisibleByTp) {
+        errs.push(
+            "job.model.num_attention_heads",
+            format!("{} not divisible by tp={tp}", m.num_attention_heads),
+        );
     }
-    if let Some(pp) = p.pp.filter(|&v| v > 0) {
-        if pp > m.num_layers {
-            errs.push(
-                "job.parallelism.pp",
-                format!("{pp} stages for {} layers", m.num_layers),
-            );
-        }
-        if let Some(v) = p.vpp.filter(|&v| v > 1) {
-            if m.num_layers < pp * v {
-                errs.push(
-                    "job.parallelism.vpp",
-                    format!(
-                        "num_layers={} is fewer than pp*vpp={} pipeline chunks",
-                        m.num_layers,
-                        pp * v
-                    ),
-                );
-            }
-        }
-    }
-    if let Some(ep) = p.ep.filter(|&v| v > 0) {
-        match &m.moe {
-            None if ep > 1 => errs.push(
-                "job.parallelism.ep",
-                format!("{ep} but the model has no experts"),
+    if has(Rejection::KvHeadsVsTp) {
+        errs.push(
+            "job.model.num_kv_heads",
+            format!(
+                "{} neither divisible by nor a divisor of tp={tp}",
+                m.num_kv_heads
             ),
-            Some(moe) if moe.num_experts % ep != 0 => errs.push(
-                "job.model.moe.num_experts",
-                format!("{} not divisible by ep={ep}", moe.num_experts),
+        );
+    }
+    if has(Rejection::TpAcrossNodes) {
+        errs.push(
+            "job.parallelism.tp",
+            format!(
+                "{tp} exceeds gpus_per_node={} (TP across nodes); set allow_tp_across_nodes: true to permit it",
+                c.gpus_per_node
             ),
-            _ => {}
-        }
+        );
     }
-    if let (Some(cp), false) = (p.cp, m.flash_attention) {
-        if cp > 1 {
-            errs.push(
-                "job.parallelism.cp",
-                format!("{cp} needs flash attention (ring attention is blockwise); the model sets flash_attention: false"),
-            );
-        }
+    let pp = p.pp.unwrap_or(1);
+    if has(Rejection::PpExceedsLayers) {
+        errs.push(
+            "job.parallelism.pp",
+            format!("{pp} stages for {} layers", m.num_layers),
+        );
     }
-    if let Some(cp) = p.cp.filter(|&v| v > 0) {
-        if m.seq_len % (2 * cp as u64) != 0 && cp > 1 {
+    let v = p.vpp.unwrap_or(1);
+    if has(Rejection::LayersVsInterleave) {
+        errs.push(
+            "job.parallelism.vpp",
+            format!(
+                "num_layers={} is fewer than pp*vpp={} pipeline chunks",
+                m.num_layers,
+                pp * v
+            ),
+        );
+    }
+    let ep = p.ep.unwrap_or(1);
+    if has(Rejection::EpWithoutExperts) {
+        errs.push(
+            "job.parallelism.ep",
+            format!("{ep} but the model has no experts"),
+        );
+    }
+    if has(Rejection::ExpertsNotDivisibleByEp) {
+        errs.push(
+            "job.model.moe.num_experts",
+            format!(
+                "{} not divisible by ep={ep}",
+                m.moe.as_ref().map_or(0, |x| x.num_experts)
+            ),
+        );
+    }
+    let cp = p.cp.unwrap_or(1);
+    if has(Rejection::CpWithoutFlashAttention) {
+        errs.push(
+            "job.parallelism.cp",
+            format!("{cp} needs flash attention (ring attention is blockwise); the model sets flash_attention: false"),
+        );
+    }
+    if has(Rejection::SeqLenVsCp) {
+        if m.seq_len % (2 * cp as u64) != 0 {
             errs.push(
                 "job.model.seq_len",
                 format!(
                     "{} not divisible by 2*cp={} (load-balanced ring attention)",
                     m.seq_len,
                     2 * cp
+                ),
+            );
+        } else {
+            errs.push(
+                "job.parallelism.cp",
+                format!(
+                    "seq_len={} split {cp} ways leaves {}-token shards, under the {} minimum",
+                    m.seq_len,
+                    m.seq_len / cp as u64,
+                    rules::MIN_CP_SHARD_TOKENS
                 ),
             );
         }
@@ -667,11 +705,9 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
         errs.push("job.parallelism.sequence_parallel", "needs tp > 1");
     }
     // Batch arithmetic when the replica count and micro-batch are pinned.
-    // ep defaults to 1 only for dense models (an MoE spec may leave it to the search).
-    let ep_known = p.ep.or(if m.is_moe() { None } else { Some(1) });
-    if let (Some(dp), Some(ep), Some(mb)) = (p.dp, ep_known, p.micro_batch) {
-        let per = dp as u64 * ep as u64 * mb as u64;
-        if per > 0 && t.global_batch % per != 0 {
+    if let (Some(dp), Some(ep), Some(mb)) = (axes.dp, axes.ep, axes.micro_batch) {
+        let per = dp * ep * mb;
+        if has(Rejection::BatchNotDivisible) {
             errs.push(
                 "job.batch.global_batch",
                 format!(
@@ -679,17 +715,29 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
                     t.global_batch
                 ),
             );
-        } else if let (Some(ga), true) = (t.grad_accum, per > 0) {
-            if ga * per != t.global_batch {
-                errs.push(
-                    "job.batch.grad_accum",
-                    format!(
-                        "{ga} but global_batch / (micro_batch*dp*ep) = {} / {per} = {}",
-                        t.global_batch,
-                        t.global_batch / per
-                    ),
-                );
-            }
         }
+        if has(Rejection::GradAccumMismatch) {
+            errs.push(
+                "job.batch.grad_accum",
+                format!(
+                    "{} but global_batch / (micro_batch*dp*ep) = {} / {per} = {}",
+                    t.grad_accum.unwrap_or(0),
+                    t.global_batch,
+                    t.global_batch / per
+                ),
+            );
+        }
+    }
+    if has(Rejection::MicrobatchesVsInterleave) {
+        errs.push(
+            "job.parallelism.vpp",
+            format!("vpp={v} (interleaved schedule) needs the micro-batches per step to be a multiple of pp={pp}"),
+        );
+    }
+    if has(Rejection::ZeroWithPp) {
+        errs.push(
+            "job.parallelism.zero_stage",
+            format!("ZeRO-{} with pp={pp}: ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support", p.zero_stage.unwrap_or(0)),
+        );
     }
 }

@@ -82,3 +82,56 @@ fn dp_exposure_follows_the_contention_formula() {
         );
     }
 }
+
+/// The stage partition's per-item memory adds up to the rank's memory breakdown: on one
+/// pipeline rank holding everything, embedding + layers + head static bytes equal weights +
+/// grads + master + optimizer + logits, and the items' activations times the in-flight
+/// micro-batches equal the activations, for each ZeRO stage. Hand count of the ZeRO-1 static
+/// bytes: 2 (bf16 weights) + 4 (fp32 grads) + 12 / dp (master + two moments) per parameter.
+#[test]
+fn item_memory_adds_up_to_the_rank_memory() {
+    use shardwright_cost::eval::item_memory;
+    let j = job(DENSE);
+    for zero_stage in 0..=3u8 {
+        let layout = Layout {
+            tp: 2,
+            pp: 1,
+            dp: 4,
+            cp: 1,
+            ep: 1,
+            vpp: 1,
+            micro_batch: 1,
+            grad_accum: 16,
+            zero_stage,
+            recompute: Recompute::Selective,
+            sequence_parallel: true,
+            schedule: Schedule::OneFOneB,
+        };
+        let lc = LayerCosts::new(&j, 2, 1, 1, 1, true, Recompute::Selective);
+        let ev = evaluate(&j, &lc, &layout, Split::Balanced, true);
+        let mem = &ev.ranks[0].memory;
+        let items = item_memory(&j, &lc, &layout);
+        let layers = j.model.num_layers as f64;
+        let stat = items.embedding.static_bytes
+            + layers * items.dense_layer.static_bytes
+            + items.head.static_bytes;
+        let want = mem.weights_bytes
+            + mem.grads_bytes
+            + mem.master_bytes
+            + mem.optimizer_bytes
+            + mem.logits_bytes;
+        assert!(
+            (stat - want).abs() < 1e-9 * want,
+            "zero {zero_stage}: {stat} vs {want}"
+        );
+        let act = items.embedding.act_bytes + layers * items.dense_layer.act_bytes;
+        let want_act = mem.activations_bytes / mem.inflight_microbatches;
+        assert!((act - want_act).abs() < 1e-9 * want_act);
+        if zero_stage == 1 {
+            let params = lc.embed_params + layers * lc.dense_layer_params + lc.head_params;
+            let g = j.training.grad_dtype.bytes();
+            let hand = params * (2.0 + g + 12.0 / 4.0) + mem.logits_bytes;
+            assert!((stat - hand).abs() < 1e-9 * hand, "{stat} vs {hand}");
+        }
+    }
+}

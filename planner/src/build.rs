@@ -7,10 +7,13 @@
 
 use crate::partition::{self, Item};
 use crate::search::{rank_cmp, search, Candidate};
-use shardwright_cost::eval::{evaluate, group_link, Evaluation, LayerCosts, RankEval, Split};
+use shardwright_cost::eval::{
+    evaluate, item_memory, Evaluation, ItemMemory, LayerCosts, RankEval, Split,
+};
 use shardwright_cost::flops;
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
+use shardwright_spec::mesh::{GroupKind, Mesh};
 use shardwright_spec::plan::*;
 use std::collections::BTreeMap;
 
@@ -99,44 +102,24 @@ fn refine_split(
     bal: &Evaluation,
     how: Partitioner,
 ) -> Option<Vec<u32>> {
-    let tr = &job.training;
-    let z = layout.zero_stage;
-    let ddp = layout.dense_dp() as f64;
-    let edp = layout.expert_dp() as f64;
-    let w = tr.compute_dtype.bytes();
-    let g = tr.grad_dtype.bytes();
-    let o = tr.master_dtype.bytes() + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
-    let per_param = |n: f64| shardwright_cost::memory::zero_bytes_per_param(z, n, w, g, o);
+    // Memory per item comes from the cost model (ZeRO sharding, activations, logits).
+    let mem = item_memory(job, lc, layout);
+    let item = |time_s: f64, m: ItemMemory| Item {
+        time_s,
+        static_bytes: m.static_bytes,
+        act_bytes: m.act_bytes,
+    };
     let m = &job.model;
     let mut items = Vec::with_capacity(m.num_layers as usize + 2);
-    let head_t = lc.head.total();
-    items.push(Item {
-        time_s: 0.0,
-        static_bytes: lc.embed_params * per_param(ddp),
-        act_bytes: 2.0 * lc.tokens * m.hidden_size as f64,
-    });
+    items.push(item(0.0, mem.embedding));
     for l in 0..m.num_layers {
-        let moe = l >= m.dense_layers();
-        items.push(if moe {
-            Item {
-                time_s: lc.moe.total(),
-                static_bytes: lc.moe_layer_dense_params * per_param(ddp)
-                    + lc.moe_layer_expert_params * per_param(edp),
-                act_bytes: lc.moe_act_bytes,
-            }
+        items.push(if l >= m.dense_layers() {
+            item(lc.moe.total(), mem.moe_layer)
         } else {
-            Item {
-                time_s: lc.dense.total(),
-                static_bytes: lc.dense_layer_params * per_param(ddp),
-                act_bytes: lc.dense_act_bytes,
-            }
+            item(lc.dense.total(), mem.dense_layer)
         });
     }
-    items.push(Item {
-        time_s: head_t,
-        static_bytes: lc.head_params * per_param(ddp) + lc.logits_bytes,
-        act_bytes: 0.0,
-    });
+    items.push(item(lc.head.total(), mem.head));
     let inflight: Vec<f64> = (0..layout.pp)
         .map(|j| {
             shardwright_cost::eval::inflight(
@@ -205,32 +188,36 @@ fn formulas() -> BTreeMap<String, String> {
 
 fn rank_order(job: &Job, l: &Layout) -> RankOrder {
     let gpn = job.cluster.gpus_per_node;
-    let mut groups = Vec::new();
-    let mut push = |axis: &str, stride: u64, size: u64| {
-        let (_, _, crosses, per_node) = group_link(job, stride, size);
-        let nodes = if crosses {
-            size.div_ceil(per_node.max(1))
-        } else {
-            1
-        };
-        groups.push(GroupInfo {
-            axis: axis.into(),
-            size,
-            stride,
-            fabric: if crosses { "inter_node" } else { "nvlink" }.into(),
-            nodes_spanned: nodes,
-        });
-    };
-    let tp = l.tp as u64;
-    let cp = l.cp as u64;
-    let ep = l.ep as u64;
-    let dp = l.dp as u64;
-    push("tp", 1, tp);
-    push("cp", tp, cp);
-    push("ep", tp * cp, ep);
-    push("dp", tp * cp * ep, dp);
-    push("dense_dp", tp, cp * ep * dp);
-    push("pp", tp * cp * ep * dp, l.pp as u64);
+    let mesh = Mesh::new(l, gpn);
+    // Every group here has one stride (expert_dp, two strides when cp > 1 and ep > 1, is
+    // not listed: the plan's group record has a single stride).
+    let groups = [
+        GroupKind::Tp,
+        GroupKind::Cp,
+        GroupKind::Ep,
+        GroupKind::Dp,
+        GroupKind::DenseDp,
+        GroupKind::Pp,
+    ]
+    .into_iter()
+    .map(|k| {
+        let shape = mesh.shape(k);
+        let fabric = mesh.fabric(k);
+        GroupInfo {
+            axis: k.name().into(),
+            size: shape.size(),
+            stride: shape.stride(),
+            fabric: if fabric.crosses_nodes {
+                "inter_node"
+            } else {
+                "nvlink"
+            }
+            .into(),
+            nodes_spanned: fabric.nodes,
+        }
+    })
+    .collect();
+    let (tp, cp, ep, dp) = (l.tp, l.cp, l.ep, l.dp);
     RankOrder {
         order: ["tp", "cp", "ep", "dp", "pp"]
             .iter()
@@ -239,7 +226,7 @@ fn rank_order(job: &Job, l: &Layout) -> RankOrder {
         description: format!(
             "rank = tp_i + {tp}*(cp_i + {cp}*(ep_i + {ep}*(dp_i + {dp}*pp_i))); node = rank / {gpn}"
         ),
-        nodes: l.world().div_ceil(gpn as u64),
+        nodes: mesh.nodes() as u64,
         ranks_per_node: gpn,
         groups,
     }

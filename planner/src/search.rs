@@ -7,6 +7,7 @@
 //! costs one `evaluate` call with no allocation.
 
 use shardwright_cost::eval::{evaluate, LayerCosts, Split};
+use shardwright_cost::rules::{self, Axes, Rejection};
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
 use shardwright_spec::plan::{Estimate, SearchSummary};
@@ -18,7 +19,7 @@ pub const MAX_MICRO_BATCH: u64 = 16;
 /// Largest interleaving factor considered.
 pub const MAX_VPP: u32 = 8;
 /// Context-parallel shards shorter than this many tokens are not considered.
-pub const MIN_CP_SHARD_TOKENS: u64 = 256;
+pub use shardwright_cost::rules::MIN_CP_SHARD_TOKENS;
 
 #[derive(Clone, Debug)]
 pub struct Candidate {
@@ -58,7 +59,8 @@ struct Tally {
 }
 
 impl Tally {
-    fn reject(&mut self, reason: &str, example: impl FnOnce() -> String) {
+    fn reject(&mut self, reason: Rejection, example: impl FnOnce() -> String) {
+        let reason = reason.name();
         self.summary.candidates += 1;
         *self.summary.rejected.entry(reason.to_string()).or_insert(0) += 1;
         if !self.summary.examples.contains_key(reason) {
@@ -97,6 +99,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
     let world = job.cluster.world_size;
     let gpn = job.cluster.gpus_per_node as u64;
     let gb = job.training.global_batch;
+    let ctx = rules::Ctx::of(job);
     let mut tally = Tally {
         summary: SearchSummary::default(),
     };
@@ -148,46 +151,32 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                     continue; // not a factorization of the world: not a candidate
                 }
                 // ---- mesh-level rules ----
-                if tp > gpn && !pins.allow_tp_across_nodes {
-                    tally.reject("tp_across_nodes", || {
-                        format!("tp={tp} > {gpn} GPUs per node")
-                    });
-                    continue;
-                }
-                if m.num_attention_heads as u64 % tp != 0 {
-                    tally.reject("heads_not_divisible_by_tp", || {
-                        format!("num_attention_heads={} vs tp={tp}", m.num_attention_heads)
-                    });
-                    continue;
-                }
-                let kv = m.num_kv_heads as u64;
-                if kv % tp != 0 && tp % kv != 0 {
-                    tally.reject("kv_heads_vs_tp", || format!("num_kv_heads={kv} vs tp={tp}"));
-                    continue;
-                }
-                if cp > 1 && !m.flash_attention {
-                    tally.reject("cp_without_flash_attention", || {
-                        format!(
+                let mesh_axes = Axes {
+                    tp: Some(tp),
+                    cp: Some(cp),
+                    ep: Some(ep),
+                    ..Axes::default()
+                };
+                if let Some(r) = rules::first_violation(&ctx, &mesh_axes) {
+                    tally.reject(r, || match r {
+                        Rejection::TpAcrossNodes => format!("tp={tp} > {gpn} GPUs per node"),
+                        Rejection::HeadsNotDivisibleByTp => {
+                            format!("num_attention_heads={} vs tp={tp}", m.num_attention_heads)
+                        }
+                        Rejection::KvHeadsVsTp => {
+                            format!("num_kv_heads={} vs tp={tp}", m.num_kv_heads)
+                        }
+                        Rejection::CpWithoutFlashAttention => format!(
                             "cp={cp}: ring attention needs a blockwise (flash) attention kernel"
-                        )
+                        ),
+                        Rejection::SeqLenVsCp => format!("seq_len={} split {cp} ways (needs 2*cp | s and >= {MIN_CP_SHARD_TOKENS} tokens per shard)", m.seq_len),
+                        Rejection::ExpertsNotDivisibleByEp => format!(
+                            "num_experts={} vs ep={ep}",
+                            m.moe.as_ref().map_or(0, |x| x.num_experts)
+                        ),
+                        Rejection::EpWithoutExperts => format!("ep={ep} on a dense model"),
+                        other => other.name().to_string(),
                     });
-                    continue;
-                }
-                if cp > 1 && (m.seq_len % (2 * cp) != 0 || m.seq_len / cp < MIN_CP_SHARD_TOKENS) {
-                    tally.reject("seq_len_vs_cp", || {
-                        format!("seq_len={} split {cp} ways (needs 2*cp | s and >= {MIN_CP_SHARD_TOKENS} tokens per shard)", m.seq_len)
-                    });
-                    continue;
-                }
-                if let Some(moe) = &m.moe {
-                    if moe.num_experts as u64 % ep != 0 {
-                        tally.reject("experts_not_divisible_by_ep", || {
-                            format!("num_experts={} vs ep={ep}", moe.num_experts)
-                        });
-                        continue;
-                    }
-                } else if ep > 1 {
-                    tally.reject("ep_without_experts", || format!("ep={ep} on a dense model"));
                     continue;
                 }
                 let pps: Vec<u64> = pick(pins.pp.map(|v| v as u64), divisors(world / inner));
@@ -221,30 +210,30 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                         continue;
                                     }
                                 }
-                                if pp > m.num_layers as u64 {
-                                    tally.reject("pp_exceeds_layers", || {
-                                        format!("pp={pp} > num_layers={}", m.num_layers)
+                                let pp_axes = Axes {
+                                    ep: Some(ep),
+                                    pp: Some(pp),
+                                    dp: Some(dp),
+                                    micro_batch: Some(mb),
+                                    ..Axes::default()
+                                };
+                                if let Some(r) = rules::first_violation(&ctx, &pp_axes) {
+                                    tally.reject(r, || match r {
+                                        Rejection::PpExceedsLayers => {
+                                            format!("pp={pp} > num_layers={}", m.num_layers)
+                                        }
+                                        Rejection::BatchNotDivisible => format!("global_batch={gb} vs micro_batch*dp*ep = {mb}*{dp}*{ep}"),
+                                        Rejection::GradAccumMismatch => format!(
+                                            "job.batch.grad_accum={} but layout gives {}",
+                                            job.training.grad_accum.unwrap_or(0),
+                                            gb / (mb * dp * ep)
+                                        ),
+                                        other => other.name().to_string(),
                                     });
                                     continue;
                                 }
                                 let per = mb * dp * ep;
-                                if gb % per != 0 {
-                                    tally.reject("batch_not_divisible", || {
-                                        format!("global_batch={gb} vs micro_batch*dp*ep = {mb}*{dp}*{ep}")
-                                    });
-                                    continue;
-                                }
                                 let ga = gb / per;
-                                if let Some(pga) = job.training.grad_accum {
-                                    if pga != ga {
-                                        tally.reject("grad_accum_mismatch", || {
-                                            format!(
-                                                "job.batch.grad_accum={pga} but layout gives {ga}"
-                                            )
-                                        });
-                                        continue;
-                                    }
-                                }
                                 let vpps: Vec<u32> = match pins.vpp {
                                     Some(v) => vec![v],
                                     None if pp == 1 => vec![1],
@@ -256,23 +245,23 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                         (None, 1) => vec![Schedule::OneFOneB],
                                         (None, _) => vec![Schedule::Interleaved],
                                     };
-                                    if v > 1 {
-                                        if (m.num_layers as u64) < pp * v as u64 {
-                                            tally.reject("layers_vs_interleave", || {
-                                                format!(
-                                                    "num_layers={} < pp*vpp={} chunks",
-                                                    m.num_layers,
-                                                    pp * v as u64
-                                                )
-                                            });
-                                            continue;
-                                        }
-                                        if ga % pp != 0 {
-                                            tally.reject("microbatches_vs_interleave", || {
-                                                format!("{ga} micro-batches not a multiple of pp={pp} (interleaved schedule)")
-                                            });
-                                            continue;
-                                        }
+                                    let v_axes = Axes {
+                                        pp: Some(pp),
+                                        vpp: Some(v as u64),
+                                        grad_accum: Some(ga),
+                                        ..Axes::default()
+                                    };
+                                    if let Some(r) = rules::first_violation(&ctx, &v_axes) {
+                                        tally.reject(r, || match r {
+                                            Rejection::LayersVsInterleave => format!(
+                                                "num_layers={} < pp*vpp={} chunks",
+                                                m.num_layers,
+                                                pp * v as u64
+                                            ),
+                                            Rejection::MicrobatchesVsInterleave => format!("{ga} micro-batches not a multiple of pp={pp} (interleaved schedule)"),
+                                            other => other.name().to_string(),
+                                        });
+                                        continue;
                                     }
                                     for &sched in &schedules {
                                         for &z in &zeros {
@@ -290,9 +279,15 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                                 sequence_parallel: sp,
                                                 schedule: sched,
                                             };
-                                            if z >= 2 && pp > 1 {
-                                                tally.reject("zero_with_pp", || {
-                                                    format!("{layout}: ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support")
+                                            let z_axes = Axes {
+                                                pp: Some(pp),
+                                                zero_stage: Some(z),
+                                                ..Axes::default()
+                                            };
+                                            if let Some(r) = rules::first_violation(&ctx, &z_axes) {
+                                                tally.reject(r, || match r {
+                                                    Rejection::ZeroWithPp => format!("{layout}: ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support"),
+                                                    other => format!("{layout}: {other}"),
                                                 });
                                                 continue;
                                             }
@@ -301,7 +296,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                             if !ev.estimate.fits && !fully_pinned {
                                                 let need = ev.estimate.memory.total_bytes;
                                                 let hbm = ev.estimate.memory.hbm_bytes;
-                                                tally.reject("out_of_memory", || {
+                                                tally.reject(Rejection::OutOfMemory, || {
                                                     format!(
                                                         "{layout}: needs {:.1} GB of {:.1} GB",
                                                         need / 1e9,

@@ -14,5 +14,6 @@ pub mod spec;
 
 pub use job::Job;
 pub use layout::Layout;
+pub use mesh::{Coord, Fabric, GroupKind, GroupShape, Mesh};
 pub use parse::{parse_spec, Format, SpecError, SpecErrors};
 pub use plan::Plan;

@@ -1,8 +1,29 @@
-//! Interim mesh (replaced by the groundwork branch's module on merge).
+//! The rank mesh and its process groups: the one place that turns a [`Layout`] into ranks.
+//!
+//! Convention (see [`crate::layout`]): the world is a `tp x cp x ep x dp x pp` grid, tp
+//! varying fastest and pp slowest, so `rank = tp_i + tp*(cp_i + cp*(ep_i + ep*(dp_i +
+//! dp*pp_i)))`; node `n` holds ranks `n*gpus_per_node .. (n+1)*gpus_per_node`. Like
+//! Megatron-core's `parallel_state`, every process group is derived here and everything
+//! else (cost model, planner, validation, lowering) asks this module:
+//!
+//! | group | axes | shape `(stride, size)` |
+//! |---|---|---|
+//! | `tp` | tp | `(1, tp)` |
+//! | `cp` | cp | `(tp, cp)` |
+//! | `ep` | ep | `(tp*cp, ep)` |
+//! | `dp` | dp | `(tp*cp*ep, dp)` |
+//! | `pp` | pp | `(tp*cp*ep*dp, pp)` |
+//! | `dense_dp` | cp, ep, dp (dense-weight replicas) | `(tp, cp*ep*dp)` |
+//! | `expert_dp` | cp, dp (expert replicas) | `(tp, cp)` and `(tp*cp*ep, dp)`: two strides when cp > 1 and ep > 1 |
+//!
+//! A shape lists its dimensions with size-1 axes dropped and contiguous axes merged; a
+//! group of one rank keeps one `(stride of its first axis, 1)` dimension.
+
 use crate::layout::Layout;
 use std::fmt;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A rank's coordinate on each axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Coord {
     pub tp: u32,
     pub cp: u32,
@@ -11,6 +32,22 @@ pub struct Coord {
     pub pp: u32,
 }
 
+impl Coord {
+    fn to_array(self) -> [u32; 5] {
+        [self.tp, self.cp, self.ep, self.dp, self.pp]
+    }
+    fn from_array(a: [u32; 5]) -> Coord {
+        Coord {
+            tp: a[0],
+            cp: a[1],
+            ep: a[2],
+            dp: a[3],
+            pp: a[4],
+        }
+    }
+}
+
+/// A process group kind. Groups of one kind partition the world.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum GroupKind {
     Tp,
@@ -18,11 +55,29 @@ pub enum GroupKind {
     Ep,
     Dp,
     Pp,
+    /// cp x ep x dp: the ranks holding replicas of the same dense weights.
     DenseDp,
+    /// cp x dp: the ranks holding replicas of the same experts.
     ExpertDp,
 }
 
+const TP: usize = 0;
+const CP: usize = 1;
+const EP: usize = 2;
+const DP: usize = 3;
+const PP: usize = 4;
+
 impl GroupKind {
+    pub const ALL: [GroupKind; 7] = [
+        GroupKind::Tp,
+        GroupKind::Cp,
+        GroupKind::Ep,
+        GroupKind::Dp,
+        GroupKind::Pp,
+        GroupKind::DenseDp,
+        GroupKind::ExpertDp,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             GroupKind::Tp => "tp",
@@ -34,125 +89,301 @@ impl GroupKind {
             GroupKind::ExpertDp => "expert_dp",
         }
     }
+
+    /// Mesh axes (indices into tp, cp, ep, dp, pp) the group spans, fastest first.
+    fn axes(self) -> &'static [usize] {
+        match self {
+            GroupKind::Tp => &[TP],
+            GroupKind::Cp => &[CP],
+            GroupKind::Ep => &[EP],
+            GroupKind::Dp => &[DP],
+            GroupKind::Pp => &[PP],
+            GroupKind::DenseDp => &[CP, EP, DP],
+            GroupKind::ExpertDp => &[CP, DP],
+        }
+    }
 }
+
 impl fmt::Display for GroupKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
 }
 
+/// The members of the group through rank `r` are `r0 + sum_k i_k * stride_k`, `i_k <
+/// size_k`, where `r0` is the member with every in-group coordinate 0.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GroupShape {
+    /// `(stride, size)` per dimension, ascending stride.
     pub dims: Vec<(u64, u64)>,
 }
+
+impl GroupShape {
+    pub fn size(&self) -> u64 {
+        self.dims.iter().map(|d| d.1).product()
+    }
+    /// Stride of the fastest dimension.
+    pub fn stride(&self) -> u64 {
+        self.dims.first().map_or(1, |d| d.0)
+    }
+}
+
+/// Which fabric one group of a kind uses.
+///
+/// Exact when node boundaries cut every group the same way (every stride and span divides
+/// `gpus_per_node` or is a multiple of it, e.g. power-of-two degrees and nodes). Otherwise
+/// conservative: `crosses_nodes` is true whenever some group crosses a node boundary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fabric {
     pub crosses_nodes: bool,
+    /// Members of one group in one node.
     pub ranks_per_node: u64,
+    /// Nodes one group spans.
     pub nodes: u64,
 }
 
-#[derive(Clone, Debug)]
+/// Fixed-size shape used on the hot path (no allocation): at most 3 dimensions.
+#[derive(Clone, Copy)]
+struct Dims {
+    d: [(u64, u64); 3],
+    n: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Mesh {
-    d: [u32; 5],
-    gpn: u32,
+    /// Degrees in axis order tp, cp, ep, dp, pp.
+    deg: [u32; 5],
+    gpus_per_node: u32,
 }
 
 impl Mesh {
-    pub fn new(l: &Layout, gpus_per_node: u32) -> Mesh {
+    pub fn new(layout: &Layout, gpus_per_node: u32) -> Mesh {
+        Mesh::from_degrees(
+            layout.tp,
+            layout.cp,
+            layout.ep,
+            layout.dp,
+            layout.pp,
+            gpus_per_node,
+        )
+    }
+
+    /// A mesh from its degrees (each at least 1). Groups that span only inner axes (tp, cp,
+    /// ep) do not depend on dp and pp, so a caller that knows only those may pass 1.
+    pub fn from_degrees(tp: u32, cp: u32, ep: u32, dp: u32, pp: u32, gpus_per_node: u32) -> Mesh {
         Mesh {
-            d: [l.tp, l.cp, l.ep, l.dp, l.pp],
-            gpn: gpus_per_node,
+            deg: [tp.max(1), cp.max(1), ep.max(1), dp.max(1), pp.max(1)],
+            gpus_per_node: gpus_per_node.max(1),
         }
     }
+
+    pub fn gpus_per_node(&self) -> u32 {
+        self.gpus_per_node
+    }
+
     pub fn world(&self) -> u32 {
-        self.d.iter().product()
+        self.deg.iter().product()
     }
-    fn stride(&self, axis: usize) -> u32 {
-        self.d[..axis].iter().product()
+
+    /// Nodes the world occupies (the last may be partly filled).
+    pub fn nodes(&self) -> u32 {
+        self.world().div_ceil(self.gpus_per_node)
     }
-    pub fn coord(&self, r: u32) -> Coord {
-        let c: Vec<u32> = (0..5).map(|a| (r / self.stride(a)) % self.d[a]).collect();
-        Coord {
-            tp: c[0],
-            cp: c[1],
-            ep: c[2],
-            dp: c[3],
-            pp: c[4],
+
+    /// Node holding `rank`.
+    pub fn node(&self, rank: u32) -> u32 {
+        rank / self.gpus_per_node
+    }
+
+    fn stride_of(&self, axis: usize) -> u64 {
+        self.deg[..axis].iter().map(|&d| d as u64).product()
+    }
+
+    pub fn coord(&self, rank: u32) -> Coord {
+        let mut r = rank;
+        let mut a = [0u32; 5];
+        for (i, d) in self.deg.iter().enumerate() {
+            a[i] = r % d;
+            r /= d;
         }
+        Coord::from_array(a)
     }
+
     pub fn rank(&self, c: Coord) -> u32 {
-        [c.tp, c.cp, c.ep, c.dp, c.pp]
-            .iter()
-            .enumerate()
-            .map(|(a, x)| x * self.stride(a))
-            .sum()
-    }
-    fn axes(k: GroupKind) -> &'static [usize] {
-        match k {
-            GroupKind::Tp => &[0],
-            GroupKind::Cp => &[1],
-            GroupKind::Ep => &[2],
-            GroupKind::Dp => &[3],
-            GroupKind::Pp => &[4],
-            GroupKind::DenseDp => &[1, 2, 3],
-            GroupKind::ExpertDp => &[1, 3],
+        let a = c.to_array();
+        let mut r = 0u32;
+        for i in (0..5).rev() {
+            r = r * self.deg[i] + a[i];
         }
+        r
     }
+
     pub fn size(&self, k: GroupKind) -> u32 {
-        Self::axes(k).iter().map(|&a| self.d[a]).product()
+        k.axes().iter().map(|&a| self.deg[a]).product()
     }
-    pub fn shape(&self, k: GroupKind) -> GroupShape {
-        GroupShape {
-            dims: Self::axes(k)
-                .iter()
-                .map(|&a| (self.stride(a) as u64, self.d[a] as u64))
-                .collect(),
-        }
-    }
-    pub fn members(&self, k: GroupKind, r: u32) -> Vec<u32> {
-        let mut base = r;
-        for &a in Self::axes(k) {
-            base -= ((r / self.stride(a)) % self.d[a]) * self.stride(a);
-        }
-        let mut out = vec![base];
-        for &a in Self::axes(k) {
-            let mut next = Vec::new();
-            for i in 0..self.d[a] {
-                for &x in &out {
-                    next.push(x + i * self.stride(a));
-                }
-            }
-            out = next;
-        }
-        out.sort_unstable();
-        out
-    }
-    pub fn fabric(&self, k: GroupKind) -> Fabric {
-        let m = self.members(k, 0);
-        let nodes: std::collections::BTreeSet<u32> = m.iter().map(|r| r / self.gpn).collect();
-        Fabric {
-            crosses_nodes: nodes.len() > 1,
-            ranks_per_node: (m.len() / nodes.len()) as u64,
-            nodes: nodes.len() as u64,
-        }
-    }
-    pub fn num_groups(&self, k: GroupKind) -> u32 {
-        self.world() / self.size(k)
-    }
-    pub fn group_index(&self, k: GroupKind, r: u32) -> u32 {
-        let mut idx = 0;
-        let mut mult = 1;
-        for a in 0..5 {
-            if Self::axes(k).contains(&a) {
+
+    fn dims(&self, k: GroupKind) -> Dims {
+        let mut out = Dims {
+            d: [(0, 0); 3],
+            n: 0,
+        };
+        for &a in k.axes() {
+            let (stride, size) = (self.stride_of(a), self.deg[a] as u64);
+            if size == 1 {
                 continue;
             }
-            idx += ((r / self.stride(a)) % self.d[a]) * mult;
-            mult *= self.d[a];
+            if out.n > 0 {
+                let last = &mut out.d[out.n - 1];
+                if last.0 * last.1 == stride {
+                    last.1 *= size;
+                    continue;
+                }
+            }
+            out.d[out.n] = (stride, size);
+            out.n += 1;
+        }
+        if out.n == 0 {
+            out.d[0] = (self.stride_of(k.axes()[0]), 1);
+            out.n = 1;
+        }
+        out
+    }
+
+    pub fn shape(&self, k: GroupKind) -> GroupShape {
+        let d = self.dims(k);
+        GroupShape {
+            dims: d.d[..d.n].to_vec(),
+        }
+    }
+
+    /// The fabric of one group of kind `k` (allocation-free; see [`Fabric`]).
+    pub fn fabric(&self, k: GroupKind) -> Fabric {
+        let d = self.dims(k);
+        let gpn = self.gpus_per_node as u64;
+        let size: u64 = d.d[..d.n].iter().map(|x| x.1).product();
+        if size <= 1 {
+            return Fabric {
+                crosses_nodes: false,
+                ranks_per_node: 1,
+                nodes: 1,
+            };
+        }
+        // Every group lies in an aligned block of `span` consecutive ranks (its slowest
+        // dimension's extent); blocks tile the world, so when a block fits a node evenly no
+        // group leaves its node.
+        let (s_last, n_last) = d.d[d.n - 1];
+        let span = s_last * n_last;
+        if span <= gpn && gpn % span == 0 {
+            return Fabric {
+                crosses_nodes: false,
+                ranks_per_node: size,
+                nodes: 1,
+            };
+        }
+        // Members in one node: per dimension, the indices whose stride steps stay inside it.
+        let per_node = d.d[..d.n]
+            .iter()
+            .map(|&(s, n)| if s >= gpn { 1 } else { (gpn / s).min(n).max(1) })
+            .product::<u64>()
+            .clamp(1, size);
+        Fabric {
+            crosses_nodes: true,
+            ranks_per_node: per_node,
+            nodes: size.div_ceil(per_node),
+        }
+    }
+
+    /// Members of the group of kind `k` through `rank`, ascending (for `Pp`: stage order).
+    pub fn members(&self, k: GroupKind, rank: u32) -> Vec<u32> {
+        let mut c = self.coord(rank).to_array();
+        let axes = k.axes();
+        for &a in axes {
+            c[a] = 0;
+        }
+        let mut out = Vec::with_capacity(self.size(k) as usize);
+        loop {
+            out.push(self.rank(Coord::from_array(c)));
+            // Odometer over the group's axes, fastest first.
+            let mut i = 0;
+            loop {
+                if i == axes.len() {
+                    out.sort_unstable();
+                    return out;
+                }
+                let a = axes[i];
+                c[a] += 1;
+                if c[a] < self.deg[a] {
+                    break;
+                }
+                c[a] = 0;
+                i += 1;
+            }
+        }
+    }
+
+    /// Mixed-radix number of `rank`'s coordinates on the axes `inside` (or outside) group
+    /// `k`, fastest axis least significant.
+    fn radix(&self, k: GroupKind, rank: u32, inside: bool) -> u32 {
+        let c = self.coord(rank).to_array();
+        let axes = k.axes();
+        let mut idx = 0u32;
+        for a in (0..5).rev() {
+            if axes.contains(&a) == inside {
+                idx = idx * self.deg[a] + c[a];
+            }
         }
         idx
     }
-    pub fn index_in_group(&self, k: GroupKind, r: u32) -> u32 {
-        self.members(k, r).iter().position(|&x| x == r).unwrap() as u32
+
+    /// Which group of kind `k` holds `rank`: dense in `0..num_groups(k)`, ordered by the
+    /// group's smallest rank.
+    pub fn group_index(&self, k: GroupKind, rank: u32) -> u32 {
+        self.radix(k, rank, false)
+    }
+
+    pub fn num_groups(&self, k: GroupKind) -> u32 {
+        self.world() / self.size(k)
+    }
+
+    /// Position of `rank` in [`Mesh::members`] of its group.
+    pub fn index_in_group(&self, k: GroupKind, rank: u32) -> u32 {
+        self.radix(k, rank, true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        let names: Vec<String> = GroupKind::ALL.iter().map(|k| k.to_string()).collect();
+        assert_eq!(
+            names,
+            ["tp", "cp", "ep", "dp", "pp", "dense_dp", "expert_dp"]
+        );
+    }
+
+    #[test]
+    fn hand_worked_expert_dp() {
+        // tp=2, cp=2, ep=2, dp=2, pp=1 on 8-GPU nodes: rank = tp + 2 cp + 4 ep + 8 dp.
+        // Rank 0's expert replicas vary cp and dp with tp = ep = 0: ranks 0, 2, 8, 10.
+        let m = Mesh::from_degrees(2, 2, 2, 2, 1, 8);
+        assert_eq!(m.members(GroupKind::ExpertDp, 0), vec![0, 2, 8, 10]);
+        assert_eq!(m.shape(GroupKind::ExpertDp).dims, vec![(2, 2), (8, 2)]);
+        assert_eq!(
+            m.fabric(GroupKind::ExpertDp),
+            Fabric {
+                crosses_nodes: true,
+                ranks_per_node: 2,
+                nodes: 2
+            }
+        );
+        // Dense replicas: everything with tp = 0, one stride.
+        assert_eq!(m.shape(GroupKind::DenseDp).dims, vec![(2, 8)]);
+        assert_eq!(
+            m.members(GroupKind::DenseDp, 1),
+            vec![1, 3, 5, 7, 9, 11, 13, 15]
+        );
     }
 }

@@ -27,6 +27,7 @@
 use crate::report::Skip;
 use crate::runs::{Run, RunModel};
 use shardwright_cost::catalog;
+use shardwright_spec::mesh::Mesh;
 use shardwright_spec::spec::*;
 
 /// A run turned into a job spec, with notes on every assumption made.
@@ -478,7 +479,7 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
         ));
     };
     notes.extend(mesh_note);
-    let world = tp as u64 * pp as u64 * cp as u64 * ep as u64 * dp as u64;
+    let world = Mesh::from_degrees(tp, cp, ep, dp, pp, gpus_per_node).world() as u64;
     if world != hw.num_gpus {
         return skip(format!(
             "tp*pp*cp*dp = {world} but the run used {} GPUs (spares or a different mesh)",

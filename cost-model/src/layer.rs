@@ -1,0 +1,550 @@
+//! The transformer layer written once, as a template of ops.
+//!
+//! [`layer_ops`] lists, for one micro-batch on one GPU, every op of a dense layer, an MoE
+//! layer, the head (LM head + loss) or the embedding, in each pass: forward, recompute
+//! (full recompute: the whole forward again; selective: the attention core) and backward.
+//! Each op carries its shape, FLOPs, bytes and the time the analytical model charges for
+//! it; [`crate::eval::LayerCosts`] sums these (so the cost model cannot drift from the
+//! template) and a lowering emits one graph node per op (so a simulator that replays the
+//! ops agrees with the model by construction, up to overlap).
+//!
+//! What each op costs:
+//! - GEMM `(m x k) @ (k x n)` (`groups` equal GEMMs of `m/groups` rows for the experts):
+//!   `2 m n k` FLOPs at the shape efficiency [`crate::eval::gemm_eff`]; the backward (data and
+//!   weight gradients) twice the forward at the same rate.
+//! - Attention core: flash attention at the attention rate (`attn_eff` of the BF16 peak),
+//!   causal FLOPs, backward 2.5x the forward (it recomputes the scores); unfused attention
+//!   as batched GEMMs over the full `s x s` square plus the score matrix's HBM traffic.
+//! - Elementwise: bytes at HBM bandwidth (`elementwise_bytes_per_h` per element on the
+//!   hidden size for norms, residuals and rotary; half that on the MLP width for the
+//!   activation; the MoE token permutation; fp32 logits and softmax for the loss); the
+//!   backward twice the forward traffic.
+//! - Collectives: ring alpha-beta on the fabric of their group ([`Mesh::fabric`]).
+//!   `exposed_s` is what the step pays: `time_s * (1 - overlap)` with the calibrated
+//!   overlap share for TP and EP; for the CP ring the K/V exchange of a pass minus the
+//!   attention core it hides behind.
+//!
+//! Not ops (named separately in `LayerTime`): the per-layer launch overhead.
+
+use crate::collective::{all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s};
+use crate::eval::{gemm_eff, group_link};
+use crate::flops;
+use shardwright_spec::job::Job;
+use shardwright_spec::mesh::{GroupKind, Mesh};
+use shardwright_spec::spec::Recompute;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Pass {
+    Fwd,
+    Bwd,
+    /// The forward run again before the backward (full recompute: every op of the layer;
+    /// selective: the attention core).
+    Recompute,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Coll {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    /// Ring attention's K/V (backward: K, V, dK, dV) exchange with the ring neighbours,
+    /// `cp - 1` steps.
+    SendRecvRing,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OpKind {
+    /// `(m x k) @ (k x n)` per GPU (after the TP split); `groups` equal GEMMs (local experts)
+    /// share the `m` rows evenly. Dimensions are the model's averages (KV heads split over
+    /// tp may be fractional, routed rows per expert are an average), so they are floats.
+    Gemm {
+        m: f64,
+        n: f64,
+        k: f64,
+        groups: u32,
+        weight: &'static str,
+    },
+    AttentionCore {
+        causal: bool,
+        /// Query heads on this GPU.
+        heads: f64,
+        /// KV heads on this GPU (at least one).
+        kv_heads: f64,
+        /// Query tokens per sequence on this GPU (`s / cp`).
+        seq_q: u64,
+        /// Keys each query attends over (the full sequence).
+        seq_kv: u64,
+        head_dim: u64,
+        batch: u32,
+        flash: bool,
+    },
+    Elementwise {
+        /// `hidden_ops` (norms, residual adds, rotary on the hidden size), `act` (MLP
+        /// activation), `permute` (MoE token permutation), `softmax_ce` (loss),
+        /// `embedding_lookup`.
+        what: &'static str,
+        elems: f64,
+    },
+    Collective {
+        kind: Coll,
+        group: GroupKind,
+        /// The full tensor of the collective (M in the ring formulas).
+        bytes: f64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OpCost {
+    pub name: &'static str,
+    pub pass: Pass,
+    pub kind: OpKind,
+    pub flops: f64,
+    /// HBM bytes (elementwise, unfused attention scores) or bytes on the wire (collectives).
+    pub bytes: f64,
+    /// Time the op takes on its own.
+    pub time_s: f64,
+    /// Share of `time_s` the analytical model hides behind compute (0 for compute).
+    pub overlap: f64,
+    /// Time the step pays for the op: `time_s` for compute, the exposed part for
+    /// communication.
+    pub exposed_s: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LayerShape {
+    pub tp: u32,
+    pub cp: u32,
+    pub ep: u32,
+    pub micro_batch: u32,
+    pub sp: bool,
+    pub recompute: Recompute,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    Dense,
+    Moe,
+    /// Final LM head GEMM and the cross-entropy loss.
+    Head,
+    /// Token (and learned position) lookup: listed for the lowering, charged nothing.
+    Embedding,
+}
+
+/// Rates and sizes shared by every op of one shape.
+struct Ctx<'a> {
+    job: &'a Job,
+    mesh: Mesh,
+    shape: LayerShape,
+    t: f64,
+    h: f64,
+    tokens: f64,
+    seq_div: f64,
+    gemm_peak: f64,
+    attn_rate: f64,
+    hbm: f64,
+}
+
+/// Ops of one pass, appended to `out`.
+struct Emit<'a> {
+    out: &'a mut Vec<OpCost>,
+    pass: Pass,
+}
+
+impl Emit<'_> {
+    fn push(&mut self, name: &'static str, kind: OpKind, flops: f64, bytes: f64, time_s: f64) {
+        self.out.push(OpCost {
+            name,
+            pass: self.pass,
+            kind,
+            flops,
+            bytes,
+            time_s,
+            overlap: 0.0,
+            exposed_s: time_s,
+        });
+    }
+    fn comm(&mut self, name: &'static str, kind: OpKind, bytes: f64, time_s: f64, exposed_s: f64) {
+        self.out.push(OpCost {
+            name,
+            pass: self.pass,
+            kind,
+            flops: 0.0,
+            bytes,
+            time_s,
+            overlap: if time_s > 0.0 {
+                1.0 - exposed_s / time_s
+            } else {
+                0.0
+            },
+            exposed_s,
+        });
+    }
+    /// Backward work relative to the forward.
+    fn scale(&self) -> f64 {
+        if self.pass == Pass::Bwd {
+            2.0
+        } else {
+            1.0
+        }
+    }
+}
+
+impl Ctx<'_> {
+    fn gemm(&self, e: &mut Emit, weight: &'static str, m: f64, n: f64, k: f64, groups: u32) {
+        if m <= 0.0 || n <= 0.0 || k <= 0.0 {
+            return;
+        }
+        let g = groups as f64;
+        let per = m / g;
+        let eff = gemm_eff(&self.job.efficiency, per, n, k);
+        let fwd_flops = 2.0 * per * n * k;
+        let fwd_t = fwd_flops / (self.gemm_peak * eff);
+        let s = e.scale();
+        let kind = OpKind::Gemm {
+            m,
+            n,
+            k,
+            groups,
+            weight,
+        };
+        // One GEMM's time times the group count (as the grouped expert GEMM is charged).
+        let (flops, time) = if groups == 1 {
+            (fwd_flops * s, fwd_t * s)
+        } else {
+            (fwd_flops * s * g, fwd_t * s * g)
+        };
+        e.push(weight, kind, flops, 0.0, time);
+    }
+
+    fn elementwise(&self, e: &mut Emit, what: &'static str, elems: f64, fwd_bytes: f64) {
+        let b = fwd_bytes * e.scale();
+        e.push(
+            what,
+            OpKind::Elementwise { what, elems },
+            0.0,
+            b,
+            b / self.hbm,
+        );
+    }
+
+    /// The TP collectives of one block (attention or MLP) in one pass: with sequence
+    /// parallelism an all-gather before and a reduce-scatter after (the backward mirrors
+    /// them at the same cost); otherwise one all-reduce (of the block's output in the
+    /// forward, of its input gradient in the backward), as Megatron does.
+    fn tp_pair(&self, e: &mut Emit, block: &'static str) {
+        let tp = self.shape.tp as u64;
+        if tp <= 1 {
+            return;
+        }
+        let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
+        let msg = self.tokens * self.h * 2.0;
+        let hide = self.job.efficiency.tp_overlap;
+        let mut put = |name: &'static str, kind: Coll, t: f64| {
+            let op = OpKind::Collective {
+                kind,
+                group: GroupKind::Tp,
+                bytes: msg,
+            };
+            e.comm(name, op, msg, t, t * (1.0 - hide));
+        };
+        if self.shape.sp {
+            let ag = all_gather_s(msg, tp, link.gbps, link.latency_s);
+            let rs = reduce_scatter_s(msg, tp, link.gbps, link.latency_s);
+            let (n1, n2) = match block {
+                "attn" => ("tp_all_gather_attn", "tp_reduce_scatter_attn"),
+                _ => ("tp_all_gather_mlp", "tp_reduce_scatter_mlp"),
+            };
+            put(n1, Coll::AllGather, ag);
+            put(n2, Coll::ReduceScatter, rs);
+        } else {
+            let ar = all_reduce_s(msg, tp, link.gbps, link.latency_s);
+            let name = match block {
+                "attn" => "tp_all_reduce_attn",
+                _ => "tp_all_reduce_mlp",
+            };
+            put(name, Coll::AllReduce, ar);
+        }
+    }
+
+    /// Attention core of one pass, with the CP ring exchange it hides.
+    fn attention_core(&self, e: &mut Emit) {
+        let job = self.job;
+        let m = &job.model;
+        let eff = &job.efficiency;
+        let hw = &job.hardware;
+        let t = self.t;
+        let s = m.seq_len as f64;
+        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+        let core_fwd = self.tokens * flops::attention_fwd_flops_per_token(m) / t;
+        let kind = OpKind::AttentionCore {
+            causal: m.causal,
+            heads: m.num_attention_heads as f64 / t,
+            kv_heads: (m.num_kv_heads as f64 / t).max(1.0),
+            seq_q: m.seq_len / self.shape.cp as u64,
+            seq_kv: m.seq_len,
+            head_dim: m.head_dim,
+            batch: self.shape.micro_batch,
+            flash: m.flash_attention,
+        };
+        let bwd = e.pass == Pass::Bwd;
+        if m.flash_attention {
+            let f = if bwd { 2.5 * core_fwd } else { core_fwd };
+            e.push("attention_core", kind, f, 0.0, f / self.attn_rate);
+        } else {
+            // Unfused: QK^T and AV as batched GEMMs with inner dimension head_dim over the
+            // full s x s square (the mask skips no work), backward twice the forward GEMM
+            // work; their memory traffic is the score matrix: forward written by QK^T (2 B),
+            // scale-mask-softmax read and written (4 B), read by AV (2 B), with dropout read,
+            // written and its mask written (5 B); backward dP written (2 B), softmax backward
+            // reads P and dP and writes dS (6 B), dQ and dK read dS and dV reads P (6 B),
+            // dropout backward reads the grad and the mask and writes (5 B). The batched
+            // GEMMs' rate carries only the size term of the GEMM curve.
+            let heads_local = m.num_attention_heads as f64 / t;
+            let full = 4.0 * self.tokens * s * qd / t;
+            let qk_flops = 2.0 * self.tokens * heads_local * s * m.head_dim as f64;
+            let ge =
+                eff.gemm_max / (1.0 + (eff.gemm_flops0 / qk_flops.max(1.0)).powf(eff.gemm_exp));
+            let scores = heads_local * s * self.tokens;
+            let drop = if m.dropout { 5.0 } else { 0.0 };
+            let gemm_fwd = full / (hw.peak_bf16_flops * ge);
+            let hbm_bps = hw.hbm_gbps * 1e9;
+            let (f, b, time) = if bwd {
+                let b = scores * (14.0 + drop);
+                (2.0 * full, b, 2.0 * gemm_fwd + b / hbm_bps)
+            } else {
+                let b = scores * (8.0 + drop);
+                (full, b, gemm_fwd + b / hbm_bps)
+            };
+            e.push("attention_core", kind, f, b, time);
+        }
+        // CP ring attention: cp - 1 K/V chunk passes forward, twice that backward (K, V and
+        // dK, dV), hidden behind the attention core of the same pass. Selective recompute
+        // reuses the forward's K/V blocks.
+        let cp = self.shape.cp;
+        if cp > 1 && (e.pass != Pass::Recompute || self.shape.recompute == Recompute::Full) {
+            let link = group_link(job, self.mesh.fabric(GroupKind::Cp));
+            let kv_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
+            let chunk = 2.0 * self.tokens * kv_local * 2.0;
+            let fwd = (cp as f64 - 1.0) * send_s(chunk, link.gbps, link.latency_s);
+            let core_t = core_fwd / self.attn_rate;
+            let (bytes, time, exposed) = if bwd {
+                let x = 2.0 * fwd;
+                (
+                    2.0 * (cp as f64 - 1.0) * chunk,
+                    x,
+                    (x - 2.5 * core_t).max(0.0),
+                )
+            } else {
+                ((cp as f64 - 1.0) * chunk, fwd, (fwd - core_t).max(0.0))
+            };
+            let op = OpKind::Collective {
+                kind: Coll::SendRecvRing,
+                group: GroupKind::Cp,
+                bytes,
+            };
+            e.comm("cp_ring_kv", op, bytes, time, exposed);
+        }
+    }
+
+    /// One pass of a transformer layer (dense or MoE MLP).
+    fn layer_pass(&self, e: &mut Emit, moe_layer: bool) {
+        let job = self.job;
+        let m = &job.model;
+        let eff = &job.efficiency;
+        let (t, h, tokens) = (self.t, self.h, self.tokens);
+        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+        let mats = m.ffn_activation.mlp_matrices();
+        // Norms, residual adds and rotary on the hidden size (sharded with SP).
+        let hidden_elems = tokens * h / self.seq_div;
+        self.elementwise(
+            e,
+            "hidden_ops",
+            hidden_elems,
+            eff.elementwise_bytes_per_h * 2.0 * hidden_elems,
+        );
+        self.tp_pair(e, "attn");
+        self.gemm(e, "qkv", tokens, (qd + 2.0 * kvd) / t, h, 1);
+        self.attention_core(e);
+        self.gemm(e, "proj", tokens, h, qd / t, 1);
+        self.tp_pair(e, "mlp");
+        let width = if moe_layer {
+            let moe = m.moe.as_ref().expect("MoE layer of a model with experts");
+            let k = moe.top_k as f64;
+            let fe = moe.expert_ffn_hidden_size as f64;
+            let fs = moe.shared_expert_ffn_hidden_size as f64;
+            let ns = moe.num_shared_experts as f64;
+            let experts_local = moe.num_experts / self.shape.ep;
+            self.gemm(e, "router", tokens, moe.num_experts as f64, h, 1);
+            // Token permutation around the experts (memory bound): the routed copies are
+            // gathered into expert order and scattered back, each a read and a write of
+            // tokens*k*h 16-bit values.
+            let routed = tokens * k * h / self.seq_div;
+            self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
+            // EP all-to-all: dispatch and combine, each rank sending tokens*k*h*2 bytes.
+            let ep = self.shape.ep as u64;
+            let a2a = if ep > 1 {
+                let link = group_link(job, self.mesh.fabric(GroupKind::Ep));
+                let hw = &job.hardware;
+                let msg = tokens * k * h * 2.0 / self.seq_div;
+                let one = all_to_all_s(
+                    msg,
+                    ep,
+                    link.fabric.ranks_per_node,
+                    hw.nvlink_gbps * eff.nvlink_bus_eff,
+                    hw.inter_node_gbps * eff.inter_node_bus_eff,
+                    link.latency_s,
+                );
+                Some((msg, one))
+            } else {
+                None
+            };
+            let a2a_op = |e: &mut Emit, name: &'static str| {
+                if let Some((msg, one)) = a2a {
+                    let op = OpKind::Collective {
+                        kind: Coll::AllToAll,
+                        group: GroupKind::Ep,
+                        bytes: msg,
+                    };
+                    e.comm(name, op, msg, one, one * (1.0 - eff.ep_overlap));
+                }
+            };
+            a2a_op(e, "ep_dispatch");
+            let rows = tokens * k; // routed copies over the local experts
+            self.gemm(
+                e,
+                "expert_fc1",
+                rows,
+                (mats - 1.0) * fe / t,
+                h,
+                experts_local,
+            );
+            self.gemm(e, "expert_fc2", rows, h, fe / t, experts_local);
+            a2a_op(e, "ep_combine");
+            if moe.num_shared_experts > 0 {
+                self.gemm(e, "shared_fc1", tokens, (mats - 1.0) * fs / t * ns, h, 1);
+                self.gemm(e, "shared_fc2", tokens, h, fs / t * ns, 1);
+            }
+            (mats - 1.0) * (fe * k + fs * ns) / t
+        } else {
+            let f = m.ffn_hidden_size as f64;
+            self.gemm(e, "fc1", tokens, (mats - 1.0) * f / t, h, 1);
+            self.gemm(e, "fc2", tokens, h, f / t, 1);
+            (mats - 1.0) * f / t
+        };
+        // Activation function on the MLP width: half the per-element bytes of the
+        // hidden-size ops (16-bit values).
+        let act_elems = tokens * width;
+        self.elementwise(e, "act", act_elems, eff.elementwise_bytes_per_h * act_elems);
+    }
+}
+
+/// The ops of one layer kind for one micro-batch on one GPU, in pass order (forward,
+/// recompute, backward). `mesh` gives the groups' fabrics (only tp, cp and ep are read).
+pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -> Vec<OpCost> {
+    let m = &job.model;
+    let e = &job.efficiency;
+    let hw = &job.hardware;
+    let t = shape.tp as f64;
+    let cx = Ctx {
+        job,
+        mesh: *mesh,
+        shape: *shape,
+        t,
+        h: m.hidden_size as f64,
+        tokens: shape.micro_batch as f64 * m.seq_len as f64 / shape.cp as f64,
+        seq_div: if shape.sp { t } else { 1.0 },
+        gemm_peak: if job.training.fp8_gemms {
+            hw.peak_fp8_flops * e.fp8_gemm_rel
+        } else {
+            hw.peak_bf16_flops
+        },
+        attn_rate: hw.peak_bf16_flops * e.attn_eff,
+        hbm: hw.hbm_gbps * 1e9,
+    };
+    let mut out = Vec::with_capacity(64);
+    match which {
+        LayerKind::Dense | LayerKind::Moe => {
+            let moe = which == LayerKind::Moe;
+            cx.layer_pass(
+                &mut Emit {
+                    out: &mut out,
+                    pass: Pass::Fwd,
+                },
+                moe,
+            );
+            match shape.recompute {
+                // The forward again: the same ops, copied rather than recomputed (the
+                // search builds these for every shape).
+                Recompute::Full => {
+                    for i in 0..out.len() {
+                        let op = OpCost {
+                            pass: Pass::Recompute,
+                            ..out[i]
+                        };
+                        out.push(op);
+                    }
+                }
+                Recompute::Selective => cx.attention_core(&mut Emit {
+                    out: &mut out,
+                    pass: Pass::Recompute,
+                }),
+                Recompute::None => {}
+            }
+            cx.layer_pass(
+                &mut Emit {
+                    out: &mut out,
+                    pass: Pass::Bwd,
+                },
+                moe,
+            );
+        }
+        LayerKind::Head => {
+            let v = m.vocab_size as f64;
+            let logits = cx.tokens * v / t;
+            for pass in [Pass::Fwd, Pass::Bwd] {
+                let mut em = Emit {
+                    out: &mut out,
+                    pass,
+                };
+                cx.gemm(&mut em, "lm_head", cx.tokens, v / t, cx.h, 1);
+                // fp32: forward writes the logits and reads/writes them in the softmax
+                // (12 B per logit); backward writes their gradient (4 B).
+                let b = if pass == Pass::Fwd { 12.0 } else { 4.0 };
+                em.push(
+                    "softmax_ce",
+                    OpKind::Elementwise {
+                        what: "softmax_ce",
+                        elems: logits,
+                    },
+                    0.0,
+                    b * logits,
+                    b * logits / cx.hbm,
+                );
+            }
+        }
+        LayerKind::Embedding => {
+            // A gather (forward) and a scatter-add into the embedding gradient (backward):
+            // not charged by the analytical model (its traffic is one row per token).
+            for pass in [Pass::Fwd, Pass::Bwd] {
+                let elems = cx.tokens * cx.h / cx.seq_div;
+                Emit {
+                    out: &mut out,
+                    pass,
+                }
+                .push(
+                    "embedding_lookup",
+                    OpKind::Elementwise {
+                        what: "embedding_lookup",
+                        elems,
+                    },
+                    0.0,
+                    0.0,
+                    0.0,
+                );
+            }
+        }
+    }
+    out
+}

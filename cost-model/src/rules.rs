@@ -1,0 +1,226 @@
+//! Layout rules: the one rule set that decides whether a layout is allowed at all (before
+//! any cost is computed). Spec resolution applies it to the pinned axes
+//! ([`crate::resolve`]) and the search to every candidate (`shardwright_planner::search`),
+//! so a pinned layout and a searched one are judged the same way.
+//!
+//! Rules are checked in a fixed order (the search's loop order: mesh, pipeline, batch,
+//! interleaving, ZeRO); a rule applies only when every axis it reads is known, so the same
+//! check serves a partly pinned spec and a complete layout.
+
+use shardwright_spec::job::{Job, Model};
+use shardwright_spec::layout::Layout;
+use std::fmt;
+
+/// Context-parallel shards shorter than this many tokens are not allowed.
+pub const MIN_CP_SHARD_TOKENS: u64 = 256;
+
+/// Why a layout is rejected. [`Rejection::name`] is the key the search counts under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Rejection {
+    /// tp larger than a node without `allow_tp_across_nodes`.
+    TpAcrossNodes,
+    HeadsNotDivisibleByTp,
+    /// KV heads neither divisible by tp nor a divisor of it.
+    KvHeadsVsTp,
+    /// Ring attention is blockwise: it needs a flash-attention kernel.
+    CpWithoutFlashAttention,
+    /// Load-balanced ring attention needs `2*cp | seq_len` and shards of at least
+    /// [`MIN_CP_SHARD_TOKENS`].
+    SeqLenVsCp,
+    ExpertsNotDivisibleByEp,
+    EpWithoutExperts,
+    PpExceedsLayers,
+    /// `global_batch` not divisible by `micro_batch * dp * ep`.
+    BatchNotDivisible,
+    /// A pinned `grad_accum` that the layout does not give.
+    GradAccumMismatch,
+    /// Fewer layers than `pp * vpp` chunks.
+    LayersVsInterleave,
+    /// The interleaved schedule needs a multiple of pp micro-batches.
+    MicrobatchesVsInterleave,
+    /// ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support.
+    ZeroWithPp,
+    /// Not a layout rule: the evaluated memory exceeds HBM (counted by the search).
+    OutOfMemory,
+}
+
+impl Rejection {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rejection::TpAcrossNodes => "tp_across_nodes",
+            Rejection::HeadsNotDivisibleByTp => "heads_not_divisible_by_tp",
+            Rejection::KvHeadsVsTp => "kv_heads_vs_tp",
+            Rejection::CpWithoutFlashAttention => "cp_without_flash_attention",
+            Rejection::SeqLenVsCp => "seq_len_vs_cp",
+            Rejection::ExpertsNotDivisibleByEp => "experts_not_divisible_by_ep",
+            Rejection::EpWithoutExperts => "ep_without_experts",
+            Rejection::PpExceedsLayers => "pp_exceeds_layers",
+            Rejection::BatchNotDivisible => "batch_not_divisible",
+            Rejection::GradAccumMismatch => "grad_accum_mismatch",
+            Rejection::LayersVsInterleave => "layers_vs_interleave",
+            Rejection::MicrobatchesVsInterleave => "microbatches_vs_interleave",
+            Rejection::ZeroWithPp => "zero_with_pp",
+            Rejection::OutOfMemory => "out_of_memory",
+        }
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What the rules read besides the layout.
+#[derive(Clone, Copy, Debug)]
+pub struct Ctx<'a> {
+    pub model: &'a Model,
+    pub gpus_per_node: u32,
+    pub allow_tp_across_nodes: bool,
+    pub global_batch: u64,
+    /// `job.batch.grad_accum` when the spec states it.
+    pub grad_accum: Option<u64>,
+}
+
+impl<'a> Ctx<'a> {
+    pub fn of(job: &'a Job) -> Ctx<'a> {
+        Ctx {
+            model: &job.model,
+            gpus_per_node: job.cluster.gpus_per_node,
+            allow_tp_across_nodes: job.pinned.allow_tp_across_nodes,
+            global_batch: job.training.global_batch,
+            grad_accum: job.training.grad_accum,
+        }
+    }
+}
+
+/// The axes of a (possibly partial) layout; `None` = not known yet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Axes {
+    pub tp: Option<u64>,
+    pub cp: Option<u64>,
+    pub ep: Option<u64>,
+    pub pp: Option<u64>,
+    pub dp: Option<u64>,
+    pub vpp: Option<u64>,
+    pub micro_batch: Option<u64>,
+    /// Micro-batches per step; derived from the batch when micro_batch, dp and ep are known.
+    pub grad_accum: Option<u64>,
+    pub zero_stage: Option<u8>,
+}
+
+impl Axes {
+    pub fn of(l: &Layout) -> Axes {
+        Axes {
+            tp: Some(l.tp as u64),
+            cp: Some(l.cp as u64),
+            ep: Some(l.ep as u64),
+            pp: Some(l.pp as u64),
+            dp: Some(l.dp as u64),
+            vpp: Some(l.vpp as u64),
+            micro_batch: Some(l.micro_batch as u64),
+            grad_accum: Some(l.grad_accum),
+            zero_stage: Some(l.zero_stage),
+        }
+    }
+}
+
+/// Visit every violated rule among the known axes, in rule order, until `f` returns false.
+fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
+    let m = c.model;
+    macro_rules! rule {
+        ($cond:expr, $r:expr) => {
+            if $cond && !f($r) {
+                return;
+            }
+        };
+    }
+    if let Some(tp) = a.tp.filter(|&v| v > 0) {
+        rule!(
+            tp > c.gpus_per_node as u64 && !c.allow_tp_across_nodes,
+            Rejection::TpAcrossNodes
+        );
+        rule!(
+            m.num_attention_heads as u64 % tp != 0,
+            Rejection::HeadsNotDivisibleByTp
+        );
+        let kv = (m.num_kv_heads as u64).max(1);
+        rule!(kv % tp != 0 && tp % kv != 0, Rejection::KvHeadsVsTp);
+    }
+    if let Some(cp) = a.cp.filter(|&v| v > 1) {
+        rule!(!m.flash_attention, Rejection::CpWithoutFlashAttention);
+        rule!(
+            m.seq_len % (2 * cp) != 0 || m.seq_len / cp < MIN_CP_SHARD_TOKENS,
+            Rejection::SeqLenVsCp
+        );
+    }
+    if let Some(ep) = a.ep.filter(|&v| v > 0) {
+        match &m.moe {
+            Some(moe) => rule!(
+                moe.num_experts as u64 % ep != 0,
+                Rejection::ExpertsNotDivisibleByEp
+            ),
+            None => rule!(ep > 1, Rejection::EpWithoutExperts),
+        }
+    }
+    if let Some(pp) = a.pp.filter(|&v| v > 0) {
+        rule!(pp > m.num_layers as u64, Rejection::PpExceedsLayers);
+    }
+    let mut ga = a.grad_accum;
+    if let (Some(mb), Some(dp), Some(ep)) = (a.micro_batch, a.dp, a.ep) {
+        let per = mb * dp * ep;
+        if per > 0 {
+            if c.global_batch % per != 0 {
+                rule!(true, Rejection::BatchNotDivisible);
+            } else {
+                let derived = c.global_batch / per;
+                rule!(
+                    c.grad_accum.is_some_and(|g| g != derived) || ga.is_some_and(|g| g != derived),
+                    Rejection::GradAccumMismatch
+                );
+                ga = Some(derived);
+            }
+        }
+    }
+    let ga = ga.or(c.grad_accum);
+    if let (Some(pp), Some(v)) = (a.pp, a.vpp.filter(|&v| v > 1)) {
+        rule!(
+            (m.num_layers as u64) < pp * v,
+            Rejection::LayersVsInterleave
+        );
+        if let Some(ga) = ga {
+            rule!(pp > 0 && ga % pp != 0, Rejection::MicrobatchesVsInterleave);
+        }
+    }
+    if let (Some(z), Some(pp)) = (a.zero_stage, a.pp) {
+        rule!(z >= 2 && pp > 1, Rejection::ZeroWithPp);
+    }
+}
+
+/// The first rule the known axes violate (allocation-free: the search's inner loops).
+pub fn first_violation(c: &Ctx<'_>, a: &Axes) -> Option<Rejection> {
+    let mut first = None;
+    visit(c, a, &mut |r| {
+        first = Some(r);
+        false
+    });
+    first
+}
+
+/// Every rule the known axes violate, in rule order (spec resolution reports them all).
+pub fn violations(c: &Ctx<'_>, a: &Axes) -> Vec<Rejection> {
+    let mut all = Vec::new();
+    visit(c, a, &mut |r| {
+        all.push(r);
+        true
+    });
+    all
+}
+
+/// Check a complete layout.
+pub fn check(job: &Job, layout: &Layout) -> Result<(), Rejection> {
+    match first_violation(&Ctx::of(job), &Axes::of(layout)) {
+        Some(r) => Err(r),
+        None => Ok(()),
+    }
+}

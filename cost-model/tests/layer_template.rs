@@ -1,0 +1,172 @@
+//! The layer template against hand counts and against the cost model that sums it.
+
+use shardwright_cost::eval::LayerCosts;
+use shardwright_cost::flops;
+use shardwright_cost::layer::{layer_ops, LayerKind, LayerShape, OpCost, OpKind, Pass};
+use shardwright_cost::{resolve, ResolveOptions};
+use shardwright_spec::mesh::Mesh;
+use shardwright_spec::parse::{parse_spec, Format};
+use shardwright_spec::spec::Recompute;
+use shardwright_spec::Job;
+
+fn job(yaml: &str) -> Job {
+    let spec = parse_spec(yaml, Format::Yaml).unwrap();
+    resolve(&spec, &ResolveOptions::default()).unwrap().job
+}
+
+// h = 256, 4 heads of 64, 2 KV heads, SwiGLU f = 512, V = 1000, s = 512, RMSNorm, no biases.
+const DENSE: &str = "
+job:
+  model: {arch: dense, num_layers: 2, hidden_size: 256, num_attention_heads: 4, num_kv_heads: 2,
+          ffn_hidden_size: 512, ffn_activation: swiglu, vocab_size: 1000, seq_len: 512}
+  batch: {global_batch: 16}
+cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}
+";
+
+// Same attention; layer 0 dense (f = 512), layer 1 MoE: 4 experts of 128, top-2, one shared
+// expert of 128.
+const MOE: &str = "
+job:
+  model: {arch: moe, num_layers: 2, hidden_size: 256, num_attention_heads: 4, num_kv_heads: 2,
+          ffn_hidden_size: 512, ffn_activation: swiglu, vocab_size: 1000, seq_len: 512,
+          moe: {num_experts: 4, top_k: 2, num_shared_experts: 1, expert_ffn_hidden_size: 128,
+                shared_expert_ffn_hidden_size: 128, first_k_dense: 1}}
+  batch: {global_batch: 16}
+cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}
+";
+
+fn shape(tp: u32, cp: u32, ep: u32, sp: bool, rc: Recompute) -> LayerShape {
+    LayerShape {
+        tp,
+        cp,
+        ep,
+        micro_batch: 2,
+        sp,
+        recompute: rc,
+    }
+}
+
+fn ops(j: &Job, s: &LayerShape, k: LayerKind) -> Vec<OpCost> {
+    let mesh = Mesh::from_degrees(s.tp, s.cp, s.ep, 1, 1, j.cluster.gpus_per_node);
+    layer_ops(j, &mesh, s, k)
+}
+
+/// Forward GEMM + attention-core FLOPs of `ops` in `pass`.
+fn fwd_flops(ops: &[OpCost], pass: Pass) -> f64 {
+    ops.iter()
+        .filter(|o| o.pass == pass)
+        .filter(|o| matches!(o.kind, OpKind::Gemm { .. } | OpKind::AttentionCore { .. }))
+        .map(|o| o.flops)
+        .sum()
+}
+
+/// Hand counts per token, forward (h = 256, qd = 256, kvd = 128, s = 512, V = 1000).
+const QKV: f64 = 2.0 * 256.0 * (256.0 + 2.0 * 128.0);
+const PROJ: f64 = 2.0 * 256.0 * 256.0;
+const ATTN_CAUSAL: f64 = 4.0 * 512.0 * 256.0 / 2.0;
+const DENSE_MLP: f64 = 2.0 * 256.0 * (2.0 * 512.0) + 2.0 * 512.0 * 256.0;
+// Router 2 h E; two routed and one shared expert of 128: 2 h (2 f_e) + 2 f_e h each.
+const ROUTER: f64 = 2.0 * 256.0 * 4.0;
+const MOE_MLP: f64 = ROUTER + 3.0 * (2.0 * 256.0 * 256.0 + 2.0 * 128.0 * 256.0);
+const HEAD: f64 = 2.0 * 256.0 * 1000.0;
+/// RMSNorm weights (2 h per layer): in N for the 6N term, but no GEMM.
+const NORMS_PER_LAYER: f64 = 2.0 * 256.0;
+
+#[test]
+fn forward_flops_match_the_hand_count_and_model_flops() {
+    for (yaml, moe) in [(DENSE, false), (MOE, true)] {
+        let j = job(yaml);
+        for (tp, cp, ep) in [(1u32, 1u32, 1u32), (2, 1, 1), (1, 2, 1), (2, 2, 2)] {
+            if ep > 1 && !moe {
+                continue;
+            }
+            let s = shape(tp, cp, ep, tp > 1, Recompute::None);
+            let tokens = 2.0 * 512.0 / cp as f64;
+            // Per GPU times the GPUs that split one layer's work (tp); ep spreads experts, not
+            // routed tokens, and cp splits tokens (counted in `tokens`).
+            let per_token =
+                |k: LayerKind| fwd_flops(&ops(&j, &s, k), Pass::Fwd) * tp as f64 / tokens;
+            let second = if moe {
+                LayerKind::Moe
+            } else {
+                LayerKind::Dense
+            };
+            let template =
+                per_token(LayerKind::Dense) + per_token(second) + per_token(LayerKind::Head);
+            let mlp2 = if moe { MOE_MLP } else { DENSE_MLP };
+            let hand = 2.0 * (QKV + PROJ + ATTN_CAUSAL) + DENSE_MLP + mlp2 + HEAD;
+            // The router is not split over TP: each TP rank computes it (2 h E per token).
+            let router_copies = if moe { (tp - 1) as f64 * ROUTER } else { 0.0 };
+            assert!(
+                (template - hand - router_copies).abs() < 1e-9 * hand,
+                "moe={moe} tp{tp} cp{cp} ep{ep}: template {template} vs hand {hand}"
+            );
+            let model = flops::model_flops_per_token(&j.model) / 3.0;
+            let hand_model = hand + 2.0 * 2.0 * NORMS_PER_LAYER;
+            assert!(
+                (model - hand_model).abs() < 1e-9 * model,
+                "model/3 {model} vs {hand_model}"
+            );
+        }
+    }
+}
+
+/// Each pass is explicit: backward GEMMs are twice the forward, full recompute repeats the
+/// forward, selective recompute only the attention core (the HFU-over-MFU share).
+#[test]
+fn passes_carry_the_recompute() {
+    let j = job(MOE);
+    for kind in [LayerKind::Dense, LayerKind::Moe] {
+        let none = ops(&j, &shape(2, 1, 2, true, Recompute::None), kind);
+        let sel = ops(&j, &shape(2, 1, 2, true, Recompute::Selective), kind);
+        let full = ops(&j, &shape(2, 1, 2, true, Recompute::Full), kind);
+        let f = fwd_flops(&none, Pass::Fwd);
+        assert_eq!(fwd_flops(&none, Pass::Recompute), 0.0);
+        let tokens = 2.0 * 512.0;
+        let attn = ATTN_CAUSAL * tokens / 2.0; // per GPU at tp = 2
+        assert!((fwd_flops(&sel, Pass::Recompute) - attn).abs() < 1e-9 * attn);
+        assert!((fwd_flops(&full, Pass::Recompute) - f).abs() < 1e-9 * f);
+        let gemm = |o: &[OpCost], p: Pass| -> f64 {
+            o.iter()
+                .filter(|x| x.pass == p && matches!(x.kind, OpKind::Gemm { .. }))
+                .map(|x| x.flops)
+                .sum()
+        };
+        let g = gemm(&none, Pass::Fwd);
+        assert!((gemm(&none, Pass::Bwd) - 2.0 * g).abs() < 1e-9 * g);
+    }
+}
+
+/// The cost model's per-layer times are the template's op times plus the overhead.
+#[test]
+fn layer_costs_are_the_sum_of_the_ops() {
+    let j = job(MOE);
+    let over = j.efficiency.layer_overhead_s;
+    for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        for (tp, cp, ep, sp) in [
+            (1, 1, 1, false),
+            (2, 1, 2, true),
+            (2, 2, 4, false),
+            (4, 2, 2, true),
+        ] {
+            let s = shape(tp, cp, ep, sp, rc);
+            let lc = LayerCosts::new(&j, tp, cp, ep, 2, sp, rc);
+            for (kind, lt) in [
+                (LayerKind::Dense, lc.dense),
+                (LayerKind::Moe, lc.moe),
+                (LayerKind::Head, lc.head),
+            ] {
+                let o = ops(&j, &s, kind);
+                let exposed: f64 = o.iter().map(|x| x.exposed_s).sum::<f64>() + over;
+                assert!(
+                    (exposed - lt.total()).abs() < 1e-12 * lt.total(),
+                    "{kind:?} {rc:?} tp{tp} cp{cp} ep{ep}: {exposed} vs {}",
+                    lt.total()
+                );
+                for x in &o {
+                    assert!(x.exposed_s <= x.time_s * (1.0 + 1e-12) && x.exposed_s >= 0.0);
+                }
+            }
+        }
+    }
+}
