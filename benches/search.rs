@@ -5,8 +5,8 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use shardwright_cost::{resolve, ResolveOptions, Resolved};
-use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_planner::{plan, PlanOptions};
+use shardwright_spec::parse::{parse_spec, Format};
 use std::time::Instant;
 
 const CASES: &[(&str, &str)] = &[

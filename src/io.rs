@@ -3,9 +3,9 @@
 use crate::{usage, Failure};
 use anyhow::{anyhow, Context};
 use shardwright_cost::{resolve, ResolveOptions, Resolved};
+use shardwright_planner::{plan, PlanError, PlanOptions};
 use shardwright_spec::job::Efficiency;
 use shardwright_spec::parse::{parse_spec, Format};
-use shardwright_planner::{plan, PlanError, PlanOptions};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::Path;
@@ -20,7 +20,29 @@ pub fn read_input(path: &Path) -> Result<String, Failure> {
             .context("reading stdin")?;
         return Ok(s);
     }
-    std::fs::read_to_string(path).map_err(|e| usage(anyhow!("{}: {e}", path.display())))
+    let bytes = std::fs::read(path).map_err(|e| {
+        // An input that cannot be read is an I/O error (exit 1), as the README says.
+        Failure::from(anyhow!("reading {}: {e}", path.display()))
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        usage(anyhow!(
+            "{}: not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+/// The published-runs file: `--runs FILE`, or the bundled copy of
+/// `data/published-runs.json`. Returns (name for messages, text).
+pub fn read_runs(path: Option<&Path>) -> Result<(String, String), Failure> {
+    match path {
+        Some(p) => Ok((p.display().to_string(), read_input(p)?)),
+        None => Ok((
+            format!("{} (bundled)", shardwright_validate::BUNDLED_RUNS_PATH),
+            shardwright_validate::BUNDLED_RUNS.to_string(),
+        )),
+    }
 }
 
 /// Write to a temp file beside the target, then rename: readers never see half a file.

@@ -12,8 +12,8 @@ const EXAMPLES: &str = "Examples:
   shardwright plan specs/llama3-405b-16k-h100.yaml -o plan.json
   shardwright plan specs/llama3-405b-16k-h100.yaml --top 10 | shardwright explain -
   shardwright explain plan.json
-  shardwright validate --runs ../shared/data/published-runs.json
-  shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json
+  shardwright validate
+  shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json
   shardwright schema -o schema/plan.schema.json
 
 Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits.";
@@ -57,12 +57,12 @@ enum Cmd {
     },
     /// Predict published training runs with the cost model and compare with what was measured.
     #[command(
-        after_help = "Examples:\n  shardwright validate --runs ../shared/data/published-runs.json\n  shardwright validate --runs runs.json --json -o report.json"
+        after_help = "Examples:\n  shardwright validate\n  shardwright validate --runs runs.json --json -o report.json"
     )]
     Validate {
-        /// Published-runs file (the shared/data/published-runs.json format).
+        /// Published-runs file (default: the bundled data/published-runs.json).
         #[arg(long)]
-        runs: PathBuf,
+        runs: Option<PathBuf>,
         /// Hardware profile (default: the committed calibrated profile).
         #[arg(long)]
         profile: Option<PathBuf>,
@@ -78,11 +78,12 @@ enum Cmd {
     },
     /// Fit the hardware profile's efficiency parameters to published runs.
     #[command(
-        after_help = "Examples:\n  shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json --report validate/calibration-report.json"
+        after_help = "Examples:\n  shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json"
     )]
     Calibrate {
+        /// Published-runs file (default: the bundled data/published-runs.json).
         #[arg(long)]
-        runs: PathBuf,
+        runs: Option<PathBuf>,
         /// Where to write the profile (default: stdout).
         #[arg(short, long)]
         output: Option<PathBuf>,
@@ -195,9 +196,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
             output,
             planner_report,
         } => {
-            let text = io::read_input(&runs)?;
+            let (name, text) = io::read_runs(runs.as_deref())?;
             let file = shardwright_validate::load_runs(&text)
-                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+                .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
             let profiles = profile.as_deref().map(io::load_profile).transpose()?;
             let report = shardwright_validate::validate(&file, profiles.as_ref());
             let out = if json {
@@ -221,13 +222,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
             report,
             version,
         } => {
-            let bytes = std::fs::read(&runs)
-                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
-            let text = String::from_utf8(bytes.clone())
-                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+            let (name, text) = io::read_runs(runs.as_deref())?;
             let file = shardwright_validate::load_runs(&text)
-                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
-            let cal = shardwright_validate::calibrate::calibrate(&file, &bytes, &version);
+                .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
+            let cal = shardwright_validate::calibrate::calibrate(&file, text.as_bytes(), &version);
             io::write_output(
                 output.as_deref(),
                 &shardwright_spec::plan::to_json(&cal.profile),

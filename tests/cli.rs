@@ -53,8 +53,13 @@ fn several_errors_reported_together() {
 }
 
 #[test]
-fn missing_file_and_bad_flag_exit_2() {
-    assert_eq!(run(&["plan", "no/such/spec.yaml"]).0, 2);
+fn missing_file_exits_1_bad_flag_exits_2() {
+    // README: 1 = I/O error, 2 = bad spec, plan or flags.
+    let (code, _, err) = run(&["plan", "no/such/spec.yaml"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no/such/spec.yaml"), "{err}");
+    assert_eq!(run(&["explain", "no/such/plan.json"]).0, 1);
+    assert_eq!(run(&["validate", "--runs", "no/such/runs.json"]).0, 1);
     assert_eq!(
         run(&["plan", "specs/llama2-70b-128xa100.yaml", "--top", "x"]).0,
         2

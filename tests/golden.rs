@@ -3,8 +3,8 @@
 //! Snapshots without a spec are rejected, and so is a stale `schema/plan.schema.json`.
 
 use shardwright_cost::{resolve, ResolveOptions};
-use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_planner::{plan, PlanOptions};
+use shardwright_spec::parse::{parse_spec, Format};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 

@@ -9,11 +9,11 @@ use proptest::prelude::*;
 use proptest::test_runner::Config as ProptestConfig;
 use serde_json::Value;
 use shardwright_cost::resolve::{resolve, ResolveOptions};
+use shardwright_planner::{plan, PlanError, PlanOptions};
 use shardwright_spec::layout::Layout;
 use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_spec::plan::{to_json, Plan};
 use shardwright_spec::spec::*;
-use shardwright_planner::{plan, PlanError, PlanOptions};
 use std::fmt::Debug;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 

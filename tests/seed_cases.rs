@@ -4,11 +4,11 @@
 use shardwright_cost::collective::{all_reduce_s, all_to_all_s};
 use shardwright_cost::eval::{evaluate, group_link, LayerCosts, Split};
 use shardwright_cost::{flops, memory, pipeline, reliability, resolve, ResolveOptions};
+use shardwright_planner::{plan, PlanOptions};
 use shardwright_spec::layout::Layout;
 use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_spec::spec::{Recompute, Schedule, SpecFile};
 use shardwright_spec::{Job, Plan};
-use shardwright_planner::{plan, PlanOptions};
 mod common;
 
 use common::root;

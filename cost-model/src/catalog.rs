@@ -160,7 +160,7 @@ pub fn builtin_efficiency(kind: &str) -> Efficiency {
 /// the profile committed before it).
 pub fn initial_efficiency(kind: &str) -> Efficiency {
     match kind {
-        // GEMM curve fitted to shared/data/h100-gemm-2026-11-22.json (12 shapes, rms 3%).
+        // GEMM curve fitted to data/h100-gemm-2026-11-22.json (12 shapes, rms 3%).
         "h100" => Efficiency {
             profile: "h100-initial".into(),
             gemm_max: 0.80,

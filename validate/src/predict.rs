@@ -14,12 +14,12 @@
 
 use crate::report::Skip;
 use shardwright_cost::resolve::{resolve, ResolveOptions};
+use shardwright_planner::{evaluate_refined, plan, PlanError, PlanOptions};
 use shardwright_spec::job::Efficiency;
 use shardwright_spec::layout::{recompute_name, Layout};
 use shardwright_spec::plan::Estimate;
 use shardwright_spec::spec::{Recompute, Schedule, SpecFile};
 use shardwright_spec::Job;
-use shardwright_planner::{evaluate_refined, plan, PlanError, PlanOptions};
 
 /// Use shardwright's LP stage partition for the final evaluation (off: even split).
 pub const REFINE_STAGE_SPLIT: bool = false;
