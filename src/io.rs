@@ -78,6 +78,39 @@ pub fn write_output(path: Option<&Path>, text: &str) -> Result<(), Failure> {
     Ok(())
 }
 
+/// A plan file: JSON syntax errors name the line and column; a value of the wrong shape
+/// names the field path (`estimate.step.step_s`).
+pub fn parse_plan(path: &Path, text: &str) -> Result<shardwright_spec::Plan, Failure> {
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+        usage(anyhow!(
+            "{}: not a shardwright plan: invalid JSON at line {} column {}: {e}",
+            path.display(),
+            e.line(),
+            e.column()
+        ))
+    })?;
+    let version = value.get("schema_version").and_then(|v| v.as_str());
+    if let Some(v) = version.filter(|v| *v != shardwright_spec::plan::SCHEMA_VERSION) {
+        return Err(usage(anyhow!(
+            "{}: field `schema_version`: plan schema version {v} is not {} (re-run `shardwright plan`)",
+            path.display(),
+            shardwright_spec::plan::SCHEMA_VERSION
+        )));
+    }
+    shardwright_spec::parse::from_value(value).map_err(|e| {
+        let field = if e.path.is_empty() {
+            "the document".to_string()
+        } else {
+            format!("field `{}`", e.path)
+        };
+        usage(anyhow!(
+            "{}: not a shardwright plan: {field}: {}",
+            path.display(),
+            e.reason
+        ))
+    })
+}
+
 /// A profile file written by `shardwright calibrate` (GPU kind -> efficiency).
 pub fn load_profile(path: &Path) -> Result<BTreeMap<String, Efficiency>, Failure> {
     let text = read_input(path)?;
@@ -94,7 +127,19 @@ pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Resolved, Failure
         profile: None,
         profiles: profile.map(load_profile).transpose()?,
     };
-    resolve(&spec, &opts).map_err(|e| usage(anyhow!("{}:\n{e}", path.display())))
+    let r = resolve(&spec, &opts).map_err(|e| usage(anyhow!("{}:\n{e}", path.display())))?;
+    if let (Some(p), Some(kinds)) = (profile, &opts.profiles) {
+        let kind = &r.job.hardware.kind;
+        if !kinds.contains_key(kind) {
+            return Err(usage(anyhow!(
+                "{}: no efficiency for GPU kind `{kind}` (cluster.gpu {}); the profile covers: {}",
+                p.display(),
+                r.job.hardware.gpu,
+                kinds.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+    }
+    Ok(r)
 }
 
 /// Run the planner with a progress bar that appears only if the search takes a while and

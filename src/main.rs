@@ -123,6 +123,18 @@ pub fn usage(e: impl Into<anyhow::Error>) -> Failure {
     }
 }
 
+/// No run of a runs file could be predicted: an error (exit 2) that lists why.
+fn nothing_scored(name: &str, skipped: &[shardwright_validate::Skip]) -> Failure {
+    let mut msg = format!(
+        "{name}: no run could be scored ({} runs, all skipped); nothing was compared or fitted:",
+        skipped.len()
+    );
+    for s in skipped {
+        msg.push_str(&format!("\n  {}: {}", s.id, s.reason));
+    }
+    usage(anyhow::anyhow!(msg))
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -170,19 +182,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
         }
         Cmd::Explain { plan } => {
             let text = io::read_input(&plan)?;
-            let plan: shardwright_spec::Plan = serde_json::from_str(&text).map_err(|e| {
-                usage(anyhow::anyhow!(
-                    "{}: not a shardwright plan: {e}",
-                    plan.display()
-                ))
-            })?;
-            if plan.schema_version != shardwright_spec::plan::SCHEMA_VERSION {
-                return Err(usage(anyhow::anyhow!(
-                    "plan schema_version {} is not {}",
-                    plan.schema_version,
-                    shardwright_spec::plan::SCHEMA_VERSION
-                )));
-            }
+            let plan = io::parse_plan(&plan, &text)?;
             print!(
                 "{}",
                 explain::render(&plan).context("rendering the summary")?
@@ -201,6 +201,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
             let profiles = profile.as_deref().map(io::load_profile).transpose()?;
             let report = shardwright_validate::validate(&file, profiles.as_ref());
+            if report.rows.is_empty() {
+                return Err(nothing_scored(&name, &report.summary.skipped));
+            }
             let out = if json {
                 shardwright_validate::to_json(&report)
             } else {
@@ -226,6 +229,11 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let file = shardwright_validate::load_runs(&text)
                 .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
             let cal = shardwright_validate::calibrate::calibrate(&file, text.as_bytes(), &version);
+            if cal.profile.provenance.runs_used == 0 || cal.profile.kinds.is_empty() {
+                // Nothing was fitted: refuse to write a profile that would be ignored.
+                let report = shardwright_validate::validate(&file, None);
+                return Err(nothing_scored(&name, &report.summary.skipped));
+            }
             io::write_output(
                 output.as_deref(),
                 &shardwright_spec::plan::to_json(&cal.profile),

@@ -131,3 +131,119 @@ fn json_spec_accepted() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("\"schema_version\": \"1\""));
 }
+
+/// A runs file with only the runs `validate` cannot represent (OPT, PaLM): nothing is
+/// scored, which is an error that lists each run with its reason, and no profile is written.
+#[test]
+fn nothing_scored_is_an_error() {
+    let text = std::fs::read_to_string(root().join("data/published-runs.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let runs = v["runs"].as_array_mut().unwrap();
+    runs.retain(|r| {
+        let id = r["id"].as_str().unwrap();
+        id.starts_with("opt") || id.starts_with("palm")
+    });
+    let ids: Vec<String> = runs
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("runs.json");
+    std::fs::write(&f, serde_json::to_string(&v).unwrap()).unwrap();
+
+    let (code, out, err) = run(&["validate", "--runs", f.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("no run could be scored (2 runs, all skipped)"),
+        "{err}"
+    );
+    for id in &ids {
+        assert!(err.contains(&format!("  {id}: ")), "{id} missing: {err}");
+    }
+
+    let prof = dir.path().join("profile.json");
+    let (code, _, err) = run(&[
+        "calibrate",
+        "--runs",
+        f.to_str().unwrap(),
+        "-o",
+        prof.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("no run could be scored"), "{err}");
+    assert!(!prof.exists(), "an empty profile was written");
+}
+
+/// Profiles that would be silently ignored are refused when loaded: no GPU kind at all, or
+/// none for the spec's GPU.
+#[test]
+fn empty_or_foreign_profile_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.json");
+    std::fs::write(&empty, r#"{"provenance": {"runs_used": 0}, "kinds": {}}"#).unwrap();
+    let (code, _, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "--profile",
+        empty.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("empty.json") && err.contains("`kinds` is empty"),
+        "{err}"
+    );
+
+    // The committed profile covers a100 and h100; an H800 spec is not covered.
+    let text = std::fs::read_to_string(root().join("cost-model/profiles/calibrated.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["kinds"].as_object_mut().unwrap().remove("a100");
+    let h100_only = dir.path().join("h100.json");
+    std::fs::write(&h100_only, serde_json::to_string(&v).unwrap()).unwrap();
+    let (code, _, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "--profile",
+        h100_only.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("no efficiency for GPU kind `a100`") && err.contains("covers: h100"),
+        "{err}"
+    );
+}
+
+/// 130 GPUs on 8-GPU nodes is 16 nodes and 2 GPUs: refused, with the field and the two
+/// nearest whole-node counts.
+#[test]
+fn gpus_not_a_multiple_of_node_size() {
+    let (_d, f) = with_spec(|t| t.replace("nodes: 16", "num_gpus: 130"));
+    let (code, _, err) = run(&["plan", f.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("cluster.num_gpus: 130 is not a multiple of gpus_per_node=8 (16 full nodes + 2 GPUs); use 128 or 136"),
+        "{err}"
+    );
+}
+
+/// A plan with one value of the wrong type: the error names the field path, not a column.
+#[test]
+fn explain_on_corrupted_plan_names_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let (code, _, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    v["estimate"]["step"]["step_s"] = serde_json::json!("fast");
+    std::fs::write(&out, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    let (code, _, err) = run(&["explain", out.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("field `estimate.step.step_s`"), "{err}");
+    assert!(!err.contains("column"), "{err}");
+}
