@@ -129,7 +129,7 @@ fn json_spec_accepted() {
     .unwrap();
     let (code, out, err) = run(&["plan", f.to_str().unwrap(), "--quiet"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("\"schema_version\": \"1\""));
+    assert!(out.contains("\"schema_version\": \"2\""), "{out}");
 }
 
 /// A runs file with only the runs `validate` cannot represent (OPT, PaLM): nothing is
