@@ -118,8 +118,15 @@ pub fn load_profile(path: &Path) -> Result<BTreeMap<String, Efficiency>, Failure
         .map_err(|e| usage(anyhow!("{}: not a hardware profile: {e}", path.display())))
 }
 
+/// A parsed spec, the options it was resolved with, and the resolved job.
+pub struct Loaded {
+    pub spec: shardwright_spec::spec::SpecFile,
+    pub opts: ResolveOptions,
+    pub resolved: Resolved,
+}
+
 /// Parse and resolve a job spec; errors name the file and every bad field.
-pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Resolved, Failure> {
+pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Loaded, Failure> {
     let text = read_input(path)?;
     let spec = parse_spec(&text, Format::from_path(&path.to_string_lossy()))
         .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
@@ -139,7 +146,11 @@ pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Resolved, Failure
             )));
         }
     }
-    Ok(r)
+    Ok(Loaded {
+        spec,
+        opts,
+        resolved: r,
+    })
 }
 
 /// Run the planner with a progress bar that appears only if the search takes a while and

@@ -1,5 +1,6 @@
 //! The `shardwright` command line.
 
+mod baseline;
 mod explain;
 mod io;
 
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 const EXAMPLES: &str = "Examples:
   shardwright plan specs/llama3-405b-16k-h100.yaml -o plan.json
   shardwright plan specs/llama3-405b-16k-h100.yaml --top 10 | shardwright explain -
+  shardwright plan specs/llama3-405b-table4-16k-h100.yaml --baseline tp8,pp16,dp128,cp1,mb1 -o plan.json
   shardwright explain plan.json
   shardwright validate
   shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json
@@ -46,14 +48,25 @@ enum Cmd {
         /// Do not draw a progress bar.
         #[arg(long)]
         quiet: bool,
+        /// Also evaluate this layout (the one you run today) on the same inputs and compare
+        /// it term by term: e.g. `tp8,pp16,dp128,cp1,ep1,vpp1,mb1,zero1,rc=selective,sp=on,schedule=1f1b`
+        /// (any subset; `tp8` or `tp=8`; keys tp pp dp cp ep vpp mb ga zero rc sp
+        /// schedule). Fields not given take the spec's pins, else the planner's choice.
+        /// The table goes to stderr, the comparison into the plan's `baseline`.
+        #[arg(long, value_name = "LAYOUT")]
+        baseline: Option<String>,
     },
-    /// Print a one-screen human summary of a plan.
+    /// Print a human summary of a plan (80 columns, one screen; --details for all).
     #[command(
-        after_help = "Examples:\n  shardwright explain plan.json\n  shardwright plan spec.yaml | shardwright explain -"
+        after_help = "Examples:\n  shardwright explain plan.json\n  shardwright explain --details plan.json\n  shardwright plan spec.yaml | shardwright explain -"
     )]
     Explain {
         /// Plan JSON (`-` for stdin).
         plan: PathBuf,
+        /// Everything: full step-time and memory tables, every alternative's whole layout,
+        /// rank-order groups, an example per rejection reason.
+        #[arg(long)]
+        details: bool,
     },
     /// Predict published training runs with the cost model and compare with what was measured.
     #[command(
@@ -161,31 +174,41 @@ fn run(cli: Cli) -> Result<(), Failure> {
             top,
             profile,
             quiet,
+            baseline,
         } => {
-            let job = io::load_job(&spec, profile.as_deref())?;
+            if let Some(b) = &baseline {
+                baseline::check_syntax(b)?;
+            }
+            let loaded = io::load_job(&spec, profile.as_deref())?;
+            let job = &loaded.resolved;
             for w in &job.warnings {
                 eprintln!("warning: {w}");
             }
-            let plan = io::plan_with_progress(&job, top, !quiet)?;
+            let mut plan = io::plan_with_progress(job, top, !quiet)?;
+            if let Some(b) = &baseline {
+                let cmp = baseline::compare(&loaded.spec, &loaded.opts, &plan, b)?;
+                eprint!("{}", baseline::render(&cmp, true));
+                plan.baseline = Some(cmp);
+            }
             let text = shardwright_spec::plan::to_json(&plan);
             io::write_output(output.as_deref(), &text)?;
             if let Some(o) = &output {
                 eprintln!(
-                    "wrote {}: {} (MFU {:.1}%, goodput {:.3e} tokens/s)",
+                    "wrote {}: {}\n  MFU {:.1}%, goodput {:.3e} tokens/s",
                     o.display(),
-                    plan.layout,
+                    plan.summary.layout,
                     plan.estimate.mfu * 100.0,
                     plan.estimate.goodput_tokens_per_s
                 );
             }
             Ok(())
         }
-        Cmd::Explain { plan } => {
+        Cmd::Explain { plan, details } => {
             let text = io::read_input(&plan)?;
             let plan = io::parse_plan(&plan, &text)?;
             print!(
                 "{}",
-                explain::render(&plan).context("rendering the summary")?
+                explain::render(&plan, details).context("rendering the summary")?
             );
             Ok(())
         }

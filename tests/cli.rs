@@ -247,3 +247,143 @@ fn explain_on_corrupted_plan_names_the_field() {
     assert!(err.contains("field `estimate.step.step_s`"), "{err}");
     assert!(!err.contains("column"), "{err}");
 }
+
+/// Plan a spec into a temp file; returns the plan and stderr.
+fn plan_file(
+    dir: &std::path::Path,
+    spec: &str,
+    extra: &[&str],
+) -> (shardwright_spec::Plan, String) {
+    let out = dir.join("plan.json");
+    let mut args = vec!["plan", spec, "-o", out.to_str().unwrap(), "--quiet"];
+    args.extend_from_slice(extra);
+    let (code, _, err) = run(&args);
+    assert_eq!(code, 0, "{err}");
+    let plan = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    (plan, err)
+}
+
+/// The chosen layout given back as the baseline compares equal: every delta is zero.
+#[test]
+fn baseline_equal_to_plan_has_zero_deltas() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = "specs/llama2-70b-128xa100.yaml";
+    let (plan, _) = plan_file(dir.path(), spec, &[]);
+    let (with, err) = plan_file(dir.path(), spec, &["--baseline", &plan.summary.layout]);
+    let b = with.baseline.expect("baseline section");
+    assert_eq!(b.layout, plan.layout);
+    assert!(b.sources.values().all(|s| s == "given"), "{:?}", b.sources);
+    assert_eq!(b.terms.len(), 14);
+    for t in &b.terms {
+        assert_eq!(t.delta, 0.0, "{}: {} vs {}", t.term, t.plan, t.baseline);
+    }
+    assert_eq!(b.goodput_delta_pct, 0.0);
+    assert!(err.contains("step time, s"), "{err}");
+    // The rest of the plan is unchanged by asking for a baseline.
+    assert_eq!(with.layout, plan.layout);
+    assert_eq!(with.estimate, plan.estimate);
+}
+
+/// A worse layout (full recompute, no interleaving, no sequence parallelism) evaluates to
+/// exactly what a spec with those axes pinned plans to, and is slower than the plan.
+#[test]
+fn worse_baseline_shows_its_cost() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = "specs/llama2-70b-128xa100.yaml";
+    let layout = "tp8,pp4,dp4,cp1,ep1,vpp1,mb1,zero1,rc=full,sp=off,schedule=1f1b";
+    let (plan, err) = plan_file(dir.path(), spec, &["--baseline", layout]);
+    let b = plan.baseline.expect("baseline section");
+    let step = b.terms.iter().find(|t| t.term == "step time").unwrap();
+    assert!(step.delta > 0.0, "{step:?}");
+    assert_eq!(step.plan, plan.estimate.step.step_s);
+    assert!(b.goodput_delta_pct < 0.0);
+    assert_eq!(b.sources["grad_accum"], "derived");
+    assert!(
+        err.contains("derived (dp: world size, ga: global batch): ga"),
+        "{err}"
+    );
+
+    // The same layout pinned in the spec, planned on its own.
+    let (_d, pinned) = with_spec(|t| {
+        t.replace(
+            "  batch: {",
+            "  parallelism: {tp: 8, pp: 4, dp: 4, cp: 1, ep: 1, vpp: 1, micro_batch: 1, zero_stage: 1, recompute: full, sequence_parallel: false, schedule: 1f1b}\n  batch: {",
+        )
+    });
+    let (alone, _) = plan_file(dir.path(), pinned.to_str().unwrap(), &[]);
+    assert!(alone.search.fully_pinned);
+    assert_eq!(alone.layout, b.layout);
+    assert_eq!(step.baseline, alone.estimate.step.step_s);
+    let mem = b.terms.iter().find(|t| t.term == "memory per GPU").unwrap();
+    assert_eq!(mem.baseline, alone.estimate.memory.total_bytes);
+    let gp = b.terms.iter().find(|t| t.term == "goodput").unwrap();
+    assert_eq!(gp.baseline, alone.estimate.goodput_tokens_per_s);
+    assert_eq!(gp.delta, gp.baseline - gp.plan);
+}
+
+#[test]
+fn malformed_baseline_exits_2_naming_the_token() {
+    let (code, out, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "--baseline",
+        "tp8,pq4,dp4",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty());
+    assert!(
+        err.contains(
+            "--baseline `tp8,pq4,dp4`: token 2 `pq4`: unknown key `pq` (did you mean `pp`?)"
+        ),
+        "{err}"
+    );
+    // Well-formed but wrong for this job: the resolver's message names the field.
+    let (code, _, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "--baseline",
+        "tp3",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("does not suit this job"), "{err}");
+    assert!(err.contains("not divisible by tp=3"), "{err}");
+}
+
+/// explain fits 80 columns and 40 lines by default for every bundled spec, even with
+/// --top 10; --details shows every alternative's whole layout.
+#[test]
+fn explain_fits_one_screen() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(root().join("specs"))
+        .unwrap()
+        .flatten()
+        .map(|e| format!("specs/{}", e.file_name().to_string_lossy()))
+        .collect();
+    names.sort();
+    for spec in &names {
+        let (plan, _) = plan_file(dir.path(), spec, &["--top", "10"]);
+        let out = dir.path().join("plan.json");
+        let (code, text, err) = run(&["explain", out.to_str().unwrap()]);
+        assert_eq!(code, 0, "{err}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines.len() <= 40, "{spec}: {} lines\n{text}", lines.len());
+        for l in &lines {
+            assert!(
+                l.chars().count() <= 80,
+                "{spec}: {} columns: {l}",
+                l.chars().count()
+            );
+        }
+        assert!(text.contains(&format!("tp {} x pp {}", plan.layout.tp, plan.layout.pp)));
+        let (code, full, _) = run(&["explain", "--details", out.to_str().unwrap()]);
+        assert_eq!(code, 0);
+        for a in &plan.alternatives {
+            assert!(
+                full.contains(&a.layout.compact()),
+                "{spec}: #{} missing",
+                a.rank
+            );
+        }
+        assert!(full.contains("rank order"));
+    }
+}

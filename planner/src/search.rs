@@ -106,7 +106,7 @@ pub fn tie_break_reason(chosen: &Candidate, other: &Candidate) -> Option<String>
     };
     Some(format!(
         "tied with {} at {} tokens/s goodput (6 significant digits); chosen for {why}",
-        other.layout,
+        other.layout.compact(),
         printed_goodput(other)
     ))
 }
@@ -432,9 +432,11 @@ mod tests {
     use super::*;
 
     fn cand(tp: u32, pp: u32, cp: u32, goodput: f64, memory: f64) -> Candidate {
-        let mut estimate = Estimate::default();
-        estimate.goodput_tokens_per_s = goodput;
-        estimate.tokens_per_s = goodput;
+        let mut estimate = Estimate {
+            goodput_tokens_per_s: goodput,
+            tokens_per_s: goodput,
+            ..Estimate::default()
+        };
         estimate.memory.total_bytes = memory;
         Candidate {
             layout: Layout {
