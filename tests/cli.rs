@@ -282,6 +282,16 @@ fn baseline_equal_to_plan_has_zero_deltas() {
     // The rest of the plan is unchanged by asking for a baseline.
     assert_eq!(with.layout, plan.layout);
     assert_eq!(with.estimate, plan.estimate);
+    // explain shows the comparison, still in 80 columns.
+    let out = dir.path().join("plan.json");
+    let (code, text, err) = run(&["explain", out.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(text.contains("baseline layout"), "{text}");
+    assert!(
+        text.contains("given: tp pp dp cp ep vpp mb ga zero rc sp schedule"),
+        "{text}"
+    );
+    assert!(text.lines().all(|l| l.chars().count() <= 80), "{text}");
 }
 
 /// A worse layout (full recompute, no interleaving, no sequence parallelism) evaluates to
