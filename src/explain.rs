@@ -1,10 +1,18 @@
-//! `shardwright explain`: a one-screen summary of a plan, rendered with minijinja.
+//! `shardwright explain`: a summary of a plan that fits 80 columns and one screen (about
+//! 40 lines) by default; `--details` adds the full step-time and memory tables, every
+//! alternative with its whole layout, the rank-order groups and an example per rejection.
+//! Laid out by a minijinja template; the lines are formatted here.
 
-use minijinja::{context, Environment, Value};
+use minijinja::{context, Environment};
 use shardwright_spec::layout::{recompute_name, schedule_name};
 use shardwright_spec::Plan;
 
 const TEMPLATE: &str = include_str!("templates/explain.txt");
+
+/// Screen width every line fits in.
+pub const WIDTH: usize = 80;
+/// Alternatives shown without `--details`.
+const SHORT_ALTERNATIVES: usize = 3;
 
 fn sig(x: f64) -> String {
     if x == 0.0 {
@@ -24,16 +32,112 @@ fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
 
-pub fn render(plan: &Plan) -> Result<String, minijinja::Error> {
+/// Greedy word wrap: the first line starts with `first`, the others with `indent`.
+pub fn wrap(text: &str, first: &str, indent: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut cur = first.to_string();
+    let mut empty = true;
+    for word in text.split_whitespace() {
+        let sep = if empty { "" } else { " " };
+        if !empty && cur.chars().count() + sep.len() + word.chars().count() > WIDTH {
+            // A word too long for the indented line (a whole layout) gets a short indent.
+            let ind = if indent.len() + word.chars().count() > WIDTH {
+                "  "
+            } else {
+                indent
+            };
+            lines.push(std::mem::replace(&mut cur, ind.to_string()));
+            cur.push_str(word);
+        } else {
+            cur.push_str(sep);
+            cur.push_str(word);
+        }
+        empty = false;
+    }
+    lines.push(cur);
+    lines
+}
+
+pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
     let mut env = Environment::new();
-    env.add_filter("pad", |s: Value, n: usize| format!("{:<n$}", s.to_string()));
-    env.add_filter("lpad", |s: Value, n: usize| {
-        format!("{:>n$}", s.to_string())
-    });
     env.add_template("explain", TEMPLATE)?;
     let e = &plan.estimate;
     let st = &e.step;
-    let step_rows: Vec<(String, String, String)> = [
+    let job = &plan.inputs;
+    let l = &plan.layout;
+    let r = &e.reliability;
+    let m = &e.memory;
+
+    let c = &job.cluster;
+    let nodes = if c.num_gpus < c.gpus_per_node as u64 {
+        format!("1 node, {} of its {} GPUs", c.num_gpus, c.gpus_per_node)
+    } else {
+        format!("{} nodes x {}", c.nodes, c.gpus_per_node)
+    };
+    let mut overview: Vec<String> = wrap(
+        &format!(
+            "{}: {:.1}B params ({:.1}B active), {} layers, seq {}",
+            job.name,
+            job.model.params_total / 1e9,
+            job.model.params_active / 1e9,
+            job.model.num_layers,
+            job.model.seq_len,
+        ),
+        "",
+        "  ",
+    );
+    let head = overview.remove(0);
+    overview.push(format!(
+        "cluster    {} x {} ({nodes})",
+        c.num_gpus, job.hardware.gpu
+    ));
+    overview.push(format!(
+        "layout     tp {} x pp {} x dp {} x cp {} x ep {}, vpp {}, {} x {} micro-batches",
+        l.tp, l.pp, l.dp, l.cp, l.ep, l.vpp, l.grad_accum, l.micro_batch
+    ));
+    overview.push(format!(
+        "           ZeRO-{}, recompute {}, sequence-parallel {}, schedule {}",
+        l.zero_stage,
+        recompute_name(l.recompute),
+        if l.sequence_parallel { "on" } else { "off" },
+        schedule_name(l.schedule)
+    ));
+    overview.push(format!(
+        "throughput {} tokens/s ({} per GPU)   MFU {}   HFU {}",
+        sig(e.tokens_per_s),
+        sig(e.tokens_per_s_per_gpu),
+        pct(e.mfu),
+        pct(e.hfu)
+    ));
+    overview.push(format!(
+        "goodput    {} tokens/s ({} of wall time)",
+        sig(e.goodput_tokens_per_s),
+        pct(r.goodput_fraction)
+    ));
+    overview.push(format!(
+        "memory     {:.1} of {:.1} GB per GPU (stage {}, {} headroom){}",
+        m.total_bytes / 1e9,
+        m.hbm_bytes / 1e9,
+        m.stage,
+        pct(m.headroom),
+        if e.fits { "" } else { "  DOES NOT FIT" }
+    ));
+    overview.push(format!(
+        "checkpoint every {:.1} min = {} steps (MTBF {:.2} h, stall {:.1} s)",
+        r.interval_minutes, r.interval_steps, r.job_mtbf_hours, r.checkpoint_stall_s
+    ));
+    if let Some(b) = &plan.budget {
+        overview.push(format!(
+            "budget     {:.3e} tokens in {:.1} days, {:.3e} GPU-hours",
+            b.token_budget, b.days, b.gpu_hours
+        ));
+    }
+    if let Some(t) = &plan.summary.tie_break {
+        overview.extend(wrap(t, "tie        ", "           "));
+    }
+
+    // Step time and memory side by side (38 + 4 + 38 columns).
+    let step_rows: Vec<(&str, f64)> = [
         ("compute (GEMM)", st.gemm_s),
         ("compute (attention)", st.attention_s),
         ("compute (elementwise)", st.elementwise_s),
@@ -45,13 +149,26 @@ pub fn render(plan: &Plan) -> Result<String, minijinja::Error> {
         ("pipeline bubble", st.pipeline_bubble_s),
         ("DP comm (exposed)", st.dp_comm_exposed_s),
         ("optimizer step", st.optimizer_s),
-        ("step", st.step_s),
     ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), sig(*v), pct(v / st.step_s)))
+    .into_iter()
+    .filter(|(_, v)| details || *v != 0.0)
     .collect();
-    let m = &e.memory;
-    let mem_rows: Vec<(String, String)> = [
+    let mut left = vec![format!("{:<23} {:>7} {:>6}", "step time", "s", "share")];
+    for (k, v) in &step_rows {
+        left.push(format!(
+            "  {:<21} {:>7} {:>6}",
+            k,
+            sig(*v),
+            pct(v / st.step_s)
+        ));
+    }
+    left.push(format!(
+        "  {:<21} {:>7} {:>6}",
+        "step",
+        sig(st.step_s),
+        "100%"
+    ));
+    let mem_rows: Vec<(&str, f64)> = [
         ("weights", m.weights_bytes),
         ("gradients", m.grads_bytes),
         ("fp32 master", m.master_bytes),
@@ -60,88 +177,147 @@ pub fn render(plan: &Plan) -> Result<String, minijinja::Error> {
         ("logits", m.logits_bytes),
         ("temporary", m.temporary_bytes),
         ("framework reserve", m.reserve_bytes),
-        ("total", m.total_bytes),
-        ("HBM", m.hbm_bytes),
     ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), format!("{:.2}", v / 1e9)))
+    .into_iter()
+    .filter(|(_, v)| details || *v != 0.0)
     .collect();
-    let l = &plan.layout;
-    let alternatives: Vec<Value> = plan
-        .alternatives
-        .iter()
-        .map(|a| {
-            Value::from_serialize(serde_json::json!({
-                "rank": a.rank,
-                "layout": a.layout.to_string(),
-                "goodput": sig(a.goodput_tokens_per_s),
-                "delta": format!("{:+.1}", a.goodput_delta_pct),
-                "differs": a.differs_in.join(", "),
-            }))
-        })
-        .collect();
-    let rejected: Vec<(String, u64, String)> = plan
-        .search
-        .rejected
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.clone(),
-                *v,
-                plan.search.examples.get(k).cloned().unwrap_or_default(),
-            )
-        })
-        .collect();
-    let job = &plan.inputs;
-    let r = &e.reliability;
-    let budget = plan.budget.as_ref().map(|b| {
-        Value::from_serialize(serde_json::json!({
-            "tokens": format!("{:.3e}", b.token_budget),
-            "days": format!("{:.1}", b.days),
-            "gpu_hours": format!("{:.3e}", b.gpu_hours),
-        }))
-    });
-    let groups: Vec<Value> = plan
-        .rank_order
-        .groups
-        .iter()
-        .map(|g| Value::from_serialize(g))
-        .collect();
+    let mut right = vec![format!(
+        "{:<28} {:>8}",
+        format!("memory per GPU (stage {})", m.stage),
+        "GB"
+    )];
+    for (k, v) in &mem_rows {
+        right.push(format!("  {:<26} {:>8.2}", k, v / 1e9));
+    }
+    right.push(format!("  {:<26} {:>8.2}", "total", m.total_bytes / 1e9));
+    right.push(format!("  {:<26} {:>8.2}", "HBM", m.hbm_bytes / 1e9));
+    let rows = left.len().max(right.len());
+    let mut tables = String::new();
+    for i in 0..rows {
+        let a = left.get(i).map(String::as_str).unwrap_or("");
+        let b = right.get(i).map(String::as_str).unwrap_or("");
+        let line = format!("{a:<40}{b}");
+        tables.push_str(line.trim_end());
+        tables.push('\n');
+    }
+
+    let baseline = plan
+        .baseline
+        .as_ref()
+        .map(|b| crate::baseline::render(b, details).trim_end().to_string());
+
+    let mut tail: Vec<String> = Vec::new();
+    if !plan.alternatives.is_empty() {
+        let shown = if details {
+            plan.alternatives.len()
+        } else {
+            plan.alternatives.len().min(SHORT_ALTERNATIVES)
+        };
+        tail.push(format!(
+            "alternatives (goodput vs the plan; {} of {})",
+            shown,
+            plan.alternatives.len()
+        ));
+        for a in &plan.alternatives[..shown] {
+            let al = &a.layout;
+            let value = |axis: &str| -> String {
+                match axis {
+                    "tp" => format!("tp{}", al.tp),
+                    "pp" => format!("pp{}", al.pp),
+                    "dp" => format!("dp{}", al.dp),
+                    "cp" => format!("cp{}", al.cp),
+                    "ep" => format!("ep{}", al.ep),
+                    "vpp" => format!("vpp{}", al.vpp),
+                    "micro_batch" => format!("mb{}", al.micro_batch),
+                    "grad_accum" => format!("ga{}", al.grad_accum),
+                    "zero_stage" => format!("zero{}", al.zero_stage),
+                    "recompute" => format!("rc={}", recompute_name(al.recompute)),
+                    "sequence_parallel" => {
+                        format!("sp={}", if al.sequence_parallel { "on" } else { "off" })
+                    }
+                    "schedule" => format!("schedule={}", schedule_name(al.schedule)),
+                    other => other.to_string(),
+                }
+            };
+            if details {
+                tail.push(format!(
+                    "  #{:<2} {:>+7.2}%  {}",
+                    a.rank,
+                    a.goodput_delta_pct,
+                    sig(a.goodput_tokens_per_s)
+                ));
+                tail.push(format!("  {}", al.compact()));
+            } else {
+                let diff: Vec<String> = a.differs_in.iter().map(|d| value(d)).collect();
+                let text = if diff.is_empty() {
+                    "(same layout, other stage split)".to_string()
+                } else {
+                    diff.join(" ")
+                };
+                tail.extend(wrap(
+                    &text,
+                    &format!("  #{:<2} {:>+7.2}%  differs: ", a.rank, a.goodput_delta_pct),
+                    "                       ",
+                ));
+            }
+        }
+    }
+    let s = &plan.search;
+    tail.push(format!(
+        "search     {} candidates, {} feasible{}",
+        s.candidates,
+        s.feasible,
+        if s.fully_pinned {
+            " (fully pinned: evaluated, not searched)"
+        } else {
+            ""
+        }
+    ));
+    if !s.rejected.is_empty() {
+        if details {
+            for (k, v) in &s.rejected {
+                tail.push(format!("  rejected {k}: {v}"));
+                if let Some(ex) = s.examples.get(k) {
+                    tail.extend(wrap(ex, "    e.g. ", "         "));
+                }
+            }
+        } else {
+            let text = s
+                .rejected
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            tail.extend(wrap(&text, "rejected   ", "           "));
+        }
+    }
+    if details {
+        let groups = plan
+            .rank_order
+            .groups
+            .iter()
+            .map(|g| format!("{}={}({})", g.axis, g.size, g.fabric))
+            .collect::<Vec<_>>()
+            .join(", ");
+        tail.extend(wrap(
+            &format!("tp fastest, then cp, ep, dp, pp; groups: {groups}"),
+            "rank order ",
+            "           ",
+        ));
+    }
+    for w in &plan.warnings {
+        tail.extend(wrap(w, "warning    ", "           "));
+    }
+    if !details {
+        tail.push("(shardwright explain --details PLAN: full tables, layouts, examples)".into());
+    }
+
     let tmpl = env.get_template("explain")?;
     tmpl.render(context! {
-        name => job.name,
-        model => format!("{:.1}B params ({:.1}B active), {} layers, seq {}", job.model.params_total / 1e9, job.model.params_active / 1e9, job.model.num_layers, job.model.seq_len),
-        gpus => job.cluster.num_gpus,
-        gpu => job.hardware.gpu,
-        nodes => job.cluster.nodes,
-        gpn => job.cluster.gpus_per_node,
-        l => context! {
-            tp => l.tp, pp => l.pp, dp => l.dp, cp => l.cp, ep => l.ep, vpp => l.vpp,
-            micro_batch => l.micro_batch, grad_accum => l.grad_accum, zero_stage => l.zero_stage,
-            recompute => recompute_name(l.recompute), sequence_parallel => l.sequence_parallel,
-            schedule => schedule_name(l.schedule),
-        },
-        groups => groups,
-        tps => sig(e.tokens_per_s),
-        tpsg => sig(e.tokens_per_s_per_gpu),
-        mfu => pct(e.mfu),
-        hfu => pct(e.hfu),
-        goodput => sig(e.goodput_tokens_per_s),
-        goodfrac => pct(r.goodput_fraction),
-        interval_min => format!("{:.1}", r.interval_minutes),
-        interval_steps => r.interval_steps,
-        mtbf => format!("{:.2}", r.job_mtbf_hours),
-        stall => format!("{:.1}", r.checkpoint_stall_s),
-        write => format!("{:.1}", r.checkpoint_write_s),
-        budget => budget,
-        step_rows => step_rows,
-        mem_stage => m.stage,
-        mem_rows => mem_rows,
-        alternatives => alternatives,
-        candidates => plan.search.candidates,
-        feasible => plan.search.feasible,
-        fully_pinned => plan.search.fully_pinned,
-        rejected => rejected,
-        warnings => plan.warnings,
+        head => head,
+        overview => overview,
+        tables => tables.trim_end(),
+        baseline => baseline,
+        tail => tail,
     })
 }

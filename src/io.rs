@@ -20,7 +20,29 @@ pub fn read_input(path: &Path) -> Result<String, Failure> {
             .context("reading stdin")?;
         return Ok(s);
     }
-    std::fs::read_to_string(path).map_err(|e| usage(anyhow!("{}: {e}", path.display())))
+    let bytes = std::fs::read(path).map_err(|e| {
+        // An input that cannot be read is an I/O error (exit 1), as the README says.
+        Failure::from(anyhow!("reading {}: {e}", path.display()))
+    })?;
+    String::from_utf8(bytes).map_err(|e| {
+        usage(anyhow!(
+            "{}: not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        ))
+    })
+}
+
+/// The published-runs file: `--runs FILE`, or the bundled copy of
+/// `data/published-runs.json`. Returns (name for messages, text).
+pub fn read_runs(path: Option<&Path>) -> Result<(String, String), Failure> {
+    match path {
+        Some(p) => Ok((p.display().to_string(), read_input(p)?)),
+        None => Ok((
+            format!("{} (bundled)", shardwright_validate::BUNDLED_RUNS_PATH),
+            shardwright_validate::BUNDLED_RUNS.to_string(),
+        )),
+    }
 }
 
 /// Write to a temp file beside the target, then rename: readers never see half a file.
@@ -56,6 +78,39 @@ pub fn write_output(path: Option<&Path>, text: &str) -> Result<(), Failure> {
     Ok(())
 }
 
+/// A plan file: JSON syntax errors name the line and column; a value of the wrong shape
+/// names the field path (`estimate.step.step_s`).
+pub fn parse_plan(path: &Path, text: &str) -> Result<shardwright_spec::Plan, Failure> {
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+        usage(anyhow!(
+            "{}: not a shardwright plan: invalid JSON at line {} column {}: {e}",
+            path.display(),
+            e.line(),
+            e.column()
+        ))
+    })?;
+    let version = value.get("schema_version").and_then(|v| v.as_str());
+    if let Some(v) = version.filter(|v| *v != shardwright_spec::plan::SCHEMA_VERSION) {
+        return Err(usage(anyhow!(
+            "{}: field `schema_version`: plan schema version {v} is not {} (re-run `shardwright plan`)",
+            path.display(),
+            shardwright_spec::plan::SCHEMA_VERSION
+        )));
+    }
+    shardwright_spec::parse::from_value(value).map_err(|e| {
+        let field = if e.path.is_empty() {
+            "the document".to_string()
+        } else {
+            format!("field `{}`", e.path)
+        };
+        usage(anyhow!(
+            "{}: not a shardwright plan: {field}: {}",
+            path.display(),
+            e.reason
+        ))
+    })
+}
+
 /// A profile file written by `shardwright calibrate` (GPU kind -> efficiency).
 pub fn load_profile(path: &Path) -> Result<BTreeMap<String, Efficiency>, Failure> {
     let text = read_input(path)?;
@@ -63,8 +118,15 @@ pub fn load_profile(path: &Path) -> Result<BTreeMap<String, Efficiency>, Failure
         .map_err(|e| usage(anyhow!("{}: not a hardware profile: {e}", path.display())))
 }
 
+/// A parsed spec, the options it was resolved with, and the resolved job.
+pub struct Loaded {
+    pub spec: shardwright_spec::spec::SpecFile,
+    pub opts: ResolveOptions,
+    pub resolved: Resolved,
+}
+
 /// Parse and resolve a job spec; errors name the file and every bad field.
-pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Resolved, Failure> {
+pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Loaded, Failure> {
     let text = read_input(path)?;
     let spec = parse_spec(&text, Format::from_path(&path.to_string_lossy()))
         .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
@@ -72,7 +134,23 @@ pub fn load_job(path: &Path, profile: Option<&Path>) -> Result<Resolved, Failure
         profile: None,
         profiles: profile.map(load_profile).transpose()?,
     };
-    resolve(&spec, &opts).map_err(|e| usage(anyhow!("{}:\n{e}", path.display())))
+    let r = resolve(&spec, &opts).map_err(|e| usage(anyhow!("{}:\n{e}", path.display())))?;
+    if let (Some(p), Some(kinds)) = (profile, &opts.profiles) {
+        let kind = &r.job.hardware.kind;
+        if !kinds.contains_key(kind) {
+            return Err(usage(anyhow!(
+                "{}: no efficiency for GPU kind `{kind}` (cluster.gpu {}); the profile covers: {}",
+                p.display(),
+                r.job.hardware.gpu,
+                kinds.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+    }
+    Ok(Loaded {
+        spec,
+        opts,
+        resolved: r,
+    })
 }
 
 /// Run the planner with a progress bar that appears only if the search takes a while and

@@ -1,5 +1,6 @@
 //! The `shardwright` command line.
 
+mod baseline;
 mod explain;
 mod io;
 
@@ -11,9 +12,10 @@ use std::process::ExitCode;
 const EXAMPLES: &str = "Examples:
   shardwright plan specs/llama3-405b-16k-h100.yaml -o plan.json
   shardwright plan specs/llama3-405b-16k-h100.yaml --top 10 | shardwright explain -
+  shardwright plan specs/llama3-405b-table4-16k-h100.yaml --baseline tp8,pp16,dp128,cp1,mb1 -o plan.json
   shardwright explain plan.json
-  shardwright validate --runs ../shared/data/published-runs.json
-  shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json
+  shardwright validate
+  shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json
   shardwright schema -o schema/plan.schema.json
 
 Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits.";
@@ -46,23 +48,34 @@ enum Cmd {
         /// Do not draw a progress bar.
         #[arg(long)]
         quiet: bool,
+        /// Also evaluate this layout (the one you run today) on the same inputs and compare
+        /// it term by term: e.g. `tp8,pp16,dp128,cp1,ep1,vpp1,mb1,zero1,rc=selective,sp=on,schedule=1f1b`
+        /// (any subset; `tp8` or `tp=8`; keys tp pp dp cp ep vpp mb ga zero rc sp
+        /// schedule). Fields not given take the spec's pins, else the planner's choice.
+        /// The table goes to stderr, the comparison into the plan's `baseline`.
+        #[arg(long, value_name = "LAYOUT")]
+        baseline: Option<String>,
     },
-    /// Print a one-screen human summary of a plan.
+    /// Print a human summary of a plan (80 columns, one screen; --details for all).
     #[command(
-        after_help = "Examples:\n  shardwright explain plan.json\n  shardwright plan spec.yaml | shardwright explain -"
+        after_help = "Examples:\n  shardwright explain plan.json\n  shardwright explain --details plan.json\n  shardwright plan spec.yaml | shardwright explain -"
     )]
     Explain {
         /// Plan JSON (`-` for stdin).
         plan: PathBuf,
+        /// Everything: full step-time and memory tables, every alternative's whole layout,
+        /// rank-order groups, an example per rejection reason.
+        #[arg(long)]
+        details: bool,
     },
     /// Predict published training runs with the cost model and compare with what was measured.
     #[command(
-        after_help = "Examples:\n  shardwright validate --runs ../shared/data/published-runs.json\n  shardwright validate --runs runs.json --json -o report.json"
+        after_help = "Examples:\n  shardwright validate\n  shardwright validate --runs runs.json --json -o report.json"
     )]
     Validate {
-        /// Published-runs file (the shared/data/published-runs.json format).
+        /// Published-runs file (default: the bundled data/published-runs.json).
         #[arg(long)]
-        runs: PathBuf,
+        runs: Option<PathBuf>,
         /// Hardware profile (default: the committed calibrated profile).
         #[arg(long)]
         profile: Option<PathBuf>,
@@ -78,11 +91,12 @@ enum Cmd {
     },
     /// Fit the hardware profile's efficiency parameters to published runs.
     #[command(
-        after_help = "Examples:\n  shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json --report validate/calibration-report.json"
+        after_help = "Examples:\n  shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json"
     )]
     Calibrate {
+        /// Published-runs file (default: the bundled data/published-runs.json).
         #[arg(long)]
-        runs: PathBuf,
+        runs: Option<PathBuf>,
         /// Where to write the profile (default: stdout).
         #[arg(short, long)]
         output: Option<PathBuf>,
@@ -122,6 +136,18 @@ pub fn usage(e: impl Into<anyhow::Error>) -> Failure {
     }
 }
 
+/// No run of a runs file could be predicted: an error (exit 2) that lists why.
+fn nothing_scored(name: &str, skipped: &[shardwright_validate::Skip]) -> Failure {
+    let mut msg = format!(
+        "{name}: no run could be scored ({} runs, all skipped); nothing was compared or fitted:",
+        skipped.len()
+    );
+    for s in skipped {
+        msg.push_str(&format!("\n  {}: {}", s.id, s.reason));
+    }
+    usage(anyhow::anyhow!(msg))
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -148,43 +174,41 @@ fn run(cli: Cli) -> Result<(), Failure> {
             top,
             profile,
             quiet,
+            baseline,
         } => {
-            let job = io::load_job(&spec, profile.as_deref())?;
+            if let Some(b) = &baseline {
+                baseline::check_syntax(b)?;
+            }
+            let loaded = io::load_job(&spec, profile.as_deref())?;
+            let job = &loaded.resolved;
             for w in &job.warnings {
                 eprintln!("warning: {w}");
             }
-            let plan = io::plan_with_progress(&job, top, !quiet)?;
+            let mut plan = io::plan_with_progress(job, top, !quiet)?;
+            if let Some(b) = &baseline {
+                let cmp = baseline::compare(&loaded.spec, &loaded.opts, &plan, b)?;
+                eprint!("{}", baseline::render(&cmp, true));
+                plan.baseline = Some(cmp);
+            }
             let text = shardwright_spec::plan::to_json(&plan);
             io::write_output(output.as_deref(), &text)?;
             if let Some(o) = &output {
                 eprintln!(
-                    "wrote {}: {} (MFU {:.1}%, goodput {:.3e} tokens/s)",
+                    "wrote {}: {}\n  MFU {:.1}%, goodput {:.3e} tokens/s",
                     o.display(),
-                    plan.layout,
+                    plan.summary.layout,
                     plan.estimate.mfu * 100.0,
                     plan.estimate.goodput_tokens_per_s
                 );
             }
             Ok(())
         }
-        Cmd::Explain { plan } => {
+        Cmd::Explain { plan, details } => {
             let text = io::read_input(&plan)?;
-            let plan: shardwright_spec::Plan = serde_json::from_str(&text).map_err(|e| {
-                usage(anyhow::anyhow!(
-                    "{}: not a shardwright plan: {e}",
-                    plan.display()
-                ))
-            })?;
-            if plan.schema_version != shardwright_spec::plan::SCHEMA_VERSION {
-                return Err(usage(anyhow::anyhow!(
-                    "plan schema_version {} is not {}",
-                    plan.schema_version,
-                    shardwright_spec::plan::SCHEMA_VERSION
-                )));
-            }
+            let plan = io::parse_plan(&plan, &text)?;
             print!(
                 "{}",
-                explain::render(&plan).context("rendering the summary")?
+                explain::render(&plan, details).context("rendering the summary")?
             );
             Ok(())
         }
@@ -195,11 +219,14 @@ fn run(cli: Cli) -> Result<(), Failure> {
             output,
             planner_report,
         } => {
-            let text = io::read_input(&runs)?;
+            let (name, text) = io::read_runs(runs.as_deref())?;
             let file = shardwright_validate::load_runs(&text)
-                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+                .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
             let profiles = profile.as_deref().map(io::load_profile).transpose()?;
             let report = shardwright_validate::validate(&file, profiles.as_ref());
+            if report.rows.is_empty() {
+                return Err(nothing_scored(&name, &report.summary.skipped));
+            }
             let out = if json {
                 shardwright_validate::to_json(&report)
             } else {
@@ -221,13 +248,15 @@ fn run(cli: Cli) -> Result<(), Failure> {
             report,
             version,
         } => {
-            let bytes = std::fs::read(&runs)
-                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
-            let text = String::from_utf8(bytes.clone())
-                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
+            let (name, text) = io::read_runs(runs.as_deref())?;
             let file = shardwright_validate::load_runs(&text)
-                .map_err(|e| usage(anyhow::anyhow!("{}: {e}", runs.display())))?;
-            let cal = shardwright_validate::calibrate::calibrate(&file, &bytes, &version);
+                .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
+            let cal = shardwright_validate::calibrate::calibrate(&file, text.as_bytes(), &version);
+            if cal.profile.provenance.runs_used == 0 || cal.profile.kinds.is_empty() {
+                // Nothing was fitted: refuse to write a profile that would be ignored.
+                let report = shardwright_validate::validate(&file, None);
+                return Err(nothing_scored(&name, &report.summary.skipped));
+            }
             io::write_output(
                 output.as_deref(),
                 &shardwright_spec::plan::to_json(&cal.profile),

@@ -53,8 +53,13 @@ fn several_errors_reported_together() {
 }
 
 #[test]
-fn missing_file_and_bad_flag_exit_2() {
-    assert_eq!(run(&["plan", "no/such/spec.yaml"]).0, 2);
+fn missing_file_exits_1_bad_flag_exits_2() {
+    // README: 1 = I/O error, 2 = bad spec, plan or flags.
+    let (code, _, err) = run(&["plan", "no/such/spec.yaml"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no/such/spec.yaml"), "{err}");
+    assert_eq!(run(&["explain", "no/such/plan.json"]).0, 1);
+    assert_eq!(run(&["validate", "--runs", "no/such/runs.json"]).0, 1);
     assert_eq!(
         run(&["plan", "specs/llama2-70b-128xa100.yaml", "--top", "x"]).0,
         2
@@ -124,5 +129,271 @@ fn json_spec_accepted() {
     .unwrap();
     let (code, out, err) = run(&["plan", f.to_str().unwrap(), "--quiet"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("\"schema_version\": \"1\""));
+    assert!(out.contains("\"schema_version\": \"2\""), "{out}");
+}
+
+/// A runs file with only the runs `validate` cannot represent (OPT, PaLM): nothing is
+/// scored, which is an error that lists each run with its reason, and no profile is written.
+#[test]
+fn nothing_scored_is_an_error() {
+    let text = std::fs::read_to_string(root().join("data/published-runs.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let runs = v["runs"].as_array_mut().unwrap();
+    runs.retain(|r| {
+        let id = r["id"].as_str().unwrap();
+        id.starts_with("opt") || id.starts_with("palm")
+    });
+    let ids: Vec<String> = runs
+        .iter()
+        .map(|r| r["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("runs.json");
+    std::fs::write(&f, serde_json::to_string(&v).unwrap()).unwrap();
+
+    let (code, out, err) = run(&["validate", "--runs", f.to_str().unwrap()]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(
+        err.contains("no run could be scored (2 runs, all skipped)"),
+        "{err}"
+    );
+    for id in &ids {
+        assert!(err.contains(&format!("  {id}: ")), "{id} missing: {err}");
+    }
+
+    let prof = dir.path().join("profile.json");
+    let (code, _, err) = run(&[
+        "calibrate",
+        "--runs",
+        f.to_str().unwrap(),
+        "-o",
+        prof.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("no run could be scored"), "{err}");
+    assert!(!prof.exists(), "an empty profile was written");
+}
+
+/// Profiles that would be silently ignored are refused when loaded: no GPU kind at all, or
+/// none for the spec's GPU.
+#[test]
+fn empty_or_foreign_profile_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.json");
+    std::fs::write(&empty, r#"{"provenance": {"runs_used": 0}, "kinds": {}}"#).unwrap();
+    let (code, _, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "--profile",
+        empty.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("empty.json") && err.contains("`kinds` is empty"),
+        "{err}"
+    );
+
+    // The committed profile covers a100 and h100; an H800 spec is not covered.
+    let text = std::fs::read_to_string(root().join("cost-model/profiles/calibrated.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["kinds"].as_object_mut().unwrap().remove("a100");
+    let h100_only = dir.path().join("h100.json");
+    std::fs::write(&h100_only, serde_json::to_string(&v).unwrap()).unwrap();
+    let (code, _, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "--profile",
+        h100_only.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("no efficiency for GPU kind `a100`") && err.contains("covers: h100"),
+        "{err}"
+    );
+}
+
+/// 130 GPUs on 8-GPU nodes is 16 nodes and 2 GPUs: refused, with the field and the two
+/// nearest whole-node counts.
+#[test]
+fn gpus_not_a_multiple_of_node_size() {
+    let (_d, f) = with_spec(|t| t.replace("nodes: 16", "num_gpus: 130"));
+    let (code, _, err) = run(&["plan", f.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("cluster.num_gpus: 130 is not a multiple of gpus_per_node=8 (16 full nodes + 2 GPUs); use 128 or 136"),
+        "{err}"
+    );
+}
+
+/// A plan with one value of the wrong type: the error names the field path, not a column.
+#[test]
+fn explain_on_corrupted_plan_names_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let (code, _, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    v["estimate"]["step"]["step_s"] = serde_json::json!("fast");
+    std::fs::write(&out, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    let (code, _, err) = run(&["explain", out.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("field `estimate.step.step_s`"), "{err}");
+    assert!(!err.contains("column"), "{err}");
+}
+
+/// Plan a spec into a temp file; returns the plan and stderr.
+fn plan_file(
+    dir: &std::path::Path,
+    spec: &str,
+    extra: &[&str],
+) -> (shardwright_spec::Plan, String) {
+    let out = dir.join("plan.json");
+    let mut args = vec!["plan", spec, "-o", out.to_str().unwrap(), "--quiet"];
+    args.extend_from_slice(extra);
+    let (code, _, err) = run(&args);
+    assert_eq!(code, 0, "{err}");
+    let plan = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    (plan, err)
+}
+
+/// The chosen layout given back as the baseline compares equal: every delta is zero.
+#[test]
+fn baseline_equal_to_plan_has_zero_deltas() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = "specs/llama2-70b-128xa100.yaml";
+    let (plan, _) = plan_file(dir.path(), spec, &[]);
+    let (with, err) = plan_file(dir.path(), spec, &["--baseline", &plan.summary.layout]);
+    let b = with.baseline.expect("baseline section");
+    assert_eq!(b.layout, plan.layout);
+    assert!(b.sources.values().all(|s| s == "given"), "{:?}", b.sources);
+    assert_eq!(b.terms.len(), 14);
+    for t in &b.terms {
+        assert_eq!(t.delta, 0.0, "{}: {} vs {}", t.term, t.plan, t.baseline);
+    }
+    assert_eq!(b.goodput_delta_pct, 0.0);
+    assert!(err.contains("step time, s"), "{err}");
+    // The rest of the plan is unchanged by asking for a baseline.
+    assert_eq!(with.layout, plan.layout);
+    assert_eq!(with.estimate, plan.estimate);
+    // explain shows the comparison, still in 80 columns.
+    let out = dir.path().join("plan.json");
+    let (code, text, err) = run(&["explain", out.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(text.contains("baseline layout"), "{text}");
+    assert!(
+        text.contains("given: tp pp dp cp ep vpp mb ga zero rc sp schedule"),
+        "{text}"
+    );
+    assert!(text.lines().all(|l| l.chars().count() <= 80), "{text}");
+}
+
+/// A worse layout (full recompute, no interleaving, no sequence parallelism) evaluates to
+/// exactly what a spec with those axes pinned plans to, and is slower than the plan.
+#[test]
+fn worse_baseline_shows_its_cost() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = "specs/llama2-70b-128xa100.yaml";
+    let layout = "tp8,pp4,dp4,cp1,ep1,vpp1,mb1,zero1,rc=full,sp=off,schedule=1f1b";
+    let (plan, err) = plan_file(dir.path(), spec, &["--baseline", layout]);
+    let b = plan.baseline.expect("baseline section");
+    let step = b.terms.iter().find(|t| t.term == "step time").unwrap();
+    assert!(step.delta > 0.0, "{step:?}");
+    assert_eq!(step.plan, plan.estimate.step.step_s);
+    assert!(b.goodput_delta_pct < 0.0);
+    assert_eq!(b.sources["grad_accum"], "derived");
+    assert!(
+        err.contains("derived (dp: world size, ga: global batch): ga"),
+        "{err}"
+    );
+
+    // The same layout pinned in the spec, planned on its own.
+    let (_d, pinned) = with_spec(|t| {
+        t.replace(
+            "  batch: {",
+            "  parallelism: {tp: 8, pp: 4, dp: 4, cp: 1, ep: 1, vpp: 1, micro_batch: 1, zero_stage: 1, recompute: full, sequence_parallel: false, schedule: 1f1b}\n  batch: {",
+        )
+    });
+    let (alone, _) = plan_file(dir.path(), pinned.to_str().unwrap(), &[]);
+    assert!(alone.search.fully_pinned);
+    assert_eq!(alone.layout, b.layout);
+    assert_eq!(step.baseline, alone.estimate.step.step_s);
+    let mem = b.terms.iter().find(|t| t.term == "memory per GPU").unwrap();
+    assert_eq!(mem.baseline, alone.estimate.memory.total_bytes);
+    let gp = b.terms.iter().find(|t| t.term == "goodput").unwrap();
+    assert_eq!(gp.baseline, alone.estimate.goodput_tokens_per_s);
+    assert_eq!(gp.delta, gp.baseline - gp.plan);
+}
+
+#[test]
+fn malformed_baseline_exits_2_naming_the_token() {
+    let (code, out, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "--baseline",
+        "tp8,pq4,dp4",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty());
+    assert!(
+        err.contains(
+            "--baseline `tp8,pq4,dp4`: token 2 `pq4`: unknown key `pq` (did you mean `pp`?)"
+        ),
+        "{err}"
+    );
+    // Well-formed but wrong for this job: the resolver's message names the field.
+    let (code, _, err) = run(&[
+        "plan",
+        "specs/llama2-70b-128xa100.yaml",
+        "--baseline",
+        "tp3",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("does not suit this job"), "{err}");
+    assert!(err.contains("not divisible by tp=3"), "{err}");
+}
+
+/// explain fits 80 columns and 40 lines by default for every bundled spec, even with
+/// --top 10; --details shows every alternative's whole layout.
+#[test]
+fn explain_fits_one_screen() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(root().join("specs"))
+        .unwrap()
+        .flatten()
+        .map(|e| format!("specs/{}", e.file_name().to_string_lossy()))
+        .collect();
+    names.sort();
+    for spec in &names {
+        let (plan, _) = plan_file(dir.path(), spec, &["--top", "10"]);
+        let out = dir.path().join("plan.json");
+        let (code, text, err) = run(&["explain", out.to_str().unwrap()]);
+        assert_eq!(code, 0, "{err}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines.len() <= 40, "{spec}: {} lines\n{text}", lines.len());
+        for l in &lines {
+            assert!(
+                l.chars().count() <= 80,
+                "{spec}: {} columns: {l}",
+                l.chars().count()
+            );
+        }
+        assert!(text.contains(&format!("tp {} x pp {}", plan.layout.tp, plan.layout.pp)));
+        let (code, full, _) = run(&["explain", "--details", out.to_str().unwrap()]);
+        assert_eq!(code, 0);
+        for a in &plan.alternatives {
+            assert!(
+                full.contains(&a.layout.compact()),
+                "{spec}: #{} missing",
+                a.rank
+            );
+        }
+        assert!(full.contains("rank order"));
+    }
 }

@@ -664,8 +664,11 @@ fn more_hbm_never_hurts(case: &Case, factor: f64, refine: bool) -> Result<(), Te
     let big = run_plan(&bigger, refine);
     let big = big
         .map_err(|e| TestCaseError::fail(format!("feasible with less HBM, not with more: {e}")))?;
+    // Compared as the plan prints them: an exact tie at 6 significant digits may go to a
+    // simpler layout whose unrounded goodput is a hair lower (search::rank_cmp).
+    let printed = |g: f64| shardwright_spec::plan::round_sig(g, 6);
     prop_assert!(
-        big.estimate.goodput_tokens_per_s >= small.estimate.goodput_tokens_per_s,
+        printed(big.estimate.goodput_tokens_per_s) >= printed(small.estimate.goodput_tokens_per_s),
         "refine={}: goodput {} ({}) with {}x HBM < {} ({}) with {} bytes",
         refine,
         big.estimate.goodput_tokens_per_s,

@@ -139,10 +139,18 @@ struct ProfileKinds {
 }
 
 /// Parse a profile file (`{"provenance": .., "kinds": {kind: Efficiency}}`).
+/// A profile without any GPU kind (fitted to no runs) is refused: using it would silently
+/// fall back to the built-in profile.
 pub fn parse_profile(text: &str) -> Result<std::collections::BTreeMap<String, Efficiency>, String> {
-    serde_json::from_str::<ProfileKinds>(text)
+    let kinds = serde_json::from_str::<ProfileKinds>(text)
         .map(|p| p.kinds)
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    if kinds.is_empty() {
+        return Err(
+            "`kinds` is empty: the profile was fitted to no runs and has nothing to use".into(),
+        );
+    }
+    Ok(kinds)
 }
 
 /// The efficiency profile used by default: the committed calibrated profile for the GPU
@@ -160,7 +168,7 @@ pub fn builtin_efficiency(kind: &str) -> Efficiency {
 /// the profile committed before it).
 pub fn initial_efficiency(kind: &str) -> Efficiency {
     match kind {
-        // GEMM curve fitted to shared/data/h100-gemm-2026-11-22.json (12 shapes, rms 3%).
+        // GEMM curve fitted to data/h100-gemm-2026-11-22.json (12 shapes, rms 3%).
         "h100" => Efficiency {
             profile: "h100-initial".into(),
             gemm_max: 0.80,

@@ -304,6 +304,20 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     if num_gpus == 0 && (cs.num_gpus.is_some() || cs.nodes.is_some()) {
         errs.push("cluster.num_gpus", "must be at least 1");
     }
+    // Partial nodes are not modelled (the rank order assumes full nodes); fewer GPUs than
+    // one node holds is one partly used node and is fine.
+    if num_gpus > gpn && num_gpus % gpn != 0 {
+        let full = num_gpus / gpn;
+        errs.push(
+            "cluster.num_gpus",
+            format!(
+                "{num_gpus} is not a multiple of gpus_per_node={gpn} ({full} full nodes + {} GPUs); use {} or {}, or give nodes",
+                num_gpus % gpn,
+                full * gpn,
+                (full + 1) * gpn
+            ),
+        );
+    }
     if num_gpus > MAX_GPUS {
         errs.push(
             "cluster.num_gpus",

@@ -6,7 +6,7 @@
 //! (min slowest stage under each stage's memory cap), re-evaluated, and re-ranked.
 
 use crate::partition::{self, Item};
-use crate::search::{rank_cmp, search, Candidate};
+use crate::search::{rank_cmp, search, tie_break_reason, tie_floor, Candidate};
 use shardwright_cost::eval::{
     evaluate, item_memory, Evaluation, ItemMemory, LayerCosts, RankEval, Split,
 };
@@ -182,6 +182,7 @@ fn formulas() -> BTreeMap<String, String> {
     put("memory", "weights + grads + fp32 master + optimizer moments under ZeRO over the data-parallel ranks (experts over expert-dp) + activations (Korthikanti et al. 2022, per saved tensor) x in-flight micro-batches + logits + temporaries + framework reserve");
     put("checkpoint_interval", "Daly (2006): sqrt(2*C*M)*(1 + sqrt(C/2M)/3 + C/18M) - C, at least the durable write time; Young: sqrt(2*C*M)");
     put("goodput", "tokens_per_s * (1 - C/T - (T/2 + R + W)/M)");
+    put("ranking", "highest goodput first, compared at the plan's 6 significant digits; an exact tie (the same printed goodput) goes to the simpler layout: fewer parallel axes in use (tp, pp, cp, ep > 1, vpp > 1), then smaller cp, then smaller pp, then lower memory per GPU, then unrounded goodput, throughput and layout order");
     put("mesh", "world = tp x cp x ep x dp x pp, tp fastest; dense data-parallel degree = cp*ep*dp, expert data-parallel = cp*dp");
     f
 }
@@ -344,7 +345,7 @@ pub fn plan(
     let mut refined: Vec<(Candidate, Evaluation)> = Vec::with_capacity(keep + 1);
     for c in pool {
         if refined.len() == keep
-            && c.goodput_bound < refined[keep - 1].0.estimate.goodput_tokens_per_s
+            && c.goodput_bound < tie_floor(refined[keep - 1].0.estimate.goodput_tokens_per_s)
         {
             break;
         }
@@ -428,8 +429,28 @@ pub fn plan(
             gpu_hours: secs / 3600.0 * job.cluster.num_gpus as f64,
         }
     });
+    let tie_break = refined
+        .get(1)
+        .and_then(|(other, _)| tie_break_reason(&chosen, other));
+    let summary = Summary {
+        layout: layout.compact(),
+        tokens_per_s: est.tokens_per_s,
+        tokens_per_s_per_gpu: est.tokens_per_s_per_gpu,
+        mfu: est.mfu,
+        goodput_tokens_per_s: est.goodput_tokens_per_s,
+        goodput_fraction: est.reliability.goodput_fraction,
+        step_s: est.step.step_s,
+        memory_per_gpu_bytes: est.memory.total_bytes,
+        hbm_bytes: est.memory.hbm_bytes,
+        fits: est.fits,
+        checkpoint_interval_minutes: est.reliability.interval_minutes,
+        checkpoint_interval_steps: est.reliability.interval_steps,
+        tie_break,
+    };
     Ok(Plan {
         schema_version: SCHEMA_VERSION.to_string(),
+        summary,
+        baseline: None,
         inputs: job.clone(),
         formulas: formulas(),
         layout,

@@ -29,20 +29,87 @@ pub struct Candidate {
     pub goodput_bound: f64,
 }
 
-/// Ranking: higher goodput first, then higher throughput, then lower memory, then the
-/// layout's own order, so ties break the same way on every machine.
+/// Goodput as the plan prints it (6 significant digits): two layouts whose goodputs print
+/// the same are an exact tie.
+pub fn printed_goodput(c: &Candidate) -> f64 {
+    shardwright_spec::plan::round_sig(c.estimate.goodput_tokens_per_s, 6)
+}
+
+/// Parallel axes a layout uses beyond plain data parallelism: tp, pp, cp, ep above 1 and
+/// pipeline interleaving (vpp above 1).
+pub fn axes_in_use(l: &Layout) -> u32 {
+    [l.tp, l.pp, l.cp, l.ep, l.vpp]
+        .iter()
+        .filter(|&&d| d > 1)
+        .count() as u32
+}
+
+/// Ranking: higher goodput first, compared as printed (6 significant digits). Exact ties
+/// go to the simpler layout: fewer axes in use, then smaller CP, then smaller PP, then
+/// lower memory per GPU; then the unrounded goodput and throughput, then the layout's own
+/// order, so ties break the same way on every machine.
 pub fn rank_cmp(a: &Candidate, b: &Candidate) -> Ordering {
-    b.estimate
-        .goodput_tokens_per_s
-        .total_cmp(&a.estimate.goodput_tokens_per_s)
-        .then_with(|| b.estimate.tokens_per_s.total_cmp(&a.estimate.tokens_per_s))
+    printed_goodput(b)
+        .total_cmp(&printed_goodput(a))
+        .then_with(|| axes_in_use(&a.layout).cmp(&axes_in_use(&b.layout)))
+        .then_with(|| a.layout.cp.cmp(&b.layout.cp))
+        .then_with(|| a.layout.pp.cmp(&b.layout.pp))
         .then_with(|| {
             a.estimate
                 .memory
                 .total_bytes
                 .total_cmp(&b.estimate.memory.total_bytes)
         })
+        .then_with(|| {
+            b.estimate
+                .goodput_tokens_per_s
+                .total_cmp(&a.estimate.goodput_tokens_per_s)
+        })
+        .then_with(|| b.estimate.tokens_per_s.total_cmp(&a.estimate.tokens_per_s))
         .then_with(|| a.layout.cmp(&b.layout))
+}
+
+/// The lowest goodput that can still tie with `g` once both are printed at 6 significant
+/// digits (two such values differ by less than 1e-5 relative); bounds are pruned against
+/// this, not `g`, so a simpler layout that ties is never pruned.
+pub fn tie_floor(g: f64) -> f64 {
+    if g.is_finite() {
+        g - 2e-5 * g.abs()
+    } else {
+        g
+    }
+}
+
+/// Why the chosen layout beat a runner-up that printed the same goodput, if one did.
+pub fn tie_break_reason(chosen: &Candidate, other: &Candidate) -> Option<String> {
+    if printed_goodput(chosen) != printed_goodput(other) {
+        return None;
+    }
+    let (a, b) = (&chosen.layout, &other.layout);
+    let why = if axes_in_use(a) != axes_in_use(b) {
+        format!(
+            "fewer parallel axes in use ({} vs {})",
+            axes_in_use(a),
+            axes_in_use(b)
+        )
+    } else if a.cp != b.cp {
+        format!("smaller context parallelism (cp{} vs cp{})", a.cp, b.cp)
+    } else if a.pp != b.pp {
+        format!("smaller pipeline (pp{} vs pp{})", a.pp, b.pp)
+    } else if chosen.estimate.memory.total_bytes != other.estimate.memory.total_bytes {
+        format!(
+            "lower memory per GPU ({:.2} vs {:.2} GB)",
+            chosen.estimate.memory.total_bytes / 1e9,
+            other.estimate.memory.total_bytes / 1e9
+        )
+    } else {
+        "unrounded goodput, then throughput, then layout order".to_string()
+    };
+    Some(format!(
+        "tied with {} at {} tokens/s goodput (6 significant digits); chosen for {why}",
+        other.layout.compact(),
+        printed_goodput(other)
+    ))
 }
 
 pub struct SearchResult {
@@ -107,7 +174,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
     let mut hopefuls: Vec<Candidate> = Vec::new();
     let threshold = |best: &Vec<Candidate>| {
         if best.len() == keep && keep > 0 {
-            best[keep - 1].estimate.goodput_tokens_per_s
+            tie_floor(best[keep - 1].estimate.goodput_tokens_per_s)
         } else {
             f64::NEG_INFINITY
         }
@@ -353,4 +420,95 @@ fn insert_top(best: &mut Vec<Candidate>, keep: usize, c: Candidate) {
     }
     let pos = best.partition_point(|x| rank_cmp(x, &c) == Ordering::Less);
     best.insert(pos, c);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(tp: u32, pp: u32, cp: u32, goodput: f64, memory: f64) -> Candidate {
+        let mut estimate = Estimate {
+            goodput_tokens_per_s: goodput,
+            tokens_per_s: goodput,
+            ..Estimate::default()
+        };
+        estimate.memory.total_bytes = memory;
+        Candidate {
+            layout: Layout {
+                tp,
+                pp,
+                dp: 1024 / (tp * pp * cp),
+                cp,
+                ep: 1,
+                vpp: 1,
+                micro_batch: 1,
+                grad_accum: 4,
+                zero_stage: 1,
+                recompute: Recompute::Selective,
+                sequence_parallel: tp > 1,
+                schedule: Schedule::OneFOneB,
+            },
+            estimate,
+            goodput_bound: goodput,
+        }
+    }
+
+    /// 1,234,564 and 1,234,562 tokens/s both print as 1.23456e6: an exact tie, which goes
+    /// to the layout without CP even though its unrounded goodput is lower.
+    #[test]
+    fn exact_tie_goes_to_fewer_axes() {
+        let cp4 = cand(8, 4, 4, 1_234_564.0, 50e9);
+        let cp1 = cand(8, 4, 1, 1_234_562.0, 60e9);
+        assert_eq!(printed_goodput(&cp4), printed_goodput(&cp1));
+        assert_eq!(rank_cmp(&cp1, &cp4), Ordering::Less);
+        let why = tie_break_reason(&cp1, &cp4).unwrap();
+        assert!(why.contains("fewer parallel axes in use (2 vs 3)"), "{why}");
+        // One unit in the 6th digit is not a tie: the faster layout wins.
+        let faster = cand(8, 4, 4, 1_234_574.0, 50e9);
+        assert_eq!(rank_cmp(&faster, &cp1), Ordering::Less);
+        assert_eq!(tie_break_reason(&faster, &cp1), None);
+    }
+
+    /// Same axes in use: smaller CP, then smaller PP, then lower memory.
+    #[test]
+    fn tie_order_after_axes() {
+        // tp1 cp2 pp1 vs tp2 cp1 pp1: both one axis; smaller cp wins.
+        let a = cand(2, 1, 1, 1e6, 70e9);
+        let b = cand(1, 1, 2, 1e6, 10e9);
+        assert_eq!(rank_cmp(&a, &b), Ordering::Less);
+        assert!(tie_break_reason(&a, &b)
+            .unwrap()
+            .contains("smaller context parallelism"));
+        // tp8 pp2 vs tp2 pp8 (two axes each, cp1): smaller pp wins.
+        let a = cand(8, 2, 1, 1e6, 70e9);
+        let b = cand(2, 8, 1, 1e6, 10e9);
+        assert_eq!(rank_cmp(&a, &b), Ordering::Less);
+        // Same shape: lower memory wins.
+        let a = cand(8, 2, 1, 1e6, 10e9);
+        let b = cand(8, 2, 1, 1e6, 70e9);
+        assert_eq!(rank_cmp(&a, &b), Ordering::Less);
+        assert!(tie_break_reason(&a, &b)
+            .unwrap()
+            .contains("lower memory per GPU (10.00 vs 70.00 GB)"));
+    }
+
+    /// Two values that print the same differ by less than the tie floor's margin.
+    #[test]
+    fn tie_floor_covers_every_tie() {
+        for g in [1.0e6, 1.000004e6, 9.999994e6, 123456.5, 1.5e-3] {
+            let lo = round_sig_lo(g);
+            assert!(lo >= tie_floor(g), "{g}: {lo} < {}", tie_floor(g));
+        }
+    }
+
+    /// The smallest value that still prints like `g` (brute force over the 6-digit grid).
+    fn round_sig_lo(g: f64) -> f64 {
+        let r = shardwright_spec::plan::round_sig(g, 6);
+        let unit = 10f64.powi(r.abs().log10().floor() as i32 - 5);
+        let mut lo = r - unit / 2.0;
+        while shardwright_spec::plan::round_sig(lo, 6) != r {
+            lo += unit * 1e-6;
+        }
+        lo
+    }
 }

@@ -97,9 +97,32 @@ pub fn parse_value(text: &str, format: Format) -> Result<serde_json::Value, Spec
                 ),
             )
         }),
-        _ => serde_saphyr::from_str::<serde_json::Value>(text)
-            .map_err(|e| SpecError::new("", format!("invalid YAML: {e}"))),
+        _ => serde_saphyr::from_str::<serde_json::Value>(text).map_err(|e| {
+            SpecError::new(
+                "",
+                format!("invalid YAML: {}", tidy_yaml_error(&e.to_string())),
+            )
+        }),
     }
+}
+
+/// The YAML library's messages address its API user (`set DuplicateKeyPolicy in Options if
+/// acceptable`); say instead what the spec's author can do.
+fn tidy_yaml_error(msg: &str) -> String {
+    const ADVICE_END: &str = " in Options if acceptable";
+    let mut out = String::with_capacity(msg.len());
+    let mut rest = msg;
+    while let Some(end) = rest.find(ADVICE_END) {
+        let head = &rest[..end];
+        let cut = head.rfind(", set ").unwrap_or(head.len());
+        out.push_str(&head[..cut]);
+        if head[..cut].contains("duplicate mapping key") {
+            out.push_str(" (a key may appear once per mapping: remove one)");
+        }
+        rest = &rest[end + ADVICE_END.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Deserialize any typed document from a value, reporting the failing field path.
@@ -172,6 +195,23 @@ mod tests {
     use super::*;
 
     const MIN: &str = "job:\n  model: {arch: dense, num_layers: 2, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 256, vocab_size: 100, seq_len: 32}\n  batch: {global_batch: 8}\ncluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 8}\n";
+
+    #[test]
+    fn duplicate_yaml_key_names_line_and_key_without_library_advice() {
+        let text = "job:\n  model:\n    num_layers: 4\n    num_layers: 5\n";
+        let e = parse_spec(text, Format::Yaml).unwrap_err();
+        assert!(e.reason.contains("line 4 column 5"), "{e}");
+        assert!(
+            e.reason.contains("duplicate mapping key: num_layers"),
+            "{e}"
+        );
+        assert!(
+            e.reason.contains("a key may appear once per mapping"),
+            "{e}"
+        );
+        assert!(!e.reason.contains("Options"), "{e}");
+        assert!(!e.reason.contains("DuplicateKeyPolicy"), "{e}");
+    }
 
     #[test]
     fn parses_minimal_yaml() {

@@ -2,7 +2,8 @@
 //!
 //! Same input, same bytes: maps are `BTreeMap`, lists are in a defined order, and
 //! [`to_json`] rounds every float to 6 significant digits before printing so tiny
-//! floating-point noise never shows up in a golden diff.
+//! floating-point noise never shows up in a golden diff (integers a double holds exactly
+//! are printed exactly: [`canonical_float`]).
 
 use crate::job::Job;
 use crate::layout::Layout;
@@ -10,11 +11,18 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-pub const SCHEMA_VERSION: &str = "1";
+pub const SCHEMA_VERSION: &str = "2";
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 pub struct Plan {
     pub schema_version: String,
+    /// What a reviewer reads first: the choice and its headline numbers (the details are
+    /// in `estimate`).
+    pub summary: Summary,
+    /// The user's own layout (`plan --baseline`) evaluated on the same inputs, term by
+    /// term beside the chosen one. Absent unless asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<BaselineComparison>,
     /// Every input number used (hardware, model, cluster, reliability, efficiency profile).
     pub inputs: Job,
     /// Definitions of the derived metrics, so a reader knows which convention is used.
@@ -27,6 +35,58 @@ pub struct Plan {
     pub alternatives: Vec<Alternative>,
     pub search: SearchSummary,
     pub warnings: Vec<String>,
+}
+
+/// The headline numbers of the chosen layout.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Summary {
+    /// The chosen layout in the syntax `plan --baseline` accepts.
+    pub layout: String,
+    pub tokens_per_s: f64,
+    pub tokens_per_s_per_gpu: f64,
+    pub mfu: f64,
+    pub goodput_tokens_per_s: f64,
+    /// Share of wall time that trains (checkpoints and failures excluded).
+    pub goodput_fraction: f64,
+    pub step_s: f64,
+    /// Peak memory per GPU (largest stage) and the HBM it must fit in.
+    pub memory_per_gpu_bytes: f64,
+    pub hbm_bytes: f64,
+    pub fits: bool,
+    pub checkpoint_interval_minutes: f64,
+    pub checkpoint_interval_steps: u64,
+    /// How an exact tie with the runner-up was broken (see `formulas.ranking`); absent
+    /// when there was none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tie_break: Option<String>,
+}
+
+/// The chosen layout against the user's own (`plan --baseline LAYOUT`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct BaselineComparison {
+    /// The layout string as given.
+    pub given: String,
+    /// The baseline as evaluated.
+    pub layout: Layout,
+    /// Where each field came from: `given`, `spec pin`, `derived` (dp from the world
+    /// size, ga from the global batch) or `planner` (not given: chosen by the planner with
+    /// the given fields held).
+    pub sources: BTreeMap<String, String>,
+    pub fits: bool,
+    /// Goodput of the baseline relative to the plan, percent (negative = baseline slower).
+    pub goodput_delta_pct: f64,
+    /// Term by term; `delta = baseline - plan`.
+    pub terms: Vec<ComparisonTerm>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct ComparisonTerm {
+    pub term: String,
+    /// `s` (per step), `bytes` (per GPU), `fraction`, `tokens/s`.
+    pub unit: String,
+    pub plan: f64,
+    pub baseline: f64,
+    pub delta: f64,
 }
 
 /// How ranks map to axes and nodes.
@@ -189,27 +249,35 @@ pub struct SearchSummary {
 }
 
 /// Round to `sig` significant digits (0 and non-finite values pass through).
+///
+/// The result is the double nearest to the decimal with `sig` digits (formatted exactly,
+/// then parsed), so it prints back as that decimal: `3.29479e10`, never
+/// `32947899999.999996` (which dividing by an inexact power of ten gives).
 pub fn round_sig(x: f64, sig: i32) -> f64 {
     if x == 0.0 || !x.is_finite() {
         return x;
     }
-    let mag = x.abs().log10().floor() as i32;
-    let scale = 10f64.powi(sig - 1 - mag);
-    if !scale.is_finite() || scale == 0.0 {
-        return x;
-    }
-    let r = (x * scale).round() / scale;
-    if r.is_finite() {
-        r
-    } else {
+    let digits = (sig.max(1) - 1) as usize;
+    format!("{x:.digits$e}").parse().unwrap_or(x)
+}
+
+/// Integers up to 2^53 are exact in a double; the plan keeps them exact.
+const EXACT_INT_LIMIT: f64 = 9_007_199_254_740_992.0;
+
+/// How the plan prints one float: integers that a double holds exactly stay exact
+/// (`8388608.0`, not `8388610.0`); everything else is rounded to 6 significant digits.
+pub fn canonical_float(x: f64) -> f64 {
+    if x.fract() == 0.0 && x.abs() <= EXACT_INT_LIMIT {
         x
+    } else {
+        round_sig(x, 6)
     }
 }
 
 fn round_value(v: &mut serde_json::Value) {
     match v {
         serde_json::Value::Number(n) if n.is_f64() => {
-            let x = round_sig(n.as_f64().unwrap_or(0.0), 6);
+            let x = canonical_float(n.as_f64().unwrap_or(0.0));
             if let Some(m) = serde_json::Number::from_f64(x) {
                 *n = m;
             }
@@ -220,8 +288,8 @@ fn round_value(v: &mut serde_json::Value) {
     }
 }
 
-/// Canonical JSON text of any serializable artifact: floats at 6 significant digits,
-/// two-space indent, trailing newline.
+/// Canonical JSON text of any serializable artifact: floats at 6 significant digits
+/// (exact integers exact), two-space indent, trailing newline.
 pub fn to_json<T: Serialize>(value: &T) -> String {
     let mut v = serde_json::to_value(value).expect("plan types serialize");
     round_value(&mut v);
@@ -248,5 +316,63 @@ mod tests {
         assert_eq!(round_sig(0.000123456789, 3), 0.000123);
         assert_eq!(round_sig(-2.5e25, 2), -2.5e25);
         assert_eq!(round_sig(0.0, 6), 0.0);
+        // Dividing by an inexact power of ten printed this as 32947899999.999996.
+        assert_eq!(round_sig(32947912345.0, 6), 3.29479e10);
+        assert_eq!(canonical_float(8388608.0), 8388608.0);
+        assert_eq!(canonical_float(12999999999.999998), 1.3e10);
+    }
+
+    /// Significant digits of a printed JSON number (`-1.25e-7`, `8388608.0`, `0.000123`).
+    fn sig_digits(s: &str) -> usize {
+        let mantissa = s.trim_start_matches('-').split(['e', 'E']).next().unwrap();
+        let digits: String = mantissa.chars().filter(|c| c.is_ascii_digit()).collect();
+        let d = digits.trim_start_matches('0');
+        // trailing zeros of the integer part count only up to the decimal point
+        let (int_part, frac_part) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        if frac_part.trim_end_matches('0').is_empty() {
+            int_part.trim_start_matches('0').trim_end_matches('0').len()
+        } else {
+            d.len()
+        }
+    }
+
+    fn printed(x: f64) -> String {
+        let t = to_json(&x);
+        t.trim_end().to_string()
+    }
+
+    #[test]
+    fn sig_digits_helper() {
+        assert_eq!(sig_digits("32947900000.0"), 6);
+        assert_eq!(sig_digits("32947899999.999996"), 17);
+        assert_eq!(sig_digits("0.000123"), 3);
+        assert_eq!(sig_digits("1.25e-7"), 3);
+        assert_eq!(sig_digits("-120.5"), 4);
+    }
+
+    proptest::proptest! {
+        /// Any non-integer float prints with at most 6 significant digits and parses back
+        /// within half a unit of its 6th digit: 0.5 * 10^(e - 5) for x = m * 10^e, which is
+        /// at most 5e-6 relative (m = 1) and at least 5e-7 (m near 10). (A flat 5e-7
+        /// relative bound cannot hold: 7.4820942 -> 7.48209 is off by 5.7e-7.)
+        #[test]
+        fn prints_six_significant_digits(m in 1.0f64..10.0, e in -30i32..30, neg: bool) {
+            let x = if neg { -m } else { m } * 10f64.powi(e);
+            proptest::prop_assume!(x.fract() != 0.0 || x.abs() > EXACT_INT_LIMIT);
+            let s = printed(x);
+            proptest::prop_assert!(sig_digits(&s) <= 6, "{x} printed as {s}");
+            let back: f64 = s.parse().unwrap();
+            let half_unit = 0.5 * 10f64.powi(x.abs().log10().floor() as i32 - 5);
+            proptest::prop_assert!((back - x).abs() <= half_unit * (1.0 + 1e-9), "{x} printed as {s}");
+            proptest::prop_assert!(((back - x) / x).abs() <= 5e-6 * (1.0 + 1e-9), "{x} printed as {s}");
+        }
+
+        /// Integers a double holds exactly print exactly, whatever their digit count.
+        #[test]
+        fn exact_integers_print_exactly(n in -(1i64 << 53)..=(1i64 << 53)) {
+            let s = printed(n as f64);
+            let int_part = s.strip_suffix(".0").unwrap_or(&s);
+            proptest::prop_assert_eq!(int_part, n.to_string());
+        }
     }
 }

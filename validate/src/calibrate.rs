@@ -5,7 +5,7 @@
 //! NVLink and inter-node bus efficiencies, the TP and DP overlap shares, the per-layer
 //! launch overhead and (where FP8 runs exist) the FP8 GEMM rate relative to BF16. The GEMM
 //! curve's shape (`gemm_flops0`, `gemm_exp`, `gemm_k0`) stays as measured
-//! (shared/data/h100-gemm-2026-11-22.json). No parameter is keyed by run or source.
+//! (data/h100-gemm-2026-11-22.json). No parameter is keyed by run or source.
 //!
 //! Objective: sum over runs of `|ln(predicted / published)|` (a median-seeking loss, so a
 //! few runs the model cannot represent do not drag the rest), plus a prior that pulls each

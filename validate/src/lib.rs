@@ -4,7 +4,7 @@
 //! `runs file --load_runs--> Run --setup_run--> SpecFile (layout pinned) --resolve--> Job
 //!  --measured--> published tokens/s/GPU;  Job --predict--> Layout + Estimate --> RunRow`.
 //!
-//! - [`runs`]: the file format (`shared/data/published-runs.json`), tolerant serde types.
+//! - [`runs`]: the file format (`data/published-runs.json`), tolerant serde types.
 //! - [`setup`]: run -> job spec; every rule is a convention of a source family, a field's
 //!   wording or a model family, never a run id. Runs that cannot be represented become a
 //!   [`Skip`] with a reason.
@@ -17,6 +17,12 @@
 
 // `x % n == 0` rather than `is_multiple_of` (stable in 1.87): the workspace MSRV is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
+
+/// Where the bundled published-runs file lives in the repository.
+pub const BUNDLED_RUNS_PATH: &str = "data/published-runs.json";
+/// The bundled published-runs file (compiled in, so `validate`/`calibrate` work from any
+/// directory and on a plain clone).
+pub const BUNDLED_RUNS: &str = include_str!("../../data/published-runs.json");
 
 pub mod calibrate;
 pub mod convert;

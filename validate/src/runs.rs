@@ -1,4 +1,4 @@
-//! The published-runs file (`shared/data/published-runs.json`) as serde types.
+//! The published-runs file (`data/published-runs.json`) as serde types.
 //!
 //! Tolerant by design: every field a source may leave out is an `Option`, unknown fields are
 //! ignored, and sections whose shape varies between sources (`source`, `derived`, the

@@ -8,11 +8,12 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 fn runs_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/published-runs.json")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data/published-runs.json")
 }
 
 fn load() -> RunsFile {
-    let text = std::fs::read_to_string(runs_path()).expect("shared/data/published-runs.json");
+    let text =
+        std::fs::read_to_string(runs_path()).expect("data/published-runs.json (in the repository)");
     load_runs(&text).expect("runs file parses")
 }
 
@@ -422,7 +423,7 @@ fn calibration_reproduces_committed_profile() {
         std::fs::read_to_string(workspace().join("cost-model/profiles/calibrated.json")).unwrap();
     assert!(
         ja == committed,
-        "cost-model/profiles/calibrated.json is stale: run `shardwright calibrate --runs ../shared/data/published-runs.json -o cost-model/profiles/calibrated.json --report validate/calibration-report.json`"
+        "cost-model/profiles/calibrated.json is stale: run `shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json`"
     );
     println!(
         "loso: median {:.2}% p90 {:.2}%",
@@ -460,6 +461,6 @@ fn planner_never_worse_than_published_layout() {
         std::fs::read_to_string(workspace().join("validate/planner-vs-published.md")).unwrap();
     assert!(
         committed == shardwright_validate::render_planner_report(&rows),
-        "validate/planner-vs-published.md is stale: regenerate it with `shardwright validate --runs ../shared/data/published-runs.json --planner-report validate/planner-vs-published.md`"
+        "validate/planner-vs-published.md is stale: regenerate it with `shardwright validate --planner-report validate/planner-vs-published.md`"
     );
 }
