@@ -417,16 +417,16 @@ impl<'a> Ctx<'a> {
         let fe = div_ceil(moe.expert_ffn_hidden_size, t);
         let mut out = vec![
             g("router", d.t, moe.num_experts as u64, d.h, false),
-            g("experts.fc1", d.t * k, (d.mats - 1) * fe, d.h, true),
-            g("experts.fc2", d.t * k, d.h, fe, true),
+            g("expert_fc1", d.t * k, (d.mats - 1) * fe, d.h, true),
+            g("expert_fc2", d.t * k, d.h, fe, true),
         ];
         if moe.num_shared_experts > 0 {
             let fs = div_ceil(
                 moe.shared_expert_ffn_hidden_size * moe.num_shared_experts as u64,
                 t,
             );
-            out.push(g("shared.fc1", d.t, (d.mats - 1) * fs, d.h, false));
-            out.push(g("shared.fc2", d.t, d.h, fs, false));
+            out.push(g("shared_fc1", d.t, (d.mats - 1) * fs, d.h, false));
+            out.push(g("shared_fc2", d.t, d.h, fs, false));
         }
         out
     }

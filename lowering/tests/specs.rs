@@ -133,7 +133,7 @@ fn simulate_specs() {
         let t = std::time::Instant::now();
         let v = shardwright_ir::matching::verify_program(&l.program);
         if let Err(e) = &v { for x in e.iter().take(4) { eprintln!("  {x}"); } }
-        let cost = shardwright_lowering::cost::PlanCost(&l);
+        let cost = shardwright_lowering::cost::PlanCost::new(&l);
         let r = shardwright_simulator::simulate(&l.program, &cost, &Default::default());
         match r {
             Ok(r) => {
@@ -153,7 +153,7 @@ fn sim_one() {
     let name = std::env::var("SPEC").unwrap();
     let p = plan_of(&name);
     let l = shardwright_lowering::lower(&p).unwrap();
-    let cost = shardwright_lowering::cost::PlanCost(&l);
+    let cost = shardwright_lowering::cost::PlanCost::new(&l);
     let r = shardwright_simulator::simulate(&l.program, &cost, &Default::default()).unwrap();
     let st = &p.estimate.step;
     eprintln!("{name}: {} sim {:.4}s plan {:.4}s ({:+.1}%) bubble {:.4} pp {:.4}", p.layout, r.step_time_s, st.step_s, 100.0*(r.step_time_s/st.step_s-1.0), st.pipeline_bubble_s, st.pp_p2p_s);
