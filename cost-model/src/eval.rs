@@ -452,7 +452,14 @@ fn rank_memory(
         Some(a) if act_layer + embed_act > 0.0 => (a, a / (act_layer + embed_act)),
         _ => (infl * (act_layer + embed_act), infl),
     };
-    let logits = if l.head { lc.logits_bytes } else { 0.0 };
+    // fp32 logits live from a micro-batch's forward to its backward on the last stage: one
+    // micro-batch's worth when each backward follows its forward (1F1B, interleaved), every
+    // micro-batch's under GPipe (all forwards first).
+    let logits = match (l.head, layout.schedule) {
+        (false, _) => 0.0,
+        (true, Schedule::Gpipe) => lc.logits_bytes * layout.grad_accum as f64,
+        (true, _) => lc.logits_bytes,
+    };
     // Gradient buckets (40M elements, double-buffered), ZeRO-3 prefetch of two layers'
     // full weights, and the recompute working set.
     let local = dense_p + expert_p;

@@ -114,8 +114,20 @@ pub struct Walk {
     pub peak_act: Vec<f64>,
 }
 
-pub fn walk(schedule: Schedule, p: u32, v: u32, m: u32, fwd: &[f64], bwd: &[f64], act: &[f64]) -> Walk {
-    let v = if schedule == Schedule::Interleaved { v } else { 1 };
+pub fn walk(
+    schedule: Schedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    fwd: &[f64],
+    bwd: &[f64],
+    act: &[f64],
+) -> Walk {
+    let v = if schedule == Schedule::Interleaved {
+        v
+    } else {
+        1
+    };
     let vs_n = (p * v) as usize;
     let lists: Vec<Vec<Slot>> = (0..p).map(|j| slots(schedule, p, v, m, j)).collect();
     let mut peak_act = vec![0.0f64; p as usize];
@@ -231,12 +243,24 @@ mod tests {
         // work (m + (p - 1)/v)(f + b) when m is a multiple of p.
         let (p, m) = (4u32, 8u32);
         let w = walk(Schedule::OneFOneB, p, 1, m, &[1.0; 4], &[2.0; 4], &[1.0; 4]);
-        assert!((w.makespan - (m + p - 1) as f64 * 3.0).abs() < 1e-9, "{}", w.makespan);
+        assert!(
+            (w.makespan - (m + p - 1) as f64 * 3.0).abs() < 1e-9,
+            "{}",
+            w.makespan
+        );
         // 1F1B keeps p - j micro-batches in flight on rank j.
         assert_eq!(w.peak_act, vec![4.0, 3.0, 2.0, 1.0]);
         let v = 2u32;
         let n = (p * v) as usize;
-        let w = walk(Schedule::Interleaved, p, v, m, &vec![0.5; n], &vec![1.0; n], &vec![1.0; n]);
+        let w = walk(
+            Schedule::Interleaved,
+            p,
+            v,
+            m,
+            &vec![0.5; n],
+            &vec![1.0; n],
+            &vec![1.0; n],
+        );
         let want = (m as f64 + (p - 1) as f64 / v as f64) * 3.0;
         assert!((w.makespan - want).abs() < 1e-9, "{} vs {want}", w.makespan);
         let g = walk(Schedule::Gpipe, p, 1, m, &[1.0; 4], &[2.0; 4], &[1.0; 4]);

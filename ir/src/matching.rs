@@ -955,7 +955,11 @@ fn run_indexed(
                 let Some(&(oc, on)) = parts.iter().find(|&&x| x != (c, n)) else {
                     continue;
                 };
-                let (sc, sn, rc, rn) = if is_send { (c, n, oc, on) } else { (oc, on, c, n) };
+                let (sc, sn, rc, rn) = if is_send {
+                    (c, n, oc, on)
+                } else {
+                    (oc, on, c, n)
+                };
                 if is_send {
                     let t = &mut times[cu];
                     t.start[nu] = ready;
@@ -969,29 +973,32 @@ fn run_indexed(
                 }
                 let send_ready = times[sc as usize].ready[sn as usize];
                 let recv_ready = times[rc as usize].ready[rn as usize];
-                if send_ready.is_nan() || recv_ready.is_nan() || times[rc as usize].done[rn as usize] {
-                    continue;
+                // (No `continue` here: a finished send's successors are released below.)
+                let pending = send_ready.is_nan()
+                    || recv_ready.is_nan()
+                    || times[rc as usize].done[rn as usize];
+                if !pending {
+                    let (start, last) = if send_ready > recv_ready {
+                        (send_ready, (sc, sn))
+                    } else {
+                        (recv_ready, (rc, rn))
+                    };
+                    let d = durs[sc as usize][sn as usize].max(durs[rc as usize][rn as usize]);
+                    let crit = local_crit[last.0 as usize][last.1 as usize].map(|x| NodeRef {
+                        class: last.0,
+                        node: NodeId(x),
+                    });
+                    let t = &mut times[rc as usize];
+                    t.start[rn as usize] = start;
+                    t.finish[rn as usize] = start + d;
+                    t.done[rn as usize] = true;
+                    t.crit[rn as usize] = crit;
+                    t.last_arrival[rn as usize] = Some(NodeRef {
+                        class: last.0,
+                        node: NodeId(last.1),
+                    });
+                    finished.push((rc, rn));
                 }
-                let (start, last) = if send_ready > recv_ready {
-                    (send_ready, (sc, sn))
-                } else {
-                    (recv_ready, (rc, rn))
-                };
-                let d = durs[sc as usize][sn as usize].max(durs[rc as usize][rn as usize]);
-                let crit = local_crit[last.0 as usize][last.1 as usize].map(|x| NodeRef {
-                    class: last.0,
-                    node: NodeId(x),
-                });
-                let t = &mut times[rc as usize];
-                t.start[rn as usize] = start;
-                t.finish[rn as usize] = start + d;
-                t.done[rn as usize] = true;
-                t.crit[rn as usize] = crit;
-                t.last_arrival[rn as usize] = Some(NodeRef {
-                    class: last.0,
-                    node: NodeId(last.1),
-                });
-                finished.push((rc, rn));
             }
             CommRole::Coll { .. } => {
                 let Some(parts) = ix.participants(p, cu, nu) else {

@@ -6,9 +6,10 @@
 //!   hand from the model shape (`6 x` every weight matrix a token passes through, LM head
 //!   included, plus `3 x` the causal attention core per layer, times the step's tokens),
 //!   exactly (integer arithmetic) when every sharded dimension divides evenly; padding of
-//!   uneven shards is allowed and reported.
-//! - `recompute`: the FLOPs of `recompute`-pass nodes, as a share of the model FLOPs, equal
-//!   the plan's `(HFU - MFU) / MFU` (to the plan's 6 printed digits).
+//!   uneven shards and the router replicated over TP without sequence parallelism are
+//!   allowed and reported.
+//! - `recompute`: the FLOPs of `recompute`-pass nodes equal the plan's `(HFU - MFU) / MFU`
+//!   share of its model FLOPs (to the rounding of the plan's 6 printed digits).
 //! - `memory`: each stage's peak of live buffers (alloc/free events in program order) fits
 //!   the GPU's HBM and is within 5% of the cost model's per-stage estimate.
 //! - `bytes`: every collective moves the tensor it names: TP collectives the micro-batch's
@@ -17,7 +18,10 @@
 //!   rank add up to that rank's gradients (up to the padding to a multiple of the group).
 
 use crate::lower::Lowered;
+use shardwright_cost::flops;
 use shardwright_ir::{CollectiveKind, Op, Pass};
+use shardwright_spec::mesh::GroupKind;
+use shardwright_spec::spec::{Norm, Recompute};
 use shardwright_spec::Plan;
 use std::fmt;
 
@@ -33,7 +37,11 @@ pub struct CheckError {
 impl fmt::Display for CheckError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.node {
-            Some(n) => write!(f, "rank {}, n{} [{}]: {}", self.rank, n, self.rule, self.message),
+            Some(n) => write!(
+                f,
+                "rank {}, n{} [{}]: {}",
+                self.rank, n, self.rule, self.message
+            ),
             None => write!(f, "rank {} [{}]: {}", self.rank, self.rule, self.message),
         }
     }
@@ -67,9 +75,19 @@ pub struct CheckReport {
     pub collectives_checked: u64,
 }
 
-/// Hand count of the step's model FLOPs (see the module doc), and the same count with the
-/// lowering's padded shard sizes (the largest value the IR may legitimately reach).
-fn model_flops(l: &Lowered) -> (u128, u128) {
+/// Hand count of a step's FLOPs from the model shape (see the module doc): exact, and with
+/// the lowering's padded shard sizes (the largest value the IR may legitimately reach).
+struct HandCount {
+    model: u128,
+    model_padded: u128,
+    recompute: u128,
+    recompute_padded: u128,
+    /// Norm weights and biases summed over the layers: the cost model counts them in its 6N
+    /// (and full recompute adds them twice more); no GEMM multiplies by them.
+    non_matmul_params: u128,
+}
+
+fn hand_count(l: &Lowered) -> HandCount {
     let m = &l.job.model;
     let lay = &l.layout;
     let t = lay.tp as u128;
@@ -81,28 +99,58 @@ fn model_flops(l: &Lowered) -> (u128, u128) {
     );
     let pad = |x: u128| x.div_ceil(t) * t;
     let mats = m.ffn_activation.mlp_matrices() as u128;
-    let count = |padded: bool| -> u128 {
+    let dl = m.dense_layers() as u128;
+    let ml = m.num_layers as u128 - dl;
+    let s = m.seq_len as u128;
+    let tokens = l.job.training.global_batch as u128 * s;
+    // (weight-matrix params of the layers per token, causal attention forward per token)
+    let count = |padded: bool| -> (u128, u128, u128) {
         let p = |x: u128| if padded { pad(x) } else { x };
         let attn = h * (p(a) * d) + 2 * h * (p(g) * d) + (p(a) * d) * h;
         let dense = attn + mats * h * p(m.ffn_hidden_size as u128);
+        let sp = lay.sequence_parallel && lay.tp > 1;
         let moe = m.moe.as_ref().map_or(0, |moe| {
             let k = moe.top_k as u128;
-            attn + h * moe.num_experts as u128
+            // Without SP every TP rank routes all tokens: t copies of the router GEMM.
+            let router_copies = if padded && !sp { t } else { 1 };
+            attn + router_copies * h * moe.num_experts as u128
                 + k * mats * h * p(moe.expert_ffn_hidden_size as u128)
                 + mats
                     * h
                     * p(moe.shared_expert_ffn_hidden_size as u128 * moe.num_shared_experts as u128)
         });
-        let dl = m.dense_layers() as u128;
-        let ml = m.num_layers as u128 - dl;
+        let layers = dl * dense + ml * moe;
         let head = p(m.vocab_size as u128) * h;
-        let s = m.seq_len as u128;
         let causal_div = if m.causal { 2 } else { 1 };
-        let attn_core = 3 * m.num_layers as u128 * (4 * s * p(a) * d / causal_div);
-        let per_token = 6 * (dl * dense + ml * moe + head) + attn_core;
-        per_token * l.job.training.global_batch as u128 * s
+        let attn_fwd = m.num_layers as u128 * (4 * s * p(a) * d / causal_div);
+        (layers, head, attn_fwd)
     };
-    (count(false), count(true))
+    let rc = |(layers, _, attn_fwd): (u128, u128, u128)| match lay.recompute {
+        Recompute::None => 0,
+        Recompute::Selective => attn_fwd * tokens,
+        Recompute::Full => (2 * layers + attn_fwd) * tokens,
+    };
+    let model = |(layers, head, attn_fwd): (u128, u128, u128)| {
+        (6 * (layers + head) + 3 * attn_fwd) * tokens
+    };
+    let (exact, padded) = (count(false), count(true));
+    let norms = match m.norm {
+        Norm::Rmsnorm => 2 * h,
+        Norm::Layernorm => 4 * h,
+    };
+    let biases = if m.linear_bias {
+        let f = m.ffn_hidden_size as u128;
+        (a * d + 2 * g * d + h) + (mats - 1) * f + h
+    } else {
+        0
+    };
+    HandCount {
+        model: model(exact),
+        model_padded: model(padded),
+        recompute: rc(exact),
+        recompute_padded: rc(padded),
+        non_matmul_params: m.num_layers as u128 * (norms + biases),
+    }
 }
 
 /// Run every rule; returns the report and the errors (empty when the plan passes).
@@ -128,7 +176,8 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
             }
         }
     }
-    let (expected, padded) = model_flops(l);
+    let hand = hand_count(l);
+    let (expected, padded) = (hand.model, hand.model_padded);
     if ir_flops < expected || ir_flops > padded {
         errs.push(CheckError {
             rank: 0,
@@ -151,15 +200,42 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
     } else {
         0.0
     };
-    if (share - plan_share).abs() > 1e-5_f64.max(2e-5 * plan_share) {
+    // Recomputation: the IR's recompute-pass FLOPs equal the hand count, and the plan's
+    // HFU - MFU (the cost model's formula on the plan's inputs; the plan prints HFU and MFU
+    // rounded) differs from it only by the norm and bias weights the cost model counts in
+    // its 6N, twice for a full recompute.
+    let cm_flops = est.model_flops_per_token * est.tokens_per_step;
+    if rc_flops < hand.recompute || rc_flops > hand.recompute_padded {
         errs.push(CheckError {
             rank: 0,
             node: None,
             rule: "recompute",
             message: format!(
-                "recomputed FLOPs are {:.6}% of model FLOPs; the plan's (HFU - MFU) / MFU is {:.6}%",
-                100.0 * share,
-                100.0 * plan_share
+                "recompute-pass FLOPs of all ranks {rc_flops} != the hand count {}",
+                hand.recompute
+            ),
+        });
+    }
+    let per_token =
+        flops::hardware_flops_per_token(m, lay.recompute) - flops::model_flops_per_token(m);
+    let tokens = l.job.training.global_batch as f64 * m.seq_len as f64;
+    let plan_rc = per_token * tokens;
+    let convention = if lay.recompute == Recompute::Full {
+        2.0 * hand.non_matmul_params as f64 * tokens
+    } else {
+        0.0
+    };
+    if (plan_rc - convention - hand.recompute as f64).abs() > 1e-9 * plan_rc.max(1.0) {
+        errs.push(CheckError {
+            rank: 0,
+            node: None,
+            rule: "recompute",
+            message: format!(
+                "the plan's (HFU - MFU) share of {:.6e} FLOPs ({:.6}%) is not the hand count \
+                 {} plus {convention:.6e} for norm and bias weights",
+                plan_rc,
+                100.0 * plan_share,
+                hand.recompute
             ),
         });
     }
@@ -251,9 +327,21 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
                     let n = pg.ranks.len() as u64;
                     let unit = dtype.bytes();
                     match pg.axis.as_str() {
-                        "tp" => bad(hidden, "TP collective of the hidden states", *bytes, n, unit),
+                        "tp" => bad(
+                            hidden,
+                            "TP collective of the hidden states",
+                            *bytes,
+                            n,
+                            unit,
+                        ),
                         "cp" => bad(cp_kv, "CP exchange of K and V", *bytes, n, unit),
-                        "ep" => bad(routed, "EP all-to-all of the routed tokens", *bytes, n, unit),
+                        "ep" => bad(
+                            routed,
+                            "EP all-to-all of the routed tokens",
+                            *bytes,
+                            n,
+                            unit,
+                        ),
                         "dense_dp" | "expert_dp" => {
                             let i = usize::from(pg.axis == "expert_dp");
                             let is_grad = matches!(
@@ -284,10 +372,22 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
         // The stage's gradients, unsharded.
         let gb = l.job.training.grad_dtype.bytes();
         let (dense_p, expert_p) = stage_params(l, stage);
-        for (i, (params, axis)) in [(dense_p, "dense"), (expert_p, "expert")].iter().enumerate() {
+        let sizes = [
+            l.mesh.size(GroupKind::DenseDp),
+            l.mesh.size(GroupKind::ExpertDp),
+        ];
+        for (i, (params, axis)) in [(dense_p, "dense"), (expert_p, "expert")]
+            .iter()
+            .enumerate()
+        {
+            if sizes[i] <= 1 {
+                // No replicas: nothing to reduce.
+                continue;
+            }
             let want = (params.round() as u64) * gb as u64;
             let got = grad_bytes[i];
-            if (got as i128 - want as i128).unsigned_abs() > grad_slack[i] as u128 + 64 * gb as u128 {
+            if (got as i128 - want as i128).unsigned_abs() > grad_slack[i] as u128 + 64 * gb as u128
+            {
                 errs.push(CheckError {
                     rank,
                     node: None,
@@ -303,7 +403,7 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
         ir_flops,
         expected_model_flops: expected,
         padding_flops: ir_flops.saturating_sub(expected),
-        cost_model_flops: est.model_flops_per_token * est.tokens_per_step,
+        cost_model_flops: cm_flops,
         recompute_flops: rc_flops,
         recompute_share: share,
         plan_recompute_share: plan_share,

@@ -150,7 +150,9 @@ impl<'a> PlanCost<'a> {
                     work.bytes as f64 / hbm
                 }
             }
-            Op::Elementwise { kind: ek, elems, .. } => match ek {
+            Op::Elementwise {
+                kind: ek, elems, ..
+            } => match ek {
                 ElementwiseKind::Activation => {
                     let (t, n) = self.get(kind, pass, "act");
                     if n > 0.0 {
@@ -162,9 +164,7 @@ impl<'a> PlanCost<'a> {
                 ElementwiseKind::Permute => self.get(kind, pass, "permute").0 / 2.0,
                 ElementwiseKind::Scale => 0.0,
                 // Folded into the template's calibrated `hidden_ops`.
-                ElementwiseKind::Rope | ElementwiseKind::Residual | ElementwiseKind::Dropout => {
-                    0.0
-                }
+                ElementwiseKind::Rope | ElementwiseKind::Residual | ElementwiseKind::Dropout => 0.0,
             },
             Op::Embedding { .. } => self.get(LayerKind::Embedding, pass, "embedding_lookup").0,
             Op::Loss { .. } => self.get(LayerKind::Head, pass, "softmax_ce").0,

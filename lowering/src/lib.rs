@@ -10,5 +10,4 @@ pub mod cost;
 pub mod lower;
 pub mod mesh;
 
-
-pub use lower::{lower, LowerError, Lowered};
+pub use lower::{lower, lower_rank, LowerError, Lowered};

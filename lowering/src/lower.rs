@@ -38,8 +38,8 @@
 //! plus recomputation (checked by [`crate::check`]).
 
 use crate::mesh::declare_groups;
-use shardwright_cost::schedule::{slots, Phase};
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
+use shardwright_cost::schedule::{slots, Phase};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
     Program, RankClass, Stream, Work,
@@ -108,14 +108,31 @@ fn stage_chunks(plan: &Plan, job: &Job) -> Result<Vec<Vec<(u32, u32)>>, LowerErr
     Ok(out)
 }
 
-/// Lower every rank class of a plan.
-pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
+/// Everything the lowering of one rank needs, shared by all ranks.
+struct Prepared {
+    job: Job,
+    layout: Layout,
+    lc: LayerCosts,
+    eval: Evaluation,
+    mesh: Mesh,
+    chunks: Vec<Vec<(u32, u32)>>,
+    interval_steps: u64,
+    program: Program,
+}
+
+fn prepare(plan: &Plan) -> Result<Prepared, LowerError> {
     let job = plan.inputs.clone();
     let layout = plan.layout;
     let world = layout.world();
     if world > u32::MAX as u64 / 2 || world == 0 {
         return Err(LowerError::Plan(format!(
             "layout world {world} out of range"
+        )));
+    }
+    if layout.grad_accum > u32::MAX as u64 {
+        return Err(LowerError::Plan(format!(
+            "layout.grad_accum {} out of range",
+            layout.grad_accum
         )));
     }
     let chunks = stage_chunks(plan, &job)?;
@@ -137,55 +154,93 @@ pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
     let eval = evaluate(&job, &lc, &layout, split, true);
     let mesh = Mesh::new(&layout, job.cluster.gpus_per_node);
     let (groups, membership) = declare_groups(&mesh);
-    let mut program = Program {
+    let program = Program {
         world: world as u32,
         groups,
         membership,
         classes: Vec::new(),
         class_of: vec![0; world as usize],
     };
-    let mut class_coords = Vec::new();
-    let ctx = Ctx {
-        job: &job,
-        layout: &layout,
-        lc: &lc,
-        eval: &eval,
-        mesh: &mesh,
-        chunks: &chunks,
-        interval_steps: plan.estimate.reliability.interval_steps,
-    };
-    for pp in 0..layout.pp {
-        for cp in 0..layout.cp {
-            let rep = mesh.rank(Coord {
-                tp: 0,
-                cp,
-                ep: 0,
-                dp: 0,
-                pp,
-            });
-            let graph = ctx.lower_rank(&program, rep);
-            let idx = program.classes.len() as u32;
-            let mut ranks = Vec::new();
-            for r in 0..world as u32 {
-                let c = mesh.coord(r);
-                if c.pp == pp && c.cp == cp {
-                    ranks.push(r);
-                    program.class_of[r as usize] = idx;
-                }
-            }
-            program.classes.push(RankClass { ranks, graph });
-            class_coords.push((pp, cp));
-        }
-    }
-    Ok(Lowered {
-        program,
-        mesh,
+    Ok(Prepared {
         job,
         layout,
         lc,
         eval,
-        class_coords,
+        mesh,
         chunks,
+        interval_steps: plan.estimate.reliability.interval_steps,
+        program,
+    })
+}
+
+impl Prepared {
+    fn ctx(&self) -> Ctx<'_> {
+        Ctx {
+            job: &self.job,
+            layout: &self.layout,
+            lc: &self.lc,
+            eval: &self.eval,
+            mesh: &self.mesh,
+            chunks: &self.chunks,
+            interval_steps: self.interval_steps,
+        }
+    }
+}
+
+/// The graph of one rank (its own groups and peers), without lowering the other classes.
+pub fn lower_rank(plan: &Plan, rank: u32) -> Result<Graph, LowerError> {
+    let pre = prepare(plan)?;
+    if rank >= pre.program.world {
+        return Err(LowerError::Rank(rank, pre.program.world));
+    }
+    Ok(pre.ctx().lower_rank(&pre.program, rank))
+}
+
+/// Lower every rank class of a plan.
+pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
+    let mut pre = prepare(plan)?;
+    let layout = pre.layout;
+    let world = pre.program.world;
+    let mut class_coords = Vec::new();
+    let mut classes = Vec::new();
+    let mut class_of = vec![0u32; world as usize];
+    {
+        let ctx = pre.ctx();
+        for pp in 0..layout.pp {
+            for cp in 0..layout.cp {
+                let rep = pre.mesh.rank(Coord {
+                    tp: 0,
+                    cp,
+                    ep: 0,
+                    dp: 0,
+                    pp,
+                });
+                let graph = ctx.lower_rank(&pre.program, rep);
+                let idx = classes.len() as u32;
+                let mut ranks = Vec::new();
+                for r in 0..world {
+                    let c = pre.mesh.coord(r);
+                    if c.pp == pp && c.cp == cp {
+                        ranks.push(r);
+                        class_of[r as usize] = idx;
+                    }
+                }
+                classes.push(RankClass { ranks, graph });
+                class_coords.push((pp, cp));
+            }
+        }
+    }
+    pre.program.classes = classes;
+    pre.program.class_of = class_of;
+    Ok(Lowered {
+        program: pre.program,
+        mesh: pre.mesh,
+        job: pre.job,
+        layout: pre.layout,
+        lc: pre.lc,
+        eval: pre.eval,
+        class_coords,
+        chunks: pre.chunks,
     })
 }
 
@@ -416,7 +471,9 @@ impl<'a> Ctx<'a> {
         let k = moe.top_k as u64;
         let fe = div_ceil(moe.expert_ffn_hidden_size, t);
         let mut out = vec![
-            g("router", d.t, moe.num_experts as u64, d.h, false),
+            // The router sees the local tokens: the sequence shard with SP; without SP every
+            // TP rank routes all of them (replicated work, as in Megatron).
+            g("router", d.ts, moe.num_experts as u64, d.h, false),
             g("expert_fc1", d.t * k, (d.mats - 1) * fe, d.h, true),
             g("expert_fc2", d.t * k, d.h, fe, true),
         ];

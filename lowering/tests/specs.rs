@@ -93,12 +93,20 @@ fn peak_detail() {
 
 #[test]
 fn lowered_graphs_verify() {
-    for name in ["llama3-405b-16k-h100.yaml", "gpt-13b-8xa100-zero.yaml", "llama2-70b-128xa100.yaml", "deepseek-v3-2048xh800.yaml", "llama3-405b-pinned-tp8-pp16-dp128.yaml"] {
+    for name in [
+        "llama3-405b-16k-h100.yaml",
+        "gpt-13b-8xa100-zero.yaml",
+        "llama2-70b-128xa100.yaml",
+        "deepseek-v3-2048xh800.yaml",
+        "llama3-405b-pinned-tp8-pp16-dp128.yaml",
+    ] {
         let p = plan_of(name);
         let l = shardwright_lowering::lower(&p).unwrap();
         for c in &l.program.classes {
             if let Err(errs) = shardwright_ir::verify::verify_graph(&c.graph) {
-                for e in errs.iter().take(5) { eprintln!("{name}: {e}"); }
+                for e in errs.iter().take(5) {
+                    eprintln!("{name}: {e}");
+                }
                 panic!("{name}: {} errors", errs.len());
             }
         }
@@ -111,34 +119,71 @@ fn print_rank0() {
     let name = std::env::var("SPEC").unwrap();
     let p = plan_of(&name);
     let l = shardwright_lowering::lower(&p).unwrap();
-    print!("{}", shardwright_ir::text::print(&l.program.graph_of(0).unwrap()));
+    print!(
+        "{}",
+        shardwright_ir::text::print(&l.program.graph_of(0).unwrap())
+    );
 }
 
 #[test]
 fn checks_pass_on_bundled_specs() {
-    for name in ["llama3-405b-16k-h100.yaml", "gpt-13b-8xa100-zero.yaml", "llama2-70b-128xa100.yaml", "deepseek-v3-2048xh800.yaml", "llama3-405b-pinned-tp8-pp16-dp128.yaml"] {
+    for name in [
+        "llama3-405b-16k-h100.yaml",
+        "gpt-13b-8xa100-zero.yaml",
+        "llama2-70b-128xa100.yaml",
+        "deepseek-v3-2048xh800.yaml",
+        "llama3-405b-pinned-tp8-pp16-dp128.yaml",
+    ] {
         let p = plan_of(name);
         let l = shardwright_lowering::lower(&p).unwrap();
         let (rep, errs) = shardwright_lowering::check::check(&l, &p);
-        eprintln!("{name}: flops ir {} expected {} pad {} cm {:.6e} rc {:.6} plan {:.6} colls {}", rep.ir_flops, rep.expected_model_flops, rep.padding_flops, rep.cost_model_flops, rep.recompute_share, rep.plan_recompute_share, rep.collectives_checked);
-        for e in errs.iter().take(6) { eprintln!("   {e}"); }
+        eprintln!(
+            "{name}: flops ir {} expected {} pad {} cm {:.6e} rc {:.6} plan {:.6} colls {}",
+            rep.ir_flops,
+            rep.expected_model_flops,
+            rep.padding_flops,
+            rep.cost_model_flops,
+            rep.recompute_share,
+            rep.plan_recompute_share,
+            rep.collectives_checked
+        );
+        for e in errs.iter().take(6) {
+            eprintln!("   {e}");
+        }
     }
 }
 
 #[test]
 fn simulate_specs() {
-    for name in ["llama3-405b-16k-h100.yaml", "gpt-13b-8xa100-zero.yaml", "llama2-70b-128xa100.yaml", "deepseek-v3-2048xh800.yaml", "llama3-405b-pinned-tp8-pp16-dp128.yaml"] {
+    for name in [
+        "llama3-405b-16k-h100.yaml",
+        "gpt-13b-8xa100-zero.yaml",
+        "llama2-70b-128xa100.yaml",
+        "deepseek-v3-2048xh800.yaml",
+        "llama3-405b-pinned-tp8-pp16-dp128.yaml",
+    ] {
         let p = plan_of(name);
         let l = shardwright_lowering::lower(&p).unwrap();
         let t = std::time::Instant::now();
         let v = shardwright_ir::matching::verify_program(&l.program);
-        if let Err(e) = &v { for x in e.iter().take(4) { eprintln!("  {x}"); } }
+        if let Err(e) = &v {
+            for x in e.iter().take(4) {
+                eprintln!("  {x}");
+            }
+        }
         let cost = shardwright_lowering::cost::PlanCost::new(&l);
         let r = shardwright_simulator::simulate(&l.program, &cost, &Default::default());
         match r {
             Ok(r) => {
                 let st = &p.estimate.step;
-                eprintln!("{name}: sim {:.4}s plan {:.4}s ({:+.1}%) [{:?}] exposed {:?}", r.step_time_s, st.step_s, 100.0*(r.step_time_s/st.step_s-1.0), t.elapsed(), r.classes[0].exposed_comm_s);
+                eprintln!(
+                    "{name}: sim {:.4}s plan {:.4}s ({:+.1}%) [{:?}] exposed {:?}",
+                    r.step_time_s,
+                    st.step_s,
+                    100.0 * (r.step_time_s / st.step_s - 1.0),
+                    t.elapsed(),
+                    r.classes[0].exposed_comm_s
+                );
                 eprintln!("   plan: compute {:.4} bubble {:.4} tp {:.4} cp {:.4} ep {:.4} pp {:.4} dp {:.4} opt {:.4}", st.compute_s, st.pipeline_bubble_s, st.tp_comm_s, st.cp_comm_s, st.ep_comm_s, st.pp_p2p_s, st.dp_comm_exposed_s, st.optimizer_s);
                 eprintln!("   crit: {:?}", r.critical_path.by_op);
             }
@@ -156,5 +201,13 @@ fn sim_one() {
     let cost = shardwright_lowering::cost::PlanCost::new(&l);
     let r = shardwright_simulator::simulate(&l.program, &cost, &Default::default()).unwrap();
     let st = &p.estimate.step;
-    eprintln!("{name}: {} sim {:.4}s plan {:.4}s ({:+.1}%) bubble {:.4} pp {:.4}", p.layout, r.step_time_s, st.step_s, 100.0*(r.step_time_s/st.step_s-1.0), st.pipeline_bubble_s, st.pp_p2p_s);
+    eprintln!(
+        "{name}: {} sim {:.4}s plan {:.4}s ({:+.1}%) bubble {:.4} pp {:.4}",
+        p.layout,
+        r.step_time_s,
+        st.step_s,
+        100.0 * (r.step_time_s / st.step_s - 1.0),
+        st.pipeline_bubble_s,
+        st.pp_p2p_s
+    );
 }
