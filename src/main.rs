@@ -1,6 +1,7 @@
 //! The `shardwright` command line.
 
 mod baseline;
+mod compile;
 mod explain;
 mod io;
 
@@ -17,8 +18,12 @@ const EXAMPLES: &str = "Examples:
   shardwright validate
   shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json
   shardwright schema -o schema/plan.schema.json
+  shardwright lower plan.json --rank 0 -o rank0.ir
+  shardwright verify plan.json
+  shardwright simulate plan.json --trace trace.json --ranks 0,8
 
-Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits.";
+Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits,
+4 the plan's graphs fail verification.";
 
 #[derive(Parser)]
 #[command(name = "shardwright", version, about = "Plan distributed LLM training: layout, memory, step time, goodput", after_help = EXAMPLES)]
@@ -107,11 +112,69 @@ enum Cmd {
         #[arg(long, default_value = "calibrated-1")]
         version: String,
     },
+    /// Lower a plan to the op graph of one rank (canonical text, or JSON).
+    #[command(
+        after_help = "Examples:\n  shardwright lower plan.json --rank 0\n  shardwright lower plan.json --rank 1024 --format json -o rank1024.json"
+    )]
+    Lower {
+        /// Plan JSON (`-` for stdin).
+        plan: PathBuf,
+        /// Rank whose graph to print.
+        #[arg(long, default_value_t = 0)]
+        rank: u32,
+        #[arg(long, value_enum, default_value_t = IrFormat::Text)]
+        format: IrFormat,
+        /// Output file (default: stdout). Written atomically.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+    /// Lower every rank and check the graphs: acyclic, collectives matched across ranks,
+    /// no deadlock, FLOPs, recompute, memory per stage and message sizes against the plan.
+    #[command(
+        after_help = "Examples:\n  shardwright verify plan.json\n  shardwright verify plan.json --json\n\nExit code 4 when a rule fails; each error names rank, node and rule."
+    )]
+    Verify {
+        /// Plan JSON (`-` for stdin).
+        plan: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Simulate one step of every rank (discrete events, streams overlapping) and compare
+    /// with the plan's analytical step time, term by term.
+    #[command(
+        after_help = "Examples:\n  shardwright simulate plan.json\n  shardwright simulate plan.json --trace trace.json --ranks 0-7,1024\n  shardwright simulate plan.json --straggler rank=5,slowdown=1.1\n  shardwright simulate moe-plan.json --expert-skew 2"
+    )]
+    Simulate {
+        /// Plan JSON (`-` for stdin).
+        plan: PathBuf,
+        /// Write a Chrome trace (Perfetto, chrome://tracing) of the chosen ranks here.
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        /// Ranks to trace, e.g. `0,8,1024-1031` (default: rank 0).
+        #[arg(long)]
+        ranks: Option<String>,
+        /// Slow one rank's compute down: `rank=R,slowdown=X` (X >= 1).
+        #[arg(long)]
+        straggler: Option<String>,
+        /// MoE: the hottest expert gets X times the mean tokens (X >= 1).
+        #[arg(long)]
+        expert_skew: Option<f64>,
+        /// Print the reports as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the JSON Schema of the plan.
     Schema {
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum IrFormat {
+    Text,
+    Json,
 }
 
 /// An error with its exit code.
@@ -283,6 +346,35 @@ fn run(cli: Cli) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Cmd::Lower {
+            plan,
+            rank,
+            format,
+            output,
+        } => compile::lower(
+            &plan,
+            rank,
+            matches!(format, IrFormat::Json),
+            output.as_deref(),
+        ),
+        Cmd::Verify { plan, json } => compile::verify(&plan, json),
+        Cmd::Simulate {
+            plan,
+            trace,
+            ranks,
+            straggler,
+            expert_skew,
+            json,
+        } => compile::simulate_cmd(
+            &plan,
+            &compile::SimArgs {
+                trace: trace.as_deref(),
+                ranks: ranks.as_deref(),
+                straggler: straggler.as_deref(),
+                expert_skew,
+                json,
+            },
+        ),
         Cmd::Schema { output } => {
             io::write_output(output.as_deref(), &shardwright_spec::plan::plan_schema())?;
             Ok(())

@@ -552,6 +552,7 @@ pub fn pinned_axes(p: &ParallelismSpec, m: &Model) -> rules::Axes {
         micro_batch: pos(p.micro_batch),
         grad_accum: None,
         zero_stage: p.zero_stage,
+        schedule: p.schedule,
     }
 }
 
@@ -704,17 +705,6 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             );
         }
     }
-    if let (Some(Schedule::Interleaved), Some(1)) = (p.schedule, p.vpp) {
-        errs.push("job.parallelism.schedule", "interleaved needs vpp > 1");
-    }
-    if let (Some(s), Some(v)) = (p.schedule, p.vpp) {
-        if v > 1 && s != Schedule::Interleaved {
-            errs.push(
-                "job.parallelism.vpp",
-                format!("vpp={v} needs schedule: interleaved"),
-            );
-        }
-    }
     if p.sequence_parallel == Some(true) && p.tp == Some(1) {
         errs.push("job.parallelism.sequence_parallel", "needs tp > 1");
     }
@@ -747,6 +737,15 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             "job.parallelism.vpp",
             format!("vpp={v} (interleaved schedule) needs the micro-batches per step to be a multiple of pp={pp}"),
         );
+    }
+    if has(Rejection::ScheduleVsVpp) {
+        match p.vpp {
+            Some(v) if v > 1 => errs.push(
+                "job.parallelism.vpp",
+                format!("vpp={v} needs schedule: interleaved"),
+            ),
+            _ => errs.push("job.parallelism.schedule", "interleaved needs vpp > 1"),
+        }
     }
     if has(Rejection::ZeroWithPp) {
         errs.push(

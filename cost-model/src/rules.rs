@@ -9,6 +9,7 @@
 
 use shardwright_spec::job::{Job, Model};
 use shardwright_spec::layout::Layout;
+use shardwright_spec::spec::Schedule;
 use std::fmt;
 
 /// Context-parallel shards shorter than this many tokens are not allowed.
@@ -38,6 +39,8 @@ pub enum Rejection {
     LayersVsInterleave,
     /// The interleaved schedule needs a multiple of pp micro-batches.
     MicrobatchesVsInterleave,
+    /// Virtual stages (vpp > 1) and the interleaved schedule go together.
+    ScheduleVsVpp,
     /// ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support.
     ZeroWithPp,
     /// Not a layout rule: the evaluated memory exceeds HBM (counted by the search).
@@ -59,6 +62,7 @@ impl Rejection {
             Rejection::GradAccumMismatch => "grad_accum_mismatch",
             Rejection::LayersVsInterleave => "layers_vs_interleave",
             Rejection::MicrobatchesVsInterleave => "microbatches_vs_interleave",
+            Rejection::ScheduleVsVpp => "schedule_vs_vpp",
             Rejection::ZeroWithPp => "zero_with_pp",
             Rejection::OutOfMemory => "out_of_memory",
         }
@@ -107,6 +111,7 @@ pub struct Axes {
     /// Micro-batches per step; derived from the batch when micro_batch, dp and ep are known.
     pub grad_accum: Option<u64>,
     pub zero_stage: Option<u8>,
+    pub schedule: Option<Schedule>,
 }
 
 impl Axes {
@@ -121,6 +126,7 @@ impl Axes {
             micro_batch: Some(l.micro_batch as u64),
             grad_accum: Some(l.grad_accum),
             zero_stage: Some(l.zero_stage),
+            schedule: Some(l.schedule),
         }
     }
 }
@@ -191,6 +197,12 @@ fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
         if let Some(ga) = ga {
             rule!(pp > 0 && ga % pp != 0, Rejection::MicrobatchesVsInterleave);
         }
+    }
+    if let (Some(v), Some(sched)) = (a.vpp, a.schedule) {
+        rule!(
+            (v > 1) != (sched == Schedule::Interleaved),
+            Rejection::ScheduleVsVpp
+        );
     }
     if let (Some(z), Some(pp)) = (a.zero_stage, a.pp) {
         rule!(z >= 2 && pp > 1, Rejection::ZeroWithPp);

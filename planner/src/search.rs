@@ -301,10 +301,13 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                 }
                                 let per = mb * dp * ep;
                                 let ga = gb / per;
-                                let vpps: Vec<u32> = match pins.vpp {
-                                    Some(v) => vec![v],
-                                    None if pp == 1 => vec![1],
-                                    None => (1..=MAX_VPP).collect(),
+                                // Virtual stages go with the interleaved schedule only.
+                                let vpps: Vec<u32> = match (pins.vpp, pins.schedule) {
+                                    (Some(v), _) => vec![v],
+                                    (None, _) if pp == 1 => vec![1],
+                                    (None, Some(Schedule::Interleaved)) => (2..=MAX_VPP).collect(),
+                                    (None, Some(_)) => vec![1],
+                                    (None, None) => (1..=MAX_VPP).collect(),
                                 };
                                 for &v in &vpps {
                                     let schedules: Vec<Schedule> = match (pins.schedule, v) {
@@ -348,6 +351,8 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                             };
                                             let z_axes = Axes {
                                                 pp: Some(pp),
+                                                vpp: Some(v as u64),
+                                                schedule: Some(sched),
                                                 zero_stage: Some(z),
                                                 ..Axes::default()
                                             };

@@ -1,0 +1,175 @@
+//! The plan as op graphs, for every spec in `specs/`:
+//! - the rank-0 text IR of the small specs (at most 64 ranks and 2,000 nodes on rank 0) is a
+//!   golden snapshot in `golden/ir/`; stray snapshots there are rejected;
+//! - every plan lowers and verifies (graph rules, cross-rank matching and deadlock freedom,
+//!   FLOPs, recompute, memory per stage and message sizes against the plan);
+//! - the simulated step time is within 5% of the plan's analytical step time;
+//! - the text form of every class graph round-trips.
+
+use shardwright_cost::{resolve, ResolveOptions};
+use shardwright_ir::{CollectiveKind, Op};
+use shardwright_planner::{plan, PlanOptions};
+use shardwright_spec::parse::{parse_spec, Format};
+use shardwright_spec::Plan;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn spec_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(root().join("specs"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml") || n.ends_with(".json"))
+        .collect();
+    names.sort();
+    names
+}
+
+fn stem(name: &str) -> String {
+    name.trim_end_matches(".yaml")
+        .trim_end_matches(".json")
+        .to_string()
+}
+
+/// The plan as the CLI reads it (through its JSON).
+fn plan_of(name: &str) -> Plan {
+    let text = std::fs::read_to_string(root().join("specs").join(name)).unwrap();
+    let spec = parse_spec(&text, Format::from_path(name)).unwrap();
+    let r = resolve(&spec, &ResolveOptions::default()).unwrap();
+    let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
+    serde_json::from_str(&shardwright_spec::plan::to_json(&p)).unwrap()
+}
+
+fn small(p: &Plan, g: &shardwright_ir::Graph) -> bool {
+    p.layout.world() <= 64 && g.nodes.len() <= 2000
+}
+
+#[test]
+fn golden_rank0_ir_of_small_specs() {
+    let mut settings = insta::Settings::clone_current();
+    settings.set_snapshot_path(root().join("golden/ir"));
+    settings.set_prepend_module_to_snapshot(false);
+    settings.set_omit_expression(true);
+    let mut n = 0;
+    settings.bind(|| {
+        for name in spec_names() {
+            let p = plan_of(&name);
+            let g = shardwright_lowering::lower_rank(&p, 0).unwrap();
+            if small(&p, &g) {
+                insta::assert_snapshot!(stem(&name), shardwright_ir::text::print(&g));
+                n += 1;
+            }
+        }
+    });
+    assert!(n >= 2, "at least the two tiny specs have IR goldens");
+}
+
+#[test]
+fn no_unreferenced_ir_snapshots() {
+    let mut expected = BTreeSet::new();
+    for name in spec_names() {
+        let p = plan_of(&name);
+        let g = shardwright_lowering::lower_rank(&p, 0).unwrap();
+        if small(&p, &g) {
+            expected.insert(format!("{}.snap", stem(&name)));
+        }
+    }
+    let dir = root().join("golden/ir");
+    let mut stray = Vec::new();
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        assert!(
+            !n.ends_with(".snap.new"),
+            "unreviewed snapshot golden/ir/{n}"
+        );
+        if n.ends_with(".snap") && !expected.contains(&n) {
+            stray.push(n);
+        }
+    }
+    assert!(
+        stray.is_empty(),
+        "IR snapshots without a small spec: {stray:?}"
+    );
+}
+
+#[test]
+fn every_plan_lowers_verifies_and_simulates_within_5_percent() {
+    for name in spec_names() {
+        let p = plan_of(&name);
+        let l = shardwright_lowering::lower(&p).unwrap();
+        for c in &l.program.classes {
+            if let Err(e) = shardwright_ir::verify::verify_graph(&c.graph) {
+                panic!("{name}: {}", e[0]);
+            }
+            let text = shardwright_ir::text::print(&c.graph);
+            assert_eq!(
+                shardwright_ir::text::parse(&text).unwrap(),
+                c.graph,
+                "{name}"
+            );
+        }
+        if let Err(e) = shardwright_ir::matching::verify_program(&l.program) {
+            panic!("{name}: {}", e[0]);
+        }
+        let (_, errs) = shardwright_lowering::check::check(&l, &p);
+        assert!(errs.is_empty(), "{name}: {}", errs[0]);
+        let cost = shardwright_lowering::cost::PlanCost::new(&l);
+        let r = shardwright_simulator::simulate(&l.program, &cost, &Default::default()).unwrap();
+        let diff = r.step_time_s / p.estimate.step.step_s - 1.0;
+        eprintln!(
+            "{name}: simulated {:.4} s, analytical {:.4} s ({:+.2}%)",
+            r.step_time_s,
+            p.estimate.step.step_s,
+            100.0 * diff
+        );
+        assert!(
+            diff.abs() <= 0.05,
+            "{name}: simulated {diff:+.4} off the plan"
+        );
+    }
+}
+
+/// Any rank's graph built directly equals its class graph relabeled (the class invariant
+/// the whole-program checks rely on).
+#[test]
+fn lowering_one_rank_equals_its_class_graph_relabeled() {
+    for name in spec_names() {
+        let p = plan_of(&name);
+        let l = shardwright_lowering::lower(&p).unwrap();
+        let w = l.program.world;
+        for r in [0, 1, w / 3, w / 2 + 1, w - 1] {
+            let direct = shardwright_lowering::lower_rank(&p, r).unwrap();
+            assert_eq!(direct, l.program.graph_of(r).unwrap(), "{name}: rank {r}");
+        }
+    }
+}
+
+#[test]
+fn the_405b_rank0_has_pipeline_transfers_reductions_and_memory_events() {
+    let p = plan_of("llama3-405b-16k-h100.yaml");
+    assert!(p.layout.pp > 1);
+    let g = shardwright_lowering::lower_rank(&p, 0).unwrap();
+    let count = |f: &dyn Fn(&Op) -> bool| g.nodes.iter().filter(|n| f(&n.op)).count();
+    let m = p.layout.grad_accum as usize * p.layout.vpp as usize;
+    // Stage 0 sends each micro-batch's activations on and receives their gradient back for
+    // every chunk (with interleaving its later chunks also receive from the last stage).
+    assert!(count(&|o| matches!(o, Op::Send { .. })) >= m);
+    assert!(count(&|o| matches!(o, Op::Recv { .. })) >= m);
+    let reductions = count(&|o| {
+        matches!(
+            o,
+            Op::Collective {
+                kind: CollectiveKind::ReduceScatter | CollectiveKind::AllReduce,
+                ..
+            }
+        )
+    });
+    assert!(reductions > 0);
+    let allocs = count(&|o| matches!(o, Op::Alloc { .. }));
+    let frees = count(&|o| matches!(o, Op::Free { .. }));
+    assert!(allocs > m && frees > m, "{allocs} allocs, {frees} frees");
+}
