@@ -15,8 +15,14 @@ use shardwright_spec::Plan;
 
 const CASES: &[(&str, &str)] = &[
     ("s4_405b_16384xh100", "specs/llama3-405b-16k-h100.yaml"),
-    ("s3_405b_pinned_16384xh100", "specs/llama3-405b-pinned-tp8-pp16-dp128.yaml"),
-    ("s13_deepseek_v3_2048xh800", "specs/deepseek-v3-2048xh800.yaml"),
+    (
+        "s3_405b_pinned_16384xh100",
+        "specs/llama3-405b-pinned-tp8-pp16-dp128.yaml",
+    ),
+    (
+        "s13_deepseek_v3_2048xh800",
+        "specs/deepseek-v3-2048xh800.yaml",
+    ),
 ];
 
 fn plan_of(path: &str) -> Plan {

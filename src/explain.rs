@@ -144,6 +144,7 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
         ("launch overhead", st.overhead_s),
         ("TP comm (exposed)", st.tp_comm_s),
         ("CP comm (exposed)", st.cp_comm_s),
+        ("CP comm (total)", st.cp_comm_total_s),
         ("EP all-to-all", st.ep_comm_s),
         ("PP send/recv", st.pp_p2p_s),
         ("pipeline bubble", st.pipeline_bubble_s),

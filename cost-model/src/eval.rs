@@ -514,11 +514,27 @@ pub fn evaluate(
     let mut start = 0u32;
     // Interleaving with uneven chunks: the bubble and the in-flight activations come from a
     // walk of the schedule (the closed forms assume equal chunks).
-    let walk = if layout.schedule == Schedule::Interleaved
+    let uneven = layout.schedule == Schedule::Interleaved
         && v > 1
         && model.num_layers % (p * v) != 0
-        && matches!(split, Split::Balanced)
-    {
+        && matches!(split, Split::Balanced);
+    // Each virtual stage's time per micro-batch (forward + backward) and saved bytes.
+    let chunk = |vs: u32| -> (f64, f64) {
+        let (s0, c) = chunk_layers(model.num_layers, p * v, vs);
+        let mut part = rank_load(job, s0, c, vs % p, p);
+        part.head = vs == p * v - 1;
+        part.embedding = vs == 0;
+        let t = rank_time(lc, &part).total();
+        let act = part.dense_layers as f64 * lc.dense_act_bytes
+            + part.moe_layers as f64 * lc.moe_act_bytes
+            + if part.embedding {
+                lc.embed_act_bytes
+            } else {
+                0.0
+            };
+        (t, act)
+    };
+    let walk = if uneven && detail {
         let n = (p * v) as usize;
         let (mut fwd, mut bwd, mut act) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         let fshare = if layout.recompute == Recompute::Full {
@@ -527,20 +543,10 @@ pub fn evaluate(
             1.0 / 3.0
         };
         for vs in 0..p * v {
-            let (s0, c) = chunk_layers(model.num_layers, p * v, vs);
-            let mut part = rank_load(job, s0, c, vs % p, p);
-            part.head = vs == p * v - 1;
-            part.embedding = vs == 0;
-            let t = rank_time(lc, &part).total();
+            let (t, a) = chunk(vs);
             fwd[vs as usize] = t * fshare;
             bwd[vs as usize] = t * (1.0 - fshare);
-            act[vs as usize] = part.dense_layers as f64 * lc.dense_act_bytes
-                + part.moe_layers as f64 * lc.moe_act_bytes
-                + if part.embedding {
-                    lc.embed_act_bytes
-                } else {
-                    0.0
-                };
+            act[vs as usize] = a;
         }
         Some(schedule::walk(
             layout.schedule,
@@ -551,6 +557,27 @@ pub fn evaluate(
             &bwd,
             &act,
         ))
+    } else if uneven {
+        // The search's fast path: the schedule with every chunk as slow and as large as the
+        // largest (times only grow in a max-plus schedule, so this bounds the walk from
+        // above): makespan (m v + p - 1) t_max, rank j holding its warm-up + 1 chunks.
+        let mut t_max = 0.0f64;
+        let mut act_max = vec![0.0f64; p as usize];
+        for vs in 0..p * v {
+            let (t, a) = chunk(vs);
+            t_max = t_max.max(t);
+            act_max[(vs % p) as usize] = act_max[(vs % p) as usize].max(a);
+        }
+        let total = mb_count as f64 * v as f64;
+        Some(schedule::Walk {
+            makespan: (total + p as f64 - 1.0) * t_max,
+            peak_act: (0..p)
+                .map(|j| {
+                    let warm = ((p - j - 1) * 2 + (v - 1) * p) as f64;
+                    (warm + 1.0).min(total) * act_max[j as usize]
+                })
+                .collect(),
+        })
     } else {
         None
     };
@@ -727,6 +754,7 @@ pub fn evaluate(
         tp_comm_s: m * slow.tp_exposed,
         tp_comm_total_s: m * slow.tp_total,
         cp_comm_s: m * slow.cp_exposed,
+        cp_comm_total_s: m * slow.cp_total,
         ep_comm_s: m * slow.ep,
         pp_p2p_s: pp_s,
         pipeline_bubble_s: bubble,

@@ -21,8 +21,8 @@
 //!   backward twice the forward traffic.
 //! - Collectives: ring alpha-beta on the fabric of their group ([`Mesh::fabric`]).
 //!   `exposed_s` is what the step pays: `time_s * (1 - overlap)` with the calibrated
-//!   overlap share for TP and EP; for the CP ring the K/V exchange of a pass minus the
-//!   attention core it hides behind.
+//!   overlap share for TP and EP; for the CP ring each step's K/V transfer minus the
+//!   attention block it hides behind (`(cp - 1) max(0, t_step - core / cp)` per pass).
 //!
 //! Not ops (named separately in `LayerTime`): the per-layer launch overhead.
 
@@ -318,25 +318,32 @@ impl Ctx<'_> {
             };
             e.push("attention_core", kind, f, b, time);
         }
-        // CP ring attention: cp - 1 K/V chunk passes forward, twice that backward (K, V and
-        // dK, dV), hidden behind the attention core of the same pass. Selective recompute
-        // reuses the forward's K/V blocks.
+        // CP ring attention (Liu et al. 2023; Megatron's load-balanced causal split): the
+        // attention of a pass runs as cp blocks of about core/cp each; while block i
+        // computes, the K/V chunk for block i+1 is in flight (backward: K, V and dK, dV, so
+        // twice the bytes against 2.5x the work). A step's transfer hides only behind its own
+        // block: exposed = (cp - 1) * max(0, t_step - block). Selective recompute reuses the
+        // forward's K/V blocks.
         let cp = self.shape.cp;
         if cp > 1 && (e.pass != Pass::Recompute || self.shape.recompute == Recompute::Full) {
             let link = group_link(job, self.mesh.fabric(GroupKind::Cp));
             let kv_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
             let chunk = 2.0 * self.tokens * kv_local * 2.0;
-            let fwd = (cp as f64 - 1.0) * send_s(chunk, link.gbps, link.latency_s);
-            let core_t = core_fwd / self.attn_rate;
+            let steps = cp as f64 - 1.0;
+            let step_t = send_s(chunk, link.gbps, link.latency_s);
+            let block = core_fwd / self.attn_rate / cp as f64;
             let (bytes, time, exposed) = if bwd {
-                let x = 2.0 * fwd;
                 (
-                    2.0 * (cp as f64 - 1.0) * chunk,
-                    x,
-                    (x - 2.5 * core_t).max(0.0),
+                    2.0 * steps * chunk,
+                    2.0 * steps * step_t,
+                    steps * (2.0 * step_t - 2.5 * block).max(0.0),
                 )
             } else {
-                ((cp as f64 - 1.0) * chunk, fwd, (fwd - core_t).max(0.0))
+                (
+                    steps * chunk,
+                    steps * step_t,
+                    steps * (step_t - block).max(0.0),
+                )
             };
             let op = OpKind::Collective {
                 kind: Coll::SendRecvRing,

@@ -135,3 +135,71 @@ fn item_memory_adds_up_to_the_rank_memory() {
         }
     }
 }
+
+/// Ring attention across nodes with a short sequence: each of the cp - 1 steps moves one
+/// K/V chunk (2 x tokens x kv_dim x 2 bytes) over the NIC while one attention block
+/// (core / cp) computes; what the block does not hide is exposed, step by step. Hand
+/// numbers from the catalog's H100 figures and the profile's rates, not from the code.
+#[test]
+fn ring_attention_exposes_what_each_block_cannot_hide() {
+    use shardwright_cost::layer::{layer_ops, LayerKind, LayerShape, OpKind, Pass};
+    use shardwright_spec::mesh::Mesh;
+    // 8 GPUs per node, cp = 16 spans two nodes; short sequence, GQA with one KV head.
+    let j = job("
+job:
+  model: {arch: dense, num_layers: 8, hidden_size: 4096, num_attention_heads: 32, num_kv_heads: 1,
+          ffn_hidden_size: 11008, ffn_activation: swiglu, vocab_size: 32000, seq_len: 8192}
+  batch: {global_batch: 64}
+cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}
+");
+    let (cp, tokens) = (16.0f64, 8192.0 / 16.0);
+    let mesh = Mesh::from_degrees(1, 16, 1, 1, 1, 8);
+    let shape = LayerShape {
+        tp: 1,
+        cp: 16,
+        ep: 1,
+        micro_batch: 1,
+        sp: false,
+        recompute: Recompute::None,
+    };
+    let ops = layer_ops(&j, &mesh, &shape, LayerKind::Dense);
+    let hw = &j.hardware;
+    let e = &j.efficiency;
+    // One step: K and V of the local tokens, one KV head of 128, bf16, over one NIC.
+    let chunk = 2.0 * tokens * 128.0 * 2.0;
+    let gbps = (hw.inter_node_gbps * e.inter_node_bus_eff).min(hw.nvlink_gbps * e.nvlink_bus_eff);
+    let step = hw.inter_node_latency_s + chunk / (gbps * 1e9);
+    // Causal attention forward per token: 2 s q_dim; the block is 1/cp of the local core.
+    let core = tokens * 2.0 * 8192.0 * 4096.0 / (hw.peak_bf16_flops * e.attn_eff);
+    let block = core / cp;
+    let fwd_want = (cp - 1.0) * (step - block).max(0.0);
+    let bwd_want = (cp - 1.0) * (2.0 * step - 2.5 * block).max(0.0);
+    let cp_op = |pass| {
+        ops.iter()
+            .find(|o| {
+                o.pass == pass
+                    && matches!(o.kind, OpKind::Collective { .. })
+                    && o.name == "cp_ring_kv"
+            })
+            .copied()
+            .unwrap()
+    };
+    let (f, b) = (cp_op(Pass::Fwd), cp_op(Pass::Bwd));
+    assert!(
+        fwd_want > 0.0,
+        "the case must expose something: step {step} block {block}"
+    );
+    assert!(
+        (f.exposed_s - fwd_want).abs() <= 1e-12 + 1e-9 * fwd_want,
+        "{} vs {fwd_want}",
+        f.exposed_s
+    );
+    assert!(
+        (b.exposed_s - bwd_want).abs() <= 1e-12 + 1e-9 * bwd_want,
+        "{} vs {bwd_want}",
+        b.exposed_s
+    );
+    assert!((f.time_s - (cp - 1.0) * step).abs() <= 1e-9 * f.time_s);
+    // The old whole-pass rule max(0, (cp-1) t_step - core) hides strictly more.
+    assert!(f.exposed_s > ((cp - 1.0) * step - core).max(0.0));
+}

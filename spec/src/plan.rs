@@ -160,7 +160,11 @@ pub struct StepBreakdown {
     /// Exposed tensor-parallel collectives.
     pub tp_comm_s: f64,
     pub tp_comm_total_s: f64,
+    /// Exposed context-parallel K/V exchange (ring attention steps not hidden by their
+    /// attention block).
     pub cp_comm_s: f64,
+    /// All context-parallel traffic time, hidden or not.
+    pub cp_comm_total_s: f64,
     pub ep_comm_s: f64,
     pub pp_p2p_s: f64,
     pub pipeline_bubble_s: f64,

@@ -58,7 +58,8 @@ impl Case {
             l.sequence_parallel,
             l.recompute,
         );
-        evaluate(&job, &lc, l, Split::Balanced, false)
+        // Detail: the exact schedule walk for uneven interleaving, as `validate` predicts.
+        evaluate(&job, &lc, l, Split::Balanced, true)
             .estimate
             .tokens_per_s_per_gpu
     }
