@@ -2,40 +2,10 @@
 //! A cost-model change shows up as a snapshot diff to review (`cargo insta review`).
 //! Snapshots without a spec are rejected, and so is a stale `schema/plan.schema.json`.
 
-use shardwright_cost::{resolve, ResolveOptions};
-use shardwright_planner::{plan, PlanOptions};
-use shardwright_spec::parse::{parse_spec, Format};
+mod common;
+
+use common::{plan_json, root, spec_names, stem};
 use std::collections::BTreeSet;
-use std::path::PathBuf;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn spec_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(root().join("specs"))
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".yaml") || n.ends_with(".json"))
-        .collect();
-    names.sort();
-    names
-}
-
-fn stem(name: &str) -> String {
-    name.trim_end_matches(".yaml")
-        .trim_end_matches(".json")
-        .to_string()
-}
-
-fn plan_json(name: &str) -> String {
-    let text = std::fs::read_to_string(root().join("specs").join(name)).unwrap();
-    let spec = parse_spec(&text, Format::from_path(name)).unwrap();
-    let r = resolve(&spec, &ResolveOptions::default()).unwrap();
-    let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
-    shardwright_spec::plan::to_json(&p)
-}
 
 #[test]
 fn golden_plans() {

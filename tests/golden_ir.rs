@@ -6,42 +6,16 @@
 //! - the simulated step time is within 5% of the plan's analytical step time;
 //! - the text form of every class graph round-trips.
 
-use shardwright_cost::{resolve, ResolveOptions};
+mod common;
+
+use common::{plan_json, root, spec_names, stem};
 use shardwright_ir::{CollectiveKind, Op};
-use shardwright_planner::{plan, PlanOptions};
-use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_spec::Plan;
 use std::collections::BTreeSet;
-use std::path::PathBuf;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn spec_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(root().join("specs"))
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".yaml") || n.ends_with(".json"))
-        .collect();
-    names.sort();
-    names
-}
-
-fn stem(name: &str) -> String {
-    name.trim_end_matches(".yaml")
-        .trim_end_matches(".json")
-        .to_string()
-}
 
 /// The plan as the CLI reads it (through its JSON).
 fn plan_of(name: &str) -> Plan {
-    let text = std::fs::read_to_string(root().join("specs").join(name)).unwrap();
-    let spec = parse_spec(&text, Format::from_path(name)).unwrap();
-    let r = resolve(&spec, &ResolveOptions::default()).unwrap();
-    let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
-    serde_json::from_str(&shardwright_spec::plan::to_json(&p)).unwrap()
+    serde_json::from_str(&plan_json(name)).unwrap()
 }
 
 fn small(p: &Plan, g: &shardwright_ir::Graph) -> bool {

@@ -1,4 +1,5 @@
 //! Helpers shared by the CLI-level integration tests.
+#![allow(dead_code)] // each test binary uses its own subset
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -19,4 +20,35 @@ pub fn run(args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// The bundled specs' file names, sorted.
+pub fn spec_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(root().join("specs"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml") || n.ends_with(".json"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// A spec's file name without its extension.
+pub fn stem(name: &str) -> String {
+    name.trim_end_matches(".yaml")
+        .trim_end_matches(".json")
+        .to_string()
+}
+
+/// The plan JSON of a bundled spec, as `shardwright plan` writes it.
+pub fn plan_json(name: &str) -> String {
+    use shardwright_cost::{resolve, ResolveOptions};
+    use shardwright_planner::{plan, PlanOptions};
+    use shardwright_spec::parse::{parse_spec, Format};
+    let text = std::fs::read_to_string(root().join("specs").join(name)).unwrap();
+    let spec = parse_spec(&text, Format::from_path(name)).unwrap();
+    let r = resolve(&spec, &ResolveOptions::default()).unwrap();
+    let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
+    shardwright_spec::plan::to_json(&p)
 }
