@@ -5,6 +5,7 @@
 //!   point-to-point across all ranks, run the deadlock pass and the checks against the plan;
 //! - `simulate_all`: the discrete-event simulation of every rank (target for verify +
 //!   simulate: < 10 s on 2 cores).
+//!
 //! Run: `cargo bench --bench ir`.
 
 use criterion::{criterion_group, criterion_main, Criterion};
