@@ -1,0 +1,505 @@
+//! Kernels behind a [`Backend`] trait; [`Cpu`] is the f32 reference, always compiled.
+//!
+//! Every tensor is a row-major `f32` slice; shapes are passed explicitly. Token-major
+//! activations are `[t, width]` with `t = batch * seq` (batch outer). Attention tensors are
+//! `[batch, seq, heads, head_dim]`, which is the same memory as `[t, heads * head_dim]`.
+//! Kernels that produce a gradient of a weight *accumulate* into it (`+=`), so micro-batches
+//! add up without an extra buffer; data gradients are returned fresh.
+
+/// Shape of one attention call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    pub batch: usize,
+    /// Queries per sequence on this rank.
+    pub seq_q: usize,
+    /// Keys per sequence (the whole sequence under context parallelism).
+    pub seq_kv: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Position of this rank's first query in the sequence (context-parallel chunk start).
+    pub q_offset: usize,
+    pub causal: bool,
+}
+
+/// AdamW hyper-parameters for one step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step count (bias correction).
+    pub step: u32,
+}
+
+/// The kernels the interpreter needs. Implementations must be deterministic.
+pub trait Backend: Send + Sync {
+    /// `c = beta * c + op(a) @ op(b)` with `op(a)` of shape `m x k`, `op(b)` of `k x n`;
+    /// `ta`/`tb` say the stored matrix is the transpose (`a` stored `k x m`, `b` `n x k`).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &[f32],
+        ta: bool,
+        b: &[f32],
+        tb: bool,
+        beta: f32,
+        c: &mut [f32],
+    );
+
+    /// `y[t, n] = x[t, k] @ w[k, n]`.
+    fn linear_fwd(&self, x: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut y = vec![0.0; t * n];
+        self.gemm(t, k, n, x, false, w, false, 0.0, &mut y);
+        y
+    }
+    /// `dx[t, k] = dy[t, n] @ w[k, n]^T`.
+    fn linear_dgrad(&self, dy: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut dx = vec![0.0; t * k];
+        self.gemm(t, n, k, dy, false, w, true, 0.0, &mut dx);
+        dx
+    }
+    /// `dw[k, n] += x[t, k]^T @ dy[t, n]`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_wgrad(&self, x: &[f32], dy: &[f32], t: usize, k: usize, n: usize, dw: &mut [f32]) {
+        self.gemm(k, t, n, x, true, dy, false, 1.0, dw);
+    }
+
+    /// Rows `ids[i] - vocab_start` of `table` (`[vocab_len, h]`); zero rows for ids outside
+    /// `[vocab_start, vocab_start + vocab_len)` (vocabulary-parallel embedding).
+    fn embedding_fwd(&self, ids: &[u32], table: &[f32], vocab_start: usize, h: usize) -> Vec<f32>;
+    /// `dtable[ids[i] - vocab_start] += dy[i]` for the ids in this shard.
+    fn embedding_bwd(
+        &self,
+        ids: &[u32],
+        dy: &[f32],
+        vocab_start: usize,
+        h: usize,
+        dtable: &mut [f32],
+    );
+
+    /// RMSNorm over rows of width `h`: `y = x * rstd * w`; returns `(y, rstd)`.
+    fn rmsnorm_fwd(&self, x: &[f32], w: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>);
+    /// Returns `dx`; accumulates `dw`.
+    fn rmsnorm_bwd(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+        dy: &[f32],
+        h: usize,
+        dw: &mut [f32],
+    ) -> Vec<f32>;
+
+    /// Rotary embedding in place on `x: [t, heads, d]` (pairs `i, i + d/2`), token `i` at
+    /// position `pos[i]`.
+    fn rope_fwd(&self, x: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32);
+    /// The transpose rotation (the gradient of [`Backend::rope_fwd`]), in place.
+    fn rope_bwd(&self, dx: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32);
+
+    /// Exact softmax attention with `1/sqrt(d)` scaling; returns `(o, lse)` with `lse`
+    /// `[batch, heads, seq_q]`. Causal masking compares key position with
+    /// `q_offset + query index`.
+    fn attention_fwd(&self, q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>);
+    /// Returns `(dq, dk, dv)`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_bwd(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        o: &[f32],
+        lse: &[f32],
+        dout: &[f32],
+        s: AttnShape,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>);
+
+    /// `gu: [t, 2f]` = `[gate | up]` per row; returns `silu(gate) * up`, `[t, f]`.
+    fn swiglu_fwd(&self, gu: &[f32], f: usize) -> Vec<f32>;
+    /// Returns `d gu`.
+    fn swiglu_bwd(&self, gu: &[f32], dy: &[f32], f: usize) -> Vec<f32>;
+
+    /// Local part of a (vocabulary-parallel) softmax cross-entropy over `logits: [t, v]`
+    /// holding vocabulary entries `vocab_start..vocab_start + v`: per token the
+    /// log-sum-exp of the local logits and the target's logit (0 when the target is in
+    /// another shard).
+    fn xent_local(
+        &self,
+        logits: &[f32],
+        targets: &[u32],
+        v: usize,
+        vocab_start: usize,
+    ) -> (Vec<f32>, Vec<f32>);
+    /// `dlogits = scale * (softmax(logits) - onehot(target))`, given the global `lse`.
+    fn xent_bwd(
+        &self,
+        logits: &[f32],
+        targets: &[u32],
+        lse: &[f32],
+        v: usize,
+        vocab_start: usize,
+        scale: f32,
+    ) -> Vec<f32>;
+
+    /// One AdamW update of `p` with gradient `g` and moments `m`, `v` (decoupled decay).
+    fn adamw(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamW);
+}
+
+/// The CPU reference backend (f32, GEMMs by `matrixmultiply`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn rope_angles(pos: u32, d: usize, theta: f32) -> impl Iterator<Item = (f32, f32)> {
+    let half = d / 2;
+    (0..half).map(move |i| {
+        let inv = (theta as f64).powf(-(2.0 * i as f64) / d as f64);
+        let a = pos as f64 * inv;
+        (a.cos() as f32, a.sin() as f32)
+    })
+}
+
+impl Backend for Cpu {
+    fn gemm(
+        &self,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &[f32],
+        ta: bool,
+        b: &[f32],
+        tb: bool,
+        beta: f32,
+        c: &mut [f32],
+    ) {
+        assert!(
+            a.len() >= m * k && b.len() >= k * n && c.len() >= m * n,
+            "gemm shapes"
+        );
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k == 0 {
+            c[..m * n].iter_mut().for_each(|x| *x *= beta);
+            return;
+        }
+        // Row/column strides of op(a) (m x k) and op(b) (k x n).
+        let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+        let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+        // SAFETY: the asserts above bound every index the strides reach.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                n,
+                1.0,
+                a.as_ptr(),
+                rsa,
+                csa,
+                b.as_ptr(),
+                rsb,
+                csb,
+                beta,
+                c.as_mut_ptr(),
+                n as isize,
+                1,
+            );
+        }
+    }
+
+    fn embedding_fwd(&self, ids: &[u32], table: &[f32], vocab_start: usize, h: usize) -> Vec<f32> {
+        let rows = table.len() / h.max(1);
+        let mut y = vec![0.0; ids.len() * h];
+        for (i, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if id >= vocab_start && id < vocab_start + rows {
+                let r = id - vocab_start;
+                y[i * h..(i + 1) * h].copy_from_slice(&table[r * h..(r + 1) * h]);
+            }
+        }
+        y
+    }
+
+    fn embedding_bwd(
+        &self,
+        ids: &[u32],
+        dy: &[f32],
+        vocab_start: usize,
+        h: usize,
+        dtable: &mut [f32],
+    ) {
+        let rows = dtable.len() / h.max(1);
+        for (i, &id) in ids.iter().enumerate() {
+            let id = id as usize;
+            if id >= vocab_start && id < vocab_start + rows {
+                let r = id - vocab_start;
+                for j in 0..h {
+                    dtable[r * h + j] += dy[i * h + j];
+                }
+            }
+        }
+    }
+
+    fn rmsnorm_fwd(&self, x: &[f32], w: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
+        let t = x.len() / h;
+        let mut y = vec![0.0; x.len()];
+        let mut rstd = vec![0.0; t];
+        for i in 0..t {
+            let row = &x[i * h..(i + 1) * h];
+            let ms = row.iter().map(|v| v * v).sum::<f32>() / h as f32;
+            let r = 1.0 / (ms + eps).sqrt();
+            rstd[i] = r;
+            for j in 0..h {
+                y[i * h + j] = row[j] * r * w[j];
+            }
+        }
+        (y, rstd)
+    }
+
+    fn rmsnorm_bwd(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+        dy: &[f32],
+        h: usize,
+        dw: &mut [f32],
+    ) -> Vec<f32> {
+        let t = x.len() / h;
+        let mut dx = vec![0.0; x.len()];
+        for i in 0..t {
+            let r = rstd[i];
+            let mut dot = 0.0f32;
+            for j in 0..h {
+                let xh = x[i * h + j] * r;
+                let g = dy[i * h + j] * w[j];
+                dot += g * xh;
+                dw[j] += dy[i * h + j] * xh;
+            }
+            let mean = dot / h as f32;
+            for j in 0..h {
+                let xh = x[i * h + j] * r;
+                dx[i * h + j] = r * (dy[i * h + j] * w[j] - xh * mean);
+            }
+        }
+        dx
+    }
+
+    fn rope_fwd(&self, x: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32) {
+        let half = d / 2;
+        for (i, &p) in pos.iter().enumerate() {
+            let cs: Vec<(f32, f32)> = rope_angles(p, d, theta).collect();
+            for hd in 0..heads {
+                let base = (i * heads + hd) * d;
+                for (j, &(c, s)) in cs.iter().enumerate() {
+                    let (a, b) = (x[base + j], x[base + j + half]);
+                    x[base + j] = a * c - b * s;
+                    x[base + j + half] = b * c + a * s;
+                }
+            }
+        }
+    }
+
+    fn rope_bwd(&self, dx: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32) {
+        let half = d / 2;
+        for (i, &p) in pos.iter().enumerate() {
+            let cs: Vec<(f32, f32)> = rope_angles(p, d, theta).collect();
+            for hd in 0..heads {
+                let base = (i * heads + hd) * d;
+                for (j, &(c, s)) in cs.iter().enumerate() {
+                    let (a, b) = (dx[base + j], dx[base + j + half]);
+                    dx[base + j] = a * c + b * s;
+                    dx[base + j + half] = b * c - a * s;
+                }
+            }
+        }
+    }
+
+    fn attention_fwd(&self, q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>) {
+        let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
+        let group = hq / hk.max(1);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut o = vec![0.0; s.batch * s.seq_q * hq * d];
+        let mut lse = vec![0.0; s.batch * hq * s.seq_q];
+        let mut p = vec![0.0f32; s.seq_kv];
+        for b in 0..s.batch {
+            for h in 0..hq {
+                let kh = h / group;
+                for i in 0..s.seq_q {
+                    let qi = &q[((b * s.seq_q + i) * hq + h) * d..][..d];
+                    let nk = if s.causal {
+                        (s.q_offset + i + 1).min(s.seq_kv)
+                    } else {
+                        s.seq_kv
+                    };
+                    let mut mx = f32::NEG_INFINITY;
+                    for (j, pj) in p.iter_mut().enumerate().take(nk) {
+                        let kj = &k[((b * s.seq_kv + j) * hk + kh) * d..][..d];
+                        let dot: f32 = qi.iter().zip(kj).map(|(a, b)| a * b).sum();
+                        *pj = dot * scale;
+                        mx = mx.max(*pj);
+                    }
+                    let mut sum = 0.0f32;
+                    for pj in p.iter_mut().take(nk) {
+                        *pj = (*pj - mx).exp();
+                        sum += *pj;
+                    }
+                    lse[(b * hq + h) * s.seq_q + i] = mx + sum.ln();
+                    let oi = &mut o[((b * s.seq_q + i) * hq + h) * d..][..d];
+                    for (j, pj) in p.iter().enumerate().take(nk) {
+                        let w = pj / sum;
+                        let vj = &v[((b * s.seq_kv + j) * hk + kh) * d..][..d];
+                        for (a, b) in oi.iter_mut().zip(vj) {
+                            *a += w * b;
+                        }
+                    }
+                }
+            }
+        }
+        (o, lse)
+    }
+
+    fn attention_bwd(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        o: &[f32],
+        lse: &[f32],
+        dout: &[f32],
+        s: AttnShape,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
+        let group = hq / hk.max(1);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut dq = vec![0.0; q.len()];
+        let mut dk = vec![0.0; k.len()];
+        let mut dv = vec![0.0; v.len()];
+        for b in 0..s.batch {
+            for h in 0..hq {
+                let kh = h / group;
+                for i in 0..s.seq_q {
+                    let qoff = ((b * s.seq_q + i) * hq + h) * d;
+                    let qi = &q[qoff..qoff + d];
+                    let doi = &dout[qoff..qoff + d];
+                    let oi = &o[qoff..qoff + d];
+                    let l = lse[(b * hq + h) * s.seq_q + i];
+                    let delta: f32 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
+                    let nk = if s.causal {
+                        (s.q_offset + i + 1).min(s.seq_kv)
+                    } else {
+                        s.seq_kv
+                    };
+                    for j in 0..nk {
+                        let koff = ((b * s.seq_kv + j) * hk + kh) * d;
+                        let kj = &k[koff..koff + d];
+                        let vj = &v[koff..koff + d];
+                        let dot: f32 = qi.iter().zip(kj).map(|(a, b)| a * b).sum();
+                        let pij = (dot * scale - l).exp();
+                        let dp: f32 = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
+                        let ds = pij * (dp - delta) * scale;
+                        for c in 0..d {
+                            dv[koff + c] += pij * doi[c];
+                            dq[qoff + c] += ds * kj[c];
+                            dk[koff + c] += ds * qi[c];
+                        }
+                    }
+                }
+            }
+        }
+        (dq, dk, dv)
+    }
+
+    fn swiglu_fwd(&self, gu: &[f32], f: usize) -> Vec<f32> {
+        let t = gu.len() / (2 * f);
+        let mut y = vec![0.0; t * f];
+        for i in 0..t {
+            for j in 0..f {
+                y[i * f + j] = silu(gu[i * 2 * f + j]) * gu[i * 2 * f + f + j];
+            }
+        }
+        y
+    }
+
+    fn swiglu_bwd(&self, gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
+        let t = gu.len() / (2 * f);
+        let mut d = vec![0.0; gu.len()];
+        for i in 0..t {
+            for j in 0..f {
+                let g = gu[i * 2 * f + j];
+                let u = gu[i * 2 * f + f + j];
+                let sg = 1.0 / (1.0 + (-g).exp());
+                let dyv = dy[i * f + j];
+                d[i * 2 * f + j] = dyv * u * sg * (1.0 + g * (1.0 - sg));
+                d[i * 2 * f + f + j] = dyv * g * sg;
+            }
+        }
+        d
+    }
+
+    fn xent_local(
+        &self,
+        logits: &[f32],
+        targets: &[u32],
+        v: usize,
+        vocab_start: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let t = targets.len();
+        let mut lse = vec![0.0; t];
+        let mut tgt = vec![0.0; t];
+        for i in 0..t {
+            let row = &logits[i * v..(i + 1) * v];
+            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = row.iter().map(|x| (x - mx).exp()).sum();
+            lse[i] = mx + sum.ln();
+            let id = targets[i] as usize;
+            if id >= vocab_start && id < vocab_start + v {
+                tgt[i] = row[id - vocab_start];
+            }
+        }
+        (lse, tgt)
+    }
+
+    fn xent_bwd(
+        &self,
+        logits: &[f32],
+        targets: &[u32],
+        lse: &[f32],
+        v: usize,
+        vocab_start: usize,
+        scale: f32,
+    ) -> Vec<f32> {
+        let t = targets.len();
+        let mut d = vec![0.0; t * v];
+        for i in 0..t {
+            for j in 0..v {
+                d[i * v + j] = scale * (logits[i * v + j] - lse[i]).exp();
+            }
+            let id = targets[i] as usize;
+            if id >= vocab_start && id < vocab_start + v {
+                d[i * v + id - vocab_start] -= scale;
+            }
+        }
+        d
+    }
+
+    fn adamw(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamW) {
+        let bc1 = 1.0 - h.beta1.powi(h.step as i32);
+        let bc2 = 1.0 - h.beta2.powi(h.step as i32);
+        for i in 0..p.len() {
+            m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * g[i];
+            v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * g[i] * g[i];
+            let mh = m[i] / bc1;
+            let vh = v[i] / bc2;
+            p[i] -= h.lr * (mh / (vh.sqrt() + h.eps) + h.weight_decay * p[i]);
+        }
+    }
+}

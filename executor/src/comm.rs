@@ -1,0 +1,274 @@
+//! Communicators: collectives over arbitrary groups and point-to-point messages.
+//!
+//! A group is the member rank list of an IR [`shardwright_ir::ProcessGroup`] (ascending; a
+//! member's position is its rank in the group). [`Local`] runs ranks as threads of one
+//! process and moves real data. Each member deposits its contribution and every member
+//! computes the result itself from all contributions *in group order*, so every reduction
+//! sums in rank order and results are bit-identical on every member and every run.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Collectives and point-to-point messages of one rank.
+///
+/// Every member of `group` must issue the same collectives on it in the same order.
+/// Chunked collectives (all-gather, reduce-scatter, all-to-all) split buffers into
+/// `group.len()` equal contiguous chunks in group order.
+pub trait Communicator: Send {
+    fn rank(&self) -> u32;
+    /// Elementwise sum over the members, in place.
+    fn all_reduce(&mut self, group: &[u32], data: &mut [f32]);
+    /// Concatenation of every member's `data`, in group order.
+    fn all_gather(&mut self, group: &[u32], data: &[f32]) -> Vec<f32>;
+    /// Chunk `i` (this member's position) of the elementwise sum.
+    fn reduce_scatter(&mut self, group: &[u32], data: &[f32]) -> Vec<f32>;
+    /// `data` holds one chunk per member (chunk `j` goes to member `j`); the result holds the
+    /// chunk each member sent here, in group order.
+    fn all_to_all(&mut self, group: &[u32], data: &[f32]) -> Vec<f32>;
+    /// The root's `data` (root given as a global rank), in place.
+    fn broadcast(&mut self, group: &[u32], root: u32, data: &mut [f32]);
+    /// Buffered send: returns at once.
+    fn send(&mut self, peer: u32, data: &[f32]);
+    /// Blocks until the next message from `peer` arrives (FIFO per pair).
+    fn recv(&mut self, peer: u32) -> Vec<f32>;
+}
+
+#[derive(Default)]
+struct Slot {
+    parts: Vec<Option<Arc<Vec<f32>>>>,
+    read: usize,
+}
+
+#[derive(Default)]
+struct State {
+    slots: HashMap<(Vec<u32>, u64), Slot>,
+    mail: HashMap<(u32, u32), VecDeque<Vec<f32>>>,
+}
+
+/// What all in-process ranks share.
+pub struct Hub {
+    world: u32,
+    state: Mutex<State>,
+    cv: Condvar,
+    timeout: Duration,
+    aborted: std::sync::atomic::AtomicBool,
+}
+
+impl Hub {
+    pub fn new(world: u32) -> Arc<Hub> {
+        Arc::new(Hub {
+            world,
+            state: Mutex::new(State::default()),
+            cv: Condvar::new(),
+            timeout: Duration::from_secs(60),
+            aborted: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+    /// Wake every waiting rank and make it panic with "aborted" (a rank failed).
+    pub fn abort(&self) {
+        self.aborted
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let _g = self.state.lock();
+        self.cv.notify_all();
+    }
+    fn check_abort(&self, rank: u32) {
+        if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
+            panic!("rank {rank}: aborted because another rank failed");
+        }
+    }
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+    /// One communicator per rank, in rank order.
+    pub fn comms(self: &Arc<Hub>) -> Vec<Local> {
+        (0..self.world)
+            .map(|r| Local {
+                rank: r,
+                hub: self.clone(),
+                seq: HashMap::new(),
+            })
+            .collect()
+    }
+}
+
+/// The in-process communicator of one rank (move it into the rank's thread).
+pub struct Local {
+    rank: u32,
+    hub: Arc<Hub>,
+    seq: HashMap<Vec<u32>, u64>,
+}
+
+impl Local {
+    fn pos(&self, group: &[u32]) -> usize {
+        group
+            .iter()
+            .position(|&r| r == self.rank)
+            .unwrap_or_else(|| panic!("rank {} is not in group {group:?}", self.rank))
+    }
+
+    /// Deposit `data`, wait for every member, return all contributions in group order.
+    fn exchange(&mut self, group: &[u32], data: Vec<f32>) -> Vec<Arc<Vec<f32>>> {
+        let pos = self.pos(group);
+        let n = group.len();
+        let seq = {
+            let s = self.seq.entry(group.to_vec()).or_insert(0);
+            *s += 1;
+            *s
+        };
+        let key = (group.to_vec(), seq);
+        let hub = self.hub.clone();
+        let mut st = hub.state.lock().unwrap_or_else(|e| e.into_inner());
+        {
+            let slot = st.slots.entry(key.clone()).or_default();
+            if slot.parts.is_empty() {
+                slot.parts = vec![None; n];
+            }
+            slot.parts[pos] = Some(Arc::new(data));
+        }
+        hub.cv.notify_all();
+        loop {
+            let slot = st.slots.get(&key).expect("slot");
+            if slot.parts.iter().all(|p| p.is_some()) {
+                break;
+            }
+            hub.check_abort(self.rank);
+            let (g, to) = hub
+                .cv
+                .wait_timeout(st, hub.timeout)
+                .unwrap_or_else(|e| e.into_inner());
+            st = g;
+            if to.timed_out() {
+                panic!(
+                    "rank {}: collective #{seq} on group {group:?} timed out (a member never joined)",
+                    self.rank
+                );
+            }
+        }
+        let slot = st.slots.get_mut(&key).expect("slot");
+        let parts: Vec<Arc<Vec<f32>>> = slot.parts.iter().map(|p| p.clone().unwrap()).collect();
+        slot.read += 1;
+        if slot.read == n {
+            st.slots.remove(&key);
+        }
+        let len = parts[0].len();
+        assert!(
+            parts.iter().all(|p| p.len() == len),
+            "rank {}: collective #{seq} on group {group:?}: members sent {:?} elements",
+            self.rank,
+            parts.iter().map(|p| p.len()).collect::<Vec<_>>()
+        );
+        parts
+    }
+}
+
+fn sum_chunk(parts: &[Arc<Vec<f32>>], lo: usize, hi: usize) -> Vec<f32> {
+    let mut out = parts[0][lo..hi].to_vec();
+    for p in &parts[1..] {
+        for (o, x) in out.iter_mut().zip(&p[lo..hi]) {
+            *o += *x;
+        }
+    }
+    out
+}
+
+impl Communicator for Local {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn all_reduce(&mut self, group: &[u32], data: &mut [f32]) {
+        if group.len() <= 1 {
+            return;
+        }
+        let parts = self.exchange(group, data.to_vec());
+        data.copy_from_slice(&sum_chunk(&parts, 0, data.len()));
+    }
+
+    fn all_gather(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
+        if group.len() <= 1 {
+            return data.to_vec();
+        }
+        let parts = self.exchange(group, data.to_vec());
+        parts.iter().flat_map(|p| p.iter().copied()).collect()
+    }
+
+    fn reduce_scatter(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
+        let n = group.len();
+        assert!(
+            data.len() % n.max(1) == 0,
+            "reduce-scatter of {} over {n}",
+            data.len()
+        );
+        if n <= 1 {
+            return data.to_vec();
+        }
+        let pos = self.pos(group);
+        let c = data.len() / n;
+        let parts = self.exchange(group, data.to_vec());
+        sum_chunk(&parts, pos * c, (pos + 1) * c)
+    }
+
+    fn all_to_all(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
+        let n = group.len();
+        assert!(
+            data.len() % n.max(1) == 0,
+            "all-to-all of {} over {n}",
+            data.len()
+        );
+        if n <= 1 {
+            return data.to_vec();
+        }
+        let pos = self.pos(group);
+        let c = data.len() / n;
+        let parts = self.exchange(group, data.to_vec());
+        parts
+            .iter()
+            .flat_map(|p| p[pos * c..(pos + 1) * c].iter().copied())
+            .collect()
+    }
+
+    fn broadcast(&mut self, group: &[u32], root: u32, data: &mut [f32]) {
+        if group.len() <= 1 {
+            return;
+        }
+        let r = group
+            .iter()
+            .position(|&x| x == root)
+            .expect("root in group");
+        let parts = self.exchange(group, data.to_vec());
+        data.copy_from_slice(&parts[r]);
+    }
+
+    fn send(&mut self, peer: u32, data: &[f32]) {
+        let mut st = self.hub.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.mail
+            .entry((self.rank, peer))
+            .or_default()
+            .push_back(data.to_vec());
+        self.hub.cv.notify_all();
+    }
+
+    fn recv(&mut self, peer: u32) -> Vec<f32> {
+        let hub = self.hub.clone();
+        let mut st = hub.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(m) = st
+                .mail
+                .get_mut(&(peer, self.rank))
+                .and_then(|q| q.pop_front())
+            {
+                return m;
+            }
+            hub.check_abort(self.rank);
+            let (g, to) = hub
+                .cv
+                .wait_timeout(st, hub.timeout)
+                .unwrap_or_else(|e| e.into_inner());
+            st = g;
+            if to.timed_out() {
+                panic!("rank {}: recv from {peer} timed out", self.rank);
+            }
+        }
+    }
+}

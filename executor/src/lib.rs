@@ -1,0 +1,20 @@
+//! Running lowered per-rank op graphs.
+//!
+//! - [`backend`]: the [`Backend`] kernel trait and the f32 [`Cpu`] reference backend;
+//! - [`comm`]: the [`Communicator`] trait and the in-process [`comm::Local`] (ranks as
+//!   threads, real data, deterministic rank-order reductions);
+//! - [`model`]: the model's parameters, deterministic full weights, tensor-parallel splits,
+//!   synthetic data and the learning-rate schedule;
+//! - [`interp`]: the interpreter of one rank's graph and [`run_program`], every rank of a
+//!   program as threads;
+//! - [`rng`]: deterministic numbers for weights and synthetic data.
+
+pub mod backend;
+pub mod comm;
+pub mod interp;
+pub mod model;
+pub mod rng;
+
+pub use backend::{AdamW, AttnShape, Backend, Cpu};
+pub use comm::{Communicator, Hub, Local};
+pub use interp::{run_program, ExecConfig, ExecError, RankReport, StepReport};

@@ -1,0 +1,219 @@
+//! Tiny plans for the executor's tests, and the comparison of a run with the single-rank run.
+//!
+//! How a plan for a tiny model is built: the planner's rules refuse many tiny shapes (the CP
+//! shard minimum of 256 tokens, for one), so a *template* plan is planned once for a world
+//! of one rank (`resolve` + `plan` of a pinned tp1/pp1/dp1 spec, which passes the rules),
+//! and each layout under test overrides the template's `layout`, `stages` (an even layer
+//! split), `inputs.training.global_batch` and `inputs.cluster.num_gpus`. The lowering reads
+//! exactly those fields (plus the model), so the plan lowers to the layout asked for.
+
+#![allow(dead_code)]
+
+use shardwright_cost::{resolve, ResolveOptions};
+use shardwright_executor::model::{shard, Dims};
+use shardwright_executor::{run_program, Cpu, ExecConfig, RankReport};
+use shardwright_planner::{plan, PlanOptions};
+use shardwright_spec::parse::{parse_spec, Format};
+use shardwright_spec::spec::{Recompute, Schedule};
+use shardwright_spec::{Layout, Plan};
+
+pub const LAYERS: u32 = 2;
+
+pub fn spec_text(tied: bool, layers: u32) -> String {
+    format!(
+        "job:
+  name: tiny-exec
+  model:
+    name: tiny
+    arch: dense
+    num_layers: {layers}
+    hidden_size: 32
+    num_attention_heads: 4
+    num_kv_heads: 2
+    ffn_hidden_size: 64
+    ffn_activation: swiglu
+    vocab_size: 64
+    seq_len: 16
+    tied_embeddings: {tied}
+  parallelism: {{tp: 1, pp: 1, dp: 1, cp: 1, ep: 1, vpp: 1, micro_batch: 1, zero_stage: 0, recompute: none, sequence_parallel: false, schedule: 1f1b}}
+  batch: {{global_batch: 4}}
+cluster:
+  gpu: H100-SXM
+  gpus_per_node: 8
+  num_gpus: 1
+"
+    )
+}
+
+pub fn template(tied: bool, layers: u32) -> Plan {
+    let spec = parse_spec(&spec_text(tied, layers), Format::Yaml).expect("spec parses");
+    let r = resolve(&spec, &ResolveOptions::default()).expect("tiny spec resolves");
+    let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).expect("plans");
+    serde_json::from_str(&shardwright_spec::plan::to_json(&p)).expect("plan JSON")
+}
+
+/// A layout written like `plan --baseline`'s argument: `tp2,pp2,dp1,cp1,mb1,ga4,zero1,
+/// rc=full,sp=on,schedule=gpipe,vpp1` (missing keys: 1 / off / none / 1f1b).
+pub fn layout(text: &str) -> Layout {
+    let mut l = Layout {
+        tp: 1,
+        pp: 1,
+        dp: 1,
+        cp: 1,
+        ep: 1,
+        vpp: 1,
+        micro_batch: 1,
+        grad_accum: 1,
+        zero_stage: 0,
+        recompute: Recompute::None,
+        sequence_parallel: false,
+        schedule: Schedule::OneFOneB,
+    };
+    for tok in text.split(',').filter(|t| !t.is_empty()) {
+        let (k, v) = match tok.split_once('=') {
+            Some(x) => x,
+            None => {
+                let i = tok.find(|c: char| c.is_ascii_digit()).expect("number");
+                (&tok[..i], &tok[i..])
+            }
+        };
+        let n = || v.parse::<u32>().expect("number");
+        match k {
+            "tp" => l.tp = n(),
+            "pp" => l.pp = n(),
+            "dp" => l.dp = n(),
+            "cp" => l.cp = n(),
+            "vpp" => l.vpp = n(),
+            "mb" => l.micro_batch = n(),
+            "ga" => l.grad_accum = n() as u64,
+            "zero" => l.zero_stage = n() as u8,
+            "rc" => {
+                l.recompute = match v {
+                    "full" => Recompute::Full,
+                    "selective" => Recompute::Selective,
+                    _ => Recompute::None,
+                }
+            }
+            "sp" => l.sequence_parallel = v == "on",
+            "schedule" => {
+                l.schedule = match v {
+                    "gpipe" => Schedule::Gpipe,
+                    "interleaved" => Schedule::Interleaved,
+                    _ => Schedule::OneFOneB,
+                }
+            }
+            _ => panic!("unknown layout key {k}"),
+        }
+    }
+    l
+}
+
+/// The template with `layout` applied (global batch = dp x ga x mb).
+pub fn plan_for(template: &Plan, l: Layout) -> Plan {
+    let mut p = template.clone();
+    p.layout = l;
+    let world = l.world();
+    p.inputs.cluster.num_gpus = world;
+    p.inputs.training.global_batch = l.dp as u64 * l.grad_accum * l.micro_batch as u64;
+    let layers = p.inputs.model.num_layers;
+    let mut stages = Vec::new();
+    let mut first = 0;
+    for s in 0..l.pp {
+        let n = layers / l.pp + u32::from(s < layers % l.pp);
+        let mut st = template.stages[0].clone();
+        st.stage = s;
+        st.num_layers = n;
+        st.layers = vec![format!("{}-{}", first, first + n - 1)];
+        st.has_embedding = s == 0;
+        st.has_lm_head = s == l.pp - 1;
+        stages.push(st);
+        first += n;
+    }
+    p.stages = stages;
+    p
+}
+
+pub fn cfg() -> ExecConfig {
+    ExecConfig {
+        lr: 1e-3,
+        min_lr: 1e-4,
+        total_steps: 3,
+        warmup_steps: 1,
+        ..ExecConfig::default()
+    }
+}
+
+/// Lower and run `steps` steps of `plan`.
+pub fn run(plan: &Plan, steps: u32) -> Vec<RankReport> {
+    let lowered = shardwright_lowering::lower(plan).expect("lowers");
+    run_program(
+        &lowered.program,
+        &lowered.job,
+        &lowered.layout,
+        Cpu,
+        &cfg(),
+        steps,
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Relative error of `a` against `b`: max |a - b| / max |b|.
+pub fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b
+        .iter()
+        .fold(0.0f64, |m, x| m.max(x.abs() as f64))
+        .max(1e-30);
+    a.iter()
+        .zip(b)
+        .fold(0.0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()))
+        / scale
+}
+
+/// Compare every rank of `runs` with the single-rank run `base`: per step the loss, the
+/// gradient and the updated weights of every tensor (each rank's tensor-parallel shard of
+/// the full tensor). Panics naming the first differing tensor, rank and step; returns the
+/// largest relative error seen.
+pub fn compare(what: &str, dims: &Dims, base: &[RankReport], runs: &[RankReport], tol: f64) -> f64 {
+    assert_eq!(base.len(), 1);
+    let b = &base[0];
+    let mut worst = 0.0f64;
+    for (step, bs) in b.steps.iter().enumerate() {
+        let loss: f64 = runs.iter().filter_map(|r| r.steps[step].loss).sum();
+        let want = bs.loss.expect("single rank has the loss");
+        let e = (loss - want).abs() / want.abs();
+        worst = worst.max(e);
+        assert!(
+            e <= tol,
+            "{what}: step {step}: loss {loss} vs {want} (rel {e:.2e})"
+        );
+        for r in runs {
+            let rs = &r.steps[step];
+            for (kind, got, full) in [
+                ("grad", &rs.grads, &bs.grads),
+                ("weight", &rs.params, &bs.params),
+            ] {
+                for (name, v) in got {
+                    let f = &full[name];
+                    let want = shard(f, dims.shape(name), &dims.split(name), r.tp_index, r.tp);
+                    let e = rel(v, &want);
+                    worst = worst.max(e);
+                    assert!(
+                        e <= tol,
+                        "{what}: first difference at step {step}, rank {}, {kind} {name}: relative error {e:.2e}",
+                        r.rank
+                    );
+                }
+            }
+        }
+    }
+    // Every parameter is held by some rank.
+    let names: std::collections::BTreeSet<&String> =
+        runs.iter().flat_map(|r| r.steps[0].params.keys()).collect();
+    assert_eq!(
+        names.len(),
+        b.steps[0].params.len(),
+        "{what}: parameters missing"
+    );
+    worst
+}

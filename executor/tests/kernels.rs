@@ -1,0 +1,329 @@
+//! CPU kernels: every backward against central finite differences of its forward (the
+//! scalar `sum(r * y)` for a random cotangent `r`, accumulated in f64), forwards of
+//! attention and RMSNorm against textbook formulas written here in f64.
+
+use shardwright_executor::rng::Rng;
+use shardwright_executor::{AdamW, AttnShape, Backend, Cpu};
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
+}
+
+/// Compare `analytic` with central differences of `x -> sum(r * f(x))` at every element.
+fn check_grad(name: &str, x: &[f32], r: &[f32], analytic: &[f32], f: &dyn Fn(&[f32]) -> Vec<f32>) {
+    assert_eq!(x.len(), analytic.len(), "{name}: gradient length");
+    let h = 1e-2f32;
+    let scale = analytic
+        .iter()
+        .fold(0.0f64, |m, v| m.max(v.abs() as f64))
+        .max(1e-3);
+    let mut worst = 0.0f64;
+    for i in 0..x.len() {
+        let mut xp = x.to_vec();
+        xp[i] += h;
+        let mut xm = x.to_vec();
+        xm[i] -= h;
+        let fd = (dot(&f(&xp), r) - dot(&f(&xm), r)) / (2.0 * h as f64);
+        let err = (fd - analytic[i] as f64).abs() / scale;
+        worst = worst.max(err);
+        assert!(
+            err < 5e-3,
+            "{name}[{i}]: finite difference {fd}, analytic {} (scale {scale})",
+            analytic[i]
+        );
+    }
+    eprintln!("{name}: worst relative error {worst:.2e}");
+}
+
+#[test]
+fn linear_gradients() {
+    let mut g = Rng::new(1);
+    let (t, k, n) = (5, 4, 3);
+    let x = g.vec(t * k, 1.0);
+    let w = g.vec(k * n, 1.0);
+    let r = g.vec(t * n, 1.0);
+    let cpu = Cpu;
+    let y = cpu.linear_fwd(&x, &w, t, k, n);
+    for i in 0..t {
+        for j in 0..n {
+            let e: f64 = (0..k)
+                .map(|c| x[i * k + c] as f64 * w[c * n + j] as f64)
+                .sum();
+            assert!((y[i * n + j] as f64 - e).abs() < 1e-5);
+        }
+    }
+    let dx = cpu.linear_dgrad(&r, &w, t, k, n);
+    check_grad("linear.dx", &x, &r, &dx, &|x| {
+        cpu.linear_fwd(x, &w, t, k, n)
+    });
+    let mut dw = vec![0.0; k * n];
+    cpu.linear_wgrad(&x, &r, t, k, n, &mut dw);
+    check_grad("linear.dw", &w, &r, &dw, &|w| {
+        cpu.linear_fwd(&x, w, t, k, n)
+    });
+}
+
+#[test]
+fn embedding_gradients_and_vocab_shards() {
+    let mut g = Rng::new(2);
+    let (v, h) = (7, 3);
+    let table = g.vec(v * h, 1.0);
+    let ids = [0u32, 3, 6, 3, 5];
+    let cpu = Cpu;
+    let r = g.vec(ids.len() * h, 1.0);
+    let mut dt = vec![0.0; v * h];
+    cpu.embedding_bwd(&ids, &r, 0, h, &mut dt);
+    check_grad("embedding.dtable", &table, &r, &dt, &|tb| {
+        cpu.embedding_fwd(&ids, tb, 0, h)
+    });
+    // Two vocabulary shards sum to the whole table's lookup.
+    let a = cpu.embedding_fwd(&ids, &table[..4 * h], 0, h);
+    let b = cpu.embedding_fwd(&ids, &table[4 * h..], 4, h);
+    let full = cpu.embedding_fwd(&ids, &table, 0, h);
+    for i in 0..full.len() {
+        assert_eq!(a[i] + b[i], full[i]);
+    }
+}
+
+#[test]
+fn rmsnorm_forward_and_gradients() {
+    let mut g = Rng::new(3);
+    let (t, h) = (4, 6);
+    let x = g.vec(t * h, 1.0);
+    let w = g.vec(h, 1.0);
+    let eps = 1e-5;
+    let cpu = Cpu;
+    let (y, rstd) = cpu.rmsnorm_fwd(&x, &w, h, eps);
+    for i in 0..t {
+        let ms: f64 = (0..h).map(|j| (x[i * h + j] as f64).powi(2)).sum::<f64>() / h as f64;
+        for j in 0..h {
+            let e = x[i * h + j] as f64 / (ms + eps as f64).sqrt() * w[j] as f64;
+            assert!((y[i * h + j] as f64 - e).abs() < 1e-5, "rmsnorm y");
+        }
+    }
+    let r = g.vec(t * h, 1.0);
+    let mut dw = vec![0.0; h];
+    let dx = cpu.rmsnorm_bwd(&x, &w, &rstd, &r, h, &mut dw);
+    check_grad("rmsnorm.dx", &x, &r, &dx, &|x| {
+        cpu.rmsnorm_fwd(x, &w, h, eps).0
+    });
+    check_grad("rmsnorm.dw", &w, &r, &dw, &|w| {
+        cpu.rmsnorm_fwd(&x, w, h, eps).0
+    });
+}
+
+#[test]
+fn rope_gradient_and_norm_preservation() {
+    let mut g = Rng::new(4);
+    let (t, heads, d) = (3, 2, 8);
+    let x = g.vec(t * heads * d, 1.0);
+    let pos = [0u32, 5, 17];
+    let cpu = Cpu;
+    let fwd = |x: &[f32]| {
+        let mut y = x.to_vec();
+        cpu.rope_fwd(&mut y, &pos, heads, d, 10000.0);
+        y
+    };
+    let y = fwd(&x);
+    // A rotation keeps each pair's length; position 0 is the identity.
+    assert!((dot(&x, &x) - dot(&y, &y)).abs() < 1e-4);
+    assert_eq!(&y[..heads * d], &x[..heads * d]);
+    let r = g.vec(x.len(), 1.0);
+    let mut dx = r.clone();
+    cpu.rope_bwd(&mut dx, &pos, heads, d, 10000.0);
+    check_grad("rope.dx", &x, &r, &dx, &fwd);
+}
+
+/// softmax(q k^T / sqrt(d)) v with a causal mask, naive f64.
+fn naive_attention(q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> Vec<f64> {
+    let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
+    let mut o = vec![0.0; s.batch * s.seq_q * hq * d];
+    for b in 0..s.batch {
+        for h in 0..hq {
+            let kh = h * hk / hq;
+            for i in 0..s.seq_q {
+                let qp = s.q_offset + i;
+                let mut scores = Vec::new();
+                for j in 0..s.seq_kv {
+                    if s.causal && j > qp {
+                        continue;
+                    }
+                    let mut sc = 0.0;
+                    for c in 0..d {
+                        sc += q[((b * s.seq_q + i) * hq + h) * d + c] as f64
+                            * k[((b * s.seq_kv + j) * hk + kh) * d + c] as f64;
+                    }
+                    scores.push((j, sc / (d as f64).sqrt()));
+                }
+                let mx = scores.iter().map(|x| x.1).fold(f64::MIN, f64::max);
+                let z: f64 = scores.iter().map(|x| (x.1 - mx).exp()).sum();
+                for (j, sc) in scores {
+                    let p = (sc - mx).exp() / z;
+                    for c in 0..d {
+                        o[((b * s.seq_q + i) * hq + h) * d + c] +=
+                            p * v[((b * s.seq_kv + j) * hk + kh) * d + c] as f64;
+                    }
+                }
+            }
+        }
+    }
+    o
+}
+
+#[test]
+fn attention_forward_matches_textbook_and_gradients_match_finite_differences() {
+    let mut g = Rng::new(5);
+    for &(seq_q, seq_kv, q_offset, causal) in &[(5, 5, 0, true), (3, 6, 3, true), (4, 4, 0, false)]
+    {
+        let s = AttnShape {
+            batch: 2,
+            seq_q,
+            seq_kv,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 4,
+            q_offset,
+            causal,
+        };
+        let q = g.vec(s.batch * seq_q * s.heads * s.head_dim, 1.0);
+        let k = g.vec(s.batch * seq_kv * s.kv_heads * s.head_dim, 1.0);
+        let v = g.vec(k.len(), 1.0);
+        let cpu = Cpu;
+        let (o, lse) = cpu.attention_fwd(&q, &k, &v, s);
+        let e = naive_attention(&q, &k, &v, s);
+        for i in 0..o.len() {
+            assert!((o[i] as f64 - e[i]).abs() < 1e-5, "attention o[{i}] {s:?}");
+        }
+        let r = g.vec(o.len(), 1.0);
+        let (dq, dk, dv) = cpu.attention_bwd(&q, &k, &v, &o, &lse, &r, s);
+        check_grad("attention.dq", &q, &r, &dq, &|q| {
+            cpu.attention_fwd(q, &k, &v, s).0
+        });
+        check_grad("attention.dk", &k, &r, &dk, &|k| {
+            cpu.attention_fwd(&q, k, &v, s).0
+        });
+        check_grad("attention.dv", &v, &r, &dv, &|v| {
+            cpu.attention_fwd(&q, &k, v, s).0
+        });
+    }
+}
+
+#[test]
+fn context_parallel_chunks_of_attention_equal_the_whole() {
+    // Queries split into two chunks, each attending to the whole K/V with its offset.
+    let mut g = Rng::new(6);
+    let s = AttnShape {
+        batch: 1,
+        seq_q: 8,
+        seq_kv: 8,
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        q_offset: 0,
+        causal: true,
+    };
+    let q = g.vec(8 * 2 * 4, 1.0);
+    let k = g.vec(8 * 4, 1.0);
+    let v = g.vec(8 * 4, 1.0);
+    let cpu = Cpu;
+    let whole = cpu.attention_fwd(&q, &k, &v, s).0;
+    for c in 0..2 {
+        let sc = AttnShape {
+            seq_q: 4,
+            q_offset: 4 * c,
+            ..s
+        };
+        let part = cpu.attention_fwd(&q[c * 32..(c + 1) * 32], &k, &v, sc).0;
+        assert_eq!(&part[..], &whole[c * 32..(c + 1) * 32]);
+    }
+}
+
+#[test]
+fn swiglu_gradient() {
+    let mut g = Rng::new(7);
+    let (t, f) = (3, 4);
+    let gu = g.vec(t * 2 * f, 2.0);
+    let r = g.vec(t * f, 1.0);
+    let cpu = Cpu;
+    let d = cpu.swiglu_bwd(&gu, &r, f);
+    check_grad("swiglu.dgu", &gu, &r, &d, &|x| cpu.swiglu_fwd(x, f));
+}
+
+#[test]
+fn cross_entropy_value_gradient_and_vocab_shards() {
+    let mut g = Rng::new(8);
+    let (t, v) = (4, 6);
+    let logits = g.vec(t * v, 2.0);
+    let targets = [0u32, 5, 2, 3];
+    let cpu = Cpu;
+    let loss = |lg: &[f32]| -> Vec<f32> {
+        let (lse, tg) = cpu.xent_local(lg, &targets, v, 0);
+        lse.iter().zip(&tg).map(|(a, b)| a - b).collect()
+    };
+    let l = loss(&logits);
+    for i in 0..t {
+        let row = &logits[i * v..(i + 1) * v];
+        let z: f64 = row.iter().map(|x| (*x as f64).exp()).sum();
+        let e = z.ln() - row[targets[i] as usize] as f64;
+        assert!((l[i] as f64 - e).abs() < 1e-5);
+    }
+    let r = g.vec(t, 1.0);
+    let (lse, _) = cpu.xent_local(&logits, &targets, v, 0);
+    // Per-token scale r[i]: the backward with a scalar scale, row by row.
+    let mut d = Vec::new();
+    for i in 0..t {
+        d.extend(cpu.xent_bwd(
+            &logits[i * v..(i + 1) * v],
+            &targets[i..i + 1],
+            &lse[i..i + 1],
+            v,
+            0,
+            r[i],
+        ));
+    }
+    check_grad("xent.dlogits", &logits, &r, &d, &loss);
+    // Two shards: combined log-sum-exp and target logits equal the whole.
+    let (la, ta) = {
+        let sh: Vec<f32> = (0..t)
+            .flat_map(|i| logits[i * v..i * v + 2].to_vec())
+            .collect();
+        cpu.xent_local(&sh, &targets, 2, 0)
+    };
+    let (lb, tb) = {
+        let sh: Vec<f32> = (0..t)
+            .flat_map(|i| logits[i * v + 2..(i + 1) * v].to_vec())
+            .collect();
+        cpu.xent_local(&sh, &targets, 4, 2)
+    };
+    for i in 0..t {
+        let m = la[i].max(lb[i]);
+        let lse2 = m + ((la[i] - m).exp() + (lb[i] - m).exp()).ln();
+        assert!((lse2 - lse[i]).abs() < 1e-5);
+        assert!(((ta[i] + tb[i]) - (lse[i] - l[i])).abs() < 1e-5);
+    }
+}
+
+#[test]
+fn adamw_matches_the_formula() {
+    let cpu = Cpu;
+    let mut p = vec![1.0f32, -2.0];
+    let g = [0.5f32, -0.25];
+    let mut m = vec![0.0; 2];
+    let mut v = vec![0.0; 2];
+    let h = AdamW {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 1,
+    };
+    cpu.adamw(&mut p, &g, &mut m, &mut v, h);
+    // Step 1: m_hat = g, v_hat = g^2, so the update is lr * (sign(g) + wd * p).
+    let e0 = 1.0 - 0.1 * (1.0 + 0.1 * 1.0);
+    let e1 = -2.0 - 0.1 * (-1.0 + 0.1 * -2.0);
+    assert!(
+        (p[0] as f64 - e0).abs() < 1e-6 && (p[1] as f64 - e1).abs() < 1e-6,
+        "{p:?}"
+    );
+}

@@ -1,0 +1,238 @@
+//! The single-rank run (tp1 pp1 dp1) against an independent naive model written here in
+//! f64 with plain loops: the step's loss, and the gradients by central finite differences
+//! of the naive loss (every tensor along random directions, plus sampled elements).
+
+mod common;
+
+use shardwright_executor::model::{lr_at, tokens, Dims};
+use shardwright_executor::rng::Rng;
+use std::collections::BTreeMap;
+
+type P = BTreeMap<String, Vec<f64>>;
+
+fn rms(x: &[f64], w: &[f64]) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let r = 1.0 / (ms + 1e-5).sqrt();
+    x.iter().zip(w).map(|(a, b)| a * r * b).collect()
+}
+
+/// `x [n] @ w [n, m]`.
+fn vm(x: &[f64], w: &[f64], m: usize) -> Vec<f64> {
+    let mut y = vec![0.0; m];
+    for (i, xi) in x.iter().enumerate() {
+        for j in 0..m {
+            y[j] += xi * w[i * m + j];
+        }
+    }
+    y
+}
+
+fn rope(x: &mut [f64], pos: usize, d: usize) {
+    let half = d / 2;
+    for i in 0..half {
+        let a = pos as f64 * 10000f64.powf(-(2.0 * i as f64) / d as f64);
+        let (c, s) = (a.cos(), a.sin());
+        let (p, q) = (x[i], x[i + half]);
+        x[i] = p * c - q * s;
+        x[i + half] = q * c + p * s;
+    }
+}
+
+/// Mean cross-entropy of the naive model over `seqs` (each `seq + 1` tokens).
+fn naive_loss(dm: &Dims, p: &P, seqs: &[Vec<u32>]) -> f64 {
+    let (h, nh, nk, d, f, v, s) = (dm.h, dm.heads, dm.kv_heads, dm.d, dm.f, dm.vocab, dm.seq);
+    let mut total = 0.0;
+    for toks in seqs {
+        let mut x: Vec<Vec<f64>> = (0..s)
+            .map(|i| p["embedding"][toks[i] as usize * h..][..h].to_vec())
+            .collect();
+        for l in 0..dm.layers {
+            let w = |n: &str| &p[&format!("L{l}.{n}")];
+            let mut q = Vec::new();
+            let mut k = Vec::new();
+            let mut vv = Vec::new();
+            for (i, xi) in x.iter().enumerate() {
+                let y = vm(&rms(xi, w("attn_norm")), w("qkv"), (nh + 2 * nk) * d);
+                let mut qi = y[..nh * d].to_vec();
+                let mut ki = y[nh * d..(nh + nk) * d].to_vec();
+                for hh in 0..nh {
+                    rope(&mut qi[hh * d..(hh + 1) * d], i, d);
+                }
+                for hh in 0..nk {
+                    rope(&mut ki[hh * d..(hh + 1) * d], i, d);
+                }
+                q.push(qi);
+                k.push(ki);
+                vv.push(y[(nh + nk) * d..].to_vec());
+            }
+            for i in 0..s {
+                let mut o = vec![0.0; nh * d];
+                for hh in 0..nh {
+                    let kh = hh / (nh / nk);
+                    let sc: Vec<f64> = (0..=i)
+                        .map(|j| {
+                            (0..d)
+                                .map(|c| q[i][hh * d + c] * k[j][kh * d + c])
+                                .sum::<f64>()
+                                / (d as f64).sqrt()
+                        })
+                        .collect();
+                    let mx = sc.iter().copied().fold(f64::MIN, f64::max);
+                    let z: f64 = sc.iter().map(|a| (a - mx).exp()).sum();
+                    for (j, a) in sc.iter().enumerate() {
+                        for c in 0..d {
+                            o[hh * d + c] += (a - mx).exp() / z * vv[j][kh * d + c];
+                        }
+                    }
+                }
+                let y = vm(&o, w("proj"), h);
+                for c in 0..h {
+                    x[i][c] += y[c];
+                }
+            }
+            for xi in x.iter_mut() {
+                let a = vm(&rms(xi, w("mlp_norm")), w("fc1"), 2 * f);
+                let act: Vec<f64> = (0..f)
+                    .map(|j| a[j] / (1.0 + (-a[j]).exp()) * a[f + j])
+                    .collect();
+                let y = vm(&act, w("fc2"), h);
+                for c in 0..h {
+                    xi[c] += y[c];
+                }
+            }
+        }
+        for (i, xi) in x.iter().enumerate() {
+            let n = rms(xi, &p["final_norm"]);
+            let logits: Vec<f64> = if dm.tied {
+                (0..v)
+                    .map(|t| (0..h).map(|c| n[c] * p["embedding"][t * h + c]).sum())
+                    .collect()
+            } else {
+                vm(&n, &p["lm_head"], v)
+            };
+            let mx = logits.iter().copied().fold(f64::MIN, f64::max);
+            let lse = mx + logits.iter().map(|a| (a - mx).exp()).sum::<f64>().ln();
+            total += lse - logits[toks[i + 1] as usize];
+        }
+    }
+    total / (seqs.len() * s) as f64
+}
+
+fn check(tied: bool) {
+    let tpl = common::template(tied, common::LAYERS);
+    let plan = common::plan_for(&tpl, common::layout("ga4"));
+    let dims = Dims::from_job(&plan.inputs).unwrap();
+    let cfg = common::cfg();
+    let reps = common::run(&plan, 1);
+    let st = &reps[0].steps[0];
+    // The same full weights and data.
+    let p: P = st
+        .grads
+        .keys()
+        .map(|n| {
+            (
+                n.clone(),
+                dims.init(cfg.seed, n).iter().map(|x| *x as f64).collect(),
+            )
+        })
+        .collect();
+    let seqs: Vec<Vec<u32>> = (0..4)
+        .map(|g| tokens(cfg.seed, 0, g, dims.seq, dims.vocab))
+        .collect();
+    let want = naive_loss(&dims, &p, &seqs);
+    let got = st.loss.unwrap();
+    let e = (got - want).abs() / want;
+    eprintln!("loss {got} vs naive {want}: rel {e:.2e}");
+    assert!(e < 1e-5, "loss {got} vs naive {want}");
+
+    // Directional derivatives along random directions over every tensor at once.
+    let h = 1e-4;
+    let mut rng = Rng::new(99);
+    for k in 0..3 {
+        let dir: P = p
+            .iter()
+            .map(|(n, v)| {
+                (
+                    n.clone(),
+                    (0..v.len()).map(|_| rng.sym(1.0) as f64).collect(),
+                )
+            })
+            .collect();
+        let shift = |sgn: f64| -> P {
+            p.iter()
+                .map(|(n, v)| {
+                    (
+                        n.clone(),
+                        v.iter()
+                            .zip(&dir[n])
+                            .map(|(a, b)| a + sgn * h * b)
+                            .collect(),
+                    )
+                })
+                .collect()
+        };
+        let fd = (naive_loss(&dims, &shift(1.0), &seqs) - naive_loss(&dims, &shift(-1.0), &seqs))
+            / (2.0 * h);
+        let an: f64 = st
+            .grads
+            .iter()
+            .map(|(n, g)| {
+                g.iter()
+                    .zip(&dir[n])
+                    .map(|(a, b)| *a as f64 * b)
+                    .sum::<f64>()
+            })
+            .sum();
+        let e = (fd - an).abs() / fd.abs();
+        eprintln!("direction {k}: finite difference {fd}, executor {an}: rel {e:.2e}");
+        assert!(
+            e < 1e-4,
+            "direction {k}: finite difference {fd}, executor {an}"
+        );
+    }
+    // Sampled elements of every tensor.
+    for (n, g) in &st.grads {
+        let scale = g.iter().fold(0.0f64, |m, x| m.max(x.abs() as f64));
+        for _ in 0..4 {
+            let i = rng.below(g.len() as u64) as usize;
+            let mut pp = p.clone();
+            pp.get_mut(n).unwrap()[i] += h;
+            let mut pm = p.clone();
+            pm.get_mut(n).unwrap()[i] -= h;
+            let fd = (naive_loss(&dims, &pp, &seqs) - naive_loss(&dims, &pm, &seqs)) / (2.0 * h);
+            let e = (fd - g[i] as f64).abs() / scale;
+            assert!(
+                e < 1e-4,
+                "grad {n}[{i}]: finite difference {fd}, executor {} (scale {scale})",
+                g[i]
+            );
+        }
+    }
+    // The update is AdamW of the (clipped) gradient: spot-check one element.
+    let lr = lr_at(&cfg, 0) as f64;
+    let n = "L0.fc2";
+    let (g0, p0) = (st.grads[n][3] as f64, p[n][3]);
+    let norm = st.grad_norm;
+    let c = if norm > cfg.clip as f64 {
+        cfg.clip as f64 / (norm + 1e-6)
+    } else {
+        1.0
+    };
+    let gc = g0 * c;
+    let upd = p0 - lr * (gc / (gc.abs() + cfg.eps as f64) + cfg.weight_decay as f64 * p0);
+    assert!(
+        (st.params[n][3] as f64 - upd).abs() < 1e-5,
+        "AdamW update {} vs {upd}",
+        st.params[n][3]
+    );
+}
+
+#[test]
+fn single_rank_step_matches_the_naive_model_untied() {
+    check(false);
+}
+
+#[test]
+fn single_rank_step_matches_the_naive_model_tied() {
+    check(true);
+}
