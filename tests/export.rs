@@ -507,6 +507,23 @@ fn cli_import_then_plan_evaluates_the_pinned_layout() {
         plan.summary.layout,
         "tp1,pp1,dp8,cp1,ep1,vpp1,mb1,ga1,zero3,rc=selective,sp=off,schedule=1f1b"
     );
+    // The same spec unpinned, with the imported layout as the baseline: how much better the
+    // planner's choice is.
+    let (code, _, err) = run(&[
+        "plan",
+        free.to_str().unwrap(),
+        "--quiet",
+        "--baseline",
+        "tp1,pp1,dp8,cp1,ep1,vpp1,mb1,zero3,rc=selective,sp=off,schedule=1f1b",
+        "-o",
+        plan_file.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let plan: Plan = serde_json::from_str(&std::fs::read_to_string(&plan_file).unwrap()).unwrap();
+    assert!(!plan.search.fully_pinned);
+    let b = plan.baseline.expect("baseline comparison");
+    assert_eq!(b.layout.zero_stage, 3);
+    assert!(b.goodput_delta_pct <= 0.0, "{}", b.goodput_delta_pct);
 }
 
 #[test]

@@ -386,6 +386,9 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
                     l.tp, l.tp
                 ));
             }
+            if l.tp > 1 && l.zero_stage == 3 {
+                notes.push("DeepSpeed's AutoTP training combines with ZeRO stages 0-2, not 3: use Megatron-DeepSpeed's tensor parallelism, or ZeRO-2".into());
+            }
             if l.pp > 1 && l.zero_stage >= 2 {
                 notes.push(format!(
                     "DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only: ZeRO-{} with pp={} is rejected at start-up",
