@@ -164,7 +164,35 @@ pub fn megatron_pp_layout(plan: &Plan) -> Option<String> {
             items.join(",")
         })
         .collect();
-    Some(parts.join("|"))
+    Some(compress_layout(&parts))
+}
+
+/// Join layout stages with `|`, writing a run of 3 or more equal stages as `(X|)*N`
+/// (Megatron's repeat syntax, e.g. `Et*3|(tt|)*29,m|L`).
+fn compress_layout(parts: &[String]) -> String {
+    let mut out = String::new();
+    let mut i = 0;
+    while i < parts.len() {
+        let mut j = i + 1;
+        while j < parts.len() && parts[j] == parts[i] {
+            j += 1;
+        }
+        let run = j - i;
+        if run >= 3 {
+            out.push_str(&format!("({}|)*{}", parts[i], run));
+        } else {
+            for p in &parts[i..j] {
+                out.push_str(p);
+                out.push('|');
+            }
+        }
+        i = j;
+    }
+    // A trailing separator (from the last stage) is not part of the syntax.
+    if out.ends_with('|') {
+        out.pop();
+    }
+    out
 }
 
 /// Megatron's layout string -> (virtual stages, layers per stage).

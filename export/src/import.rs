@@ -1001,6 +1001,10 @@ mod tests {
             Some(vec![3, 2, 2, 1, 0])
         );
         assert_eq!(parse_pp_layout("E,x|L"), None);
+        assert_eq!(
+            parse_pp_layout("E,t|(t*4|)*3t*3,L"),
+            Some(vec![1, 4, 4, 4, 3])
+        );
     }
 
     #[test]

@@ -77,6 +77,11 @@ pub fn slurm(
     }
     // Pipeline stages: ranks and nodes.
     let per_stage = world / l.pp as u64;
+    if l.pp > 1 && per_stage % gpn as u64 != 0 && per_stage > gpn as u64 {
+        warnings.push(format!(
+            "a pipeline stage is {per_stage} ranks, not whole nodes of {gpn}: some nodes hold two stages"
+        ));
+    }
     let stages: Vec<_> = (0..l.pp as u64)
         .map(|s| {
             let first = s * per_stage;
