@@ -106,7 +106,7 @@ pub fn import(
         [one] if one == "-" || Path::new(one).is_file() => {
             (one.clone(), io::read_input(Path::new(one))?)
         }
-        [one] if fw != Framework::Megatron => {
+        [one] if fw != Framework::Megatron || !one.starts_with("--") => {
             return Err(Failure::from(anyhow!("reading {one}: no such file")));
         }
         args => ("the flags given".to_string(), args.join(" ")),

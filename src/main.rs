@@ -146,12 +146,7 @@ enum Cmd {
         #[arg(long, value_name = "FILE")]
         unpinned: Option<PathBuf>,
         /// The config file, or (megatron) the flags themselves after `--`.
-        #[arg(
-            required = true,
-            trailing_var_arg = true,
-            allow_hyphen_values = true,
-            value_name = "FILE_OR_ARGS"
-        )]
+        #[arg(required = true, value_name = "FILE_OR_ARGS")]
         input: Vec<String>,
     },
     /// Render a launch script for a plan (Slurm sbatch; nothing is submitted).
