@@ -127,6 +127,31 @@ pub fn megatron_pp_layout(plan: &Plan) -> Option<String> {
     if l.pp <= 1 || even_split(plan) {
         return None;
     }
+    let sizes = virtual_stage_layers(plan)?;
+    let stages = sizes.len();
+    let parts: Vec<String> = sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let mut items = Vec::new();
+            if k == 0 {
+                items.push("E".to_string());
+            }
+            items.push(if n == 1 { "t".into() } else { format!("t*{n}") });
+            if k + 1 == stages {
+                items.push("L".to_string());
+            }
+            items.join(",")
+        })
+        .collect();
+    Some(compress_layout(&parts))
+}
+
+/// Decoder layers per virtual pipeline stage, in model order (stage k runs on rank k mod
+/// pp), read from the plan's `stages`; None when they do not form pp x vpp contiguous
+/// chunks.
+pub fn virtual_stage_layers(plan: &Plan) -> Option<Vec<u32>> {
+    let l = &plan.layout;
     let mut chunks: Vec<(u32, u32, u32)> = Vec::new();
     for s in &plan.stages {
         for r in &s.layers {
@@ -136,7 +161,6 @@ pub fn megatron_pp_layout(plan: &Plan) -> Option<String> {
     }
     chunks.sort();
     let stages = (l.pp * l.vpp) as usize;
-    // Virtual stage k runs on rank k mod pp; every stage holds at least one layer here.
     if chunks.len() != stages
         || chunks
             .iter()
@@ -148,23 +172,21 @@ pub fn megatron_pp_layout(plan: &Plan) -> Option<String> {
     {
         return None;
     }
-    let parts: Vec<String> = chunks
-        .iter()
-        .enumerate()
-        .map(|(k, &(a, b, _))| {
-            let mut items = Vec::new();
-            if k == 0 {
-                items.push("E".to_string());
-            }
-            let n = b - a + 1;
-            items.push(if n == 1 { "t".into() } else { format!("t*{n}") });
-            if k + 1 == stages {
-                items.push("L".to_string());
-            }
-            items.join(",")
-        })
-        .collect();
-    Some(compress_layout(&parts))
+    Some(chunks.iter().map(|&(a, b, _)| b - a + 1).collect())
+}
+
+/// torchtitan's `pipeline_parallel_first/last_stage_less_layers` for a split whose middle
+/// stages are equal and whose first and last hold no more (no interleaving, pp >= 3).
+pub fn titan_less_layers(plan: &Plan) -> Option<(u32, u32)> {
+    let l = &plan.layout;
+    if l.vpp != 1 || l.pp < 3 {
+        return None;
+    }
+    let v = virtual_stage_layers(plan)?;
+    let mid = v[1];
+    let (first, last) = (v[0], v[v.len() - 1]);
+    (v[1..v.len() - 1].iter().all(|&n| n == mid) && first <= mid && last <= mid)
+        .then_some((mid - first, mid - last))
 }
 
 /// Join layout stages with `|`, writing a run of 3 or more equal stages as `(X|)*N`
@@ -286,7 +308,10 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
             "the plan splits layers unevenly over pipeline stages; in Megatron's layout syntax: \"{pl}\" (Megatron-LM flag --pipeline-model-parallel-layout): set the recipe's split to match"
         ));
     }
-    if pp_layout.is_some() && matches!(fw, Framework::Torchtitan | Framework::Deepspeed) {
+    let titan_less = titan_less_layers(plan).filter(|_| pp_layout.is_some());
+    if pp_layout.is_some()
+        && (fw == Framework::Deepspeed || (fw == Framework::Torchtitan && titan_less.is_none()))
+    {
         notes.push(format!(
             "the plan splits layers unevenly over pipeline stages ({}); {} takes an even split from this file: set the split in model code to match",
             pp_layout.as_deref().unwrap_or_default(),
@@ -348,7 +373,9 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
                     l.ep, t.shard, l.cp
                 ));
             }
-            let lps = if l.pp > 1 && m.num_layers % (l.pp * l.vpp) == 0 {
+            let lps = if titan_less.is_some() {
+                None
+            } else if l.pp > 1 && m.num_layers % (l.pp * l.vpp) == 0 {
                 Some(m.num_layers / (l.pp * l.vpp))
             } else {
                 if l.pp > 1 && l.vpp > 1 && pp_layout.is_none() {
@@ -373,6 +400,13 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
             );
             fwctx.insert("schedule".into(), json!(titan_schedule(l.schedule)));
             fwctx.insert("layers_per_stage".into(), json!(lps));
+            fwctx.insert(
+                "less_layers".into(),
+                match titan_less {
+                    Some((f, l)) => json!({"first": f, "last": l}),
+                    None => Value::Null,
+                },
+            );
             fwctx.insert("local_batch_size".into(), json!(local));
             fwctx.insert(
                 "model_name".into(),
