@@ -3,6 +3,7 @@
 mod baseline;
 mod compile;
 mod explain;
+mod export_cmd;
 mod io;
 
 use anyhow::Context;
@@ -163,6 +164,67 @@ enum Cmd {
         /// Print the reports as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Write the plan as another engine's config: Megatron-LM flags, NeMo 2 / Megatron-Bridge
+    /// overrides, a torchtitan TOML or a DeepSpeed JSON (what it cannot express: stderr + comments).
+    #[command(
+        after_help = "Examples:\n  shardwright export plan.json --to megatron -o pretrain.sh\n  shardwright export plan.json --to torchtitan --template my.toml.j2"
+    )]
+    Export {
+        /// Plan JSON (`-` for stdin).
+        plan: PathBuf,
+        /// Target framework.
+        #[arg(long, value_enum)]
+        to: export_cmd::To,
+        /// Output file (default: stdout). Written atomically.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Your own minijinja template instead of the built-in one (see export/templates/).
+        #[arg(long)]
+        template: Option<PathBuf>,
+    },
+    /// Read your Megatron flags / torchtitan TOML / DeepSpeed JSON plus a cluster file and
+    /// write a job spec with that layout pinned.
+    #[command(
+        after_help = "Examples:\n  shardwright import --from torchtitan llama3_8b.toml --cluster cluster.yaml -o spec.yaml --unpinned free.yaml\n  shardwright import --from megatron --cluster cluster.yaml -o spec.yaml -- --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --num-layers 80 ..."
+    )]
+    Import {
+        /// Source framework.
+        #[arg(long, value_enum)]
+        from: export_cmd::From,
+        /// A spec with the `cluster` section (and any `job` fields the config lacks: the model
+        /// for torchtitan and DeepSpeed, the token budget...). YAML or JSON.
+        #[arg(long, value_name = "SPEC")]
+        cluster: PathBuf,
+        /// Output spec (YAML; default: stdout). Written atomically.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Also write the same spec with the layout unpinned (for `plan --baseline`).
+        #[arg(long, value_name = "FILE")]
+        unpinned: Option<PathBuf>,
+        /// The config file, or (megatron) the flags themselves after `--`.
+        #[arg(required = true, value_name = "FILE_OR_ARGS")]
+        input: Vec<String>,
+    },
+    /// Render a launch script for a plan (Slurm sbatch; nothing is submitted).
+    #[command(
+        after_help = "Examples:\n  shardwright launch plan.json --slurm --dry-run\n  shardwright launch plan.json --slurm -o train.sbatch"
+    )]
+    Launch {
+        /// Plan JSON (a file: the script runs `shardwright execute PLAN`).
+        plan: PathBuf,
+        /// Render a Slurm sbatch script.
+        #[arg(long)]
+        slurm: bool,
+        /// Your own minijinja template (see export/templates/slurm.sbatch.j2).
+        #[arg(long)]
+        template: Option<PathBuf>,
+        /// Print the script instead of writing it.
+        #[arg(long)]
+        dry_run: bool,
+        /// Where to write the script (atomically).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
     },
     /// Write the JSON Schema of the plan.
     Schema {
@@ -374,6 +436,38 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 expert_skew,
                 json,
             },
+        ),
+        Cmd::Export {
+            plan,
+            to,
+            output,
+            template,
+        } => export_cmd::export(&plan, to, output.as_deref(), template.as_deref()),
+        Cmd::Import {
+            from,
+            cluster,
+            output,
+            unpinned,
+            input,
+        } => export_cmd::import(
+            from,
+            &input,
+            &cluster,
+            output.as_deref(),
+            unpinned.as_deref(),
+        ),
+        Cmd::Launch {
+            plan,
+            slurm,
+            template,
+            dry_run,
+            output,
+        } => export_cmd::launch(
+            &plan,
+            slurm,
+            template.as_deref(),
+            dry_run,
+            output.as_deref(),
         ),
         Cmd::Schema { output } => {
             io::write_output(output.as_deref(), &shardwright_spec::plan::plan_schema())?;

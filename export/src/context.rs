@@ -1,0 +1,531 @@
+//! The template context: every number a template prints, taken from the plan, plus the
+//! notes on what the target framework cannot express.
+//!
+//! Templates only print; every decision (which flag, which degree) is made here so that
+//! [`crate::import`] can be checked against it.
+
+use crate::Framework;
+use serde_json::{json, Value};
+use shardwright_spec::layout::{recompute_name, schedule_name};
+use shardwright_spec::spec::{Activation, Dtype, Norm, Recompute, Schedule};
+use shardwright_spec::{GroupKind, Layout, Mesh, Plan};
+
+/// How the plan's data-parallel ranks map onto torchtitan's FSDP/HSDP dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TitanDp {
+    pub replicate: u64,
+    pub shard: u64,
+    /// `fsdp_reshard_after_forward = "never"` (ZeRO-2-like: parameters stay gathered
+    /// between forward and backward).
+    pub reshard_never: bool,
+}
+
+/// torchtitan's data-parallel split for a layout. torchtitan's batch is split over
+/// `replicate x shard` ranks (= dp x ep here: expert parallelism borrows from the FSDP
+/// dimension); ZeRO-0/1 is plain replication (DDP), ZeRO-2/3 is FSDP.
+pub fn titan_dp(l: &Layout) -> TitanDp {
+    let batch = l.batch_replicas();
+    match l.zero_stage {
+        0 | 1 if l.ep == 1 => TitanDp {
+            replicate: batch,
+            shard: 1,
+            reshard_never: false,
+        },
+        // EP needs an FSDP dimension to borrow from: shard over the ep ranks (HSDP).
+        0 | 1 => TitanDp {
+            replicate: l.dp as u64,
+            shard: l.ep as u64,
+            reshard_never: false,
+        },
+        z => TitanDp {
+            replicate: 1,
+            shard: batch,
+            reshard_never: z == 2,
+        },
+    }
+}
+
+pub fn titan_schedule(s: Schedule) -> &'static str {
+    match s {
+        Schedule::Gpipe => "GPipe",
+        Schedule::OneFOneB => "1F1B",
+        Schedule::Interleaved => "Interleaved1F1B",
+    }
+}
+
+/// Megatron-FSDP's `--data-parallel-sharding-strategy` for ZeRO 2 and 3.
+pub fn megatron_sharding(zero: u8) -> Option<&'static str> {
+    match zero {
+        2 => Some("optim_grads"),
+        3 => Some("optim_grads_params"),
+        _ => None,
+    }
+}
+
+/// Megatron's `--moe-layer-freq` for `first_k_dense` dense layers then MoE layers.
+pub fn moe_layer_freq(first_k_dense: u32, num_layers: u32) -> String {
+    if first_k_dense == 0 {
+        "1".to_string()
+    } else {
+        format!(
+            "([0]*{}+[1]*{})",
+            first_k_dense,
+            num_layers.saturating_sub(first_k_dense)
+        )
+    }
+}
+
+/// Whether every group of `kind` is rail-aligned: each node the group touches holds the
+/// same local GPU indices of it, so rail k of one node talks to rail k of the others (a
+/// group with one member per node stays on one rail; one that fills whole nodes uses every
+/// rail in parallel).
+pub fn rail_aligned(mesh: &Mesh, kind: GroupKind) -> bool {
+    let gpn = mesh.gpus_per_node();
+    (0..mesh.world())
+        .filter(|&r| mesh.index_in_group(kind, r) == 0)
+        .all(|r| {
+            let mut per_node: std::collections::BTreeMap<u32, Vec<u32>> = Default::default();
+            for m in mesh.members(kind, r) {
+                per_node.entry(m / gpn).or_default().push(m % gpn);
+            }
+            let mut sets = per_node.into_values();
+            let first = sets.next().unwrap_or_default();
+            sets.all(|s| s == first)
+        })
+}
+
+/// Layer ranges `"a-b"` / `"a"` -> (first, last).
+fn range(r: &str) -> Option<(u32, u32)> {
+    match r.split_once('-') {
+        Some((a, b)) => Some((a.trim().parse().ok()?, b.trim().parse().ok()?)),
+        None => {
+            let a = r.trim().parse().ok()?;
+            Some((a, a))
+        }
+    }
+}
+
+/// Whether the plan's split is the even one (every virtual stage the same number of
+/// layers), which frameworks do by default.
+pub fn even_split(plan: &Plan) -> bool {
+    let l = &plan.layout;
+    let n = plan.inputs.model.num_layers;
+    n % (l.pp * l.vpp) == 0
+        && plan.stages.iter().all(|s| {
+            s.layers
+                .iter()
+                .all(|r| range(r).is_some_and(|(a, b)| b - a + 1 == n / (l.pp * l.vpp)))
+                && s.num_layers == n / l.pp
+        })
+}
+
+/// Megatron's `--pipeline-model-parallel-layout` for the plan's split (virtual stages in
+/// model order, `|` between stages: `E` embedding, `t*N` N decoder layers, `L` loss and
+/// head), or None when the split is the even one (or there is no pipeline).
+pub fn megatron_pp_layout(plan: &Plan) -> Option<String> {
+    let l = &plan.layout;
+    if l.pp <= 1 || even_split(plan) {
+        return None;
+    }
+    let sizes = virtual_stage_layers(plan)?;
+    let stages = sizes.len();
+    let parts: Vec<String> = sizes
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            let mut items = Vec::new();
+            if k == 0 {
+                items.push("E".to_string());
+            }
+            items.push(if n == 1 { "t".into() } else { format!("t*{n}") });
+            if k + 1 == stages {
+                items.push("L".to_string());
+            }
+            items.join(",")
+        })
+        .collect();
+    Some(compress_layout(&parts))
+}
+
+/// Decoder layers per virtual pipeline stage, in model order (stage k runs on rank k mod
+/// pp), read from the plan's `stages`; None when they do not form pp x vpp contiguous
+/// chunks.
+pub fn virtual_stage_layers(plan: &Plan) -> Option<Vec<u32>> {
+    let l = &plan.layout;
+    let mut chunks: Vec<(u32, u32, u32)> = Vec::new();
+    for s in &plan.stages {
+        for r in &s.layers {
+            let (a, b) = range(r)?;
+            chunks.push((a, b, s.stage));
+        }
+    }
+    chunks.sort();
+    let stages = (l.pp * l.vpp) as usize;
+    if chunks.len() != stages
+        || chunks
+            .iter()
+            .enumerate()
+            .any(|(k, c)| c.2 != k as u32 % l.pp)
+        || chunks.windows(2).any(|w| w[1].0 != w[0].1 + 1)
+        || chunks.first()?.0 != 0
+        || chunks.last()?.1 + 1 != plan.inputs.model.num_layers
+    {
+        return None;
+    }
+    Some(chunks.iter().map(|&(a, b, _)| b - a + 1).collect())
+}
+
+/// torchtitan's `pipeline_parallel_first/last_stage_less_layers` for a split whose middle
+/// stages are equal and whose first and last hold no more (no interleaving, pp >= 3).
+pub fn titan_less_layers(plan: &Plan) -> Option<(u32, u32)> {
+    let l = &plan.layout;
+    if l.vpp != 1 || l.pp < 3 {
+        return None;
+    }
+    let v = virtual_stage_layers(plan)?;
+    let mid = v[1];
+    let (first, last) = (v[0], v[v.len() - 1]);
+    (v[1..v.len() - 1].iter().all(|&n| n == mid) && first <= mid && last <= mid)
+        .then_some((mid - first, mid - last))
+}
+
+/// Join layout stages with `|`, writing a run of 3 or more equal stages as `(X|)*N`
+/// (Megatron's repeat syntax, e.g. `Et*3|(tt|)*29,m|L`).
+fn compress_layout(parts: &[String]) -> String {
+    let mut out = String::new();
+    let mut i = 0;
+    while i < parts.len() {
+        let mut j = i + 1;
+        while j < parts.len() && parts[j] == parts[i] {
+            j += 1;
+        }
+        let run = j - i;
+        if run >= 3 {
+            out.push_str(&format!("({}|)*{}", parts[i], run));
+        } else {
+            for p in &parts[i..j] {
+                out.push_str(p);
+                out.push('|');
+            }
+        }
+        i = j;
+    }
+    // A trailing separator (from the last stage) is not part of the syntax.
+    if out.ends_with('|') {
+        out.pop();
+    }
+    out
+}
+
+/// Megatron's layout string -> (virtual stages, layers per stage).
+pub fn parse_pp_layout(s: &str) -> Option<Vec<u32>> {
+    // Expand `(X)*N` groups first.
+    fn expand(s: &str) -> Option<String> {
+        let mut out = String::new();
+        let mut rest = s;
+        while let Some(open) = rest.find('(') {
+            out.push_str(&rest[..open]);
+            let close = open + rest[open..].find(')')?;
+            let inner = expand(&rest[open + 1..close])?;
+            let after = &rest[close + 1..];
+            let after = after.strip_prefix('*')?;
+            let digits: String = after.chars().take_while(|c| c.is_ascii_digit()).collect();
+            let n: usize = digits.parse().ok()?;
+            out.push_str(&inner.repeat(n));
+            rest = &after[digits.len()..];
+        }
+        out.push_str(rest);
+        Some(out)
+    }
+    let s = expand(&s.replace([' ', '"', '\''], ""))?;
+    s.split('|')
+        .map(|stage| {
+            let mut n = 0u32;
+            let mut chars = stage.chars().peekable();
+            while let Some(c) = chars.next() {
+                match c {
+                    't' => {
+                        if chars.peek() == Some(&'*') {
+                            chars.next();
+                            let mut d = String::new();
+                            while let Some(x) = chars.peek().filter(|x| x.is_ascii_digit()) {
+                                d.push(*x);
+                                chars.next();
+                            }
+                            n += d.parse::<u32>().ok()?;
+                        } else {
+                            n += 1;
+                        }
+                    }
+                    'E' | 'L' | 'm' | ',' => {}
+                    _ => return None,
+                }
+            }
+            Some(n)
+        })
+        .collect()
+}
+
+fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::Fp32 => "fp32",
+        Dtype::Bf16 => "bf16",
+        Dtype::Fp16 => "fp16",
+        Dtype::Fp8 => "fp8",
+    }
+}
+
+/// The context for `fw` and the notes (also in the context as `notes`).
+pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
+    let l = &plan.layout;
+    let job = &plan.inputs;
+    let m = &job.model;
+    let mut notes: Vec<String> = Vec::new();
+
+    let batch_dp = l.batch_replicas();
+    let interval = plan.estimate.reliability.interval_steps.max(1);
+    let moe = m.moe.as_ref().map(|e| {
+        json!({
+            "num_experts": e.num_experts,
+            "top_k": e.top_k,
+            "expert_ffn_hidden_size": e.expert_ffn_hidden_size,
+            "shared_ffn_hidden_size": e.num_shared_experts as u64 * e.shared_expert_ffn_hidden_size,
+            "first_k_dense": e.first_k_dense,
+            "layer_freq": moe_layer_freq(e.first_k_dense, m.num_layers),
+        })
+    });
+
+    // The layer split over (virtual) pipeline stages, when it is not the even one.
+    let pp_layout = megatron_pp_layout(plan);
+    if pp_layout.is_none() && l.pp > 1 && !even_split(plan) {
+        notes.push(format!(
+            "the plan's layer split over pipeline ranks ({:?}) could not be read as virtual stages: set it by hand (see the plan's `stages`)",
+            plan.stages.iter().map(|s| s.num_layers).collect::<Vec<_>>()
+        ));
+    }
+    if let (Some(pl), Framework::Nemo) = (&pp_layout, fw) {
+        notes.push(format!(
+            "the plan splits layers unevenly over pipeline stages; in Megatron's layout syntax: \"{pl}\" (Megatron-LM flag --pipeline-model-parallel-layout): set the recipe's split to match"
+        ));
+    }
+    let titan_less = titan_less_layers(plan).filter(|_| pp_layout.is_some());
+    if pp_layout.is_some()
+        && (fw == Framework::Deepspeed || (fw == Framework::Torchtitan && titan_less.is_none()))
+    {
+        notes.push(format!(
+            "the plan splits layers unevenly over pipeline stages ({}); {} takes an even split from this file: set the split in model code to match",
+            pp_layout.as_deref().unwrap_or_default(),
+            fw.name()
+        ));
+    }
+
+    let mut fwctx = serde_json::Map::new();
+    match fw {
+        Framework::Megatron | Framework::Nemo => {
+            if l.schedule == Schedule::Gpipe && l.pp > 1 {
+                notes.push(
+                    "the plan's GPipe schedule has no Megatron equivalent; Megatron runs 1F1B (less activation memory, same bubble)".into(),
+                );
+            }
+            if m.is_moe() && l.cp > 1 && l.ep > 1 {
+                notes.push(format!(
+                    "Megatron lays out expert groups tp-ep-edp-pp (EP ranks {} apart, CP folded into expert data parallelism); shardwright's EP groups are tp*cp = {} ranks apart. Dense groups match; the expert all-to-all runs on different (more local) ranks than planned",
+                    l.tp,
+                    l.tp * l.cp
+                ));
+            }
+            if m.ffn_activation == Activation::Relu {
+                notes.push("ReLU MLP: Megatron has no plain-ReLU flag (--squared-relu is a different activation); the default GeLU is emitted".into());
+            }
+            if l.zero_stage >= 2 {
+                notes.push(format!(
+                    "ZeRO-{} maps to Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy {}); it needs a Megatron with Megatron-FSDP (core_r0.14+) and --ckpt-format fsdp_dtensor",
+                    l.zero_stage,
+                    megatron_sharding(l.zero_stage).unwrap()
+                ));
+            }
+            fwctx.insert("sharding".into(), json!(megatron_sharding(l.zero_stage)));
+            fwctx.insert("pp_layout".into(), json!(pp_layout));
+        }
+        Framework::Torchtitan => {
+            let t = titan_dp(l);
+            if l.zero_stage == 1 && l.ep == 1 && batch_dp > 1 {
+                notes.push("torchtitan has no ZeRO-1 (sharded optimizer with replicated weights): exported as DDP (data_parallel_replicate_degree), which keeps the whole optimizer state on every rank; the plan's memory estimate assumed it sharded".into());
+            }
+            if l.zero_stage < 2 && l.ep > 1 {
+                notes.push(format!(
+                    "torchtitan's expert parallelism borrows from the FSDP dimension: ZeRO-{} with ep={} is exported as HSDP (replicate {} x shard {}), so dense weights are sharded over the ep ranks (ZeRO-3 there)",
+                    l.zero_stage, l.ep, t.replicate, t.shard
+                ));
+            }
+            if l.zero_stage == 2 {
+                notes.push("ZeRO-2 maps to FSDP with fsdp_reshard_after_forward = \"never\" (parameters stay gathered between forward and backward)".into());
+            }
+            if job.training.compute_dtype == Dtype::Fp16 {
+                notes.push("torchtitan's mixed_precision_param is bfloat16 or float32 (no float16): exported as bfloat16".into());
+            }
+            if l.tp > 1 && !l.sequence_parallel {
+                notes.push("torchtitan's tensor parallelism always shards norms and dropout over the sequence (sequence parallelism on); the plan has it off".into());
+            }
+            if l.cp > 1 && l.ep > l.cp * t.shard as u32 {
+                notes.push(format!(
+                    "torchtitan requires expert_parallel_degree <= data_parallel_shard_degree x context_parallel_degree ({} > {} x {})",
+                    l.ep, t.shard, l.cp
+                ));
+            }
+            let lps = if titan_less.is_some() {
+                None
+            } else if l.pp > 1 && m.num_layers % (l.pp * l.vpp) == 0 {
+                Some(m.num_layers / (l.pp * l.vpp))
+            } else {
+                if l.pp > 1 && l.vpp > 1 && pp_layout.is_none() {
+                    notes.push(format!(
+                        "{} layers do not divide into pp x vpp = {} stages: pipeline_parallel_layers_per_stage is left out, torchtitan picks the split",
+                        m.num_layers,
+                        l.pp * l.vpp
+                    ));
+                }
+                None
+            };
+            // With PP, torchtitan cuts the local batch into micro-batches; without it,
+            // gradient accumulation = global / (local x dp).
+            let local = if l.pp > 1 {
+                l.micro_batch as u64 * l.grad_accum
+            } else {
+                l.micro_batch as u64
+            };
+            fwctx.insert(
+                "dp".into(),
+                json!({"replicate": t.replicate, "shard": t.shard, "reshard_never": t.reshard_never}),
+            );
+            fwctx.insert("schedule".into(), json!(titan_schedule(l.schedule)));
+            fwctx.insert("layers_per_stage".into(), json!(lps));
+            fwctx.insert(
+                "less_layers".into(),
+                match titan_less {
+                    Some((f, l)) => json!({"first": f, "last": l}),
+                    None => Value::Null,
+                },
+            );
+            fwctx.insert("local_batch_size".into(), json!(local));
+            fwctx.insert(
+                "model_name".into(),
+                json!(if m.is_moe() { "deepseek_v3" } else { "llama3" }),
+            );
+        }
+        Framework::Deepspeed => {
+            if l.cp > 1 {
+                notes.push(format!(
+                    "DeepSpeed has no context parallelism (Ulysses sequence parallelism is a different scheme): the plan's cp={} is not expressible; DeepSpeed counts those ranks as data parallel, so train_batch_size below is {} (the plan's global batch {} x cp)",
+                    l.cp,
+                    job.training.global_batch * l.cp as u64,
+                    job.training.global_batch
+                ));
+            }
+            if l.ep > 1 {
+                notes.push(format!(
+                    "DeepSpeed-MoE takes the expert-parallel size in model code (deepspeed.moe.layer.MoE(ep_size={})), not in this JSON",
+                    l.ep
+                ));
+            }
+            if l.vpp > 1 || l.schedule == Schedule::Interleaved {
+                notes.push("DeepSpeed's pipeline engine has no interleaved schedule: vpp is not expressible (it runs 1F1B-style)".into());
+            }
+            if l.schedule == Schedule::Gpipe && l.pp > 1 {
+                notes.push(
+                    "DeepSpeed's pipeline engine runs a 1F1B-style schedule, not GPipe".into(),
+                );
+            }
+            if l.sequence_parallel && l.tp > 1 {
+                notes.push("Megatron-style sequence parallelism is a model-code choice in DeepSpeed (Megatron-DeepSpeed --sequence-parallel), not in this JSON".into());
+            }
+            if l.recompute == Recompute::Selective {
+                notes.push("selective recomputation is a model-code choice in DeepSpeed; the activation_checkpointing section (full-layer checkpointing) is left out".into());
+            }
+            if l.tp > 1 {
+                notes.push(format!(
+                    "tensor parallelism is exported as AutoTP (tensor_parallel.autotp_size = {}); with Megatron-DeepSpeed pass --tensor-model-parallel-size {} instead",
+                    l.tp, l.tp
+                ));
+            }
+            if l.tp > 1 && l.zero_stage == 3 {
+                notes.push("DeepSpeed's AutoTP training combines with ZeRO stages 0-2, not 3: use Megatron-DeepSpeed's tensor parallelism, or ZeRO-2".into());
+            }
+            if l.pp > 1 && l.zero_stage >= 2 {
+                notes.push(format!(
+                    "DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only: ZeRO-{} with pp={} is rejected at start-up",
+                    l.zero_stage, l.pp
+                ));
+            }
+            if l.pp > 1 {
+                notes.push(format!(
+                    "pipeline.stages must match PipelineModule(num_stages={}) in the model code",
+                    l.pp
+                ));
+            }
+        }
+    }
+
+    let nodes = (l.world()).div_ceil(job.cluster.gpus_per_node as u64);
+    let ctx = json!({
+        "framework": fw.name(),
+        "targets": fw.targets(),
+        "name": job.name,
+        "layout": l.compact(),
+        "world": l.world(),
+        "gpus_per_node": job.cluster.gpus_per_node,
+        "nodes": nodes,
+        "tp": l.tp, "pp": l.pp, "dp": l.dp, "cp": l.cp, "ep": l.ep, "vpp": l.vpp,
+        "micro_batch": l.micro_batch,
+        "grad_accum": l.grad_accum,
+        "zero": l.zero_stage,
+        "recompute": recompute_name(l.recompute),
+        "sequence_parallel": l.sequence_parallel,
+        "schedule": schedule_name(l.schedule),
+        "batch_dp": batch_dp,
+        "megatron_dp": batch_dp,
+        "global_batch": job.training.global_batch,
+        "ds_train_batch": job.training.global_batch * l.cp as u64,
+        "seq_len": m.seq_len,
+        "save_interval": interval,
+        "checkpoint_minutes": plan.estimate.reliability.interval_minutes,
+        "model": {
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "num_attention_heads": m.num_attention_heads,
+            "num_kv_heads": m.num_kv_heads,
+            "gqa": m.num_kv_heads != m.num_attention_heads,
+            "head_dim": m.head_dim,
+            "default_head_dim": m.head_dim * m.num_attention_heads as u64 == m.hidden_size,
+            "ffn_hidden_size": m.ffn_hidden_size,
+            "swiglu": m.ffn_activation == Activation::Swiglu,
+            "rmsnorm": m.norm == Norm::Rmsnorm,
+            "vocab_size": m.vocab_size,
+            "tied_embeddings": m.tied_embeddings,
+            "learned_positions": m.learned_positions,
+            "linear_bias": m.linear_bias,
+            "dropout": m.dropout,
+            "moe": moe,
+        },
+        "precision": {
+            "compute": dtype_name(job.training.compute_dtype),
+            "fp8": job.training.fp8_gemms,
+            "grads": dtype_name(job.training.grad_dtype),
+        },
+        "notes": notes,
+        "fw": fwctx,
+    });
+    let notes = notes_of(&ctx);
+    (ctx, notes)
+}
+
+fn notes_of(ctx: &Value) -> Vec<String> {
+    ctx["notes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}

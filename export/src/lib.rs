@@ -1,0 +1,170 @@
+//! shardwright-export: a plan in the words of the engine that runs it, and back.
+//!
+//! - [`export`]: a [`Plan`] -> Megatron-LM launch flags, NeMo 2 / Megatron-Bridge recipe
+//!   overrides, a torchtitan TOML, a DeepSpeed JSON config (minijinja templates under
+//!   `export/templates/`, embedded, overridable with a user's own file).
+//! - [`import`]: a user's Megatron flags / torchtitan TOML / DeepSpeed JSON -> the layout
+//!   pins of a job spec (merged into a spec that holds the cluster).
+//! - [`launch`]: a Slurm batch script that runs `shardwright execute PLAN` with the plan's
+//!   rank placement (rendering only: nothing is submitted).
+//!
+//! Architecture invariant: a pure translation of (`Plan` or framework text) to text or
+//! pins: no cost formulas, no search, no I/O. Every layout choice a framework cannot
+//! express is reported (a note in the rendered file and a warning for the caller), never
+//! dropped silently; [`import::project`] says exactly which part of a layout survives a
+//! round trip through each framework, and the tests hold export -> import to it.
+
+#![recursion_limit = "256"]
+pub mod context;
+pub mod import;
+pub mod launch;
+
+use shardwright_spec::Plan;
+use std::fmt;
+use std::str::FromStr;
+
+/// The engines a plan can be exported to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Framework {
+    Megatron,
+    Nemo,
+    Torchtitan,
+    Deepspeed,
+}
+
+impl Framework {
+    pub const ALL: [Framework; 4] = [
+        Framework::Megatron,
+        Framework::Nemo,
+        Framework::Torchtitan,
+        Framework::Deepspeed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Framework::Megatron => "megatron",
+            Framework::Nemo => "nemo",
+            Framework::Torchtitan => "torchtitan",
+            Framework::Deepspeed => "deepspeed",
+        }
+    }
+
+    /// The template file under `export/templates/`.
+    pub fn template_file(self) -> &'static str {
+        match self {
+            Framework::Megatron => "megatron.sh.j2",
+            Framework::Nemo => "nemo.sh.j2",
+            Framework::Torchtitan => "torchtitan.toml.j2",
+            Framework::Deepspeed => "deepspeed.json.j2",
+        }
+    }
+
+    /// The built-in template text.
+    pub fn default_template(self) -> &'static str {
+        match self {
+            Framework::Megatron => include_str!("../templates/megatron.sh.j2"),
+            Framework::Nemo => include_str!("../templates/nemo.sh.j2"),
+            Framework::Torchtitan => include_str!("../templates/torchtitan.toml.j2"),
+            Framework::Deepspeed => include_str!("../templates/deepspeed.json.j2"),
+        }
+    }
+
+    /// Extension of the rendered file (`sh`, `toml`, `json`).
+    pub fn extension(self) -> &'static str {
+        match self {
+            Framework::Megatron | Framework::Nemo => "sh",
+            Framework::Torchtitan => "toml",
+            Framework::Deepspeed => "json",
+        }
+    }
+
+    /// Which version of the framework's sources the option names were checked against.
+    pub fn targets(self) -> &'static str {
+        match self {
+            Framework::Megatron => MEGATRON_TARGET,
+            Framework::Nemo => NEMO_TARGET,
+            Framework::Torchtitan => TORCHTITAN_TARGET,
+            Framework::Deepspeed => DEEPSPEED_TARGET,
+        }
+    }
+}
+
+pub const MEGATRON_TARGET: &str = "Megatron-LM main / core_r0.14 (megatron/training/arguments.py: --num-virtual-stages-per-pipeline-rank, --use-megatron-fsdp + --data-parallel-sharding-strategy; megatron/core/parallel_state.py: default order tp-cp-ep-dp-pp)";
+pub const NEMO_TARGET: &str = "Megatron-Bridge 0.2+ (NeMo 2 successor; ConfigContainer Hydra-style overrides, docs 'Megatron-LM to Megatron Bridge Guide')";
+pub const TORCHTITAN_TARGET: &str = "torchtitan main 2025 (torchtitan/config/job_config.py: [parallelism], [training] local_batch_size/global_batch_size, [activation_checkpoint] mode, [checkpoint] enable/interval)";
+pub const DEEPSPEED_TARGET: &str = "DeepSpeed 0.16+ (deepspeed/runtime/config.py: train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, zero_optimization.stage, pipeline.stages, tensor_parallel.autotp_size)";
+
+impl fmt::Display for Framework {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Framework {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Framework::ALL
+            .into_iter()
+            .find(|f| f.name() == s.to_ascii_lowercase())
+            .ok_or_else(|| {
+                format!("unknown framework `{s}`; one of megatron, nemo, torchtitan, deepspeed")
+            })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    /// A user template that does not parse or render (names the template and the line).
+    #[error("template {name}: {reason}")]
+    Template { name: String, reason: String },
+    /// Bad input (the message names the flag, key or token).
+    #[error("{0}")]
+    Input(String),
+}
+
+/// A rendered file and what it could not express.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rendered {
+    pub text: String,
+    /// The same notes the file carries as comments: print them on stderr.
+    pub warnings: Vec<String>,
+}
+
+/// Render `template` (a name for messages, and its text) with `ctx`.
+pub(crate) fn render_template(
+    name: &str,
+    text: &str,
+    ctx: &serde_json::Value,
+) -> Result<String, ExportError> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    env.set_keep_trailing_newline(true);
+    // Templates escape what they need themselves (`tojson` in JSON); never HTML/JSON-escape.
+    env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
+    let err = |e: minijinja::Error| ExportError::Template {
+        name: name.to_string(),
+        reason: match e.line() {
+            Some(l) => format!("line {l}: {e}"),
+            None => e.to_string(),
+        },
+    };
+    env.add_template(name, text).map_err(err)?;
+    env.get_template(name)
+        .map_err(err)?
+        .render(ctx)
+        .map_err(err)
+}
+
+/// Export `plan` to `fw`, with the built-in template or `template` = (name, text).
+pub fn export(
+    plan: &Plan,
+    fw: Framework,
+    template: Option<(&str, &str)>,
+) -> Result<Rendered, ExportError> {
+    let (ctx, warnings) = context::build(plan, fw);
+    let (name, text) = template.unwrap_or((fw.template_file(), fw.default_template()));
+    let text = render_template(name, text, &ctx)?;
+    Ok(Rendered { text, warnings })
+}

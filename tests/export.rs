@@ -1,0 +1,638 @@
+//! Export, import and Slurm launch rendering (issue 13).
+//!
+//! - Golden exports: every spec in `specs/` x every framework, plus its sbatch script, is an
+//!   insta snapshot in `golden/export/` (rendered from the spec's golden plan in `golden/`,
+//!   which `tests/golden.rs` holds equal to a fresh plan). Unreferenced snapshots fail.
+//! - `bash -n` on every rendered shell script (Megatron, NeMo overrides, sbatch); the
+//!   TOML and JSON exports parse.
+//! - Round trip: import(export(plan)) gives back `import::project(layout)` for the golden
+//!   plans and for random valid layouts (proptest).
+//! - Hand-written real configs import to the layout written down by hand; the CLI writes a
+//!   spec that `plan` evaluates.
+
+mod common;
+
+use common::{root, run};
+use proptest::prelude::*;
+use shardwright_export::import::{self, Side};
+use shardwright_export::{export, launch, Framework};
+use shardwright_spec::spec::{ParallelismSpec, Recompute, Schedule};
+use shardwright_spec::{Layout, Plan};
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+
+fn spec_stems() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(root().join("specs"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter_map(|n| {
+            n.strip_suffix(".yaml")
+                .or(n.strip_suffix(".json"))
+                .map(str::to_string)
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+/// The golden plan of a spec (the JSON body of `golden/<stem>.snap`).
+fn golden_plan(stem: &str) -> Plan {
+    let text = std::fs::read_to_string(root().join("golden").join(format!("{stem}.snap")))
+        .unwrap_or_else(|e| panic!("golden/{stem}.snap: {e}"));
+    let body = text.splitn(3, "---\n").nth(2).expect("insta header");
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("golden/{stem}.snap: {e}"))
+}
+
+fn bash_available() -> bool {
+    Command::new("bash")
+        .arg("-c")
+        .arg("true")
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn bash_n(name: &str, script: &str) {
+    if !bash_available() {
+        eprintln!("bash not available: skipping bash -n on {name}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("script.sh");
+    std::fs::write(&f, script).unwrap();
+    let out = Command::new("bash").arg("-n").arg(&f).output().unwrap();
+    assert!(
+        out.status.success(),
+        "bash -n {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn snapshot_names() -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for stem in spec_stems() {
+        for fw in Framework::ALL {
+            out.insert(format!("{stem}.{}", fw.name()));
+        }
+        out.insert(format!("{stem}.slurm"));
+    }
+    out
+}
+
+#[test]
+fn golden_exports() {
+    let mut settings = insta::Settings::clone_current();
+    settings.set_snapshot_path(root().join("golden/export"));
+    settings.set_prepend_module_to_snapshot(false);
+    settings.set_omit_expression(true);
+    settings.bind(|| {
+        for stem in spec_stems() {
+            let plan = golden_plan(&stem);
+            for fw in Framework::ALL {
+                let r = export(&plan, fw, None).unwrap();
+                insta::assert_snapshot!(format!("{stem}.{}", fw.name()), r.text);
+            }
+            let r = launch::slurm(&plan, &format!("plans/{stem}.json"), None).unwrap();
+            insta::assert_snapshot!(format!("{stem}.slurm"), r.text);
+        }
+    });
+}
+
+#[test]
+fn no_unreferenced_export_snapshots() {
+    let expected: BTreeSet<String> = snapshot_names()
+        .into_iter()
+        .map(|n| format!("{n}.snap"))
+        .collect();
+    let mut stray = Vec::new();
+    for e in std::fs::read_dir(root().join("golden/export"))
+        .unwrap()
+        .flatten()
+    {
+        let n = e.file_name().to_string_lossy().into_owned();
+        assert!(
+            !n.ends_with(".snap.new"),
+            "unreviewed snapshot golden/export/{n}: run cargo insta review"
+        );
+        if n.ends_with(".snap") && !expected.contains(&n) {
+            stray.push(n);
+        }
+    }
+    assert!(stray.is_empty(), "snapshots without a spec: {stray:?}");
+}
+
+#[test]
+fn rendered_files_are_valid() {
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        for fw in [Framework::Megatron, Framework::Nemo] {
+            bash_n(
+                &format!("{stem}.{fw}"),
+                &export(&plan, fw, None).unwrap().text,
+            );
+        }
+        let toml_text = export(&plan, Framework::Torchtitan, None).unwrap().text;
+        toml_text
+            .parse::<toml::Table>()
+            .unwrap_or_else(|e| panic!("{stem}.torchtitan: {e}"));
+        let json_text = export(&plan, Framework::Deepspeed, None).unwrap().text;
+        serde_json::from_str::<serde_json::Value>(&json_text)
+            .unwrap_or_else(|e| panic!("{stem}.deepspeed: {e}"));
+        let sbatch = launch::slurm(&plan, "plan with spaces.json", None)
+            .unwrap()
+            .text;
+        bash_n(&format!("{stem}.slurm"), &sbatch);
+        assert!(sbatch.contains("shardwright execute"), "{stem}");
+        assert!(sbatch.contains("'plan with spaces.json'"), "{stem}");
+    }
+}
+
+fn side(plan: &Plan) -> Side {
+    Side {
+        world: Some(plan.layout.world()),
+        num_layers: Some(plan.inputs.model.num_layers),
+    }
+}
+
+fn expected_global(fw: Framework, plan: &Plan) -> u64 {
+    match fw {
+        Framework::Deepspeed => plan.inputs.training.global_batch * plan.layout.cp as u64,
+        _ => plan.inputs.training.global_batch,
+    }
+}
+
+fn round_trip(plan: &Plan) -> Result<(), String> {
+    for fw in [
+        Framework::Megatron,
+        Framework::Torchtitan,
+        Framework::Deepspeed,
+    ] {
+        let text = export(plan, fw, None).map_err(|e| e.to_string())?.text;
+        let imp = import::parse(fw, &text, side(plan)).map_err(|e| format!("{fw}: {e}"))?;
+        let want = import::project(fw, &plan.layout, plan.inputs.model.num_layers);
+        if imp.pins != want {
+            return Err(format!(
+                "{fw}: {} imported as {:?}, expected {:?}",
+                plan.layout.compact(),
+                imp.pins,
+                want
+            ));
+        }
+        if imp.global_batch != Some(expected_global(fw, plan)) {
+            return Err(format!(
+                "{fw}: global batch {:?}, expected {}",
+                imp.global_batch,
+                expected_global(fw, plan)
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn golden_plans_round_trip() {
+    for stem in spec_stems() {
+        round_trip(&golden_plan(&stem)).unwrap_or_else(|e| panic!("{stem}: {e}"));
+    }
+}
+
+#[test]
+fn megatron_round_trip_is_exact_without_gpipe() {
+    // Megatron expresses every axis; only GPipe (absent in Megatron) changes.
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        let p = import::project(Framework::Megatron, &plan.layout, 0);
+        let l = &plan.layout;
+        assert_eq!(
+            (
+                p.tp,
+                p.pp,
+                p.dp,
+                p.cp,
+                p.ep,
+                p.vpp,
+                p.micro_batch,
+                p.zero_stage
+            ),
+            (
+                Some(l.tp),
+                Some(l.pp),
+                Some(l.dp),
+                Some(l.cp),
+                Some(l.ep),
+                Some(l.vpp),
+                Some(l.micro_batch),
+                Some(l.zero_stage)
+            )
+        );
+        if l.schedule != Schedule::Gpipe {
+            assert_eq!(p.schedule, Some(l.schedule), "{stem}");
+        }
+    }
+}
+
+/// A random valid layout on a copy of `base` (dense 80-layer or MoE).
+fn arb_plan(moe: bool) -> impl Strategy<Value = Plan> {
+    let base = golden_plan(if moe {
+        "deepseek-v3-2048xh800"
+    } else {
+        "llama2-70b-128xa100"
+    });
+    (
+        prop::sample::select(vec![1u32, 2, 4, 8]),
+        prop::sample::select(vec![1u32, 2, 4, 8]),
+        1u32..=8,
+        prop::sample::select(vec![1u32, 2, 4]),
+        prop::sample::select(if moe { vec![1u32, 2, 4, 8] } else { vec![1u32] }),
+        prop::sample::select(vec![1u32, 2, 4, 5]),
+        prop::sample::select(vec![1u32, 2, 4]),
+        1u64..=32,
+        0u8..=3,
+        prop::sample::select(vec![Recompute::None, Recompute::Selective, Recompute::Full]),
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(
+            move |(tp, pp, dp, cp, ep, vpp, mb, ga, zero, rc, sp, gpipe)| {
+                let vpp = if pp > 1 { vpp } else { 1 };
+                let schedule = if vpp > 1 {
+                    Schedule::Interleaved
+                } else if gpipe && pp > 1 {
+                    Schedule::Gpipe
+                } else {
+                    Schedule::OneFOneB
+                };
+                let layout = Layout {
+                    tp,
+                    pp,
+                    dp,
+                    cp,
+                    ep,
+                    vpp,
+                    micro_batch: mb,
+                    grad_accum: ga,
+                    zero_stage: zero,
+                    recompute: rc,
+                    sequence_parallel: sp && tp > 1,
+                    schedule,
+                };
+                let mut p = base.clone();
+                p.layout = layout;
+                p.stages.clear();
+                let c = &mut p.inputs.cluster;
+                c.world_size = layout.world();
+                c.num_gpus = layout.world();
+                c.hot_spares = 0;
+                c.nodes = layout.world().div_ceil(c.gpus_per_node as u64);
+                p.inputs.training.global_batch = mb as u64 * ga * dp as u64 * ep as u64;
+                p
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn export_import_round_trip_dense(plan in arb_plan(false)) {
+        round_trip(&plan).map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
+    fn export_import_round_trip_moe(plan in arb_plan(true)) {
+        round_trip(&plan).map_err(TestCaseError::fail)?;
+    }
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(root().join(rel)).unwrap()
+}
+
+fn base_side(rel: &str) -> Side {
+    let base =
+        shardwright_spec::parse::parse_value(&read(rel), shardwright_spec::Format::Yaml).unwrap();
+    Side {
+        world: import::world_of(&base),
+        num_layers: import::num_layers_of(&base),
+    }
+}
+
+#[test]
+fn import_megatron_llama3_70b_launch_script() {
+    let imp = import::parse(
+        Framework::Megatron,
+        &read("tests/data/import/llama3-70b-megatron.sh"),
+        base_side("tests/data/import/cluster-512xh100.yaml"),
+    )
+    .unwrap();
+    // Written by hand: 512 GPUs / (tp4 x pp4 x cp2) = 16 data-parallel ranks; 80 layers /
+    // (pp4 x 5 per virtual stage) = 4 virtual stages per rank.
+    let want = ParallelismSpec {
+        tp: Some(4),
+        pp: Some(4),
+        dp: Some(16),
+        cp: Some(2),
+        ep: Some(1),
+        vpp: Some(4),
+        micro_batch: Some(1),
+        zero_stage: Some(1),
+        recompute: Some(Recompute::Selective),
+        sequence_parallel: Some(true),
+        schedule: Some(Schedule::Interleaved),
+        allow_tp_across_nodes: false,
+    };
+    assert_eq!(imp.pins, want);
+    assert_eq!(imp.global_batch, Some(128));
+    let m = &imp.model;
+    assert_eq!(m["num_layers"], 80);
+    assert_eq!(m["num_kv_heads"], 8);
+    assert_eq!(m["head_dim"], 128);
+    assert_eq!(m["vocab_size"], 128256);
+    assert_eq!(m["ffn_activation"], "swiglu");
+    assert_eq!(m["norm"], "rmsnorm");
+    assert_eq!(m["tied_embeddings"], false);
+    assert_eq!(m["learned_positions"], false);
+    assert_eq!(m["linear_bias"], false);
+    assert_eq!(m["dropout"], false);
+    assert!(imp.notes.iter().any(|n| n.contains("--save-interval")));
+}
+
+#[test]
+fn import_torchtitan_llama3_8b_toml() {
+    let imp = import::parse(
+        Framework::Torchtitan,
+        &read("tests/data/import/llama3_8b.toml"),
+        base_side("tests/data/import/cluster-llama3-8b-8xh100.yaml"),
+    )
+    .unwrap();
+    // FSDP over all 8 GPUs (shard degree -1 -> 8): ZeRO-3, one sequence per GPU, global
+    // batch = local x dp = 8.
+    let want = ParallelismSpec {
+        tp: Some(1),
+        pp: Some(1),
+        dp: Some(8),
+        cp: Some(1),
+        ep: Some(1),
+        vpp: Some(1),
+        micro_batch: Some(1),
+        zero_stage: Some(3),
+        recompute: Some(Recompute::Selective),
+        sequence_parallel: Some(false),
+        schedule: Some(Schedule::OneFOneB),
+        allow_tp_across_nodes: false,
+    };
+    assert_eq!(imp.pins, want);
+    assert_eq!(imp.global_batch, Some(8));
+    assert_eq!(imp.model["seq_len"], 8192);
+}
+
+#[test]
+fn import_deepspeed_zero3_json() {
+    let imp = import::parse(
+        Framework::Deepspeed,
+        &read("tests/data/import/zero3.json"),
+        base_side("tests/data/import/cluster-13b-64xa100.yaml"),
+    )
+    .unwrap();
+    // 64 GPUs, no TP/PP: dp 64; accumulation "auto" = 256 / (2 x 64) = 2 (not a pin).
+    let want = ParallelismSpec {
+        tp: Some(1),
+        pp: Some(1),
+        dp: Some(64),
+        cp: Some(1),
+        ep: Some(1),
+        vpp: Some(1),
+        micro_batch: Some(2),
+        zero_stage: Some(3),
+        recompute: None,
+        sequence_parallel: None,
+        schedule: Some(Schedule::OneFOneB),
+        allow_tp_across_nodes: false,
+    };
+    assert_eq!(imp.pins, want);
+    assert_eq!(imp.global_batch, Some(256));
+    assert_eq!(imp.precision["compute"], "bf16");
+}
+
+#[test]
+fn import_errors_name_the_flag_or_key() {
+    let side = Side {
+        world: Some(64),
+        num_layers: Some(40),
+    };
+    let e = import::parse(
+        Framework::Megatron,
+        "--tensor-model-parallel-size $TP --num-layers 40",
+        side,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("--tensor-model-parallel-size: `$TP` is not a whole number"),
+        "{e}"
+    );
+    let e = import::parse(
+        Framework::Megatron,
+        "--tensor-model-parallel-size 3 --num-layers 40",
+        side,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("does not divide the cluster's world size 64"),
+        "{e}"
+    );
+    let e = import::parse(
+        Framework::Torchtitan,
+        "[parallelism]\ntensor_parallel_degree = \"two\"\n",
+        side,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("[parallelism] tensor_parallel_degree"), "{e}");
+    let e = import::parse(
+        Framework::Deepspeed,
+        r#"{"train_batch_size": 100, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}"#,
+        side,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("train_batch_size 100"), "{e}");
+    let e = import::parse(Framework::Deepspeed, "{ nope", side)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("line 1 column"), "{e}");
+}
+
+#[test]
+fn cli_import_then_plan_evaluates_the_pinned_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("spec.yaml");
+    let free = dir.path().join("free.yaml");
+    let (code, _, err) = run(&[
+        "import",
+        "--from",
+        "torchtitan",
+        "--cluster",
+        "tests/data/import/cluster-llama3-8b-8xh100.yaml",
+        "-o",
+        spec.to_str().unwrap(),
+        "--unpinned",
+        free.to_str().unwrap(),
+        "tests/data/import/llama3_8b.toml",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains(
+            "pinned layout: tp1,pp1,dp8,cp1,ep1,vpp1,mb1,zero3,rc=selective,sp=off,schedule=1f1b"
+        ),
+        "{err}"
+    );
+    assert!(err.contains("--baseline"), "{err}");
+    let unpinned = std::fs::read_to_string(&free).unwrap();
+    assert!(!unpinned.contains("zero_stage"), "{unpinned}");
+    let plan_file = dir.path().join("plan.json");
+    let (code, _, err) = run(&[
+        "plan",
+        spec.to_str().unwrap(),
+        "--quiet",
+        "-o",
+        plan_file.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let plan: Plan = serde_json::from_str(&std::fs::read_to_string(&plan_file).unwrap()).unwrap();
+    assert!(plan.search.fully_pinned);
+    assert_eq!(
+        plan.summary.layout,
+        "tp1,pp1,dp8,cp1,ep1,vpp1,mb1,ga1,zero3,rc=selective,sp=off,schedule=1f1b"
+    );
+    // The same spec unpinned, with the imported layout as the baseline: how much better the
+    // planner's choice is.
+    let (code, _, err) = run(&[
+        "plan",
+        free.to_str().unwrap(),
+        "--quiet",
+        "--baseline",
+        "tp1,pp1,dp8,cp1,ep1,vpp1,mb1,zero3,rc=selective,sp=off,schedule=1f1b",
+        "-o",
+        plan_file.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let plan: Plan = serde_json::from_str(&std::fs::read_to_string(&plan_file).unwrap()).unwrap();
+    assert!(!plan.search.fully_pinned);
+    let b = plan.baseline.expect("baseline comparison");
+    assert_eq!(b.layout.zero_stage, 3);
+    assert!(b.goodput_delta_pct <= 0.0, "{}", b.goodput_delta_pct);
+}
+
+#[test]
+fn cli_import_megatron_flags_after_double_dash() {
+    let (code, out, err) = run(&[
+        "import",
+        "--from",
+        "megatron",
+        "--cluster",
+        "tests/data/import/cluster-13b-64xa100.yaml",
+        "--",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "256",
+        "--use-distributed-optimizer",
+        "--sequence-parallel",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("tp: 2"), "{out}");
+    assert!(out.contains("dp: 16"), "{out}");
+    assert!(out.contains("zero_stage: 1"), "{out}");
+    let (code, _, err) = run(&[
+        "import",
+        "--from",
+        "megatron",
+        "--cluster",
+        "tests/data/import/cluster-13b-64xa100.yaml",
+        "--",
+        "--tensor-model-parallel-size",
+        "$TP",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--tensor-model-parallel-size"), "{err}");
+}
+
+#[test]
+fn cli_export_and_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan_file = dir.path().join("plan.json");
+    let plan = golden_plan("llama3-405b-pinned-tp8-pp16-dp128");
+    std::fs::write(&plan_file, shardwright_spec::plan::to_json(&plan)).unwrap();
+    let p = plan_file.to_str().unwrap();
+    let out_file = dir.path().join("pretrain.sh");
+    let (code, _, err) = run(&[
+        "export",
+        p,
+        "--to",
+        "megatron",
+        "-o",
+        out_file.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let text = std::fs::read_to_string(&out_file).unwrap();
+    assert!(text.contains("--tensor-model-parallel-size 8"));
+    assert!(text.contains("--pipeline-model-parallel-size 16"));
+    // A user template.
+    let tpl = dir.path().join("mine.j2");
+    std::fs::write(&tpl, "tp={{ tp }} pp={{ pp }} dp={{ megatron_dp }}\n").unwrap();
+    let (code, out, err) = run(&[
+        "export",
+        p,
+        "--to",
+        "nemo",
+        "--template",
+        tpl.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "tp=8 pp=16 dp=128\n");
+    std::fs::write(&tpl, "{{ nope.nothing }}\n").unwrap();
+    let (code, _, err) = run(&[
+        "export",
+        p,
+        "--to",
+        "nemo",
+        "--template",
+        tpl.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("mine.j2"), "{err}");
+    // Launch: --dry-run prints, -o writes, neither is an error; nothing is submitted.
+    let (code, out, err) = run(&["launch", p, "--slurm", "--dry-run"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("#!/bin/bash"));
+    assert!(out.contains("#SBATCH --nodes=2048"), "{out}");
+    let sb = dir.path().join("train.sbatch");
+    let (code, _, err) = run(&["launch", p, "--slurm", "-o", sb.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    bash_n("train.sbatch", &std::fs::read_to_string(&sb).unwrap());
+    let (code, _, err) = run(&["launch", p, "--slurm"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--dry-run"), "{err}");
+    let (code, _, err) = run(&["launch", p, "--dry-run"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--slurm"), "{err}");
+    assert!(Path::new(p).exists());
+}
+
+#[test]
+fn hot_spares_are_reserved_nodes() {
+    let mut plan = golden_plan("llama2-70b-128xa100");
+    plan.inputs.cluster.hot_spares = 16;
+    plan.inputs.cluster.num_gpus += 16;
+    let text = launch::slurm(&plan, "plan.json", None).unwrap().text;
+    assert!(text.contains("#SBATCH --nodes=18"), "{text}");
+    assert!(text.contains("SPARE_NODES=2"), "{text}");
+    assert!(text.contains("TRAIN_NODES=16"), "{text}");
+}
