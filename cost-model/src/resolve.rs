@@ -748,10 +748,4 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             format!("vpp={v} (interleaved schedule) needs the micro-batches per step to be a multiple of pp={pp}"),
         );
     }
-    if has(Rejection::ZeroWithPp) {
-        errs.push(
-            "job.parallelism.zero_stage",
-            format!("ZeRO-{} with pp={pp}: ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support", p.zero_stage.unwrap_or(0)),
-        );
-    }
 }

@@ -38,8 +38,6 @@ pub enum Rejection {
     LayersVsInterleave,
     /// The interleaved schedule needs a multiple of pp micro-batches.
     MicrobatchesVsInterleave,
-    /// ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support.
-    ZeroWithPp,
     /// Not a layout rule: the evaluated memory exceeds HBM (counted by the search).
     OutOfMemory,
 }
@@ -59,7 +57,6 @@ impl Rejection {
             Rejection::GradAccumMismatch => "grad_accum_mismatch",
             Rejection::LayersVsInterleave => "layers_vs_interleave",
             Rejection::MicrobatchesVsInterleave => "microbatches_vs_interleave",
-            Rejection::ZeroWithPp => "zero_with_pp",
             Rejection::OutOfMemory => "out_of_memory",
         }
     }
@@ -192,9 +189,9 @@ fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
             rule!(pp > 0 && ga % pp != 0, Rejection::MicrobatchesVsInterleave);
         }
     }
-    if let (Some(z), Some(pp)) = (a.zero_stage, a.pp) {
-        rule!(z >= 2 && pp > 1, Rejection::ZeroWithPp);
-    }
+    // ZeRO-2/3 with pipeline parallelism is allowed (torchtitan composes FSDP2 with PP;
+    // Llama 3 405B trained with ZeRO-2-like sharding and PP): its cost is modeled
+    // (`memory::DpSharding`), not rejected.
 }
 
 /// The first rule the known axes violate (allocation-free: the search's inner loops).

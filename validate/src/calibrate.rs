@@ -21,7 +21,7 @@ use crate::convert::measured;
 use crate::predict::{predict, resolve_spec};
 use crate::report::{stats, Skip, Stats};
 use crate::runs::RunsFile;
-use crate::setup::setup_run;
+use crate::setup::setup_run_in;
 use serde::Serialize;
 use shardwright_cost::catalog::initial_efficiency;
 use shardwright_cost::eval::{evaluate, LayerCosts, Split};
@@ -73,7 +73,7 @@ pub fn cases(
     let mut skipped = Vec::new();
     for run in &runs.runs {
         let r = (|| {
-            let setup = setup_run(run)?;
+            let setup = setup_run_in(run, runs.hardware.as_ref())?;
             let profile = profiles.and_then(|p| p.get(&setup.gpu_kind));
             let (job, warnings) = resolve_spec(&setup.id, &setup.spec, profile)?;
             let meas = measured(run, &job)?;
