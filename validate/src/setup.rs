@@ -38,6 +38,9 @@ pub struct RunSetup {
     pub source: String,
     /// Efficiency-profile kind of the GPU ("a100", "h100").
     pub gpu_kind: String,
+    /// The framework the run's fields name ("megatron", ..., "unknown"); groups runs for
+    /// leave-one-framework-out.
+    pub framework: String,
     pub spec: SpecFile,
     pub notes: Vec<String>,
 }
@@ -880,6 +883,7 @@ pub fn setup_run_in(
         id: run.id.clone(),
         source,
         gpu_kind,
+        framework: ctx.framework.map_or("unknown", Framework::name).to_string(),
         spec,
         notes,
     })

@@ -436,6 +436,58 @@ fn calibration_reproduces_committed_profile() {
         a.loso.median_abs_pct
     );
     assert_eq!(a.loso.n, 54);
+    assert_eq!(a.leave_one_framework_out.all.n, 54);
+    assert_eq!(a.leave_one_gpu_kind_out.all.n, 54);
+}
+
+/// Leave-one-group-out does not leak: scaling every measurement of one source (Megatron-
+/// Core's table, framework megatron) changes none of the predictions made for that source
+/// with it held out, nor for the megatron framework held out, since neither the fit nor
+/// the planner's choice of their unpublished axes saw them.
+#[test]
+fn held_out_predictions_do_not_see_the_held_out_measurements() {
+    let text = std::fs::read_to_string(runs_path()).unwrap();
+    let runs = load_runs(&text).unwrap();
+    let mut scaled = runs.clone();
+    for r in scaled
+        .runs
+        .iter_mut()
+        .filter(|r| r.id.starts_with("mcore_"))
+    {
+        r.result.tflops_per_gpu = r.result.tflops_per_gpu.map(|t| t * 1.5);
+        r.result.mfu_pct = r.result.mfu_pct.map(|t| t * 1.5);
+    }
+    let a = shardwright_validate::calibrate::calibrate(&runs, text.as_bytes(), "x");
+    let b = shardwright_validate::calibrate::calibrate(&scaled, text.as_bytes(), "x");
+    let preds = |ev: &shardwright_validate::calibrate::HeldOutEval, group: &str| {
+        ev.rows
+            .iter()
+            .filter(|r| r.group == group)
+            .map(|r| (r.id.clone(), r.predicted))
+            .collect::<Vec<_>>()
+    };
+    let lfo = |c: &shardwright_validate::calibrate::Calibration| {
+        preds(&c.leave_one_framework_out, "megatron")
+    };
+    assert_eq!(lfo(&a).len(), 41);
+    assert_eq!(lfo(&a), lfo(&b));
+    // The source's errors move with its measurements (1.5x) and nothing else.
+    let errs = |c: &shardwright_validate::calibrate::Calibration| {
+        c.loso_rows
+            .iter()
+            .filter(|r| r.source == "mcore")
+            .map(|r| r.error_pct)
+            .collect::<Vec<_>>()
+    };
+    for (ea, eb) in errs(&a).iter().zip(errs(&b)) {
+        let (pa, pb) = (1.0 + ea / 100.0, 1.0 + eb / 100.0);
+        assert!((pa / pb - 1.5).abs() < 1e-9, "{ea} vs {eb}");
+    }
+    // The in-sample fit did see them.
+    assert_ne!(
+        shardwright_spec::plan::to_json(&a.profile.kinds),
+        shardwright_spec::plan::to_json(&b.profile.kinds)
+    );
 }
 
 /// The planner, given each run's model, GPU count and global batch with every axis free,
