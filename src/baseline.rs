@@ -46,6 +46,7 @@ pub fn compare(
         sequence_parallel: a.sequence_parallel.or(sp.sequence_parallel),
         schedule: a.schedule.or(sp.schedule),
         allow_tp_across_nodes: sp.allow_tp_across_nodes,
+        fsdp_reshard_after_forward: sp.fsdp_reshard_after_forward,
     };
     // Where each field comes from, before resolving.
     let spec_pinned = |field: &str| -> bool {

@@ -406,6 +406,21 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     s.n, s.median_abs_pct, s.median_signed_pct
                 );
             }
+            for (what, ev) in [
+                ("framework", &cal.leave_one_framework_out),
+                ("GPU-kind", &cal.leave_one_gpu_kind_out),
+            ] {
+                eprintln!(
+                    "leave-one-{what}-out |error|: median {:.1}%, p90 {:.1}%, max {:.1}%",
+                    ev.all.median_abs_pct, ev.all.p90_abs_pct, ev.all.max_abs_pct
+                );
+                for (g, s) in &ev.per_group {
+                    eprintln!(
+                        "  held out {g:<14} n={:<3} median {:>5.1}%  bias {:+.1}%",
+                        s.n, s.median_abs_pct, s.median_signed_pct
+                    );
+                }
+            }
             Ok(())
         }
         Cmd::Lower {

@@ -341,6 +341,7 @@ fn import_megatron_llama3_70b_launch_script() {
         sequence_parallel: Some(true),
         schedule: Some(Schedule::Interleaved),
         allow_tp_across_nodes: false,
+        fsdp_reshard_after_forward: None,
     };
     assert_eq!(imp.pins, want);
     assert_eq!(imp.global_batch, Some(128));
@@ -381,6 +382,7 @@ fn import_torchtitan_llama3_8b_toml() {
         sequence_parallel: Some(false),
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
+        fsdp_reshard_after_forward: None,
     };
     assert_eq!(imp.pins, want);
     assert_eq!(imp.global_batch, Some(8));
@@ -409,6 +411,7 @@ fn import_deepspeed_zero3_json() {
         sequence_parallel: None,
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
+        fsdp_reshard_after_forward: None,
     };
     assert_eq!(imp.pins, want);
     assert_eq!(imp.global_batch, Some(256));

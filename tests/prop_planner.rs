@@ -329,6 +329,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
         vpp: pin(9, vpp),
         schedule: bit(9).then_some(schedule),
         allow_tp_across_nodes: false,
+        fsdp_reshard_after_forward: None,
     };
     let spec = SpecFile {
         job: JobSpec {
@@ -969,7 +970,7 @@ fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
         }
         11 => {
             s.cluster.gpu =
-                Some(["B300-Foo", "", "H100-PCIE-7", "a100_80gb"][k as usize % 4].into());
+                Some(["B300-Foo", "", "H100-PCIE-7", "A100-120GB"][k as usize % 4].into());
             ("cluster.gpu".into(), "unknown GPU")
         }
         12 => {

@@ -6,6 +6,7 @@
 
 use shardwright_spec::job::{Efficiency, Hardware};
 
+#[derive(Debug)]
 pub struct CatalogEntry {
     pub names: &'static [&'static str],
     pub kind: &'static str,
@@ -99,11 +100,104 @@ pub const CATALOG: &[CatalogEntry] = &[
     },
 ];
 
-/// Look up a catalog entry by any of its names (case-insensitive).
+/// Look up a catalog entry by name as people write it: any of its names (case-insensitive),
+/// else by what the name says ([`GpuName`]): "NVIDIA H100 80GB HBM3" (nvidia-smi),
+/// "H100 SXM5", "A100-SXM4-80GB", "nvidia a100 40gb". A name that says a different memory
+/// size or form factor than a catalog entry (an "H100 PCIe", "H100 NVL 94GB", "H100 96GB")
+/// is not that entry: its numbers differ.
 pub fn find(name: &str) -> Option<&'static CatalogEntry> {
     CATALOG
         .iter()
         .find(|e| e.names.iter().any(|n| n.eq_ignore_ascii_case(name)))
+        .or_else(|| {
+            let g = GpuName::parse(name)?;
+            if g.form.as_deref().is_some_and(|f| f != "SXM") {
+                return None;
+            }
+            let mut same_family = CATALOG
+                .iter()
+                .filter(|e| GpuName::parse(e.names[0]).is_some_and(|c| c.family == g.family));
+            match g.mem_gb {
+                Some(gb) => same_family.find(|e| (entry_mem_gib(e) - gb as f64).abs() <= 1.5),
+                None => find_family(&g.family),
+            }
+        })
+}
+
+/// The catalog entry of a GPU family ("A100", "H100"): the one whose names include the bare
+/// family name (A100 -> A100-80GB), else the family's first entry. Used for a GPU the
+/// catalog lacks (another memory size or form factor) as the source of its efficiency
+/// profile and of the numbers nobody stated.
+pub fn find_family(family: &str) -> Option<&'static CatalogEntry> {
+    let fam = family.to_ascii_uppercase();
+    CATALOG
+        .iter()
+        .find(|e| e.names.iter().any(|n| n.eq_ignore_ascii_case(&fam)))
+        .or_else(|| {
+            CATALOG
+                .iter()
+                .find(|e| GpuName::parse(e.names[0]).is_some_and(|c| c.family == fam))
+        })
+}
+
+/// Memory of a catalog entry in GiB as the driver exposes it (H100: 79.6, H200: 140.4); a
+/// name's "80GB" / "141GB" matches within 1.5.
+fn entry_mem_gib(e: &CatalogEntry) -> f64 {
+    e.hbm_bytes / (1u64 << 30) as f64
+}
+
+/// What a GPU name says: family ("H100"), memory size in GB and form factor ("SXM",
+/// "PCIE", "NVL"), from free text. Vendor words ("NVIDIA", "Tesla", "GPU") and memory
+/// types ("HBM3") are ignored; "SXM5" / "SXM4" are "SXM".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuName {
+    pub family: String,
+    pub mem_gb: Option<u32>,
+    pub form: Option<String>,
+}
+
+impl GpuName {
+    pub fn parse(name: &str) -> Option<GpuName> {
+        let upper = name.to_ascii_uppercase();
+        let tokens: Vec<&str> = upper
+            .split(|c: char| !c.is_ascii_alphanumeric())
+            .filter(|t| !t.is_empty())
+            .collect();
+        let mut family = None;
+        let mut mem_gb = None;
+        let mut form = None;
+        for (i, t) in tokens.iter().enumerate() {
+            let digits_then_gb = t
+                .strip_suffix("GB")
+                .filter(|d| !d.is_empty() && d.chars().all(|c| c.is_ascii_digit()));
+            if let Some(d) = digits_then_gb {
+                mem_gb = d.parse().ok();
+            } else if t.chars().all(|c| c.is_ascii_digit()) && tokens.get(i + 1) == Some(&"GB") {
+                mem_gb = t.parse().ok();
+            } else if t.starts_with("SXM") {
+                form = Some("SXM".to_string());
+            } else if t.starts_with("PCIE") {
+                form = Some("PCIE".to_string());
+            } else if *t == "NVL" {
+                form = Some("NVL".to_string());
+            } else if t.starts_with("HBM")
+                || matches!(*t, "NVIDIA" | "TESLA" | "GPU" | "GB" | "DGX" | "HGX")
+            {
+            } else if family.is_none() {
+                // A family name is letters then digits (A100, H100, H800, B200, MI300X).
+                let letters = t.chars().take_while(|c| c.is_ascii_alphabetic()).count();
+                let rest = &t[letters..];
+                if (1..=3).contains(&letters) && rest.starts_with(|c: char| c.is_ascii_digit()) {
+                    family = Some(t.to_string());
+                }
+            }
+        }
+        Some(GpuName {
+            family: family?,
+            mem_gb,
+            form,
+        })
+    }
 }
 
 /// Every accepted catalog name, for error messages.
@@ -210,6 +304,35 @@ pub fn initial_efficiency(kind: &str) -> Efficiency {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[test]
+    fn gpu_names_as_people_write_them() {
+        let name = |s: &str| find(s).map(|e| e.names[0]);
+        assert_eq!(name("NVIDIA H100 80GB HBM3"), Some("H100-SXM"));
+        assert_eq!(name("H100 SXM5"), Some("H100-SXM"));
+        assert_eq!(name("H100-SXM5-80GB"), Some("H100-SXM"));
+        assert_eq!(name("nvidia h100"), Some("H100-SXM"));
+        assert_eq!(name("A100-SXM4-80GB"), Some("A100-80GB"));
+        assert_eq!(name("NVIDIA A100-SXM4-40GB"), Some("A100-40GB"));
+        assert_eq!(name("A100 40 GB"), Some("A100-40GB"));
+        assert_eq!(name("Tesla A100"), Some("A100-80GB"));
+        assert_eq!(name("NVIDIA H200 141GB HBM3e"), Some("H200"));
+        assert_eq!(name("H800 SXM5"), Some("H800"));
+        // Other numbers than the catalog's: not silently the SXM part.
+        assert_eq!(name("NVIDIA H100 PCIe"), None);
+        assert_eq!(name("H100 NVL 94GB"), None);
+        assert_eq!(name("H100-96GB-HBM2e-500W"), None);
+        assert_eq!(name("TPU-v4"), None);
+        assert_eq!(find_family("H100").map(|e| e.names[0]), Some("H100-SXM"));
+        assert_eq!(
+            GpuName::parse("H100-96GB-HBM2e-500W"),
+            Some(GpuName {
+                family: "H100".into(),
+                mem_gb: Some(96),
+                form: None
+            })
+        );
+    }
+
     #[test]
     fn committed_profile_parses_and_covers_catalog_kinds() {
         let kinds =

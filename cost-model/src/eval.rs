@@ -359,7 +359,8 @@ pub fn item_memory(job: &Job, lc: &LayerCosts, layout: &Layout) -> ItemsMemory {
     let w = tr.compute_dtype.bytes();
     let g = tr.grad_dtype.bytes();
     let o = tr.master_dtype.bytes() + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
-    let per_param = |n: f64| memory::zero_bytes_per_param(z, n, w, g, o);
+    let sh = memory::DpSharding::new(z, layout.pp, job.pinned.fsdp_reshard_after_forward);
+    let per_param = |n: f64| sh.bytes_per_param(n, w, g, o);
     ItemsMemory {
         embedding: ItemMemory {
             static_bytes: lc.embed_params * per_param(ddp),
@@ -437,12 +438,17 @@ fn rank_memory(
     let g = tr.grad_dtype.bytes();
     let master = tr.master_dtype.bytes();
     let opt = tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
-    let z = layout.zero_stage;
-    let shard = |stage_min: u8, n: f64| if z >= stage_min { 1.0 / n } else { 1.0 };
-    let weights = w * (dense_p * shard(3, ddp) + expert_p * shard(3, edp));
-    let grads = g * (dense_p * shard(2, ddp) + expert_p * shard(2, edp));
-    let master_b = master * (dense_p * shard(1, ddp) + expert_p * shard(1, edp));
-    let opt_b = opt * (dense_p * shard(1, ddp) + expert_p * shard(1, edp));
+    let sh = memory::DpSharding::new(
+        layout.zero_stage,
+        layout.pp,
+        job.pinned.fsdp_reshard_after_forward,
+    );
+    let shard = |on: bool, n: f64| if on { 1.0 / n } else { 1.0 };
+    let weights = w * (dense_p * shard(sh.weights, ddp) + expert_p * shard(sh.weights, edp));
+    let grads = g * (dense_p * shard(sh.grads, ddp) + expert_p * shard(sh.grads, edp));
+    let master_b =
+        master * (dense_p * shard(sh.optimizer, ddp) + expert_p * shard(sh.optimizer, edp));
+    let opt_b = opt * (dense_p * shard(sh.optimizer, ddp) + expert_p * shard(sh.optimizer, edp));
     let infl = inflight(layout.schedule, layout.pp, layout.vpp, layout.grad_accum, j);
     let act_layer =
         l.dense_layers as f64 * lc.dense_act_bytes + l.moe_layers as f64 * lc.moe_act_bytes;
@@ -464,7 +470,8 @@ fn rank_memory(
     // full weights, and the recompute working set.
     let local = dense_p + expert_p;
     let mut temp = 2.0 * local.min(40e6) * g + lc.recompute_work_bytes;
-    if z >= 3 {
+    // (Only while the weights are sharded: held weights are counted in full above.)
+    if sh.weights {
         let layer = lc
             .dense_layer_params
             .max(lc.moe_layer_dense_params + lc.moe_layer_expert_params);
@@ -673,19 +680,26 @@ pub fn evaluate(
     let (e_gbps, e_lat) = (e_link.gbps, e_link.latency_s);
     let g = tr.grad_dtype.bytes();
     let w = tr.compute_dtype.bytes();
+    let sh = memory::DpSharding::new(
+        layout.zero_stage,
+        layout.pp,
+        job.pinned.fsdp_reshard_after_forward,
+    );
     let dp_coll = |params: f64, n: u64, gbps: f64, lat: f64| -> (f64, f64) {
-        // (per step, per micro-batch)
-        match layout.zero_stage {
-            0 => (all_reduce_s(params * g, n, gbps, lat), 0.0),
-            1 | 2 => (
-                reduce_scatter_s(params * g, n, gbps, lat) + all_gather_s(params * w, n, gbps, lat),
-                0.0,
-            ),
-            _ => (
+        // (per step, per micro-batch); see `memory::DpSharding`.
+        if !sh.sharded_update {
+            (all_reduce_s(params * g, n, gbps, lat), 0.0)
+        } else if sh.per_microbatch {
+            (
                 0.0,
                 2.0 * all_gather_s(params * w, n, gbps, lat)
                     + reduce_scatter_s(params * g, n, gbps, lat),
-            ),
+            )
+        } else {
+            (
+                reduce_scatter_s(params * g, n, gbps, lat) + all_gather_s(params * w, n, gbps, lat),
+                0.0,
+            )
         }
     };
     let (ds, dm) = dp_coll(dense_p, ddp, d_gbps, d_lat);

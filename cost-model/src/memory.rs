@@ -8,8 +8,9 @@
 //! - attention (divided by tp): Q and O `2 T qd` each, K and V `2 T kvd` each, the softmax
 //!   log-sum-exp `4 T heads`; without flash attention also the `heads x s x T` scores
 //!   (softmax output 2 bytes, plus mask 1 + dropout output 2 with dropout);
-//! - MLP (divided by tp): GeLU/ReLU keep the first GEMM output and the activation output,
-//!   `2 x 2 T f`; SwiGLU keeps gate, up and their product, `3 x 2 T f`.
+//! - MLP (divided by tp): GeLU and squared ReLU keep the first GEMM output and the
+//!   activation output, `2 x 2 T f`; ReLU only its output (its backward masks with it),
+//!   `2 T f`; SwiGLU and GeGLU keep gate, up and their product, `3 x 2 T f`.
 //!
 //! For a GPT layer (4h GeLU MLP, dropout, no flash) this gives Korthikanti's
 //! `s b h (34 + 5 a s / h)` exactly; selective recompute drops the score terms; full
@@ -30,6 +31,77 @@ pub fn zero_bytes_per_param(stage: u8, n: f64, w: f64, g: f64, o: f64) -> f64 {
         1 => w + g + o / n,
         2 => w + (g + o) / n,
         _ => (w + g + o) / n,
+    }
+}
+
+/// What ZeRO / FSDP shards over the data-parallel group, and how often it communicates,
+/// for a ZeRO stage, pipeline depth and FSDP reshard policy.
+///
+/// - Stage 0: nothing sharded; one gradient all-reduce per step.
+/// - Stage 1: optimizer (fp32 master + moments) sharded; gradients reduce-scattered and
+///   updated weights all-gathered once per step.
+/// - Stage 2: gradients sharded too. Without pipeline parallelism as stage 1's traffic with
+///   sharded gradients. With it, a stage accumulates its micro-batches' gradients in a full
+///   (unsharded) buffer and reduce-scatters once per step after the last micro-batch
+///   (Llama 3's ZeRO-2-like sharding with PP): stage 1's memory and traffic.
+/// - Stage 3 (FSDP): weights sharded too. Resharding after forward (the default without
+///   PP): every micro-batch all-gathers the weights for its forward and again for its
+///   backward and reduce-scatters its gradients (1.5x DDP's volume per micro-batch). Not
+///   resharding (the default with PP, torchtitan): the stage's weights are all-gathered
+///   once per step and held with their unsharded gradients until one reduce-scatter after
+///   the last micro-batch; the optimizer state stays sharded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DpSharding {
+    pub weights: bool,
+    pub grads: bool,
+    pub optimizer: bool,
+    /// Weights all-gathered per micro-batch (forward and backward) and gradients
+    /// reduce-scattered per micro-batch; otherwise once per step.
+    pub per_microbatch: bool,
+    /// Weights all-gathered (ZeRO-3) or updated weights all-gathered (ZeRO-1/2): either
+    /// way an all-gather per step unless `per_microbatch`; false only for stage 0.
+    pub sharded_update: bool,
+}
+
+impl DpSharding {
+    pub fn new(zero_stage: u8, pp: u32, reshard_after_forward: Option<bool>) -> DpSharding {
+        let reshard = reshard_after_forward.unwrap_or(pp <= 1);
+        match zero_stage {
+            0 => DpSharding {
+                weights: false,
+                grads: false,
+                optimizer: false,
+                per_microbatch: false,
+                sharded_update: false,
+            },
+            1 => DpSharding {
+                weights: false,
+                grads: false,
+                optimizer: true,
+                per_microbatch: false,
+                sharded_update: true,
+            },
+            2 => DpSharding {
+                weights: false,
+                grads: pp <= 1,
+                optimizer: true,
+                per_microbatch: false,
+                sharded_update: true,
+            },
+            _ => DpSharding {
+                weights: reshard,
+                grads: reshard,
+                optimizer: true,
+                per_microbatch: reshard,
+                sharded_update: true,
+            },
+        }
+    }
+
+    /// Static bytes per parameter over `n` ranks (`w` weight, `g` grad, `o` optimizer bytes).
+    pub fn bytes_per_param(&self, n: f64, w: f64, g: f64, o: f64) -> f64 {
+        let s = |on: bool| if on { 1.0 / n } else { 1.0 };
+        w * s(self.weights) + g * s(self.grads) + o * s(self.optimizer)
     }
 }
 
@@ -94,11 +166,20 @@ pub fn attention_activation_bytes(
 }
 
 /// FC1 output (16-bit, for the activation's backward) and the activation output (FC2's
-/// input: 16-bit, or its FP8 copy).
+/// input: 16-bit, or its FP8 copy). Per token and per `f / tp` columns, the activation's
+/// backward keeps:
+///
+/// - GeLU: its input, FC1's output (1 tensor);
+/// - squared ReLU, `relu(x)^2` as autograd runs it (`pow(relu(x), 2)`): `relu(x)`, which
+///   both the pow's and the relu's backward read (1 tensor);
+/// - ReLU: nothing of its own: its backward masks with its output, which is FC2's saved
+///   input already (0 tensors);
+/// - SwiGLU / GeGLU: both FC1 halves, gate and up (2 tensors).
 pub fn mlp_activation_bytes(m: &Model, tokens: f64, f: f64, tp: f64, fp8: bool) -> f64 {
     let fc1_out = match m.ffn_activation {
-        Activation::Gelu | Activation::Relu => 1.0,
-        Activation::Swiglu => 2.0,
+        Activation::Relu => 0.0,
+        Activation::Gelu | Activation::SquaredRelu => 1.0,
+        Activation::Swiglu | Activation::Geglu => 2.0,
     };
     let act_out = if fp8 { 1.0 } else { 2.0 };
     (2.0 * fc1_out + act_out) * tokens * f / tp

@@ -747,10 +747,4 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             _ => errs.push("job.parallelism.schedule", "interleaved needs vpp > 1"),
         }
     }
-    if has(Rejection::ZeroWithPp) {
-        errs.push(
-            "job.parallelism.zero_stage",
-            format!("ZeRO-{} with pp={pp}: ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support", p.zero_stage.unwrap_or(0)),
-        );
-    }
 }

@@ -41,8 +41,6 @@ pub enum Rejection {
     MicrobatchesVsInterleave,
     /// Virtual stages (vpp > 1) and the interleaved schedule go together.
     ScheduleVsVpp,
-    /// ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support.
-    ZeroWithPp,
     /// Not a layout rule: the evaluated memory exceeds HBM (counted by the search).
     OutOfMemory,
 }
@@ -63,7 +61,6 @@ impl Rejection {
             Rejection::LayersVsInterleave => "layers_vs_interleave",
             Rejection::MicrobatchesVsInterleave => "microbatches_vs_interleave",
             Rejection::ScheduleVsVpp => "schedule_vs_vpp",
-            Rejection::ZeroWithPp => "zero_with_pp",
             Rejection::OutOfMemory => "out_of_memory",
         }
     }
@@ -204,9 +201,9 @@ fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
             Rejection::ScheduleVsVpp
         );
     }
-    if let (Some(z), Some(pp)) = (a.zero_stage, a.pp) {
-        rule!(z >= 2 && pp > 1, Rejection::ZeroWithPp);
-    }
+    // ZeRO-2/3 with pipeline parallelism is allowed (torchtitan composes FSDP2 with PP;
+    // Llama 3 405B trained with ZeRO-2-like sharding and PP): its cost is modeled
+    // (`memory::DpSharding`), not rejected.
 }
 
 /// The first rule the known axes violate (allocation-free: the search's inner loops).

@@ -203,3 +203,99 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}
     // The old whole-pass rule max(0, (cp-1) t_step - core) hides strictly more.
     assert!(f.exposed_s > ((cp - 1.0) * step - core).max(0.0));
 }
+
+/// ZeRO-2/3 with pipeline parallelism, hand-derived data-parallel traffic. 8 layers of
+/// h = 4096, f = 11008 SwiGLU, MHA, untied 32000-token vocabulary, on one node: tp1 pp2 dp4,
+/// 8 micro-batches. The last stage holds 4 layers + the final norm + the LM head:
+/// P = 4 (4 h^2 + 3 h f + 2 h) + h + V h. The dp group (4 ranks) is inside the node: ring
+/// all-gather / reduce-scatter of M bytes cost 3/4 M / B + 3 alpha with B the NVLink bus rate.
+///
+/// - ZeRO-2 (and ZeRO-1): one reduce-scatter of the (bf16, the spec default) gradients and
+///   one all-gather of the bf16 weights per step; gradients held unsharded (2 P bytes).
+/// - ZeRO-3, default (no reshard after forward under PP): the same traffic once per step;
+///   weights and gradients held unsharded, optimizer sharded.
+/// - ZeRO-3 resharding after forward: per micro-batch two all-gathers of the weights and
+///   one reduce-scatter of the gradients, 8 times.
+#[test]
+fn zero_with_pp_traffic_and_memory_by_hand() {
+    let j = job(DENSE);
+    let (h, f, v) = (4096.0f64, 11008.0f64, 32000.0f64);
+    let layer = 4.0 * h * h + 3.0 * h * f + 2.0 * h;
+    let p_last = 4.0 * layer + h + v * h;
+    let g = j.training.grad_dtype.bytes();
+    let w = j.training.compute_dtype.bytes();
+    assert_eq!((g, w), (2.0, 2.0));
+    let b = j.hardware.nvlink_gbps * j.efficiency.nvlink_bus_eff * 1e9;
+    let alpha = j.hardware.nvlink_latency_s;
+    let coll = |bytes: f64| 0.75 * bytes / b + 3.0 * alpha;
+    let lc = LayerCosts::new(&j, 1, 1, 1, 1, false, Recompute::None);
+    assert!((lc.dense_layer_params - layer).abs() < 1e-6);
+    let at = |j: &Job, zero_stage: u8| {
+        let l = Layout {
+            tp: 1,
+            pp: 2,
+            dp: 4,
+            cp: 1,
+            ep: 1,
+            vpp: 1,
+            micro_batch: 1,
+            grad_accum: 8,
+            zero_stage,
+            recompute: Recompute::None,
+            sequence_parallel: false,
+            schedule: Schedule::OneFOneB,
+        };
+        let ev = evaluate(j, &lc, &l, Split::Balanced, true);
+        let mem = ev.ranks[1].memory.clone();
+        (ev.estimate.step.dp_comm_total_s, mem)
+    };
+    // The expert data-parallel group (4 ranks here too) runs the same collectives on zero
+    // bytes for a dense model: the model still charges their latency, 3 alpha each.
+    let empty = 3.0 * alpha;
+    let per_step = coll(p_last * g) + coll(p_last * w) + 2.0 * empty;
+    for z in [1u8, 2, 3] {
+        let (t, mem) = at(&j, z);
+        assert!((t - per_step).abs() < 1e-12, "zero {z}: {t} vs {per_step}");
+        assert!((mem.grads_bytes - g * p_last).abs() < 1e-3, "zero {z}");
+        assert!((mem.weights_bytes - w * p_last).abs() < 1e-3, "zero {z}");
+        assert!(
+            (mem.master_bytes - 4.0 * p_last / 4.0).abs() < 1e-3,
+            "zero {z}"
+        );
+    }
+    let mut rj = j.clone();
+    rj.pinned.fsdp_reshard_after_forward = Some(true);
+    let (t, mem) = at(&rj, 3);
+    let per_mb = 2.0 * coll(p_last * w) + coll(p_last * g) + 3.0 * empty;
+    assert!((t - 8.0 * per_mb).abs() < 1e-12, "{t} vs {}", 8.0 * per_mb);
+    assert!((mem.weights_bytes - w * p_last / 4.0).abs() < 1e-3);
+    assert!((mem.grads_bytes - g * p_last / 4.0).abs() < 1e-3);
+}
+
+/// Activation memory of the MLP per activation, per tensor its backward keeps (tokens T,
+/// width f, 16-bit): GeLU and squared ReLU keep FC1's output and the activation output
+/// (2 x 2 T f), ReLU only its output (2 T f: its backward masks with it), SwiGLU and GeGLU
+/// both FC1 halves and their product (3 x 2 T f). Parameters: 2 h f for the plain MLPs,
+/// 3 h f for the gated ones.
+#[test]
+fn activation_memory_and_params_per_activation() {
+    use shardwright_spec::spec::Activation;
+    let mut j = job(DENSE);
+    let (t, f, h) = (4096.0f64, 11008.0f64, 4096.0f64);
+    for (act, tensors, mats) in [
+        (Activation::Gelu, 2.0, 2.0),
+        (Activation::SquaredRelu, 2.0, 2.0),
+        (Activation::Relu, 1.0, 2.0),
+        (Activation::Swiglu, 3.0, 3.0),
+        (Activation::Geglu, 3.0, 3.0),
+    ] {
+        j.model.ffn_activation = act;
+        let bytes = memory::mlp_activation_bytes(&j.model, t, f, 1.0, false);
+        assert_eq!(bytes, tensors * 2.0 * t * f, "{act:?}");
+        assert_eq!(
+            shardwright_cost::flops::mlp_params(&j.model, 11008),
+            mats * h * f,
+            "{act:?}"
+        );
+    }
+}

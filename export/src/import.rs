@@ -67,6 +67,7 @@ pub fn project(fw: Framework, l: &Layout, num_layers: u32) -> ParallelismSpec {
         sequence_parallel: Some(l.sequence_parallel),
         schedule: Some(l.schedule),
         allow_tp_across_nodes: false,
+        fsdp_reshard_after_forward: None,
     };
     match fw {
         Framework::Megatron | Framework::Nemo => {
@@ -400,6 +401,7 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
             Schedule::OneFOneB
         }),
         allow_tp_across_nodes: false,
+        fsdp_reshard_after_forward: None,
     };
     imp.global_batch = f.num("global-batch-size")?;
     if imp.global_batch.is_none() {
@@ -688,6 +690,7 @@ fn torchtitan(text: &str, side: Side) -> Result<Imported, ExportError> {
         sequence_parallel: Some(tp > 1),
         schedule,
         allow_tp_across_nodes: false,
+        fsdp_reshard_after_forward: None,
     };
     imp.global_batch = Some(global);
     if let Some(s) = toml_int(&t, "training", "seq_len")? {
@@ -806,6 +809,7 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
         sequence_parallel: None,
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
+        fsdp_reshard_after_forward: None,
     };
     imp.global_batch = global;
     let enabled = |k: &str| {

@@ -7,6 +7,7 @@
 //! costs one `evaluate` call with no allocation.
 
 use shardwright_cost::eval::{evaluate, LayerCosts, Split};
+use shardwright_cost::memory::DpSharding;
 use shardwright_cost::rules::{self, Axes, Rejection};
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
@@ -204,6 +205,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
         vec![Recompute::None, Recompute::Selective, Recompute::Full],
     );
     let zeros = pick(pins.zero_stage, vec![0u8, 1, 2, 3]);
+    let reshard = pins.fsdp_reshard_after_forward;
 
     // Outer loop units for progress: (tp, cp, ep) meshes.
     let total_outer = (tps.len() * cps.len() * eps.len()) as u64;
@@ -357,10 +359,33 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                                 ..Axes::default()
                                             };
                                             if let Some(r) = rules::first_violation(&ctx, &z_axes) {
-                                                tally.reject(r, || match r {
-                                                    Rejection::ZeroWithPp => format!("{layout}: ZeRO-2/3 shard gradients per micro-batch, which pipeline parallelism does not support"),
-                                                    other => format!("{layout}: {other}"),
-                                                });
+                                                tally.reject(r, || format!("{layout}: {r}"));
+                                                continue;
+                                            }
+                                            // A ZeRO stage whose sharding and traffic the cost
+                                            // model says are those of a lower stage in the list
+                                            // (ZeRO-2, and FSDP without resharding, under PP are
+                                            // ZeRO-1's) has the same estimate; the lower stage
+                                            // wins that tie, so it is counted, not evaluated.
+                                            let sharding =
+                                                |z: u8| DpSharding::new(z, pp as u32, reshard);
+                                            if let Some(&lower) = zeros
+                                                .iter()
+                                                .find(|&&z2| z2 < z && sharding(z2) == sharding(z))
+                                            {
+                                                tally.summary.candidates += 1;
+                                                let key = "same_as_lower_zero_stage";
+                                                *tally
+                                                    .summary
+                                                    .rejected
+                                                    .entry(key.to_string())
+                                                    .or_insert(0) += 1;
+                                                if !tally.summary.examples.contains_key(key) {
+                                                    tally.summary.examples.insert(
+                                                        key.to_string(),
+                                                        format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie"),
+                                                    );
+                                                }
                                                 continue;
                                             }
                                             let ev =

@@ -42,18 +42,33 @@ pub enum Arch {
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
+    /// `fc2(gelu(fc1(x)))`: GPT-2/3, BLOOM, Megatron's GPT default.
     Gelu,
+    /// `fc2(relu(fc1(x)))`: OPT.
     Relu,
+    /// Gated: `fc2(silu(fc1_gate(x)) * fc1_up(x))` (Llama, Qwen, DeepSeek).
     Swiglu,
+    /// Gated with GeLU: `fc2(gelu(fc1_gate(x)) * fc1_up(x))` (Gemma, T5 v1.1).
+    Geglu,
+    /// `fc2(relu(fc1(x))^2)` (Primer, Nemotron-4; Megatron `--squared-relu`).
+    #[serde(alias = "squared-relu", alias = "relu2", alias = "relu_squared")]
+    SquaredRelu,
 }
 
 impl Activation {
-    /// Number of `h x f` weight matrices in the MLP (2 for GeLU/ReLU, 3 for gated SwiGLU).
+    /// Number of `h x f` weight matrices in the MLP (2 for GeLU/ReLU/squared ReLU, 3 for
+    /// the gated SwiGLU/GeGLU).
     pub fn mlp_matrices(self) -> f64 {
-        match self {
-            Activation::Gelu | Activation::Relu => 2.0,
-            Activation::Swiglu => 3.0,
+        if self.gated() {
+            3.0
+        } else {
+            2.0
         }
+    }
+
+    /// A gated MLP (two FC1 halves multiplied together).
+    pub fn gated(self) -> bool {
+        matches!(self, Activation::Swiglu | Activation::Geglu)
     }
 }
 
@@ -175,6 +190,15 @@ pub struct ParallelismSpec {
     /// Let tensor-parallel groups span nodes (off by default: TP wants NVLink).
     #[serde(default)]
     pub allow_tp_across_nodes: bool,
+    /// ZeRO-3 / FSDP: free the gathered weights after each micro-batch's forward (and
+    /// gather them again for its backward). Default: yes without pipeline parallelism, no
+    /// with it (torchtitan's `fsdp_reshard_after_forward = "default"`: "for PP, do not
+    /// reshard after forward to avoid per-microbatch all-gathers"). Without resharding, a
+    /// pipeline stage gathers its weights once per step and holds them (and its unsharded
+    /// gradients, reduce-scattered after the last micro-batch, as PyTorch's pipeline
+    /// stages do) until the step ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fsdp_reshard_after_forward: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]

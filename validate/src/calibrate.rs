@@ -14,14 +14,17 @@
 //! 1/1024. Layouts: the runs' pinned axes, with unpublished axes chosen by the planner under
 //! the profile of the previous round (two rounds).
 //!
-//! Leave-one-source-out: for each source, fit on all other sources (layouts held at the
-//! final round's) and predict the held-out source's runs.
+//! Leave-one-source-out, leave-one-framework-out, leave-one-GPU-kind-out: for each group,
+//! both rounds are refitted on the other groups' runs (their layouts chosen under profiles
+//! that never saw the group), then the planner chooses the held-out runs' unpublished axes
+//! under that profile and they are predicted with it. Nothing the held-out group's
+//! measurements influenced reaches its prediction.
 
 use crate::convert::measured;
 use crate::predict::{predict, resolve_spec};
 use crate::report::{stats, Skip, Stats};
 use crate::runs::RunsFile;
-use crate::setup::setup_run;
+use crate::setup::setup_run_in;
 use serde::Serialize;
 use shardwright_cost::catalog::initial_efficiency;
 use shardwright_cost::eval::{evaluate, LayerCosts, Split};
@@ -37,6 +40,7 @@ pub const PROFILE_FORMAT: &str = "shardwright-hardware-profile/1";
 pub struct Case {
     pub id: String,
     pub source: String,
+    pub framework: String,
     pub kind: String,
     pub job: Job,
     pub layout: Layout,
@@ -74,7 +78,7 @@ pub fn cases(
     let mut skipped = Vec::new();
     for run in &runs.runs {
         let r = (|| {
-            let setup = setup_run(run)?;
+            let setup = setup_run_in(run, runs.hardware.as_ref())?;
             let profile = profiles.and_then(|p| p.get(&setup.gpu_kind));
             let (job, warnings) = resolve_spec(&setup.id, &setup.spec, profile)?;
             let meas = measured(run, &job)?;
@@ -82,6 +86,7 @@ pub fn cases(
             Ok::<Case, Skip>(Case {
                 id: setup.id,
                 source: setup.source,
+                framework: setup.framework,
                 kind: setup.gpu_kind,
                 job: pred.job,
                 layout: pred.layout,
@@ -301,6 +306,25 @@ pub struct HeldOut {
     pub error_pct: f64,
 }
 
+/// One leave-one-group-out evaluation (groups: sources, frameworks or GPU kinds).
+#[derive(Clone, Debug, Serialize)]
+pub struct HeldOutEval {
+    /// Every run predicted by a profile fitted without its group.
+    pub all: Stats,
+    pub per_group: BTreeMap<String, Stats>,
+    /// (id, group, error %) per run.
+    pub rows: Vec<HeldOutRow>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct HeldOutRow {
+    pub id: String,
+    pub group: String,
+    /// Predicted tokens/s per GPU.
+    pub predicted: f64,
+    pub error_pct: f64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Calibration {
     pub profile: ProfileFile,
@@ -310,6 +334,83 @@ pub struct Calibration {
     pub loso: Stats,
     pub loso_per_source: BTreeMap<String, Stats>,
     pub loso_rows: Vec<HeldOut>,
+    /// Leave-one-framework-out (framework read from each run's fields).
+    pub leave_one_framework_out: HeldOutEval,
+    /// Leave-one-GPU-kind-out: a held-out kind has no fitted profile at all, so its runs are
+    /// predicted with the hand-set physical starting point (`catalog::initial_efficiency`).
+    pub leave_one_gpu_kind_out: HeldOutEval,
+}
+
+/// The two calibration rounds on the runs `keep` selects: layouts for the unpublished axes
+/// chosen by the planner under round 0's (hand-set) and round 1's profile, never under a
+/// profile that saw a run `keep` leaves out. Kinds without a kept run get the hand-set
+/// profile, so nothing downstream falls back to the committed (fitted-on-everything) one.
+fn fit_rounds(
+    runs: &RunsFile,
+    builtin: &BTreeMap<String, Efficiency>,
+    version: &str,
+    keep: &dyn Fn(&Case) -> bool,
+) -> BTreeMap<String, Efficiency> {
+    let complete = |mut p: BTreeMap<String, Efficiency>| {
+        for (k, e) in builtin {
+            p.entry(k.clone()).or_insert_with(|| e.clone());
+        }
+        p
+    };
+    let (c1, _) = cases(runs, Some(builtin));
+    let c1: Vec<Case> = c1.into_iter().filter(|c| keep(c)).collect();
+    let p1 = complete(fit_all(&c1, builtin, version));
+    let (c2, _) = cases(runs, Some(&p1));
+    let c2: Vec<Case> = c2.into_iter().filter(|c| keep(c)).collect();
+    complete(fit_all(&c2, &p1, version))
+}
+
+/// Leave one group out without leaking: for each group, refit both rounds without it, then
+/// let the planner choose the held-out runs' unpublished axes under that profile and
+/// predict them with it.
+fn leave_group_out(
+    runs: &RunsFile,
+    builtin: &BTreeMap<String, Efficiency>,
+    version: &str,
+    all_cases: &[Case],
+    group: fn(&Case) -> String,
+) -> HeldOutEval {
+    let groups: std::collections::BTreeSet<String> = all_cases.iter().map(group).collect();
+    let mut rows = Vec::new();
+    for g in &groups {
+        let fitted = fit_rounds(runs, builtin, version, &|c| group(c) != *g);
+        let (held, _) = cases(runs, Some(&fitted));
+        for c in held.iter().filter(|c| group(c) == *g) {
+            let eff = fitted
+                .get(&c.kind)
+                .cloned()
+                .unwrap_or_else(|| initial_efficiency(&c.kind));
+            let predicted = c.predict(&eff);
+            rows.push(HeldOutRow {
+                id: c.id.clone(),
+                group: g.clone(),
+                predicted,
+                error_pct: (predicted / c.published - 1.0) * 100.0,
+            });
+        }
+    }
+    let all = stats(&rows.iter().map(|r| r.error_pct).collect::<Vec<_>>());
+    let per_group = groups
+        .iter()
+        .map(|g| {
+            let e: Vec<f64> = rows
+                .iter()
+                .filter(|r| r.group == *g)
+                .map(|r| r.error_pct)
+                .collect();
+            (g.clone(), stats(&e))
+        })
+        .collect();
+    HeldOutEval {
+        all,
+        per_group,
+        rows,
+    }
 }
 
 pub fn fnv1a64(bytes: &[u8]) -> u64 {
@@ -338,34 +439,23 @@ pub fn calibrate(runs: &RunsFile, runs_bytes: &[u8], version: &str) -> Calibrati
         .collect();
     let in_sample = stats(&errs);
 
-    // Leave one source out (layouts of the final round held fixed).
-    let sources: std::collections::BTreeSet<&str> = c3.iter().map(|c| c.source.as_str()).collect();
-    let mut loso_rows = Vec::new();
-    for src in &sources {
-        let train: Vec<Case> = c3.iter().filter(|c| c.source != *src).cloned().collect();
-        let fitted = fit_all(&train, &builtin, version);
-        for c in c3.iter().filter(|c| c.source == *src) {
-            let eff = fitted
-                .get(&c.kind)
-                .cloned()
-                .unwrap_or_else(|| initial_efficiency(&c.kind));
-            loso_rows.push(HeldOut {
-                id: c.id.clone(),
-                source: c.source.clone(),
-                error_pct: (c.predict(&eff) / c.published - 1.0) * 100.0,
-            });
-        }
-    }
-    let loso = stats(&loso_rows.iter().map(|r| r.error_pct).collect::<Vec<_>>());
-    let mut loso_per_source = BTreeMap::new();
-    for src in &sources {
-        let e: Vec<f64> = loso_rows
-            .iter()
-            .filter(|r| r.source == *src)
-            .map(|r| r.error_pct)
-            .collect();
-        loso_per_source.insert(src.to_string(), stats(&e));
-    }
+    // Leave one group out, each refitted from scratch without the group (see
+    // `leave_group_out`): sources, frameworks, GPU kinds.
+    let by_source = leave_group_out(runs, &builtin, version, &c3, |c| c.source.clone());
+    let loso = by_source.all.clone();
+    let loso_per_source = by_source.per_group.clone();
+    let loso_rows = by_source
+        .rows
+        .iter()
+        .map(|r| HeldOut {
+            id: r.id.clone(),
+            source: r.group.clone(),
+            error_pct: r.error_pct,
+        })
+        .collect();
+    let leave_one_framework_out =
+        leave_group_out(runs, &builtin, version, &c3, |c| c.framework.clone());
+    let leave_one_gpu_kind_out = leave_group_out(runs, &builtin, version, &c3, |c| c.kind.clone());
     let mut per_kind = BTreeMap::new();
     for c in &c2 {
         *per_kind.entry(c.kind.clone()).or_insert(0) += 1;
@@ -386,5 +476,7 @@ pub fn calibrate(runs: &RunsFile, runs_bytes: &[u8], version: &str) -> Calibrati
         loso,
         loso_per_source,
         loso_rows,
+        leave_one_framework_out,
+        leave_one_gpu_kind_out,
     }
 }

@@ -38,4 +38,4 @@ pub use report::{
     to_json, validate, PlannerRow, Report, RunRow, Skip, Stats, Summary,
 };
 pub use runs::{load_runs, Run, RunsFile, ValidateError};
-pub use setup::{setup_run, source_key, RunSetup};
+pub use setup::{setup_run, setup_run_in, source_key, RunSetup};

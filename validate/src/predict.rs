@@ -200,9 +200,6 @@ pub fn predict(id: &str, job: Job, warnings: Vec<String>) -> Result<Prediction, 
             }
         },
     };
-    if layout.zero_stage >= 2 && layout.pp > 1 {
-        notes.push("ZeRO-2/3 with pp > 1: the planner would reject this layout".into());
-    }
     let (ev, _) = evaluate_refined(&job, &layout, REFINE_STAGE_SPLIT);
     let mem = &ev.estimate.memory;
     if mem.hbm_bytes > 0.0 && mem.total_bytes >= NEAR_FULL_HBM * mem.hbm_bytes {

@@ -12,7 +12,7 @@
 use crate::convert::{measured, measurement_problem};
 use crate::predict::{predict, resolve_spec};
 use crate::runs::RunsFile;
-use crate::setup::setup_run;
+use crate::setup::setup_run_in;
 use serde::Serialize;
 use shardwright_spec::job::Efficiency;
 use std::collections::BTreeMap;
@@ -155,7 +155,7 @@ pub fn validate(runs: &RunsFile, profiles: Option<&BTreeMap<String, Efficiency>>
     let mut used: BTreeMap<String, String> = BTreeMap::new();
     for run in &runs.runs {
         let row = (|| {
-            let setup = setup_run(run).map_err(|mut s| {
+            let setup = setup_run_in(run, runs.hardware.as_ref()).map_err(|mut s| {
                 if let Some(why) = measurement_problem(run) {
                     s.reason = format!("{}; also: {why}", s.reason);
                 }
@@ -329,7 +329,9 @@ pub fn planner_vs_published(
 ) -> Vec<PlannerRow> {
     let mut out = Vec::new();
     for run in &runs.runs {
-        let Ok(setup) = setup_run(run) else { continue };
+        let Ok(setup) = setup_run_in(run, runs.hardware.as_ref()) else {
+            continue;
+        };
         let profile = profiles.and_then(|p| p.get(&setup.gpu_kind));
         let Ok((job, warnings)) = resolve_spec(&setup.id, &setup.spec, profile) else {
             continue;

@@ -28,8 +28,8 @@ pub struct RunsFile {
     pub field_conventions: Option<serde_json::Value>,
     #[serde(default)]
     pub mfu_definition_caveats: Option<serde_json::Value>,
-    /// Datasheet numbers per GPU type, as published (not used for prediction: the cost
-    /// model's catalog is the single source of hardware numbers).
+    /// Datasheet numbers per GPU type, as published. The catalog comes first; a GPU the
+    /// catalog lacks takes its stated numbers from here (`setup::resolve_gpu`).
     #[serde(default)]
     pub hardware: Option<serde_json::Value>,
     #[serde(default)]
@@ -56,6 +56,13 @@ pub struct Run {
     pub derived: Option<serde_json::Value>,
     #[serde(default)]
     pub tags: Vec<String>,
+    /// Training framework (`megatron`, `deepspeed`, `nemo`, `torchtitan`), when the file
+    /// states it; otherwise read from the source's wording (see `setup::RunContext`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub framework: Option<String>,
+    /// Year of the run, when the file states it; otherwise the earliest the source names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub year: Option<u32>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]

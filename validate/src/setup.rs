@@ -38,18 +38,12 @@ pub struct RunSetup {
     pub source: String,
     /// Efficiency-profile kind of the GPU ("a100", "h100").
     pub gpu_kind: String,
+    /// The framework the run's fields name ("megatron", ..., "unknown"); groups runs for
+    /// leave-one-framework-out.
+    pub framework: String,
     pub spec: SpecFile,
     pub notes: Vec<String>,
 }
-
-/// Published gpu_type -> catalog name.
-pub const GPU_NAMES: &[(&str, &str)] = &[
-    ("A100-SXM4-80GB", "A100-80GB"),
-    ("A100-SXM4-40GB", "A100-40GB"),
-    ("H100-SXM5-80GB", "H100-SXM"),
-    ("H200-SXM-141GB", "H200"),
-    ("H800-SXM-80GB", "H800"),
-];
 
 /// Model families whose head_dim is not hidden / heads: (name substring, head_dim, why).
 pub const KNOWN_HEAD_DIM: &[(&str, u32, &str)] = &[
@@ -61,73 +55,206 @@ pub const KNOWN_HEAD_DIM: &[(&str, u32, &str)] = &[
     ("gpt-oss", 64, "gpt-oss config: head_dim = 64"),
 ];
 
-/// Architecture conventions of a source family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SourceConvention {
+/// The training framework a run names (the run's `framework` field, else its wording).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Framework {
+    /// Megatron-LM / Megatron-Core.
+    Megatron,
+    /// DeepSpeed (Megatron-DeepSpeed, its pipeline engine).
+    DeepSpeed,
+    /// NeMo / Megatron-Bridge (Megatron-Core underneath).
+    Nemo,
+    /// PyTorch torchtitan (FSDP2 + TP + PP).
+    Torchtitan,
+}
+
+impl Framework {
+    pub fn name(self) -> &'static str {
+        match self {
+            Framework::Megatron => "megatron",
+            Framework::DeepSpeed => "deepspeed",
+            Framework::Nemo => "nemo",
+            Framework::Torchtitan => "torchtitan",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Framework> {
+        let t = text.to_ascii_lowercase();
+        // Most specific first: "Megatron-DeepSpeed" is DeepSpeed's pipeline engine,
+        // "NeMo/Megatron-Bridge" runs Megatron-Core under NeMo's recipes.
+        if t.contains("torchtitan") {
+            Some(Framework::Torchtitan)
+        } else if t.contains("deepspeed") {
+            Some(Framework::DeepSpeed)
+        } else if t.contains("nemo") || t.contains("megatron-bridge") {
+            Some(Framework::Nemo)
+        } else if t.contains("megatron") {
+            Some(Framework::Megatron)
+        } else {
+            None
+        }
+    }
+}
+
+/// What a run says about where it came from: the framework and the year, read from its
+/// own fields, never from its id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunContext {
+    pub framework: Option<Framework>,
+    /// Year of the work: the run's `year`, else the earliest year its source names (an
+    /// arXiv id `YYMM.NNNNN`, a four-digit year in the title, location or verification).
+    pub year: Option<u32>,
+}
+
+/// The text a run's provenance is written in: the source (title, url, location,
+/// verification), the pipeline schedule, the FLOP definition and the tags. The ZeRO
+/// wording is left out on purpose: a Megatron paper measuring DeepSpeed's ZeRO-3 is still
+/// a Megatron paper's setup.
+fn provenance_text(run: &Run) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    if let Some(src) = run.source.as_ref() {
+        match src {
+            serde_json::Value::String(s) => parts.push(s.clone()),
+            serde_json::Value::Object(o) => {
+                for k in ["title", "url", "location", "verification"] {
+                    if let Some(v) = o.get(k).and_then(|v| v.as_str()) {
+                        parts.push(v.to_string());
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    parts.extend(run.parallelism.pipeline_schedule.clone());
+    parts.extend(run.result.tflops_definition.clone());
+    parts.extend(run.tags.iter().cloned());
+    parts.join(" | ")
+}
+
+/// Years a text names: arXiv ids (`2104.04473` -> 2021) and four-digit years 2015-2035.
+fn years_in(text: &str) -> Vec<u32> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        if !b[i].is_ascii_digit() || (i > 0 && b[i - 1].is_ascii_digit()) {
+            i += 1;
+            continue;
+        }
+        let run_len = b[i..].iter().take_while(|c| c.is_ascii_digit()).count();
+        if run_len == 4 {
+            let n: u32 = text[i..i + 4].parse().unwrap_or(0);
+            let after = &b[i + 4..];
+            let arxiv_tail = after.first() == Some(&b'.')
+                && (4..=5).contains(&after[1..].iter().take_while(|c| c.is_ascii_digit()).count());
+            if arxiv_tail && (1..=12).contains(&(n % 100)) && (7..=40).contains(&(n / 100)) {
+                out.push(2000 + n / 100);
+            } else if (2015..=2035).contains(&n) {
+                out.push(n);
+            }
+        }
+        i += run_len;
+    }
+    out
+}
+
+impl RunContext {
+    pub fn of(run: &Run) -> RunContext {
+        let text = provenance_text(run);
+        RunContext {
+            framework: run
+                .framework
+                .as_deref()
+                .and_then(Framework::parse)
+                .or_else(|| Framework::parse(&text)),
+            year: run.year.or_else(|| years_in(&text).into_iter().min()),
+        }
+    }
+}
+
+/// Architecture and framework conventions of one run, each from the run's own fields.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conventions {
     /// LayerNorm, linear biases, tied embeddings, dropout, learned positions (unless the
-    /// notes name ALiBi / rotary), 4h GeLU MLP.
+    /// notes name ALiBi / rotary): the GPT-2/3 lineage, i.e. a plain (non-gated) GeLU or
+    /// ReLU MLP. Every other activation gets the modern-decoder defaults (RMSNorm, no
+    /// biases, untied embeddings, rotary, no dropout).
     pub gpt_style: bool,
     pub flash_attention: bool,
     /// When the FFN shape is not published, use Megatron's GPT default (4h GeLU, MHA).
     pub megatron_gpt_default_ffn: bool,
-    /// ZeRO stage when the source states none: Megatron-LM of 2021-22 had no distributed
+    /// ZeRO stage when the run states none: Megatron-LM of 2021-22 had no distributed
     /// optimizer, so its runs are plain data parallel.
     pub default_zero: Option<u8>,
-    /// Megatron and DeepSpeed keep fp32 main gradients (4 bytes per parameter).
+    /// Megatron, DeepSpeed and FSDP2 (fp32 reduce) keep fp32 main gradients.
     pub fp32_grads: bool,
-    /// What the single per-GPU-kind profile cannot represent about the source's framework,
-    /// said in every row of the source.
+    /// What the single per-GPU-kind profile cannot represent about the run's framework,
+    /// said in its row.
     pub framework_note: Option<&'static str>,
 }
 
-/// The convention table, keyed by source key.
-pub fn source_convention(source: &str) -> Option<SourceConvention> {
-    let gpt_2021 = SourceConvention {
-        gpt_style: true,
-        flash_attention: false,
-        megatron_gpt_default_ffn: false,
-        default_zero: None,
-        fp32_grads: true,
-        framework_note: None,
+/// The conventions of a run, from its framework, year, activation wording and notes.
+///
+/// - **Megatron's GPT default FFN** (4h GeLU, multi-head attention) when the run states no
+///   activation and its framework is Megatron-based (Megatron, NeMo): `--swiglu` is off by
+///   default there. Other frameworks without an activation are not guessed.
+/// - **GPT lineage** ([`Conventions::gpt_style`]): a plain GeLU or ReLU MLP.
+/// - **Flash attention**: the model notes when they say ("flash"); else the year: from 2023
+///   on (FlashAttention came out mid-2022 and reached Megatron, NeMo, DeepSpeed and
+///   PyTorch SDPA in 2023), not before; a run with no year gets it unless it ran on
+///   DeepSpeed's pipeline engine (Megatron-DeepSpeed's fused softmax).
+/// - **ZeRO stage** when none is stated: 0 for Megatron-LM up to 2022 (no distributed
+///   optimizer), else left to the planner.
+/// - **Gradients**: fp32 main gradients (Megatron, DeepSpeed, FSDP2's fp32 reduce).
+pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
+    let act = run
+        .model
+        .ffn_activation
+        .as_deref()
+        .map(|a| a.trim().to_ascii_lowercase());
+    let megatron_family = matches!(ctx.framework, Some(Framework::Megatron | Framework::Nemo));
+    let megatron_gpt_default_ffn = act.is_none() && megatron_family;
+    let gpt_style = match act.as_deref() {
+        Some(a) => matches!(
+            parse_activation(a),
+            Some(Activation::Gelu | Activation::Relu)
+        ),
+        None => megatron_gpt_default_ffn,
     };
-    match source {
-        // Megatron-LM 2021-22 (no distributed optimizer yet).
-        "narayanan21" | "korthikanti22" => Some(SourceConvention {
-            default_zero: Some(0),
-            ..gpt_2021
-        }),
-        // DeepSpeed/Megatron-DeepSpeed: before flash attention.
-        "mtnlg" | "bloom" => Some(SourceConvention {
-            framework_note: Some(
-                "DeepSpeed pipeline engine: its framework efficiency is not represented (one profile per GPU kind, fitted mostly on Megatron-LM; MT-NLG's shape and layout ran about 27% slower per micro-batch than Korthikanti et al.'s Megatron run of the same 530B model)",
-            ),
-            ..gpt_2021
-        }),
-        // metaseq: before flash attention.
-        "opt" => Some(gpt_2021),
-        // Megatron-Core GPT weak-scaling table (2024, Transformer Engine flash attention).
-        "mcore" => Some(SourceConvention {
-            gpt_style: true,
-            flash_attention: true,
-            megatron_gpt_default_ffn: true,
-            default_zero: None,
-            fp32_grads: true,
-            framework_note: None,
-        }),
-        // Modern decoders (Llama, Qwen, DeepSeek, GPT-OSS; PaLM is skipped as TPU).
-        "mbridge" | "nemo" | "palm" => Some(SourceConvention {
-            gpt_style: false,
-            flash_attention: true,
-            megatron_gpt_default_ffn: false,
-            default_zero: None,
-            fp32_grads: true,
-            framework_note: None,
-        }),
-        _ => None,
+    let notes = run
+        .model
+        .notes
+        .as_deref()
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let flash_attention = if notes.contains("no flash") || notes.contains("without flash") {
+        false
+    } else if notes.contains("flash") {
+        true
+    } else {
+        match ctx.year {
+            Some(y) => y >= 2023,
+            None => ctx.framework != Some(Framework::DeepSpeed),
+        }
+    };
+    let default_zero = (ctx.framework == Some(Framework::Megatron)
+        && ctx.year.is_some_and(|y| y <= 2022))
+    .then_some(0);
+    let framework_note = (ctx.framework == Some(Framework::DeepSpeed)).then_some(
+        "DeepSpeed pipeline engine: its framework efficiency is not represented (one profile per GPU kind, fitted mostly on Megatron-LM; MT-NLG's shape and layout ran about 27% slower per micro-batch than Korthikanti et al.'s Megatron run of the same 530B model)",
+    );
+    Conventions {
+        gpt_style,
+        flash_attention,
+        megatron_gpt_default_ffn,
+        default_zero,
+        fp32_grads: true,
+        framework_note,
     }
 }
 
-/// Id prefix before the first `_`.
+/// Id prefix before the first `_`: groups runs for the per-source summaries and
+/// leave-one-source-out; no convention reads it.
 pub fn source_key(id: &str) -> String {
     id.split('_').next().unwrap_or(id).to_string()
 }
@@ -204,12 +331,21 @@ pub fn parse_zero(text: Option<&str>) -> Option<u8> {
     }
 }
 
-/// Activation from the published name ("gelu", "relu", "swiglu", "swiglu (clamped)").
+/// Activation from the published name ("gelu", "relu", "swiglu", "swiglu (clamped)",
+/// "geglu", "squared-relu" / "relu^2" / "relu2").
 pub fn parse_activation(text: &str) -> Option<Activation> {
     let t = text.trim().to_ascii_lowercase();
-    if t.starts_with("swiglu") {
+    let squared = (t.contains("squared") && t.contains("relu"))
+        || t.starts_with("relu^2")
+        || t.starts_with("relu2")
+        || t.starts_with("relu\u{b2}");
+    if squared {
+        Some(Activation::SquaredRelu)
+    } else if t.starts_with("swiglu") || t.starts_with("silu-glu") {
         Some(Activation::Swiglu)
-    } else if t.starts_with("gelu") || t.starts_with("geglu") {
+    } else if t.starts_with("geglu") || t.starts_with("gelu-glu") {
+        Some(Activation::Geglu)
+    } else if t.starts_with("gelu") {
         Some(Activation::Gelu)
     } else if t.starts_with("relu") {
         Some(Activation::Relu)
@@ -317,8 +453,124 @@ fn infer_first_k_dense(spec: &mut SpecFile, notes: &mut Vec<String>) {
     }
 }
 
-/// Build the job spec for a run, or say why it cannot be represented.
+/// Build the job spec for a run, or say why it cannot be represented (no runs-file
+/// hardware table: GPUs come from the catalog only).
 pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
+    setup_run_in(run, None)
+}
+
+/// A run's GPU: the catalog entry its numbers start from, the overrides taken from the runs
+/// file's `hardware` table, and notes saying which.
+#[derive(Debug)]
+pub struct RunGpu {
+    pub base: &'static catalog::CatalogEntry,
+    pub overrides: HardwareSpec,
+    pub notes: Vec<String>,
+}
+
+/// `gpu_type` -> GPU: the catalog by name as people write it ([`catalog::find`]: "NVIDIA
+/// H100 80GB HBM3", "A100-SXM4-80GB", "H100 SXM5"); else the runs file's `hardware` table
+/// (an entry whose name, without its parenthesised remark, is the `gpu_type` or parses to
+/// the same GPU), whose stated numbers (dense BF16/FP8 peak, HBM capacity and bandwidth,
+/// NVLink) override those of the catalog entry of the same GPU family, which gives the
+/// efficiency profile and every number the table leaves out.
+pub fn resolve_gpu(
+    gpu_type: &str,
+    file_hardware: Option<&serde_json::Value>,
+) -> Result<RunGpu, String> {
+    if let Some(e) = catalog::find(gpu_type) {
+        return Ok(RunGpu {
+            base: e,
+            overrides: HardwareSpec::default(),
+            notes: Vec::new(),
+        });
+    }
+    let table = file_hardware.and_then(|t| t.as_object());
+    let wanted = catalog::GpuName::parse(gpu_type);
+    let found = table.and_then(|t| {
+        t.iter().find(|(k, v)| {
+            let name = k.split(" (").next().unwrap_or(k).trim();
+            v.is_object()
+                && (name.eq_ignore_ascii_case(gpu_type.trim())
+                    || (wanted.is_some() && catalog::GpuName::parse(name) == wanted))
+        })
+    });
+    let Some((key, row)) = found else {
+        return Err(format!(
+            "gpu_type `{gpu_type}` is not in the catalog ({}) nor in the runs file's hardware table",
+            catalog::names().join(", ")
+        ));
+    };
+    let family = catalog::GpuName::parse(key.split(" (").next().unwrap_or(key))
+        .or(wanted)
+        .map(|g| g.family);
+    let Some(base) = family.as_deref().and_then(catalog::find_family) else {
+        return Err(format!(
+            "gpu_type `{gpu_type}`: the runs file's hardware table has it, but no catalog GPU of its family gives an efficiency profile"
+        ));
+    };
+    let num = |path: &[&str]| -> Option<f64> {
+        let mut v = row;
+        for p in path {
+            v = v.get(p)?;
+        }
+        v.as_f64().filter(|x| *x > 0.0)
+    };
+    let mut o = HardwareSpec::default();
+    let mut used = Vec::new();
+    let mut missing = Vec::new();
+    match num(&["peak_dense_tflops", "bf16"]) {
+        Some(p) => {
+            o.peak_bf16_flops = Some(p * 1e12);
+            used.push(format!("bf16 peak {p} TFLOP/s"));
+        }
+        None => missing.push(format!(
+            "bf16 peak (catalog {} {} TFLOP/s)",
+            base.names[0],
+            base.peak_bf16_flops / 1e12
+        )),
+    }
+    if let Some(p) = num(&["peak_dense_tflops", "fp8"]) {
+        o.peak_fp8_flops = Some(p * 1e12);
+        used.push(format!("fp8 peak {p} TFLOP/s"));
+    }
+    if let Some(g) = num(&["hbm_gb"]) {
+        // The catalog holds what the driver exposes; a datasheet "80 GB" is 80 GiB less
+        // the driver's reserve, in the same ratio as the family's catalog entry.
+        let nominal = base.hbm_bytes / (1u64 << 30) as f64;
+        let ratio = base.hbm_bytes / (nominal.round() * (1u64 << 30) as f64);
+        o.hbm_bytes = Some((g * (1u64 << 30) as f64 * ratio).round());
+        used.push(format!("HBM {g} GB"));
+    }
+    if let Some(b) = num(&["hbm_bw_GBps"]) {
+        o.hbm_gbps = Some(b);
+        used.push(format!("HBM {b} GB/s"));
+    }
+    if let Some(b) = num(&["nvlink_bw_GBps_bidir"]) {
+        o.nvlink_gbps = Some(b / 2.0);
+        used.push(format!("NVLink {} GB/s each way", b / 2.0));
+    }
+    let mut notes = vec![format!(
+        "gpu_type `{gpu_type}` is not a catalog GPU: the runs file's hardware table (`{key}`) gives {}; the rest from the catalog's {}",
+        if used.is_empty() { "nothing".to_string() } else { used.join(", ") },
+        base.names[0]
+    )];
+    if !missing.is_empty() {
+        notes.push(format!("not in the hardware table: {}", missing.join(", ")));
+    }
+    Ok(RunGpu {
+        base,
+        overrides: o,
+        notes,
+    })
+}
+
+/// Build the job spec for a run, or say why it cannot be represented. `file_hardware` is
+/// the runs file's `hardware` table (GPU numbers for GPUs the catalog lacks).
+pub fn setup_run_in(
+    run: &Run,
+    file_hardware: Option<&serde_json::Value>,
+) -> Result<RunSetup, Skip> {
     let skip = |reason: String| Err(Skip::new(&run.id, reason));
     let source = source_key(&run.id);
     let mut notes = Vec::new();
@@ -333,15 +585,13 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
             hw.gpu_type
         ));
     }
-    let catalog_name = GPU_NAMES
-        .iter()
-        .find(|(p, _)| p.eq_ignore_ascii_case(&hw.gpu_type))
-        .map(|(_, c)| c.to_string())
-        .or_else(|| catalog::find(&hw.gpu_type).map(|e| e.names[0].to_string()));
-    let Some(catalog_name) = catalog_name else {
-        return skip(format!("gpu_type `{}` is not in the catalog", hw.gpu_type));
+    let gpu = match resolve_gpu(&hw.gpu_type, file_hardware) {
+        Ok(g) => g,
+        Err(reason) => return skip(reason),
     };
-    let entry = catalog::find(&catalog_name).expect("catalog name from the table");
+    notes.extend(gpu.notes.iter().cloned());
+    let entry = gpu.base;
+    let catalog_name = entry.names[0].to_string();
     let gpu_kind = entry.kind.to_string();
     let gpus_per_node = match hw.gpus_per_node {
         Some(g) if g > 0 => g,
@@ -350,7 +600,7 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
             8
         }
     };
-    let mut hardware = HardwareSpec::default();
+    let mut hardware = gpu.overrides.clone();
     match hw.inter_node_bw_per_gpu_gbps {
         Some(g) if g > 0.0 => hardware.inter_node_gbps = Some(g / 8.0),
         _ => notes.push(format!(
@@ -360,9 +610,8 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
     }
 
     // ---- model ----
-    let Some(conv) = source_convention(&source) else {
-        return skip(format!("no architecture convention for source `{source}`"));
-    };
+    let ctx = RunContext::of(run);
+    let conv = conventions(run, &ctx);
     notes.extend(conv.framework_note.map(String::from));
     let arch = match m.arch.to_ascii_lowercase().as_str() {
         "dense" => Arch::Dense,
@@ -380,7 +629,10 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
             None => return skip(format!("ffn_activation `{a}` not recognised")),
         },
         None if conv.megatron_gpt_default_ffn => Activation::Gelu,
-        None => return skip("ffn_activation not published and no source convention".into()),
+        None => return skip(
+            "ffn_activation not published (only a Megatron-based framework has a default: 4h GeLU)"
+                .into(),
+        ),
     };
     let ffn = match m.ffn_hidden_size {
         Some(f) => Some(f),
@@ -631,6 +883,7 @@ pub fn setup_run(run: &Run) -> Result<RunSetup, Skip> {
         id: run.id.clone(),
         source,
         gpu_kind,
+        framework: ctx.framework.map_or("unknown", Framework::name).to_string(),
         spec,
         notes,
     })

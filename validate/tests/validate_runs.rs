@@ -436,6 +436,58 @@ fn calibration_reproduces_committed_profile() {
         a.loso.median_abs_pct
     );
     assert_eq!(a.loso.n, 54);
+    assert_eq!(a.leave_one_framework_out.all.n, 54);
+    assert_eq!(a.leave_one_gpu_kind_out.all.n, 54);
+}
+
+/// Leave-one-group-out does not leak: scaling every measurement of one source (Megatron-
+/// Core's table, framework megatron) changes none of the predictions made for that source
+/// with it held out, nor for the megatron framework held out, since neither the fit nor
+/// the planner's choice of their unpublished axes saw them.
+#[test]
+fn held_out_predictions_do_not_see_the_held_out_measurements() {
+    let text = std::fs::read_to_string(runs_path()).unwrap();
+    let runs = load_runs(&text).unwrap();
+    let mut scaled = runs.clone();
+    for r in scaled
+        .runs
+        .iter_mut()
+        .filter(|r| r.id.starts_with("mcore_"))
+    {
+        r.result.tflops_per_gpu = r.result.tflops_per_gpu.map(|t| t * 1.5);
+        r.result.mfu_pct = r.result.mfu_pct.map(|t| t * 1.5);
+    }
+    let a = shardwright_validate::calibrate::calibrate(&runs, text.as_bytes(), "x");
+    let b = shardwright_validate::calibrate::calibrate(&scaled, text.as_bytes(), "x");
+    let preds = |ev: &shardwright_validate::calibrate::HeldOutEval, group: &str| {
+        ev.rows
+            .iter()
+            .filter(|r| r.group == group)
+            .map(|r| (r.id.clone(), r.predicted))
+            .collect::<Vec<_>>()
+    };
+    let lfo = |c: &shardwright_validate::calibrate::Calibration| {
+        preds(&c.leave_one_framework_out, "megatron")
+    };
+    assert_eq!(lfo(&a).len(), 41);
+    assert_eq!(lfo(&a), lfo(&b));
+    // The source's errors move with its measurements (1.5x) and nothing else.
+    let errs = |c: &shardwright_validate::calibrate::Calibration| {
+        c.loso_rows
+            .iter()
+            .filter(|r| r.source == "mcore")
+            .map(|r| r.error_pct)
+            .collect::<Vec<_>>()
+    };
+    for (ea, eb) in errs(&a).iter().zip(errs(&b)) {
+        let (pa, pb) = (1.0 + ea / 100.0, 1.0 + eb / 100.0);
+        assert!((pa / pb - 1.5).abs() < 1e-9, "{ea} vs {eb}");
+    }
+    // The in-sample fit did see them.
+    assert_ne!(
+        shardwright_spec::plan::to_json(&a.profile.kinds),
+        shardwright_spec::plan::to_json(&b.profile.kinds)
+    );
 }
 
 /// The planner, given each run's model, GPU count and global batch with every axis free,
@@ -463,4 +515,102 @@ fn planner_never_worse_than_published_layout() {
         committed == shardwright_validate::render_planner_report(&rows),
         "validate/planner-vs-published.md is stale: regenerate it with `shardwright validate --planner-report validate/planner-vs-published.md`"
     );
+}
+
+/// Conventions come from each run's own fields (framework and year from its source's
+/// wording, activation), never from its id: the framework and year read for one run of
+/// each source.
+#[test]
+fn conventions_from_the_runs_own_fields() {
+    use shardwright_validate::setup::{conventions, Framework, RunContext};
+    let f = load();
+    let ctx = |id: &str| RunContext::of(run(&f, id));
+    let want: &[(&str, Option<Framework>, Option<u32>)] = &[
+        ("narayanan21_t1_1.7B", Some(Framework::Megatron), Some(2021)),
+        (
+            "narayanan21_t2_ZeRO-3_174.6B_384gpu",
+            Some(Framework::Megatron),
+            Some(2021),
+        ),
+        (
+            "korthikanti22_175B_selective_sp",
+            Some(Framework::Megatron),
+            Some(2022),
+        ),
+        (
+            "mcore_h100_weak_1.7B",
+            Some(Framework::Megatron),
+            Some(2024),
+        ),
+        ("mtnlg_530b_2240gpu", Some(Framework::DeepSpeed), Some(2022)),
+        ("bloom_176b_384gpu", Some(Framework::DeepSpeed), None),
+        ("opt_175b_992gpu", None, Some(2022)),
+        (
+            "mbridge_2602_llama3_70b_fp8_h100_64gpu",
+            Some(Framework::Nemo),
+            None,
+        ),
+        (
+            "nemo_longseq_llama2_7b_fp8_4k_4gpu",
+            Some(Framework::Nemo),
+            None,
+        ),
+    ];
+    for (id, fw, year) in want {
+        let c = ctx(id);
+        assert_eq!((c.framework, c.year), (*fw, *year), "{id}");
+    }
+    let conv = |id: &str| conventions(run(&f, id), &ctx(id));
+    let n = conv("narayanan21_t1_1.7B");
+    assert!(n.gpt_style && !n.flash_attention && n.default_zero == Some(0));
+    let m = conv("mcore_h100_weak_1.7B");
+    assert!(m.gpt_style && m.flash_attention && m.megatron_gpt_default_ffn);
+    assert_eq!(m.default_zero, None);
+    let b = conv("bloom_176b_384gpu");
+    assert!(b.gpt_style && !b.flash_attention && b.framework_note.is_some());
+    let l = conv("mbridge_2602_llama3_70b_fp8_h100_64gpu");
+    assert!(!l.gpt_style && l.flash_attention && l.framework_note.is_none());
+}
+
+/// A runs file whose ids, sources and GPU strings validate has never seen is scored: GPU
+/// names as people write them, a GPU only the file's hardware table has, squared-ReLU and
+/// GeGLU activations.
+#[test]
+fn a_new_clusters_runs_are_scored() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/mycluster-runs.json");
+    let f = load_runs(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let report = validate(&f, None);
+    assert!(
+        report.summary.skipped.is_empty(),
+        "{:?}",
+        report.summary.skipped
+    );
+    assert_eq!(report.rows.len(), f.runs.len());
+    for r in &report.rows {
+        assert!(r.error_pct.is_finite() && r.fits, "{}: {r:?}", r.id);
+    }
+    let s = |id: &str| setup_run_in(run(&f, id), f.hardware.as_ref()).unwrap();
+    use shardwright_spec::spec::Activation;
+    let a = s("mycluster_llama3_8b_fsdp_64gpu");
+    assert_eq!(a.spec.cluster.gpu.as_deref(), Some("H100-SXM"));
+    assert_eq!(a.spec.job.parallelism.zero_stage, Some(3));
+    let b = s("mycluster_gpt13b_a100_128gpu");
+    assert_eq!(b.spec.cluster.gpu.as_deref(), Some("A100-80GB"));
+    assert!(b.spec.job.model.linear_bias && b.spec.job.model.flash_attention);
+    let c = s("mycluster_nemotron15b_sqrelu_64gpu");
+    assert_eq!(c.spec.cluster.gpu.as_deref(), Some("H100-SXM"));
+    assert_eq!(c.spec.job.model.ffn_activation, Activation::SquaredRelu);
+    assert!(!c.spec.job.model.linear_bias);
+    let d = s("mycluster_llama70b_gt_256gpu");
+    assert_eq!(d.spec.job.model.ffn_activation, Activation::Geglu);
+    assert_eq!(d.spec.cluster.hardware.hbm_gbps, Some(2400.0));
+    assert_eq!(d.spec.cluster.hardware.nvlink_gbps, Some(450.0));
+    assert!(d.spec.cluster.hardware.hbm_bytes.unwrap() > 95e9);
+    assert!(
+        d.notes.iter().any(|n| n.contains("hardware table")),
+        "{:?}",
+        d.notes
+    );
+    // Without the file's table the same GPU is not known.
+    assert!(setup_run(run(&f, "mycluster_llama70b_gt_256gpu")).is_err());
 }
