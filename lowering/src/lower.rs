@@ -375,10 +375,8 @@ impl Builder<'_> {
         } else {
             Op::Free { buffer }
         };
-        let id = self
-            .g
+        self.g
             .push(Stream::Compute, pass, mb, layer, op, Vec::new());
-        let _ = id;
     }
 }
 
@@ -517,50 +515,57 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// Sequence parallelism's all-gather of the hidden states into a column-parallel block
+    /// (forward), or of the output gradient into a row-parallel block (backward).
+    fn tp_gather(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>) {
+        let d = self.dims();
+        if d.sp {
+            b.collective(
+                Stream::Comm,
+                pass,
+                mb,
+                layer,
+                CollectiveKind::AllGather,
+                GroupKind::Tp,
+                d.t * d.h * d.w.bytes(),
+                d.w,
+                true,
+            );
+        }
+    }
+
+    /// The TP reduction after a row-parallel block (forward) or of the input gradient of a
+    /// column-parallel block (backward): all-reduce, or reduce-scatter with SP.
+    fn tp_reduce(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>) {
+        let d = self.dims();
+        if self.layout.tp > 1 {
+            let kind = if d.sp {
+                CollectiveKind::ReduceScatter
+            } else {
+                CollectiveKind::AllReduce
+            };
+            b.collective(
+                Stream::Comm,
+                pass,
+                mb,
+                layer,
+                kind,
+                GroupKind::Tp,
+                d.t * d.h * d.w.bytes(),
+                d.w,
+                true,
+            );
+        }
+    }
+
     /// Emit the forward (or recompute) of one layer.
     fn layer_fwd(&self, b: &mut Builder, layer: u32, mb: u32, pass: Pass, cp_idx: u32) {
         let d = self.dims();
         let (mbo, lo) = (Some(mb), Some(layer));
-        let tp = self.layout.tp > 1;
         let wname = |n: &str| Some(format!("L{layer}.{n}"));
-        let tp_in = |b: &mut Builder| {
-            if d.sp {
-                b.collective(
-                    Stream::Comm,
-                    pass,
-                    mbo,
-                    lo,
-                    CollectiveKind::AllGather,
-                    GroupKind::Tp,
-                    d.t * d.h * d.w.bytes(),
-                    d.w,
-                    true,
-                );
-            }
-        };
-        let tp_out = |b: &mut Builder| {
-            if tp {
-                let kind = if d.sp {
-                    CollectiveKind::ReduceScatter
-                } else {
-                    CollectiveKind::AllReduce
-                };
-                b.collective(
-                    Stream::Comm,
-                    pass,
-                    mbo,
-                    lo,
-                    kind,
-                    GroupKind::Tp,
-                    d.t * d.h * d.w.bytes(),
-                    d.w,
-                    true,
-                );
-            }
-        };
         // attention block
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
-        tp_in(b);
+        self.tp_gather(b, pass, mbo, lo);
         b.compute(
             pass,
             mbo,
@@ -601,14 +606,14 @@ impl<'a> Ctx<'a> {
             lo,
             gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")),
         );
-        tp_out(b);
+        self.tp_reduce(b, pass, mbo, lo);
         b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
         }
         // MLP block
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
-        tp_in(b);
+        self.tp_gather(b, pass, mbo, lo);
         let gs = self.mlp_gemms(layer, &d);
         if self.is_moe_layer(layer) {
             let moe = self.job.model.moe.as_ref().expect("moe");
@@ -725,7 +730,7 @@ impl<'a> Ctx<'a> {
                 ),
             );
         }
-        tp_out(b);
+        self.tp_reduce(b, pass, mbo, lo);
         b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
@@ -779,51 +784,12 @@ impl<'a> Ctx<'a> {
         let d = self.dims();
         let (mbo, lo) = (Some(mb), Some(layer));
         let pass = Pass::Bwd;
-        let tp = self.layout.tp > 1;
         let wname = |n: &str| Some(format!("L{layer}.{n}"));
-        // Mirror of the forward's row-parallel output: SP all-gathers the gradient.
-        let grad_in = |b: &mut Builder| {
-            if d.sp {
-                b.collective(
-                    Stream::Comm,
-                    pass,
-                    mbo,
-                    lo,
-                    CollectiveKind::AllGather,
-                    GroupKind::Tp,
-                    d.t * d.h * d.w.bytes(),
-                    d.w,
-                    true,
-                );
-            }
-        };
-        // Mirror of the column-parallel input: all-reduce (SP: reduce-scatter) of the input
-        // gradient.
-        let grad_out = |b: &mut Builder| {
-            if tp {
-                let kind = if d.sp {
-                    CollectiveKind::ReduceScatter
-                } else {
-                    CollectiveKind::AllReduce
-                };
-                b.collective(
-                    Stream::Comm,
-                    pass,
-                    mbo,
-                    lo,
-                    kind,
-                    GroupKind::Tp,
-                    d.t * d.h * d.w.bytes(),
-                    d.w,
-                    true,
-                );
-            }
-        };
         // MLP block
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
         }
-        grad_in(b);
+        self.tp_gather(b, pass, mbo, lo);
         let gs = self.mlp_gemms(layer, &d);
         if self.is_moe_layer(layer) {
             let moe = self.job.model.moe.as_ref().expect("moe");
@@ -861,13 +827,13 @@ impl<'a> Ctx<'a> {
             );
             self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
         }
-        grad_out(b);
+        self.tp_reduce(b, pass, mbo, lo);
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
         // attention block
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
         }
-        grad_in(b);
+        self.tp_gather(b, pass, mbo, lo);
         let proj = G {
             name: "proj",
             m: d.t,
@@ -911,7 +877,7 @@ impl<'a> Ctx<'a> {
             k: d.h,
         };
         self.gemm_bwd(b, lo, mb, &qkv, wname("qkv"));
-        grad_out(b);
+        self.tp_reduce(b, pass, mbo, lo);
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
     }
 
@@ -1156,24 +1122,8 @@ impl<'a> Ctx<'a> {
                                 },
                             },
                         );
-                        if l.tp > 1 {
-                            let kind = if d.sp {
-                                CollectiveKind::ReduceScatter
-                            } else {
-                                CollectiveKind::AllReduce
-                            };
-                            b.collective(
-                                Stream::Comm,
-                                Pass::Fwd,
-                                mbo,
-                                None,
-                                kind,
-                                GroupKind::Tp,
-                                d.t * d.h * d.w.bytes(),
-                                d.w,
-                                true,
-                            );
-                        }
+                        // Vocabulary-parallel embedding: partial rows summed over TP.
+                        self.tp_reduce(&mut b, Pass::Fwd, mbo, None);
                     }
                     for layer in first..first + count {
                         if z3 {
@@ -1203,19 +1153,7 @@ impl<'a> Ctx<'a> {
                         ends.insert(u32::MAX - s.mb, buf);
                         b.mem(true, buf, Pass::Fwd, mbo, None);
                         b.compute(Pass::Fwd, mbo, None, norm(d.ts, d.h));
-                        if d.sp {
-                            b.collective(
-                                Stream::Comm,
-                                Pass::Fwd,
-                                mbo,
-                                None,
-                                CollectiveKind::AllGather,
-                                GroupKind::Tp,
-                                d.t * d.h * d.w.bytes(),
-                                d.w,
-                                true,
-                            );
-                        }
+                        self.tp_gather(&mut b, Pass::Fwd, mbo, None);
                         let head_w = if self.job.model.tied_embeddings {
                             "embedding"
                         } else {
@@ -1406,7 +1344,7 @@ impl<'a> Ctx<'a> {
                         if has_head {
                             ends_p.0 += self.lc.head_params;
                         }
-                        if ends_p.0 > 0.0 && (last_of_chunk || z3) {
+                        if ends_p.0 > 0.0 {
                             let mb = if z3 { mbo } else { None };
                             self.grad_reduce(&mut b, mb, None, ends_p, &mut dp_nodes);
                         }
