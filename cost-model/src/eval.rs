@@ -507,6 +507,21 @@ pub fn evaluate(
     split: Split<'_>,
     detail: bool,
 ) -> Evaluation {
+    evaluate_with(job, lc, layout, split, detail, true)
+}
+
+/// [`evaluate`], optionally without walking an uneven interleaved schedule: `walk = false`
+/// then charges no pipeline bubble at all (the slowest rank's own work bounds the walk from
+/// below), an optimistic goodput the search prunes with before paying for the walk. Its
+/// memory is the closed form's and means nothing for such layouts.
+pub fn evaluate_with(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    split: Split<'_>,
+    detail: bool,
+    walk: bool,
+) -> Evaluation {
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let mb_count = layout.grad_accum;
@@ -541,7 +556,8 @@ pub fn evaluate(
             };
         (t, act)
     };
-    let walk = if uneven && detail {
+    let walk_on = walk;
+    let walk = if uneven && walk_on {
         let n = (p * v) as usize;
         let (mut fwd, mut bwd, mut act) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
         let fshare = if layout.recompute == Recompute::Full {
@@ -564,27 +580,6 @@ pub fn evaluate(
             &bwd,
             &act,
         ))
-    } else if uneven {
-        // The search's fast path: the schedule with every chunk as slow and as large as the
-        // largest (times only grow in a max-plus schedule, so this bounds the walk from
-        // above): makespan (m v + p - 1) t_max, rank j holding its warm-up + 1 chunks.
-        let mut t_max = 0.0f64;
-        let mut act_max = vec![0.0f64; p as usize];
-        for vs in 0..p * v {
-            let (t, a) = chunk(vs);
-            t_max = t_max.max(t);
-            act_max[(vs % p) as usize] = act_max[(vs % p) as usize].max(a);
-        }
-        let total = mb_count as f64 * v as f64;
-        Some(schedule::Walk {
-            makespan: (total + p as f64 - 1.0) * t_max,
-            peak_act: (0..p)
-                .map(|j| {
-                    let warm = ((p - j - 1) * 2 + (v - 1) * p) as f64;
-                    (warm + 1.0).min(total) * act_max[j as usize]
-                })
-                .collect(),
-        })
     } else {
         None
     };
@@ -649,6 +644,7 @@ pub fn evaluate(
     let m = mb_count as f64;
     let bubble = match &walk {
         Some(w) => (w.makespan - m * slow_total).max(0.0),
+        None if uneven => 0.0,
         None if p > 1 => (sum_total - slow_total) / v as f64,
         None => 0.0,
     };

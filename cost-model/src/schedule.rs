@@ -268,6 +268,45 @@ mod tests {
         assert_eq!(g.peak_act, vec![8.0; 4]);
     }
 
+    /// The walk never beats the slowest rank's own work (`m` times its per-micro-batch
+    /// total, no bubble): the bound the search prunes uneven interleaving with. (The
+    /// balanced-chunk closed form `m slow + (sum - slow) / v` is not a bound: unequal chunks
+    /// can beat it, e.g. p2 v2 m4.)
+    #[test]
+    fn the_slowest_ranks_work_bounds_the_walk_from_below() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 1000) as f64 / 1000.0 + 0.05
+        };
+        for (p, v, m) in [
+            (2u32, 2u32, 4u32),
+            (4, 2, 8),
+            (4, 3, 8),
+            (3, 4, 6),
+            (8, 2, 16),
+            (4, 4, 4),
+        ] {
+            for _ in 0..50 {
+                let n = (p * v) as usize;
+                let t: Vec<f64> = (0..n).map(|_| rnd()).collect();
+                let fwd: Vec<f64> = t.iter().map(|x| x / 3.0).collect();
+                let bwd: Vec<f64> = t.iter().map(|x| x * 2.0 / 3.0).collect();
+                let w = walk(Schedule::Interleaved, p, v, m, &fwd, &bwd, &vec![0.0; n]);
+                let rank = |j: u32| (0..v).map(|c| t[(c * p + j) as usize]).sum::<f64>();
+                let slow = (0..p).map(rank).fold(0.0, f64::max);
+                let bound = m as f64 * slow;
+                assert!(
+                    w.makespan >= bound * (1.0 - 1e-12),
+                    "p{p} v{v} m{m}: {} < {bound}",
+                    w.makespan
+                );
+            }
+        }
+    }
+
     #[test]
     fn every_pass_runs_once() {
         for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {

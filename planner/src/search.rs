@@ -6,7 +6,7 @@
 //! not expanded). The inner loop reuses [`LayerCosts`] across pp/dp/vpp/ZeRO, so a candidate
 //! costs one `evaluate` call with no allocation.
 
-use shardwright_cost::eval::{evaluate, LayerCosts, Split};
+use shardwright_cost::eval::{evaluate, evaluate_with, LayerCosts, Split};
 use shardwright_cost::memory::DpSharding;
 use shardwright_cost::rules::{self, Axes, Rejection};
 use shardwright_spec::job::Job;
@@ -387,6 +387,38 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                                     );
                                                 }
                                                 continue;
+                                            }
+                                            // Uneven interleaving: walking the schedule
+                                            // costs O(pp m vpp); first ask for the goodput
+                                            // with no bubble (an upper bound) and walk only
+                                            // when that could reach the top.
+                                            if v > 1 && m.num_layers as u64 % (pp * v as u64) != 0 {
+                                                let opt = evaluate_with(
+                                                    job,
+                                                    &lc,
+                                                    &layout,
+                                                    Split::Balanced,
+                                                    false,
+                                                    false,
+                                                );
+                                                if opt.estimate.goodput_tokens_per_s
+                                                    < threshold(&best)
+                                                {
+                                                    tally.summary.candidates += 1;
+                                                    let key = "below_top_without_bubble";
+                                                    *tally
+                                                        .summary
+                                                        .rejected
+                                                        .entry(key.to_string())
+                                                        .or_insert(0) += 1;
+                                                    if !tally.summary.examples.contains_key(key) {
+                                                        tally.summary.examples.insert(
+                                                            key.to_string(),
+                                                            format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top"),
+                                                        );
+                                                    }
+                                                    continue;
+                                                }
                                             }
                                             let ev =
                                                 evaluate(job, &lc, &layout, Split::Balanced, false);
