@@ -617,124 +617,61 @@ impl<'a> Ctx<'a> {
         let gs = self.mlp_gemms(layer, &d);
         if self.is_moe_layer(layer) {
             let moe = self.job.model.moe.as_ref().expect("moe");
-            let k = moe.top_k as u64;
-            let routed = d.ts * k * d.h;
-            let g0 = &gs[0];
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                gemm(g0.name, g0.m, g0.n, g0.k, d.w, wname(g0.name)),
-            );
+            let routed = d.ts * moe.top_k as u64 * d.h;
+            self.gemm_fwd(b, pass, mb, layer, &gs[0]);
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                gemm(
-                    gs[1].name,
-                    gs[1].m,
-                    gs[1].n,
-                    gs[1].k,
-                    d.w,
-                    wname(gs[1].name),
-                ),
-            );
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 6),
-            );
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                gemm(
-                    gs[2].name,
-                    gs[2].m,
-                    gs[2].n,
-                    gs[2].k,
-                    d.w,
-                    wname(gs[2].name),
-                ),
-            );
+            self.mlp_fwd(b, pass, mb, layer, &gs[1], &gs[2]);
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             if gs.len() > 3 {
-                b.compute(
-                    pass,
-                    mbo,
-                    lo,
-                    gemm(
-                        gs[3].name,
-                        gs[3].m,
-                        gs[3].n,
-                        gs[3].k,
-                        d.w,
-                        wname(gs[3].name),
-                    ),
-                );
-                b.compute(
-                    pass,
-                    mbo,
-                    lo,
-                    ew(ElementwiseKind::Activation, gs[3].m * gs[3].n, 6),
-                );
-                b.compute(
-                    pass,
-                    mbo,
-                    lo,
-                    gemm(
-                        gs[4].name,
-                        gs[4].m,
-                        gs[4].n,
-                        gs[4].k,
-                        d.w,
-                        wname(gs[4].name),
-                    ),
-                );
+                self.mlp_fwd(b, pass, mb, layer, &gs[3], &gs[4]);
             }
         } else {
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                gemm(
-                    gs[0].name,
-                    gs[0].m,
-                    gs[0].n,
-                    gs[0].k,
-                    d.w,
-                    wname(gs[0].name),
-                ),
-            );
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6),
-            );
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                gemm(
-                    gs[1].name,
-                    gs[1].m,
-                    gs[1].n,
-                    gs[1].k,
-                    d.w,
-                    wname(gs[1].name),
-                ),
-            );
+            self.mlp_fwd(b, pass, mb, layer, &gs[0], &gs[1]);
         }
         self.tp_reduce(b, pass, mbo, lo);
         b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
         }
+    }
+
+    /// A forward (or recompute) GEMM of `layer` reading weight `L{layer}.{name}`.
+    fn gemm_fwd(&self, b: &mut Builder, pass: Pass, mb: u32, layer: u32, g: &G) {
+        let w = self.dims().w;
+        let weight = Some(format!("L{layer}.{}", g.name));
+        b.compute(
+            pass,
+            Some(mb),
+            Some(layer),
+            gemm(g.name, g.m, g.n, g.k, w, weight),
+        );
+    }
+
+    /// An MLP (or expert group) forward: up projection, activation, down projection.
+    fn mlp_fwd(&self, b: &mut Builder, pass: Pass, mb: u32, layer: u32, up: &G, down: &G) {
+        self.gemm_fwd(b, pass, mb, layer, up);
+        b.compute(
+            pass,
+            Some(mb),
+            Some(layer),
+            ew(ElementwiseKind::Activation, up.m * up.n, 6),
+        );
+        self.gemm_fwd(b, pass, mb, layer, down);
+    }
+
+    /// Its backward: down projection, activation, up projection.
+    fn mlp_bwd(&self, b: &mut Builder, mb: u32, layer: u32, up: &G, down: &G) {
+        let weight = |g: &G| Some(format!("L{layer}.{}", g.name));
+        self.gemm_bwd(b, Some(layer), mb, down, weight(down));
+        b.compute(
+            Pass::Bwd,
+            Some(mb),
+            Some(layer),
+            ew(ElementwiseKind::Activation, up.m * up.n, 8),
+        );
+        self.gemm_bwd(b, Some(layer), mb, up, weight(up));
     }
 
     fn ep_a2a(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>, bytes: u64) {
@@ -795,37 +732,16 @@ impl<'a> Ctx<'a> {
             let moe = self.job.model.moe.as_ref().expect("moe");
             let routed = d.ts * moe.top_k as u64 * d.h;
             if gs.len() > 3 {
-                self.gemm_bwd(b, lo, mb, &gs[4], wname(gs[4].name));
-                b.compute(
-                    pass,
-                    mbo,
-                    lo,
-                    ew(ElementwiseKind::Activation, gs[3].m * gs[3].n, 8),
-                );
-                self.gemm_bwd(b, lo, mb, &gs[3], wname(gs[3].name));
+                self.mlp_bwd(b, mb, layer, &gs[3], &gs[4]);
             }
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-            self.gemm_bwd(b, lo, mb, &gs[2], wname(gs[2].name));
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 8),
-            );
-            self.gemm_bwd(b, lo, mb, &gs[1], wname(gs[1].name));
+            self.mlp_bwd(b, mb, layer, &gs[1], &gs[2]);
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
         } else {
-            self.gemm_bwd(b, lo, mb, &gs[1], wname(gs[1].name));
-            b.compute(
-                pass,
-                mbo,
-                lo,
-                ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 8),
-            );
-            self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
+            self.mlp_bwd(b, mb, layer, &gs[0], &gs[1]);
         }
         self.tp_reduce(b, pass, mbo, lo);
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
