@@ -240,22 +240,16 @@ impl ProgramIndex {
                 }
                 Some(out)
             }
-            CommRole::Send { offset, seq } => {
+            role @ (CommRole::Send { offset, seq } | CommRole::Recv { offset, seq }) => {
+                // The peer's matching op: its recv for our send, its send for our recv.
                 let pc = self.peer_class(p, c, offset)?;
-                let node = self.classes[pc as usize]
-                    .recvs
-                    .get(&-offset)?
-                    .get(seq as usize)?;
-                let mut v = vec![(c as u32, n as u32), (pc, node.0)];
-                v.sort_unstable();
-                Some(v)
-            }
-            CommRole::Recv { offset, seq } => {
-                let pc = self.peer_class(p, c, offset)?;
-                let node = self.classes[pc as usize]
-                    .sends
-                    .get(&-offset)?
-                    .get(seq as usize)?;
+                let peer = &self.classes[pc as usize];
+                let side = if matches!(role, CommRole::Send { .. }) {
+                    &peer.recvs
+                } else {
+                    &peer.sends
+                };
+                let node = side.get(&-offset)?.get(seq as usize)?;
                 let mut v = vec![(c as u32, n as u32), (pc, node.0)];
                 v.sort_unstable();
                 Some(v)

@@ -419,6 +419,32 @@ fn norm(tokens: u64, width: u64) -> Op {
     }
 }
 
+/// Token (and vocabulary-parallel) lookup of one micro-batch; its backward scatters the
+/// same rows into the gradient.
+fn embedding_op(d: &Dims) -> Op {
+    Op::Embedding {
+        tokens: d.t,
+        hidden: d.h,
+        vocab: d.vocab,
+        work: Work {
+            flops: 0,
+            bytes: 4 * d.t * d.h,
+        },
+    }
+}
+
+/// Softmax cross-entropy over the local vocabulary share (fp32 logits read and written).
+fn loss_op(d: &Dims) -> Op {
+    Op::Loss {
+        tokens: d.t,
+        vocab: d.vocab,
+        work: Work {
+            flops: 0,
+            bytes: 8 * d.t * d.vocab,
+        },
+    }
+}
+
 /// One GEMM of a layer: forward shape (m x k) @ (k x n).
 #[derive(Clone)]
 struct G {
@@ -448,6 +474,15 @@ impl<'a> Ctx<'a> {
             seq: m.seq_len,
             w: dtype(self.job.training.compute_dtype.bytes()),
             sp,
+        }
+    }
+
+    /// The weight the LM head multiplies by: the embedding when tied.
+    fn head_weight(&self) -> &'static str {
+        if self.job.model.tied_embeddings {
+            "embedding"
+        } else {
+            "lm_head"
         }
     }
 
@@ -1024,20 +1059,7 @@ impl<'a> Ctx<'a> {
                         );
                         ends.insert(s.mb, buf);
                         b.mem(true, buf, Pass::Fwd, mbo, None);
-                        b.compute(
-                            Pass::Fwd,
-                            mbo,
-                            None,
-                            Op::Embedding {
-                                tokens: d.t,
-                                hidden: d.h,
-                                vocab: d.vocab,
-                                work: Work {
-                                    flops: 0,
-                                    bytes: 4 * d.t * d.h,
-                                },
-                            },
-                        );
+                        b.compute(Pass::Fwd, mbo, None, embedding_op(&d));
                         // Vocabulary-parallel embedding: partial rows summed over TP.
                         self.tp_reduce(&mut b, Pass::Fwd, mbo, None);
                     }
@@ -1070,30 +1092,14 @@ impl<'a> Ctx<'a> {
                         b.mem(true, buf, Pass::Fwd, mbo, None);
                         b.compute(Pass::Fwd, mbo, None, norm(d.ts, d.h));
                         self.tp_gather(&mut b, Pass::Fwd, mbo, None);
-                        let head_w = if self.job.model.tied_embeddings {
-                            "embedding"
-                        } else {
-                            "lm_head"
-                        };
+                        let head_w = self.head_weight();
                         b.compute(
                             Pass::Fwd,
                             mbo,
                             None,
                             gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
                         );
-                        b.compute(
-                            Pass::Fwd,
-                            mbo,
-                            None,
-                            Op::Loss {
-                                tokens: d.t,
-                                vocab: d.vocab,
-                                work: Work {
-                                    flops: 0,
-                                    bytes: 8 * d.t * d.vocab,
-                                },
-                            },
-                        );
+                        b.compute(Pass::Fwd, mbo, None, loss_op(&d));
                     } else {
                         let deps = b.last.into_iter().collect();
                         b.g.push(
@@ -1112,24 +1118,8 @@ impl<'a> Ctx<'a> {
                 }
                 Phase::Bwd => {
                     if has_head {
-                        b.compute(
-                            Pass::Bwd,
-                            mbo,
-                            None,
-                            Op::Loss {
-                                tokens: d.t,
-                                vocab: d.vocab,
-                                work: Work {
-                                    flops: 0,
-                                    bytes: 8 * d.t * d.vocab,
-                                },
-                            },
-                        );
-                        let head_w = if self.job.model.tied_embeddings {
-                            "embedding"
-                        } else {
-                            "lm_head"
-                        };
+                        b.compute(Pass::Bwd, mbo, None, loss_op(&d));
+                        let head_w = self.head_weight();
                         let g = G {
                             name: "lm_head",
                             m: d.t,
@@ -1220,20 +1210,7 @@ impl<'a> Ctx<'a> {
                         }
                     }
                     if has_embed {
-                        b.compute(
-                            Pass::Bwd,
-                            mbo,
-                            None,
-                            Op::Embedding {
-                                tokens: d.t,
-                                hidden: d.h,
-                                vocab: d.vocab,
-                                work: Work {
-                                    flops: 0,
-                                    bytes: 4 * d.t * d.h,
-                                },
-                            },
-                        );
+                        b.compute(Pass::Bwd, mbo, None, embedding_op(&d));
                         if let Some(buf) = ends.remove(&s.mb) {
                             b.mem(false, buf, Pass::Bwd, mbo, None);
                         }
