@@ -33,7 +33,8 @@
 
 use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
-use crate::model::{lr_at, shard, tokens, Dims, Split};
+use crate::data::{DataCtx, DataSource, Synthetic};
+use crate::model::{lr_at, shard, Dims, Split};
 use shardwright_ir::{CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, Stream};
 use shardwright_spec::job::Job;
 use shardwright_spec::Layout;
@@ -118,7 +119,8 @@ pub struct RankReport {
 }
 
 /// Run `steps` training steps of every rank of `program` (threads, in-process
-/// communicator, the given backend). Weights come from `cfg.seed`, data from `(seed, step)`.
+/// communicator, the given backend). Weights come from `cfg.seed`, data from `(seed, step)`;
+/// every step reports its gradients and weights.
 pub fn run_program<B: Backend + Clone + 'static>(
     program: &Program,
     job: &Job,
@@ -127,6 +129,55 @@ pub fn run_program<B: Backend + Clone + 'static>(
     cfg: &ExecConfig,
     steps: u32,
 ) -> Result<Vec<RankReport>, ExecError> {
+    run_program_with(
+        program,
+        job,
+        layout,
+        backend,
+        cfg,
+        &RunOptions {
+            steps,
+            diagnostics: true,
+            data: None,
+            on_step: None,
+        },
+    )
+}
+
+/// Builds a rank's data source.
+pub type DataFactory<'a> = dyn Fn(DataCtx) -> Result<Box<dyn DataSource>, String> + Sync + 'a;
+
+/// What one rank just finished.
+pub struct StepEvent<'a> {
+    pub rank: u32,
+    pub step: u32,
+    pub report: &'a StepReport,
+    /// Wall time of this rank's step.
+    pub seconds: f64,
+}
+
+/// How [`run_program_with`] runs.
+pub struct RunOptions<'a> {
+    pub steps: u32,
+    /// Report every step's full gradients and weights (diagnostic collectives gather ZeRO
+    /// shards for it); off for training, where a report carries the loss and norm only.
+    pub diagnostics: bool,
+    /// The data of each rank; `None`: [`Synthetic`] tokens from `cfg.seed`.
+    pub data: Option<&'a DataFactory<'a>>,
+    /// Called on the rank's thread after each step.
+    pub on_step: Option<&'a (dyn Fn(StepEvent) + Sync + 'a)>,
+}
+
+/// [`run_program`] with a data source, a per-step observer and without diagnostics.
+pub fn run_program_with<B: Backend + Clone + 'static>(
+    program: &Program,
+    job: &Job,
+    layout: &Layout,
+    backend: B,
+    cfg: &ExecConfig,
+    opts: &RunOptions,
+) -> Result<Vec<RankReport>, ExecError> {
+    let steps = opts.steps;
     let dims = Dims::from_job(job).map_err(ExecError::Model)?;
     dims.check_divisible(layout.tp as usize, layout.cp as usize)
         .map_err(ExecError::Model)?;
@@ -150,9 +201,30 @@ pub fn run_program<B: Backend + Clone + 'static>(
                         let graph = program.graph_of(r as u32).expect("rank in program");
                         let mut rk =
                             RankExec::new(&be, comm, &graph, program, &dims, layout, job, cfg)?;
+                        rk.diagnostics = opts.diagnostics;
+                        let ctx = rk.data_ctx();
+                        rk.data = Some(match opts.data {
+                            Some(f) => f(ctx).map_err(|e| {
+                                ExecError::Model(format!("data for rank {r}: {e}"))
+                            })?,
+                            None => Box::new(Synthetic {
+                                seed: cfg.seed,
+                                ctx,
+                            }),
+                        });
                         let mut reps = Vec::new();
                         for step in 0..steps {
-                            reps.push(rk.step(step)?);
+                            let t0 = std::time::Instant::now();
+                            let rep = rk.step(step)?;
+                            if let Some(f) = opts.on_step {
+                                f(StepEvent {
+                                    rank: r as u32,
+                                    step,
+                                    report: &rep,
+                                    seconds: t0.elapsed().as_secs_f64(),
+                                });
+                            }
+                            reps.push(rep);
                         }
                         Ok(RankReport {
                             rank: r as u32,
@@ -329,6 +401,11 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     report: StepReport,
     /// Buckets whose gradients went through a dp reduction this step.
     reduced: std::collections::BTreeSet<Option<u32>>,
+    /// Report full gradients and weights each step.
+    diagnostics: bool,
+    data: Option<Box<dyn DataSource>>,
+    /// This step's micro-batches, fetched once each: (inputs, targets).
+    batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
 }
 
 fn err(why: impl Into<String>) -> String {
@@ -406,6 +483,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             has_loss: false,
             report: StepReport::default(),
             reduced: Default::default(),
+            diagnostics: true,
+            data: None,
+            batches: BTreeMap::new(),
         };
         let expect = layout.dp as usize * layout.grad_accum as usize * ex.mb_size;
         if expect != job.training.global_batch as usize {
@@ -518,25 +598,59 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         }
     }
 
-    /// Token ids and targets of micro-batch `mb` on this rank.
-    fn batch(&self, mb: u32) -> (Vec<u32>, Vec<u32>) {
+    fn data_ctx(&self) -> DataCtx {
+        DataCtx {
+            rank: self.rank,
+            dp_rank: self.dp_pos as u32,
+            dp_size: self.layout.dp * self.layout.ep,
+            micro_batch: self.mb_size as u32,
+            grad_accum: self.grad_accum as u32,
+            seq: self.dims.seq as u32,
+            vocab: self.dims.vocab as u32,
+        }
+    }
+
+    /// Token ids and targets of micro-batch `mb` on this rank (this rank's CP slice of
+    /// each sequence), fetched from the data source once per step.
+    fn batch(&mut self, mb: u32) -> Result<(Vec<u32>, Vec<u32>), String> {
+        if let Some(b) = self.batches.get(&mb) {
+            return Ok(b.clone());
+        }
         let sl = self.seq_local();
+        let seqs = self
+            .data
+            .as_mut()
+            .ok_or("no data source")?
+            .micro_batch(self.step, mb)?;
+        if seqs.len() != self.mb_size {
+            return Err(format!(
+                "data source gave {} sequences for a micro-batch of {}",
+                seqs.len(),
+                self.mb_size
+            ));
+        }
         let mut ids = Vec::new();
         let mut tg = Vec::new();
-        for b in 0..self.mb_size {
-            let gseq = (self.dp_pos * self.grad_accum + mb as usize) * self.mb_size + b;
-            let tok = tokens(
-                self.cfg.seed,
-                self.step,
-                gseq as u64,
-                self.dims.seq,
-                self.dims.vocab,
-            );
+        for tok in &seqs {
+            if tok.len() != self.dims.seq + 1 {
+                return Err(format!(
+                    "data source gave a sequence of {} tokens, expected seq_len + 1 = {}",
+                    tok.len(),
+                    self.dims.seq + 1
+                ));
+            }
+            if let Some(&bad) = tok.iter().find(|&&t| t as usize >= self.dims.vocab) {
+                return Err(format!(
+                    "token id {bad} is outside the model's vocabulary of {}",
+                    self.dims.vocab
+                ));
+            }
             let lo = self.cp_pos * sl;
             ids.extend_from_slice(&tok[lo..lo + sl]);
             tg.extend_from_slice(&tok[lo + 1..lo + sl + 1]);
         }
-        (ids, tg)
+        self.batches.insert(mb, (ids.clone(), tg.clone()));
+        Ok((ids, tg))
     }
 
     fn positions(&self) -> Vec<u32> {
@@ -553,6 +667,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         self.has_loss = false;
         self.counters.clear();
         self.reduced.clear();
+        self.batches.clear();
         for n in &self.g.nodes {
             self.node(n).map_err(|why| ExecError::Node {
                 rank: self.rank,
@@ -588,7 +703,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             rep.loss = Some(self.loss);
         }
         // Weights after the step (ZeRO-3: gathered from the shards, diagnostic only).
-        if self.layout.zero_stage >= 3 {
+        if self.diagnostics && self.layout.zero_stage >= 3 {
             let keys: Vec<_> = self.buckets.keys().copied().collect();
             for k in keys {
                 let full = self.gather_bucket(k);
@@ -597,7 +712,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 Self::unflatten(&b.names, &b.sizes, &full, &mut m);
                 rep.params.extend(m);
             }
-        } else {
+        } else if self.diagnostics {
             rep.params = self.params.clone();
         }
         Ok(rep)
@@ -887,7 +1002,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let be = self.be;
         match &n.op {
             Op::Embedding { .. } => {
-                let (ids, _) = self.batch(mb);
+                let (ids, _) = self.batch(mb)?;
                 let e = be.embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
                 self.cur.insert(mb, e);
                 self.tag = Tag::Embed;
@@ -928,7 +1043,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 self.tag = Tag::LmHead;
             }
             Op::Loss { .. } => {
-                let (_, tg) = self.batch(mb);
+                let (_, tg) = self.batch(mb)?;
                 let a = self.head.get(&mb).ok_or("no logits")?;
                 let (lse_l, mut tgt) =
                     be.xent_local(a.get("logits")?, &tg, self.vl, self.vocab_start);
@@ -964,7 +1079,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let be = self.be;
         match &n.op {
             Op::Loss { .. } => {
-                let (_, tg) = self.batch(mb);
+                let (_, tg) = self.batch(mb)?;
                 let a = self.head.get_mut(&mb).ok_or("no head state")?;
                 let dl = be.xent_bwd(
                     a.get("logits")?,
@@ -1037,7 +1152,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     let tpg = self.tp.clone();
                     g = self.comm.all_gather(&tpg, &g);
                 }
-                let (ids, _) = self.batch(mb);
+                let (ids, _) = self.batch(mb)?;
                 let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
                 be.embedding_bwd(&ids, &g, self.vocab_start, h, dw);
                 self.tag = Tag::EmbedB;
@@ -1535,7 +1650,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     ss += gr.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
                 }
             }
-            self.report.grads = self.grads.clone();
+            if self.diagnostics {
+                self.report.grads = self.grads.clone();
+            }
         } else {
             let keys: Vec<_> = self.buckets.keys().copied().collect();
             for k in keys {
@@ -1552,6 +1669,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         }
                     }
                     off += s;
+                }
+                if !self.diagnostics {
+                    continue;
                 }
                 // Diagnostic: the reduced gradient, gathered for the report.
                 let group = self.dense_dp.clone();

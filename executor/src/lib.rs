@@ -11,10 +11,15 @@
 
 pub mod backend;
 pub mod comm;
+pub mod data;
 pub mod interp;
 pub mod model;
 pub mod rng;
 
 pub use backend::{AdamW, AttnShape, Backend, Cpu};
 pub use comm::{Communicator, Hub, Local};
-pub use interp::{run_program, ExecConfig, ExecError, RankReport, StepReport};
+pub use data::{DataCtx, DataSource, Synthetic};
+pub use interp::{
+    run_program, run_program_with, DataFactory, ExecConfig, ExecError, RankReport, RunOptions,
+    StepEvent, StepReport,
+};
