@@ -107,6 +107,8 @@ pub struct StepReport {
     pub params: BTreeMap<String, Vec<f32>>,
     /// Global gradient norm (before clipping).
     pub grad_norm: f64,
+    /// The step's loss over the whole global batch (every rank; f32 sum of the shares).
+    pub global_loss: f64,
 }
 
 /// Everything one rank reports.
@@ -1682,12 +1684,19 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 self.report.grads.extend(m);
             }
         }
-        // implicit: the global gradient norm needs an all-reduce over every rank.
+        // implicit: the global gradient norm needs an all-reduce over every rank; the
+        // step's loss rides along (each loss share counted once) for the metrics.
         let world: Vec<u32> = (0..self.world).collect();
-        let mut buf = [ss as f32];
+        let share = if self.has_loss && self.tp_pos == 0 {
+            self.loss as f32
+        } else {
+            0.0
+        };
+        let mut buf = [ss as f32, share];
         self.comm.all_reduce(&world, &mut buf);
         let norm = (buf[0] as f64).sqrt();
         self.report.grad_norm = norm;
+        self.report.global_loss = buf[1] as f64;
         let clip = if norm > self.cfg.clip as f64 {
             (self.cfg.clip as f64 / (norm + 1e-6)) as f32
         } else {
