@@ -2,6 +2,7 @@
 
 mod baseline;
 mod compile;
+mod data_cmd;
 mod explain;
 mod export_cmd;
 mod io;
@@ -225,6 +226,11 @@ enum Cmd {
         /// Where to write the script (atomically).
         #[arg(short, long)]
         output: Option<PathBuf>,
+    },
+    /// Training data: prepare a tokenized, deduplicated, sharded dataset from text.
+    Data {
+        #[command(subcommand)]
+        cmd: data_cmd::DataCmd,
     },
     /// Write the JSON Schema of the plan.
     Schema {
@@ -484,6 +490,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             dry_run,
             output.as_deref(),
         ),
+        Cmd::Data { cmd } => data_cmd::run(cmd),
         Cmd::Schema { output } => {
             io::write_output(output.as_deref(), &shardwright_spec::plan::plan_schema())?;
             Ok(())
