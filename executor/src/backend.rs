@@ -34,8 +34,85 @@ pub struct AdamW {
     pub step: u32,
 }
 
+/// Top-k softmax routing of `t` tokens over `e` experts (Mixtral's form): `probs =
+/// softmax(logits)` per token over all experts; the token goes to the `k` experts of
+/// largest probability (ties: the lower index first) with gates `g_j = p_{e_j} / sum_i
+/// p_{e_i}` (the probabilities renormalized over the chosen `k`, so they sum to 1).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    /// `[t, e]`.
+    pub probs: Vec<f32>,
+    /// `[t, k]`: chosen experts, largest probability first.
+    pub experts: Vec<u32>,
+    /// `[t, k]`.
+    pub gates: Vec<f32>,
+}
+
 /// The kernels the interpreter needs. Implementations must be deterministic.
 pub trait Backend: Send + Sync {
+    /// Top-k routing of `logits: [t, e]` (see [`Routing`]).
+    fn route(&self, logits: &[f32], e: usize, k: usize) -> Routing {
+        let t = logits.len() / e.max(1);
+        let mut probs = vec![0.0f32; t * e];
+        let mut experts = Vec::with_capacity(t * k);
+        let mut gates = Vec::with_capacity(t * k);
+        for i in 0..t {
+            let row = &logits[i * e..(i + 1) * e];
+            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let z: f32 = row.iter().map(|x| (x - m).exp()).sum();
+            let p = &mut probs[i * e..(i + 1) * e];
+            for (pj, x) in p.iter_mut().zip(row) {
+                *pj = (x - m).exp() / z;
+            }
+            let mut idx: Vec<usize> = (0..e).collect();
+            // Stable sort: equal probabilities keep the lower index first.
+            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+            let s: f32 = idx[..k].iter().map(|&j| p[j]).sum();
+            for &j in &idx[..k] {
+                experts.push(j as u32);
+                gates.push(p[j] / s);
+            }
+        }
+        Routing {
+            probs,
+            experts,
+            gates,
+        }
+    }
+
+    /// Gradient of the router logits from the gradient of the gates (`[t, k]`) and a
+    /// direct gradient of the probabilities (`[t, e]`, the auxiliary loss's path).
+    fn route_bwd(
+        &self,
+        r: &Routing,
+        dgates: &[f32],
+        dprobs: &[f32],
+        e: usize,
+        k: usize,
+    ) -> Vec<f32> {
+        let t = r.probs.len() / e.max(1);
+        let mut dl = vec![0.0f32; t * e];
+        for i in 0..t {
+            let p = &r.probs[i * e..(i + 1) * e];
+            let mut dp = dprobs[i * e..(i + 1) * e].to_vec();
+            let sel = &r.experts[i * k..(i + 1) * k];
+            let g = &r.gates[i * k..(i + 1) * k];
+            let dg = &dgates[i * k..(i + 1) * k];
+            // g_j = p_j / S with S = sum of the chosen p: dp_j = (dg_j - sum_i g_i dg_i) / S.
+            let s: f32 = sel.iter().map(|&j| p[j as usize]).sum();
+            let gdg: f32 = g.iter().zip(dg).map(|(a, b)| a * b).sum();
+            for (&j, &d) in sel.iter().zip(dg) {
+                dp[j as usize] += (d - gdg) / s;
+            }
+            // Softmax: dl = p * (dp - sum p dp).
+            let pdp: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+            for j in 0..e {
+                dl[i * e + j] = p[j] * (dp[j] - pdp);
+            }
+        }
+        dl
+    }
+
     /// `c = beta * c + op(a) @ op(b)` with `op(a)` of shape `m x k`, `op(b)` of `k x n`;
     /// `ta`/`tb` say the stored matrix is the transpose (`a` stored `k x m`, `b` `n x k`).
     #[allow(clippy::too_many_arguments)]

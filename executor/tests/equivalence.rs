@@ -160,3 +160,48 @@ fn a_missing_collective_is_caught() {
     let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(msg.contains("step 0"), "{msg}");
 }
+
+/// The MoE model (4 experts, top-2, one shared expert, layer 0 dense, layers 1.. MoE)
+/// under `layouts` against its single-rank run.
+fn moe_matrix(layers: u32, layouts: &[&str]) {
+    let tpl = common::moe_template(layers, 1, 1);
+    let base_plan = common::plan_for(&tpl, common::layout("ga4"));
+    let dims = Dims::from_job(&base_plan.inputs).unwrap();
+    let base = common::run(&base_plan, STEPS);
+    assert!(
+        base[0]
+            .steps
+            .iter()
+            .all(|s| s.aux_loss.is_some_and(|a| a > 0.0)),
+        "the MoE run reports its load-balancing loss"
+    );
+    for l in layouts {
+        let plan = common::plan_for(&tpl, common::layout(l));
+        assert_eq!(plan.inputs.training.global_batch, 4, "{l}: global batch");
+        let runs = common::run(&plan, STEPS);
+        let worst = common::compare(l, &dims, &base, &runs, TOL);
+        eprintln!(
+            "moe {l:<36} world {:>2}: max relative error {worst:.2e}",
+            runs.len()
+        );
+    }
+}
+
+#[test]
+fn moe_expert_parallel() {
+    moe_matrix(
+        2,
+        &[
+            "ep2,ga2",
+            "ep2,dp2,ga1",
+            "ep4,ga1",
+            "dp2,ga2",
+            "ep2,ga1,mb2",
+        ],
+    );
+}
+
+#[test]
+fn moe_expert_parallel_with_zero_and_pipeline() {
+    moe_matrix(2, &["ep2,ga2,zero1", "ep2,dp2,ga1,zero2", "ep2,pp2,ga2"]);
+}
