@@ -596,6 +596,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         cfg: &'a ExecConfig,
     ) -> Result<Self, ExecError> {
         let rank = g.rank;
+        check_moe_layout(dims, layout).map_err(ExecError::Model)?;
         let group = |axis: &str| -> Vec<u32> {
             program
                 .group_for(rank, axis)

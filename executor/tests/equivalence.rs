@@ -205,3 +205,29 @@ fn moe_expert_parallel() {
 fn moe_expert_parallel_with_zero_and_pipeline() {
     moe_matrix(2, &["ep2,ga2,zero1", "ep2,dp2,ga1,zero2", "ep2,pp2,ga2"]);
 }
+
+#[test]
+fn moe_with_tensor_and_context_parallel() {
+    moe_matrix(
+        2,
+        &[
+            "tp2,ga4",
+            "ep2,tp2,ga2",
+            "cp2,ga4",
+            "ep2,cp2,ga2",
+            "ep2,tp2,cp2,ga2,zero1",
+        ],
+    );
+}
+
+#[test]
+fn moe_with_recompute_and_zero3() {
+    moe_matrix(
+        2,
+        &[
+            "ep2,ga2,rc=full",
+            "ep2,dp2,ga1,zero3",
+            "ep2,pp2,ga2,rc=full,schedule=gpipe",
+        ],
+    );
+}
