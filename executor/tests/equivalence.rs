@@ -231,3 +231,81 @@ fn moe_with_recompute_and_zero3() {
         ],
     );
 }
+
+/// The MoE comparison has teeth: a program without its expert-parallel all-to-alls (every
+/// dispatch and combine of layer 1, forward and backward) still runs, each rank applying
+/// its own experts to the rows meant for its peer's, and differs from the single-rank run.
+#[test]
+fn a_dropped_all_to_all_is_caught() {
+    use shardwright_executor::{run_program, Cpu};
+    use shardwright_ir::{CollectiveKind, Op};
+    let tpl = common::moe_template(2, 1, 1);
+    let dims = Dims::from_job(&tpl.inputs).unwrap();
+    let base = common::run(&common::plan_for(&tpl, common::layout("ga4")), 1);
+    let plan = common::plan_for(&tpl, common::layout("ep2,ga2"));
+    let mut lowered = shardwright_lowering::lower(&plan).unwrap();
+    let mut dropped = 0;
+    for c in &mut lowered.program.classes {
+        let before = c.graph.nodes.len();
+        c.graph.nodes.retain(|n| {
+            !(n.layer == Some(1)
+                && matches!(
+                    n.op,
+                    Op::Collective {
+                        kind: CollectiveKind::AllToAll,
+                        ..
+                    }
+                ))
+        });
+        dropped += before - c.graph.nodes.len();
+    }
+    // Two micro-batches, each with a dispatch and a combine forward and backward.
+    assert_eq!(dropped, 8, "all-to-alls of layer 1 in the program");
+    let runs = run_program(
+        &lowered.program,
+        &lowered.job,
+        &lowered.layout,
+        Cpu,
+        &common::cfg(),
+        1,
+    )
+    .expect("runs");
+    // The intact program passes the same comparison.
+    common::compare("intact", &dims, &base, &common::run(&plan, 1), TOL);
+    let err = std::panic::catch_unwind(|| common::compare("mutated", &dims, &base, &runs, TOL))
+        .expect_err("a dropped all-to-all must be caught");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("step 0"), "{msg}");
+    eprintln!("caught: {msg}");
+}
+
+/// The MoE run is not trivially equal: every routed expert of every MoE layer receives
+/// tokens and gets a non-zero gradient, the router gets one, and the load-balancing loss
+/// of the one MoE layer lies in `(0, coef E]` (`f` and `P` are distributions over the
+/// experts, so `sum_e f_e P_e <= 1`; uniform routing gives `coef`).
+#[test]
+fn moe_run_routes_to_every_expert() {
+    let tpl = common::moe_template(2, 1, 1);
+    let plan = common::plan_for(&tpl, common::layout("ga4"));
+    let st = &common::run(&plan, 1)[0].steps[0];
+    for name in [
+        "L1.router",
+        "L1.shared_fc1",
+        "L1.e0.expert_fc1",
+        "L1.e1.expert_fc1",
+        "L1.e2.expert_fc1",
+        "L1.e3.expert_fc2",
+    ] {
+        let g = &st.grads[name];
+        assert!(g.iter().any(|x| x.abs() > 1e-6), "{name}: gradient is zero");
+    }
+    assert!(
+        !st.grads.contains_key("L1.fc1"),
+        "MoE layer 1 has no dense MLP"
+    );
+    assert!(st.grads.contains_key("L0.fc1"), "layer 0 is dense");
+    let aux = st.aux_loss.unwrap();
+    let coef = common::cfg().moe_aux_coef as f64;
+    assert!(aux > 0.0 && aux <= coef * 4.0, "aux loss {aux}");
+    eprintln!("aux loss {aux}");
+}
