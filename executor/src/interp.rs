@@ -22,14 +22,35 @@
 //!   layer's weights; an all-reduce / reduce-scatter is the gradient reduction of the layer's
 //!   parameters (no layer: embedding, final norm and head), flattened in
 //!   [`Dims::layer_params`] order and padded to the group size; a step all-gather is the
-//!   ZeRO-1/2 parameter gather of every bucket's updated shard.
+//!   ZeRO-1/2 parameter gather of every bucket's updated shard. The group's axis says which
+//!   bucket: `dense_dp` the dense weights, `expert_dp` the layer's local routed experts
+//!   ([`Dims::expert_params`] order);
+//! - an MoE layer's MLP block (see [`crate::model`] for the model, the `impl` block with
+//!   `moe_dispatch` for the routing and the load-balancing loss): `router` GEMM; the first
+//!   `permute` routes (top-k softmax) and lays the rows out per ep member; the ep
+//!   all-to-all after it is the dispatch; `expert_fc1`, activation, `expert_fc2` run the
+//!   local experts on what arrived; the ep all-to-all after `expert_fc2` is the combine; the
+//!   second `permute` weights each row by its gate and sums it into its token; then the
+//!   `shared_fc1`/activation/`shared_fc2` shared experts add theirs. An activation means
+//!   the dense, expert or shared one by the GEMM before it. The backward mirrors it: the
+//!   shared experts, the first `permute` (gate-weighted output gradient per routed row),
+//!   dispatch all-to-all, the experts' backward, combine all-to-all, the second `permute`
+//!   (row gradients summed into the tokens), `router.dgrad` (the gates' and the
+//!   load-balancing loss's gradient through the softmax into the router input) and
+//!   `router.wgrad`. Tokens are never dropped: the all-to-all moves fixed-size chunks
+//!   padded to the largest possible, with the real row counts in a header.
 //!
 //! Steps the IR does not contain and the interpreter performs itself (`implicit` below;
 //! each is listed in the crate's report of what the IR should carry): the vocabulary-
 //! parallel loss reductions over tp, the TP all-reduce of the head's input gradient without
 //! SP, the SP all-gather before the embedding backward, the TP all-reduce of norm-weight
 //! gradients under SP, the global gradient-norm all-reduce for clipping and the ZeRO-3
-//! refresh of the embedding/head weights after the optimizer.
+//! refresh of the embedding/head weights after the optimizer; for MoE layers, the cp
+//! all-reduce of each sequence's routing statistics for the load-balancing loss and, with
+//! tp > 1, the tp all-reduce of the gate gradients (each tp rank's expert outputs are
+//! partial sums). MoE with sequence parallelism is refused: the lowering routes each tp
+//! rank's sequence shard but sizes the experts for every token of the micro-batch, with no
+//! TP gather of the routed rows in between.
 
 use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;

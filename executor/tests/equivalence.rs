@@ -309,3 +309,36 @@ fn moe_run_routes_to_every_expert() {
     assert!(aux > 0.0 && aux <= coef * 4.0, "aux loss {aux}");
     eprintln!("aux loss {aux}");
 }
+
+/// What the executor cannot run exactly is refused with a reason: MoE with sequence
+/// parallelism (the lowering routes the sequence shard but runs experts on every token),
+/// experts not divisible by ep.
+#[test]
+fn moe_layouts_the_executor_refuses() {
+    use shardwright_executor::{run_program, Cpu};
+    let tpl = common::moe_template(2, 1, 1);
+    for (l, want) in [("tp2,ga4,sp=on", "sequence parallelism"), ("ep4,ga1", "")] {
+        let mut plan = common::plan_for(&tpl, common::layout(l));
+        if want.is_empty() {
+            // 3 experts over ep 4.
+            plan.inputs.model.moe.as_mut().unwrap().num_experts = 3;
+        }
+        let lowered = shardwright_lowering::lower(&plan).unwrap();
+        let err = run_program(
+            &lowered.program,
+            &lowered.job,
+            &lowered.layout,
+            Cpu,
+            &common::cfg(),
+            1,
+        )
+        .expect_err(l)
+        .to_string();
+        let want = if want.is_empty() {
+            "num_experts 3 is not divisible by ep=4"
+        } else {
+            want
+        };
+        assert!(err.contains(want), "{l}: {err}");
+    }
+}
