@@ -377,3 +377,48 @@ fn routing_forward_and_gradients() {
         out
     });
 }
+
+/// LayerNorm against the textbook formula in f64; its backward (x, weight, bias) and
+/// GeLU's against finite differences.
+#[test]
+fn layernorm_and_gelu() {
+    let cpu = Cpu;
+    let mut g = Rng::new(12);
+    let (t, h) = (3, 6);
+    let x = g.vec(t * h, 2.0);
+    let w: Vec<f32> = (0..h).map(|_| 1.0 + g.sym(0.3)).collect();
+    let b = g.vec(h, 0.5);
+    let (y, st) = cpu.layernorm_fwd(&x, &w, &b, h, 1e-5);
+    for i in 0..t {
+        let row: Vec<f64> = x[i * h..(i + 1) * h].iter().map(|v| *v as f64).collect();
+        let m = row.iter().sum::<f64>() / h as f64;
+        let var = row.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / h as f64;
+        for j in 0..h {
+            let e = (row[j] - m) / (var + 1e-5).sqrt() * w[j] as f64 + b[j] as f64;
+            assert!((y[i * h + j] as f64 - e).abs() < 1e-5, "layernorm[{i},{j}]");
+        }
+    }
+    let r = g.vec(t * h, 1.0);
+    let mut dw = vec![0.0; h];
+    let mut db = vec![0.0; h];
+    let dx = cpu.layernorm_bwd(&x, &w, &st, &r, h, &mut dw, &mut db);
+    check_grad("layernorm.dx", &x, &r, &dx, &|x| {
+        cpu.layernorm_fwd(x, &w, &b, h, 1e-5).0
+    });
+    check_grad("layernorm.dw", &w, &r, &dw, &|w| {
+        cpu.layernorm_fwd(&x, w, &b, h, 1e-5).0
+    });
+    check_grad("layernorm.db", &b, &r, &db, &|b| {
+        cpu.layernorm_fwd(&x, &w, b, h, 1e-5).0
+    });
+    // GeLU: known values (tanh form) and the gradient.
+    let v = cpu.gelu_fwd(&[0.0, 1.0, -1.0]);
+    assert!(
+        v[0] == 0.0 && (v[1] - 0.841_192).abs() < 1e-5 && (v[2] + 0.158_808).abs() < 1e-5,
+        "{v:?}"
+    );
+    let x = g.vec(10, 3.0);
+    let r = g.vec(10, 1.0);
+    let dx = cpu.gelu_bwd(&x, &r);
+    check_grad("gelu.dx", &x, &r, &dx, &|x| cpu.gelu_fwd(x));
+}
