@@ -726,8 +726,14 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         if has_embed || (has_head && dims.tied) {
             ends.push("embedding".to_string());
         }
+        if has_embed && dims.learned_positions {
+            ends.push("pos_embedding".to_string());
+        }
         if has_head {
             ends.push("final_norm".to_string());
+            if dims.layernorm {
+                ends.push("final_norm_bias".to_string());
+            }
             if !dims.tied {
                 ends.push("lm_head".to_string());
             }
@@ -1103,8 +1109,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         self.moe.remove(&(l, mb));
                         x
                     };
-                    let (y, r) =
-                        be.rmsnorm_fwd(&x, self.w(&name("attn_norm"))?, h, self.cfg.norm_eps);
+                    let (y, r) = self.norm_fwd(&x, &name("attn_norm"))?;
                     let a = self.acts.entry((l, mb)).or_default();
                     a.put("x", x);
                     a.put("r1", r);
@@ -1112,12 +1117,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     self.tag = Tag::Norm1;
                 } else {
                     let a = self.acts.get(&(l, mb)).ok_or("no activations")?;
-                    let (y, r) = be.rmsnorm_fwd(
-                        a.get("h1")?,
-                        self.w(&name("mlp_norm"))?,
-                        h,
-                        self.cfg.norm_eps,
-                    );
+                    let (y, r) = self.norm_fwd(a.get("h1")?, &name("mlp_norm"))?;
                     let a = self.acts.get_mut(&(l, mb)).unwrap();
                     a.put("r2", r);
                     a.put("n2", y);
@@ -1147,7 +1147,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                             a.0.get("n2_full")
                                 .or(a.0.get("n2"))
                                 .ok_or("no normed input")?;
-                        let y = be.linear_fwd(x, self.w(&name("fc1"))?, t, h, 2 * fl);
+                        let y = be.linear_fwd(x, self.w(&name("fc1"))?, t, h, self.dims.fc1_blocks() * fl);
                         self.acts.get_mut(&(l, mb)).unwrap().put("a", y);
                         self.tag = Tag::Fc1;
                     }
@@ -1178,8 +1178,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         k.extend_from_slice(&row[hl * d..(hl + kvl) * d]);
                         v.extend_from_slice(&row[(hl + kvl) * d..]);
                     }
-                    be.rope_fwd(&mut q, &pos, hl, d, self.cfg.rope_theta);
-                    be.rope_fwd(&mut k, &pos, kvl, d, self.cfg.rope_theta);
+                    if !self.dims.learned_positions {
+                        be.rope_fwd(&mut q, &pos, hl, d, self.cfg.rope_theta);
+                        be.rope_fwd(&mut k, &pos, kvl, d, self.cfg.rope_theta);
+                    }
                     a.0.remove("qkv");
                     a.put("k_full", k.clone());
                     a.put("v_full", v.clone());
@@ -1196,7 +1198,11 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         other => return Err(format!("activation after {other:?}")),
                     };
                     let a = self.acts.get_mut(&(l, mb)).ok_or("no activations")?;
-                    let y = be.swiglu_fwd(a.get(src)?, width);
+                    let y = if self.dims.gelu {
+                        be.gelu_fwd(a.get(src)?)
+                    } else {
+                        be.swiglu_fwd(a.get(src)?, width)
+                    };
                     a.put(dst, y);
                     self.tag = tag;
                 }
@@ -1258,13 +1264,24 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         match &n.op {
             Op::Embedding { .. } => {
                 let (ids, _) = self.batch(mb)?;
-                let e = be.embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
+                let mut e = be.embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
+                if self.dims.learned_positions && self.tp_pos == 0 {
+                    // Once per token: the tp reduction after the vocabulary-parallel
+                    // lookup sums the ranks' rows.
+                    let pe = self.w("pos_embedding")?;
+                    for (i, p) in self.positions().into_iter().enumerate() {
+                        let p = p as usize;
+                        for (a, b) in e[i * h..(i + 1) * h].iter_mut().zip(&pe[p * h..(p + 1) * h]) {
+                            *a += b;
+                        }
+                    }
+                }
                 self.cur.insert(mb, e);
                 self.tag = Tag::Embed;
             }
             Op::Norm { .. } => {
                 let x = self.cur.remove(&mb).ok_or("no input for the final norm")?;
-                let (y, r) = be.rmsnorm_fwd(&x, self.w("final_norm")?, h, self.cfg.norm_eps);
+                let (y, r) = self.norm_fwd(&x, "final_norm")?;
                 let a = self.head.entry(mb).or_default();
                 a.put("x", x);
                 a.put("r", r);
@@ -1388,12 +1405,16 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             Op::Norm { .. } => {
                 let mut a = self.head.remove(&mb).ok_or("no head state")?;
                 let dn = a.take("dn")?;
-                let w = self.params.get("final_norm").ok_or("no final norm")?;
-                let dw = self
-                    .grads
-                    .get_mut("final_norm")
-                    .ok_or("no final norm grad")?;
-                let dx = be.rmsnorm_bwd(a.get("x")?, w, a.get("r")?, &dn, h, dw);
+                let dx = norm_bwd(
+                    be,
+                    self.dims,
+                    &self.params,
+                    &mut self.grads,
+                    "final_norm",
+                    a.get("x")?,
+                    a.get("r")?,
+                    &dn,
+                )?;
                 self.gcur.insert(mb, dx);
                 self.tag = Tag::None;
             }
@@ -1410,6 +1431,17 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 let (ids, _) = self.batch(mb)?;
                 let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
                 be.embedding_bwd(&ids, &g, self.vocab_start, h, dw);
+                if self.dims.learned_positions {
+                    // Every tp rank holds the whole gradient here: the same on each.
+                    let pos = self.positions();
+                    let dp = self.grads.get_mut("pos_embedding").ok_or("no position grad")?;
+                    for (i, p) in pos.into_iter().enumerate() {
+                        let p = p as usize;
+                        for (a, b) in dp[p * h..(p + 1) * h].iter_mut().zip(&g[i * h..(i + 1) * h]) {
+                            *a += b;
+                        }
+                    }
+                }
                 self.tag = Tag::EmbedB;
             }
             _ => return Err(err("unexpected op outside a layer")),
@@ -1459,7 +1491,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                             self.params.get(&name("fc1")).ok_or("no fc1")?,
                             t,
                             h,
-                            2 * fl,
+                            self.dims.fc1_blocks() * fl,
                         );
                         a.put("dn2", dn);
                         self.tag = Tag::Fc1D;
@@ -1471,7 +1503,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                                 .or(a.0.get("n2"))
                                 .ok_or("no normed input")?;
                         let dw = self.grads.get_mut(&name("fc1")).ok_or("no grad")?;
-                        be.linear_wgrad(x, a.get("da")?, t, h, 2 * fl, dw);
+                        be.linear_wgrad(x, a.get("da")?, t, h, self.dims.fc1_blocks() * fl, dw);
                         self.tag = Tag::Fc1W;
                     }
                     "proj.dgrad" => {
@@ -1540,7 +1572,11 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     };
                     let a = self.acts.get_mut(&key).ok_or("no activations")?;
                     let dact = a.take(dy)?;
-                    let da = be.swiglu_bwd(a.get(x)?, &dact, width);
+                    let da = if self.dims.gelu {
+                        be.gelu_bwd(a.get(x)?, &dact)
+                    } else {
+                        be.swiglu_bwd(a.get(x)?, &dact, width)
+                    };
                     a.put(dx, da);
                     self.tag = tag;
                 }
@@ -1562,8 +1598,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     let mut dq = a.take("dq")?;
                     let mut dk = a.take("dk")?;
                     let dv = a.take("dv")?;
-                    be.rope_bwd(&mut dq, &pos, hl, d, self.cfg.rope_theta);
-                    be.rope_bwd(&mut dk, &pos, kvl, d, self.cfg.rope_theta);
+                    if !self.dims.learned_positions {
+                        be.rope_bwd(&mut dq, &pos, hl, d, self.cfg.rope_theta);
+                        be.rope_bwd(&mut dk, &pos, kvl, d, self.cfg.rope_theta);
+                    }
                     let mut dqkv = Vec::with_capacity(t * (hl + 2 * kvl) * d);
                     for i in 0..t {
                         dqkv.extend_from_slice(&dq[i * hl * d..(i + 1) * hl * d]);
@@ -1614,9 +1652,16 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 if k == 0 {
                     let a = self.acts.get_mut(&key).ok_or("no activations")?;
                     let dn = a.take("dn2")?;
-                    let w = self.params.get(&name("mlp_norm")).ok_or("no norm")?;
-                    let dw = self.grads.get_mut(&name("mlp_norm")).ok_or("no grad")?;
-                    let dx = be.rmsnorm_bwd(a.get("h1")?, w, a.get("r2")?, &dn, h, dw);
+                    let dx = norm_bwd(
+                        be,
+                        self.dims,
+                        &self.params,
+                        &mut self.grads,
+                        &name("mlp_norm"),
+                        a.get("h1")?,
+                        a.get("r2")?,
+                        &dn,
+                    )?;
                     let dh1: Vec<f32> = gin.iter().zip(&dx).map(|(a, b)| a + b).collect();
                     a.put("dh1", dh1.clone());
                     self.gcur.insert(mb, dh1);
@@ -1625,9 +1670,16 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     let mut a = self.acts.remove(&key).ok_or("no activations")?;
                     self.moe.remove(&key);
                     let dn = a.take("dn1")?;
-                    let w = self.params.get(&name("attn_norm")).ok_or("no norm")?;
-                    let dw = self.grads.get_mut(&name("attn_norm")).ok_or("no grad")?;
-                    let dx = be.rmsnorm_bwd(a.get("x")?, w, a.get("r1")?, &dn, h, dw);
+                    let dx = norm_bwd(
+                        be,
+                        self.dims,
+                        &self.params,
+                        &mut self.grads,
+                        &name("attn_norm"),
+                        a.get("x")?,
+                        a.get("r1")?,
+                        &dn,
+                    )?;
                     let g: Vec<f32> = gin.iter().zip(&dx).map(|(a, b)| a + b).collect();
                     self.gcur.insert(mb, g);
                     self.tag = Tag::Norm1B;
@@ -1931,7 +1983,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let names = self.buckets[&key].names.clone();
         for nm in names
             .iter()
-            .filter(|nm| dims.split(nm) == Split::Replicated)
+            .filter(|nm| dims.split(nm) == Split::Replicated && nm.as_str() != "pos_embedding")
         {
             let gr = self.grads.get_mut(nm).unwrap();
             self.comm.all_reduce(&tpg, gr);
@@ -2065,6 +2117,38 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     }
 }
 
+/// Backward of the norm `name` (RMSNorm, or LayerNorm with `{name}_bias`): returns `dx`,
+/// accumulates the weight (and bias) gradients.
+#[allow(clippy::too_many_arguments)]
+fn norm_bwd<B: Backend>(
+    be: &B,
+    dims: &Dims,
+    params: &BTreeMap<String, Vec<f32>>,
+    grads: &mut BTreeMap<String, Vec<f32>>,
+    name: &str,
+    x: &[f32],
+    stats: &[f32],
+    dy: &[f32],
+) -> Result<Vec<f32>, String> {
+    let w = params.get(name).ok_or_else(|| format!("no {name}"))?;
+    let mut dw = grads
+        .remove(name)
+        .ok_or_else(|| format!("no {name} gradient"))?;
+    let dx = if dims.layernorm {
+        let bn = format!("{name}_bias");
+        let mut db = grads
+            .remove(&bn)
+            .ok_or_else(|| format!("no {bn} gradient"))?;
+        let dx = be.layernorm_bwd(x, w, stats, dy, dims.h, &mut dw, &mut db);
+        grads.insert(bn, db);
+        dx
+    } else {
+        be.rmsnorm_bwd(x, w, stats, dy, dims.h, &mut dw)
+    };
+    grads.insert(name.to_string(), dw);
+    Ok(dx)
+}
+
 /// Offsets (in rows) of each local expert's group in [`Chunks::group`] order.
 fn expert_offsets(recv: &[Vec<usize>], el: usize) -> Vec<usize> {
     let mut off = vec![0];
@@ -2089,6 +2173,18 @@ fn expert_offsets(recv: &[Vec<usize>], el: usize) -> Vec<usize> {
 /// Under context parallelism a sequence's statistics are summed over the cp group
 /// (implicit: the IR carries no collective for them).
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+    /// The norm `name` (RMSNorm, or LayerNorm with `{name}_bias`) of `x`: output and the
+    /// statistics its backward needs.
+    fn norm_fwd(&self, x: &[f32], name: &str) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let (h, eps) = (self.dims.h, self.cfg.norm_eps);
+        Ok(if self.dims.layernorm {
+            let b = self.w(&format!("{name}_bias"))?;
+            self.be.layernorm_fwd(x, self.w(name)?, b, h, eps)
+        } else {
+            self.be.rmsnorm_fwd(x, self.w(name)?, h, eps)
+        })
+    }
+
     fn moe_dims(&self) -> Result<crate::model::MoeDims, String> {
         self.dims
             .moe
@@ -2243,13 +2339,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     .take("xr")?;
                 let recv = ch.headers(&buf)?;
                 let (x, off) = ch.group(&buf, &recv);
-                let mut out = vec![0.0f32; off[ch.el] * 2 * fel];
+                let mut out = vec![0.0f32; off[ch.el] * self.dims.fc1_blocks() * fel];
                 for le in 0..ch.el {
                     let (lo, hi) = (off[le], off[le + 1]);
                     if hi > lo {
                         let w = self.w(&self.expert_name(l, le, "expert_fc1"))?;
-                        let y = be.linear_fwd(&x[lo * h..hi * h], w, hi - lo, h, 2 * fel);
-                        out[lo * 2 * fel..hi * 2 * fel].copy_from_slice(&y);
+                        let y = be.linear_fwd(&x[lo * h..hi * h], w, hi - lo, h, self.dims.fc1_blocks() * fel);
+                        out[lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel].copy_from_slice(&y);
                     }
                 }
                 let a = self.acts.get_mut(&key).unwrap();
@@ -2282,7 +2378,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     a.0.get("n2_full")
                         .or(a.0.get("n2"))
                         .ok_or("no normed input")?;
-                let y = be.linear_fwd(x, self.w(&format!("L{l}.shared_fc1"))?, t, h, 2 * fsl);
+                let y = be.linear_fwd(x, self.w(&format!("L{l}.shared_fc1"))?, t, h, self.dims.fc1_blocks() * fsl);
                 self.acts.get_mut(&key).unwrap().put("sa", y);
                 self.tag = Tag::SFc1;
             }
@@ -2447,7 +2543,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             }
             "shared_fc1.dgrad" => {
                 let a = self.acts.get(&key).ok_or("no activations")?;
-                let d = be.linear_dgrad(a.get("sda")?, self.w(&nm("shared_fc1"))?, t, h, 2 * fsl);
+                let d = be.linear_dgrad(a.get("sda")?, self.w(&nm("shared_fc1"))?, t, h, self.dims.fc1_blocks() * fsl);
                 let a = self.acts.get_mut(&key).unwrap();
                 match a.0.get_mut("dn2") {
                     Some(x) => x.iter_mut().zip(&d).for_each(|(p, q)| *p += q),
@@ -2462,7 +2558,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                         .or(a.0.get("n2"))
                         .ok_or("no normed input")?;
                 let dw = self.grads.get_mut(&nm("shared_fc1")).ok_or("no grad")?;
-                be.linear_wgrad(x, a.get("sda")?, t, h, 2 * fsl, dw);
+                be.linear_wgrad(x, a.get("sda")?, t, h, self.dims.fc1_blocks() * fsl, dw);
                 self.tag = Tag::SFc1W;
             }
             "expert_fc2.dgrad" => {
@@ -2509,8 +2605,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     let a = self.acts.get(&key).ok_or("no activations")?;
                     if dgrad {
                         let w = self.w(&self.expert_name(l, le, "expert_fc1"))?;
-                        let da = &a.get("eda")?[lo * 2 * fel..hi * 2 * fel];
-                        let d = be.linear_dgrad(da, w, hi - lo, h, 2 * fel);
+                        let da = &a.get("eda")?[lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel];
+                        let d = be.linear_dgrad(da, w, hi - lo, h, self.dims.fc1_blocks() * fel);
                         dx[lo * h..hi * h].copy_from_slice(&d);
                         continue;
                     }
@@ -2522,8 +2618,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                         be.linear_wgrad(x, &a.get("edy")?[lo * h..hi * h], hi - lo, fel, h, dw);
                     } else {
                         let x = &a.get("ex")?[lo * h..hi * h];
-                        let da = &a.get("eda")?[lo * 2 * fel..hi * 2 * fel];
-                        be.linear_wgrad(x, da, hi - lo, h, 2 * fel, dw);
+                        let da = &a.get("eda")?[lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel];
+                        be.linear_wgrad(x, da, hi - lo, h, self.dims.fc1_blocks() * fel, dw);
                     }
                 }
                 if dgrad {

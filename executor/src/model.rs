@@ -6,10 +6,12 @@
 //! | name | shape | TP split |
 //! |---|---|---|
 //! | `embedding` | `[vocab, h]` | rows (vocabulary-parallel) |
+//! | `pos_embedding` (learned positions only) | `[seq, h]` | replicated |
 //! | `L{i}.attn_norm`, `L{i}.mlp_norm`, `final_norm` | `[h]` | replicated |
+//! | `L{i}.attn_norm_bias`, `L{i}.mlp_norm_bias`, `final_norm_bias` (LayerNorm only) | `[h]` | replicated |
 //! | `L{i}.qkv` | `[h, (heads + 2 kv_heads) d]` | columns of each of the Q, K, V blocks |
 //! | `L{i}.proj` | `[heads d, h]` | rows (row-parallel) |
-//! | `L{i}.fc1` | `[h, 2 f]` (gate, up) | columns of each of the gate, up blocks |
+//! | `L{i}.fc1` | `[h, 2 f]` (gate, up); GeLU: `[h, f]` | columns of each block |
 //! | `L{i}.fc2` | `[f, h]` | rows |
 //! | `lm_head` (untied only) | `[h, vocab]` | columns (vocabulary-parallel) |
 //! | `L{i}.router` (MoE layers) | `[h, experts]` | replicated |
@@ -27,6 +29,12 @@
 //! `i E/ep .. (i+1) E/ep`) and over tp like the dense MLP; the router and the shared
 //! experts are dense weights (replicated over `dense_dp`), the experts reduce over
 //! `expert_dp`.
+//!
+//! Two block styles: Llama (RMSNorm, SwiGLU, rotary positions) and GPT (`norm: layernorm`
+//! with a bias, `ffn_activation: gelu` in its tanh form, `learned_positions`: a position
+//! table added to the token embedding, no rotary; tied embeddings optional in both). The
+//! lowering emits its `rope` node either way; with learned positions it only splits Q, K
+//! and V. Linear biases, dropout and the other activations are not supported.
 //!
 //! Every full tensor is drawn from `Rng::keyed(seed, name)`, then split, so every layout
 //! starts from the same full weights.
@@ -49,6 +57,12 @@ pub struct Dims {
     pub tied: bool,
     /// MoE layers, when the model has them.
     pub moe: Option<MoeDims>,
+    /// LayerNorm with bias (else RMSNorm).
+    pub layernorm: bool,
+    /// GeLU MLP (else SwiGLU).
+    pub gelu: bool,
+    /// Learned absolute positions (else rotary).
+    pub learned_positions: bool,
 }
 
 /// The MoE part of a model.
@@ -72,14 +86,8 @@ impl Dims {
         if (m.arch == Arch::Moe) != m.moe.is_some() {
             why.push("an MoE architecture without its `moe` section (or the reverse)");
         }
-        if m.ffn_activation != Activation::Swiglu {
-            why.push("an MLP activation other than SwiGLU");
-        }
-        if m.norm != Norm::Rmsnorm {
-            why.push("LayerNorm");
-        }
-        if m.learned_positions {
-            why.push("learned positions");
+        if !matches!(m.ffn_activation, Activation::Swiglu | Activation::Gelu) {
+            why.push("an MLP activation other than SwiGLU or GeLU");
         }
         if m.linear_bias {
             why.push("linear biases");
@@ -103,6 +111,9 @@ impl Dims {
             vocab: m.vocab_size as usize,
             seq: m.seq_len as usize,
             tied: m.tied_embeddings,
+            layernorm: m.norm == Norm::Layernorm,
+            gelu: m.ffn_activation == Activation::Gelu,
+            learned_positions: m.learned_positions,
             moe: m.moe.as_ref().map(|x| MoeDims {
                 experts: x.num_experts as usize,
                 top_k: x.top_k as usize,
@@ -111,6 +122,15 @@ impl Dims {
                 first_k_dense: x.first_k_dense,
             }),
         })
+    }
+
+    /// FC1 blocks per MLP: 2 (gate, up) for SwiGLU, 1 for GeLU.
+    pub fn fc1_blocks(&self) -> usize {
+        if self.gelu {
+            1
+        } else {
+            2
+        }
     }
 
     /// Whether layer `l` is an MoE layer.
@@ -174,7 +194,11 @@ impl Dims {
 
     /// Dense parameter names of layer `l`, in bucket (flattening) order.
     pub fn layer_params(&self, l: u32) -> Vec<String> {
-        let mut v: Vec<&str> = vec!["attn_norm", "qkv", "proj", "mlp_norm"];
+        let mut v: Vec<&str> = if self.layernorm {
+            vec!["attn_norm", "attn_norm_bias", "qkv", "proj", "mlp_norm", "mlp_norm_bias"]
+        } else {
+            vec!["attn_norm", "qkv", "proj", "mlp_norm"]
+        };
         if self.is_moe_layer(l) {
             v.push("router");
             if self.moe.as_ref().is_some_and(|m| m.fs > 0) {
@@ -210,14 +234,16 @@ impl Dims {
             "embedding" => [self.vocab, h],
             "lm_head" => [h, self.vocab],
             "final_norm" | "attn_norm" | "mlp_norm" => [1, h],
+            "final_norm_bias" | "attn_norm_bias" | "mlp_norm_bias" => [1, h],
+            "pos_embedding" => [self.seq, h],
             "qkv" => [h, (self.heads + 2 * self.kv_heads) * d],
             "proj" => [self.heads * d, h],
-            "fc1" => [h, 2 * self.f],
+            "fc1" => [h, self.fc1_blocks() * self.f],
             "fc2" => [self.f, h],
             "router" => [h, self.moe_dims().experts],
-            "expert_fc1" => [h, 2 * self.moe_dims().fe],
+            "expert_fc1" => [h, self.fc1_blocks() * self.moe_dims().fe],
             "expert_fc2" => [self.moe_dims().fe, h],
-            "shared_fc1" => [h, 2 * self.moe_dims().fs],
+            "shared_fc1" => [h, self.fc1_blocks() * self.moe_dims().fs],
             "shared_fc2" => [self.moe_dims().fs, h],
             _ => panic!("unknown parameter {name}"),
         }
@@ -234,9 +260,9 @@ impl Dims {
                 self.kv_heads * self.d,
                 self.kv_heads * self.d,
             ]),
-            "fc1" => Split::Cols(vec![self.f, self.f]),
-            "expert_fc1" => Split::Cols(vec![self.moe_dims().fe; 2]),
-            "shared_fc1" => Split::Cols(vec![self.moe_dims().fs; 2]),
+            "fc1" => Split::Cols(vec![self.f; self.fc1_blocks()]),
+            "expert_fc1" => Split::Cols(vec![self.moe_dims().fe; self.fc1_blocks()]),
+            "shared_fc1" => Split::Cols(vec![self.moe_dims().fs; self.fc1_blocks()]),
             _ => Split::Replicated,
         }
     }
@@ -257,6 +283,10 @@ impl Dims {
                 (0..r * c).map(|_| 1.0 + g.sym(0.2)).collect()
             }
             "embedding" => g.vec(r * c, 1.0),
+            "pos_embedding" => g.vec(r * c, 0.5),
+            "final_norm_bias" | "attn_norm_bias" | "mlp_norm_bias" => {
+                (0..r * c).map(|_| g.sym(0.1)).collect()
+            }
             _ => g.vec(r * c, 1.0 / (r as f64).sqrt()),
         }
     }
