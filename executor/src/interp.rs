@@ -1147,7 +1147,13 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                             a.0.get("n2_full")
                                 .or(a.0.get("n2"))
                                 .ok_or("no normed input")?;
-                        let y = be.linear_fwd(x, self.w(&name("fc1"))?, t, h, self.dims.fc1_blocks() * fl);
+                        let y = be.linear_fwd(
+                            x,
+                            self.w(&name("fc1"))?,
+                            t,
+                            h,
+                            self.dims.fc1_blocks() * fl,
+                        );
                         self.acts.get_mut(&(l, mb)).unwrap().put("a", y);
                         self.tag = Tag::Fc1;
                     }
@@ -1271,7 +1277,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     let pe = self.w("pos_embedding")?;
                     for (i, p) in self.positions().into_iter().enumerate() {
                         let p = p as usize;
-                        for (a, b) in e[i * h..(i + 1) * h].iter_mut().zip(&pe[p * h..(p + 1) * h]) {
+                        for (a, b) in e[i * h..(i + 1) * h]
+                            .iter_mut()
+                            .zip(&pe[p * h..(p + 1) * h])
+                        {
                             *a += b;
                         }
                     }
@@ -1434,10 +1443,16 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 if self.dims.learned_positions {
                     // Every tp rank holds the whole gradient here: the same on each.
                     let pos = self.positions();
-                    let dp = self.grads.get_mut("pos_embedding").ok_or("no position grad")?;
+                    let dp = self
+                        .grads
+                        .get_mut("pos_embedding")
+                        .ok_or("no position grad")?;
                     for (i, p) in pos.into_iter().enumerate() {
                         let p = p as usize;
-                        for (a, b) in dp[p * h..(p + 1) * h].iter_mut().zip(&g[i * h..(i + 1) * h]) {
+                        for (a, b) in dp[p * h..(p + 1) * h]
+                            .iter_mut()
+                            .zip(&g[i * h..(i + 1) * h])
+                        {
                             *a += b;
                         }
                     }
@@ -2344,8 +2359,15 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     let (lo, hi) = (off[le], off[le + 1]);
                     if hi > lo {
                         let w = self.w(&self.expert_name(l, le, "expert_fc1"))?;
-                        let y = be.linear_fwd(&x[lo * h..hi * h], w, hi - lo, h, self.dims.fc1_blocks() * fel);
-                        out[lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel].copy_from_slice(&y);
+                        let y = be.linear_fwd(
+                            &x[lo * h..hi * h],
+                            w,
+                            hi - lo,
+                            h,
+                            self.dims.fc1_blocks() * fel,
+                        );
+                        out[lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel]
+                            .copy_from_slice(&y);
                     }
                 }
                 let a = self.acts.get_mut(&key).unwrap();
@@ -2378,7 +2400,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     a.0.get("n2_full")
                         .or(a.0.get("n2"))
                         .ok_or("no normed input")?;
-                let y = be.linear_fwd(x, self.w(&format!("L{l}.shared_fc1"))?, t, h, self.dims.fc1_blocks() * fsl);
+                let y = be.linear_fwd(
+                    x,
+                    self.w(&format!("L{l}.shared_fc1"))?,
+                    t,
+                    h,
+                    self.dims.fc1_blocks() * fsl,
+                );
                 self.acts.get_mut(&key).unwrap().put("sa", y);
                 self.tag = Tag::SFc1;
             }
@@ -2543,7 +2571,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             }
             "shared_fc1.dgrad" => {
                 let a = self.acts.get(&key).ok_or("no activations")?;
-                let d = be.linear_dgrad(a.get("sda")?, self.w(&nm("shared_fc1"))?, t, h, self.dims.fc1_blocks() * fsl);
+                let d = be.linear_dgrad(
+                    a.get("sda")?,
+                    self.w(&nm("shared_fc1"))?,
+                    t,
+                    h,
+                    self.dims.fc1_blocks() * fsl,
+                );
                 let a = self.acts.get_mut(&key).unwrap();
                 match a.0.get_mut("dn2") {
                     Some(x) => x.iter_mut().zip(&d).for_each(|(p, q)| *p += q),
@@ -2605,7 +2639,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     let a = self.acts.get(&key).ok_or("no activations")?;
                     if dgrad {
                         let w = self.w(&self.expert_name(l, le, "expert_fc1"))?;
-                        let da = &a.get("eda")?[lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel];
+                        let da = &a.get("eda")?
+                            [lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel];
                         let d = be.linear_dgrad(da, w, hi - lo, h, self.dims.fc1_blocks() * fel);
                         dx[lo * h..hi * h].copy_from_slice(&d);
                         continue;
@@ -2618,7 +2653,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                         be.linear_wgrad(x, &a.get("edy")?[lo * h..hi * h], hi - lo, fel, h, dw);
                     } else {
                         let x = &a.get("ex")?[lo * h..hi * h];
-                        let da = &a.get("eda")?[lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel];
+                        let da = &a.get("eda")?
+                            [lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel];
                         be.linear_wgrad(x, da, hi - lo, h, self.dims.fc1_blocks() * fel, dw);
                     }
                 }

@@ -195,7 +195,14 @@ impl Dims {
     /// Dense parameter names of layer `l`, in bucket (flattening) order.
     pub fn layer_params(&self, l: u32) -> Vec<String> {
         let mut v: Vec<&str> = if self.layernorm {
-            vec!["attn_norm", "attn_norm_bias", "qkv", "proj", "mlp_norm", "mlp_norm_bias"]
+            vec![
+                "attn_norm",
+                "attn_norm_bias",
+                "qkv",
+                "proj",
+                "mlp_norm",
+                "mlp_norm_bias",
+            ]
         } else {
             vec!["attn_norm", "qkv", "proj", "mlp_norm"]
         };

@@ -342,3 +342,48 @@ fn moe_layouts_the_executor_refuses() {
         assert!(err.contains(want), "{l}: {err}");
     }
 }
+
+/// GPT-style blocks (LayerNorm with bias, GeLU MLP, learned positions) against their
+/// single-rank run.
+fn gpt_matrix(tied: bool, layouts: &[&str]) {
+    let tpl = common::gpt_template(tied, common::LAYERS);
+    let base_plan = common::plan_for(&tpl, common::layout("ga4"));
+    let dims = Dims::from_job(&base_plan.inputs).unwrap();
+    assert!(dims.layernorm && dims.gelu && dims.learned_positions);
+    let base = common::run(&base_plan, STEPS);
+    for l in layouts {
+        let plan = common::plan_for(&tpl, common::layout(l));
+        let runs = common::run(&plan, STEPS);
+        let worst = common::compare(l, &dims, &base, &runs, TOL);
+        eprintln!(
+            "gpt{} {l:<33} world {:>2}: max relative error {worst:.2e}",
+            if tied { " tied" } else { "" },
+            runs.len()
+        );
+    }
+}
+
+#[test]
+fn gpt_blocks_untied() {
+    gpt_matrix(
+        false,
+        &[
+            "tp2,ga4",
+            "tp2,ga4,sp=on",
+            "pp2,ga4",
+            "dp2,ga2,zero1",
+            "cp2,ga4",
+            "tp2,pp2,dp2,ga2,sp=on,zero1",
+        ],
+    );
+}
+
+#[test]
+fn gpt_blocks_tied_single_stage() {
+    gpt_matrix(true, &["tp2,ga4", "tp2,ga4,sp=on", "dp2,ga2,zero3"]);
+}
+
+#[test]
+fn moe_interleaved_pipeline() {
+    moe_matrix(4, &["ep2,pp2,vpp2,ga2,schedule=interleaved"]);
+}

@@ -16,6 +16,24 @@ fn rms(x: &[f64], w: &[f64]) -> Vec<f64> {
     x.iter().zip(w).map(|(a, b)| a * r * b).collect()
 }
 
+/// The norm `name` of `x`: RMSNorm, or LayerNorm with `{name}_bias`.
+fn norm(dm: &Dims, p: &P, x: &[f64], name: &str) -> Vec<f64> {
+    let w = &p[name];
+    if !dm.layernorm {
+        return rms(x, w);
+    }
+    let b = &p[&format!("{name}_bias")];
+    let n = x.len() as f64;
+    let m = x.iter().sum::<f64>() / n;
+    let var = x.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / n;
+    let r = 1.0 / (var + 1e-5).sqrt();
+    x.iter()
+        .zip(w)
+        .zip(b)
+        .map(|((v, w), b)| (v - m) * r * w + b)
+        .collect()
+}
+
 /// `x [n] @ w [n, m]`.
 fn vm(x: &[f64], w: &[f64], m: usize) -> Vec<f64> {
     let mut y = vec![0.0; m];
@@ -38,12 +56,21 @@ fn rope(x: &mut [f64], pos: usize, d: usize) {
     }
 }
 
-/// A SwiGLU MLP: `x @ fc1` (gate, up halves of width `f`), `silu(gate) up`, `@ fc2`.
-fn mlp(x: &[f64], fc1: &[f64], fc2: &[f64], f: usize, h: usize) -> Vec<f64> {
-    let a = vm(x, fc1, 2 * f);
-    let act: Vec<f64> = (0..f)
-        .map(|j| a[j] / (1.0 + (-a[j]).exp()) * a[f + j])
-        .collect();
+/// An MLP: SwiGLU (`x @ fc1` as gate, up halves of width `f`, `silu(gate) up`, `@ fc2`)
+/// or GeLU in its tanh form (`gelu(x @ fc1) @ fc2`).
+fn mlp(dm: &Dims, x: &[f64], fc1: &[f64], fc2: &[f64], f: usize, h: usize) -> Vec<f64> {
+    let act: Vec<f64> = if dm.gelu {
+        let a = vm(x, fc1, f);
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        a.iter()
+            .map(|v| 0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh()))
+            .collect()
+    } else {
+        let a = vm(x, fc1, 2 * f);
+        (0..f)
+            .map(|j| a[j] / (1.0 + (-a[j]).exp()) * a[f + j])
+            .collect()
+    };
     vm(&act, fc2, h)
 }
 
@@ -64,7 +91,15 @@ fn naive_losses(dm: &Dims, p: &P, seqs: &[Vec<u32>], coef: f64) -> (f64, f64) {
     let mut aux = 0.0;
     for toks in seqs {
         let mut x: Vec<Vec<f64>> = (0..s)
-            .map(|i| p["embedding"][toks[i] as usize * h..][..h].to_vec())
+            .map(|i| {
+                let mut e = p["embedding"][toks[i] as usize * h..][..h].to_vec();
+                if dm.learned_positions {
+                    for (a, b) in e.iter_mut().zip(&p["pos_embedding"][i * h..(i + 1) * h]) {
+                        *a += b;
+                    }
+                }
+                e
+            })
             .collect();
         for l in 0..dm.layers {
             let w = |n: &str| &p[&format!("L{l}.{n}")];
@@ -72,14 +107,23 @@ fn naive_losses(dm: &Dims, p: &P, seqs: &[Vec<u32>], coef: f64) -> (f64, f64) {
             let mut k = Vec::new();
             let mut vv = Vec::new();
             for (i, xi) in x.iter().enumerate() {
-                let y = vm(&rms(xi, w("attn_norm")), w("qkv"), (nh + 2 * nk) * d);
+                let y = vm(
+                    &norm(dm, p, xi, &format!("L{l}.attn_norm")),
+                    w("qkv"),
+                    (nh + 2 * nk) * d,
+                );
+                let rot = !dm.learned_positions;
                 let mut qi = y[..nh * d].to_vec();
                 let mut ki = y[nh * d..(nh + nk) * d].to_vec();
                 for hh in 0..nh {
-                    rope(&mut qi[hh * d..(hh + 1) * d], i, d);
+                    if rot {
+                        rope(&mut qi[hh * d..(hh + 1) * d], i, d);
+                    }
                 }
                 for hh in 0..nk {
-                    rope(&mut ki[hh * d..(hh + 1) * d], i, d);
+                    if rot {
+                        rope(&mut ki[hh * d..(hh + 1) * d], i, d);
+                    }
                 }
                 q.push(qi);
                 k.push(ki);
@@ -112,7 +156,8 @@ fn naive_losses(dm: &Dims, p: &P, seqs: &[Vec<u32>], coef: f64) -> (f64, f64) {
             }
             if !dm.is_moe_layer(l) {
                 for xi in x.iter_mut() {
-                    let y = mlp(&rms(xi, w("mlp_norm")), w("fc1"), w("fc2"), f, h);
+                    let n = norm(dm, p, xi, &format!("L{l}.mlp_norm"));
+                    let y = mlp(dm, &n, w("fc1"), w("fc2"), f, h);
                     for c in 0..h {
                         xi[c] += y[c];
                     }
@@ -124,7 +169,7 @@ fn naive_losses(dm: &Dims, p: &P, seqs: &[Vec<u32>], coef: f64) -> (f64, f64) {
             let mut count = vec![0.0; ne];
             let mut psum = vec![0.0; ne];
             for xi in x.iter_mut() {
-                let n = rms(xi, w("mlp_norm"));
+                let n = norm(dm, p, xi, &format!("L{l}.mlp_norm"));
                 let lg = vm(&n, w("router"), ne);
                 let mx = lg.iter().copied().fold(f64::MIN, f64::max);
                 let z: f64 = lg.iter().map(|a| (a - mx).exp()).sum();
@@ -136,7 +181,7 @@ fn naive_losses(dm: &Dims, p: &P, seqs: &[Vec<u32>], coef: f64) -> (f64, f64) {
                 let mut y = vec![0.0; h];
                 for &e in sel {
                     let fc = |n_: &str| &p[&format!("L{l}.e{e}.{n_}")];
-                    let o = mlp(&n, fc("expert_fc1"), fc("expert_fc2"), m.fe, h);
+                    let o = mlp(dm, &n, fc("expert_fc1"), fc("expert_fc2"), m.fe, h);
                     for c in 0..h {
                         y[c] += pr[e] / ssum * o[c];
                     }
@@ -146,7 +191,7 @@ fn naive_losses(dm: &Dims, p: &P, seqs: &[Vec<u32>], coef: f64) -> (f64, f64) {
                     psum[e] += pr[e];
                 }
                 if m.fs > 0 {
-                    let o = mlp(&n, w("shared_fc1"), w("shared_fc2"), m.fs, h);
+                    let o = mlp(dm, &n, w("shared_fc1"), w("shared_fc2"), m.fs, h);
                     for c in 0..h {
                         y[c] += o[c];
                     }
@@ -161,7 +206,7 @@ fn naive_losses(dm: &Dims, p: &P, seqs: &[Vec<u32>], coef: f64) -> (f64, f64) {
             aux += coef * ne as f64 * fp / seqs.len() as f64;
         }
         for (i, xi) in x.iter().enumerate() {
-            let n = rms(xi, &p["final_norm"]);
+            let n = norm(dm, p, xi, "final_norm");
             let logits: Vec<f64> = if dm.tied {
                 (0..v)
                     .map(|t| (0..h).map(|c| n[c] * p["embedding"][t * h + c]).sum())
@@ -388,6 +433,12 @@ fn moe_aux_loss_router_gradient_matches_finite_differences() {
 /// Names of every parameter of the single-rank model.
 fn g_names(dims: &Dims) -> Vec<String> {
     let mut v = vec!["embedding".to_string(), "final_norm".to_string()];
+    if dims.layernorm {
+        v.push("final_norm_bias".into());
+    }
+    if dims.learned_positions {
+        v.push("pos_embedding".into());
+    }
     if !dims.tied {
         v.push("lm_head".into());
     }
@@ -396,4 +447,11 @@ fn g_names(dims: &Dims) -> Vec<String> {
         v.extend(dims.expert_params(l, 0..dims.moe.as_ref().map_or(0, |m| m.experts)));
     }
     v
+}
+
+/// GPT-style blocks (LayerNorm with bias, GeLU MLP, learned positions), tied and untied.
+#[test]
+fn single_rank_gpt_step_matches_the_naive_model() {
+    check_plan(&common::gpt_template(true, 2), "L1.mlp_norm_bias");
+    check_plan(&common::gpt_template(false, 2), "pos_embedding");
 }

@@ -45,6 +45,19 @@ cluster:
     )
 }
 
+/// GPT-style blocks: LayerNorm with bias, GeLU MLP, learned absolute positions.
+pub fn gpt_spec_text(tied: bool, layers: u32) -> String {
+    spec_text(tied, layers).replace(
+        "    ffn_activation: swiglu\n",
+        "    ffn_activation: gelu\n    norm: layernorm\n    learned_positions: true\n",
+    )
+}
+
+/// [`template`] of the GPT-style model ([`gpt_spec_text`]).
+pub fn gpt_template(tied: bool, layers: u32) -> Plan {
+    template_of(&gpt_spec_text(tied, layers))
+}
+
 /// The MoE model: 4 experts, top-2, one shared expert; layers `0..first_k_dense` dense.
 pub fn moe_spec_text(layers: u32, first_k_dense: u32, shared: u32) -> String {
     spec_text(false, layers).replace(
