@@ -2712,9 +2712,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     }
                 }
                 let a = self.acts.get_mut(&key).unwrap();
-                if a.0.get("dn2").is_none() {
-                    a.put("dn2", vec![0.0; t * h]);
-                }
+                a.0.entry("dn2").or_insert_with(|| vec![0.0; t * h]);
                 a.put("dlogits", dl);
                 self.tag = Tag::RouterD;
             }

@@ -412,19 +412,18 @@ fn moe_aux_loss_router_gradient_matches_finite_differences() {
     // Small enough that no token's top-k choice flips (f is piecewise constant).
     let h = 1e-6;
     let mut worst = 0.0f64;
-    for i in 0..ga.len() {
+    for (i, &want) in ga.iter().enumerate() {
         let mut pp = p.clone();
         pp.get_mut("L1.router").unwrap()[i] += h;
         let mut pm = p.clone();
         pm.get_mut("L1.router").unwrap()[i] -= h;
         let fd = (naive_losses(&dims, &pp, &seqs, 1.0).1 - naive_losses(&dims, &pm, &seqs, 1.0).1)
             / (2.0 * h);
-        let e = (fd - ga[i]).abs() / scale;
+        let e = (fd - want).abs() / scale;
         worst = worst.max(e);
         assert!(
             e < 1e-5,
-            "router[{i}]: aux finite difference {fd}, executor {} (scale {scale})",
-            ga[i]
+            "router[{i}]: aux finite difference {fd}, executor {want} (scale {scale})"
         );
     }
     eprintln!("aux router gradient vs finite differences: worst {worst:.2e} of {scale:.3e}");
