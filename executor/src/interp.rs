@@ -47,10 +47,14 @@
 //! gradients under SP, the global gradient-norm all-reduce for clipping and the ZeRO-3
 //! refresh of the embedding/head weights after the optimizer; for MoE layers, the cp
 //! all-reduce of each sequence's routing statistics for the load-balancing loss and, with
-//! tp > 1, the tp all-reduce of the gate gradients (each tp rank's expert outputs are
-//! partial sums). MoE with sequence parallelism is refused: the lowering routes each tp
-//! rank's sequence shard but sizes the experts for every token of the micro-batch, with no
-//! TP gather of the routed rows in between.
+//! tp > 1 without SP, the tp all-reduce of the gate gradients (each tp rank's expert
+//! outputs are partial sums); with SP (each tp rank routes its sequence shard, as the
+//! lowering's router GEMM says, while the expert GEMMs are sized for every token of the
+//! micro-batch): the tp all-reduce of the routing statistics, the TP all-gather of the
+//! dispatched rows before the experts and the TP reduce-scatter of their partial outputs
+//! after them (forward and backward; Megatron's alltoall dispatcher with TP does the
+//! same), and the router weight's gradient completed by the SP all-reduce of replicated
+//! weights' gradients.
 
 use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
@@ -313,14 +317,6 @@ fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
             "moe.num_experts {} is not divisible by ep={}",
             m.experts, layout.ep
         ));
-    }
-    if layout.tp > 1 && layout.sequence_parallel {
-        return Err(
-            "not supported yet: MoE layers with sequence parallelism (the lowering \
-             routes each rank's sequence shard but runs the experts on every token of the \
-             micro-batch, with no TP gather of the routed tokens between the two)"
-                .into(),
-        );
     }
     Ok(())
 }
@@ -1790,7 +1786,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     .moe
                     .as_ref()
                     .ok_or("all-to-all in a dense model")?;
-                check(self.tokens() * m.top_k * self.dims.h)?;
+                check(self.routed_tokens() * m.top_k * self.dims.h)?;
                 let a = self.acts.get_mut(&(l, mb)).ok_or("no activations")?;
                 let buf = a.take(key)?;
                 let out = self.comm.all_to_all(group, &buf);
@@ -2207,15 +2203,71 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             .ok_or_else(|| "an MoE op in a dense model".to_string())
     }
 
-    /// The dispatch-buffer layout for rows of width `w`.
+    /// The dispatch-buffer layout for rows of width `w`: one chunk per ep member (the
+    /// source side).
     fn chunks(&self, w: usize) -> Result<Chunks, String> {
         let m = self.moe_dims()?;
         Ok(Chunks {
             members: self.ep.len(),
             el: m.experts / self.ep.len(),
-            cap: self.tokens() * m.top_k,
+            cap: self.routed_tokens() * m.top_k,
             w,
         })
+    }
+
+    /// The layout the local experts see: under sequence parallelism the dispatch buffers
+    /// of every tp rank (tp-major), else the source side's.
+    fn expert_chunks(&self, w: usize) -> Result<Chunks, String> {
+        let mut c = self.chunks(w)?;
+        if self.sp {
+            c.members *= self.tp.len();
+        }
+        Ok(c)
+    }
+
+    /// Tokens this rank routes: its sequence shard under SP, else the micro-batch's.
+    fn routed_tokens(&self) -> usize {
+        if self.sp {
+            self.tokens() / self.tp.len()
+        } else {
+            self.tokens()
+        }
+    }
+
+    /// Index of this rank's first routed token among the micro-batch's tokens.
+    fn routed_offset(&self) -> usize {
+        if self.sp {
+            self.tp_pos * self.routed_tokens()
+        } else {
+            0
+        }
+    }
+
+    /// implicit (SP): each tp rank's expert shard runs on the rows every tp rank
+    /// dispatched (the IR sizes the expert GEMMs for them but has no TP gather).
+    fn expert_gather(&mut self, buf: Vec<f32>) -> Vec<f32> {
+        if !self.sp {
+            return buf;
+        }
+        let g = self.tp.clone();
+        self.comm.all_gather(&g, &buf)
+    }
+
+    /// implicit (SP): the partial expert outputs summed over tp and returned to the tp
+    /// rank that dispatched them, with its own chunks' headers.
+    fn expert_scatter(&mut self, buf: Vec<f32>, ch: &Chunks, recv: &[Vec<usize>]) -> Vec<f32> {
+        if !self.sp {
+            return buf;
+        }
+        let g = self.tp.clone();
+        let mut out = self.comm.reduce_scatter(&g, &buf);
+        let nep = self.ep.len();
+        for m in 0..nep {
+            for (e, &n) in recv[self.tp_pos * nep + m].iter().enumerate() {
+                out[m * ch.chunk() + e] = n as f32;
+            }
+        }
+        out
     }
 
     fn expert_name(&self, l: u32, le: usize, which: &str) -> String {
@@ -2232,7 +2284,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// statistics, and lay the routed rows out for the dispatch all-to-all.
     fn moe_dispatch(&mut self, l: u32, mb: u32, pass: Pass) -> Result<(), String> {
         let m = self.moe_dims()?;
-        let (t, h, e, k) = (self.tokens(), self.dims.h, m.experts, m.top_k);
+        let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
+        let off = self.routed_offset();
         let a = self.acts.get_mut(&(l, mb)).ok_or("no activations")?;
         let logits = a.take("logits")?;
         let r = self.be.route(&logits, e, k);
@@ -2240,13 +2293,18 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let (sl, nseq) = (self.seq_local(), self.mb_size);
         let mut stats = vec![0.0f32; nseq * 2 * e];
         for i in 0..t {
-            let b = i / sl;
+            let b = (off + i) / sl;
             for &x in &r.experts[i * k..(i + 1) * k] {
                 stats[b * 2 * e + x as usize] += 1.0;
             }
             for x in 0..e {
                 stats[b * 2 * e + e + x] += r.probs[i * e + x];
             }
+        }
+        if self.sp {
+            // implicit: a sequence's routing statistics summed over its SP shards.
+            let g = self.tp.clone();
+            self.comm.all_reduce(&g, &mut stats);
         }
         if self.cp.len() > 1 {
             // implicit: a sequence's routing statistics summed over its cp shards.
@@ -2295,11 +2353,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 buf[mm * ch.chunk() + x] = n as f32;
             }
         }
-        let a = self.acts.get(&(l, mb)).ok_or("no activations")?;
-        let x =
-            a.0.get("n2_full")
-                .or(a.0.get("n2"))
-                .ok_or("no normed input")?;
+        // The local tokens (the sequence shard under SP).
+        let x = self.acts[&(l, mb)].get("n2")?;
         let mut slot = vec![(0, 0); t * k];
         for i in 0..t {
             for j in 0..k {
@@ -2337,21 +2392,25 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         match gname {
             "router" => {
                 let a = self.acts.get(&key).ok_or("no activations")?;
-                let x =
-                    a.0.get("n2_full")
-                        .or(a.0.get("n2"))
-                        .ok_or("no normed input")?;
-                let y = be.linear_fwd(x, self.w(&format!("L{l}.router"))?, t, h, m.experts);
+                let x = a.get("n2")?;
+                let y = be.linear_fwd(
+                    x,
+                    self.w(&format!("L{l}.router"))?,
+                    self.routed_tokens(),
+                    h,
+                    m.experts,
+                );
                 self.acts.get_mut(&key).unwrap().put("logits", y);
                 self.tag = Tag::Router;
             }
             "expert_fc1" => {
-                let ch = self.chunks(h)?;
+                let ch = self.expert_chunks(h)?;
                 let buf = self
                     .acts
                     .get_mut(&key)
                     .ok_or("no activations")?
                     .take("xr")?;
+                let buf = self.expert_gather(buf);
                 let recv = ch.headers(&buf)?;
                 let (x, off) = ch.group(&buf, &recv);
                 let mut out = vec![0.0f32; off[ch.el] * self.dims.fc1_blocks() * fel];
@@ -2377,7 +2436,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.tag = Tag::EFc1;
             }
             "expert_fc2" => {
-                let ch = self.chunks(h)?;
+                let ch = self.expert_chunks(h)?;
                 let recv = self.moe_state(l, mb)?.recv.clone();
                 let off = expert_offsets(&recv, ch.el);
                 let act = self.acts.get(&key).ok_or("no activations")?.get("eact")?;
@@ -2391,6 +2450,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     }
                 }
                 let buf = ch.ungroup(&y, &recv);
+                let buf = self.expert_scatter(buf, &ch, &recv);
                 self.acts.get_mut(&key).unwrap().put("yr", buf);
                 self.tag = Tag::EFc2;
             }
@@ -2430,7 +2490,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// weighted by the gates.
     fn moe_unpermute(&mut self, l: u32, mb: u32) -> Result<(), String> {
         let m = self.moe_dims()?;
-        let (t, h, k) = (self.tokens(), self.dims.h, m.top_k);
+        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
+        let off = self.routed_offset();
+        let tokens = self.tokens();
         let ch = self.chunks(h)?;
         let buf = self
             .acts
@@ -2447,7 +2509,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         }
         let r = st.routing.as_ref().ok_or("no routing")?;
         let mut eo = vec![0.0f32; t * k * h];
-        let mut y = vec![0.0f32; t * h];
+        // Under SP: this rank's rows of the micro-batch, zero elsewhere (the tp
+        // reduce-scatter after the block adds the shared experts' partial sums).
+        let mut y = vec![0.0f32; tokens * h];
         for i in 0..t {
             for j in 0..k {
                 let (mm, row) = st.slot[i * k + j];
@@ -2455,7 +2519,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let src = &buf[lo..lo + h];
                 eo[(i * k + j) * h..(i * k + j + 1) * h].copy_from_slice(src);
                 let g = r.gates[i * k + j];
-                for (a, b) in y[i * h..(i + 1) * h].iter_mut().zip(src) {
+                for (a, b) in y[(off + i) * h..(off + i + 1) * h].iter_mut().zip(src) {
                     *a += g * b;
                 }
             }
@@ -2484,7 +2548,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// laid out like the forward's dispatch.
     fn moe_dispatch_bwd(&mut self, l: u32, mb: u32) -> Result<(), String> {
         let m = self.moe_dims()?;
-        let (t, h, k) = (self.tokens(), self.dims.h, m.top_k);
+        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
+        let off = self.routed_offset();
         let ch = self.chunks(h)?;
         let dy = self.moe_dy(l, mb)?;
         let st = self.moe_state(l, mb)?;
@@ -2500,7 +2565,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let (mm, row) = st.slot[i * k + j];
                 let lo = mm * ch.chunk() + ch.el + row * h;
                 let g = r.gates[i * k + j];
-                for (a, b) in buf[lo..lo + h].iter_mut().zip(&dy[i * h..(i + 1) * h]) {
+                let d = &dy[(off + i) * h..(off + i + 1) * h];
+                for (a, b) in buf[lo..lo + h].iter_mut().zip(d) {
                     *a = g * b;
                 }
             }
@@ -2514,7 +2580,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// summed into the MLP input's gradient.
     fn moe_unpermute_bwd(&mut self, l: u32, mb: u32) -> Result<(), String> {
         let m = self.moe_dims()?;
-        let (t, h, k) = (self.tokens(), self.dims.h, m.top_k);
+        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
+        let (off, tokens) = (self.routed_offset(), self.tokens());
         let ch = self.chunks(h)?;
         let buf = self
             .acts
@@ -2533,12 +2600,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             .0
             .get("dn2")
             .cloned()
-            .unwrap_or_else(|| vec![0.0; t * h]);
+            .unwrap_or_else(|| vec![0.0; tokens * h]);
         for i in 0..t {
             for j in 0..k {
                 let (mm, row) = st.slot[i * k + j];
                 let lo = mm * ch.chunk() + ch.el + row * h;
-                for (a, b) in dn[i * h..(i + 1) * h].iter_mut().zip(&buf[lo..lo + h]) {
+                let d = &mut dn[(off + i) * h..(off + i + 1) * h];
+                for (a, b) in d.iter_mut().zip(&buf[lo..lo + h]) {
                     *a += b;
                 }
             }
@@ -2596,12 +2664,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.tag = Tag::SFc1W;
             }
             "expert_fc2.dgrad" => {
-                let ch = self.chunks(h)?;
+                let ch = self.expert_chunks(h)?;
                 let buf = self
                     .acts
                     .get_mut(&key)
                     .ok_or("no activations")?
                     .take("dr")?;
+                let buf = self.expert_gather(buf);
                 let hdr = ch.headers(&buf)?;
                 let recv = self.moe_state(l, mb)?.recv.clone();
                 if hdr != recv {
@@ -2625,7 +2694,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.tag = Tag::EFc2D;
             }
             "expert_fc2.wgrad" | "expert_fc1.wgrad" | "expert_fc1.dgrad" => {
-                let ch = self.chunks(h)?;
+                let ch = self.expert_chunks(h)?;
                 let recv = self.moe_state(l, mb)?.recv.clone();
                 let off = expert_offsets(&recv, ch.el);
                 let fc2 = gname == "expert_fc2.wgrad";
@@ -2660,6 +2729,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 }
                 if dgrad {
                     let buf = ch.ungroup(&dx, &recv);
+                    let buf = self.expert_scatter(buf, &ch, &recv);
                     self.acts.get_mut(&key).unwrap().put("dr", buf);
                 }
                 self.tag = match gname {
@@ -2669,61 +2739,60 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 };
             }
             "router.dgrad" => {
+                let (tr, off) = (self.routed_tokens(), self.routed_offset());
                 let dy = self
                     .acts
                     .get_mut(&key)
                     .ok_or("no activations")?
                     .take("dy2")?;
                 let eo = self.acts[&key].get("eo")?;
-                let mut dg = vec![0.0f32; t * k];
-                for i in 0..t {
+                let mut dg = vec![0.0f32; tr * k];
+                for i in 0..tr {
+                    let d = &dy[(off + i) * h..(off + i + 1) * h];
                     for j in 0..k {
                         let o = &eo[(i * k + j) * h..(i * k + j + 1) * h];
-                        dg[i * k + j] = o
-                            .iter()
-                            .zip(&dy[i * h..(i + 1) * h])
-                            .map(|(a, b)| a * b)
-                            .sum();
+                        dg[i * k + j] = o.iter().zip(d).map(|(a, b)| a * b).sum();
                     }
                 }
-                if self.tp.len() > 1 {
+                if self.tp.len() > 1 && !self.sp {
                     // implicit: each tp rank's expert outputs are partial sums over its
                     // share of the expert width; the gate gradient needs the full ones.
+                    // (Under SP the expert outputs came back summed.)
                     let g = self.tp.clone();
                     self.comm.all_reduce(&g, &mut dg);
                 }
                 let sl = self.seq_local();
                 let st = self.moe.get(&key).ok_or("no routing state")?;
-                let mut dprobs = vec![0.0f32; t * e];
-                for i in 0..t {
-                    let b = i / sl;
+                let mut dprobs = vec![0.0f32; tr * e];
+                for i in 0..tr {
+                    let b = (off + i) / sl;
                     dprobs[i * e..(i + 1) * e].copy_from_slice(&st.daux[b * e..(b + 1) * e]);
                 }
                 let r = st.routing.as_ref().ok_or("no routing")?;
                 let dl = be.route_bwd(r, &dg, &dprobs, e, k);
-                if self.tp_pos == 0 {
-                    // Every tp rank routes the same tokens; the tp reduction of the input
-                    // gradient that follows must count the router's share once.
-                    let d = be.linear_dgrad(&dl, self.w(&nm("router"))?, t, h, e);
-                    let a = self.acts.get_mut(&key).unwrap();
-                    match a.0.get_mut("dn2") {
-                        Some(x) => x.iter_mut().zip(&d).for_each(|(p, q)| *p += q),
-                        None => a.put("dn2", d),
-                    }
-                }
                 let a = self.acts.get_mut(&key).unwrap();
                 a.0.entry("dn2").or_insert_with(|| vec![0.0; t * h]);
-                a.put("dlogits", dl);
+                // Without SP every tp rank routes the same tokens: the tp reduction of the
+                // input gradient that follows must count the router's share once. Under SP
+                // each rank adds its own tokens' rows.
+                if self.sp || self.tp_pos == 0 {
+                    let d = be.linear_dgrad(&dl, self.w(&nm("router"))?, tr, h, e);
+                    let dn = self.acts.get_mut(&key).unwrap().0.get_mut("dn2").unwrap();
+                    for (p, q) in dn[off * h..(off + tr) * h].iter_mut().zip(&d) {
+                        *p += q;
+                    }
+                }
+                self.acts.get_mut(&key).unwrap().put("dlogits", dl);
                 self.tag = Tag::RouterD;
             }
             "router.wgrad" => {
+                let tr = self.routed_tokens();
                 let a = self.acts.get(&key).ok_or("no activations")?;
-                let x =
-                    a.0.get("n2_full")
-                        .or(a.0.get("n2"))
-                        .ok_or("no normed input")?;
                 let dw = self.grads.get_mut(&nm("router")).ok_or("no grad")?;
-                be.linear_wgrad(x, a.get("dlogits")?, t, h, e, dw);
+                // Under SP a partial sum over this rank's tokens: the router is replicated
+                // over tp, so the implicit SP all-reduce of replicated weights' gradients
+                // completes it.
+                be.linear_wgrad(a.get("n2")?, a.get("dlogits")?, tr, h, e, dw);
                 self.tag = Tag::RouterW;
             }
             other => return Err(format!("unknown MoE backward gemm `{other}`")),
