@@ -237,9 +237,8 @@ pub fn run_program_with<B: Backend + Clone + 'static>(
                         rk.diagnostics = opts.diagnostics;
                         let ctx = rk.data_ctx();
                         rk.data = Some(match opts.data {
-                            Some(f) => f(ctx).map_err(|e| {
-                                ExecError::Model(format!("data for rank {r}: {e}"))
-                            })?,
+                            Some(f) => f(ctx)
+                                .map_err(|e| ExecError::Model(format!("data for rank {r}: {e}")))?,
                             None => Box::new(Synthetic {
                                 seed: cfg.seed,
                                 ctx,
@@ -308,6 +307,16 @@ pub fn run_program_with<B: Backend + Clone + 'static>(
 
 /// What the executor needs of expert parallelism and MoE layers under a layout.
 fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
+    if dims.tied && layout.pp > 1 {
+        // The lowering has no all-reduce of the embedding gradient between the first and
+        // the last stage (Megatron's embedding group); running without it would train two
+        // different tables.
+        return Err(format!(
+            "tied embeddings with pp = {}: the op graph has no first/last-stage sync of the \
+             shared embedding gradient yet; untie them or use pp = 1",
+            layout.pp
+        ));
+    }
     let Some(m) = &dims.moe else {
         if layout.ep > 1 {
             return Err(format!(

@@ -86,6 +86,28 @@ fn tied_embeddings_single_stage() {
     matrix(true, &["tp2,ga4", "dp2,ga2,zero1"]);
 }
 
+/// Tied embeddings across pipeline stages need a gradient sync the IR does not have yet:
+/// refused with a message, not trained wrongly.
+#[test]
+fn tied_embeddings_across_stages_are_refused() {
+    let tpl = common::template(true, common::LAYERS);
+    let plan = common::plan_for(&tpl, common::layout("pp2,ga4"));
+    let l = shardwright_lowering::lower(&plan).unwrap();
+    let err = shardwright_executor::run_program(
+        &l.program,
+        &l.job,
+        &l.layout,
+        shardwright_executor::Cpu,
+        &common::cfg(),
+        1,
+    )
+    .expect_err("refused");
+    assert!(
+        err.to_string().contains("tied embeddings with pp = 2"),
+        "{err}"
+    );
+}
+
 #[test]
 fn zero3() {
     matrix(
