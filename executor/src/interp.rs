@@ -261,9 +261,7 @@ pub fn run_rank<B: Backend, C: Communicator>(
         rk.diagnostics = opts.diagnostics;
         let ctx = rk.data_ctx();
         rk.data = Some(match opts.data {
-            Some(f) => {
-                f(ctx).map_err(|e| ExecError::Model(format!("data for rank {r}: {e}")))?
-            }
+            Some(f) => f(ctx).map_err(|e| ExecError::Model(format!("data for rank {r}: {e}")))?,
             None => Box::new(Synthetic {
                 seed: cfg.seed,
                 ctx,

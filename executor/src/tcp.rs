@@ -256,11 +256,10 @@ fn answer(req: &[u8], t: &Table) -> Result<Vec<u8>, String> {
                 if left.is_zero() {
                     return Ok(vec![1]);
                 }
-                map = t
-                    .cv
-                    .wait_timeout(map, left)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
+                map =
+                    t.cv.wait_timeout(map, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
             }
         }
         OP_ADD => {
@@ -388,10 +387,12 @@ impl Store {
         let mut r = Store::req(OP_ADD, key);
         r.extend_from_slice(&delta.to_le_bytes());
         let v = self.call(&format!("add `{key}`"), &r, self.timeout)?;
-        let b: [u8; 8] = v
-            .as_slice()
-            .try_into()
-            .map_err(|_| format!("rendezvous store at {}: add `{key}`: malformed reply", self.addr))?;
+        let b: [u8; 8] = v.as_slice().try_into().map_err(|_| {
+            format!(
+                "rendezvous store at {}: add `{key}`: malformed reply",
+                self.addr
+            )
+        })?;
         Ok(i64::from_le_bytes(b))
     }
 
@@ -424,7 +425,11 @@ impl Store {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Tag {
     P2p,
-    Coll { group: Vec<u32>, seq: u64, phase: u8 },
+    Coll {
+        group: Vec<u32>,
+        seq: u64,
+        phase: u8,
+    },
 }
 
 #[derive(Default)]
@@ -507,7 +512,12 @@ pub struct TcpComm {
 impl TcpComm {
     /// Join the mesh: listen on an ephemeral port of the interface that reaches the store,
     /// publish it, connect to every lower rank and accept every higher one.
-    pub fn connect(store: Store, rank: u32, world: u32, timeout: Duration) -> Result<TcpComm, String> {
+    pub fn connect(
+        store: Store,
+        rank: u32,
+        world: u32,
+        timeout: Duration,
+    ) -> Result<TcpComm, String> {
         if world == 0 || rank >= world {
             return Err(format!("rank {rank} is not below the world size {world}"));
         }
@@ -524,15 +534,19 @@ impl TcpComm {
         let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         // Lower ranks: connect and introduce this rank.
         for j in 0..rank {
-            let a = store.get(&format!("mesh/addr/{j}")).map_err(|e| {
-                format!("{me}: waiting for rank {j} to publish its address: {e}")
-            })?;
+            let a = store
+                .get(&format!("mesh/addr/{j}"))
+                .map_err(|e| format!("{me}: waiting for rank {j} to publish its address: {e}"))?;
             let a = String::from_utf8_lossy(&a).into_owned();
             let sa = resolve(&a).map_err(|e| format!("{me}: rank {j}'s address: {e}"))?;
             let mut s = connect_retry(sa, deadline)
                 .map_err(|e| format!("{me}: cannot connect to rank {j} at {a}: {e}"))?;
-            s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100))))
-                .map_err(|e| format!("{me}: {e}"))?;
+            s.set_read_timeout(Some(
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(100)),
+            ))
+            .map_err(|e| format!("{me}: {e}"))?;
             let mut hello = HELLO.to_vec();
             hello.extend_from_slice(&rank.to_le_bytes());
             hello.extend_from_slice(&world.to_le_bytes());
@@ -540,9 +554,13 @@ impl TcpComm {
                 .map_err(|e| format!("{me}: introducing itself to rank {j}: {e}"))?;
             let ack = read_frame(&mut s)
                 .map_err(|e| format!("{me}: waiting for rank {j}'s answer: {e}"))?
-                .ok_or_else(|| format!("{me}: rank {j} closed the connection during the handshake"))?;
+                .ok_or_else(|| {
+                    format!("{me}: rank {j} closed the connection during the handshake")
+                })?;
             if ack.as_slice() != [HELLO.as_slice(), &j.to_le_bytes()].concat() {
-                return Err(format!("{me}: the process at {a} is not rank {j} of this job"));
+                return Err(format!(
+                    "{me}: the process at {a} is not rank {j} of this job"
+                ));
             }
             peers[j as usize] = Some(s);
         }
@@ -669,8 +687,14 @@ impl TcpComm {
             );
         };
         if let Err(e) = write_frame(s, &encode(tag, data)) {
-            let why = if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
-                format!("rank {peer} did not take the message within {}", secs(self.timeout))
+            let why = if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) {
+                format!(
+                    "rank {peer} did not take the message within {}",
+                    secs(self.timeout)
+                )
             } else {
                 format!("sending to rank {peer} failed ({e}): its process exited or failed")
             };
@@ -747,9 +771,7 @@ fn read_loop(s: TcpStream, peer: u32, sh: &Shared) {
                 }
                 Err(e) => break format!("sent a malformed message ({e})"),
             },
-            Ok(None) => {
-                break "closed the connection (its process exited or failed)".to_string()
-            }
+            Ok(None) => break "closed the connection (its process exited or failed)".to_string(),
             Err(e) => break format!("connection failed ({e}): its process exited or failed"),
         }
     };
@@ -791,8 +813,16 @@ impl Communicator for TcpComm {
         let seq = self.next_seq(group);
         let what = || format!("all_reduce #{seq} on group {group:?}");
         let len = data.len();
-        let t0 = Tag::Coll { group: group.to_vec(), seq, phase: 0 };
-        let t1 = Tag::Coll { group: group.to_vec(), seq, phase: 1 };
+        let t0 = Tag::Coll {
+            group: group.to_vec(),
+            seq,
+            phase: 0,
+        };
+        let t1 = Tag::Coll {
+            group: group.to_vec(),
+            seq,
+            phase: 1,
+        };
         // Reduce-scatter: member k sums chunk k of every contribution, in group order.
         for (k, &m) in group.iter().enumerate() {
             if k != pos {
@@ -838,7 +868,11 @@ impl Communicator for TcpComm {
         let pos = self.pos(group);
         let seq = self.next_seq(group);
         let what = || format!("all_gather #{seq} on group {group:?}");
-        let t = Tag::Coll { group: group.to_vec(), seq, phase: 0 };
+        let t = Tag::Coll {
+            group: group.to_vec(),
+            seq,
+            phase: 0,
+        };
         for (k, &m) in group.iter().enumerate() {
             if k != pos {
                 self.put(m, &t, data, &what);
@@ -868,7 +902,11 @@ impl Communicator for TcpComm {
         let pos = self.pos(group);
         let seq = self.next_seq(group);
         let what = || format!("reduce_scatter #{seq} on group {group:?}");
-        let t = Tag::Coll { group: group.to_vec(), seq, phase: 0 };
+        let t = Tag::Coll {
+            group: group.to_vec(),
+            seq,
+            phase: 0,
+        };
         let c = data.len() / n;
         for (k, &m) in group.iter().enumerate() {
             if k != pos {
@@ -903,7 +941,11 @@ impl Communicator for TcpComm {
         let pos = self.pos(group);
         let seq = self.next_seq(group);
         let what = || format!("all_to_all #{seq} on group {group:?}");
-        let t = Tag::Coll { group: group.to_vec(), seq, phase: 0 };
+        let t = Tag::Coll {
+            group: group.to_vec(),
+            seq,
+            phase: 0,
+        };
         let c = data.len() / n;
         for (k, &m) in group.iter().enumerate() {
             if k != pos {
@@ -932,7 +974,11 @@ impl Communicator for TcpComm {
         let pos = self.pos(group);
         let seq = self.next_seq(group);
         let what = || format!("broadcast #{seq} from rank {root} on group {group:?}");
-        let t = Tag::Coll { group: group.to_vec(), seq, phase: 0 };
+        let t = Tag::Coll {
+            group: group.to_vec(),
+            seq,
+            phase: 0,
+        };
         if pos == r {
             for (k, &m) in group.iter().enumerate() {
                 if k != pos {
@@ -998,12 +1044,12 @@ pub fn env_rank(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<EnvRank>,
     if world == 0 {
         return Err("WORLD_SIZE=`0`: a job has at least one rank".into());
     }
-    let rank_s = get("RANK").ok_or("WORLD_SIZE is set but RANK is not: set RANK (0 .. WORLD_SIZE-1) for every process")?;
+    let rank_s = get("RANK").ok_or(
+        "WORLD_SIZE is set but RANK is not: set RANK (0 .. WORLD_SIZE-1) for every process",
+    )?;
     let rank = num("RANK", &rank_s)?;
     if rank >= world {
-        return Err(format!(
-            "RANK={rank} is not below WORLD_SIZE={world}"
-        ));
+        return Err(format!("RANK={rank} is not below WORLD_SIZE={world}"));
     }
     let local_rank = get("LOCAL_RANK")
         .map(|v| num("LOCAL_RANK", &v))
@@ -1011,8 +1057,9 @@ pub fn env_rank(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<EnvRank>,
     let addr = get("MASTER_ADDR")
         .filter(|a| !a.trim().is_empty())
         .ok_or("WORLD_SIZE is set but MASTER_ADDR is not: set it to the host of rank 0")?;
-    let port_s = get("MASTER_PORT")
-        .ok_or("WORLD_SIZE is set but MASTER_PORT is not: set it to a free TCP port on rank 0's host")?;
+    let port_s = get("MASTER_PORT").ok_or(
+        "WORLD_SIZE is set but MASTER_PORT is not: set it to a free TCP port on rank 0's host",
+    )?;
     let port = match port_s.trim().parse::<u16>() {
         Ok(p) if p > 0 => p,
         _ => {
@@ -1031,7 +1078,12 @@ pub fn env_rank(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<EnvRank>,
 }
 
 /// Rendezvous through the store at `master` (rank 0 serves it) and connect the mesh.
-pub fn rendezvous(master: &str, rank: u32, world: u32, timeout: Duration) -> Result<TcpComm, String> {
+pub fn rendezvous(
+    master: &str,
+    rank: u32,
+    world: u32,
+    timeout: Duration,
+) -> Result<TcpComm, String> {
     let store = if rank == 0 {
         Store::host(master, timeout)?
     } else {
