@@ -240,6 +240,14 @@ enum Cmd {
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(
+        after_help = "Examples:\n  shardwright completions bash > ~/.local/share/bash-completion/completions/shardwright\n  shardwright completions zsh > \"${fpath[1]}/_shardwright\"\n  shardwright completions fish > ~/.config/fish/completions/shardwright.fish"
+    )]
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Write the JSON Schema of the plan.
     Schema {
         #[arg(short, long)]
@@ -520,6 +528,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
             dry_run,
             output.as_deref(),
         ),
+        Cmd::Completions { shell } => {
+            let mut buf = Vec::new();
+            clap_complete::generate(
+                shell,
+                &mut <Cli as clap::CommandFactory>::command(),
+                "shardwright",
+                &mut buf,
+            );
+            std::io::Write::write_all(&mut std::io::stdout(), &buf).context("writing stdout")?;
+            Ok(())
+        }
         Cmd::Schema { output } => {
             io::write_output(output.as_deref(), &shardwright_spec::plan::plan_schema())?;
             Ok(())
