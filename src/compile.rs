@@ -16,12 +16,12 @@ use std::path::Path;
 /// Exit code of a plan whose graphs fail verification.
 pub const VERIFY_FAILED: u8 = 4;
 
-fn load_plan(path: &Path) -> Result<Plan, Failure> {
+pub fn load_plan(path: &Path) -> Result<Plan, Failure> {
     let text = io::read_input(path)?;
     io::parse_plan(path, &text)
 }
 
-fn lower_all(path: &Path, plan: &Plan) -> Result<Lowered, Failure> {
+pub fn lower_all(path: &Path, plan: &Plan) -> Result<Lowered, Failure> {
     shardwright_lowering::lower(plan).map_err(|e| usage(anyhow!("{}: {e}", path.display())))
 }
 
@@ -92,9 +92,10 @@ pub fn parse_straggler(s: &str) -> Result<(u32, f64), Failure> {
 }
 
 /// `shardwright verify PLAN`: graph rules, cross-rank matching, checks against the plan.
-pub fn verify(path: &Path, json: bool) -> Result<(), Failure> {
-    let plan = load_plan(path)?;
-    let l = lower_all(path, &plan)?;
+/// Every verification rule on a lowered plan: each graph, the cross-rank matching and
+/// deadlock pass (when the graphs are sound), and the checks against the plan. Errors are
+/// rendered with the offending node's text line.
+pub fn verification(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<String>) {
     let p = &l.program;
     let mut errors: Vec<String> = Vec::new();
     for c in &p.classes {
@@ -116,7 +117,7 @@ pub fn verify(path: &Path, json: bool) -> Result<(), Failure> {
             }
         }
     }
-    let (report, check_errs) = check(&l, &plan);
+    let (report, check_errs) = check(l, plan);
     for e in &check_errs {
         let line = e.node.and_then(|n| {
             let g = p.graph_of(e.rank)?;
@@ -127,6 +128,13 @@ pub fn verify(path: &Path, json: bool) -> Result<(), Failure> {
             None => e.to_string(),
         });
     }
+    (report, errors)
+}
+
+pub fn verify(path: &Path, json: bool) -> Result<(), Failure> {
+    let plan = load_plan(path)?;
+    let l = lower_all(path, &plan)?;
+    let (report, errors) = verification(&l, &plan);
     if json {
         let v = serde_json::json!({
             "ok": errors.is_empty(),

@@ -2,10 +2,13 @@
 
 mod baseline;
 mod compile;
+mod data_cmd;
+mod execute;
 mod explain;
 mod export_cmd;
 mod io;
 mod launch;
+mod plot;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -23,6 +26,7 @@ const EXAMPLES: &str = "Examples:
   shardwright lower plan.json --rank 0 -o rank0.ir
   shardwright verify plan.json
   shardwright simulate plan.json --trace trace.json --ranks 0,8
+  shardwright execute plan.json --backend cpu --steps 200 --data data/shakespeare --out run
 
 Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits,
 4 the plan's graphs fail verification.";
@@ -247,6 +251,53 @@ enum Cmd {
     Completions {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
+    },
+    /// Training data: prepare a tokenized, deduplicated, sharded dataset from text.
+    Data {
+        #[command(subcommand)]
+        cmd: data_cmd::DataCmd,
+    },
+    /// Train: lower and verify the plan, then run every rank's op graph (CPU backend: ranks
+    /// as threads, real f32 numbers). One JSON line of metrics per step; with --out, also
+    /// summary.json and loss.svg.
+    #[command(
+        after_help = "Examples:\n  shardwright plan specs/tiny-llama-cpu.yaml -o tiny.json\n  shardwright data prepare --input corpus/shakespeare.txt --out data/shakespeare\n  shardwright execute tiny.json --backend cpu --steps 200 --data data/shakespeare --out run\n\nExit codes: 2 bad flags, plan, model the backend cannot run, or dataset; 4 the plan's graphs fail verification (nothing runs)."
+    )]
+    Execute {
+        /// Plan JSON (`-` for stdin).
+        plan: PathBuf,
+        #[arg(long, value_enum, default_value_t = execute::BackendKind::Cpu)]
+        backend: execute::BackendKind,
+        /// Training steps.
+        #[arg(long, default_value_t = 20)]
+        steps: u32,
+        /// Prepared dataset (`shardwright data prepare`); default: random tokens.
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// Directory for metrics.jsonl, summary.json and loss.svg (created if missing);
+        /// default: metrics to stdout, nothing else written.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Seed of the weights and of the data order.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Peak learning rate (AdamW).
+        #[arg(long, default_value_t = 3e-3)]
+        lr: f32,
+        /// Final learning rate of the cosine decay.
+        #[arg(long, default_value_t = 3e-4)]
+        min_lr: f32,
+        /// Linear warm-up steps (default: a tenth of --steps).
+        #[arg(long)]
+        warmup: Option<u32>,
+        /// Global gradient-norm clipping threshold.
+        #[arg(long, default_value_t = 1.0)]
+        clip: f32,
+        #[arg(long, default_value_t = 0.1)]
+        weight_decay: f32,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
     },
     /// Write the JSON Schema of the plan.
     Schema {
@@ -539,6 +590,34 @@ fn run(cli: Cli) -> Result<(), Failure> {
             std::io::Write::write_all(&mut std::io::stdout(), &buf).context("writing stdout")?;
             Ok(())
         }
+        Cmd::Data { cmd } => data_cmd::run(cmd),
+        Cmd::Execute {
+            plan,
+            backend,
+            steps,
+            data,
+            out,
+            seed,
+            lr,
+            min_lr,
+            warmup,
+            clip,
+            weight_decay,
+            quiet,
+        } => execute::execute(&execute::ExecArgs {
+            plan,
+            backend,
+            steps,
+            data,
+            out,
+            seed,
+            lr,
+            min_lr,
+            warmup,
+            clip,
+            weight_decay,
+            quiet,
+        }),
         Cmd::Schema { output } => {
             io::write_output(output.as_deref(), &shardwright_spec::plan::plan_schema())?;
             Ok(())

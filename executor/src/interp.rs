@@ -40,6 +40,9 @@ use shardwright_spec::job::Job;
 use shardwright_spec::Layout;
 use std::collections::{BTreeMap, HashMap};
 
+#[allow(dead_code)] // used by checkpoint/resume (next commit)
+mod state;
+
 /// Training hyper-parameters of a run.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExecConfig {

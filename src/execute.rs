@@ -1,0 +1,383 @@
+//! `shardwright execute PLAN`: lower the plan, verify it, and train with the executor.
+//!
+//! Every rank of the plan runs as a thread with the in-process communicator, each
+//! interpreting its own op graph. Per step one JSON line (stdout, or `OUT/metrics.jsonl`)
+//! carries the loss, gradient norm, learning rate, tokens/s, MFU, the step's wall time and
+//! each rank's busy time; at the end `OUT/summary.json` and `OUT/loss.svg` (loss curve and
+//! step time) are written atomically.
+//!
+//! MFU on the CPU backend is measured against this machine's own f32 GEMM peak (one
+//! large GEMM timed at start, times the cores the ranks can use): a CPU has no datasheet
+//! peak to quote, and MFU against an H100 would say nothing.
+
+use crate::compile::{lower_all, verification, VERIFY_FAILED};
+use crate::{io, usage, Failure};
+use anyhow::{anyhow, Context};
+use serde::Serialize;
+use shardwright_executor::model::{lr_at, Dims};
+use shardwright_executor::{
+    run_program_with, Backend, Cpu, DataCtx, DataSource, ExecConfig, RunOptions, StepEvent,
+};
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+/// What `execute` was asked.
+pub struct ExecArgs {
+    pub plan: PathBuf,
+    pub backend: BackendKind,
+    pub steps: u32,
+    pub data: Option<PathBuf>,
+    pub out: Option<PathBuf>,
+    pub seed: u64,
+    pub lr: f32,
+    pub min_lr: f32,
+    pub warmup: Option<u32>,
+    pub clip: f32,
+    pub weight_decay: f32,
+    pub quiet: bool,
+}
+
+/// One step's metrics line.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    /// Steps completed (1-based, as Megatron counts iterations).
+    pub step: u32,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens: u64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    /// Wall time of the step (from the previous step's end on the slowest rank).
+    pub step_time_s: f64,
+    /// Each rank's own time in the step, by rank.
+    pub rank_time_s: Vec<f64>,
+}
+
+#[derive(Serialize)]
+struct Summary<'a> {
+    plan: String,
+    backend: &'static str,
+    world: u32,
+    layout: &'a shardwright_spec::Layout,
+    steps: u32,
+    data: String,
+    tokens_per_step: u64,
+    model_flops_per_step: f64,
+    peak_flops: f64,
+    peak_basis: String,
+    first_loss: f64,
+    last_loss: f64,
+    /// Median over steps after the first (which pays for warm-up).
+    median_tokens_per_s: f64,
+    median_mfu: f64,
+    wall_s: f64,
+}
+
+/// A rank's data source over a prepared dataset.
+struct Prepared(shardwright_data::Loader);
+
+impl DataSource for Prepared {
+    fn micro_batch(&mut self, step: u32, mb: u32) -> Result<Vec<Vec<u32>>, String> {
+        self.0.micro_batch(step, mb).map_err(|e| e.to_string())
+    }
+}
+
+fn loader_config(ctx: &DataCtx, seed: u64, prefetch: usize) -> shardwright_data::LoaderConfig {
+    shardwright_data::LoaderConfig {
+        seed,
+        seq_len: ctx.seq,
+        micro_batch: ctx.micro_batch,
+        grad_accum: ctx.grad_accum,
+        dp_rank: ctx.dp_rank,
+        dp_size: ctx.dp_size,
+        prefetch,
+    }
+}
+
+/// f32 GEMM FLOP/s of one core of this machine: the best of a few 256^3 products.
+fn cpu_gemm_peak() -> f64 {
+    let n = 256;
+    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
+    let b = a.clone();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let c = Cpu.linear_fwd(&a, &b, n, n, n);
+        std::hint::black_box(&c);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n * n * n) as f64 / best.max(1e-9)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Collects each rank's step reports; when every rank has finished a step, emits its line.
+struct Sink {
+    world: u32,
+    tokens: u64,
+    flops: f64,
+    peak: f64,
+    cfg: ExecConfig,
+    last_end: Instant,
+    pending: BTreeMap<u32, Vec<(u32, f64, f64, f64)>>,
+    lines: Vec<StepMetrics>,
+    out: Box<dyn std::io::Write + Send>,
+    bar: indicatif::ProgressBar,
+    error: Option<String>,
+}
+
+impl Sink {
+    fn on_step(&mut self, e: &StepEvent) {
+        let v = self.pending.entry(e.step).or_default();
+        v.push((e.rank, e.seconds, e.report.global_loss, e.report.grad_norm));
+        if v.len() < self.world as usize {
+            return;
+        }
+        let mut v = self.pending.remove(&e.step).unwrap_or_default();
+        v.sort_by_key(|x| x.0);
+        let now = Instant::now();
+        let wall = now.duration_since(self.last_end).as_secs_f64();
+        self.last_end = now;
+        let m = StepMetrics {
+            step: e.step + 1,
+            loss: v[0].2,
+            grad_norm: v[0].3,
+            lr: lr_at(&self.cfg, e.step) as f64,
+            tokens: self.tokens,
+            tokens_per_s: self.tokens as f64 / wall.max(1e-9),
+            mfu: self.flops / wall.max(1e-9) / self.peak,
+            step_time_s: wall,
+            rank_time_s: v.iter().map(|x| x.1).collect(),
+        };
+        let line = serde_json::to_string(&m).unwrap_or_default();
+        if let Err(err) = writeln!(self.out, "{line}").and_then(|_| self.out.flush()) {
+            self.error.get_or_insert(format!("writing metrics: {err}"));
+        }
+        self.bar.set_message(format!("loss {:.4}", m.loss));
+        self.bar.inc(1);
+        self.lines.push(m);
+    }
+}
+
+/// `shardwright execute PLAN --backend cpu`.
+pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
+    if a.backend == BackendKind::Cuda {
+        return Err(usage(anyhow!(
+            "--backend cuda: the CUDA backend is not built yet; use --backend cpu"
+        )));
+    }
+    if a.steps == 0 {
+        return Err(usage(anyhow!("--steps: must be at least 1")));
+    }
+    let plan = crate::compile::load_plan(&a.plan)?;
+    let l = lower_all(&a.plan, &plan)?;
+    let (report, errors) = verification(&l, &plan);
+    if !errors.is_empty() {
+        return Err(Failure {
+            code: VERIFY_FAILED,
+            error: anyhow!(
+                "{}: the plan's graphs fail verification ({} error(s)); nothing was run. \
+                 First: {}\n(`shardwright verify {}` lists them all)",
+                a.plan.display(),
+                errors.len(),
+                errors[0],
+                a.plan.display()
+            ),
+        });
+    }
+    let dims = Dims::from_job(&l.job).map_err(|e| {
+        usage(anyhow!(
+            "{}: job.model: the CPU executor cannot run this model: {e}",
+            a.plan.display()
+        ))
+    })?;
+    dims.check_divisible(l.layout.tp as usize, l.layout.cp as usize)
+        .map_err(|e| usage(anyhow!("{}: job.model: {e}", a.plan.display())))?;
+    let world = l.program.world;
+    let cfg = ExecConfig {
+        seed: a.seed,
+        lr: a.lr,
+        min_lr: a.min_lr,
+        warmup_steps: a.warmup.unwrap_or((a.steps / 10).max(1)),
+        total_steps: a.steps,
+        clip: a.clip,
+        weight_decay: a.weight_decay,
+        ..ExecConfig::default()
+    };
+    let gb = l.job.training.global_batch as u64;
+    let tokens = gb * dims.seq as u64;
+
+    // The dataset is checked once, up front, before any rank starts.
+    let data_name = match &a.data {
+        Some(dir) => {
+            let ctx = DataCtx {
+                rank: 0,
+                dp_rank: 0,
+                dp_size: l.layout.dp * l.layout.ep,
+                micro_batch: l.layout.micro_batch,
+                grad_accum: l.layout.grad_accum as u32,
+                seq: dims.seq as u32,
+                vocab: dims.vocab as u32,
+            };
+            let loader = shardwright_data::Loader::open(dir, loader_config(&ctx, a.seed, 0))
+                .map_err(|e| usage(anyhow!("--data {}: {e}", dir.display())))?;
+            if loader.vocab_size() as usize > dims.vocab {
+                return Err(usage(anyhow!(
+                    "--data {}: the tokenizer has {} tokens but the plan's model \
+                     (job.model.vocab_size) has {}",
+                    dir.display(),
+                    loader.vocab_size(),
+                    dims.vocab
+                )));
+            }
+            format!(
+                "{} ({} samples of {} tokens, {} steps per epoch)",
+                dir.display(),
+                loader.samples_per_epoch(),
+                dims.seq + 1,
+                loader.steps_per_epoch()
+            )
+        }
+        None => {
+            eprintln!(
+                "no --data: training on random tokens (the loss cannot fall far below ln(vocab) = {:.3})",
+                (dims.vocab as f64).ln()
+            );
+            "synthetic random tokens".into()
+        }
+    };
+
+    if let Some(out) = &a.out {
+        std::fs::create_dir_all(out)
+            .with_context(|| format!("--out {}: cannot create the directory", out.display()))?;
+    }
+    let metrics_out: Box<dyn std::io::Write + Send> = match &a.out {
+        Some(out) => {
+            let p = out.join("metrics.jsonl");
+            Box::new(
+                std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?,
+            )
+        }
+        None => Box::new(std::io::stdout()),
+    };
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get() as u32)
+        .unwrap_or(1)
+        .min(world)
+        .max(1);
+    let peak = cpu_gemm_peak() * threads as f64;
+    let bar = if a.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        let b = indicatif::ProgressBar::new(a.steps as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "training {bar:40} {pos}/{len} steps {elapsed} (eta {eta}) {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    };
+    let start = Instant::now();
+    let sink = Mutex::new(Sink {
+        world,
+        tokens,
+        flops: report.expected_model_flops as f64,
+        peak,
+        cfg: cfg.clone(),
+        last_end: start,
+        pending: BTreeMap::new(),
+        lines: Vec::new(),
+        out: metrics_out,
+        bar: bar.clone(),
+        error: None,
+    });
+    let on_step = |e: StepEvent| {
+        if let Ok(mut s) = sink.lock() {
+            s.on_step(&e);
+        }
+    };
+    let seed = a.seed;
+    let data_dir = a.data.clone();
+    let factory = move |ctx: DataCtx| -> Result<Box<dyn DataSource>, String> {
+        match &data_dir {
+            Some(dir) => shardwright_data::Loader::open(dir, loader_config(&ctx, seed, 4))
+                .map(|l| Box::new(Prepared(l)) as Box<dyn DataSource>)
+                .map_err(|e| e.to_string()),
+            None => Ok(Box::new(shardwright_executor::Synthetic { seed, ctx })),
+        }
+    };
+    let opts = RunOptions {
+        steps: a.steps,
+        diagnostics: false,
+        data: Some(&factory),
+        on_step: Some(&on_step),
+    };
+    let res = run_program_with(&l.program, &l.job, &l.layout, Cpu, &cfg, &opts);
+    bar.finish_and_clear();
+    res.map_err(|e| anyhow!("{}: {e}", a.plan.display()))?;
+    let sink = sink
+        .into_inner()
+        .map_err(|_| anyhow!("metrics lock poisoned"))?;
+    if let Some(e) = sink.error {
+        return Err(anyhow!(e).into());
+    }
+    let lines = sink.lines;
+    let wall = start.elapsed().as_secs_f64();
+    let tail: Vec<&StepMetrics> = lines.iter().skip(1).collect();
+    let summary = Summary {
+        plan: a.plan.display().to_string(),
+        backend: "cpu",
+        world,
+        layout: &l.layout,
+        steps: a.steps,
+        data: data_name,
+        tokens_per_step: tokens,
+        model_flops_per_step: report.expected_model_flops as f64,
+        peak_flops: peak,
+        peak_basis: format!("measured f32 GEMM of one core x {threads} core(s)"),
+        first_loss: lines.first().map(|m| m.loss).unwrap_or(f64::NAN),
+        last_loss: lines.last().map(|m| m.loss).unwrap_or(f64::NAN),
+        median_tokens_per_s: median(tail.iter().map(|m| m.tokens_per_s).collect()),
+        median_mfu: median(tail.iter().map(|m| m.mfu).collect()),
+        wall_s: wall,
+    };
+    eprintln!(
+        "{} steps on {} rank(s) in {:.1} s: loss {:.4} -> {:.4}, median {:.0} tokens/s, MFU {:.1}% of {}",
+        a.steps,
+        world,
+        wall,
+        summary.first_loss,
+        summary.last_loss,
+        summary.median_tokens_per_s,
+        100.0 * summary.median_mfu,
+        summary.peak_basis
+    );
+    if let Some(out) = &a.out {
+        let text = serde_json::to_string_pretty(&summary).map_err(|e| anyhow!(e))? + "\n";
+        io::write_output(Some(&out.join("summary.json")), &text)?;
+        let svg = crate::plot::training_svg(&lines)?;
+        io::write_output(Some(&out.join("loss.svg")), &svg)?;
+        eprintln!(
+            "wrote {}/metrics.jsonl, summary.json, loss.svg",
+            out.display()
+        );
+    }
+    Ok(())
+}
