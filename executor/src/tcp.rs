@@ -1002,6 +1002,62 @@ impl Communicator for TcpComm {
     }
 }
 
+/// A borrowed communicator (run a rank with `&mut comm`, then [`TcpComm::finish`]).
+impl Communicator for &mut TcpComm {
+    fn rank(&self) -> u32 {
+        (**self).rank()
+    }
+    fn all_reduce(&mut self, group: &[u32], data: &mut [f32]) {
+        (**self).all_reduce(group, data)
+    }
+    fn all_gather(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
+        (**self).all_gather(group, data)
+    }
+    fn reduce_scatter(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
+        (**self).reduce_scatter(group, data)
+    }
+    fn all_to_all(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
+        (**self).all_to_all(group, data)
+    }
+    fn broadcast(&mut self, group: &[u32], root: u32, data: &mut [f32]) {
+        (**self).broadcast(group, root, data)
+    }
+    fn send(&mut self, peer: u32, data: &[f32]) {
+        (**self).send(peer, data)
+    }
+    fn recv(&mut self, peer: u32) -> Vec<f32> {
+        (**self).recv(peer)
+    }
+}
+
+impl TcpComm {
+    /// Wait until every rank got here (an all-gather over the whole world). After it, every
+    /// message of the run has been received, so a process may exit without cutting a
+    /// peer's last message short. A failure (a rank gone, the timeout) is an error naming
+    /// the rank.
+    pub fn finish(&mut self) -> Result<(), String> {
+        let all: Vec<u32> = (0..self.world).collect();
+        let me = self.rank as f32;
+        let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.all_gather(&all, &[me])
+        }))
+        .map_err(|p| {
+            p.downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "finish failed".into())
+        })?;
+        let want: Vec<f32> = (0..self.world).map(|r| r as f32).collect();
+        if got != want {
+            return Err(format!(
+                "rank {}: the final barrier gathered {got:?}, expected {want:?}",
+                self.rank
+            ));
+        }
+        Ok(())
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // The environment contract.
 
