@@ -187,6 +187,33 @@ fn forward(
         })
 }
 
+/// The rank a communicator error blames (`tcp`'s messages): `...: rank P closed the
+/// connection`, `rank P connection failed`, `rank P sent a malformed message`, `rank P did
+/// not take the message`, `waiting for rank P`, `sending to rank P failed`.
+fn blamed(line: &str) -> Option<u32> {
+    let digits = |t: &str| -> Option<u32> {
+        let d: String = t.chars().take_while(|c| c.is_ascii_digit()).collect();
+        d.parse().ok()
+    };
+    for lead in ["waiting for rank ", "sending to rank "] {
+        if let Some(i) = line.find(lead) {
+            return digits(&line[i + lead.len()..]);
+        }
+    }
+    for tail in [
+        " closed the connection",
+        " connection failed",
+        " sent a malformed message",
+        " did not take the message",
+    ] {
+        if let Some(i) = line.find(tail) {
+            let (_, p) = line[..i].rsplit_once("rank ")?;
+            return p.parse().ok();
+        }
+    }
+    None
+}
+
 fn free_port() -> Result<u16, Failure> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")
         .map_err(|e| anyhow!("launch --local: cannot find a free port on 127.0.0.1: {e}"))?;
@@ -427,15 +454,44 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
             error: anyhow!(msg),
         });
     }
-    let Some(f) = first else {
+    let Some(seen_first) = first else {
         return Ok(());
     };
+    // Exits are seen in the order the kernel reports them, which can put a peer that saw
+    // the connection close before the rank that closed it. Follow the blame instead: from
+    // the first exit seen, go to the rank its error names (closed the connection, timed
+    // out waiting for it) while that rank failed too.
+    let why_of = |r: &Rank| -> Option<String> {
+        let t = tail_of(r);
+        t.iter()
+            .rev()
+            .find(|l| l.contains("error"))
+            .or(t.last())
+            .cloned()
+    };
+    let mut f = seen_first;
+    let mut visited = vec![f];
+    while let Some(p) = why_of(&gang.0[f]).as_deref().and_then(blamed) {
+        let p = p as usize;
+        let failed = gang
+            .0
+            .get(p)
+            .is_some_and(|r| !r.status.is_some_and(|s| s.success()));
+        if !failed || visited.contains(&p) {
+            break;
+        }
+        visited.push(p);
+        f = p;
+    }
     let fr = &gang.0[f];
     let mut msg = format!(
         "launch: rank {f} (pid {}) failed first: {}",
         fr.pid,
         fate(fr)
     );
+    if fr.killed {
+        msg.push_str(" after the others stopped waiting for it");
+    }
     let tail = tail_of(fr);
     if tail.is_empty() {
         msg.push_str("\n  (it wrote nothing to stderr)");
@@ -447,15 +503,14 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
     }
     for (i, r) in gang.0.iter().enumerate().filter(|(i, _)| *i != f) {
         msg.push_str(&format!("\n  rank {i}: {}", fate(r)));
-        let t = tail_of(r);
         // The line that says why: the last error line, else the last line.
-        let why = t.iter().rev().find(|l| l.contains("error")).or(t.last());
-        if let Some(l) = why.filter(|_| !r.status.is_some_and(|s| s.success())) {
+        if let Some(l) = why_of(r).filter(|_| !r.status.is_some_and(|s| s.success())) {
             msg.push_str(&format!(": {l}"));
         }
     }
     let code = fr
         .status
+        .filter(|_| !fr.killed)
         .and_then(|s| s.code())
         .filter(|c| (1..=255).contains(c))
         .unwrap_or(1) as u8;
@@ -463,4 +518,24 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
         code,
         error: anyhow!(msg),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::blamed;
+
+    #[test]
+    fn the_blamed_rank_comes_from_tcp_messages() {
+        for (line, want) in [
+            ("error: p.json: rank 3 failed: rank 3: all_reduce #49 on group [2, 3]: rank 2 closed the connection (its process exited or failed)", Some(2)),
+            ("rank 1: reduce_scatter #5 on group [1, 3]: timed out after 2 s waiting for rank 13 (SHARDWRIGHT_COLLECTIVE_TIMEOUT_S sets the limit)", Some(13)),
+            ("rank 0: recv from rank 4: rank 4 connection failed (reset): its process exited or failed", Some(4)),
+            ("rank 0: send to rank 6: sending to rank 6 failed (broken pipe): its process exited or failed", Some(6)),
+            ("rank 2: broadcast #1 from rank 0 on group [0, 2]: rank 0 sent a malformed message (x)", Some(0)),
+            ("error: --steps: must be at least 1", None),
+            ("SHARDWRIGHT_TEST_EXIT_AT_STEP: rank 2 stops after step 2 (exit)", None),
+        ] {
+            assert_eq!(blamed(line), want, "{line}");
+        }
+    }
 }
