@@ -210,6 +210,10 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     dims.check_divisible(l.layout.tp as usize, l.layout.cp as usize)
         .map_err(|e| usage(anyhow!("{}: job.model: {e}", a.plan.display())))?;
     let world = l.program.world;
+    // Started as one rank of a multi-process job (launch --local, torchrun, Slurm): this
+    // process runs that rank only, and only rank 0 writes metrics and outputs.
+    let dist = distributed::from_env(world)?;
+    let writes = !matches!(&dist, Some(d) if d.rank != 0);
     let cfg = ExecConfig {
         seed: a.seed,
         lr: a.lr,
@@ -255,19 +259,22 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             )
         }
         None => {
-            eprintln!(
+            if writes {
+                eprintln!(
                 "no --data: training on random tokens (the loss cannot fall far below ln(vocab) = {:.3})",
                 (dims.vocab as f64).ln()
             );
+            }
             "synthetic random tokens".into()
         }
     };
 
-    if let Some(out) = &a.out {
+    if let Some(out) = a.out.as_ref().filter(|_| writes) {
         std::fs::create_dir_all(out)
             .with_context(|| format!("--out {}: cannot create the directory", out.display()))?;
     }
     let metrics_out: Box<dyn std::io::Write + Send> = match &a.out {
+        _ if !writes => Box::new(std::io::sink()),
         Some(out) => {
             let p = out.join("metrics.jsonl");
             Box::new(
@@ -282,7 +289,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         .min(world)
         .max(1);
     let peak = cpu_gemm_peak() * threads as f64;
-    let bar = if a.quiet {
+    let bar = if a.quiet || !writes {
         indicatif::ProgressBar::hidden()
     } else {
         let b = indicatif::ProgressBar::new(a.steps as u64);
@@ -296,7 +303,8 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     };
     let start = Instant::now();
     let sink = Mutex::new(Sink {
-        world,
+        // One process sees its own rank's steps only.
+        world: if dist.is_some() { 1 } else { world },
         tokens,
         flops: report.expected_model_flops as f64,
         peak,
@@ -329,7 +337,10 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         data: Some(&factory),
         on_step: Some(&on_step),
     };
-    let res = run_program_with(&l.program, &l.job, &l.layout, Cpu, &cfg, &opts);
+    let res = match &dist {
+        None => run_program_with(&l.program, &l.job, &l.layout, Cpu, &cfg, &opts),
+        Some(d) => distributed::run(d, &l, &cfg, &opts),
+    };
     bar.finish_and_clear();
     res.map_err(|e| anyhow!("{}: {e}", a.plan.display()))?;
     let sink = sink
@@ -337,6 +348,9 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         .map_err(|_| anyhow!("metrics lock poisoned"))?;
     if let Some(e) = sink.error {
         return Err(anyhow!(e).into());
+    }
+    if !writes {
+        return Ok(());
     }
     let lines = sink.lines;
     let wall = start.elapsed().as_secs_f64();
@@ -380,4 +394,112 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         );
     }
     Ok(())
+}
+
+/// Multi-process runs: one process per rank, started by `shardwright launch --local`,
+/// torchrun or the `launch --slurm` script (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+/// MASTER_PORT; `shardwright_executor::tcp`). The rank rendezvouses with the others, runs
+/// its own graph over TCP and is bit-identical to the same rank of the in-process run.
+mod distributed {
+    use crate::{usage, Failure};
+    use anyhow::anyhow;
+    use shardwright_executor::tcp::{env_rank, rendezvous, EnvRank};
+    use shardwright_executor::{
+        run_rank, Cpu, ExecConfig, ExecError, RankReport, RunOptions, StepEvent,
+    };
+
+    /// Test-only fault injection: `RANK:STEP[:kill|:hang]` makes that rank, after finishing
+    /// STEP steps, exit with code 86 (default), kill itself with SIGKILL, or stop answering.
+    const TEST_EXIT: &str = "SHARDWRIGHT_TEST_EXIT_AT_STEP";
+
+    /// This process's rank from the environment (`None`: not a multi-process job), checked
+    /// against the plan's world size.
+    pub fn from_env(world: u32) -> Result<Option<EnvRank>, Failure> {
+        let get = |k: &str| std::env::var(k).ok();
+        let Some(e) = env_rank(&get).map_err(|e| usage(anyhow!("environment: {e}")))? else {
+            return Ok(None);
+        };
+        if e.world != world {
+            return Err(usage(anyhow!(
+                "environment: WORLD_SIZE={} but the plan has {world} ranks",
+                e.world
+            )));
+        }
+        Ok(Some(e))
+    }
+
+    fn fault(rank: u32) -> Result<Option<(u32, String)>, ExecError> {
+        let Ok(v) = std::env::var(TEST_EXIT) else {
+            return Ok(None);
+        };
+        let bad = || {
+            ExecError::Model(format!(
+                "{TEST_EXIT}=`{v}`: expected RANK:STEP[:kill|:hang]"
+            ))
+        };
+        let mut it = v.split(':');
+        let r: u32 = it.next().and_then(|x| x.parse().ok()).ok_or_else(bad)?;
+        let s: u32 = it.next().and_then(|x| x.parse().ok()).ok_or_else(bad)?;
+        let how = it.next().unwrap_or("exit").to_string();
+        if !matches!(how.as_str(), "exit" | "kill" | "hang") || it.next().is_some() {
+            return Err(bad());
+        }
+        Ok((r == rank).then_some((s, how)))
+    }
+
+    /// Rendezvous, run this rank, then wait for every rank before returning (so no peer's
+    /// last message is cut short by this process exiting).
+    pub fn run(
+        d: &EnvRank,
+        l: &shardwright_lowering::Lowered,
+        cfg: &ExecConfig,
+        opts: &RunOptions,
+    ) -> Result<Vec<RankReport>, ExecError> {
+        let fault = fault(d.rank)?;
+        let mut comm = rendezvous(&d.master, d.rank, d.world, d.timeout)
+            .map_err(|e| ExecError::Panic(d.rank, format!("rendezvous: {e}")))?;
+        let inner = opts.on_step;
+        let on_step = |e: StepEvent| {
+            let (step, rank) = (e.step, e.rank);
+            if let Some(f) = inner {
+                f(e);
+            }
+            if let Some((s, how)) = &fault {
+                if step + 1 == *s {
+                    eprintln!("{TEST_EXIT}: rank {rank} stops after step {s} ({how})");
+                    match how.as_str() {
+                        "kill" => unsafe {
+                            libc::kill(libc::getpid(), libc::SIGKILL);
+                        },
+                        "hang" => loop {
+                            std::thread::sleep(std::time::Duration::from_secs(3600));
+                        },
+                        _ => std::process::exit(86),
+                    }
+                }
+            }
+        };
+        let opts = RunOptions {
+            steps: opts.steps,
+            diagnostics: opts.diagnostics,
+            data: opts.data,
+            on_step: Some(&on_step),
+        };
+        // A communicator failure is a panic that run_rank turns into the error printed at
+        // the end (naming the rank, the collective and the peer): no backtrace for it.
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !info
+                .location()
+                .is_some_and(|l| l.file().ends_with("tcp.rs"))
+            {
+                prev(info)
+            }
+        }));
+        let rep = run_rank(
+            &l.program, &l.job, &l.layout, &Cpu, cfg, &mut comm, d.rank, &opts,
+        )?;
+        comm.finish().map_err(|e| ExecError::Panic(d.rank, e))?;
+        Ok(vec![rep])
+    }
 }

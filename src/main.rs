@@ -7,6 +7,7 @@ mod execute;
 mod explain;
 mod export_cmd;
 mod io;
+mod launch;
 mod plot;
 
 use anyhow::Context;
@@ -210,13 +211,26 @@ enum Cmd {
         #[arg(required = true, value_name = "FILE_OR_ARGS")]
         input: Vec<String>,
     },
-    /// Render a launch script for a plan (Slurm sbatch; nothing is submitted).
+    /// Run a plan as N local processes (TCP rendezvous), or render a Slurm launch script.
     #[command(
-        after_help = "Examples:\n  shardwright launch plan.json --slurm --dry-run\n  shardwright launch plan.json --slurm -o train.sbatch"
+        after_help = "Examples:\n  shardwright launch plan.json --local 4\n  shardwright launch plan.json --local 4 --timeout 30 -- --steps 20 --out run/\n  shardwright launch plan.json --slurm --dry-run\n  shardwright launch plan.json --slurm -o train.sbatch\n\nWith --local, every rank runs `shardwright execute PLAN --backend cpu` with RANK, WORLD_SIZE,\nLOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. When one rank fails, the\nothers are stopped (after the collective timeout at most) and the exit code is the failed\nrank's (1 if it was killed by a signal)."
     )]
     Launch {
-        /// Plan JSON (a file: the script runs `shardwright execute PLAN`).
+        /// Plan JSON (a file: every rank runs `shardwright execute PLAN`).
         plan: PathBuf,
+        /// Run the plan here as N processes (N = the plan's world size).
+        #[arg(long, value_name = "N", conflicts_with_all = ["slurm", "template", "dry_run", "output"])]
+        local: Option<u32>,
+        /// With --local: the rendezvous port on 127.0.0.1 (default: a free one).
+        #[arg(long, requires = "local")]
+        port: Option<u16>,
+        /// With --local: collective timeout in seconds, and how long the others may take to
+        /// stop after a rank failed (default: $SHARDWRIGHT_COLLECTIVE_TIMEOUT_S, else 60).
+        #[arg(long, value_name = "SECONDS", requires = "local")]
+        timeout: Option<f64>,
+        /// With --local: arguments for every rank's `execute` (after `--`).
+        #[arg(last = true, value_name = "EXECUTE_ARGS")]
+        execute_args: Vec<String>,
         /// Render a Slurm sbatch script.
         #[arg(long)]
         slurm: bool,
@@ -229,6 +243,14 @@ enum Cmd {
         /// Where to write the script (atomically).
         #[arg(short, long)]
         output: Option<PathBuf>,
+    },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(
+        after_help = "Examples:\n  shardwright completions bash > ~/.local/share/bash-completion/completions/shardwright\n  shardwright completions zsh > \"${fpath[1]}/_shardwright\"\n  shardwright completions fish > ~/.config/fish/completions/shardwright.fish"
+    )]
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
     },
     /// Training data: prepare a tokenized, deduplicated, sharded dataset from text.
     Data {
@@ -524,10 +546,32 @@ fn run(cli: Cli) -> Result<(), Failure> {
         ),
         Cmd::Launch {
             plan,
+            local: Some(n),
+            port,
+            timeout,
+            execute_args,
+            ..
+        } => launch::local(&launch::LocalArgs {
+            plan: &plan,
+            n,
+            port,
+            timeout_s: timeout,
+            extra: &execute_args,
+        }),
+        Cmd::Launch {
+            execute_args,
+            slurm,
+            ..
+        } if !slurm || !execute_args.is_empty() => Err(usage(anyhow::anyhow!(
+            "launch: choose --local N (run the plan here as N processes; arguments after `--` go to each rank's execute) or --slurm (render an sbatch script)"
+        ))),
+        Cmd::Launch {
+            plan,
             slurm,
             template,
             dry_run,
             output,
+            ..
         } => export_cmd::launch(
             &plan,
             slurm,
@@ -535,6 +579,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
             dry_run,
             output.as_deref(),
         ),
+        Cmd::Completions { shell } => {
+            let mut buf = Vec::new();
+            clap_complete::generate(
+                shell,
+                &mut <Cli as clap::CommandFactory>::command(),
+                "shardwright",
+                &mut buf,
+            );
+            std::io::Write::write_all(&mut std::io::stdout(), &buf).context("writing stdout")?;
+            Ok(())
+        }
         Cmd::Data { cmd } => data_cmd::run(cmd),
         Cmd::Execute {
             plan,

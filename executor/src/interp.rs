@@ -214,11 +214,7 @@ pub fn run_program_with<B: Backend + Clone + 'static>(
     cfg: &ExecConfig,
     opts: &RunOptions,
 ) -> Result<Vec<RankReport>, ExecError> {
-    let steps = opts.steps;
-    let dims = Dims::from_job(job).map_err(ExecError::Model)?;
-    dims.check_divisible(layout.tp as usize, layout.cp as usize)
-        .map_err(ExecError::Model)?;
-    check_moe_layout(&dims, layout).map_err(ExecError::Model)?;
+    check_model(job, layout)?;
     let hub = crate::comm::Hub::new(program.world);
     let comms = hub.comms();
     let results: Vec<Result<RankReport, ExecError>> = std::thread::scope(|s| {
@@ -227,55 +223,9 @@ pub fn run_program_with<B: Backend + Clone + 'static>(
             .enumerate()
             .map(|(r, comm)| {
                 let be = backend.clone();
-                let dims = dims.clone();
                 let hub = hub.clone();
                 s.spawn(move || {
-                    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        let graph = program.graph_of(r as u32).expect("rank in program");
-                        let mut rk =
-                            RankExec::new(&be, comm, &graph, program, &dims, layout, job, cfg)?;
-                        rk.diagnostics = opts.diagnostics;
-                        let ctx = rk.data_ctx();
-                        rk.data = Some(match opts.data {
-                            Some(f) => f(ctx)
-                                .map_err(|e| ExecError::Model(format!("data for rank {r}: {e}")))?,
-                            None => Box::new(Synthetic {
-                                seed: cfg.seed,
-                                ctx,
-                            }),
-                        });
-                        let mut reps = Vec::new();
-                        for step in 0..steps {
-                            let t0 = std::time::Instant::now();
-                            let rep = rk.step(step)?;
-                            if let Some(f) = opts.on_step {
-                                f(StepEvent {
-                                    rank: r as u32,
-                                    step,
-                                    report: &rep,
-                                    seconds: t0.elapsed().as_secs_f64(),
-                                });
-                            }
-                            reps.push(rep);
-                        }
-                        Ok(RankReport {
-                            rank: r as u32,
-                            tp_index: rk.tp_pos,
-                            tp: rk.tp.len(),
-                            steps: reps,
-                        })
-                    }));
-                    let out = match out {
-                        Ok(x) => x,
-                        Err(p) => {
-                            let msg = p
-                                .downcast_ref::<String>()
-                                .cloned()
-                                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                                .unwrap_or_else(|| "panic".into());
-                            Err(ExecError::Panic(r as u32, msg))
-                        }
-                    };
+                    let out = run_rank(program, job, layout, &be, cfg, comm, r as u32, opts);
                     if out.is_err() {
                         hub.abort();
                     }
@@ -333,6 +283,83 @@ fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The model's dimensions, checked against the layout.
+fn check_model(job: &Job, layout: &Layout) -> Result<Dims, ExecError> {
+    let dims = Dims::from_job(job).map_err(ExecError::Model)?;
+    dims.check_divisible(layout.tp as usize, layout.cp as usize)
+        .map_err(ExecError::Model)?;
+    check_moe_layout(&dims, layout).map_err(ExecError::Model)?;
+    Ok(dims)
+}
+
+/// Run `opts.steps` training steps of one rank of `program` over `comm` (the in-process
+/// [`crate::Local`] of a thread, or [`crate::tcp::TcpComm`] of a process). Every rank of
+/// the program must run with the same arguments. A panic (a communicator's failure, a
+/// kernel's assertion) becomes [`ExecError::Panic`].
+#[allow(clippy::too_many_arguments)]
+pub fn run_rank<B: Backend, C: Communicator>(
+    program: &Program,
+    job: &Job,
+    layout: &Layout,
+    backend: &B,
+    cfg: &ExecConfig,
+    comm: C,
+    rank: u32,
+    opts: &RunOptions,
+) -> Result<RankReport, ExecError> {
+    let r = rank;
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let dims = check_model(job, layout)?;
+        let graph = program.graph_of(r).ok_or_else(|| {
+            ExecError::Model(format!(
+                "rank {r} is not in the program (world {})",
+                program.world
+            ))
+        })?;
+        let mut rk = RankExec::new(backend, comm, &graph, program, &dims, layout, job, cfg)?;
+        rk.diagnostics = opts.diagnostics;
+        let ctx = rk.data_ctx();
+        rk.data = Some(match opts.data {
+            Some(f) => f(ctx).map_err(|e| ExecError::Model(format!("data for rank {r}: {e}")))?,
+            None => Box::new(Synthetic {
+                seed: cfg.seed,
+                ctx,
+            }),
+        });
+        let mut reps = Vec::new();
+        for step in 0..opts.steps {
+            let t0 = std::time::Instant::now();
+            let rep = rk.step(step)?;
+            if let Some(f) = opts.on_step {
+                f(StepEvent {
+                    rank: r,
+                    step,
+                    report: &rep,
+                    seconds: t0.elapsed().as_secs_f64(),
+                });
+            }
+            reps.push(rep);
+        }
+        Ok(RankReport {
+            rank: r,
+            tp_index: rk.tp_pos,
+            tp: rk.tp.len(),
+            steps: reps,
+        })
+    }));
+    match out {
+        Ok(x) => x,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "panic".into());
+            Err(ExecError::Panic(r, msg))
+        }
+    }
 }
 
 fn is_abort(e: Option<&ExecError>) -> bool {

@@ -7,7 +7,9 @@
 //!   synthetic data and the learning-rate schedule;
 //! - [`interp`]: the interpreter of one rank's graph and [`run_program`], every rank of a
 //!   program as threads;
-//! - [`rng`]: deterministic numbers for weights and synthetic data.
+//! - [`rng`]: deterministic numbers for weights and synthetic data;
+//! - [`tcp`]: ranks as processes: the rendezvous [`tcp::Store`] and the TCP
+//!   [`TcpComm`] (torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT contract).
 
 pub mod backend;
 pub mod comm;
@@ -15,11 +17,13 @@ pub mod data;
 pub mod interp;
 pub mod model;
 pub mod rng;
+pub mod tcp;
 
 pub use backend::{AdamW, AttnShape, Backend, Cpu};
 pub use comm::{Communicator, Hub, Local};
 pub use data::{DataCtx, DataSource, Synthetic};
 pub use interp::{
-    run_program, run_program_with, DataFactory, ExecConfig, ExecError, RankReport, RunOptions,
-    StepEvent, StepReport,
+    run_program, run_program_with, run_rank, DataFactory, ExecConfig, ExecError, RankReport,
+    RunOptions, StepEvent, StepReport,
 };
+pub use tcp::{Store, TcpComm};
