@@ -1,5 +1,7 @@
 //! Running lowered per-rank op graphs.
 //!
+//! - [`checkpoint`]: the asynchronous, tiered, checksummed checkpoint store of per-rank
+//!   training state;
 //! - [`backend`]: the [`Backend`] kernel trait and the f32 [`Cpu`] reference backend;
 //! - [`comm`]: the [`Communicator`] trait and the in-process [`comm::Local`] (ranks as
 //!   threads, real data, deterministic rank-order reductions);
@@ -10,6 +12,7 @@
 //! - [`rng`]: deterministic numbers for weights and synthetic data.
 
 pub mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod interp;
