@@ -5,6 +5,7 @@ mod compile;
 mod explain;
 mod export_cmd;
 mod io;
+mod replan;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -225,6 +226,35 @@ enum Cmd {
         /// Where to write the script (atomically).
         #[arg(short, long)]
         output: Option<PathBuf>,
+    },
+    /// Re-plan a plan's job on a smaller or larger fleet (elastic resize), keeping the global
+    /// batch (micro_batch x grad_accum x dp x ep) where an integer split exists.
+    #[command(
+        after_help = "Examples:\n  shardwright replan plan.json --lose-nodes 128 -o plan-resized.json\n  shardwright replan plan.json --world 15360\n\nWhen no layout splits the global batch evenly, the old layout's tp/pp/cp/ep are kept,\ndp is as many replicas as fit and the global batch becomes the nearest even split;\nthe plan's `replan` section and warnings say so, with the numbers."
+    )]
+    Replan {
+        /// Plan JSON (`-` for stdin).
+        plan: PathBuf,
+        /// Nodes that left the fleet (hot spares stand in first).
+        #[arg(
+            long,
+            value_name = "N",
+            conflicts_with = "world",
+            required_unless_present = "world"
+        )]
+        lose_nodes: Option<u64>,
+        /// GPUs the new layout covers (hot spares stay on top).
+        #[arg(long, value_name = "W")]
+        world: Option<u64>,
+        /// Output file (default: stdout). Written atomically.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Alternatives to keep besides the chosen layout.
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+        /// Do not draw a progress bar.
+        #[arg(long)]
+        quiet: bool,
     },
     /// Write the JSON Schema of the plan.
     Schema {
@@ -484,6 +514,14 @@ fn run(cli: Cli) -> Result<(), Failure> {
             dry_run,
             output.as_deref(),
         ),
+        Cmd::Replan {
+            plan,
+            lose_nodes,
+            world,
+            output,
+            top,
+            quiet,
+        } => replan::run(&plan, lose_nodes, world, output.as_deref(), top, quiet),
         Cmd::Schema { output } => {
             io::write_output(output.as_deref(), &shardwright_spec::plan::plan_schema())?;
             Ok(())
