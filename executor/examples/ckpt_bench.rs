@@ -17,7 +17,7 @@
 //! page cache when the file system keeps the data there: they are comparable with each
 //! other, not with a cold read.
 
-use shardwright_executor::checkpoint::{restore_latest, CkptConfig, Checkpointer, RankState};
+use shardwright_executor::checkpoint::{restore_latest, Checkpointer, CkptConfig, RankState};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -123,7 +123,10 @@ fn once(root: &Path, src: &[RankState], bytes: usize) -> Row {
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let base: PathBuf = args.next().map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let base: PathBuf = args
+        .next()
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     let sizes: Vec<usize> = {
         let v: Vec<usize> = args.filter_map(|a| a.parse().ok()).collect();
         if v.is_empty() {

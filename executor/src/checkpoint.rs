@@ -256,7 +256,10 @@ fn write_atomic<T>(
         }
         Err(e) => {
             let _ = fs::remove_file(&tmp);
-            Err(CkptError::Io { path: dest, source: e })
+            Err(CkptError::Io {
+                path: dest,
+                source: e,
+            })
         }
     }
 }
@@ -290,8 +293,8 @@ fn write_rank(f: &mut File, step: u64, world: u32, s: &RankState) -> io::Result<
     head.extend_from_slice(&s.rank.to_le_bytes());
     head.extend_from_slice(&world.to_le_bytes());
     head.extend_from_slice(&step.to_le_bytes());
-    let count = u32::try_from(s.tensors.len())
-        .map_err(|_| io::Error::other("more than 2^32 tensors"))?;
+    let count =
+        u32::try_from(s.tensors.len()).map_err(|_| io::Error::other("more than 2^32 tensors"))?;
     head.extend_from_slice(&count.to_le_bytes());
     head.extend_from_slice(&(meta.len() as u64).to_le_bytes());
     head.extend_from_slice(&meta);
@@ -404,8 +407,9 @@ pub fn parse_rank_file(path: &Path, b: &[u8]) -> Result<(RankHeader, RankState),
     ))
 }
 
-/// Called by the background threads before each piece of work: for tests (a writer
-/// that stalls until told to go on) and instrumentation.
+/// Called before each piece of work (by the background threads; `SnapshotWaits` by the
+/// caller of `snapshot`, holding the checkpointer's lock): for tests (a writer that stalls
+/// until told to go on) and instrumentation. A hook must not call the checkpointer.
 pub type Hook = Arc<dyn Fn(HookPoint) + Send + Sync>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -414,6 +418,8 @@ pub enum HookPoint {
     BeforeRankWrite { step: u64, rank: u32 },
     /// The copier is about to copy this complete checkpoint to the durable tier.
     BeforeCopy { step: u64 },
+    /// `snapshot` (in the caller's thread) waits: the queue holds `max_queued_bytes`.
+    SnapshotWaits { step: u64, rank: u32 },
 }
 
 /// Where and how much to keep.
@@ -427,6 +433,10 @@ pub struct CkptConfig {
     pub keep_fast: usize,
     /// Complete checkpoints kept in the durable tier (at least 1).
     pub keep_durable: usize,
+    /// Tensor bytes the queue may hold (snapshots handed over, not yet written). A
+    /// snapshot that would go beyond it waits until the writer has made room (it always
+    /// gets in when the queue is empty). Default: no limit.
+    pub max_queued_bytes: u64,
     pub hook: Option<Hook>,
 }
 
@@ -438,6 +448,7 @@ impl CkptConfig {
             durable_dir: None,
             keep_fast: 2,
             keep_durable: 2,
+            max_queued_bytes: u64::MAX,
             hook: None,
         }
     }
@@ -448,6 +459,10 @@ impl CkptConfig {
     pub fn keep(mut self, fast: usize, durable: usize) -> CkptConfig {
         self.keep_fast = fast;
         self.keep_durable = durable;
+        self
+    }
+    pub fn max_queued_bytes(mut self, bytes: u64) -> CkptConfig {
+        self.max_queued_bytes = bytes;
         self
     }
     pub fn hook(mut self, hook: impl Fn(HookPoint) + Send + Sync + 'static) -> CkptConfig {
@@ -469,6 +484,8 @@ struct Progress {
 struct State {
     /// Snapshots queued or being written.
     pending_writes: usize,
+    /// Their tensor bytes.
+    queued_bytes: u64,
     /// Complete checkpoints queued or being copied down.
     pending_copies: usize,
     /// Steps with ranks submitted whose manifest is not written yet.
@@ -563,11 +580,28 @@ impl Checkpointer {
         &self.cfg
     }
 
-    /// Queue `state` (rank `state.rank` of `world`) for step `step` and return at once.
+    /// Queue `state` (rank `state.rank` of `world`) for step `step` and return at once
+    /// (unless the queue is over `max_queued_bytes`: then once the writer has made room).
     /// Returns the background errors not reported yet, if any (the state is then not
     /// queued).
     pub fn snapshot(&self, step: u64, world: u32, state: RankState) -> Result<(), CkptError> {
+        let bytes = state.tensor_bytes();
         let mut st = self.shared.lock();
+        if st.pending_writes > 0
+            && st.queued_bytes.saturating_add(bytes) > self.cfg.max_queued_bytes
+        {
+            if let Some(h) = &self.cfg.hook {
+                h(HookPoint::SnapshotWaits {
+                    step,
+                    rank: state.rank,
+                });
+            }
+            while st.pending_writes > 0
+                && st.queued_bytes.saturating_add(bytes) > self.cfg.max_queued_bytes
+            {
+                st = self.shared.idle.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+        }
         take_errors(&mut st)?;
         if world == 0 {
             return Err(CkptError::Invalid(format!("step {step}: world is 0")));
@@ -598,9 +632,11 @@ impl Checkpointer {
             )));
         }
         st.pending_writes += 1;
+        st.queued_bytes += bytes;
         let tx = self.tx.as_ref().expect("sender lives until drop");
         if tx.send(WriteJob { step, world, state }).is_err() {
             st.pending_writes -= 1;
+            st.queued_bytes -= bytes;
             return Err(CkptError::Invalid(
                 "the background writer has stopped".into(),
             ));
@@ -675,6 +711,7 @@ fn writer_loop(
     let mut prepared: BTreeSet<u64> = BTreeSet::new();
     while let Ok(job) = rx.recv() {
         let (step, rank) = (job.step, job.state.rank);
+        let bytes = job.state.tensor_bytes();
         if let Some(h) = &cfg.hook {
             h(HookPoint::BeforeRankWrite { step, rank });
         }
@@ -682,7 +719,9 @@ fn writer_loop(
             write_one(&cfg, &mut prepared, &job)
         }))
         .unwrap_or_else(|p| Err(panic_error("checkpoint writer", p)));
+        drop(job); // the host copy is freed before room is made for the next one
         let mut st = shared.lock();
+        st.queued_bytes -= bytes;
         let mut complete = None;
         if let Some(p) = st.steps.get_mut(&step) {
             p.done += 1;
@@ -802,7 +841,10 @@ fn write_manifest(
 }
 
 fn copier_loop(cfg: CkptConfig, shared: Arc<Shared>, rx: Receiver<u64>) {
-    let durable = cfg.durable_dir.clone().expect("copier runs with a durable tier");
+    let durable = cfg
+        .durable_dir
+        .clone()
+        .expect("copier runs with a durable tier");
     while let Ok(step) = rx.recv() {
         if let Some(h) = &cfg.hook {
             h(HookPoint::BeforeCopy { step });
@@ -968,50 +1010,78 @@ fn retain(root: &Path, keep: usize, protect: &BTreeSet<u64>) -> Result<Vec<u64>,
     Ok(deleted)
 }
 
-/// Load and verify every rank file of a complete checkpoint.
+/// Load and verify every rank file of a complete checkpoint, several files at once (up
+/// to the available cores); the first failure in rank order is returned.
 fn load_checkpoint(dir: &Path, m: &Manifest) -> Result<Vec<RankState>, CkptError> {
-    let mut states = Vec::with_capacity(m.files.len());
-    for f in &m.files {
-        let path = dir.join(&f.file);
-        let bytes = fs::read(&path).map_err(io_err(&path))?;
-        if bytes.len() as u64 != f.bytes {
-            let what = if (bytes.len() as u64) < f.bytes {
-                "truncated"
-            } else {
-                "too long"
-            };
-            return Err(corrupt(
-                &path,
-                format!(
-                    "{what}: {} bytes, the manifest says {}",
-                    bytes.len(),
-                    f.bytes
-                ),
-            ));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(m.files.len())
+        .max(1);
+    let mut slots: Vec<Option<Result<RankState, CkptError>>> =
+        (0..m.files.len()).map(|_| None).collect();
+    std::thread::scope(|sc| {
+        let mut chunks: Vec<&mut [Option<Result<RankState, CkptError>>]> = Vec::new();
+        let per = m.files.len().div_ceil(threads);
+        let mut rest = slots.as_mut_slice();
+        while !rest.is_empty() {
+            let (a, b) = rest.split_at_mut(per.min(rest.len()));
+            chunks.push(a);
+            rest = b;
         }
-        let hash = hex64(xxhash_rust::xxh3::xxh3_64(&bytes));
-        if hash != f.xxh3_64 {
-            return Err(corrupt(
-                &path,
-                format!(
-                    "checksum mismatch: xxh3-64 {hash}, the manifest says {}",
-                    f.xxh3_64
-                ),
-            ));
+        for (c, chunk) in chunks.into_iter().enumerate() {
+            sc.spawn(move || {
+                for (i, slot) in chunk.iter_mut().enumerate() {
+                    *slot = Some(load_rank(dir, m, &m.files[c * per + i]));
+                }
+            });
         }
-        let (h, state) = parse_rank_file(&path, &bytes)?;
-        if h.rank != f.rank || h.world != m.world || h.step != m.step {
-            return Err(corrupt(
-                &path,
-                format!(
-                    "header says rank {} world {} step {}, the manifest rank {} world {} step {}",
-                    h.rank, h.world, h.step, f.rank, m.world, m.step
-                ),
-            ));
-        }
-        states.push(state);
+    });
+    slots
+        .into_iter()
+        .map(|s| s.expect("every file loaded"))
+        .collect()
+}
+
+/// Load and verify one rank file against its manifest entry.
+fn load_rank(dir: &Path, m: &Manifest, f: &FileEntry) -> Result<RankState, CkptError> {
+    let path = dir.join(&f.file);
+    let bytes = fs::read(&path).map_err(io_err(&path))?;
+    if bytes.len() as u64 != f.bytes {
+        let what = if (bytes.len() as u64) < f.bytes {
+            "truncated"
+        } else {
+            "too long"
+        };
+        return Err(corrupt(
+            &path,
+            format!(
+                "{what}: {} bytes, the manifest says {}",
+                bytes.len(),
+                f.bytes
+            ),
+        ));
     }
-    Ok(states)
+    let hash = hex64(xxhash_rust::xxh3::xxh3_64(&bytes));
+    if hash != f.xxh3_64 {
+        return Err(corrupt(
+            &path,
+            format!(
+                "checksum mismatch: xxh3-64 {hash}, the manifest says {}",
+                f.xxh3_64
+            ),
+        ));
+    }
+    let (h, state) = parse_rank_file(&path, &bytes)?;
+    if h.rank != f.rank || h.world != m.world || h.step != m.step {
+        return Err(corrupt(
+            &path,
+            format!(
+                "header says rank {} world {} step {}, the manifest rank {} world {} step {}",
+                h.rank, h.world, h.step, f.rank, m.world, m.step
+            ),
+        ));
+    }
+    Ok(state)
 }
 
 /// The newest complete checkpoint under `dirs` (tiers in priority order: on equal steps

@@ -3,7 +3,7 @@
 //! used), retention, tier copy-down, asynchronous snapshots and error reporting.
 
 use shardwright_executor::checkpoint::{
-    restore_latest, CkptConfig, CkptError, Checkpointer, HookPoint, RankState,
+    restore_latest, Checkpointer, CkptConfig, CkptError, HookPoint, RankState,
 };
 use std::collections::BTreeMap;
 use std::fs;
@@ -40,9 +40,14 @@ const SPECIAL: [u32; 8] = [
 fn state(rank: u32, step: u64, seed: u64) -> RankState {
     let mut r = Mix(seed ^ ((rank as u64) << 32) ^ step.wrapping_mul(0x1234_5678_9abc));
     let mut tensors = BTreeMap::new();
-    for (i, name) in ["layers.0.attn.wq", "layers.0.mlp.w1", "adam.m.0", "ζ-unicode"]
-        .iter()
-        .enumerate()
+    for (i, name) in [
+        "layers.0.attn.wq",
+        "layers.0.mlp.w1",
+        "adam.m.0",
+        "ζ-unicode",
+    ]
+    .iter()
+    .enumerate()
     {
         let n = 5 + (r.next() % 300) as usize + i;
         // random bit patterns: every f32 there is, NaNs included
@@ -160,10 +165,9 @@ fn round_trip_is_bit_exact_and_the_file_is_the_documented_format() {
     assert_eq!(u32_at(o + 4), 0xffa0_0001);
 
     // The manifest lists every file with its size and an xxh3-64 of 16 hex digits.
-    let m: serde_json::Value = serde_json::from_slice(
-        &fs::read(fast.join("step-000123").join("manifest.json")).unwrap(),
-    )
-    .unwrap();
+    let m: serde_json::Value =
+        serde_json::from_slice(&fs::read(fast.join("step-000123").join("manifest.json")).unwrap())
+            .unwrap();
     assert_eq!(m["step"], 123);
     assert_eq!(m["world"], 3);
     assert_eq!(m["format_version"], 1);
@@ -231,7 +235,8 @@ fn a_flipped_byte_and_a_truncated_file_are_detected_and_the_previous_checkpoint_
     }
     assert_eq!(warnings.len(), 2, "{warnings:?}");
     assert!(
-        warnings[0].contains(&p3.display().to_string()) && warnings[0].contains("checksum mismatch"),
+        warnings[0].contains(&p3.display().to_string())
+            && warnings[0].contains("checksum mismatch"),
         "{}",
         warnings[0]
     );
@@ -247,7 +252,10 @@ fn a_flipped_byte_and_a_truncated_file_are_detected_and_the_previous_checkpoint_
     let (got, warnings) = restore(&[&fast], 2);
     assert!(got.is_none());
     assert_eq!(warnings.len(), 3, "{warnings:?}");
-    assert!(warnings[2].contains(&p1.display().to_string()), "{warnings:?}");
+    assert!(
+        warnings[2].contains(&p1.display().to_string()),
+        "{warnings:?}"
+    );
 }
 
 #[test]
@@ -257,9 +265,20 @@ fn a_world_mismatch_is_an_error_that_says_so() {
     let ck = Checkpointer::new(CkptConfig::new(&fast)).unwrap();
     write_steps(&ck, &[5], 2, 3);
     let err = restore_latest(&[&fast], 4, &mut |_| {}).unwrap_err();
-    assert!(matches!(err, CkptError::WorldMismatch { found: 2, want: 4, step: 5, .. }));
+    assert!(matches!(
+        err,
+        CkptError::WorldMismatch {
+            found: 2,
+            want: 4,
+            step: 5,
+            ..
+        }
+    ));
     let msg = err.to_string();
-    assert!(msg.contains("2 ranks") && msg.contains("has 4") && msg.contains("resharding"), "{msg}");
+    assert!(
+        msg.contains("2 ranks") && msg.contains("has 4") && msg.contains("resharding"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -339,7 +358,10 @@ fn copy_down_gives_identical_bytes_and_restore_works_from_durable_alone() {
     assert_eq!(step, 200);
     assert_same(&states[2], &state(2, 200, 5));
     assert_eq!(warnings.len(), 1, "{warnings:?}");
-    assert!(warnings[0].contains(&bad.display().to_string()), "{warnings:?}");
+    assert!(
+        warnings[0].contains(&bad.display().to_string()),
+        "{warnings:?}"
+    );
 
     // Fast tier wiped (node lost): restore from the durable tier alone.
     drop(ck);
@@ -443,4 +465,97 @@ fn errors_surface_on_the_next_snapshot() {
     let e = ck.snapshot(6, 1, state(0, 6, 0)).unwrap_err().to_string();
     assert!(e.contains("step-000004"), "{e}");
     ck.wait().unwrap();
+}
+
+#[test]
+fn a_full_queue_makes_snapshot_wait_for_the_writer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fast = tmp.path().join("fast");
+    let (s0, s1) = (state(0, 1, 3), state(1, 1, 3));
+    // Room for either state alone, not both.
+    let limit = s0.tensor_bytes().max(s1.tensor_bytes());
+    let (ev_tx, ev_rx) = channel::<HookPoint>();
+    let (go_tx, go_rx) = channel::<()>();
+    let ev_tx = Mutex::new(ev_tx);
+    let go_rx = Mutex::new(go_rx);
+    let cfg = CkptConfig::new(&fast)
+        .max_queued_bytes(limit)
+        .hook(move |p| {
+            let _ = ev_tx.lock().unwrap().send(p);
+            if let HookPoint::BeforeRankWrite { rank: 0, .. } = p {
+                let _ = go_rx.lock().unwrap().recv_timeout(Duration::from_secs(20));
+            }
+        });
+    let ck = Arc::new(Checkpointer::new(cfg).unwrap());
+    ck.snapshot(1, 2, s0).unwrap(); // an empty queue always takes it
+    assert_eq!(
+        ev_rx.recv().unwrap(),
+        HookPoint::BeforeRankWrite { step: 1, rank: 0 }
+    );
+    let file0 = rank_file(&fast, 1, 0);
+    let t = {
+        let (ck, file0) = (ck.clone(), file0.clone());
+        std::thread::spawn(move || {
+            ck.snapshot(1, 2, s1).unwrap();
+            file0.exists() // rank 0's write finished before there was room
+        })
+    };
+    // The second snapshot waits (the writer is still held inside rank 0's write).
+    assert_eq!(
+        ev_rx.recv_timeout(Duration::from_secs(20)).unwrap(),
+        HookPoint::SnapshotWaits { step: 1, rank: 1 }
+    );
+    assert!(!file0.exists());
+    go_tx.send(()).unwrap();
+    assert!(
+        t.join().unwrap(),
+        "snapshot got in before the writer made room"
+    );
+    ck.wait().unwrap();
+    let (got, _) = restore(&[&fast], 2);
+    assert_eq!(got.unwrap().0, 1);
+}
+
+/// The copier lags two checkpoints behind with keep_fast = 1: the fast tier keeps the
+/// ones not copied down yet, so every checkpoint reaches the durable tier.
+#[test]
+fn fast_retention_keeps_what_is_not_copied_down_yet() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fast = tmp.path().join("fast");
+    let durable = tmp.path().join("durable");
+    let (go_tx, go_rx) = channel::<()>();
+    let go_rx = Mutex::new(go_rx);
+    let cfg = CkptConfig::new(&fast)
+        .durable(&durable)
+        .keep(1, 3)
+        .hook(move |p| {
+            if p == (HookPoint::BeforeCopy { step: 1 }) {
+                let _ = go_rx.lock().unwrap().recv_timeout(Duration::from_secs(20));
+            }
+        });
+    let ck = Checkpointer::new(cfg).unwrap();
+    for s in 1..=3 {
+        ck.snapshot(s, 1, state(0, s, 8)).unwrap();
+    }
+    // Hold the copier at step 1 until the writer has finished step 3.
+    let m3 = fast.join("step-000003/manifest.json");
+    let t0 = std::time::Instant::now();
+    while !m3.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "step 3 never written"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(
+        step_dirs(&fast),
+        ["step-000001", "step-000002", "step-000003"]
+    );
+    go_tx.send(()).unwrap();
+    ck.wait().unwrap();
+    assert_eq!(step_dirs(&fast), ["step-000003"]);
+    assert_eq!(
+        step_dirs(&durable),
+        ["step-000001", "step-000002", "step-000003"]
+    );
 }
