@@ -23,6 +23,7 @@ const EXAMPLES: &str = "Examples:
   shardwright lower plan.json --rank 0 -o rank0.ir
   shardwright verify plan.json
   shardwright simulate plan.json --trace trace.json --ranks 0,8
+  shardwright replan plan.json --lose-nodes 128 -o resized.json
 
 Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits,
 4 the plan's graphs fail verification.";

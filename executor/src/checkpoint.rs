@@ -309,9 +309,9 @@ fn write_rank(f: &mut File, step: u64, world: u32, s: &RankState) -> io::Result<
         buf.extend_from_slice(&(data.len() as u64).to_le_bytes());
         w.put(&buf)?;
         for chunk in data.chunks(CHUNK_ELEMS) {
-            buf.clear();
-            for x in chunk {
-                buf.extend_from_slice(&x.to_bits().to_le_bytes());
+            buf.resize(chunk.len() * 4, 0);
+            for (dst, x) in buf.chunks_exact_mut(4).zip(chunk) {
+                dst.copy_from_slice(&x.to_bits().to_le_bytes());
             }
             w.put(&buf)?;
         }
