@@ -336,6 +336,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         diagnostics: false,
         data: Some(&factory),
         on_step: Some(&on_step),
+        ..Default::default()
     };
     let res = match &dist {
         None => run_program_with(&l.program, &l.job, &l.layout, Cpu, &cfg, &opts),
@@ -484,6 +485,7 @@ mod distributed {
             diagnostics: opts.diagnostics,
             data: opts.data,
             on_step: Some(&on_step),
+            ..Default::default()
         };
         // A communicator failure is a panic that run_rank turns into the error printed at
         // the end (naming the rank, the collective and the peer): no backtrace for it.

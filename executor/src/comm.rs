@@ -44,6 +44,27 @@ struct Slot {
 struct State {
     slots: HashMap<(Vec<u32>, u64), Slot>,
     mail: HashMap<(u32, u32), VecDeque<Vec<f32>>>,
+    /// Ranks blocked right now, with the ranks they wait for.
+    waiting: std::collections::BTreeMap<u32, Vec<u32>>,
+    /// Set by the first timeout: the ranks others waited for that were not waiting
+    /// themselves (hung or gone), in rank order.
+    blamed: Option<Vec<u32>>,
+}
+
+impl State {
+    /// Ranks someone waits for that are not waiting themselves.
+    fn culprits(&self) -> Vec<u32> {
+        let mut out: Vec<u32> = self
+            .waiting
+            .values()
+            .flatten()
+            .copied()
+            .filter(|r| !self.waiting.contains_key(r))
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
 }
 
 /// What all in-process ranks share.
@@ -57,13 +78,26 @@ pub struct Hub {
 
 impl Hub {
     pub fn new(world: u32) -> Arc<Hub> {
+        Hub::with_timeout(world, Duration::from_secs(60))
+    }
+    /// A hub whose collectives and receives give up after `timeout` without progress.
+    pub fn with_timeout(world: u32, timeout: Duration) -> Arc<Hub> {
         Arc::new(Hub {
             world,
             state: Mutex::new(State::default()),
             cv: Condvar::new(),
-            timeout: Duration::from_secs(60),
+            timeout,
             aborted: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    /// After a timeout: the ranks the others were waiting for that were not blocked in a
+    /// collective themselves (a hung or dead rank), else empty.
+    pub fn blamed(&self) -> Vec<u32> {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.blamed.clone().unwrap_or_default()
     }
     /// Wake every waiting rank and make it panic with "aborted" (a rank failed).
     pub fn abort(&self) {
@@ -71,11 +105,6 @@ impl Hub {
             .store(true, std::sync::atomic::Ordering::SeqCst);
         let _g = self.state.lock();
         self.cv.notify_all();
-    }
-    fn check_abort(&self, rank: u32) {
-        if self.aborted.load(std::sync::atomic::Ordering::SeqCst) {
-            panic!("rank {rank}: aborted because another rank failed");
-        }
     }
     pub fn world(&self) -> u32 {
         self.world
@@ -90,6 +119,10 @@ impl Hub {
             })
             .collect()
     }
+}
+
+fn abort_panic(rank: u32) -> ! {
+    panic!("rank {rank}: aborted because another rank failed")
 }
 
 /// The in-process communicator of one rank (move it into the rank's thread).
@@ -127,24 +160,44 @@ impl Local {
             slot.parts[pos] = Some(Arc::new(data));
         }
         hub.cv.notify_all();
+        let start = std::time::Instant::now();
         loop {
             let slot = st.slots.get(&key).expect("slot");
             if slot.parts.iter().all(|p| p.is_some()) {
                 break;
             }
-            hub.check_abort(self.rank);
-            let (g, to) = hub
-                .cv
-                .wait_timeout(st, hub.timeout)
-                .unwrap_or_else(|e| e.into_inner());
-            st = g;
-            if to.timed_out() {
+            let missing: Vec<u32> = group
+                .iter()
+                .zip(&slot.parts)
+                .filter(|(_, p)| p.is_none())
+                .map(|(&r, _)| r)
+                .collect();
+            st.waiting.insert(self.rank, missing.clone());
+            if hub.is_aborted() {
+                st.waiting.remove(&self.rank);
+                drop(st);
+                abort_panic(self.rank);
+            }
+            let left = hub.timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                let culprits = st.culprits();
+                st.blamed.get_or_insert(culprits);
+                st.waiting.remove(&self.rank);
+                drop(st);
                 panic!(
-                    "rank {}: collective #{seq} on group {group:?} timed out (a member never joined)",
-                    self.rank
+                    "rank {}: collective #{seq} on group {group:?} timed out after {:.1} s \
+                     waiting for rank(s) {missing:?}",
+                    self.rank,
+                    hub.timeout.as_secs_f64()
                 );
             }
+            let (g, _) = hub
+                .cv
+                .wait_timeout(st, left)
+                .unwrap_or_else(|e| e.into_inner());
+            st = g;
         }
+        st.waiting.remove(&self.rank);
         let slot = st.slots.get_mut(&key).expect("slot");
         let parts: Vec<Arc<Vec<f32>>> = slot.parts.iter().map(|p| p.clone().unwrap()).collect();
         slot.read += 1;
@@ -252,23 +305,39 @@ impl Communicator for Local {
     fn recv(&mut self, peer: u32) -> Vec<f32> {
         let hub = self.hub.clone();
         let mut st = hub.state.lock().unwrap_or_else(|e| e.into_inner());
+        let start = std::time::Instant::now();
         loop {
             if let Some(m) = st
                 .mail
                 .get_mut(&(peer, self.rank))
                 .and_then(|q| q.pop_front())
             {
+                st.waiting.remove(&self.rank);
                 return m;
             }
-            hub.check_abort(self.rank);
-            let (g, to) = hub
+            st.waiting.insert(self.rank, vec![peer]);
+            if hub.is_aborted() {
+                st.waiting.remove(&self.rank);
+                drop(st);
+                abort_panic(self.rank);
+            }
+            let left = hub.timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                let culprits = st.culprits();
+                st.blamed.get_or_insert(culprits);
+                st.waiting.remove(&self.rank);
+                drop(st);
+                panic!(
+                    "rank {}: recv from rank {peer} timed out after {:.1} s",
+                    self.rank,
+                    hub.timeout.as_secs_f64()
+                );
+            }
+            let (g, _) = hub
                 .cv
-                .wait_timeout(st, hub.timeout)
+                .wait_timeout(st, left)
                 .unwrap_or_else(|e| e.into_inner());
             st = g;
-            if to.timed_out() {
-                panic!("rank {}: recv from {peer} timed out", self.rank);
-            }
         }
     }
 }

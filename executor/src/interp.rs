@@ -65,7 +65,6 @@ use shardwright_spec::job::Job;
 use shardwright_spec::Layout;
 use std::collections::{BTreeMap, HashMap};
 
-#[allow(dead_code)] // used by checkpoint/resume (next commit)
 mod state;
 
 /// Training hyper-parameters of a run.
@@ -175,8 +174,7 @@ pub fn run_program<B: Backend + Clone + 'static>(
         &RunOptions {
             steps,
             diagnostics: true,
-            data: None,
-            on_step: None,
+            ..RunOptions::default()
         },
     )
 }
@@ -203,6 +201,61 @@ pub struct RunOptions<'a> {
     pub data: Option<&'a DataFactory<'a>>,
     /// Called on the rank's thread after each step.
     pub on_step: Option<&'a (dyn Fn(StepEvent) + Sync + 'a)>,
+    /// The first step to run (a resume: `initial_state` holds the state after the step
+    /// before it).
+    pub first_step: u32,
+    /// Each rank's state to start from (see [`crate::interp`]'s state names); `None` for a
+    /// rank: fresh weights from `cfg.seed`.
+    pub initial_state: Option<&'a InitialState<'a>>,
+    /// Fault injection, checkpointing and checks around every step.
+    pub hooks: Option<&'a dyn RankHooks>,
+}
+
+impl Default for RunOptions<'_> {
+    fn default() -> Self {
+        RunOptions {
+            steps: 0,
+            diagnostics: false,
+            data: None,
+            on_step: None,
+            first_step: 0,
+            initial_state: None,
+            hooks: None,
+        }
+    }
+}
+
+/// The state a rank resumes from, by rank.
+pub type InitialState<'a> = dyn Fn(u32) -> Option<BTreeMap<String, Vec<f32>>> + Sync + 'a;
+
+/// What a rank's step can be observed and changed through (checkpoints, fault injection).
+pub trait RankStateAccess {
+    /// Every tensor of the rank's state (names in `interp::state`).
+    fn export(&self) -> BTreeMap<String, Vec<f32>>;
+    /// Flip bit `bit` of element `index` of weight `param` (silent data corruption).
+    fn flip_bit(&mut self, param: &str, index: usize, bit: u32) -> Result<(), String>;
+    /// A hash of the weights the rank computes with: equal on data-parallel replicas.
+    fn weights_checksum(&self) -> u64;
+    /// The weights' names, sorted.
+    fn weight_names(&self) -> Vec<String>;
+}
+
+/// Called on each rank's thread around every step. An error ends the rank (the run fails
+/// and its other ranks are aborted).
+pub trait RankHooks: Sync {
+    fn before_step(&self, _rank: u32, _step: u32) -> Result<(), String> {
+        Ok(())
+    }
+    fn after_step(
+        &self,
+        _rank: u32,
+        _step: u32,
+        _report: &StepReport,
+        _seconds: f64,
+        _state: &mut dyn RankStateAccess,
+    ) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// [`run_program`] with a data source, a per-step observer and without diagnostics.
@@ -328,16 +381,39 @@ pub fn run_rank<B: Backend, C: Communicator>(
                 ctx,
             }),
         });
+        if let Some(init) = opts.initial_state.and_then(|f| f(r)) {
+            rk.import_state(init).map_err(|e| {
+                ExecError::Model(format!(
+                    "rank {r}: resuming at step {}: {e}",
+                    opts.first_step
+                ))
+            })?;
+        }
+        let hook_err = |step: u32, why: String| ExecError::Node {
+            rank: r,
+            step,
+            node: u32::MAX,
+            what: "step hook".into(),
+            why,
+        };
         let mut reps = Vec::new();
-        for step in 0..opts.steps {
+        for step in opts.first_step..opts.steps {
+            if let Some(h) = opts.hooks {
+                h.before_step(r, step).map_err(|e| hook_err(step, e))?;
+            }
             let t0 = std::time::Instant::now();
             let rep = rk.step(step)?;
+            let seconds = t0.elapsed().as_secs_f64();
+            if let Some(h) = opts.hooks {
+                h.after_step(r, step, &rep, seconds, &mut rk)
+                    .map_err(|e| hook_err(step, e))?;
+            }
             if let Some(f) = opts.on_step {
                 f(StepEvent {
                     rank: r,
                     step,
                     report: &rep,
-                    seconds: t0.elapsed().as_secs_f64(),
+                    seconds,
                 });
             }
             reps.push(rep);

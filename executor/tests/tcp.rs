@@ -288,6 +288,7 @@ fn run_over_tcp(layout: &str, steps: u32) {
                             diagnostics: true,
                             data: None,
                             on_step: None,
+                            ..Default::default()
                         },
                     )
                     .unwrap_or_else(|e| panic!("{e}"))
@@ -368,6 +369,7 @@ fn run_rank_turns_a_vanished_peer_into_an_error_naming_it() {
             diagnostics: false,
             data: None,
             on_step: None,
+            ..Default::default()
         },
     );
     match r {

@@ -11,7 +11,7 @@
 //! learning-rate schedule follow from the step (data is addressed by step and micro-batch),
 //! so the step number is the rest of the state.
 
-use super::RankExec;
+use super::{RankExec, RankStateAccess};
 use crate::backend::Backend;
 use crate::comm::Communicator;
 use std::collections::BTreeMap;
@@ -30,7 +30,7 @@ fn bucket_name((layer, expert): super::BKey) -> String {
 
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// Every tensor of this rank's state, by the names in the module doc.
-    pub(super) fn export_state(&self) -> BTreeMap<String, Vec<f32>> {
+    pub(crate) fn export_state(&self) -> BTreeMap<String, Vec<f32>> {
         let mut out = BTreeMap::new();
         for (n, p) in &self.params {
             out.insert(format!("param/{n}"), p.clone());
@@ -54,7 +54,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     /// Restore what [`export_state`](Self::export_state) wrote: every tensor this rank
     /// holds must be there with its exact length, and nothing else.
-    pub(super) fn import_state(&mut self, mut t: BTreeMap<String, Vec<f32>>) -> Result<(), String> {
+    pub(crate) fn import_state(&mut self, mut t: BTreeMap<String, Vec<f32>>) -> Result<(), String> {
         let mut take = |name: String, len: usize| -> Result<Vec<f32>, String> {
             let v = t
                 .remove(&name)
@@ -96,5 +96,44 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             b.g.iter_mut().for_each(|x| *x = 0.0);
         }
         Ok(())
+    }
+}
+
+impl<B: Backend, C: Communicator> RankStateAccess for RankExec<'_, B, C> {
+    fn export(&self) -> BTreeMap<String, Vec<f32>> {
+        self.export_state()
+    }
+
+    fn flip_bit(&mut self, param: &str, index: usize, bit: u32) -> Result<(), String> {
+        let w = self
+            .params
+            .get_mut(param)
+            .ok_or_else(|| format!("no weight `{param}` on this rank"))?;
+        let x = w
+            .get_mut(index)
+            .ok_or_else(|| format!("weight `{param}` has no element {index}"))?;
+        *x = f32::from_bits(x.to_bits() ^ (1u32 << (bit % 32)));
+        Ok(())
+    }
+
+    fn weights_checksum(&self) -> u64 {
+        // FNV-1a over names and bit patterns: cheap, and equal exactly when the weights
+        // are bit-identical.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |b: u8| {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        };
+        for (n, w) in &self.params {
+            n.bytes().for_each(&mut eat);
+            for x in w {
+                x.to_bits().to_le_bytes().into_iter().for_each(&mut eat);
+            }
+        }
+        h
+    }
+
+    fn weight_names(&self) -> Vec<String> {
+        self.params.keys().cloned().collect()
     }
 }
