@@ -19,6 +19,7 @@ pub mod comm;
 pub mod data;
 pub mod interp;
 pub mod model;
+pub mod resilient;
 pub mod rng;
 pub mod tcp;
 
