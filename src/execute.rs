@@ -14,7 +14,9 @@ use crate::compile::{lower_all, verification, VERIFY_FAILED};
 use crate::{io, usage, Failure};
 use anyhow::{anyhow, Context};
 use serde::Serialize;
+use shardwright_executor::checkpoint::CkptConfig;
 use shardwright_executor::model::{lr_at, Dims};
+use shardwright_executor::resilient::{run_resilient, Fault, Resilience, ResilientReport};
 use shardwright_executor::{
     run_program_with, Backend, Cpu, DataCtx, DataSource, ExecConfig, RunOptions, StepEvent,
 };
@@ -44,6 +46,65 @@ pub struct ExecArgs {
     pub clip: f32,
     pub weight_decay: f32,
     pub quiet: bool,
+    /// Stop after this many steps (a time-limited allocation); the schedule still spans
+    /// `steps`.
+    pub exit_after: Option<u32>,
+    pub ft: FaultArgs,
+}
+
+/// Checkpoints, resume and injected faults (`execute --checkpoint-dir ...`).
+#[derive(Clone, Debug, Default)]
+pub struct FaultArgs {
+    pub checkpoint_dir: Option<PathBuf>,
+    pub durable_dir: Option<PathBuf>,
+    pub keep: usize,
+    pub checkpoint_every: Option<u32>,
+    pub resume: bool,
+    pub faults: Vec<String>,
+    pub hot_spares: Option<u32>,
+    pub collective_timeout_s: f64,
+    pub straggler_threshold: f64,
+}
+
+impl FaultArgs {
+    fn wanted(&self) -> bool {
+        self.checkpoint_dir.is_some() || self.resume || !self.faults.is_empty()
+    }
+}
+
+/// What fault tolerance did, for the summary.
+#[derive(Serialize)]
+struct FtSummary {
+    checkpoint_every: u32,
+    checkpoints: u32,
+    /// Step time blocked per checkpoint (state copied to host memory and queued).
+    checkpoint_blocked_s: f64,
+    /// The same as a share of the steps between two checkpoints.
+    checkpoint_blocked_share: f64,
+    resumed_at_step: u32,
+    hot_spares: u32,
+    events: Vec<FtEvent>,
+    warnings: Vec<String>,
+    useful_s: f64,
+    wall_s: f64,
+    /// Useful step time / wall time.
+    goodput: f64,
+    /// The plan's goodput formula (`cost-model/src/reliability.rs`) on this run's own
+    /// figures: checkpoint interval and stall, MTBF = wall time / failures, mean recovery.
+    predicted_goodput: f64,
+}
+
+#[derive(Serialize)]
+struct FtEvent {
+    kind: String,
+    step: u32,
+    rank: Option<u32>,
+    detected_by: String,
+    message: String,
+    detect_s: f64,
+    recovery_s: f64,
+    restored_step: Option<u64>,
+    replaced_slot: Option<(u32, u32)>,
 }
 
 /// One step's metrics line.
@@ -81,6 +142,8 @@ struct Summary<'a> {
     median_tokens_per_s: f64,
     median_mfu: f64,
     wall_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fault_tolerance: Option<FtSummary>,
 }
 
 /// A rank's data source over a prepared dataset.
@@ -175,6 +238,17 @@ impl Sink {
     }
 }
 
+impl Sink {
+    /// A new attempt starts at `first` (after a rollback): forget partial steps, and the
+    /// steps that run again.
+    fn restart(&mut self, first: u32) {
+        self.pending.clear();
+        self.lines.retain(|m| m.step <= first);
+        self.bar.set_position(first as u64);
+        self.last_end = Instant::now();
+    }
+}
+
 /// `shardwright execute PLAN --backend cpu`.
 pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     if a.backend == BackendKind::Cuda {
@@ -185,6 +259,11 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     if a.steps == 0 {
         return Err(usage(anyhow!("--steps: must be at least 1")));
     }
+    let run_steps = match a.exit_after {
+        Some(0) => return Err(usage(anyhow!("--exit-after: at least 1"))),
+        Some(n) => n.min(a.steps),
+        None => a.steps,
+    };
     let plan = crate::compile::load_plan(&a.plan)?;
     let l = lower_all(&a.plan, &plan)?;
     let (report, errors) = verification(&l, &plan);
@@ -292,7 +371,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     let bar = if a.quiet || !writes {
         indicatif::ProgressBar::hidden()
     } else {
-        let b = indicatif::ProgressBar::new(a.steps as u64);
+        let b = indicatif::ProgressBar::new(run_steps as u64);
         b.set_style(
             indicatif::ProgressStyle::with_template(
                 "training {bar:40} {pos}/{len} steps {elapsed} (eta {eta}) {msg}",
@@ -332,15 +411,55 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         }
     };
     let opts = RunOptions {
-        steps: a.steps,
+        steps: run_steps,
         diagnostics: false,
         data: Some(&factory),
         on_step: Some(&on_step),
         ..Default::default()
     };
-    let res = match &dist {
-        None => run_program_with(&l.program, &l.job, &l.layout, Cpu, &cfg, &opts),
-        Some(d) => distributed::run(d, &l, &cfg, &opts),
+    let resilience = fault_tolerance(a, &plan)?;
+    if resilience.is_some() && dist.is_some() {
+        return Err(usage(anyhow!(
+            "--checkpoint-dir/--resume/--inject-fault run in one process for now; \
+             not under `launch --local` or torchrun"
+        )));
+    }
+    let mut ft_report = None;
+    let res = match (&dist, &resilience) {
+        (None, None) => {
+            run_program_with(&l.program, &l.job, &l.layout, Cpu, &cfg, &opts).map(|_| ())
+        }
+        (None, Some(r)) => {
+            let restart = |first: u32| {
+                if let Ok(mut s) = sink.lock() {
+                    s.restart(first);
+                }
+            };
+            // Ranks torn down after a fault end in panics (aborted, timed out): expected,
+            // and reported as events; print only the unexpected ones.
+            let prev = std::panic::take_hook();
+            std::panic::set_hook(Box::new(|info| {
+                let msg = info
+                    .payload()
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                if !(msg.contains("aborted because another rank failed")
+                    || msg.contains("timed out"))
+                {
+                    eprintln!("{info}");
+                }
+            }));
+            let out = run_resilient(
+                &l.program, &l.job, &l.layout, Cpu, &cfg, run_steps, &opts, r, &restart,
+            )
+            .map(|rep| ft_report = Some(rep));
+            let _ = std::panic::take_hook();
+            std::panic::set_hook(prev);
+            out
+        }
+        (Some(d), _) => distributed::run(d, &l, &cfg, &opts).map(|_| ()),
     };
     bar.finish_and_clear();
     res.map_err(|e| anyhow!("{}: {e}", a.plan.display()))?;
@@ -361,7 +480,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         backend: "cpu",
         world,
         layout: &l.layout,
-        steps: a.steps,
+        steps: run_steps,
         data: data_name,
         tokens_per_step: tokens,
         model_flops_per_step: report.expected_model_flops as f64,
@@ -372,10 +491,17 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         median_tokens_per_s: median(tail.iter().map(|m| m.tokens_per_s).collect()),
         median_mfu: median(tail.iter().map(|m| m.mfu).collect()),
         wall_s: wall,
+        fault_tolerance: match (&ft_report, &resilience) {
+            (Some(r), Some(res)) => Some(ft_summary(r, res)),
+            _ => None,
+        },
     };
+    if let Some(ft) = &summary.fault_tolerance {
+        print_ft(ft);
+    }
     eprintln!(
         "{} steps on {} rank(s) in {:.1} s: loss {:.4} -> {:.4}, median {:.0} tokens/s, MFU {:.1}% of {}",
-        a.steps,
+        lines.len(),
         world,
         wall,
         summary.first_loss,
@@ -395,6 +521,176 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         );
     }
     Ok(())
+}
+
+/// The resilience settings `execute` was asked for, or `None`.
+fn fault_tolerance(
+    a: &ExecArgs,
+    plan: &shardwright_spec::Plan,
+) -> Result<Option<Resilience>, Failure> {
+    let f = &a.ft;
+    if !f.wanted() {
+        return Ok(None);
+    }
+    let Some(dir) = &f.checkpoint_dir else {
+        return Err(usage(anyhow!(
+            "--resume and --inject-fault need --checkpoint-dir (where checkpoints live)"
+        )));
+    };
+    let faults = f
+        .faults
+        .iter()
+        .map(|s| {
+            s.parse::<Fault>()
+                .map_err(|e| usage(anyhow!("--inject-fault {s}: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if f.keep == 0 {
+        return Err(usage(anyhow!("--keep: at least 1")));
+    }
+    if !(f.collective_timeout_s > 0.0 && f.collective_timeout_s.is_finite()) {
+        return Err(usage(anyhow!(
+            "--collective-timeout: a positive number of seconds"
+        )));
+    }
+    if !(f.straggler_threshold > 0.0 && f.straggler_threshold.is_finite()) {
+        return Err(usage(anyhow!(
+            "--straggler-threshold: a positive share, e.g. 0.05"
+        )));
+    }
+    // The plan's Young/Daly interval, in steps, unless overridden.
+    let every = match f.checkpoint_every {
+        Some(0) => return Err(usage(anyhow!("--checkpoint-every: at least 1"))),
+        Some(n) => n,
+        None => {
+            let n = plan
+                .estimate
+                .reliability
+                .interval_steps
+                .clamp(1, u32::MAX as u64) as u32;
+            if n >= a.steps {
+                eprintln!(
+                    "note: the plan's checkpoint interval is {n} steps (Young/Daly for its \
+                     cluster); this run of {} steps takes none unless --checkpoint-every is set",
+                    a.steps
+                );
+            }
+            n
+        }
+    };
+    let mut ckpt = CkptConfig::new(dir).keep(f.keep, f.keep);
+    if let Some(d) = &f.durable_dir {
+        ckpt = ckpt.durable(d);
+    }
+    Ok(Some(Resilience {
+        checkpoint_every: every,
+        ckpt,
+        resume: f.resume,
+        faults,
+        hot_spares: f
+            .hot_spares
+            .unwrap_or(plan.inputs.cluster.hot_spares as u32),
+        collective_timeout: std::time::Duration::from_secs_f64(f.collective_timeout_s),
+        straggler_threshold: f.straggler_threshold,
+    }))
+}
+
+fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {
+    let steps = r.step_s.len().max(1) as f64;
+    let mean_step = r.useful_s / steps;
+    let every = res.checkpoint_every as f64;
+    let failures = r.events.iter().filter(|e| e.kind != "loss-outlier").count();
+    let recovery: Vec<f64> = r
+        .events
+        .iter()
+        .filter(|e| e.kind != "loss-outlier")
+        .map(|e| e.detect_s + e.recovery_s)
+        .collect();
+    let mean_recovery = if recovery.is_empty() {
+        0.0
+    } else {
+        recovery.iter().sum::<f64>() / recovery.len() as f64
+    };
+    let mtbf = if failures > 0 {
+        r.wall_s / failures as f64
+    } else {
+        f64::INFINITY
+    };
+    let (predicted, _, _) = shardwright_cost::reliability::goodput_fraction(
+        every * mean_step,
+        r.ckpt_blocked_s,
+        mtbf,
+        mean_recovery,
+        0.0,
+    );
+    FtSummary {
+        checkpoint_every: res.checkpoint_every,
+        checkpoints: r.checkpoints,
+        checkpoint_blocked_s: r.ckpt_blocked_s,
+        checkpoint_blocked_share: if mean_step > 0.0 {
+            r.ckpt_blocked_s / (every * mean_step)
+        } else {
+            0.0
+        },
+        resumed_at_step: r.first_step,
+        hot_spares: res.hot_spares,
+        events: r
+            .events
+            .iter()
+            .map(|e| FtEvent {
+                kind: e.kind.clone(),
+                step: e.step,
+                rank: e.rank,
+                detected_by: e.detected_by.clone(),
+                message: e.message.clone(),
+                detect_s: e.detect_s,
+                recovery_s: e.recovery_s,
+                restored_step: e.restored_step,
+                replaced_slot: e.replaced,
+            })
+            .collect(),
+        warnings: r.warnings.clone(),
+        useful_s: r.useful_s,
+        wall_s: r.wall_s,
+        goodput: r.goodput(),
+        predicted_goodput: predicted,
+    }
+}
+
+fn print_ft(ft: &FtSummary) {
+    for w in &ft.warnings {
+        eprintln!("warning: {w}");
+    }
+    for e in &ft.events {
+        eprintln!(
+            "{} at step {}{}: {} [detected by {} after {:.3} s; recovered in {:.3} s from {}{}]",
+            e.kind,
+            e.step,
+            e.rank.map(|r| format!(", rank {r}")).unwrap_or_default(),
+            e.message,
+            e.detected_by,
+            e.detect_s,
+            e.recovery_s,
+            match e.restored_step {
+                Some(s) => format!("checkpoint step {s}"),
+                None => "the start".into(),
+            },
+            match e.replaced_slot {
+                Some((a, b)) => format!("; slot {a} replaced by hot spare {b}"),
+                None => String::new(),
+            }
+        );
+    }
+    eprintln!(
+        "checkpoints: {} (every {} steps), {:.2} ms blocked each ({:.2}% of the steps between); \
+         goodput {:.1}% achieved, {:.1}% predicted by the plan's formula for this failure rate",
+        ft.checkpoints,
+        ft.checkpoint_every,
+        ft.checkpoint_blocked_s * 1e3,
+        100.0 * ft.checkpoint_blocked_share,
+        100.0 * ft.goodput,
+        100.0 * ft.predicted_goodput
+    );
 }
 
 /// Multi-process runs: one process per rank, started by `shardwright launch --local`,

@@ -28,6 +28,7 @@ const EXAMPLES: &str = "Examples:
   shardwright verify plan.json
   shardwright simulate plan.json --trace trace.json --ranks 0,8
   shardwright execute plan.json --backend cpu --steps 200 --data shakespeare-tokens --out run
+  shardwright execute plan.json --steps 40 --checkpoint-dir ckpt --checkpoint-every 5 --inject-fault rank=3,step=12,kind=crash
   shardwright replan plan.json --lose-nodes 128 -o resized.json
 
 Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits,
@@ -300,6 +301,38 @@ enum Cmd {
         /// No progress bar.
         #[arg(long)]
         quiet: bool,
+        /// Stop after this many steps, as a time-limited allocation does (the learning-rate
+        /// schedule still spans --steps); resume later with --resume.
+        #[arg(long)]
+        exit_after: Option<u32>,
+        /// Checkpoint into this (fast, local) directory; turns on fault tolerance.
+        #[arg(long, help_heading = "Fault tolerance")]
+        checkpoint_dir: Option<PathBuf>,
+        /// Copy complete checkpoints down to this durable directory in the background.
+        #[arg(long, help_heading = "Fault tolerance")]
+        durable_dir: Option<PathBuf>,
+        /// Complete checkpoints kept in each tier.
+        #[arg(long, default_value_t = 2, help_heading = "Fault tolerance")]
+        keep: usize,
+        /// Steps between checkpoints (default: the plan's Young/Daly interval).
+        #[arg(long, help_heading = "Fault tolerance")]
+        checkpoint_every: Option<u32>,
+        /// Start from the newest complete checkpoint that verifies.
+        #[arg(long, help_heading = "Fault tolerance")]
+        resume: bool,
+        /// Inject a fault: `rank=R,step=S,kind=crash|hang|slow|corrupt-checkpoint|bitflip`
+        /// (`slow` takes `factor=X`, default 3). Repeatable.
+        #[arg(long, value_name = "SPEC", help_heading = "Fault tolerance")]
+        inject_fault: Vec<String>,
+        /// Hot spares (default: the plan's cluster.hot_spares).
+        #[arg(long, help_heading = "Fault tolerance")]
+        hot_spares: Option<u32>,
+        /// Seconds a collective waits for its peers before the rank is declared hung.
+        #[arg(long, default_value_t = 60.0, help_heading = "Fault tolerance")]
+        collective_timeout: f64,
+        /// Evict a device whose synthetic step is this share slower than the median.
+        #[arg(long, default_value_t = 0.05, help_heading = "Fault tolerance")]
+        straggler_threshold: f64,
     },
     /// Re-plan a plan's job on a smaller or larger fleet (elastic resize), keeping the global
     /// batch (micro_batch x grad_accum x dp x ep) where an integer split exists.
@@ -635,6 +668,16 @@ fn run(cli: Cli) -> Result<(), Failure> {
             clip,
             weight_decay,
             quiet,
+            exit_after,
+            checkpoint_dir,
+            durable_dir,
+            keep,
+            checkpoint_every,
+            resume,
+            inject_fault,
+            hot_spares,
+            collective_timeout,
+            straggler_threshold,
         } => execute::execute(&execute::ExecArgs {
             plan,
             backend,
@@ -648,6 +691,18 @@ fn run(cli: Cli) -> Result<(), Failure> {
             clip,
             weight_decay,
             quiet,
+            exit_after,
+            ft: execute::FaultArgs {
+                checkpoint_dir,
+                durable_dir,
+                keep,
+                checkpoint_every,
+                resume,
+                faults: inject_fault,
+                hot_spares,
+                collective_timeout_s: collective_timeout,
+                straggler_threshold,
+            },
         }),
         Cmd::Replan {
             plan,

@@ -292,3 +292,190 @@ fn bad_datasets_are_refused_before_anything_runs() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("shard-00000.bin"), "{err}");
 }
+
+fn summary(out: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
+}
+
+/// A crash and a bit flip during training: both detected, the run rolls back and ends
+/// with the fault-free run's losses; the summary reports the events, the checkpoint stall
+/// and the goodput next to the formula's.
+#[test]
+fn faults_are_survived_from_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_with(dir.path(), "p", None);
+    let p = plan.to_str().unwrap();
+    let clean = dir.path().join("clean");
+    let (code, _, err) = run(&[
+        "execute",
+        p,
+        "--steps",
+        "12",
+        "--out",
+        clean.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let out = dir.path().join("faulty");
+    let ck = dir.path().join("ck");
+    let (code, _, err) = run(&[
+        "execute",
+        p,
+        "--steps",
+        "12",
+        "--out",
+        out.to_str().unwrap(),
+        "--quiet",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--checkpoint-every",
+        "3",
+        "--hot-spares",
+        "1",
+        "--inject-fault",
+        "rank=3,step=7,kind=crash",
+        "--inject-fault",
+        "rank=5,step=9,kind=bitflip",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("crash at step 7, rank 3") && err.contains("sdc at step 9"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("panicked"),
+        "torn-down ranks print nothing: {err}"
+    );
+    let last = |d: &Path| metrics(d).last().unwrap()["loss"].as_f64().unwrap();
+    assert_eq!(
+        last(&out).to_bits(),
+        last(&clean).to_bits(),
+        "same final loss"
+    );
+    let ft = &summary(&out)["fault_tolerance"];
+    assert_eq!(ft["events"].as_array().unwrap().len(), 2);
+    assert_eq!(ft["events"][0]["restored_step"], 5);
+    assert_eq!(ft["events"][0]["replaced_slot"], serde_json::json!([3, 8]));
+    let g = ft["goodput"].as_f64().unwrap();
+    assert!(g > 0.0 && g < 1.0, "{g}");
+    assert!(ft["predicted_goodput"].as_f64().unwrap() > 0.0);
+    // Without a spare the second failure is fatal, and says why.
+    let (code, _, err) = run(&[
+        "execute",
+        p,
+        "--steps",
+        "12",
+        "--quiet",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--checkpoint-every",
+        "3",
+        "--inject-fault",
+        "rank=2,step=4,kind=crash",
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no hot spare is left"), "{err}");
+}
+
+/// Stop after 6 of 12 steps, resume, and end where the uninterrupted run ends.
+#[test]
+fn exit_and_resume_from_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_with(dir.path(), "p", None);
+    let p = plan.to_str().unwrap();
+    let clean = dir.path().join("clean");
+    let (code, _, err) = run(&[
+        "execute",
+        p,
+        "--steps",
+        "12",
+        "--out",
+        clean.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let ck = dir.path().join("ck");
+    let ck = ck.to_str().unwrap();
+    let first = dir.path().join("first");
+    let (code, _, err) = run(&[
+        "execute",
+        p,
+        "--steps",
+        "12",
+        "--exit-after",
+        "6",
+        "--checkpoint-dir",
+        ck,
+        "--checkpoint-every",
+        "3",
+        "--out",
+        first.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(metrics(&first).len(), 6);
+    let second = dir.path().join("second");
+    let (code, _, err) = run(&[
+        "execute",
+        p,
+        "--steps",
+        "12",
+        "--resume",
+        "--checkpoint-dir",
+        ck,
+        "--checkpoint-every",
+        "3",
+        "--out",
+        second.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let m = metrics(&second);
+    assert_eq!(m[0]["step"], 7, "resumed after step 6");
+    let all: Vec<u64> = metrics(&first)
+        .iter()
+        .chain(&m)
+        .map(|l| l["loss"].as_f64().unwrap().to_bits())
+        .collect();
+    let want: Vec<u64> = metrics(&clean)
+        .iter()
+        .map(|l| l["loss"].as_f64().unwrap().to_bits())
+        .collect();
+    assert_eq!(all, want, "6 + 6 steps == 12 uninterrupted, bit for bit");
+    assert_eq!(summary(&second)["fault_tolerance"]["resumed_at_step"], 6);
+    // Bad fault specs and flags name what is wrong.
+    for (args, want) in [
+        (
+            vec!["--inject-fault", "rank=1,step=2,kind=crash"],
+            "need --checkpoint-dir",
+        ),
+        (
+            vec![
+                "--checkpoint-dir",
+                ck,
+                "--inject-fault",
+                "rank=1,kind=crash",
+            ],
+            "step= is missing",
+        ),
+        (
+            vec![
+                "--checkpoint-dir",
+                ck,
+                "--inject-fault",
+                "rank=99,step=1,kind=crash",
+            ],
+            "the plan has 8 ranks",
+        ),
+        (
+            vec!["--checkpoint-dir", ck, "--checkpoint-every", "0"],
+            "--checkpoint-every",
+        ),
+    ] {
+        let mut a = vec!["execute", p, "--steps", "4", "--quiet"];
+        a.extend(args);
+        let (code, _, err) = run(&a);
+        assert_ne!(code, 0, "{a:?}");
+        assert!(err.contains(want), "{a:?}: {err}");
+    }
+}

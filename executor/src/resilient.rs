@@ -475,13 +475,10 @@ impl RankHooks for Attempt<'_> {
                         .collect();
                     let unique = majority * 2 > v.len() && odd.len() == 1;
                     let culprit = unique.then(|| odd[0]);
-                    let injected = culprit.and_then(|r| {
-                        self.injected
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .get(&r)
-                            .copied()
-                    });
+                    let injected = {
+                        let inj = self.injected.lock().unwrap_or_else(|e| e.into_inner());
+                        v.iter().filter_map(|(r, _)| inj.get(r).copied()).min()
+                    };
                     let mut ranks: Vec<u32> = v.iter().map(|x| x.0).collect();
                     ranks.sort_unstable();
                     self.fail(Detected {
