@@ -592,6 +592,12 @@ fn fault_tolerance(
             .unwrap_or(plan.inputs.cluster.hot_spares as u32),
         collective_timeout: std::time::Duration::from_secs_f64(f.collective_timeout_s),
         straggler_threshold: f.straggler_threshold,
+        meta: serde_json::json!({
+            "layout": plan.layout,
+            "stages": plan.stages,
+            "global_batch": plan.inputs.training.global_batch,
+        }),
+        start_from: None,
     }))
 }
 

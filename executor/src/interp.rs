@@ -66,6 +66,7 @@ use shardwright_spec::Layout;
 use std::collections::{BTreeMap, HashMap};
 
 mod state;
+pub use state::{logical_state, sharded_state};
 
 /// Training hyper-parameters of a run.
 #[derive(Clone, Debug, PartialEq)]
@@ -339,7 +340,7 @@ fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
 }
 
 /// The model's dimensions, checked against the layout.
-fn check_model(job: &Job, layout: &Layout) -> Result<Dims, ExecError> {
+pub(crate) fn check_model(job: &Job, layout: &Layout) -> Result<Dims, ExecError> {
     let dims = Dims::from_job(job).map_err(ExecError::Model)?;
     dims.check_divisible(layout.tp as usize, layout.cp as usize)
         .map_err(ExecError::Model)?;
@@ -632,7 +633,7 @@ impl Acts {
 
 /// A gradient bucket: a layer's (or, `None`, the ends') dense parameters (`false`,
 /// reduced over `dense_dp`) or routed-expert parameters (`true`, over `expert_dp`).
-type BKey = (Option<u32>, bool);
+pub(crate) type BKey = (Option<u32>, bool);
 
 /// ZeRO state of one gradient bucket.
 struct Bucket {

@@ -27,7 +27,7 @@ pub use backend::{AdamW, AttnShape, Backend, Cpu};
 pub use comm::{Communicator, Hub, Local};
 pub use data::{DataCtx, DataSource, Synthetic};
 pub use interp::{
-    InitialState, RankHooks, RankStateAccess,
+    logical_state, sharded_state, InitialState, RankHooks, RankStateAccess,
     run_program, run_program_with, run_rank, DataFactory, ExecConfig, ExecError, RankReport,
     RunOptions, StepEvent, StepReport,
 };

@@ -335,6 +335,39 @@ pub fn shard(full: &[f32], shape: [usize; 2], split: &Split, i: usize, tp: usize
     }
 }
 
+/// Write rank `i`'s part `local` back into the full `[r, c]` tensor (the inverse of
+/// [`shard`]; a replicated tensor is copied whole).
+pub fn unshard_into(
+    full: &mut [f32],
+    local: &[f32],
+    shape: [usize; 2],
+    split: &Split,
+    i: usize,
+    tp: usize,
+) {
+    let [r, c] = shape;
+    match split {
+        Split::Replicated => full.copy_from_slice(local),
+        Split::Rows => {
+            let n = r / tp;
+            full[i * n * c..(i + 1) * n * c].copy_from_slice(local);
+        }
+        Split::Cols(blocks) => {
+            let mut o = 0;
+            for row in 0..r {
+                let mut start = 0;
+                for &w in blocks {
+                    let n = w / tp;
+                    let lo = row * c + start + i * n;
+                    full[lo..lo + n].copy_from_slice(&local[o..o + n]);
+                    o += n;
+                    start += w;
+                }
+            }
+        }
+    }
+}
+
 /// Learning rate at 0-based `step`: linear warmup, then cosine decay to `min_lr`.
 pub fn lr_at(cfg: &crate::interp::ExecConfig, step: u32) -> f32 {
     let s = step as f64;

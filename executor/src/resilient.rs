@@ -115,6 +115,12 @@ pub struct Resilience {
     pub collective_timeout: Duration,
     /// A slot slower than the median slot by more than this share is evicted.
     pub straggler_threshold: f64,
+    /// Written into every rank file's metadata beside the step (e.g. the layout, so a
+    /// resume on another layout can reshard).
+    pub meta: serde_json::Value,
+    /// Start from this state (step, every rank's state) instead of the checkpoint
+    /// directories: a checkpoint of another layout, resharded.
+    pub start_from: Option<(u64, Vec<RankState>)>,
 }
 
 /// One detected failure (or flagged anomaly) and what was done about it.
@@ -537,7 +543,14 @@ impl RankHooks for Attempt<'_> {
             let st = RankState {
                 rank,
                 tensors: state.export(),
-                meta: serde_json::json!({"step": step}),
+                meta: {
+                    let mut m = self.cfg.meta.clone();
+                    if !m.is_object() {
+                        m = serde_json::json!({});
+                    }
+                    m["step"] = serde_json::json!(step);
+                    m
+                },
             };
             self.ckpt
                 .snapshot(step as u64, self.world, st)
@@ -649,8 +662,10 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         crate::checkpoint::restore_latest(&dirs, world, &mut |w| warnings.push(w))
             .map_err(|e| ExecError::Model(format!("restoring a checkpoint: {e}")))
     };
-    let mut state: Option<(u64, Vec<RankState>)> = None;
-    if res.resume {
+    let mut state: Option<(u64, Vec<RankState>)> = res.start_from.clone();
+    if state.is_some() {
+        report.first_step = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
+    } else if res.resume {
         state = restore(&mut warnings)?;
         report.first_step = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
     }

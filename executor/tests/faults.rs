@@ -22,6 +22,8 @@ fn resilience(dir: &Path, faults: &[&str], spares: u32) -> Resilience {
         hot_spares: spares,
         collective_timeout: Duration::from_millis(1500),
         straggler_threshold: 0.05,
+        meta: serde_json::json!({}),
+        start_from: None,
     }
 }
 

@@ -137,3 +137,161 @@ impl<B: Backend, C: Communicator> RankStateAccess for RankExec<'_, B, C> {
         self.params.keys().cloned().collect()
     }
 }
+
+/// One rank's state of `program` under `layout`, each rank built as the executor builds it.
+fn with_ranks<T>(
+    program: &shardwright_ir::Program,
+    job: &shardwright_spec::job::Job,
+    layout: &shardwright_spec::Layout,
+    cfg: &super::ExecConfig,
+    mut f: impl FnMut(u32, &mut RankExec<'_, crate::Cpu, crate::comm::Local>) -> Result<T, String>,
+) -> Result<Vec<T>, String> {
+    let dims = super::check_model(job, layout).map_err(|e| e.to_string())?;
+    let hub = crate::comm::Hub::new(program.world);
+    let be = crate::Cpu;
+    let mut out = Vec::new();
+    for (r, comm) in hub.comms().into_iter().enumerate() {
+        let graph = program
+            .graph_of(r as u32)
+            .ok_or_else(|| format!("rank {r} is not in the program"))?;
+        let mut rk = RankExec::new(&be, comm, &graph, program, &dims, layout, job, cfg)
+            .map_err(|e| e.to_string())?;
+        out.push(f(r as u32, &mut rk)?);
+    }
+    Ok(out)
+}
+
+/// The layout-free state behind a checkpoint of `program`: for every parameter `NAME` its
+/// full (unsharded) `master/NAME`, `adam_m/NAME` and `adam_v/NAME`, reassembled from the
+/// ranks' tensor-parallel shards and ZeRO shards. `states` holds every rank's exported
+/// state.
+pub fn logical_state(
+    program: &shardwright_ir::Program,
+    job: &shardwright_spec::job::Job,
+    layout: &shardwright_spec::Layout,
+    cfg: &super::ExecConfig,
+    states: &BTreeMap<u32, BTreeMap<String, Vec<f32>>>,
+) -> Result<BTreeMap<String, Vec<f32>>, String> {
+    type Part = (usize, [Vec<f32>; 3], Vec<String>, Vec<usize>, usize, usize);
+    let dims = super::check_model(job, layout).map_err(|e| e.to_string())?;
+    let mut full: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+    let mut put = |kind: &str, name: &str, local: &[f32], i: usize, tp: usize| {
+        let shape = dims.shape(name);
+        let t = full
+            .entry(format!("{kind}/{name}"))
+            .or_insert_with(|| vec![0.0; shape[0] * shape[1]]);
+        crate::model::unshard_into(t, local, shape, &dims.split(name), i, tp);
+    };
+    // ZeRO buckets: (bucket, its data-parallel group) -> every member's shard.
+    let mut buckets: BTreeMap<(super::BKey, Vec<u32>), Vec<Part>> = BTreeMap::new();
+    let zero = layout.zero_stage;
+    let locals = with_ranks(program, job, layout, cfg, |r, rk| {
+        let st = states
+            .get(&r)
+            .ok_or_else(|| format!("the checkpoint has no state for rank {r}"))?;
+        rk.import_state(st.clone())
+            .map_err(|e| format!("rank {r}: {e}"))?;
+        let (i, tp) = (rk.tp_pos, rk.tp.len());
+        let mut mine = Vec::new();
+        if zero == 0 {
+            for (n, p) in &rk.params {
+                mine.push(("master", n.clone(), p.clone(), i, tp));
+                mine.push(("adam_m", n.clone(), rk.m[n].clone(), i, tp));
+                mine.push(("adam_v", n.clone(), rk.v[n].clone(), i, tp));
+            }
+        } else {
+            for (k, b) in &rk.buckets {
+                let (group, pos) = rk.dp_group(k.1);
+                buckets.entry((*k, group)).or_default().push((
+                    pos,
+                    [b.p.clone(), b.m.clone(), b.v.clone()],
+                    b.names.clone(),
+                    b.sizes.clone(),
+                    i,
+                    tp,
+                ));
+            }
+        }
+        Ok(mine)
+    })?;
+    for (kind, n, local, i, tp) in locals.into_iter().flatten() {
+        put(kind, &n, &local, i, tp);
+    }
+    for (_, mut parts) in buckets {
+        parts.sort_by_key(|p| p.0);
+        let (names, sizes, i, tp) = (parts[0].2.clone(), parts[0].3.clone(), parts[0].4, parts[0].5);
+        for (j, kind) in ["master", "adam_m", "adam_v"].iter().enumerate() {
+            let flat: Vec<f32> = parts.iter().flat_map(|p| p.1[j].iter().copied()).collect();
+            let mut o = 0;
+            for (n, &s) in names.iter().zip(&sizes) {
+                put(kind, n, &flat[o..o + s], i, tp);
+                o += s;
+            }
+        }
+    }
+    Ok(full)
+}
+
+/// Every rank's state of `program` under `layout` cut from a [`logical_state`]: the
+/// checkpoint of one layout loaded onto another.
+pub fn sharded_state(
+    program: &shardwright_ir::Program,
+    job: &shardwright_spec::job::Job,
+    layout: &shardwright_spec::Layout,
+    cfg: &super::ExecConfig,
+    logical: &BTreeMap<String, Vec<f32>>,
+) -> Result<BTreeMap<u32, BTreeMap<String, Vec<f32>>>, String> {
+    let dims = super::check_model(job, layout).map_err(|e| e.to_string())?;
+    let get = |kind: &str, name: &str, i: usize, tp: usize| -> Result<Vec<f32>, String> {
+        let full = logical
+            .get(&format!("{kind}/{name}"))
+            .ok_or_else(|| format!("the checkpoint has no `{kind}/{name}`"))?;
+        let shape = dims.shape(name);
+        if full.len() != shape[0] * shape[1] {
+            return Err(format!(
+                "`{kind}/{name}`: {} elements, the model's shape {shape:?} needs {}",
+                full.len(),
+                shape[0] * shape[1]
+            ));
+        }
+        Ok(crate::model::shard(full, shape, &dims.split(name), i, tp))
+    };
+    let zero = layout.zero_stage;
+    let states = with_ranks(program, job, layout, cfg, |r, rk| {
+        let (i, tp) = (rk.tp_pos, rk.tp.len());
+        let names: Vec<String> = rk.params.keys().cloned().collect();
+        let mut master = BTreeMap::new();
+        let mut m = BTreeMap::new();
+        let mut v = BTreeMap::new();
+        for n in &names {
+            master.insert(n.clone(), get("master", n, i, tp)?);
+            m.insert(n.clone(), get("adam_m", n, i, tp)?);
+            v.insert(n.clone(), get("adam_v", n, i, tp)?);
+        }
+        if zero == 0 {
+            rk.m = m;
+            rk.v = v;
+        } else {
+            let keys: Vec<super::BKey> = rk.buckets.keys().copied().collect();
+            for k in keys {
+                let (group, pos) = rk.dp_group(k.1);
+                let b = rk.buckets.get_mut(&k).expect("bucket");
+                let c = b.padded / group.len();
+                let cut = |from: &BTreeMap<String, Vec<f32>>| -> Vec<f32> {
+                    let mut flat = Vec::with_capacity(b.padded);
+                    for n in &b.names {
+                        flat.extend_from_slice(&from[n]);
+                    }
+                    flat.resize(b.padded, 0.0);
+                    flat[pos * c..(pos + 1) * c].to_vec()
+                };
+                b.p = cut(&master);
+                b.m = cut(&m);
+                b.v = cut(&v);
+            }
+        }
+        rk.params = master;
+        Ok((r, rk.export_state()))
+    })?;
+    Ok(states.into_iter().collect())
+}
