@@ -3,7 +3,8 @@
 //! Each rank is a child process of this same binary running `shardwright execute PLAN
 //! --backend cpu [EXTRA...]` with the torchrun contract in its environment (RANK,
 //! WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT and
-//! SHARDWRIGHT_COLLECTIVE_TIMEOUT_S); rank 0 serves the rendezvous store and the ranks talk
+//! SHARDWRIGHT_COLLECTIVE_TIMEOUT_S; SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S passes through from the
+//! launcher's environment); rank 0 serves the rendezvous store and the ranks talk
 //! over TCP (`shardwright_executor::tcp`).
 //!
 //! Gang semantics: the job lives and dies as one. When a rank exits non-zero or is killed,

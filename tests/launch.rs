@@ -48,6 +48,7 @@ fn cmd(args: &[&str]) -> Command {
         "MASTER_ADDR",
         "MASTER_PORT",
         "SHARDWRIGHT_COLLECTIVE_TIMEOUT_S",
+        "SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S",
         "SHARDWRIGHT_TEST_EXIT_AT_STEP",
     ] {
         c.env_remove(v);
@@ -470,7 +471,7 @@ fn execute_checks_the_environment_contract() {
             ("MASTER_ADDR", "127.0.0.1"),
         ])
         .env("MASTER_PORT", &port)
-        .env("SHARDWRIGHT_COLLECTIVE_TIMEOUT_S", "0.5"));
+        .env("SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S", "0.5"));
     assert_eq!(r.code, Some(1), "{}", r.err);
     assert!(
         r.err.contains("could not reach the rendezvous store") && r.err.contains(&port),

@@ -20,7 +20,7 @@ fn mesh(world: u32, timeout: Duration) -> Vec<TcpComm> {
     for r in 1..world {
         let a = addr.clone();
         hs.push(thread::spawn(move || {
-            rendezvous(&a, r, world, timeout).unwrap_or_else(|e| panic!("{e}"))
+            rendezvous(&a, r, world, timeout, timeout).unwrap_or_else(|e| panic!("{e}"))
         }));
     }
     let c0 = TcpComm::connect(store0, 0, world, timeout).unwrap_or_else(|e| panic!("{e}"));
@@ -446,6 +446,7 @@ fn no_store_is_a_clear_error() {
         1,
         2,
         Duration::from_millis(300),
+        Duration::from_secs(60),
     )
     .err()
     .expect("nobody serves the store");
@@ -480,6 +481,8 @@ fn environment_contract() {
     assert_eq!((ok.rank, ok.world, ok.local_rank), (3, 4, Some(3)));
     assert_eq!(ok.master, "[::1]:29500");
     assert_eq!(ok.timeout, Duration::from_millis(2500));
+    // The rendezvous waits at least a minute unless told otherwise.
+    assert_eq!(ok.rendezvous_timeout, Duration::from_secs(60));
     let base = [
         ("WORLD_SIZE", "4"),
         ("RANK", "1"),
@@ -509,6 +512,11 @@ fn environment_contract() {
             "SHARDWRIGHT_COLLECTIVE_TIMEOUT_S",
             Some("-1"),
             "SHARDWRIGHT_COLLECTIVE_TIMEOUT_S=`-1`",
+        ),
+        (
+            "SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S",
+            Some("0"),
+            "SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S=`0`",
         ),
         (
             "SHARDWRIGHT_COLLECTIVE_TIMEOUT_S",
