@@ -529,3 +529,52 @@ fn environment_contract() {
     }
     assert_eq!(timeout_from(&env(&[])).unwrap(), Duration::from_secs(60));
 }
+
+/// Rank 0 of `world0` plus joiners `(rank, world)`, all with a 2 s rendezvous: the results.
+fn join(world0: u32, joiners: &[(u32, u32)]) -> (Result<(), String>, Vec<Result<(), String>>) {
+    let t = Duration::from_secs(2);
+    let store = Store::host("127.0.0.1:0", t).unwrap();
+    let addr = store.served_addr().unwrap().to_string();
+    let hs: Vec<_> = joiners
+        .iter()
+        .map(|&(r, w)| {
+            let a = addr.clone();
+            thread::spawn(move || rendezvous(&a, r, w, t, t).map(|_| ()))
+        })
+        .collect();
+    let r0 = TcpComm::connect(store, 0, world0, t).map(|_| ());
+    (r0, hs.into_iter().map(|h| h.join().unwrap()).collect())
+}
+
+#[test]
+fn a_rank_claimed_twice_is_refused() {
+    let (r0, others) = join(3, &[(1, 3), (1, 3)]);
+    let e = r0.unwrap_err();
+    assert!(
+        e.starts_with("rank 0: a second process claims rank 1"),
+        "{e}"
+    );
+    // Neither claimant gets a working mesh.
+    assert!(others.iter().all(|r| r.is_err()), "{others:?}");
+}
+
+#[test]
+fn a_different_world_size_is_refused() {
+    let (r0, others) = join(2, &[(1, 3)]);
+    let e = r0.unwrap_err();
+    assert!(
+        e.contains("believes the world has 3 ranks, this rank 2 (WORLD_SIZE differs"),
+        "{e}"
+    );
+    assert!(others[0].is_err());
+}
+
+#[test]
+fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
+    // World 3, rank 2 never starts.
+    let (r0, others) = join(3, &[(1, 3)]);
+    let e = r0.unwrap_err();
+    assert!(e.contains("ranks [2] did not connect within 2 s"), "{e}");
+    let e1 = others[0].as_ref().unwrap_err();
+    assert!(e1.contains("ranks [2] did not connect within 2 s"), "{e1}");
+}
