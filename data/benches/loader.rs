@@ -18,7 +18,14 @@ fn bench_prepare(c: &mut Criterion) {
     let mut g = c.benchmark_group("prepare");
     g.sample_size(10);
     g.bench_function("shakespeare_default", |b| {
-        b.iter(|| prepare(&[corpus()], &dir.path().join("ds"), &PrepareOptions::default()).unwrap())
+        b.iter(|| {
+            prepare(
+                &[corpus()],
+                &dir.path().join("ds"),
+                &PrepareOptions::default(),
+            )
+            .unwrap()
+        })
     });
     g.finish();
 }
@@ -41,7 +48,10 @@ fn bench_loader(c: &mut Criterion) {
             };
             let mut l = Loader::open(&ds, cfg).unwrap();
             g.throughput(Throughput::Elements((seq_len * micro_batch) as u64));
-            let id = BenchmarkId::new(format!("seq{seq_len}_mb{micro_batch}"), format!("prefetch{prefetch}"));
+            let id = BenchmarkId::new(
+                format!("seq{seq_len}_mb{micro_batch}"),
+                format!("prefetch{prefetch}"),
+            );
             let mut k = 0u64;
             g.bench_function(id, |b| {
                 b.iter(|| {

@@ -316,8 +316,8 @@ impl Tokenizer {
                 f.pretokenizer
             )));
         }
-        let tok = Tokenizer::from_merges(f.merges.iter().map(|m| (m[0], m[1])).collect())
-            .map_err(bad)?;
+        let tok =
+            Tokenizer::from_merges(f.merges.iter().map(|m| (m[0], m[1])).collect()).map_err(bad)?;
         if f.vocab_size != tok.vocab_size() {
             return Err(bad(format!(
                 "vocab_size {} but 257 + {} merges = {}",

@@ -114,7 +114,10 @@ pub fn jaccard(a: &[u64], b: &[u64]) -> f64 {
 
 fn check(cfg: &DedupConfig) -> Result<(), String> {
     if !(cfg.threshold > 0.0 && cfg.threshold <= 1.0) {
-        return Err(format!("near-dup threshold {} is not in (0, 1]", cfg.threshold));
+        return Err(format!(
+            "near-dup threshold {} is not in (0, 1]",
+            cfg.threshold
+        ));
     }
     if cfg.shingle == 0 || cfg.permutations == 0 || cfg.bands == 0 {
         return Err("shingle, permutations and bands must be positive".into());
@@ -131,7 +134,7 @@ fn check(cfg: &DedupConfig) -> Result<(), String> {
 /// Deduplicate `docs` (already normalized), keeping first occurrences.
 pub fn dedup(docs: &[&str], cfg: &DedupConfig) -> Result<DedupOutcome, String> {
     check(cfg)?;
-    let mut seeds = SplitMix64::new(0x5eed_0f_d00d);
+    let mut seeds = SplitMix64::new(0x005e_ed0f_d00d);
     let perm_seeds: Vec<u64> = (0..cfg.permutations).map(|_| seeds.next_u64()).collect();
     let rows = cfg.permutations / cfg.bands;
 

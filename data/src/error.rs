@@ -49,7 +49,9 @@ pub enum DataError {
         actual: String,
         expected: String,
     },
-    #[error("{path}: token {index} of the shard is {token}, not below the vocabulary size {vocab}")]
+    #[error(
+        "{path}: token {index} of the shard is {token}, not below the vocabulary size {vocab}"
+    )]
     TokenOutOfRange {
         path: PathBuf,
         index: u64,

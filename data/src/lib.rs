@@ -8,6 +8,9 @@
 //!   for one data-parallel rank, deterministically from a seed, with a prefetch thread
 //!   ([`loader`] documents the sample and batch order).
 
+// `x % n == 0` rather than `is_multiple_of` (stable in 1.87): the workspace MSRV is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
 pub mod bpe;
 pub mod dedup;
 mod error;

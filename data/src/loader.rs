@@ -114,12 +114,7 @@ struct Shared {
 struct PermCache(Option<(u64, Arc<Vec<u64>>)>);
 
 impl Shared {
-    fn batch(
-        &self,
-        cache: &mut PermCache,
-        step: u32,
-        mb: u32,
-    ) -> Result<Vec<Vec<u32>>, DataError> {
+    fn batch(&self, cache: &mut PermCache, step: u32, mb: u32) -> Result<Vec<Vec<u32>>, DataError> {
         let epoch = step as u64 / self.steps_per_epoch;
         let perm = match &cache.0 {
             Some((e, p)) if *e == epoch => p.clone(),
@@ -308,10 +303,7 @@ fn open_shard(dir: &Path, m: &Manifest, i: usize) -> Result<Option<Mmap>, DataEr
         }
         Err(e) => return Err(DataError::io(path, e)),
     };
-    let len = file
-        .metadata()
-        .map_err(|e| DataError::io(&path, e))?
-        .len();
+    let len = file.metadata().map_err(|e| DataError::io(&path, e))?.len();
     let expected = s.tokens * m.dtype.bytes();
     if len != expected {
         return Err(DataError::ShardSize {
@@ -487,7 +479,10 @@ impl Loader {
         if pos.micro_batch >= cfg.grad_accum {
             return Err(DataError::BadConfig {
                 field: "position.micro_batch",
-                msg: format!("{} is not below grad_accum {}", pos.micro_batch, cfg.grad_accum),
+                msg: format!(
+                    "{} is not below grad_accum {}",
+                    pos.micro_batch, cfg.grad_accum
+                ),
             });
         }
         let epoch = pos.step as u64 / self.shared.steps_per_epoch;

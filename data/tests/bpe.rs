@@ -79,7 +79,12 @@ fn corpus_tokenizer_is_full_and_compresses() {
     assert_eq!(t.vocab_size(), 512);
     let s = "First Citizen:\nBefore we proceed any further, hear me speak.";
     let ids = t.encode(s);
-    assert!(ids.len() * 2 < s.len(), "{} tokens for {} bytes", ids.len(), s.len());
+    assert!(
+        ids.len() * 2 < s.len(),
+        "{} tokens for {} bytes",
+        ids.len(),
+        s.len()
+    );
     assert_eq!(t.decode(&ids).unwrap(), s);
 }
 
@@ -92,8 +97,13 @@ fn file_round_trip() {
     assert_eq!(back.encode("Caius Marcius"), t.encode("Caius Marcius"));
     // A vocab_size that disagrees with the merges is an error naming the file.
     let bad = text.replace("\"vocab_size\":512", "\"vocab_size\":511");
-    let e = Tokenizer::from_json(Path::new("x/tok.json"), &bad).unwrap_err().to_string();
-    assert!(e.contains("x/tok.json") && e.contains("vocab_size 511"), "{e}");
+    let e = Tokenizer::from_json(Path::new("x/tok.json"), &bad)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("x/tok.json") && e.contains("vocab_size 511"),
+        "{e}"
+    );
 }
 
 proptest! {

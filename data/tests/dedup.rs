@@ -30,7 +30,9 @@ fn words(rng: &mut Lcg, n: usize) -> Vec<String> {
 }
 
 fn doc(rng: &mut Lcg, vocab: &[String], n: usize) -> Vec<String> {
-    (0..n).map(|_| vocab[rng.below(vocab.len())].clone()).collect()
+    (0..n)
+        .map(|_| vocab[rng.below(vocab.len())].clone())
+        .collect()
 }
 
 /// Jaccard of character 5-gram sets, computed on strings (no hashing, no MinHash).
@@ -119,7 +121,11 @@ fn planted_duplicates_are_removed_and_distinct_docs_kept() {
     for r in &out.removed {
         match *r {
             Removed::Exact { doc, of } => assert_eq!(corpus[doc].1, Expect::Exact(of)),
-            Removed::Near { doc, of, jaccard: j } => {
+            Removed::Near {
+                doc,
+                of,
+                jaccard: j,
+            } => {
                 assert_eq!(corpus[doc].1, Expect::Near(of));
                 assert!((j - jaccard(texts[doc], texts[of])).abs() < 1e-12);
             }
@@ -176,7 +182,10 @@ fn graded_edits_match_brute_force_at_several_thresholds() {
         }
         let want = brute_force(&texts, threshold);
         let near = want.iter().filter(|e| matches!(e, Expect::Near(_))).count();
-        assert!(near > 10, "threshold {threshold}: only {near} near duplicates planted");
+        assert!(
+            near > 10,
+            "threshold {threshold}: only {near} near duplicates planted"
+        );
         assert_eq!(got, want, "threshold {threshold}");
     }
 }
@@ -185,12 +194,22 @@ fn graded_edits_match_brute_force_at_several_thresholds() {
 fn short_and_unicode_docs() {
     // Shorter than a shingle: the whole text is the one shingle; equal short texts are
     // exact duplicates, different ones are distinct.
-    let texts = ["hi", "hi", "ho", "héllo wörld, héllo wörld", "héllo wörld, héllo wörld!"];
+    let texts = [
+        "hi",
+        "hi",
+        "ho",
+        "héllo wörld, héllo wörld",
+        "héllo wörld, héllo wörld!",
+    ];
     let out = dedup(&texts, &DedupConfig::default()).unwrap();
     assert_eq!(out.kept, vec![0, 2, 3]);
     assert_eq!(out.removed[0], Removed::Exact { doc: 1, of: 0 });
     match out.removed[1] {
-        Removed::Near { doc: 4, of: 3, jaccard: j } => {
+        Removed::Near {
+            doc: 4,
+            of: 3,
+            jaccard: j,
+        } => {
             assert!((j - jaccard(texts[4], texts[3])).abs() < 1e-12)
         }
         ref r => panic!("{r:?}"),

@@ -33,7 +33,10 @@ fn corrupt_shard_byte_is_a_checksum_error_naming_the_shard() {
     std::fs::write(&p, b).unwrap();
     let (e, s) = open_err(dir.path(), cfg(4, 1));
     assert!(matches!(e, DataError::Checksum { .. }), "{s}");
-    assert!(s.contains("shard-00001.bin") && s.contains("checksum mismatch"), "{s}");
+    assert!(
+        s.contains("shard-00001.bin") && s.contains("checksum mismatch"),
+        "{s}"
+    );
 }
 
 #[test]
@@ -43,7 +46,10 @@ fn missing_shard() {
     std::fs::remove_file(dir.path().join("shard-00002.bin")).unwrap();
     let (e, s) = open_err(dir.path(), cfg(4, 1));
     assert!(matches!(e, DataError::MissingShard { .. }), "{s}");
-    assert!(s.contains("shard-00002.bin") && s.contains("missing"), "{s}");
+    assert!(
+        s.contains("shard-00002.bin") && s.contains("missing"),
+        "{s}"
+    );
 }
 
 #[test]
@@ -65,7 +71,10 @@ fn truncated_shard() {
         ),
         "{s}"
     );
-    assert!(s.contains("shard-00000.bin") && s.contains("77 bytes"), "{s}");
+    assert!(
+        s.contains("shard-00000.bin") && s.contains("77 bytes"),
+        "{s}"
+    );
 }
 
 #[test]
@@ -129,10 +138,17 @@ fn missing_dir_and_manifest_and_bad_manifest() {
     assert!(matches!(e, DataError::MissingManifest { .. }), "{s}");
     assert!(s.contains("no manifest.json"), "{s}");
 
-    std::fs::write(dir.path().join("manifest.json"), "{\"format\": \"shardwright-dataset\"").unwrap();
+    std::fs::write(
+        dir.path().join("manifest.json"),
+        "{\"format\": \"shardwright-dataset\"",
+    )
+    .unwrap();
     let (e, s) = open_err(dir.path(), cfg(4, 1));
     assert!(matches!(e, DataError::BadManifest { .. }), "{s}");
-    assert!(s.contains("manifest.json") && s.contains("does not parse"), "{s}");
+    assert!(
+        s.contains("manifest.json") && s.contains("does not parse"),
+        "{s}"
+    );
 
     // A field of the wrong type is named.
     counting_dataset(dir.path(), 50, 100);
@@ -204,11 +220,18 @@ fn bad_inputs_name_file_and_line_and_leave_no_manifest() {
     assert!(!out.join("manifest.json").exists());
 
     std::fs::write(&jsonl, "{\"text\": \"fine\"}\nnot json\n").unwrap();
-    let s = prepare(&[jsonl.clone()], &out, &opts()).unwrap_err().to_string();
-    assert!(s.starts_with(&format!("{}:2: not JSON", jsonl.display())), "{s}");
+    let s = prepare(std::slice::from_ref(&jsonl), &out, &opts())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        s.starts_with(&format!("{}:2: not JSON", jsonl.display())),
+        "{s}"
+    );
 
     std::fs::write(&jsonl, "{\"txt\": \"fine\"}\n").unwrap();
-    let s = prepare(&[jsonl.clone()], &out, &opts()).unwrap_err().to_string();
+    let s = prepare(std::slice::from_ref(&jsonl), &out, &opts())
+        .unwrap_err()
+        .to_string();
     assert_eq!(s, format!("{}:1: no \"text\" field", jsonl.display()));
 
     let e = prepare(&[dir.path().to_path_buf()], &out, &opts()).unwrap_err();
@@ -230,7 +253,7 @@ fn bad_inputs_name_file_and_line_and_leave_no_manifest() {
     assert!(s.contains("no documents left"), "{s}");
 
     let s = prepare(
-        &[good.clone()],
+        std::slice::from_ref(&good),
         &out,
         &PrepareOptions {
             vocab_size: 200,
@@ -243,7 +266,9 @@ fn bad_inputs_name_file_and_line_and_leave_no_manifest() {
 
     let mut o = opts();
     o.dedup.threshold = 1.5;
-    let s = prepare(&[good.clone()], &out, &o).unwrap_err().to_string();
+    let s = prepare(std::slice::from_ref(&good), &out, &o)
+        .unwrap_err()
+        .to_string();
     assert!(s.contains("--near-dup-threshold"), "{s}");
 
     assert!(!out.join("manifest.json").exists());
@@ -258,7 +283,7 @@ fn failed_prepare_keeps_or_removes_a_previous_dataset_but_never_leaves_a_stale_m
     let out = dir.path().join("ds");
     let good = dir.path().join("good.txt");
     std::fs::write(&good, "alpha beta gamma\n\ndelta epsilon\n").unwrap();
-    prepare(&[good.clone()], &out, &opts()).unwrap();
+    prepare(std::slice::from_ref(&good), &out, &opts()).unwrap();
     let before = std::fs::read(out.join("manifest.json")).unwrap();
 
     // Bad input: fails before the directory is touched; the old dataset stays whole.
@@ -298,5 +323,8 @@ fn loaded_tokenizer_errors_name_the_file() {
     )
     .unwrap_err()
     .to_string();
-    assert!(s.contains("tok.json") && s.contains("merge 0 [97, 300]"), "{s}");
+    assert!(
+        s.contains("tok.json") && s.contains("merge 0 [97, 300]"),
+        "{s}"
+    );
 }

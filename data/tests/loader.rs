@@ -29,7 +29,11 @@ fn sample_id(seq: &[u32]) -> u64 {
     for w in seq.windows(2) {
         assert_eq!(w[1], w[0] + 1, "sequence {seq:?} is not contiguous");
     }
-    assert_eq!(seq[0] % L, 0, "sequence {seq:?} does not start at a sample boundary");
+    assert_eq!(
+        seq[0] % L,
+        0,
+        "sequence {seq:?} does not start at a sample boundary"
+    );
     (seq[0] / L) as u64
 }
 
@@ -85,7 +89,10 @@ fn drop_last_when_n_not_divisible_by_g() {
         let set: BTreeSet<u64> = ids.iter().copied().collect();
         assert_eq!(ids.len(), 40);
         assert_eq!(set.len(), 40, "epoch {e}: a sample repeats");
-        assert!(set.iter().all(|&i| i < 45), "epoch {e}: sample out of range");
+        assert!(
+            set.iter().all(|&i| i < 45),
+            "epoch {e}: sample out of range"
+        );
     }
     // Epochs are shuffled anew: epoch 1 is not epoch 0 again.
     assert_ne!(batches[..5], batches[5..]);
@@ -210,4 +217,11 @@ fn resume_from_a_saved_position() {
     };
     let e = b.seek(bad).unwrap_err().to_string();
     assert!(e.contains("position.epoch"), "{e}");
+}
+
+#[test]
+fn loader_can_move_to_a_rank_thread() {
+    // The executor runs each rank on its own thread: its data source must be Send.
+    fn assert_send<T: Send>() {}
+    assert_send::<Loader>();
 }

@@ -102,7 +102,11 @@ fn bundled_corpus_decodes_back_to_its_speeches() {
 #[test]
 fn deterministic_and_reusable_tokenizer() {
     let dir = tempfile::tempdir().unwrap();
-    let (a, b, c) = (dir.path().join("a"), dir.path().join("b"), dir.path().join("c"));
+    let (a, b, c) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("c"),
+    );
     let opts = PrepareOptions {
         shard_tokens: 20000,
         ..PrepareOptions::default()
@@ -121,13 +125,28 @@ fn deterministic_and_reusable_tokenizer() {
     names.sort();
     assert_eq!(
         names,
-        ["index.json", "manifest.json", "shard-00000.bin", "shard-00001.bin", "shard-00002.bin", "tokenizer.json"]
+        [
+            "index.json",
+            "manifest.json",
+            "shard-00000.bin",
+            "shard-00001.bin",
+            "shard-00002.bin",
+            "tokenizer.json"
+        ]
     );
     for n in &names {
         let x = std::fs::read(a.join(n)).unwrap();
-        assert_eq!(x, std::fs::read(b.join(n)).unwrap(), "{n} differs between runs");
+        assert_eq!(
+            x,
+            std::fs::read(b.join(n)).unwrap(),
+            "{n} differs between runs"
+        );
         if n != "manifest.json" {
-            assert_eq!(x, std::fs::read(c.join(n)).unwrap(), "{n} differs with --tokenizer");
+            assert_eq!(
+                x,
+                std::fs::read(c.join(n)).unwrap(),
+                "{n} differs with --tokenizer"
+            );
         }
     }
 }
@@ -150,7 +169,11 @@ fn normalization_and_planted_duplicates_through_prepare() {
     let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
     std::fs::write(&jsonl, text).unwrap();
     let txt = dir.path().join("more.txt");
-    std::fs::write(&txt, "\n\nline one\nline two\nline three\n\n\n\nA brand new doc.\n").unwrap();
+    std::fs::write(
+        &txt,
+        "\n\nline one\nline two\nline three\n\n\n\nA brand new doc.\n",
+    )
+    .unwrap();
 
     let out = dir.path().join("ds");
     let r = prepare(
@@ -186,19 +209,32 @@ fn normalization_and_planted_duplicates_through_prepare() {
     let index: Index =
         serde_json::from_str(&std::fs::read_to_string(out.join("index.json")).unwrap()).unwrap();
     let kept: Vec<&str> = index.documents.iter().map(|d| d.source.as_str()).collect();
-    let want = [format!("{j}:1"), format!("{j}:3"), format!("{j}:7"), format!("{}:9", txt.display())];
+    let want = [
+        format!("{j}:1"),
+        format!("{j}:3"),
+        format!("{j}:7"),
+        format!("{}:9", txt.display()),
+    ];
     assert_eq!(kept, want);
     // The kept NFD document was stored in NFC.
     let tok = Tokenizer::load(&out.join("tokenizer.json")).unwrap();
     let m = &r.manifest;
     let b = std::fs::read(out.join(&m.shards[0].file)).unwrap();
-    let toks: Vec<u32> = b.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect();
+    let toks: Vec<u32> = b
+        .chunks(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+        .collect();
     let docs: Vec<String> = toks
         .split(|&t| t == m.eod_token)
         .map(|ids| tok.decode(ids).unwrap())
         .collect();
     assert_eq!(
         docs,
-        vec![base, "Caf\u{e9} au lait", "line one\nline two\nline three", "A brand new doc."]
+        vec![
+            base,
+            "Caf\u{e9} au lait",
+            "line one\nline two\nline three",
+            "A brand new doc."
+        ]
     );
 }

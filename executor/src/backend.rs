@@ -34,8 +34,174 @@ pub struct AdamW {
     pub step: u32,
 }
 
+/// `sqrt(2 / pi)`.
+const GELU_C: f32 = 0.797_884_6;
+
+/// Top-k softmax routing of `t` tokens over `e` experts (Mixtral's form): `probs =
+/// softmax(logits)` per token over all experts; the token goes to the `k` experts of
+/// largest probability (ties: the lower index first) with gates `g_j = p_{e_j} / sum_i
+/// p_{e_i}` (the probabilities renormalized over the chosen `k`, so they sum to 1).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    /// `[t, e]`.
+    pub probs: Vec<f32>,
+    /// `[t, k]`: chosen experts, largest probability first.
+    pub experts: Vec<u32>,
+    /// `[t, k]`.
+    pub gates: Vec<f32>,
+}
+
 /// The kernels the interpreter needs. Implementations must be deterministic.
 pub trait Backend: Send + Sync {
+    /// LayerNorm with weight and bias over rows of `h`: `y = (x - mean) rstd w + b`;
+    /// returns `y` and per token `[mean, rstd]`.
+    fn layernorm_fwd(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        b: &[f32],
+        h: usize,
+        eps: f32,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let t = x.len() / h;
+        let mut y = vec![0.0; x.len()];
+        let mut st = vec![0.0; 2 * t];
+        for i in 0..t {
+            let row = &x[i * h..(i + 1) * h];
+            let mean = row.iter().sum::<f32>() / h as f32;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / h as f32;
+            let r = 1.0 / (var + eps).sqrt();
+            st[2 * i] = mean;
+            st[2 * i + 1] = r;
+            for j in 0..h {
+                y[i * h + j] = (row[j] - mean) * r * w[j] + b[j];
+            }
+        }
+        (y, st)
+    }
+    /// Returns `dx`; accumulates `dw` and `db`.
+    #[allow(clippy::too_many_arguments)]
+    fn layernorm_bwd(
+        &self,
+        x: &[f32],
+        w: &[f32],
+        stats: &[f32],
+        dy: &[f32],
+        h: usize,
+        dw: &mut [f32],
+        db: &mut [f32],
+    ) -> Vec<f32> {
+        let t = x.len() / h;
+        let mut dx = vec![0.0; x.len()];
+        for i in 0..t {
+            let (mean, r) = (stats[2 * i], stats[2 * i + 1]);
+            let row = &x[i * h..(i + 1) * h];
+            let d = &dy[i * h..(i + 1) * h];
+            let mut mg = 0.0f32;
+            let mut mgx = 0.0f32;
+            for j in 0..h {
+                let xh = (row[j] - mean) * r;
+                let g = d[j] * w[j];
+                dw[j] += d[j] * xh;
+                db[j] += d[j];
+                mg += g;
+                mgx += g * xh;
+            }
+            mg /= h as f32;
+            mgx /= h as f32;
+            for j in 0..h {
+                let xh = (row[j] - mean) * r;
+                dx[i * h + j] = r * (d[j] * w[j] - mg - xh * mgx);
+            }
+        }
+        dx
+    }
+
+    /// GeLU, tanh approximation (GPT-2's): `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+    fn gelu_fwd(&self, x: &[f32]) -> Vec<f32> {
+        x.iter()
+            .map(|&v| {
+                let u = GELU_C * (v + 0.044715 * v * v * v);
+                0.5 * v * (1.0 + u.tanh())
+            })
+            .collect()
+    }
+    /// Returns `dx`.
+    fn gelu_bwd(&self, x: &[f32], dy: &[f32]) -> Vec<f32> {
+        x.iter()
+            .zip(dy)
+            .map(|(&v, &d)| {
+                let u = GELU_C * (v + 0.044715 * v * v * v);
+                let th = u.tanh();
+                let du = GELU_C * (1.0 + 3.0 * 0.044715 * v * v);
+                d * (0.5 * (1.0 + th) + 0.5 * v * (1.0 - th * th) * du)
+            })
+            .collect()
+    }
+
+    /// Top-k routing of `logits: [t, e]` (see [`Routing`]).
+    fn route(&self, logits: &[f32], e: usize, k: usize) -> Routing {
+        let t = logits.len() / e.max(1);
+        let mut probs = vec![0.0f32; t * e];
+        let mut experts = Vec::with_capacity(t * k);
+        let mut gates = Vec::with_capacity(t * k);
+        for i in 0..t {
+            let row = &logits[i * e..(i + 1) * e];
+            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let z: f32 = row.iter().map(|x| (x - m).exp()).sum();
+            let p = &mut probs[i * e..(i + 1) * e];
+            for (pj, x) in p.iter_mut().zip(row) {
+                *pj = (x - m).exp() / z;
+            }
+            let mut idx: Vec<usize> = (0..e).collect();
+            // Stable sort: equal probabilities keep the lower index first.
+            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+            let s: f32 = idx[..k].iter().map(|&j| p[j]).sum();
+            for &j in &idx[..k] {
+                experts.push(j as u32);
+                gates.push(p[j] / s);
+            }
+        }
+        Routing {
+            probs,
+            experts,
+            gates,
+        }
+    }
+
+    /// Gradient of the router logits from the gradient of the gates (`[t, k]`) and a
+    /// direct gradient of the probabilities (`[t, e]`, the auxiliary loss's path).
+    fn route_bwd(
+        &self,
+        r: &Routing,
+        dgates: &[f32],
+        dprobs: &[f32],
+        e: usize,
+        k: usize,
+    ) -> Vec<f32> {
+        let t = r.probs.len() / e.max(1);
+        let mut dl = vec![0.0f32; t * e];
+        for i in 0..t {
+            let p = &r.probs[i * e..(i + 1) * e];
+            let mut dp = dprobs[i * e..(i + 1) * e].to_vec();
+            let sel = &r.experts[i * k..(i + 1) * k];
+            let g = &r.gates[i * k..(i + 1) * k];
+            let dg = &dgates[i * k..(i + 1) * k];
+            // g_j = p_j / S with S = sum of the chosen p: dp_j = (dg_j - sum_i g_i dg_i) / S.
+            let s: f32 = sel.iter().map(|&j| p[j as usize]).sum();
+            let gdg: f32 = g.iter().zip(dg).map(|(a, b)| a * b).sum();
+            for (&j, &d) in sel.iter().zip(dg) {
+                dp[j as usize] += (d - gdg) / s;
+            }
+            // Softmax: dl = p * (dp - sum p dp).
+            let pdp: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+            for j in 0..e {
+                dl[i * e + j] = p[j] * (dp[j] - pdp);
+            }
+        }
+        dl
+    }
+
     /// `c = beta * c + op(a) @ op(b)` with `op(a)` of shape `m x k`, `op(b)` of `k x n`;
     /// `ta`/`tb` say the stored matrix is the transpose (`a` stored `k x m`, `b` `n x k`).
     #[allow(clippy::too_many_arguments)]

@@ -22,14 +22,39 @@
 //!   layer's weights; an all-reduce / reduce-scatter is the gradient reduction of the layer's
 //!   parameters (no layer: embedding, final norm and head), flattened in
 //!   [`Dims::layer_params`] order and padded to the group size; a step all-gather is the
-//!   ZeRO-1/2 parameter gather of every bucket's updated shard.
+//!   ZeRO-1/2 parameter gather of every bucket's updated shard. The group's axis says which
+//!   bucket: `dense_dp` the dense weights, `expert_dp` the layer's local routed experts
+//!   ([`Dims::expert_params`] order);
+//! - an MoE layer's MLP block (see [`crate::model`] for the model, the `impl` block with
+//!   `moe_dispatch` for the routing and the load-balancing loss): `router` GEMM; the first
+//!   `permute` routes (top-k softmax) and lays the rows out per ep member; the ep
+//!   all-to-all after it is the dispatch; `expert_fc1`, activation, `expert_fc2` run the
+//!   local experts on what arrived; the ep all-to-all after `expert_fc2` is the combine; the
+//!   second `permute` weights each row by its gate and sums it into its token; then the
+//!   `shared_fc1`/activation/`shared_fc2` shared experts add theirs. An activation means
+//!   the dense, expert or shared one by the GEMM before it. The backward mirrors it: the
+//!   shared experts, the first `permute` (gate-weighted output gradient per routed row),
+//!   dispatch all-to-all, the experts' backward, combine all-to-all, the second `permute`
+//!   (row gradients summed into the tokens), `router.dgrad` (the gates' and the
+//!   load-balancing loss's gradient through the softmax into the router input) and
+//!   `router.wgrad`. Tokens are never dropped: the all-to-all moves fixed-size chunks
+//!   padded to the largest possible, with the real row counts in a header.
 //!
 //! Steps the IR does not contain and the interpreter performs itself (`implicit` below;
 //! each is listed in the crate's report of what the IR should carry): the vocabulary-
 //! parallel loss reductions over tp, the TP all-reduce of the head's input gradient without
 //! SP, the SP all-gather before the embedding backward, the TP all-reduce of norm-weight
 //! gradients under SP, the global gradient-norm all-reduce for clipping and the ZeRO-3
-//! refresh of the embedding/head weights after the optimizer.
+//! refresh of the embedding/head weights after the optimizer; for MoE layers, the cp
+//! all-reduce of each sequence's routing statistics for the load-balancing loss and, with
+//! tp > 1 without SP, the tp all-reduce of the gate gradients (each tp rank's expert
+//! outputs are partial sums); with SP (each tp rank routes its sequence shard, as the
+//! lowering's router GEMM says, while the expert GEMMs are sized for every token of the
+//! micro-batch): the tp all-reduce of the routing statistics, the TP all-gather of the
+//! dispatched rows before the experts and the TP reduce-scatter of their partial outputs
+//! after them (forward and backward; Megatron's alltoall dispatcher with TP does the
+//! same), and the router weight's gradient completed by the SP all-reduce of replicated
+//! weights' gradients.
 
 use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
@@ -59,6 +84,8 @@ pub struct ExecConfig {
     pub clip: f32,
     pub norm_eps: f32,
     pub rope_theta: f32,
+    /// Coefficient of the MoE load-balancing loss (Switch Transformer's 1e-2 by default).
+    pub moe_aux_coef: f32,
 }
 
 impl Default for ExecConfig {
@@ -76,6 +103,7 @@ impl Default for ExecConfig {
             clip: 1.0,
             norm_eps: 1e-5,
             rope_theta: 10000.0,
+            moe_aux_coef: 1e-2,
         }
     }
 }
@@ -103,6 +131,10 @@ pub struct StepReport {
     /// This rank's share of the step's loss (mean over the global batch's tokens): set on
     /// ranks that compute the loss and are first in their tp group.
     pub loss: Option<f64>,
+    /// This rank's share of the MoE load-balancing loss (summed over its MoE layers; the
+    /// objective is `loss + aux_loss`): set on ranks with MoE layers that are first in
+    /// their tp and cp groups.
+    pub aux_loss: Option<f64>,
     /// Gradients after the data-parallel reduction, before clipping (diagnostic gathers
     /// re-assemble ZeRO shards).
     pub grads: BTreeMap<String, Vec<f32>>,
@@ -228,11 +260,7 @@ fn check_model(job: &Job, layout: &Layout) -> Result<Dims, ExecError> {
     let dims = Dims::from_job(job).map_err(ExecError::Model)?;
     dims.check_divisible(layout.tp as usize, layout.cp as usize)
         .map_err(ExecError::Model)?;
-    if layout.ep > 1 {
-        return Err(ExecError::Model(
-            "expert parallelism needs MoE layers".into(),
-        ));
-    }
+    check_moe_layout(&dims, layout).map_err(ExecError::Model)?;
     Ok(dims)
 }
 
@@ -304,6 +332,36 @@ pub fn run_rank<B: Backend, C: Communicator>(
     }
 }
 
+/// What the executor needs of expert parallelism and MoE layers under a layout.
+fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
+    if dims.tied && layout.pp > 1 {
+        // The lowering has no all-reduce of the embedding gradient between the first and
+        // the last stage (Megatron's embedding group); running without it would train two
+        // different tables.
+        return Err(format!(
+            "tied embeddings with pp = {}: the op graph has no first/last-stage sync of the \
+             shared embedding gradient yet; untie them or use pp = 1",
+            layout.pp
+        ));
+    }
+    let Some(m) = &dims.moe else {
+        if layout.ep > 1 {
+            return Err(format!(
+                "layout.ep = {}: expert parallelism needs MoE layers",
+                layout.ep
+            ));
+        }
+        return Ok(());
+    };
+    if m.experts % layout.ep as usize != 0 {
+        return Err(format!(
+            "moe.num_experts {} is not divisible by ep={}",
+            m.experts, layout.ep
+        ));
+    }
+    Ok(())
+}
+
 fn is_abort(e: Option<&ExecError>) -> bool {
     matches!(e, Some(ExecError::Panic(_, m)) if m.contains("aborted"))
 }
@@ -343,6 +401,32 @@ enum Tag {
     QkvW,
     Norm1B,
     EmbedB,
+    // MoE forward: router, dispatch (permute), expert fc1/activation/fc2, un-permute,
+    // shared fc1/activation/fc2
+    Router,
+    Dispatch,
+    EFc1,
+    EAct,
+    EFc2,
+    Unpermute,
+    SFc1,
+    SAct,
+    SFc2,
+    // MoE backward
+    SFc2D,
+    SFc2W,
+    SActB,
+    SFc1D,
+    SFc1W,
+    DispatchB,
+    EFc2D,
+    EFc2W,
+    EActB,
+    EFc1D,
+    EFc1W,
+    UnpermuteB,
+    RouterD,
+    RouterW,
 }
 
 #[derive(Default)]
@@ -350,6 +434,104 @@ struct Counters {
     norms: u32,
     residuals: u32,
     gathers: u32,
+    permutes: u32,
+}
+
+/// Routing state of one MoE (layer, micro-batch) on one rank: as the source of its own
+/// tokens and as the holder of its local experts for the tokens its ep peers sent.
+///
+/// Dispatch buffers hold one chunk per ep member (`el + cap * w` values: `el` = experts
+/// per member, `cap` = routed slots of this rank, `t k`): a header with the row count of
+/// each of the member's local experts (small integers, exact in f32), then the rows
+/// grouped by local expert, each group in (token, slot) order, zero-padded to `cap` rows.
+/// The padding is what makes a dropless (capacity-free) dispatch fit the fixed-size
+/// [`Communicator::all_to_all`]; the rows themselves are exactly the routed ones.
+#[derive(Default)]
+struct MoeState {
+    routing: Option<crate::backend::Routing>,
+    /// Load-balancing gradient of the probabilities per (sequence of the micro-batch,
+    /// expert): `coef E f_e / (T N)`.
+    daux: Vec<f32>,
+    /// Rows this rank sends to each ep member, per local expert of the member.
+    send: Vec<Vec<usize>>,
+    /// Position of routed slot `i k + j` in the dispatch buffer: (member, row).
+    slot: Vec<(usize, usize)>,
+    /// Rows received from each ep member, per local expert of this rank.
+    recv: Vec<Vec<usize>>,
+}
+
+/// Dispatch-buffer layout helpers (see [`MoeState`]).
+struct Chunks {
+    members: usize,
+    el: usize,
+    cap: usize,
+    w: usize,
+}
+
+impl Chunks {
+    fn len(&self) -> usize {
+        self.members * self.chunk()
+    }
+    fn chunk(&self) -> usize {
+        self.el + self.cap * self.w
+    }
+    /// The row counts of every chunk's header.
+    fn headers(&self, buf: &[f32]) -> Result<Vec<Vec<usize>>, String> {
+        if buf.len() != self.len() {
+            return Err(format!(
+                "routed buffer of {} values, expected {}",
+                buf.len(),
+                self.len()
+            ));
+        }
+        let mut out = Vec::new();
+        for m in 0..self.members {
+            let h = &buf[m * self.chunk()..m * self.chunk() + self.el];
+            let c: Vec<usize> = h.iter().map(|&x| x as usize).collect();
+            if h.iter().zip(&c).any(|(&x, &n)| x != n as f32 || x < 0.0)
+                || c.iter().sum::<usize>() > self.cap
+            {
+                return Err(format!("routed chunk {m} has a bad header {h:?}"));
+            }
+            out.push(c);
+        }
+        Ok(out)
+    }
+    /// Rows grouped by local expert, then member (member `m`'s rows of expert `e` in chunk
+    /// order), and the offset of each expert's group (in rows).
+    fn group(&self, buf: &[f32], counts: &[Vec<usize>]) -> (Vec<f32>, Vec<usize>) {
+        let mut out = Vec::new();
+        let mut off = vec![0];
+        for e in 0..self.el {
+            for (m, c) in counts.iter().enumerate() {
+                let start: usize = c[..e].iter().sum();
+                let lo = m * self.chunk() + self.el + start * self.w;
+                out.extend_from_slice(&buf[lo..lo + c[e] * self.w]);
+            }
+            off.push(out.len() / self.w);
+        }
+        (out, off)
+    }
+    /// The inverse of [`Chunks::group`], headers written.
+    fn ungroup(&self, grouped: &[f32], counts: &[Vec<usize>]) -> Vec<f32> {
+        let mut buf = vec![0.0; self.len()];
+        let mut src = 0;
+        for (m, c) in counts.iter().enumerate() {
+            for (e, &n) in c.iter().enumerate() {
+                buf[m * self.chunk() + e] = n as f32;
+            }
+        }
+        for e in 0..self.el {
+            for (m, c) in counts.iter().enumerate() {
+                let start: usize = c[..e].iter().sum();
+                let lo = m * self.chunk() + self.el + start * self.w;
+                let n = c[e] * self.w;
+                buf[lo..lo + n].copy_from_slice(&grouped[src..src + n]);
+                src += n;
+            }
+        }
+        buf
+    }
 }
 
 /// Activations of one (layer, micro-batch).
@@ -372,7 +554,11 @@ impl Acts {
     }
 }
 
-/// ZeRO state of one gradient bucket (a layer, or the ends).
+/// A gradient bucket: a layer's (or, `None`, the ends') dense parameters (`false`,
+/// reduced over `dense_dp`) or routed-expert parameters (`true`, over `expert_dp`).
+type BKey = (Option<u32>, bool);
+
+/// ZeRO state of one gradient bucket.
 struct Bucket {
     names: Vec<String>,
     /// Local (TP-shard) sizes of `names`.
@@ -401,6 +587,15 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     dp_pos: usize,
     dense_dp: Vec<u32>,
     dense_pos: usize,
+    cp: Vec<u32>,
+    ep: Vec<u32>,
+    expert_dp: Vec<u32>,
+    expert_pos: usize,
+    /// The routed experts this rank holds (global indices).
+    local_experts: std::ops::Range<usize>,
+    /// Local (TP-shard) widths of one routed expert and of the shared experts.
+    fel: usize,
+    fsl: usize,
     // local dims
     hl: usize,
     kvl: usize,
@@ -416,7 +611,7 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     grads: BTreeMap<String, Vec<f32>>,
     m: BTreeMap<String, Vec<f32>>,
     v: BTreeMap<String, Vec<f32>>,
-    buckets: BTreeMap<Option<u32>, Bucket>,
+    buckets: BTreeMap<BKey, Bucket>,
     // per-step state
     step: u32,
     tag: Tag,
@@ -424,14 +619,17 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     gcur: BTreeMap<u32, Vec<f32>>,
     acts: BTreeMap<(u32, u32), Acts>,
     head: BTreeMap<u32, Acts>,
+    moe: BTreeMap<(u32, u32), MoeState>,
     counters: BTreeMap<(u32, u32, Pass), Counters>,
     /// Block output waiting for its reduction and residual (per micro-batch).
     y: Vec<f32>,
     loss: f64,
     has_loss: bool,
+    aux: f64,
+    has_aux: bool,
     report: StepReport,
     /// Buckets whose gradients went through a dp reduction this step.
-    reduced: std::collections::BTreeSet<Option<u32>>,
+    reduced: std::collections::BTreeSet<BKey>,
     /// Report full gradients and weights each step.
     diagnostics: bool,
     data: Option<Box<dyn DataSource>>,
@@ -456,6 +654,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         cfg: &'a ExecConfig,
     ) -> Result<Self, ExecError> {
         let rank = g.rank;
+        check_moe_layout(dims, layout).map_err(ExecError::Model)?;
         let group = |axis: &str| -> Vec<u32> {
             program
                 .group_for(rank, axis)
@@ -470,6 +669,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let mesh = shardwright_spec::mesh::Mesh::new(layout, job.cluster.gpus_per_node);
         let coord = mesh.coord(rank);
         let dense_dp = group("dense_dp");
+        let ep = group("ep");
+        let expert_dp = group("expert_dp");
+        let ep_pos = pos(&ep);
         let t = tp.len();
         let tp_pos = pos(&tp);
         let vl = dims.vocab / t;
@@ -487,6 +689,13 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             dp_pos: (coord.dp * layout.ep + coord.ep) as usize,
             dense_pos: pos(&dense_dp),
             dense_dp,
+            cp,
+            local_experts: dims.local_experts(ep_pos, ep.len()),
+            ep,
+            expert_pos: pos(&expert_dp),
+            expert_dp,
+            fel: dims.moe.as_ref().map_or(0, |m| m.fe / t),
+            fsl: dims.moe.as_ref().map_or(0, |m| m.fs / t),
             tp,
             hl: dims.heads / t,
             kvl: dims.kv_heads / t,
@@ -508,21 +717,24 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             gcur: BTreeMap::new(),
             acts: BTreeMap::new(),
             head: BTreeMap::new(),
+            moe: BTreeMap::new(),
             counters: BTreeMap::new(),
             y: Vec::new(),
             loss: 0.0,
             has_loss: false,
+            aux: 0.0,
+            has_aux: false,
             report: StepReport::default(),
             reduced: Default::default(),
             diagnostics: true,
             data: None,
             batches: BTreeMap::new(),
         };
-        let expect = layout.dp as usize * layout.grad_accum as usize * ex.mb_size;
+        let expect = (layout.dp * layout.ep) as usize * layout.grad_accum as usize * ex.mb_size;
         if expect != job.training.global_batch as usize {
             return Err(ExecError::Model(format!(
-                "global batch {} != dp {} x grad_accum {} x micro_batch {}",
-                job.training.global_batch, layout.dp, layout.grad_accum, ex.mb_size
+                "global batch {} != dp {} x ep {} x grad_accum {} x micro_batch {}",
+                job.training.global_batch, layout.dp, layout.ep, layout.grad_accum, ex.mb_size
             )));
         }
         if ex.sp && (ex.tokens() % t != 0) {
@@ -539,25 +751,39 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             .nodes
             .iter()
             .any(|n| matches!(&n.op, Op::Gemm { name, .. } if name == "lm_head"));
-        let mut buckets: Vec<(Option<u32>, Vec<String>)> = layers
-            .iter()
-            .map(|&l| (Some(l), Dims::layer_params(l)))
-            .collect();
+        let mut buckets: Vec<(BKey, Vec<String>)> = Vec::new();
+        for &l in &layers {
+            buckets.push(((Some(l), false), dims.layer_params(l)));
+            let ex = dims.expert_params(l, ex.local_experts.clone());
+            if !ex.is_empty() {
+                buckets.push(((Some(l), true), ex));
+            }
+        }
         let mut ends = Vec::new();
         if has_embed || (has_head && dims.tied) {
             ends.push("embedding".to_string());
         }
+        if has_embed && dims.learned_positions {
+            ends.push("pos_embedding".to_string());
+        }
         if has_head {
             ends.push("final_norm".to_string());
+            if dims.layernorm {
+                ends.push("final_norm_bias".to_string());
+            }
             if !dims.tied {
                 ends.push("lm_head".to_string());
             }
         }
         if !ends.is_empty() {
-            buckets.push((None, ends));
+            buckets.push(((None, false), ends));
         }
-        let n = ex.dense_dp.len();
         for (key, names) in buckets {
+            let (n, bpos) = if key.1 {
+                (ex.expert_dp.len(), ex.expert_pos)
+            } else {
+                (ex.dense_dp.len(), ex.dense_pos)
+            };
             let mut sizes = Vec::new();
             for name in &names {
                 let full = dims.init(cfg.seed, name);
@@ -584,7 +810,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             };
             if layout.zero_stage >= 1 {
                 let flat = ex.flatten(&b.names, &ex.params, padded);
-                b.p = flat[ex.dense_pos * c..(ex.dense_pos + 1) * c].to_vec();
+                b.p = flat[bpos * c..(bpos + 1) * c].to_vec();
                 b.g = vec![0.0; c];
                 b.m = vec![0.0; c];
                 b.v = vec![0.0; c];
@@ -696,6 +922,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         self.report = StepReport::default();
         self.loss = 0.0;
         self.has_loss = false;
+        self.aux = 0.0;
+        self.has_aux = false;
         self.counters.clear();
         self.reduced.clear();
         self.batches.clear();
@@ -715,15 +943,20 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 why,
             })?;
         }
-        if !self.acts.is_empty() || !self.cur.is_empty() || !self.gcur.is_empty() {
+        if !self.acts.is_empty()
+            || !self.cur.is_empty()
+            || !self.gcur.is_empty()
+            || !self.moe.is_empty()
+        {
             return Err(ExecError::Node {
                 rank: self.rank,
                 step,
                 node: self.g.nodes.len() as u32,
                 what: "end of step".into(),
                 why: format!(
-                    "state left over: activations {:?}, forward {:?}, backward {:?}",
+                    "state left over: activations {:?}, routing {:?}, forward {:?}, backward {:?}",
                     self.acts.keys().collect::<Vec<_>>(),
+                    self.moe.keys().collect::<Vec<_>>(),
                     self.cur.keys().collect::<Vec<_>>(),
                     self.gcur.keys().collect::<Vec<_>>()
                 ),
@@ -732,6 +965,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let mut rep = std::mem::take(&mut self.report);
         if self.has_loss && self.tp_pos == 0 {
             rep.loss = Some(self.loss);
+        }
+        if self.has_aux && self.tp_pos == 0 && self.cp_pos == 0 {
+            rep.aux_loss = Some(self.aux);
         }
         // Weights after the step (ZeRO-3: gathered from the shards, diagnostic only).
         if self.diagnostics && self.layout.zero_stage >= 3 {
@@ -749,9 +985,18 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         Ok(rep)
     }
 
-    /// All-gather of a bucket's weight shards over dense_dp.
-    fn gather_bucket(&mut self, k: Option<u32>) -> Vec<f32> {
-        let group = self.dense_dp.clone();
+    /// The data-parallel group of a bucket kind (dense or expert) and this rank's place.
+    fn dp_group(&self, expert: bool) -> (Vec<u32>, usize) {
+        if expert {
+            (self.expert_dp.clone(), self.expert_pos)
+        } else {
+            (self.dense_dp.clone(), self.dense_pos)
+        }
+    }
+
+    /// All-gather of a bucket's weight shards over its data-parallel group.
+    fn gather_bucket(&mut self, k: BKey) -> Vec<f32> {
+        let group = self.dp_group(k.1).0;
         let b = &self.buckets[&k];
         self.comm.all_gather(&group, &b.p)
     }
@@ -898,10 +1143,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         let a = self.acts.get_mut(&(l, mb)).ok_or("no saved input")?;
                         let x = a.take("x")?;
                         a.0.clear();
+                        self.moe.remove(&(l, mb));
                         x
                     };
-                    let (y, r) =
-                        be.rmsnorm_fwd(&x, self.w(&name("attn_norm"))?, h, self.cfg.norm_eps);
+                    let (y, r) = self.norm_fwd(&x, &name("attn_norm"))?;
                     let a = self.acts.entry((l, mb)).or_default();
                     a.put("x", x);
                     a.put("r1", r);
@@ -909,12 +1154,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     self.tag = Tag::Norm1;
                 } else {
                     let a = self.acts.get(&(l, mb)).ok_or("no activations")?;
-                    let (y, r) = be.rmsnorm_fwd(
-                        a.get("h1")?,
-                        self.w(&name("mlp_norm"))?,
-                        h,
-                        self.cfg.norm_eps,
-                    );
+                    let (y, r) = self.norm_fwd(a.get("h1")?, &name("mlp_norm"))?;
                     let a = self.acts.get_mut(&(l, mb)).unwrap();
                     a.put("r2", r);
                     a.put("n2", y);
@@ -944,13 +1184,22 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                             a.0.get("n2_full")
                                 .or(a.0.get("n2"))
                                 .ok_or("no normed input")?;
-                        let y = be.linear_fwd(x, self.w(&name("fc1"))?, t, h, 2 * fl);
+                        let y = be.linear_fwd(
+                            x,
+                            self.w(&name("fc1"))?,
+                            t,
+                            h,
+                            self.dims.fc1_blocks() * fl,
+                        );
                         self.acts.get_mut(&(l, mb)).unwrap().put("a", y);
                         self.tag = Tag::Fc1;
                     }
                     "fc2" => {
                         self.y = be.linear_fwd(a.get("act")?, self.w(&name("fc2"))?, t, fl, h);
                         self.tag = Tag::Fc2;
+                    }
+                    "router" | "expert_fc1" | "expert_fc2" | "shared_fc1" | "shared_fc2" => {
+                        return self.moe_fwd_gemm(gname, l, mb);
                     }
                     other => return Err(format!("unknown forward gemm `{other}`")),
                 }
@@ -972,8 +1221,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         k.extend_from_slice(&row[hl * d..(hl + kvl) * d]);
                         v.extend_from_slice(&row[(hl + kvl) * d..]);
                     }
-                    be.rope_fwd(&mut q, &pos, hl, d, self.cfg.rope_theta);
-                    be.rope_fwd(&mut k, &pos, kvl, d, self.cfg.rope_theta);
+                    if !self.dims.learned_positions {
+                        be.rope_fwd(&mut q, &pos, hl, d, self.cfg.rope_theta);
+                        be.rope_fwd(&mut k, &pos, kvl, d, self.cfg.rope_theta);
+                    }
                     a.0.remove("qkv");
                     a.put("k_full", k.clone());
                     a.put("v_full", v.clone());
@@ -983,10 +1234,32 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     self.tag = Tag::Rope;
                 }
                 ElementwiseKind::Activation => {
+                    let (src, dst, width, tag) = match self.tag {
+                        Tag::Fc1 => ("a", "act", fl, Tag::Act),
+                        Tag::EFc1 => ("ea", "eact", self.fel, Tag::EAct),
+                        Tag::SFc1 => ("sa", "sact", self.fsl, Tag::SAct),
+                        other => return Err(format!("activation after {other:?}")),
+                    };
                     let a = self.acts.get_mut(&(l, mb)).ok_or("no activations")?;
-                    let y = be.swiglu_fwd(a.get("a")?, fl);
-                    a.put("act", y);
-                    self.tag = Tag::Act;
+                    let y = if self.dims.gelu {
+                        be.gelu_fwd(a.get(src)?)
+                    } else {
+                        be.swiglu_fwd(a.get(src)?, width)
+                    };
+                    a.put(dst, y);
+                    self.tag = tag;
+                }
+                ElementwiseKind::Permute => {
+                    let k = {
+                        let c = self.counters(l, mb, n.pass);
+                        c.permutes += 1;
+                        c.permutes - 1
+                    };
+                    if k == 0 {
+                        self.moe_dispatch(l, mb, n.pass)?;
+                    } else {
+                        self.moe_unpermute(l, mb)?;
+                    }
                 }
                 ElementwiseKind::Residual => {
                     let k = {
@@ -1034,13 +1307,27 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         match &n.op {
             Op::Embedding { .. } => {
                 let (ids, _) = self.batch(mb)?;
-                let e = be.embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
+                let mut e = be.embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
+                if self.dims.learned_positions && self.tp_pos == 0 {
+                    // Once per token: the tp reduction after the vocabulary-parallel
+                    // lookup sums the ranks' rows.
+                    let pe = self.w("pos_embedding")?;
+                    for (i, p) in self.positions().into_iter().enumerate() {
+                        let p = p as usize;
+                        for (a, b) in e[i * h..(i + 1) * h]
+                            .iter_mut()
+                            .zip(&pe[p * h..(p + 1) * h])
+                        {
+                            *a += b;
+                        }
+                    }
+                }
                 self.cur.insert(mb, e);
                 self.tag = Tag::Embed;
             }
             Op::Norm { .. } => {
                 let x = self.cur.remove(&mb).ok_or("no input for the final norm")?;
-                let (y, r) = be.rmsnorm_fwd(&x, self.w("final_norm")?, h, self.cfg.norm_eps);
+                let (y, r) = self.norm_fwd(&x, "final_norm")?;
                 let a = self.head.entry(mb).or_default();
                 a.put("x", x);
                 a.put("r", r);
@@ -1164,12 +1451,16 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             Op::Norm { .. } => {
                 let mut a = self.head.remove(&mb).ok_or("no head state")?;
                 let dn = a.take("dn")?;
-                let w = self.params.get("final_norm").ok_or("no final norm")?;
-                let dw = self
-                    .grads
-                    .get_mut("final_norm")
-                    .ok_or("no final norm grad")?;
-                let dx = be.rmsnorm_bwd(a.get("x")?, w, a.get("r")?, &dn, h, dw);
+                let dx = norm_bwd(
+                    be,
+                    self.dims,
+                    &self.params,
+                    &mut self.grads,
+                    "final_norm",
+                    a.get("x")?,
+                    a.get("r")?,
+                    &dn,
+                )?;
                 self.gcur.insert(mb, dx);
                 self.tag = Tag::None;
             }
@@ -1186,6 +1477,23 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 let (ids, _) = self.batch(mb)?;
                 let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
                 be.embedding_bwd(&ids, &g, self.vocab_start, h, dw);
+                if self.dims.learned_positions {
+                    // Every tp rank holds the whole gradient here: the same on each.
+                    let pos = self.positions();
+                    let dp = self
+                        .grads
+                        .get_mut("pos_embedding")
+                        .ok_or("no position grad")?;
+                    for (i, p) in pos.into_iter().enumerate() {
+                        let p = p as usize;
+                        for (a, b) in dp[p * h..(p + 1) * h]
+                            .iter_mut()
+                            .zip(&g[i * h..(i + 1) * h])
+                        {
+                            *a += b;
+                        }
+                    }
+                }
                 self.tag = Tag::EmbedB;
             }
             _ => return Err(err("unexpected op outside a layer")),
@@ -1235,7 +1543,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                             self.params.get(&name("fc1")).ok_or("no fc1")?,
                             t,
                             h,
-                            2 * fl,
+                            self.dims.fc1_blocks() * fl,
                         );
                         a.put("dn2", dn);
                         self.tag = Tag::Fc1D;
@@ -1247,7 +1555,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                                 .or(a.0.get("n2"))
                                 .ok_or("no normed input")?;
                         let dw = self.grads.get_mut(&name("fc1")).ok_or("no grad")?;
-                        be.linear_wgrad(x, a.get("da")?, t, h, 2 * fl, dw);
+                        be.linear_wgrad(x, a.get("da")?, t, h, self.dims.fc1_blocks() * fl, dw);
                         self.tag = Tag::Fc1W;
                     }
                     "proj.dgrad" => {
@@ -1298,16 +1606,43 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         be.linear_wgrad(x, a.get("dqkv")?, t, h, nq, dw);
                         self.tag = Tag::QkvW;
                     }
+                    "router.dgrad" | "router.wgrad" | "expert_fc1.dgrad" | "expert_fc1.wgrad"
+                    | "expert_fc2.dgrad" | "expert_fc2.wgrad" | "shared_fc1.dgrad"
+                    | "shared_fc1.wgrad" | "shared_fc2.dgrad" | "shared_fc2.wgrad" => {
+                        return self.moe_bwd_gemm(&gname, l, mb);
+                    }
                     other => return Err(format!("unknown backward gemm `{other}`")),
                 }
             }
             Op::Elementwise { kind, .. } => match kind {
                 ElementwiseKind::Activation => {
+                    let (x, dy, dx, width, tag) = match self.tag {
+                        Tag::Fc2W => ("a", "dact", "da", fl, Tag::ActB),
+                        Tag::EFc2W => ("ea", "edact", "eda", self.fel, Tag::EActB),
+                        Tag::SFc2W => ("sa", "sdact", "sda", self.fsl, Tag::SActB),
+                        other => return Err(format!("activation backward after {other:?}")),
+                    };
                     let a = self.acts.get_mut(&key).ok_or("no activations")?;
-                    let dact = a.take("dact")?;
-                    let da = be.swiglu_bwd(a.get("a")?, &dact, fl);
-                    a.put("da", da);
-                    self.tag = Tag::ActB;
+                    let dact = a.take(dy)?;
+                    let da = if self.dims.gelu {
+                        be.gelu_bwd(a.get(x)?, &dact)
+                    } else {
+                        be.swiglu_bwd(a.get(x)?, &dact, width)
+                    };
+                    a.put(dx, da);
+                    self.tag = tag;
+                }
+                ElementwiseKind::Permute => {
+                    let k = {
+                        let c = self.counters(l, mb, n.pass);
+                        c.permutes += 1;
+                        c.permutes - 1
+                    };
+                    if k == 0 {
+                        self.moe_dispatch_bwd(l, mb)?;
+                    } else {
+                        self.moe_unpermute_bwd(l, mb)?;
+                    }
                 }
                 ElementwiseKind::Rope => {
                     let pos = self.positions();
@@ -1315,8 +1650,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     let mut dq = a.take("dq")?;
                     let mut dk = a.take("dk")?;
                     let dv = a.take("dv")?;
-                    be.rope_bwd(&mut dq, &pos, hl, d, self.cfg.rope_theta);
-                    be.rope_bwd(&mut dk, &pos, kvl, d, self.cfg.rope_theta);
+                    if !self.dims.learned_positions {
+                        be.rope_bwd(&mut dq, &pos, hl, d, self.cfg.rope_theta);
+                        be.rope_bwd(&mut dk, &pos, kvl, d, self.cfg.rope_theta);
+                    }
                     let mut dqkv = Vec::with_capacity(t * (hl + 2 * kvl) * d);
                     for i in 0..t {
                         dqkv.extend_from_slice(&dq[i * hl * d..(i + 1) * hl * d]);
@@ -1367,19 +1704,34 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 if k == 0 {
                     let a = self.acts.get_mut(&key).ok_or("no activations")?;
                     let dn = a.take("dn2")?;
-                    let w = self.params.get(&name("mlp_norm")).ok_or("no norm")?;
-                    let dw = self.grads.get_mut(&name("mlp_norm")).ok_or("no grad")?;
-                    let dx = be.rmsnorm_bwd(a.get("h1")?, w, a.get("r2")?, &dn, h, dw);
+                    let dx = norm_bwd(
+                        be,
+                        self.dims,
+                        &self.params,
+                        &mut self.grads,
+                        &name("mlp_norm"),
+                        a.get("h1")?,
+                        a.get("r2")?,
+                        &dn,
+                    )?;
                     let dh1: Vec<f32> = gin.iter().zip(&dx).map(|(a, b)| a + b).collect();
                     a.put("dh1", dh1.clone());
                     self.gcur.insert(mb, dh1);
                     self.tag = Tag::Norm2B;
                 } else {
                     let mut a = self.acts.remove(&key).ok_or("no activations")?;
+                    self.moe.remove(&key);
                     let dn = a.take("dn1")?;
-                    let w = self.params.get(&name("attn_norm")).ok_or("no norm")?;
-                    let dw = self.grads.get_mut(&name("attn_norm")).ok_or("no grad")?;
-                    let dx = be.rmsnorm_bwd(a.get("x")?, w, a.get("r1")?, &dn, h, dw);
+                    let dx = norm_bwd(
+                        be,
+                        self.dims,
+                        &self.params,
+                        &mut self.grads,
+                        &name("attn_norm"),
+                        a.get("x")?,
+                        a.get("r1")?,
+                        &dn,
+                    )?;
                     let g: Vec<f32> = gin.iter().zip(&dx).map(|(a, b)| a + b).collect();
                     self.gcur.insert(mb, g);
                     self.tag = Tag::Norm1B;
@@ -1455,11 +1807,37 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 a.put("k_full", kf);
                 a.put("v_full", vf);
             }
-            (true, Tag::Proj | Tag::Fc2, K::AllReduce) => {
+            (_, Tag::Dispatch | Tag::EFc2 | Tag::DispatchB | Tag::EFc1W, K::AllToAll) => {
+                let l = n.layer.ok_or("no layer")?;
+                if group != self.ep.as_slice() {
+                    return Err(format!(
+                        "all-to-all on {group:?}, this rank's ep group is {:?}",
+                        self.ep
+                    ));
+                }
+                let key = match self.tag {
+                    Tag::Dispatch => "xr",
+                    Tag::EFc2 => "yr",
+                    _ => "dr",
+                };
+                // The IR counts the routed rows (t k of width h) this rank sends; the buffer
+                // adds the chunk headers and the padding to the largest possible chunk.
+                let m = self
+                    .dims
+                    .moe
+                    .as_ref()
+                    .ok_or("all-to-all in a dense model")?;
+                check(self.routed_tokens() * m.top_k * self.dims.h)?;
+                let a = self.acts.get_mut(&(l, mb)).ok_or("no activations")?;
+                let buf = a.take(key)?;
+                let out = self.comm.all_to_all(group, &buf);
+                self.acts.get_mut(&(l, mb)).unwrap().put(key, out);
+            }
+            (true, Tag::Proj | Tag::Fc2 | Tag::Unpermute | Tag::SFc2, K::AllReduce) => {
                 check(self.y.len())?;
                 self.comm.all_reduce(group, &mut self.y);
             }
-            (true, Tag::Proj | Tag::Fc2, K::ReduceScatter) => {
+            (true, Tag::Proj | Tag::Fc2 | Tag::Unpermute | Tag::SFc2, K::ReduceScatter) => {
                 check(self.y.len())?;
                 self.y = self.comm.reduce_scatter(group, &self.y);
             }
@@ -1496,9 +1874,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     .ok_or("no activations")?
                     .put(dst, full);
             }
-            (false, Tag::Fc1W | Tag::QkvW, K::AllReduce | K::ReduceScatter) => {
+            (false, Tag::Fc1W | Tag::RouterW | Tag::QkvW, K::AllReduce | K::ReduceScatter) => {
                 let l = n.layer.ok_or("no layer")?;
-                let k = if self.tag == Tag::Fc1W { "dn2" } else { "dn1" };
+                let k = if self.tag == Tag::QkvW { "dn1" } else { "dn2" };
                 let a = self.acts.get_mut(&(l, mb)).unwrap();
                 let mut x = a.take(k)?;
                 check(x.len())?;
@@ -1559,24 +1937,34 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         group: &[u32],
     ) -> Result<(), String> {
         use CollectiveKind as K;
-        if group != self.dense_dp.as_slice() {
+        let axis = match &n.op {
+            Op::Collective { group, .. } => self.g.group(*group).map(|g| g.axis.clone()),
+            _ => None,
+        }
+        .unwrap_or_default();
+        let expert = match axis.as_str() {
+            "dense_dp" => false,
+            "expert_dp" => true,
+            other => return Err(format!("dp-stream collective on a `{other}` group")),
+        };
+        let mine = self.dp_group(expert).0;
+        if group != mine.as_slice() {
             return Err(format!(
-                "dp collective on {group:?}, dense_dp is {:?}",
-                self.dense_dp
+                "dp collective on {group:?}, this rank's {axis} is {mine:?}"
             ));
         }
         let gn = group.len();
         match (kind, n.pass) {
             (K::AllGather, Pass::Fwd | Pass::Bwd) => {
                 // ZeRO-3 gather of the layer's weights before its use.
-                let key = n.layer;
+                let key = (n.layer, expert);
                 let full = self.gather_bucket(key);
                 let b = &self.buckets[&key];
                 let (names, sizes) = (b.names.clone(), b.sizes.clone());
                 Self::unflatten(&names, &sizes, &full, &mut self.params);
             }
             (K::AllReduce | K::ReduceScatter, _) => {
-                let key = n.layer;
+                let key = (n.layer, expert);
                 if !self.buckets.contains_key(&key) {
                     return Err("no such bucket".into());
                 }
@@ -1604,8 +1992,14 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 }
             }
             (K::AllGather, Pass::Step) => {
-                // ZeRO-1/2: every bucket's updated shard, concatenated in bucket order.
-                let keys: Vec<_> = self.buckets.keys().copied().collect();
+                // ZeRO-1/2: every bucket's updated shard (of this group's kind), concatenated
+                // in bucket order.
+                let keys: Vec<_> = self
+                    .buckets
+                    .keys()
+                    .copied()
+                    .filter(|k| k.1 == expert)
+                    .collect();
                 let mut mine = Vec::new();
                 for k in &keys {
                     mine.extend_from_slice(&self.buckets[k].p);
@@ -1632,8 +2026,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
 
     /// implicit: under SP each tp rank holds the norm-weight gradients of its token shard;
     /// the IR has no all-reduce of them over tp.
-    fn sp_norm_reduce(&mut self, key: Option<u32>) {
-        if !self.sp {
+    fn sp_norm_reduce(&mut self, key: BKey) {
+        if !self.sp || key.1 {
             return;
         }
         let tpg = self.tp.clone();
@@ -1641,7 +2035,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let names = self.buckets[&key].names.clone();
         for nm in names
             .iter()
-            .filter(|nm| dims.split(nm) == Split::Replicated)
+            .filter(|nm| dims.split(nm) == Split::Replicated && nm.as_str() != "pos_embedding")
         {
             let gr = self.grads.get_mut(nm).unwrap();
             self.comm.all_reduce(&tpg, gr);
@@ -1656,7 +2050,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             if self.reduced.contains(&k) {
                 continue;
             }
-            if self.dense_dp.len() > 1 {
+            if self.dp_group(k.1).0.len() > 1 {
                 return Err(format!(
                     "bucket {k:?} was never reduced over data parallelism"
                 ));
@@ -1671,12 +2065,17 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 }
             }
         }
-        let first_replica = self.dense_pos == 0;
         // Sum of squares of the gradient elements this rank owns (replicated norm weights
-        // count on tp rank 0 only; ZeRO-0 gradients on the first replica only).
+        // count on tp rank 0 only; ZeRO-0 gradients on the first replica only: of
+        // dense_dp for dense weights, of expert_dp for the experts).
         let mut ss = 0.0f64;
         if zero == 0 {
             for (nm, gr) in &self.grads {
+                let first_replica = if Dims::is_expert(nm) {
+                    self.expert_pos == 0
+                } else {
+                    self.dense_pos == 0
+                };
                 if first_replica && (self.tp_pos == 0 || !self.is_replicated(nm)) {
                     ss += gr.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
                 }
@@ -1687,9 +2086,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         } else {
             let keys: Vec<_> = self.buckets.keys().copied().collect();
             for k in keys {
+                let (group, bpos) = self.dp_group(k.1);
                 let b = &self.buckets[&k];
                 let c = b.g.len();
-                let lo = self.dense_pos * c;
+                let lo = bpos * c;
                 // Which flat positions are replicated norm weights.
                 let mut off = 0;
                 for (nm, &s) in b.names.iter().zip(&b.sizes) {
@@ -1705,7 +2105,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     continue;
                 }
                 // Diagnostic: the reduced gradient, gathered for the report.
-                let group = self.dense_dp.clone();
                 let full = self.comm.all_gather(&group, &b.g);
                 let b = &self.buckets[&k];
                 let mut m = BTreeMap::new();
@@ -1750,22 +2149,701 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 be.adamw(p, &g, m, v, hp);
             }
         } else {
-            for b in self.buckets.values_mut() {
+            let (nd, ne) = (self.dense_dp.len(), self.expert_dp.len());
+            for (k, b) in self.buckets.iter_mut() {
                 let g: Vec<f32> = b.g.iter().map(|x| x * clip).collect();
                 be.adamw(&mut b.p, &g, &mut b.m, &mut b.v, hp);
                 b.g.iter_mut().for_each(|x| *x = 0.0);
+                if (if k.1 { ne } else { nd }) == 1 {
+                    // A group of one (e.g. the experts under ep without dp): the IR has no
+                    // parameter gather, the shard is the whole bucket.
+                    Self::unflatten(&b.names, &b.sizes, &b.p, &mut self.params);
+                }
             }
-            if zero >= 3 && self.buckets.contains_key(&None) {
+            if zero >= 3 && self.buckets.contains_key(&(None, false)) {
                 // implicit: ZeRO-3 has no gather of the embedding/head weights; refresh
                 // them here so the next step uses the updated values.
-                let full = self.gather_bucket(None);
-                let b = &self.buckets[&None];
+                let full = self.gather_bucket((None, false));
+                let b = &self.buckets[&(None, false)];
                 let (names, sizes) = (b.names.clone(), b.sizes.clone());
                 Self::unflatten(&names, &sizes, &full, &mut self.params);
             }
         }
         for g in self.grads.values_mut() {
             g.iter_mut().for_each(|x| *x = 0.0);
+        }
+        Ok(())
+    }
+}
+
+/// Backward of the norm `name` (RMSNorm, or LayerNorm with `{name}_bias`): returns `dx`,
+/// accumulates the weight (and bias) gradients.
+#[allow(clippy::too_many_arguments)]
+fn norm_bwd<B: Backend>(
+    be: &B,
+    dims: &Dims,
+    params: &BTreeMap<String, Vec<f32>>,
+    grads: &mut BTreeMap<String, Vec<f32>>,
+    name: &str,
+    x: &[f32],
+    stats: &[f32],
+    dy: &[f32],
+) -> Result<Vec<f32>, String> {
+    let w = params.get(name).ok_or_else(|| format!("no {name}"))?;
+    let mut dw = grads
+        .remove(name)
+        .ok_or_else(|| format!("no {name} gradient"))?;
+    let dx = if dims.layernorm {
+        let bn = format!("{name}_bias");
+        let mut db = grads
+            .remove(&bn)
+            .ok_or_else(|| format!("no {bn} gradient"))?;
+        let dx = be.layernorm_bwd(x, w, stats, dy, dims.h, &mut dw, &mut db);
+        grads.insert(bn, db);
+        dx
+    } else {
+        be.rmsnorm_bwd(x, w, stats, dy, dims.h, &mut dw)
+    };
+    grads.insert(name.to_string(), dw);
+    Ok(dx)
+}
+
+/// Offsets (in rows) of each local expert's group in [`Chunks::group`] order.
+fn expert_offsets(recv: &[Vec<usize>], el: usize) -> Vec<usize> {
+    let mut off = vec![0];
+    for e in 0..el {
+        let n: usize = recv.iter().map(|c| c[e]).sum();
+        off.push(off[e] + n);
+    }
+    off
+}
+
+/// MoE layers: routing, dispatch and combine over the ep group, experts, shared experts
+/// and the load-balancing loss.
+///
+/// The layer's MLP output is `sum_j g_j E_{e_j}(x) + S(x)` (see [`crate::model`]); tokens
+/// are never dropped (capacity unlimited), so every layout routes exactly the same rows.
+/// The load-balancing loss is Switch/GShard's `coef E sum_e f_e P_e` per sequence (`f_e`:
+/// the fraction of the sequence's `T k` routed slots that chose expert `e`, not
+/// differentiated; `P_e`: the mean router probability of `e` over the sequence's `T`
+/// tokens), averaged over the global batch's sequences and summed over MoE layers: the
+/// per-sequence form of DeepSeek-V3's sequence-wise balance loss, chosen because a
+/// sequence is the one token set every layout sees whole (micro-batch sizes differ).
+/// Under context parallelism a sequence's statistics are summed over the cp group
+/// (implicit: the IR carries no collective for them).
+impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+    /// The norm `name` (RMSNorm, or LayerNorm with `{name}_bias`) of `x`: output and the
+    /// statistics its backward needs.
+    fn norm_fwd(&self, x: &[f32], name: &str) -> Result<(Vec<f32>, Vec<f32>), String> {
+        let (h, eps) = (self.dims.h, self.cfg.norm_eps);
+        Ok(if self.dims.layernorm {
+            let b = self.w(&format!("{name}_bias"))?;
+            self.be.layernorm_fwd(x, self.w(name)?, b, h, eps)
+        } else {
+            self.be.rmsnorm_fwd(x, self.w(name)?, h, eps)
+        })
+    }
+
+    fn moe_dims(&self) -> Result<crate::model::MoeDims, String> {
+        self.dims
+            .moe
+            .clone()
+            .ok_or_else(|| "an MoE op in a dense model".to_string())
+    }
+
+    /// The dispatch-buffer layout for rows of width `w`: one chunk per ep member (the
+    /// source side).
+    fn chunks(&self, w: usize) -> Result<Chunks, String> {
+        let m = self.moe_dims()?;
+        Ok(Chunks {
+            members: self.ep.len(),
+            el: m.experts / self.ep.len(),
+            cap: self.routed_tokens() * m.top_k,
+            w,
+        })
+    }
+
+    /// The layout the local experts see: under sequence parallelism the dispatch buffers
+    /// of every tp rank (tp-major), else the source side's.
+    fn expert_chunks(&self, w: usize) -> Result<Chunks, String> {
+        let mut c = self.chunks(w)?;
+        if self.sp {
+            c.members *= self.tp.len();
+        }
+        Ok(c)
+    }
+
+    /// Tokens this rank routes: its sequence shard under SP, else the micro-batch's.
+    fn routed_tokens(&self) -> usize {
+        if self.sp {
+            self.tokens() / self.tp.len()
+        } else {
+            self.tokens()
+        }
+    }
+
+    /// Index of this rank's first routed token among the micro-batch's tokens.
+    fn routed_offset(&self) -> usize {
+        if self.sp {
+            self.tp_pos * self.routed_tokens()
+        } else {
+            0
+        }
+    }
+
+    /// implicit (SP): each tp rank's expert shard runs on the rows every tp rank
+    /// dispatched (the IR sizes the expert GEMMs for them but has no TP gather).
+    fn expert_gather(&mut self, buf: Vec<f32>) -> Vec<f32> {
+        if !self.sp {
+            return buf;
+        }
+        let g = self.tp.clone();
+        self.comm.all_gather(&g, &buf)
+    }
+
+    /// implicit (SP): the partial expert outputs summed over tp and returned to the tp
+    /// rank that dispatched them, with its own chunks' headers.
+    fn expert_scatter(&mut self, buf: Vec<f32>, ch: &Chunks, recv: &[Vec<usize>]) -> Vec<f32> {
+        if !self.sp {
+            return buf;
+        }
+        let g = self.tp.clone();
+        let mut out = self.comm.reduce_scatter(&g, &buf);
+        let nep = self.ep.len();
+        for m in 0..nep {
+            for (e, &n) in recv[self.tp_pos * nep + m].iter().enumerate() {
+                out[m * ch.chunk() + e] = n as f32;
+            }
+        }
+        out
+    }
+
+    fn expert_name(&self, l: u32, le: usize, which: &str) -> String {
+        format!("L{l}.e{}.{which}", self.local_experts.start + le)
+    }
+
+    fn moe_state(&mut self, l: u32, mb: u32) -> Result<&mut MoeState, String> {
+        self.moe
+            .get_mut(&(l, mb))
+            .ok_or_else(|| format!("no routing state for layer {l} micro-batch {mb}"))
+    }
+
+    /// First permute of a MoE layer's forward: route, compute the load-balancing
+    /// statistics, and lay the routed rows out for the dispatch all-to-all.
+    fn moe_dispatch(&mut self, l: u32, mb: u32, pass: Pass) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
+        let off = self.routed_offset();
+        let a = self.acts.get_mut(&(l, mb)).ok_or("no activations")?;
+        let logits = a.take("logits")?;
+        let r = self.be.route(&logits, e, k);
+        // Per-sequence statistics: routed-slot counts and probability sums.
+        let (sl, nseq) = (self.seq_local(), self.mb_size);
+        let mut stats = vec![0.0f32; nseq * 2 * e];
+        for i in 0..t {
+            let b = (off + i) / sl;
+            for &x in &r.experts[i * k..(i + 1) * k] {
+                stats[b * 2 * e + x as usize] += 1.0;
+            }
+            for x in 0..e {
+                stats[b * 2 * e + e + x] += r.probs[i * e + x];
+            }
+        }
+        if self.sp {
+            // implicit: a sequence's routing statistics summed over its SP shards.
+            let g = self.tp.clone();
+            self.comm.all_reduce(&g, &mut stats);
+        }
+        if self.cp.len() > 1 {
+            // implicit: a sequence's routing statistics summed over its cp shards.
+            let g = self.cp.clone();
+            self.comm.all_reduce(&g, &mut stats);
+        }
+        let tf = self.dims.seq as f64;
+        let nglob = self.global_tokens / tf;
+        let coef = self.cfg.moe_aux_coef as f64;
+        let mut daux = vec![0.0f32; nseq * e];
+        for b in 0..nseq {
+            let mut s = 0.0;
+            for x in 0..e {
+                let f = stats[b * 2 * e + x] as f64 / (tf * k as f64);
+                let p = stats[b * 2 * e + e + x] as f64 / tf;
+                s += f * p;
+                daux[b * e + x] = (coef * e as f64 * f / (tf * nglob)) as f32;
+            }
+            if pass == Pass::Fwd {
+                self.aux += coef * e as f64 * s / nglob;
+                self.has_aux = true;
+            }
+        }
+        // The dispatch buffer.
+        let ch = self.chunks(h)?;
+        let el = ch.el;
+        let mut send = vec![vec![0usize; el]; ch.members];
+        for &x in &r.experts {
+            send[x as usize / el][x as usize % el] += 1;
+        }
+        let mut next: Vec<Vec<usize>> = send
+            .iter()
+            .map(|c| {
+                let mut o = 0;
+                c.iter()
+                    .map(|&n| {
+                        o += n;
+                        o - n
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut buf = vec![0.0f32; ch.len()];
+        for (mm, c) in send.iter().enumerate() {
+            for (x, &n) in c.iter().enumerate() {
+                buf[mm * ch.chunk() + x] = n as f32;
+            }
+        }
+        // The local tokens (the sequence shard under SP).
+        let x = self.acts[&(l, mb)].get("n2")?;
+        let mut slot = vec![(0, 0); t * k];
+        for i in 0..t {
+            for j in 0..k {
+                let ex = r.experts[i * k + j] as usize;
+                let (mm, le) = (ex / el, ex % el);
+                let row = next[mm][le];
+                next[mm][le] += 1;
+                slot[i * k + j] = (mm, row);
+                let lo = mm * ch.chunk() + el + row * h;
+                buf[lo..lo + h].copy_from_slice(&x[i * h..(i + 1) * h]);
+            }
+        }
+        self.acts.get_mut(&(l, mb)).unwrap().put("xr", buf);
+        self.moe.insert(
+            (l, mb),
+            MoeState {
+                routing: Some(r),
+                daux,
+                send,
+                slot,
+                recv: Vec::new(),
+            },
+        );
+        self.tag = Tag::Dispatch;
+        Ok(())
+    }
+
+    /// Forward GEMMs of a MoE layer.
+    fn moe_fwd_gemm(&mut self, gname: &str, l: u32, mb: u32) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h) = (self.tokens(), self.dims.h);
+        let (fel, fsl) = (self.fel, self.fsl);
+        let be = self.be;
+        let key = (l, mb);
+        match gname {
+            "router" => {
+                let a = self.acts.get(&key).ok_or("no activations")?;
+                let x = a.get("n2")?;
+                let y = be.linear_fwd(
+                    x,
+                    self.w(&format!("L{l}.router"))?,
+                    self.routed_tokens(),
+                    h,
+                    m.experts,
+                );
+                self.acts.get_mut(&key).unwrap().put("logits", y);
+                self.tag = Tag::Router;
+            }
+            "expert_fc1" => {
+                let ch = self.expert_chunks(h)?;
+                let buf = self
+                    .acts
+                    .get_mut(&key)
+                    .ok_or("no activations")?
+                    .take("xr")?;
+                let buf = self.expert_gather(buf);
+                let recv = ch.headers(&buf)?;
+                let (x, off) = ch.group(&buf, &recv);
+                let mut out = vec![0.0f32; off[ch.el] * self.dims.fc1_blocks() * fel];
+                for le in 0..ch.el {
+                    let (lo, hi) = (off[le], off[le + 1]);
+                    if hi > lo {
+                        let w = self.w(&self.expert_name(l, le, "expert_fc1"))?;
+                        let y = be.linear_fwd(
+                            &x[lo * h..hi * h],
+                            w,
+                            hi - lo,
+                            h,
+                            self.dims.fc1_blocks() * fel,
+                        );
+                        out[lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel]
+                            .copy_from_slice(&y);
+                    }
+                }
+                let a = self.acts.get_mut(&key).unwrap();
+                a.put("ex", x);
+                a.put("ea", out);
+                self.moe_state(l, mb)?.recv = recv;
+                self.tag = Tag::EFc1;
+            }
+            "expert_fc2" => {
+                let ch = self.expert_chunks(h)?;
+                let recv = self.moe_state(l, mb)?.recv.clone();
+                let off = expert_offsets(&recv, ch.el);
+                let act = self.acts.get(&key).ok_or("no activations")?.get("eact")?;
+                let mut y = vec![0.0f32; off[ch.el] * h];
+                for le in 0..ch.el {
+                    let (lo, hi) = (off[le], off[le + 1]);
+                    if hi > lo {
+                        let w = self.w(&self.expert_name(l, le, "expert_fc2"))?;
+                        let o = be.linear_fwd(&act[lo * fel..hi * fel], w, hi - lo, fel, h);
+                        y[lo * h..hi * h].copy_from_slice(&o);
+                    }
+                }
+                let buf = ch.ungroup(&y, &recv);
+                let buf = self.expert_scatter(buf, &ch, &recv);
+                self.acts.get_mut(&key).unwrap().put("yr", buf);
+                self.tag = Tag::EFc2;
+            }
+            "shared_fc1" => {
+                let a = self.acts.get(&key).ok_or("no activations")?;
+                let x =
+                    a.0.get("n2_full")
+                        .or(a.0.get("n2"))
+                        .ok_or("no normed input")?;
+                let y = be.linear_fwd(
+                    x,
+                    self.w(&format!("L{l}.shared_fc1"))?,
+                    t,
+                    h,
+                    self.dims.fc1_blocks() * fsl,
+                );
+                self.acts.get_mut(&key).unwrap().put("sa", y);
+                self.tag = Tag::SFc1;
+            }
+            "shared_fc2" => {
+                let act = self.acts.get(&key).ok_or("no activations")?.get("sact")?;
+                let y = be.linear_fwd(act, self.w(&format!("L{l}.shared_fc2"))?, t, fsl, h);
+                if self.y.len() != y.len() {
+                    return Err("shared experts without the routed experts' output".into());
+                }
+                for (a, b) in self.y.iter_mut().zip(&y) {
+                    *a += b;
+                }
+                self.tag = Tag::SFc2;
+            }
+            other => return Err(format!("unknown MoE gemm `{other}`")),
+        }
+        Ok(())
+    }
+
+    /// Second permute of a MoE layer's forward: the combined rows back to their tokens,
+    /// weighted by the gates.
+    fn moe_unpermute(&mut self, l: u32, mb: u32) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
+        let off = self.routed_offset();
+        let tokens = self.tokens();
+        let ch = self.chunks(h)?;
+        let buf = self
+            .acts
+            .get_mut(&(l, mb))
+            .ok_or("no activations")?
+            .take("yr")?;
+        let hdr = ch.headers(&buf)?;
+        let st = self.moe_state(l, mb)?;
+        if hdr != st.send {
+            return Err(format!(
+                "the combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
+                st.send
+            ));
+        }
+        let r = st.routing.as_ref().ok_or("no routing")?;
+        let mut eo = vec![0.0f32; t * k * h];
+        // Under SP: this rank's rows of the micro-batch, zero elsewhere (the tp
+        // reduce-scatter after the block adds the shared experts' partial sums).
+        let mut y = vec![0.0f32; tokens * h];
+        for i in 0..t {
+            for j in 0..k {
+                let (mm, row) = st.slot[i * k + j];
+                let lo = mm * ch.chunk() + ch.el + row * h;
+                let src = &buf[lo..lo + h];
+                eo[(i * k + j) * h..(i * k + j + 1) * h].copy_from_slice(src);
+                let g = r.gates[i * k + j];
+                for (a, b) in y[(off + i) * h..(off + i + 1) * h].iter_mut().zip(src) {
+                    *a += g * b;
+                }
+            }
+        }
+        self.acts.get_mut(&(l, mb)).unwrap().put("eo", eo);
+        self.y = y;
+        self.tag = Tag::Unpermute;
+        Ok(())
+    }
+
+    /// The MLP's incoming gradient (kept as `dy2` until the router's backward).
+    fn moe_dy(&mut self, l: u32, mb: u32) -> Result<Vec<f32>, String> {
+        let a = self.acts.get_mut(&(l, mb)).ok_or("no activations")?;
+        let dy = match a.0.get("dy2") {
+            Some(x) => x.clone(),
+            None => {
+                let g = self.gcur.get(&mb).ok_or("no incoming gradient")?.clone();
+                a.put("dy2", g.clone());
+                g
+            }
+        };
+        Ok(dy)
+    }
+
+    /// First permute of a MoE layer's backward: the gradient of each routed row (`g dy`)
+    /// laid out like the forward's dispatch.
+    fn moe_dispatch_bwd(&mut self, l: u32, mb: u32) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
+        let off = self.routed_offset();
+        let ch = self.chunks(h)?;
+        let dy = self.moe_dy(l, mb)?;
+        let st = self.moe_state(l, mb)?;
+        let r = st.routing.as_ref().ok_or("no routing")?;
+        let mut buf = vec![0.0f32; ch.len()];
+        for (mm, c) in st.send.iter().enumerate() {
+            for (x, &n) in c.iter().enumerate() {
+                buf[mm * ch.chunk() + x] = n as f32;
+            }
+        }
+        for i in 0..t {
+            for j in 0..k {
+                let (mm, row) = st.slot[i * k + j];
+                let lo = mm * ch.chunk() + ch.el + row * h;
+                let g = r.gates[i * k + j];
+                let d = &dy[(off + i) * h..(off + i + 1) * h];
+                for (a, b) in buf[lo..lo + h].iter_mut().zip(d) {
+                    *a = g * b;
+                }
+            }
+        }
+        self.acts.get_mut(&(l, mb)).unwrap().put("dr", buf);
+        self.tag = Tag::DispatchB;
+        Ok(())
+    }
+
+    /// Second permute of a MoE layer's backward: each token's routed input gradients
+    /// summed into the MLP input's gradient.
+    fn moe_unpermute_bwd(&mut self, l: u32, mb: u32) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
+        let (off, tokens) = (self.routed_offset(), self.tokens());
+        let ch = self.chunks(h)?;
+        let buf = self
+            .acts
+            .get_mut(&(l, mb))
+            .ok_or("no activations")?
+            .take("dr")?;
+        let hdr = ch.headers(&buf)?;
+        let st = self.moe.get(&(l, mb)).ok_or("no routing state")?;
+        if hdr != st.send {
+            return Err(format!(
+                "the backward combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
+                st.send
+            ));
+        }
+        let mut dn = self.acts[&(l, mb)]
+            .0
+            .get("dn2")
+            .cloned()
+            .unwrap_or_else(|| vec![0.0; tokens * h]);
+        for i in 0..t {
+            for j in 0..k {
+                let (mm, row) = st.slot[i * k + j];
+                let lo = mm * ch.chunk() + ch.el + row * h;
+                let d = &mut dn[(off + i) * h..(off + i + 1) * h];
+                for (a, b) in d.iter_mut().zip(&buf[lo..lo + h]) {
+                    *a += b;
+                }
+            }
+        }
+        self.acts.get_mut(&(l, mb)).unwrap().put("dn2", dn);
+        self.tag = Tag::UnpermuteB;
+        Ok(())
+    }
+
+    /// Backward GEMMs of a MoE layer.
+    fn moe_bwd_gemm(&mut self, gname: &str, l: u32, mb: u32) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, e, k) = (self.tokens(), self.dims.h, m.experts, m.top_k);
+        let (fel, fsl) = (self.fel, self.fsl);
+        let be = self.be;
+        let key = (l, mb);
+        let nm = |s: &str| format!("L{l}.{s}");
+        match gname {
+            "shared_fc2.dgrad" => {
+                let dy = self.moe_dy(l, mb)?;
+                let d = be.linear_dgrad(&dy, self.w(&nm("shared_fc2"))?, t, fsl, h);
+                self.acts.get_mut(&key).unwrap().put("sdact", d);
+                self.tag = Tag::SFc2D;
+            }
+            "shared_fc2.wgrad" => {
+                let a = self.acts.get(&key).ok_or("no activations")?;
+                let dw = self.grads.get_mut(&nm("shared_fc2")).ok_or("no grad")?;
+                be.linear_wgrad(a.get("sact")?, a.get("dy2")?, t, fsl, h, dw);
+                self.tag = Tag::SFc2W;
+            }
+            "shared_fc1.dgrad" => {
+                let a = self.acts.get(&key).ok_or("no activations")?;
+                let d = be.linear_dgrad(
+                    a.get("sda")?,
+                    self.w(&nm("shared_fc1"))?,
+                    t,
+                    h,
+                    self.dims.fc1_blocks() * fsl,
+                );
+                let a = self.acts.get_mut(&key).unwrap();
+                match a.0.get_mut("dn2") {
+                    Some(x) => x.iter_mut().zip(&d).for_each(|(p, q)| *p += q),
+                    None => a.put("dn2", d),
+                }
+                self.tag = Tag::SFc1D;
+            }
+            "shared_fc1.wgrad" => {
+                let a = self.acts.get(&key).ok_or("no activations")?;
+                let x =
+                    a.0.get("n2_full")
+                        .or(a.0.get("n2"))
+                        .ok_or("no normed input")?;
+                let dw = self.grads.get_mut(&nm("shared_fc1")).ok_or("no grad")?;
+                be.linear_wgrad(x, a.get("sda")?, t, h, self.dims.fc1_blocks() * fsl, dw);
+                self.tag = Tag::SFc1W;
+            }
+            "expert_fc2.dgrad" => {
+                let ch = self.expert_chunks(h)?;
+                let buf = self
+                    .acts
+                    .get_mut(&key)
+                    .ok_or("no activations")?
+                    .take("dr")?;
+                let buf = self.expert_gather(buf);
+                let hdr = ch.headers(&buf)?;
+                let recv = self.moe_state(l, mb)?.recv.clone();
+                if hdr != recv {
+                    return Err(format!(
+                        "the backward dispatch brought {hdr:?} rows per expert, the forward {recv:?}"
+                    ));
+                }
+                let (dy, off) = ch.group(&buf, &recv);
+                let mut dact = vec![0.0f32; off[ch.el] * fel];
+                for le in 0..ch.el {
+                    let (lo, hi) = (off[le], off[le + 1]);
+                    if hi > lo {
+                        let w = self.w(&self.expert_name(l, le, "expert_fc2"))?;
+                        let d = be.linear_dgrad(&dy[lo * h..hi * h], w, hi - lo, fel, h);
+                        dact[lo * fel..hi * fel].copy_from_slice(&d);
+                    }
+                }
+                let a = self.acts.get_mut(&key).unwrap();
+                a.put("edy", dy);
+                a.put("edact", dact);
+                self.tag = Tag::EFc2D;
+            }
+            "expert_fc2.wgrad" | "expert_fc1.wgrad" | "expert_fc1.dgrad" => {
+                let ch = self.expert_chunks(h)?;
+                let recv = self.moe_state(l, mb)?.recv.clone();
+                let off = expert_offsets(&recv, ch.el);
+                let fc2 = gname == "expert_fc2.wgrad";
+                let dgrad = gname == "expert_fc1.dgrad";
+                let mut dx = vec![0.0f32; if dgrad { off[ch.el] * h } else { 0 }];
+                for le in 0..ch.el {
+                    let (lo, hi) = (off[le], off[le + 1]);
+                    if hi == lo {
+                        continue;
+                    }
+                    let a = self.acts.get(&key).ok_or("no activations")?;
+                    if dgrad {
+                        let w = self.w(&self.expert_name(l, le, "expert_fc1"))?;
+                        let da = &a.get("eda")?
+                            [lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel];
+                        let d = be.linear_dgrad(da, w, hi - lo, h, self.dims.fc1_blocks() * fel);
+                        dx[lo * h..hi * h].copy_from_slice(&d);
+                        continue;
+                    }
+                    let name =
+                        self.expert_name(l, le, if fc2 { "expert_fc2" } else { "expert_fc1" });
+                    let dw = self.grads.get_mut(&name).ok_or("no expert grad")?;
+                    if fc2 {
+                        let x = &a.get("eact")?[lo * fel..hi * fel];
+                        be.linear_wgrad(x, &a.get("edy")?[lo * h..hi * h], hi - lo, fel, h, dw);
+                    } else {
+                        let x = &a.get("ex")?[lo * h..hi * h];
+                        let da = &a.get("eda")?
+                            [lo * self.dims.fc1_blocks() * fel..hi * self.dims.fc1_blocks() * fel];
+                        be.linear_wgrad(x, da, hi - lo, h, self.dims.fc1_blocks() * fel, dw);
+                    }
+                }
+                if dgrad {
+                    let buf = ch.ungroup(&dx, &recv);
+                    let buf = self.expert_scatter(buf, &ch, &recv);
+                    self.acts.get_mut(&key).unwrap().put("dr", buf);
+                }
+                self.tag = match gname {
+                    "expert_fc2.wgrad" => Tag::EFc2W,
+                    "expert_fc1.dgrad" => Tag::EFc1D,
+                    _ => Tag::EFc1W,
+                };
+            }
+            "router.dgrad" => {
+                let (tr, off) = (self.routed_tokens(), self.routed_offset());
+                let dy = self
+                    .acts
+                    .get_mut(&key)
+                    .ok_or("no activations")?
+                    .take("dy2")?;
+                let eo = self.acts[&key].get("eo")?;
+                let mut dg = vec![0.0f32; tr * k];
+                for i in 0..tr {
+                    let d = &dy[(off + i) * h..(off + i + 1) * h];
+                    for j in 0..k {
+                        let o = &eo[(i * k + j) * h..(i * k + j + 1) * h];
+                        dg[i * k + j] = o.iter().zip(d).map(|(a, b)| a * b).sum();
+                    }
+                }
+                if self.tp.len() > 1 && !self.sp {
+                    // implicit: each tp rank's expert outputs are partial sums over its
+                    // share of the expert width; the gate gradient needs the full ones.
+                    // (Under SP the expert outputs came back summed.)
+                    let g = self.tp.clone();
+                    self.comm.all_reduce(&g, &mut dg);
+                }
+                let sl = self.seq_local();
+                let st = self.moe.get(&key).ok_or("no routing state")?;
+                let mut dprobs = vec![0.0f32; tr * e];
+                for i in 0..tr {
+                    let b = (off + i) / sl;
+                    dprobs[i * e..(i + 1) * e].copy_from_slice(&st.daux[b * e..(b + 1) * e]);
+                }
+                let r = st.routing.as_ref().ok_or("no routing")?;
+                let dl = be.route_bwd(r, &dg, &dprobs, e, k);
+                let a = self.acts.get_mut(&key).unwrap();
+                a.0.entry("dn2").or_insert_with(|| vec![0.0; t * h]);
+                // Without SP every tp rank routes the same tokens: the tp reduction of the
+                // input gradient that follows must count the router's share once. Under SP
+                // each rank adds its own tokens' rows.
+                if self.sp || self.tp_pos == 0 {
+                    let d = be.linear_dgrad(&dl, self.w(&nm("router"))?, tr, h, e);
+                    let dn = self.acts.get_mut(&key).unwrap().0.get_mut("dn2").unwrap();
+                    for (p, q) in dn[off * h..(off + tr) * h].iter_mut().zip(&d) {
+                        *p += q;
+                    }
+                }
+                self.acts.get_mut(&key).unwrap().put("dlogits", dl);
+                self.tag = Tag::RouterD;
+            }
+            "router.wgrad" => {
+                let tr = self.routed_tokens();
+                let a = self.acts.get(&key).ok_or("no activations")?;
+                let dw = self.grads.get_mut(&nm("router")).ok_or("no grad")?;
+                // Under SP a partial sum over this rank's tokens: the router is replicated
+                // over tp, so the implicit SP all-reduce of replicated weights' gradients
+                // completes it.
+                be.linear_wgrad(a.get("n2")?, a.get("dlogits")?, tr, h, e, dw);
+                self.tag = Tag::RouterW;
+            }
+            other => return Err(format!("unknown MoE backward gemm `{other}`")),
         }
         Ok(())
     }

@@ -6,12 +6,35 @@
 //! | name | shape | TP split |
 //! |---|---|---|
 //! | `embedding` | `[vocab, h]` | rows (vocabulary-parallel) |
+//! | `pos_embedding` (learned positions only) | `[seq, h]` | replicated |
 //! | `L{i}.attn_norm`, `L{i}.mlp_norm`, `final_norm` | `[h]` | replicated |
+//! | `L{i}.attn_norm_bias`, `L{i}.mlp_norm_bias`, `final_norm_bias` (LayerNorm only) | `[h]` | replicated |
 //! | `L{i}.qkv` | `[h, (heads + 2 kv_heads) d]` | columns of each of the Q, K, V blocks |
 //! | `L{i}.proj` | `[heads d, h]` | rows (row-parallel) |
-//! | `L{i}.fc1` | `[h, 2 f]` (gate, up) | columns of each of the gate, up blocks |
+//! | `L{i}.fc1` | `[h, 2 f]` (gate, up); GeLU: `[h, f]` | columns of each block |
 //! | `L{i}.fc2` | `[f, h]` | rows |
 //! | `lm_head` (untied only) | `[h, vocab]` | columns (vocabulary-parallel) |
+//! | `L{i}.router` (MoE layers) | `[h, experts]` | replicated |
+//! | `L{i}.e{j}.expert_fc1` (expert `j`, global index) | `[h, 2 fe]` (gate, up) | columns of each block |
+//! | `L{i}.e{j}.expert_fc2` | `[fe, h]` | rows |
+//! | `L{i}.shared_fc1` (MoE layers with shared experts) | `[h, 2 fs]`, `fs = shared x shared width` | columns of each block |
+//! | `L{i}.shared_fc2` | `[fs, h]` | rows |
+//!
+//! A MoE layer (every layer from `first_k_dense` on) has no `fc1`/`fc2`; its MLP is
+//! `y = sum_j g_j expert_{e_j}(x) + shared(x)` over the token's top-k experts `e_j` (see
+//! [`crate::backend::Routing`] for the gates), each expert and the shared experts a SwiGLU
+//! MLP. The shared experts are one MLP of the summed width (identical to summing separate
+//! shared experts: their columns are independent and their outputs add). Experts are
+//! split over expert parallelism (rank `i` of the `ep` group holds experts
+//! `i E/ep .. (i+1) E/ep`) and over tp like the dense MLP; the router and the shared
+//! experts are dense weights (replicated over `dense_dp`), the experts reduce over
+//! `expert_dp`.
+//!
+//! Two block styles: Llama (RMSNorm, SwiGLU, rotary positions) and GPT (`norm: layernorm`
+//! with a bias, `ffn_activation: gelu` in its tanh form, `learned_positions`: a position
+//! table added to the token embedding, no rotary; tied embeddings optional in both). The
+//! lowering emits its `rope` node either way; with learned positions it only splits Q, K
+//! and V. Linear biases, dropout and the other activations are not supported.
 //!
 //! Every full tensor is drawn from `Rng::keyed(seed, name)`, then split, so every layout
 //! starts from the same full weights.
@@ -32,6 +55,27 @@ pub struct Dims {
     pub vocab: usize,
     pub seq: usize,
     pub tied: bool,
+    /// MoE layers, when the model has them.
+    pub moe: Option<MoeDims>,
+    /// LayerNorm with bias (else RMSNorm).
+    pub layernorm: bool,
+    /// GeLU MLP (else SwiGLU).
+    pub gelu: bool,
+    /// Learned absolute positions (else rotary).
+    pub learned_positions: bool,
+}
+
+/// The MoE part of a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeDims {
+    pub experts: usize,
+    pub top_k: usize,
+    /// FFN width of one routed expert.
+    pub fe: usize,
+    /// Summed FFN width of the shared experts (0: none).
+    pub fs: usize,
+    /// Layers `0..first_k_dense` are dense.
+    pub first_k_dense: u32,
 }
 
 impl Dims {
@@ -39,17 +83,11 @@ impl Dims {
     pub fn from_job(job: &Job) -> Result<Dims, String> {
         let m = &job.model;
         let mut why = Vec::new();
-        if m.arch != Arch::Dense || m.moe.is_some() {
-            why.push("MoE layers");
+        if (m.arch == Arch::Moe) != m.moe.is_some() {
+            why.push("an MoE architecture without its `moe` section (or the reverse)");
         }
-        if m.ffn_activation != Activation::Swiglu {
-            why.push("an MLP activation other than SwiGLU");
-        }
-        if m.norm != Norm::Rmsnorm {
-            why.push("LayerNorm");
-        }
-        if m.learned_positions {
-            why.push("learned positions");
+        if !matches!(m.ffn_activation, Activation::Swiglu | Activation::Gelu) {
+            why.push("an MLP activation other than SwiGLU or GeLU");
         }
         if m.linear_bias {
             why.push("linear biases");
@@ -73,7 +111,50 @@ impl Dims {
             vocab: m.vocab_size as usize,
             seq: m.seq_len as usize,
             tied: m.tied_embeddings,
+            layernorm: m.norm == Norm::Layernorm,
+            gelu: m.ffn_activation == Activation::Gelu,
+            learned_positions: m.learned_positions,
+            moe: m.moe.as_ref().map(|x| MoeDims {
+                experts: x.num_experts as usize,
+                top_k: x.top_k as usize,
+                fe: x.expert_ffn_hidden_size as usize,
+                fs: (x.num_shared_experts as u64 * x.shared_expert_ffn_hidden_size) as usize,
+                first_k_dense: x.first_k_dense,
+            }),
         })
+    }
+
+    /// FC1 blocks per MLP: 2 (gate, up) for SwiGLU, 1 for GeLU.
+    pub fn fc1_blocks(&self) -> usize {
+        if self.gelu {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Whether layer `l` is an MoE layer.
+    pub fn is_moe_layer(&self, l: u32) -> bool {
+        self.moe.as_ref().is_some_and(|m| l >= m.first_k_dense)
+    }
+
+    /// Whether a parameter is a routed expert's (reduced over `expert_dp`).
+    pub fn is_expert(name: &str) -> bool {
+        name.rsplit('.')
+            .next()
+            .unwrap_or(name)
+            .starts_with("expert_")
+    }
+
+    /// The experts held by member `i` of an `ep`-member expert-parallel group.
+    pub fn local_experts(&self, i: usize, ep: usize) -> std::ops::Range<usize> {
+        match &self.moe {
+            Some(m) => {
+                let n = m.experts / ep;
+                i * n..(i + 1) * n
+            }
+            None => 0..0,
+        }
     }
 
     /// Checks that every split is exact for `tp` (and `cp` for the sequence).
@@ -89,17 +170,66 @@ impl Dims {
                 return Err(format!("{what} {n} is not divisible by {by}"));
             }
         }
+        if let Some(m) = &self.moe {
+            for (what, n, by) in [
+                ("moe.expert_ffn_hidden_size", m.fe, tp),
+                ("moe.shared experts' summed width", m.fs, tp),
+            ] {
+                if n % by != 0 {
+                    return Err(format!("{what} {n} is not divisible by tp={by}"));
+                }
+            }
+            if m.top_k == 0 || m.top_k > m.experts {
+                return Err(format!(
+                    "moe.top_k {} must be in 1..=num_experts ({})",
+                    m.top_k, m.experts
+                ));
+            }
+        }
         if self.d % 2 != 0 {
             return Err(format!("head_dim {} is odd (rotary needs pairs)", self.d));
         }
         Ok(())
     }
 
-    /// Parameter names of layer `l`, in bucket (flattening) order.
-    pub fn layer_params(l: u32) -> Vec<String> {
-        ["attn_norm", "qkv", "proj", "mlp_norm", "fc1", "fc2"]
-            .iter()
-            .map(|n| format!("L{l}.{n}"))
+    /// Dense parameter names of layer `l`, in bucket (flattening) order.
+    pub fn layer_params(&self, l: u32) -> Vec<String> {
+        let mut v: Vec<&str> = if self.layernorm {
+            vec![
+                "attn_norm",
+                "attn_norm_bias",
+                "qkv",
+                "proj",
+                "mlp_norm",
+                "mlp_norm_bias",
+            ]
+        } else {
+            vec!["attn_norm", "qkv", "proj", "mlp_norm"]
+        };
+        if self.is_moe_layer(l) {
+            v.push("router");
+            if self.moe.as_ref().is_some_and(|m| m.fs > 0) {
+                v.extend(["shared_fc1", "shared_fc2"]);
+            }
+        } else {
+            v.extend(["fc1", "fc2"]);
+        }
+        v.iter().map(|n| format!("L{l}.{n}")).collect()
+    }
+
+    /// Expert parameter names of layer `l` for `experts` (empty for a dense layer), in
+    /// bucket order.
+    pub fn expert_params(&self, l: u32, experts: std::ops::Range<usize>) -> Vec<String> {
+        if !self.is_moe_layer(l) {
+            return Vec::new();
+        }
+        experts
+            .flat_map(|e| {
+                [
+                    format!("L{l}.e{e}.expert_fc1"),
+                    format!("L{l}.e{e}.expert_fc2"),
+                ]
+            })
             .collect()
     }
 
@@ -111,10 +241,17 @@ impl Dims {
             "embedding" => [self.vocab, h],
             "lm_head" => [h, self.vocab],
             "final_norm" | "attn_norm" | "mlp_norm" => [1, h],
+            "final_norm_bias" | "attn_norm_bias" | "mlp_norm_bias" => [1, h],
+            "pos_embedding" => [self.seq, h],
             "qkv" => [h, (self.heads + 2 * self.kv_heads) * d],
             "proj" => [self.heads * d, h],
-            "fc1" => [h, 2 * self.f],
+            "fc1" => [h, self.fc1_blocks() * self.f],
             "fc2" => [self.f, h],
+            "router" => [h, self.moe_dims().experts],
+            "expert_fc1" => [h, self.fc1_blocks() * self.moe_dims().fe],
+            "expert_fc2" => [self.moe_dims().fe, h],
+            "shared_fc1" => [h, self.fc1_blocks() * self.moe_dims().fs],
+            "shared_fc2" => [self.moe_dims().fs, h],
             _ => panic!("unknown parameter {name}"),
         }
     }
@@ -123,16 +260,24 @@ impl Dims {
     pub fn split(&self, name: &str) -> Split {
         let short = name.rsplit('.').next().unwrap_or(name);
         match short {
-            "embedding" | "proj" | "fc2" => Split::Rows,
+            "embedding" | "proj" | "fc2" | "expert_fc2" | "shared_fc2" => Split::Rows,
             "lm_head" => Split::Cols(vec![self.vocab]),
             "qkv" => Split::Cols(vec![
                 self.heads * self.d,
                 self.kv_heads * self.d,
                 self.kv_heads * self.d,
             ]),
-            "fc1" => Split::Cols(vec![self.f, self.f]),
+            "fc1" => Split::Cols(vec![self.f; self.fc1_blocks()]),
+            "expert_fc1" => Split::Cols(vec![self.moe_dims().fe; self.fc1_blocks()]),
+            "shared_fc1" => Split::Cols(vec![self.moe_dims().fs; self.fc1_blocks()]),
             _ => Split::Replicated,
         }
+    }
+
+    fn moe_dims(&self) -> &MoeDims {
+        self.moe
+            .as_ref()
+            .expect("an MoE parameter of a dense model")
     }
 
     /// The full, unsharded initial value of a parameter.
@@ -145,6 +290,10 @@ impl Dims {
                 (0..r * c).map(|_| 1.0 + g.sym(0.2)).collect()
             }
             "embedding" => g.vec(r * c, 1.0),
+            "pos_embedding" => g.vec(r * c, 0.5),
+            "final_norm_bias" | "attn_norm_bias" | "mlp_norm_bias" => {
+                (0..r * c).map(|_| g.sym(0.1)).collect()
+            }
             _ => g.vec(r * c, 1.0 / (r as f64).sqrt()),
         }
     }

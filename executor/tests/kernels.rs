@@ -327,3 +327,98 @@ fn adamw_matches_the_formula() {
         "{p:?}"
     );
 }
+
+/// Top-k routing: probabilities, choice and gates against a hand computation; ties go to
+/// the lower expert index; the backward (through the gates and directly through the
+/// probabilities) against finite differences with the choice held (logits far apart).
+#[test]
+fn routing_forward_and_gradients() {
+    let cpu = Cpu;
+    // One token, 4 experts: softmax of (0, ln 2, ln 4, ln 1) = (1, 2, 4, 1) / 8.
+    let l = [0.0f32, 2f32.ln(), 4f32.ln(), 0.0];
+    let r = cpu.route(&l, 4, 2);
+    let want = [0.125f32, 0.25, 0.5, 0.125];
+    for (a, b) in r.probs.iter().zip(want) {
+        assert!((a - b).abs() < 1e-6, "{:?}", r.probs);
+    }
+    assert_eq!(r.experts, vec![2, 1]);
+    assert!((r.gates[0] - 2.0 / 3.0).abs() < 1e-6 && (r.gates[1] - 1.0 / 3.0).abs() < 1e-6);
+    // Ties: experts 0 and 3 equal, the lower index first.
+    let r = cpu.route(&l, 4, 3);
+    assert_eq!(r.experts, vec![2, 1, 0]);
+    let r = cpu.route(&[1.0, 1.0, 1.0, 1.0], 4, 2);
+    assert_eq!(r.experts, vec![0, 1]);
+    assert_eq!(r.gates, vec![0.5, 0.5]);
+
+    // Gradients: 3 tokens, 5 experts, top-2; logits spaced 0.7 apart in a random order.
+    let (t, e, k) = (3, 5, 2);
+    let mut g = Rng::new(11);
+    let mut logits = Vec::new();
+    for i in 0..t {
+        let mut row: Vec<f32> = (0..e)
+            .map(|j| 0.7 * j as f32 - 1.0 + 0.1 * i as f32)
+            .collect();
+        for j in (1..e).rev() {
+            row.swap(j, g.below(j as u64 + 1) as usize);
+        }
+        logits.extend(row);
+    }
+    let base = cpu.route(&logits, e, k);
+    let rg = g.vec(t * k, 1.0);
+    let rp = g.vec(t * e, 1.0);
+    let mut cot = rg.clone();
+    cot.extend_from_slice(&rp);
+    let dl = cpu.route_bwd(&base, &rg, &rp, e, k);
+    check_grad("route.dlogits", &logits, &cot, &dl, &|x| {
+        let r = cpu.route(x, e, k);
+        assert_eq!(r.experts, base.experts, "the choice flipped");
+        let mut out = r.gates;
+        out.extend(r.probs);
+        out
+    });
+}
+
+/// LayerNorm against the textbook formula in f64; its backward (x, weight, bias) and
+/// GeLU's against finite differences.
+#[test]
+fn layernorm_and_gelu() {
+    let cpu = Cpu;
+    let mut g = Rng::new(12);
+    let (t, h) = (3, 6);
+    let x = g.vec(t * h, 2.0);
+    let w: Vec<f32> = (0..h).map(|_| 1.0 + g.sym(0.3)).collect();
+    let b = g.vec(h, 0.5);
+    let (y, st) = cpu.layernorm_fwd(&x, &w, &b, h, 1e-5);
+    for i in 0..t {
+        let row: Vec<f64> = x[i * h..(i + 1) * h].iter().map(|v| *v as f64).collect();
+        let m = row.iter().sum::<f64>() / h as f64;
+        let var = row.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / h as f64;
+        for j in 0..h {
+            let e = (row[j] - m) / (var + 1e-5).sqrt() * w[j] as f64 + b[j] as f64;
+            assert!((y[i * h + j] as f64 - e).abs() < 1e-5, "layernorm[{i},{j}]");
+        }
+    }
+    let r = g.vec(t * h, 1.0);
+    let mut dw = vec![0.0; h];
+    let mut db = vec![0.0; h];
+    let dx = cpu.layernorm_bwd(&x, &w, &st, &r, h, &mut dw, &mut db);
+    check_grad("layernorm.dx", &x, &r, &dx, &|x| {
+        cpu.layernorm_fwd(x, &w, &b, h, 1e-5).0
+    });
+    check_grad("layernorm.dw", &w, &r, &dw, &|w| {
+        cpu.layernorm_fwd(&x, w, &b, h, 1e-5).0
+    });
+    check_grad("layernorm.db", &b, &r, &db, &|b| {
+        cpu.layernorm_fwd(&x, &w, b, h, 1e-5).0
+    });
+    // GeLU: known values (tanh form) and the gradient.
+    let v = cpu.gelu_fwd(&[0.0, 1.0, -1.0]);
+    assert!(
+        v[0] == 0.0 && (v[1] - 0.841_192).abs() < 1e-5 && (v[2] + 0.158_808).abs() < 1e-5,
+        "{v:?}"
+    );
+    let x = g.vec(10, 3.0);
+    let r = g.vec(10, 1.0);
+    let dx = cpu.gelu_bwd(&x, &r);
+    check_grad("gelu.dx", &x, &r, &dx, &|x| cpu.gelu_fwd(x));
+}

@@ -12,7 +12,11 @@ use std::path::Path;
 /// the loader is tested against a stream the test knows token by token.
 pub fn write_dataset(dir: &Path, tokens: &[u32], shard_tokens: usize, vocab: u32) -> Manifest {
     std::fs::create_dir_all(dir).unwrap();
-    let dtype = if vocab <= 65536 { Dtype::U16 } else { Dtype::U32 };
+    let dtype = if vocab <= 65536 {
+        Dtype::U16
+    } else {
+        Dtype::U32
+    };
     let mut shards = Vec::new();
     for (i, chunk) in tokens.chunks(shard_tokens).enumerate() {
         let mut bytes = Vec::new();

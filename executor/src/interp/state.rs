@@ -4,7 +4,8 @@
 //! - `param/NAME`: the weights this rank computes with (its tensor-parallel shard);
 //! - `adam_m/NAME`, `adam_v/NAME`: AdamW moments (ZeRO-0: each rank holds its own);
 //! - `zero/BUCKET/master`, `zero/BUCKET/adam_m`, `zero/BUCKET/adam_v`: the ZeRO-1/2/3 shard of
-//!   a gradient bucket (`BUCKET` is `L{layer}` or `ends`) with its moments.
+//!   a gradient bucket (`BUCKET` is `L{layer}`, `L{layer}.experts` or `ends`) with its
+//!   moments.
 //!
 //! Gradients are not state: they are zero between steps. The data position and the
 //! learning-rate schedule follow from the step (data is addressed by step and micro-batch),
@@ -15,10 +16,15 @@ use crate::backend::Backend;
 use crate::comm::Communicator;
 use std::collections::BTreeMap;
 
-fn bucket_name(k: Option<u32>) -> String {
-    match k {
+fn bucket_name((layer, expert): super::BKey) -> String {
+    let base = match layer {
         Some(l) => format!("L{l}"),
         None => "ends".into(),
+    };
+    if expert {
+        format!("{base}.experts")
+    } else {
+        base
     }
 }
 

@@ -45,8 +45,43 @@ cluster:
     )
 }
 
+/// GPT-style blocks: LayerNorm with bias, GeLU MLP, learned absolute positions.
+pub fn gpt_spec_text(tied: bool, layers: u32) -> String {
+    spec_text(tied, layers).replace(
+        "    ffn_activation: swiglu\n",
+        "    ffn_activation: gelu\n    norm: layernorm\n    learned_positions: true\n",
+    )
+}
+
+/// [`template`] of the GPT-style model ([`gpt_spec_text`]).
+pub fn gpt_template(tied: bool, layers: u32) -> Plan {
+    template_of(&gpt_spec_text(tied, layers))
+}
+
+/// The MoE model: 4 experts, top-2, one shared expert; layers `0..first_k_dense` dense.
+pub fn moe_spec_text(layers: u32, first_k_dense: u32, shared: u32) -> String {
+    spec_text(false, layers).replace(
+        "    arch: dense\n",
+        "    arch: moe\n",
+    ).replace(
+        "    tied_embeddings: false\n",
+        &format!(
+            "    tied_embeddings: false\n    moe: {{num_experts: 4, top_k: 2, num_shared_experts: {shared}, expert_ffn_hidden_size: 32, first_k_dense: {first_k_dense}}}\n"
+        ),
+    )
+}
+
 pub fn template(tied: bool, layers: u32) -> Plan {
-    let spec = parse_spec(&spec_text(tied, layers), Format::Yaml).expect("spec parses");
+    template_of(&spec_text(tied, layers))
+}
+
+/// [`template`] of the MoE model ([`moe_spec_text`]).
+pub fn moe_template(layers: u32, first_k_dense: u32, shared: u32) -> Plan {
+    template_of(&moe_spec_text(layers, first_k_dense, shared))
+}
+
+pub fn template_of(text: &str) -> Plan {
+    let spec = parse_spec(text, Format::Yaml).expect("spec parses");
     let r = resolve(&spec, &ResolveOptions::default()).expect("tiny spec resolves");
     let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).expect("plans");
     serde_json::from_str(&shardwright_spec::plan::to_json(&p)).expect("plan JSON")
@@ -83,6 +118,7 @@ pub fn layout(text: &str) -> Layout {
             "pp" => l.pp = n(),
             "dp" => l.dp = n(),
             "cp" => l.cp = n(),
+            "ep" => l.ep = n(),
             "vpp" => l.vpp = n(),
             "mb" => l.micro_batch = n(),
             "ga" => l.grad_accum = n() as u64,
@@ -108,13 +144,14 @@ pub fn layout(text: &str) -> Layout {
     l
 }
 
-/// The template with `layout` applied (global batch = dp x ga x mb).
+/// The template with `layout` applied (global batch = dp x ep x ga x mb).
 pub fn plan_for(template: &Plan, l: Layout) -> Plan {
     let mut p = template.clone();
     p.layout = l;
     let world = l.world();
     p.inputs.cluster.num_gpus = world;
-    p.inputs.training.global_batch = l.dp as u64 * l.grad_accum * l.micro_batch as u64;
+    p.inputs.training.global_batch =
+        l.dp as u64 * l.ep as u64 * l.grad_accum * l.micro_batch as u64;
     let layers = p.inputs.model.num_layers;
     let mut stages = Vec::new();
     let mut first = 0;
@@ -133,8 +170,16 @@ pub fn plan_for(template: &Plan, l: Layout) -> Plan {
     p
 }
 
+/// The tests' hyper-parameters. AdamW's `eps` is 1e-3, above every gradient's f32
+/// rounding noise: the first step's update is `lr g / (|g| + eps)`, whose sensitivity to
+/// `g` peaks at `lr / (4 eps)` where `|g| = eps`. With 1e-8 a gradient element of a few
+/// 1e-8 (rounding across layouts is about 1e-7 of its tensor's largest element) moves its
+/// weight by a visibly different fraction of `lr` in two layouts that agree in exact
+/// arithmetic (seen on a rarely routed expert under tp2); with 1e-3 the update moves by at
+/// most the gradient's own difference, so a weight difference means a real one.
 pub fn cfg() -> ExecConfig {
     ExecConfig {
+        eps: 1e-3,
         lr: 1e-3,
         min_lr: 1e-4,
         total_steps: 3,
@@ -187,6 +232,22 @@ pub fn compare(what: &str, dims: &Dims, base: &[RankReport], runs: &[RankReport]
             e <= tol,
             "{what}: step {step}: loss {loss} vs {want} (rel {e:.2e})"
         );
+        // The MoE load-balancing loss: every MoE layer's share reported once.
+        match bs.aux_loss {
+            Some(want) => {
+                let got: f64 = runs.iter().filter_map(|r| r.steps[step].aux_loss).sum();
+                let e = (got - want).abs() / want.abs();
+                worst = worst.max(e);
+                assert!(
+                    e <= tol,
+                    "{what}: step {step}: aux loss {got} vs {want} (rel {e:.2e})"
+                );
+            }
+            None => assert!(
+                runs.iter().all(|r| r.steps[step].aux_loss.is_none()),
+                "{what}: aux loss without MoE layers"
+            ),
+        }
         for r in runs {
             let rs = &r.steps[step];
             for (kind, got, full) in [
