@@ -262,8 +262,11 @@ fn members_disagreeing_on_the_size_are_named() {
 // One rank per thread over TCP against the in-process run.
 
 fn run_over_tcp(layout: &str, steps: u32) {
-    let tpl = common::template(false, common::LAYERS);
-    let plan = common::plan_for(&tpl, common::layout(layout));
+    run_template_over_tcp(&common::template(false, common::LAYERS), layout, steps)
+}
+
+fn run_template_over_tcp(tpl: &shardwright_spec::Plan, layout: &str, steps: u32) {
+    let plan = common::plan_for(tpl, common::layout(layout));
     let lowered = shardwright_lowering::lower(&plan).expect("lowers");
     let want = common::run(&plan, steps);
     let world = lowered.program.world;
@@ -317,6 +320,11 @@ fn run_over_tcp(layout: &str, steps: u32) {
                 ws.grad_norm.to_bits(),
                 "{what}: grad norm"
             );
+            assert_eq!(
+                gs.aux_loss.map(f64::to_bits),
+                ws.aux_loss.map(f64::to_bits),
+                "{what}: aux loss"
+            );
             for (kind, a, b) in [
                 ("weight", &gs.params, &ws.params),
                 ("grad", &gs.grads, &ws.grads),
@@ -345,6 +353,12 @@ fn tensor_and_pipeline_parallel_over_tcp_equal_in_process() {
 #[test]
 fn data_parallel_zero_and_context_parallel_over_tcp_equal_in_process() {
     run_over_tcp("dp2,cp2,ga1,mb1,zero2", 2);
+}
+
+#[test]
+fn moe_expert_parallel_over_tcp_equals_in_process() {
+    // all_to_all dispatch and combine of routed tokens over TCP.
+    run_template_over_tcp(&common::moe_template(2, 0, 1), "ep2,tp2,ga2,sp=on", 2);
 }
 
 #[test]
