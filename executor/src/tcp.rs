@@ -173,8 +173,16 @@ struct StoreServer {
 }
 
 impl StoreServer {
+    /// Listen on `addr`; on every interface (same port) unless `addr` is a loopback
+    /// address: `MASTER_ADDR` names rank 0's host as the *other* hosts reach it, which on
+    /// rank 0 itself may resolve to another address (e.g. 127.0.1.1 from /etc/hosts).
     fn bind(addr: &str) -> Result<StoreServer, String> {
         let sa = resolve(addr)?;
+        let sa = if sa.ip().is_loopback() {
+            sa
+        } else {
+            SocketAddr::new(unspecified_like(sa.ip()), sa.port())
+        };
         let listener = TcpListener::bind(sa).map_err(|e| {
             format!("rendezvous store: cannot listen on {addr} (MASTER_ADDR:MASTER_PORT): {e}")
         })?;
@@ -213,6 +221,20 @@ impl Drop for StoreServer {
         }
         let _ = TcpStream::connect_timeout(&a, Duration::from_secs(1));
     }
+}
+
+/// The "any address" of `ip`'s family.
+fn unspecified_like(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::from([0u8; 4]),
+        IpAddr::V6(_) => IpAddr::from([0u16; 8]),
+    }
+}
+
+/// The host part of `host:port` / `[v6]:port`.
+fn host_of(addr: &str) -> &str {
+    let h = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    h.trim_start_matches('[').trim_end_matches(']')
 }
 
 fn serve_conn(conn: TcpStream, t: &Table) {
@@ -340,6 +362,18 @@ impl Store {
     /// This host's address on the interface that reaches the store.
     pub fn local_ip(&self) -> IpAddr {
         self.local_ip
+    }
+
+    /// Where this rank's mesh listener binds and the host it publishes: the interface that
+    /// reaches the store; for the store's own host when the store listens on every
+    /// interface, every interface and the store's host name (what the others reach).
+    fn mesh_endpoint(&self) -> (IpAddr, String) {
+        match &self._server {
+            Some(srv) if srv.addr.ip().is_unspecified() => {
+                (srv.addr.ip(), host_of(&self.addr).to_string())
+            }
+            _ => (self.local_ip, self.local_ip.to_string()),
+        }
     }
 
     pub fn timeout(&self) -> Duration {
@@ -532,13 +566,14 @@ impl TcpComm {
         // Joining takes the store's (rendezvous) timeout; `timeout` is the collectives'.
         let deadline = Instant::now() + store.timeout();
         let me = format!("rank {rank}");
-        let listener = TcpListener::bind((store.local_ip(), 0))
-            .map_err(|e| format!("{me}: cannot listen on {}: {e}", store.local_ip()))?;
+        let (bind_ip, host) = store.mesh_endpoint();
+        let listener = TcpListener::bind((bind_ip, 0))
+            .map_err(|e| format!("{me}: cannot listen on {bind_ip}: {e}"))?;
         let port = listener
             .local_addr()
             .map_err(|e| format!("{me}: {e}"))?
             .port();
-        let mine = join_host_port(&store.local_ip().to_string(), port);
+        let mine = join_host_port(&host, port);
         store.set(&format!("mesh/addr/{rank}"), mine.as_bytes())?;
         let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         // Lower ranks: connect and introduce this rank.

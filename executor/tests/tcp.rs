@@ -592,3 +592,45 @@ fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
     let e1 = others[0].as_ref().unwrap_err();
     assert!(e1.contains("ranks [2] did not connect within 2 s"), "{e1}");
 }
+
+/// This machine's address on a non-loopback interface (no packet is sent: a UDP
+/// "connect" only picks the route), if it has one.
+fn non_loopback_ip() -> Option<std::net::IpAddr> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    s.connect("192.0.2.1:9").ok()?;
+    let ip = s.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+#[test]
+fn a_store_on_a_host_address_listens_on_every_interface() {
+    let Some(ip) = non_loopback_ip() else {
+        eprintln!("no non-loopback interface: skipped");
+        return;
+    };
+    let t = Duration::from_secs(10);
+    let store = Store::host(&format!("{ip}:0"), t).unwrap();
+    let served = store.served_addr().unwrap();
+    assert!(served.ip().is_unspecified(), "{served}");
+    // Reachable through the named address and through loopback alike.
+    for host in [ip.to_string(), "127.0.0.1".to_string()] {
+        let c = Store::connect(&format!("{host}:{}", served.port()), t).unwrap();
+        c.set(&format!("from-{host}"), b"x").unwrap();
+    }
+    // A two-rank mesh through it: rank 0 publishes the store's host name.
+    let addr = format!("{ip}:{}", served.port());
+    let h = thread::spawn(move || {
+        let mut c = rendezvous(&addr, 1, 2, t, t).unwrap();
+        let mut x = vec![2.0f32; 3];
+        c.all_reduce(&[0, 1], &mut x);
+        x
+    });
+    let mut c0 = TcpComm::connect(store, 0, 2, t).unwrap();
+    let mut x = vec![1.0f32; 3];
+    c0.all_reduce(&[0, 1], &mut x);
+    assert_eq!(x, vec![3.0; 3]);
+    assert_eq!(h.join().unwrap(), vec![3.0; 3]);
+    assert!(String::from_utf8(c0.store().get("mesh/addr/0").unwrap())
+        .unwrap()
+        .starts_with(&format!("{ip}:")),);
+}
