@@ -27,6 +27,8 @@ const EXAMPLES: &str = "Examples:
   shardwright verify plan.json
   shardwright simulate plan.json --trace trace.json --ranks 0,8
   shardwright execute plan.json --backend cpu --steps 200 --data data/shakespeare --out run
+  shardwright launch plan.json --local 8 -- --steps 200 --out run
+  shardwright completions bash > ~/.local/share/bash-completion/completions/shardwright
 
 Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits,
 4 the plan's graphs fail verification.";
