@@ -9,6 +9,7 @@ mod export_cmd;
 mod io;
 mod launch;
 mod plot;
+mod replan;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -26,7 +27,8 @@ const EXAMPLES: &str = "Examples:
   shardwright lower plan.json --rank 0 -o rank0.ir
   shardwright verify plan.json
   shardwright simulate plan.json --trace trace.json --ranks 0,8
-  shardwright execute plan.json --backend cpu --steps 200 --data data/shakespeare --out run
+  shardwright execute plan.json --backend cpu --steps 200 --data shakespeare-tokens --out run
+  shardwright replan plan.json --lose-nodes 128 -o resized.json
   shardwright launch plan.json --local 8 -- --steps 200 --out run
   shardwright completions bash > ~/.local/share/bash-completion/completions/shardwright
 
@@ -263,7 +265,7 @@ enum Cmd {
     /// as threads, real f32 numbers). One JSON line of metrics per step; with --out, also
     /// summary.json and loss.svg.
     #[command(
-        after_help = "Examples:\n  shardwright plan specs/tiny-llama-cpu.yaml -o tiny.json\n  shardwright data prepare --input corpus/shakespeare.txt --out data/shakespeare\n  shardwright execute tiny.json --backend cpu --steps 200 --data data/shakespeare --out run\n\nExit codes: 2 bad flags, plan, model the backend cannot run, or dataset; 4 the plan's graphs fail verification (nothing runs)."
+        after_help = "Examples:\n  shardwright plan specs/tiny-llama-cpu.yaml -o tiny.json\n  shardwright data prepare --input corpus/shakespeare.txt --out shakespeare-tokens\n  shardwright execute tiny.json --backend cpu --steps 200 --data shakespeare-tokens --out run\n\nExit codes: 2 bad flags, plan, model the backend cannot run, or dataset; 4 the plan's graphs fail verification (nothing runs)."
     )]
     Execute {
         /// Plan JSON (`-` for stdin).
@@ -298,6 +300,35 @@ enum Cmd {
         #[arg(long, default_value_t = 0.1)]
         weight_decay: f32,
         /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Re-plan a plan's job on a smaller or larger fleet (elastic resize), keeping the global
+    /// batch (micro_batch x grad_accum x dp x ep) where an integer split exists.
+    #[command(
+        after_help = "Examples:\n  shardwright replan plan.json --lose-nodes 128 -o plan-resized.json\n  shardwright replan plan.json --world 15360\n\nWhen no layout splits the global batch evenly, the old layout's tp/pp/cp/ep are kept,\ndp is as many replicas as fit and the global batch becomes the nearest even split;\nthe plan's `replan` section and warnings say so, with the numbers."
+    )]
+    Replan {
+        /// Plan JSON (`-` for stdin).
+        plan: PathBuf,
+        /// Nodes that left the fleet (hot spares stand in first).
+        #[arg(
+            long,
+            value_name = "N",
+            conflicts_with = "world",
+            required_unless_present = "world"
+        )]
+        lose_nodes: Option<u64>,
+        /// GPUs the new layout covers (hot spares stay on top).
+        #[arg(long, value_name = "W")]
+        world: Option<u64>,
+        /// Output file (default: stdout). Written atomically.
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Alternatives to keep besides the chosen layout.
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+        /// Do not draw a progress bar.
         #[arg(long)]
         quiet: bool,
     },
@@ -620,6 +651,14 @@ fn run(cli: Cli) -> Result<(), Failure> {
             weight_decay,
             quiet,
         }),
+        Cmd::Replan {
+            plan,
+            lose_nodes,
+            world,
+            output,
+            top,
+            quiet,
+        } => replan::run(&plan, lose_nodes, world, output.as_deref(), top, quiet),
         Cmd::Schema { output } => {
             io::write_output(output.as_deref(), &shardwright_spec::plan::plan_schema())?;
             Ok(())

@@ -255,6 +255,36 @@ pub fn run_program_with<B: Backend + Clone + 'static>(
     }
 }
 
+/// What the executor needs of expert parallelism and MoE layers under a layout.
+fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
+    if dims.tied && layout.pp > 1 {
+        // The lowering has no all-reduce of the embedding gradient between the first and
+        // the last stage (Megatron's embedding group); running without it would train two
+        // different tables.
+        return Err(format!(
+            "tied embeddings with pp = {}: the op graph has no first/last-stage sync of the \
+             shared embedding gradient yet; untie them or use pp = 1",
+            layout.pp
+        ));
+    }
+    let Some(m) = &dims.moe else {
+        if layout.ep > 1 {
+            return Err(format!(
+                "layout.ep = {}: expert parallelism needs MoE layers",
+                layout.ep
+            ));
+        }
+        return Ok(());
+    };
+    if m.experts % layout.ep as usize != 0 {
+        return Err(format!(
+            "moe.num_experts {} is not divisible by ep={}",
+            m.experts, layout.ep
+        ));
+    }
+    Ok(())
+}
+
 /// The model's dimensions, checked against the layout.
 fn check_model(job: &Job, layout: &Layout) -> Result<Dims, ExecError> {
     let dims = Dims::from_job(job).map_err(ExecError::Model)?;
@@ -330,36 +360,6 @@ pub fn run_rank<B: Backend, C: Communicator>(
             Err(ExecError::Panic(r, msg))
         }
     }
-}
-
-/// What the executor needs of expert parallelism and MoE layers under a layout.
-fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
-    if dims.tied && layout.pp > 1 {
-        // The lowering has no all-reduce of the embedding gradient between the first and
-        // the last stage (Megatron's embedding group); running without it would train two
-        // different tables.
-        return Err(format!(
-            "tied embeddings with pp = {}: the op graph has no first/last-stage sync of the \
-             shared embedding gradient yet; untie them or use pp = 1",
-            layout.pp
-        ));
-    }
-    let Some(m) = &dims.moe else {
-        if layout.ep > 1 {
-            return Err(format!(
-                "layout.ep = {}: expert parallelism needs MoE layers",
-                layout.ep
-            ));
-        }
-        return Ok(());
-    };
-    if m.experts % layout.ep as usize != 0 {
-        return Err(format!(
-            "moe.num_experts {} is not divisible by ep={}",
-            m.experts, layout.ep
-        ));
-    }
-    Ok(())
 }
 
 fn is_abort(e: Option<&ExecError>) -> bool {

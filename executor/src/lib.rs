@@ -1,5 +1,7 @@
 //! Running lowered per-rank op graphs.
 //!
+//! - [`checkpoint`]: the asynchronous, tiered, checksummed checkpoint store of per-rank
+//!   training state;
 //! - [`backend`]: the [`Backend`] kernel trait and the f32 [`Cpu`] reference backend;
 //! - [`comm`]: the [`Communicator`] trait and the in-process [`comm::Local`] (ranks as
 //!   threads, real data, deterministic rank-order reductions);
@@ -12,6 +14,7 @@
 //!   [`TcpComm`] (torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT contract).
 
 pub mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod data;
 pub mod interp;

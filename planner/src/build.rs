@@ -451,6 +451,7 @@ pub fn plan(
         schema_version: SCHEMA_VERSION.to_string(),
         summary,
         baseline: None,
+        replan: None,
         inputs: job.clone(),
         formulas: formulas(),
         layout,

@@ -23,6 +23,10 @@ pub struct Plan {
     /// term beside the chosen one. Absent unless asked for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baseline: Option<BaselineComparison>,
+    /// What `shardwright replan` changed when it moved the plan's job onto another fleet.
+    /// Absent in a plan that `shardwright plan` wrote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replan: Option<Replan>,
     /// Every input number used (hardware, model, cluster, reliability, efficiency profile).
     pub inputs: Job,
     /// Definitions of the derived metrics, so a reader knows which convention is used.
@@ -77,6 +81,41 @@ pub struct BaselineComparison {
     pub goodput_delta_pct: f64,
     /// Term by term; `delta = baseline - plan`.
     pub terms: Vec<ComparisonTerm>,
+}
+
+/// An elastic re-plan (`shardwright replan`): the old plan's job on a smaller or larger
+/// fleet, the global batch (micro_batch x grad_accum x dp x ep) held where an integer split
+/// exists.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
+pub struct Replan {
+    /// What changed the fleet: `lose_nodes=N` or `world=W`.
+    pub resize: String,
+    /// `search`: the job re-planned with the spec's pins (dp and grad_accum released)
+    /// and the global batch held. `keep_shape`: no layout keeps the global batch, so the
+    /// old layout's tp, pp, cp and ep are held, dp is as many replicas as fit and the
+    /// global batch is the nearest one that splits evenly (see `notes`).
+    pub method: String,
+    /// Layouts in the `plan --baseline` syntax.
+    pub from_layout: String,
+    pub to_layout: String,
+    /// Fields of the layout that differ (tp, pp, dp, ..., grad_accum, schedule).
+    pub changed: Vec<String>,
+    /// GPUs the layout covers.
+    pub from_world: u64,
+    pub to_world: u64,
+    pub from_num_gpus: u64,
+    pub to_num_gpus: u64,
+    pub from_hot_spares: u64,
+    /// Includes `idle_gpus`.
+    pub to_hot_spares: u64,
+    /// GPUs of the new fleet the layout cannot use (the world is not a whole number of
+    /// model replicas); counted as hot spares.
+    pub idle_gpus: u64,
+    pub from_global_batch: u64,
+    pub to_global_batch: u64,
+    pub global_batch_kept: bool,
+    /// Why and what was done instead, in words (also in the plan's warnings).
+    pub notes: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
