@@ -759,7 +759,7 @@ mod distributed {
         opts: &RunOptions,
     ) -> Result<Vec<RankReport>, ExecError> {
         let fault = fault(d.rank)?;
-        let mut comm = rendezvous(&d.master, d.rank, d.world, d.timeout)
+        let mut comm = rendezvous(&d.master, d.rank, d.world, d.rendezvous_timeout, d.timeout)
             .map_err(|e| ExecError::Panic(d.rank, format!("rendezvous: {e}")))?;
         let inner = opts.on_step;
         let on_step = |e: StepEvent| {

@@ -3,7 +3,8 @@
 //! Each rank is a child process of this same binary running `shardwright execute PLAN
 //! --backend cpu [EXTRA...]` with the torchrun contract in its environment (RANK,
 //! WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT and
-//! SHARDWRIGHT_COLLECTIVE_TIMEOUT_S); rank 0 serves the rendezvous store and the ranks talk
+//! SHARDWRIGHT_COLLECTIVE_TIMEOUT_S; SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S passes through from the
+//! launcher's environment); rank 0 serves the rendezvous store and the ranks talk
 //! over TCP (`shardwright_executor::tcp`).
 //!
 //! Gang semantics: the job lives and dies as one. When a rank exits non-zero or is killed,
@@ -324,31 +325,22 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
         let mut child = cmd
             .spawn()
             .map_err(|e| anyhow!("launch --local: starting rank {r} ({}): {e}", exe.display()))?;
-        let tail = Arc::new(Mutex::new(VecDeque::new()));
-        let mut readers = Vec::new();
-        let prefix = format!("[rank {r}] ");
-        if let Some(out) = child.stdout.take() {
-            let p = (r != 0).then(|| prefix.clone());
-            readers.push(forward(out, p, true, None).map_err(|e| anyhow!("launch: {e}"))?);
-        }
-        if let Some(err) = child.stderr.take() {
-            readers.push(
-                forward(err, Some(prefix), false, Some(tail.clone()))
-                    .map_err(|e| anyhow!("launch: {e}"))?,
-            );
-        }
+        let (out, err) = (child.stdout.take(), child.stderr.take());
         let pid = child.id();
         let exited = Arc::new(Mutex::new(false));
+        // The waiter first: from then on the gang reaps this child on every path.
         let waiter = match spawn_waiter(r as usize, child, exited.clone(), tx.clone()) {
             Ok(w) => w,
             Err(e) => {
-                // The child is gone with the thread that was not started: kill it by pid.
+                // The child went with the thread that did not start: kill it by pid.
+                // SAFETY: plain syscall on our own, unreaped child.
                 unsafe {
                     libc::kill(pid as libc::pid_t, libc::SIGKILL);
                 }
                 return Err(anyhow!("launch: cannot start a thread: {e}").into());
             }
         };
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
         gang.0.push(Rank {
             pid,
             exited,
@@ -356,9 +348,22 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
             status: None,
             killed: false,
             exited_after: Duration::ZERO,
-            tail,
-            readers,
+            tail: tail.clone(),
+            readers: Vec::new(),
         });
+        let rank = gang.0.last_mut().expect("just pushed");
+        let prefix = format!("[rank {r}] ");
+        if let Some(out) = out {
+            let p = (r != 0).then(|| prefix.clone());
+            rank.readers
+                .push(forward(out, p, true, None).map_err(|e| anyhow!("launch: {e}"))?);
+        }
+        if let Some(err) = err {
+            rank.readers.push(
+                forward(err, Some(prefix), false, Some(tail))
+                    .map_err(|e| anyhow!("launch: {e}"))?,
+            );
+        }
     }
     eprintln!(
         "launch: {} rank(s) of {} on 127.0.0.1:{port}, pids {}",

@@ -30,6 +30,8 @@ const EXAMPLES: &str = "Examples:
   shardwright execute plan.json --backend cpu --steps 200 --data shakespeare-tokens --out run
   shardwright execute plan.json --steps 40 --checkpoint-dir ckpt --checkpoint-every 5 --inject-fault rank=3,step=12,kind=crash
   shardwright replan plan.json --lose-nodes 128 -o resized.json
+  shardwright launch plan.json --local 8 -- --steps 200 --out run
+  shardwright completions bash > ~/.local/share/bash-completion/completions/shardwright
 
 Exit codes: 0 ok, 1 internal/IO error, 2 bad spec, plan or flags, 3 no layout fits,
 4 the plan's graphs fail verification.";

@@ -34,6 +34,10 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// The environment variable that sets the timeout (seconds, may be fractional).
 pub const TIMEOUT_ENV: &str = "SHARDWRIGHT_COLLECTIVE_TIMEOUT_S";
+/// The environment variable that sets the rendezvous timeout: how long a rank waits for
+/// the store and for the other ranks to join (default: the collective timeout, at least
+/// 60 s, since processes start at different times).
+pub const RENDEZVOUS_TIMEOUT_ENV: &str = "SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S";
 
 /// Largest frame accepted from the network (guards against a garbage length prefix).
 const MAX_FRAME: u64 = 1 << 36;
@@ -169,8 +173,16 @@ struct StoreServer {
 }
 
 impl StoreServer {
+    /// Listen on `addr`; on every interface (same port) unless `addr` is a loopback
+    /// address: `MASTER_ADDR` names rank 0's host as the *other* hosts reach it, which on
+    /// rank 0 itself may resolve to another address (e.g. 127.0.1.1 from /etc/hosts).
     fn bind(addr: &str) -> Result<StoreServer, String> {
         let sa = resolve(addr)?;
+        let sa = if sa.ip().is_loopback() {
+            sa
+        } else {
+            SocketAddr::new(unspecified_like(sa.ip()), sa.port())
+        };
         let listener = TcpListener::bind(sa).map_err(|e| {
             format!("rendezvous store: cannot listen on {addr} (MASTER_ADDR:MASTER_PORT): {e}")
         })?;
@@ -209,6 +221,20 @@ impl Drop for StoreServer {
         }
         let _ = TcpStream::connect_timeout(&a, Duration::from_secs(1));
     }
+}
+
+/// The "any address" of `ip`'s family.
+fn unspecified_like(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::from([0u8; 4]),
+        IpAddr::V6(_) => IpAddr::from([0u16; 8]),
+    }
+}
+
+/// The host part of `host:port` / `[v6]:port`.
+fn host_of(addr: &str) -> &str {
+    let h = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    h.trim_start_matches('[').trim_end_matches(']')
 }
 
 fn serve_conn(conn: TcpStream, t: &Table) {
@@ -338,6 +364,18 @@ impl Store {
         self.local_ip
     }
 
+    /// Where this rank's mesh listener binds and the host it publishes: the interface that
+    /// reaches the store; for the store's own host when the store listens on every
+    /// interface, every interface and the store's host name (what the others reach).
+    fn mesh_endpoint(&self) -> (IpAddr, String) {
+        match &self._server {
+            Some(srv) if srv.addr.ip().is_unspecified() => {
+                (srv.addr.ip(), host_of(&self.addr).to_string())
+            }
+            _ => (self.local_ip, self.local_ip.to_string()),
+        }
+    }
+
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
@@ -445,8 +483,10 @@ struct Shared {
     cv: Condvar,
 }
 
+/// The whole frame (length prefix included) of a mesh message: one copy of the data.
 fn encode(tag: &Tag, data: &[f32]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(32 + 4 * data.len());
+    let mut b = Vec::with_capacity(40 + 4 * data.len());
+    b.extend_from_slice(&[0u8; 8]);
     match tag {
         Tag::P2p => {
             b.push(0);
@@ -468,6 +508,8 @@ fn encode(tag: &Tag, data: &[f32]) -> Vec<u8> {
     for x in data {
         b.extend_from_slice(&x.to_le_bytes());
     }
+    let body = (b.len() - 8) as u64;
+    b[..8].copy_from_slice(&body.to_le_bytes());
     b
 }
 
@@ -521,15 +563,17 @@ impl TcpComm {
         if world == 0 || rank >= world {
             return Err(format!("rank {rank} is not below the world size {world}"));
         }
-        let deadline = Instant::now() + timeout;
+        // Joining takes the store's (rendezvous) timeout; `timeout` is the collectives'.
+        let deadline = Instant::now() + store.timeout();
         let me = format!("rank {rank}");
-        let listener = TcpListener::bind((store.local_ip(), 0))
-            .map_err(|e| format!("{me}: cannot listen on {}: {e}", store.local_ip()))?;
+        let (bind_ip, host) = store.mesh_endpoint();
+        let listener = TcpListener::bind((bind_ip, 0))
+            .map_err(|e| format!("{me}: cannot listen on {bind_ip}: {e}"))?;
         let port = listener
             .local_addr()
             .map_err(|e| format!("{me}: {e}"))?
             .port();
-        let mine = join_host_port(&store.local_ip().to_string(), port);
+        let mine = join_host_port(&host, port);
         store.set(&format!("mesh/addr/{rank}"), mine.as_bytes())?;
         let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         // Lower ranks: connect and introduce this rank.
@@ -573,7 +617,7 @@ impl TcpComm {
             match listener.accept() {
                 Ok((mut s, from)) => {
                     s.set_nonblocking(false).map_err(|e| format!("{me}: {e}"))?;
-                    s.set_read_timeout(Some(Duration::from_secs(10).min(timeout)))
+                    s.set_read_timeout(Some(Duration::from_secs(10).min(store.timeout())))
                         .map_err(|e| format!("{me}: {e}"))?;
                     let hello = match read_frame(&mut s) {
                         Ok(Some(h)) => h,
@@ -609,7 +653,7 @@ impl TcpComm {
                             .collect();
                         return Err(format!(
                             "{me}: ranks {absent:?} did not connect within {}",
-                            secs(timeout)
+                            secs(store.timeout())
                         ));
                     }
                     std::thread::sleep(Duration::from_millis(5));
@@ -686,7 +730,7 @@ impl TcpComm {
                 self.world
             );
         };
-        if let Err(e) = write_frame(s, &encode(tag, data)) {
+        if let Err(e) = s.write_all(&encode(tag, data)) {
             let why = if matches!(
                 e.kind(),
                 io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
@@ -1063,13 +1107,18 @@ impl TcpComm {
 
 /// The timeout from `SHARDWRIGHT_COLLECTIVE_TIMEOUT_S` (seconds > 0), else 60 s.
 pub fn timeout_from(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration, String> {
-    match get(TIMEOUT_ENV) {
-        None => Ok(DEFAULT_TIMEOUT),
+    Ok(seconds_var(get, TIMEOUT_ENV)?.unwrap_or(DEFAULT_TIMEOUT))
+}
+
+fn seconds_var(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+) -> Result<Option<Duration>, String> {
+    match get(var) {
+        None => Ok(None),
         Some(s) => match s.trim().parse::<f64>() {
-            Ok(x) if x.is_finite() && x > 0.0 && x <= 1e9 => Ok(Duration::from_secs_f64(x)),
-            _ => Err(format!(
-                "{TIMEOUT_ENV}=`{s}`: expected a number of seconds above 0"
-            )),
+            Ok(x) if x.is_finite() && x > 0.0 && x <= 1e9 => Ok(Some(Duration::from_secs_f64(x))),
+            _ => Err(format!("{var}=`{s}`: expected a number of seconds above 0")),
         },
     }
 }
@@ -1082,7 +1131,10 @@ pub struct EnvRank {
     pub local_rank: Option<u32>,
     /// `host:port` of the store.
     pub master: String,
+    /// Collective timeout.
     pub timeout: Duration,
+    /// How long to wait for the store and the other ranks.
+    pub rendezvous_timeout: Duration,
 }
 
 /// Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the timeout through
@@ -1124,26 +1176,32 @@ pub fn env_rank(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<EnvRank>,
             ))
         }
     };
+    let timeout = timeout_from(get)?;
+    let rendezvous_timeout =
+        seconds_var(get, RENDEZVOUS_TIMEOUT_ENV)?.unwrap_or(timeout.max(DEFAULT_TIMEOUT));
     Ok(Some(EnvRank {
         rank,
         world,
         local_rank,
         master: join_host_port(addr.trim(), port),
-        timeout: timeout_from(get)?,
+        timeout,
+        rendezvous_timeout,
     }))
 }
 
-/// Rendezvous through the store at `master` (rank 0 serves it) and connect the mesh.
+/// Rendezvous through the store at `master` (rank 0 serves it) and connect the mesh
+/// within `rendezvous_timeout`; collectives then time out after `timeout`.
 pub fn rendezvous(
     master: &str,
     rank: u32,
     world: u32,
+    rendezvous_timeout: Duration,
     timeout: Duration,
 ) -> Result<TcpComm, String> {
     let store = if rank == 0 {
-        Store::host(master, timeout)?
+        Store::host(master, rendezvous_timeout)?
     } else {
-        Store::connect(master, timeout)?
+        Store::connect(master, rendezvous_timeout)?
     };
     TcpComm::connect(store, rank, world, timeout)
 }
@@ -1155,6 +1213,6 @@ pub fn from_env() -> Result<Option<(u32, u32, TcpComm)>, String> {
     let Some(e) = env_rank(&get)? else {
         return Ok(None);
     };
-    let c = rendezvous(&e.master, e.rank, e.world, e.timeout)?;
+    let c = rendezvous(&e.master, e.rank, e.world, e.rendezvous_timeout, e.timeout)?;
     Ok(Some((e.rank, e.world, c)))
 }

@@ -20,7 +20,7 @@ fn mesh(world: u32, timeout: Duration) -> Vec<TcpComm> {
     for r in 1..world {
         let a = addr.clone();
         hs.push(thread::spawn(move || {
-            rendezvous(&a, r, world, timeout).unwrap_or_else(|e| panic!("{e}"))
+            rendezvous(&a, r, world, timeout, timeout).unwrap_or_else(|e| panic!("{e}"))
         }));
     }
     let c0 = TcpComm::connect(store0, 0, world, timeout).unwrap_or_else(|e| panic!("{e}"));
@@ -262,8 +262,11 @@ fn members_disagreeing_on_the_size_are_named() {
 // One rank per thread over TCP against the in-process run.
 
 fn run_over_tcp(layout: &str, steps: u32) {
-    let tpl = common::template(false, common::LAYERS);
-    let plan = common::plan_for(&tpl, common::layout(layout));
+    run_template_over_tcp(&common::template(false, common::LAYERS), layout, steps)
+}
+
+fn run_template_over_tcp(tpl: &shardwright_spec::Plan, layout: &str, steps: u32) {
+    let plan = common::plan_for(tpl, common::layout(layout));
     let lowered = shardwright_lowering::lower(&plan).expect("lowers");
     let want = common::run(&plan, steps);
     let world = lowered.program.world;
@@ -318,6 +321,11 @@ fn run_over_tcp(layout: &str, steps: u32) {
                 ws.grad_norm.to_bits(),
                 "{what}: grad norm"
             );
+            assert_eq!(
+                gs.aux_loss.map(f64::to_bits),
+                ws.aux_loss.map(f64::to_bits),
+                "{what}: aux loss"
+            );
             for (kind, a, b) in [
                 ("weight", &gs.params, &ws.params),
                 ("grad", &gs.grads, &ws.grads),
@@ -346,6 +354,12 @@ fn tensor_and_pipeline_parallel_over_tcp_equal_in_process() {
 #[test]
 fn data_parallel_zero_and_context_parallel_over_tcp_equal_in_process() {
     run_over_tcp("dp2,cp2,ga1,mb1,zero2", 2);
+}
+
+#[test]
+fn moe_expert_parallel_over_tcp_equals_in_process() {
+    // all_to_all dispatch and combine of routed tokens over TCP.
+    run_template_over_tcp(&common::moe_template(2, 0, 1), "ep2,tp2,ga2,sp=on", 2);
 }
 
 #[test]
@@ -448,6 +462,7 @@ fn no_store_is_a_clear_error() {
         1,
         2,
         Duration::from_millis(300),
+        Duration::from_secs(60),
     )
     .err()
     .expect("nobody serves the store");
@@ -482,6 +497,8 @@ fn environment_contract() {
     assert_eq!((ok.rank, ok.world, ok.local_rank), (3, 4, Some(3)));
     assert_eq!(ok.master, "[::1]:29500");
     assert_eq!(ok.timeout, Duration::from_millis(2500));
+    // The rendezvous waits at least a minute unless told otherwise.
+    assert_eq!(ok.rendezvous_timeout, Duration::from_secs(60));
     let base = [
         ("WORLD_SIZE", "4"),
         ("RANK", "1"),
@@ -513,6 +530,11 @@ fn environment_contract() {
             "SHARDWRIGHT_COLLECTIVE_TIMEOUT_S=`-1`",
         ),
         (
+            "SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S",
+            Some("0"),
+            "SHARDWRIGHT_RENDEZVOUS_TIMEOUT_S=`0`",
+        ),
+        (
             "SHARDWRIGHT_COLLECTIVE_TIMEOUT_S",
             Some("NaN"),
             "SHARDWRIGHT_COLLECTIVE_TIMEOUT_S=`NaN`",
@@ -522,4 +544,95 @@ fn environment_contract() {
         assert!(e.contains(needle), "{k}={v:?}: {e}");
     }
     assert_eq!(timeout_from(&env(&[])).unwrap(), Duration::from_secs(60));
+}
+
+/// Rank 0 of `world0` plus joiners `(rank, world)`, all with a 2 s rendezvous: the results.
+fn join(world0: u32, joiners: &[(u32, u32)]) -> (Result<(), String>, Vec<Result<(), String>>) {
+    let t = Duration::from_secs(2);
+    let store = Store::host("127.0.0.1:0", t).unwrap();
+    let addr = store.served_addr().unwrap().to_string();
+    let hs: Vec<_> = joiners
+        .iter()
+        .map(|&(r, w)| {
+            let a = addr.clone();
+            thread::spawn(move || rendezvous(&a, r, w, t, t).map(|_| ()))
+        })
+        .collect();
+    let r0 = TcpComm::connect(store, 0, world0, t).map(|_| ());
+    (r0, hs.into_iter().map(|h| h.join().unwrap()).collect())
+}
+
+#[test]
+fn a_rank_claimed_twice_is_refused() {
+    let (r0, others) = join(3, &[(1, 3), (1, 3)]);
+    let e = r0.unwrap_err();
+    assert!(
+        e.starts_with("rank 0: a second process claims rank 1"),
+        "{e}"
+    );
+    // Neither claimant gets a working mesh.
+    assert!(others.iter().all(|r| r.is_err()), "{others:?}");
+}
+
+#[test]
+fn a_different_world_size_is_refused() {
+    let (r0, others) = join(2, &[(1, 3)]);
+    let e = r0.unwrap_err();
+    assert!(
+        e.contains("believes the world has 3 ranks, this rank 2 (WORLD_SIZE differs"),
+        "{e}"
+    );
+    assert!(others[0].is_err());
+}
+
+#[test]
+fn a_missing_rank_is_named_when_the_rendezvous_times_out() {
+    // World 3, rank 2 never starts.
+    let (r0, others) = join(3, &[(1, 3)]);
+    let e = r0.unwrap_err();
+    assert!(e.contains("ranks [2] did not connect within 2 s"), "{e}");
+    let e1 = others[0].as_ref().unwrap_err();
+    assert!(e1.contains("ranks [2] did not connect within 2 s"), "{e1}");
+}
+
+/// This machine's address on a non-loopback interface (no packet is sent: a UDP
+/// "connect" only picks the route), if it has one.
+fn non_loopback_ip() -> Option<std::net::IpAddr> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    s.connect("192.0.2.1:9").ok()?;
+    let ip = s.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
+}
+
+#[test]
+fn a_store_on_a_host_address_listens_on_every_interface() {
+    let Some(ip) = non_loopback_ip() else {
+        eprintln!("no non-loopback interface: skipped");
+        return;
+    };
+    let t = Duration::from_secs(10);
+    let store = Store::host(&format!("{ip}:0"), t).unwrap();
+    let served = store.served_addr().unwrap();
+    assert!(served.ip().is_unspecified(), "{served}");
+    // Reachable through the named address and through loopback alike.
+    for host in [ip.to_string(), "127.0.0.1".to_string()] {
+        let c = Store::connect(&format!("{host}:{}", served.port()), t).unwrap();
+        c.set(&format!("from-{host}"), b"x").unwrap();
+    }
+    // A two-rank mesh through it: rank 0 publishes the store's host name.
+    let addr = format!("{ip}:{}", served.port());
+    let h = thread::spawn(move || {
+        let mut c = rendezvous(&addr, 1, 2, t, t).unwrap();
+        let mut x = vec![2.0f32; 3];
+        c.all_reduce(&[0, 1], &mut x);
+        x
+    });
+    let mut c0 = TcpComm::connect(store, 0, 2, t).unwrap();
+    let mut x = vec![1.0f32; 3];
+    c0.all_reduce(&[0, 1], &mut x);
+    assert_eq!(x, vec![3.0; 3]);
+    assert_eq!(h.join().unwrap(), vec![3.0; 3]);
+    assert!(String::from_utf8(c0.store().get("mesh/addr/0").unwrap())
+        .unwrap()
+        .starts_with(&format!("{ip}:")),);
 }
