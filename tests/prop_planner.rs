@@ -381,6 +381,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             },
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
+            framework: Default::default(),
         },
         cluster: ClusterSpec {
             gpu: Some(GPUS[c.gpu_i].to_string()),

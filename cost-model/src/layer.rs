@@ -239,7 +239,11 @@ impl Ctx<'_> {
         }
         let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
         let msg = self.tokens * self.h * 2.0;
-        let hide = self.job.efficiency.tp_overlap;
+        let hide = if crate::framework::mechanisms(self.job.framework).tp_overlap {
+            self.job.efficiency.tp_overlap
+        } else {
+            0.0
+        };
         let mut put = |name: &'static str, kind: Coll, t: f64| {
             let op = OpKind::Collective {
                 kind,

@@ -534,6 +534,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         reliability,
         pinned: pins.clone(),
         efficiency,
+        framework: js.framework,
     };
     Ok(Resolved { job, warnings })
 }

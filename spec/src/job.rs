@@ -3,7 +3,9 @@
 //! Built by `shardwright_cost::resolve` from a [`crate::spec::SpecFile`]; written into the
 //! plan verbatim as its `inputs`, so every estimate traces back to a number here.
 
-use crate::spec::{Activation, Arch, Dtype, Norm, OptimizerKind, ParallelismSpec, TierKind};
+use crate::spec::{
+    Activation, Arch, Dtype, Framework, Norm, OptimizerKind, ParallelismSpec, TierKind,
+};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +22,10 @@ pub struct Job {
     pub pinned: ParallelismSpec,
     /// Efficiency parameters of the hardware profile in use.
     pub efficiency: Efficiency,
+    /// The training framework (which overlaps and communication implementations exist).
+    #[serde(default)]
+    #[schemars(with = "String")]
+    pub framework: Framework,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]

@@ -30,6 +30,51 @@ pub struct JobSpec {
     pub optimizer: OptimizerSpec,
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+    /// The training framework that runs the job (default `megatron`). It decides which
+    /// overlaps and communication implementations exist, never a free efficiency factor;
+    /// see [`Framework`].
+    #[serde(default)]
+    pub framework: Framework,
+}
+
+/// Training framework: what its implementation overlaps and how it moves data. Each effect
+/// is a mechanism the cost model charges (`shardwright_cost::framework`), not a multiplier:
+///
+/// | | pipeline sends per micro-batch | pipeline send size (TP > 1, no SP) | DP gradient reduce with PP | TP all-reduce |
+/// |---|---|---|---|---|
+/// | `megatron`, `nemo` | 2 (send and receive batched, both directions) | `1/tp` (scatter-gather: each TP rank sends its slice, all-gather on NVLink) | overlapped with the backward (`--overlap-grad-reduce`) | partly hidden behind GEMMs (calibrated `tp_overlap`) |
+/// | `deepspeed` | 4 blocking transfers (send/recv activation, send/recv gradient, each its own call) | full tensor from every TP rank | after the last micro-batch (the pipeline engine's `ReduceGrads` step): exposed | exposed (Megatron-DeepSpeed's layers) |
+/// | `torchtitan` | 2 | full tensor (DTensor replicate) | overlapped (FSDP2 / DDP hooks) | partly hidden (async TP) |
+///
+/// NeMo and Megatron-Bridge run Megatron-Core, so `nemo` behaves as `megatron`; the name is
+/// kept so a run says what it used.
+#[derive(
+    Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Framework {
+    /// Megatron-LM / Megatron-Core.
+    #[default]
+    Megatron,
+    /// DeepSpeed's pipeline engine (Megatron-DeepSpeed).
+    #[serde(alias = "megatron-deepspeed", alias = "megatron_deepspeed")]
+    Deepspeed,
+    /// PyTorch torchtitan (FSDP2 + TP + PP).
+    Torchtitan,
+    /// NVIDIA NeMo / Megatron-Bridge (Megatron-Core underneath).
+    #[serde(alias = "megatron-bridge", alias = "megatron_bridge")]
+    Nemo,
+}
+
+impl Framework {
+    pub fn name(self) -> &'static str {
+        match self {
+            Framework::Megatron => "megatron",
+            Framework::Deepspeed => "deepspeed",
+            Framework::Torchtitan => "torchtitan",
+            Framework::Nemo => "nemo",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -55,44 +55,21 @@ pub const KNOWN_HEAD_DIM: &[(&str, u32, &str)] = &[
     ("gpt-oss", 64, "gpt-oss config: head_dim = 64"),
 ];
 
-/// The training framework a run names (the run's `framework` field, else its wording).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Framework {
-    /// Megatron-LM / Megatron-Core.
-    Megatron,
-    /// DeepSpeed (Megatron-DeepSpeed, its pipeline engine).
-    DeepSpeed,
-    /// NeMo / Megatron-Bridge (Megatron-Core underneath).
-    Nemo,
-    /// PyTorch torchtitan (FSDP2 + TP + PP).
-    Torchtitan,
-}
-
-impl Framework {
-    pub fn name(self) -> &'static str {
-        match self {
-            Framework::Megatron => "megatron",
-            Framework::DeepSpeed => "deepspeed",
-            Framework::Nemo => "nemo",
-            Framework::Torchtitan => "torchtitan",
-        }
-    }
-
-    fn parse(text: &str) -> Option<Framework> {
-        let t = text.to_ascii_lowercase();
-        // Most specific first: "Megatron-DeepSpeed" is DeepSpeed's pipeline engine,
-        // "NeMo/Megatron-Bridge" runs Megatron-Core under NeMo's recipes.
-        if t.contains("torchtitan") {
-            Some(Framework::Torchtitan)
-        } else if t.contains("deepspeed") {
-            Some(Framework::DeepSpeed)
-        } else if t.contains("nemo") || t.contains("megatron-bridge") {
-            Some(Framework::Nemo)
-        } else if t.contains("megatron") {
-            Some(Framework::Megatron)
-        } else {
-            None
-        }
+/// The training framework a run names (the run's `framework` field, else its wording):
+/// most specific first: "Megatron-DeepSpeed" is DeepSpeed's pipeline engine,
+/// "NeMo/Megatron-Bridge" runs Megatron-Core under NeMo's recipes.
+pub fn parse_framework(text: &str) -> Option<Framework> {
+    let t = text.to_ascii_lowercase();
+    if t.contains("torchtitan") {
+        Some(Framework::Torchtitan)
+    } else if t.contains("deepspeed") {
+        Some(Framework::Deepspeed)
+    } else if t.contains("nemo") || t.contains("megatron-bridge") {
+        Some(Framework::Nemo)
+    } else if t.contains("megatron") {
+        Some(Framework::Megatron)
+    } else {
+        None
     }
 }
 
@@ -165,8 +142,8 @@ impl RunContext {
             framework: run
                 .framework
                 .as_deref()
-                .and_then(Framework::parse)
-                .or_else(|| Framework::parse(&text)),
+                .and_then(parse_framework)
+                .or_else(|| parse_framework(&text)),
             year: run.year.or_else(|| years_in(&text).into_iter().min()),
         }
     }
@@ -234,14 +211,14 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     } else {
         match ctx.year {
             Some(y) => y >= 2023,
-            None => ctx.framework != Some(Framework::DeepSpeed),
+            None => ctx.framework != Some(Framework::Deepspeed),
         }
     };
     let default_zero = (ctx.framework == Some(Framework::Megatron)
         && ctx.year.is_some_and(|y| y <= 2022))
     .then_some(0);
-    let framework_note = (ctx.framework == Some(Framework::DeepSpeed)).then_some(
-        "DeepSpeed pipeline engine: its framework efficiency is not represented (one profile per GPU kind, fitted mostly on Megatron-LM; MT-NLG's shape and layout ran about 27% slower per micro-batch than Korthikanti et al.'s Megatron run of the same 530B model)",
+    let framework_note = (ctx.framework == Some(Framework::Deepspeed)).then_some(
+        "DeepSpeed pipeline engine (spec framework: deepspeed): four blocking pipeline transfers per micro-batch of the full activation, gradient reduction after the last backward, synchronous TP all-reduces",
     );
     Conventions {
         gpt_style,
@@ -863,6 +840,7 @@ pub fn setup_run_in(
             },
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
+            framework: ctx.framework.unwrap_or_default(),
         },
         cluster: ClusterSpec {
             gpu: Some(catalog_name),
