@@ -542,8 +542,8 @@ fn conventions_from_the_runs_own_fields() {
             Some(Framework::Megatron),
             Some(2024),
         ),
-        ("mtnlg_530b_2240gpu", Some(Framework::DeepSpeed), Some(2022)),
-        ("bloom_176b_384gpu", Some(Framework::DeepSpeed), None),
+        ("mtnlg_530b_2240gpu", Some(Framework::Deepspeed), Some(2022)),
+        ("bloom_176b_384gpu", Some(Framework::Deepspeed), None),
         ("opt_175b_992gpu", None, Some(2022)),
         (
             "mbridge_2602_llama3_70b_fp8_h100_64gpu",
