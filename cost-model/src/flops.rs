@@ -118,15 +118,13 @@ pub fn matmul_params_active(m: &Model) -> f64 {
     dense + moe + m.vocab_size as f64 * m.hidden_size as f64
 }
 
-/// Forward attention-core FLOPs per token per layer (QK^T and AV), causal halving applied.
+/// Forward attention-core FLOPs per token per layer (QK^T and AV): `4 x keys x qd`, with
+/// the keys a query attends to averaged over positions and layers
+/// ([`Model::attended_keys_per_query`]: `s/2` causal, `s` non-causal; sliding windows and
+/// sinks as the model states them).
 pub fn attention_fwd_flops_per_token(m: &Model) -> f64 {
     let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-    let full = 4.0 * m.seq_len as f64 * qd;
-    if m.causal {
-        full / 2.0
-    } else {
-        full
-    }
+    4.0 * m.attended_keys_per_query() * qd
 }
 
 /// Model FLOPs per token for training (forward + backward, no recompute).

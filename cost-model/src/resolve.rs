@@ -163,6 +163,25 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     if let Some(p) = ms.params {
         positive(&mut errs, "job.model.params", p);
     }
+    if let Some(w) = ms.sliding_window {
+        if w == 0 {
+            errs.push("job.model.sliding_window", "must be at least 1 token");
+        }
+    }
+    if ms.sliding_window_pattern == Some(0) {
+        errs.push(
+            "job.model.sliding_window_pattern",
+            "must be at least 1 (one layer in N attends to the full sequence)",
+        );
+    }
+    if ms.sliding_window.is_none()
+        && (ms.sliding_window_pattern.is_some() || ms.attention_sink_tokens > 0)
+    {
+        errs.push(
+            "job.model.sliding_window",
+            "sliding_window_pattern and attention_sink_tokens need a sliding_window",
+        );
+    }
     let mut model = Model {
         arch: ms.arch,
         num_layers: ms.num_layers,
@@ -182,6 +201,9 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         flash_attention: ms.flash_attention,
         causal: ms.causal,
         moe,
+        sliding_window: ms.sliding_window,
+        sliding_window_pattern: ms.sliding_window_pattern.unwrap_or(1).max(1),
+        attention_sink_tokens: ms.attention_sink_tokens,
         params_total: 0.0,
         params_active: 0.0,
         params_stated: ms.params,

@@ -171,6 +171,25 @@ pub struct ModelSpec {
     pub causal: bool,
     #[serde(default)]
     pub moe: Option<MoeSpec>,
+    /// Sliding-window attention: in a windowed layer each query attends to itself and the
+    /// `sliding_window - 1` tokens before it (Mistral 7B: 4096; gpt-oss: 128). Absent: full
+    /// attention everywhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
+    /// One layer in `N` attends to the full sequence, the other `N - 1` use the window
+    /// (gpt-oss and Gemma 2: 2, alternating; Gemma 3: 6). Absent or 1: every layer is
+    /// windowed. Only meaningful with `sliding_window`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window_pattern: Option<u32>,
+    /// Attention-sink tokens: the first `n` tokens of the sequence, which every query of a
+    /// windowed layer also attends to (StreamingLLM, Xiao et al. 2023). A learned sink
+    /// logit per head (gpt-oss) adds no keys: leave this at 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attention_sink_tokens: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 fn default_activation() -> Activation {

@@ -371,6 +371,39 @@ fn stated_first_k_dense(m: &RunModel) -> Option<u32> {
     })
 }
 
+/// Sliding-window attention as model notes state it: the window from "N-token sliding",
+/// "sliding window N", "sliding_window N" or "window N"; the pattern from
+/// "sliding_window_pattern N", else "alternating" (one layer in two full), else every layer
+/// windowed. None when no window size is stated.
+pub fn sliding_window(notes: &str) -> Option<(u64, Option<u32>)> {
+    let t = notes.to_ascii_lowercase();
+    if !t.contains("sliding") {
+        return None;
+    }
+    let before_token = t.find("-token sliding").and_then(|at| {
+        let head = &t[..at];
+        let digits: String = head
+            .chars()
+            .rev()
+            .take_while(|c| c.is_ascii_digit())
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        digits.parse::<u64>().ok()
+    });
+    let w = before_token
+        .or_else(|| number_after(&t, "sliding_window").map(u64::from))
+        .or_else(|| number_after(&t, "sliding window").map(u64::from))
+        .or_else(|| number_after(&t, "sliding-window").map(u64::from))
+        .or_else(|| number_after(&t, "window").map(u64::from))
+        .filter(|&w| w > 0)?;
+    let pattern = number_after(&t, "sliding_window_pattern")
+        .filter(|&n| n > 0)
+        .or_else(|| t.contains("alternating").then_some(2));
+    Some((w, pattern))
+}
+
 /// Total parameters of the spec's shape (None when it does not resolve).
 fn shape_params(spec: &SpecFile) -> Option<f64> {
     let opts = shardwright_cost::resolve::ResolveOptions::default();
@@ -646,10 +679,20 @@ pub fn setup_run_in(
         && !["alibi", "rotary", "rope"]
             .iter()
             .any(|k| model_notes.contains(k));
-    if model_notes.contains("sliding") {
-        notes.push(
-            "sliding-window attention layers not modeled: full attention FLOPs and memory".into(),
-        );
+    let window = sliding_window(&model_notes);
+    match window {
+        Some((w, pattern)) => notes.push(format!(
+            "sliding-window attention from the model notes: {w} tokens, {}",
+            match pattern {
+                Some(n) => format!("one layer in {n} attends to the full sequence"),
+                None => "every layer windowed".to_string(),
+            }
+        )),
+        None if model_notes.contains("sliding") => notes.push(
+            "the model notes name sliding-window attention without a window size: full attention FLOPs"
+                .into(),
+        ),
+        None => {}
     }
     if conv.gpt_style && !learned_positions {
         notes.push(
@@ -681,6 +724,9 @@ pub fn setup_run_in(
         flash_attention: conv.flash_attention,
         causal: true,
         moe,
+        sliding_window: window.map(|w| w.0),
+        sliding_window_pattern: window.and_then(|w| w.1),
+        attention_sink_tokens: 0,
     };
 
     // ---- mesh ----
