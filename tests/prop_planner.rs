@@ -384,6 +384,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             },
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
+            recompute_modules: None,
             framework: Default::default(),
         },
         cluster: ClusterSpec {

@@ -222,6 +222,23 @@ impl LayerCosts {
         } else {
             0.0
         };
+        // Fine-grained selective recompute frees what its modules keep.
+        let (dense_act, moe_act) = if rc == Recompute::Selective {
+            let mods = &job.training.recompute_modules;
+            let save = |moe_layer: bool| {
+                memory::recompute_module_savings(m, tokens, t, sp, fp8, mods, moe_layer)
+            };
+            (
+                (dense_act - save(false)).max(0.0),
+                if m.is_moe() {
+                    (moe_act - save(true)).max(0.0)
+                } else {
+                    0.0
+                },
+            )
+        } else {
+            (dense_act, moe_act)
+        };
         let work = if rc == Recompute::Full {
             let full_dense =
                 memory::dense_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective, fp8);
@@ -761,7 +778,11 @@ pub fn evaluate_with(
     let tokens_per_s = tokens_per_step / step;
     let world = layout.world() as f64;
     let mf = flops::model_flops_per_token(model);
-    let hf = flops::hardware_flops_per_token(model, layout.recompute);
+    let hf = flops::hardware_flops_per_token_modules(
+        model,
+        layout.recompute,
+        &job.training.recompute_modules,
+    );
     let peak = if tr.fp8_gemms {
         job.hardware.peak_fp8_flops
     } else {

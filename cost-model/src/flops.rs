@@ -144,6 +144,47 @@ pub fn hardware_flops_per_token(m: &Model, recompute: Recompute) -> f64 {
         }
 }
 
+/// Hardware FLOPs per token with fine-grained selective recompute: for `selective`, the
+/// forward FLOPs of the recomputed modules (`core_attn`: the attention core; `mlp`: the dense
+/// layers' MLP GEMMs; `moe`: router, routed and shared experts of the MoE layers;
+/// `shared_experts`: the shared experts; `layernorm` and `moe_act` are memory-bound and add
+/// no FLOPs); `none` and `full` as [`hardware_flops_per_token`].
+pub fn hardware_flops_per_token_modules(
+    m: &Model,
+    recompute: Recompute,
+    mods: &[shardwright_spec::spec::RecomputeModule],
+) -> f64 {
+    use shardwright_spec::spec::RecomputeModule as R;
+    if recompute != Recompute::Selective {
+        return hardware_flops_per_token(m, recompute);
+    }
+    let has = |x: R| mods.contains(&x);
+    let mut extra = 0.0;
+    if has(R::CoreAttn) {
+        extra += m.num_layers as f64 * attention_fwd_flops_per_token(m);
+    }
+    let mats = m.ffn_activation.mlp_matrices();
+    let h = m.hidden_size as f64;
+    if has(R::Mlp) {
+        extra += m.dense_layers() as f64 * 2.0 * mats * h * m.ffn_hidden_size as f64;
+    }
+    if let Some(moe) = &m.moe {
+        let shared =
+            moe.num_shared_experts as f64 * mats * h * moe.shared_expert_ffn_hidden_size as f64;
+        let routed = moe.top_k as f64 * mats * h * moe.expert_ffn_hidden_size as f64;
+        let router = h * moe.num_experts as f64;
+        let per_layer = if has(R::Moe) {
+            router + routed + shared
+        } else if has(R::SharedExperts) {
+            shared
+        } else {
+            0.0
+        };
+        extra += m.moe_layers() as f64 * 2.0 * per_layer;
+    }
+    model_flops_per_token(m) + extra
+}
+
 /// Narayanan et al. 2021 eq. 3 hardware FLOPs per token (full recompute, GPT, non-causal):
 /// `96 s L h^2 (1 + s/(6h) + V/(16 L h)) / s` per token.
 pub fn narayanan_flops_per_token(layers: f64, hidden: f64, seq: f64, vocab: f64) -> f64 {

@@ -31,7 +31,7 @@ use crate::eval::{gemm_eff, group_link};
 use crate::flops;
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{GroupKind, Mesh};
-use shardwright_spec::spec::Recompute;
+use shardwright_spec::spec::{Recompute, RecomputeModule};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Pass {
@@ -451,6 +451,24 @@ impl Ctx<'_> {
     }
 }
 
+/// Whether selective recompute with `mods` runs op `name` of a dense (`moe = false`) or MoE
+/// layer again.
+fn recomputed(name: &str, moe: bool, mods: &[RecomputeModule]) -> bool {
+    use RecomputeModule as R;
+    let has = |m: R| mods.contains(&m);
+    match name {
+        "attention_core" => has(R::CoreAttn),
+        "fc1" | "fc2" => !moe && has(R::Mlp),
+        "tp_all_gather_mlp" => (!moe && has(R::Mlp)) || (moe && has(R::Moe)),
+        "act" => (!moe && has(R::Mlp)) || (moe && (has(R::Moe) || has(R::MoeAct))),
+        "router" | "permute" | "ep_dispatch" | "expert_fc1" | "expert_fc2" | "ep_combine" => {
+            moe && has(R::Moe)
+        }
+        "shared_fc1" | "shared_fc2" => moe && (has(R::Moe) || has(R::SharedExperts)),
+        _ => false,
+    }
+}
+
 /// The ops of one layer kind for one micro-batch on one GPU, in pass order (forward,
 /// recompute, backward). `mesh` gives the groups' fabrics (only tp, cp and ep are read).
 pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -> Vec<OpCost> {
@@ -497,10 +515,37 @@ pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -
                         out.push(op);
                     }
                 }
-                Recompute::Selective => cx.attention_core(&mut Emit {
-                    out: &mut out,
-                    pass: Pass::Recompute,
-                }),
+                // Fine-grained selective recompute: the forward ops of the chosen modules
+                // (`job.training.recompute_modules`), in forward order.
+                Recompute::Selective => {
+                    let mods = &job.training.recompute_modules;
+                    let mut again = Vec::with_capacity(32);
+                    cx.layer_pass(
+                        &mut Emit {
+                            out: &mut again,
+                            pass: Pass::Recompute,
+                        },
+                        moe,
+                    );
+                    if mods.contains(&RecomputeModule::Layernorm) {
+                        // Two norms: read the input, write the output (16-bit).
+                        let elems = cx.tokens * cx.h / cx.seq_div;
+                        cx.elementwise(
+                            &mut Emit {
+                                out: &mut out,
+                                pass: Pass::Recompute,
+                            },
+                            "norm_recompute",
+                            2.0 * elems,
+                            8.0 * elems,
+                        );
+                    }
+                    out.extend(
+                        again
+                            .into_iter()
+                            .filter(|op| recomputed(op.name, moe, mods)),
+                    );
+                }
                 Recompute::None => {}
             }
             cx.layer_pass(

@@ -415,7 +415,42 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         optimizer_state_dtype: ps.optimizer_state,
         optimizer: js.optimizer.kind,
         optimizer_states: states,
+        recompute_modules: {
+            let mut v = js
+                .recompute_modules
+                .clone()
+                .unwrap_or_else(shardwright_spec::job::default_recompute_modules);
+            v.sort();
+            v.dedup();
+            v
+        },
     };
+    if let Some(mods) = &js.recompute_modules {
+        use shardwright_spec::spec::RecomputeModule as R;
+        if mods.is_empty() {
+            errs.push(
+                "job.recompute_modules",
+                "empty: list at least one module (or set parallelism.recompute: none)",
+            );
+        }
+        for m in mods {
+            if matches!(m, R::MoeAct | R::Moe | R::SharedExperts) && ms.moe.is_none() {
+                errs.push(
+                    "job.recompute_modules",
+                    format!("{} needs an MoE model (job.model.moe)", m.name()),
+                );
+            }
+        }
+        if matches!(
+            js.parallelism.recompute,
+            Some(shardwright_spec::spec::Recompute::None | shardwright_spec::spec::Recompute::Full)
+        ) {
+            errs.push(
+                "job.recompute_modules",
+                "applies to selective recompute, but job.parallelism.recompute pins another mode",
+            );
+        }
+    }
 
     // ---- parallelism pins ----
     let pins = &js.parallelism;

@@ -4,7 +4,8 @@
 //! plan verbatim as its `inputs`, so every estimate traces back to a number here.
 
 use crate::spec::{
-    Activation, Arch, Dtype, Framework, Norm, OptimizerKind, ParallelismSpec, TierKind,
+    Activation, Arch, Dtype, Framework, Norm, OptimizerKind, ParallelismSpec, RecomputeModule,
+    TierKind,
 };
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -103,9 +104,9 @@ impl Model {
         let w = w as f64;
         let sinks = (self.attention_sink_tokens as f64).min(s);
         let windowed = if self.causal {
-            // sum_i min(i + 1, w) / s = w - w (w - 1) / (2 s) ~ w - w^2 / (2 s); the sinks
-            // sit outside the window for the s - w - sinks later queries.
-            (w - w * w / (2.0 * s)) + sinks * ((s - w - sinks).max(0.0) / s)
+            // sum_{i<s} min(i + 1, w) / s = w - w (w - 1) / (2 s); the sinks sit outside the
+            // window for the s - w - sinks later queries.
+            (w - w * (w - 1.0) / (2.0 * s)) + sinks * ((s - w - sinks).max(0.0) / s)
         } else {
             // A window on both sides (w keys each way), clipped at the ends.
             (2.0 * w).min(s) + sinks * ((s - 2.0 * w - sinks).max(0.0) / s)
@@ -182,6 +183,20 @@ pub struct Training {
     pub optimizer: OptimizerKind,
     /// Optimizer state tensors per parameter (Adam: 2, SGD momentum: 1).
     pub optimizer_states: u32,
+    /// What selective recompute runs again (sorted, no duplicates; default `[core_attn]`).
+    #[serde(
+        default = "default_recompute_modules",
+        skip_serializing_if = "is_default_recompute_modules"
+    )]
+    #[schemars(with = "Vec<String>")]
+    pub recompute_modules: Vec<RecomputeModule>,
+}
+
+pub fn default_recompute_modules() -> Vec<RecomputeModule> {
+    vec![RecomputeModule::CoreAttn]
+}
+fn is_default_recompute_modules(v: &[RecomputeModule]) -> bool {
+    *v == default_recompute_modules()
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]

@@ -30,6 +30,11 @@ pub struct JobSpec {
     pub optimizer: OptimizerSpec,
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+    /// What selective recompute runs again (Megatron-Core / NeMo `--recompute-modules`),
+    /// when the layout's recompute is `selective`. Default `[core_attn]` (Korthikanti et
+    /// al. 2022's selective recompute). Ignored with `none` or `full`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_modules: Option<Vec<RecomputeModule>>,
     /// The training framework that runs the job (default `megatron`). It decides which
     /// overlaps and communication implementations exist, never a free efficiency factor;
     /// see [`Framework`].
@@ -224,6 +229,43 @@ pub enum Recompute {
     None,
     Selective,
     Full,
+}
+
+/// A module that fine-grained selective recompute runs again in the backward instead of
+/// keeping its activations (Megatron-Core `--recompute-modules`, NeMo `recompute_modules`).
+/// Each frees the tensors its own backward would read and re-runs its forward:
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum RecomputeModule {
+    /// The attention core (softmax(QK^T)V): frees the score matrix when attention is
+    /// unfused; with flash attention it saves nothing and costs the core's forward.
+    CoreAttn,
+    /// The dense MLP (FC1, activation, FC2, and with SP the gather of its input): frees
+    /// FC1's output and the activation's output.
+    Mlp,
+    /// The two norms: frees their outputs (a memory-bound re-run).
+    Layernorm,
+    /// The MoE experts' activation function: frees its output (FC2's input).
+    MoeAct,
+    /// The whole MoE MLP (router, permutation, dispatch and combine all-to-alls, experts,
+    /// shared experts): frees everything the MoE MLP keeps.
+    Moe,
+    /// The shared experts of an MoE layer: frees their FC1 and activation outputs.
+    SharedExperts,
+}
+
+impl RecomputeModule {
+    /// The spec's (and Megatron's) name.
+    pub fn name(self) -> &'static str {
+        match self {
+            RecomputeModule::CoreAttn => "core_attn",
+            RecomputeModule::Mlp => "mlp",
+            RecomputeModule::Layernorm => "layernorm",
+            RecomputeModule::MoeAct => "moe_act",
+            RecomputeModule::Moe => "moe",
+            RecomputeModule::SharedExperts => "shared_experts",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]

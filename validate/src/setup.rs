@@ -886,6 +886,7 @@ pub fn setup_run_in(
             },
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
+            recompute_modules: None,
             framework: ctx.framework.unwrap_or_default(),
         },
         cluster: ClusterSpec {
