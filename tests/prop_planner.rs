@@ -385,6 +385,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
             recompute_modules: None,
+            tp_comm_overlap: false,
             framework: Default::default(),
         },
         cluster: ClusterSpec {

@@ -570,6 +570,12 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         pinned_interval_s: ck.interval_minutes.map(|m| m * 60.0),
     };
 
+    if js.tp_comm_overlap && js.framework == shardwright_spec::spec::Framework::Deepspeed {
+        errs.push(
+            "job.tp_comm_overlap",
+            "DeepSpeed's pipeline engine has no TP communication overlap (framework: deepspeed)",
+        );
+    }
     if !errs.0.is_empty() {
         return Err(SpecErrors(errs.0));
     }
@@ -592,6 +598,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         pinned: pins.clone(),
         efficiency,
         framework: js.framework,
+        tp_comm_overlap: js.tp_comm_overlap,
     };
     Ok(Resolved { job, warnings })
 }

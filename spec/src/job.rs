@@ -27,6 +27,9 @@ pub struct Job {
     #[serde(default)]
     #[schemars(with = "String")]
     pub framework: Framework,
+    /// TP collectives pipelined with their GEMMs (Megatron `--tp-comm-overlap`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tp_comm_overlap: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]

@@ -35,6 +35,12 @@ pub struct JobSpec {
     /// al. 2022's selective recompute). Ignored with `none` or `full`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recompute_modules: Option<Vec<RecomputeModule>>,
+    /// Overlap the sequence-parallel TP all-gathers and reduce-scatters with the GEMMs they
+    /// feed (Megatron-Core `--tp-comm-overlap`, Transformer Engine userbuffers; torchtitan's
+    /// async TP). Needs sequence parallelism to take effect; not available with DeepSpeed.
+    /// Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tp_comm_overlap: bool,
     /// The training framework that runs the job (default `megatron`). It decides which
     /// overlaps and communication implementations exist, never a free efficiency factor;
     /// see [`Framework`].

@@ -101,10 +101,17 @@ pub fn cases(
     (out, skipped)
 }
 
-/// A fitted parameter: name, bounds.
+/// A fitted parameter: name, bounds, and whether it is a property of the software (shared
+/// by every GPU kind) or of the GPU.
 struct Param {
     #[allow(dead_code)]
     name: &'static str,
+    shared: bool,
+    /// Fitted as one factor shared by every kind on the kind's measured microbenchmark
+    /// value ([`initial_efficiency`]): the GPU's large-GEMM and flash-attention rates are
+    /// hardware (measured), the share of them a framework's kernels reach is software.
+    /// `lo`/`hi` bound the factor.
+    relative: bool,
     lo: f64,
     hi: f64,
     get: fn(&Efficiency) -> f64,
@@ -115,20 +122,26 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
     let mut v = vec![
         Param {
             name: "gemm_max",
-            lo: 0.4,
-            hi: 0.95,
+            shared: false,
+            relative: true,
+            lo: 0.5,
+            hi: 1.1,
             get: |e| e.gemm_max,
             set: |e, x| e.gemm_max = x,
         },
         Param {
             name: "attn_eff",
-            lo: 0.15,
-            hi: 0.8,
+            shared: false,
+            relative: true,
+            lo: 0.4,
+            hi: 1.2,
             get: |e| e.attn_eff,
             set: |e, x| e.attn_eff = x,
         },
         Param {
             name: "elementwise_bytes_per_h",
+            shared: true,
+            relative: false,
             lo: 2.0,
             hi: 60.0,
             get: |e| e.elementwise_bytes_per_h,
@@ -136,6 +149,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "nvlink_bus_eff",
+            shared: false,
+            relative: false,
             lo: 0.3,
             hi: 0.95,
             get: |e| e.nvlink_bus_eff,
@@ -143,6 +158,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "inter_node_bus_eff",
+            shared: false,
+            relative: false,
             lo: 0.2,
             hi: 0.95,
             get: |e| e.inter_node_bus_eff,
@@ -150,6 +167,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "tp_overlap",
+            shared: true,
+            relative: false,
             lo: 0.0,
             hi: 0.9,
             get: |e| e.tp_overlap,
@@ -157,6 +176,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "dp_overlap",
+            shared: true,
+            relative: false,
             lo: 0.0,
             hi: 1.0,
             get: |e| e.dp_overlap,
@@ -164,6 +185,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "layer_overhead_s",
+            shared: true,
+            relative: false,
             lo: 0.0,
             hi: 400e-6,
             get: |e| e.layer_overhead_s,
@@ -173,6 +196,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
     if with_fp8 {
         v.push(Param {
             name: "fp8_gemm_rel",
+            shared: false,
+            relative: false,
             lo: 0.4,
             hi: 1.0,
             get: |e| e.fp8_gemm_rel,
@@ -182,6 +207,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
     if with_moe {
         v.push(Param {
             name: "ep_overlap",
+            shared: true,
+            relative: false,
             lo: 0.0,
             hi: 0.9,
             get: |e| e.ep_overlap,
@@ -197,21 +224,110 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
 /// physical value instead of letting them drift to absorb another source's error.
 pub const PRIOR_WEIGHT: f64 = 1.0;
 
-fn loss(cases: &[&Case], eff: &Efficiency) -> f64 {
-    cases
-        .iter()
-        .map(|c| (c.predict(eff) / c.published).ln().abs())
-        .sum()
+/// Fit one kind's parameters on `cases` (all of that kind) starting from `start`.
+pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
+    let kind = cases.first().map(|c| c.kind.clone()).unwrap_or_default();
+    let owned: Vec<Case> = cases.iter().map(|c| (*c).clone()).collect();
+    let starts = BTreeMap::from([(kind.clone(), start.clone())]);
+    fit_joint(&owned, &starts)
+        .remove(&kind)
+        .unwrap_or_else(|| start.clone())
 }
 
-/// Fit one kind's parameters on `cases` starting from `start`.
-pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
-    let with_fp8 = cases.iter().any(|c| c.job.training.fp8_gemms);
+/// One fitted number: a parameter, either shared by every kind (`kind` None) or one kind's.
+struct Slot {
+    p: Param,
+    kind: Option<String>,
+}
+
+/// Copy the software parameters (shared by every GPU kind) of `from` (of kind `from_kind`)
+/// into `to` (of kind `to_kind`): shared values as they are, relative ones as the same factor
+/// on `to_kind`'s measured value.
+pub fn copy_shared(from: &Efficiency, from_kind: &str, to: &mut Efficiency, to_kind: &str) {
+    for p in params(true, true) {
+        if p.relative {
+            let factor = (p.get)(from) / (p.get)(&initial_efficiency(from_kind));
+            (p.set)(to, (p.get)(&initial_efficiency(to_kind)) * factor);
+        } else if p.shared {
+            (p.set)(to, (p.get)(from));
+        }
+    }
+}
+
+/// Fit every kind present in `cases` at once: the GPU's parameters (GEMM and attention
+/// rates, bus efficiencies, FP8 rate) per kind, the software's (elementwise traffic, TP/DP/EP
+/// overlap shares, per-layer overhead) shared by all kinds, since they describe the
+/// frameworks' kernels and schedules, not the GPU. Kinds in `start` without a case keep
+/// their own GPU parameters and take the fitted software ones.
+fn fit_joint(cases: &[Case], start: &BTreeMap<String, Efficiency>) -> BTreeMap<String, Efficiency> {
+    let kinds: std::collections::BTreeSet<String> = cases.iter().map(|c| c.kind.clone()).collect();
+    let mut slots: Vec<Slot> = Vec::new();
     let with_moe = cases.iter().any(|c| c.layout.ep > 1);
-    let ps = params(with_fp8, with_moe);
-    let norm = |p: &Param, e: &Efficiency| (((p.get)(e) - p.lo) / (p.hi - p.lo)).clamp(0.0, 1.0);
-    let prior_eff = initial_efficiency(&cases.first().map(|c| c.kind.clone()).unwrap_or_default());
-    let prior: Vec<f64> = ps.iter().map(|p| norm(p, &prior_eff)).collect();
+    for p in params(false, with_moe)
+        .into_iter()
+        .filter(|p| p.shared || p.relative)
+    {
+        slots.push(Slot { p, kind: None });
+    }
+    for k in &kinds {
+        let fp8 = cases
+            .iter()
+            .any(|c| c.kind == *k && c.job.training.fp8_gemms);
+        for p in params(fp8, false)
+            .into_iter()
+            .filter(|p| !p.shared && !p.relative)
+        {
+            slots.push(Slot {
+                p,
+                kind: Some(k.clone()),
+            });
+        }
+    }
+    let start_of = |k: &str| {
+        start
+            .get(k)
+            .cloned()
+            .unwrap_or_else(|| initial_efficiency(k))
+    };
+    let first = kinds.iter().next().cloned().unwrap_or_default();
+    let slot_kind = |sl: &Slot| sl.kind.clone().unwrap_or_else(|| first.clone());
+    // A relative slot's value is the factor on the kind's measured value.
+    let value = |sl: &Slot, e: &Efficiency| {
+        if sl.p.relative {
+            (sl.p.get)(e) / (sl.p.get)(&initial_efficiency(&slot_kind(sl)))
+        } else {
+            (sl.p.get)(e)
+        }
+    };
+    let norm = |sl: &Slot, e: &Efficiency| {
+        ((value(sl, e) - sl.p.lo) / (sl.p.hi - sl.p.lo)).clamp(0.0, 1.0)
+    };
+    let prior: Vec<f64> = slots
+        .iter()
+        .map(|sl| norm(sl, &initial_efficiency(&slot_kind(sl))))
+        .collect();
+    let mut x: Vec<f64> = slots
+        .iter()
+        .map(|sl| norm(sl, &start_of(&slot_kind(sl))))
+        .collect();
+    let base: BTreeMap<String, Efficiency> =
+        kinds.iter().map(|k| (k.clone(), start_of(k))).collect();
+    let build = |x: &[f64]| {
+        let mut out = base.clone();
+        for (sl, v) in slots.iter().zip(x) {
+            let val = sl.p.lo + v * (sl.p.hi - sl.p.lo);
+            match &sl.kind {
+                Some(k) => (sl.p.set)(out.get_mut(k).expect("slot kind"), val),
+                None if sl.p.relative => {
+                    for (k, e) in out.iter_mut() {
+                        (sl.p.set)(e, (sl.p.get)(&initial_efficiency(k)) * val)
+                    }
+                }
+                None => out.values_mut().for_each(|e| (sl.p.set)(e, val)),
+            }
+        }
+        out
+    };
     let penalty = |x: &[f64]| {
         PRIOR_WEIGHT
             * x.iter()
@@ -219,26 +335,24 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
                 .map(|(a, b)| (a - b).abs())
                 .sum::<f64>()
     };
-    let mut x: Vec<f64> = ps.iter().map(|p| norm(p, start)).collect();
-    let build = |x: &[f64]| {
-        let mut e = start.clone();
-        for (p, v) in ps.iter().zip(x) {
-            (p.set)(&mut e, p.lo + v * (p.hi - p.lo));
-        }
-        e
+    let loss_all = |effs: &BTreeMap<String, Efficiency>| -> f64 {
+        cases
+            .iter()
+            .map(|c| (c.predict(&effs[&c.kind]) / c.published).ln().abs())
+            .sum()
     };
-    let mut best = loss(cases, &build(&x)) + penalty(&x);
+    let mut best = loss_all(&build(&x)) + penalty(&x);
     let mut step = 0.25;
     while step >= 1.0 / 1024.0 {
         let mut improved = false;
-        for i in 0..ps.len() {
+        for i in 0..slots.len() {
             for dir in [1.0, -1.0] {
                 let mut y = x.clone();
                 y[i] = (y[i] + dir * step).clamp(0.0, 1.0);
                 if y[i] == x[i] {
                     continue;
                 }
-                let l = loss(cases, &build(&y)) + penalty(&y);
+                let l = loss_all(&build(&y)) + penalty(&y);
                 if l < best - 1e-12 {
                     best = l;
                     x = y;
@@ -251,32 +365,26 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
             step /= 2.0;
         }
     }
-    let mut e = build(&x);
+    let mut out = build(&x);
     // Keep the stored numbers short and stable.
-    for p in &ps {
-        let v = (p.get)(&e);
-        (p.set)(&mut e, shardwright_spec::plan::round_sig(v, 4));
+    for e in out.values_mut() {
+        for p in params(true, true) {
+            let v = (p.get)(e);
+            (p.set)(e, shardwright_spec::plan::round_sig(v, 4));
+        }
     }
-    e
+    out
 }
 
-/// Fit every kind present in `cases`.
+/// Fit every kind present in `cases` (see [`fit_joint`]).
 pub fn fit_all(
     cases: &[Case],
     start: &BTreeMap<String, Efficiency>,
     version: &str,
 ) -> BTreeMap<String, Efficiency> {
-    let kinds: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.kind.as_str()).collect();
-    let mut out = BTreeMap::new();
-    for kind in kinds {
-        let sel: Vec<&Case> = cases.iter().filter(|c| c.kind == kind).collect();
-        let s = start
-            .get(kind)
-            .cloned()
-            .unwrap_or_else(|| initial_efficiency(kind));
-        let mut e = fit_kind(&sel, &s);
+    let mut out = fit_joint(cases, start);
+    for (kind, e) in out.iter_mut() {
         e.profile = format!("{kind}-{version}");
-        out.insert(kind.to_string(), e);
     }
     out
 }
@@ -351,9 +459,17 @@ fn fit_rounds(
     version: &str,
     keep: &dyn Fn(&Case) -> bool,
 ) -> BTreeMap<String, Efficiency> {
+    // Kinds without a kept run: their GPU parameters hand-set, the software ones fitted.
     let complete = |mut p: BTreeMap<String, Efficiency>| {
+        let fitted = p.iter().next().map(|(k, e)| (k.clone(), e.clone()));
         for (k, e) in builtin {
-            p.entry(k.clone()).or_insert_with(|| e.clone());
+            p.entry(k.clone()).or_insert_with(|| {
+                let mut e = e.clone();
+                if let Some((fk, f)) = &fitted {
+                    copy_shared(f, fk, &mut e, k);
+                }
+                e
+            });
         }
         p
     };

@@ -887,6 +887,10 @@ pub fn setup_run_in(
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
             recompute_modules: None,
+            tp_comm_overlap: par
+                .notes
+                .as_deref()
+                .is_some_and(|n| n.to_ascii_lowercase().contains("tp-comm-overlap")),
             framework: ctx.framework.unwrap_or_default(),
         },
         cluster: ClusterSpec {
