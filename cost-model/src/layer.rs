@@ -191,6 +191,21 @@ impl Emit<'_> {
 }
 
 impl Ctx<'_> {
+    /// The GEMM curve at this context's rate. The curve's size scale `gemm_flops0` is where
+    /// a GEMM's fixed costs (launch, tile ramp-up and tail) equal its work at the BF16 rate;
+    /// those costs are time, so at the FP8 rate a GEMM needs proportionally more FLOPs to
+    /// amortize them: `gemm_flops0 x fp8 peak / bf16 peak`.
+    fn gemm_eff(&self, m: f64, n: f64, k: f64) -> f64 {
+        let hw = &self.job.hardware;
+        if self.job.training.fp8_gemms && hw.peak_bf16_flops > 0.0 {
+            let mut e = self.job.efficiency.clone();
+            e.gemm_flops0 *= hw.peak_fp8_flops / hw.peak_bf16_flops;
+            gemm_eff(&e, m, n, k)
+        } else {
+            gemm_eff(&self.job.efficiency, m, n, k)
+        }
+    }
+
     /// Time of [`Ctx::gemm`]'s op in a pass whose work is `scale` times the forward.
     fn gemm_time(&self, m: f64, n: f64, k: f64, groups: u32, scale: f64) -> f64 {
         if m <= 0.0 || n <= 0.0 || k <= 0.0 {
@@ -198,7 +213,7 @@ impl Ctx<'_> {
         }
         let g = groups as f64;
         let per = m / g;
-        let eff = gemm_eff(&self.job.efficiency, per, n, k);
+        let eff = self.gemm_eff(per, n, k);
         2.0 * per * n * k / (self.gemm_peak * eff) * scale * g
     }
 
@@ -208,7 +223,7 @@ impl Ctx<'_> {
         }
         let g = groups as f64;
         let per = m / g;
-        let eff = gemm_eff(&self.job.efficiency, per, n, k);
+        let eff = self.gemm_eff(per, n, k);
         let fwd_flops = 2.0 * per * n * k;
         let fwd_t = fwd_flops / (self.gemm_peak * eff);
         let s = e.scale();
