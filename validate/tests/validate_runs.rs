@@ -522,7 +522,8 @@ fn planner_never_worse_than_published_layout() {
 /// each source.
 #[test]
 fn conventions_from_the_runs_own_fields() {
-    use shardwright_validate::setup::{conventions, Framework, RunContext};
+    use shardwright_spec::spec::Framework;
+    use shardwright_validate::setup::{conventions, RunContext};
     let f = load();
     let ctx = |id: &str| RunContext::of(run(&f, id));
     let want: &[(&str, Option<Framework>, Option<u32>)] = &[
