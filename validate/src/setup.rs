@@ -23,6 +23,11 @@
 //! - **Mesh**: see [`mesh_from_published`]. **Pins**: tp, pp, dp, cp, ep always; micro-batch,
 //!   virtual stages, sequence parallel, recompute ([`parse_recompute`]) and ZeRO stage
 //!   ([`parse_zero`]) when the source states them; the rest is left to the planner.
+//! - **Framework** ([`parse_framework`]): the run's `framework` field, else its provenance
+//!   wording, becomes the spec's `job.framework` (default megatron); `--tp-comm-overlap` in
+//!   the parallelism notes sets `job.tp_comm_overlap`; a window size in the model notes
+//!   ("128-token sliding", "sliding_window 4096"; "alternating": one layer in two full) sets
+//!   `job.model.sliding_window` ([`sliding_window`]).
 
 use crate::report::Skip;
 use crate::runs::{Run, RunModel};
@@ -165,7 +170,7 @@ pub struct Conventions {
     pub default_zero: Option<u8>,
     /// Megatron, DeepSpeed and FSDP2 (fp32 reduce) keep fp32 main gradients.
     pub fp32_grads: bool,
-    /// What the single per-GPU-kind profile cannot represent about the run's framework,
+    /// What the run's framework changes in the model (the spec's `framework` mechanisms),
     /// said in its row.
     pub framework_note: Option<&'static str>,
 }
