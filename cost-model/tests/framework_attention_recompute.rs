@@ -260,3 +260,76 @@ fn recompute_modules_are_checked() {
     ));
     assert!(e.contains("applies to selective recompute"), "{e}");
 }
+
+/// `tp_comm_overlap` (Megatron `--tp-comm-overlap`), h 8192, tp 8 with SP, 4096 tokens:
+/// each collective moves 4096 x 8192 x 2 B = 64 MiB, 7/8 of it at 360 GB/s = 163 us, plus 7
+/// NVLink latencies (about 198 us). The MLP's all-gather feeds FC1 (2 x 4096 x 4096 x 8192
+/// = 275 GFLOP per GPU, about 480 us forward, longer than the transfer): fully pipelined,
+/// only the one chunk of 8 that cannot overlap shows, t/8. The attention's reduce-scatter
+/// drains the output projection (2 x 4096 x 1024 x 8192 = 68.7 GFLOP, a quarter of FC1):
+/// what outlasts it shows, max(t - proj, t/8). Without the flag the calibrated share
+/// hides: (1 - tp_overlap) t.
+#[test]
+fn tp_comm_overlap_hides_behind_the_gemms() {
+    use shardwright_cost::layer::{layer_ops, LayerKind, LayerShape, Pass};
+    use shardwright_spec::mesh::Mesh;
+    let yaml = |extra: &str| {
+        format!(
+            "
+job:
+  model: {{arch: dense, num_layers: 8, hidden_size: 8192, num_attention_heads: 64,
+          ffn_hidden_size: 32768, ffn_activation: gelu, vocab_size: 32000, seq_len: 4096}}
+  batch: {{global_batch: 64}}
+{extra}
+cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 8}}
+"
+        )
+    };
+    let shape = LayerShape {
+        tp: 8,
+        cp: 1,
+        ep: 1,
+        micro_batch: 1,
+        sp: true,
+        recompute: Recompute::None,
+    };
+    let ops_of = |j: &Job| {
+        let mesh = Mesh::from_degrees(8, 1, 1, 1, 1, 8);
+        layer_ops(j, &mesh, &shape, LayerKind::Dense)
+    };
+    let on = job(&yaml("  tp_comm_overlap: true"));
+    let off = job(&yaml(""));
+    let ops = ops_of(&on);
+    let find = |name: &str| {
+        ops.iter()
+            .find(|o| o.name == name && o.pass == Pass::Fwd)
+            .copied()
+            .unwrap()
+    };
+    let ag = find("tp_all_gather_mlp");
+    let rs = find("tp_reduce_scatter_attn");
+    let proj = find("proj");
+    let fc1 = find("fc1");
+    let hw = &on.hardware;
+    let nvl = hw.nvlink_gbps * on.efficiency.nvlink_bus_eff * 1e9;
+    let t = 7.0 / 8.0 * 4096.0 * 8192.0 * 2.0 / nvl + 7.0 * hw.nvlink_latency_s;
+    assert!((ag.time_s - t).abs() < 1e-12 && (rs.time_s - t).abs() < 1e-12);
+    assert!(fc1.time_s > t, "FC1 {} vs comm {t}", fc1.time_s);
+    assert!((ag.exposed_s - t / 8.0).abs() < 1e-12, "{}", ag.exposed_s);
+    let want = (t - proj.time_s).max(t / 8.0);
+    assert!(
+        (rs.exposed_s - want).abs() < 1e-12,
+        "{} vs {want}",
+        rs.exposed_s
+    );
+    let plain = ops_of(&off);
+    let ag_off = plain
+        .iter()
+        .find(|o| o.name == "tp_all_gather_mlp" && o.pass == Pass::Fwd)
+        .unwrap();
+    let hide = off.efficiency.tp_overlap;
+    assert!((ag_off.exposed_s - (1.0 - hide) * t).abs() < 1e-12);
+    // DeepSpeed has no such overlap: a spec asking for it is rejected.
+    let e = spec_error(&yaml("  tp_comm_overlap: true\n  framework: deepspeed"));
+    assert!(e.contains("job.tp_comm_overlap"), "{e}");
+}
