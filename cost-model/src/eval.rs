@@ -16,6 +16,7 @@
 
 use crate::collective::{all_gather_s, all_reduce_s, reduce_scatter_s, send_s};
 use crate::flops;
+use crate::framework;
 use crate::layer::{layer_ops, LayerKind, LayerShape, OpCost, OpKind};
 use crate::memory;
 use crate::reliability;
@@ -220,6 +221,23 @@ impl LayerCosts {
             memory::moe_layer_activation_bytes(m, tokens, t, sp, rc, fp8)
         } else {
             0.0
+        };
+        // Fine-grained selective recompute frees what its modules keep.
+        let (dense_act, moe_act) = if rc == Recompute::Selective {
+            let mods = &job.training.recompute_modules;
+            let save = |moe_layer: bool| {
+                memory::recompute_module_savings(m, tokens, t, sp, fp8, mods, moe_layer)
+            };
+            (
+                (dense_act - save(false)).max(0.0),
+                if m.is_moe() {
+                    (moe_act - save(true)).max(0.0)
+                } else {
+                    0.0
+                },
+            )
+        } else {
+            (dense_act, moe_act)
         };
         let work = if rc == Recompute::Full {
             let full_dense =
@@ -650,7 +668,8 @@ pub fn evaluate_with(
     };
     // Pipeline sends: forward activation and backward gradient per micro-batch per chunk
     // boundary; the fill/drain path crosses p-1 boundaries; steady-state sends of a rank sit
-    // between its compute slots.
+    // between its compute slots. With interleaving a micro-batch leaves each rank once per
+    // chunk, v times (Narayanan et al. 2021, sec. 2.2.2: the communication grows by v).
     let pp_s = if p > 1 {
         let pp_link = group_link(job, mesh.fabric(GroupKind::Pp));
         let (lat, crosses) = (pp_link.latency_s, pp_link.fabric.crosses_nodes);
@@ -660,7 +679,25 @@ pub fn evaluate_with(
         } else {
             job.hardware.nvlink_gbps * e.nvlink_bus_eff
         };
-        2.0 * send_s(lc.p2p_bytes, gbps, lat) * (m + p as f64 - 1.0)
+        // What one transfer puts on the wire (see `framework`): the TP ranks split an
+        // unsplit activation when the framework scatter-gathers, then all-gather it on
+        // NVLink after the receive.
+        let mech = framework::mechanisms(job.framework);
+        let t = layout.tp as f64;
+        let split = mech.p2p_scatter_gather && !layout.sequence_parallel && layout.tp > 1;
+        let one = if split {
+            let nvl = job.hardware.nvlink_gbps * e.nvlink_bus_eff;
+            send_s(lc.p2p_bytes / t, gbps, lat)
+                + all_gather_s(
+                    lc.p2p_bytes,
+                    layout.tp as u64,
+                    nvl,
+                    job.hardware.nvlink_latency_s,
+                )
+        } else {
+            send_s(lc.p2p_bytes, gbps, lat)
+        };
+        mech.p2p_transfers_per_microbatch * one * (v as f64 * m + p as f64 - 1.0)
     } else {
         0.0
     };
@@ -710,8 +747,15 @@ pub fn evaluate_with(
     // larger of the traffic that outlasts the compute and that slowdown:
     // max(traffic - compute, (1 - dp_overlap) * min(traffic, compute)).
     let compute_mb = slow.gemm + slow.attn + slow.elementwise;
+    // A framework that reduces gradients only after the pipeline's last backward (DeepSpeed's
+    // pipeline engine) hides nothing.
+    let dp_overlap = if p > 1 && !framework::mechanisms(job.framework).dp_overlap_with_pp {
+        0.0
+    } else {
+        e.dp_overlap
+    };
     let hidden =
-        |traffic: f64| (traffic - compute_mb).max((1.0 - e.dp_overlap) * traffic.min(compute_mb));
+        |traffic: f64| (traffic - compute_mb).max((1.0 - dp_overlap) * traffic.min(compute_mb));
     let dp_exposed = hidden(dp_step) + m * hidden(dp_mb);
 
     // Optimizer step: master, moments, grads, weights touched once (HBM bound).
@@ -734,7 +778,11 @@ pub fn evaluate_with(
     let tokens_per_s = tokens_per_step / step;
     let world = layout.world() as f64;
     let mf = flops::model_flops_per_token(model);
-    let hf = flops::hardware_flops_per_token(model, layout.recompute);
+    let hf = flops::hardware_flops_per_token_modules(
+        model,
+        layout.recompute,
+        &job.training.recompute_modules,
+    );
     let peak = if tr.fp8_gemms {
         job.hardware.peak_fp8_flops
     } else {

@@ -118,15 +118,13 @@ pub fn matmul_params_active(m: &Model) -> f64 {
     dense + moe + m.vocab_size as f64 * m.hidden_size as f64
 }
 
-/// Forward attention-core FLOPs per token per layer (QK^T and AV), causal halving applied.
+/// Forward attention-core FLOPs per token per layer (QK^T and AV): `4 x keys x qd`, with
+/// the keys a query attends to averaged over positions and layers
+/// ([`Model::attended_keys_per_query`]: `s/2` causal, `s` non-causal; sliding windows and
+/// sinks as the model states them).
 pub fn attention_fwd_flops_per_token(m: &Model) -> f64 {
     let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-    let full = 4.0 * m.seq_len as f64 * qd;
-    if m.causal {
-        full / 2.0
-    } else {
-        full
-    }
+    4.0 * m.attended_keys_per_query() * qd
 }
 
 /// Model FLOPs per token for training (forward + backward, no recompute).
@@ -144,6 +142,47 @@ pub fn hardware_flops_per_token(m: &Model, recompute: Recompute) -> f64 {
             Recompute::Selective => attn,
             Recompute::Full => 2.0 * layers_matmul + attn,
         }
+}
+
+/// Hardware FLOPs per token with fine-grained selective recompute: for `selective`, the
+/// forward FLOPs of the recomputed modules (`core_attn`: the attention core; `mlp`: the dense
+/// layers' MLP GEMMs; `moe`: router, routed and shared experts of the MoE layers;
+/// `shared_experts`: the shared experts; `layernorm` and `moe_act` are memory-bound and add
+/// no FLOPs); `none` and `full` as [`hardware_flops_per_token`].
+pub fn hardware_flops_per_token_modules(
+    m: &Model,
+    recompute: Recompute,
+    mods: &[shardwright_spec::spec::RecomputeModule],
+) -> f64 {
+    use shardwright_spec::spec::RecomputeModule as R;
+    if recompute != Recompute::Selective {
+        return hardware_flops_per_token(m, recompute);
+    }
+    let has = |x: R| mods.contains(&x);
+    let mut extra = 0.0;
+    if has(R::CoreAttn) {
+        extra += m.num_layers as f64 * attention_fwd_flops_per_token(m);
+    }
+    let mats = m.ffn_activation.mlp_matrices();
+    let h = m.hidden_size as f64;
+    if has(R::Mlp) {
+        extra += m.dense_layers() as f64 * 2.0 * mats * h * m.ffn_hidden_size as f64;
+    }
+    if let Some(moe) = &m.moe {
+        let shared =
+            moe.num_shared_experts as f64 * mats * h * moe.shared_expert_ffn_hidden_size as f64;
+        let routed = moe.top_k as f64 * mats * h * moe.expert_ffn_hidden_size as f64;
+        let router = h * moe.num_experts as f64;
+        let per_layer = if has(R::Moe) {
+            router + routed + shared
+        } else if has(R::SharedExperts) {
+            shared
+        } else {
+            0.0
+        };
+        extra += m.moe_layers() as f64 * 2.0 * per_layer;
+    }
+    model_flops_per_token(m) + extra
 }
 
 /// Narayanan et al. 2021 eq. 3 hardware FLOPs per token (full recompute, GPT, non-causal):

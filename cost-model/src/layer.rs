@@ -31,7 +31,7 @@ use crate::eval::{gemm_eff, group_link};
 use crate::flops;
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{GroupKind, Mesh};
-use shardwright_spec::spec::Recompute;
+use shardwright_spec::spec::{Recompute, RecomputeModule};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Pass {
@@ -191,13 +191,39 @@ impl Emit<'_> {
 }
 
 impl Ctx<'_> {
+    /// The GEMM curve at this context's rate. The curve's size scale `gemm_flops0` is where
+    /// a GEMM's fixed costs (launch, tile ramp-up and tail) equal its work at the BF16 rate;
+    /// those costs are time, so at the FP8 rate a GEMM needs proportionally more FLOPs to
+    /// amortize them: `gemm_flops0 x fp8 peak / bf16 peak`.
+    fn gemm_eff(&self, m: f64, n: f64, k: f64) -> f64 {
+        let hw = &self.job.hardware;
+        if self.job.training.fp8_gemms && hw.peak_bf16_flops > 0.0 {
+            let mut e = self.job.efficiency.clone();
+            e.gemm_flops0 *= hw.peak_fp8_flops / hw.peak_bf16_flops;
+            gemm_eff(&e, m, n, k)
+        } else {
+            gemm_eff(&self.job.efficiency, m, n, k)
+        }
+    }
+
+    /// Time of [`Ctx::gemm`]'s op in a pass whose work is `scale` times the forward.
+    fn gemm_time(&self, m: f64, n: f64, k: f64, groups: u32, scale: f64) -> f64 {
+        if m <= 0.0 || n <= 0.0 || k <= 0.0 {
+            return 0.0;
+        }
+        let g = groups as f64;
+        let per = m / g;
+        let eff = self.gemm_eff(per, n, k);
+        2.0 * per * n * k / (self.gemm_peak * eff) * scale * g
+    }
+
     fn gemm(&self, e: &mut Emit, weight: &'static str, m: f64, n: f64, k: f64, groups: u32) {
         if m <= 0.0 || n <= 0.0 || k <= 0.0 {
             return;
         }
         let g = groups as f64;
         let per = m / g;
-        let eff = gemm_eff(&self.job.efficiency, per, n, k);
+        let eff = self.gemm_eff(per, n, k);
         let fwd_flops = 2.0 * per * n * k;
         let fwd_t = fwd_flops / (self.gemm_peak * eff);
         let s = e.scale();
@@ -232,21 +258,39 @@ impl Ctx<'_> {
     /// parallelism an all-gather before and a reduce-scatter after (the backward mirrors
     /// them at the same cost); otherwise one all-reduce (of the block's output in the
     /// forward, of its input gradient in the backward), as Megatron does.
-    fn tp_pair(&self, e: &mut Emit, block: &'static str) {
+    ///
+    /// With `job.tp_comm_overlap` (Megatron/TE userbuffers, sequence parallel only) each
+    /// collective is split into `tp` chunks pipelined with the GEMM it feeds (all-gather:
+    /// the block's first GEMM) or drains (reduce-scatter: the second): exposed is what
+    /// outlasts that GEMM, and at least the one chunk that cannot overlap,
+    /// `max(t - gemm, t / tp)`.
+    fn tp_pair(&self, e: &mut Emit, block: &'static str, gemms_s: (f64, f64)) {
         let tp = self.shape.tp as u64;
         if tp <= 1 {
             return;
         }
         let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
         let msg = self.tokens * self.h * 2.0;
-        let hide = self.job.efficiency.tp_overlap;
-        let mut put = |name: &'static str, kind: Coll, t: f64| {
+        let hide = if crate::framework::mechanisms(self.job.framework).tp_overlap {
+            self.job.efficiency.tp_overlap
+        } else {
+            0.0
+        };
+        let ub = self.job.tp_comm_overlap
+            && self.shape.sp
+            && crate::framework::mechanisms(self.job.framework).tp_overlap;
+        let mut put = |name: &'static str, kind: Coll, t: f64, gemm: f64| {
             let op = OpKind::Collective {
                 kind,
                 group: GroupKind::Tp,
                 bytes: msg,
             };
-            e.comm(name, op, msg, t, t * (1.0 - hide));
+            let exposed = if ub {
+                (t - gemm).max(t / tp as f64)
+            } else {
+                t * (1.0 - hide)
+            };
+            e.comm(name, op, msg, t, exposed);
         };
         if self.shape.sp {
             let ag = all_gather_s(msg, tp, link.gbps, link.latency_s);
@@ -255,15 +299,15 @@ impl Ctx<'_> {
                 "attn" => ("tp_all_gather_attn", "tp_reduce_scatter_attn"),
                 _ => ("tp_all_gather_mlp", "tp_reduce_scatter_mlp"),
             };
-            put(n1, Coll::AllGather, ag);
-            put(n2, Coll::ReduceScatter, rs);
+            put(n1, Coll::AllGather, ag, gemms_s.0);
+            put(n2, Coll::ReduceScatter, rs, gemms_s.1);
         } else {
             let ar = all_reduce_s(msg, tp, link.gbps, link.latency_s);
             let name = match block {
                 "attn" => "tp_all_reduce_attn",
                 _ => "tp_all_reduce_mlp",
             };
-            put(name, Coll::AllReduce, ar);
+            put(name, Coll::AllReduce, ar, 0.0);
         }
     }
 
@@ -371,11 +415,41 @@ impl Ctx<'_> {
             hidden_elems,
             eff.elementwise_bytes_per_h * 2.0 * hidden_elems,
         );
-        self.tp_pair(e, "attn");
+        let sc = e.scale();
+        let qkv_s = self.gemm_time(tokens, (qd + 2.0 * kvd) / t, h, 1, sc);
+        let proj_s = self.gemm_time(tokens, h, qd / t, 1, sc);
+        self.tp_pair(e, "attn", (qkv_s, proj_s));
         self.gemm(e, "qkv", tokens, (qd + 2.0 * kvd) / t, h, 1);
         self.attention_core(e);
         self.gemm(e, "proj", tokens, h, qd / t, 1);
-        self.tp_pair(e, "mlp");
+        // The GEMMs the MLP block's TP collectives pipeline with (dense FC1/FC2; MoE: the
+        // shared experts, else the experts).
+        let mlp_gemms = {
+            let mats = m.ffn_activation.mlp_matrices();
+            match (&m.moe, moe_layer) {
+                (Some(moe), true) => {
+                    let fe = moe.expert_ffn_hidden_size as f64;
+                    let fs =
+                        moe.shared_expert_ffn_hidden_size as f64 * moe.num_shared_experts as f64;
+                    let rows = tokens * moe.top_k as f64;
+                    let g = moe.num_experts / self.shape.ep;
+                    (
+                        self.gemm_time(rows, (mats - 1.0) * fe / t, h, g, sc)
+                            + self.gemm_time(tokens, (mats - 1.0) * fs / t, h, 1, sc),
+                        self.gemm_time(rows, h, fe / t, g, sc)
+                            + self.gemm_time(tokens, h, fs / t, 1, sc),
+                    )
+                }
+                _ => {
+                    let f = m.ffn_hidden_size as f64;
+                    (
+                        self.gemm_time(tokens, (mats - 1.0) * f / t, h, 1, sc),
+                        self.gemm_time(tokens, h, f / t, 1, sc),
+                    )
+                }
+            }
+        };
+        self.tp_pair(e, "mlp", mlp_gemms);
         let width = if moe_layer {
             let moe = m.moe.as_ref().expect("MoE layer of a model with experts");
             let k = moe.top_k as f64;
@@ -447,6 +521,24 @@ impl Ctx<'_> {
     }
 }
 
+/// Whether selective recompute with `mods` runs op `name` of a dense (`moe = false`) or MoE
+/// layer again.
+fn recomputed(name: &str, moe: bool, mods: &[RecomputeModule]) -> bool {
+    use RecomputeModule as R;
+    let has = |m: R| mods.contains(&m);
+    match name {
+        "attention_core" => has(R::CoreAttn),
+        "fc1" | "fc2" => !moe && has(R::Mlp),
+        "tp_all_gather_mlp" => (!moe && has(R::Mlp)) || (moe && has(R::Moe)),
+        "act" => (!moe && has(R::Mlp)) || (moe && (has(R::Moe) || has(R::MoeAct))),
+        "router" | "permute" | "ep_dispatch" | "expert_fc1" | "expert_fc2" | "ep_combine" => {
+            moe && has(R::Moe)
+        }
+        "shared_fc1" | "shared_fc2" => moe && (has(R::Moe) || has(R::SharedExperts)),
+        _ => false,
+    }
+}
+
 /// The ops of one layer kind for one micro-batch on one GPU, in pass order (forward,
 /// recompute, backward). `mesh` gives the groups' fabrics (only tp, cp and ep are read).
 pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -> Vec<OpCost> {
@@ -493,10 +585,37 @@ pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -
                         out.push(op);
                     }
                 }
-                Recompute::Selective => cx.attention_core(&mut Emit {
-                    out: &mut out,
-                    pass: Pass::Recompute,
-                }),
+                // Fine-grained selective recompute: the forward ops of the chosen modules
+                // (`job.training.recompute_modules`), in forward order.
+                Recompute::Selective => {
+                    let mods = &job.training.recompute_modules;
+                    let mut again = Vec::with_capacity(32);
+                    cx.layer_pass(
+                        &mut Emit {
+                            out: &mut again,
+                            pass: Pass::Recompute,
+                        },
+                        moe,
+                    );
+                    if mods.contains(&RecomputeModule::Layernorm) {
+                        // Two norms: read the input, write the output (16-bit).
+                        let elems = cx.tokens * cx.h / cx.seq_div;
+                        cx.elementwise(
+                            &mut Emit {
+                                out: &mut out,
+                                pass: Pass::Recompute,
+                            },
+                            "norm_recompute",
+                            2.0 * elems,
+                            8.0 * elems,
+                        );
+                    }
+                    out.extend(
+                        again
+                            .into_iter()
+                            .filter(|op| recomputed(op.name, moe, mods)),
+                    );
+                }
                 Recompute::None => {}
             }
             cx.layer_pass(

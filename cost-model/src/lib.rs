@@ -8,6 +8,7 @@ pub mod catalog;
 pub mod collective;
 pub mod eval;
 pub mod flops;
+pub mod framework;
 pub mod layer;
 pub mod memory;
 pub mod pipeline;

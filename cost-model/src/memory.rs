@@ -217,3 +217,74 @@ pub fn moe_layer_activation_bytes(
         + experts
         + shared
 }
+
+/// Activation bytes per layer per micro-batch that fine-grained selective recompute frees
+/// (see [`shardwright_spec::spec::RecomputeModule`]), for a dense (`moe_layer = false`) or
+/// MoE layer; subtract from the selective-recompute activation bytes.
+///
+/// - `core_attn`: nothing beyond what selective recompute already drops (the unfused score
+///   matrix; flash attention keeps no s x s tensor);
+/// - `mlp` (dense layers): FC1's output and the activation's output
+///   ([`mlp_activation_bytes`]); its input is the norm output, kept;
+/// - `layernorm`: the two norm outputs (16-bit or the FP8 GEMM-input copies), sharded with SP;
+/// - `moe_act`: the experts' (and shared experts') activation outputs;
+/// - `shared_experts`: the shared experts' FC1 and activation outputs;
+/// - `moe`: everything the MoE MLP keeps (router logits, permuted tokens and expert outputs,
+///   expert and shared-expert intermediates).
+pub fn recompute_module_savings(
+    m: &Model,
+    tokens: f64,
+    tp: f64,
+    sp: bool,
+    fp8: bool,
+    mods: &[shardwright_spec::spec::RecomputeModule],
+    moe_layer: bool,
+) -> f64 {
+    use shardwright_spec::spec::RecomputeModule as R;
+    let h = m.hidden_size as f64;
+    let seq_div = if sp { tp } else { 1.0 };
+    let has = |x: R| mods.contains(&x);
+    let act_out = if fp8 { 1.0 } else { 2.0 };
+    let mut saved = 0.0;
+    if has(R::Layernorm) {
+        saved += 2.0 * act_out * tokens * h / seq_div;
+    }
+    match (moe_layer, m.moe.as_ref()) {
+        (true, Some(moe)) => {
+            let k = moe.top_k as f64;
+            let fe = moe.expert_ffn_hidden_size as f64;
+            let fs = moe.shared_expert_ffn_hidden_size as f64 * moe.num_shared_experts as f64;
+            let shared = moe.num_shared_experts as f64
+                * mlp_activation_bytes(
+                    m,
+                    tokens,
+                    moe.shared_expert_ffn_hidden_size as f64,
+                    tp,
+                    fp8,
+                );
+            if has(R::Moe) {
+                let router = 4.0 * tokens * moe.num_experts as f64 / seq_div;
+                let permuted = (act_out + 2.0) * tokens * k * h / seq_div;
+                let experts = mlp_activation_bytes(m, tokens * k, fe, tp, fp8);
+                saved += router + permuted + experts + shared;
+            } else {
+                if has(R::MoeAct) {
+                    saved += act_out * (tokens * k * fe + tokens * fs) / tp;
+                }
+                if has(R::SharedExperts) {
+                    saved += shared;
+                    if has(R::MoeAct) {
+                        // The shared activation output is counted once.
+                        saved -= act_out * tokens * fs / tp;
+                    }
+                }
+            }
+        }
+        _ => {
+            if has(R::Mlp) {
+                saved += mlp_activation_bytes(m, tokens, m.ffn_hidden_size as f64, tp, fp8);
+            }
+        }
+    }
+    saved
+}

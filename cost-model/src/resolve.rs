@@ -163,6 +163,25 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     if let Some(p) = ms.params {
         positive(&mut errs, "job.model.params", p);
     }
+    if let Some(w) = ms.sliding_window {
+        if w == 0 {
+            errs.push("job.model.sliding_window", "must be at least 1 token");
+        }
+    }
+    if ms.sliding_window_pattern == Some(0) {
+        errs.push(
+            "job.model.sliding_window_pattern",
+            "must be at least 1 (one layer in N attends to the full sequence)",
+        );
+    }
+    if ms.sliding_window.is_none()
+        && (ms.sliding_window_pattern.is_some() || ms.attention_sink_tokens > 0)
+    {
+        errs.push(
+            "job.model.sliding_window",
+            "sliding_window_pattern and attention_sink_tokens need a sliding_window",
+        );
+    }
     let mut model = Model {
         arch: ms.arch,
         num_layers: ms.num_layers,
@@ -182,6 +201,9 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         flash_attention: ms.flash_attention,
         causal: ms.causal,
         moe,
+        sliding_window: ms.sliding_window,
+        sliding_window_pattern: ms.sliding_window_pattern.unwrap_or(1).max(1),
+        attention_sink_tokens: ms.attention_sink_tokens,
         params_total: 0.0,
         params_active: 0.0,
         params_stated: ms.params,
@@ -393,7 +415,42 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         optimizer_state_dtype: ps.optimizer_state,
         optimizer: js.optimizer.kind,
         optimizer_states: states,
+        recompute_modules: {
+            let mut v = js
+                .recompute_modules
+                .clone()
+                .unwrap_or_else(shardwright_spec::job::default_recompute_modules);
+            v.sort();
+            v.dedup();
+            v
+        },
     };
+    if let Some(mods) = &js.recompute_modules {
+        use shardwright_spec::spec::RecomputeModule as R;
+        if mods.is_empty() {
+            errs.push(
+                "job.recompute_modules",
+                "empty: list at least one module (or set parallelism.recompute: none)",
+            );
+        }
+        for m in mods {
+            if matches!(m, R::MoeAct | R::Moe | R::SharedExperts) && ms.moe.is_none() {
+                errs.push(
+                    "job.recompute_modules",
+                    format!("{} needs an MoE model (job.model.moe)", m.name()),
+                );
+            }
+        }
+        if matches!(
+            js.parallelism.recompute,
+            Some(shardwright_spec::spec::Recompute::None | shardwright_spec::spec::Recompute::Full)
+        ) {
+            errs.push(
+                "job.recompute_modules",
+                "applies to selective recompute, but job.parallelism.recompute pins another mode",
+            );
+        }
+    }
 
     // ---- parallelism pins ----
     let pins = &js.parallelism;
@@ -513,6 +570,12 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         pinned_interval_s: ck.interval_minutes.map(|m| m * 60.0),
     };
 
+    if js.tp_comm_overlap && js.framework == shardwright_spec::spec::Framework::Deepspeed {
+        errs.push(
+            "job.tp_comm_overlap",
+            "DeepSpeed's pipeline engine has no TP communication overlap (framework: deepspeed)",
+        );
+    }
     if !errs.0.is_empty() {
         return Err(SpecErrors(errs.0));
     }
@@ -534,6 +597,8 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         reliability,
         pinned: pins.clone(),
         efficiency,
+        framework: js.framework,
+        tp_comm_overlap: js.tp_comm_overlap,
     };
     Ok(Resolved { job, warnings })
 }

@@ -3,7 +3,10 @@
 //! Built by `shardwright_cost::resolve` from a [`crate::spec::SpecFile`]; written into the
 //! plan verbatim as its `inputs`, so every estimate traces back to a number here.
 
-use crate::spec::{Activation, Arch, Dtype, Norm, OptimizerKind, ParallelismSpec, TierKind};
+use crate::spec::{
+    Activation, Arch, Dtype, Framework, Norm, OptimizerKind, ParallelismSpec, RecomputeModule,
+    TierKind,
+};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +23,13 @@ pub struct Job {
     pub pinned: ParallelismSpec,
     /// Efficiency parameters of the hardware profile in use.
     pub efficiency: Efficiency,
+    /// The training framework (which overlaps and communication implementations exist).
+    #[serde(default)]
+    #[schemars(with = "String")]
+    pub framework: Framework,
+    /// TP collectives pipelined with their GEMMs (Megatron `--tp-comm-overlap`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tp_comm_overlap: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
@@ -46,6 +56,15 @@ pub struct Model {
     pub flash_attention: bool,
     pub causal: bool,
     pub moe: Option<Moe>,
+    /// Sliding-window size in tokens (None: full attention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
+    /// One layer in this many attends to the full sequence (1: every layer windowed).
+    #[serde(default = "one_u32", skip_serializing_if = "is_one")]
+    pub sliding_window_pattern: u32,
+    /// Sink tokens every windowed query also attends to.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attention_sink_tokens: u64,
     /// Derived from the shape.
     pub params_total: f64,
     /// Parameters touched per token (MoE: k routed + shared experts).
@@ -64,7 +83,42 @@ pub struct Moe {
     pub first_k_dense: u32,
 }
 
+fn one_u32() -> u32 {
+    1
+}
+fn is_one(x: &u32) -> bool {
+    *x == 1
+}
+fn is_zero(x: &u64) -> bool {
+    *x == 0
+}
+
 impl Model {
+    /// Keys one query attends to, averaged over the layers and over the query positions of
+    /// a sequence of `seq_len` tokens (causal: position `i` sees `i + 1` keys, at most the
+    /// window; the sinks add keys only where the window no longer covers them). The
+    /// attention core's FLOPs are `4 x keys x heads x head_dim` per token forward.
+    pub fn attended_keys_per_query(&self) -> f64 {
+        let s = self.seq_len as f64;
+        let full = if self.causal { s / 2.0 } else { s };
+        let Some(w) = self.sliding_window.filter(|&w| w < self.seq_len) else {
+            return full;
+        };
+        let w = w as f64;
+        let sinks = (self.attention_sink_tokens as f64).min(s);
+        let windowed = if self.causal {
+            // sum_{i<s} min(i + 1, w) / s = w - w (w - 1) / (2 s); the sinks sit outside the
+            // window for the s - w - sinks later queries.
+            (w - w * (w - 1.0) / (2.0 * s)) + sinks * ((s - w - sinks).max(0.0) / s)
+        } else {
+            // A window on both sides (w keys each way), clipped at the ends.
+            (2.0 * w).min(s) + sinks * ((s - 2.0 * w - sinks).max(0.0) / s)
+        };
+        let n = self.sliding_window_pattern.max(1) as f64;
+        let share_windowed = if n <= 1.0 { 1.0 } else { (n - 1.0) / n };
+        share_windowed * windowed.min(full) + (1.0 - share_windowed) * full
+    }
+
     /// Number of MoE layers.
     pub fn moe_layers(&self) -> u32 {
         match &self.moe {
@@ -132,6 +186,20 @@ pub struct Training {
     pub optimizer: OptimizerKind,
     /// Optimizer state tensors per parameter (Adam: 2, SGD momentum: 1).
     pub optimizer_states: u32,
+    /// What selective recompute runs again (sorted, no duplicates; default `[core_attn]`).
+    #[serde(
+        default = "default_recompute_modules",
+        skip_serializing_if = "is_default_recompute_modules"
+    )]
+    #[schemars(with = "Vec<String>")]
+    pub recompute_modules: Vec<RecomputeModule>,
+}
+
+pub fn default_recompute_modules() -> Vec<RecomputeModule> {
+    vec![RecomputeModule::CoreAttn]
+}
+fn is_default_recompute_modules(v: &[RecomputeModule]) -> bool {
+    *v == default_recompute_modules()
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]

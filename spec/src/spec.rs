@@ -30,6 +30,62 @@ pub struct JobSpec {
     pub optimizer: OptimizerSpec,
     #[serde(default)]
     pub checkpoint: CheckpointSpec,
+    /// What selective recompute runs again (Megatron-Core / NeMo `--recompute-modules`),
+    /// when the layout's recompute is `selective`. Default `[core_attn]` (Korthikanti et
+    /// al. 2022's selective recompute). Ignored with `none` or `full`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_modules: Option<Vec<RecomputeModule>>,
+    /// Overlap the sequence-parallel TP all-gathers and reduce-scatters with the GEMMs they
+    /// feed (Megatron-Core `--tp-comm-overlap`, Transformer Engine userbuffers; torchtitan's
+    /// async TP). Needs sequence parallelism to take effect; not available with DeepSpeed.
+    /// Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tp_comm_overlap: bool,
+    /// The training framework that runs the job (default `megatron`). It decides which
+    /// overlaps and communication implementations exist, never a free efficiency factor;
+    /// see [`Framework`].
+    #[serde(default)]
+    pub framework: Framework,
+}
+
+/// Training framework: what its implementation overlaps and how it moves data. Each effect
+/// is a mechanism the cost model charges (`shardwright_cost::framework`), not a multiplier:
+///
+/// | | pipeline sends per micro-batch | pipeline send size (TP > 1, no SP) | DP gradient reduce with PP | TP all-reduce |
+/// |---|---|---|---|---|
+/// | `megatron`, `nemo` | 2 (send and receive batched, both directions) | `1/tp` (scatter-gather: each TP rank sends its slice, all-gather on NVLink) | overlapped with the backward (`--overlap-grad-reduce`) | partly hidden behind GEMMs (calibrated `tp_overlap`) |
+/// | `deepspeed` | 4 blocking transfers (send/recv activation, send/recv gradient, each its own call) | full tensor from every TP rank | after the last micro-batch (the pipeline engine's `ReduceGrads` step): exposed | exposed (Megatron-DeepSpeed's layers) |
+/// | `torchtitan` | 2 | full tensor (DTensor replicate) | overlapped (FSDP2 / DDP hooks) | partly hidden (async TP) |
+///
+/// NeMo and Megatron-Bridge run Megatron-Core, so `nemo` behaves as `megatron`; the name is
+/// kept so a run says what it used.
+#[derive(
+    Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Framework {
+    /// Megatron-LM / Megatron-Core.
+    #[default]
+    Megatron,
+    /// DeepSpeed's pipeline engine (Megatron-DeepSpeed).
+    #[serde(alias = "megatron-deepspeed", alias = "megatron_deepspeed")]
+    Deepspeed,
+    /// PyTorch torchtitan (FSDP2 + TP + PP).
+    Torchtitan,
+    /// NVIDIA NeMo / Megatron-Bridge (Megatron-Core underneath).
+    #[serde(alias = "megatron-bridge", alias = "megatron_bridge")]
+    Nemo,
+}
+
+impl Framework {
+    pub fn name(self) -> &'static str {
+        match self {
+            Framework::Megatron => "megatron",
+            Framework::Deepspeed => "deepspeed",
+            Framework::Torchtitan => "torchtitan",
+            Framework::Nemo => "nemo",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -126,6 +182,25 @@ pub struct ModelSpec {
     pub causal: bool,
     #[serde(default)]
     pub moe: Option<MoeSpec>,
+    /// Sliding-window attention: in a windowed layer each query attends to itself and the
+    /// `sliding_window - 1` tokens before it (Mistral 7B: 4096; gpt-oss: 128). Absent: full
+    /// attention everywhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
+    /// One layer in `N` attends to the full sequence, the other `N - 1` use the window
+    /// (gpt-oss and Gemma 2: 2, alternating; Gemma 3: 6). Absent or 1: every layer is
+    /// windowed. Only meaningful with `sliding_window`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window_pattern: Option<u32>,
+    /// Attention-sink tokens: the first `n` tokens of the sequence, which every query of a
+    /// windowed layer also attends to (StreamingLLM, Xiao et al. 2023). A learned sink
+    /// logit per head (gpt-oss) adds no keys: leave this at 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attention_sink_tokens: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 fn default_activation() -> Activation {
@@ -160,6 +235,43 @@ pub enum Recompute {
     None,
     Selective,
     Full,
+}
+
+/// A module that fine-grained selective recompute runs again in the backward instead of
+/// keeping its activations (Megatron-Core `--recompute-modules`, NeMo `recompute_modules`).
+/// Each frees the tensors its own backward would read and re-runs its forward:
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[serde(rename_all = "snake_case")]
+pub enum RecomputeModule {
+    /// The attention core (softmax(QK^T)V): frees the score matrix when attention is
+    /// unfused; with flash attention it saves nothing and costs the core's forward.
+    CoreAttn,
+    /// The dense MLP (FC1, activation, FC2, and with SP the gather of its input): frees
+    /// FC1's output and the activation's output.
+    Mlp,
+    /// The two norms: frees their outputs (a memory-bound re-run).
+    Layernorm,
+    /// The MoE experts' activation function: frees its output (FC2's input).
+    MoeAct,
+    /// The whole MoE MLP (router, permutation, dispatch and combine all-to-alls, experts,
+    /// shared experts): frees everything the MoE MLP keeps.
+    Moe,
+    /// The shared experts of an MoE layer: frees their FC1 and activation outputs.
+    SharedExperts,
+}
+
+impl RecomputeModule {
+    /// The spec's (and Megatron's) name.
+    pub fn name(self) -> &'static str {
+        match self {
+            RecomputeModule::CoreAttn => "core_attn",
+            RecomputeModule::Mlp => "mlp",
+            RecomputeModule::Layernorm => "layernorm",
+            RecomputeModule::MoeAct => "moe_act",
+            RecomputeModule::Moe => "moe",
+            RecomputeModule::SharedExperts => "shared_experts",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -1,11 +1,19 @@
-//! Fit the physical efficiency parameters of each GPU kind to the published runs.
+//! Fit the physical efficiency parameters to the published runs, all GPU kinds at once.
 //!
-//! What is fitted, per GPU kind (`a100`, `h100`), and nothing else: the large-GEMM
-//! efficiency, the flash-attention efficiency, the elementwise traffic per layer, the
-//! NVLink and inter-node bus efficiencies, the TP and DP overlap shares, the per-layer
-//! launch overhead and (where FP8 runs exist) the FP8 GEMM rate relative to BF16. The GEMM
-//! curve's shape (`gemm_flops0`, `gemm_exp`, `gemm_k0`) stays as measured
-//! (data/h100-gemm-2026-11-22.json). No parameter is keyed by run or source.
+//! What is fitted, and nothing else (no parameter is keyed by run, source or framework):
+//! - **software, shared by every GPU kind**: the elementwise traffic per layer, the TP, DP
+//!   and EP overlap shares, the per-layer launch overhead, and two factors on each kind's
+//!   measured microbenchmark rate: the share of the large-GEMM rate (H100 0.80, A100 0.859
+//!   of peak, maximum achievable matmul FLOPs) and of the flash-attention rate that the
+//!   frameworks' kernels reach. The rates are hardware; what reaches them is software.
+//! - **per GPU kind** (`a100`, `h100`): the NVLink and inter-node bus efficiencies and
+//!   (where FP8 runs exist) the FP8 GEMM rate relative to BF16.
+//!
+//! The GEMM curve's shape (`gemm_flops0`, `gemm_exp`, `gemm_k0`) stays as measured
+//! (data/h100-gemm-2026-11-22.json). What a framework does differently (DeepSpeed's
+//! blocking pipeline transfers, its gradient reduction after the last backward, Megatron's
+//! TP communication overlap) is a mechanism of the spec's `framework` and
+//! `tp_comm_overlap`, not a fitted number (`shardwright_cost::framework`).
 //!
 //! Objective: sum over runs of `|ln(predicted / published)|` (a median-seeking loss, so a
 //! few runs the model cannot represent do not drag the rest), plus a prior that pulls each
@@ -18,7 +26,9 @@
 //! both rounds are refitted on the other groups' runs (their layouts chosen under profiles
 //! that never saw the group), then the planner chooses the held-out runs' unpublished axes
 //! under that profile and they are predicted with it. Nothing the held-out group's
-//! measurements influenced reaches its prediction.
+//! measurements influenced reaches its prediction. A held-out GPU kind keeps its hand-set
+//! per-kind parameters and its measured rates, and takes the software parameters fitted on
+//! the other kinds.
 
 use crate::convert::measured;
 use crate::predict::{predict, resolve_spec};
@@ -101,10 +111,17 @@ pub fn cases(
     (out, skipped)
 }
 
-/// A fitted parameter: name, bounds.
+/// A fitted parameter: name, bounds, and whether it is a property of the software (shared
+/// by every GPU kind) or of the GPU.
 struct Param {
     #[allow(dead_code)]
     name: &'static str,
+    shared: bool,
+    /// Fitted as one factor shared by every kind on the kind's measured microbenchmark
+    /// value ([`initial_efficiency`]): the GPU's large-GEMM and flash-attention rates are
+    /// hardware (measured), the share of them a framework's kernels reach is software.
+    /// `lo`/`hi` bound the factor.
+    relative: bool,
     lo: f64,
     hi: f64,
     get: fn(&Efficiency) -> f64,
@@ -115,20 +132,26 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
     let mut v = vec![
         Param {
             name: "gemm_max",
-            lo: 0.4,
-            hi: 0.95,
+            shared: false,
+            relative: true,
+            lo: 0.5,
+            hi: 1.1,
             get: |e| e.gemm_max,
             set: |e, x| e.gemm_max = x,
         },
         Param {
             name: "attn_eff",
-            lo: 0.15,
-            hi: 0.8,
+            shared: false,
+            relative: true,
+            lo: 0.4,
+            hi: 1.2,
             get: |e| e.attn_eff,
             set: |e, x| e.attn_eff = x,
         },
         Param {
             name: "elementwise_bytes_per_h",
+            shared: true,
+            relative: false,
             lo: 2.0,
             hi: 60.0,
             get: |e| e.elementwise_bytes_per_h,
@@ -136,6 +159,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "nvlink_bus_eff",
+            shared: false,
+            relative: false,
             lo: 0.3,
             hi: 0.95,
             get: |e| e.nvlink_bus_eff,
@@ -143,6 +168,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "inter_node_bus_eff",
+            shared: false,
+            relative: false,
             lo: 0.2,
             hi: 0.95,
             get: |e| e.inter_node_bus_eff,
@@ -150,6 +177,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "tp_overlap",
+            shared: true,
+            relative: false,
             lo: 0.0,
             hi: 0.9,
             get: |e| e.tp_overlap,
@@ -157,6 +186,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "dp_overlap",
+            shared: true,
+            relative: false,
             lo: 0.0,
             hi: 1.0,
             get: |e| e.dp_overlap,
@@ -164,6 +195,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
         },
         Param {
             name: "layer_overhead_s",
+            shared: true,
+            relative: false,
             lo: 0.0,
             hi: 400e-6,
             get: |e| e.layer_overhead_s,
@@ -173,6 +206,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
     if with_fp8 {
         v.push(Param {
             name: "fp8_gemm_rel",
+            shared: false,
+            relative: false,
             lo: 0.4,
             hi: 1.0,
             get: |e| e.fp8_gemm_rel,
@@ -182,6 +217,8 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
     if with_moe {
         v.push(Param {
             name: "ep_overlap",
+            shared: true,
+            relative: false,
             lo: 0.0,
             hi: 0.9,
             get: |e| e.ep_overlap,
@@ -197,21 +234,110 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
 /// physical value instead of letting them drift to absorb another source's error.
 pub const PRIOR_WEIGHT: f64 = 1.0;
 
-fn loss(cases: &[&Case], eff: &Efficiency) -> f64 {
-    cases
-        .iter()
-        .map(|c| (c.predict(eff) / c.published).ln().abs())
-        .sum()
+/// Fit one kind's parameters on `cases` (all of that kind) starting from `start`.
+pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
+    let kind = cases.first().map(|c| c.kind.clone()).unwrap_or_default();
+    let owned: Vec<Case> = cases.iter().map(|c| (*c).clone()).collect();
+    let starts = BTreeMap::from([(kind.clone(), start.clone())]);
+    fit_joint(&owned, &starts)
+        .remove(&kind)
+        .unwrap_or_else(|| start.clone())
 }
 
-/// Fit one kind's parameters on `cases` starting from `start`.
-pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
-    let with_fp8 = cases.iter().any(|c| c.job.training.fp8_gemms);
+/// One fitted number: a parameter, either shared by every kind (`kind` None) or one kind's.
+struct Slot {
+    p: Param,
+    kind: Option<String>,
+}
+
+/// Copy the software parameters (shared by every GPU kind) of `from` (of kind `from_kind`)
+/// into `to` (of kind `to_kind`): shared values as they are, relative ones as the same factor
+/// on `to_kind`'s measured value.
+pub fn copy_shared(from: &Efficiency, from_kind: &str, to: &mut Efficiency, to_kind: &str) {
+    for p in params(true, true) {
+        if p.relative {
+            let factor = (p.get)(from) / (p.get)(&initial_efficiency(from_kind));
+            (p.set)(to, (p.get)(&initial_efficiency(to_kind)) * factor);
+        } else if p.shared {
+            (p.set)(to, (p.get)(from));
+        }
+    }
+}
+
+/// Fit every kind present in `cases` at once: the GPU's parameters (GEMM and attention
+/// rates, bus efficiencies, FP8 rate) per kind, the software's (elementwise traffic, TP/DP/EP
+/// overlap shares, per-layer overhead) shared by all kinds, since they describe the
+/// frameworks' kernels and schedules, not the GPU. Kinds in `start` without a case keep
+/// their own GPU parameters and take the fitted software ones.
+fn fit_joint(cases: &[Case], start: &BTreeMap<String, Efficiency>) -> BTreeMap<String, Efficiency> {
+    let kinds: std::collections::BTreeSet<String> = cases.iter().map(|c| c.kind.clone()).collect();
+    let mut slots: Vec<Slot> = Vec::new();
     let with_moe = cases.iter().any(|c| c.layout.ep > 1);
-    let ps = params(with_fp8, with_moe);
-    let norm = |p: &Param, e: &Efficiency| (((p.get)(e) - p.lo) / (p.hi - p.lo)).clamp(0.0, 1.0);
-    let prior_eff = initial_efficiency(&cases.first().map(|c| c.kind.clone()).unwrap_or_default());
-    let prior: Vec<f64> = ps.iter().map(|p| norm(p, &prior_eff)).collect();
+    for p in params(false, with_moe)
+        .into_iter()
+        .filter(|p| p.shared || p.relative)
+    {
+        slots.push(Slot { p, kind: None });
+    }
+    for k in &kinds {
+        let fp8 = cases
+            .iter()
+            .any(|c| c.kind == *k && c.job.training.fp8_gemms);
+        for p in params(fp8, false)
+            .into_iter()
+            .filter(|p| !p.shared && !p.relative)
+        {
+            slots.push(Slot {
+                p,
+                kind: Some(k.clone()),
+            });
+        }
+    }
+    let start_of = |k: &str| {
+        start
+            .get(k)
+            .cloned()
+            .unwrap_or_else(|| initial_efficiency(k))
+    };
+    let first = kinds.iter().next().cloned().unwrap_or_default();
+    let slot_kind = |sl: &Slot| sl.kind.clone().unwrap_or_else(|| first.clone());
+    // A relative slot's value is the factor on the kind's measured value.
+    let value = |sl: &Slot, e: &Efficiency| {
+        if sl.p.relative {
+            (sl.p.get)(e) / (sl.p.get)(&initial_efficiency(&slot_kind(sl)))
+        } else {
+            (sl.p.get)(e)
+        }
+    };
+    let norm = |sl: &Slot, e: &Efficiency| {
+        ((value(sl, e) - sl.p.lo) / (sl.p.hi - sl.p.lo)).clamp(0.0, 1.0)
+    };
+    let prior: Vec<f64> = slots
+        .iter()
+        .map(|sl| norm(sl, &initial_efficiency(&slot_kind(sl))))
+        .collect();
+    let mut x: Vec<f64> = slots
+        .iter()
+        .map(|sl| norm(sl, &start_of(&slot_kind(sl))))
+        .collect();
+    let base: BTreeMap<String, Efficiency> =
+        kinds.iter().map(|k| (k.clone(), start_of(k))).collect();
+    let build = |x: &[f64]| {
+        let mut out = base.clone();
+        for (sl, v) in slots.iter().zip(x) {
+            let val = sl.p.lo + v * (sl.p.hi - sl.p.lo);
+            match &sl.kind {
+                Some(k) => (sl.p.set)(out.get_mut(k).expect("slot kind"), val),
+                None if sl.p.relative => {
+                    for (k, e) in out.iter_mut() {
+                        (sl.p.set)(e, (sl.p.get)(&initial_efficiency(k)) * val)
+                    }
+                }
+                None => out.values_mut().for_each(|e| (sl.p.set)(e, val)),
+            }
+        }
+        out
+    };
     let penalty = |x: &[f64]| {
         PRIOR_WEIGHT
             * x.iter()
@@ -219,26 +345,24 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
                 .map(|(a, b)| (a - b).abs())
                 .sum::<f64>()
     };
-    let mut x: Vec<f64> = ps.iter().map(|p| norm(p, start)).collect();
-    let build = |x: &[f64]| {
-        let mut e = start.clone();
-        for (p, v) in ps.iter().zip(x) {
-            (p.set)(&mut e, p.lo + v * (p.hi - p.lo));
-        }
-        e
+    let loss_all = |effs: &BTreeMap<String, Efficiency>| -> f64 {
+        cases
+            .iter()
+            .map(|c| (c.predict(&effs[&c.kind]) / c.published).ln().abs())
+            .sum()
     };
-    let mut best = loss(cases, &build(&x)) + penalty(&x);
+    let mut best = loss_all(&build(&x)) + penalty(&x);
     let mut step = 0.25;
     while step >= 1.0 / 1024.0 {
         let mut improved = false;
-        for i in 0..ps.len() {
+        for i in 0..slots.len() {
             for dir in [1.0, -1.0] {
                 let mut y = x.clone();
                 y[i] = (y[i] + dir * step).clamp(0.0, 1.0);
                 if y[i] == x[i] {
                     continue;
                 }
-                let l = loss(cases, &build(&y)) + penalty(&y);
+                let l = loss_all(&build(&y)) + penalty(&y);
                 if l < best - 1e-12 {
                     best = l;
                     x = y;
@@ -251,32 +375,26 @@ pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
             step /= 2.0;
         }
     }
-    let mut e = build(&x);
+    let mut out = build(&x);
     // Keep the stored numbers short and stable.
-    for p in &ps {
-        let v = (p.get)(&e);
-        (p.set)(&mut e, shardwright_spec::plan::round_sig(v, 4));
+    for e in out.values_mut() {
+        for p in params(true, true) {
+            let v = (p.get)(e);
+            (p.set)(e, shardwright_spec::plan::round_sig(v, 4));
+        }
     }
-    e
+    out
 }
 
-/// Fit every kind present in `cases`.
+/// Fit every kind present in `cases` (see [`fit_joint`]).
 pub fn fit_all(
     cases: &[Case],
     start: &BTreeMap<String, Efficiency>,
     version: &str,
 ) -> BTreeMap<String, Efficiency> {
-    let kinds: std::collections::BTreeSet<&str> = cases.iter().map(|c| c.kind.as_str()).collect();
-    let mut out = BTreeMap::new();
-    for kind in kinds {
-        let sel: Vec<&Case> = cases.iter().filter(|c| c.kind == kind).collect();
-        let s = start
-            .get(kind)
-            .cloned()
-            .unwrap_or_else(|| initial_efficiency(kind));
-        let mut e = fit_kind(&sel, &s);
+    let mut out = fit_joint(cases, start);
+    for (kind, e) in out.iter_mut() {
         e.profile = format!("{kind}-{version}");
-        out.insert(kind.to_string(), e);
     }
     out
 }
@@ -336,8 +454,9 @@ pub struct Calibration {
     pub loso_rows: Vec<HeldOut>,
     /// Leave-one-framework-out (framework read from each run's fields).
     pub leave_one_framework_out: HeldOutEval,
-    /// Leave-one-GPU-kind-out: a held-out kind has no fitted profile at all, so its runs are
-    /// predicted with the hand-set physical starting point (`catalog::initial_efficiency`).
+    /// Leave-one-GPU-kind-out: a held-out kind's per-kind parameters are the hand-set
+    /// physical starting point (`catalog::initial_efficiency`); its software parameters
+    /// (shared) come from the fit on the other kinds.
     pub leave_one_gpu_kind_out: HeldOutEval,
 }
 
@@ -351,9 +470,17 @@ fn fit_rounds(
     version: &str,
     keep: &dyn Fn(&Case) -> bool,
 ) -> BTreeMap<String, Efficiency> {
+    // Kinds without a kept run: their GPU parameters hand-set, the software ones fitted.
     let complete = |mut p: BTreeMap<String, Efficiency>| {
+        let fitted = p.iter().next().map(|(k, e)| (k.clone(), e.clone()));
         for (k, e) in builtin {
-            p.entry(k.clone()).or_insert_with(|| e.clone());
+            p.entry(k.clone()).or_insert_with(|| {
+                let mut e = e.clone();
+                if let Some((fk, f)) = &fitted {
+                    copy_shared(f, fk, &mut e, k);
+                }
+                e
+            });
         }
         p
     };
@@ -468,7 +595,7 @@ pub fn calibrate(runs: &RunsFile, runs_bytes: &[u8], version: &str) -> Calibrati
                 runs_used: c2.len(),
                 runs_skipped: skipped.len(),
                 runs_per_kind: per_kind,
-                method: "per GPU kind: minimize sum |ln(pred/published)| over the published runs by bounded coordinate search (steps 1/4 .. 1/1024 of each range); GEMM curve shape fixed from the measured H100 GEMM table; layouts: published axes pinned, unpublished axes chosen by the planner; 2 rounds".into(),
+                method: "one joint fit over all GPU kinds: minimize sum |ln(pred/published)| plus a prior toward the physical starting values, by bounded coordinate search (steps 1/4 .. 1/1024 of each range); software parameters (elementwise traffic, TP/DP/EP overlap, layer overhead, factors on each kind's measured GEMM and attention rates) shared by all kinds, bus efficiencies and FP8 rate per kind; GEMM curve shape fixed from the measured H100 GEMM table; layouts: published axes pinned, unpublished axes chosen by the planner; 2 rounds".into(),
             },
             kinds: p2,
         },

@@ -23,6 +23,11 @@
 //! - **Mesh**: see [`mesh_from_published`]. **Pins**: tp, pp, dp, cp, ep always; micro-batch,
 //!   virtual stages, sequence parallel, recompute ([`parse_recompute`]) and ZeRO stage
 //!   ([`parse_zero`]) when the source states them; the rest is left to the planner.
+//! - **Framework** ([`parse_framework`]): the run's `framework` field, else its provenance
+//!   wording, becomes the spec's `job.framework` (default megatron); `--tp-comm-overlap` in
+//!   the parallelism notes sets `job.tp_comm_overlap`; a window size in the model notes
+//!   ("128-token sliding", "sliding_window 4096"; "alternating": one layer in two full) sets
+//!   `job.model.sliding_window` ([`sliding_window`]).
 
 use crate::report::Skip;
 use crate::runs::{Run, RunModel};
@@ -55,44 +60,21 @@ pub const KNOWN_HEAD_DIM: &[(&str, u32, &str)] = &[
     ("gpt-oss", 64, "gpt-oss config: head_dim = 64"),
 ];
 
-/// The training framework a run names (the run's `framework` field, else its wording).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Framework {
-    /// Megatron-LM / Megatron-Core.
-    Megatron,
-    /// DeepSpeed (Megatron-DeepSpeed, its pipeline engine).
-    DeepSpeed,
-    /// NeMo / Megatron-Bridge (Megatron-Core underneath).
-    Nemo,
-    /// PyTorch torchtitan (FSDP2 + TP + PP).
-    Torchtitan,
-}
-
-impl Framework {
-    pub fn name(self) -> &'static str {
-        match self {
-            Framework::Megatron => "megatron",
-            Framework::DeepSpeed => "deepspeed",
-            Framework::Nemo => "nemo",
-            Framework::Torchtitan => "torchtitan",
-        }
-    }
-
-    fn parse(text: &str) -> Option<Framework> {
-        let t = text.to_ascii_lowercase();
-        // Most specific first: "Megatron-DeepSpeed" is DeepSpeed's pipeline engine,
-        // "NeMo/Megatron-Bridge" runs Megatron-Core under NeMo's recipes.
-        if t.contains("torchtitan") {
-            Some(Framework::Torchtitan)
-        } else if t.contains("deepspeed") {
-            Some(Framework::DeepSpeed)
-        } else if t.contains("nemo") || t.contains("megatron-bridge") {
-            Some(Framework::Nemo)
-        } else if t.contains("megatron") {
-            Some(Framework::Megatron)
-        } else {
-            None
-        }
+/// The training framework a run names (the run's `framework` field, else its wording):
+/// most specific first: "Megatron-DeepSpeed" is DeepSpeed's pipeline engine,
+/// "NeMo/Megatron-Bridge" runs Megatron-Core under NeMo's recipes.
+pub fn parse_framework(text: &str) -> Option<Framework> {
+    let t = text.to_ascii_lowercase();
+    if t.contains("torchtitan") {
+        Some(Framework::Torchtitan)
+    } else if t.contains("deepspeed") {
+        Some(Framework::Deepspeed)
+    } else if t.contains("nemo") || t.contains("megatron-bridge") {
+        Some(Framework::Nemo)
+    } else if t.contains("megatron") {
+        Some(Framework::Megatron)
+    } else {
+        None
     }
 }
 
@@ -165,8 +147,8 @@ impl RunContext {
             framework: run
                 .framework
                 .as_deref()
-                .and_then(Framework::parse)
-                .or_else(|| Framework::parse(&text)),
+                .and_then(parse_framework)
+                .or_else(|| parse_framework(&text)),
             year: run.year.or_else(|| years_in(&text).into_iter().min()),
         }
     }
@@ -188,7 +170,7 @@ pub struct Conventions {
     pub default_zero: Option<u8>,
     /// Megatron, DeepSpeed and FSDP2 (fp32 reduce) keep fp32 main gradients.
     pub fp32_grads: bool,
-    /// What the single per-GPU-kind profile cannot represent about the run's framework,
+    /// What the run's framework changes in the model (the spec's `framework` mechanisms),
     /// said in its row.
     pub framework_note: Option<&'static str>,
 }
@@ -234,14 +216,14 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     } else {
         match ctx.year {
             Some(y) => y >= 2023,
-            None => ctx.framework != Some(Framework::DeepSpeed),
+            None => ctx.framework != Some(Framework::Deepspeed),
         }
     };
     let default_zero = (ctx.framework == Some(Framework::Megatron)
         && ctx.year.is_some_and(|y| y <= 2022))
     .then_some(0);
-    let framework_note = (ctx.framework == Some(Framework::DeepSpeed)).then_some(
-        "DeepSpeed pipeline engine: its framework efficiency is not represented (one profile per GPU kind, fitted mostly on Megatron-LM; MT-NLG's shape and layout ran about 27% slower per micro-batch than Korthikanti et al.'s Megatron run of the same 530B model)",
+    let framework_note = (ctx.framework == Some(Framework::Deepspeed)).then_some(
+        "DeepSpeed pipeline engine (spec framework: deepspeed): four blocking pipeline transfers per micro-batch of the full activation, gradient reduction after the last backward, synchronous TP all-reduces",
     );
     Conventions {
         gpt_style,
@@ -392,6 +374,39 @@ fn stated_first_k_dense(m: &RunModel) -> Option<u32> {
         let n = m.notes.as_deref()?;
         number_after(n, "first_k_dense").or_else(|| number_after(n, "first_dense_layers"))
     })
+}
+
+/// Sliding-window attention as model notes state it: the window from "N-token sliding",
+/// "sliding window N", "sliding_window N" or "window N"; the pattern from
+/// "sliding_window_pattern N", else "alternating" (one layer in two full), else every layer
+/// windowed. None when no window size is stated.
+pub fn sliding_window(notes: &str) -> Option<(u64, Option<u32>)> {
+    let t = notes.to_ascii_lowercase();
+    if !t.contains("sliding") {
+        return None;
+    }
+    let before_token = t.find("-token sliding").and_then(|at| {
+        let head = &t[..at];
+        let digits: String = head
+            .chars()
+            .rev()
+            .take_while(|c| c.is_ascii_digit())
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        digits.parse::<u64>().ok()
+    });
+    let w = before_token
+        .or_else(|| number_after(&t, "sliding_window").map(u64::from))
+        .or_else(|| number_after(&t, "sliding window").map(u64::from))
+        .or_else(|| number_after(&t, "sliding-window").map(u64::from))
+        .or_else(|| number_after(&t, "window").map(u64::from))
+        .filter(|&w| w > 0)?;
+    let pattern = number_after(&t, "sliding_window_pattern")
+        .filter(|&n| n > 0)
+        .or_else(|| t.contains("alternating").then_some(2));
+    Some((w, pattern))
 }
 
 /// Total parameters of the spec's shape (None when it does not resolve).
@@ -669,10 +684,20 @@ pub fn setup_run_in(
         && !["alibi", "rotary", "rope"]
             .iter()
             .any(|k| model_notes.contains(k));
-    if model_notes.contains("sliding") {
-        notes.push(
-            "sliding-window attention layers not modeled: full attention FLOPs and memory".into(),
-        );
+    let window = sliding_window(&model_notes);
+    match window {
+        Some((w, pattern)) => notes.push(format!(
+            "sliding-window attention from the model notes: {w} tokens, {}",
+            match pattern {
+                Some(n) => format!("one layer in {n} attends to the full sequence"),
+                None => "every layer windowed".to_string(),
+            }
+        )),
+        None if model_notes.contains("sliding") => notes.push(
+            "the model notes name sliding-window attention without a window size: full attention FLOPs"
+                .into(),
+        ),
+        None => {}
     }
     if conv.gpt_style && !learned_positions {
         notes.push(
@@ -704,6 +729,9 @@ pub fn setup_run_in(
         flash_attention: conv.flash_attention,
         causal: true,
         moe,
+        sliding_window: window.map(|w| w.0),
+        sliding_window_pattern: window.and_then(|w| w.1),
+        attention_sink_tokens: 0,
     };
 
     // ---- mesh ----
@@ -863,6 +891,12 @@ pub fn setup_run_in(
             },
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
+            recompute_modules: None,
+            tp_comm_overlap: par
+                .notes
+                .as_deref()
+                .is_some_and(|n| n.to_ascii_lowercase().contains("tp-comm-overlap")),
+            framework: ctx.framework.unwrap_or_default(),
         },
         cluster: ClusterSpec {
             gpu: Some(catalog_name),

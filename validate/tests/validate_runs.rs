@@ -438,6 +438,18 @@ fn calibration_reproduces_committed_profile() {
     assert_eq!(a.loso.n, 54);
     assert_eq!(a.leave_one_framework_out.all.n, 54);
     assert_eq!(a.leave_one_gpu_kind_out.all.n, 54);
+    // Held-out frameworks and GPU kinds (measured 7.8% / 5.7% median, 15.2% / 15.0% p90):
+    // guards against a change that only fits the table.
+    let (f, g) = (
+        &a.leave_one_framework_out.all,
+        &a.leave_one_gpu_kind_out.all,
+    );
+    println!(
+        "lofo: median {:.2}% p90 {:.2}%; logko: median {:.2}% p90 {:.2}%",
+        f.median_abs_pct, f.p90_abs_pct, g.median_abs_pct, g.p90_abs_pct
+    );
+    assert!(f.median_abs_pct <= 10.0 && f.p90_abs_pct <= 18.0);
+    assert!(g.median_abs_pct <= 10.0 && g.p90_abs_pct <= 18.0);
 }
 
 /// Leave-one-group-out does not leak: scaling every measurement of one source (Megatron-
@@ -522,7 +534,8 @@ fn planner_never_worse_than_published_layout() {
 /// each source.
 #[test]
 fn conventions_from_the_runs_own_fields() {
-    use shardwright_validate::setup::{conventions, Framework, RunContext};
+    use shardwright_spec::spec::Framework;
+    use shardwright_validate::setup::{conventions, RunContext};
     let f = load();
     let ctx = |id: &str| RunContext::of(run(&f, id));
     let want: &[(&str, Option<Framework>, Option<u32>)] = &[
@@ -542,8 +555,8 @@ fn conventions_from_the_runs_own_fields() {
             Some(Framework::Megatron),
             Some(2024),
         ),
-        ("mtnlg_530b_2240gpu", Some(Framework::DeepSpeed), Some(2022)),
-        ("bloom_176b_384gpu", Some(Framework::DeepSpeed), None),
+        ("mtnlg_530b_2240gpu", Some(Framework::Deepspeed), Some(2022)),
+        ("bloom_176b_384gpu", Some(Framework::Deepspeed), None),
         ("opt_175b_992gpu", None, Some(2022)),
         (
             "mbridge_2602_llama3_70b_fp8_h100_64gpu",

@@ -1,0 +1,335 @@
+//! The framework mechanisms, sliding-window attention and fine-grained selective recompute,
+//! each checked against a hand derivation or a brute-force count written here.
+
+use shardwright_cost::collective::{all_gather_s, send_s};
+use shardwright_cost::eval::{evaluate, LayerCosts, Split};
+use shardwright_cost::{flops, memory, resolve, ResolveOptions};
+use shardwright_spec::layout::Layout;
+use shardwright_spec::parse::{parse_spec, Format};
+use shardwright_spec::spec::{Recompute, RecomputeModule, Schedule};
+use shardwright_spec::Job;
+
+fn job(yaml: &str) -> Job {
+    let spec = parse_spec(yaml, Format::Yaml).unwrap();
+    resolve(&spec, &ResolveOptions::default()).unwrap().job
+}
+
+fn spec_error(yaml: &str) -> String {
+    let spec = parse_spec(yaml, Format::Yaml).unwrap();
+    match resolve(&spec, &ResolveOptions::default()) {
+        Ok(_) => panic!("spec resolved, expected an error"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A GPT layer shape on 64 H100 (8 nodes), with `extra` appended under `job:`.
+fn gpt(extra: &str) -> String {
+    format!(
+        "
+job:
+  model: {{arch: dense, num_layers: 16, hidden_size: 4096, num_attention_heads: 32,
+          ffn_hidden_size: 16384, ffn_activation: gelu, vocab_size: 32000, seq_len: 4096}}
+  batch: {{global_batch: 256}}
+{extra}
+cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 64}}
+"
+    )
+}
+
+fn layout(tp: u32, pp: u32, dp: u32, ga: u64, rc: Recompute) -> Layout {
+    Layout {
+        tp,
+        pp,
+        dp,
+        cp: 1,
+        ep: 1,
+        vpp: 1,
+        micro_batch: 1,
+        grad_accum: ga,
+        zero_stage: 1,
+        recompute: rc,
+        sequence_parallel: false,
+        schedule: Schedule::OneFOneB,
+    }
+}
+
+fn eval(j: &Job, l: &Layout) -> shardwright_cost::Evaluation {
+    let lc = LayerCosts::new(
+        j,
+        l.tp,
+        l.cp,
+        l.ep,
+        l.micro_batch,
+        l.sequence_parallel,
+        l.recompute,
+    );
+    evaluate(j, &lc, l, Split::Balanced, false)
+}
+
+/// Pipeline sends, tp8 pp8 dp1 (a stage per node, so every send crosses nodes), no SP,
+/// micro-batch 1 of 4096 tokens, m = 256/1 = 256 micro-batches. The activation is
+/// M = 4096 x 4096 x 2 B = 32 MiB.
+/// - Megatron: each TP rank sends M/8 over its NIC and the receivers all-gather M on
+///   NVLink; 2 transfers per micro-batch on the critical path, (m + p - 1) = 263 slots.
+/// - DeepSpeed: every TP rank sends M; 4 blocking transfers per micro-batch.
+#[test]
+fn pipeline_sends_follow_the_framework() {
+    let l = layout(8, 8, 1, 256, Recompute::None);
+    let mega = job(&gpt(""));
+    let ds = job(&gpt("  framework: deepspeed"));
+    assert_eq!(ds.framework.name(), "deepspeed");
+    let hw = &mega.hardware;
+    let e = &mega.efficiency;
+    let ib = hw.inter_node_gbps * e.inter_node_bus_eff;
+    let nvl = hw.nvlink_gbps * e.nvlink_bus_eff;
+    let msg = 4096.0 * 4096.0 * 2.0;
+    let slots = 256.0 + 8.0 - 1.0;
+    let mega_want = 2.0
+        * (send_s(msg / 8.0, ib, hw.inter_node_latency_s)
+            + all_gather_s(msg, 8, nvl, hw.nvlink_latency_s))
+        * slots;
+    let ds_want = 4.0 * send_s(msg, ib, hw.inter_node_latency_s) * slots;
+    let got_mega = eval(&mega, &l).estimate.step.pp_p2p_s;
+    let got_ds = eval(&ds, &l).estimate.step.pp_p2p_s;
+    assert!(
+        (got_mega - mega_want).abs() < 1e-9 * mega_want,
+        "{got_mega} vs {mega_want}"
+    );
+    assert!(
+        (got_ds - ds_want).abs() < 1e-9 * ds_want,
+        "{got_ds} vs {ds_want}"
+    );
+    // DeepSpeed: 4 x 32 MiB at 40 GB/s = 3.4 ms per micro-batch; Megatron: 2 x (4 MiB at
+    // 40 GB/s + 7/8 x 32 MiB at 360 GB/s) = 0.37 ms plus the all-gather's 7 NVLink
+    // latencies and the send's latency: 6 to 9x.
+    let r = got_ds / got_mega;
+    assert!((6.0..9.0).contains(&r), "ratio {r}");
+}
+
+/// DeepSpeed's pipeline engine reduces gradients after the last micro-batch: with pp > 1 its
+/// whole DP traffic is exposed; without PP (the ZeRO engine) the calibrated overlap applies
+/// as for Megatron. Its TP all-reduces are not hidden either: TP exposed = TP total.
+#[test]
+fn deepspeed_pipeline_exposes_dp_and_tp_traffic() {
+    let ds = job(&gpt("  framework: deepspeed"));
+    let mega = job(&gpt(""));
+    let with_pp = layout(8, 2, 4, 64, Recompute::None);
+    let s = eval(&ds, &with_pp).estimate.step;
+    assert!(s.dp_comm_total_s > 0.0);
+    assert!((s.dp_comm_exposed_s - s.dp_comm_total_s).abs() < 1e-12);
+    assert!((s.tp_comm_s - s.tp_comm_total_s).abs() < 1e-12);
+    let sm = eval(&mega, &with_pp).estimate.step;
+    assert!(sm.dp_comm_exposed_s < sm.dp_comm_total_s);
+    assert!(sm.tp_comm_s < sm.tp_comm_total_s);
+    // No PP: the same exposure for both frameworks' DP traffic.
+    let no_pp = layout(8, 1, 8, 32, Recompute::None);
+    let a = eval(&ds, &no_pp).estimate.step.dp_comm_exposed_s;
+    let b = eval(&mega, &no_pp).estimate.step.dp_comm_exposed_s;
+    assert!((a - b).abs() < 1e-12, "{a} vs {b}");
+}
+
+/// Interleaving sends v times per micro-batch: v = 2 on 16 layers over pp 4, m = 16:
+/// (v m + p - 1) = 35 slots against (m + p - 1) = 19.
+#[test]
+fn interleaving_multiplies_pipeline_sends() {
+    let j = job(&gpt(""));
+    let mut l = layout(8, 4, 2, 16, Recompute::None);
+    let plain = eval(&j, &l).estimate.step.pp_p2p_s;
+    l.vpp = 2;
+    l.schedule = Schedule::Interleaved;
+    let inter = eval(&j, &l).estimate.step.pp_p2p_s;
+    let ratio = inter / plain;
+    assert!((ratio - 35.0 / 19.0).abs() < 1e-9, "ratio {ratio}");
+}
+
+/// Keys per query by brute force: causal position i sees min(i + 1, w) keys in a windowed
+/// layer; with pattern 2 half the layers see the whole causal prefix, which the model
+/// counts as s/2 (its convention for full causal attention).
+#[test]
+fn sliding_window_keys_match_a_brute_force_count() {
+    let s = 4096u64;
+    let w = 128u64;
+    let brute: f64 = (0..s).map(|i| (i + 1).min(w) as f64).sum::<f64>() / s as f64;
+    // 128 x 129 / 2 + 128 x 3968 = 516,160 over 4096 positions.
+    assert!((brute - 516_160.0 / 4096.0).abs() < 1e-9);
+    let all = job(&gpt("").replace("seq_len: 4096}", "seq_len: 4096, sliding_window: 128}"));
+    assert!((all.model.attended_keys_per_query() - brute).abs() < 1e-9);
+    let alt = job(&gpt("").replace(
+        "seq_len: 4096}",
+        "seq_len: 4096, sliding_window: 128, sliding_window_pattern: 2}",
+    ));
+    let want = 0.5 * brute + 0.5 * 2048.0;
+    assert!((alt.model.attended_keys_per_query() - want).abs() < 1e-9);
+    // Attention FLOPs: 4 x keys x heads x head_dim per token forward.
+    let f = flops::attention_fwd_flops_per_token(&alt.model);
+    assert!((f - 4.0 * want * 4096.0).abs() < 1e-6 * f);
+    // Sinks: 4 sink tokens add 4 keys to each of the s - w - 4 = 3964 queries whose window
+    // no longer covers them.
+    let sinks = job(&gpt("").replace(
+        "seq_len: 4096}",
+        "seq_len: 4096, sliding_window: 128, attention_sink_tokens: 4}",
+    ));
+    let brute_sinks: f64 = (0..s)
+        .map(|i| {
+            let win = (i + 1).min(w);
+            let first = i + 1 - win; // first key position in the window
+            (win + first.min(4)) as f64
+        })
+        .sum::<f64>()
+        / s as f64;
+    let got = sinks.model.attended_keys_per_query();
+    // The model's count is exact once the window has passed the sinks; the few queries
+    // between w and w + 4 see 1..3 sink tokens, which it rounds to 0 or 4 (< 0.01 keys).
+    assert!((got - brute_sinks).abs() < 0.01, "{got} vs {brute_sinks}");
+    // A window as long as the sequence is full attention.
+    let long = job(&gpt("").replace("seq_len: 4096}", "seq_len: 4096, sliding_window: 4096}"));
+    assert_eq!(long.model.attended_keys_per_query(), 2048.0);
+}
+
+#[test]
+fn sliding_window_fields_are_checked() {
+    let e = spec_error(&gpt("").replace("seq_len: 4096}", "seq_len: 4096, sliding_window: 0}"));
+    assert!(e.contains("job.model.sliding_window"), "{e}");
+    let e = spec_error(&gpt("").replace(
+        "seq_len: 4096}",
+        "seq_len: 4096, sliding_window_pattern: 2}",
+    ));
+    assert!(e.contains("need a sliding_window"), "{e}");
+}
+
+/// `recompute_modules: [core_attn, mlp]` on the GeLU model, tp 8, no SP, 4096 tokens:
+/// - memory: the MLP frees FC1's output (GeLU's input) and GeLU's output, 2 + 2 bytes per
+///   element of tokens x f / tp = 4 x 4096 x 16384 / 8 = 32 MiB per layer;
+/// - FLOPs: the MLP's two GEMMs forward again, 2 x 2 x h x f per token per layer =
+///   2.684e8, times 16 layers, on top of the core_attn recompute.
+#[test]
+fn mlp_recompute_frees_its_tensors_and_runs_its_gemms_again() {
+    let base = job(&gpt(""));
+    let mods = job(&gpt("  recompute_modules: [core_attn, mlp]"));
+    assert_eq!(
+        mods.training.recompute_modules,
+        vec![RecomputeModule::CoreAttn, RecomputeModule::Mlp]
+    );
+    let a = LayerCosts::new(&base, 8, 1, 1, 1, false, Recompute::Selective);
+    let b = LayerCosts::new(&mods, 8, 1, 1, 1, false, Recompute::Selective);
+    let saved = a.dense_act_bytes - b.dense_act_bytes;
+    let want = 4.0 * 4096.0 * 16384.0 / 8.0;
+    assert!((saved - want).abs() < 1e-9 * want, "{saved} vs {want}");
+    let hf_a = flops::hardware_flops_per_token_modules(
+        &base.model,
+        Recompute::Selective,
+        &base.training.recompute_modules,
+    );
+    let hf_b = flops::hardware_flops_per_token_modules(
+        &mods.model,
+        Recompute::Selective,
+        &mods.training.recompute_modules,
+    );
+    let want_f = 16.0 * 2.0 * 2.0 * 4096.0 * 16384.0;
+    assert!((hf_b - hf_a - want_f).abs() < 1e-6 * want_f);
+    // The default module list is the old selective recompute: attention core only.
+    assert_eq!(
+        hf_a,
+        flops::hardware_flops_per_token(&base.model, Recompute::Selective)
+    );
+    // Time: the recompute pass runs FC1 and FC2 forward again, so the layer is slower by
+    // exactly their forward GEMM time plus GeLU's forward traffic.
+    assert!(b.dense.gemm > a.dense.gemm);
+    // Layernorm frees both norm outputs: 2 x 2 B x tokens x h (no SP).
+    let ln = memory::recompute_module_savings(
+        &base.model,
+        4096.0,
+        8.0,
+        false,
+        false,
+        &[RecomputeModule::Layernorm],
+        false,
+    );
+    assert_eq!(ln, 4.0 * 4096.0 * 4096.0);
+}
+
+#[test]
+fn recompute_modules_are_checked() {
+    let e = spec_error(&gpt("  recompute_modules: [moe_act]"));
+    assert!(
+        e.contains("job.recompute_modules") && e.contains("moe_act needs an MoE"),
+        "{e}"
+    );
+    let e = spec_error(&gpt(
+        "  recompute_modules: [mlp]\n  parallelism: {recompute: full}",
+    ));
+    assert!(e.contains("applies to selective recompute"), "{e}");
+}
+
+/// `tp_comm_overlap` (Megatron `--tp-comm-overlap`), h 8192, tp 8 with SP, 4096 tokens:
+/// each collective moves 4096 x 8192 x 2 B = 64 MiB, 7/8 of it at 360 GB/s = 163 us, plus 7
+/// NVLink latencies (about 198 us). The MLP's all-gather feeds FC1 (2 x 4096 x 4096 x 8192
+/// = 275 GFLOP per GPU, about 480 us forward, longer than the transfer): fully pipelined,
+/// only the one chunk of 8 that cannot overlap shows, t/8. The attention's reduce-scatter
+/// drains the output projection (2 x 4096 x 1024 x 8192 = 68.7 GFLOP, a quarter of FC1):
+/// what outlasts it shows, max(t - proj, t/8). Without the flag the calibrated share
+/// hides: (1 - tp_overlap) t.
+#[test]
+fn tp_comm_overlap_hides_behind_the_gemms() {
+    use shardwright_cost::layer::{layer_ops, LayerKind, LayerShape, Pass};
+    use shardwright_spec::mesh::Mesh;
+    let yaml = |extra: &str| {
+        format!(
+            "
+job:
+  model: {{arch: dense, num_layers: 8, hidden_size: 8192, num_attention_heads: 64,
+          ffn_hidden_size: 32768, ffn_activation: gelu, vocab_size: 32000, seq_len: 4096}}
+  batch: {{global_batch: 64}}
+{extra}
+cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 8}}
+"
+        )
+    };
+    let shape = LayerShape {
+        tp: 8,
+        cp: 1,
+        ep: 1,
+        micro_batch: 1,
+        sp: true,
+        recompute: Recompute::None,
+    };
+    let ops_of = |j: &Job| {
+        let mesh = Mesh::from_degrees(8, 1, 1, 1, 1, 8);
+        layer_ops(j, &mesh, &shape, LayerKind::Dense)
+    };
+    let on = job(&yaml("  tp_comm_overlap: true"));
+    let off = job(&yaml(""));
+    let ops = ops_of(&on);
+    let find = |name: &str| {
+        ops.iter()
+            .find(|o| o.name == name && o.pass == Pass::Fwd)
+            .copied()
+            .unwrap()
+    };
+    let ag = find("tp_all_gather_mlp");
+    let rs = find("tp_reduce_scatter_attn");
+    let proj = find("proj");
+    let fc1 = find("fc1");
+    let hw = &on.hardware;
+    let nvl = hw.nvlink_gbps * on.efficiency.nvlink_bus_eff * 1e9;
+    let t = 7.0 / 8.0 * 4096.0 * 8192.0 * 2.0 / nvl + 7.0 * hw.nvlink_latency_s;
+    assert!((ag.time_s - t).abs() < 1e-12 && (rs.time_s - t).abs() < 1e-12);
+    assert!(fc1.time_s > t, "FC1 {} vs comm {t}", fc1.time_s);
+    assert!((ag.exposed_s - t / 8.0).abs() < 1e-12, "{}", ag.exposed_s);
+    let want = (t - proj.time_s).max(t / 8.0);
+    assert!(
+        (rs.exposed_s - want).abs() < 1e-12,
+        "{} vs {want}",
+        rs.exposed_s
+    );
+    let plain = ops_of(&off);
+    let ag_off = plain
+        .iter()
+        .find(|o| o.name == "tp_all_gather_mlp" && o.pass == Pass::Fwd)
+        .unwrap();
+    let hide = off.efficiency.tp_overlap;
+    assert!((ag_off.exposed_s - (1.0 - hide) * t).abs() < 1e-12);
+    // DeepSpeed has no such overlap: a spec asking for it is rejected.
+    let e = spec_error(&yaml("  tp_comm_overlap: true\n  framework: deepspeed"));
+    assert!(e.contains("job.tp_comm_overlap"), "{e}");
+}
