@@ -582,6 +582,11 @@ fn fault_tolerance(
     if let Some(d) = &f.durable_dir {
         ckpt = ckpt.durable(d);
     }
+    let start_from = if f.resume {
+        resharded_start(plan, &ckpt, &a.plan)?
+    } else {
+        None
+    };
     Ok(Some(Resilience {
         checkpoint_every: every,
         ckpt,
@@ -597,8 +602,88 @@ fn fault_tolerance(
             "stages": plan.stages,
             "global_batch": plan.inputs.training.global_batch,
         }),
-        start_from: None,
+        start_from,
     }))
+}
+
+/// `--resume` onto a layout other than the checkpoint's: the newest complete checkpoint
+/// (of any world size), resharded for this plan (`None`: same layout, or no checkpoint;
+/// the normal resume path takes it).
+fn resharded_start(
+    plan: &shardwright_spec::Plan,
+    ckpt: &CkptConfig,
+    path: &std::path::Path,
+) -> Result<Option<(u64, Vec<shardwright_executor::checkpoint::RankState>)>, Failure> {
+    use shardwright_executor::checkpoint::{restore_latest, CkptError, RankState};
+    let mut dirs: Vec<&std::path::Path> = vec![&ckpt.fast_dir];
+    if let Some(d) = &ckpt.durable_dir {
+        dirs.push(d);
+    }
+    let world = plan.inputs.cluster.world_size as u32;
+    let mut warn = |w: String| eprintln!("warning: {w}");
+    let got = match restore_latest(&dirs, world, &mut warn) {
+        Err(CkptError::WorldMismatch { found, .. }) => restore_latest(&dirs, found, &mut warn),
+        other => other,
+    }
+    .map_err(|e| usage(anyhow!("--resume: {e}")))?;
+    let Some((step, states)) = got else {
+        return Ok(None);
+    };
+    let meta = &states[0].meta;
+    let old_layout: shardwright_spec::Layout = serde_json::from_value(meta["layout"].clone())
+        .map_err(|e| {
+            usage(anyhow!(
+                "--resume: checkpoint step {step} does not record its layout: {e}"
+            ))
+        })?;
+    if old_layout == plan.layout && states.len() as u32 == world {
+        return Ok(None);
+    }
+    let old_gb = meta["global_batch"].as_u64().unwrap_or(0);
+    if old_gb != plan.inputs.training.global_batch {
+        return Err(usage(anyhow!(
+            "--resume: checkpoint step {step} was trained with global batch {old_gb}, the plan \
+             has {}: a resume on another layout keeps the global batch (`shardwright replan` \
+             finds such a layout)",
+            plan.inputs.training.global_batch
+        )));
+    }
+    let mut old = plan.clone();
+    old.layout = old_layout;
+    old.stages = serde_json::from_value(meta["stages"].clone())
+        .map_err(|e| usage(anyhow!("--resume: checkpoint stages: {e}")))?;
+    old.inputs.cluster.num_gpus = states.len() as u64;
+    old.inputs.cluster.world_size = states.len() as u64;
+    let lo = shardwright_lowering::lower(&old).map_err(|e| {
+        usage(anyhow!(
+            "--resume: the checkpoint's layout does not lower: {e}"
+        ))
+    })?;
+    let ln = lower_all(path, plan)?;
+    let cfg = ExecConfig::default();
+    let by_rank = states.into_iter().map(|s| (s.rank, s.tensors)).collect();
+    let logical =
+        shardwright_executor::logical_state(&lo.program, &lo.job, &lo.layout, &cfg, &by_rank)
+            .map_err(|e| usage(anyhow!("--resume: checkpoint step {step}: {e}")))?;
+    let new = shardwright_executor::sharded_state(&ln.program, &ln.job, &ln.layout, &cfg, &logical)
+        .map_err(|e| usage(anyhow!("--resume: resharding: {e}")))?;
+    eprintln!(
+        "resuming after step {step}: checkpoint of {} ranks ({}) resharded onto {} ranks ({})",
+        lo.program.world,
+        lo.layout.compact(),
+        ln.program.world,
+        ln.layout.compact()
+    );
+    Ok(Some((
+        step,
+        new.into_iter()
+            .map(|(rank, tensors)| RankState {
+                rank,
+                tensors,
+                meta: serde_json::json!({"step": step}),
+            })
+            .collect(),
+    )))
 }
 
 fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {

@@ -479,3 +479,72 @@ fn exit_and_resume_from_the_cli() {
         assert!(err.contains(want), "{a:?}: {err}");
     }
 }
+
+/// Stop the 8-rank plan after 6 steps; resume on the 1-rank plan (same model, same global
+/// batch): the checkpoint is resharded and the losses continue the 8-rank run's within
+/// 1e-5 relative.
+#[test]
+fn resume_on_another_layout_from_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let eight = plan_with(dir.path(), "eight", None);
+    let one = plan_with(
+        dir.path(),
+        "one",
+        Some("{tp: 1, pp: 1, dp: 1, cp: 1, ep: 1, micro_batch: 2, zero_stage: 0, recompute: none, sequence_parallel: false, schedule: 1f1b}"),
+    );
+    let clean = dir.path().join("clean");
+    let (code, _, err) = run(&[
+        "execute",
+        eight.to_str().unwrap(),
+        "--steps",
+        "10",
+        "--out",
+        clean.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let ck = dir.path().join("ck");
+    let ck = ck.to_str().unwrap();
+    let (code, _, err) = run(&[
+        "execute",
+        eight.to_str().unwrap(),
+        "--steps",
+        "10",
+        "--exit-after",
+        "6",
+        "--checkpoint-dir",
+        ck,
+        "--checkpoint-every",
+        "3",
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let out = dir.path().join("resumed");
+    let (code, _, err) = run(&[
+        "execute",
+        one.to_str().unwrap(),
+        "--steps",
+        "10",
+        "--resume",
+        "--checkpoint-dir",
+        ck,
+        "--checkpoint-every",
+        "3",
+        "--out",
+        out.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("resharded onto 1 ranks"), "{err}");
+    let m = metrics(&out);
+    let c = metrics(&clean);
+    assert_eq!(m[0]["step"], 7);
+    for l in &m {
+        let s = l["step"].as_u64().unwrap() as usize;
+        let (a, b) = (
+            l["loss"].as_f64().unwrap(),
+            c[s - 1]["loss"].as_f64().unwrap(),
+        );
+        assert!(((a - b) / b).abs() < 1e-5, "step {s}: {a} vs {b}");
+    }
+}
