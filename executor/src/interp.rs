@@ -60,7 +60,9 @@ use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::model::{lr_at, shard, Dims, Split};
-use shardwright_ir::{CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, Stream};
+use shardwright_ir::{
+    CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, ReduceOp, Stream,
+};
 use shardwright_spec::job::Job;
 use shardwright_spec::Layout;
 use std::collections::{BTreeMap, HashMap};
@@ -608,6 +610,26 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     data: Option<Box<dyn DataSource>>,
     /// This step's micro-batches, fetched once each: (inputs, targets).
     batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
+}
+
+/// All-reduce with the node's reduction (`max` as an all-gather and a local maximum:
+/// the [`Communicator`] sums).
+fn all_reduce_op<C: Communicator>(comm: &mut C, group: &[u32], x: &mut [f32], reduce: ReduceOp) {
+    match reduce {
+        ReduceOp::Sum => comm.all_reduce(group, x),
+        ReduceOp::Max => {
+            let all = comm.all_gather(group, x);
+            let len = x.len().max(1);
+            for (i, v) in x.iter_mut().enumerate() {
+                *v = all
+                    .iter()
+                    .skip(i)
+                    .step_by(len)
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+            }
+        }
+    }
 }
 
 fn err(why: impl Into<String>) -> String {
@@ -1334,33 +1356,82 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 self.tag = Tag::LmHead;
             }
             Op::Loss { .. } => {
+                // This rank's share of the vocabulary: per token the largest local logit,
+                // the local log-sum-exp and the target's logit (0 in other shards). The
+                // graph's `loss.*` collectives combine them over tp (see `loss_collective`);
+                // the backward's loss node completes the loss from what they left.
                 let (_, tg) = self.batch(mb)?;
-                let a = self.head.get(&mb).ok_or("no logits")?;
-                let (lse_l, mut tgt) =
-                    be.xent_local(a.get("logits")?, &tg, self.vl, self.vocab_start);
-                let lse = if self.tp.len() > 1 {
-                    // implicit: vocabulary-parallel loss reductions over tp.
-                    let tpg = self.tp.clone();
-                    let all = self.comm.all_gather(&tpg, &lse_l);
-                    self.comm.all_reduce(&tpg, &mut tgt);
-                    (0..t)
-                        .map(|i| {
-                            let parts: Vec<f32> = (0..tpg.len()).map(|r| all[r * t + i]).collect();
-                            let m = parts.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                            m + parts.iter().map(|p| (p - m).exp()).sum::<f32>().ln()
-                        })
-                        .collect()
-                } else {
-                    lse_l
-                };
-                let sum: f64 = lse.iter().zip(&tgt).map(|(a, b)| (a - b) as f64).sum();
-                self.loss += sum / self.global_tokens;
-                self.has_loss = true;
-                self.head.get_mut(&mb).unwrap().put("lse", lse);
+                let a = self.head.get_mut(&mb).ok_or("no logits")?;
+                let logits = a.get("logits")?;
+                let (lse_l, tgt) = be.xent_local(logits, &tg, self.vl, self.vocab_start);
+                let mx: Vec<f32> = logits
+                    .chunks(self.vl)
+                    .map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+                    .collect();
+                a.put("lse_l", lse_l);
+                a.put("tgt", tgt);
+                a.put("max", mx);
                 self.tag = Tag::Loss;
             }
             _ => return Err(err("unexpected op outside a layer")),
         }
+        Ok(())
+    }
+
+    /// The loss of micro-batch `mb` from the statistics its forward left: the global
+    /// log-sum-exp `max + ln(sumexp)` when the graph's `loss.sumexp` all-reduce ran (else
+    /// the local one), minus the target logit (summed over tp by `loss.target`, else the
+    /// local one). Adds the micro-batch's share of the step's loss.
+    fn finish_loss(&mut self, mb: u32) -> Result<(), String> {
+        let a = self.head.get_mut(&mb).ok_or("no head state")?;
+        let lse_l = a.take("lse_l")?;
+        let mx = a.take("max")?;
+        let tgt = a.take("tgt")?;
+        let lse: Vec<f32> = match a.0.remove("sumexp") {
+            Some(se) => mx.iter().zip(&se).map(|(m, s)| m + s.ln()).collect(),
+            None => lse_l,
+        };
+        let sum: f64 = lse.iter().zip(&tgt).map(|(a, b)| (a - b) as f64).sum();
+        self.loss += sum / self.global_tokens;
+        self.has_loss = true;
+        a.put("lse", lse);
+        Ok(())
+    }
+
+    /// The vocabulary-parallel loss's reductions, each as its graph node says (Megatron's
+    /// `_VocabParallelCrossEntropy`): `loss.max` reduces the per-token maximum logit,
+    /// `loss.target` the target logit, `loss.sumexp` the sum of `exp(logit - max)` over the
+    /// local vocabulary, relative to the maximum as it stands (the reduced one when
+    /// `loss.max` ran before).
+    fn loss_collective(
+        &mut self,
+        n: &Node,
+        role: &str,
+        kind: CollectiveKind,
+        reduce: ReduceOp,
+        group: &[u32],
+        elems: usize,
+    ) -> Result<(), String> {
+        let mb = n.mb.ok_or("loss collective without micro-batch")?;
+        if kind != CollectiveKind::AllReduce {
+            return Err(format!("{role}: a {}, expected an all-reduce", kind.name()));
+        }
+        let a = self.head.get_mut(&mb).ok_or("no loss statistics")?;
+        let (key, mut x) = match role {
+            "loss.max" => ("max", a.take("max")?),
+            "loss.target" => ("tgt", a.take("tgt")?),
+            "loss.sumexp" => {
+                let (lse, mx) = (a.get("lse_l")?, a.get("max")?);
+                let se = lse.iter().zip(mx).map(|(l, m)| (l - m).exp()).collect();
+                ("sumexp", se)
+            }
+            other => return Err(format!("unknown loss tensor `{other}`")),
+        };
+        if x.len() != elems {
+            return Err(format!("{role}: {} values, the IR says {elems}", x.len()));
+        }
+        all_reduce_op(&mut self.comm, group, &mut x, reduce);
+        self.head.get_mut(&mb).unwrap().put(key, x);
         Ok(())
     }
 
@@ -1371,6 +1442,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         match &n.op {
             Op::Loss { .. } => {
                 let (_, tg) = self.batch(mb)?;
+                self.finish_loss(mb)?;
                 let a = self.head.get_mut(&mb).ok_or("no head state")?;
                 let dl = be.xent_bwd(
                     a.get("logits")?,
@@ -1724,6 +1796,16 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         elems: usize,
     ) -> Result<(), String> {
         use CollectiveKind as K;
+        if let Op::Collective {
+            tensor: Some(role),
+            reduce,
+            ..
+        } = &n.op
+        {
+            if role.starts_with("loss.") {
+                return self.loss_collective(n, role, kind, *reduce, group, elems);
+            }
+        }
         let mb = n.mb.ok_or("collective without micro-batch")?;
         let gn = group.len();
         // The logical tensor's element count (all-gather output, reduce-scatter input, the

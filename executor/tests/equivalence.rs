@@ -183,6 +183,52 @@ fn a_missing_collective_is_caught() {
     assert!(msg.contains("step 0"), "{msg}");
 }
 
+/// Drop the collectives of `layout`'s program whose tensor role is `role`, check that some
+/// were dropped, run one step and require the comparison with the single-rank run to fail.
+fn dropping_role_is_caught(layout: &str, role: &str) {
+    use shardwright_executor::{run_program, Cpu};
+    use shardwright_ir::Op;
+    let tpl = common::template(false, common::LAYERS);
+    let dims = Dims::from_job(&tpl.inputs).unwrap();
+    let base = common::run(&common::plan_for(&tpl, common::layout("ga4")), 1);
+    let plan = common::plan_for(&tpl, common::layout(layout));
+    let mut lowered = shardwright_lowering::lower(&plan).unwrap();
+    let mut dropped = 0;
+    for c in &mut lowered.program.classes {
+        let before = c.graph.nodes.len();
+        c.graph.nodes.retain(|n| {
+            !matches!(&n.op, Op::Collective { tensor: Some(t), .. } if t == role)
+        });
+        dropped += before - c.graph.nodes.len();
+    }
+    assert!(dropped > 0, "{layout}: the program has no `{role}` collective");
+    // The unmodified program passes (so the failure below is the dropped node's).
+    let runs = common::run(&plan, 1);
+    common::compare(layout, &dims, &base, &runs, TOL);
+    let runs = run_program(
+        &lowered.program,
+        &lowered.job,
+        &lowered.layout,
+        Cpu,
+        &common::cfg(),
+        1,
+    )
+    .unwrap_or_else(|e| panic!("{layout} without `{role}`: {e}"));
+    let err = std::panic::catch_unwind(|| common::compare("mutated", &dims, &base, &runs, TOL))
+        .expect_err("a dropped collective must be caught");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("step 0"), "{role}: {msg}");
+    eprintln!("{layout} without `{role}`: {}", msg.lines().next().unwrap_or(""));
+}
+
+/// The vocabulary-parallel loss's three reductions over tp are each needed.
+#[test]
+fn a_missing_loss_reduction_is_caught() {
+    for role in ["loss.max", "loss.target", "loss.sumexp"] {
+        dropping_role_is_caught("tp2,ga4", role);
+    }
+}
+
 /// The MoE model (4 experts, top-2, one shared expert, layer 0 dense, layers 1.. MoE)
 /// under `layouts` against its single-rank run.
 fn moe_matrix(layers: u32, layouts: &[&str]) {

@@ -321,11 +321,19 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
                     group,
                     bytes,
                     dtype,
+                    tensor,
+                    ..
                 } => {
                     checked += 1;
                     let pg = p.group(*group);
                     let n = pg.ranks.len() as u64;
                     let unit = dtype.bytes();
+                    let role = tensor.as_deref().unwrap_or("");
+                    // Per-token f32 scalars: the vocabulary-parallel loss statistics.
+                    if role.starts_with("loss.") {
+                        bad(tokens * 4, role, *bytes, 1, unit);
+                        continue;
+                    }
                     match pg.axis.as_str() {
                         "tp" => bad(
                             hidden,

@@ -42,7 +42,7 @@ use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Spl
 use shardwright_cost::schedule::{slots, Phase};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
-    Program, RankClass, Stream, Work,
+    Program, RankClass, ReduceOp, Stream, Work,
 };
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
@@ -334,6 +334,37 @@ impl Builder<'_> {
         dt: DType,
         blocking: bool,
     ) -> Option<NodeId> {
+        self.named(
+            stream,
+            pass,
+            mb,
+            layer,
+            kind,
+            axis,
+            bytes,
+            dt,
+            blocking,
+            None,
+            ReduceOp::Sum,
+        )
+    }
+
+    /// [`Builder::collective`] naming the tensor it moves and its reduction.
+    #[allow(clippy::too_many_arguments)]
+    fn named(
+        &mut self,
+        stream: Stream,
+        pass: Pass,
+        mb: Option<u32>,
+        layer: Option<u32>,
+        kind: CollectiveKind,
+        axis: GroupKind,
+        bytes: u64,
+        dt: DType,
+        blocking: bool,
+        tensor: Option<String>,
+        reduce: ReduceOp,
+    ) -> Option<NodeId> {
         let group = self.group(axis)?;
         let n = self.program.group(group).ranks.len() as u64;
         let bytes = match kind {
@@ -353,6 +384,8 @@ impl Builder<'_> {
                 group,
                 bytes,
                 dtype: dt,
+                tensor,
+                reduce,
             },
             deps,
         );
@@ -589,6 +622,36 @@ impl<'a> Ctx<'a> {
                 d.t * d.h * d.w.bytes(),
                 d.w,
                 true,
+            );
+        }
+    }
+
+    /// The vocabulary-parallel cross-entropy's reductions over tp (Megatron's
+    /// `_VocabParallelCrossEntropy`): the all-reduce (max) of each token's largest local
+    /// logit, then the all-reduces (sum) of its target logit (held by one rank) and of its
+    /// sum of exponentials relative to the maximum. One f32 per token each.
+    fn loss_reductions(&self, b: &mut Builder, mb: Option<u32>) {
+        if self.layout.tp <= 1 {
+            return;
+        }
+        let d = self.dims();
+        for (tensor, reduce) in [
+            ("loss.max", ReduceOp::Max),
+            ("loss.target", ReduceOp::Sum),
+            ("loss.sumexp", ReduceOp::Sum),
+        ] {
+            b.named(
+                Stream::Comm,
+                Pass::Fwd,
+                mb,
+                None,
+                CollectiveKind::AllReduce,
+                GroupKind::Tp,
+                d.t * DType::F32.bytes(),
+                DType::F32,
+                true,
+                Some(tensor.into()),
+                reduce,
             );
         }
     }
@@ -1100,6 +1163,7 @@ impl<'a> Ctx<'a> {
                             gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
                         );
                         b.compute(Pass::Fwd, mbo, None, loss_op(&d));
+                        self.loss_reductions(&mut b, mbo);
                     } else {
                         let deps = b.last.into_iter().collect();
                         b.g.push(
