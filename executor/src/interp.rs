@@ -605,6 +605,10 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     report: StepReport,
     /// Buckets whose gradients went through a dp reduction this step.
     reduced: std::collections::BTreeSet<BKey>,
+    /// This step's `[sum of squares, loss]` after the graph's `grad_norm` all-reduce.
+    norm_stats: Option<[f32; 2]>,
+    /// Whether this step's gradient statistics were taken.
+    stats_done: bool,
     /// Report full gradients and weights each step.
     diagnostics: bool,
     data: Option<Box<dyn DataSource>>,
@@ -721,6 +725,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             has_aux: false,
             report: StepReport::default(),
             reduced: Default::default(),
+            norm_stats: None,
+            stats_done: false,
             diagnostics: true,
             data: None,
             batches: BTreeMap::new(),
@@ -921,6 +927,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         self.has_aux = false;
         self.counters.clear();
         self.reduced.clear();
+        self.norm_stats = None;
+        self.stats_done = false;
         self.batches.clear();
         for n in &self.g.nodes {
             self.node(n).map_err(|why| ExecError::Node {
@@ -1039,12 +1047,21 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 kind, bytes, dtype, ..
             } => {
                 let group = self.group_ranks(n)?;
+                let elems = (*bytes / dtype.bytes()) as usize;
+                if let Op::Collective {
+                    tensor: Some(role), ..
+                } = &n.op
+                {
+                    if role == "grad_norm" {
+                        return self.grad_norm_collective(*kind, &group, elems);
+                    }
+                    if role.ends_with(".replicated_grads") {
+                        return self.replicated_grads_collective(n, *kind, &group, elems);
+                    }
+                }
                 match n.stream {
                     Stream::Dp => self.dp_collective(n, *kind, &group),
-                    _ => {
-                        let elems = (*bytes / dtype.bytes()) as usize;
-                        self.comm_collective(n, *kind, &group, elems)
-                    }
+                    _ => self.comm_collective(n, *kind, &group, elems),
                 }
             }
             Op::OptimizerStep { .. } => self.optimizer_step(),
@@ -1379,9 +1396,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     }
 
     /// The loss of micro-batch `mb` from the statistics its forward left: the global
-    /// log-sum-exp `max + ln(sumexp)` when the graph's `loss.sumexp` all-reduce ran (else
-    /// the local one), minus the target logit (summed over tp by `loss.target`, else the
-    /// local one). Adds the micro-batch's share of the step's loss.
+    /// log-sum-exp `max + ln(sumexp)` when the graph's `loss.target_sumexp` all-reduce ran
+    /// (else the local one), minus the target logit (summed over tp by the same node, else
+    /// the local one). Adds the micro-batch's share of the step's loss.
     fn finish_loss(&mut self, mb: u32) -> Result<(), String> {
         let a = self.head.get_mut(&mb).ok_or("no head state")?;
         let lse_l = a.take("lse_l")?;
@@ -1400,9 +1417,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
 
     /// The vocabulary-parallel loss's reductions, each as its graph node says (Megatron's
     /// `_VocabParallelCrossEntropy`): `loss.max` reduces the per-token maximum logit,
-    /// `loss.target` the target logit, `loss.sumexp` the sum of `exp(logit - max)` over the
-    /// local vocabulary, relative to the maximum as it stands (the reduced one when
-    /// `loss.max` ran before).
+    /// `loss.target_sumexp` the target logit and the sum of `exp(logit - max)` over the
+    /// local vocabulary side by side, relative to the maximum as it stands (the reduced
+    /// one when `loss.max` ran before).
     fn loss_collective(
         &mut self,
         n: &Node,
@@ -1417,13 +1434,16 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             return Err(format!("{role}: a {}, expected an all-reduce", kind.name()));
         }
         let a = self.head.get_mut(&mb).ok_or("no loss statistics")?;
-        let (key, mut x) = match role {
-            "loss.max" => ("max", a.take("max")?),
-            "loss.target" => ("tgt", a.take("tgt")?),
-            "loss.sumexp" => {
-                let (lse, mx) = (a.get("lse_l")?, a.get("max")?);
-                let se = lse.iter().zip(mx).map(|(l, m)| (l - m).exp()).collect();
-                ("sumexp", se)
+        let sumexp = |a: &Acts| -> Result<Vec<f32>, String> {
+            let (lse, mx) = (a.get("lse_l")?, a.get("max")?);
+            Ok(lse.iter().zip(mx).map(|(l, m)| (l - m).exp()).collect())
+        };
+        let mut x = match role {
+            "loss.max" => a.take("max")?,
+            "loss.target_sumexp" => {
+                let mut x = a.take("tgt")?;
+                x.extend(sumexp(a)?);
+                x
             }
             other => return Err(format!("unknown loss tensor `{other}`")),
         };
@@ -1431,7 +1451,14 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             return Err(format!("{role}: {} values, the IR says {elems}", x.len()));
         }
         all_reduce_op(&mut self.comm, group, &mut x, reduce);
-        self.head.get_mut(&mb).unwrap().put(key, x);
+        let a = self.head.get_mut(&mb).unwrap();
+        if role == "loss.max" {
+            a.put("max", x);
+        } else {
+            let se = x.split_off(x.len() / 2);
+            a.put("tgt", x);
+            a.put("sumexp", se);
+        }
         Ok(())
     }
 
@@ -2023,7 +2050,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 if !self.buckets.contains_key(&key) {
                     return Err("no such bucket".into());
                 }
-                self.sp_norm_reduce(key);
                 self.reduced.insert(key);
                 let b = &self.buckets[&key];
                 let mut flat = self.flatten(&b.names, &self.grads, b.padded);
@@ -2079,25 +2105,92 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         Ok(())
     }
 
-    /// implicit: under SP each tp rank holds the norm-weight gradients of its token shard;
-    /// the IR has no all-reduce of them over tp.
-    fn sp_norm_reduce(&mut self, key: BKey) {
-        if !self.sp || key.1 {
-            return;
+    /// `L{l}.replicated_grads` / `ends.replicated_grads` (sequence parallelism): each tp
+    /// rank holds the gradients of the replicated parameters (norm weights and biases, an
+    /// MoE router) of its token shard; the graph's tp all-reduce sums them, flattened in
+    /// bucket order (the learned positions are excluded: every tp rank already holds their
+    /// whole gradient).
+    fn replicated_grads_collective(
+        &mut self,
+        n: &Node,
+        kind: CollectiveKind,
+        group: &[u32],
+        elems: usize,
+    ) -> Result<(), String> {
+        if kind != CollectiveKind::AllReduce || group != self.tp.as_slice() {
+            return Err(format!(
+                "replicated gradients: a {} on {group:?}, expected an all-reduce on tp {:?}",
+                kind.name(),
+                self.tp
+            ));
         }
-        let tpg = self.tp.clone();
+        let key = (n.layer, false);
         let dims = self.dims;
-        let names = self.buckets[&key].names.clone();
-        for nm in names
+        let names: Vec<String> = self
+            .buckets
+            .get(&key)
+            .ok_or("no such bucket")?
+            .names
             .iter()
             .filter(|nm| dims.split(nm) == Split::Replicated && nm.as_str() != "pos_embedding")
-        {
-            let gr = self.grads.get_mut(nm).unwrap();
-            self.comm.all_reduce(&tpg, gr);
+            .cloned()
+            .collect();
+        let mut flat = Vec::new();
+        for nm in &names {
+            flat.extend_from_slice(&self.grads[nm]);
         }
+        if flat.len() != elems {
+            return Err(format!(
+                "replicated gradients of {names:?}: {} values, the IR says {elems}",
+                flat.len()
+            ));
+        }
+        self.comm.all_reduce(group, &mut flat);
+        let mut o = 0;
+        for nm in &names {
+            let g = self.grads.get_mut(nm).unwrap();
+            let k = g.len();
+            g.copy_from_slice(&flat[o..o + k]);
+            o += k;
+        }
+        Ok(())
     }
 
-    fn optimizer_step(&mut self) -> Result<(), String> {
+    /// `grad_norm`: the global gradient norm's all-reduce (every rank's sum of squares of
+    /// the gradient elements it owns, and its share of the step's loss for the metrics).
+    fn grad_norm_collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: &[u32],
+        elems: usize,
+    ) -> Result<(), String> {
+        if kind != CollectiveKind::AllReduce || elems != 2 {
+            return Err(format!(
+                "grad_norm: a {} of {elems} values, expected an all-reduce of 2",
+                kind.name()
+            ));
+        }
+        if group.len() != self.world as usize {
+            return Err(format!(
+                "grad_norm on {} ranks, the world is {}",
+                group.len(),
+                self.world
+            ));
+        }
+        let mut buf = self.grad_stats()?;
+        self.comm.all_reduce(group, &mut buf);
+        self.norm_stats = Some(buf);
+        Ok(())
+    }
+
+    /// Before the norm: buckets without a dp reduction (a single replica: the IR emits
+    /// none) moved into their shards; then this rank's `[sum of squares of the gradient
+    /// elements it owns, its loss share]`. Runs once per step.
+    fn grad_stats(&mut self) -> Result<[f32; 2], String> {
+        if self.stats_done {
+            return Err("the gradient statistics were already taken this step".into());
+        }
+        self.stats_done = true;
         let zero = self.layout.zero_stage;
         // Buckets without a dp reduction (a single replica: the IR emits none).
         let keys: Vec<_> = self.buckets.keys().copied().collect();
@@ -2110,7 +2203,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     "bucket {k:?} was never reduced over data parallelism"
                 ));
             }
-            self.sp_norm_reduce(k);
             if zero >= 1 {
                 let b = &self.buckets[&k];
                 let flat = self.flatten(&b.names, &self.grads, b.padded);
@@ -2167,16 +2259,22 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 self.report.grads.extend(m);
             }
         }
-        // implicit: the global gradient norm needs an all-reduce over every rank; the
-        // step's loss rides along (each loss share counted once) for the metrics.
-        let world: Vec<u32> = (0..self.world).collect();
         let share = if self.has_loss && self.tp_pos == 0 {
             self.loss as f32
         } else {
             0.0
         };
-        let mut buf = [ss as f32, share];
-        self.comm.all_reduce(&world, &mut buf);
+        Ok([ss as f32, share])
+    }
+
+    fn optimizer_step(&mut self) -> Result<(), String> {
+        let zero = self.layout.zero_stage;
+        // The global figures when the graph's `grad_norm` all-reduce ran, else this rank's
+        // own (a single rank's graph has none).
+        let buf = match self.norm_stats.take() {
+            Some(b) => b,
+            None => self.grad_stats()?,
+        };
         let norm = (buf[0] as f64).sqrt();
         self.report.grad_norm = norm;
         self.report.global_loss = buf[1] as f64;

@@ -196,12 +196,15 @@ fn dropping_role_is_caught(layout: &str, role: &str) {
     let mut dropped = 0;
     for c in &mut lowered.program.classes {
         let before = c.graph.nodes.len();
-        c.graph.nodes.retain(|n| {
-            !matches!(&n.op, Op::Collective { tensor: Some(t), .. } if t == role)
-        });
+        c.graph
+            .nodes
+            .retain(|n| !matches!(&n.op, Op::Collective { tensor: Some(t), .. } if t == role));
         dropped += before - c.graph.nodes.len();
     }
-    assert!(dropped > 0, "{layout}: the program has no `{role}` collective");
+    assert!(
+        dropped > 0,
+        "{layout}: the program has no `{role}` collective"
+    );
     // The unmodified program passes (so the failure below is the dropped node's).
     let runs = common::run(&plan, 1);
     common::compare(layout, &dims, &base, &runs, TOL);
@@ -218,15 +221,36 @@ fn dropping_role_is_caught(layout: &str, role: &str) {
         .expect_err("a dropped collective must be caught");
     let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(msg.contains("step 0"), "{role}: {msg}");
-    eprintln!("{layout} without `{role}`: {}", msg.lines().next().unwrap_or(""));
+    eprintln!(
+        "{layout} without `{role}`: {}",
+        msg.lines().next().unwrap_or("")
+    );
 }
 
-/// The vocabulary-parallel loss's three reductions over tp are each needed.
+/// The vocabulary-parallel loss's reductions over tp (the maximum; the target logit and
+/// the sum of exponentials) are each needed.
 #[test]
 fn a_missing_loss_reduction_is_caught() {
-    for role in ["loss.max", "loss.target", "loss.sumexp"] {
+    for role in ["loss.max", "loss.target_sumexp"] {
         dropping_role_is_caught("tp2,ga4", role);
     }
+}
+
+/// Under sequence parallelism each tp rank's norm-weight gradients cover its token shard:
+/// the graph's tp all-reduces of the replicated gradients (per layer and of the final
+/// norm) are needed, with and without a data-parallel reduction after them.
+#[test]
+fn a_missing_sp_norm_grad_all_reduce_is_caught() {
+    dropping_role_is_caught("tp2,ga4,sp=on", "L1.replicated_grads");
+    dropping_role_is_caught("tp2,dp2,ga2,sp=on,zero1", "ends.replicated_grads");
+}
+
+/// The clipping norm is global: without the graph's all-reduce over every rank each rank
+/// clips with its own norm (and reports it).
+#[test]
+fn a_missing_grad_norm_all_reduce_is_caught() {
+    dropping_role_is_caught("tp2,ga4", "grad_norm");
+    dropping_role_is_caught("dp2,ga2,zero1", "grad_norm");
 }
 
 /// The MoE model (4 experts, top-2, one shared expert, layer 0 dense, layers 1.. MoE)

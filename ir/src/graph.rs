@@ -234,7 +234,9 @@ impl CollectiveKind {
 }
 
 /// The element-wise reduction of an all-reduce or reduce-scatter.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ReduceOp {
     #[default]

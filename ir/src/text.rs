@@ -488,8 +488,7 @@ impl<'a> Cursor<'a> {
         let exp = format!("`{key}=<name>`");
         let t = self.next(&exp)?;
         let v = &t.text[key.len() + 1..];
-        let (w, rest) =
-            decode_name(v).map_err(|e| self.err_at(Some(t), format!("{exp}: {e}")))?;
+        let (w, rest) = decode_name(v).map_err(|e| self.err_at(Some(t), format!("{exp}: {e}")))?;
         if !rest.is_empty() {
             return Err(self.err_at(Some(t), "a space after the closing `\"`"));
         }

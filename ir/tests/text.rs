@@ -173,9 +173,12 @@ fn options_absent_and_flags_off() {
 
 #[test]
 fn collective_tensor_and_reduction() {
-    let line = "n0 = collective all_reduce g0 bytes=32 f32 tensor=loss.max reduce=max @comm fwd mb=1";
-    let g = parse(&format!("graph rank=0 world=2\ngroup g0 tp.0 nvlink ranks=0,1\n{line}\n"))
-        .unwrap();
+    let line =
+        "n0 = collective all_reduce g0 bytes=32 f32 tensor=loss.max reduce=max @comm fwd mb=1";
+    let g = parse(&format!(
+        "graph rank=0 world=2\ngroup g0 tp.0 nvlink ranks=0,1\n{line}\n"
+    ))
+    .unwrap();
     assert_eq!(
         g.nodes[0].op,
         Op::Collective {
@@ -203,12 +206,22 @@ fn collective_tensor_and_reduction() {
     .is_err());
     // JSON leaves the defaults out.
     let json = serde_json::to_string(&g.nodes[0].op).unwrap();
-    assert!(json.contains(r#""tensor":"loss.max""#) && json.contains(r#""reduce":"max""#), "{json}");
+    assert!(
+        json.contains(r#""tensor":"loss.max""#) && json.contains(r#""reduce":"max""#),
+        "{json}"
+    );
     let plain: Op = serde_json::from_str(
         r#"{"op":"collective","kind":"all_reduce","group":0,"bytes":8,"dtype":"f32"}"#,
     )
     .unwrap();
-    assert!(matches!(plain, Op::Collective { tensor: None, reduce: ReduceOp::Sum, .. }));
+    assert!(matches!(
+        plain,
+        Op::Collective {
+            tensor: None,
+            reduce: ReduceOp::Sum,
+            ..
+        }
+    ));
 }
 
 #[test]

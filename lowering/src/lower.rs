@@ -37,7 +37,7 @@
 //! as in the plan's MFU formula, so the FLOPs of all ranks sum to the step's model FLOPs
 //! plus recomputation (checked by [`crate::check`]).
 
-use crate::mesh::declare_groups;
+use crate::mesh::{declare_groups, WORLD};
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
 use shardwright_cost::schedule::{slots, Phase};
 use shardwright_ir::{
@@ -46,7 +46,7 @@ use shardwright_ir::{
 };
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
-use shardwright_spec::spec::{Recompute, Schedule};
+use shardwright_spec::spec::{Norm, Recompute, Schedule};
 use shardwright_spec::{Layout, Plan};
 use std::collections::BTreeMap;
 
@@ -302,8 +302,8 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    fn group(&mut self, kind: GroupKind) -> Option<GroupId> {
-        let id = self.program.group_for(self.rank, kind.name())?;
+    fn group_named(&mut self, axis: &str) -> Option<GroupId> {
+        let id = self.program.group_for(self.rank, axis)?;
         if self.g.group(id).is_none() {
             let pg = self.program.group(id).clone();
             let pos = self.g.groups.partition_point(|x| x.id < id);
@@ -340,7 +340,7 @@ impl Builder<'_> {
             mb,
             layer,
             kind,
-            axis,
+            axis.name(),
             bytes,
             dt,
             blocking,
@@ -358,14 +358,14 @@ impl Builder<'_> {
         mb: Option<u32>,
         layer: Option<u32>,
         kind: CollectiveKind,
-        axis: GroupKind,
+        axis: &str,
         bytes: u64,
         dt: DType,
         blocking: bool,
         tensor: Option<String>,
         reduce: ReduceOp,
     ) -> Option<NodeId> {
-        let group = self.group(axis)?;
+        let group = self.group_named(axis)?;
         let n = self.program.group(group).ranks.len() as u64;
         let bytes = match kind {
             CollectiveKind::AllGather
@@ -626,19 +626,19 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// The vocabulary-parallel cross-entropy's reductions over tp (Megatron's
-    /// `_VocabParallelCrossEntropy`): the all-reduce (max) of each token's largest local
-    /// logit, then the all-reduces (sum) of its target logit (held by one rank) and of its
-    /// sum of exponentials relative to the maximum. One f32 per token each.
+    /// The vocabulary-parallel cross-entropy's reductions over tp: the all-reduce (max) of
+    /// each token's largest local logit, then one all-reduce (sum) of its target logit
+    /// (held by one rank) and its sum of exponentials relative to the maximum, side by
+    /// side (Megatron-core's `_VocabParallelCrossEntropy` reduces those two separately; its
+    /// fused cross-entropy concatenates them into one all-reduce, as here). f32.
     fn loss_reductions(&self, b: &mut Builder, mb: Option<u32>) {
         if self.layout.tp <= 1 {
             return;
         }
         let d = self.dims();
-        for (tensor, reduce) in [
-            ("loss.max", ReduceOp::Max),
-            ("loss.target", ReduceOp::Sum),
-            ("loss.sumexp", ReduceOp::Sum),
+        for (tensor, reduce, per_token) in [
+            ("loss.max", ReduceOp::Max, 1),
+            ("loss.target_sumexp", ReduceOp::Sum, 2),
         ] {
             b.named(
                 Stream::Comm,
@@ -646,8 +646,8 @@ impl<'a> Ctx<'a> {
                 mb,
                 None,
                 CollectiveKind::AllReduce,
-                GroupKind::Tp,
-                d.t * DType::F32.bytes(),
+                GroupKind::Tp.name(),
+                per_token * d.t * DType::F32.bytes(),
                 DType::F32,
                 true,
                 Some(tensor.into()),
@@ -904,6 +904,63 @@ impl<'a> Ctx<'a> {
             )
         } else {
             (self.lc.dense_layer_params, 0.0)
+        }
+    }
+
+    /// Parameters every tp rank holds whole (norm weights and biases, an MoE router) of
+    /// `layer`, or of the ends (`None`: the final norm when the stage has the head).
+    fn replicated_params(&self, layer: Option<u32>, has_head: bool) -> u64 {
+        let m = &self.job.model;
+        let per_norm = m.hidden_size * if m.norm == Norm::Layernorm { 2 } else { 1 };
+        match layer {
+            Some(l) => {
+                let router = if self.is_moe_layer(l) {
+                    m.moe.as_ref().map_or(0, |x| x.num_experts as u64) * m.hidden_size
+                } else {
+                    0
+                };
+                2 * per_norm + router
+            }
+            None if has_head => per_norm,
+            None => 0,
+        }
+    }
+
+    /// Sequence parallelism: each tp rank's gradients of the replicated parameters cover
+    /// its token shard only; all-reduce them over tp before the data-parallel reduction
+    /// (Megatron's `_allreduce_layernorm_grads` in `finalize_model_grads`).
+    fn sp_grad_reduce(
+        &self,
+        b: &mut Builder,
+        mb: Option<u32>,
+        layer: Option<u32>,
+        has_head: bool,
+        out: &mut Vec<NodeId>,
+    ) {
+        let n = self.replicated_params(layer, has_head);
+        if !self.dims().sp || n == 0 {
+            return;
+        }
+        let g = dtype(self.job.training.grad_dtype.bytes());
+        let pass = if mb.is_some() { Pass::Bwd } else { Pass::Step };
+        let tensor = match layer {
+            Some(l) => format!("L{l}.replicated_grads"),
+            None => "ends.replicated_grads".to_string(),
+        };
+        if let Some(id) = b.named(
+            Stream::Dp,
+            pass,
+            mb,
+            layer,
+            CollectiveKind::AllReduce,
+            GroupKind::Tp.name(),
+            n * g.bytes(),
+            g,
+            false,
+            Some(tensor),
+            ReduceOp::Sum,
+        ) {
+            out.push(id);
         }
     }
 
@@ -1256,6 +1313,7 @@ impl<'a> Ctx<'a> {
                             b.mem(false, buf, Pass::Bwd, mbo, Some(layer));
                         }
                         if z3 {
+                            self.sp_grad_reduce(&mut b, mbo, Some(layer), false, &mut dp_nodes);
                             self.grad_reduce(
                                 &mut b,
                                 mbo,
@@ -1264,6 +1322,7 @@ impl<'a> Ctx<'a> {
                                 &mut dp_nodes,
                             );
                         } else if last_of_chunk {
+                            self.sp_grad_reduce(&mut b, None, Some(layer), false, &mut dp_nodes);
                             self.grad_reduce(
                                 &mut b,
                                 None,
@@ -1303,6 +1362,7 @@ impl<'a> Ctx<'a> {
                         }
                         if ends_p.0 > 0.0 {
                             let mb = if z3 { mbo } else { None };
+                            self.sp_grad_reduce(&mut b, mb, None, has_head, &mut dp_nodes);
                             self.grad_reduce(&mut b, mb, None, ends_p, &mut dp_nodes);
                         }
                     }
@@ -1312,6 +1372,30 @@ impl<'a> Ctx<'a> {
 
         // ---- optimizer step, parameter all-gather, checkpoint ----
         b.pending.extend(dp_nodes.iter().copied());
+        // Gradient clipping's global norm: every rank's sum of squares of the gradient
+        // elements it owns, summed over all ranks (with the step's loss share beside it for
+        // the metrics, as Megatron reduces the loss for logging): two f32.
+        let mut deps: Vec<NodeId> = b.pending.iter().copied().chain(b.last).collect();
+        deps.sort_unstable();
+        deps.dedup();
+        let norm = b.named(
+            Stream::Dp,
+            Pass::Step,
+            None,
+            None,
+            CollectiveKind::AllReduce,
+            WORLD,
+            2 * DType::F32.bytes(),
+            DType::F32,
+            true,
+            Some("grad_norm".into()),
+            ReduceOp::Sum,
+        );
+        if let Some(id) = norm {
+            // It waits for every gradient reduction and the last compute.
+            let node = &mut b.g.nodes[id.index()];
+            node.deps = deps;
+        }
         let opt_params = {
             let shard = |n: u32| {
                 if l.zero_stage >= 1 {
