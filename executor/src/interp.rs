@@ -1488,17 +1488,11 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 match gname {
                     "lm_head.dgrad" => {
                         let dl = a.get("dlogits")?;
-                        let mut dn = if self.dims.tied {
+                        let dn = if self.dims.tied {
                             be.linear_fwd(dl, self.w("embedding")?, t, vl, h)
                         } else {
                             be.linear_dgrad(dl, self.w("lm_head")?, t, h, vl)
                         };
-                        if self.tp.len() > 1 && !self.sp {
-                            // implicit: the IR has no TP all-reduce of the head's input
-                            // gradient without sequence parallelism.
-                            let tpg = self.tp.clone();
-                            self.comm.all_reduce(&tpg, &mut dn);
-                        }
                         self.head.get_mut(&mb).unwrap().put("dn", dn);
                         self.tag = Tag::LmHeadD;
                     }
@@ -1537,14 +1531,17 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 self.tag = Tag::None;
             }
             Op::Embedding { .. } => {
-                let mut g = self
+                let g = self
                     .gcur
                     .remove(&mb)
                     .ok_or("no gradient at the embedding")?;
-                if self.sp {
-                    // implicit: the IR has no SP all-gather before the embedding backward.
-                    let tpg = self.tp.clone();
-                    g = self.comm.all_gather(&tpg, &g);
+                if g.len() != t * h {
+                    return Err(format!(
+                        "the gradient at the embedding has {} values, the micro-batch's {t} \
+                         tokens need {}",
+                        g.len(),
+                        t * h
+                    ));
                 }
                 let (ids, _) = self.batch(mb)?;
                 let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
@@ -1823,16 +1820,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         elems: usize,
     ) -> Result<(), String> {
         use CollectiveKind as K;
-        if let Op::Collective {
-            tensor: Some(role),
-            reduce,
-            ..
-        } = &n.op
-        {
-            if role.starts_with("loss.") {
-                return self.loss_collective(n, role, kind, *reduce, group, elems);
-            }
-        }
         let mb = n.mb.ok_or("collective without micro-batch")?;
         let gn = group.len();
         // The logical tensor's element count (all-gather output, reduce-scatter input, the
@@ -1843,6 +1830,38 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             }
             Ok(())
         };
+        if let Op::Collective {
+            tensor: Some(role),
+            reduce,
+            ..
+        } = &n.op
+        {
+            if role.starts_with("loss.") {
+                return self.loss_collective(n, role, kind, *reduce, group, elems);
+            }
+            if role == "head.dgrad" && kind == K::AllReduce {
+                // The head's input gradient, partial over the vocabulary shards.
+                let a = self.head.get_mut(&mb).ok_or("no head state")?;
+                let mut dn = a.take("dn")?;
+                check(dn.len())?;
+                self.comm.all_reduce(group, &mut dn);
+                self.head.get_mut(&mb).unwrap().put("dn", dn);
+                return Ok(());
+            }
+            if role == "embed.dgrad.gather" {
+                if kind != K::AllGather {
+                    return Err(format!("{role}: a {}, expected an all-gather", kind.name()));
+                }
+                let g = self
+                    .gcur
+                    .remove(&mb)
+                    .ok_or("no gradient at the embedding")?;
+                let full = self.comm.all_gather(group, &g);
+                check(full.len())?;
+                self.gcur.insert(mb, full);
+                return Ok(());
+            }
+        }
         let fwd = matches!(n.pass, Pass::Fwd | Pass::Recompute);
         match (fwd, self.tag, kind) {
             (true, Tag::Norm1 | Tag::Norm2, K::AllGather) => {

@@ -1248,19 +1248,26 @@ impl<'a> Ctx<'a> {
                             k: d.h,
                         };
                         self.gemm_bwd(&mut b, None, s.mb, &g, Some(head_w.into()));
-                        if d.sp {
-                            b.collective(
-                                Stream::Comm,
-                                Pass::Bwd,
-                                mbo,
-                                None,
-                                CollectiveKind::ReduceScatter,
-                                GroupKind::Tp,
-                                d.t * d.h * d.w.bytes(),
-                                d.w,
-                                true,
-                            );
-                        }
+                        // The head's input gradient is a partial sum over the vocabulary
+                        // shards: reduce-scattered into the sequence shards with SP, else
+                        // all-reduced (Megatron's column-parallel backward).
+                        b.named(
+                            Stream::Comm,
+                            Pass::Bwd,
+                            mbo,
+                            None,
+                            if d.sp {
+                                CollectiveKind::ReduceScatter
+                            } else {
+                                CollectiveKind::AllReduce
+                            },
+                            GroupKind::Tp.name(),
+                            d.t * d.h * d.w.bytes(),
+                            d.w,
+                            true,
+                            Some("head.dgrad".into()),
+                            ReduceOp::Sum,
+                        );
                         b.compute(Pass::Bwd, mbo, None, norm(d.ts, d.h));
                         if let Some(buf) = ends.remove(&(u32::MAX - s.mb)) {
                             b.mem(false, buf, Pass::Bwd, mbo, None);
@@ -1333,6 +1340,24 @@ impl<'a> Ctx<'a> {
                         }
                     }
                     if has_embed {
+                        // SP: the sequence shards of the gradient gathered for the
+                        // vocabulary-parallel embedding's backward (every tp rank scatters
+                        // every token's row into its vocabulary shard).
+                        if d.sp {
+                            b.named(
+                                Stream::Comm,
+                                Pass::Bwd,
+                                mbo,
+                                None,
+                                CollectiveKind::AllGather,
+                                GroupKind::Tp.name(),
+                                d.t * d.h * d.w.bytes(),
+                                d.w,
+                                true,
+                                Some("embed.dgrad.gather".into()),
+                                ReduceOp::Sum,
+                            );
+                        }
                         b.compute(Pass::Bwd, mbo, None, embedding_op(&d));
                         if let Some(buf) = ends.remove(&s.mb) {
                             b.mem(false, buf, Pass::Bwd, mbo, None);
