@@ -2091,6 +2091,18 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     }
                 }
             }
+            (K::AllGather, Pass::Step) if matches!(&n.op, Op::Collective { tensor: Some(t), .. } if t == "ends.weights") =>
+            {
+                // ZeRO-3: the embedding and head weights from their updated shards.
+                let key = (None, false);
+                if !self.buckets.contains_key(&key) {
+                    return Err("ends.weights: no embedding/head bucket on this rank".into());
+                }
+                let full = self.gather_bucket(key);
+                let b = &self.buckets[&key];
+                let (names, sizes) = (b.names.clone(), b.sizes.clone());
+                Self::unflatten(&names, &sizes, &full, &mut self.params);
+            }
             (K::AllGather, Pass::Step) => {
                 // ZeRO-1/2: every bucket's updated shard (of this group's kind), concatenated
                 // in bucket order.
@@ -2331,14 +2343,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     // parameter gather, the shard is the whole bucket.
                     Self::unflatten(&b.names, &b.sizes, &b.p, &mut self.params);
                 }
-            }
-            if zero >= 3 && self.buckets.contains_key(&(None, false)) {
-                // implicit: ZeRO-3 has no gather of the embedding/head weights; refresh
-                // them here so the next step uses the updated values.
-                let full = self.gather_bucket((None, false));
-                let b = &self.buckets[&(None, false)];
-                let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                Self::unflatten(&names, &sizes, &full, &mut self.params);
             }
         }
         for g in self.grads.values_mut() {

@@ -1469,6 +1469,32 @@ impl<'a> Ctx<'a> {
                 }
             }
         }
+        if z3 {
+            // ZeRO-3: the embedding and head weights (used outside the layers' per-use
+            // gathers) re-assembled from their updated shards for the next step.
+            let mut ends_p = 0.0;
+            if j == 0 {
+                ends_p += self.lc.embed_params;
+            }
+            if j == p - 1 {
+                ends_p += self.lc.head_params;
+            }
+            if ends_p > 0.0 {
+                b.named(
+                    Stream::Dp,
+                    Pass::Step,
+                    None,
+                    None,
+                    CollectiveKind::AllGather,
+                    GroupKind::DenseDp.name(),
+                    round(ends_p) * d.w.bytes(),
+                    d.w,
+                    false,
+                    Some("ends.weights".into()),
+                    ReduceOp::Sum,
+                );
+            }
+        }
         let ck = round(self.eval.estimate.reliability.checkpoint_bytes_per_gpu);
         b.g.push(
             Stream::Io,
