@@ -40,21 +40,28 @@
 //!   `router.wgrad`. Tokens are never dropped: the all-to-all moves fixed-size chunks
 //!   padded to the largest possible, with the real row counts in a header.
 //!
+//! - named collectives (`tensor=` in the IR) do what their name says, whatever comes
+//!   before them: `loss.max` (all-reduce max over tp of each token's largest local logit)
+//!   and `loss.target_sumexp` (the target logit and `sum exp(logit - max)` side by side;
+//!   the backward's `loss` node completes the loss from what they left, so a graph
+//!   without them computes a local, wrong loss), `head.dgrad` (the head's input gradient
+//!   without SP), `embed.dgrad.gather` (SP: every token's gradient for the embedding
+//!   backward), `L{l}.replicated_grads` / `ends.replicated_grads` (SP: the tp all-reduce
+//!   of the replicated parameters' gradients, flattened in bucket order), `grad_norm` (the
+//!   clipping norm's sum of squares and the step's loss over every rank; without it each
+//!   rank clips with its own norm), `ends.weights` (ZeRO-3: the embedding/head weights
+//!   from their updated shards after the optimizer).
+//!
 //! Steps the IR does not contain and the interpreter performs itself (`implicit` below;
-//! each is listed in the crate's report of what the IR should carry): the vocabulary-
-//! parallel loss reductions over tp, the TP all-reduce of the head's input gradient without
-//! SP, the SP all-gather before the embedding backward, the TP all-reduce of norm-weight
-//! gradients under SP, the global gradient-norm all-reduce for clipping and the ZeRO-3
-//! refresh of the embedding/head weights after the optimizer; for MoE layers, the cp
-//! all-reduce of each sequence's routing statistics for the load-balancing loss and, with
-//! tp > 1 without SP, the tp all-reduce of the gate gradients (each tp rank's expert
+//! each is listed in the crate's report of what the IR should carry): for MoE layers, the
+//! cp all-reduce of each sequence's routing statistics for the load-balancing loss and,
+//! with tp > 1 without SP, the tp all-reduce of the gate gradients (each tp rank's expert
 //! outputs are partial sums); with SP (each tp rank routes its sequence shard, as the
 //! lowering's router GEMM says, while the expert GEMMs are sized for every token of the
 //! micro-batch): the tp all-reduce of the routing statistics, the TP all-gather of the
 //! dispatched rows before the experts and the TP reduce-scatter of their partial outputs
 //! after them (forward and backward; Megatron's alltoall dispatcher with TP does the
-//! same), and the router weight's gradient completed by the SP all-reduce of replicated
-//! weights' gradients.
+//! same). The GPT learned-position add rides on the embedding node.
 
 use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
@@ -3014,7 +3021,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let a = self.acts.get(&key).ok_or("no activations")?;
                 let dw = self.grads.get_mut(&nm("router")).ok_or("no grad")?;
                 // Under SP a partial sum over this rank's tokens: the router is replicated
-                // over tp, so the implicit SP all-reduce of replicated weights' gradients
+                // over tp, so the graph's `L{l}.replicated_grads` all-reduce over tp
                 // completes it.
                 be.linear_wgrad(a.get("n2")?, a.get("dlogits")?, tr, h, e, dw);
                 self.tag = Tag::RouterW;
