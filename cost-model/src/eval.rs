@@ -771,7 +771,22 @@ pub fn evaluate_with(
         }
     };
     let opt_params = dense_p * shard(ddp) + expert_p * shard(edp);
-    let optimizer_s = opt_params * opt_bytes_per_param / (job.hardware.hbm_gbps * 1e9);
+    // Before it, the global gradient norm for clipping: an 8-byte all-reduce over every
+    // rank, latency-bound, so a tree (NCCL picks one for small messages): 2 log2(world)
+    // hops at the slowest link's latency. Counted in `optimizer_s`.
+    let world_n = layout.world();
+    let norm_lat = if world_n > job.cluster.gpus_per_node as u64 {
+        job.hardware.inter_node_latency_s
+    } else {
+        job.hardware.nvlink_latency_s
+    };
+    let grad_norm_s = if world_n > 1 {
+        2.0 * (world_n as f64).log2().ceil() * norm_lat
+    } else {
+        0.0
+    };
+    let optimizer_s =
+        opt_params * opt_bytes_per_param / (job.hardware.hbm_gbps * 1e9) + grad_norm_s;
 
     let step = m * slow_total + bubble + pp_s + dp_exposed + optimizer_s;
     let tokens_per_step = tr.global_batch as f64 * model.seq_len as f64;

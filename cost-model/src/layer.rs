@@ -634,6 +634,79 @@ pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -
                     out: &mut out,
                     pass,
                 };
+                // The head's tensor-parallel collectives, on the critical path (nothing to
+                // hide behind): with SP the final norm's output is all-gathered before the
+                // head and its input gradient reduce-scattered after; without SP the input
+                // gradient is all-reduced. The vocabulary-parallel loss reduces the
+                // per-token max (4 B) and the target logit with the sum of exponentials
+                // (8 B) over tp (Megatron's _VocabParallelCrossEntropy).
+                let tp = cx.shape.tp as u64;
+                if tp > 1 {
+                    let link = group_link(cx.job, cx.mesh.fabric(GroupKind::Tp));
+                    let (gbps, lat) = (link.gbps, link.latency_s);
+                    let act = cx.tokens * cx.h * 2.0;
+                    // The activation collectives overlap as the layers' TP collectives do
+                    // (`tp_pair`); the loss's tiny reductions cannot.
+                    let hide = if crate::framework::mechanisms(cx.job.framework).tp_overlap {
+                        cx.job.efficiency.tp_overlap
+                    } else {
+                        0.0
+                    };
+                    let mut put = |name: &'static str, kind: Coll, bytes: f64, t_s: f64| {
+                        let exposed = if name.starts_with("tp_loss") {
+                            t_s
+                        } else {
+                            t_s * (1.0 - hide)
+                        };
+                        em.comm(
+                            name,
+                            OpKind::Collective {
+                                kind,
+                                group: GroupKind::Tp,
+                                bytes,
+                            },
+                            bytes,
+                            t_s,
+                            exposed,
+                        );
+                    };
+                    match (pass, cx.shape.sp) {
+                        (Pass::Fwd, true) => put(
+                            "tp_all_gather_head",
+                            Coll::AllGather,
+                            act,
+                            all_gather_s(act, tp, gbps, lat),
+                        ),
+                        (Pass::Bwd, true) => put(
+                            "tp_reduce_scatter_head",
+                            Coll::ReduceScatter,
+                            act,
+                            reduce_scatter_s(act, tp, gbps, lat),
+                        ),
+                        (Pass::Bwd, false) => put(
+                            "tp_all_reduce_head",
+                            Coll::AllReduce,
+                            act,
+                            all_reduce_s(act, tp, gbps, lat),
+                        ),
+                        _ => {}
+                    }
+                    if pass == Pass::Fwd {
+                        let toks = cx.tokens;
+                        put(
+                            "tp_loss_max",
+                            Coll::AllReduce,
+                            4.0 * toks,
+                            all_reduce_s(4.0 * toks, tp, gbps, lat),
+                        );
+                        put(
+                            "tp_loss_sum",
+                            Coll::AllReduce,
+                            8.0 * toks,
+                            all_reduce_s(8.0 * toks, tp, gbps, lat),
+                        );
+                    }
+                }
                 cx.gemm(&mut em, "lm_head", cx.tokens, v / t, cx.h, 1);
                 // fp32: forward writes the logits and reads/writes them in the softmax
                 // (12 B per logit); backward writes their gradient (4 B).

@@ -40,27 +40,36 @@
 //!   `router.wgrad`. Tokens are never dropped: the all-to-all moves fixed-size chunks
 //!   padded to the largest possible, with the real row counts in a header.
 //!
+//! - named collectives (`tensor=` in the IR) do what their name says, whatever comes
+//!   before them: `loss.max` (all-reduce max over tp of each token's largest local logit)
+//!   and `loss.target_sumexp` (the target logit and `sum exp(logit - max)` side by side;
+//!   the backward's `loss` node completes the loss from what they left, so a graph
+//!   without them computes a local, wrong loss), `head.dgrad` (the head's input gradient
+//!   without SP), `embed.dgrad.gather` (SP: every token's gradient for the embedding
+//!   backward), `L{l}.replicated_grads` / `ends.replicated_grads` (SP: the tp all-reduce
+//!   of the replicated parameters' gradients, flattened in bucket order), `grad_norm` (the
+//!   clipping norm's sum of squares and the step's loss over every rank; without it each
+//!   rank clips with its own norm), `ends.weights` (ZeRO-3: the embedding/head weights
+//!   from their updated shards after the optimizer).
+//!
 //! Steps the IR does not contain and the interpreter performs itself (`implicit` below;
-//! each is listed in the crate's report of what the IR should carry): the vocabulary-
-//! parallel loss reductions over tp, the TP all-reduce of the head's input gradient without
-//! SP, the SP all-gather before the embedding backward, the TP all-reduce of norm-weight
-//! gradients under SP, the global gradient-norm all-reduce for clipping and the ZeRO-3
-//! refresh of the embedding/head weights after the optimizer; for MoE layers, the cp
-//! all-reduce of each sequence's routing statistics for the load-balancing loss and, with
-//! tp > 1 without SP, the tp all-reduce of the gate gradients (each tp rank's expert
+//! each is listed in the crate's report of what the IR should carry): for MoE layers, the
+//! cp all-reduce of each sequence's routing statistics for the load-balancing loss and,
+//! with tp > 1 without SP, the tp all-reduce of the gate gradients (each tp rank's expert
 //! outputs are partial sums); with SP (each tp rank routes its sequence shard, as the
 //! lowering's router GEMM says, while the expert GEMMs are sized for every token of the
 //! micro-batch): the tp all-reduce of the routing statistics, the TP all-gather of the
 //! dispatched rows before the experts and the TP reduce-scatter of their partial outputs
 //! after them (forward and backward; Megatron's alltoall dispatcher with TP does the
-//! same), and the router weight's gradient completed by the SP all-reduce of replicated
-//! weights' gradients.
+//! same). The GPT learned-position add rides on the embedding node.
 
 use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::model::{lr_at, shard, Dims, Split};
-use shardwright_ir::{CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, Stream};
+use shardwright_ir::{
+    CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, ReduceOp, Stream,
+};
 use shardwright_spec::job::Job;
 use shardwright_spec::Layout;
 use std::collections::{BTreeMap, HashMap};
@@ -707,11 +716,35 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     report: StepReport,
     /// Buckets whose gradients went through a dp reduction this step.
     reduced: std::collections::BTreeSet<BKey>,
+    /// This step's `[sum of squares, loss]` after the graph's `grad_norm` all-reduce.
+    norm_stats: Option<[f32; 2]>,
+    /// Whether this step's gradient statistics were taken.
+    stats_done: bool,
     /// Report full gradients and weights each step.
     diagnostics: bool,
     data: Option<Box<dyn DataSource>>,
     /// This step's micro-batches, fetched once each: (inputs, targets).
     batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
+}
+
+/// All-reduce with the node's reduction (`max` as an all-gather and a local maximum:
+/// the [`Communicator`] sums).
+fn all_reduce_op<C: Communicator>(comm: &mut C, group: &[u32], x: &mut [f32], reduce: ReduceOp) {
+    match reduce {
+        ReduceOp::Sum => comm.all_reduce(group, x),
+        ReduceOp::Max => {
+            let all = comm.all_gather(group, x);
+            let len = x.len().max(1);
+            for (i, v) in x.iter_mut().enumerate() {
+                *v = all
+                    .iter()
+                    .skip(i)
+                    .step_by(len)
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+            }
+        }
+    }
 }
 
 fn err(why: impl Into<String>) -> String {
@@ -803,6 +836,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             has_aux: false,
             report: StepReport::default(),
             reduced: Default::default(),
+            norm_stats: None,
+            stats_done: false,
             diagnostics: true,
             data: None,
             batches: BTreeMap::new(),
@@ -1003,6 +1038,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         self.has_aux = false;
         self.counters.clear();
         self.reduced.clear();
+        self.norm_stats = None;
+        self.stats_done = false;
         self.batches.clear();
         for n in &self.g.nodes {
             self.node(n).map_err(|why| ExecError::Node {
@@ -1121,12 +1158,21 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 kind, bytes, dtype, ..
             } => {
                 let group = self.group_ranks(n)?;
+                let elems = (*bytes / dtype.bytes()) as usize;
+                if let Op::Collective {
+                    tensor: Some(role), ..
+                } = &n.op
+                {
+                    if role == "grad_norm" {
+                        return self.grad_norm_collective(*kind, &group, elems);
+                    }
+                    if role.ends_with(".replicated_grads") {
+                        return self.replicated_grads_collective(n, *kind, &group, elems);
+                    }
+                }
                 match n.stream {
                     Stream::Dp => self.dp_collective(n, *kind, &group),
-                    _ => {
-                        let elems = (*bytes / dtype.bytes()) as usize;
-                        self.comm_collective(n, *kind, &group, elems)
-                    }
+                    _ => self.comm_collective(n, *kind, &group, elems),
                 }
             }
             Op::OptimizerStep { .. } => self.optimizer_step(),
@@ -1438,32 +1484,91 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 self.tag = Tag::LmHead;
             }
             Op::Loss { .. } => {
+                // This rank's share of the vocabulary: per token the largest local logit,
+                // the local log-sum-exp and the target's logit (0 in other shards). The
+                // graph's `loss.*` collectives combine them over tp (see `loss_collective`);
+                // the backward's loss node completes the loss from what they left.
                 let (_, tg) = self.batch(mb)?;
-                let a = self.head.get(&mb).ok_or("no logits")?;
-                let (lse_l, mut tgt) =
-                    be.xent_local(a.get("logits")?, &tg, self.vl, self.vocab_start);
-                let lse = if self.tp.len() > 1 {
-                    // implicit: vocabulary-parallel loss reductions over tp.
-                    let tpg = self.tp.clone();
-                    let all = self.comm.all_gather(&tpg, &lse_l);
-                    self.comm.all_reduce(&tpg, &mut tgt);
-                    (0..t)
-                        .map(|i| {
-                            let parts: Vec<f32> = (0..tpg.len()).map(|r| all[r * t + i]).collect();
-                            let m = parts.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                            m + parts.iter().map(|p| (p - m).exp()).sum::<f32>().ln()
-                        })
-                        .collect()
-                } else {
-                    lse_l
-                };
-                let sum: f64 = lse.iter().zip(&tgt).map(|(a, b)| (a - b) as f64).sum();
-                self.loss += sum / self.global_tokens;
-                self.has_loss = true;
-                self.head.get_mut(&mb).unwrap().put("lse", lse);
+                let a = self.head.get_mut(&mb).ok_or("no logits")?;
+                let logits = a.get("logits")?;
+                let (lse_l, tgt) = be.xent_local(logits, &tg, self.vl, self.vocab_start);
+                let mx: Vec<f32> = logits
+                    .chunks(self.vl)
+                    .map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+                    .collect();
+                a.put("lse_l", lse_l);
+                a.put("tgt", tgt);
+                a.put("max", mx);
                 self.tag = Tag::Loss;
             }
             _ => return Err(err("unexpected op outside a layer")),
+        }
+        Ok(())
+    }
+
+    /// The loss of micro-batch `mb` from the statistics its forward left: the global
+    /// log-sum-exp `max + ln(sumexp)` when the graph's `loss.target_sumexp` all-reduce ran
+    /// (else the local one), minus the target logit (summed over tp by the same node, else
+    /// the local one). Adds the micro-batch's share of the step's loss.
+    fn finish_loss(&mut self, mb: u32) -> Result<(), String> {
+        let a = self.head.get_mut(&mb).ok_or("no head state")?;
+        let lse_l = a.take("lse_l")?;
+        let mx = a.take("max")?;
+        let tgt = a.take("tgt")?;
+        let lse: Vec<f32> = match a.0.remove("sumexp") {
+            Some(se) => mx.iter().zip(&se).map(|(m, s)| m + s.ln()).collect(),
+            None => lse_l,
+        };
+        let sum: f64 = lse.iter().zip(&tgt).map(|(a, b)| (a - b) as f64).sum();
+        self.loss += sum / self.global_tokens;
+        self.has_loss = true;
+        a.put("lse", lse);
+        Ok(())
+    }
+
+    /// The vocabulary-parallel loss's reductions, each as its graph node says (Megatron's
+    /// `_VocabParallelCrossEntropy`): `loss.max` reduces the per-token maximum logit,
+    /// `loss.target_sumexp` the target logit and the sum of `exp(logit - max)` over the
+    /// local vocabulary side by side, relative to the maximum as it stands (the reduced
+    /// one when `loss.max` ran before).
+    fn loss_collective(
+        &mut self,
+        n: &Node,
+        role: &str,
+        kind: CollectiveKind,
+        reduce: ReduceOp,
+        group: &[u32],
+        elems: usize,
+    ) -> Result<(), String> {
+        let mb = n.mb.ok_or("loss collective without micro-batch")?;
+        if kind != CollectiveKind::AllReduce {
+            return Err(format!("{role}: a {}, expected an all-reduce", kind.name()));
+        }
+        let a = self.head.get_mut(&mb).ok_or("no loss statistics")?;
+        let sumexp = |a: &Acts| -> Result<Vec<f32>, String> {
+            let (lse, mx) = (a.get("lse_l")?, a.get("max")?);
+            Ok(lse.iter().zip(mx).map(|(l, m)| (l - m).exp()).collect())
+        };
+        let mut x = match role {
+            "loss.max" => a.take("max")?,
+            "loss.target_sumexp" => {
+                let mut x = a.take("tgt")?;
+                x.extend(sumexp(a)?);
+                x
+            }
+            other => return Err(format!("unknown loss tensor `{other}`")),
+        };
+        if x.len() != elems {
+            return Err(format!("{role}: {} values, the IR says {elems}", x.len()));
+        }
+        all_reduce_op(&mut self.comm, group, &mut x, reduce);
+        let a = self.head.get_mut(&mb).unwrap();
+        if role == "loss.max" {
+            a.put("max", x);
+        } else {
+            let se = x.split_off(x.len() / 2);
+            a.put("tgt", x);
+            a.put("sumexp", se);
         }
         Ok(())
     }
@@ -1475,6 +1580,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         match &n.op {
             Op::Loss { .. } => {
                 let (_, tg) = self.batch(mb)?;
+                self.finish_loss(mb)?;
                 let a = self.head.get_mut(&mb).ok_or("no head state")?;
                 let dl = be.xent_bwd(
                     a.get("logits")?,
@@ -1493,17 +1599,11 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 match gname {
                     "lm_head.dgrad" => {
                         let dl = a.get("dlogits")?;
-                        let mut dn = if self.dims.tied {
+                        let dn = if self.dims.tied {
                             be.linear_fwd(dl, self.w("embedding")?, t, vl, h)
                         } else {
                             be.linear_dgrad(dl, self.w("lm_head")?, t, h, vl)
                         };
-                        if self.tp.len() > 1 && !self.sp {
-                            // implicit: the IR has no TP all-reduce of the head's input
-                            // gradient without sequence parallelism.
-                            let tpg = self.tp.clone();
-                            self.comm.all_reduce(&tpg, &mut dn);
-                        }
                         self.head.get_mut(&mb).unwrap().put("dn", dn);
                         self.tag = Tag::LmHeadD;
                     }
@@ -1542,14 +1642,17 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 self.tag = Tag::None;
             }
             Op::Embedding { .. } => {
-                let mut g = self
+                let g = self
                     .gcur
                     .remove(&mb)
                     .ok_or("no gradient at the embedding")?;
-                if self.sp {
-                    // implicit: the IR has no SP all-gather before the embedding backward.
-                    let tpg = self.tp.clone();
-                    g = self.comm.all_gather(&tpg, &g);
+                if g.len() != t * h {
+                    return Err(format!(
+                        "the gradient at the embedding has {} values, the micro-batch's {t} \
+                         tokens need {}",
+                        g.len(),
+                        t * h
+                    ));
                 }
                 let (ids, _) = self.batch(mb)?;
                 let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
@@ -1838,6 +1941,38 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             }
             Ok(())
         };
+        if let Op::Collective {
+            tensor: Some(role),
+            reduce,
+            ..
+        } = &n.op
+        {
+            if role.starts_with("loss.") {
+                return self.loss_collective(n, role, kind, *reduce, group, elems);
+            }
+            if role == "head.dgrad" && kind == K::AllReduce {
+                // The head's input gradient, partial over the vocabulary shards.
+                let a = self.head.get_mut(&mb).ok_or("no head state")?;
+                let mut dn = a.take("dn")?;
+                check(dn.len())?;
+                self.comm.all_reduce(group, &mut dn);
+                self.head.get_mut(&mb).unwrap().put("dn", dn);
+                return Ok(());
+            }
+            if role == "embed.dgrad.gather" {
+                if kind != K::AllGather {
+                    return Err(format!("{role}: a {}, expected an all-gather", kind.name()));
+                }
+                let g = self
+                    .gcur
+                    .remove(&mb)
+                    .ok_or("no gradient at the embedding")?;
+                let full = self.comm.all_gather(group, &g);
+                check(full.len())?;
+                self.gcur.insert(mb, full);
+                return Ok(());
+            }
+        }
         let fwd = matches!(n.pass, Pass::Fwd | Pass::Recompute);
         match (fwd, self.tag, kind) {
             (true, Tag::Norm1 | Tag::Norm2, K::AllGather) => {
@@ -2045,7 +2180,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 if !self.buckets.contains_key(&key) {
                     return Err("no such bucket".into());
                 }
-                self.sp_norm_reduce(key);
                 self.reduced.insert(key);
                 let b = &self.buckets[&key];
                 let mut flat = self.flatten(&b.names, &self.grads, b.padded);
@@ -2067,6 +2201,18 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                             .for_each(|x| *x = 0.0);
                     }
                 }
+            }
+            (K::AllGather, Pass::Step) if matches!(&n.op, Op::Collective { tensor: Some(t), .. } if t == "ends.weights") =>
+            {
+                // ZeRO-3: the embedding and head weights from their updated shards.
+                let key = (None, false);
+                if !self.buckets.contains_key(&key) {
+                    return Err("ends.weights: no embedding/head bucket on this rank".into());
+                }
+                let full = self.gather_bucket(key);
+                let b = &self.buckets[&key];
+                let (names, sizes) = (b.names.clone(), b.sizes.clone());
+                Self::unflatten(&names, &sizes, &full, &mut self.params);
             }
             (K::AllGather, Pass::Step) => {
                 // ZeRO-1/2: every bucket's updated shard (of this group's kind), concatenated
@@ -2101,25 +2247,92 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         Ok(())
     }
 
-    /// implicit: under SP each tp rank holds the norm-weight gradients of its token shard;
-    /// the IR has no all-reduce of them over tp.
-    fn sp_norm_reduce(&mut self, key: BKey) {
-        if !self.sp || key.1 {
-            return;
+    /// `L{l}.replicated_grads` / `ends.replicated_grads` (sequence parallelism): each tp
+    /// rank holds the gradients of the replicated parameters (norm weights and biases, an
+    /// MoE router) of its token shard; the graph's tp all-reduce sums them, flattened in
+    /// bucket order (the learned positions are excluded: every tp rank already holds their
+    /// whole gradient).
+    fn replicated_grads_collective(
+        &mut self,
+        n: &Node,
+        kind: CollectiveKind,
+        group: &[u32],
+        elems: usize,
+    ) -> Result<(), String> {
+        if kind != CollectiveKind::AllReduce || group != self.tp.as_slice() {
+            return Err(format!(
+                "replicated gradients: a {} on {group:?}, expected an all-reduce on tp {:?}",
+                kind.name(),
+                self.tp
+            ));
         }
-        let tpg = self.tp.clone();
+        let key = (n.layer, false);
         let dims = self.dims;
-        let names = self.buckets[&key].names.clone();
-        for nm in names
+        let names: Vec<String> = self
+            .buckets
+            .get(&key)
+            .ok_or("no such bucket")?
+            .names
             .iter()
             .filter(|nm| dims.split(nm) == Split::Replicated && nm.as_str() != "pos_embedding")
-        {
-            let gr = self.grads.get_mut(nm).unwrap();
-            self.comm.all_reduce(&tpg, gr);
+            .cloned()
+            .collect();
+        let mut flat = Vec::new();
+        for nm in &names {
+            flat.extend_from_slice(&self.grads[nm]);
         }
+        if flat.len() != elems {
+            return Err(format!(
+                "replicated gradients of {names:?}: {} values, the IR says {elems}",
+                flat.len()
+            ));
+        }
+        self.comm.all_reduce(group, &mut flat);
+        let mut o = 0;
+        for nm in &names {
+            let g = self.grads.get_mut(nm).unwrap();
+            let k = g.len();
+            g.copy_from_slice(&flat[o..o + k]);
+            o += k;
+        }
+        Ok(())
     }
 
-    fn optimizer_step(&mut self) -> Result<(), String> {
+    /// `grad_norm`: the global gradient norm's all-reduce (every rank's sum of squares of
+    /// the gradient elements it owns, and its share of the step's loss for the metrics).
+    fn grad_norm_collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: &[u32],
+        elems: usize,
+    ) -> Result<(), String> {
+        if kind != CollectiveKind::AllReduce || elems != 2 {
+            return Err(format!(
+                "grad_norm: a {} of {elems} values, expected an all-reduce of 2",
+                kind.name()
+            ));
+        }
+        if group.len() != self.world as usize {
+            return Err(format!(
+                "grad_norm on {} ranks, the world is {}",
+                group.len(),
+                self.world
+            ));
+        }
+        let mut buf = self.grad_stats()?;
+        self.comm.all_reduce(group, &mut buf);
+        self.norm_stats = Some(buf);
+        Ok(())
+    }
+
+    /// Before the norm: buckets without a dp reduction (a single replica: the IR emits
+    /// none) moved into their shards; then this rank's `[sum of squares of the gradient
+    /// elements it owns, its loss share]`. Runs once per step.
+    fn grad_stats(&mut self) -> Result<[f32; 2], String> {
+        if self.stats_done {
+            return Err("the gradient statistics were already taken this step".into());
+        }
+        self.stats_done = true;
         let zero = self.layout.zero_stage;
         // Buckets without a dp reduction (a single replica: the IR emits none).
         let keys: Vec<_> = self.buckets.keys().copied().collect();
@@ -2132,7 +2345,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     "bucket {k:?} was never reduced over data parallelism"
                 ));
             }
-            self.sp_norm_reduce(k);
             if zero >= 1 {
                 let b = &self.buckets[&k];
                 let flat = self.flatten(&b.names, &self.grads, b.padded);
@@ -2189,16 +2401,22 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 self.report.grads.extend(m);
             }
         }
-        // implicit: the global gradient norm needs an all-reduce over every rank; the
-        // step's loss rides along (each loss share counted once) for the metrics.
-        let world: Vec<u32> = (0..self.world).collect();
         let share = if self.has_loss && self.tp_pos == 0 {
             self.loss as f32
         } else {
             0.0
         };
-        let mut buf = [ss as f32, share];
-        self.comm.all_reduce(&world, &mut buf);
+        Ok([ss as f32, share])
+    }
+
+    fn optimizer_step(&mut self) -> Result<(), String> {
+        let zero = self.layout.zero_stage;
+        // The global figures when the graph's `grad_norm` all-reduce ran, else this rank's
+        // own (a single rank's graph has none).
+        let buf = match self.norm_stats.take() {
+            Some(b) => b,
+            None => self.grad_stats()?,
+        };
         let norm = (buf[0] as f64).sqrt();
         self.report.grad_norm = norm;
         self.report.global_loss = buf[1] as f64;
@@ -2236,14 +2454,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     // parameter gather, the shard is the whole bucket.
                     Self::unflatten(&b.names, &b.sizes, &b.p, &mut self.params);
                 }
-            }
-            if zero >= 3 && self.buckets.contains_key(&(None, false)) {
-                // implicit: ZeRO-3 has no gather of the embedding/head weights; refresh
-                // them here so the next step uses the updated values.
-                let full = self.gather_bucket((None, false));
-                let b = &self.buckets[&(None, false)];
-                let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                Self::unflatten(&names, &sizes, &full, &mut self.params);
             }
         }
         for g in self.grads.values_mut() {
@@ -2915,7 +3125,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let a = self.acts.get(&key).ok_or("no activations")?;
                 let dw = self.grads.get_mut(&nm("router")).ok_or("no grad")?;
                 // Under SP a partial sum over this rank's tokens: the router is replicated
-                // over tp, so the implicit SP all-reduce of replicated weights' gradients
+                // over tp, so the graph's `L{l}.replicated_grads` all-reduce over tp
                 // completes it.
                 be.linear_wgrad(a.get("n2")?, a.get("dlogits")?, tr, h, e, dw);
                 self.tag = Tag::RouterW;

@@ -183,6 +183,102 @@ fn a_missing_collective_is_caught() {
     assert!(msg.contains("step 0"), "{msg}");
 }
 
+/// Drop the collectives of `layout`'s program whose tensor role is `role`, check that some
+/// were dropped, run two steps and require the comparison with the single-rank run to fail.
+fn dropping_role_is_caught(layout: &str, role: &str) {
+    use shardwright_executor::{run_program, Cpu};
+    use shardwright_ir::Op;
+    let tpl = common::template(false, common::LAYERS);
+    let dims = Dims::from_job(&tpl.inputs).unwrap();
+    let base = common::run(&common::plan_for(&tpl, common::layout("ga4")), 2);
+    let plan = common::plan_for(&tpl, common::layout(layout));
+    let mut lowered = shardwright_lowering::lower(&plan).unwrap();
+    let mut dropped = 0;
+    for c in &mut lowered.program.classes {
+        let before = c.graph.nodes.len();
+        c.graph
+            .nodes
+            .retain(|n| !matches!(&n.op, Op::Collective { tensor: Some(t), .. } if t == role));
+        dropped += before - c.graph.nodes.len();
+    }
+    assert!(
+        dropped > 0,
+        "{layout}: the program has no `{role}` collective"
+    );
+    // The unmodified program passes (so the failure below is the dropped node's).
+    let runs = common::run(&plan, 2);
+    common::compare(layout, &dims, &base, &runs, TOL);
+    let runs = run_program(
+        &lowered.program,
+        &lowered.job,
+        &lowered.layout,
+        Cpu,
+        &common::cfg(),
+        2,
+    );
+    // Either the run stops with an error naming the node (not a panic), or it differs.
+    let runs = match runs {
+        Ok(r) => r,
+        Err(e) => {
+            assert!(
+                matches!(e, shardwright_executor::ExecError::Node { .. }),
+                "{layout} without `{role}`: {e}"
+            );
+            eprintln!("{layout} without `{role}`: {e}");
+            return;
+        }
+    };
+    let err = std::panic::catch_unwind(|| common::compare("mutated", &dims, &base, &runs, TOL))
+        .expect_err("a dropped collective must be caught");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("step "), "{role}: {msg}");
+    eprintln!(
+        "{layout} without `{role}`: {}",
+        msg.lines().next().unwrap_or("")
+    );
+}
+
+/// The vocabulary-parallel loss's reductions over tp (the maximum; the target logit and
+/// the sum of exponentials) are each needed.
+#[test]
+fn a_missing_loss_reduction_is_caught() {
+    for role in ["loss.max", "loss.target_sumexp"] {
+        dropping_role_is_caught("tp2,ga4", role);
+    }
+}
+
+/// Under sequence parallelism each tp rank's norm-weight gradients cover its token shard:
+/// the graph's tp all-reduces of the replicated gradients (per layer and of the final
+/// norm) are needed, with and without a data-parallel reduction after them.
+#[test]
+fn a_missing_sp_norm_grad_all_reduce_is_caught() {
+    dropping_role_is_caught("tp2,ga4,sp=on", "L1.replicated_grads");
+    dropping_role_is_caught("tp2,dp2,ga2,sp=on,zero1", "ends.replicated_grads");
+}
+
+/// The clipping norm is global: without the graph's all-reduce over every rank each rank
+/// clips with its own norm (and reports it).
+#[test]
+fn a_missing_grad_norm_all_reduce_is_caught() {
+    dropping_role_is_caught("tp2,ga4", "grad_norm");
+    dropping_role_is_caught("dp2,ga2,zero1", "grad_norm");
+}
+
+/// The head's input gradient is partial over the vocabulary shards (all-reduced without
+/// SP); with SP the embedding's backward needs every token's gradient (all-gathered).
+#[test]
+fn a_missing_head_or_embedding_gradient_collective_is_caught() {
+    dropping_role_is_caught("tp2,ga4", "head.dgrad");
+    dropping_role_is_caught("tp2,ga4,sp=on", "embed.dgrad.gather");
+}
+
+/// ZeRO-3: without the step's gather of the embedding/head weights the next step runs on
+/// stale ones.
+#[test]
+fn a_missing_zero3_ends_gather_is_caught() {
+    dropping_role_is_caught("dp2,ga2,zero3", "ends.weights");
+}
+
 /// The MoE model (4 experts, top-2, one shared expert, layer 0 dense, layers 1.. MoE)
 /// under `layouts` against its single-rank run.
 fn moe_matrix(layers: u32, layouts: &[&str]) {

@@ -233,6 +233,30 @@ impl CollectiveKind {
     }
 }
 
+/// The element-wise reduction of an all-reduce or reduce-scatter.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    #[default]
+    Sum,
+    Max,
+}
+
+impl ReduceOp {
+    pub const ALL: [ReduceOp; 2] = [ReduceOp::Sum, ReduceOp::Max];
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+        }
+    }
+    pub fn is_sum(&self) -> bool {
+        *self == ReduceOp::Sum
+    }
+}
+
 /// Memory-bound elementwise kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -333,11 +357,20 @@ pub enum Op {
         params: u64,
         work: Work,
     },
+    /// A collective on `group`. `tensor` names what it moves (its role), e.g. `loss.max`,
+    /// `grad_norm`, `L3.norm_grads`, `head.dgrad`: the executor runs a collective on the
+    /// tensor its name says, and the cross-rank matching requires every member to agree.
+    /// `reduce` is the element-wise reduction of an all-reduce / reduce-scatter (`sum`
+    /// unless said otherwise; `max` for the vocabulary-parallel loss's logit maximum).
     Collective {
         kind: CollectiveKind,
         group: GroupId,
         bytes: u64,
         dtype: DType,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tensor: Option<String>,
+        #[serde(default, skip_serializing_if = "ReduceOp::is_sum")]
+        reduce: ReduceOp,
     },
     Send {
         peer: u32,

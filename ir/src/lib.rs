@@ -14,7 +14,7 @@ pub mod ids;
 
 pub use graph::{
     Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op, Pass,
-    ProcessGroup, Stream, Work,
+    ProcessGroup, ReduceOp, Stream, Work,
 };
 pub use ids::{BufferId, GroupId, NodeId};
 pub mod program;

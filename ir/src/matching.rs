@@ -8,7 +8,7 @@
 //!   representative) in the class graph, and likewise for receives.
 //!
 //! [`verify_program`] checks, per process group, that the classes of its members issue the
-//! same sequence of collectives (kind, bytes, dtype) on its axis; per (sender, receiver)
+//! same sequence of collectives (kind, bytes, dtype, reduction, tensor role) on its axis; per (sender, receiver)
 //! pair of classes and offset, that the sends match the receives; and then runs the program
 //! timelessly ([`run_timeline`] with zero durations) to find deadlocks.
 //!
@@ -18,7 +18,7 @@
 //! [`refine_classes`] splits classes until that holds (and can isolate chosen ranks, e.g. a
 //! straggler); lowered programs (one class per pipeline stage) already satisfy it.
 
-use crate::graph::{Graph, Node, Op, ProcessGroup};
+use crate::graph::{Graph, Node, Op, ProcessGroup, ReduceOp};
 use crate::ids::{GroupId, NodeId};
 use crate::program::{Program, RankClass};
 use serde::{Deserialize, Serialize};
@@ -405,10 +405,14 @@ fn describe(p: &Program, g: &Graph, n: NodeId) -> String {
             group,
             bytes,
             dtype,
+            tensor,
+            reduce,
         } => format!(
-            "{} {bytes} B {} on {}",
+            "{}{} {bytes} B {}{} on {}",
             kind.name(),
+            reduce_suffix(*reduce),
             dtype.name(),
+            tensor_suffix(tensor),
             p.groups
                 .get(group.index())
                 .map_or(group.to_string(), |g| g.name())
@@ -430,14 +434,25 @@ fn describe_for(p: &Program, ix: &ProgramIndex, c: usize, n: NodeId, rank: u32) 
     let rep = p.classes[c].ranks[0];
     match &g.node(n).op {
         Op::Collective {
-            kind, bytes, dtype, ..
+            kind,
+            bytes,
+            dtype,
+            tensor,
+            reduce,
+            ..
         } => {
             let name = match ix.classes[c].role[n.index()] {
                 CommRole::Coll { axis, .. } => ix.rank_group[rank as usize][axis as usize]
                     .map_or("?".to_string(), |gid| p.groups[gid.index()].name()),
                 _ => "?".into(),
             };
-            format!("{} {bytes} B {} on {name}", kind.name(), dtype.name())
+            format!(
+                "{}{} {bytes} B {}{} on {name}",
+                kind.name(),
+                reduce_suffix(*reduce),
+                dtype.name(),
+                tensor_suffix(tensor)
+            )
         }
         Op::Send { peer, bytes, dtype } => format!(
             "send {bytes} B {} to rank {}",
@@ -453,16 +468,39 @@ fn describe_for(p: &Program, ix: &ProgramIndex, c: usize, n: NodeId, rank: u32) 
     }
 }
 
-/// The matching signature of a comm op: (kind, bytes, dtype).
-fn signature(op: &Op) -> (u8, u64, u8) {
+fn reduce_suffix(r: ReduceOp) -> String {
+    if r.is_sum() {
+        String::new()
+    } else {
+        format!("({})", r.name())
+    }
+}
+
+fn tensor_suffix(t: &Option<String>) -> String {
+    t.as_ref().map_or(String::new(), |t| format!(" of {t}"))
+}
+
+/// The matching signature of a comm op: (kind, bytes, dtype, reduction, tensor role).
+fn signature(op: &Op) -> (u8, u64, u8, u8, Option<&str>) {
     match op {
         Op::Collective {
-            kind, bytes, dtype, ..
-        } => (*kind as u8, *bytes, *dtype as u8),
+            kind,
+            bytes,
+            dtype,
+            tensor,
+            reduce,
+            ..
+        } => (
+            *kind as u8,
+            *bytes,
+            *dtype as u8,
+            *reduce as u8,
+            tensor.as_deref(),
+        ),
         Op::Send { bytes, dtype, .. } | Op::Recv { bytes, dtype, .. } => {
-            (255, *bytes, *dtype as u8)
+            (255, *bytes, *dtype as u8, 0, None)
         }
-        _ => (254, 0, 0),
+        _ => (254, 0, 0, 0, None),
     }
 }
 

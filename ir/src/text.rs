@@ -29,7 +29,8 @@
 //!            | 'embedding' 'tokens=' U64 'hidden=' U64 'vocab=' U64 work
 //!            | 'loss' 'tokens=' U64 'vocab=' U64 work
 //!            | 'optimizer_step' 'params=' U64 work
-//!            | 'collective' COLLKIND GROUPID 'bytes=' U64 DTYPE
+//!            | 'collective' COLLKIND GROUPID 'bytes=' U64 DTYPE ['tensor=' NAME] ['reduce=max']
+//!                                         (the reduction is `sum` unless `reduce=max` says so)
 //!            | 'send' 'peer=' U32 'bytes=' U64 DTYPE
 //!            | 'recv' 'peer=' U32 'bytes=' U64 DTYPE
 //!            | 'alloc' BUFFERID | 'free' BUFFERID
@@ -62,7 +63,7 @@
 
 use crate::graph::{
     Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op, Pass,
-    ProcessGroup, Stream, Work,
+    ProcessGroup, ReduceOp, Stream, Work,
 };
 use crate::ids::{BufferId, GroupId, NodeId};
 use std::fmt::{self, Write as _};
@@ -228,6 +229,8 @@ fn write_node(out: &mut String, n: &Node) {
             group,
             bytes,
             dtype,
+            tensor,
+            reduce,
         } => {
             let _ = write!(
                 out,
@@ -235,6 +238,13 @@ fn write_node(out: &mut String, n: &Node) {
                 kind.name(),
                 dtype.name()
             );
+            if let Some(t) = tensor {
+                out.push_str(" tensor=");
+                write_name(out, t);
+            }
+            if !reduce.is_sum() {
+                let _ = write!(out, " reduce={}", reduce.name());
+            }
         }
         Op::Send { peer, bytes, dtype } | Op::Recv { peer, bytes, dtype } => {
             let _ = write!(out, " peer={peer} bytes={bytes} {}", dtype.name());
@@ -470,6 +480,20 @@ impl<'a> Cursor<'a> {
             Ok(None)
         }
     }
+    /// An optional `key=NAME` (bare or quoted).
+    fn opt_name(&mut self, key: &str) -> Result<Option<String>, ParseError> {
+        if !self.has_key(key) {
+            return Ok(None);
+        }
+        let exp = format!("`{key}=<name>`");
+        let t = self.next(&exp)?;
+        let v = &t.text[key.len() + 1..];
+        let (w, rest) = decode_name(v).map_err(|e| self.err_at(Some(t), format!("{exp}: {e}")))?;
+        if !rest.is_empty() {
+            return Err(self.err_at(Some(t), "a space after the closing `\"`"));
+        }
+        Ok(Some(w))
+    }
     fn name(&mut self, what: &str) -> Result<String, ParseError> {
         let t = self.next(what)?;
         decode_name(t.text)
@@ -696,18 +720,7 @@ fn parse_op(c: &mut Cursor<'_>) -> Result<Op, ParseError> {
             let n = c.u64("n")?;
             let k = c.u64("k")?;
             let dtype = c.dtype()?;
-            let weight = if c.has_key("weight") {
-                let t = c.next("`weight=<name>`")?;
-                let v = &t.text["weight=".len()..];
-                let (w, rest) = decode_name(v)
-                    .map_err(|e| c.err_at(Some(t), format!("`weight=<name>`: {e}")))?;
-                if !rest.is_empty() {
-                    return Err(c.err_at(Some(t), "a space after the closing `\"`"));
-                }
-                Some(w)
-            } else {
-                None
-            };
+            let weight = c.opt_name("weight")?;
             Op::Gemm {
                 name,
                 m,
@@ -782,6 +795,16 @@ fn parse_op(c: &mut Cursor<'_>) -> Result<Op, ParseError> {
             group: c.id("a group id (`gN`)")?,
             bytes: c.u64("bytes")?,
             dtype: c.dtype()?,
+            tensor: c.opt_name("tensor")?,
+            reduce: if c.has_key("reduce") {
+                // Canonical: the default `sum` is never written.
+                c.key("reduce", "max", |v| match v {
+                    "max" => Ok(ReduceOp::Max),
+                    _ => Err("only `max` is written (`sum` is the default)".to_string()),
+                })?
+            } else {
+                ReduceOp::Sum
+            },
         },
         "send" => Op::Send {
             peer: c.u32("peer")?,

@@ -16,7 +16,7 @@
 //!
 //! **Phase 2: semantics**
 //! - `rank`: `world > 0` and `rank < world`.
-//! - `name`: group axes, buffer names, gemm names and weights are non-empty
+//! - `name`: group axes, buffer names, gemm names, weights and collective tensors are non-empty
 //!   `[A-Za-z0-9_.:/-]+` (so the text form prints them bare, see [`crate::text`]).
 //! - `group-ranks`: a group's ranks are non-empty, strictly ascending and `< world`.
 //! - `dep`: every dep points to a strictly earlier node. Program order is then a
@@ -42,6 +42,8 @@
 //!   size; for all_gather, reduce_scatter and all_to_all a multiple of
 //!   `group size x dtype size` (every member holds an equal share).
 //! - `gemm-flops`: a gemm's `flops == 2 * m * n * k` (without overflow).
+//! - `reduce-op`: a reduction other than `sum` (`reduce=max`) only on all_reduce or
+//!   reduce_scatter.
 
 use crate::graph::{BufferKind, CollectiveKind, Graph, Op, Stream};
 use crate::ids::{BufferId, NodeId};
@@ -71,6 +73,7 @@ pub const RULES: &[&str] = &[
     "leak",
     "message-size",
     "gemm-flops",
+    "reduce-op",
 ];
 
 /// One violated invariant.
@@ -332,7 +335,34 @@ fn semantics(g: &Graph, e: &mut Errors<'_>) {
                 group,
                 bytes,
                 dtype,
+                tensor,
+                reduce,
             } => {
+                if let Some(t) = tensor {
+                    if !is_bare_name(t) {
+                        e.at(
+                            i,
+                            "name",
+                            format!("collective tensor {t:?} is not [A-Za-z0-9_.:/-]+"),
+                        );
+                    }
+                }
+                if !reduce.is_sum()
+                    && !matches!(
+                        kind,
+                        CollectiveKind::AllReduce | CollectiveKind::ReduceScatter
+                    )
+                {
+                    e.at(
+                        i,
+                        "reduce-op",
+                        format!(
+                            "reduce={} on a {}: only all_reduce and reduce_scatter reduce",
+                            reduce.name(),
+                            kind.name()
+                        ),
+                    );
+                }
                 let pg = g.group(*group).expect("checked in phase 1");
                 if !pg.ranks.contains(&g.rank) {
                     e.at(

@@ -29,6 +29,8 @@ fn ar(group: u32, bytes: u64) -> Op {
         group: GroupId(group),
         bytes,
         dtype: DType::Bf16,
+        tensor: None,
+        reduce: Default::default(),
     }
 }
 
@@ -222,6 +224,48 @@ fn swapped_collectives_same_group_mismatch() {
 }
 
 #[test]
+fn tensor_role_and_reduction_mismatch() {
+    let groups = vec![pg(0, "tp", 0, &[0, 1])];
+    let with = |tensor: Option<&str>, reduce| Op::Collective {
+        kind: CollectiveKind::AllReduce,
+        group: GroupId(0),
+        bytes: 64,
+        dtype: DType::Bf16,
+        tensor: tensor.map(String::from),
+        reduce,
+    };
+    // Same role and reduction on both: fine.
+    let p = two_rank(
+        vec![(Comm, with(Some("loss.max"), ReduceOp::Max))],
+        vec![(Comm, with(Some("loss.max"), ReduceOp::Max))],
+        groups.clone(),
+    );
+    assert!(verify_program(&p).is_ok());
+    // One member sums what the other takes the max of.
+    let p = two_rank(
+        vec![(Comm, with(Some("loss.max"), ReduceOp::Max))],
+        vec![(Comm, with(Some("loss.max"), ReduceOp::Sum))],
+        groups.clone(),
+    );
+    let e = verify_program(&p).unwrap_err();
+    assert_eq!(rules(&e), ["collective-mismatch"]);
+    assert!(e[0].message.contains("(max)"), "{}", e[0]);
+    // Same bytes, different tensors.
+    let p = two_rank(
+        vec![(Comm, with(Some("loss.sumexp"), ReduceOp::Sum))],
+        vec![(Comm, with(Some("loss.target"), ReduceOp::Sum))],
+        groups,
+    );
+    let e = verify_program(&p).unwrap_err();
+    assert_eq!(rules(&e), ["collective-mismatch"]);
+    assert!(
+        e[0].message.contains("loss.sumexp") && e[0].message.contains("loss.target"),
+        "{}",
+        e[0]
+    );
+}
+
+#[test]
 fn dtype_mismatch() {
     let groups = vec![pg(0, "tp", 0, &[0, 1])];
     let other = Op::Collective {
@@ -229,6 +273,8 @@ fn dtype_mismatch() {
         group: GroupId(0),
         bytes: 64,
         dtype: DType::F32,
+        tensor: None,
+        reduce: Default::default(),
     };
     let p = two_rank(vec![(Comm, ar(0, 64))], vec![(Comm, other)], groups);
     let e = verify_program(&p).unwrap_err();

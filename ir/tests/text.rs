@@ -73,6 +73,8 @@ fn example() -> Graph {
             group: GroupId(0),
             bytes: 33554432,
             dtype: DType::Bf16,
+            tensor: None,
+            reduce: Default::default(),
         },
         vec![n2],
     );
@@ -167,6 +169,59 @@ fn options_absent_and_flags_off() {
          @compute recompute\n"
     ));
     assert_eq!(parse(&t).unwrap(), g);
+}
+
+#[test]
+fn collective_tensor_and_reduction() {
+    let line =
+        "n0 = collective all_reduce g0 bytes=32 f32 tensor=loss.max reduce=max @comm fwd mb=1";
+    let g = parse(&format!(
+        "graph rank=0 world=2\ngroup g0 tp.0 nvlink ranks=0,1\n{line}\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        g.nodes[0].op,
+        Op::Collective {
+            kind: CollectiveKind::AllReduce,
+            group: GroupId(0),
+            bytes: 32,
+            dtype: DType::F32,
+            tensor: Some("loss.max".into()),
+            reduce: ReduceOp::Max,
+        }
+    );
+    assert_eq!(print_node(&g, &g.nodes[0]), line);
+    // Canonical: the default `sum` is never written, so `reduce=sum` is not accepted.
+    let e = parse(
+        "graph rank=0 world=2\ngroup g0 tp.0 nvlink ranks=0,1\n\
+         n0 = collective all_reduce g0 bytes=32 f32 reduce=sum @comm fwd\n",
+    )
+    .unwrap_err();
+    assert!(e.expected.contains("`sum` is the default"), "{e}");
+    // Fields in order: the tensor comes before the reduction.
+    assert!(parse(
+        "graph rank=0 world=2\ngroup g0 tp.0 nvlink ranks=0,1\n\
+         n0 = collective all_reduce g0 bytes=32 f32 reduce=max tensor=x @comm fwd\n",
+    )
+    .is_err());
+    // JSON leaves the defaults out.
+    let json = serde_json::to_string(&g.nodes[0].op).unwrap();
+    assert!(
+        json.contains(r#""tensor":"loss.max""#) && json.contains(r#""reduce":"max""#),
+        "{json}"
+    );
+    let plain: Op = serde_json::from_str(
+        r#"{"op":"collective","kind":"all_reduce","group":0,"bytes":8,"dtype":"f32"}"#,
+    )
+    .unwrap();
+    assert!(matches!(
+        plain,
+        Op::Collective {
+            tensor: None,
+            reduce: ReduceOp::Sum,
+            ..
+        }
+    ));
 }
 
 #[test]

@@ -68,7 +68,7 @@ fn base_is_valid_and_canonical() {
 #[test]
 fn every_rule_has_a_test() {
     // Keep in sync with the tests below (and the module doc).
-    assert_eq!(RULES.len(), 21);
+    assert_eq!(RULES.len(), 22);
 }
 
 #[test]
@@ -281,6 +281,43 @@ fn gemm_flops() {
     assert_eq!(
         rules(&edit("m=8 n=24 k=16 bf16 weight=L0.qkv flops=6144", big)),
         ["gemm-flops"]
+    );
+}
+
+#[test]
+fn reduce_op() {
+    // `max` is a reduction: fine on an all-reduce or reduce-scatter, an error elsewhere.
+    assert_eq!(
+        rules(&edit(
+            "all_gather g0 bytes=64 bf16",
+            "all_reduce g0 bytes=64 f32 tensor=loss.max reduce=max"
+        )),
+        Vec::<&str>::new()
+    );
+    assert_eq!(
+        rules(&edit(
+            "reduce_scatter g2 bytes=1024 f32",
+            "reduce_scatter g2 bytes=1024 f32 reduce=max"
+        )),
+        Vec::<&str>::new()
+    );
+    assert_eq!(
+        rules(&edit(
+            "all_gather g0 bytes=64 bf16",
+            "all_gather g0 bytes=64 bf16 reduce=max"
+        )),
+        ["reduce-op"]
+    );
+}
+
+#[test]
+fn collective_tensor_name() {
+    assert_eq!(
+        rules(&edit(
+            "all_gather g0 bytes=64 bf16",
+            "all_gather g0 bytes=64 bf16 tensor=\"L0 norm\""
+        )),
+        ["name"]
     );
 }
 

@@ -321,11 +321,55 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
                     group,
                     bytes,
                     dtype,
+                    tensor,
+                    ..
                 } => {
                     checked += 1;
                     let pg = p.group(*group);
                     let n = pg.ranks.len() as u64;
                     let unit = dtype.bytes();
+                    let role = tensor.as_deref().unwrap_or("");
+                    // Per-token f32 scalars: the vocabulary-parallel loss statistics.
+                    if role.starts_with("loss.") {
+                        // One (max) or two (target logit, sum of exponentials) per token.
+                        let per = if role == "loss.max" { 1 } else { 2 };
+                        bad(per * tokens * 4, role, *bytes, 1, unit);
+                        continue;
+                    }
+                    // The sum of squares and the loss share.
+                    if role == "grad_norm" {
+                        bad(8, role, *bytes, 1, unit);
+                        continue;
+                    }
+                    if role.ends_with(".replicated_grads") {
+                        let per_norm = m.hidden_size
+                            * if m.norm == shardwright_spec::spec::Norm::Layernorm {
+                                2
+                            } else {
+                                1
+                            };
+                        let want = match node.layer {
+                            Some(l) => {
+                                let moe = m.is_moe() && l >= m.dense_layers();
+                                2 * per_norm
+                                    + if moe {
+                                        m.moe.as_ref().map_or(0, |x| x.num_experts as u64)
+                                            * m.hidden_size
+                                    } else {
+                                        0
+                                    }
+                            }
+                            None => per_norm,
+                        };
+                        bad(
+                            want * l.job.training.grad_dtype.bytes() as u64,
+                            role,
+                            *bytes,
+                            1,
+                            unit,
+                        );
+                        continue;
+                    }
                     match pg.axis.as_str() {
                         "tp" => bad(
                             hidden,

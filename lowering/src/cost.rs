@@ -33,6 +33,19 @@ use shardwright_ir::{BufferKind, CollectiveKind, ElementwiseKind, Node, Op, Pass
 use shardwright_spec::mesh::GroupKind;
 use std::collections::BTreeMap;
 
+/// Up to this size a named all-reduce may take the tree algorithm's time.
+const SMALL_BYTES: f64 = (1 << 20) as f64;
+
+/// Double-binary-tree all-reduce: a reduce up and a broadcast down `ceil(log2 n)` levels,
+/// the whole message over each link.
+fn tree_all_reduce_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let depth = (n as f64).log2().ceil();
+    2.0 * depth * (alpha_s + bytes / (gbps * 1e9))
+}
+
 /// Template ops by (layer kind, pass, name): (exposed seconds, elements for elementwise).
 type Table = BTreeMap<(u8, u8, &'static str), (f64, f64)>;
 
@@ -173,11 +186,13 @@ impl<'a> PlanCost<'a> {
                 kind: ck,
                 group,
                 bytes,
+                tensor,
                 ..
             } => {
                 let g = program.group(*group);
-                // In-layer collectives: the template's exposed time.
-                if node.layer.is_some() {
+                // In-layer collectives: the template's exposed time (a named one moves
+                // something else than the layer's activations: charged by its bytes).
+                if node.layer.is_some() && tensor.is_none() {
                     let name = match (g.axis.as_str(), ck) {
                         ("tp", CollectiveKind::AllGather) => Some("tp.all_gather"),
                         ("tp", CollectiveKind::ReduceScatter) => Some("tp.reduce_scatter"),
@@ -199,6 +214,18 @@ impl<'a> PlanCost<'a> {
                 let n = g.ranks.len() as u64;
                 let b = *bytes as f64;
                 let t = match ck {
+                    // The step's scalar reductions (loss statistics, gradient norm, replicated
+                    // gradients): latency-bound, where NCCL's tuner picks the tree algorithm
+                    // (2 log2 n hops, each way) over the ring's 2 (n - 1); a ring over 16,384
+                    // ranks would charge a third of a second for 8 bytes.
+                    CollectiveKind::AllReduce if tensor.is_some() && b <= SMALL_BYTES => {
+                        all_reduce_s(b, n, link.gbps, link.latency_s).min(tree_all_reduce_s(
+                            b,
+                            n,
+                            link.gbps,
+                            link.latency_s,
+                        ))
+                    }
                     CollectiveKind::AllReduce => all_reduce_s(b, n, link.gbps, link.latency_s),
                     CollectiveKind::AllGather | CollectiveKind::Broadcast => {
                         all_gather_s(b, n, link.gbps, link.latency_s)

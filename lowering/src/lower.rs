@@ -37,16 +37,16 @@
 //! as in the plan's MFU formula, so the FLOPs of all ranks sum to the step's model FLOPs
 //! plus recomputation (checked by [`crate::check`]).
 
-use crate::mesh::declare_groups;
+use crate::mesh::{declare_groups, WORLD};
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
 use shardwright_cost::schedule::{slots, Phase};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
-    Program, RankClass, Stream, Work,
+    Program, RankClass, ReduceOp, Stream, Work,
 };
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
-use shardwright_spec::spec::{Recompute, Schedule};
+use shardwright_spec::spec::{Norm, Recompute, Schedule};
 use shardwright_spec::{Layout, Plan};
 use std::collections::BTreeMap;
 
@@ -302,8 +302,8 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    fn group(&mut self, kind: GroupKind) -> Option<GroupId> {
-        let id = self.program.group_for(self.rank, kind.name())?;
+    fn group_named(&mut self, axis: &str) -> Option<GroupId> {
+        let id = self.program.group_for(self.rank, axis)?;
         if self.g.group(id).is_none() {
             let pg = self.program.group(id).clone();
             let pos = self.g.groups.partition_point(|x| x.id < id);
@@ -334,7 +334,38 @@ impl Builder<'_> {
         dt: DType,
         blocking: bool,
     ) -> Option<NodeId> {
-        let group = self.group(axis)?;
+        self.named(
+            stream,
+            pass,
+            mb,
+            layer,
+            kind,
+            axis.name(),
+            bytes,
+            dt,
+            blocking,
+            None,
+            ReduceOp::Sum,
+        )
+    }
+
+    /// [`Builder::collective`] naming the tensor it moves and its reduction.
+    #[allow(clippy::too_many_arguments)]
+    fn named(
+        &mut self,
+        stream: Stream,
+        pass: Pass,
+        mb: Option<u32>,
+        layer: Option<u32>,
+        kind: CollectiveKind,
+        axis: &str,
+        bytes: u64,
+        dt: DType,
+        blocking: bool,
+        tensor: Option<String>,
+        reduce: ReduceOp,
+    ) -> Option<NodeId> {
+        let group = self.group_named(axis)?;
         let n = self.program.group(group).ranks.len() as u64;
         let bytes = match kind {
             CollectiveKind::AllGather
@@ -353,6 +384,8 @@ impl Builder<'_> {
                 group,
                 bytes,
                 dtype: dt,
+                tensor,
+                reduce,
             },
             deps,
         );
@@ -589,6 +622,36 @@ impl<'a> Ctx<'a> {
                 d.t * d.h * d.w.bytes(),
                 d.w,
                 true,
+            );
+        }
+    }
+
+    /// The vocabulary-parallel cross-entropy's reductions over tp: the all-reduce (max) of
+    /// each token's largest local logit, then one all-reduce (sum) of its target logit
+    /// (held by one rank) and its sum of exponentials relative to the maximum, side by
+    /// side (Megatron-core's `_VocabParallelCrossEntropy` reduces those two separately; its
+    /// fused cross-entropy concatenates them into one all-reduce, as here). f32.
+    fn loss_reductions(&self, b: &mut Builder, mb: Option<u32>) {
+        if self.layout.tp <= 1 {
+            return;
+        }
+        let d = self.dims();
+        for (tensor, reduce, per_token) in [
+            ("loss.max", ReduceOp::Max, 1),
+            ("loss.target_sumexp", ReduceOp::Sum, 2),
+        ] {
+            b.named(
+                Stream::Comm,
+                Pass::Fwd,
+                mb,
+                None,
+                CollectiveKind::AllReduce,
+                GroupKind::Tp.name(),
+                per_token * d.t * DType::F32.bytes(),
+                DType::F32,
+                true,
+                Some(tensor.into()),
+                reduce,
             );
         }
     }
@@ -841,6 +904,63 @@ impl<'a> Ctx<'a> {
             )
         } else {
             (self.lc.dense_layer_params, 0.0)
+        }
+    }
+
+    /// Parameters every tp rank holds whole (norm weights and biases, an MoE router) of
+    /// `layer`, or of the ends (`None`: the final norm when the stage has the head).
+    fn replicated_params(&self, layer: Option<u32>, has_head: bool) -> u64 {
+        let m = &self.job.model;
+        let per_norm = m.hidden_size * if m.norm == Norm::Layernorm { 2 } else { 1 };
+        match layer {
+            Some(l) => {
+                let router = if self.is_moe_layer(l) {
+                    m.moe.as_ref().map_or(0, |x| x.num_experts as u64) * m.hidden_size
+                } else {
+                    0
+                };
+                2 * per_norm + router
+            }
+            None if has_head => per_norm,
+            None => 0,
+        }
+    }
+
+    /// Sequence parallelism: each tp rank's gradients of the replicated parameters cover
+    /// its token shard only; all-reduce them over tp before the data-parallel reduction
+    /// (Megatron's `_allreduce_layernorm_grads` in `finalize_model_grads`).
+    fn sp_grad_reduce(
+        &self,
+        b: &mut Builder,
+        mb: Option<u32>,
+        layer: Option<u32>,
+        has_head: bool,
+        out: &mut Vec<NodeId>,
+    ) {
+        let n = self.replicated_params(layer, has_head);
+        if !self.dims().sp || n == 0 {
+            return;
+        }
+        let g = dtype(self.job.training.grad_dtype.bytes());
+        let pass = if mb.is_some() { Pass::Bwd } else { Pass::Step };
+        let tensor = match layer {
+            Some(l) => format!("L{l}.replicated_grads"),
+            None => "ends.replicated_grads".to_string(),
+        };
+        if let Some(id) = b.named(
+            Stream::Dp,
+            pass,
+            mb,
+            layer,
+            CollectiveKind::AllReduce,
+            GroupKind::Tp.name(),
+            n * g.bytes(),
+            g,
+            false,
+            Some(tensor),
+            ReduceOp::Sum,
+        ) {
+            out.push(id);
         }
     }
 
@@ -1100,6 +1220,7 @@ impl<'a> Ctx<'a> {
                             gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
                         );
                         b.compute(Pass::Fwd, mbo, None, loss_op(&d));
+                        self.loss_reductions(&mut b, mbo);
                     } else {
                         let deps = b.last.into_iter().collect();
                         b.g.push(
@@ -1127,19 +1248,26 @@ impl<'a> Ctx<'a> {
                             k: d.h,
                         };
                         self.gemm_bwd(&mut b, None, s.mb, &g, Some(head_w.into()));
-                        if d.sp {
-                            b.collective(
-                                Stream::Comm,
-                                Pass::Bwd,
-                                mbo,
-                                None,
-                                CollectiveKind::ReduceScatter,
-                                GroupKind::Tp,
-                                d.t * d.h * d.w.bytes(),
-                                d.w,
-                                true,
-                            );
-                        }
+                        // The head's input gradient is a partial sum over the vocabulary
+                        // shards: reduce-scattered into the sequence shards with SP, else
+                        // all-reduced (Megatron's column-parallel backward).
+                        b.named(
+                            Stream::Comm,
+                            Pass::Bwd,
+                            mbo,
+                            None,
+                            if d.sp {
+                                CollectiveKind::ReduceScatter
+                            } else {
+                                CollectiveKind::AllReduce
+                            },
+                            GroupKind::Tp.name(),
+                            d.t * d.h * d.w.bytes(),
+                            d.w,
+                            true,
+                            Some("head.dgrad".into()),
+                            ReduceOp::Sum,
+                        );
                         b.compute(Pass::Bwd, mbo, None, norm(d.ts, d.h));
                         if let Some(buf) = ends.remove(&(u32::MAX - s.mb)) {
                             b.mem(false, buf, Pass::Bwd, mbo, None);
@@ -1192,6 +1320,7 @@ impl<'a> Ctx<'a> {
                             b.mem(false, buf, Pass::Bwd, mbo, Some(layer));
                         }
                         if z3 {
+                            self.sp_grad_reduce(&mut b, mbo, Some(layer), false, &mut dp_nodes);
                             self.grad_reduce(
                                 &mut b,
                                 mbo,
@@ -1200,6 +1329,7 @@ impl<'a> Ctx<'a> {
                                 &mut dp_nodes,
                             );
                         } else if last_of_chunk {
+                            self.sp_grad_reduce(&mut b, None, Some(layer), false, &mut dp_nodes);
                             self.grad_reduce(
                                 &mut b,
                                 None,
@@ -1210,6 +1340,24 @@ impl<'a> Ctx<'a> {
                         }
                     }
                     if has_embed {
+                        // SP: the sequence shards of the gradient gathered for the
+                        // vocabulary-parallel embedding's backward (every tp rank scatters
+                        // every token's row into its vocabulary shard).
+                        if d.sp {
+                            b.named(
+                                Stream::Comm,
+                                Pass::Bwd,
+                                mbo,
+                                None,
+                                CollectiveKind::AllGather,
+                                GroupKind::Tp.name(),
+                                d.t * d.h * d.w.bytes(),
+                                d.w,
+                                true,
+                                Some("embed.dgrad.gather".into()),
+                                ReduceOp::Sum,
+                            );
+                        }
                         b.compute(Pass::Bwd, mbo, None, embedding_op(&d));
                         if let Some(buf) = ends.remove(&s.mb) {
                             b.mem(false, buf, Pass::Bwd, mbo, None);
@@ -1239,6 +1387,7 @@ impl<'a> Ctx<'a> {
                         }
                         if ends_p.0 > 0.0 {
                             let mb = if z3 { mbo } else { None };
+                            self.sp_grad_reduce(&mut b, mb, None, has_head, &mut dp_nodes);
                             self.grad_reduce(&mut b, mb, None, ends_p, &mut dp_nodes);
                         }
                     }
@@ -1248,6 +1397,30 @@ impl<'a> Ctx<'a> {
 
         // ---- optimizer step, parameter all-gather, checkpoint ----
         b.pending.extend(dp_nodes.iter().copied());
+        // Gradient clipping's global norm: every rank's sum of squares of the gradient
+        // elements it owns, summed over all ranks (with the step's loss share beside it for
+        // the metrics, as Megatron reduces the loss for logging): two f32.
+        let mut deps: Vec<NodeId> = b.pending.iter().copied().chain(b.last).collect();
+        deps.sort_unstable();
+        deps.dedup();
+        let norm = b.named(
+            Stream::Dp,
+            Pass::Step,
+            None,
+            None,
+            CollectiveKind::AllReduce,
+            WORLD,
+            2 * DType::F32.bytes(),
+            DType::F32,
+            true,
+            Some("grad_norm".into()),
+            ReduceOp::Sum,
+        );
+        if let Some(id) = norm {
+            // It waits for every gradient reduction and the last compute.
+            let node = &mut b.g.nodes[id.index()];
+            node.deps = deps;
+        }
         let opt_params = {
             let shard = |n: u32| {
                 if l.zero_stage >= 1 {
@@ -1294,6 +1467,32 @@ impl<'a> Ctx<'a> {
                         false,
                     );
                 }
+            }
+        }
+        if z3 {
+            // ZeRO-3: the embedding and head weights (used outside the layers' per-use
+            // gathers) re-assembled from their updated shards for the next step.
+            let mut ends_p = 0.0;
+            if j == 0 {
+                ends_p += self.lc.embed_params;
+            }
+            if j == p - 1 {
+                ends_p += self.lc.head_params;
+            }
+            if ends_p > 0.0 {
+                b.named(
+                    Stream::Dp,
+                    Pass::Step,
+                    None,
+                    None,
+                    CollectiveKind::AllGather,
+                    GroupKind::DenseDp.name(),
+                    round(ends_p) * d.w.bytes(),
+                    d.w,
+                    false,
+                    Some("ends.weights".into()),
+                    ReduceOp::Sum,
+                );
             }
         }
         let ck = round(self.eval.estimate.reliability.checkpoint_bytes_per_gpu);

@@ -13,8 +13,9 @@ pub const AXES: [GroupKind; 6] = [
     GroupKind::ExpertDp,
 ];
 
-/// Every group of every axis in [`AXES`] with more than one member, and for each rank the
-/// groups it belongs to (ascending by id).
+/// Every group of every axis in [`AXES`] with more than one member, then (world > 1) the
+/// [`WORLD`] group of every rank, and for each rank the groups it belongs to (ascending by
+/// id).
 pub fn declare_groups(mesh: &Mesh) -> (Vec<ProcessGroup>, Vec<Vec<GroupId>>) {
     let world = mesh.world();
     let mut groups = Vec::new();
@@ -51,5 +52,28 @@ pub fn declare_groups(mesh: &Mesh) -> (Vec<ProcessGroup>, Vec<Vec<GroupId>>) {
         }
         groups[base as usize..].sort_by_key(|(gi, _)| *gi);
     }
-    (groups.into_iter().map(|(_, g)| g).collect(), membership)
+    let mut groups: Vec<ProcessGroup> = groups.into_iter().map(|(_, g)| g).collect();
+    // Every rank: the global gradient norm's all-reduce (Megatron sums the squares over
+    // the model-parallel and data-parallel groups; one group of the whole world here).
+    if world > 1 {
+        let id = GroupId(groups.len() as u32);
+        groups.push(ProcessGroup {
+            id,
+            axis: WORLD.to_string(),
+            index: 0,
+            ranks: (0..world).collect(),
+            fabric: if world > mesh.gpus_per_node() {
+                Fabric::Network
+            } else {
+                Fabric::Nvlink
+            },
+        });
+        for m in &mut membership {
+            m.push(id);
+        }
+    }
+    (groups, membership)
 }
+
+/// The axis name of the group of every rank.
+pub const WORLD: &str = "world";

@@ -45,6 +45,8 @@ fn stage_graph(s: u32, tp_group: GroupId, dp_group: GroupId) -> Graph {
         group: tp_group,
         bytes,
         dtype: DType::Bf16,
+        tensor: None,
+        reduce: Default::default(),
     };
     let p2p = |send: bool, peer: u32| {
         if send {
@@ -130,6 +132,8 @@ fn stage_graph(s: u32, tp_group: GroupId, dp_group: GroupId) -> Graph {
                 group: dp_group,
                 bytes: (4 * 64) << 20,
                 dtype: DType::F32,
+                tensor: None,
+                reduce: Default::default(),
             },
             vec![last],
         ));

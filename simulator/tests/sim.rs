@@ -33,6 +33,8 @@ fn ar(group: u32, bytes: u64) -> Op {
         group: GroupId(group),
         bytes,
         dtype: DType::Bf16,
+        tensor: None,
+        reduce: Default::default(),
     }
 }
 

@@ -219,7 +219,12 @@ pub fn logical_state(
     }
     for (_, mut parts) in buckets {
         parts.sort_by_key(|p| p.0);
-        let (names, sizes, i, tp) = (parts[0].2.clone(), parts[0].3.clone(), parts[0].4, parts[0].5);
+        let (names, sizes, i, tp) = (
+            parts[0].2.clone(),
+            parts[0].3.clone(),
+            parts[0].4,
+            parts[0].5,
+        );
         for (j, kind) in ["master", "adam_m", "adam_v"].iter().enumerate() {
             let flat: Vec<f32> = parts.iter().flat_map(|p| p.1[j].iter().copied()).collect();
             let mut o = 0;

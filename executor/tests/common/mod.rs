@@ -215,8 +215,8 @@ pub fn rel(a: &[f32], b: &[f32]) -> f64 {
         / scale
 }
 
-/// Compare every rank of `runs` with the single-rank run `base`: per step the loss, the
-/// gradient and the updated weights of every tensor (each rank's tensor-parallel shard of
+/// Compare every rank of `runs` with the single-rank run `base`: per step the loss, each
+/// rank's gradient norm and global loss, the gradient and the updated weights of every tensor (each rank's tensor-parallel shard of
 /// the full tensor). Panics naming the first differing tensor, rank and step; returns the
 /// largest relative error seen.
 pub fn compare(what: &str, dims: &Dims, base: &[RankReport], runs: &[RankReport], tol: f64) -> f64 {
@@ -250,6 +250,20 @@ pub fn compare(what: &str, dims: &Dims, base: &[RankReport], runs: &[RankReport]
         }
         for r in runs {
             let rs = &r.steps[step];
+            // The clipping norm and the step's loss every rank knows (the graph's
+            // `grad_norm` all-reduce).
+            for (what_, got, want) in [
+                ("gradient norm", rs.grad_norm, bs.grad_norm),
+                ("global loss", rs.global_loss, bs.global_loss),
+            ] {
+                let e = (got - want).abs() / want.abs().max(1e-30);
+                worst = worst.max(e);
+                assert!(
+                    e <= tol,
+                    "{what}: step {step}, rank {}: {what_} {got} vs {want} (rel {e:.2e})",
+                    r.rank
+                );
+            }
             for (kind, got, full) in [
                 ("grad", &rs.grads, &bs.grads),
                 ("weight", &rs.params, &bs.params),

@@ -37,6 +37,7 @@ fn dtype() -> impl Strategy<Value = DType> {
 /// messages a raw unit count, `peer` a raw offset), fixed up by [`build`].
 fn raw_op(names: BoxedStrategy<String>) -> impl Strategy<Value = Op> {
     let small = 0u64..1 << 20;
+    let tensor_names = names.clone();
     prop_oneof![
         (
             names.clone(),
@@ -123,13 +124,17 @@ fn raw_op(names: BoxedStrategy<String>) -> impl Strategy<Value = Op> {
             prop::sample::select(CollectiveKind::ALL.to_vec()),
             0u32..8,
             0u64..1 << 30,
-            dtype()
+            dtype(),
+            proptest::option::of(tensor_names),
+            prop::sample::select(ReduceOp::ALL.to_vec())
         )
-            .prop_map(|(kind, g, bytes, dtype)| Op::Collective {
+            .prop_map(|(kind, g, bytes, dtype, tensor, reduce)| Op::Collective {
                 kind,
                 group: GroupId(g),
                 bytes,
-                dtype
+                dtype,
+                tensor,
+                reduce,
             }),
         (any::<u32>(), 0u64..1 << 40, dtype()).prop_map(|(peer, bytes, dtype)| Op::Send {
             peer,
@@ -244,7 +249,15 @@ fn build(
                 group,
                 bytes,
                 dtype,
+                reduce,
+                ..
             } => {
+                if !matches!(
+                    kind,
+                    CollectiveKind::AllReduce | CollectiveKind::ReduceScatter
+                ) {
+                    *reduce = ReduceOp::Sum;
+                }
                 let pg = &g.groups[group.index() % g.groups.len()];
                 *group = pg.id;
                 let shards = match kind {
