@@ -293,6 +293,22 @@ fn bad_datasets_are_refused_before_anything_runs() {
     assert!(err.contains("shard-00000.bin"), "{err}");
 }
 
+/// `execute PLAN --steps N` without faults or checkpoints into `dir/clean`.
+fn clean_run(dir: &Path, plan: &Path, steps: &str) -> PathBuf {
+    let out = dir.join("clean");
+    let (code, _, err) = run(&[
+        "execute",
+        plan.to_str().unwrap(),
+        "--steps",
+        steps,
+        "--out",
+        out.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    out
+}
+
 fn summary(out: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
 }
@@ -305,17 +321,7 @@ fn faults_are_survived_from_the_cli() {
     let dir = tempfile::tempdir().unwrap();
     let plan = plan_with(dir.path(), "p", None);
     let p = plan.to_str().unwrap();
-    let clean = dir.path().join("clean");
-    let (code, _, err) = run(&[
-        "execute",
-        p,
-        "--steps",
-        "12",
-        "--out",
-        clean.to_str().unwrap(),
-        "--quiet",
-    ]);
-    assert_eq!(code, 0, "{err}");
+    let clean = clean_run(dir.path(), Path::new(p), "12");
     let out = dir.path().join("faulty");
     let ck = dir.path().join("ck");
     let (code, _, err) = run(&[
@@ -383,17 +389,7 @@ fn exit_and_resume_from_the_cli() {
     let dir = tempfile::tempdir().unwrap();
     let plan = plan_with(dir.path(), "p", None);
     let p = plan.to_str().unwrap();
-    let clean = dir.path().join("clean");
-    let (code, _, err) = run(&[
-        "execute",
-        p,
-        "--steps",
-        "12",
-        "--out",
-        clean.to_str().unwrap(),
-        "--quiet",
-    ]);
-    assert_eq!(code, 0, "{err}");
+    let clean = clean_run(dir.path(), Path::new(p), "12");
     let ck = dir.path().join("ck");
     let ck = ck.to_str().unwrap();
     let first = dir.path().join("first");
@@ -492,17 +488,7 @@ fn resume_on_another_layout_from_the_cli() {
         "one",
         Some("{tp: 1, pp: 1, dp: 1, cp: 1, ep: 1, micro_batch: 2, zero_stage: 0, recompute: none, sequence_parallel: false, schedule: 1f1b}"),
     );
-    let clean = dir.path().join("clean");
-    let (code, _, err) = run(&[
-        "execute",
-        eight.to_str().unwrap(),
-        "--steps",
-        "10",
-        "--out",
-        clean.to_str().unwrap(),
-        "--quiet",
-    ]);
-    assert_eq!(code, 0, "{err}");
+    let clean = clean_run(dir.path(), &eight, "10");
     let ck = dir.path().join("ck");
     let ck = ck.to_str().unwrap();
     let (code, _, err) = run(&[

@@ -93,6 +93,41 @@ impl Hub {
     pub fn is_aborted(&self) -> bool {
         self.aborted.load(std::sync::atomic::Ordering::SeqCst)
     }
+    /// One wait of `rank` for `missing` (a collective or a receive, `what`), begun at
+    /// `start`: returns the guard when woken; panics when the run was aborted or the wait
+    /// outlasted the timeout (naming `missing`, and recording who is to blame).
+    fn wait<'g>(
+        &self,
+        mut st: std::sync::MutexGuard<'g, State>,
+        rank: u32,
+        start: std::time::Instant,
+        missing: Vec<u32>,
+        what: impl Fn() -> String,
+    ) -> std::sync::MutexGuard<'g, State> {
+        st.waiting.insert(rank, missing.clone());
+        if self.is_aborted() {
+            st.waiting.remove(&rank);
+            drop(st);
+            abort_panic(rank);
+        }
+        let left = self.timeout.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            let culprits = st.culprits();
+            st.blamed.get_or_insert(culprits);
+            st.waiting.remove(&rank);
+            drop(st);
+            panic!(
+                "rank {rank}: {} timed out after {:.1} s waiting for rank(s) {missing:?}",
+                what(),
+                self.timeout.as_secs_f64()
+            );
+        }
+        self.cv
+            .wait_timeout(st, left)
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+    }
+
     /// After a timeout: the ranks the others were waiting for that were not blocked in a
     /// collective themselves (a hung or dead rank), else empty.
     pub fn blamed(&self) -> Vec<u32> {
@@ -172,30 +207,9 @@ impl Local {
                 .filter(|(_, p)| p.is_none())
                 .map(|(&r, _)| r)
                 .collect();
-            st.waiting.insert(self.rank, missing.clone());
-            if hub.is_aborted() {
-                st.waiting.remove(&self.rank);
-                drop(st);
-                abort_panic(self.rank);
-            }
-            let left = hub.timeout.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                let culprits = st.culprits();
-                st.blamed.get_or_insert(culprits);
-                st.waiting.remove(&self.rank);
-                drop(st);
-                panic!(
-                    "rank {}: collective #{seq} on group {group:?} timed out after {:.1} s \
-                     waiting for rank(s) {missing:?}",
-                    self.rank,
-                    hub.timeout.as_secs_f64()
-                );
-            }
-            let (g, _) = hub
-                .cv
-                .wait_timeout(st, left)
-                .unwrap_or_else(|e| e.into_inner());
-            st = g;
+            st = hub.wait(st, self.rank, start, missing, || {
+                format!("collective #{seq} on group {group:?}")
+            });
         }
         st.waiting.remove(&self.rank);
         let slot = st.slots.get_mut(&key).expect("slot");
@@ -304,6 +318,7 @@ impl Communicator for Local {
 
     fn recv(&mut self, peer: u32) -> Vec<f32> {
         let hub = self.hub.clone();
+        let rank = self.rank;
         let mut st = hub.state.lock().unwrap_or_else(|e| e.into_inner());
         let start = std::time::Instant::now();
         loop {
@@ -315,29 +330,9 @@ impl Communicator for Local {
                 st.waiting.remove(&self.rank);
                 return m;
             }
-            st.waiting.insert(self.rank, vec![peer]);
-            if hub.is_aborted() {
-                st.waiting.remove(&self.rank);
-                drop(st);
-                abort_panic(self.rank);
-            }
-            let left = hub.timeout.saturating_sub(start.elapsed());
-            if left.is_zero() {
-                let culprits = st.culprits();
-                st.blamed.get_or_insert(culprits);
-                st.waiting.remove(&self.rank);
-                drop(st);
-                panic!(
-                    "rank {}: recv from rank {peer} timed out after {:.1} s",
-                    self.rank,
-                    hub.timeout.as_secs_f64()
-                );
-            }
-            let (g, _) = hub
-                .cv
-                .wait_timeout(st, left)
-                .unwrap_or_else(|e| e.into_inner());
-            st = g;
+            st = hub.wait(st, rank, start, vec![peer], || {
+                format!("recv from rank {peer}")
+            });
         }
     }
 }
