@@ -97,7 +97,7 @@ pub fn parse_plan(path: &Path, text: &str) -> Result<shardwright_spec::Plan, Fai
             shardwright_spec::plan::SCHEMA_VERSION
         )));
     }
-    shardwright_spec::parse::from_value(value).map_err(|e| {
+    let plan: shardwright_spec::Plan = shardwright_spec::parse::from_value(value).map_err(|e| {
         let field = if e.path.is_empty() {
             "the document".to_string()
         } else {
@@ -108,7 +108,70 @@ pub fn parse_plan(path: &Path, text: &str) -> Result<shardwright_spec::Plan, Fai
             path.display(),
             e.reason
         ))
-    })
+    })?;
+    check_plan_values(&plan).map_err(|e| {
+        usage(anyhow!(
+            "{}: not a shardwright plan: field `{e} (edited by hand? re-run `shardwright plan`)",
+            path.display()
+        ))
+    })?;
+    Ok(plan)
+}
+
+/// Values a plan the planner wrote always has: positive model dimensions and layout
+/// degrees, at least one stage, a world that is the layout's product. Names the field.
+fn check_plan_values(p: &shardwright_spec::Plan) -> Result<(), String> {
+    let m = &p.inputs.model;
+    for (f, v) in [
+        ("inputs.model.num_layers", m.num_layers as u64),
+        ("inputs.model.hidden_size", m.hidden_size),
+        (
+            "inputs.model.num_attention_heads",
+            m.num_attention_heads as u64,
+        ),
+        ("inputs.model.num_kv_heads", m.num_kv_heads as u64),
+        ("inputs.model.head_dim", m.head_dim as u64),
+        ("inputs.model.ffn_hidden_size", m.ffn_hidden_size),
+        ("inputs.model.vocab_size", m.vocab_size),
+        ("inputs.model.seq_len", m.seq_len),
+        (
+            "inputs.training.global_batch",
+            p.inputs.training.global_batch,
+        ),
+    ] {
+        if v == 0 {
+            return Err(format!("{f}`: must be positive, is 0"));
+        }
+    }
+    let l = &p.layout;
+    for (f, v) in [
+        ("layout.tp", l.tp as u64),
+        ("layout.pp", l.pp as u64),
+        ("layout.dp", l.dp as u64),
+        ("layout.cp", l.cp as u64),
+        ("layout.ep", l.ep as u64),
+        ("layout.vpp", l.vpp as u64),
+        ("layout.micro_batch", l.micro_batch as u64),
+        ("layout.grad_accum", l.grad_accum),
+    ] {
+        if v == 0 {
+            return Err(format!("{f}`: must be at least 1, is 0"));
+        }
+    }
+    if p.stages.is_empty() {
+        return Err("stages`: empty (a plan has at least one pipeline stage)".into());
+    }
+    let world = [l.tp, l.pp, l.dp, l.cp, l.ep]
+        .iter()
+        .try_fold(1u64, |a, &x| a.checked_mul(x as u64));
+    if world != Some(p.inputs.cluster.world_size) {
+        return Err(format!(
+            "inputs.cluster.world_size`: {} is not tp x pp x dp x cp x ep = {}",
+            p.inputs.cluster.world_size,
+            world.map(|w| w.to_string()).unwrap_or("overflow".into())
+        ));
+    }
+    Ok(())
 }
 
 /// A profile file written by `shardwright calibrate` (GPU kind -> efficiency).

@@ -325,12 +325,12 @@ fn explain_lower_and_verify_reject_malformed_plans() {
         (
             "tp 0",
             with(&plan, |p| p["layout"]["tp"] = json!(0)),
-            vec!["layout world 0"],
+            vec!["layout.tp"],
         ),
         (
             "huge dp",
             with(&plan, |p| p["layout"]["dp"] = json!(4294967295u32)),
-            vec!["layout world"],
+            vec!["inputs.cluster.world_size"],
         ),
         (
             "no stages",
@@ -498,4 +498,55 @@ fn missing_or_unwritable_output_paths_are_named_and_nothing_is_written() {
         files_in(d.0.path()),
         vec!["existing-dir", "plan.json", "runs.json", "tiny.yaml"]
     );
+}
+
+/// A plan edited to hold a zero where the planner never writes one is refused by every
+/// command that reads plans, naming the field.
+#[test]
+fn zero_dimensions_in_a_plan_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/tiny-llama-cpu.yaml");
+    let plan = dir.path().join("p.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardwright"))
+        .args([
+            "plan",
+            spec.to_str().unwrap(),
+            "-o",
+            plan.to_str().unwrap(),
+            "--quiet",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let good: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).unwrap()).unwrap();
+    for (path, field) in [
+        (
+            &["inputs", "model", "hidden_size"][..],
+            "inputs.model.hidden_size",
+        ),
+        (&["layout", "tp"][..], "layout.tp"),
+        (
+            &["inputs", "training", "global_batch"][..],
+            "inputs.training.global_batch",
+        ),
+    ] {
+        let mut v = good.clone();
+        let mut at = &mut v;
+        for k in &path[..path.len() - 1] {
+            at = &mut at[*k];
+        }
+        at[path[path.len() - 1]] = serde_json::json!(0);
+        let bad = dir.path().join("bad.json");
+        std::fs::write(&bad, serde_json::to_string(&v).unwrap()).unwrap();
+        for cmd in ["lower", "verify", "explain", "simulate", "execute"] {
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_shardwright"))
+                .args([cmd, bad.to_str().unwrap()])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{cmd} {field}: {err}");
+            assert!(err.contains(field), "{cmd}: {err}");
+        }
+    }
 }
