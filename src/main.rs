@@ -266,7 +266,7 @@ enum Cmd {
     /// as threads, real f32 numbers). One JSON line of metrics per step; with --out, also
     /// summary.json and loss.svg.
     #[command(
-        after_help = "Examples:\n  shardwright plan specs/tiny-llama-cpu.yaml -o tiny.json\n  shardwright data prepare --input corpus/shakespeare.txt --out shakespeare-tokens\n  shardwright execute tiny.json --backend cpu --steps 200 --data shakespeare-tokens --out run\n\nExit codes: 2 bad flags, plan, model the backend cannot run, or dataset; 4 the plan's graphs fail verification (nothing runs)."
+        after_help = "Examples:\n  shardwright plan specs/tiny-llama-cpu.yaml -o tiny.json\n  shardwright data prepare --input corpus/shakespeare.txt --out shakespeare-tokens\n  shardwright execute tiny.json --backend cpu --steps 200 --data shakespeare-tokens --out run\n  shardwright execute tiny.json --steps 40 --checkpoint-dir ckpt --checkpoint-every 5 --hot-spares 1 --inject-fault rank=3,step=12,kind=crash\n  shardwright execute tiny.json --steps 40 --resume --checkpoint-dir ckpt\n\nExit codes: 2 bad flags, plan, model the backend cannot run, or dataset; 4 the plan's graphs fail verification (nothing runs)."
     )]
     Execute {
         /// Plan JSON (`-` for stdin).
@@ -366,7 +366,11 @@ enum Cmd {
         quiet: bool,
     },
     /// Write the JSON Schema of the plan.
+    #[command(
+        after_help = "Examples:\n  shardwright schema -o schema/plan.schema.json\n  shardwright schema | jq '.properties.layout'"
+    )]
     Schema {
+        /// Output file (default: stdout). Written atomically.
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
