@@ -518,6 +518,41 @@ struct WriteJob {
 }
 
 /// The asynchronous, tiered checkpoint writer (see the module doc).
+///
+/// ```
+/// use shardwright_executor::checkpoint::{Checkpointer, CkptConfig, RankState};
+/// use std::collections::BTreeMap;
+///
+/// let root = std::env::temp_dir().join(format!("ckpt-doc-{}", std::process::id()));
+/// let ck = Checkpointer::new(
+///     CkptConfig::new(root.join("nvme")).durable(root.join("pfs")).keep(2, 3),
+/// )?;
+/// let world = 2;
+/// std::thread::scope(|s| {
+///     for rank in 0..world {
+///         let ck = &ck;
+///         s.spawn(move || {
+///             // each rank thread, every `interval_steps` steps:
+///             let state = RankState {
+///                 rank,
+///                 tensors: BTreeMap::from([("w".to_string(), vec![rank as f32; 4])]),
+///                 meta: serde_json::json!({"step": 100, "data_position": 6400}),
+///             };
+///             ck.snapshot(100, world, state).expect("checkpoint");
+///         });
+///     }
+/// });
+/// ck.wait()?; // before exit: everything written and copied down
+///
+/// // on restart:
+/// let (step, states) = ck
+///     .restore_latest(world, &mut |w| eprintln!("warning: {w}"))?
+///     .expect("a checkpoint");
+/// assert_eq!((step, states[1].tensors["w"][0]), (100, 1.0));
+/// # drop(ck);
+/// # std::fs::remove_dir_all(&root).unwrap();
+/// # Ok::<(), shardwright_executor::checkpoint::CkptError>(())
+/// ```
 pub struct Checkpointer {
     cfg: CkptConfig,
     shared: Arc<Shared>,

@@ -1,8 +1,8 @@
 //! Running lowered per-rank op graphs.
 //!
+//! - [`backend`]: the [`Backend`] kernel trait and the f32 [`Cpu`] reference backend;
 //! - [`checkpoint`]: the asynchronous, tiered, checksummed checkpoint store of per-rank
 //!   training state;
-//! - [`backend`]: the [`Backend`] kernel trait and the f32 [`Cpu`] reference backend;
 //! - [`comm`]: the [`Communicator`] trait and the in-process [`comm::Local`] (ranks as
 //!   threads, real data, deterministic rank-order reductions);
 //! - [`model`]: the model's parameters, deterministic full weights, tensor-parallel splits,

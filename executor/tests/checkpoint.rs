@@ -207,6 +207,20 @@ fn a_step_without_manifest_is_ignored() {
         warnings[0].contains("step-000020") && warnings[0].contains("no manifest.json"),
         "{warnings:?}"
     );
+
+    // A manifest that is not one (cut short mid-write by something other than us).
+    write_steps(&ck, &[30], 2, 1);
+    let m30 = fast.join("step-000030").join("manifest.json");
+    let text = fs::read_to_string(&m30).unwrap();
+    fs::write(&m30, &text[..text.len() / 2]).unwrap();
+    let (got, warnings) = restore(&[&fast], 2);
+    assert_eq!(got.unwrap().0, 10);
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(
+        warnings[0].contains(&m30.display().to_string())
+            && warnings[0].contains("not a checkpoint manifest"),
+        "{warnings:?}"
+    );
 }
 
 #[test]
