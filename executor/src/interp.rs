@@ -544,6 +544,14 @@ struct MoeState {
     slot: Vec<(usize, usize)>,
     /// Rows received from each ep member, per local expert of this rank.
     recv: Vec<Vec<usize>>,
+    /// Per sequence of the micro-batch: routed-slot counts then probability sums per
+    /// expert (this rank's tokens until the graph's `L{l}.moe.stats.*` sum them).
+    stats: Vec<f32>,
+    /// This micro-batch's share of the step's load-balancing loss already in the total.
+    aux: f64,
+    /// Dispatch buffers the local experts ran on (ep members, times tp under SP once the
+    /// graph's `L{l}.moe.experts_gather` brought every tp rank's).
+    emembers: usize,
 }
 
 /// Dispatch-buffer layout helpers (see [`MoeState`]).
@@ -673,7 +681,6 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     dp_pos: usize,
     dense_dp: Vec<u32>,
     dense_pos: usize,
-    cp: Vec<u32>,
     ep: Vec<u32>,
     expert_dp: Vec<u32>,
     expert_pos: usize,
@@ -799,7 +806,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             dp_pos: (coord.dp * layout.ep + coord.ep) as usize,
             dense_pos: pos(&dense_dp),
             dense_dp,
-            cp,
             local_experts: dims.local_experts(ep_pos, ep.len()),
             ep,
             expert_pos: pos(&expert_dp),
@@ -1950,6 +1956,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             if role.starts_with("loss.") {
                 return self.loss_collective(n, role, kind, *reduce, group, elems);
             }
+            if role.contains(".moe.") {
+                return self.moe_collective(n, role, kind, group, elems);
+            }
             if role == "head.dgrad" && kind == K::AllReduce {
                 // The head's input gradient, partial over the vocabulary shards.
                 let a = self.head.get_mut(&mb).ok_or("no head state")?;
@@ -2550,14 +2559,24 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         })
     }
 
-    /// The layout the local experts see: under sequence parallelism the dispatch buffers
-    /// of every tp rank (tp-major), else the source side's.
-    fn expert_chunks(&self, w: usize) -> Result<Chunks, String> {
+    /// The layout the local experts see: `members` dispatch buffers (under sequence
+    /// parallelism those of every tp rank, tp-major, when the graph gathered them).
+    fn expert_chunks(&self, w: usize, members: usize) -> Result<Chunks, String> {
         let mut c = self.chunks(w)?;
-        if self.sp {
-            c.members *= self.tp.len();
-        }
+        c.members = members;
         Ok(c)
+    }
+
+    /// How many dispatch buffers of width `w` `buf` holds.
+    fn buffers_in(&self, buf: &[f32], w: usize) -> Result<usize, String> {
+        let c = self.chunks(w)?.chunk();
+        if c == 0 || buf.len() % c != 0 {
+            return Err(format!(
+                "a dispatch buffer of {} elements is not whole chunks of {c}",
+                buf.len()
+            ));
+        }
+        Ok(buf.len() / c)
     }
 
     /// Tokens this rank routes: its sequence shard under SP, else the micro-batch's.
@@ -2576,33 +2595,6 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         } else {
             0
         }
-    }
-
-    /// implicit (SP): each tp rank's expert shard runs on the rows every tp rank
-    /// dispatched (the IR sizes the expert GEMMs for them but has no TP gather).
-    fn expert_gather(&mut self, buf: Vec<f32>) -> Vec<f32> {
-        if !self.sp {
-            return buf;
-        }
-        let g = self.tp.clone();
-        self.comm.all_gather(&g, &buf)
-    }
-
-    /// implicit (SP): the partial expert outputs summed over tp and returned to the tp
-    /// rank that dispatched them, with its own chunks' headers.
-    fn expert_scatter(&mut self, buf: Vec<f32>, ch: &Chunks, recv: &[Vec<usize>]) -> Vec<f32> {
-        if !self.sp {
-            return buf;
-        }
-        let g = self.tp.clone();
-        let mut out = self.comm.reduce_scatter(&g, &buf);
-        let nep = self.ep.len();
-        for m in 0..nep {
-            for (e, &n) in recv[self.tp_pos * nep + m].iter().enumerate() {
-                out[m * ch.chunk() + e] = n as f32;
-            }
-        }
-        out
     }
 
     fn expert_name(&self, l: u32, le: usize, which: &str) -> String {
@@ -2634,33 +2626,6 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             }
             for x in 0..e {
                 stats[b * 2 * e + e + x] += r.probs[i * e + x];
-            }
-        }
-        if self.sp {
-            // implicit: a sequence's routing statistics summed over its SP shards.
-            let g = self.tp.clone();
-            self.comm.all_reduce(&g, &mut stats);
-        }
-        if self.cp.len() > 1 {
-            // implicit: a sequence's routing statistics summed over its cp shards.
-            let g = self.cp.clone();
-            self.comm.all_reduce(&g, &mut stats);
-        }
-        let tf = self.dims.seq as f64;
-        let nglob = self.global_tokens / tf;
-        let coef = self.cfg.moe_aux_coef as f64;
-        let mut daux = vec![0.0f32; nseq * e];
-        for b in 0..nseq {
-            let mut s = 0.0;
-            for x in 0..e {
-                let f = stats[b * 2 * e + x] as f64 / (tf * k as f64);
-                let p = stats[b * 2 * e + e + x] as f64 / tf;
-                s += f * p;
-                daux[b * e + x] = (coef * e as f64 * f / (tf * nglob)) as f32;
-            }
-            if pass == Pass::Fwd {
-                self.aux += coef * e as f64 * s / nglob;
-                self.has_aux = true;
             }
         }
         // The dispatch buffer.
@@ -2707,14 +2672,157 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             (l, mb),
             MoeState {
                 routing: Some(r),
-                daux,
+                daux: Vec::new(),
                 send,
                 slot,
                 recv: Vec::new(),
+                stats,
+                aux: 0.0,
+                emembers: 0,
             },
         );
+        self.moe_stats_finish(l, mb, pass)?;
         self.tag = Tag::Dispatch;
         Ok(())
+    }
+
+    /// The load-balancing loss and its gradient from the routing statistics as they stand
+    /// (recomputed after each of the graph's reductions of them; the forward's loss share
+    /// replaces the one counted before).
+    fn moe_stats_finish(&mut self, l: u32, mb: u32, pass: Pass) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (e, k, nseq) = (m.experts, m.top_k, self.mb_size);
+        let tf = self.dims.seq as f64;
+        let nglob = self.global_tokens / tf;
+        let coef = self.cfg.moe_aux_coef as f64;
+        let st = self.moe.get_mut(&(l, mb)).ok_or("no routing state")?;
+        let stats = &st.stats;
+        let mut daux = vec![0.0f32; nseq * e];
+        let mut aux = 0.0;
+        for b in 0..nseq {
+            let mut s = 0.0;
+            for x in 0..e {
+                let f = stats[b * 2 * e + x] as f64 / (tf * k as f64);
+                let p = stats[b * 2 * e + e + x] as f64 / tf;
+                s += f * p;
+                daux[b * e + x] = (coef * e as f64 * f / (tf * nglob)) as f32;
+            }
+            aux += coef * e as f64 * s / nglob;
+        }
+        st.daux = daux;
+        if pass == Pass::Fwd {
+            self.aux += aux - st.aux;
+            st.aux = aux;
+            self.has_aux = true;
+        }
+        Ok(())
+    }
+
+    /// The graph's named MoE collectives (`L{l}.moe.*`, see the module doc).
+    fn moe_collective(
+        &mut self,
+        n: &Node,
+        role: &str,
+        kind: CollectiveKind,
+        group: &[u32],
+        elems: usize,
+    ) -> Result<(), String> {
+        use CollectiveKind as K;
+        let (l, mb) = (
+            n.layer.ok_or("an MoE collective without a layer")?,
+            n.mb.ok_or("an MoE collective without a micro-batch")?,
+        );
+        let want = |k: K| -> Result<(), String> {
+            if kind != k {
+                return Err(format!(
+                    "{role}: a {}, expected a {}",
+                    kind.name(),
+                    k.name()
+                ));
+            }
+            Ok(())
+        };
+        let fwd = matches!(n.pass, Pass::Fwd | Pass::Recompute);
+        let what = role.rsplit_once(".moe.").map_or("", |x| x.1);
+        match what {
+            "stats.tp" | "stats.cp" => {
+                want(K::AllReduce)?;
+                let mut st = std::mem::take(&mut self.moe_state(l, mb)?.stats);
+                if st.len() != elems {
+                    return Err(format!(
+                        "{role}: {} statistics, the IR says {elems}",
+                        st.len()
+                    ));
+                }
+                self.comm.all_reduce(group, &mut st);
+                self.moe_state(l, mb)?.stats = st;
+                self.moe_stats_finish(l, mb, n.pass)
+            }
+            "gate_grad" => {
+                want(K::AllReduce)?;
+                let a = self.acts.get_mut(&(l, mb)).ok_or("no activations")?;
+                let mut dg = a.take("dg")?;
+                if dg.len() != elems {
+                    return Err(format!(
+                        "{role}: {} gate gradients, the IR says {elems}",
+                        dg.len()
+                    ));
+                }
+                self.comm.all_reduce(group, &mut dg);
+                self.acts.get_mut(&(l, mb)).unwrap().put("dg", dg);
+                Ok(())
+            }
+            // The dispatch buffers are padded (fixed-size chunks with row-count headers),
+            // so their length is not the IR's nominal routed rows.
+            "experts_gather" => {
+                want(K::AllGather)?;
+                let key = if fwd { "xr" } else { "dr" };
+                let buf = self
+                    .acts
+                    .get_mut(&(l, mb))
+                    .ok_or("no activations")?
+                    .take(key)?;
+                let full = self.comm.all_gather(group, &buf);
+                self.acts.get_mut(&(l, mb)).unwrap().put(key, full);
+                Ok(())
+            }
+            "experts_scatter" => {
+                want(K::ReduceScatter)?;
+                let key = if fwd { "yr" } else { "dr" };
+                let buf = self
+                    .acts
+                    .get_mut(&(l, mb))
+                    .ok_or("no activations")?
+                    .take(key)?;
+                let ch = self.chunks(self.dims.h)?;
+                let recv = self.moe_state(l, mb)?.recv.clone();
+                let gn = group.len();
+                if buf.len() != ch.len() * gn {
+                    return Err(format!(
+                        "{role}: {} elements, the experts ran on {} dispatch buffers of {}",
+                        buf.len(),
+                        buf.len() / ch.len().max(1),
+                        ch.len()
+                    ));
+                }
+                let pos = group
+                    .iter()
+                    .position(|&r| r == self.rank)
+                    .ok_or("this rank is not in the group")?;
+                let mut out = self.comm.reduce_scatter(group, &buf);
+                // The headers: the rows this rank dispatched (summing them summed the tp
+                // ranks' counts).
+                let nep = self.ep.len();
+                for m in 0..nep {
+                    for (e, &c) in recv[pos * nep + m].iter().enumerate() {
+                        out[m * ch.chunk() + e] = c as f32;
+                    }
+                }
+                self.acts.get_mut(&(l, mb)).unwrap().put(key, out);
+                Ok(())
+            }
+            _ => Err(format!("unknown MoE collective `{role}`")),
+        }
     }
 
     /// Forward GEMMs of a MoE layer.
@@ -2739,13 +2847,14 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.tag = Tag::Router;
             }
             "expert_fc1" => {
-                let ch = self.expert_chunks(h)?;
                 let buf = self
                     .acts
                     .get_mut(&key)
                     .ok_or("no activations")?
                     .take("xr")?;
-                let buf = self.expert_gather(buf);
+                let members = self.buffers_in(&buf, h)?;
+                let ch = self.expert_chunks(h, members)?;
+                self.moe_state(l, mb)?.emembers = members;
                 let recv = ch.headers(&buf)?;
                 let (x, off) = ch.group(&buf, &recv);
                 let mut out = vec![0.0f32; off[ch.el] * self.dims.fc1_blocks() * fel];
@@ -2771,8 +2880,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.tag = Tag::EFc1;
             }
             "expert_fc2" => {
-                let ch = self.expert_chunks(h)?;
-                let recv = self.moe_state(l, mb)?.recv.clone();
+                let st = self.moe_state(l, mb)?;
+                let (recv, members) = (st.recv.clone(), st.emembers);
+                let ch = self.expert_chunks(h, members)?;
                 let off = expert_offsets(&recv, ch.el);
                 let act = self.acts.get(&key).ok_or("no activations")?.get("eact")?;
                 let mut y = vec![0.0f32; off[ch.el] * h];
@@ -2785,7 +2895,6 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     }
                 }
                 let buf = ch.ungroup(&y, &recv);
-                let buf = self.expert_scatter(buf, &ch, &recv);
                 self.acts.get_mut(&key).unwrap().put("yr", buf);
                 self.tag = Tag::EFc2;
             }
@@ -2906,7 +3015,21 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 }
             }
         }
-        self.acts.get_mut(&(l, mb)).unwrap().put("dr", buf);
+        // Each routed slot's gate gradient `<expert output, output gradient>` (without SP
+        // and with tp > 1 the expert outputs are partial sums over the expert width: the
+        // graph's `L{l}.moe.gate_grad` all-reduce completes them).
+        let eo = self.acts[&(l, mb)].get("eo")?;
+        let mut dg = vec![0.0f32; t * k];
+        for i in 0..t {
+            let d = &dy[(off + i) * h..(off + i + 1) * h];
+            for j in 0..k {
+                let o = &eo[(i * k + j) * h..(i * k + j + 1) * h];
+                dg[i * k + j] = o.iter().zip(d).map(|(a, b)| a * b).sum();
+            }
+        }
+        let a = self.acts.get_mut(&(l, mb)).unwrap();
+        a.put("dr", buf);
+        a.put("dg", dg);
         self.tag = Tag::DispatchB;
         Ok(())
     }
@@ -2999,13 +3122,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.tag = Tag::SFc1W;
             }
             "expert_fc2.dgrad" => {
-                let ch = self.expert_chunks(h)?;
                 let buf = self
                     .acts
                     .get_mut(&key)
                     .ok_or("no activations")?
                     .take("dr")?;
-                let buf = self.expert_gather(buf);
+                let members = self.buffers_in(&buf, h)?;
+                let ch = self.expert_chunks(h, members)?;
                 let hdr = ch.headers(&buf)?;
                 let recv = self.moe_state(l, mb)?.recv.clone();
                 if hdr != recv {
@@ -3029,8 +3152,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.tag = Tag::EFc2D;
             }
             "expert_fc2.wgrad" | "expert_fc1.wgrad" | "expert_fc1.dgrad" => {
-                let ch = self.expert_chunks(h)?;
-                let recv = self.moe_state(l, mb)?.recv.clone();
+                let st = self.moe_state(l, mb)?;
+                let (recv, members) = (st.recv.clone(), st.emembers);
+                let ch = self.expert_chunks(h, members)?;
                 let off = expert_offsets(&recv, ch.el);
                 let fc2 = gname == "expert_fc2.wgrad";
                 let dgrad = gname == "expert_fc1.dgrad";
@@ -3064,7 +3188,6 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 }
                 if dgrad {
                     let buf = ch.ungroup(&dx, &recv);
-                    let buf = self.expert_scatter(buf, &ch, &recv);
                     self.acts.get_mut(&key).unwrap().put("dr", buf);
                 }
                 self.tag = match gname {
@@ -3075,27 +3198,11 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             }
             "router.dgrad" => {
                 let (tr, off) = (self.routed_tokens(), self.routed_offset());
-                let dy = self
-                    .acts
-                    .get_mut(&key)
-                    .ok_or("no activations")?
-                    .take("dy2")?;
-                let eo = self.acts[&key].get("eo")?;
-                let mut dg = vec![0.0f32; tr * k];
-                for i in 0..tr {
-                    let d = &dy[(off + i) * h..(off + i + 1) * h];
-                    for j in 0..k {
-                        let o = &eo[(i * k + j) * h..(i * k + j + 1) * h];
-                        dg[i * k + j] = o.iter().zip(d).map(|(a, b)| a * b).sum();
-                    }
-                }
-                if self.tp.len() > 1 && !self.sp {
-                    // implicit: each tp rank's expert outputs are partial sums over its
-                    // share of the expert width; the gate gradient needs the full ones.
-                    // (Under SP the expert outputs came back summed.)
-                    let g = self.tp.clone();
-                    self.comm.all_reduce(&g, &mut dg);
-                }
+                let a = self.acts.get_mut(&key).ok_or("no activations")?;
+                a.take("dy2")?;
+                // The gates' gradients from the first backward permute (without SP and
+                // with tp > 1 completed by the graph's `L{l}.moe.gate_grad`).
+                let dg = a.take("dg")?;
                 let sl = self.seq_local();
                 let st = self.moe.get(&key).ok_or("no routing state")?;
                 let mut dprobs = vec![0.0f32; tr * e];

@@ -186,12 +186,16 @@ fn a_missing_collective_is_caught() {
 /// Drop the collectives of `layout`'s program whose tensor role is `role`, check that some
 /// were dropped, run two steps and require the comparison with the single-rank run to fail.
 fn dropping_role_is_caught(layout: &str, role: &str) {
+    dropping_role_is_caught_in(&common::template(false, common::LAYERS), layout, role);
+}
+
+/// [`dropping_role_is_caught`] for the model of `tpl`.
+fn dropping_role_is_caught_in(tpl: &shardwright_spec::Plan, layout: &str, role: &str) {
     use shardwright_executor::{run_program, Cpu};
     use shardwright_ir::Op;
-    let tpl = common::template(false, common::LAYERS);
     let dims = Dims::from_job(&tpl.inputs).unwrap();
-    let base = common::run(&common::plan_for(&tpl, common::layout("ga4")), 2);
-    let plan = common::plan_for(&tpl, common::layout(layout));
+    let base = common::run(&common::plan_for(tpl, common::layout("ga4")), 2);
+    let plan = common::plan_for(tpl, common::layout(layout));
     let mut lowered = shardwright_lowering::lower(&plan).unwrap();
     let mut dropped = 0;
     for c in &mut lowered.program.classes {
@@ -452,8 +456,8 @@ fn moe_layouts_the_executor_refuses() {
     );
 }
 
-/// MoE under sequence parallelism: each tp rank routes its sequence shard; the experts'
-/// TP gather and reduce-scatter of the routed rows are implicit (see `interp.rs`).
+/// MoE under sequence parallelism: each tp rank routes its sequence shard; the graph's
+/// `L{l}.moe.experts_gather` / `experts_scatter` move the routed rows over tp.
 #[test]
 fn moe_with_sequence_parallel() {
     moe_matrix(
@@ -510,4 +514,18 @@ fn gpt_blocks_tied_single_stage() {
 #[test]
 fn moe_interleaved_pipeline() {
     moe_matrix(4, &["ep2,pp2,vpp2,ga2,schedule=interleaved"]);
+}
+
+/// The MoE collectives of the graph are each needed: a sequence's routing statistics
+/// summed over its SP shards (tp) and its cp shards, without SP the tp all-reduce of the
+/// gates' gradients, with SP the experts' tp all-gather of the dispatched rows and the
+/// reduce-scatter of their partial outputs.
+#[test]
+fn a_missing_moe_collective_is_caught() {
+    let tpl = common::moe_template(2, 1, 1);
+    dropping_role_is_caught_in(&tpl, "tp2,ga4,sp=on", "L1.moe.stats.tp");
+    dropping_role_is_caught_in(&tpl, "cp2,ga4", "L1.moe.stats.cp");
+    dropping_role_is_caught_in(&tpl, "tp2,ga4", "L1.moe.gate_grad");
+    dropping_role_is_caught_in(&tpl, "tp2,ga4,sp=on", "L1.moe.experts_gather");
+    dropping_role_is_caught_in(&tpl, "tp2,ga4,sp=on", "L1.moe.experts_scatter");
 }

@@ -336,6 +336,27 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
                         bad(per * tokens * 4, role, *bytes, 1, unit);
                         continue;
                     }
+                    // MoE: per-sequence routing statistics (2 E f32 per sequence), the
+                    // gates' gradients (one f32 per routed slot), the SP experts' gather and
+                    // reduce-scatter of the micro-batch's routed rows.
+                    if let Some(moe) = m.moe.as_ref() {
+                        let k = moe.top_k as u64;
+                        if role.ends_with(".moe.stats.tp") || role.ends_with(".moe.stats.cp") {
+                            let want = lay.micro_batch as u64 * 2 * moe.num_experts as u64 * 4;
+                            bad(want, role, *bytes, 1, unit);
+                            continue;
+                        }
+                        if role.ends_with(".moe.gate_grad") {
+                            bad(tokens * k * 4, role, *bytes, 1, unit);
+                            continue;
+                        }
+                        if role.ends_with(".moe.experts_gather")
+                            || role.ends_with(".moe.experts_scatter")
+                        {
+                            bad(tokens * k * m.hidden_size * w, role, *bytes, n, unit);
+                            continue;
+                        }
+                    }
                     // The sum of squares and the loss share.
                     if role == "grad_norm" {
                         bad(8, role, *bytes, 1, unit);

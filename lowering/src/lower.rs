@@ -718,8 +718,11 @@ impl<'a> Ctx<'a> {
             let routed = d.ts * moe.top_k as u64 * d.h;
             self.gemm_fwd(b, pass, mb, layer, &gs[0]);
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+            self.moe_stats(b, pass, mb, layer);
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+            self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
             self.mlp_fwd(b, pass, mb, layer, &gs[1], &gs[2]);
+            self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             if gs.len() > 3 {
@@ -770,6 +773,103 @@ impl<'a> Ctx<'a> {
             ew(ElementwiseKind::Activation, up.m * up.n, 8),
         );
         self.gemm_bwd(b, Some(layer), mb, up, weight(up));
+    }
+
+    /// The load-balancing loss's per-sequence routing statistics (routed-slot counts and
+    /// probability sums per expert, f32, `2 E` per sequence of the micro-batch), summed
+    /// over the ranks that hold parts of a sequence: its SP shards over tp
+    /// (`L{l}.moe.stats.tp`) and its cp shards (`L{l}.moe.stats.cp`). Megatron-core
+    /// all-reduces them over its tp-cp group for the sequence-wise aux loss.
+    fn moe_stats(&self, b: &mut Builder, pass: Pass, mb: u32, layer: u32) {
+        let m = &self.job.model;
+        let e = m.moe.as_ref().map_or(0, |x| x.num_experts as u64);
+        let bytes = self.layout.micro_batch as u64 * 2 * e * DType::F32.bytes();
+        let mut axes = Vec::new();
+        if self.dims().sp {
+            axes.push(GroupKind::Tp);
+        }
+        if self.layout.cp > 1 {
+            axes.push(GroupKind::Cp);
+        }
+        for axis in axes {
+            b.named(
+                Stream::Comm,
+                pass,
+                Some(mb),
+                Some(layer),
+                CollectiveKind::AllReduce,
+                axis.name(),
+                bytes,
+                DType::F32,
+                true,
+                Some(format!("L{layer}.moe.stats.{}", axis.name())),
+                ReduceOp::Sum,
+            );
+        }
+    }
+
+    /// Without SP each tp rank's expert outputs are partial sums over its share of the
+    /// expert width: the gradient of each routed slot's gate (`<expert output, output
+    /// gradient>`, f32, one per routed slot of the micro-batch) is all-reduced over tp
+    /// (`L{l}.moe.gate_grad`). With SP the expert outputs come back summed (the
+    /// reduce-scatter after the experts), so no node.
+    fn moe_gate_grad(&self, b: &mut Builder, mb: u32, layer: u32) {
+        let d = self.dims();
+        if self.layout.tp <= 1 || d.sp {
+            return;
+        }
+        let k = self.job.model.moe.as_ref().map_or(0, |x| x.top_k as u64);
+        b.named(
+            Stream::Comm,
+            Pass::Bwd,
+            Some(mb),
+            Some(layer),
+            CollectiveKind::AllReduce,
+            GroupKind::Tp.name(),
+            d.t * k * DType::F32.bytes(),
+            DType::F32,
+            true,
+            Some(format!("L{layer}.moe.gate_grad")),
+            ReduceOp::Sum,
+        );
+    }
+
+    /// Sequence parallelism with experts sharded over tp (Megatron's alltoall token
+    /// dispatcher): the tp all-gather of the dispatched rows before the experts
+    /// (`L{l}.moe.experts_gather`, forward and backward) and the reduce-scatter of their
+    /// partial outputs after them (`L{l}.moe.experts_scatter`): the routed rows of the
+    /// whole micro-batch, `t k h` elements in the compute dtype.
+    fn moe_expert_tp(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        mb: u32,
+        layer: u32,
+        kind: CollectiveKind,
+    ) {
+        let d = self.dims();
+        if !d.sp {
+            return;
+        }
+        let k = self.job.model.moe.as_ref().map_or(0, |x| x.top_k as u64);
+        let name = if kind == CollectiveKind::AllGather {
+            "experts_gather"
+        } else {
+            "experts_scatter"
+        };
+        b.named(
+            Stream::Comm,
+            pass,
+            Some(mb),
+            Some(layer),
+            kind,
+            GroupKind::Tp.name(),
+            d.t * k * d.h * d.w.bytes(),
+            d.w,
+            true,
+            Some(format!("L{layer}.moe.{name}")),
+            ReduceOp::Sum,
+        );
     }
 
     fn ep_a2a(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>, bytes: u64) {
@@ -833,8 +933,11 @@ impl<'a> Ctx<'a> {
                 self.mlp_bwd(b, mb, layer, &gs[3], &gs[4]);
             }
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+            self.moe_gate_grad(b, mb, layer);
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+            self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
             self.mlp_bwd(b, mb, layer, &gs[1], &gs[2]);
+            self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
             self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
             self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
