@@ -33,7 +33,8 @@
 //!   second `permute` weights each row by its gate and sums it into its token; then the
 //!   `shared_fc1`/activation/`shared_fc2` shared experts add theirs. An activation means
 //!   the dense, expert or shared one by the GEMM before it. The backward mirrors it: the
-//!   shared experts, the first `permute` (gate-weighted output gradient per routed row),
+//!   shared experts, the first `permute` (gate-weighted output gradient per routed row,
+//!   and each routed slot's gate gradient),
 //!   dispatch all-to-all, the experts' backward, combine all-to-all, the second `permute`
 //!   (row gradients summed into the tokens), `router.dgrad` (the gates' and the
 //!   load-balancing loss's gradient through the softmax into the router input) and
@@ -52,16 +53,18 @@
 //!   rank clips with its own norm), `ends.weights` (ZeRO-3: the embedding/head weights
 //!   from their updated shards after the optimizer).
 //!
-//! Steps the IR does not contain and the interpreter performs itself (`implicit` below;
-//! each is listed in the crate's report of what the IR should carry): for MoE layers, the
-//! cp all-reduce of each sequence's routing statistics for the load-balancing loss and,
-//! with tp > 1 without SP, the tp all-reduce of the gate gradients (each tp rank's expert
-//! outputs are partial sums); with SP (each tp rank routes its sequence shard, as the
-//! lowering's router GEMM says, while the expert GEMMs are sized for every token of the
-//! micro-batch): the tp all-reduce of the routing statistics, the TP all-gather of the
-//! dispatched rows before the experts and the TP reduce-scatter of their partial outputs
-//! after them (forward and backward; Megatron's alltoall dispatcher with TP does the
-//! same). The GPT learned-position add rides on the embedding node.
+//! - MoE named collectives: `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` (all-reduce of
+//!   each sequence's routing statistics for the load-balancing loss over its SP shards and
+//!   its cp shards; the loss and its gradient are recomputed after each), `L{l}.moe.gate_grad`
+//!   (tp > 1 without SP: the tp all-reduce of the gates' gradients, computed by the first
+//!   backward permute from partial expert outputs), `L{l}.moe.experts_gather` /
+//!   `L{l}.moe.experts_scatter` (SP: the tp all-gather of the dispatched rows before the
+//!   experts, forward and backward, and the reduce-scatter of their partial outputs after
+//!   them, as Megatron's alltoall token dispatcher does with SP; the experts run on as
+//!   many dispatch buffers as the graph brought them).
+//!
+//! Steps the IR does not contain and the interpreter performs itself: the GPT
+//! learned-position add rides on the embedding node.
 
 use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
@@ -2525,8 +2528,9 @@ fn expert_offsets(recv: &[Vec<usize>], el: usize) -> Vec<usize> {
 /// tokens), averaged over the global batch's sequences and summed over MoE layers: the
 /// per-sequence form of DeepSeek-V3's sequence-wise balance loss, chosen because a
 /// sequence is the one token set every layout sees whole (micro-batch sizes differ).
-/// Under context parallelism a sequence's statistics are summed over the cp group
-/// (implicit: the IR carries no collective for them).
+/// Where a sequence is split over ranks (SP over tp, cp) its statistics are summed by the
+/// graph's `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` all-reduces; the loss and its
+/// gradient are recomputed from the statistics after each.
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// The norm `name` (RMSNorm, or LayerNorm with `{name}_bias`) of `x`: output and the
     /// statistics its backward needs.

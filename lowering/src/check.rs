@@ -14,7 +14,10 @@
 //!   the GPU's HBM and is within 5% of the cost model's per-stage estimate.
 //! - `bytes`: every collective moves the tensor it names: TP collectives the micro-batch's
 //!   hidden states `b s / cp x h`, CP the gathered K and V, EP the routed token copies,
-//!   pipeline sends the stage boundary's activations, and the data-parallel reductions of a
+//!   pipeline sends the stage boundary's activations, the named collectives their tensor
+//!   (the loss statistics, the clipping norm, the replicated gradients, MoE routing
+//!   statistics `2 E` f32 per sequence, gate gradients one f32 per routed slot, the SP
+//!   experts' gather/scatter of the micro-batch's routed rows), and the data-parallel reductions of a
 //!   rank add up to that rank's gradients (up to the padding to a multiple of the group).
 
 use crate::lower::Lowered;

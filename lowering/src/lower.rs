@@ -16,8 +16,12 @@
 //!      [CP all-gather of K and V], attention core, output GEMM (row-parallel), TP
 //!      all-reduce (SP: reduce-scatter), residual;
 //!    - MLP block: norm, [SP all-gather], FC1, activation, FC2, all-reduce / reduce-scatter,
-//!      residual; or for MoE layers: router GEMM, permutation, EP dispatch all-to-all, the
-//!      local experts as grouped GEMMs, EP combine all-to-all, un-permutation, shared experts;
+//!      residual; or for MoE layers: router GEMM, permutation, [the routing statistics'
+//!      all-reduce over tp (SP) and cp], EP dispatch all-to-all, [SP: tp all-gather of the
+//!      dispatched rows], the local experts as grouped GEMMs, [SP: tp reduce-scatter of
+//!      their partial outputs], EP combine all-to-all, un-permutation, shared experts (the
+//!      backward adds, without SP, the tp all-reduce of the gates' gradients after its
+//!      first permutation);
 //!    - backward: the same ops in reverse, each GEMM as a data-gradient and a
 //!      weight-gradient GEMM, each collective mirrored (all-gather <-> reduce-scatter,
 //!      all-reduce after the column-parallel data gradients); the attention core backward
