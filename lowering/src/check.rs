@@ -505,3 +505,102 @@ fn stage_params(l: &Lowered, j: u32) -> (f64, f64) {
     }
     (dense, expert)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardwright_cost::{resolve, ResolveOptions};
+    use shardwright_planner::{plan, PlanOptions};
+    use shardwright_spec::parse::{parse_spec, Format};
+
+    /// A tiny MoE plan (4 experts, top-2, hidden 256, micro-batch 1, seq 1024) pinned to
+    /// `par`.
+    fn moe_plan(par: &str, world: u32) -> Plan {
+        let text = format!(
+            "job:
+  name: tiny
+  model:
+    name: tiny
+    arch: moe
+    moe: {{num_experts: 4, top_k: 2, num_shared_experts: 1, expert_ffn_hidden_size: 256, first_k_dense: 1}}
+    num_layers: 2
+    hidden_size: 256
+    num_attention_heads: 8
+    num_kv_heads: 4
+    ffn_hidden_size: 512
+    ffn_activation: swiglu
+    vocab_size: 1024
+    seq_len: 1024
+  parallelism: {{{par}, pp: 1, dp: 1, ep: 1, micro_batch: 1}}
+  batch: {{global_batch: 2}}
+cluster:
+  gpu: H100-SXM
+  gpus_per_node: 8
+  num_gpus: {world}
+"
+        );
+        let spec = parse_spec(&text, Format::Yaml).expect("spec parses");
+        let r = resolve(&spec, &ResolveOptions::default()).expect("resolves");
+        plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).expect("plans")
+    }
+
+    /// The MoE named collectives carry their tensor's exact bytes (derived by hand here),
+    /// and one group-unit more is a `bytes` error.
+    #[test]
+    fn moe_collectives_have_exact_bytes() {
+        // t = b s / cp tokens per micro-batch, k = 2, h = 256, E = 4, bf16 compute.
+        let cases: [(&str, u32, &[(&str, u64)]); 2] = [
+            (
+                "tp: 2, cp: 1, sequence_parallel: true",
+                2,
+                &[
+                    ("L1.moe.stats.tp", 2 * 4 * 4),
+                    ("L1.moe.experts_gather", 1024 * 2 * 256 * 2),
+                    ("L1.moe.experts_scatter", 1024 * 2 * 256 * 2),
+                ],
+            ),
+            (
+                "tp: 2, cp: 2, sequence_parallel: false",
+                4,
+                &[
+                    ("L1.moe.stats.cp", 2 * 4 * 4),
+                    ("L1.moe.gate_grad", 512 * 2 * 4),
+                ],
+            ),
+        ];
+        for (par, world, want) in cases {
+            let p = moe_plan(par, world);
+            let l = crate::lower(&p).unwrap();
+            let (_, errs) = check(&l, &p);
+            assert!(errs.is_empty(), "{par}: {errs:?}");
+            for &(role, bytes) in want {
+                let mut m = crate::lower(&p).unwrap();
+                let mut seen = 0;
+                for c in &mut m.program.classes {
+                    for n in &mut c.graph.nodes {
+                        if let Op::Collective {
+                            tensor: Some(ref t),
+                            bytes: ref mut b,
+                            dtype,
+                            ..
+                        } = n.op
+                        {
+                            if t == role {
+                                assert_eq!(*b, bytes, "{par}: {role}");
+                                *b += 2 * dtype.bytes();
+                                seen += 1;
+                            }
+                        }
+                    }
+                }
+                assert!(seen > 0, "{par}: no `{role}`");
+                let (_, errs) = check(&m, &p);
+                assert!(
+                    errs.iter()
+                        .any(|e| e.rule == "bytes" && e.message.contains(role)),
+                    "{par}: a grown `{role}` passes: {errs:?}"
+                );
+            }
+        }
+    }
+}
