@@ -18,7 +18,7 @@ use shardwright_executor::checkpoint::CkptConfig;
 use shardwright_executor::model::{lr_at, Dims};
 use shardwright_executor::resilient::{run_resilient, Fault, Resilience, ResilientReport};
 use shardwright_executor::{
-    run_program_with, Backend, Cpu, DataCtx, DataSource, ExecConfig, RunOptions, StepEvent,
+    run_program_with, Cpu, DataCtx, DataSource, ExecConfig, RunOptions, StepEvent,
 };
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -170,16 +170,7 @@ fn loader_config(ctx: &DataCtx, seed: u64, prefetch: usize) -> shardwright_data:
 /// f32 GEMM FLOP/s of one core of this machine: the best of a few 256^3 products.
 fn cpu_gemm_peak() -> f64 {
     let n = 256;
-    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
-    let b = a.clone();
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = Instant::now();
-        let c = Cpu.linear_fwd(&a, &b, n, n, n);
-        std::hint::black_box(&c);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    2.0 * (n * n * n) as f64 / best.max(1e-9)
+    2.0 * (n * n * n) as f64 / shardwright_executor::backend::gemm_seconds(n, 5)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

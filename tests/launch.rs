@@ -7,34 +7,11 @@
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
+mod common;
+
+use common::root;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-const SPEC4: &str = "job:
-  name: tiny-launch
-  model:
-    name: tiny
-    arch: dense
-    num_layers: 2
-    hidden_size: 32
-    num_attention_heads: 4
-    num_kv_heads: 2
-    ffn_hidden_size: 64
-    ffn_activation: swiglu
-    vocab_size: 64
-    seq_len: 16
-    tied_embeddings: false
-  parallelism: {tp: 2, pp: 1, dp: 2, cp: 1, ep: 1, vpp: 1, micro_batch: 1, zero_stage: 1, recompute: none, sequence_parallel: false, schedule: 1f1b}
-  batch: {global_batch: 4}
-cluster:
-  gpu: H100-SXM
-  gpus_per_node: 8
-  num_gpus: 4
-";
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// The binary with none of the multi-process variables of the test's own environment.
 fn cmd(args: &[&str]) -> Command {
@@ -88,7 +65,7 @@ fn plan(dir: &Path, name: &str, spec: &str) -> PathBuf {
 }
 
 fn plan4(dir: &Path) -> PathBuf {
-    plan(dir, "four", SPEC4)
+    plan(dir, "four", common::TINY_TP2_DP2)
 }
 
 /// (step, loss, grad_norm, lr) of every metrics line.

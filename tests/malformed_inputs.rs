@@ -5,30 +5,12 @@
 //! written where the output should have gone, not even a temporary file.
 
 use serde_json::{json, Value};
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-const SPEC: &str = "job:
-  name: tiny-malformed
-  model:
-    name: tiny
-    arch: dense
-    num_layers: 2
-    hidden_size: 32
-    num_attention_heads: 4
-    num_kv_heads: 2
-    ffn_hidden_size: 64
-    ffn_activation: swiglu
-    vocab_size: 64
-    seq_len: 16
-    tied_embeddings: false
-  parallelism: {tp: 2, pp: 1, dp: 2, cp: 1, ep: 1, vpp: 1, micro_batch: 1, zero_stage: 1, recompute: none, sequence_parallel: false, schedule: 1f1b}
-  batch: {global_batch: 4}
-cluster:
-  gpu: H100-SXM
-  gpus_per_node: 8
-  num_gpus: 4
-";
+const SPEC: &str = common::TINY_TP2_DP2;
 
 fn bin(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_shardwright"))

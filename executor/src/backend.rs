@@ -320,6 +320,20 @@ pub trait Backend: Send + Sync {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
 
+/// The best of `reps` timings of one `n x n x n` f32 GEMM on the [`Cpu`] backend, seconds:
+/// this machine's GEMM rate (`2 n^3 / t`), and the executor's synthetic step.
+pub fn gemm_seconds(n: usize, reps: u32) -> f64 {
+    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
+    let mut best = f64::MAX;
+    for _ in 0..reps.max(1) {
+        let t = std::time::Instant::now();
+        let c = Cpu.linear_fwd(&a, &a, n, n, n);
+        std::hint::black_box(&c);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best.max(1e-9)
+}
+
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }

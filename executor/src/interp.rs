@@ -282,25 +282,7 @@ pub fn run_program_with<B: Backend + Clone + 'static>(
 ) -> Result<Vec<RankReport>, ExecError> {
     check_model(job, layout)?;
     let hub = crate::comm::Hub::new(program.world);
-    let comms = hub.comms();
-    let results: Vec<Result<RankReport, ExecError>> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(r, comm)| {
-                let be = backend.clone();
-                let hub = hub.clone();
-                s.spawn(move || {
-                    let out = run_rank(program, job, layout, &be, cfg, comm, r as u32, opts);
-                    if out.is_err() {
-                        hub.abort();
-                    }
-                    out
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("joined")).collect()
-    });
+    let results = run_ranks_on(&hub, program, job, layout, &backend, cfg, opts);
     let mut out = Vec::new();
     let mut first_err: Option<ExecError> = None;
     for r in results {
@@ -319,6 +301,39 @@ pub fn run_program_with<B: Backend + Clone + 'static>(
         Some(e) => Err(e),
         None => Ok(out),
     }
+}
+
+/// Every rank of `program` as a thread over `hub`'s in-process communicators; a rank that
+/// fails aborts the others. Results in rank order.
+pub fn run_ranks_on<B: Backend + Clone>(
+    hub: &std::sync::Arc<crate::comm::Hub>,
+    program: &Program,
+    job: &Job,
+    layout: &Layout,
+    backend: &B,
+    cfg: &ExecConfig,
+    opts: &RunOptions,
+) -> Vec<Result<RankReport, ExecError>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = hub
+            .comms()
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                let (be, hub) = (backend.clone(), hub.clone());
+                s.spawn(move || {
+                    let out = run_rank(program, job, layout, &be, cfg, comm, r as u32, opts);
+                    if out.is_err() {
+                        hub.abort();
+                    }
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread"))
+            .collect()
+    })
 }
 
 /// What the executor needs of expert parallelism and MoE layers under a layout.

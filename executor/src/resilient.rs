@@ -22,7 +22,7 @@
 
 use crate::checkpoint::{Checkpointer, CkptConfig, RankState};
 use crate::comm::Hub;
-use crate::interp::{run_rank, RankHooks, RankReport, RankStateAccess, RunOptions, StepReport};
+use crate::interp::{run_ranks_on, RankHooks, RankReport, RankStateAccess, RunOptions, StepReport};
 use crate::{Backend, ExecConfig, ExecError};
 use shardwright_ir::Program;
 use shardwright_spec::job::Job;
@@ -222,17 +222,7 @@ struct Attempt<'a> {
 
 /// Time of one synthetic step (a fixed GEMM, best of 3) on this machine.
 fn synthetic_step_s() -> f64 {
-    let n = 96;
-    let a: Vec<f32> = (0..n * n).map(|i| (i % 13) as f32 * 0.01).collect();
-    let be = crate::Cpu;
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        let c = be.linear_fwd(&a, &a, n, n, n);
-        std::hint::black_box(&c);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    best
+    crate::backend::gemm_seconds(96, 3)
 }
 
 impl Attempt<'_> {
@@ -748,27 +738,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                 initial_state: Some(&take_init),
                 hooks: Some(&attempt),
             };
-            std::thread::scope(|s| {
-                let hs: Vec<_> = hub
-                    .comms()
-                    .into_iter()
-                    .enumerate()
-                    .map(|(r, comm)| {
-                        let (be, hub, opts) = (backend.clone(), hub.clone(), &opts);
-                        s.spawn(move || {
-                            let out =
-                                run_rank(program, job, layout, &be, cfg, comm, r as u32, opts);
-                            if out.is_err() {
-                                hub.abort();
-                            }
-                            out
-                        })
-                    })
-                    .collect();
-                hs.into_iter()
-                    .map(|h| h.join().expect("rank thread"))
-                    .collect()
-            })
+            run_ranks_on(&hub, program, job, layout, &backend, cfg, &opts)
         };
         let ckpt_result = ckpt.wait();
 

@@ -52,3 +52,27 @@ pub fn plan_json(name: &str) -> String {
     let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
     shardwright_spec::plan::to_json(&p)
 }
+
+/// A tiny dense model pinned to tp2 dp2 ZeRO-1 on 4 GPUs: small enough for multi-process
+/// and malformed-input tests.
+pub const TINY_TP2_DP2: &str = "job:
+  name: tiny-tp2-dp2
+  model:
+    name: tiny
+    arch: dense
+    num_layers: 2
+    hidden_size: 32
+    num_attention_heads: 4
+    num_kv_heads: 2
+    ffn_hidden_size: 64
+    ffn_activation: swiglu
+    vocab_size: 64
+    seq_len: 16
+    tied_embeddings: false
+  parallelism: {tp: 2, pp: 1, dp: 2, cp: 1, ep: 1, vpp: 1, micro_batch: 1, zero_stage: 1, recompute: none, sequence_parallel: false, schedule: 1f1b}
+  batch: {global_batch: 4}
+cluster:
+  gpu: H100-SXM
+  gpus_per_node: 8
+  num_gpus: 4
+";
