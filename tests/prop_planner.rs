@@ -386,6 +386,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             checkpoint: CheckpointSpec::default(),
             recompute_modules: None,
             tp_comm_overlap: false,
+            moe_dispatcher: Default::default(),
             framework: Default::default(),
         },
         cluster: ClusterSpec {

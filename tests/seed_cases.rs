@@ -305,8 +305,15 @@ fn s13_moe_deepseek_v3_shape() {
     let six_n = mf - attn;
     assert!(close(six_n, 6.0 * flops::matmul_params_active(m), 1e-5)); // plan JSON keeps 6 digits
     assert!(six_n < 6.0 * m.params_active * 1.001 && six_n > 6.0 * m.params_active * 0.9);
-    // Two all-to-alls per MoE layer forward (dispatch, combine) and two backward.
-    let job = job_of(&spec("deepseek-v3-2048xh800.yaml"));
+    // Two all-to-alls per MoE layer forward (dispatch, combine) and two backward. First the
+    // flat all-to-all (Megatron's `alltoall` dispatcher); the spec's DeepEP dispatcher below.
+    let dedup_job = job_of(&spec("deepseek-v3-2048xh800.yaml"));
+    assert_eq!(
+        dedup_job.moe_dispatcher,
+        shardwright_spec::spec::MoeDispatcher::Deepep
+    );
+    let mut job = dedup_job.clone();
+    job.moe_dispatcher = shardwright_spec::spec::MoeDispatcher::Alltoall;
     let lc = LayerCosts::new(&job, 1, 1, 64, 1, false, Recompute::None);
     // The EP group (tp = cp = 1): 64 consecutive ranks, 8 per node.
     let link = group_link(
@@ -338,6 +345,18 @@ fn s13_moe_deepseek_v3_shape() {
     // Full recompute runs the forward (and its two all-to-alls) again.
     let lc_full = LayerCosts::new(&job, 1, 1, 64, 1, false, Recompute::Full);
     assert!(close(lc_full.moe.ep, 6.0 * one * hidden, 1e-12));
+    // DeepEP: a token crosses InfiniBand once per other node holding one of its 8 experts
+    // (32 of the 256 per node): 7 x (1 - C(224,8)/C(256,8)) = 4.6328 nodes, so 4096 x 7168
+    // x 2 B x 4.6328 = 272 MB leave the node instead of 411 MB (NVLink, nine times faster,
+    // carries the forwarded copies and stays the faster side).
+    let lc_dedup = LayerCosts::new(&dedup_job, 1, 1, 64, 1, false, Recompute::None);
+    let one_dedup = 4.632_820_5 * 58_720_256.0 / ib + lat;
+    assert!(
+        close(lc_dedup.moe.ep, 4.0 * one_dedup * hidden, 1e-7),
+        "{} vs {}",
+        lc_dedup.moe.ep,
+        4.0 * one_dedup * hidden
+    );
 }
 
 #[test]

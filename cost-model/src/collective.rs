@@ -51,6 +51,56 @@ pub fn all_to_all_s(
     intra.max(inter) + alpha_s
 }
 
+/// Expected number of the other `nodes - 1` nodes that host at least one of a token's `k`
+/// experts, with `experts` spread evenly over `nodes` and the `k` distinct experts equally
+/// likely (balanced routing): `(nodes - 1) (1 - C(E - E/N, k) / C(E, k))`.
+pub fn remote_nodes_per_token(k: u32, experts: u32, nodes: u64) -> f64 {
+    if nodes <= 1 {
+        return 0.0;
+    }
+    let (e, n) = (experts as f64, nodes as f64);
+    let outside = e - e / n;
+    // C(E - E/N, k) / C(E, k) = prod_i (E - E/N - i) / (E - i)
+    let mut none = 1.0;
+    for i in 0..k {
+        let i = i as f64;
+        none *= ((outside - i) / (e - i)).max(0.0);
+    }
+    (n - 1.0) * (1.0 - none)
+}
+
+/// MoE dispatch (or combine) with node deduplication (DeepEP / HybridEP): each of the rank's
+/// tokens (`token_bytes` for one copy of all of them) crosses the network once per remote
+/// node that hosts one of its `k` experts ([`remote_nodes_per_token`]), then fans out over
+/// NVLink to the GPUs of that node; the `k` routed copies inside the own node travel over
+/// NVLink directly. `n` ranks, `per_node` of them in one node. The slower side bounds the
+/// time.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_dispatch_dedup_s(
+    token_bytes: f64,
+    k: u32,
+    experts: u32,
+    n: u64,
+    per_node: u64,
+    intra_gbps: f64,
+    inter_gbps: f64,
+    alpha_s: f64,
+) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let r = per_node.clamp(1, n);
+    let nodes = n.div_ceil(r);
+    let (nf, rf, kf) = (n as f64, r as f64, k as f64);
+    let inter = token_bytes * remote_nodes_per_token(k, experts, nodes) / (inter_gbps * 1e9);
+    // NVLink: routed copies to the other GPUs of the own node, and the remote copies that
+    // arriving tokens are forwarded to (all but the one on the receiving GPU).
+    let local = token_bytes * kf * (rf - 1.0) / nf;
+    let forwarded = token_bytes * kf * (nf - rf) / nf * (rf - 1.0) / rf;
+    let intra = (local + forwarded) / (intra_gbps * 1e9);
+    intra.max(inter) + alpha_s
+}
+
 /// Point-to-point send of `bytes`.
 pub fn send_s(bytes: f64, gbps: f64, alpha_s: f64) -> f64 {
     bytes / (gbps * 1e9) + alpha_s
@@ -66,5 +116,30 @@ mod tests {
         assert!((t - 0.040833).abs() < 1e-5, "{t}");
         assert_eq!(all_reduce_s(1e9, 1, 1.0, 1.0), 0.0);
         assert!((all_gather_s(8e9, 4, 1.0, 0.0) - 6.0).abs() < 1e-9);
+    }
+
+    /// Hand count: 4 experts on 2 nodes (2 each), top-2. Of the C(4,2) = 6 expert pairs one
+    /// (both on the own node) leaves the other node out: 5/6 remote nodes per token.
+    #[test]
+    fn remote_nodes_hand_count() {
+        assert!((remote_nodes_per_token(2, 4, 2) - 5.0 / 6.0).abs() < 1e-12);
+        // top-1 over 8 nodes: the expert is remote 7 times in 8
+        assert!((remote_nodes_per_token(1, 64, 8) - 7.0 / 8.0).abs() < 1e-12);
+        // 9 picks cannot all fit in one node of 8 experts: the other node is always hit
+        assert!((remote_nodes_per_token(9, 16, 2) - 1.0).abs() < 1e-12);
+        // 8 picks miss the other node only when all 8 are the own node's: 1 / C(16,8)
+        assert!((remote_nodes_per_token(8, 16, 2) - (1.0 - 1.0 / 12870.0)).abs() < 1e-12);
+        assert_eq!(remote_nodes_per_token(8, 256, 1), 0.0);
+    }
+
+    /// 16 ranks, 8 per node, 4 experts (2 per node), top-2, 6 GB of tokens at 1 GB/s
+    /// inter-node: deduplicated, 6 x 5/6 = 5 GB cross the network (5 s); the flat
+    /// all-to-all sends both copies, 6 x 2 x 8/16 = 6 GB (6 s).
+    #[test]
+    fn dedup_sends_each_token_once_per_remote_node() {
+        let dedup = moe_dispatch_dedup_s(6e9, 2, 4, 16, 8, 1e6, 1.0, 0.0);
+        assert!((dedup - 5.0).abs() < 1e-9, "{dedup}");
+        let flat = all_to_all_s(6e9 * 2.0, 16, 8, 1e6, 1.0, 0.0);
+        assert!((flat - 6.0).abs() < 1e-9, "{flat}");
     }
 }

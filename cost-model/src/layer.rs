@@ -26,12 +26,14 @@
 //!
 //! Not ops (named separately in `LayerTime`): the per-layer launch overhead.
 
-use crate::collective::{all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s};
+use crate::collective::{
+    all_gather_s, all_reduce_s, all_to_all_s, moe_dispatch_dedup_s, reduce_scatter_s, send_s,
+};
 use crate::eval::{gemm_eff, group_link};
 use crate::flops;
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{GroupKind, Mesh};
-use shardwright_spec::spec::{Recompute, RecomputeModule};
+use shardwright_spec::spec::{MoeDispatcher, Recompute, RecomputeModule};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Pass {
@@ -469,14 +471,26 @@ impl Ctx<'_> {
                 let link = group_link(job, self.mesh.fabric(GroupKind::Ep));
                 let hw = &job.hardware;
                 let msg = tokens * k * h * 2.0 / self.seq_div;
-                let one = all_to_all_s(
-                    msg,
-                    ep,
-                    link.fabric.ranks_per_node,
+                let (intra, inter) = (
                     hw.nvlink_gbps * eff.nvlink_bus_eff,
                     hw.inter_node_gbps * eff.inter_node_bus_eff,
-                    link.latency_s,
                 );
+                let per_node = link.fabric.ranks_per_node;
+                let one = match job.moe_dispatcher {
+                    MoeDispatcher::Alltoall => {
+                        all_to_all_s(msg, ep, per_node, intra, inter, link.latency_s)
+                    }
+                    MoeDispatcher::Deepep => moe_dispatch_dedup_s(
+                        msg / k,
+                        moe.top_k,
+                        moe.num_experts,
+                        ep,
+                        per_node,
+                        intra,
+                        inter,
+                        link.latency_s,
+                    ),
+                };
                 Some((msg, one))
             } else {
                 None

@@ -599,6 +599,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         efficiency,
         framework: js.framework,
         tp_comm_overlap: js.tp_comm_overlap,
+        moe_dispatcher: js.moe_dispatcher,
     };
     Ok(Resolved { job, warnings })
 }

@@ -32,6 +32,8 @@ pub struct Imported {
     pub model: Map<String, Value>,
     /// `job.precision` fields.
     pub precision: Map<String, Value>,
+    /// Other `job` fields the config states (`tp_comm_overlap`, `moe_dispatcher`).
+    pub job: Map<String, Value>,
     /// What was not imported, or read with an assumption.
     pub notes: Vec<String>,
 }
@@ -515,6 +517,20 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     if f.has("fp8-format") || f.has("fp8") {
         imp.precision.insert("fp8_gemms".into(), json!(true));
     }
+    if f.has("tp-comm-overlap") {
+        imp.job.insert("tp_comm_overlap".into(), json!(true));
+    }
+    match f.str("moe-token-dispatcher-type")? {
+        None | Some("alltoall") | Some("allgather") => {}
+        Some("flex") => {
+            imp.job.insert("moe_dispatcher".into(), json!("deepep"));
+        }
+        Some(v) => {
+            return Err(bad(format!(
+                "flag --moe-token-dispatcher-type: `{v}` is not alltoall, allgather or flex"
+            )))
+        }
+    }
     Ok(imp)
 }
 
@@ -897,6 +913,9 @@ pub fn merge(base: &Value, imp: &Imported, fw: Framework) -> Result<Value, Expor
     };
     put(job, "model", &imp.model);
     put(job, "precision", &imp.precision);
+    for (f, v) in &imp.job {
+        job.insert(f.clone(), v.clone());
+    }
     // The imported layout replaces any pins the file had.
     let allow = job["parallelism"].get("allow_tp_across_nodes").cloned();
     let mut pins = pins_value(&imp.pins);
@@ -982,6 +1001,30 @@ mod tests {
         assert_eq!(f["x"], Some("1".into()));
         assert_eq!(f["z"], Some("3".into()));
         assert!(!f.contains_key("y"));
+    }
+
+    #[test]
+    fn dispatcher_and_tp_overlap_flags() {
+        let side = Side {
+            world: Some(16),
+            num_layers: None,
+        };
+        let base = "--tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 1 --global-batch-size 16";
+        let imp = megatron(
+            &format!("{base} --tp-comm-overlap --moe-token-dispatcher-type flex"),
+            side,
+        )
+        .unwrap();
+        assert_eq!(imp.job["tp_comm_overlap"], json!(true));
+        assert_eq!(imp.job["moe_dispatcher"], json!("deepep"));
+        let plain = megatron(
+            &format!("{base} --moe-token-dispatcher-type alltoall"),
+            side,
+        )
+        .unwrap();
+        assert!(plain.job.is_empty(), "{:?}", plain.job);
+        let e = megatron(&format!("{base} --moe-token-dispatcher-type ring"), side).unwrap_err();
+        assert!(e.to_string().contains("--moe-token-dispatcher-type"), "{e}");
     }
 
     #[test]

@@ -4,8 +4,8 @@
 //! plan verbatim as its `inputs`, so every estimate traces back to a number here.
 
 use crate::spec::{
-    Activation, Arch, Dtype, Framework, Norm, OptimizerKind, ParallelismSpec, RecomputeModule,
-    TierKind,
+    Activation, Arch, Dtype, Framework, MoeDispatcher, Norm, OptimizerKind, ParallelismSpec,
+    RecomputeModule, TierKind,
 };
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -30,6 +30,10 @@ pub struct Job {
     /// TP collectives pipelined with their GEMMs (Megatron `--tp-comm-overlap`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub tp_comm_overlap: bool,
+    /// MoE token dispatcher (what crosses the network when EP spans nodes).
+    #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
+    #[schemars(with = "String")]
+    pub moe_dispatcher: MoeDispatcher,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]

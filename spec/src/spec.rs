@@ -46,6 +46,42 @@ pub struct JobSpec {
     /// see [`Framework`].
     #[serde(default)]
     pub framework: Framework,
+    /// How an MoE layer's routed tokens reach experts on other nodes (Megatron-Core
+    /// `--moe-token-dispatcher-type`); see [`MoeDispatcher`]. Default `alltoall`.
+    #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
+    pub moe_dispatcher: MoeDispatcher,
+}
+
+/// MoE token dispatcher: what crosses the network when expert parallelism spans nodes.
+///
+/// - `alltoall` (Megatron-Core's `alltoall` dispatcher, NCCL all-to-all): every routed copy
+///   of a token travels to its expert's rank, so a token routed to `k` experts crosses the
+///   network up to `k` times.
+/// - `deepep` (Megatron-Core's `flex` dispatcher with DeepEP or HybridEP; DeepSeek-AI 2024,
+///   DeepSeek-V3 report sec. 3.2.2): a token crosses the network once per remote node that
+///   hosts at least one of its experts and fans out to that node's GPUs over NVLink; the
+///   combine reduces inside the node first and returns the same way.
+#[derive(
+    Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum MoeDispatcher {
+    #[default]
+    Alltoall,
+    #[serde(alias = "hybridep", alias = "flex")]
+    Deepep,
+}
+
+impl MoeDispatcher {
+    pub fn is_default(&self) -> bool {
+        *self == MoeDispatcher::Alltoall
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            MoeDispatcher::Alltoall => "alltoall",
+            MoeDispatcher::Deepep => "deepep",
+        }
+    }
 }
 
 /// Training framework: what its implementation overlaps and how it moves data. Each effect

@@ -173,6 +173,10 @@ pub struct Conventions {
     /// What the run's framework changes in the model (the spec's `framework` mechanisms),
     /// said in its row.
     pub framework_note: Option<&'static str>,
+    /// TP communication overlap (the spec's `tp_comm_overlap`).
+    pub tp_comm_overlap: bool,
+    /// MoE token dispatcher (the spec's `moe_dispatcher`).
+    pub moe_dispatcher: MoeDispatcher,
 }
 
 /// The conventions of a run, from its framework, year, activation wording and notes.
@@ -188,6 +192,15 @@ pub struct Conventions {
 /// - **ZeRO stage** when none is stated: 0 for Megatron-LM up to 2022 (no distributed
 ///   optimizer), else left to the planner.
 /// - **Gradients**: fp32 main gradients (Megatron, DeepSpeed, FSDP2's fp32 reduce).
+/// - **TP communication overlap**: the parallelism notes name `--tp-comm-overlap`, or the
+///   run used NeMo / Megatron-Bridge, whose performance recipes attach Transformer Engine's
+///   userbuffer overlap (`CommOverlapConfig(tp_comm_overlap=True)`) to every TP > 1 layout
+///   with sequence parallelism (the cost model applies it only with SP).
+/// - **MoE dispatcher**: `deepep` when the run's fields name DeepEP, HybridEP or the flex
+///   dispatcher, or when it used Megatron-Bridge or a Megatron-based framework from 2025 on
+///   (Megatron-Core 0.12, May 2025, added the flex dispatcher; Megatron-Bridge's MoE
+///   performance recipes set `moe_flex_dispatcher_backend` to DeepEP/HybridEP); else
+///   `alltoall`, Megatron-Core's default.
 pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     let act = run
         .model
@@ -225,6 +238,37 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     let framework_note = (ctx.framework == Some(Framework::Deepspeed)).then_some(
         "DeepSpeed pipeline engine (spec framework: deepspeed): four blocking pipeline transfers per micro-batch of the full activation, gradient reduction after the last backward, synchronous TP all-reduces",
     );
+    let par_notes = run
+        .parallelism
+        .notes
+        .as_deref()
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let tp_comm_overlap = par_notes.contains("tp-comm-overlap")
+        || par_notes.contains("tp_comm_overlap")
+        || ctx.framework == Some(Framework::Nemo);
+    let text = format!(
+        "{} {} {}",
+        provenance_text(run).to_ascii_lowercase(),
+        par_notes,
+        notes
+    );
+    let names_dedup = [
+        "deepep",
+        "hybridep",
+        "flex dispatcher",
+        "flex token dispatcher",
+    ]
+    .iter()
+    .any(|w| text.contains(w));
+    let moe_dispatcher = if names_dedup
+        || text.contains("megatron-bridge")
+        || (megatron_family && ctx.year.is_some_and(|y| y >= 2025))
+    {
+        MoeDispatcher::Deepep
+    } else {
+        MoeDispatcher::Alltoall
+    };
     Conventions {
         gpt_style,
         flash_attention,
@@ -232,6 +276,8 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
         default_zero,
         fp32_grads: true,
         framework_note,
+        tp_comm_overlap,
+        moe_dispatcher,
     }
 }
 
@@ -628,6 +674,11 @@ pub fn setup_run_in(
     let ctx = RunContext::of(run);
     let conv = conventions(run, &ctx);
     notes.extend(conv.framework_note.map(String::from));
+    if conv.moe_dispatcher == MoeDispatcher::Deepep && run.model.moe.is_some() {
+        notes.push(
+            "MoE dispatcher deepep (Megatron-Bridge / Megatron-Core 2025+ flex dispatcher): one network copy per remote node".into(),
+        );
+    }
     let arch = match m.arch.to_ascii_lowercase().as_str() {
         "dense" => Arch::Dense,
         "moe" => Arch::Moe,
@@ -892,11 +943,9 @@ pub fn setup_run_in(
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
             recompute_modules: None,
-            tp_comm_overlap: par
-                .notes
-                .as_deref()
-                .is_some_and(|n| n.to_ascii_lowercase().contains("tp-comm-overlap")),
+            tp_comm_overlap: conv.tp_comm_overlap,
             framework: ctx.framework.unwrap_or_default(),
+            moe_dispatcher: conv.moe_dispatcher,
         },
         cluster: ClusterSpec {
             gpu: Some(catalog_name),

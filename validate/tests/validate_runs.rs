@@ -410,7 +410,7 @@ fn accuracy_stays_within_bounds() {
 }
 
 /// Calibration is deterministic, reproduces the committed profile byte for byte, and its
-/// leave-one-source-out median |error| meets the target (<= 8%).
+/// leave-one-source-out |error| meets the floors (median <= 7%, p90 <= 15%).
 #[test]
 fn calibration_reproduces_committed_profile() {
     let text = std::fs::read_to_string(runs_path()).unwrap();
@@ -429,16 +429,23 @@ fn calibration_reproduces_committed_profile() {
         "loso: median {:.2}% p90 {:.2}%",
         a.loso.median_abs_pct, a.loso.p90_abs_pct
     );
-    assert!(a.in_sample.median_abs_pct <= 5.0);
+    // The floors: in-sample median <= 4%, leave-one-source-out median <= 7% and p90
+    // <= 15% (measured 3.8%, 6.7%, 14.8%).
     assert!(
-        a.loso.median_abs_pct <= 8.0,
-        "LOSO median {}",
-        a.loso.median_abs_pct
+        a.in_sample.median_abs_pct <= 4.0,
+        "in-sample median {}",
+        a.in_sample.median_abs_pct
+    );
+    assert!(
+        a.loso.median_abs_pct <= 7.0 && a.loso.p90_abs_pct <= 15.0,
+        "LOSO median {} p90 {}",
+        a.loso.median_abs_pct,
+        a.loso.p90_abs_pct
     );
     assert_eq!(a.loso.n, 54);
     assert_eq!(a.leave_one_framework_out.all.n, 54);
     assert_eq!(a.leave_one_gpu_kind_out.all.n, 54);
-    // Held-out frameworks and GPU kinds (measured 7.8% / 5.7% median, 15.2% / 15.0% p90):
+    // Held-out frameworks and GPU kinds (measured 7.7% / 6.1% median, 14.7% / 13.1% p90):
     // guards against a change that only fits the table.
     let (f, g) = (
         &a.leave_one_framework_out.all,
