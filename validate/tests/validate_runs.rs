@@ -590,6 +590,26 @@ fn conventions_from_the_runs_own_fields() {
     assert!(b.gpt_style && !b.flash_attention && b.framework_note.is_some());
     let l = conv("mbridge_2602_llama3_70b_fp8_h100_64gpu");
     assert!(!l.gpt_style && l.flash_attention && l.framework_note.is_none());
+    // NeMo / Megatron-Bridge recipes overlap TP communication; a Megatron run says so in
+    // its notes (Megatron-Core's table) or not (Korthikanti et al. 2022); DeepSpeed never.
+    use shardwright_spec::spec::MoeDispatcher;
+    assert!(l.tp_comm_overlap && conv("nemo_longseq_llama2_7b_fp8_4k_4gpu").tp_comm_overlap);
+    assert!(m.tp_comm_overlap);
+    assert!(!conv("korthikanti22_175B_selective_sp").tp_comm_overlap);
+    assert!(!b.tp_comm_overlap);
+    // Megatron-Bridge's MoE recipes dispatch with DeepEP / HybridEP; the 2021-22 Megatron
+    // and DeepSpeed runs predate it.
+    let ds = conv("mbridge_2509_deepseekv3_h100_1024gpu");
+    assert_eq!(ds.moe_dispatcher, MoeDispatcher::Deepep);
+    assert_eq!(n.moe_dispatcher, MoeDispatcher::Alltoall);
+    assert_eq!(b.moe_dispatcher, MoeDispatcher::Alltoall);
+    // A run that names the dispatcher gets it, whatever its framework or year.
+    let mut named = run(&f, "mtnlg_530b_2240gpu").clone();
+    named.parallelism.notes = Some("EP over 4 nodes with DeepEP".into());
+    assert_eq!(
+        conventions(&named, &RunContext::of(&named)).moe_dispatcher,
+        MoeDispatcher::Deepep
+    );
 }
 
 /// A runs file whose ids, sources and GPU strings validate has never seen is scored: GPU
