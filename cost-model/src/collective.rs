@@ -42,13 +42,26 @@ pub fn all_to_all_s(
     }
     let nf = n as f64;
     let r = per_node.clamp(1, n) as f64;
-    let intra = (r - 1.0) / nf * bytes / (intra_gbps * 1e9);
-    let inter = if r < nf {
-        (nf - r) / nf * bytes / (inter_gbps * 1e9)
-    } else {
-        0.0
-    };
-    intra.max(inter) + alpha_s
+    let inter = if r < nf { (nf - r) / nf * bytes } else { 0.0 };
+    two_fabrics_s(
+        (r - 1.0) / nf * bytes,
+        inter,
+        intra_gbps,
+        inter_gbps,
+        alpha_s,
+    )
+}
+
+/// A rank moving `intra_bytes` over NVLink and `inter_bytes` over its NIC at once: the
+/// slower side bounds the time.
+fn two_fabrics_s(
+    intra_bytes: f64,
+    inter_bytes: f64,
+    intra_gbps: f64,
+    inter_gbps: f64,
+    alpha_s: f64,
+) -> f64 {
+    (intra_bytes / (intra_gbps * 1e9)).max(inter_bytes / (inter_gbps * 1e9)) + alpha_s
 }
 
 /// Expected number of the other `nodes - 1` nodes that host at least one of a token's `k`
@@ -92,13 +105,12 @@ pub fn moe_dispatch_dedup_s(
     let r = per_node.clamp(1, n);
     let nodes = n.div_ceil(r);
     let (nf, rf, kf) = (n as f64, r as f64, k as f64);
-    let inter = token_bytes * remote_nodes_per_token(k, experts, nodes) / (inter_gbps * 1e9);
+    let inter = token_bytes * remote_nodes_per_token(k, experts, nodes);
     // NVLink: routed copies to the other GPUs of the own node, and the remote copies that
     // arriving tokens are forwarded to (all but the one on the receiving GPU).
     let local = token_bytes * kf * (rf - 1.0) / nf;
     let forwarded = token_bytes * kf * (nf - rf) / nf * (rf - 1.0) / rf;
-    let intra = (local + forwarded) / (intra_gbps * 1e9);
-    intra.max(inter) + alpha_s
+    two_fabrics_s(local + forwarded, inter, intra_gbps, inter_gbps, alpha_s)
 }
 
 /// Point-to-point send of `bytes`.

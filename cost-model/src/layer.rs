@@ -470,7 +470,9 @@ impl Ctx<'_> {
             let a2a = if ep > 1 {
                 let link = group_link(job, self.mesh.fabric(GroupKind::Ep));
                 let hw = &job.hardware;
-                let msg = tokens * k * h * 2.0 / self.seq_div;
+                // One copy of the rank's tokens; the flat all-to-all moves k of them.
+                let token_bytes = tokens * h * 2.0 / self.seq_div;
+                let msg = token_bytes * k;
                 let (intra, inter) = (
                     hw.nvlink_gbps * eff.nvlink_bus_eff,
                     hw.inter_node_gbps * eff.inter_node_bus_eff,
@@ -481,7 +483,7 @@ impl Ctx<'_> {
                         all_to_all_s(msg, ep, per_node, intra, inter, link.latency_s)
                     }
                     MoeDispatcher::Deepep => moe_dispatch_dedup_s(
-                        msg / k,
+                        token_bytes,
                         moe.top_k,
                         moe.num_experts,
                         ep,
