@@ -177,6 +177,8 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
         ("activations", m.activations_bytes),
         ("logits", m.logits_bytes),
         ("temporary", m.temporary_bytes),
+        ("comm buffers", m.comm_buffers_bytes),
+        ("allocator waste", m.allocator_waste_bytes),
         ("framework reserve", m.reserve_bytes),
     ]
     .into_iter()

@@ -152,6 +152,10 @@ pub struct LayerCosts {
     pub head: LayerTime,
     pub dense_act_bytes: f64,
     pub moe_act_bytes: f64,
+    /// Bytes the caching allocator loses on one layer's saved tensors per micro-batch
+    /// ([`memory::saved_tensors_per_layer`] x [`memory::ALLOCATOR_WASTE_PER_BLOCK`]).
+    pub dense_waste_bytes: f64,
+    pub moe_waste_bytes: f64,
     /// Largest one-layer working set while recomputing (full recompute only).
     pub recompute_work_bytes: f64,
     pub logits_bytes: f64,
@@ -163,7 +167,7 @@ pub struct LayerCosts {
     pub head_params: f64,
     /// One pipeline send per micro-batch boundary.
     pub p2p_bytes: f64,
-    /// Activations the embedding's output keeps per in-flight micro-batch (16-bit).
+    /// Activations the embedding keeps per in-flight micro-batch: token ids, dropout mask.
     pub embed_act_bytes: f64,
     /// Tokens per micro-batch on one GPU (b s / cp).
     pub tokens: f64,
@@ -269,6 +273,13 @@ impl LayerCosts {
             head,
             dense_act_bytes: dense_act,
             moe_act_bytes: moe_act,
+            dense_waste_bytes: memory::saved_tensors_per_layer(m, false, rc)
+                * memory::ALLOCATOR_WASTE_PER_BLOCK,
+            moe_waste_bytes: if m.is_moe() {
+                memory::saved_tensors_per_layer(m, true, rc) * memory::ALLOCATOR_WASTE_PER_BLOCK
+            } else {
+                0.0
+            },
             recompute_work_bytes: work,
             // fp32 logits and their gradient for one micro-batch, vocab split over TP.
             logits_bytes: 8.0 * tokens * v / t,
@@ -278,7 +289,11 @@ impl LayerCosts {
             embed_params: flops::embedding_params(m) / t,
             head_params,
             p2p_bytes: tokens * h * 2.0 / seq_div,
-            embed_act_bytes: 2.0 * tokens * h,
+            // The lookup's backward needs only the token ids (int64); its output is the
+            // first layer's input, counted there. Dropout keeps a 1-byte mask, scattered
+            // over the TP ranks with sequence parallelism (Megatron's
+            // theoretical_memory_usage.py counts the same two tensors).
+            embed_act_bytes: 8.0 * tokens + if m.dropout { tokens * h / seq_div } else { 0.0 },
             tokens,
         }
     }
@@ -382,16 +397,16 @@ pub fn item_memory(job: &Job, lc: &LayerCosts, layout: &Layout) -> ItemsMemory {
     ItemsMemory {
         embedding: ItemMemory {
             static_bytes: lc.embed_params * per_param(ddp),
-            act_bytes: lc.embed_act_bytes,
+            act_bytes: lc.embed_act_bytes + memory::ALLOCATOR_WASTE_PER_BLOCK,
         },
         dense_layer: ItemMemory {
             static_bytes: lc.dense_layer_params * per_param(ddp),
-            act_bytes: lc.dense_act_bytes,
+            act_bytes: lc.dense_act_bytes + lc.dense_waste_bytes,
         },
         moe_layer: ItemMemory {
             static_bytes: lc.moe_layer_dense_params * per_param(ddp)
                 + lc.moe_layer_expert_params * per_param(edp),
-            act_bytes: lc.moe_act_bytes,
+            act_bytes: lc.moe_act_bytes + lc.moe_waste_bytes,
         },
         head: ItemMemory {
             static_bytes: lc.head_params * per_param(ddp) + lc.logits_bytes,
@@ -439,11 +454,87 @@ fn rank_params(lc: &LayerCosts, l: &RankLoad) -> (f64, f64) {
     (dense, expert)
 }
 
+/// GPU bytes the communication libraries map on a rank of pipeline stage `j`, for the
+/// communicators the layout uses (see [`memory::nccl_comm_bytes`]):
+/// - TP: all-reduce, or reduce-scatter and all-gather with sequence parallelism;
+/// - data-parallel gradients (dense, and the experts' own group when EP splits them off):
+///   all-reduce without ZeRO, reduce-scatter and all-gather with it;
+/// - CP: ring attention sends to both ring neighbours;
+/// - EP: all-to-all to every peer, or DeepEP's queues;
+/// - PP: sends to the previous and next stage (both for every stage when interleaved).
+pub fn comm_buffer_bytes(job: &Job, layout: &Layout, mesh: &Mesh, j: u32) -> f64 {
+    use memory::{nccl_comm_bytes, CommUse};
+    let ch = memory::nccl_channels(job.hardware.nvlink_gbps);
+    let size = |k: GroupKind| mesh.size(k) as u64;
+    // Peers of a send/receive pattern, split by fabric: NVLink while the group has members
+    // on this node, the network for the rest.
+    let p2p = |k: GroupKind, peers: u64| {
+        let f = mesh.fabric(k);
+        let local = peers.min(f.ranks_per_node.saturating_sub(1));
+        CommUse::PointToPoint {
+            nvlink_peers: local,
+            net_peers: peers - local,
+        }
+    };
+    let mut bytes = 0.0;
+    if layout.tp > 1 {
+        let how = if layout.sequence_parallel {
+            CommUse::Ring
+        } else {
+            CommUse::AllReduce
+        };
+        bytes += nccl_comm_bytes(size(GroupKind::Tp), how, ch);
+    }
+    let grads = if layout.zero_stage == 0 {
+        CommUse::AllReduce
+    } else {
+        CommUse::Ring
+    };
+    bytes += nccl_comm_bytes(size(GroupKind::DenseDp), grads, ch);
+    if job.model.is_moe() && layout.ep > 1 {
+        bytes += nccl_comm_bytes(size(GroupKind::ExpertDp), grads, ch);
+        let ep = size(GroupKind::Ep);
+        bytes += match job.moe_dispatcher {
+            shardwright_spec::spec::MoeDispatcher::Deepep => memory::deepep_buffer_bytes(
+                ep,
+                mesh.fabric(GroupKind::Ep).ranks_per_node,
+                job.model.hidden_size as f64 * 2.0,
+            ),
+            _ => nccl_comm_bytes(ep, p2p(GroupKind::Ep, ep - 1), ch),
+        };
+    }
+    if layout.cp > 1 {
+        let cp = size(GroupKind::Cp);
+        bytes += nccl_comm_bytes(cp, p2p(GroupKind::Cp, (cp - 1).min(2)), ch);
+    }
+    if layout.pp > 1 {
+        let peers = if layout.vpp > 1 {
+            2
+        } else {
+            u64::from(j > 0) + u64::from(j + 1 < layout.pp)
+        };
+        let how = if mesh.fabric(GroupKind::Pp).crosses_nodes {
+            CommUse::PointToPoint {
+                nvlink_peers: 0,
+                net_peers: peers,
+            }
+        } else {
+            CommUse::PointToPoint {
+                nvlink_peers: peers,
+                net_peers: 0,
+            }
+        };
+        bytes += nccl_comm_bytes(size(GroupKind::Pp), how, ch);
+    }
+    bytes
+}
+
 #[allow(clippy::too_many_arguments)]
 fn rank_memory(
     job: &Job,
     lc: &LayerCosts,
     layout: &Layout,
+    mesh: &Mesh,
     l: &RankLoad,
     j: u32,
     act_peak: Option<f64>,
@@ -495,8 +586,19 @@ fn rank_memory(
             .max(lc.moe_layer_dense_params + lc.moe_layer_expert_params);
         temp += 2.0 * layer * w;
     }
+    // The allocator's rounding loss on every saved tensor alive at the peak.
+    let waste = infl
+        * (l.dense_layers as f64 * lc.dense_waste_bytes
+            + l.moe_layers as f64 * lc.moe_waste_bytes
+            + if l.embedding {
+                memory::ALLOCATOR_WASTE_PER_BLOCK
+            } else {
+                0.0
+            });
+    let comm = comm_buffer_bytes(job, layout, mesh, j);
     let reserve = job.cluster.framework_reserve_bytes;
-    let total = weights + grads + master_b + opt_b + activations + logits + temp + reserve;
+    let total =
+        weights + grads + master_b + opt_b + activations + logits + temp + comm + waste + reserve;
     let hbm = job.hardware.hbm_bytes;
     MemoryBreakdown {
         weights_bytes: weights,
@@ -507,6 +609,8 @@ fn rank_memory(
         inflight_microbatches: infl,
         logits_bytes: logits,
         temporary_bytes: temp,
+        comm_buffers_bytes: comm,
+        allocator_waste_bytes: waste,
         reserve_bytes: reserve,
         total_bytes: total,
         hbm_bytes: hbm,
@@ -636,6 +740,7 @@ pub fn evaluate_with(
             job,
             lc,
             layout,
+            &mesh,
             &load,
             j,
             walk.as_ref().map(|w| w.peak_act[j as usize]),

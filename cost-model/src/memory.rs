@@ -288,3 +288,125 @@ pub fn recompute_module_savings(
     }
     saved
 }
+
+// ---------------------------------------------------------------------------------------
+// What the allocator and the communication libraries hold besides the model's tensors
+// ---------------------------------------------------------------------------------------
+
+/// One mebibyte.
+pub const MIB: f64 = 1024.0 * 1024.0;
+
+/// The buffers NCCL maps for one connection of one channel with its default sizes
+/// (`src/init.cc`): Simple `NCCL_BUFFSIZE` 4 MiB, LL128 `120 x 640 x 8 x 8` = 4,915,200 B,
+/// LL `8 x 512 x 8 x 16` = 512 KiB, together 9.19 MiB, mapped through cuMem at its 2 MiB
+/// granularity: 10 MiB (the 10,485,760-byte allocations of NVIDIA/nccl#1685's ALLOC log).
+pub const NCCL_CONN_BYTES: f64 = 10.0 * MIB;
+
+/// The second allocation a point-to-point connection maps per peer and channel (its FIFO
+/// and flags, one 2 MiB cuMem granule: the 2,097,152-byte allocations of the same log).
+pub const NCCL_P2P_AUX_BYTES: f64 = 2.0 * MIB;
+
+/// The shared buffer pool a communicator maps once it sends point-to-point to a peer on
+/// another node (NVIDIA/nccl#2363: a 536,870,912-byte allocation).
+pub const NCCL_NET_P2P_POOL_BYTES: f64 = 512.0 * MIB;
+
+/// Channels NCCL opens on a node whose GPUs have `nvlink_gbps` (one direction) of NVLink:
+/// two per link at 25 GB/s per link and direction (NVLink 3 and 4), up to NCCL's 32. A100:
+/// 12 links, 24 channels; H100: 18 links, 32; H800: 8 links, 16. Without NVLink (PCIe) 2.
+pub fn nccl_channels(nvlink_gbps: f64) -> f64 {
+    (2.0 * (nvlink_gbps / 25.0).round()).clamp(2.0, 32.0)
+}
+
+/// How a communicator is used, which decides the connections NCCL maps.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CommUse {
+    /// All-reduce: a ring (one connection per channel) and a tree (parent and a child:
+    /// one connection with two ranks, two with more).
+    AllReduce,
+    /// Reduce-scatter and all-gather only: the ring.
+    Ring,
+    /// Send/receive or all-to-all: buffers per peer and channel on NVLink, one shared pool
+    /// once any peer is on another node.
+    PointToPoint { nvlink_peers: u64, net_peers: u64 },
+}
+
+/// GPU bytes NCCL maps for one communicator of `ranks` ranks used as `how`, with
+/// `channels` channels ([`nccl_channels`]).
+pub fn nccl_comm_bytes(ranks: u64, how: CommUse, channels: f64) -> f64 {
+    if ranks <= 1 {
+        return 0.0;
+    }
+    match how {
+        CommUse::AllReduce => {
+            let tree = (ranks - 1).min(2) as f64;
+            channels * (1.0 + tree) * NCCL_CONN_BYTES
+        }
+        CommUse::Ring => channels * NCCL_CONN_BYTES,
+        CommUse::PointToPoint {
+            nvlink_peers,
+            net_peers,
+        } => {
+            nvlink_peers as f64 * channels * (NCCL_CONN_BYTES + NCCL_P2P_AUX_BYTES)
+                + if net_peers > 0 {
+                    NCCL_NET_P2P_POOL_BYTES
+                } else {
+                    0.0
+                }
+        }
+    }
+}
+
+/// DeepEP's normal-mode buffers for an expert-parallel group of `ep` ranks, `per_node` of
+/// them on one node, and tokens of `hidden_bytes` (DeepEP's `get_*_buffer_size_hint`): per
+/// channel (`20 SMs / 2`, its default), an NVLink receive queue of 288 tokens per local
+/// rank, and with remote ranks an RDMA send and receive queue of 128 tokens per node.
+pub fn deepep_buffer_bytes(ep: u64, per_node: u64, hidden_bytes: f64) -> f64 {
+    if ep <= 1 {
+        return 0.0;
+    }
+    let channels = 10.0;
+    let nvl_ranks = per_node.min(ep) as f64;
+    let nodes = ep.div_ceil(per_node.max(1)) as f64;
+    let nvl = channels * nvl_ranks * 288.0 * hidden_bytes;
+    let rdma = if nodes > 1.0 {
+        2.0 * channels * nodes * 128.0 * hidden_bytes
+    } else {
+        0.0
+    };
+    nvl + rdma
+}
+
+/// Mean bytes PyTorch's caching allocator loses per live block: it rounds a large block
+/// (over 1 MiB) up to its 2 MiB granule and does not split off a remainder of 1 MiB or
+/// less, so a block wastes on average half a granule.
+pub const ALLOCATOR_WASTE_PER_BLOCK: f64 = 1.0 * MIB;
+
+/// Tensors one layer saves for its backward per micro-batch (the blocks the allocator
+/// holds; see the module docs for what each is): the two norm inputs and outputs, Q, K, V,
+/// the attention output and its log-sum-exp, the MLP's first GEMM outputs and activation
+/// output, two dropout masks with dropout; an MoE layer adds the router logits, the
+/// permuted tokens and the expert outputs, and each expert MLP's tensors (grouped GEMM:
+/// one block each for all local experts). Full recompute keeps the layer input only.
+pub fn saved_tensors_per_layer(m: &Model, moe_layer: bool, rc: Recompute) -> f64 {
+    if rc == Recompute::Full {
+        return 1.0;
+    }
+    let mlp = |act: Activation| match act {
+        Activation::Relu => 1.0,
+        Activation::Gelu | Activation::SquaredRelu => 2.0,
+        Activation::Swiglu | Activation::Geglu => 3.0,
+    };
+    let dropout = if m.dropout { 2.0 } else { 0.0 };
+    let base = 4.0 + 5.0 + dropout;
+    match (moe_layer, m.moe.as_ref()) {
+        (true, Some(moe)) => {
+            let shared = if moe.num_shared_experts > 0 {
+                mlp(m.ffn_activation)
+            } else {
+                0.0
+            };
+            base + 3.0 + mlp(m.ffn_activation) + shared
+        }
+        _ => base + mlp(m.ffn_activation),
+    }
+}

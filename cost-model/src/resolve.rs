@@ -13,8 +13,13 @@ use shardwright_spec::spec::*;
 /// Llama 3 (arXiv 2407.21783, Table 5): 419 unexpected interruptions in 54 days on 16,384
 /// H100s => per-GPU MTBF = 54 * 24 * 16384 / 419 hours.
 pub const LLAMA3_GPU_MTBF_HOURS: f64 = 54.0 * 24.0 * 16384.0 / 419.0;
-/// Default framework reserve per GPU: CUDA context, NCCL buffers, allocator fragmentation.
-pub const DEFAULT_RESERVE_BYTES: f64 = 2.0 * 1024.0 * 1024.0 * 1024.0;
+/// Default framework reserve per GPU: the CUDA context with its kernel images and the
+/// libraries' workspaces. About 0.5 GiB is the context with NCCL loaded (a one-GPU NCCL
+/// communicator measured 484 MiB at initialization, NVIDIA/nccl#2366); as much again holds
+/// the framework's kernel images and the cuBLAS / cuBLASLt workspaces (32 MiB per handle
+/// and stream on Hopper). NCCL's buffers and the allocator's rounding loss are modelled
+/// per layout (see `eval::comm_buffer_bytes`, `memory::ALLOCATOR_WASTE_PER_BLOCK`).
+pub const DEFAULT_RESERVE_BYTES: f64 = 1024.0 * 1024.0 * 1024.0;
 /// Default time from a failure to training again (MegaScale: detection and diagnosis under
 /// 10 minutes), seconds.
 pub const DEFAULT_RESTART_S: f64 = 600.0;

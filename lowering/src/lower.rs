@@ -1166,7 +1166,13 @@ impl<'a> Ctx<'a> {
             ("grads", BufferKind::Grad, mem.grads_bytes),
             ("master", BufferKind::Master, mem.master_bytes),
             ("optimizer", BufferKind::Optimizer, mem.optimizer_bytes),
-            ("reserve", BufferKind::Reserve, mem.reserve_bytes),
+            ("comm_buffers", BufferKind::Reserve, mem.comm_buffers_bytes),
+            // The allocator's rounding loss at the activation peak is held for the step.
+            (
+                "reserve",
+                BufferKind::Reserve,
+                mem.reserve_bytes + mem.allocator_waste_bytes,
+            ),
         ] {
             if bytes > 0.0 {
                 persistent.push(b.g.buffer(name, kind, round(bytes)));

@@ -131,12 +131,12 @@ fn refine_split(
             )
         })
         .collect();
-    // Everything else on a GPU: reserve, buckets, recompute working set (take the largest
-    // stage's figure from the balanced evaluation).
+    // Everything else on a GPU: reserve, communication buffers, buckets, recompute working
+    // set (take the largest stage's figure from the balanced evaluation).
     let other = bal
         .ranks
         .iter()
-        .map(|r| r.memory.reserve_bytes + r.memory.temporary_bytes)
+        .map(|r| r.memory.reserve_bytes + r.memory.comm_buffers_bytes + r.memory.temporary_bytes)
         .fold(0.0, f64::max);
     let cap = job.hardware.hbm_bytes - other;
     let part = match how {

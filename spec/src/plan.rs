@@ -178,6 +178,14 @@ pub struct MemoryBreakdown {
     pub logits_bytes: f64,
     /// Communication buckets, ZeRO-3 gathered layers, recompute working set.
     pub temporary_bytes: f64,
+    /// Buffers the communication libraries map for this rank's communicators (NCCL
+    /// connections per channel and peer, DeepEP's queues).
+    #[serde(default)]
+    pub comm_buffers_bytes: f64,
+    /// What the caching allocator loses to block rounding on the live activations.
+    #[serde(default)]
+    pub allocator_waste_bytes: f64,
+    /// CUDA context, kernel images and library workspaces (`cluster.framework_reserve_bytes`).
     pub reserve_bytes: f64,
     pub total_bytes: f64,
     pub hbm_bytes: f64,

@@ -472,7 +472,9 @@ pub struct ClusterSpec {
     /// Checkpoint storage tiers, fastest first.
     #[serde(default)]
     pub storage: Option<Vec<StorageTierSpec>>,
-    /// Memory the framework keeps for itself per GPU (CUDA context, NCCL, allocator slack).
+    /// Memory the process holds per GPU besides what the cost model derives per layout:
+    /// CUDA context, kernel images, library workspaces (default 1 GiB). NCCL's buffers and
+    /// the allocator's rounding loss are modelled from the layout and not included here.
     #[serde(default)]
     pub framework_reserve_bytes: Option<f64>,
 }
