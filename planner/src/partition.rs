@@ -33,12 +33,17 @@
 //!    the enumeration obtain bit-identical `T*`. The MILP's optimum (which
 //!    carries solver tolerances) is snapped to the smallest such exactly
 //!    evaluated stage time that is feasible, which is the same `T*`.
-//! 2. The answer is the **lexicographically smallest `starts`** among the splits
-//!    that fit the memory cap and whose max stage time is
-//!    `<= T* + 1e-9 * |T*|` (a relative tolerance of 1e-9). For the LP and the
-//!    DP this is computed by a shared backward-feasibility DP plus a forward
-//!    greedy pass (`canonical_split`); the enumeration independently takes the
-//!    first such split in lexicographic order.
+//! 2. Among the splits that fit the memory cap and whose max stage time is
+//!    `<= T* + 1e-9 * |T*|` (a relative tolerance of 1e-9), `M*` is the least
+//!    peak stage memory. The answer is the **lexicographically smallest
+//!    `starts`** among those splits whose peak memory is `<= M*`. Preferring the
+//!    least memory among equally fast splits leaves the most headroom, and makes
+//!    the answer independent of the cap whenever the cap is above `M*` (more
+//!    HBM never changes an equally fast split). For the LP and the DP, `M*`
+//!    comes from a min-max DP over peak memory (`min_peak_memory`); the split then
+//!    comes from a shared backward-feasibility DP plus a forward greedy pass
+//!    (`canonical_split`) under the cap `M*`. The enumeration independently
+//!    finds `M*` and takes the first such split in lexicographic order.
 //!
 //! The returned `stage_time_s`, `stage_mem_bytes` and `max_time_s` are the
 //! exact re-evaluation of the returned split.
@@ -231,14 +236,51 @@ fn canonical_split(items: &[Item], inflight: &[f64], cap: f64, t_max: f64) -> Op
     Some(starts)
 }
 
-/// Canonicalises for optimal time `t_star` (see module docs).
+/// Smallest achievable peak stage memory over the splits whose stages all fit `cap` and
+/// take `<= t_max`; `None` if there is no such split. The min-max dynamic program of
+/// [`partition_dp`] with time and memory swapped, `O(stages · n²)`.
+fn min_peak_memory(items: &[Item], inflight: &[f64], cap: f64, t_max: f64) -> Option<f64> {
+    let n = items.len();
+    let stages = inflight.len();
+    let mut prev: Vec<Option<f64>> = vec![None; n + 1];
+    prev[0] = Some(f64::NEG_INFINITY);
+    for (j, &infl) in inflight.iter().enumerate() {
+        let mut cur: Vec<Option<f64>> = vec![None; n + 1];
+        let e_max = n - (stages - j - 1);
+        let last_start = n - (stages - j);
+        for (i, &before) in prev.iter().enumerate().take(last_start + 1).skip(j) {
+            let Some(before) = before else { continue };
+            let (mut t, mut m) = (0.0, 0.0);
+            for e in i + 1..=e_max {
+                let it = &items[e - 1];
+                t += it.time_s;
+                m += item_mem(it, infl);
+                if !(fits(t, m, cap) && t <= t_max) {
+                    continue;
+                }
+                let cand = before.max(m);
+                match cur[e] {
+                    Some(old) if old <= cand => {}
+                    _ => cur[e] = Some(cand),
+                }
+            }
+        }
+        prev = cur;
+    }
+    prev[n]
+}
+
+/// Canonicalises for optimal time `t_star` (see module docs): among the splits within the
+/// time tolerance, those of least peak memory, and of these the lexicographically smallest.
 fn canonical_partition(
     items: &[Item],
     inflight: &[f64],
     cap: f64,
     t_star: f64,
 ) -> Option<Partition> {
-    let starts = canonical_split(items, inflight, cap, threshold(t_star))?;
+    let thr = threshold(t_star);
+    let peak = min_peak_memory(items, inflight, cap, thr)?;
+    let starts = canonical_split(items, inflight, peak, thr)?;
     Some(build_partition(items, inflight, starts))
 }
 
@@ -251,9 +293,10 @@ fn canonical_partition(
 ///
 /// `best[j][e]` = smallest achievable max stage time when items `[0, e)` fill
 /// stages `0..=j`, each fitting the cap; `O(stages · n²)`. The optimum `T*`
-/// is then canonicalised: the lexicographically smallest `starts` whose max
-/// stage time is `<= T* (1 + 1e-9)` is returned (see the module docs), so the
-/// result is identical to [`partition_lp`] and [`partition_brute`].
+/// is then canonicalised: among the splits whose max stage time is
+/// `<= T* (1 + 1e-9)`, the lexicographically smallest `starts` of least peak
+/// memory is returned (see the module docs), so the result is identical to
+/// [`partition_lp`] and [`partition_brute`].
 pub fn partition_dp(
     items: &[Item],
     inflight: &[f64],
@@ -344,9 +387,10 @@ fn split_max_time(items: &[Item], inflight: &[f64], cap: f64, starts: &[usize]) 
 /// Exhaustive enumeration of all `C(n-1, stages-1)` splits; only for tests /
 /// tiny inputs (panic-free; returns the same errors as [`partition_dp`]).
 ///
-/// First pass finds the optimal `T*`; the second returns the first split, in
-/// lexicographic order of `starts`, that fits and whose max stage time is
-/// `<= T* (1 + 1e-9)` (the canonical answer of the module docs).
+/// First pass finds the optimal `T*`; the second the least peak memory `M*`
+/// among the fitting splits whose max stage time is `<= T* (1 + 1e-9)`; the
+/// third returns the first such split, in lexicographic order of `starts`, whose
+/// peak memory is `<= M*` (the canonical answer of the module docs).
 pub fn partition_brute(
     items: &[Item],
     inflight: &[f64],
@@ -367,10 +411,31 @@ pub fn partition_brute(
     });
     let t_star = best.ok_or_else(|| infeasible(stages, cap))?;
     let thr = threshold(t_star);
+    // Least peak memory among the splits within the time tolerance.
+    let peak_of = |s: &[usize]| {
+        let p = build_partition(items, inflight, s.to_vec());
+        p.stage_mem_bytes
+            .iter()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    let mut peak: Option<f64> = None;
+    for_each_split(n, stages, |s| {
+        if let Some(t) = split_max_time(items, inflight, cap, s) {
+            if t <= thr {
+                let m = peak_of(s);
+                if peak.is_none_or(|p| m < p) {
+                    peak = Some(m);
+                }
+            }
+        }
+        false
+    });
+    let peak = peak.ok_or_else(|| infeasible(stages, cap))?;
     let mut chosen: Option<Vec<usize>> = None;
     for_each_split(n, stages, |s| {
         match split_max_time(items, inflight, cap, s) {
-            Some(t) if t <= thr => {
+            Some(t) if t <= thr && peak_of(s) <= peak => {
                 chosen = Some(s.to_vec());
                 true
             }

@@ -275,6 +275,31 @@ fn ties_give_lexicographically_smallest_starts() {
     assert_eq!(p.max_time_s, 2.0);
 }
 
+/// Equally fast splits: the one of least peak memory wins over the lexicographically
+/// smaller one. Items of time 1, 1, 1, 2 in 3 stages holding 1, 3 and 1 micro-batches;
+/// item 1 keeps 10 bytes per micro-batch, the others nothing. Max time 2 is reached by
+/// [0,1,3] (times 1 | 2 | 2; item 1 on stage 1: 3 x 10 = 30 bytes) and by [0,2,3]
+/// (2 | 1 | 2; item 1 on stage 0: 10 bytes); [0,1,2] takes 3. The old rule
+/// (lexicographically smallest) gave [0,1,3]; the least peak is [0,2,3].
+#[test]
+fn ties_go_to_the_least_peak_memory() {
+    let items = vec![
+        it(1.0, 0.0, 0.0),
+        it(1.0, 0.0, 10.0),
+        it(1.0, 0.0, 0.0),
+        it(2.0, 0.0, 0.0),
+    ];
+    let inflight = [1.0, 3.0, 1.0];
+    let p = agree(&items, &inflight, 100.0).unwrap();
+    assert_eq!(p.max_time_s, 2.0);
+    assert_eq!(p.starts, vec![0, 2, 3]);
+    assert_eq!(p.stage_mem_bytes, vec![10.0, 0.0, 0.0]);
+    // More memory never changes an equally fast split.
+    for cap in [10.0, 30.0, 1e9] {
+        assert_eq!(agree(&items, &inflight, cap).unwrap().starts, vec![0, 2, 3]);
+    }
+}
+
 #[test]
 fn too_few_items() {
     let items = hand_items();
