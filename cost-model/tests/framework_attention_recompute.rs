@@ -178,9 +178,23 @@ fn sliding_window_keys_match_a_brute_force_count() {
         .sum::<f64>()
         / s as f64;
     let got = sinks.model.attended_keys_per_query();
-    // The model's count is exact once the window has passed the sinks; the few queries
-    // between w and w + 4 see 1..3 sink tokens, which it rounds to 0 or 4 (< 0.01 keys).
-    assert!((got - brute_sinks).abs() < 0.01, "{got} vs {brute_sinks}");
+    assert!((got - brute_sinks).abs() < 1e-9, "{got} vs {brute_sinks}");
+    // Non-causal (an encoder): w keys each way and the query itself, clipped at the ends,
+    // and the sinks below the window.
+    let enc = job(&gpt("").replace(
+        "seq_len: 4096}",
+        "seq_len: 4096, causal: false, sliding_window: 128, attention_sink_tokens: 4}",
+    ));
+    let brute_enc: f64 = (0..s)
+        .map(|i| {
+            let lo = i.saturating_sub(w);
+            let hi = (i + w).min(s - 1);
+            (hi - lo + 1 + lo.min(4)) as f64
+        })
+        .sum::<f64>()
+        / s as f64;
+    let got = enc.model.attended_keys_per_query();
+    assert!((got - brute_enc).abs() < 1e-9, "{got} vs {brute_enc}");
     // A window as long as the sequence is full attention.
     let long = job(&gpt("").replace("seq_len: 4096}", "seq_len: 4096, sliding_window: 4096}"));
     assert_eq!(long.model.attended_keys_per_query(), 2048.0);

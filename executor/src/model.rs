@@ -98,6 +98,9 @@ impl Dims {
         if !m.causal {
             why.push("non-causal attention");
         }
+        if m.sliding_window.is_some_and(|w| w < m.seq_len) || m.attention_sink_tokens > 0 {
+            why.push("sliding-window or attention-sink attention");
+        }
         if !why.is_empty() {
             return Err(format!("not supported yet: {}", why.join(", ")));
         }

@@ -5,7 +5,9 @@
 //! - `flops`: the compute FLOPs of all ranks sum to the step's model FLOPs, counted here by
 //!   hand from the model shape (`6 x` every weight matrix a token passes through, LM head
 //!   included, plus `3 x` the causal attention core per layer, times the step's tokens),
-//!   exactly (integer arithmetic) when every sharded dimension divides evenly; padding of
+//!   exactly (integer arithmetic) when every sharded dimension divides evenly (with sliding
+//!   windows the keys each query sees are counted position by position and compared to
+//!   1e-9, since both sides average them in floating point); padding of
 //!   uneven shards and the router replicated over TP without sequence parallelism are
 //!   allowed and reported.
 //! - `recompute`: the FLOPs of `recompute`-pass nodes equal the plan's `(HFU - MFU) / MFU`
@@ -90,6 +92,33 @@ struct HandCount {
     non_matmul_params: u128,
 }
 
+/// With sliding-window attention, the keys a query attends to, averaged over the query
+/// positions and the layers, counted position by position: a windowed layer's query `i`
+/// sees the keys of its window (causal: `min(i + 1, w)`; otherwise `w` each way and itself,
+/// clipped at the ends) and the sink tokens below the window's first key; a full layer
+/// (every `pattern`-th, as a share `1 / pattern` of the layers like the cost model) sees
+/// `s/2` (causal, the MFU convention) or `s`; a windowed layer at most as many. `None`
+/// without a window.
+fn window_keys(m: &shardwright_spec::job::Model) -> Option<f64> {
+    let w = m.sliding_window.filter(|&w| w < m.seq_len)?;
+    let s = m.seq_len;
+    let sinks = m.attention_sink_tokens;
+    let mut sum = 0u128;
+    for i in 0..s {
+        let (lo, hi) = if m.causal {
+            ((i + 1).saturating_sub(w), i)
+        } else {
+            (i.saturating_sub(w), (i + w).min(s - 1))
+        };
+        sum += (hi - lo + 1 + lo.min(sinks)) as u128;
+    }
+    let full = if m.causal { s as f64 / 2.0 } else { s as f64 };
+    let windowed = (sum as f64 / s as f64).min(full);
+    let n = m.sliding_window_pattern.max(1) as f64;
+    let share = if n <= 1.0 { 1.0 } else { (n - 1.0) / n };
+    Some(share * windowed + (1.0 - share) * full)
+}
+
 fn hand_count(l: &Lowered) -> HandCount {
     let m = &l.job.model;
     let lay = &l.layout;
@@ -124,18 +153,24 @@ fn hand_count(l: &Lowered) -> HandCount {
         });
         let layers = dl * dense + ml * moe;
         let head = p(m.vocab_size as u128) * h;
-        let causal_div = if m.causal { 2 } else { 1 };
-        let attn_fwd = m.num_layers as u128 * (4 * s * p(a) * d / causal_div);
+        // Attention core forward of the step (all layers, all tokens).
+        let attn_fwd = match window_keys(m) {
+            None => {
+                let causal_div = if m.causal { 2 } else { 1 };
+                m.num_layers as u128 * (4 * s * p(a) * d / causal_div) * tokens
+            }
+            Some(keys) => (4.0 * (p(a) * d) as f64 * m.num_layers as f64 * keys * tokens as f64)
+                .round() as u128,
+        };
         (layers, head, attn_fwd)
     };
     let rc = |(layers, _, attn_fwd): (u128, u128, u128)| match lay.recompute {
         Recompute::None => 0,
-        Recompute::Selective => attn_fwd * tokens,
-        Recompute::Full => (2 * layers + attn_fwd) * tokens,
+        Recompute::Selective => attn_fwd,
+        Recompute::Full => 2 * layers * tokens + attn_fwd,
     };
-    let model = |(layers, head, attn_fwd): (u128, u128, u128)| {
-        (6 * (layers + head) + 3 * attn_fwd) * tokens
-    };
+    let model =
+        |(layers, head, attn_fwd): (u128, u128, u128)| 6 * (layers + head) * tokens + 3 * attn_fwd;
     let (exact, padded) = (count(false), count(true));
     let norms = match m.norm {
         Norm::Rmsnorm => 2 * h,
@@ -181,7 +216,16 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
     }
     let hand = hand_count(l);
     let (expected, padded) = (hand.model, hand.model_padded);
-    if ir_flops < expected || ir_flops > padded {
+    // Sliding-window attention is counted in f64 (an average number of keys per query),
+    // by the lowering per op and here per step: they agree to rounding, not to the FLOP.
+    let slack = |x: u128| {
+        if window_keys(m).is_some() {
+            (x as f64 * 1e-9) as u128
+        } else {
+            0
+        }
+    };
+    if ir_flops + slack(expected) < expected || ir_flops > padded + slack(padded) {
         errs.push(CheckError {
             rank: 0,
             node: None,
@@ -208,7 +252,9 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
     // rounded) differs from it only by the norm and bias weights the cost model counts in
     // its 6N, twice for a full recompute.
     let cm_flops = est.model_flops_per_token * est.tokens_per_step;
-    if rc_flops < hand.recompute || rc_flops > hand.recompute_padded {
+    if rc_flops + slack(hand.recompute) < hand.recompute
+        || rc_flops > hand.recompute_padded + slack(hand.recompute_padded)
+    {
         errs.push(CheckError {
             rank: 0,
             node: None,
@@ -542,6 +588,46 @@ cluster:
         let spec = parse_spec(&text, Format::Yaml).expect("spec parses");
         let r = resolve(&spec, &ResolveOptions::default()).expect("resolves");
         plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).expect("plans")
+    }
+
+    /// Sliding-window attention with sinks, every third layer full, selective recompute:
+    /// the plan verifies (its recompute share is the windowed attention core's), and the
+    /// IR's attention FLOPs are the windowed count, by hand: s = 2048, w = 256, 4 sinks,
+    /// 3 layers of which 2 windowed. Per sequence and head, a windowed layer's queries see
+    /// 256 x 257 / 2 + 256 x 1792 keys in their windows plus the sinks below the windows
+    /// (4 x 1789 + 6), a full layer 2048 x 1024 (the s/2 convention).
+    #[test]
+    fn sliding_window_plans_verify_with_windowed_flops() {
+        let text = "job:
+  model: {arch: dense, num_layers: 3, hidden_size: 256, num_attention_heads: 4,
+          ffn_hidden_size: 512, ffn_activation: swiglu, vocab_size: 1024, seq_len: 2048,
+          sliding_window: 256, sliding_window_pattern: 3, attention_sink_tokens: 4}
+  parallelism: {tp: 1, pp: 1, dp: 1, micro_batch: 1, recompute: selective}
+  batch: {global_batch: 2}
+cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 1}
+";
+        let spec = parse_spec(text, Format::Yaml).expect("spec parses");
+        let r = resolve(&spec, &ResolveOptions::default()).expect("resolves");
+        let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).expect("plans");
+        let l = crate::lower(&p).unwrap();
+        let (_, errs) = check(&l, &p);
+        assert!(errs.is_empty(), "{errs:?}");
+        // Forward attention FLOPs of the step: 4 x keys x head_dim (64) x heads (4) per
+        // query, 2 sequences of 2048 queries.
+        let windowed_keys = 256 * 257 / 2 + 256 * 1792 + 4 * 1789 + 6;
+        let full_keys = 2048 * 1024;
+        let want = 4.0 * 64.0 * 4.0 * 2.0 * (2.0 * windowed_keys as f64 + full_keys as f64);
+        let fwd: u64 = l.program.classes[0]
+            .graph
+            .nodes
+            .iter()
+            .filter(|n| n.pass == Pass::Fwd && matches!(n.op, Op::Attention { .. }))
+            .filter_map(|n| n.op.work().map(|w| w.flops))
+            .sum();
+        assert!(
+            (fwd as f64 / want - 1.0).abs() < 1e-9,
+            "forward attention FLOPs {fwd} vs {want}"
+        );
     }
 
     /// The MoE named collectives carry their tensor's exact bytes (derived by hand here),

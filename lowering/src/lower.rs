@@ -563,9 +563,17 @@ impl<'a> Ctx<'a> {
         let b = self.layout.micro_batch as u64;
         let c = self.layout.cp;
         // Score work: 2 s_kv d per query per head for QK^T and as much for AV; causal
-        // attention does half (the plan's MFU convention).
+        // attention does half (the plan's MFU convention). With sliding windows (and
+        // attention sinks) a query sees the keys `Model::attended_keys_per_query` counts,
+        // averaged over the layers as the cost model does.
         let full = 4 * d.t * d.seq * d.heads * d.d;
-        let fwd = if m.causal { full / 2 } else { full };
+        let fwd = if m.sliding_window.is_some_and(|w| w < m.seq_len) {
+            (4.0 * (d.t * d.heads * d.d) as f64 * m.attended_keys_per_query()).round() as u64
+        } else if m.causal {
+            full / 2
+        } else {
+            full
+        };
         let flops = if backward { 2 * fwd } else { fwd };
         let el = d.w.bytes();
         // Q, K, V, O (and for the backward their gradients) once through HBM.

@@ -110,13 +110,27 @@ impl Model {
         };
         let w = w as f64;
         let sinks = (self.attention_sink_tokens as f64).min(s);
+        // Sink tokens (the first `sinks` positions) the window of a query no longer covers:
+        // with `lo` the window's first key, min(sinks, lo); summed over the queries whose
+        // `lo` runs from 1 up (`n` of them): sinks (n - sinks + 1) + sinks (sinks - 1) / 2
+        // once n >= sinks, else n (n + 1) / 2.
+        let sink_keys = |n: f64| {
+            if n <= 0.0 {
+                0.0
+            } else if n >= sinks {
+                sinks * (n - sinks + 1.0) + sinks * (sinks - 1.0) / 2.0
+            } else {
+                n * (n + 1.0) / 2.0
+            }
+        };
         let windowed = if self.causal {
-            // sum_{i<s} min(i + 1, w) / s = w - w (w - 1) / (2 s); the sinks sit outside the
-            // window for the s - w - sinks later queries.
-            (w - w * (w - 1.0) / (2.0 * s)) + sinks * ((s - w - sinks).max(0.0) / s)
+            // sum_{i<s} min(i + 1, w) / s = w - w (w - 1) / (2 s); lo = i + 1 - w >= 1 for
+            // the last s - w queries.
+            (w - w * (w - 1.0) / (2.0 * s)) + sink_keys(s - w) / s
         } else {
-            // A window on both sides (w keys each way), clipped at the ends.
-            (2.0 * w).min(s) + sinks * ((s - 2.0 * w - sinks).max(0.0) / s)
+            // w keys each way and the query itself, clipped at both ends:
+            // sum = s (2 w + 1) - w (w + 1); lo = i - w >= 1 for the last s - w - 1.
+            ((2.0 * w + 1.0) - w * (w + 1.0) / s).min(s) + sink_keys(s - w - 1.0) / s
         };
         let n = self.sliding_window_pattern.max(1) as f64;
         let share_windowed = if n <= 1.0 { 1.0 } else { (n - 1.0) / n };
