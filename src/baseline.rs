@@ -47,6 +47,7 @@ pub fn compare(
         schedule: a.schedule.or(sp.schedule),
         allow_tp_across_nodes: sp.allow_tp_across_nodes,
         fsdp_reshard_after_forward: sp.fsdp_reshard_after_forward,
+        expert_tp: a.expert_tp.or(sp.expert_tp),
     };
     // Where each field comes from, before resolving.
     let spec_pinned = |field: &str| -> bool {
@@ -63,6 +64,7 @@ pub fn compare(
             "recompute" => sp.recompute.is_some(),
             "sequence_parallel" => sp.sequence_parallel.is_some(),
             "schedule" => sp.schedule.is_some(),
+            "expert_tp" => sp.expert_tp.is_some(),
             _ => false,
         }
     };
@@ -70,6 +72,10 @@ pub fn compare(
         pins.tp.is_some() && pins.pp.is_some() && pins.cp.is_some() && pins.ep.is_some();
     let mut sources = BTreeMap::new();
     for (_, field) in LAYOUT_KEYS {
+        // Expert TP means nothing without experts.
+        if field == "expert_tp" && spec.job.model.moe.is_none() {
+            continue;
+        }
         let src = if arg.given.contains(&field) {
             "given"
         } else if spec_pinned(field) {

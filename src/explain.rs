@@ -239,6 +239,7 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
                         format!("sp={}", if al.sequence_parallel { "on" } else { "off" })
                     }
                     "schedule" => format!("schedule={}", schedule_name(al.schedule)),
+                    "expert_tp" => format!("etp{}", al.expert_tp_size()),
                     other => other.to_string(),
                 }
             };

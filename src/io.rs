@@ -131,7 +131,15 @@ fn check_plan_values(p: &shardwright_spec::Plan) -> Result<(), String> {
         ),
         ("inputs.model.num_kv_heads", m.num_kv_heads as u64),
         ("inputs.model.head_dim", m.head_dim as u64),
-        ("inputs.model.ffn_hidden_size", m.ffn_hidden_size),
+        // An MoE model whose every layer is MoE has no dense FFN.
+        (
+            "inputs.model.ffn_hidden_size",
+            if m.dense_layers() == 0 {
+                1
+            } else {
+                m.ffn_hidden_size
+            },
+        ),
         ("inputs.model.vocab_size", m.vocab_size),
         ("inputs.model.seq_len", m.seq_len),
         (

@@ -253,8 +253,9 @@ fn arb_plan(moe: bool) -> impl Strategy<Value = Plan> {
         any::<bool>(),
         any::<bool>(),
     )
+        .prop_flat_map(|t| (Just(t), any::<bool>()))
         .prop_map(
-            move |(tp, pp, dp, cp, ep, vpp, mb, ga, zero, rc, sp, gpipe)| {
+            move |((tp, pp, dp, cp, ep, vpp, mb, ga, zero, rc, sp, gpipe), whole)| {
                 let vpp = if pp > 1 { vpp } else { 1 };
                 let schedule = if vpp > 1 {
                     Schedule::Interleaved
@@ -276,6 +277,8 @@ fn arb_plan(moe: bool) -> impl Strategy<Value = Plan> {
                     recompute: rc,
                     sequence_parallel: sp && tp > 1,
                     schedule,
+                    // Whole experts (expert TP 1) where they are possible.
+                    expert_tp: (moe && whole && sp && tp > 1).then_some(1),
                 };
                 let mut p = base.clone();
                 p.layout = layout;
@@ -342,6 +345,7 @@ fn import_megatron_llama3_70b_launch_script() {
         schedule: Some(Schedule::Interleaved),
         allow_tp_across_nodes: false,
         fsdp_reshard_after_forward: None,
+        expert_tp: None,
     };
     assert_eq!(imp.pins, want);
     assert_eq!(imp.global_batch, Some(128));
@@ -383,6 +387,7 @@ fn import_torchtitan_llama3_8b_toml() {
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
         fsdp_reshard_after_forward: None,
+        expert_tp: None,
     };
     assert_eq!(imp.pins, want);
     assert_eq!(imp.global_batch, Some(8));
@@ -412,10 +417,40 @@ fn import_deepspeed_zero3_json() {
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
         fsdp_reshard_after_forward: None,
+        expert_tp: None,
     };
     assert_eq!(imp.pins, want);
     assert_eq!(imp.global_batch, Some(256));
     assert_eq!(imp.precision["compute"], "bf16");
+}
+
+/// Megatron's expert TP 1: its expert-parallel size 8 spans the 2 tensor-parallel ranks,
+/// so shardwright's ep is 8 / 2 = 4 with whole experts; 64 GPUs / tp 2 = 32 = ep 4 x dp 8.
+/// An expert-parallel size the tp does not divide cannot fold.
+#[test]
+fn import_megatron_expert_tp_one_folds_tp_into_ep() {
+    let side = Side {
+        world: Some(64),
+        num_layers: Some(40),
+    };
+    let flags = "--tensor-model-parallel-size 2 --expert-model-parallel-size 8 \
+        --expert-tensor-parallel-size 1 --sequence-parallel --num-layers 40 --micro-batch-size 1";
+    let imp = import::parse(Framework::Megatron, flags, side).unwrap();
+    assert_eq!(
+        (imp.pins.tp, imp.pins.ep, imp.pins.dp, imp.pins.expert_tp),
+        (Some(2), Some(4), Some(8), Some(1))
+    );
+    let e = import::parse(
+        Framework::Megatron,
+        &flags.replace(
+            "--expert-model-parallel-size 8",
+            "--expert-model-parallel-size 3",
+        ),
+        side,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("must be a multiple of 2"), "{e}");
 }
 
 #[test]

@@ -313,6 +313,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
         recompute,
         sequence_parallel: sp,
         schedule,
+        expert_tp: None,
     };
     let bit = |i: u32| l.pins & (1 << i) != 0;
     let pin = |i: u32, v: u32| if bit(i) { Some(v) } else { None };
@@ -330,6 +331,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
         schedule: bit(9).then_some(schedule),
         allow_tp_across_nodes: false,
         fsdp_reshard_after_forward: None,
+        expert_tp: None,
     };
     let spec = SpecFile {
         job: JobSpec {
@@ -1542,6 +1544,7 @@ cluster: {gpu: A100-40GB, gpus_per_node: 4, num_gpus: 52, hardware: {hbm_bytes: 
             recompute: Recompute::None,
             sequence_parallel: false,
             schedule: Schedule::Gpipe,
+            expert_tp: None,
         },
     };
     more_hbm_never_hurts(&case, 1.25, false).unwrap();

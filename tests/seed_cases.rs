@@ -240,6 +240,7 @@ fn s9_pipeline_bubble() {
             recompute: Recompute::Full,
             sequence_parallel: true,
             schedule: sched,
+            expert_tp: None,
         };
         let ev = evaluate(&job, &lc, &layout, Split::Balanced, true);
         let t_mb = ev.ranks.iter().map(|r| r.time_per_mb_s).fold(0.0, f64::max);
@@ -401,6 +402,7 @@ fn s15_fsdp_traffic_is_1_5x_ddp() {
         recompute: Recompute::None,
         sequence_parallel: false,
         schedule: Schedule::OneFOneB,
+        expert_tp: None,
     };
     let ddp = evaluate(&job, &lc, &mk(0), Split::Balanced, false)
         .estimate

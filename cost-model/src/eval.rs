@@ -174,6 +174,7 @@ pub struct LayerCosts {
 }
 
 impl LayerCosts {
+    /// Per-layer costs with experts split over tp (see [`LayerCosts::with_experts`]).
     pub fn new(
         job: &Job,
         tp: u32,
@@ -182,6 +183,36 @@ impl LayerCosts {
         micro_batch: u32,
         sp: bool,
         rc: Recompute,
+    ) -> LayerCosts {
+        LayerCosts::with_experts(job, tp, cp, ep, micro_batch, sp, rc, false)
+    }
+
+    /// The per-layer costs `layout` needs.
+    pub fn for_layout(job: &Job, l: &Layout) -> LayerCosts {
+        LayerCosts::with_experts(
+            job,
+            l.tp,
+            l.cp,
+            l.ep,
+            l.micro_batch,
+            l.sequence_parallel,
+            l.recompute,
+            l.folds_tp_into_ep(),
+        )
+    }
+
+    /// `whole_experts`: expert tensor parallelism 1 (experts whole on each rank, the
+    /// expert-parallel group folds tp in); otherwise experts are split over tp.
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_experts(
+        job: &Job,
+        tp: u32,
+        cp: u32,
+        ep: u32,
+        micro_batch: u32,
+        sp: bool,
+        rc: Recompute,
+        whole_experts: bool,
     ) -> LayerCosts {
         let m = &job.model;
         let e = &job.efficiency;
@@ -193,7 +224,8 @@ impl LayerCosts {
 
         // Time: the sum of the layer template's ops (see `layer`), plus the per-layer
         // overhead. Groups inside one model replica depend only on (tp, cp, ep).
-        let mesh = Mesh::from_degrees(tp, cp, ep, 1, 1, job.cluster.gpus_per_node);
+        let mesh = Mesh::from_degrees(tp, cp, ep, 1, 1, job.cluster.gpus_per_node)
+            .with_whole_experts(whole_experts);
         let shape = LayerShape {
             tp,
             cp,

@@ -424,8 +424,17 @@ impl Ctx<'_> {
         self.gemm(e, "qkv", tokens, (qd + 2.0 * kvd) / t, h, 1);
         self.attention_core(e);
         self.gemm(e, "proj", tokens, h, qd / t, 1);
+        // Whole experts (expert tensor parallelism 1): each rank feeds its own sequence
+        // shard (tokens / tp) to full-width experts spread over the tp x ep ranks of the
+        // folded expert-parallel group; only the shared experts stay split over tp.
+        let whole = moe_layer && self.mesh.whole_experts();
+        let (expert_rows, expert_width_div) = if whole {
+            (tokens / t, 1.0)
+        } else {
+            (tokens, t)
+        };
         // The GEMMs the MLP block's TP collectives pipeline with (dense FC1/FC2; MoE: the
-        // shared experts, else the experts).
+        // shared experts, and the experts when they are split over tp).
         let mlp_gemms = {
             let mats = m.ffn_activation.mlp_matrices();
             match (&m.moe, moe_layer) {
@@ -433,14 +442,20 @@ impl Ctx<'_> {
                     let fe = moe.expert_ffn_hidden_size as f64;
                     let fs =
                         moe.shared_expert_ffn_hidden_size as f64 * moe.num_shared_experts as f64;
-                    let rows = tokens * moe.top_k as f64;
-                    let g = moe.num_experts / self.shape.ep;
-                    (
-                        self.gemm_time(rows, (mats - 1.0) * fe / t, h, g, sc)
-                            + self.gemm_time(tokens, (mats - 1.0) * fs / t, h, 1, sc),
-                        self.gemm_time(rows, h, fe / t, g, sc)
-                            + self.gemm_time(tokens, h, fs / t, 1, sc),
-                    )
+                    let shared = (
+                        self.gemm_time(tokens, (mats - 1.0) * fs / t, h, 1, sc),
+                        self.gemm_time(tokens, h, fs / t, 1, sc),
+                    );
+                    if whole {
+                        shared
+                    } else {
+                        let rows = tokens * moe.top_k as f64;
+                        let g = moe.num_experts / self.shape.ep;
+                        (
+                            self.gemm_time(rows, (mats - 1.0) * fe / t, h, g, sc) + shared.0,
+                            self.gemm_time(rows, h, fe / t, g, sc) + shared.1,
+                        )
+                    }
                 }
                 _ => {
                     let f = m.ffn_hidden_size as f64;
@@ -451,22 +466,28 @@ impl Ctx<'_> {
                 }
             }
         };
-        self.tp_pair(e, "mlp", mlp_gemms);
+        // With whole experts and no shared experts the MoE block has no tp collective: the
+        // router, the dispatch and the experts all work on the rank's own sequence shard.
+        let shared_experts = m.moe.as_ref().is_some_and(|x| x.num_shared_experts > 0);
+        if !whole || shared_experts {
+            self.tp_pair(e, "mlp", mlp_gemms);
+        }
         let width = if moe_layer {
             let moe = m.moe.as_ref().expect("MoE layer of a model with experts");
             let k = moe.top_k as f64;
             let fe = moe.expert_ffn_hidden_size as f64;
             let fs = moe.shared_expert_ffn_hidden_size as f64;
             let ns = moe.num_shared_experts as f64;
-            let experts_local = moe.num_experts / self.shape.ep;
-            self.gemm(e, "router", tokens, moe.num_experts as f64, h, 1);
+            let experts_local = moe.num_experts / self.mesh.size(GroupKind::Ep);
+            self.gemm(e, "router", expert_rows, moe.num_experts as f64, h, 1);
             // Token permutation around the experts (memory bound): the routed copies are
             // gathered into expert order and scattered back, each a read and a write of
             // tokens*k*h 16-bit values.
             let routed = tokens * k * h / self.seq_div;
             self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
-            // EP all-to-all: dispatch and combine, each rank sending tokens*k*h*2 bytes.
-            let ep = self.shape.ep as u64;
+            // EP all-to-all: dispatch and combine, each rank sending tokens*k*h*2 bytes
+            // (its sequence shard's with SP) over the expert-parallel group.
+            let ep = self.mesh.size(GroupKind::Ep) as u64;
             let a2a = if ep > 1 {
                 let link = group_link(job, self.mesh.fabric(GroupKind::Ep));
                 let hw = &job.hardware;
@@ -508,16 +529,17 @@ impl Ctx<'_> {
                 }
             };
             a2a_op(e, "ep_dispatch");
-            let rows = tokens * k; // routed copies over the local experts
+            let rows = expert_rows * k; // routed copies over the local experts
+            let fe_local = fe / expert_width_div;
             self.gemm(
                 e,
                 "expert_fc1",
                 rows,
-                (mats - 1.0) * fe / t,
+                (mats - 1.0) * fe_local,
                 h,
                 experts_local,
             );
-            self.gemm(e, "expert_fc2", rows, h, fe / t, experts_local);
+            self.gemm(e, "expert_fc2", rows, h, fe_local, experts_local);
             a2a_op(e, "ep_combine");
             if moe.num_shared_experts > 0 {
                 self.gemm(e, "shared_fc1", tokens, (mats - 1.0) * fs / t * ns, h, 1);

@@ -779,6 +779,41 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
     if p.sequence_parallel == Some(true) && p.tp == Some(1) {
         errs.push("job.parallelism.sequence_parallel", "needs tp > 1");
     }
+    if let Some(e) = p.expert_tp {
+        let path = "job.parallelism.expert_tp";
+        match (&m.moe, p.tp) {
+            (None, _) => errs.push(path, format!("{e} but the model has no experts")),
+            (Some(_), Some(tp)) if e != 1 && e != tp => errs.push(
+                path,
+                format!("{e}: must be 1 (whole experts) or tp ({tp}, experts split like the MLP)"),
+            ),
+            (Some(_), None) if e != 1 => errs.push(
+                path,
+                format!("{e}: must be 1 (whole experts) or equal to a pinned tp"),
+            ),
+            (Some(moe), Some(tp)) if e == 1 && tp > 1 => {
+                if p.sequence_parallel == Some(false) {
+                    errs.push(
+                        path,
+                        "1 with tp > 1 needs sequence_parallel: each tp rank dispatches its own sequence shard to whole experts",
+                    );
+                }
+                if let Some(ep) = p.ep {
+                    if moe.num_experts as u64 % (tp as u64 * ep as u64) != 0 {
+                        errs.push(
+                            path,
+                            format!(
+                                "1 spreads the experts over tp x ep = {} ranks, which does not divide num_experts {}",
+                                tp * ep,
+                                moe.num_experts
+                            ),
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
     // Batch arithmetic when the replica count and micro-batch are pinned.
     if let (Some(dp), Some(ep), Some(mb)) = (axes.dp, axes.ep, axes.micro_batch) {
         let per = dp * ep * mb;

@@ -50,6 +50,7 @@ fn layout(tp: u32, pp: u32, dp: u32, ga: u64, rc: Recompute) -> Layout {
         recompute: rc,
         sequence_parallel: false,
         schedule: Schedule::OneFOneB,
+        expert_tp: None,
     }
 }
 
@@ -408,4 +409,39 @@ cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 64}}
     // The spec name Megatron-Bridge uses for the backend is accepted too.
     let hybrid = job(&yaml("  moe_dispatcher: hybridep"));
     assert_eq!(hybrid.moe_dispatcher, dedup_job.moe_dispatcher);
+}
+
+/// `job.parallelism.expert_tp` is checked where it is written: it needs experts, must be 1
+/// or the tp, and whole experts need sequence parallelism and tp x ep dividing the experts.
+#[test]
+fn expert_tp_is_checked() {
+    let e = spec_error(&gpt("  parallelism: {tp: 2, expert_tp: 1}"));
+    assert!(
+        e.contains("job.parallelism.expert_tp") && e.contains("no experts"),
+        "{e}"
+    );
+    let moe = |par: &str| {
+        gpt(par).replace("arch: dense", "arch: moe").replace(
+            "seq_len: 4096}",
+            "seq_len: 4096,\n          moe: {num_experts: 8, top_k: 2, expert_ffn_hidden_size: 1024}}",
+        )
+    };
+    let e = spec_error(&moe("  parallelism: {tp: 4, expert_tp: 2}"));
+    assert!(e.contains("must be 1 (whole experts) or tp (4"), "{e}");
+    let e = spec_error(&moe(
+        "  parallelism: {tp: 2, expert_tp: 1, sequence_parallel: false}",
+    ));
+    assert!(e.contains("needs sequence_parallel"), "{e}");
+    let e = spec_error(&moe("  parallelism: {tp: 4, ep: 4, expert_tp: 1}"));
+    assert!(
+        e.contains("tp x ep = 16") && e.contains("num_experts 8"),
+        "{e}"
+    );
+    // Valid: whole experts over tp 2 x ep 4 = 8 ranks.
+    let spec = parse_spec(
+        &moe("  parallelism: {tp: 2, ep: 4, expert_tp: 1, sequence_parallel: true}"),
+        Format::Yaml,
+    )
+    .unwrap();
+    assert!(resolve(&spec, &ResolveOptions::default()).is_ok());
 }

@@ -170,3 +170,64 @@ fn layer_costs_are_the_sum_of_the_ops() {
         }
     }
 }
+
+/// Whole experts (expert TP 1) against split experts, by hand, MoE layer with tp 2, ep 2,
+/// sequence parallel, micro-batch 2 x 512 = 1024 tokens per rank before the SP split:
+/// - split: the experts see the micro-batch's 1024 x 2 routed rows over 4 / 2 = 2 local
+///   experts at width 128 / 2 = 64; the all-to-all runs over the 2 ep ranks;
+/// - whole: each rank routes its own 512-token shard, 512 x 2 rows over 4 / (2 x 2) = 1
+///   local expert at the full width 128; the all-to-all runs over tp x ep = 4 ranks.
+///
+/// The forward FLOPs are the same; the MLP block keeps its tp collectives (the shared
+/// expert is still split over tp) and without a shared expert has none.
+#[test]
+fn whole_experts_reshape_the_expert_gemms_and_the_dispatch_group() {
+    use shardwright_spec::mesh::GroupKind;
+    let j = job(MOE);
+    let s = shape(2, 1, 2, true, Recompute::None);
+    let gemm = |ops: &[OpCost], name: &str| -> (f64, f64, f64, u32) {
+        ops.iter()
+            .find(|o| o.pass == Pass::Fwd && o.name == name)
+            .and_then(|o| match o.kind {
+                OpKind::Gemm {
+                    m, n, k, groups, ..
+                } => Some((m, n, k, groups)),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no forward {name}"))
+    };
+    let run = |whole: bool| {
+        let mesh = Mesh::from_degrees(2, 1, 2, 1, 1, 8).with_whole_experts(whole);
+        (layer_ops(&j, &mesh, &s, LayerKind::Moe), mesh)
+    };
+    let (split, split_mesh) = run(false);
+    let (whole, whole_mesh) = run(true);
+    // (rows, width of FC1 (gate + up), k, local experts)
+    assert_eq!(gemm(&split, "expert_fc1"), (2048.0, 2.0 * 64.0, 256.0, 2));
+    assert_eq!(gemm(&split, "expert_fc2"), (2048.0, 256.0, 64.0, 2));
+    assert_eq!(gemm(&whole, "expert_fc1"), (1024.0, 2.0 * 128.0, 256.0, 1));
+    assert_eq!(gemm(&whole, "expert_fc2"), (1024.0, 256.0, 128.0, 1));
+    assert_eq!(split_mesh.size(GroupKind::Ep), 2);
+    assert_eq!(whole_mesh.size(GroupKind::Ep), 4);
+    assert_eq!(
+        fwd_flops(&split, Pass::Fwd),
+        fwd_flops(&whole, Pass::Fwd) + 512.0 * ROUTER
+    );
+    let tp_colls = |ops: &[OpCost]| {
+        ops.iter()
+            .filter(|o| o.pass == Pass::Fwd && o.name.starts_with("tp_") && o.name.ends_with("mlp"))
+            .count()
+    };
+    assert_eq!(tp_colls(&split), 2);
+    assert_eq!(
+        tp_colls(&whole),
+        2,
+        "the shared expert keeps its tp gather and scatter"
+    );
+    let no_shared = job(&MOE.replace("num_shared_experts: 1", "num_shared_experts: 0"));
+    let mesh = Mesh::from_degrees(2, 1, 2, 1, 1, 8).with_whole_experts(true);
+    assert_eq!(
+        tp_colls(&layer_ops(&no_shared, &mesh, &s, LayerKind::Moe)),
+        0
+    );
+}

@@ -64,6 +64,7 @@ fn dp_exposure_follows_the_contention_formula() {
         recompute: Recompute::None,
         sequence_parallel: false,
         schedule: Schedule::OneFOneB,
+        expert_tp: None,
     };
     let step = |j: &Job| {
         let lc = LayerCosts::new(j, 1, 1, 1, 1, false, Recompute::None);
@@ -106,6 +107,7 @@ fn item_memory_adds_up_to_the_rank_memory() {
             recompute: Recompute::Selective,
             sequence_parallel: true,
             schedule: Schedule::OneFOneB,
+            expert_tp: None,
         };
         let lc = LayerCosts::new(&j, 2, 1, 1, 1, true, Recompute::Selective);
         let ev = evaluate(&j, &lc, &layout, Split::Balanced, true);
@@ -245,6 +247,7 @@ fn zero_with_pp_traffic_and_memory_by_hand() {
             recompute: Recompute::None,
             sequence_parallel: false,
             schedule: Schedule::OneFOneB,
+            expert_tp: None,
         };
         let ev = evaluate(j, &lc, &l, Split::Balanced, true);
         let mem = ev.ranks[1].memory.clone();
@@ -366,6 +369,7 @@ fn communication_buffers_by_hand() {
         recompute: Recompute::Selective,
         sequence_parallel: true,
         schedule: Schedule::OneFOneB,
+        expert_tp: None,
     };
     let mesh = Mesh::new(&layout, 8);
     for stage in 0..4 {
@@ -398,6 +402,7 @@ fn allocator_waste_by_hand() {
         recompute: Recompute::Selective,
         sequence_parallel: true,
         schedule: Schedule::OneFOneB,
+        expert_tp: None,
     };
     let lc = LayerCosts::new(&j, 2, 1, 1, 1, true, Recompute::Selective);
     let ev = evaluate(&j, &lc, &layout, Split::Balanced, true);
@@ -445,6 +450,7 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 256}
         recompute: Recompute::Selective,
         sequence_parallel: true,
         schedule: Schedule::OneFOneB,
+        expert_tp: None,
     };
     let lc = LayerCosts::new(&j, 8, 1, 1, 1, true, Recompute::Selective);
     let ev = evaluate(&j, &lc, &layout, Split::Balanced, true);

@@ -357,6 +357,13 @@ fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
         }
         return Ok(());
     };
+    if layout.folds_tp_into_ep() {
+        return Err(format!(
+            "layout expert_tp = 1 (whole experts over tp x ep = {} ranks): the CPU executor splits experts over tp; plan with job.parallelism.expert_tp: {}",
+            layout.ep_group(),
+            layout.tp
+        ));
+    }
     if m.experts % layout.ep as usize != 0 {
         return Err(format!(
             "moe.num_experts {} is not divisible by ep={}",

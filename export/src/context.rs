@@ -320,6 +320,14 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
     }
 
     let mut fwctx = serde_json::Map::new();
+    if l.folds_tp_into_ep() && !matches!(fw, Framework::Megatron | Framework::Nemo) {
+        notes.push(format!(
+            "the plan keeps experts whole (expert TP 1, the expert-parallel group spans tp x ep = {} ranks); {} is exported with its expert parallelism as planned ep={} and experts split as that framework does",
+            l.ep_group(),
+            fw.name(),
+            l.ep
+        ));
+    }
     match fw {
         Framework::Megatron | Framework::Nemo => {
             if l.schedule == Schedule::Gpipe && l.pp > 1 {
@@ -476,6 +484,8 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
         "gpus_per_node": job.cluster.gpus_per_node,
         "nodes": nodes,
         "tp": l.tp, "pp": l.pp, "dp": l.dp, "cp": l.cp, "ep": l.ep, "vpp": l.vpp,
+        // Megatron's expert-parallel size (tp x ep with whole experts) and expert TP.
+        "expert_ep": l.ep_group(), "expert_tp": l.expert_tp_size(),
         "micro_batch": l.micro_batch,
         "grad_accum": l.grad_accum,
         "zero": l.zero_stage,

@@ -70,6 +70,9 @@ pub fn project(fw: Framework, l: &Layout, num_layers: u32) -> ParallelismSpec {
         schedule: Some(l.schedule),
         allow_tp_across_nodes: false,
         fsdp_reshard_after_forward: None,
+        // Only Megatron's flags carry expert TP.
+        expert_tp: (l.folds_tp_into_ep() && matches!(fw, Framework::Megatron | Framework::Nemo))
+            .then_some(1),
     };
     match fw {
         Framework::Megatron | Framework::Nemo => {
@@ -297,6 +300,20 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     let pp = f.degree("pipeline-model-parallel-size")?;
     let cp = f.degree("context-parallel-size")?;
     let ep = f.degree("expert-model-parallel-size")?;
+    // Expert TP 1 keeps experts whole and spreads them over Megatron's expert-parallel
+    // group, which shardwright writes as tp x ep (the tp ranks folded in).
+    let etp = f.num("expert-tensor-parallel-size")?;
+    let (ep, expert_tp) = match etp {
+        Some(1) if tp > 1 => {
+            if ep % tp != 0 {
+                return Err(bad(format!(
+                    "flag --expert-model-parallel-size {ep} with --expert-tensor-parallel-size 1: the expert-parallel group folds the {tp} tensor-parallel ranks in, so it must be a multiple of {tp}"
+                )));
+            }
+            (ep / tp, Some(1))
+        }
+        _ => (ep, None),
+    };
     let num_layers = f.num("num-layers")?.map(|n| n as u32).or(side.num_layers);
     let vpp = if let Some(text) = f.str("pipeline-model-parallel-layout")? {
         let stages = crate::context::parse_pp_layout(text).ok_or_else(|| {
@@ -404,17 +421,16 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
         }),
         allow_tp_across_nodes: false,
         fsdp_reshard_after_forward: None,
+        expert_tp,
     };
     imp.global_batch = f.num("global-batch-size")?;
     if imp.global_batch.is_none() {
         imp.notes.push("no --global-batch-size: Megatron would use micro-batch x data-parallel size; the spec's job.batch.global_batch is kept".into());
     }
-    if let Some(etp) = f.num("expert-tensor-parallel-size")? {
-        if etp != tp as u64 {
-            imp.notes.push(format!(
-                "--expert-tensor-parallel-size {etp}: shardwright splits experts over the full tp ({tp}); the estimate assumes that"
-            ));
-        }
+    if let Some(etp) = etp.filter(|&e| e != 1 && e != tp as u64) {
+        imp.notes.push(format!(
+            "--expert-tensor-parallel-size {etp}: shardwright models expert TP 1 or the full tp ({tp}); the estimate splits experts over the full tp"
+        ));
     }
     if f.has("use-tp-pp-dp-mapping") {
         imp.notes.push("--use-tp-pp-dp-mapping puts dp outside pp (order tp-cp-ep-pp-dp); shardwright estimates with Megatron's default order tp-cp-ep-dp-pp".into());
@@ -707,6 +723,7 @@ fn torchtitan(text: &str, side: Side) -> Result<Imported, ExportError> {
         schedule,
         allow_tp_across_nodes: false,
         fsdp_reshard_after_forward: None,
+        expert_tp: None,
     };
     imp.global_batch = Some(global);
     if let Some(s) = toml_int(&t, "training", "seq_len")? {
@@ -826,6 +843,7 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
         fsdp_reshard_after_forward: None,
+        expert_tp: None,
     };
     imp.global_batch = global;
     let enabled = |k: &str| {
@@ -985,6 +1003,9 @@ pub fn baseline_syntax(p: &ParallelismSpec) -> String {
             "schedule={}",
             shardwright_spec::layout::schedule_name(s)
         ));
+    }
+    if let Some(e) = p.expert_tp {
+        parts.push(format!("etp{e}"));
     }
     parts.join(",")
 }

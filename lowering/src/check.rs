@@ -145,8 +145,11 @@ fn hand_count(l: &Lowered) -> HandCount {
             let k = moe.top_k as u128;
             // Without SP every TP rank routes all tokens: t copies of the router GEMM.
             let router_copies = if padded && !sp { t } else { 1 };
+            // Whole experts (expert TP 1) are not split, so not padded.
+            let fe = moe.expert_ffn_hidden_size as u128;
+            let fe = if lay.folds_tp_into_ep() { fe } else { p(fe) };
             attn + router_copies * h * moe.num_experts as u128
-                + k * mats * h * p(moe.expert_ffn_hidden_size as u128)
+                + k * mats * h * fe
                 + mats
                     * h
                     * p(moe.shared_expert_ffn_hidden_size as u128 * moe.num_shared_experts as u128)
@@ -635,9 +638,17 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 1}
     #[test]
     fn moe_collectives_have_exact_bytes() {
         // t = b s / cp tokens per micro-batch, k = 2, h = 256, E = 4, bf16 compute.
-        let cases: [(&str, u32, &[(&str, u64)]); 2] = [
+        let cases: [(&str, u32, &[(&str, u64)]); 3] = [
+            // Whole experts: no tp gather of the routed rows, the statistics still summed
+            // over the sequence's tp shards, the all-to-all over tp x ep = 2 ranks (its
+            // bytes checked by the `bytes` rule: each rank's 512 x 2 routed rows).
             (
-                "tp: 2, cp: 1, sequence_parallel: true",
+                "tp: 2, cp: 1, sequence_parallel: true, expert_tp: 1",
+                2,
+                &[("L1.moe.stats.tp", 2 * 4 * 4)],
+            ),
+            (
+                "tp: 2, cp: 1, sequence_parallel: true, expert_tp: 2",
                 2,
                 &[
                     ("L1.moe.stats.tp", 2 * 4 * 4),

@@ -140,15 +140,7 @@ fn prepare(plan: &Plan) -> Result<Prepared, LowerError> {
         )));
     }
     let chunks = stage_chunks(plan, &job)?;
-    let lc = LayerCosts::new(
-        &job,
-        layout.tp,
-        layout.cp,
-        layout.ep,
-        layout.micro_batch,
-        layout.sequence_parallel,
-        layout.recompute,
-    );
+    let lc = LayerCosts::for_layout(&job, &layout);
     let counts: Vec<u32> = chunks.iter().map(|c| c.iter().map(|x| x.1).sum()).collect();
     let split = if layout.vpp > 1 {
         Split::Balanced
@@ -527,6 +519,18 @@ impl<'a> Ctx<'a> {
         self.job.model.is_moe() && layer >= self.job.model.dense_layers()
     }
 
+    /// Whether `layer`'s MLP block gathers over tp before and reduces after: always, except
+    /// an MoE layer with whole experts and no shared experts.
+    fn block_tp(&self, layer: u32) -> bool {
+        let shared = self
+            .job
+            .model
+            .moe
+            .as_ref()
+            .is_some_and(|x| x.num_shared_experts > 0);
+        !(self.is_moe_layer(layer) && self.layout.folds_tp_into_ep() && !shared)
+    }
+
     /// GEMMs of the MLP part of `layer` in forward order.
     fn mlp_gemms(&self, layer: u32, d: &Dims) -> Vec<G> {
         let t = self.layout.tp as u64;
@@ -539,13 +543,19 @@ impl<'a> Ctx<'a> {
         }
         let moe = self.job.model.moe.as_ref().expect("moe layer");
         let k = moe.top_k as u64;
-        let fe = div_ceil(moe.expert_ffn_hidden_size, t);
+        // Whole experts (expert TP 1): the rank's own routed rows through full-width experts;
+        // else the micro-batch's routed rows (gathered over tp) through a 1/tp slice.
+        let (rows, fe) = if self.layout.folds_tp_into_ep() {
+            (d.ts, moe.expert_ffn_hidden_size)
+        } else {
+            (d.t, div_ceil(moe.expert_ffn_hidden_size, t))
+        };
         let mut out = vec![
             // The router sees the local tokens: the sequence shard with SP; without SP every
             // TP rank routes all of them (replicated work, as in Megatron).
             g("router", d.ts, moe.num_experts as u64, d.h, false),
-            g("expert_fc1", d.t * k, (d.mats - 1) * fe, d.h, true),
-            g("expert_fc2", d.t * k, d.h, fe, true),
+            g("expert_fc1", rows * k, (d.mats - 1) * fe, d.h, true),
+            g("expert_fc2", rows * k, d.h, fe, true),
         ];
         if moe.num_shared_experts > 0 {
             let fs = div_ceil(
@@ -721,9 +731,13 @@ impl<'a> Ctx<'a> {
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
         }
-        // MLP block
+        // MLP block (with whole experts and no shared experts an MoE block keeps the
+        // sequence shard throughout: no tp collective)
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
-        self.tp_gather(b, pass, mbo, lo);
+        let block_tp = self.block_tp(layer);
+        if block_tp {
+            self.tp_gather(b, pass, mbo, lo);
+        }
         let gs = self.mlp_gemms(layer, &d);
         if self.is_moe_layer(layer) {
             let moe = self.job.model.moe.as_ref().expect("moe");
@@ -743,7 +757,9 @@ impl<'a> Ctx<'a> {
         } else {
             self.mlp_fwd(b, pass, mb, layer, &gs[0], &gs[1]);
         }
-        self.tp_reduce(b, pass, mbo, lo);
+        if block_tp {
+            self.tp_reduce(b, pass, mbo, lo);
+        }
         b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
@@ -860,7 +876,7 @@ impl<'a> Ctx<'a> {
         kind: CollectiveKind,
     ) {
         let d = self.dims();
-        if !d.sp {
+        if !d.sp || self.layout.folds_tp_into_ep() {
             return;
         }
         let k = self.job.model.moe.as_ref().map_or(0, |x| x.top_k as u64);
@@ -885,7 +901,7 @@ impl<'a> Ctx<'a> {
     }
 
     fn ep_a2a(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>, bytes: u64) {
-        if self.layout.ep > 1 {
+        if self.layout.ep_group() > 1 {
             let w = self.dims().w;
             b.collective(
                 Stream::Comm,
@@ -936,7 +952,10 @@ impl<'a> Ctx<'a> {
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
         }
-        self.tp_gather(b, pass, mbo, lo);
+        let block_tp = self.block_tp(layer);
+        if block_tp {
+            self.tp_gather(b, pass, mbo, lo);
+        }
         let gs = self.mlp_gemms(layer, &d);
         if self.is_moe_layer(layer) {
             let moe = self.job.model.moe.as_ref().expect("moe");
@@ -956,7 +975,9 @@ impl<'a> Ctx<'a> {
         } else {
             self.mlp_bwd(b, mb, layer, &gs[0], &gs[1]);
         }
-        self.tp_reduce(b, pass, mbo, lo);
+        if block_tp {
+            self.tp_reduce(b, pass, mbo, lo);
+        }
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
         // attention block
         if self.job.model.dropout {

@@ -68,15 +68,7 @@ pub fn evaluate_refined_with(
     refine: bool,
     how: Partitioner,
 ) -> (Evaluation, Option<Vec<u32>>) {
-    let lc = LayerCosts::new(
-        job,
-        layout.tp,
-        layout.cp,
-        layout.ep,
-        layout.micro_batch,
-        layout.sequence_parallel,
-        layout.recompute,
-    );
+    let lc = LayerCosts::for_layout(job, layout);
     let balanced = evaluate(job, &lc, layout, Split::Balanced, true);
     if !refine || layout.pp <= 1 || layout.vpp > 1 {
         return (balanced, None);
@@ -300,6 +292,9 @@ fn differs(a: &Layout, b: &Layout) -> Vec<String> {
     cmp!(recompute);
     cmp!(sequence_parallel);
     cmp!(schedule);
+    if a.folds_tp_into_ep() != b.folds_tp_into_ep() {
+        d.push("expert_tp".to_string());
+    }
     d
 }
 

@@ -264,30 +264,51 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                         if sp && tp == 1 {
                             continue;
                         }
-                        for &rc in &recomputes {
-                            let lc = LayerCosts::new(
-                                job, tp as u32, cp as u32, ep as u32, mb as u32, sp, rc,
-                            );
-                            for &pp in &pps {
-                                let rest = world / inner;
-                                if rest % pp != 0 {
-                                    continue;
+                        // Whole experts (expert TP 1) fold tp into the expert-parallel
+                        // group: an MoE choice with tp > 1 and sequence parallelism (each
+                        // tp rank dispatches its own shard) when tp x ep divides the experts.
+                        let fold_ok = sp
+                            && tp > 1
+                            && m.moe
+                                .as_ref()
+                                .is_some_and(|x| x.num_experts as u64 % (tp * ep) == 0);
+                        let wholes: Vec<bool> = match pins.expert_tp {
+                            Some(1) if tp > 1 => {
+                                if fold_ok {
+                                    vec![true]
+                                } else {
+                                    vec![]
                                 }
-                                let dp = rest / pp;
-                                if let Some(pdp) = pins.dp {
-                                    if pdp as u64 != dp {
+                            }
+                            Some(_) => vec![false],
+                            None if fold_ok => vec![false, true],
+                            None => vec![false],
+                        };
+                        for &rc in &recomputes {
+                            for &whole in &wholes {
+                                let lc = LayerCosts::with_experts(
+                                    job, tp as u32, cp as u32, ep as u32, mb as u32, sp, rc, whole,
+                                );
+                                for &pp in &pps {
+                                    let rest = world / inner;
+                                    if rest % pp != 0 {
                                         continue;
                                     }
-                                }
-                                let pp_axes = Axes {
-                                    ep: Some(ep),
-                                    pp: Some(pp),
-                                    dp: Some(dp),
-                                    micro_batch: Some(mb),
-                                    ..Axes::default()
-                                };
-                                if let Some(r) = rules::first_violation(&ctx, &pp_axes) {
-                                    tally.reject(r, || match r {
+                                    let dp = rest / pp;
+                                    if let Some(pdp) = pins.dp {
+                                        if pdp as u64 != dp {
+                                            continue;
+                                        }
+                                    }
+                                    let pp_axes = Axes {
+                                        ep: Some(ep),
+                                        pp: Some(pp),
+                                        dp: Some(dp),
+                                        micro_batch: Some(mb),
+                                        ..Axes::default()
+                                    };
+                                    if let Some(r) = rules::first_violation(&ctx, &pp_axes) {
+                                        tally.reject(r, || match r {
                                         Rejection::PpExceedsLayers => {
                                             format!("pp={pp} > num_layers={}", m.num_layers)
                                         }
@@ -299,32 +320,34 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                         ),
                                         other => other.name().to_string(),
                                     });
-                                    continue;
-                                }
-                                let per = mb * dp * ep;
-                                let ga = gb / per;
-                                // Virtual stages go with the interleaved schedule only.
-                                let vpps: Vec<u32> = match (pins.vpp, pins.schedule) {
-                                    (Some(v), _) => vec![v],
-                                    (None, _) if pp == 1 => vec![1],
-                                    (None, Some(Schedule::Interleaved)) => (2..=MAX_VPP).collect(),
-                                    (None, Some(_)) => vec![1],
-                                    (None, None) => (1..=MAX_VPP).collect(),
-                                };
-                                for &v in &vpps {
-                                    let schedules: Vec<Schedule> = match (pins.schedule, v) {
-                                        (Some(s), _) => vec![s],
-                                        (None, 1) => vec![Schedule::OneFOneB],
-                                        (None, _) => vec![Schedule::Interleaved],
+                                        continue;
+                                    }
+                                    let per = mb * dp * ep;
+                                    let ga = gb / per;
+                                    // Virtual stages go with the interleaved schedule only.
+                                    let vpps: Vec<u32> = match (pins.vpp, pins.schedule) {
+                                        (Some(v), _) => vec![v],
+                                        (None, _) if pp == 1 => vec![1],
+                                        (None, Some(Schedule::Interleaved)) => {
+                                            (2..=MAX_VPP).collect()
+                                        }
+                                        (None, Some(_)) => vec![1],
+                                        (None, None) => (1..=MAX_VPP).collect(),
                                     };
-                                    let v_axes = Axes {
-                                        pp: Some(pp),
-                                        vpp: Some(v as u64),
-                                        grad_accum: Some(ga),
-                                        ..Axes::default()
-                                    };
-                                    if let Some(r) = rules::first_violation(&ctx, &v_axes) {
-                                        tally.reject(r, || match r {
+                                    for &v in &vpps {
+                                        let schedules: Vec<Schedule> = match (pins.schedule, v) {
+                                            (Some(s), _) => vec![s],
+                                            (None, 1) => vec![Schedule::OneFOneB],
+                                            (None, _) => vec![Schedule::Interleaved],
+                                        };
+                                        let v_axes = Axes {
+                                            pp: Some(pp),
+                                            vpp: Some(v as u64),
+                                            grad_accum: Some(ga),
+                                            ..Axes::default()
+                                        };
+                                        if let Some(r) = rules::first_violation(&ctx, &v_axes) {
+                                            tally.reject(r, || match r {
                                             Rejection::LayersVsInterleave => format!(
                                                 "num_layers={} < pp*vpp={} chunks",
                                                 m.num_layers,
@@ -333,79 +356,52 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                             Rejection::MicrobatchesVsInterleave => format!("{ga} micro-batches not a multiple of pp={pp} (interleaved schedule)"),
                                             other => other.name().to_string(),
                                         });
-                                        continue;
-                                    }
-                                    for &sched in &schedules {
-                                        for &z in &zeros {
-                                            let layout = Layout {
-                                                tp: tp as u32,
-                                                pp: pp as u32,
-                                                dp: dp as u32,
-                                                cp: cp as u32,
-                                                ep: ep as u32,
-                                                vpp: v,
-                                                micro_batch: mb as u32,
-                                                grad_accum: ga,
-                                                zero_stage: z,
-                                                recompute: rc,
-                                                sequence_parallel: sp,
-                                                schedule: sched,
-                                            };
-                                            let z_axes = Axes {
-                                                pp: Some(pp),
-                                                vpp: Some(v as u64),
-                                                schedule: Some(sched),
-                                                zero_stage: Some(z),
-                                                ..Axes::default()
-                                            };
-                                            if let Some(r) = rules::first_violation(&ctx, &z_axes) {
-                                                tally.reject(r, || format!("{layout}: {r}"));
-                                                continue;
-                                            }
-                                            // A ZeRO stage whose sharding and traffic the cost
-                                            // model says are those of a lower stage in the list
-                                            // (ZeRO-2, and FSDP without resharding, under PP are
-                                            // ZeRO-1's) has the same estimate; the lower stage
-                                            // wins that tie, so it is counted, not evaluated.
-                                            let sharding =
-                                                |z: u8| DpSharding::new(z, pp as u32, reshard);
-                                            if let Some(&lower) = zeros
-                                                .iter()
-                                                .find(|&&z2| z2 < z && sharding(z2) == sharding(z))
-                                            {
-                                                tally.summary.candidates += 1;
-                                                let key = "same_as_lower_zero_stage";
-                                                *tally
-                                                    .summary
-                                                    .rejected
-                                                    .entry(key.to_string())
-                                                    .or_insert(0) += 1;
-                                                if !tally.summary.examples.contains_key(key) {
-                                                    tally.summary.examples.insert(
-                                                        key.to_string(),
-                                                        format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie"),
-                                                    );
-                                                }
-                                                continue;
-                                            }
-                                            // Uneven interleaving: walking the schedule
-                                            // costs O(pp m vpp); first ask for the goodput
-                                            // with no bubble (an upper bound) and walk only
-                                            // when that could reach the top.
-                                            if v > 1 && m.num_layers as u64 % (pp * v as u64) != 0 {
-                                                let opt = evaluate_with(
-                                                    job,
-                                                    &lc,
-                                                    &layout,
-                                                    Split::Balanced,
-                                                    false,
-                                                    false,
-                                                );
-                                                if opt.estimate.goodput_tokens_per_s
-                                                    < threshold(&best)
+                                            continue;
+                                        }
+                                        for &sched in &schedules {
+                                            for &z in &zeros {
+                                                let layout = Layout {
+                                                    tp: tp as u32,
+                                                    pp: pp as u32,
+                                                    dp: dp as u32,
+                                                    cp: cp as u32,
+                                                    ep: ep as u32,
+                                                    vpp: v,
+                                                    micro_batch: mb as u32,
+                                                    grad_accum: ga,
+                                                    zero_stage: z,
+                                                    recompute: rc,
+                                                    sequence_parallel: sp,
+                                                    schedule: sched,
+                                                    expert_tp: (m.is_moe() && tp > 1).then_some(
+                                                        if whole { 1 } else { tp as u32 },
+                                                    ),
+                                                };
+                                                let z_axes = Axes {
+                                                    pp: Some(pp),
+                                                    vpp: Some(v as u64),
+                                                    schedule: Some(sched),
+                                                    zero_stage: Some(z),
+                                                    ..Axes::default()
+                                                };
+                                                if let Some(r) =
+                                                    rules::first_violation(&ctx, &z_axes)
                                                 {
+                                                    tally.reject(r, || format!("{layout}: {r}"));
+                                                    continue;
+                                                }
+                                                // A ZeRO stage whose sharding and traffic the cost
+                                                // model says are those of a lower stage in the list
+                                                // (ZeRO-2, and FSDP without resharding, under PP are
+                                                // ZeRO-1's) has the same estimate; the lower stage
+                                                // wins that tie, so it is counted, not evaluated.
+                                                let sharding =
+                                                    |z: u8| DpSharding::new(z, pp as u32, reshard);
+                                                if let Some(&lower) = zeros.iter().find(|&&z2| {
+                                                    z2 < z && sharding(z2) == sharding(z)
+                                                }) {
                                                     tally.summary.candidates += 1;
-                                                    let key = "below_top_without_bubble";
+                                                    let key = "same_as_lower_zero_stage";
                                                     *tally
                                                         .summary
                                                         .rejected
@@ -413,44 +409,85 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                                         .or_insert(0) += 1;
                                                     if !tally.summary.examples.contains_key(key) {
                                                         tally.summary.examples.insert(
-                                                            key.to_string(),
-                                                            format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top"),
-                                                        );
+                                                        key.to_string(),
+                                                        format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie"),
+                                                    );
                                                     }
                                                     continue;
                                                 }
-                                            }
-                                            let ev =
-                                                evaluate(job, &lc, &layout, Split::Balanced, false);
-                                            if !ev.estimate.fits && !fully_pinned {
-                                                let need = ev.estimate.memory.total_bytes;
-                                                let hbm = ev.estimate.memory.hbm_bytes;
-                                                tally.reject(Rejection::OutOfMemory, || {
-                                                    format!(
-                                                        "{layout}: needs {:.1} GB of {:.1} GB",
-                                                        need / 1e9,
-                                                        hbm / 1e9
-                                                    )
-                                                });
-                                                continue;
-                                            }
-                                            tally.summary.candidates += 1;
-                                            tally.summary.feasible += u64::from(ev.estimate.fits);
-                                            let cand = Candidate {
-                                                layout,
-                                                estimate: ev.estimate,
-                                                goodput_bound: ev.goodput_bound,
-                                            };
-                                            if cand.goodput_bound
-                                                > cand.estimate.goodput_tokens_per_s
-                                            {
-                                                hopefuls.push(cand.clone());
-                                                if hopefuls.len() > 4096 {
-                                                    let t = threshold(&best);
-                                                    hopefuls.retain(|c| c.goodput_bound >= t);
+                                                // Uneven interleaving: walking the schedule
+                                                // costs O(pp m vpp); first ask for the goodput
+                                                // with no bubble (an upper bound) and walk only
+                                                // when that could reach the top.
+                                                if v > 1
+                                                    && m.num_layers as u64 % (pp * v as u64) != 0
+                                                {
+                                                    let opt = evaluate_with(
+                                                        job,
+                                                        &lc,
+                                                        &layout,
+                                                        Split::Balanced,
+                                                        false,
+                                                        false,
+                                                    );
+                                                    if opt.estimate.goodput_tokens_per_s
+                                                        < threshold(&best)
+                                                    {
+                                                        tally.summary.candidates += 1;
+                                                        let key = "below_top_without_bubble";
+                                                        *tally
+                                                            .summary
+                                                            .rejected
+                                                            .entry(key.to_string())
+                                                            .or_insert(0) += 1;
+                                                        if !tally.summary.examples.contains_key(key)
+                                                        {
+                                                            tally.summary.examples.insert(
+                                                            key.to_string(),
+                                                            format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top"),
+                                                        );
+                                                        }
+                                                        continue;
+                                                    }
                                                 }
+                                                let ev = evaluate(
+                                                    job,
+                                                    &lc,
+                                                    &layout,
+                                                    Split::Balanced,
+                                                    false,
+                                                );
+                                                if !ev.estimate.fits && !fully_pinned {
+                                                    let need = ev.estimate.memory.total_bytes;
+                                                    let hbm = ev.estimate.memory.hbm_bytes;
+                                                    tally.reject(Rejection::OutOfMemory, || {
+                                                        format!(
+                                                            "{layout}: needs {:.1} GB of {:.1} GB",
+                                                            need / 1e9,
+                                                            hbm / 1e9
+                                                        )
+                                                    });
+                                                    continue;
+                                                }
+                                                tally.summary.candidates += 1;
+                                                tally.summary.feasible +=
+                                                    u64::from(ev.estimate.fits);
+                                                let cand = Candidate {
+                                                    layout,
+                                                    estimate: ev.estimate,
+                                                    goodput_bound: ev.goodput_bound,
+                                                };
+                                                if cand.goodput_bound
+                                                    > cand.estimate.goodput_tokens_per_s
+                                                {
+                                                    hopefuls.push(cand.clone());
+                                                    if hopefuls.len() > 4096 {
+                                                        let t = threshold(&best);
+                                                        hopefuls.retain(|c| c.goodput_bound >= t);
+                                                    }
+                                                }
+                                                insert_top(&mut best, keep, cand);
                                             }
-                                            insert_top(&mut best, keep, cand);
                                         }
                                     }
                                 }
@@ -509,6 +546,7 @@ mod tests {
                 recompute: Recompute::Selective,
                 sequence_parallel: tp > 1,
                 schedule: Schedule::OneFOneB,
+                expert_tp: None,
             },
             estimate,
             goodput_bound: goodput,

@@ -34,9 +34,36 @@ pub struct Layout {
     pub sequence_parallel: bool,
     #[schemars(with = "String")]
     pub schedule: Schedule,
+    /// Expert tensor parallelism (Megatron's `--expert-tensor-parallel-size`): `tp` (or
+    /// absent: dense models, tp 1), the experts are split over the `tp` ranks like the
+    /// dense MLP; `1`, every rank keeps whole experts and the expert-parallel group folds
+    /// the `tp` ranks in (`tp x ep` ranks hold different experts; Megatron's MoE parallel
+    /// folding).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_tp: Option<u32>,
 }
 
 impl Layout {
+    /// Whether the experts stay whole and the expert-parallel group spans `tp x ep` ranks.
+    pub fn folds_tp_into_ep(&self) -> bool {
+        self.expert_tp == Some(1) && self.tp > 1
+    }
+    /// Ranks of one expert-parallel group (they hold different experts).
+    pub fn ep_group(&self) -> u32 {
+        if self.folds_tp_into_ep() {
+            self.tp * self.ep
+        } else {
+            self.ep
+        }
+    }
+    /// Ranks one expert is split over.
+    pub fn expert_tp_size(&self) -> u32 {
+        if self.folds_tp_into_ep() {
+            1
+        } else {
+            self.tp
+        }
+    }
     pub fn world(&self) -> u64 {
         self.tp as u64 * self.pp as u64 * self.dp as u64 * self.cp as u64 * self.ep as u64
     }
@@ -87,16 +114,25 @@ impl fmt::Display for Layout {
             recompute_name(self.recompute),
             if self.sequence_parallel { "on" } else { "off" },
             schedule_name(self.schedule)
-        )
+        )?;
+        if let Some(e) = self.expert_tp.filter(|_| self.tp > 1) {
+            write!(f, " etp{e}")?;
+        }
+        Ok(())
     }
 }
 
 impl Layout {
     /// The layout in the syntax `plan --baseline` accepts (every field given):
-    /// `tp8,pp16,dp128,cp1,ep1,vpp1,mb1,ga8,zero1,rc=selective,sp=on,schedule=1f1b`.
+    /// `tp8,pp16,dp128,cp1,ep1,vpp1,mb1,ga8,zero1,rc=selective,sp=on,schedule=1f1b`, and
+    /// for an MoE layout with tp > 1 the expert TP (`,etp1` whole experts, `,etp8` split).
     pub fn compact(&self) -> String {
+        let etp = match self.expert_tp.filter(|_| self.tp > 1) {
+            Some(e) => format!(",etp{e}"),
+            None => String::new(),
+        };
         format!(
-            "tp{},pp{},dp{},cp{},ep{},vpp{},mb{},ga{},zero{},rc={},sp={},schedule={}",
+            "tp{},pp{},dp{},cp{},ep{},vpp{},mb{},ga{},zero{},rc={},sp={},schedule={}{etp}",
             self.tp,
             self.pp,
             self.dp,
@@ -125,7 +161,7 @@ pub struct LayoutArg {
 }
 
 /// Keys of [`parse_layout_arg`], with the `ParallelismSpec` field each sets.
-pub const LAYOUT_KEYS: [(&str, &str); 12] = [
+pub const LAYOUT_KEYS: [(&str, &str); 13] = [
     ("tp", "tp"),
     ("pp", "pp"),
     ("dp", "dp"),
@@ -138,11 +174,13 @@ pub const LAYOUT_KEYS: [(&str, &str); 12] = [
     ("rc", "recompute"),
     ("sp", "sequence_parallel"),
     ("schedule", "schedule"),
+    ("etp", "expert_tp"),
 ];
 
 /// Parse `tp8,pp16,dp128,cp1,ep1,vpp1,mb1,zero1,rc=selective,sp=on,schedule=1f1b`.
 ///
-/// Tokens are separated by commas; numeric fields are written `tp8` or `tp=8`, the others
+/// Tokens are separated by commas; numeric fields are written `tp8` or `tp=8` (`etp1`:
+/// expert tensor parallelism 1, whole experts), the others
 /// `rc=none|selective|full`, `sp=on|off`, `schedule=gpipe|1f1b|interleaved`. Any subset,
 /// each at most once. Errors name the token.
 pub fn parse_layout_arg(text: &str) -> Result<LayoutArg, String> {
@@ -198,6 +236,7 @@ pub fn parse_layout_arg(text: &str) -> Result<LayoutArg, String> {
             "dp" => p.dp = Some(num(u32::MAX as u64)? as u32),
             "cp" => p.cp = Some(num(u32::MAX as u64)? as u32),
             "ep" => p.ep = Some(num(u32::MAX as u64)? as u32),
+            "etp" => p.expert_tp = Some(num(u32::MAX as u64)? as u32),
             "vpp" => p.vpp = Some(num(u32::MAX as u64)? as u32),
             "mb" => p.micro_batch = Some(num(u32::MAX as u64)? as u32),
             "ga" => arg.grad_accum = Some(num(u64::MAX)?),
@@ -264,6 +303,7 @@ mod tests {
             recompute: Recompute::Selective,
             sequence_parallel: true,
             schedule: Schedule::Interleaved,
+            expert_tp: None,
         };
         assert_eq!(
             l.compact(),

@@ -154,7 +154,12 @@ pub struct Mesh {
     /// Degrees in axis order tp, cp, ep, dp, pp.
     deg: [u32; 5],
     gpus_per_node: u32,
+    /// Whole experts (expert tensor parallelism 1): the expert-parallel group spans the tp
+    /// and ep axes ([`Layout::folds_tp_into_ep`]).
+    fold: bool,
 }
+
+const EP_FOLDED: [usize; 2] = [TP, EP];
 
 impl Mesh {
     pub fn new(layout: &Layout, gpus_per_node: u32) -> Mesh {
@@ -166,6 +171,27 @@ impl Mesh {
             layout.pp,
             gpus_per_node,
         )
+        .with_whole_experts(layout.folds_tp_into_ep())
+    }
+
+    /// The same mesh with the expert-parallel group folding the tp axis in (`fold`) or not.
+    pub fn with_whole_experts(mut self, fold: bool) -> Mesh {
+        self.fold = fold && self.deg[TP] > 1;
+        self
+    }
+
+    /// Whether the expert-parallel group folds the tp axis in.
+    pub fn whole_experts(&self) -> bool {
+        self.fold
+    }
+
+    /// Mesh axes the group of kind `k` spans, fastest first.
+    fn axes(&self, k: GroupKind) -> &'static [usize] {
+        if k == GroupKind::Ep && self.fold {
+            &EP_FOLDED
+        } else {
+            k.axes()
+        }
     }
 
     /// A mesh from its degrees (each at least 1). Groups that span only inner axes (tp, cp,
@@ -174,6 +200,7 @@ impl Mesh {
         Mesh {
             deg: [tp.max(1), cp.max(1), ep.max(1), dp.max(1), pp.max(1)],
             gpus_per_node: gpus_per_node.max(1),
+            fold: false,
         }
     }
 
@@ -219,7 +246,7 @@ impl Mesh {
     }
 
     pub fn size(&self, k: GroupKind) -> u32 {
-        k.axes().iter().map(|&a| self.deg[a]).product()
+        self.axes(k).iter().map(|&a| self.deg[a]).product()
     }
 
     fn dims(&self, k: GroupKind) -> Dims {
@@ -227,7 +254,7 @@ impl Mesh {
             d: [(0, 0); 3],
             n: 0,
         };
-        for &a in k.axes() {
+        for &a in self.axes(k) {
             let (stride, size) = (self.stride_of(a), self.deg[a] as u64);
             if size == 1 {
                 continue;
@@ -243,7 +270,7 @@ impl Mesh {
             out.n += 1;
         }
         if out.n == 0 {
-            out.d[0] = (self.stride_of(k.axes()[0]), 1);
+            out.d[0] = (self.stride_of(self.axes(k)[0]), 1);
             out.n = 1;
         }
         out
@@ -296,7 +323,7 @@ impl Mesh {
     /// Members of the group of kind `k` through `rank`, ascending (for `Pp`: stage order).
     pub fn members(&self, k: GroupKind, rank: u32) -> Vec<u32> {
         let mut c = self.coord(rank).to_array();
-        let axes = k.axes();
+        let axes = self.axes(k);
         for &a in axes {
             c[a] = 0;
         }
@@ -325,7 +352,7 @@ impl Mesh {
     /// `k`, fastest axis least significant.
     fn radix(&self, k: GroupKind, rank: u32, inside: bool) -> u32 {
         let c = self.coord(rank).to_array();
-        let axes = k.axes();
+        let axes = self.axes(k);
         let mut idx = 0u32;
         for a in (0..5).rev() {
             if axes.contains(&a) == inside {

@@ -347,6 +347,12 @@ pub struct ParallelismSpec {
     /// stages do) until the step ends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fsdp_reshard_after_forward: Option<bool>,
+    /// Expert tensor parallelism (Megatron `--expert-tensor-parallel-size`): `1` keeps
+    /// every expert whole on its rank and folds the tp ranks into the expert-parallel
+    /// group (tp x ep ranks hold different experts); equal to `tp`, experts are split over
+    /// tp like the dense MLP. Unset: both are searched for MoE models with tp > 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_tp: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -63,15 +63,7 @@ impl Case {
         let mut job = self.job.clone();
         job.efficiency = eff.clone();
         let l = &self.layout;
-        let lc = LayerCosts::new(
-            &job,
-            l.tp,
-            l.cp,
-            l.ep,
-            l.micro_batch,
-            l.sequence_parallel,
-            l.recompute,
-        );
+        let lc = LayerCosts::for_layout(&job, l);
         // Detail: the exact schedule walk for uneven interleaving, as `validate` predicts.
         evaluate(&job, &lc, l, Split::Balanced, true)
             .estimate

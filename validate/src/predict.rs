@@ -116,6 +116,7 @@ fn layout_with(
         recompute,
         sequence_parallel,
         schedule,
+        expert_tp: (job.model.is_moe() && tp > 1).then(|| job.pinned.expert_tp.unwrap_or(tp)),
     }
 }
 

@@ -177,6 +177,9 @@ pub struct Conventions {
     pub tp_comm_overlap: bool,
     /// MoE token dispatcher (the spec's `moe_dispatcher`).
     pub moe_dispatcher: MoeDispatcher,
+    /// Expert tensor parallelism 1 (whole experts, the expert-parallel group folds tp in)
+    /// when the run states no `etp`.
+    pub whole_experts: bool,
 }
 
 /// The conventions of a run, from its framework, year, activation wording and notes.
@@ -201,6 +204,11 @@ pub struct Conventions {
 ///   (Megatron-Core 0.12, May 2025, added the flex dispatcher; Megatron-Bridge's MoE
 ///   performance recipes set `moe_flex_dispatcher_backend` to DeepEP/HybridEP); else
 ///   `alltoall`, Megatron-Core's default.
+/// - **Expert tensor parallelism** when the run states no `etp`: 1 (whole experts, MoE
+///   parallel folding) under the same condition as the dispatcher: Megatron-Bridge's MoE
+///   recipes set `expert_tensor_parallel_size=1`, and Megatron-Core folds EP over the TP
+///   ranks (MoE parallel folding) in its 2025 releases; else the experts split over tp,
+///   Megatron's older default.
 pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     let act = run
         .model
@@ -261,10 +269,9 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     ]
     .iter()
     .any(|w| text.contains(w));
-    let moe_dispatcher = if names_dedup
-        || text.contains("megatron-bridge")
-        || (megatron_family && ctx.year.is_some_and(|y| y >= 2025))
-    {
+    let modern_moe_recipe = text.contains("megatron-bridge")
+        || (megatron_family && ctx.year.is_some_and(|y| y >= 2025));
+    let moe_dispatcher = if names_dedup || modern_moe_recipe {
         MoeDispatcher::Deepep
     } else {
         MoeDispatcher::Alltoall
@@ -278,6 +285,7 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
         framework_note,
         tp_comm_overlap,
         moe_dispatcher,
+        whole_experts: modern_moe_recipe,
     }
 }
 
@@ -289,28 +297,42 @@ pub fn source_key(id: &str) -> String {
 
 /// Convert the published (Megatron) mesh to shardwright's. shardwright's world is
 /// `tp x cp x ep x dp x pp` with `dp` counting replicas of the expert shards, so the dense
-/// data-parallel degree is `ep * dp`; the published `dp` already includes `ep`.
+/// data-parallel degree is `ep * dp`; the published `dp` already includes `ep`. With whole
+/// experts (expert TP 1) Megatron's expert-parallel group folds the tp ranks in, so
+/// shardwright's `ep` is the published one over tp.
 ///
-/// - `dp_pub % ep == 0`: `(ep, dp_pub / ep)`;
-/// - else `(dp_pub * tp) % ep == 0` (Megatron expert-tensor-parallel 1, EP spanning the TP
-///   ranks): `(ep / tp, dp_pub * tp / ep)`, with a note: expert TP = 1 is approximated by
-///   experts split over tp;
+/// - whole experts preferred (`whole`, tp > 1), `ep % tp == 0` and `(dp_pub * tp) % ep
+///   == 0`: `(ep / tp, dp_pub * tp / ep, true)`;
+/// - else `dp_pub % ep == 0`: `(ep, dp_pub / ep, false)` (experts split over tp);
+/// - else, when folding fits (a published ep above dp, which only expert TP 1 allows):
+///   whole experts, with a note;
 /// - else not representable.
 ///
-/// Returns `(ep, dp, note)`.
-pub fn mesh_from_published(tp: u32, dp_pub: u32, ep: u32) -> Option<(u32, u32, Option<String>)> {
+/// Returns `(ep, dp, whole experts, note)`.
+pub fn mesh_from_published(
+    tp: u32,
+    dp_pub: u32,
+    ep: u32,
+    whole: bool,
+) -> Option<(u32, u32, bool, Option<String>)> {
     let ep = ep.max(1);
-    if dp_pub % ep == 0 {
-        return Some((ep, dp_pub / ep, None));
+    let folds = tp > 1 && ep % tp == 0 && (dp_pub as u64 * tp as u64) % ep as u64 == 0;
+    let folded = || (ep / tp, dp_pub * tp / ep);
+    if whole && folds && ep > 1 {
+        let (e, d) = folded();
+        return Some((e, d, true, None));
     }
-    if (dp_pub as u64 * tp as u64) % ep as u64 == 0 && ep % tp == 0 {
-        let ep2 = ep / tp;
-        let dp2 = dp_pub * tp / ep;
+    if dp_pub % ep == 0 {
+        return Some((ep, dp_pub / ep, false, None));
+    }
+    if folds {
+        let (e, d) = folded();
         return Some((
-            ep2,
-            dp2,
+            e,
+            d,
+            true,
             Some(format!(
-                "published ep={ep} > dp={dp_pub} (expert TP = 1, EP spans the tp={tp} ranks): modeled as ep={ep2}, dp={dp2} with experts split over tp (approximation)"
+                "published ep={ep} > dp={dp_pub}: only expert TP 1 allows it (the expert-parallel group spans the tp={tp} ranks): ep={e} x tp, dp={d}, whole experts"
             )),
         ));
     }
@@ -803,7 +825,15 @@ pub fn setup_run_in(
             (hw.num_gpus / inner) as u32
         }
     };
-    let Some((ep, dp, mesh_note)) = mesh_from_published(tp, dp_pub, ep_pub) else {
+    // Expert TP: the run's `etp` when stated, else the convention.
+    let whole_pref = run.model.moe.is_some()
+        && tp > 1
+        && match par.etp {
+            Some(e) if e > 0 => e == 1,
+            _ => conv.whole_experts,
+        };
+    let Some((ep, dp, whole, mesh_note)) = mesh_from_published(tp, dp_pub, ep_pub, whole_pref)
+    else {
         return skip(format!(
             "ep={ep_pub} fits neither dp={dp_pub} nor dp*tp={}: mesh not representable",
             dp_pub as u64 * tp as u64
@@ -827,6 +857,9 @@ pub fn setup_run_in(
         ep: Some(ep),
         micro_batch: par.micro_batch_size.filter(|v| *v > 0),
         allow_tp_across_nodes: tp > gpus_per_node,
+        // Whole experts, or split over tp: pinned either way so the planner keeps the
+        // run's choice.
+        expert_tp: (run.model.moe.is_some() && tp > 1).then_some(if whole { 1 } else { tp }),
         ..Default::default()
     };
     if tp > gpus_per_node {
@@ -1031,16 +1064,29 @@ mod tests {
 
     #[test]
     fn mesh_conversion() {
-        assert_eq!(mesh_from_published(1, 32, 1), Some((1, 32, None)));
         assert_eq!(
-            mesh_from_published(1, 16, 8).map(|m| (m.0, m.1)),
-            Some((8, 2))
+            mesh_from_published(1, 32, 1, false),
+            Some((1, 32, false, None))
         );
-        // Qwen3 tp2 dp16 ep32: expert TP 1, EP spans the TP ranks.
-        let (ep, dp, note) = mesh_from_published(2, 16, 32).unwrap();
-        assert_eq!((ep, dp), (16, 1));
-        assert!(note.unwrap().contains("approximation"));
-        assert_eq!(mesh_from_published(1, 3, 8), None);
+        assert_eq!(
+            mesh_from_published(1, 16, 8, true).map(|m| (m.0, m.1, m.2)),
+            Some((8, 2, false))
+        );
+        // Qwen3 tp2 dp16 ep32: only expert TP 1 allows ep > dp; the 32 expert ranks are
+        // tp 2 x ep 16, and 256 GPUs / (tp 2 x pp 8) = 16 = ep 16 x dp 1.
+        let (ep, dp, whole, note) = mesh_from_published(2, 16, 32, false).unwrap();
+        assert_eq!((ep, dp, whole), (16, 1, true));
+        assert!(note.unwrap().contains("expert TP 1"));
+        // DeepSeek-V3 tp2 dp64 ep64: both fit; the convention decides.
+        assert_eq!(
+            mesh_from_published(2, 64, 64, true).map(|m| (m.0, m.1, m.2)),
+            Some((32, 2, true))
+        );
+        assert_eq!(
+            mesh_from_published(2, 64, 64, false).map(|m| (m.0, m.1, m.2)),
+            Some((64, 1, false))
+        );
+        assert_eq!(mesh_from_published(1, 3, 8, true), None);
     }
 
     #[test]

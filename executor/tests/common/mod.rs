@@ -103,6 +103,7 @@ pub fn layout(text: &str) -> Layout {
         recompute: Recompute::None,
         sequence_parallel: false,
         schedule: Schedule::OneFOneB,
+        expert_tp: None,
     };
     for tok in text.split(',').filter(|t| !t.is_empty()) {
         let (k, v) = match tok.split_once('=') {
