@@ -102,6 +102,19 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
         if l.sequence_parallel { "on" } else { "off" },
         schedule_name(l.schedule)
     ));
+    if job.model.is_moe() && l.tp > 1 {
+        overview.push(if l.folds_tp_into_ep() {
+            format!(
+                "           experts whole (expert TP 1) over tp x ep = {} ranks",
+                l.ep_group()
+            )
+        } else {
+            format!(
+                "           experts split over tp {} (expert TP {})",
+                l.tp, l.tp
+            )
+        });
+    }
     overview.push(format!(
         "throughput {} tokens/s ({} per GPU)   MFU {}   HFU {}",
         sig(e.tokens_per_s),

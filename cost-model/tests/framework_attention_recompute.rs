@@ -55,16 +55,7 @@ fn layout(tp: u32, pp: u32, dp: u32, ga: u64, rc: Recompute) -> Layout {
 }
 
 fn eval(j: &Job, l: &Layout) -> shardwright_cost::Evaluation {
-    let lc = LayerCosts::new(
-        j,
-        l.tp,
-        l.cp,
-        l.ep,
-        l.micro_batch,
-        l.sequence_parallel,
-        l.recompute,
-    );
-    evaluate(j, &lc, l, Split::Balanced, false)
+    evaluate(j, &LayerCosts::for_layout(j, l), l, Split::Balanced, false)
 }
 
 /// Pipeline sends, tp8 pp8 dp1 (a stage per node, so every send crosses nodes), no SP,

@@ -12,6 +12,33 @@ fn job(yaml: &str) -> Job {
     resolve(&spec, &ResolveOptions::default()).unwrap().job
 }
 
+/// A 1F1B layout without context or expert parallelism or interleaving, micro-batch 1.
+fn layout(
+    tp: u32,
+    pp: u32,
+    dp: u32,
+    grad_accum: u64,
+    zero_stage: u8,
+    recompute: Recompute,
+    sequence_parallel: bool,
+) -> Layout {
+    Layout {
+        tp,
+        pp,
+        dp,
+        cp: 1,
+        ep: 1,
+        vpp: 1,
+        micro_batch: 1,
+        grad_accum,
+        zero_stage,
+        recompute,
+        sequence_parallel,
+        schedule: Schedule::OneFOneB,
+        expert_tp: None,
+    }
+}
+
 const DENSE: &str = "
 job:
   model: {arch: dense, num_layers: 8, hidden_size: 4096, num_attention_heads: 32,
@@ -51,21 +78,7 @@ fn fp8_saves_gemm_inputs_in_one_byte() {
 #[test]
 fn dp_exposure_follows_the_contention_formula() {
     let mut j = job(DENSE);
-    let l = Layout {
-        tp: 1,
-        pp: 1,
-        dp: 8,
-        cp: 1,
-        ep: 1,
-        vpp: 1,
-        micro_batch: 1,
-        grad_accum: 8,
-        zero_stage: 0,
-        recompute: Recompute::None,
-        sequence_parallel: false,
-        schedule: Schedule::OneFOneB,
-        expert_tp: None,
-    };
+    let l = layout(1, 1, 8, 8, 0, Recompute::None, false);
     let step = |j: &Job| {
         let lc = LayerCosts::new(j, 1, 1, 1, 1, false, Recompute::None);
         evaluate(j, &lc, &l, Split::Balanced, false).estimate.step
@@ -94,21 +107,7 @@ fn item_memory_adds_up_to_the_rank_memory() {
     use shardwright_cost::eval::item_memory;
     let j = job(DENSE);
     for zero_stage in 0..=3u8 {
-        let layout = Layout {
-            tp: 2,
-            pp: 1,
-            dp: 4,
-            cp: 1,
-            ep: 1,
-            vpp: 1,
-            micro_batch: 1,
-            grad_accum: 16,
-            zero_stage,
-            recompute: Recompute::Selective,
-            sequence_parallel: true,
-            schedule: Schedule::OneFOneB,
-            expert_tp: None,
-        };
+        let layout = layout(2, 1, 4, 16, zero_stage, Recompute::Selective, true);
         let lc = LayerCosts::new(&j, 2, 1, 1, 1, true, Recompute::Selective);
         let ev = evaluate(&j, &lc, &layout, Split::Balanced, true);
         let mem = &ev.ranks[0].memory;
@@ -234,21 +233,7 @@ fn zero_with_pp_traffic_and_memory_by_hand() {
     let lc = LayerCosts::new(&j, 1, 1, 1, 1, false, Recompute::None);
     assert!((lc.dense_layer_params - layer).abs() < 1e-6);
     let at = |j: &Job, zero_stage: u8| {
-        let l = Layout {
-            tp: 1,
-            pp: 2,
-            dp: 4,
-            cp: 1,
-            ep: 1,
-            vpp: 1,
-            micro_batch: 1,
-            grad_accum: 8,
-            zero_stage,
-            recompute: Recompute::None,
-            sequence_parallel: false,
-            schedule: Schedule::OneFOneB,
-            expert_tp: None,
-        };
+        let l = layout(1, 2, 4, 8, zero_stage, Recompute::None, false);
         let ev = evaluate(j, &lc, &l, Split::Balanced, true);
         let mem = ev.ranks[1].memory.clone();
         (ev.estimate.step.dp_comm_total_s, mem)
@@ -356,21 +341,7 @@ fn communication_buffers_by_hand() {
     use shardwright_spec::mesh::Mesh;
     let j = job(&DENSE.replace("num_gpus: 8", "num_gpus: 128"));
     let mib = 1024.0 * 1024.0;
-    let mut layout = Layout {
-        tp: 8,
-        pp: 4,
-        dp: 4,
-        cp: 1,
-        ep: 1,
-        vpp: 1,
-        micro_batch: 1,
-        grad_accum: 16,
-        zero_stage: 1,
-        recompute: Recompute::Selective,
-        sequence_parallel: true,
-        schedule: Schedule::OneFOneB,
-        expert_tp: None,
-    };
+    let mut layout = layout(8, 4, 4, 16, 1, Recompute::Selective, true);
     let mesh = Mesh::new(&layout, 8);
     for stage in 0..4 {
         let got = comm_buffer_bytes(&j, &layout, &mesh, stage);
@@ -389,21 +360,7 @@ fn communication_buffers_by_hand() {
 #[test]
 fn allocator_waste_by_hand() {
     let j = job(DENSE);
-    let layout = Layout {
-        tp: 2,
-        pp: 1,
-        dp: 4,
-        cp: 1,
-        ep: 1,
-        vpp: 1,
-        micro_batch: 1,
-        grad_accum: 16,
-        zero_stage: 1,
-        recompute: Recompute::Selective,
-        sequence_parallel: true,
-        schedule: Schedule::OneFOneB,
-        expert_tp: None,
-    };
+    let layout = layout(2, 1, 4, 16, 1, Recompute::Selective, true);
     let lc = LayerCosts::new(&j, 2, 1, 1, 1, true, Recompute::Selective);
     let ev = evaluate(&j, &lc, &layout, Split::Balanced, true);
     let mem = &ev.ranks[0].memory;
@@ -437,21 +394,7 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 256}
 ");
     let (l, h, a, g, f, v, s) = (32.0, 4096.0, 32.0, 32.0, 16384.0, 51200.0, 2048.0);
     let (tp, pp, dp, b) = (8.0, 4.0, 8.0, 1.0);
-    let layout = Layout {
-        tp: 8,
-        pp: 4,
-        dp: 8,
-        cp: 1,
-        ep: 1,
-        vpp: 1,
-        micro_batch: 1,
-        grad_accum: 16,
-        zero_stage: 1,
-        recompute: Recompute::Selective,
-        sequence_parallel: true,
-        schedule: Schedule::OneFOneB,
-        expert_tp: None,
-    };
+    let layout = layout(8, 4, 8, 16, 1, Recompute::Selective, true);
     let lc = LayerCosts::new(&j, 8, 1, 1, 1, true, Recompute::Selective);
     let ev = evaluate(&j, &lc, &layout, Split::Balanced, true);
     let first = &ev.ranks[0].memory;

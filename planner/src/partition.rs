@@ -40,7 +40,7 @@
 //!    least memory among equally fast splits leaves the most headroom, and makes
 //!    the answer independent of the cap whenever the cap is above `M*` (more
 //!    HBM never changes an equally fast split). For the LP and the DP, `M*`
-//!    comes from a min-max DP over peak memory (`min_peak_memory`); the split then
+//!    comes from the same min-max DP over peak memory (`min_max_split`); the split then
 //!    comes from a shared backward-feasibility DP plus a forward greedy pass
 //!    (`canonical_split`) under the cap `M*`. The enumeration independently
 //!    finds `M*` and takes the first such split in lexicographic order.
@@ -236,16 +236,26 @@ fn canonical_split(items: &[Item], inflight: &[f64], cap: f64, t_max: f64) -> Op
     Some(starts)
 }
 
-/// Smallest achievable peak stage memory over the splits whose stages all fit `cap` and
-/// take `<= t_max`; `None` if there is no such split. The min-max dynamic program of
-/// [`partition_dp`] with time and memory swapped, `O(stages · n²)`.
-fn min_peak_memory(items: &[Item], inflight: &[f64], cap: f64, t_max: f64) -> Option<f64> {
+/// The min-max dynamic program over (stage, prefix), `O(stages · n²)`: the smallest
+/// achievable maximum over the stages of `key(time, memory)`, over the splits whose stages
+/// all fit `cap` and take `<= t_max`; `None` if there is no such split. With `key` the
+/// time it is the optimal max stage time [`partition_dp`] needs; with `key` the memory,
+/// the least peak memory among the equally fast splits.
+fn min_max_split(
+    items: &[Item],
+    inflight: &[f64],
+    cap: f64,
+    t_max: f64,
+    key: impl Fn(f64, f64) -> f64,
+) -> Option<f64> {
     let n = items.len();
     let stages = inflight.len();
+    // prev[i] = best value for items [0, i) into stages 0..j (None = impossible)
     let mut prev: Vec<Option<f64>> = vec![None; n + 1];
     prev[0] = Some(f64::NEG_INFINITY);
     for (j, &infl) in inflight.iter().enumerate() {
         let mut cur: Vec<Option<f64>> = vec![None; n + 1];
+        // stage j starts at i in [j, n - (stages - j)], ends at e in (i, n - (stages - j - 1)]
         let e_max = n - (stages - j - 1);
         let last_start = n - (stages - j);
         for (i, &before) in prev.iter().enumerate().take(last_start + 1).skip(j) {
@@ -258,7 +268,7 @@ fn min_peak_memory(items: &[Item], inflight: &[f64], cap: f64, t_max: f64) -> Op
                 if !(fits(t, m, cap) && t <= t_max) {
                     continue;
                 }
-                let cand = before.max(m);
+                let cand = before.max(key(t, m));
                 match cur[e] {
                     Some(old) if old <= cand => {}
                     _ => cur[e] = Some(cand),
@@ -279,7 +289,7 @@ fn canonical_partition(
     t_star: f64,
 ) -> Option<Partition> {
     let thr = threshold(t_star);
-    let peak = min_peak_memory(items, inflight, cap, thr)?;
+    let peak = min_max_split(items, inflight, cap, thr, |_, m| m)?;
     let starts = canonical_split(items, inflight, peak, thr)?;
     Some(build_partition(items, inflight, starts))
 }
@@ -303,36 +313,9 @@ pub fn partition_dp(
     mem_cap_bytes: f64,
 ) -> Result<Partition, PartitionError> {
     let stages = check_sizes(items, inflight)?;
-    let n = items.len();
     let cap = mem_cap_bytes;
-    // prev[i] = best max time for items [0, i) into stages 0..j (None = impossible)
-    let mut prev: Vec<Option<f64>> = vec![None; n + 1];
-    prev[0] = Some(f64::NEG_INFINITY);
-    for (j, &infl) in inflight.iter().enumerate() {
-        let mut cur: Vec<Option<f64>> = vec![None; n + 1];
-        // stage j starts at i in [j, n - (stages - j)], ends at e in (i, n - (stages - j - 1)]
-        let e_max = n - (stages - j - 1);
-        let last_start = n - (stages - j);
-        for (i, &before) in prev.iter().enumerate().take(last_start + 1).skip(j) {
-            let Some(before) = before else { continue };
-            let (mut t, mut m) = (0.0, 0.0);
-            for e in i + 1..=e_max {
-                let it = &items[e - 1];
-                t += it.time_s;
-                m += item_mem(it, infl);
-                if !fits(t, m, cap) {
-                    continue;
-                }
-                let cand = before.max(t);
-                match cur[e] {
-                    Some(old) if old <= cand => {}
-                    _ => cur[e] = Some(cand),
-                }
-            }
-        }
-        prev = cur;
-    }
-    let t_star = prev[n].ok_or_else(|| infeasible(stages, cap))?;
+    let t_star = min_max_split(items, inflight, cap, f64::INFINITY, |t, _| t)
+        .ok_or_else(|| infeasible(stages, cap))?;
     canonical_partition(items, inflight, cap, t_star).ok_or_else(|| infeasible(stages, cap))
 }
 
