@@ -357,17 +357,11 @@ fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
         }
         return Ok(());
     };
-    if layout.folds_tp_into_ep() {
+    if m.experts % layout.ep_group() as usize != 0 {
         return Err(format!(
-            "layout expert_tp = 1 (whole experts over tp x ep = {} ranks): the CPU executor splits experts over tp; plan with job.parallelism.expert_tp: {}",
-            layout.ep_group(),
-            layout.tp
-        ));
-    }
-    if m.experts % layout.ep as usize != 0 {
-        return Err(format!(
-            "moe.num_experts {} is not divisible by ep={}",
-            m.experts, layout.ep
+            "moe.num_experts {} is not divisible by the expert-parallel group of {}",
+            m.experts,
+            layout.ep_group()
         ));
     }
     Ok(())
@@ -714,6 +708,8 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     /// Local (TP-shard) widths of one routed expert and of the shared experts.
     fel: usize,
     fsl: usize,
+    /// Whole experts (expert TP 1): expert weights are not split over tp.
+    whole_experts: bool,
     // local dims
     hl: usize,
     kvl: usize,
@@ -817,6 +813,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let t = tp.len();
         let tp_pos = pos(&tp);
         let vl = dims.vocab / t;
+        let whole = layout.folds_tp_into_ep();
         let mut ex = RankExec {
             be,
             comm,
@@ -835,7 +832,12 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             ep,
             expert_pos: pos(&expert_dp),
             expert_dp,
-            fel: dims.moe.as_ref().map_or(0, |m| m.fe / t),
+            // Whole experts (expert TP 1) keep their full width on every rank.
+            fel: dims
+                .moe
+                .as_ref()
+                .map_or(0, |m| if whole { m.fe } else { m.fe / t }),
+            whole_experts: whole,
             fsl: dims.moe.as_ref().map_or(0, |m| m.fs / t),
             tp,
             hl: dims.heads / t,
@@ -930,7 +932,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             let mut sizes = Vec::new();
             for name in &names {
                 let full = dims.init(cfg.seed, name);
-                let local = shard(&full, dims.shape(name), &dims.split(name), tp_pos, t);
+                let (i, n) = ex.tp_shard(name);
+                let local = shard(&full, dims.shape(name), &dims.split(name), i, n);
                 sizes.push(local.len());
                 ex.grads.insert(name.clone(), vec![0.0; local.len()]);
                 if layout.zero_stage == 0 {
@@ -2620,6 +2623,18 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             self.tp_pos * self.routed_tokens()
         } else {
             0
+        }
+    }
+
+    /// Which tensor-parallel shard of parameter `name` this rank holds, of how many:
+    /// `(tp position, tp)`, or the whole tensor for an expert's weights when the experts
+    /// stay whole.
+    pub(crate) fn tp_shard(&self, name: &str) -> (usize, usize) {
+        let expert = name.ends_with(".expert_fc1") || name.ends_with(".expert_fc2");
+        if self.whole_experts && expert {
+            (0, 1)
+        } else {
+            (self.tp_pos, self.tp.len())
         }
     }
 

@@ -342,6 +342,21 @@ fn moe_with_tensor_and_context_parallel() {
     );
 }
 
+/// Whole experts (expert TP 1): the experts spread over tp x ep ranks at full width, each
+/// tp rank dispatching its own sequence shard, train like the single rank.
+#[test]
+fn moe_with_whole_experts() {
+    moe_matrix(
+        2,
+        &[
+            "tp2,sp=on,etp1,ga4",
+            "ep2,tp2,sp=on,etp1,ga2",
+            "ep2,tp2,cp2,sp=on,etp1,ga2,zero1",
+            "tp2,pp2,sp=on,etp1,ga4,zero2",
+        ],
+    );
+}
+
 #[test]
 fn moe_with_recompute_and_zero3() {
     moe_matrix(
@@ -451,7 +466,7 @@ fn moe_layouts_the_executor_refuses() {
     .expect_err("3 experts over ep 4")
     .to_string();
     assert!(
-        err.contains("num_experts 3 is not divisible by ep=4"),
+        err.contains("num_experts 3 is not divisible by the expert-parallel group of 4"),
         "{err}"
     );
 }

@@ -28,8 +28,17 @@ fn resilience(dir: &Path, faults: &[&str], spares: u32) -> Resilience {
 }
 
 fn run(layout: &str, steps: u32, res: &Resilience) -> Result<ResilientReport, String> {
-    let tpl = common::template(false, common::LAYERS);
-    let plan = common::plan_for(&tpl, common::layout(layout));
+    run_of(&common::template(false, common::LAYERS), layout, steps, res)
+}
+
+/// [`run`] of another model (`tpl`, a template plan).
+fn run_of(
+    tpl: &shardwright_spec::Plan,
+    layout: &str,
+    steps: u32,
+    res: &Resilience,
+) -> Result<ResilientReport, String> {
+    let plan = common::plan_for(tpl, common::layout(layout));
     let l = shardwright_lowering::lower(&plan).unwrap();
     run_resilient(
         &l.program,
@@ -47,8 +56,12 @@ fn run(layout: &str, steps: u32, res: &Resilience) -> Result<ResilientReport, St
 
 /// The fault-free run of `layout` (checkpointing as the faulty runs do).
 fn clean(layout: &str) -> ResilientReport {
+    clean_of(&common::template(false, common::LAYERS), layout)
+}
+
+fn clean_of(tpl: &shardwright_spec::Plan, layout: &str) -> ResilientReport {
     let dir = tempfile::tempdir().unwrap();
-    let r = run(layout, STEPS, &resilience(dir.path(), &[], 0)).unwrap();
+    let r = run_of(tpl, layout, STEPS, &resilience(dir.path(), &[], 0)).unwrap();
     assert!(r.events.is_empty(), "{:?}", r.events);
     assert_eq!(r.losses.len(), STEPS as usize);
     r
@@ -233,29 +246,33 @@ fn fault_specs_are_checked() {
 }
 
 /// A checkpoint of one layout resumed on another (dp 4 -> 2 with grad accumulation
-/// doubled, tp 2 -> 1, pp 2 -> 1, ZeRO-1 dp 2 -> ZeRO-0 single rank): the state is
-/// resharded on load and the loss trajectory continues the original run's within 1e-5
-/// relative (f32 reductions in another order); the global batch (4 sequences) is the same.
+/// doubled, tp 2 -> 1, pp 2 -> 1, ZeRO-1 dp 2 -> ZeRO-0 single rank; for the MoE model
+/// whole experts over tp x ep -> experts split over tp, and back): the state is resharded
+/// on load and the loss trajectory continues the original run's within 1e-5 relative (f32
+/// reductions in another order); the global batch (4 sequences) is the same.
 #[test]
 fn resume_on_another_layout_reshards() {
     use shardwright_executor::checkpoint::{restore_latest, RankState};
     use shardwright_executor::{logical_state, sharded_state};
-    let tpl = common::template(false, common::LAYERS);
-    let lower = |l: &str| {
-        let plan = common::plan_for(&tpl, common::layout(l));
-        assert_eq!(plan.inputs.training.global_batch, 4);
-        shardwright_lowering::lower(&plan).unwrap()
-    };
-    for (from, to) in [
-        ("dp4,ga1", "dp2,ga2"),
-        ("tp2,ga4", "ga4"),
-        ("pp2,ga4", "ga4"),
-        ("dp2,ga2,zero1", "ga4"),
-        ("ga4", "tp2,dp2,ga2,zero2,sp=on"),
+    let dense = common::template(false, common::LAYERS);
+    let moe = common::moe_template(2, 1, 1);
+    for (tpl, from, to) in [
+        (&dense, "dp4,ga1", "dp2,ga2"),
+        (&dense, "tp2,ga4", "ga4"),
+        (&dense, "pp2,ga4", "ga4"),
+        (&dense, "dp2,ga2,zero1", "ga4"),
+        (&dense, "ga4", "tp2,dp2,ga2,zero2,sp=on"),
+        (&moe, "ep2,tp2,sp=on,etp1,ga2,zero1", "tp2,sp=on,ga4"),
+        (&moe, "tp2,sp=on,ga4", "tp2,sp=on,etp1,ga4,zero1"),
     ] {
-        let base = clean(from);
+        let lower = |l: &str| {
+            let plan = common::plan_for(tpl, common::layout(l));
+            assert_eq!(plan.inputs.training.global_batch, 4);
+            shardwright_lowering::lower(&plan).unwrap()
+        };
+        let base = clean_of(tpl, from);
         let dir = tempfile::tempdir().unwrap();
-        let first = run(from, 4, &resilience(dir.path(), &[], 0)).unwrap();
+        let first = run_of(tpl, from, 4, &resilience(dir.path(), &[], 0)).unwrap();
         assert_eq!(first.losses.len(), 4);
         let (a, b) = (lower(from), lower(to));
         let (step, states) =
@@ -281,7 +298,7 @@ fn resume_on_another_layout_reshards() {
                 })
                 .collect(),
         ));
-        let tpl2 = common::plan_for(&tpl, common::layout(to));
+        let tpl2 = common::plan_for(tpl, common::layout(to));
         let l2 = shardwright_lowering::lower(&tpl2).unwrap();
         let second = run_resilient(
             &l2.program,

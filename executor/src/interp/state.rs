@@ -191,10 +191,10 @@ pub fn logical_state(
             .ok_or_else(|| format!("the checkpoint has no state for rank {r}"))?;
         rk.import_state(st.clone())
             .map_err(|e| format!("rank {r}: {e}"))?;
-        let (i, tp) = (rk.tp_pos, rk.tp.len());
         let mut mine = Vec::new();
         if zero == 0 {
             for (n, p) in &rk.params {
+                let (i, tp) = rk.tp_shard(n);
                 mine.push(("master", n.clone(), p.clone(), i, tp));
                 mine.push(("adam_m", n.clone(), rk.m[n].clone(), i, tp));
                 mine.push(("adam_v", n.clone(), rk.v[n].clone(), i, tp));
@@ -202,6 +202,8 @@ pub fn logical_state(
         } else {
             for (k, b) in &rk.buckets {
                 let (group, pos) = rk.dp_group(k.1);
+                // A bucket holds either dense or expert parameters: one sharding for all.
+                let (i, tp) = b.names.first().map_or((0, 1), |n| rk.tp_shard(n));
                 buckets.entry((*k, group)).or_default().push((
                     pos,
                     [b.p.clone(), b.m.clone(), b.v.clone()],
@@ -263,12 +265,12 @@ pub fn sharded_state(
     };
     let zero = layout.zero_stage;
     let states = with_ranks(program, job, layout, cfg, |r, rk| {
-        let (i, tp) = (rk.tp_pos, rk.tp.len());
         let names: Vec<String> = rk.params.keys().cloned().collect();
         let mut master = BTreeMap::new();
         let mut m = BTreeMap::new();
         let mut v = BTreeMap::new();
         for n in &names {
+            let (i, tp) = rk.tp_shard(n);
             master.insert(n.clone(), get("master", n, i, tp)?);
             m.insert(n.clone(), get("adam_m", n, i, tp)?);
             v.insert(n.clone(), get("adam_v", n, i, tp)?);

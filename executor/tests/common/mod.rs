@@ -120,6 +120,7 @@ pub fn layout(text: &str) -> Layout {
             "dp" => l.dp = n(),
             "cp" => l.cp = n(),
             "ep" => l.ep = n(),
+            "etp" => l.expert_tp = Some(n()),
             "vpp" => l.vpp = n(),
             "mb" => l.micro_batch = n(),
             "ga" => l.grad_accum = n() as u64,
@@ -271,7 +272,13 @@ pub fn compare(what: &str, dims: &Dims, base: &[RankReport], runs: &[RankReport]
             ] {
                 for (name, v) in got {
                     let f = &full[name];
-                    let want = shard(f, dims.shape(name), &dims.split(name), r.tp_index, r.tp);
+                    // A rank holds a tp shard, or the whole tensor (replicated weights,
+                    // and whole experts under expert TP 1).
+                    let want = if v.len() == f.len() {
+                        f.clone()
+                    } else {
+                        shard(f, dims.shape(name), &dims.split(name), r.tp_index, r.tp)
+                    };
                     let e = rel(v, &want);
                     worst = worst.max(e);
                     assert!(
