@@ -529,6 +529,34 @@ impl Ctx<'_> {
                 }
             };
             a2a_op(e, "ep_dispatch");
+            // Experts split over tp under sequence parallelism (Megatron's alltoall
+            // dispatcher with expert TP = tp): the rows each tp rank received are
+            // all-gathered over tp before the experts, and their partial outputs
+            // reduce-scattered after: the micro-batch's routed rows, tokens x k x h.
+            let expert_tp_coll = |e: &mut Emit, name: &'static str, kind: Coll| {
+                if whole || !self.shape.sp || self.shape.tp <= 1 {
+                    return;
+                }
+                let tp = self.shape.tp as u64;
+                let link = group_link(job, self.mesh.fabric(GroupKind::Tp));
+                let msg = tokens * k * h * 2.0;
+                let time = match kind {
+                    Coll::AllGather => all_gather_s(msg, tp, link.gbps, link.latency_s),
+                    _ => reduce_scatter_s(msg, tp, link.gbps, link.latency_s),
+                };
+                let hide = if crate::framework::mechanisms(job.framework).tp_overlap {
+                    eff.tp_overlap
+                } else {
+                    0.0
+                };
+                let op = OpKind::Collective {
+                    kind,
+                    group: GroupKind::Tp,
+                    bytes: msg,
+                };
+                e.comm(name, op, msg, time, time * (1.0 - hide));
+            };
+            expert_tp_coll(e, "tp_all_gather_experts", Coll::AllGather);
             let rows = expert_rows * k; // routed copies over the local experts
             let fe_local = fe / expert_width_div;
             self.gemm(
@@ -540,6 +568,7 @@ impl Ctx<'_> {
                 experts_local,
             );
             self.gemm(e, "expert_fc2", rows, h, fe_local, experts_local);
+            expert_tp_coll(e, "tp_reduce_scatter_experts", Coll::ReduceScatter);
             a2a_op(e, "ep_combine");
             if moe.num_shared_experts > 0 {
                 self.gemm(e, "shared_fc1", tokens, (mats - 1.0) * fs / t * ns, h, 1);
@@ -569,9 +598,14 @@ fn recomputed(name: &str, moe: bool, mods: &[RecomputeModule]) -> bool {
         "fc1" | "fc2" => !moe && has(R::Mlp),
         "tp_all_gather_mlp" => (!moe && has(R::Mlp)) || (moe && has(R::Moe)),
         "act" => (!moe && has(R::Mlp)) || (moe && (has(R::Moe) || has(R::MoeAct))),
-        "router" | "permute" | "ep_dispatch" | "expert_fc1" | "expert_fc2" | "ep_combine" => {
-            moe && has(R::Moe)
-        }
+        "router"
+        | "permute"
+        | "ep_dispatch"
+        | "tp_all_gather_experts"
+        | "expert_fc1"
+        | "expert_fc2"
+        | "tp_reduce_scatter_experts"
+        | "ep_combine" => moe && has(R::Moe),
         "shared_fc1" | "shared_fc2" => moe && (has(R::Moe) || has(R::SharedExperts)),
         _ => false,
     }

@@ -178,8 +178,10 @@ fn layer_costs_are_the_sum_of_the_ops() {
 /// - whole: each rank routes its own 512-token shard, 512 x 2 rows over 4 / (2 x 2) = 1
 ///   local expert at the full width 128; the all-to-all runs over tp x ep = 4 ranks.
 ///
-/// The forward FLOPs are the same; the MLP block keeps its tp collectives (the shared
-/// expert is still split over tp) and without a shared expert has none.
+/// The forward FLOPs are the same but for the router (split experts route the gathered
+/// micro-batch here); the MLP block keeps its tp collectives (the shared expert is still
+/// split over tp) and without a shared expert has none; split experts add the tp gather
+/// and reduce-scatter of the routed rows.
 #[test]
 fn whole_experts_reshape_the_expert_gemms_and_the_dispatch_group() {
     use shardwright_spec::mesh::GroupKind;
@@ -224,6 +226,16 @@ fn whole_experts_reshape_the_expert_gemms_and_the_dispatch_group() {
         2,
         "the shared expert keeps its tp gather and scatter"
     );
+    // Split experts also gather the routed rows over tp and reduce-scatter the experts'
+    // partial outputs: the micro-batch's 1024 x 2 rows of 256 16-bit values each way.
+    let experts_coll = |ops: &[OpCost]| -> Vec<f64> {
+        ops.iter()
+            .filter(|o| o.pass == Pass::Fwd && o.name.ends_with("_experts"))
+            .map(|o| o.bytes)
+            .collect()
+    };
+    assert_eq!(experts_coll(&split), vec![1024.0 * 2.0 * 256.0 * 2.0; 2]);
+    assert!(experts_coll(&whole).is_empty());
     let no_shared = job(&MOE.replace("num_shared_experts: 1", "num_shared_experts: 0"));
     let mesh = Mesh::from_degrees(2, 1, 2, 1, 1, 8).with_whole_experts(true);
     assert_eq!(
