@@ -2103,11 +2103,14 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             // backward
             (false, _, K::AllGather) if n.layer.is_some() => {
                 let l = n.layer.unwrap();
+                // The MLP block's gather comes first, the attention block's second; an
+                // MoE block without tp collectives has none.
+                let skip = u32::from(self.dims.is_moe_layer(l) && self.moe_block_local());
                 let k = {
                     let c = self.counters(l, mb, n.pass);
                     c.gathers += 1;
                     c.gathers - 1
-                };
+                } + skip;
                 let (src, dst) = if k == 0 {
                     (
                         self.gcur.get(&mb).ok_or("no incoming gradient")?.clone(),
@@ -2626,6 +2629,24 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         }
     }
 
+    /// Whether an MoE layer's MLP block runs without a tp collective: whole experts under
+    /// SP and no shared expert (the router, dispatch and experts see the rank's shard).
+    fn moe_block_local(&self) -> bool {
+        self.whole_experts && self.sp && self.dims.moe.as_ref().is_some_and(|m| m.fs == 0)
+    }
+
+    /// Where the MoE block's output (and its gradient) keeps this rank's routed tokens:
+    /// `(first row, rows)`. Under SP the block ends with a tp reduce-scatter of the
+    /// micro-batch's rows, this rank's filled in and zero elsewhere; with whole experts
+    /// and no shared expert the block has no tp collective and keeps only its own shard.
+    fn moe_rows(&self) -> (usize, usize) {
+        if self.moe_block_local() {
+            (0, self.routed_tokens())
+        } else {
+            (self.routed_offset(), self.tokens())
+        }
+    }
+
     /// Which tensor-parallel shard of parameter `name` this rank holds, of how many:
     /// `(tp position, tp)`, or the whole tensor for an expert's weights when the experts
     /// stay whole.
@@ -2976,8 +2997,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     fn moe_unpermute(&mut self, l: u32, mb: u32) -> Result<(), String> {
         let m = self.moe_dims()?;
         let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
-        let off = self.routed_offset();
-        let tokens = self.tokens();
+        let (off, tokens) = self.moe_rows();
         let ch = self.chunks(h)?;
         let buf = self
             .acts
@@ -3034,7 +3054,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     fn moe_dispatch_bwd(&mut self, l: u32, mb: u32) -> Result<(), String> {
         let m = self.moe_dims()?;
         let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
-        let off = self.routed_offset();
+        let off = self.moe_rows().0;
         let ch = self.chunks(h)?;
         let dy = self.moe_dy(l, mb)?;
         let st = self.moe_state(l, mb)?;
@@ -3080,7 +3100,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     fn moe_unpermute_bwd(&mut self, l: u32, mb: u32) -> Result<(), String> {
         let m = self.moe_dims()?;
         let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
-        let (off, tokens) = (self.routed_offset(), self.tokens());
+        let (off, tokens) = self.moe_rows();
         let ch = self.chunks(h)?;
         let buf = self
             .acts
@@ -3253,15 +3273,18 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 }
                 let r = st.routing.as_ref().ok_or("no routing")?;
                 let dl = be.route_bwd(r, &dg, &dprobs, e, k);
+                // The input gradient's rows: the micro-batch's, or only this rank's shard
+                // when the block has no tp collective (see `moe_rows`).
+                let (row0, rows) = self.moe_rows();
                 let a = self.acts.get_mut(&key).unwrap();
-                a.0.entry("dn2").or_insert_with(|| vec![0.0; t * h]);
+                a.0.entry("dn2").or_insert_with(|| vec![0.0; rows * h]);
                 // Without SP every tp rank routes the same tokens: the tp reduction of the
                 // input gradient that follows must count the router's share once. Under SP
                 // each rank adds its own tokens' rows.
                 if self.sp || self.tp_pos == 0 {
                     let d = be.linear_dgrad(&dl, self.w(&nm("router"))?, tr, h, e);
                     let dn = self.acts.get_mut(&key).unwrap().0.get_mut("dn2").unwrap();
-                    for (p, q) in dn[off * h..(off + tr) * h].iter_mut().zip(&d) {
+                    for (p, q) in dn[row0 * h..(row0 + tr) * h].iter_mut().zip(&d) {
                         *p += q;
                     }
                 }

@@ -286,7 +286,11 @@ fn a_missing_zero3_ends_gather_is_caught() {
 /// The MoE model (4 experts, top-2, one shared expert, layer 0 dense, layers 1.. MoE)
 /// under `layouts` against its single-rank run.
 fn moe_matrix(layers: u32, layouts: &[&str]) {
-    let tpl = common::moe_template(layers, 1, 1);
+    moe_matrix_of(common::moe_template(layers, 1, 1), layouts);
+}
+
+/// [`moe_matrix`] of another MoE template.
+fn moe_matrix_of(tpl: shardwright_spec::Plan, layouts: &[&str]) {
     let base_plan = common::plan_for(&tpl, common::layout("ga4"));
     let dims = Dims::from_job(&base_plan.inputs).unwrap();
     let base = common::run(&base_plan, STEPS);
@@ -339,6 +343,16 @@ fn moe_with_tensor_and_context_parallel() {
             "ep2,cp2,ga2",
             "ep2,tp2,cp2,ga2,zero1",
         ],
+    );
+}
+
+/// Whole experts without a shared expert: the MoE block has no tp collective at all (the
+/// router, the dispatch and the experts work on each rank's sequence shard).
+#[test]
+fn moe_with_whole_experts_and_no_shared_expert() {
+    moe_matrix_of(
+        common::moe_template(2, 1, 0),
+        &["tp2,sp=on,etp1,ga4", "ep2,tp2,sp=on,etp1,ga2,zero1"],
     );
 }
 
