@@ -466,10 +466,11 @@ impl Ctx<'_> {
                 }
             }
         };
-        // With whole experts and no shared experts the MoE block has no tp collective: the
-        // router, the dispatch and the experts all work on the rank's own sequence shard.
+        // Under sequence parallelism an MoE block without shared experts has no hidden-state
+        // tp collective: the router and the dispatch work on the rank's sequence shard
+        // (split experts gather their routed rows below).
         let shared_experts = m.moe.as_ref().is_some_and(|x| x.num_shared_experts > 0);
-        if !whole || shared_experts {
+        if !(moe_layer && self.shape.sp && !shared_experts) {
             self.tp_pair(e, "mlp", mlp_gemms);
         }
         let width = if moe_layer {

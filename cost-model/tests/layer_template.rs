@@ -237,9 +237,12 @@ fn whole_experts_reshape_the_expert_gemms_and_the_dispatch_group() {
     assert_eq!(experts_coll(&split), vec![1024.0 * 2.0 * 256.0 * 2.0; 2]);
     assert!(experts_coll(&whole).is_empty());
     let no_shared = job(&MOE.replace("num_shared_experts: 1", "num_shared_experts: 0"));
-    let mesh = Mesh::from_degrees(2, 1, 2, 1, 1, 8).with_whole_experts(true);
-    assert_eq!(
-        tp_colls(&layer_ops(&no_shared, &mesh, &s, LayerKind::Moe)),
-        0
-    );
+    // Without a shared expert under SP neither has the hidden-state gather and scatter;
+    // split experts keep the gather and scatter of their routed rows.
+    for whole in [true, false] {
+        let mesh = Mesh::from_degrees(2, 1, 2, 1, 1, 8).with_whole_experts(whole);
+        let ops = layer_ops(&no_shared, &mesh, &s, LayerKind::Moe);
+        assert_eq!(tp_colls(&ops), 0, "whole {whole}");
+        assert_eq!(experts_coll(&ops).len(), if whole { 0 } else { 2 });
+    }
 }

@@ -2629,16 +2629,17 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         }
     }
 
-    /// Whether an MoE layer's MLP block runs without a tp collective: whole experts under
-    /// SP and no shared expert (the router, dispatch and experts see the rank's shard).
+    /// Whether an MoE layer's MLP block runs without the hidden-state tp gather and
+    /// reduce-scatter: under SP without a shared expert (the router and the dispatch see
+    /// the rank's shard; split experts gather their routed rows themselves).
     fn moe_block_local(&self) -> bool {
-        self.whole_experts && self.sp && self.dims.moe.as_ref().is_some_and(|m| m.fs == 0)
+        self.sp && self.dims.moe.as_ref().is_some_and(|m| m.fs == 0)
     }
 
     /// Where the MoE block's output (and its gradient) keeps this rank's routed tokens:
-    /// `(first row, rows)`. Under SP the block ends with a tp reduce-scatter of the
-    /// micro-batch's rows, this rank's filled in and zero elsewhere; with whole experts
-    /// and no shared expert the block has no tp collective and keeps only its own shard.
+    /// `(first row, rows)`. Under SP with a shared expert the block ends with a tp
+    /// reduce-scatter of the micro-batch's rows, this rank's filled in and zero elsewhere;
+    /// without one the block keeps only its own shard.
     fn moe_rows(&self) -> (usize, usize) {
         if self.moe_block_local() {
             (0, self.routed_tokens())

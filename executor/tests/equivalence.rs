@@ -346,13 +346,20 @@ fn moe_with_tensor_and_context_parallel() {
     );
 }
 
-/// Whole experts without a shared expert: the MoE block has no tp collective at all (the
-/// router, the dispatch and the experts work on each rank's sequence shard).
+/// No shared expert under sequence parallelism: the MoE block has no hidden-state tp
+/// gather or reduce-scatter (the router and the dispatch work on each rank's sequence
+/// shard); whole experts have no tp collective at all, split experts only the gather and
+/// reduce-scatter of their routed rows.
 #[test]
-fn moe_with_whole_experts_and_no_shared_expert() {
+fn moe_without_shared_expert_under_sequence_parallelism() {
     moe_matrix_of(
         common::moe_template(2, 1, 0),
-        &["tp2,sp=on,etp1,ga4", "ep2,tp2,sp=on,etp1,ga2,zero1"],
+        &[
+            "tp2,sp=on,etp1,ga4",
+            "ep2,tp2,sp=on,etp1,ga2,zero1",
+            "tp2,sp=on,ga4",
+            "ep2,tp2,sp=on,ga2",
+        ],
     );
 }
 

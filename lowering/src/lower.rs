@@ -21,7 +21,9 @@
 //!      dispatched rows], the local experts as grouped GEMMs, [SP: tp reduce-scatter of
 //!      their partial outputs], EP combine all-to-all, un-permutation, shared experts (the
 //!      backward adds, without SP, the tp all-reduce of the gates' gradients after its
-//!      first permutation);
+//!      first permutation); under SP an MoE block without shared experts has no
+//!      hidden-state all-gather or reduce-scatter, and whole experts (expert TP 1) no
+//!      gather of the dispatched rows either;
 //!    - backward: the same ops in reverse, each GEMM as a data-gradient and a
 //!      weight-gradient GEMM, each collective mirrored (all-gather <-> reduce-scatter,
 //!      all-reduce after the column-parallel data gradients); the attention core backward
@@ -520,7 +522,9 @@ impl<'a> Ctx<'a> {
     }
 
     /// Whether `layer`'s MLP block gathers over tp before and reduces after: always, except
-    /// an MoE layer with whole experts and no shared experts.
+    /// an MoE layer under sequence parallelism without shared experts (the router and the
+    /// dispatch work on the rank's sequence shard; split experts gather the routed rows
+    /// themselves, `L{l}.moe.experts_gather`).
     fn block_tp(&self, layer: u32) -> bool {
         let shared = self
             .job
@@ -528,7 +532,7 @@ impl<'a> Ctx<'a> {
             .moe
             .as_ref()
             .is_some_and(|x| x.num_shared_experts > 0);
-        !(self.is_moe_layer(layer) && self.layout.folds_tp_into_ep() && !shared)
+        !(self.is_moe_layer(layer) && self.dims().sp && !shared)
     }
 
     /// GEMMs of the MLP part of `layer` in forward order.
@@ -731,8 +735,8 @@ impl<'a> Ctx<'a> {
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
         }
-        // MLP block (with whole experts and no shared experts an MoE block keeps the
-        // sequence shard throughout: no tp collective)
+        // MLP block (an MoE block under SP without shared experts keeps the sequence
+        // shard throughout: no hidden-state gather or reduce-scatter)
         b.compute(pass, mbo, lo, norm(d.ts, d.h));
         let block_tp = self.block_tp(layer);
         if block_tp {
