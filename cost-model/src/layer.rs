@@ -480,7 +480,16 @@ impl Ctx<'_> {
             let fs = moe.shared_expert_ffn_hidden_size as f64;
             let ns = moe.num_shared_experts as f64;
             let experts_local = moe.num_experts / self.mesh.size(GroupKind::Ep);
-            self.gemm(e, "router", expert_rows, moe.num_experts as f64, h, 1);
+            // The router sees the rank's tokens: its sequence shard under SP (without SP
+            // every tp rank routes the whole micro-batch, as Megatron does).
+            self.gemm(
+                e,
+                "router",
+                tokens / self.seq_div,
+                moe.num_experts as f64,
+                h,
+                1,
+            );
             // Token permutation around the experts (memory bound): the routed copies are
             // gathered into expert order and scattered back, each a read and a write of
             // tokens*k*h 16-bit values.

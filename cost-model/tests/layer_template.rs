@@ -95,8 +95,15 @@ fn forward_flops_match_the_hand_count_and_model_flops() {
                 per_token(LayerKind::Dense) + per_token(second) + per_token(LayerKind::Head);
             let mlp2 = if moe { MOE_MLP } else { DENSE_MLP };
             let hand = 2.0 * (QKV + PROJ + ATTN_CAUSAL) + DENSE_MLP + mlp2 + HEAD;
-            // The router is not split over TP: each TP rank computes it (2 h E per token).
-            let router_copies = if moe { (tp - 1) as f64 * ROUTER } else { 0.0 };
+            // The router is not split over TP: without SP each TP rank computes it for every
+            // token (2 h E per token, tp times); with SP (on here whenever tp > 1) each rank
+            // routes its own sequence shard, once per token.
+            let sp = s.sp;
+            let router_copies = if moe && !sp {
+                (tp - 1) as f64 * ROUTER
+            } else {
+                0.0
+            };
             assert!(
                 (template - hand - router_copies).abs() < 1e-9 * hand,
                 "moe={moe} tp{tp} cp{cp} ep{ep}: template {template} vs hand {hand}"
@@ -178,8 +185,8 @@ fn layer_costs_are_the_sum_of_the_ops() {
 /// - whole: each rank routes its own 512-token shard, 512 x 2 rows over 4 / (2 x 2) = 1
 ///   local expert at the full width 128; the all-to-all runs over tp x ep = 4 ranks.
 ///
-/// The forward FLOPs are the same but for the router (split experts route the gathered
-/// micro-batch here); the MLP block keeps its tp collectives (the shared expert is still
+/// The forward FLOPs are the same (each rank routes its own shard either way); the MLP
+/// block keeps its tp collectives (the shared expert is still
 /// split over tp) and without a shared expert has none; split experts add the tp gather
 /// and reduce-scatter of the routed rows.
 #[test]
@@ -211,10 +218,7 @@ fn whole_experts_reshape_the_expert_gemms_and_the_dispatch_group() {
     assert_eq!(gemm(&whole, "expert_fc2"), (1024.0, 256.0, 128.0, 1));
     assert_eq!(split_mesh.size(GroupKind::Ep), 2);
     assert_eq!(whole_mesh.size(GroupKind::Ep), 4);
-    assert_eq!(
-        fwd_flops(&split, Pass::Fwd),
-        fwd_flops(&whole, Pass::Fwd) + 512.0 * ROUTER
-    );
+    assert_eq!(fwd_flops(&split, Pass::Fwd), fwd_flops(&whole, Pass::Fwd));
     let tp_colls = |ops: &[OpCost]| {
         ops.iter()
             .filter(|o| o.pass == Pass::Fwd && o.name.starts_with("tp_") && o.name.ends_with("mlp"))
