@@ -495,6 +495,11 @@ fn rank_params(lc: &LayerCosts, l: &RankLoad) -> (f64, f64) {
 /// - EP: all-to-all to every peer, or DeepEP's queues;
 /// - PP: sends to the previous and next stage (both for every stage when interleaved).
 pub fn comm_buffer_bytes(job: &Job, layout: &Layout, mesh: &Mesh, j: u32) -> f64 {
+    group_buffer_bytes(job, layout, mesh) + pp_buffer_bytes(job, layout, mesh, j)
+}
+
+/// The part of [`comm_buffer_bytes`] every pipeline stage maps alike (all but PP).
+fn group_buffer_bytes(job: &Job, layout: &Layout, mesh: &Mesh) -> f64 {
     use memory::{nccl_comm_bytes, CommUse};
     let ch = memory::nccl_channels(job.hardware.nvlink_gbps);
     let size = |k: GroupKind| mesh.size(k) as u64;
@@ -539,26 +544,33 @@ pub fn comm_buffer_bytes(job: &Job, layout: &Layout, mesh: &Mesh, j: u32) -> f64
         let cp = size(GroupKind::Cp);
         bytes += nccl_comm_bytes(cp, p2p(GroupKind::Cp, (cp - 1).min(2)), ch);
     }
-    if layout.pp > 1 {
-        let peers = if layout.vpp > 1 {
-            2
-        } else {
-            u64::from(j > 0) + u64::from(j + 1 < layout.pp)
-        };
-        let how = if mesh.fabric(GroupKind::Pp).crosses_nodes {
-            CommUse::PointToPoint {
-                nvlink_peers: 0,
-                net_peers: peers,
-            }
-        } else {
-            CommUse::PointToPoint {
-                nvlink_peers: peers,
-                net_peers: 0,
-            }
-        };
-        bytes += nccl_comm_bytes(size(GroupKind::Pp), how, ch);
-    }
     bytes
+}
+
+/// The PP part of [`comm_buffer_bytes`] on stage `j`: sends to the previous and next stage.
+fn pp_buffer_bytes(job: &Job, layout: &Layout, mesh: &Mesh, j: u32) -> f64 {
+    use memory::{nccl_comm_bytes, CommUse};
+    if layout.pp <= 1 {
+        return 0.0;
+    }
+    let ch = memory::nccl_channels(job.hardware.nvlink_gbps);
+    let peers = if layout.vpp > 1 {
+        2
+    } else {
+        u64::from(j > 0) + u64::from(j + 1 < layout.pp)
+    };
+    let how = if mesh.fabric(GroupKind::Pp).crosses_nodes {
+        CommUse::PointToPoint {
+            nvlink_peers: 0,
+            net_peers: peers,
+        }
+    } else {
+        CommUse::PointToPoint {
+            nvlink_peers: peers,
+            net_peers: 0,
+        }
+    };
+    nccl_comm_bytes(mesh.size(GroupKind::Pp) as u64, how, ch)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -567,6 +579,7 @@ fn rank_memory(
     lc: &LayerCosts,
     layout: &Layout,
     mesh: &Mesh,
+    group_comm: f64,
     l: &RankLoad,
     j: u32,
     act_peak: Option<f64>,
@@ -627,7 +640,7 @@ fn rank_memory(
             } else {
                 0.0
             });
-    let comm = comm_buffer_bytes(job, layout, mesh, j);
+    let comm = group_comm + pp_buffer_bytes(job, layout, mesh, j);
     let reserve = job.cluster.framework_reserve_bytes;
     let total =
         weights + grads + master_b + opt_b + activations + logits + temp + comm + waste + reserve;
@@ -680,6 +693,8 @@ pub fn evaluate_with(
     let v = layout.vpp.max(1);
     let mb_count = layout.grad_accum;
     let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
+    // NCCL buffers of the groups every stage has alike (the PP sends vary by stage).
+    let group_comm = group_buffer_bytes(job, layout, &mesh);
     let model = &job.model;
     let mut ranks = Vec::new();
     let mut worst_mem = MemoryBreakdown::default();
@@ -773,6 +788,7 @@ pub fn evaluate_with(
             lc,
             layout,
             &mesh,
+            group_comm,
             &load,
             j,
             walk.as_ref().map(|w| w.peak_act[j as usize]),
