@@ -17,6 +17,8 @@ pub struct CatalogEntry {
     pub nvlink_gbps: f64,
     pub inter_node_gbps: f64,
     pub pcie_gbps: f64,
+    /// Rated board power (TDP) of the part the peaks are quoted for, watts.
+    pub tdp_w: f64,
     pub sources: &'static [&'static str],
 }
 
@@ -33,8 +35,9 @@ pub const CATALOG: &[CatalogEntry] = &[
         nvlink_gbps: 300.0,
         inter_node_gbps: 25.0,
         pcie_gbps: 25.0,
+        tdp_w: 400.0,
         sources: &[
-            "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 40 GB HBM2 1,555 GB/s, NVLink 600 GB/s (300 each way)",
+            "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 40 GB HBM2 1,555 GB/s, NVLink 600 GB/s (300 each way), 400 W TDP (SXM)",
             "DGX A100: 8x 200 Gb/s HDR InfiniBand per node (25 GB/s per GPU); PCIe Gen4 x16",
         ],
     },
@@ -48,8 +51,9 @@ pub const CATALOG: &[CatalogEntry] = &[
         nvlink_gbps: 300.0,
         inter_node_gbps: 25.0,
         pcie_gbps: 25.0,
+        tdp_w: 400.0,
         sources: &[
-            "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e 2,039 GB/s, NVLink 600 GB/s (300 each way)",
+            "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 80 GB HBM2e 2,039 GB/s, NVLink 600 GB/s (300 each way), 400 W TDP (SXM)",
             "DGX A100: 8x 200 Gb/s HDR InfiniBand per node (25 GB/s per GPU); PCIe Gen4 x16",
         ],
     },
@@ -63,8 +67,9 @@ pub const CATALOG: &[CatalogEntry] = &[
         nvlink_gbps: 450.0,
         inter_node_gbps: 50.0,
         pcie_gbps: 50.0,
+        tdp_w: 700.0,
         sources: &[
-            "NVIDIA H100 SXM datasheet: 989.4 TFLOP/s dense BF16, 1,978.9 dense FP8, 80 GB HBM3 3.35 TB/s, NVLink 900 GB/s (450 each way)",
+            "NVIDIA H100 SXM datasheet: 989.4 TFLOP/s dense BF16, 1,978.9 dense FP8, 80 GB HBM3 3.35 TB/s, NVLink 900 GB/s (450 each way), up to 700 W TDP",
             "DGX H100: one 400 Gb/s ConnectX-7 per GPU (50 GB/s); PCIe Gen5 x16",
         ],
     },
@@ -78,6 +83,7 @@ pub const CATALOG: &[CatalogEntry] = &[
         nvlink_gbps: 450.0,
         inter_node_gbps: 50.0,
         pcie_gbps: 50.0,
+        tdp_w: 700.0,
         sources: &[
             "NVIDIA H200 datasheet: same GH100 compute as H100 SXM (989.4 TFLOP/s dense BF16), 141 GB HBM3e 4.8 TB/s, NVLink 900 GB/s",
             "HGX H200: one 400 Gb/s NIC per GPU (50 GB/s)",
@@ -93,6 +99,7 @@ pub const CATALOG: &[CatalogEntry] = &[
         nvlink_gbps: 200.0,
         inter_node_gbps: 50.0,
         pcie_gbps: 50.0,
+        tdp_w: 700.0,
         sources: &[
             "H800 SXM: GH100 silicon as H100 with NVLink cut to 400 GB/s bidirectional (200 each way)",
             "DeepSeek-V3 report sec. 3.2.2: IB 50 GB/s per GPU; NVLink measured 160 GB/s",
@@ -219,9 +226,43 @@ impl CatalogEntry {
             nvlink_latency_s: 5e-6,
             inter_node_latency_s: 12e-6,
             pcie_gbps: self.pcie_gbps,
+            clock_ratio: 1.0,
             sources: self.sources.iter().map(|s| s.to_string()).collect(),
         }
     }
+}
+
+/// A board power limit a GPU name states, in watts: a token of digits ending in `W`
+/// ("H100-96GB-HBM2e-500W", "H100 SXM 500 W"); None when the name states none.
+pub fn power_limit_in_name(name: &str) -> Option<f64> {
+    let upper = name.to_ascii_uppercase();
+    let tokens: Vec<&str> = upper
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|t| !t.is_empty())
+        .collect();
+    let digits = |t: &str| !t.is_empty() && t.chars().all(|c| c.is_ascii_digit());
+    tokens.iter().enumerate().find_map(|(i, t)| {
+        let w = match t.strip_suffix('W') {
+            Some(d) if digits(d) => d,
+            _ if digits(t) && tokens.get(i + 1) == Some(&"W") => t,
+            _ => return None,
+        };
+        w.parse::<f64>().ok().filter(|w| *w >= 50.0)
+    })
+}
+
+/// Sustained tensor-core clock of a GPU held to `limit_w` watts, relative to the clock its
+/// peaks are quoted at under its rated `tdp_w`: `(limit / tdp)^(1/3)`, capped at 1. The
+/// firmware enforces a power cap by lowering the clock; dynamic power goes as `f V^2` and
+/// the voltage follows the clock over the DVFS range, so power goes as `f^3`. Checked
+/// against NVIDIA's own parts (`tests` below): the H100 NVL, the same GH100 with 132 SMs
+/// rated at 400 W, is quoted at 835 dense BF16 TFLOP/s against the 700 W SXM's 989.4
+/// (0.844; the law gives 0.830).
+pub fn power_limited_clock(limit_w: f64, tdp_w: f64) -> f64 {
+    if limit_w <= 0.0 || tdp_w <= 0.0 {
+        return 1.0;
+    }
+    (limit_w / tdp_w).min(1.0).cbrt()
 }
 
 /// The committed hardware profile written by `shardwright calibrate` (see its provenance).
@@ -304,6 +345,35 @@ pub fn initial_efficiency(kind: &str) -> Efficiency {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The cube law against NVIDIA's own power-limited GH100: the H100 NVL (132 SMs, 400 W)
+    /// is quoted at 1,671 sparse = 835.5 dense BF16 TFLOP/s, the 700 W SXM at 989.4
+    /// (datasheets): 0.844 measured against the law's (400/700)^(1/3) = 0.830.
+    #[test]
+    fn power_limited_clock_matches_the_h100_nvl_datasheet() {
+        let quoted = 835.5 / 989.4;
+        let law = power_limited_clock(400.0, 700.0);
+        assert!((law / quoted - 1.0).abs() < 0.02, "law {law:.3} vs datasheet {quoted:.3}");
+        // At or above the TDP nothing changes; nonsense limits change nothing.
+        assert_eq!(power_limited_clock(700.0, 700.0), 1.0);
+        assert_eq!(power_limited_clock(900.0, 700.0), 1.0);
+        assert_eq!(power_limited_clock(0.0, 700.0), 1.0);
+        // Grand Teton's 500 W H100: between the NVL and the SXM, as torchtitan says.
+        let gt = power_limited_clock(500.0, 700.0);
+        assert!(gt > quoted && gt < 1.0, "{gt}");
+    }
+
+    #[test]
+    fn power_limits_in_gpu_names() {
+        assert_eq!(power_limit_in_name("H100-96GB-HBM2e-500W"), Some(500.0));
+        assert_eq!(power_limit_in_name("NVIDIA H100 SXM 450 W"), Some(450.0));
+        assert_eq!(power_limit_in_name("h100 80gb 600w (capped)"), Some(600.0));
+        assert_eq!(power_limit_in_name("NVIDIA H100 80GB HBM3"), None);
+        assert_eq!(power_limit_in_name("A100-SXM4-40GB"), None);
+        // A model number is no power limit.
+        assert_eq!(power_limit_in_name("RTX 4090"), None);
+    }
+
     #[test]
     fn gpu_names_as_people_write_them() {
         let name = |s: &str| find(s).map(|e| e.names[0]);

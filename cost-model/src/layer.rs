@@ -353,7 +353,7 @@ impl Ctx<'_> {
                 eff.gemm_max / (1.0 + (eff.gemm_flops0 / qk_flops.max(1.0)).powf(eff.gemm_exp));
             let scores = heads_local * s * self.tokens;
             let drop = if m.dropout { 5.0 } else { 0.0 };
-            let gemm_fwd = full / (hw.peak_bf16_flops * ge);
+            let gemm_fwd = full / (hw.peak_bf16_flops * hw.clock_ratio * ge);
             let hbm_bps = hw.hbm_gbps * 1e9;
             let (f, b, time) = if bwd {
                 let b = scores * (14.0 + drop);
@@ -636,12 +636,14 @@ pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -
         h: m.hidden_size as f64,
         tokens: shape.micro_batch as f64 * m.seq_len as f64 / shape.cp as f64,
         seq_div: if shape.sp { t } else { 1.0 },
-        gemm_peak: if job.training.fp8_gemms {
-            hw.peak_fp8_flops * e.fp8_gemm_rel
-        } else {
-            hw.peak_bf16_flops
-        },
-        attn_rate: hw.peak_bf16_flops * e.attn_eff,
+        // Under a power limit the tensor cores run at the sustained clock (`clock_ratio`).
+        gemm_peak: hw.clock_ratio
+            * if job.training.fp8_gemms {
+                hw.peak_fp8_flops * e.fp8_gemm_rel
+            } else {
+                hw.peak_bf16_flops
+            },
+        attn_rate: hw.peak_bf16_flops * hw.clock_ratio * e.attn_eff,
         hbm: hw.hbm_gbps * 1e9,
     };
     let mut out = Vec::with_capacity(64);

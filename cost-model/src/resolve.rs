@@ -260,6 +260,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             nvlink_latency_s: 5e-6,
             inter_node_latency_s: 12e-6,
             pcie_gbps: 25.0,
+            clock_ratio: 1.0,
             sources: vec!["cluster.hardware in the spec".into()],
         },
     };
@@ -286,6 +287,28 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     over!(nvlink_latency_s);
     over!(inter_node_latency_s);
     over!(pcie_gbps);
+    if let Some(limit) = hw_spec.power_limit_w {
+        positive(&mut errs, "cluster.hardware.power_limit_w", limit);
+        let peaks_given = hw_spec.peak_bf16_flops.is_some() || hw_spec.peak_fp8_flops.is_some();
+        match entry {
+            Some(e) if limit > 0.0 && peaks_given => hw.sources.push(format!(
+                "power limit {limit} W: the peaks given in cluster.hardware are taken as the rates at that limit (not scaled again; the part's TDP is {} W)",
+                e.tdp_w
+            )),
+            Some(e) if limit > 0.0 => {
+                hw.clock_ratio = catalog::power_limited_clock(limit, e.tdp_w);
+                hw.sources.push(format!(
+                    "power limit {limit} W of the part's {} W: sustained compute clock (limit/TDP)^(1/3) = {:.3}",
+                    e.tdp_w, hw.clock_ratio
+                ));
+            }
+            Some(_) => {}
+            None => errs.push(
+                "cluster.hardware.power_limit_w",
+                "needs a catalog cluster.gpu (its rated TDP); for other GPUs give the peaks they sustain",
+            ),
+        }
+    }
     if !overridden.is_empty() && entry.is_some() {
         hw.sources
             .push(format!("overridden by the spec: {}", overridden.join(", ")));

@@ -419,3 +419,48 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 256}
         first.activations_bytes
     );
 }
+
+/// A power limit below the part's TDP slows the tensor cores by the sustained clock,
+/// `(500/700)^(1/3) = 0.8939` for a 500 W H100 (hand value), and nothing else: the GEMM and
+/// attention times of a step grow by exactly 1/0.8939, elementwise time (HBM bound) and
+/// memory do not move. A limit on a GPU the catalog does not know is refused by field name,
+/// and peaks given in the spec are taken as the limited rates.
+#[test]
+fn power_limit_slows_compute_by_the_sustained_clock() {
+    let full = job(DENSE);
+    let capped = job(&DENSE.replace(
+        "cluster: {gpu: H100-SXM,",
+        "cluster: {hardware: {power_limit_w: 500}, gpu: H100-SXM,",
+    ));
+    let clock = 0.893_904_4; // (500/700)^(1/3) by hand
+    assert!((capped.hardware.clock_ratio - clock).abs() < 1e-6);
+    assert_eq!(full.hardware.clock_ratio, 1.0);
+    let l = layout(1, 1, 8, 8, 1, Recompute::None, false);
+    let step = |j: &Job| {
+        let lc = LayerCosts::for_layout(j, &l);
+        evaluate(j, &lc, &l, Split::Balanced, true).estimate
+    };
+    let (a, b) = (step(&full), step(&capped));
+    let ratio = |x: f64, y: f64| y / x;
+    assert!((ratio(a.step.gemm_s, b.step.gemm_s) * clock - 1.0).abs() < 1e-6);
+    assert!((ratio(a.step.attention_s, b.step.attention_s) * clock - 1.0).abs() < 1e-6);
+    assert_eq!(a.step.elementwise_s, b.step.elementwise_s);
+    assert_eq!(a.memory.total_bytes, b.memory.total_bytes);
+
+    // Peaks stated beside the limit are the limited rates: not scaled again.
+    let stated = job(&DENSE.replace(
+        "cluster: {gpu: H100-SXM,",
+        "cluster: {hardware: {power_limit_w: 500, peak_bf16_flops: 9.0e14}, gpu: H100-SXM,",
+    ));
+    assert_eq!(stated.hardware.clock_ratio, 1.0);
+    assert_eq!(stated.hardware.peak_bf16_flops, 9.0e14);
+
+    // A custom GPU has no rated TDP to scale from.
+    let custom = DENSE.replace(
+        "cluster: {gpu: H100-SXM,",
+        "cluster: {hardware: {power_limit_w: 500, hbm_bytes: 8.0e10, peak_bf16_flops: 9.0e14, hbm_gbps: 3000, nvlink_gbps: 450, inter_node_gbps: 50},",
+    );
+    let spec = parse_spec(&custom, Format::Yaml).unwrap();
+    let err = resolve(&spec, &ResolveOptions::default()).unwrap_err().to_string();
+    assert!(err.contains("cluster.hardware.power_limit_w"), "{err}");
+}

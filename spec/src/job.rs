@@ -170,8 +170,22 @@ pub struct Hardware {
     pub nvlink_latency_s: f64,
     pub inter_node_latency_s: f64,
     pub pcie_gbps: f64,
+    /// Tensor-core clock the GPUs sustain relative to the one their peaks are quoted at:
+    /// below 1 when the board runs under a power limit lower than its rated TDP
+    /// (`cluster.hardware.power_limit_w`). GEMM and attention rates scale with it; memory
+    /// bandwidth and the links do not. Omitted from plans when 1.
+    #[serde(default = "unit_ratio", skip_serializing_if = "is_unit_ratio")]
+    pub clock_ratio: f64,
     /// Where these numbers come from.
     pub sources: Vec<String>,
+}
+
+fn unit_ratio() -> f64 {
+    1.0
+}
+
+fn is_unit_ratio(x: &f64) -> bool {
+    *x == 1.0
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]

@@ -500,6 +500,11 @@ pub struct HardwareSpec {
     pub inter_node_latency_s: Option<f64>,
     /// Host-to-device copy rate per GPU (PCIe), for checkpoint snapshots.
     pub pcie_gbps: Option<f64>,
+    /// Board power limit the GPUs run at (`nvidia-smi -pl`), watts, when it is below the
+    /// catalog part's rated TDP (e.g. 500 for H100s left at a 500 W default). Compute rates
+    /// scale with the sustained clock, `(power_limit_w / tdp)^(1/3)` (dynamic power goes as
+    /// f V^2 with V tracking f); HBM and link bandwidths do not change.
+    pub power_limit_w: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]

@@ -561,11 +561,21 @@ pub fn resolve_gpu(
     gpu_type: &str,
     file_hardware: Option<&serde_json::Value>,
 ) -> Result<RunGpu, String> {
+    let named_limit = catalog::power_limit_in_name(gpu_type);
+    let limit_note = |w: f64, from: &str| {
+        format!("power limit {w} W ({from}): compute rates at the sustained clock of the catalog part's TDP")
+    };
     if let Some(e) = catalog::find(gpu_type) {
         return Ok(RunGpu {
             base: e,
-            overrides: HardwareSpec::default(),
-            notes: Vec::new(),
+            overrides: HardwareSpec {
+                power_limit_w: named_limit,
+                ..HardwareSpec::default()
+            },
+            notes: named_limit
+                .map(|w| limit_note(w, "the gpu_type names it"))
+                .into_iter()
+                .collect(),
         });
     }
     let table = file_hardware.and_then(|t| t.as_object());
@@ -632,6 +642,19 @@ pub fn resolve_gpu(
     if let Some(b) = num(&["nvlink_bw_GBps_bidir"]) {
         o.nvlink_gbps = Some(b / 2.0);
         used.push(format!("NVLink {} GB/s each way", b / 2.0));
+    }
+    // A power limit: the table's `power_limit_w`, else what the name states. It scales the
+    // catalog's peaks only; a peak the table states is taken as the rate at that limit.
+    match (num(&["power_limit_w"]), named_limit.or_else(|| catalog::power_limit_in_name(key))) {
+        (Some(w), _) => {
+            o.power_limit_w = Some(w);
+            used.push(limit_note(w, "power_limit_w"));
+        }
+        (None, Some(w)) => {
+            o.power_limit_w = Some(w);
+            used.push(limit_note(w, "named in the GPU name"));
+        }
+        (None, None) => {}
     }
     let mut notes = vec![format!(
         "gpu_type `{gpu_type}` is not a catalog GPU: the runs file's hardware table (`{key}`) gives {}; the rest from the catalog's {}",
