@@ -353,7 +353,10 @@ mod tests {
     fn power_limited_clock_matches_the_h100_nvl_datasheet() {
         let quoted = 835.5 / 989.4;
         let law = power_limited_clock(400.0, 700.0);
-        assert!((law / quoted - 1.0).abs() < 0.02, "law {law:.3} vs datasheet {quoted:.3}");
+        assert!(
+            (law / quoted - 1.0).abs() < 0.02,
+            "law {law:.3} vs datasheet {quoted:.3}"
+        );
         // At or above the TDP nothing changes; nonsense limits change nothing.
         assert_eq!(power_limited_clock(700.0, 700.0), 1.0);
         assert_eq!(power_limited_clock(900.0, 700.0), 1.0);

@@ -275,6 +275,15 @@ impl LayerCosts {
         } else {
             (dense_act, moe_act)
         };
+        // torchtitan's op-level policy replaces the module semantics on dense blocks.
+        let dense_act = if rc == Recompute::Selective
+            && framework::mechanisms(job.framework).selective
+                == framework::SelectiveAc::EveryOtherMatmul
+        {
+            memory::every_other_matmul_activation_bytes(m, tokens, t, sp)
+        } else {
+            dense_act
+        };
         let work = if rc == Recompute::Full {
             let full_dense =
                 memory::dense_layer_activation_bytes(m, tokens, t, sp, Recompute::Selective, fp8);
@@ -946,10 +955,11 @@ pub fn evaluate_with(
     let tokens_per_s = tokens_per_step / step;
     let world = layout.world() as f64;
     let mf = flops::model_flops_per_token(model);
-    let hf = flops::hardware_flops_per_token_modules(
+    let hf = flops::hardware_flops_per_token_framework(
         model,
         layout.recompute,
         &job.training.recompute_modules,
+        framework::mechanisms(job.framework).selective,
     );
     let peak = if tr.fp8_gemms {
         job.hardware.peak_fp8_flops

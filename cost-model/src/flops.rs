@@ -154,19 +154,30 @@ pub fn hardware_flops_per_token_modules(
     recompute: Recompute,
     mods: &[shardwright_spec::spec::RecomputeModule],
 ) -> f64 {
-    use shardwright_spec::spec::RecomputeModule as R;
     if recompute != Recompute::Selective {
         return hardware_flops_per_token(m, recompute);
     }
+    model_flops_per_token(m)
+        + module_recompute_flops(m, mods, m.dense_layers() as f64, m.moe_layers() as f64)
+}
+
+/// Forward FLOPs per token that the `mods` recompute in `dense` dense and `moe` MoE layers.
+fn module_recompute_flops(
+    m: &Model,
+    mods: &[shardwright_spec::spec::RecomputeModule],
+    dense: f64,
+    moe_layers: f64,
+) -> f64 {
+    use shardwright_spec::spec::RecomputeModule as R;
     let has = |x: R| mods.contains(&x);
     let mut extra = 0.0;
     if has(R::CoreAttn) {
-        extra += m.num_layers as f64 * attention_fwd_flops_per_token(m);
+        extra += (dense + moe_layers) * attention_fwd_flops_per_token(m);
     }
     let mats = m.ffn_activation.mlp_matrices();
     let h = m.hidden_size as f64;
     if has(R::Mlp) {
-        extra += m.dense_layers() as f64 * 2.0 * mats * h * m.ffn_hidden_size as f64;
+        extra += dense * 2.0 * mats * h * m.ffn_hidden_size as f64;
     }
     if let Some(moe) = &m.moe {
         let shared =
@@ -180,9 +191,34 @@ pub fn hardware_flops_per_token_modules(
         } else {
             0.0
         };
-        extra += m.moe_layers() as f64 * 2.0 * per_layer;
+        extra += moe_layers * 2.0 * per_layer;
     }
-    model_flops_per_token(m) + extra
+    extra
+}
+
+/// Hardware FLOPs per token as the framework recomputes: under torchtitan's op-level
+/// selective AC ([`crate::framework::SelectiveAc::EveryOtherMatmul`]) each dense layer
+/// runs wk, wo and the MLP's second matmul forward again (gated: w3 = `h x f`; plain: FC2)
+/// and no attention core; MoE layers keep the module semantics. Otherwise
+/// [`hardware_flops_per_token_modules`].
+pub fn hardware_flops_per_token_framework(
+    m: &Model,
+    recompute: Recompute,
+    mods: &[shardwright_spec::spec::RecomputeModule],
+    selective: crate::framework::SelectiveAc,
+) -> f64 {
+    if recompute != Recompute::Selective
+        || selective != crate::framework::SelectiveAc::EveryOtherMatmul
+    {
+        return hardware_flops_per_token_modules(m, recompute, mods);
+    }
+    let h = m.hidden_size as f64;
+    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+    let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+    let f = m.ffn_hidden_size as f64;
+    let dense = 2.0 * (h * kvd + qd * h + h * f) * m.dense_layers() as f64;
+    // MoE layers: as the module semantics recompute them.
+    model_flops_per_token(m) + dense + module_recompute_flops(m, mods, 0.0, m.moe_layers() as f64)
 }
 
 /// Narayanan et al. 2021 eq. 3 hardware FLOPs per token (full recompute, GPT, non-causal):

@@ -24,8 +24,28 @@
 //!   weight-gradient GEMM (async TP all-reduce), later the TE userbuffer overlap (the
 //!   calibrated `tp_overlap`); Megatron-DeepSpeed's transformer layers issue them
 //!   synchronously: nothing hides.
+//! - **Selective activation checkpointing.** Megatron's `--recompute-granularity selective`
+//!   recomputes the attention core (plus the `recompute_modules` a NeMo/Megatron-Core run
+//!   names); DeepSpeed's Megatron fork does the same. torchtitan's `selective` AC with its
+//!   default `op` option (`torchtitan/models/llama*/parallelize.py`, `_save_list`) is an
+//!   op-level policy instead: it keeps the outputs of the attention kernel, of the TP
+//!   reduce-scatters and of every other `aten.mm` of a block (the 1st, 3rd, ... in forward
+//!   order: wq, wv, w1, w2 of a Llama block) and recomputes everything else from the block
+//!   input (wk, wo, w3, the norms, rotary, the activation, the TP all-gathers).
 
-use shardwright_spec::spec::Framework;
+use shardwright_spec::job::Model;
+use shardwright_spec::spec::{Activation, Framework, Norm};
+
+/// What `recompute: selective` recomputes (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SelectiveAc {
+    /// Megatron: the attention core, plus the spec's `recompute_modules`.
+    Modules,
+    /// torchtitan's op-level policy: every other matmul of a dense block and every
+    /// elementwise op; the attention kernel's output kept. MoE blocks keep the module
+    /// semantics (their grouped GEMMs are not `aten.mm`).
+    EveryOtherMatmul,
+}
 
 /// The mechanisms of one framework, as numbers the cost model uses.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -40,6 +60,8 @@ pub struct Mechanisms {
     pub dp_overlap_with_pp: bool,
     /// TP collectives can hide behind GEMMs (else fully exposed).
     pub tp_overlap: bool,
+    /// What selective activation recompute means.
+    pub selective: SelectiveAc,
 }
 
 pub fn mechanisms(f: Framework) -> Mechanisms {
@@ -49,18 +71,75 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
             p2p_scatter_gather: true,
             dp_overlap_with_pp: true,
             tp_overlap: true,
+            selective: SelectiveAc::Modules,
         },
         Framework::Deepspeed => Mechanisms {
             p2p_transfers_per_microbatch: 4.0,
             p2p_scatter_gather: false,
             dp_overlap_with_pp: false,
             tp_overlap: false,
+            selective: SelectiveAc::Modules,
         },
         Framework::Torchtitan => Mechanisms {
             p2p_transfers_per_microbatch: 2.0,
             p2p_scatter_gather: false,
             dp_overlap_with_pp: true,
             tp_overlap: true,
+            selective: SelectiveAc::EveryOtherMatmul,
         },
+    }
+}
+
+/// Whether a job's block elementwise ops run as separate eager PyTorch kernels: torchtitan
+/// without torch.compile. Megatron, NeMo and DeepSpeed use fused kernels (Apex/TE norms,
+/// fused rotary, bias-activation and bias-dropout-add fusions).
+pub fn eager_elementwise(f: Framework, torch_compile: bool) -> bool {
+    f == Framework::Torchtitan && !torch_compile
+}
+
+/// Bytes the hidden-size elementwise ops of a block (two norms, two residual adds, rotary
+/// on q and k) move in eager PyTorch over what fused kernels move, forward, per element of
+/// the hidden state (16-bit activations; the backward's autograd kernels are as unfused).
+/// Counted kernel by kernel (reads + writes):
+///
+/// - RMSNorm as torchtitan's Llama writes it (`x.float()`, `pow(2)`, `mean`, `x * rsqrt`,
+///   `type_as`, `* weight`): 6 + 8 + 4 + 8 + 6 + 4 = 36 B; fused 4 B (read, write).
+///   LayerNorm is one kernel in eager PyTorch too (`F.layer_norm`): 4 B either way.
+/// - Residual add: 6 B either way.
+/// - Rotary per q/k element (`float()` into a complex view, complex multiply, `type_as`):
+///   6 + 8 + 6 = 20 B; fused 4 B. None with learned positions.
+/// - Grouped-query attention: eager `repeat_kv` materialises k and v at the query width
+///   (read `kvd`, write `qd`, 16-bit, each); fused kernels read the shared heads in place.
+pub fn eager_hidden_traffic(m: &Model) -> f64 {
+    let h = m.hidden_size as f64;
+    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+    let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+    let norm_eager = match m.norm {
+        Norm::Rmsnorm => 36.0,
+        Norm::Layernorm => 4.0,
+    };
+    let rope = if m.learned_positions {
+        0.0
+    } else {
+        (qd + kvd) / h
+    };
+    let repeat_kv = if kvd < qd {
+        2.0 * 2.0 * (kvd + qd) / h
+    } else {
+        0.0
+    };
+    let fused = 2.0 * 4.0 + 2.0 * 6.0 + 4.0 * rope;
+    let eager = 2.0 * norm_eager + 2.0 * 6.0 + 20.0 * rope + repeat_kv;
+    eager / fused
+}
+
+/// The same ratio for the MLP activation, per element of its output: gated (`silu(a) * b`)
+/// eager 4 + 6 = 10 B against a fused 6 B (read both halves, write); squared ReLU eager
+/// `relu` then `pow`, 4 + 4 B against 4 B; GeLU and ReLU are one kernel either way.
+pub fn eager_act_traffic(m: &Model) -> f64 {
+    match m.ffn_activation {
+        Activation::Swiglu | Activation::Geglu => 10.0 / 6.0,
+        Activation::SquaredRelu => 2.0,
+        Activation::Gelu | Activation::Relu => 1.0,
     }
 }

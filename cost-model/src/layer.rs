@@ -411,11 +411,20 @@ impl Ctx<'_> {
         let mats = m.ffn_activation.mlp_matrices();
         // Norms, residual adds and rotary on the hidden size (sharded with SP).
         let hidden_elems = tokens * h / self.seq_div;
+        let eager = crate::framework::eager_elementwise(job.framework, job.torch_compile);
+        let (hidden_x, act_x) = if eager {
+            (
+                crate::framework::eager_hidden_traffic(m),
+                crate::framework::eager_act_traffic(m),
+            )
+        } else {
+            (1.0, 1.0)
+        };
         self.elementwise(
             e,
             "hidden_ops",
             hidden_elems,
-            eff.elementwise_bytes_per_h * 2.0 * hidden_elems,
+            eff.elementwise_bytes_per_h * 2.0 * hidden_elems * hidden_x,
         );
         let sc = e.scale();
         let qkv_s = self.gemm_time(tokens, (qd + 2.0 * kvd) / t, h, 1, sc);
@@ -594,7 +603,12 @@ impl Ctx<'_> {
         // Activation function on the MLP width: half the per-element bytes of the
         // hidden-size ops (16-bit values).
         let act_elems = tokens * width;
-        self.elementwise(e, "act", act_elems, eff.elementwise_bytes_per_h * act_elems);
+        self.elementwise(
+            e,
+            "act",
+            act_elems,
+            eff.elementwise_bytes_per_h * act_elems * act_x,
+        );
     }
 }
 
@@ -667,6 +681,51 @@ pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -
                             ..out[i]
                         };
                         out.push(op);
+                    }
+                }
+                // torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense
+                // block: the replay from the block input reruns every elementwise op and
+                // the TP all-gathers (their outputs are not kept) and every other matmul
+                // in forward order: wk, wo, and the MLP's second (gated: w3, the up half of
+                // FC1; else FC2).
+                Recompute::Selective
+                    if !moe
+                        && crate::framework::mechanisms(job.framework).selective
+                            == crate::framework::SelectiveAc::EveryOtherMatmul =>
+                {
+                    let mut again = Vec::with_capacity(32);
+                    cx.layer_pass(
+                        &mut Emit {
+                            out: &mut again,
+                            pass: Pass::Recompute,
+                        },
+                        false,
+                    );
+                    out.extend(again.into_iter().filter(|op| {
+                        matches!(
+                            op.name,
+                            "hidden_ops"
+                                | "act"
+                                | "tp_all_gather_attn"
+                                | "tp_all_gather_mlp"
+                                | "tp_all_reduce_attn"
+                                | "tp_all_reduce_mlp"
+                        )
+                    }));
+                    let (t, h) = (cx.t, cx.h);
+                    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+                    let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+                    let f = m.ffn_hidden_size as f64;
+                    let re = &mut Emit {
+                        out: &mut out,
+                        pass: Pass::Recompute,
+                    };
+                    cx.gemm(re, "k_proj", cx.tokens, kvd / t, h, 1);
+                    cx.gemm(re, "proj", cx.tokens, h, qd / t, 1);
+                    if m.ffn_activation.mlp_matrices() > 2.0 {
+                        cx.gemm(re, "fc1_up", cx.tokens, f / t, h, 1);
+                    } else {
+                        cx.gemm(re, "fc2", cx.tokens, h, f / t, 1);
                     }
                 }
                 // Fine-grained selective recompute: the forward ops of the chosen modules

@@ -136,6 +136,34 @@ pub fn dense_layer_activation_bytes(
     seq_region_bytes(m, tokens, fp8) / seq_div + attn + mlp
 }
 
+/// Activation bytes one dense block keeps per micro-batch under torchtitan's op-level
+/// selective AC ([`crate::framework::SelectiveAc::EveryOtherMatmul`]): its input (16-bit,
+/// sequence-sharded under SP), the outputs of the 1st, 3rd, 5th, ... `aten.mm` in forward
+/// order (wq, wv, then a gated MLP's w1 and w2, a plain MLP's FC1), the attention kernel's
+/// output (16-bit) and log-sum-exp (fp32 per head), and under SP the two reduce-scatter
+/// outputs. Matmul outputs are as wide as the local GEMM writes them: column-parallel
+/// ones (wq, wv, w1, FC1) `1/tp` of their width, row-parallel ones (w2) the full hidden
+/// size before their reduce-scatter. Everything else is recomputed.
+pub fn every_other_matmul_activation_bytes(m: &Model, tokens: f64, tp: f64, sp: bool) -> f64 {
+    let h = m.hidden_size as f64;
+    let a = m.num_attention_heads as f64;
+    let qd = a * m.head_dim as f64;
+    let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+    let f = m.ffn_hidden_size as f64;
+    let seq_div = if sp { tp } else { 1.0 };
+    // Local output widths of the block's matmuls in forward order.
+    let mut widths = vec![qd / tp, kvd / tp, kvd / tp, h];
+    if m.ffn_activation.mlp_matrices() > 2.0 {
+        widths.extend([f / tp, f / tp, h]);
+    } else {
+        widths.extend([f / tp, h]);
+    }
+    let kept_mm: f64 = widths.iter().step_by(2).sum();
+    let reduce_scatter = if sp && tp > 1.0 { 2.0 * h / tp } else { 0.0 };
+    tokens
+        * (2.0 * h / seq_div + 2.0 * kept_mm + 2.0 * qd / tp + 4.0 * a / tp + 2.0 * reduce_scatter)
+}
+
 /// Norm inputs/outputs and dropout masks (the part sequence parallelism shards): two norm
 /// inputs (16-bit) and two norm outputs (16-bit, or the FP8 GEMM-input copy).
 pub fn seq_region_bytes(m: &Model, tokens: f64, fp8: bool) -> f64 {

@@ -604,6 +604,12 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             "DeepSpeed's pipeline engine has no TP communication overlap (framework: deepspeed)",
         );
     }
+    if js.torch_compile && js.framework != shardwright_spec::spec::Framework::Torchtitan {
+        errs.push(
+            "job.torch_compile",
+            "applies to framework: torchtitan (Megatron, NeMo and DeepSpeed run fused kernels already)",
+        );
+    }
     if !errs.0.is_empty() {
         return Err(SpecErrors(errs.0));
     }
@@ -627,6 +633,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         efficiency,
         framework: js.framework,
         tp_comm_overlap: js.tp_comm_overlap,
+        torch_compile: js.torch_compile,
         moe_dispatcher: js.moe_dispatcher,
     };
     Ok(Resolved { job, warnings })

@@ -436,3 +436,104 @@ fn expert_tp_is_checked() {
     .unwrap();
     assert!(resolve(&spec, &ResolveOptions::default()).is_ok());
 }
+
+/// Llama 3.1 8B on 8 H100 with FSDP (ZeRO-3), micro-batch 2 of 8,192 tokens: torchtitan's
+/// Table 1 shape. `extra` goes under `job:`.
+fn llama8b(extra: &str) -> String {
+    format!(
+        "
+job:
+  model: {{arch: dense, num_layers: 32, hidden_size: 4096, num_attention_heads: 32,
+          num_kv_heads: 8, ffn_hidden_size: 14336, ffn_activation: swiglu, norm: rmsnorm,
+          vocab_size: 128256, seq_len: 8192}}
+  parallelism: {{tp: 1, pp: 1, dp: 8, micro_batch: 2, zero_stage: 3, recompute: selective}}
+  batch: {{global_batch: 16}}
+{extra}
+cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 8}}
+"
+    )
+}
+
+/// torchtitan's op-level selective AC keeps, per token of a Llama 8B block (bf16): the
+/// block input (8,192 B), wq's output (8,192), wv's (2,048), w1's (28,672), w2's (8,192),
+/// the attention output (8,192) and its log-sum-exp (32 heads x 4 B = 128): 63,616 B. It
+/// runs wk, wo and w3 forward again: 2 x 4096 x (1024 + 4096 + 14336) = 159,383,552 FLOPs
+/// per token and layer. Megatron's selective (the attention core) keeps far more and
+/// recomputes only the attention core.
+#[test]
+fn torchtitan_selective_ac_keeps_every_other_matmul() {
+    let tt = job(&llama8b("  framework: torchtitan\n  torch_compile: true"));
+    let mg = job(&llama8b("  framework: megatron"));
+    let tokens = 2.0 * 8192.0;
+    let per_token =
+        memory::every_other_matmul_activation_bytes(&tt.model, tokens, 1.0, false) / tokens;
+    assert!((per_token - 63_616.0).abs() < 1e-6, "{per_token}");
+
+    let l = Layout {
+        micro_batch: 2,
+        ..layout(1, 1, 8, 1, Recompute::Selective)
+    };
+    let l = Layout { zero_stage: 3, ..l };
+    let (a, b) = (eval(&tt, &l), eval(&mg, &l));
+    let layers = 32.0;
+    assert!(
+        (a.estimate.memory.activations_bytes - layers * 63_616.0 * tokens).abs()
+            < 0.02 * a.estimate.memory.activations_bytes,
+        "torchtitan activations {} vs hand {}",
+        a.estimate.memory.activations_bytes,
+        layers * 63_616.0 * tokens
+    );
+    assert!(a.estimate.memory.activations_bytes < 0.6 * b.estimate.memory.activations_bytes);
+
+    // Hardware FLOPs: the three recomputed matmuls per layer, no attention core.
+    let extra = layers * 2.0 * 4096.0 * (1024.0 + 4096.0 + 14336.0);
+    let mf = flops::model_flops_per_token(&tt.model);
+    let hf = flops::hardware_flops_per_token_framework(
+        &tt.model,
+        Recompute::Selective,
+        &tt.training.recompute_modules,
+        shardwright_cost::framework::SelectiveAc::EveryOtherMatmul,
+    );
+    assert!(
+        (hf - mf - extra).abs() < 1e-6 * hf,
+        "{} vs {extra}",
+        hf - mf
+    );
+    assert!((a.estimate.hfu / a.estimate.mfu - hf / mf).abs() < 1e-9);
+    // And the step pays for them: more GEMM time than Megatron's selective.
+    assert!(a.estimate.step.gemm_s > b.estimate.step.gemm_s * 1.05);
+}
+
+/// Eager torchtitan moves, per hidden element of a Llama 8B block (GQA 32/8 heads,
+/// rotary, RMSNorm): norms 2 x 36 + residuals 2 x 6 + rotary 20 x 1.25 + repeat_kv
+/// 2 x 2 x 1.25 = 114 B against fused 2 x 4 + 2 x 6 + 4 x 1.25 = 25 B (ratio 4.56), and
+/// 10 B against 6 per SwiGLU output element. torch.compile (or another framework) fuses.
+#[test]
+fn eager_torchtitan_moves_more_elementwise_bytes() {
+    let eager = job(&llama8b("  framework: torchtitan"));
+    let compiled = job(&llama8b("  framework: torchtitan\n  torch_compile: true"));
+    let x = shardwright_cost::framework::eager_hidden_traffic(&eager.model);
+    assert!(
+        (x - 114.0 / 25.0).abs() < 1e-12,
+        "{x} {:?} {}",
+        eager.model.norm,
+        eager.model.learned_positions
+    );
+    assert!(
+        (shardwright_cost::framework::eager_act_traffic(&eager.model) - 10.0 / 6.0).abs() < 1e-12
+    );
+    let l = Layout {
+        micro_batch: 2,
+        zero_stage: 3,
+        ..layout(1, 1, 8, 1, Recompute::Selective)
+    };
+    let (a, b) = (eval(&eager, &l), eval(&compiled, &l));
+    // Hidden ops x 4.56, the activation x 1.67, the loss's softmax as it was: between.
+    let r = a.estimate.step.elementwise_s / b.estimate.step.elementwise_s;
+    assert!(r > 10.0 / 6.0 && r < 114.0 / 25.0, "{r}");
+    assert_eq!(a.estimate.step.gemm_s, b.estimate.step.gemm_s);
+    assert_eq!(a.estimate.memory.total_bytes, b.estimate.memory.total_bytes);
+    // Only torchtitan has the switch.
+    let err = spec_error(&llama8b("  torch_compile: true"));
+    assert!(err.contains("job.torch_compile"), "{err}");
+}

@@ -461,6 +461,8 @@ fn power_limit_slows_compute_by_the_sustained_clock() {
         "cluster: {hardware: {power_limit_w: 500, hbm_bytes: 8.0e10, peak_bf16_flops: 9.0e14, hbm_gbps: 3000, nvlink_gbps: 450, inter_node_gbps: 50},",
     );
     let spec = parse_spec(&custom, Format::Yaml).unwrap();
-    let err = resolve(&spec, &ResolveOptions::default()).unwrap_err().to_string();
+    let err = resolve(&spec, &ResolveOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("cluster.hardware.power_limit_w"), "{err}");
 }

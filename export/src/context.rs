@@ -416,6 +416,19 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
                 },
             );
             fwctx.insert("local_batch_size".into(), json!(local));
+            // The plan's elementwise costs: fused kernels unless it is an eager torchtitan
+            // plan (framework torchtitan without torch_compile).
+            fwctx.insert(
+                "titan_plan".into(),
+                json!(job.framework == shardwright_spec::spec::Framework::Torchtitan),
+            );
+            fwctx.insert(
+                "compile".into(),
+                json!(
+                    job.framework != shardwright_spec::spec::Framework::Torchtitan
+                        || job.torch_compile
+                ),
+            );
             fwctx.insert(
                 "model_name".into(),
                 json!(if m.is_moe() { "deepseek_v3" } else { "llama3" }),

@@ -726,6 +726,24 @@ fn torchtitan(text: &str, side: Side) -> Result<Imported, ExportError> {
         expert_tp: None,
     };
     imp.global_batch = Some(global);
+    // torchtitan's own mechanisms (op-level selective AC, eager or compiled kernels).
+    imp.job.insert("framework".into(), json!("torchtitan"));
+    let compile =
+        match t.get("compile").and_then(|c| c.get("enable")) {
+            Some(v) => Some(
+                v.as_bool()
+                    .ok_or_else(|| bad(format!("[compile] enable: `{v}` is not true or false")))?,
+            ),
+            None => match t.get("training").and_then(|c| c.get("compile")) {
+                Some(v) => Some(v.as_bool().ok_or_else(|| {
+                    bad(format!("[training] compile: `{v}` is not true or false"))
+                })?),
+                None => None,
+            },
+        };
+    if compile == Some(true) {
+        imp.job.insert("torch_compile".into(), json!(true));
+    }
     if let Some(s) = toml_int(&t, "training", "seq_len")? {
         imp.model.insert("seq_len".into(), json!(s));
     }

@@ -30,6 +30,9 @@ pub struct Job {
     /// TP collectives pipelined with their GEMMs (Megatron `--tp-comm-overlap`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub tp_comm_overlap: bool,
+    /// torchtitan with torch.compile (fused elementwise kernels); see the spec's field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub torch_compile: bool,
     /// MoE token dispatcher (what crosses the network when EP spans nodes).
     #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
     #[schemars(with = "String")]

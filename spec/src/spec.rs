@@ -41,6 +41,13 @@ pub struct JobSpec {
     /// Default false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub tp_comm_overlap: bool,
+    /// torchtitan's `[compile] enable`: torch.compile fuses each block's norms, rotary,
+    /// residual adds and activation into a few kernels. Without it (torchtitan's default)
+    /// they run as separate eager kernels that move several times the bytes
+    /// (`shardwright_cost::framework::eager_hidden_traffic`). Only with `framework:
+    /// torchtitan`: Megatron, NeMo and DeepSpeed run fused kernels. Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub torch_compile: bool,
     /// The training framework that runs the job (default `megatron`). It decides which
     /// overlaps and communication implementations exist, never a free efficiency factor;
     /// see [`Framework`].

@@ -180,6 +180,8 @@ pub struct Conventions {
     /// Expert tensor parallelism 1 (whole experts, the expert-parallel group folds tp in)
     /// when the run states no `etp`.
     pub whole_experts: bool,
+    /// torch.compile (the spec's `torch_compile`; read for torchtitan runs only).
+    pub torch_compile: bool,
 }
 
 /// The conventions of a run, from its framework, year, activation wording and notes.
@@ -209,6 +211,9 @@ pub struct Conventions {
 ///   recipes set `expert_tensor_parallel_size=1`, and Megatron-Core folds EP over the TP
 ///   ranks (MoE parallel folding) in its 2025 releases; else the experts split over tp,
 ///   Megatron's older default.
+/// - **torch.compile** (torchtitan runs): the run's fields name `torch.compile` or
+///   `compile` and do not say `no torch.compile`, `without compile` or `eager`; else
+///   torchtitan's default, eager kernels.
 pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     let act = run
         .model
@@ -276,6 +281,17 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     } else {
         MoeDispatcher::Alltoall
     };
+    let says_compile = text.contains("torch.compile") || text.contains("compile");
+    let says_eager = [
+        "no torch.compile",
+        "without torch.compile",
+        "without compile",
+        "no compile",
+        "eager",
+    ]
+    .iter()
+    .any(|w| text.contains(w));
+    let torch_compile = ctx.framework == Some(Framework::Torchtitan) && says_compile && !says_eager;
     Conventions {
         gpt_style,
         flash_attention,
@@ -286,6 +302,7 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
         tp_comm_overlap,
         moe_dispatcher,
         whole_experts: modern_moe_recipe,
+        torch_compile,
     }
 }
 
@@ -645,7 +662,10 @@ pub fn resolve_gpu(
     }
     // A power limit: the table's `power_limit_w`, else what the name states. It scales the
     // catalog's peaks only; a peak the table states is taken as the rate at that limit.
-    match (num(&["power_limit_w"]), named_limit.or_else(|| catalog::power_limit_in_name(key))) {
+    match (
+        num(&["power_limit_w"]),
+        named_limit.or_else(|| catalog::power_limit_in_name(key)),
+    ) {
         (Some(w), _) => {
             o.power_limit_w = Some(w);
             used.push(limit_note(w, "power_limit_w"));
@@ -1000,6 +1020,7 @@ pub fn setup_run_in(
             checkpoint: CheckpointSpec::default(),
             recompute_modules: None,
             tp_comm_overlap: conv.tp_comm_overlap,
+            torch_compile: conv.torch_compile,
             framework: ctx.framework.unwrap_or_default(),
             moe_dispatcher: conv.moe_dispatcher,
         },

@@ -657,7 +657,9 @@ fn a_new_clusters_runs_are_scored() {
     // The name's 500 W is a power limit below the SXM part's 700 W: the spec carries it and
     // the resolved job runs its tensor cores at (500/700)^(1/3) = 0.894 of the clock.
     assert_eq!(d.spec.cluster.hardware.power_limit_w, Some(500.0));
-    let dj = shardwright_cost::resolve(&d.spec, &Default::default()).unwrap().job;
+    let dj = shardwright_cost::resolve(&d.spec, &Default::default())
+        .unwrap()
+        .job;
     assert!((dj.hardware.clock_ratio - 0.8939).abs() < 1e-3);
     // A catalog name that states a limit carries it too; one that states none does not.
     assert_eq!(a.spec.cluster.hardware.power_limit_w, None);

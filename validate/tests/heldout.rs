@@ -1,0 +1,53 @@
+//! Held-out runs: torchtitan's published Grand Teton benchmarks (`validate/heldout/`), a
+//! source, a framework and a GPU variant (H100 96 GB HBM2e at a 500 W power limit) that no
+//! fitted number has seen: `calibrate` never reads this file. The published TPS/GPU are
+//! the independent figures.
+//!
+//! What the model gets right here it gets from mechanisms, not fits: the power limit's
+//! sustained clock, torchtitan's op-level selective AC (memory and recompute), eager vs
+//! compiled elementwise kernels. What it still gets wrong is listed in the test below.
+
+use shardwright_validate::runs::load_runs;
+use shardwright_validate::validate;
+use std::path::PathBuf;
+
+#[test]
+fn torchtitan_runs_are_scored_fit_and_stay_accurate() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("heldout/torchtitan-runs.json");
+    let f = load_runs(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let report = validate(&f, None);
+    assert!(
+        report.summary.skipped.is_empty(),
+        "{:?}",
+        report.summary.skipped
+    );
+    assert_eq!(report.rows.len(), f.runs.len());
+    // Every run trained: none may be predicted out of memory.
+    for r in &report.rows {
+        assert!(
+            r.fits,
+            "{} trained but is predicted not to fit: {r:?}",
+            r.id
+        );
+    }
+    let mut errs: Vec<f64> = report.rows.iter().map(|r| r.error_pct.abs()).collect();
+    errs.sort_by(f64::total_cmp);
+    let median = (errs[errs.len() / 2 - 1] + errs[errs.len() / 2]) / 2.0;
+    for r in &report.rows {
+        eprintln!("{:40} {:+7.1}%", r.id, r.error_pct);
+    }
+    // 9.3% when written (25.5% before the power limit, op-level AC and eager kernels were
+    // modelled). Known misses, over-predicted: context parallelism at cp >= 2 (+8% to
+    // +53%: PyTorch's ring attention of Dec 2024 runs far below its FLOP count) and the
+    // 405B pipeline runs with 32 micro-batches of 8k tokens (+46% / +60%, against +6% for
+    // the same layout with 8 micro-batches of 32k).
+    assert!(median <= 10.0, "held-out median |error| {median:.1}%");
+    // The single-node and 128-GPU FSDP rows (no CP, no PP) within 10% each.
+    for r in report
+        .rows
+        .iter()
+        .filter(|r| r.id.starts_with("torchtitan_8b_") && !r.id.contains("_cp"))
+    {
+        assert!(r.error_pct.abs() <= 10.0, "{}: {:+.1}%", r.id, r.error_pct);
+    }
+}
