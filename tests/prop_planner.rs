@@ -388,6 +388,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             checkpoint: CheckpointSpec::default(),
             recompute_modules: None,
             tp_comm_overlap: false,
+            torch_compile: false,
             moe_dispatcher: Default::default(),
             framework: Default::default(),
         },

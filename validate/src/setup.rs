@@ -988,7 +988,11 @@ pub fn setup_run_in(
 
     // ---- precision ----
     let precision_text = par.precision.as_deref().unwrap_or("");
-    let fp8 = precision_text.to_ascii_lowercase().contains("fp8");
+    // FP8 GEMMs: "FP8", torchao's "Float8", or the format's name.
+    let fp8 = {
+        let p = precision_text.to_ascii_lowercase();
+        ["fp8", "float8", "e4m3"].iter().any(|w| p.contains(w))
+    };
     if fp8 && precision_text.to_ascii_lowercase().contains("unsure") {
         notes.push(format!(
             "FP8 read from an unsure statement: \"{precision_text}\""

@@ -618,6 +618,22 @@ fn conventions_from_the_runs_own_fields() {
         conventions(&named, &RunContext::of(&named)).moe_dispatcher,
         MoeDispatcher::Deepep
     );
+    // torch.compile: a torchtitan run that names it; eager when it says so or says nothing
+    // (torchtitan's default); never for another framework.
+    let mut tt = run(&f, "mtnlg_530b_2240gpu").clone();
+    tt.framework = Some("torchtitan".into());
+    tt.parallelism.notes = Some("FSDP + torch.compile + Float8".into());
+    assert!(conventions(&tt, &RunContext::of(&tt)).torch_compile);
+    tt.parallelism.notes = Some("FSDP, eager (no torch.compile)".into());
+    assert!(!conventions(&tt, &RunContext::of(&tt)).torch_compile);
+    tt.parallelism.notes = Some("FSDP".into());
+    assert!(!conventions(&tt, &RunContext::of(&tt)).torch_compile);
+    named.parallelism.notes = Some("torch.compile".into());
+    assert!(!conventions(&named, &RunContext::of(&named)).torch_compile);
+    // torchao's "Float8" is FP8.
+    tt.parallelism.precision = Some("Float8 (torchao, tensorwise)".into());
+    let setup = setup_run(&tt).unwrap();
+    assert!(setup.spec.job.precision.fp8_gemms);
 }
 
 /// A runs file whose ids, sources and GPU strings validate has never seen is scored: GPU
