@@ -389,6 +389,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             recompute_modules: None,
             tp_comm_overlap: false,
             torch_compile: false,
+            dp_comm_overlap: true,
             moe_dispatcher: Default::default(),
             framework: Default::default(),
         },

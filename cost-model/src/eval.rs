@@ -881,8 +881,11 @@ pub fn evaluate_with(
         job.pinned.fsdp_reshard_after_forward,
     );
     let dp_coll = |params: f64, n: u64, gbps: f64, lat: f64| -> (f64, f64) {
-        // (per step, per micro-batch); see `memory::DpSharding`.
-        if !sh.sharded_update {
+        // (per step, per micro-batch); see `memory::DpSharding`. A group with nothing to
+        // reduce (the expert group of a dense model) launches no collective.
+        if params <= 0.0 {
+            (0.0, 0.0)
+        } else if !sh.sharded_update {
             (all_reduce_s(params * g, n, gbps, lat), 0.0)
         } else if sh.per_microbatch {
             (
@@ -918,7 +921,15 @@ pub fn evaluate_with(
     };
     let hidden =
         |traffic: f64| (traffic - compute_mb).max((1.0 - dp_overlap) * traffic.min(compute_mb));
-    let dp_exposed = hidden(dp_step) + m * hidden(dp_mb);
+    // Without `dp_comm_overlap` (legacy Megatron) the step's reduction starts after the last
+    // backward and the parameter all-gather ends before the next forward: all exposed.
+    // ZeRO-3's per-micro-batch gathers are prefetched by every framework that has them.
+    let step_exposed = if job.dp_comm_overlap {
+        hidden(dp_step)
+    } else {
+        dp_step
+    };
+    let dp_exposed = step_exposed + m * hidden(dp_mb);
 
     // Optimizer step: master, moments, grads, weights touched once (HBM bound).
     let opt_bytes_per_param = 2.0 * tr.master_dtype.bytes()

@@ -610,6 +610,12 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             "applies to framework: torchtitan (Megatron, NeMo and DeepSpeed run fused kernels already)",
         );
     }
+    if !js.dp_comm_overlap && js.framework == shardwright_spec::spec::Framework::Torchtitan {
+        errs.push(
+            "job.dp_comm_overlap",
+            "torchtitan's FSDP2 and DDP always overlap gradient reduction with the backward",
+        );
+    }
     if !errs.0.is_empty() {
         return Err(SpecErrors(errs.0));
     }
@@ -634,6 +640,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         framework: js.framework,
         tp_comm_overlap: js.tp_comm_overlap,
         torch_compile: js.torch_compile,
+        dp_comm_overlap: js.dp_comm_overlap,
         moe_dispatcher: js.moe_dispatcher,
     };
     Ok(Resolved { job, warnings })

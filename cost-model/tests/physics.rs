@@ -97,6 +97,45 @@ fn dp_exposure_follows_the_contention_formula() {
     }
 }
 
+/// `dp_comm_overlap: false` (legacy Megatron, Megatron-Core without `--overlap-grad-reduce`):
+/// the step's gradient all-reduce runs after the last backward, all of it exposed. Hand
+/// count: the model has 8 x (4 h^2 + 3 h f + 2 h) + 2 V h + h parameters (MHA, untied
+/// embeddings), reduced as bf16 gradients (the spec's default `precision.grads`) by a ring
+/// over the 8 GPUs of one NVLink node: 2 (n - 1) / n x 2 bytes x params at NVLink x bus
+/// efficiency, plus 2 (n - 1) link latencies.
+/// With the overlap on the same traffic is charged (1 - dp_overlap) of itself.
+#[test]
+fn legacy_dp_reduction_is_fully_exposed() {
+    let mut j = job(&format!("{DENSE}\n").replace(
+        "  batch: {global_batch: 64}",
+        "  batch: {global_batch: 64}\n  dp_comm_overlap: false",
+    ));
+    assert!(!j.dp_comm_overlap);
+    let l = layout(1, 1, 8, 8, 0, Recompute::None, false);
+    let lc = LayerCosts::new(&j, 1, 1, 1, 1, false, Recompute::None);
+    let off = evaluate(&j, &lc, &l, Split::Balanced, false).estimate.step;
+    let (h, f, v) = (4096.0_f64, 11008.0, 32000.0);
+    let params = 8.0 * (4.0 * h * h + 3.0 * h * f + 2.0 * h) + 2.0 * v * h + h;
+    let hw = &j.hardware;
+    let ring = 2.0 * 7.0 / 8.0 * 2.0 * params / (hw.nvlink_gbps * 1e9 * j.efficiency.nvlink_bus_eff)
+        + 2.0 * 7.0 * hw.nvlink_latency_s;
+    assert!(
+        (off.dp_comm_total_s / ring - 1.0).abs() < 1e-6,
+        "traffic {} vs hand ring {ring}",
+        off.dp_comm_total_s
+    );
+    assert!((off.dp_comm_exposed_s - ring).abs() < 1e-9 * ring.max(1.0));
+    j.dp_comm_overlap = true;
+    let on = evaluate(&j, &lc, &l, Split::Balanced, false).estimate.step;
+    let hidden = j.efficiency.dp_overlap * ring;
+    assert!(hidden > 0.0);
+    assert!(
+        ((off.step_s - on.step_s) - hidden).abs() < 1e-9 * off.step_s,
+        "step difference {} vs the overlapped share {hidden}",
+        off.step_s - on.step_s
+    );
+}
+
 /// The stage partition's per-item memory adds up to the rank's memory breakdown: on one
 /// pipeline rank holding everything, embedding + layers + head static bytes equal weights +
 /// grads + master + optimizer + logits, and the items' activations times the in-flight
@@ -238,10 +277,9 @@ fn zero_with_pp_traffic_and_memory_by_hand() {
         let mem = ev.ranks[1].memory.clone();
         (ev.estimate.step.dp_comm_total_s, mem)
     };
-    // The expert data-parallel group (4 ranks here too) runs the same collectives on zero
-    // bytes for a dense model: the model still charges their latency, 3 alpha each.
-    let empty = 3.0 * alpha;
-    let per_step = coll(p_last * g) + coll(p_last * w) + 2.0 * empty;
+    // The expert data-parallel group of a dense model has nothing to reduce: no collective,
+    // no latency.
+    let per_step = coll(p_last * g) + coll(p_last * w);
     for z in [1u8, 2, 3] {
         let (t, mem) = at(&j, z);
         assert!((t - per_step).abs() < 1e-12, "zero {z}: {t} vs {per_step}");
@@ -255,7 +293,7 @@ fn zero_with_pp_traffic_and_memory_by_hand() {
     let mut rj = j.clone();
     rj.pinned.fsdp_reshard_after_forward = Some(true);
     let (t, mem) = at(&rj, 3);
-    let per_mb = 2.0 * coll(p_last * w) + coll(p_last * g) + 3.0 * empty;
+    let per_mb = 2.0 * coll(p_last * w) + coll(p_last * g);
     assert!((t - 8.0 * per_mb).abs() < 1e-12, "{t} vs {}", 8.0 * per_mb);
     assert!((mem.weights_bytes - w * p_last / 4.0).abs() < 1e-3);
     assert!((mem.grads_bytes - g * p_last / 4.0).abs() < 1e-3);

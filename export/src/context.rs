@@ -505,6 +505,7 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
         "recompute": recompute_name(l.recompute),
         "sequence_parallel": l.sequence_parallel,
         "tp_comm_overlap": job.tp_comm_overlap && l.sequence_parallel && l.tp > 1,
+        "dp_comm_overlap": job.dp_comm_overlap,
         "moe_dispatcher": job.moe_dispatcher.name(),
         "schedule": schedule_name(l.schedule),
         "batch_dp": batch_dp,

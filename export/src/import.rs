@@ -536,6 +536,14 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     if f.has("tp-comm-overlap") {
         imp.job.insert("tp_comm_overlap".into(), json!(true));
     }
+    // Megatron-Core's DDP overlaps gradient reduction only with --overlap-grad-reduce
+    // (default off): without it the reduction runs after the last backward, exposed.
+    if !f.has("overlap-grad-reduce") {
+        imp.job.insert("dp_comm_overlap".into(), json!(false));
+        imp.notes.push(
+            "no --overlap-grad-reduce: gradient reduction after the last backward (dp_comm_overlap: false)".into(),
+        );
+    }
     match f.str("moe-token-dispatcher-type")? {
         None | Some("alltoall") | Some("allgather") => {}
         Some("flex") => {
@@ -875,6 +883,20 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
     } else if enabled("bf16") {
         imp.precision.insert("compute".into(), json!("bf16"));
     }
+    // ZeRO's overlap_comm: DeepSpeed's default is off for stages 1 and 2 (gradients reduced
+    // at the accumulation boundary, after the backward) and on for stage 3.
+    let overlap_comm = match obj.get("zero_optimization").and_then(|z| z.get("overlap_comm")) {
+        None => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(x) => {
+            return Err(bad(format!(
+                "zero_optimization.overlap_comm: `{x}` is not true or false"
+            )))
+        }
+    };
+    if (matches!(zero, 1 | 2) && overlap_comm != Some(true)) || overlap_comm == Some(false) {
+        imp.job.insert("dp_comm_overlap".into(), json!(false));
+    }
     Ok(imp)
 }
 
@@ -1061,7 +1083,11 @@ mod tests {
             side,
         )
         .unwrap();
-        assert!(plain.job.is_empty(), "{:?}", plain.job);
+        // Without --overlap-grad-reduce Megatron reduces after the backward.
+        assert_eq!(plain.job.len(), 1, "{:?}", plain.job);
+        assert_eq!(plain.job["dp_comm_overlap"], json!(false));
+        let overlapped = megatron(&format!("{base} --overlap-grad-reduce"), side).unwrap();
+        assert!(overlapped.job.is_empty(), "{:?}", overlapped.job);
         let e = megatron(&format!("{base} --moe-token-dispatcher-type ring"), side).unwrap_err();
         assert!(e.to_string().contains("--moe-token-dispatcher-type"), "{e}");
     }

@@ -33,6 +33,10 @@ pub struct Job {
     /// torchtitan with torch.compile (fused elementwise kernels); see the spec's field.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub torch_compile: bool,
+    /// DP gradient reduction (and parameter all-gather) overlapped with compute; see the
+    /// spec's field. False: the step's DP traffic is fully exposed.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub dp_comm_overlap: bool,
     /// MoE token dispatcher (what crosses the network when EP spans nodes).
     #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
     #[schemars(with = "String")]
@@ -90,6 +94,12 @@ pub struct Moe {
     pub first_k_dense: u32,
 }
 
+fn default_true() -> bool {
+    true
+}
+fn is_true(x: &bool) -> bool {
+    *x
+}
 fn one_u32() -> u32 {
     1
 }

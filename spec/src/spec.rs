@@ -48,6 +48,15 @@ pub struct JobSpec {
     /// torchtitan`: Megatron, NeMo and DeepSpeed run fused kernels. Default false.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub torch_compile: bool,
+    /// Data-parallel gradient reduction overlaps the backward, and the distributed
+    /// optimizer's parameter all-gather the next forward (Megatron-Core's
+    /// `--overlap-grad-reduce` / `--overlap-param-gather`, on in NeMo and Megatron-Bridge
+    /// recipes; FSDP and DeepSpeed ZeRO always overlap). `false`: the reduction runs after the
+    /// last backward of the step, fully exposed, as in Megatron-LM before Megatron-Core's DDP
+    /// (2021-22: `allreduce_gradients()` after `forward_backward_func`) and in Megatron-Core
+    /// without the flags. Default true.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub dp_comm_overlap: bool,
     /// The training framework that runs the job (default `megatron`). It decides which
     /// overlaps and communication implementations exist, never a free efficiency factor;
     /// see [`Framework`].
@@ -254,6 +263,9 @@ fn default_norm() -> Norm {
 }
 fn default_true() -> bool {
     true
+}
+fn is_true(x: &bool) -> bool {
+    *x
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
