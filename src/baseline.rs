@@ -46,6 +46,7 @@ pub fn compare(
         sequence_parallel: a.sequence_parallel.or(sp.sequence_parallel),
         schedule: a.schedule.or(sp.schedule),
         allow_tp_across_nodes: sp.allow_tp_across_nodes,
+        even_pipeline_chunks: sp.even_pipeline_chunks,
         fsdp_reshard_after_forward: sp.fsdp_reshard_after_forward,
         expert_tp: a.expert_tp.or(sp.expert_tp),
     };

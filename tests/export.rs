@@ -344,6 +344,7 @@ fn import_megatron_llama3_70b_launch_script() {
         sequence_parallel: Some(true),
         schedule: Some(Schedule::Interleaved),
         allow_tp_across_nodes: false,
+        even_pipeline_chunks: false,
         fsdp_reshard_after_forward: None,
         expert_tp: None,
     };
@@ -386,6 +387,7 @@ fn import_torchtitan_llama3_8b_toml() {
         sequence_parallel: Some(false),
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
+        even_pipeline_chunks: false,
         fsdp_reshard_after_forward: None,
         expert_tp: None,
     };
@@ -416,6 +418,7 @@ fn import_deepspeed_zero3_json() {
         sequence_parallel: None,
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
+        even_pipeline_chunks: false,
         fsdp_reshard_after_forward: None,
         expert_tp: None,
     };

@@ -330,6 +330,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
         vpp: pin(9, vpp),
         schedule: bit(9).then_some(schedule),
         allow_tp_across_nodes: false,
+        even_pipeline_chunks: false,
         fsdp_reshard_after_forward: None,
         expert_tp: None,
     };

@@ -719,6 +719,7 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
         model: m,
         gpus_per_node: c.gpus_per_node,
         allow_tp_across_nodes: p.allow_tp_across_nodes,
+        even_pipeline_chunks: p.even_pipeline_chunks,
         global_batch: t.global_batch,
         grad_accum: t.grad_accum,
     };
@@ -763,6 +764,16 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             "job.parallelism.vpp",
             format!(
                 "num_layers={} is fewer than pp*vpp={} pipeline chunks",
+                m.num_layers,
+                pp * v
+            ),
+        );
+    }
+    if has(Rejection::UnevenPipelineChunks) {
+        errs.push(
+            "job.parallelism.vpp",
+            format!(
+                "num_layers={} does not split evenly into pp*vpp={} pipeline chunks (even_pipeline_chunks)",
                 m.num_layers,
                 pp * v
             ),

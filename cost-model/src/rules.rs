@@ -37,6 +37,8 @@ pub enum Rejection {
     GradAccumMismatch,
     /// Fewer layers than `pp * vpp` chunks.
     LayersVsInterleave,
+    /// With `even_pipeline_chunks`: layers not a multiple of `pp * vpp`.
+    UnevenPipelineChunks,
     /// The interleaved schedule needs a multiple of pp micro-batches.
     MicrobatchesVsInterleave,
     /// Virtual stages (vpp > 1) and the interleaved schedule go together.
@@ -59,6 +61,7 @@ impl Rejection {
             Rejection::BatchNotDivisible => "batch_not_divisible",
             Rejection::GradAccumMismatch => "grad_accum_mismatch",
             Rejection::LayersVsInterleave => "layers_vs_interleave",
+            Rejection::UnevenPipelineChunks => "uneven_pipeline_chunks",
             Rejection::MicrobatchesVsInterleave => "microbatches_vs_interleave",
             Rejection::ScheduleVsVpp => "schedule_vs_vpp",
             Rejection::OutOfMemory => "out_of_memory",
@@ -78,6 +81,8 @@ pub struct Ctx<'a> {
     pub model: &'a Model,
     pub gpus_per_node: u32,
     pub allow_tp_across_nodes: bool,
+    /// `job.parallelism.even_pipeline_chunks`.
+    pub even_pipeline_chunks: bool,
     pub global_batch: u64,
     /// `job.batch.grad_accum` when the spec states it.
     pub grad_accum: Option<u64>,
@@ -89,6 +94,7 @@ impl<'a> Ctx<'a> {
             model: &job.model,
             gpus_per_node: job.cluster.gpus_per_node,
             allow_tp_across_nodes: job.pinned.allow_tp_across_nodes,
+            even_pipeline_chunks: job.pinned.even_pipeline_chunks,
             global_batch: job.training.global_batch,
             grad_accum: job.training.grad_accum,
         }
@@ -194,6 +200,12 @@ fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
         if let Some(ga) = ga {
             rule!(pp > 0 && ga % pp != 0, Rejection::MicrobatchesVsInterleave);
         }
+    }
+    if let (true, Some(pp), Some(v)) = (c.even_pipeline_chunks, a.pp, a.vpp) {
+        rule!(
+            pp * v > 0 && m.num_layers as u64 % (pp * v) != 0,
+            Rejection::UnevenPipelineChunks
+        );
     }
     if let (Some(v), Some(sched)) = (a.vpp, a.schedule) {
         rule!(

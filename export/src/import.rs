@@ -69,6 +69,7 @@ pub fn project(fw: Framework, l: &Layout, num_layers: u32) -> ParallelismSpec {
         sequence_parallel: Some(l.sequence_parallel),
         schedule: Some(l.schedule),
         allow_tp_across_nodes: false,
+        even_pipeline_chunks: false,
         fsdp_reshard_after_forward: None,
         // Only Megatron's flags carry expert TP.
         expert_tp: (l.folds_tp_into_ep() && matches!(fw, Framework::Megatron | Framework::Nemo))
@@ -420,6 +421,7 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
             Schedule::OneFOneB
         }),
         allow_tp_across_nodes: false,
+        even_pipeline_chunks: false,
         fsdp_reshard_after_forward: None,
         expert_tp,
     };
@@ -730,6 +732,7 @@ fn torchtitan(text: &str, side: Side) -> Result<Imported, ExportError> {
         sequence_parallel: Some(tp > 1),
         schedule,
         allow_tp_across_nodes: false,
+        even_pipeline_chunks: false,
         fsdp_reshard_after_forward: None,
         expert_tp: None,
     };
@@ -868,6 +871,7 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
         sequence_parallel: None,
         schedule: Some(Schedule::OneFOneB),
         allow_tp_across_nodes: false,
+        even_pipeline_chunks: false,
         fsdp_reshard_after_forward: None,
         expert_tp: None,
     };

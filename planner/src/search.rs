@@ -354,6 +354,11 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                                                 pp * v as u64
                                             ),
                                             Rejection::MicrobatchesVsInterleave => format!("{ga} micro-batches not a multiple of pp={pp} (interleaved schedule)"),
+                                            Rejection::UnevenPipelineChunks => format!(
+                                                "num_layers={} not a multiple of pp*vpp={} (even_pipeline_chunks)",
+                                                m.num_layers,
+                                                pp * v as u64
+                                            ),
                                             other => other.name().to_string(),
                                         });
                                             continue;

@@ -73,6 +73,10 @@ fn cases() -> Vec<Case> {
         // 60 sequences over dp = 4: 15 micro-batches, not a multiple of pp = 2.
         Case { rule: Rejection::MicrobatchesVsInterleave, path: "job.parallelism.vpp", model: "", batch: "global_batch: 60", gpus: 16,
             pins: p("tp: 2, pp: 2, dp: 4, cp: 1, ep: 1, vpp: 2, micro_batch: 1, zero_stage: 1, recompute: none, sequence_parallel: true, schedule: interleaved") },
+        // 8 layers in pp x vpp = 6 chunks: allowed unevenly, refused with even_pipeline_chunks
+        // (Megatron's "number of layers per pipeline stage must be divisible" assertion).
+        Case { rule: Rejection::UnevenPipelineChunks, path: "job.parallelism.vpp", model: "", batch: b, gpus: 16,
+            pins: p("tp: 2, pp: 2, dp: 4, cp: 1, ep: 1, vpp: 3, micro_batch: 1, zero_stage: 1, recompute: none, sequence_parallel: true, schedule: interleaved, even_pipeline_chunks: true") },
         // Two virtual stages per rank with the plain 1F1B schedule.
         Case { rule: Rejection::ScheduleVsVpp, path: "job.parallelism.vpp", model: "", batch: b, gpus: 16,
             pins: p("tp: 2, pp: 2, dp: 4, cp: 1, ep: 1, vpp: 2, micro_batch: 1, zero_stage: 1, recompute: none, sequence_parallel: true, schedule: 1f1b") },
@@ -106,5 +110,5 @@ fn resolve_and_search_reject_for_the_same_rule() {
         seen.insert(c.rule);
     }
     // Every layout rule is covered (out_of_memory is not a rule).
-    assert_eq!(seen.len(), 13);
+    assert_eq!(seen.len(), 14);
 }

@@ -357,6 +357,13 @@ pub struct ParallelismSpec {
     /// Let tensor-parallel groups span nodes (off by default: TP wants NVLink).
     #[serde(default)]
     pub allow_tp_across_nodes: bool,
+    /// Only layouts whose layers split evenly into pp x vpp pipeline chunks
+    /// (`num_layers % (pp * vpp) == 0`), as Megatron-LM and NeMo required before uneven
+    /// stages (`--decoder-first/last-pipeline-num-layers`, late 2024) and
+    /// `--pipeline-model-parallel-layout` (2025). Off by default: shardwright exports an
+    /// uneven split as a pipeline layout.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub even_pipeline_chunks: bool,
     /// ZeRO-3 / FSDP: free the gathered weights after each micro-batch's forward (and
     /// gather them again for its backward). Default: yes without pipeline parallelism, no
     /// with it (torchtitan's `fsdp_reshard_after_forward = "default"`: "for PP, do not

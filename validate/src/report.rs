@@ -342,6 +342,7 @@ pub fn planner_vs_published(
         let mut free = setup.spec.clone();
         free.job.parallelism = shardwright_spec::spec::ParallelismSpec {
             allow_tp_across_nodes: false,
+            even_pipeline_chunks: setup.spec.job.parallelism.even_pipeline_chunks,
             ..Default::default()
         };
         let Ok((fjob, fw)) = resolve_spec(&setup.id, &free, profile) else {

@@ -182,6 +182,8 @@ pub struct Conventions {
     pub whole_experts: bool,
     /// torch.compile (the spec's `torch_compile`; read for torchtitan runs only).
     pub torch_compile: bool,
+    /// Pipeline chunks must hold equal layer counts (the spec's `even_pipeline_chunks`).
+    pub even_pipeline_chunks: bool,
 }
 
 /// The conventions of a run, from its framework, year, activation wording and notes.
@@ -211,6 +213,11 @@ pub struct Conventions {
 ///   recipes set `expert_tensor_parallel_size=1`, and Megatron-Core folds EP over the TP
 ///   ranks (MoE parallel folding) in its 2025 releases; else the experts split over tp,
 ///   Megatron's older default.
+/// - **Even pipeline chunks**: Megatron-LM and NeMo runs up to 2024 split the layers evenly
+///   over pp x vpp chunks (Megatron asserted `num_layers % pp == 0` and whole layers per
+///   virtual stage until uneven first/last stages came in late 2024 and
+///   `--pipeline-model-parallel-layout` in 2025), so an unpublished vpp is chosen among
+///   those; other frameworks and later years may split unevenly.
 /// - **torch.compile** (torchtitan runs): the run's fields name `torch.compile` or
 ///   `compile` and do not say `no torch.compile`, `without compile` or `eager`; else
 ///   torchtitan's default, eager kernels.
@@ -292,6 +299,7 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     .iter()
     .any(|w| text.contains(w));
     let torch_compile = ctx.framework == Some(Framework::Torchtitan) && says_compile && !says_eager;
+    let even_pipeline_chunks = megatron_family && ctx.year.is_some_and(|y| y <= 2024);
     Conventions {
         gpt_style,
         flash_attention,
@@ -303,6 +311,7 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
         moe_dispatcher,
         whole_experts: modern_moe_recipe,
         torch_compile,
+        even_pipeline_chunks,
     }
 }
 
@@ -900,6 +909,9 @@ pub fn setup_run_in(
         ep: Some(ep),
         micro_batch: par.micro_batch_size.filter(|v| *v > 0),
         allow_tp_across_nodes: tp > gpus_per_node,
+        // A published pp that does not divide the layers says the run split unevenly.
+        even_pipeline_chunks: conv.even_pipeline_chunks
+            && run.model.num_layers % pp == 0,
         // Whole experts, or split over tp: pinned either way so the planner keeps the
         // run's choice.
         expert_tp: (run.model.moe.is_some() && tp > 1).then_some(if whole { 1 } else { tp }),

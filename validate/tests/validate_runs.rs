@@ -634,6 +634,19 @@ fn conventions_from_the_runs_own_fields() {
     tt.parallelism.precision = Some("Float8 (torchao, tensorwise)".into());
     let setup = setup_run(&tt).unwrap();
     assert!(setup.spec.job.precision.fp8_gemms);
+    // Even pipeline chunks: Megatron-family runs up to 2024 (Megatron asserted whole layers
+    // per virtual stage); not DeepSpeed, torchtitan, or a run of unknown year.
+    let even = |id: &str| conventions(run(&f, id), &ctx(id)).even_pipeline_chunks;
+    assert!(even("mcore_h100_weak_119B"));
+    assert!(even("korthikanti22_175B_selective_sp"));
+    assert!(!even("mtnlg_530b_2240gpu"));
+    assert!(!even("mbridge_2602_llama3_70b_fp8_h100_64gpu"));
+    assert!(!conventions(&tt, &RunContext::of(&tt)).even_pipeline_chunks);
+    // The pinned spec carries it, and the planner's choice for the unpublished vpp splits
+    // the 92 layers of the 119B run evenly over its 4 stages (23 layers: vpp 1).
+    let s119 = setup_run(run(&f, "mcore_h100_weak_119B")).unwrap();
+    assert!(s119.spec.job.parallelism.even_pipeline_chunks);
+    assert_eq!(s119.spec.job.model.num_layers % 4, 0);
 }
 
 /// A runs file whose ids, sources and GPU strings validate has never seen is scored: GPU
