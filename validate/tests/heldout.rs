@@ -7,21 +7,11 @@
 //! sustained clock, torchtitan's op-level selective AC (memory and recompute), eager vs
 //! compiled elementwise kernels. What it still gets wrong is listed in the test below.
 
-use shardwright_validate::runs::load_runs;
-use shardwright_validate::validate;
-use std::path::PathBuf;
+mod common;
 
 #[test]
 fn torchtitan_runs_are_scored_fit_and_stay_accurate() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("heldout/torchtitan-runs.json");
-    let f = load_runs(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let report = validate(&f, None);
-    assert!(
-        report.summary.skipped.is_empty(),
-        "{:?}",
-        report.summary.skipped
-    );
-    assert_eq!(report.rows.len(), f.runs.len());
+    let (_, report) = common::score_all("heldout/torchtitan-runs.json");
     // Every run trained: none may be predicted out of memory.
     for r in &report.rows {
         assert!(

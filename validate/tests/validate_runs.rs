@@ -3,6 +3,8 @@
 //! No accuracy targets are asserted (the cost model is being calibrated separately);
 //! `cargo test -p shardwright-validate --test validate_runs -- --nocapture` prints the report.
 
+mod common;
+
 use shardwright_validate::*;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -654,15 +656,7 @@ fn conventions_from_the_runs_own_fields() {
 /// GeGLU activations.
 #[test]
 fn a_new_clusters_runs_are_scored() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/mycluster-runs.json");
-    let f = load_runs(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let report = validate(&f, None);
-    assert!(
-        report.summary.skipped.is_empty(),
-        "{:?}",
-        report.summary.skipped
-    );
-    assert_eq!(report.rows.len(), f.runs.len());
+    let (f, report) = common::score_all("tests/data/mycluster-runs.json");
     for r in &report.rows {
         assert!(r.error_pct.is_finite() && r.fits, "{}: {r:?}", r.id);
     }
