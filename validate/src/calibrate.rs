@@ -84,6 +84,9 @@ pub fn cases(
             let profile = profiles.and_then(|p| p.get(&setup.gpu_kind));
             let (job, warnings) = resolve_spec(&setup.id, &setup.spec, profile)?;
             let meas = measured(run, &job)?;
+            if let Some(why) = meas.uncounted {
+                return Err(Skip::new(&setup.id, why));
+            }
             let pred = predict(&setup.id, job, warnings)?;
             Ok::<Case, Skip>(Case {
                 id: setup.id,

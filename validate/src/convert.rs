@@ -118,6 +118,10 @@ pub struct Measured {
     pub tokens_per_s_per_gpu: f64,
     /// Which published field and which conversion.
     pub metric: String,
+    /// Set when the figure is compared but is no average throughput with a known
+    /// convention (an "up to" peak, an unstated FLOP count): why the row counts in no
+    /// summary and no fit.
+    pub uncounted: Option<String>,
 }
 
 /// Convert what the run published into tokens per second per GPU (see the module doc for
@@ -131,6 +135,7 @@ pub fn measured(run: &Run, job: &Job) -> Result<Measured, Skip> {
         Ok(Measured {
             tokens_per_s_per_gpu: v,
             metric,
+            uncounted: None,
         })
     };
     if let Some(t) = r.tokens_per_sec_per_gpu.filter(|v| *v > 0.0) {
@@ -198,6 +203,25 @@ pub fn measured(run: &Run, job: &Job) -> Result<Measured, Skip> {
             ),
         );
     }
+    // Last resort: a TFLOP/s figure whose wording gives no usable conversion (an "up to"
+    // peak, an unstated FLOP count) is still compared, under model FLOPs (6 N + attention,
+    // the count of most sources), and marked: it counts in no summary and no fit. A count
+    // that included full recompute would put the published tokens/s 4/3 lower.
+    if let Some(tf) = r.tflops_per_gpu.filter(|v| *v > 0.0) {
+        let conv = FlopConvention::ModelNonCausal;
+        let fpt = conv.flops_per_token(&job.model);
+        return Ok(Measured {
+            tokens_per_s_per_gpu: tf * 1e12 / fpt,
+            metric: format!(
+                "result.tflops_per_gpu {tf} / {} = {fpt:.4e} FLOP/token (assumed)",
+                conv.name()
+            ),
+            uncounted: Some(format!(
+                "not counted in summaries or the fit: {}",
+                why_not.join("; ")
+            )),
+        });
+    }
     Err(Skip::new(
         &run.id,
         format!("no comparable measurement: {}", why_not.join("; ")),
@@ -219,6 +243,7 @@ pub fn measurement_problem(run: &Run) -> Option<String> {
         || run
             .derived_f64("tokens_per_sec_per_gpu")
             .is_some_and(|x| x > 0.0)
+        || r.tflops_per_gpu.is_some_and(|x| x > 0.0)
     {
         return None;
     }

@@ -52,6 +52,10 @@ pub struct RunRow {
     /// Which published field gave the measurement, and how it was converted.
     pub metric: String,
     pub notes: Vec<String>,
+    /// Why the row counts in no summary (and no fit): its published figure is no average
+    /// throughput with a known FLOP convention. `None` for ordinary rows.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uncounted: Option<String>,
 }
 
 /// Statistics of a set of errors (see the module doc for the percentile definition).
@@ -117,13 +121,14 @@ pub fn stats(errors_pct: &[f64]) -> Stats {
     }
 }
 
-/// Summary of rows (all rows count, fitting or not) plus the skipped runs.
+/// Summary of rows (fitting or not; not the `uncounted` ones) plus the skipped runs.
 pub fn summarize(rows: &[RunRow], skipped: Vec<Skip>) -> Summary {
-    let all: Vec<f64> = rows.iter().map(|r| r.error_pct).collect();
+    let counted = || rows.iter().filter(|r| r.uncounted.is_none());
+    let all: Vec<f64> = counted().map(|r| r.error_pct).collect();
     let overall = stats(&all);
     let group = |key: &dyn Fn(&RunRow) -> &str| {
         let mut m: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-        for r in rows {
+        for r in counted() {
             m.entry(key(r).to_string()).or_default().push(r.error_pct);
         }
         m.into_iter()
@@ -188,6 +193,7 @@ pub fn validate(runs: &RunsFile, profiles: Option<&BTreeMap<String, Efficiency>>
                 memory_gb: pred.estimate.memory.total_bytes / 1e9,
                 metric: meas.metric,
                 notes,
+                uncounted: meas.uncounted,
             })
         })();
         match row {
@@ -234,22 +240,26 @@ pub fn render_text(report: &Report) -> String {
     for r in &report.rows {
         let _ = writeln!(
             out,
-            "{:<id_w$}  {:<5} {:>10.1} {:>10.1} {:>+7.1}%  {:<4} {:>7.1}  {}",
+            "{:<id_w$}  {:<5} {:>10.1} {:>10.1} {:>+7.1}%{} {:<4} {:>7.1}  {}",
             r.id,
             r.gpu_kind,
             r.predicted_tokens_per_s_per_gpu,
             r.published_tokens_per_s_per_gpu,
             r.error_pct,
+            if r.uncounted.is_some() { "*" } else { " " },
             if r.fits { "yes" } else { "NO" },
             r.memory_gb,
             r.layout
         );
     }
     out.push_str(
-        "\n(tokens/s per GPU; error = predicted/published - 1)\n\nMeasurements and notes\n",
+        "\n(tokens/s per GPU; error = predicted/published - 1; * = not counted: see its notes)\n\nMeasurements and notes\n",
     );
     for r in &report.rows {
         let _ = writeln!(out, "{}\n    measured: {}", r.id, r.metric);
+        if let Some(u) = &r.uncounted {
+            let _ = writeln!(out, "    - {u}");
+        }
         for n in &r.notes {
             let _ = writeln!(out, "    - {n}");
         }

@@ -860,66 +860,112 @@ pub fn setup_run_in(
     };
 
     // ---- mesh ----
-    let Some(tp) = par.tp.filter(|v| *v > 0) else {
-        return skip("tensor-parallel degree (tp) not published".into());
-    };
     let pp = par.pp.unwrap_or(1).max(1);
     let cp = par.cp.unwrap_or(1).max(1);
     let ep_pub = par.ep.unwrap_or(1).max(1);
-    let dp_pub = match par.dp {
-        Some(d) if d > 0 => d,
-        _ => {
-            let inner = tp as u64 * pp as u64 * cp as u64;
-            if hw.num_gpus % inner != 0 {
-                return skip("dp not published and num_gpus / (tp*pp*cp) is not whole".into());
+    // tp: published; else num_gpus / (dp*pp*cp) when dp is; else (a dense model) the
+    // planner's choice, like any other unpublished axis, with dp following from the GPUs.
+    let tp_pub = match (par.tp.filter(|v| *v > 0), par.dp.filter(|v| *v > 0)) {
+        (Some(tp), _) => Some(tp),
+        (None, Some(d)) => {
+            let inner = d as u64 * pp as u64 * cp as u64;
+            if hw.num_gpus % inner != 0 || run.model.moe.is_some() {
+                return skip("tensor-parallel degree (tp) not published and num_gpus / (dp*pp*cp) does not give it".into());
             }
-            notes.push("dp not published: num_gpus / (tp*pp*cp)".into());
-            (hw.num_gpus / inner) as u32
+            notes.push("tp not published: num_gpus / (dp*pp*cp)".into());
+            Some((hw.num_gpus / inner) as u32)
+        }
+        (None, None) if run.model.moe.is_none() && ep_pub == 1 => {
+            notes.push(
+                "tensor-parallel degree (tp) and dp not published: chosen by the planner (tp x dp = num_gpus / (pp*cp))".into(),
+            );
+            None
+        }
+        (None, None) => {
+            return skip("tensor-parallel degree (tp) not published for an MoE run".into())
         }
     };
-    // Expert TP: the run's `etp` when stated, else the convention.
-    let whole_pref = run.model.moe.is_some()
-        && tp > 1
-        && match par.etp {
-            Some(e) if e > 0 => e == 1,
-            _ => conv.whole_experts,
-        };
-    let Some((ep, dp, whole, mesh_note)) = mesh_from_published(tp, dp_pub, ep_pub, whole_pref)
-    else {
-        return skip(format!(
-            "ep={ep_pub} fits neither dp={dp_pub} nor dp*tp={}: mesh not representable",
-            dp_pub as u64 * tp as u64
-        ));
-    };
-    notes.extend(mesh_note);
-    let world = Mesh::from_degrees(tp, cp, ep, dp, pp, gpus_per_node).world() as u64;
-    if world != hw.num_gpus {
-        return skip(format!(
-            "tp*pp*cp*dp = {world} but the run used {} GPUs (spares or a different mesh)",
-            hw.num_gpus
-        ));
-    }
-
-    // ---- pins beyond the mesh ----
     let mut pins = ParallelismSpec {
-        tp: Some(tp),
         pp: Some(pp),
-        dp: Some(dp),
         cp: Some(cp),
-        ep: Some(ep),
         micro_batch: par.micro_batch_size.filter(|v| *v > 0),
-        allow_tp_across_nodes: tp > gpus_per_node,
-        // A published pp that does not divide the layers says the run split unevenly.
-        even_pipeline_chunks: conv.even_pipeline_chunks
-            && run.model.num_layers % pp == 0,
-        // Whole experts, or split over tp: pinned either way so the planner keeps the
-        // run's choice.
-        expert_tp: (run.model.moe.is_some() && tp > 1).then_some(if whole { 1 } else { tp }),
         ..Default::default()
     };
-    if tp > gpus_per_node {
-        notes.push(format!("tp={tp} spans nodes"));
+    // dp as published (or derived), for the grad_accum cross-check below.
+    let mut dp_known = None;
+    if let Some(tp) = tp_pub {
+        let dp_pub = match par.dp {
+            Some(d) if d > 0 => d,
+            _ => {
+                let inner = tp as u64 * pp as u64 * cp as u64;
+                if hw.num_gpus % inner != 0 {
+                    return skip("dp not published and num_gpus / (tp*pp*cp) is not whole".into());
+                }
+                notes.push("dp not published: num_gpus / (tp*pp*cp)".into());
+                (hw.num_gpus / inner) as u32
+            }
+        };
+        // Expert TP: the run's `etp` when stated, else the convention.
+        let whole_pref = run.model.moe.is_some()
+            && tp > 1
+            && match par.etp {
+                Some(e) if e > 0 => e == 1,
+                _ => conv.whole_experts,
+            };
+        let Some((ep, dp, whole, mesh_note)) =
+            mesh_from_published(tp, dp_pub, ep_pub, whole_pref)
+        else {
+            return skip(format!(
+                "ep={ep_pub} fits neither dp={dp_pub} nor dp*tp={}: mesh not representable",
+                dp_pub as u64 * tp as u64
+            ));
+        };
+        notes.extend(mesh_note);
+        let world = Mesh::from_degrees(tp, cp, ep, dp, pp, gpus_per_node).world() as u64;
+        if world != hw.num_gpus {
+            return skip(format!(
+                "tp*pp*cp*dp = {world} but the run used {} GPUs (spares or a different mesh)",
+                hw.num_gpus
+            ));
+        }
+        pins.tp = Some(tp);
+        pins.dp = Some(dp);
+        pins.ep = Some(ep);
+        pins.allow_tp_across_nodes = tp > gpus_per_node;
+        // Whole experts, or split over tp: pinned either way so the planner keeps the
+        // run's choice.
+        pins.expert_tp =
+            (run.model.moe.is_some() && tp > 1).then_some(if whole { 1 } else { tp });
+        if tp > gpus_per_node {
+            notes.push(format!("tp={tp} spans nodes"));
+        }
+        dp_known = Some(dp_pub);
+    } else {
+        pins.ep = Some(1);
     }
+    // With tp left open, a global batch that none of the data-parallel degrees the GPUs
+    // allow can split (tp up to a node, dividing the heads) cannot be what ran: it is a
+    // rounded figure. Use the nearest multiple of the smallest such degree.
+    let mut global_batch = par.global_batch_size_seqs;
+    if tp_pub.is_none() {
+        let n = hw.num_gpus / (pp as u64 * cp as u64);
+        let dps: Vec<u64> = (1..=gpus_per_node as u64)
+            .filter(|t| n % t == 0 && m.num_attention_heads as u64 % t == 0)
+            .map(|t| n / t)
+            .collect();
+        if !dps.is_empty() && !dps.iter().any(|d| global_batch % d == 0) {
+            let d = *dps.iter().min().expect("non-empty");
+            let lo = (global_batch / d).max(1) * d;
+            let hi = lo + d;
+            let near = if global_batch - lo.min(global_batch) <= hi - global_batch { lo } else { hi };
+            notes.push(format!(
+                "global batch {global_batch} splits over none of the data-parallel degrees {n} GPUs allow: {near}, the nearest multiple of dp={d}"
+            ));
+            global_batch = near;
+        }
+    }
+    // A published pp that does not divide the layers says the run split unevenly.
+    pins.even_pipeline_chunks = conv.even_pipeline_chunks && run.model.num_layers % pp == 0;
     let schedule_text = par
         .pipeline_schedule
         .as_deref()
@@ -957,7 +1003,9 @@ pub fn setup_run_in(
         None => {}
     }
     match par.sequence_parallel {
-        Some(true) if tp == 1 => notes.push("sequence_parallel with tp=1 ignored".into()),
+        Some(true) if tp_pub == Some(1) => {
+            notes.push("sequence_parallel with tp=1 ignored".into())
+        }
         Some(sp) => pins.sequence_parallel = Some(sp),
         None => {}
     }
@@ -988,7 +1036,7 @@ pub fn setup_run_in(
             ));
         }
     }
-    if let (Some(ga), Some(mb)) = (par.grad_accum_steps, pins.micro_batch) {
+    if let (Some(ga), Some(mb), Some(dp_pub)) = (par.grad_accum_steps, pins.micro_batch, dp_known) {
         let per = mb as u64 * dp_pub as u64;
         if per == 0 || ga * per != par.global_batch_size_seqs {
             notes.push(format!(
@@ -1028,7 +1076,7 @@ pub fn setup_run_in(
             parallelism: pins,
             precision,
             batch: BatchSpec {
-                global_batch: par.global_batch_size_seqs,
+                global_batch,
                 grad_accum: None,
                 token_budget: None,
             },
