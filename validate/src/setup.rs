@@ -184,6 +184,8 @@ pub struct Conventions {
     pub torch_compile: bool,
     /// Pipeline chunks must hold equal layer counts (the spec's `even_pipeline_chunks`).
     pub even_pipeline_chunks: bool,
+    /// The interleaved schedule needs pp > 2 (an unpublished vpp at pp 2 is 1).
+    pub interleave_needs_pp_over_2: bool,
 }
 
 /// The conventions of a run, from its framework, year, activation wording and notes.
@@ -217,7 +219,9 @@ pub struct Conventions {
 ///   over pp x vpp chunks (Megatron asserted `num_layers % pp == 0` and whole layers per
 ///   virtual stage until uneven first/last stages came in late 2024 and
 ///   `--pipeline-model-parallel-layout` in 2025), so an unpublished vpp is chosen among
-///   those; other frameworks and later years may split unevenly.
+///   those; other frameworks and later years may split unevenly. Up to 2023 Megatron also
+///   refused the interleaved schedule at pp = 2 (the assertion went in mid-2024), so an
+///   unpublished vpp at pp = 2 is 1.
 /// - **torch.compile** (torchtitan runs): the run's fields name `torch.compile` or
 ///   `compile` and do not say `no torch.compile`, `without compile` or `eager`; else
 ///   torchtitan's default, eager kernels.
@@ -300,6 +304,7 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     .any(|w| text.contains(w));
     let torch_compile = ctx.framework == Some(Framework::Torchtitan) && says_compile && !says_eager;
     let even_pipeline_chunks = megatron_family && ctx.year.is_some_and(|y| y <= 2024);
+    let interleave_needs_pp_over_2 = megatron_family && ctx.year.is_some_and(|y| y <= 2023);
     Conventions {
         gpt_style,
         flash_attention,
@@ -312,6 +317,7 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
         whole_experts: modern_moe_recipe,
         torch_compile,
         even_pipeline_chunks,
+        interleave_needs_pp_over_2,
     }
 }
 
@@ -999,6 +1005,13 @@ pub fn setup_run_in(
         {
             pins.vpp = Some(1);
             pins.schedule = Some(Schedule::OneFOneB);
+        }
+        None if pp == 2 && conv.interleave_needs_pp_over_2 => {
+            pins.vpp = Some(1);
+            pins.schedule = Some(Schedule::OneFOneB);
+            notes.push(
+                "pp=2: this Megatron interleaved only with pp > 2 (\"pipeline-model-parallel size should be greater than 2 with interleaved schedule\"): vpp 1".into(),
+            );
         }
         None => {}
     }

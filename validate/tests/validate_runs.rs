@@ -660,6 +660,14 @@ fn conventions_from_the_runs_own_fields() {
     let s119 = setup_run(run(&f, "mcore_h100_weak_119B")).unwrap();
     assert!(s119.spec.job.parallelism.even_pipeline_chunks);
     assert_eq!(s119.spec.job.model.num_layers % 4, 0);
+    // Megatron up to 2023 interleaved only with pp > 2: the 2021 39.1B run at pp 2 (vpp
+    // unpublished) runs plain 1F1B; the 2024 Megatron-Core run at pp 2 may interleave.
+    let s39 = setup_run(run(&f, "narayanan21_t1_39.1B")).unwrap();
+    assert_eq!(s39.spec.job.parallelism.pp, Some(2));
+    assert_eq!(s39.spec.job.parallelism.vpp, Some(1));
+    let s70 = setup_run(run(&f, "mcore_h100_weak_70B")).unwrap();
+    assert_eq!(s70.spec.job.parallelism.pp, Some(2));
+    assert_eq!(s70.spec.job.parallelism.vpp, None);
 }
 
 /// A runs file whose ids, sources and GPU strings validate has never seen is scored: GPU
