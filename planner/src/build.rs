@@ -70,7 +70,8 @@ pub fn evaluate_refined_with(
 ) -> (Evaluation, Option<Vec<u32>>) {
     let lc = LayerCosts::for_layout(job, layout);
     let balanced = evaluate(job, &lc, layout, Split::Balanced, true);
-    if !refine || layout.pp <= 1 || layout.vpp > 1 {
+    // `even_pipeline_chunks`: the framework runs only the even split.
+    if !refine || layout.pp <= 1 || layout.vpp > 1 || job.pinned.even_pipeline_chunks {
         return (balanced, None);
     }
     let Some(counts) = refine_split(job, &lc, layout, &balanced, how) else {
