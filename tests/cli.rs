@@ -132,8 +132,9 @@ fn json_spec_accepted() {
     assert!(out.contains("\"schema_version\": \"2\""), "{out}");
 }
 
-/// A runs file with only the runs `validate` cannot represent (OPT, PaLM): nothing is
-/// scored, which is an error that lists each run with its reason, and no profile is written.
+/// A runs file with only runs `validate` cannot compare (PaLM on TPUs, and OPT without its
+/// TFLOP/s figure): nothing is scored, which is an error that lists each run with its
+/// reason, and no profile is written.
 #[test]
 fn nothing_scored_is_an_error() {
     let text = std::fs::read_to_string(root().join("data/published-runs.json")).unwrap();
@@ -143,6 +144,11 @@ fn nothing_scored_is_an_error() {
         let id = r["id"].as_str().unwrap();
         id.starts_with("opt") || id.starts_with("palm")
     });
+    for r in runs.iter_mut() {
+        if r["id"].as_str().unwrap().starts_with("opt") {
+            r["result"]["tflops_per_gpu"] = serde_json::Value::Null;
+        }
+    }
     let ids: Vec<String> = runs
         .iter()
         .map(|r| r["id"].as_str().unwrap().to_string())
