@@ -334,9 +334,12 @@ impl Ctx<'_> {
             flash: m.flash_attention,
         };
         let bwd = e.pass == Pass::Bwd;
+        let cp = self.shape.cp;
+        // The kernels' rate at their length (`crate::attention`): forward / backward.
+        let rate = |b: bool| self.attn_rate * crate::attention::shape_factor(m, cp, b);
         if m.flash_attention {
             let f = if bwd { 2.5 * core_fwd } else { core_fwd };
-            e.push("attention_core", kind, f, 0.0, f / self.attn_rate);
+            e.push("attention_core", kind, f, 0.0, f / rate(bwd));
         } else {
             // Unfused: QK^T and AV as batched GEMMs with inner dimension head_dim over the
             // full s x s square (the mask skips no work), backward twice the forward GEMM
@@ -370,19 +373,20 @@ impl Ctx<'_> {
         // twice the bytes against 2.5x the work). A step's transfer hides only behind its own
         // block: exposed = (cp - 1) * max(0, t_step - block). Selective recompute reuses the
         // forward's K/V blocks.
-        let cp = self.shape.cp;
         if cp > 1 && (e.pass != Pass::Recompute || self.shape.recompute == Recompute::Full) {
             let link = group_link(job, self.mesh.fabric(GroupKind::Cp));
             let kv_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
             let chunk = 2.0 * self.tokens * kv_local * 2.0;
             let steps = cp as f64 - 1.0;
             let step_t = send_s(chunk, link.gbps, link.latency_s);
-            let block = core_fwd / self.attn_rate / cp as f64;
+            // One block's forward and backward times.
+            let block = core_fwd / rate(false) / cp as f64;
+            let block_bwd = 2.5 * core_fwd / rate(true) / cp as f64;
             let (bytes, time, exposed) = if bwd {
                 (
                     2.0 * steps * chunk,
                     2.0 * steps * step_t,
-                    steps * (2.0 * step_t - 2.5 * block).max(0.0),
+                    steps * (2.0 * step_t - block_bwd).max(0.0),
                 )
             } else {
                 (

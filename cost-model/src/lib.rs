@@ -4,6 +4,7 @@
 //! function of the resolved [`shardwright_spec::Job`] and a [`shardwright_spec::Layout`]; the
 //! only tunable numbers live in [`shardwright_spec::job::Efficiency`] (the hardware profile).
 
+pub mod attention;
 pub mod catalog;
 pub mod collective;
 pub mod eval;

@@ -180,7 +180,11 @@ fn item_memory_adds_up_to_the_rank_memory() {
 /// Ring attention across nodes with a short sequence: each of the cp - 1 steps moves one
 /// K/V chunk (2 x tokens x kv_dim x 2 bytes) over the NIC while one attention block
 /// (core / cp) computes; what the block does not hide is exposed, step by step. Hand
-/// numbers from the catalog's H100 figures and the profile's rates, not from the code.
+/// numbers from the catalog's H100 figures and the profile's rates, not from the code. The
+/// blocks are 8192 / 16 = 512 keys long: the FlashAttention-2 measurement at 512 (309
+/// TFLOP/s forward, 214 backward, against 370 and 322 at 16k; FlashAttention-3 paper,
+/// Fig. 5), on a level that keeps long sequences' forward + 2.5x backward rate at
+/// `attn_eff`: forward multiplier c_f = (1 + 2.5 x 370/322) / 3.5, backward c_f x 322/370.
 #[test]
 fn ring_attention_exposes_what_each_block_cannot_hide() {
     use shardwright_cost::layer::{layer_ops, LayerKind, LayerShape, OpKind, Pass};
@@ -211,10 +215,15 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}
     let gbps = (hw.inter_node_gbps * e.inter_node_bus_eff).min(hw.nvlink_gbps * e.nvlink_bus_eff);
     let step = hw.inter_node_latency_s + chunk / (gbps * 1e9);
     // Causal attention forward per token: 2 s q_dim; the block is 1/cp of the local core.
-    let core = tokens * 2.0 * 8192.0 * 4096.0 / (hw.peak_bf16_flops * e.attn_eff);
+    let c_f = (1.0 + 2.5 * 370.0 / 322.0) / 3.5;
+    let (at_512_fwd, at_512_bwd) = (c_f * 309.0 / 370.0, c_f * 322.0 / 370.0 * 214.0 / 322.0);
+    let core_flops = tokens * 2.0 * 8192.0 * 4096.0;
+    let level = hw.peak_bf16_flops * e.attn_eff;
+    let core = core_flops / (level * at_512_fwd);
     let block = core / cp;
+    let block_bwd = 2.5 * core_flops / (level * at_512_bwd) / cp;
     let fwd_want = (cp - 1.0) * (step - block).max(0.0);
-    let bwd_want = (cp - 1.0) * (2.0 * step - 2.5 * block).max(0.0);
+    let bwd_want = (cp - 1.0) * (2.0 * step - block_bwd).max(0.0);
     let cp_op = |pass| {
         ops.iter()
             .find(|o| {
