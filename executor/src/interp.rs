@@ -1165,6 +1165,18 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     }
 
     fn node(&mut self, n: &Node) -> Result<(), String> {
+        // Module-level selective recompute (Megatron's `recompute_modules` beyond the
+        // attention core, torchtitan's op-level AC): this backend keeps every activation and
+        // its forward is deterministic, so the replays (GEMMs, elementwise ops and their
+        // TP/EP collectives, skipped alike on every rank) would reproduce the kept values
+        // bit for bit; they run as no-ops. The attention core's replay and full recompute
+        // do run, on values dropped first.
+        if n.pass == Pass::Recompute
+            && self.layout.recompute == shardwright_spec::spec::Recompute::Selective
+            && !self.is_selective(n)
+        {
+            return Ok(());
+        }
         match &n.op {
             Op::Alloc { .. } | Op::Free { .. } | Op::Checkpoint { .. } => Ok(()),
             Op::Send { peer, .. } => {

@@ -81,6 +81,43 @@ fn recompute() {
     );
 }
 
+/// Fine-grained selective recompute: Megatron's `recompute_modules` (the MLP and the
+/// norms replayed besides the attention core, or the MLP alone) and torchtitan's op-level
+/// AC lower to replay nodes, and the run trains like the single rank.
+#[test]
+fn recompute_modules_and_op_level_ac() {
+    use shardwright_spec::spec::{Framework, RecomputeModule as R};
+    let tpl = common::template(false, common::LAYERS);
+    let base_plan = common::plan_for(&tpl, common::layout("ga4"));
+    let dims = Dims::from_job(&base_plan.inputs).unwrap();
+    let base = common::run(&base_plan, STEPS);
+    let cases = [
+        ("modules core_attn+mlp+layernorm", vec![R::CoreAttn, R::Mlp, R::Layernorm], Framework::Megatron),
+        ("modules mlp", vec![R::Mlp], Framework::Megatron),
+        ("torchtitan op-level AC", vec![R::CoreAttn], Framework::Torchtitan),
+    ];
+    for (what, mods, fw) in cases {
+        let mut plan = common::plan_for(&tpl, common::layout("tp2,pp2,ga4,rc=selective,sp=on"));
+        plan.inputs.training.recompute_modules = mods;
+        plan.inputs.framework = fw;
+        let lowered = shardwright_lowering::lower(&plan).unwrap();
+        let replays = lowered
+            .program
+            .classes
+            .iter()
+            .flat_map(|c| c.graph.nodes.iter())
+            .filter(|n| {
+                n.pass == shardwright_ir::Pass::Recompute
+                    && matches!(n.op, shardwright_ir::Op::Gemm { .. })
+            })
+            .count();
+        assert!(replays > 0, "{what}: no GEMM replayed");
+        let runs = common::run(&plan, STEPS);
+        let worst = common::compare(what, &dims, &base, &runs, TOL);
+        eprintln!("{what:<40} max relative error {worst:.2e}");
+    }
+}
+
 #[test]
 fn tied_embeddings_single_stage() {
     matrix(true, &["tp2,ga4", "dp2,ga2,zero1"]);

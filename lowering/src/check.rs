@@ -26,7 +26,8 @@ use crate::lower::Lowered;
 use shardwright_cost::flops;
 use shardwright_ir::{CollectiveKind, Op, Pass};
 use shardwright_spec::mesh::GroupKind;
-use shardwright_spec::spec::{Norm, Recompute};
+use shardwright_cost::framework::{mechanisms, SelectiveAc};
+use shardwright_spec::spec::{Norm, Recompute, RecomputeModule};
 use shardwright_spec::Plan;
 use std::fmt;
 
@@ -167,9 +168,48 @@ fn hand_count(l: &Lowered) -> HandCount {
         };
         (layers, head, attn_fwd)
     };
-    let rc = |(layers, _, attn_fwd): (u128, u128, u128)| match lay.recompute {
+    // Selective recompute by hand: Megatron's modules (`core_attn` the attention core,
+    // `mlp` the dense MLP's GEMMs, `moe` router + routed + shared experts, `shared_experts`;
+    // `layernorm` and `moe_act` are memory-bound), or torchtitan's op-level AC on dense
+    // layers: wk (h x kv), wo (q x h) and the MLP's second matmul (h x f) again, no
+    // attention core (MoE layers keep the module semantics).
+    let mods = &l.job.training.recompute_modules;
+    let has = |x: RecomputeModule| mods.contains(&x);
+    let titan = mechanisms(l.job.framework).selective == SelectiveAc::EveryOtherMatmul;
+    let selective = |padded: bool, attn_fwd: u128| -> u128 {
+        let p = |x: u128| if padded { pad(x) } else { x };
+        let f = p(m.ffn_hidden_size as u128);
+        let mut per_token = if titan {
+            dl * 2 * (h * (p(g) * d) + (p(a) * d) * h + h * f)
+        } else if has(RecomputeModule::Mlp) {
+            dl * 2 * mats * h * f
+        } else {
+            0
+        };
+        if let Some(moe) = &m.moe {
+            let sp = lay.sequence_parallel && lay.tp > 1;
+            let router_copies = if padded && !sp { t } else { 1 };
+            let fe = moe.expert_ffn_hidden_size as u128;
+            let fe = if lay.folds_tp_into_ep() { fe } else { p(fe) };
+            let shared =
+                mats * h * p(moe.shared_expert_ffn_hidden_size as u128 * moe.num_shared_experts as u128);
+            let routed = router_copies * h * moe.num_experts as u128 + moe.top_k as u128 * mats * h * fe;
+            if has(RecomputeModule::Moe) {
+                per_token += ml * 2 * (routed + shared);
+            } else if has(RecomputeModule::SharedExperts) {
+                per_token += ml * 2 * shared;
+            }
+        }
+        let core = match (has(RecomputeModule::CoreAttn), titan) {
+            (false, _) => 0,
+            (true, false) => attn_fwd,
+            (true, true) => attn_fwd * ml / m.num_layers.max(1) as u128,
+        };
+        per_token * tokens + core
+    };
+    let rc = |padded: bool, (layers, _, attn_fwd): (u128, u128, u128)| match lay.recompute {
         Recompute::None => 0,
-        Recompute::Selective => attn_fwd,
+        Recompute::Selective => selective(padded, attn_fwd),
         Recompute::Full => 2 * layers * tokens + attn_fwd,
     };
     let model =
@@ -188,8 +228,8 @@ fn hand_count(l: &Lowered) -> HandCount {
     HandCount {
         model: model(exact),
         model_padded: model(padded),
-        recompute: rc(exact),
-        recompute_padded: rc(padded),
+        recompute: rc(false, exact),
+        recompute_padded: rc(true, padded),
         non_matmul_params: m.num_layers as u128 * (norms + biases),
     }
 }
@@ -268,8 +308,12 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
             ),
         });
     }
-    let per_token =
-        flops::hardware_flops_per_token(m, lay.recompute) - flops::model_flops_per_token(m);
+    let per_token = flops::hardware_flops_per_token_framework(
+        m,
+        lay.recompute,
+        &l.job.training.recompute_modules,
+        mechanisms(l.job.framework).selective,
+    ) - flops::model_flops_per_token(m);
     let tokens = l.job.training.global_batch as f64 * m.seq_len as f64;
     let plan_rc = per_token * tokens;
     let convention = if lay.recompute == Recompute::Full {
@@ -631,6 +675,63 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 1}
             (fwd as f64 / want - 1.0).abs() < 1e-9,
             "forward attention FLOPs {fwd} vs {want}"
         );
+    }
+
+    /// Fine-grained selective recompute is lowered: the recompute-pass GEMM FLOPs of all
+    /// ranks are the modules' forward FLOPs, by hand, and the plan verifies. h = 256,
+    /// f = 512 SwiGLU (3 matrices), 8 heads of 32 (4 KV heads), 2 layers, 2 sequences of
+    /// 1024 tokens, tp 2 (every rank runs 1/2 of each GEMM, so the ranks sum to the model):
+    /// - Megatron `recompute_modules: [mlp]`: 2 x 3 h f per token and layer, no attention;
+    /// - torchtitan's op-level AC: wk (h x 128), wo (256 x h), w3 (h x f): 2 x (h 128 +
+    ///   256 h + h f) per token and layer, no attention core.
+    #[test]
+    fn recompute_modules_lower_their_gemms() {
+        let cases = [
+            ("  recompute_modules: [mlp]\n", 2.0 * 3.0 * 256.0 * 512.0),
+            (
+                "  framework: torchtitan\n",
+                2.0 * (256.0 * 128.0 + 256.0 * 256.0 + 256.0 * 512.0),
+            ),
+        ];
+        for (extra, per_token_layer) in cases {
+            let text = format!(
+                "job:
+  model: {{arch: dense, num_layers: 2, hidden_size: 256, num_attention_heads: 8,
+          num_kv_heads: 4, ffn_hidden_size: 512, ffn_activation: swiglu, vocab_size: 1024,
+          seq_len: 1024}}
+  parallelism: {{tp: 2, pp: 1, dp: 1, micro_batch: 1, recompute: selective, sequence_parallel: true}}
+  batch: {{global_batch: 2}}
+{extra}cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 2}}
+"
+            );
+            let spec = parse_spec(&text, Format::Yaml).expect("spec parses");
+            let r = resolve(&spec, &ResolveOptions::default()).expect("resolves");
+            let p =
+                plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).expect("plans");
+            let l = crate::lower(&p).unwrap();
+            let (report, errs) = check(&l, &p);
+            assert!(errs.is_empty(), "{extra}: {errs:?}");
+            let want = per_token_layer * 2.0 * 2048.0;
+            let gemm: u64 = l
+                .program
+                .classes
+                .iter()
+                .map(|c| {
+                    c.ranks.len() as u64
+                        * c.graph
+                            .nodes
+                            .iter()
+                            .filter(|n| n.pass == Pass::Recompute && matches!(n.op, Op::Gemm { .. }))
+                            .filter_map(|n| n.op.work().map(|w| w.flops))
+                            .sum::<u64>()
+                })
+                .sum();
+            assert!(
+                (gemm as f64 / want - 1.0).abs() < 1e-9,
+                "{extra}: recompute GEMM FLOPs {gemm} vs {want}"
+            );
+            assert!((report.recompute_flops as f64 / want - 1.0).abs() < 1e-9, "{extra}");
+        }
     }
 
     /// The MoE named collectives carry their tensor's exact bytes (derived by hand here),

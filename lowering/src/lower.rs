@@ -52,7 +52,7 @@ use shardwright_ir::{
 };
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
-use shardwright_spec::spec::{Norm, Recompute, Schedule};
+use shardwright_spec::spec::{Norm, Recompute, RecomputeModule, Schedule};
 use shardwright_spec::{Layout, Plan};
 use std::collections::BTreeMap;
 
@@ -947,6 +947,108 @@ impl<'a> Ctx<'a> {
         );
     }
 
+    /// Selective recompute of `layer` as the cost model charges it: torchtitan's op-level
+    /// policy on a dense layer (`true`), else Megatron's modules; `None` without selective.
+    fn selective_policy(&self, layer: u32) -> Option<(bool, &[RecomputeModule])> {
+        if self.layout.recompute != Recompute::Selective {
+            return None;
+        }
+        let titan = !self.is_moe_layer(layer)
+            && shardwright_cost::framework::mechanisms(self.job.framework).selective
+                == shardwright_cost::framework::SelectiveAc::EveryOtherMatmul;
+        Some((titan, &self.job.training.recompute_modules))
+    }
+
+    /// Whether Megatron-style selective recompute of `layer` reruns module `m`.
+    fn recomputes(&self, layer: u32, m: RecomputeModule) -> bool {
+        matches!(self.selective_policy(layer), Some((false, mods)) if mods.contains(&m))
+    }
+
+    /// torchtitan's op-level selective AC on `layer`.
+    fn titan_sac(&self, layer: u32) -> bool {
+        matches!(self.selective_policy(layer), Some((true, _)))
+    }
+
+    /// Before the backward of a block: the norm again when its output was not kept
+    /// (Megatron's `layernorm` module, torchtitan's op-level AC).
+    fn norm_recompute(&self, b: &mut Builder, layer: u32, mb: u32) {
+        if self.recomputes(layer, RecomputeModule::Layernorm) || self.titan_sac(layer) {
+            let d = self.dims();
+            b.compute(Pass::Recompute, Some(mb), Some(layer), norm(d.ts, d.h));
+        }
+    }
+
+    /// Before the MLP block's backward: the forward ops of the recomputed modules, in
+    /// forward order (the cost model's `recomputed` list, and torchtitan's every other
+    /// matmul: w3 for a gated MLP, else FC2, with the activation and the TP gather).
+    fn mlp_recompute(&self, b: &mut Builder, layer: u32, mb: u32, gs: &[G]) {
+        let d = self.dims();
+        let (mbo, lo) = (Some(mb), Some(layer));
+        let rc = Pass::Recompute;
+        let block_tp = self.block_tp(layer);
+        if self.titan_sac(layer) {
+            if block_tp {
+                self.tp_gather(b, rc, mbo, lo);
+            }
+            let g = if d.mats > 2 {
+                G {
+                    name: "fc1_up",
+                    m: d.t,
+                    n: d.f,
+                    k: d.h,
+                }
+            } else {
+                gs[1].clone()
+            };
+            let weight = Some(format!(
+                "L{layer}.{}",
+                if d.mats > 2 { "fc1" } else { "fc2" }
+            ));
+            b.compute(rc, mbo, lo, gemm(g.name, g.m, g.n, g.k, d.w, weight));
+            b.compute(rc, mbo, lo, ew(ElementwiseKind::Activation, d.t * d.f, 6));
+            return;
+        }
+        if !self.is_moe_layer(layer) {
+            if self.recomputes(layer, RecomputeModule::Mlp) {
+                if block_tp {
+                    self.tp_gather(b, rc, mbo, lo);
+                }
+                self.mlp_fwd(b, rc, mb, layer, &gs[0], &gs[1]);
+            }
+            return;
+        }
+        let moe = self.job.model.moe.as_ref().expect("moe");
+        let routed = d.ts * moe.top_k as u64 * d.h;
+        if self.recomputes(layer, RecomputeModule::Moe) {
+            if block_tp {
+                self.tp_gather(b, rc, mbo, lo);
+            }
+            self.gemm_fwd(b, rc, mb, layer, &gs[0]);
+            b.compute(rc, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+            self.ep_a2a(b, rc, mbo, lo, routed * d.w.bytes());
+            self.moe_expert_tp(b, rc, mb, layer, CollectiveKind::AllGather);
+            self.mlp_fwd(b, rc, mb, layer, &gs[1], &gs[2]);
+            self.moe_expert_tp(b, rc, mb, layer, CollectiveKind::ReduceScatter);
+            self.ep_a2a(b, rc, mbo, lo, routed * d.w.bytes());
+            b.compute(rc, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+            if gs.len() > 3 {
+                self.mlp_fwd(b, rc, mb, layer, &gs[3], &gs[4]);
+            }
+            return;
+        }
+        if self.recomputes(layer, RecomputeModule::MoeAct) {
+            b.compute(
+                rc,
+                mbo,
+                lo,
+                ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 6),
+            );
+        }
+        if gs.len() > 3 && self.recomputes(layer, RecomputeModule::SharedExperts) {
+            self.mlp_fwd(b, rc, mb, layer, &gs[3], &gs[4]);
+        }
+    }
+
     fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
         let d = self.dims();
         let (mbo, lo) = (Some(mb), Some(layer));
@@ -957,10 +1059,12 @@ impl<'a> Ctx<'a> {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
         }
         let block_tp = self.block_tp(layer);
+        let gs = self.mlp_gemms(layer, &d);
+        self.norm_recompute(b, layer, mb);
+        self.mlp_recompute(b, layer, mb, &gs);
         if block_tp {
             self.tp_gather(b, pass, mbo, lo);
         }
-        let gs = self.mlp_gemms(layer, &d);
         if self.is_moe_layer(layer) {
             let moe = self.job.model.moe.as_ref().expect("moe");
             let routed = d.ts * moe.top_k as u64 * d.h;
@@ -994,8 +1098,33 @@ impl<'a> Ctx<'a> {
             n: d.h,
             k: d.heads * d.d,
         };
+        self.norm_recompute(b, layer, mb);
+        if self.titan_sac(layer) {
+            // torchtitan's op-level AC reruns wk (and the rotary on K) and wo; the SDPA
+            // output is kept.
+            let rc = Pass::Recompute;
+            self.tp_gather(b, rc, mbo, lo);
+            b.compute(
+                rc,
+                mbo,
+                lo,
+                gemm("k_proj", d.t, d.kv_heads * d.d, d.h, d.w, wname("qkv")),
+            );
+            b.compute(
+                rc,
+                mbo,
+                lo,
+                ew(ElementwiseKind::Rope, d.t * d.kv_heads * d.d, 4),
+            );
+            b.compute(
+                rc,
+                mbo,
+                lo,
+                gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")),
+            );
+        }
         self.gemm_bwd(b, lo, mb, &proj, wname("proj"));
-        if self.layout.recompute == Recompute::Selective {
+        if self.recomputes(layer, RecomputeModule::CoreAttn) {
             b.compute(
                 Pass::Recompute,
                 mbo,
