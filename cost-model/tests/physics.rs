@@ -117,7 +117,8 @@ fn legacy_dp_reduction_is_fully_exposed() {
     let (h, f, v) = (4096.0_f64, 11008.0, 32000.0);
     let params = 8.0 * (4.0 * h * h + 3.0 * h * f + 2.0 * h) + 2.0 * v * h + h;
     let hw = &j.hardware;
-    let ring = 2.0 * 7.0 / 8.0 * 2.0 * params / (hw.nvlink_gbps * 1e9 * j.efficiency.nvlink_bus_eff)
+    let ring = 2.0 * 7.0 / 8.0 * 2.0 * params
+        / (hw.nvlink_gbps * 1e9 * j.efficiency.nvlink_bus_eff)
         + 2.0 * 7.0 * hw.nvlink_latency_s;
     assert!(
         (off.dp_comm_total_s / ring - 1.0).abs() < 1e-6,

@@ -92,9 +92,17 @@ fn recompute_modules_and_op_level_ac() {
     let dims = Dims::from_job(&base_plan.inputs).unwrap();
     let base = common::run(&base_plan, STEPS);
     let cases = [
-        ("modules core_attn+mlp+layernorm", vec![R::CoreAttn, R::Mlp, R::Layernorm], Framework::Megatron),
+        (
+            "modules core_attn+mlp+layernorm",
+            vec![R::CoreAttn, R::Mlp, R::Layernorm],
+            Framework::Megatron,
+        ),
         ("modules mlp", vec![R::Mlp], Framework::Megatron),
-        ("torchtitan op-level AC", vec![R::CoreAttn], Framework::Torchtitan),
+        (
+            "torchtitan op-level AC",
+            vec![R::CoreAttn],
+            Framework::Torchtitan,
+        ),
     ];
     for (what, mods, fw) in cases {
         let mut plan = common::plan_for(&tpl, common::layout("tp2,pp2,ga4,rc=selective,sp=on"));

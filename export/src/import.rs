@@ -889,7 +889,10 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
     }
     // ZeRO's overlap_comm: DeepSpeed's default is off for stages 1 and 2 (gradients reduced
     // at the accumulation boundary, after the backward) and on for stage 3.
-    let overlap_comm = match obj.get("zero_optimization").and_then(|z| z.get("overlap_comm")) {
+    let overlap_comm = match obj
+        .get("zero_optimization")
+        .and_then(|z| z.get("overlap_comm"))
+    {
         None => None,
         Some(Value::Bool(b)) => Some(*b),
         Some(x) => {

@@ -24,9 +24,9 @@
 
 use crate::lower::Lowered;
 use shardwright_cost::flops;
+use shardwright_cost::framework::{mechanisms, SelectiveAc};
 use shardwright_ir::{CollectiveKind, Op, Pass};
 use shardwright_spec::mesh::GroupKind;
-use shardwright_cost::framework::{mechanisms, SelectiveAc};
 use shardwright_spec::spec::{Norm, Recompute, RecomputeModule};
 use shardwright_spec::Plan;
 use std::fmt;
@@ -191,9 +191,11 @@ fn hand_count(l: &Lowered) -> HandCount {
             let router_copies = if padded && !sp { t } else { 1 };
             let fe = moe.expert_ffn_hidden_size as u128;
             let fe = if lay.folds_tp_into_ep() { fe } else { p(fe) };
-            let shared =
-                mats * h * p(moe.shared_expert_ffn_hidden_size as u128 * moe.num_shared_experts as u128);
-            let routed = router_copies * h * moe.num_experts as u128 + moe.top_k as u128 * mats * h * fe;
+            let shared = mats
+                * h
+                * p(moe.shared_expert_ffn_hidden_size as u128 * moe.num_shared_experts as u128);
+            let routed =
+                router_copies * h * moe.num_experts as u128 + moe.top_k as u128 * mats * h * fe;
             if has(RecomputeModule::Moe) {
                 per_token += ml * 2 * (routed + shared);
             } else if has(RecomputeModule::SharedExperts) {
@@ -721,7 +723,9 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 1}
                         * c.graph
                             .nodes
                             .iter()
-                            .filter(|n| n.pass == Pass::Recompute && matches!(n.op, Op::Gemm { .. }))
+                            .filter(|n| {
+                                n.pass == Pass::Recompute && matches!(n.op, Op::Gemm { .. })
+                            })
                             .filter_map(|n| n.op.work().map(|w| w.flops))
                             .sum::<u64>()
                 })
@@ -730,7 +734,10 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 1}
                 (gemm as f64 / want - 1.0).abs() < 1e-9,
                 "{extra}: recompute GEMM FLOPs {gemm} vs {want}"
             );
-            assert!((report.recompute_flops as f64 / want - 1.0).abs() < 1e-9, "{extra}");
+            assert!(
+                (report.recompute_flops as f64 / want - 1.0).abs() < 1e-9,
+                "{extra}"
+            );
         }
     }
 

@@ -744,20 +744,7 @@ impl<'a> Ctx<'a> {
         }
         let gs = self.mlp_gemms(layer, &d);
         if self.is_moe_layer(layer) {
-            let moe = self.job.model.moe.as_ref().expect("moe");
-            let routed = d.ts * moe.top_k as u64 * d.h;
-            self.gemm_fwd(b, pass, mb, layer, &gs[0]);
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-            self.moe_stats(b, pass, mb, layer);
-            self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-            self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
-            self.mlp_fwd(b, pass, mb, layer, &gs[1], &gs[2]);
-            self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
-            self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-            if gs.len() > 3 {
-                self.mlp_fwd(b, pass, mb, layer, &gs[3], &gs[4]);
-            }
+            self.moe_block_fwd(b, pass, mb, layer, &gs, true);
         } else {
             self.mlp_fwd(b, pass, mb, layer, &gs[0], &gs[1]);
         }
@@ -767,6 +754,37 @@ impl<'a> Ctx<'a> {
         b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
         if self.job.model.dropout {
             b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
+        }
+    }
+
+    /// The MoE block's forward (or replay): router, permutation, dispatch, experts,
+    /// combine, shared experts; the routing statistics only in the forward (`stats`).
+    fn moe_block_fwd(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        mb: u32,
+        layer: u32,
+        gs: &[G],
+        stats: bool,
+    ) {
+        let d = self.dims();
+        let (mbo, lo) = (Some(mb), Some(layer));
+        let moe = self.job.model.moe.as_ref().expect("moe");
+        let routed = d.ts * moe.top_k as u64 * d.h;
+        self.gemm_fwd(b, pass, mb, layer, &gs[0]);
+        b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+        if stats {
+            self.moe_stats(b, pass, mb, layer);
+        }
+        self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+        self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
+        self.mlp_fwd(b, pass, mb, layer, &gs[1], &gs[2]);
+        self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
+        self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+        b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+        if gs.len() > 3 {
+            self.mlp_fwd(b, pass, mb, layer, &gs[3], &gs[4]);
         }
     }
 
@@ -1017,23 +1035,11 @@ impl<'a> Ctx<'a> {
             }
             return;
         }
-        let moe = self.job.model.moe.as_ref().expect("moe");
-        let routed = d.ts * moe.top_k as u64 * d.h;
         if self.recomputes(layer, RecomputeModule::Moe) {
             if block_tp {
                 self.tp_gather(b, rc, mbo, lo);
             }
-            self.gemm_fwd(b, rc, mb, layer, &gs[0]);
-            b.compute(rc, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-            self.ep_a2a(b, rc, mbo, lo, routed * d.w.bytes());
-            self.moe_expert_tp(b, rc, mb, layer, CollectiveKind::AllGather);
-            self.mlp_fwd(b, rc, mb, layer, &gs[1], &gs[2]);
-            self.moe_expert_tp(b, rc, mb, layer, CollectiveKind::ReduceScatter);
-            self.ep_a2a(b, rc, mbo, lo, routed * d.w.bytes());
-            b.compute(rc, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-            if gs.len() > 3 {
-                self.mlp_fwd(b, rc, mb, layer, &gs[3], &gs[4]);
-            }
+            self.moe_block_fwd(b, rc, mb, layer, gs, false);
             return;
         }
         if self.recomputes(layer, RecomputeModule::MoeAct) {

@@ -918,8 +918,7 @@ pub fn setup_run_in(
                 Some(e) if e > 0 => e == 1,
                 _ => conv.whole_experts,
             };
-        let Some((ep, dp, whole, mesh_note)) =
-            mesh_from_published(tp, dp_pub, ep_pub, whole_pref)
+        let Some((ep, dp, whole, mesh_note)) = mesh_from_published(tp, dp_pub, ep_pub, whole_pref)
         else {
             return skip(format!(
                 "ep={ep_pub} fits neither dp={dp_pub} nor dp*tp={}: mesh not representable",
@@ -940,8 +939,7 @@ pub fn setup_run_in(
         pins.allow_tp_across_nodes = tp > gpus_per_node;
         // Whole experts, or split over tp: pinned either way so the planner keeps the
         // run's choice.
-        pins.expert_tp =
-            (run.model.moe.is_some() && tp > 1).then_some(if whole { 1 } else { tp });
+        pins.expert_tp = (run.model.moe.is_some() && tp > 1).then_some(if whole { 1 } else { tp });
         if tp > gpus_per_node {
             notes.push(format!("tp={tp} spans nodes"));
         }
@@ -963,7 +961,11 @@ pub fn setup_run_in(
             let d = *dps.iter().min().expect("non-empty");
             let lo = (global_batch / d).max(1) * d;
             let hi = lo + d;
-            let near = if global_batch - lo.min(global_batch) <= hi - global_batch { lo } else { hi };
+            let near = if global_batch - lo.min(global_batch) <= hi - global_batch {
+                lo
+            } else {
+                hi
+            };
             notes.push(format!(
                 "global batch {global_batch} splits over none of the data-parallel degrees {n} GPUs allow: {near}, the nearest multiple of dp={d}"
             ));
@@ -1016,9 +1018,7 @@ pub fn setup_run_in(
         None => {}
     }
     match par.sequence_parallel {
-        Some(true) if tp_pub == Some(1) => {
-            notes.push("sequence_parallel with tp=1 ignored".into())
-        }
+        Some(true) if tp_pub == Some(1) => notes.push("sequence_parallel with tp=1 ignored".into()),
         Some(sp) => pins.sequence_parallel = Some(sp),
         None => {}
     }

@@ -92,7 +92,11 @@ fn every_run_is_a_row_or_a_skip_with_a_reason() {
     // Only the TPU run cannot be compared. OPT (tp not published, an 'up to' TFLOP/s
     // figure with no stated FLOP count) is a row the summaries do not count; under model
     // FLOPs its peak is above the predicted average.
-    let opt = report.rows.iter().find(|r| r.id == "opt_175b_992gpu").unwrap();
+    let opt = report
+        .rows
+        .iter()
+        .find(|r| r.id == "opt_175b_992gpu")
+        .unwrap();
     assert!(opt.uncounted.as_deref().unwrap().contains("up to"));
     assert!(opt.error_pct < 0.0, "{opt:?}");
     assert_eq!(report.summary.n, report.rows.len() - 1);
