@@ -348,7 +348,21 @@ fn interrupting_the_launcher_stops_every_rank() {
         err.contains("launch: interrupted; every rank was stopped"),
         "{err}"
     );
-    assert_eq!(err.matches("killed by the launcher").count(), 4, "{err}");
+    // The hung rank is always the launcher's to kill. The others are blocked on it and
+    // killed too, except when they already failed on their own (seen once under load on 2
+    // cores: ranks 1-3 reported rank 0's connection closed and exited with code 1 before the
+    // interrupt); either way every rank is accounted for and none is left running.
+    assert!(err.contains("rank 0: killed by the launcher"), "{err}");
+    for r in 1..4 {
+        let line = err
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("rank {r}: ")))
+            .unwrap_or_else(|| panic!("rank {r} not reported: {err}"));
+        assert!(
+            line.contains("killed by the launcher") || line.contains("exited with code"),
+            "{line}"
+        );
+    }
     none_left(&err);
 }
 
