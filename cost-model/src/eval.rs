@@ -276,10 +276,7 @@ impl LayerCosts {
             (dense_act, moe_act)
         };
         // torchtitan's op-level policy replaces the module semantics on dense blocks.
-        let dense_act = if rc == Recompute::Selective
-            && framework::mechanisms(job.framework).selective
-                == framework::SelectiveAc::EveryOtherMatmul
-        {
+        let dense_act = if rc == Recompute::Selective && framework::op_level_ac(job.framework) {
             memory::every_other_matmul_activation_bytes(m, tokens, t, sp)
         } else {
             dense_act

@@ -90,6 +90,12 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
     }
 }
 
+/// Whether `recompute: selective` means torchtitan's op-level policy under framework `f`
+/// (on dense blocks; MoE blocks keep the module semantics).
+pub fn op_level_ac(f: Framework) -> bool {
+    mechanisms(f).selective == SelectiveAc::EveryOtherMatmul
+}
+
 /// Whether a job's block elementwise ops run as separate eager PyTorch kernels: torchtitan
 /// without torch.compile. Megatron, NeMo and DeepSpeed use fused kernels (Apex/TE norms,
 /// fused rotary, bias-activation and bias-dropout-add fusions).

@@ -692,11 +692,7 @@ pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -
                 // the TP all-gathers (their outputs are not kept) and every other matmul
                 // in forward order: wk, wo, and the MLP's second (gated: w3, the up half of
                 // FC1; else FC2).
-                Recompute::Selective
-                    if !moe
-                        && crate::framework::mechanisms(job.framework).selective
-                            == crate::framework::SelectiveAc::EveryOtherMatmul =>
-                {
+                Recompute::Selective if !moe && crate::framework::op_level_ac(job.framework) => {
                     let mut again = Vec::with_capacity(32);
                     cx.layer_pass(
                         &mut Emit {

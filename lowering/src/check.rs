@@ -24,7 +24,7 @@
 
 use crate::lower::Lowered;
 use shardwright_cost::flops;
-use shardwright_cost::framework::{mechanisms, SelectiveAc};
+use shardwright_cost::framework::{mechanisms, op_level_ac};
 use shardwright_ir::{CollectiveKind, Op, Pass};
 use shardwright_spec::mesh::GroupKind;
 use shardwright_spec::spec::{Norm, Recompute, RecomputeModule};
@@ -175,7 +175,7 @@ fn hand_count(l: &Lowered) -> HandCount {
     // attention core (MoE layers keep the module semantics).
     let mods = &l.job.training.recompute_modules;
     let has = |x: RecomputeModule| mods.contains(&x);
-    let titan = mechanisms(l.job.framework).selective == SelectiveAc::EveryOtherMatmul;
+    let titan = op_level_ac(l.job.framework);
     let selective = |padded: bool, attn_fwd: u128| -> u128 {
         let p = |x: u128| if padded { pad(x) } else { x };
         let f = p(m.ffn_hidden_size as u128);

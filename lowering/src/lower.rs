@@ -972,8 +972,7 @@ impl<'a> Ctx<'a> {
             return None;
         }
         let titan = !self.is_moe_layer(layer)
-            && shardwright_cost::framework::mechanisms(self.job.framework).selective
-                == shardwright_cost::framework::SelectiveAc::EveryOtherMatmul;
+            && shardwright_cost::framework::op_level_ac(self.job.framework);
         Some((titan, &self.job.training.recompute_modules))
     }
 
