@@ -292,7 +292,8 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
     } else {
         MoeDispatcher::Alltoall
     };
-    let says_compile = text.contains("torch.compile") || text.contains("compile");
+    // "compile" also covers "torch.compile".
+    let says_compile = text.contains("compile");
     let says_eager = [
         "no torch.compile",
         "without torch.compile",
@@ -959,12 +960,12 @@ pub fn setup_run_in(
             .collect();
         if !dps.is_empty() && !dps.iter().any(|d| global_batch % d == 0) {
             let d = *dps.iter().min().expect("non-empty");
-            let lo = (global_batch / d).max(1) * d;
-            let hi = lo + d;
-            let near = if global_batch - lo.min(global_batch) <= hi - global_batch {
-                lo
+            // The multiple of d below (none when the batch is under d) or above, the nearer.
+            let below = global_batch / d * d;
+            let near = if below > 0 && global_batch - below <= below + d - global_batch {
+                below
             } else {
-                hi
+                below + d
             };
             notes.push(format!(
                 "global batch {global_batch} splits over none of the data-parallel degrees {n} GPUs allow: {near}, the nearest multiple of dp={d}"
