@@ -98,7 +98,11 @@ impl LayerTime {
                     }
                     GroupKind::Ep => lt.ep += op.exposed_s,
                     // Data-parallel and pipeline traffic is per step, not per layer.
-                    GroupKind::Dp | GroupKind::Pp | GroupKind::DenseDp | GroupKind::ExpertDp => {}
+                    GroupKind::Dp
+                    | GroupKind::Pp
+                    | GroupKind::DenseDp
+                    | GroupKind::ExpertDp
+                    | GroupKind::World => {}
                 },
             }
         }

@@ -70,7 +70,7 @@ use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::model::{lr_at, shard, Dims, Split};
-use shardwright_ir::{
+use shardwright_ir::{Axis, 
     CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, ReduceOp, Stream,
 };
 use shardwright_spec::job::Job;
@@ -793,22 +793,23 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     ) -> Result<Self, ExecError> {
         let rank = g.rank;
         check_moe_layout(dims, layout).map_err(ExecError::Model)?;
-        let group = |axis: &str| -> Vec<u32> {
+        // A group of one rank is not declared: the axis has size 1 here.
+        let group = |axis: Axis| -> Vec<u32> {
             program
                 .group_for(rank, axis)
                 .map(|id| program.group(id).ranks.clone())
                 .unwrap_or_else(|| vec![rank])
         };
         let pos = |v: &[u32]| v.iter().position(|&x| x == rank).unwrap_or(0);
-        let tp = group("tp");
-        let cp = group("cp");
+        let tp = group(Axis::Tp);
+        let cp = group(Axis::Cp);
         // The data replica index: the program declares no `dp` group (only dense_dp), so
         // it comes from the mesh convention.
         let mesh = shardwright_spec::mesh::Mesh::new(layout, job.cluster.gpus_per_node);
         let coord = mesh.coord(rank);
-        let dense_dp = group("dense_dp");
-        let ep = group("ep");
-        let expert_dp = group("expert_dp");
+        let dense_dp = group(Axis::DenseDp);
+        let ep = group(Axis::Ep);
+        let expert_dp = group(Axis::ExpertDp);
         let ep_pos = pos(&ep);
         let t = tp.len();
         let tp_pos = pos(&tp);
@@ -1178,7 +1179,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             return Ok(());
         }
         match &n.op {
-            Op::Alloc { .. } | Op::Free { .. } | Op::Checkpoint { .. } => Ok(()),
+            // This interpreter keeps its own activation slots (values are not read yet).
+            Op::Alloc { .. } | Op::Free { .. } | Op::Release | Op::Checkpoint { .. } => Ok(()),
             Op::Send { peer, .. } => {
                 let mb = n.mb.ok_or("send without micro-batch")?;
                 let data = match n.pass {
@@ -2202,15 +2204,16 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     ) -> Result<(), String> {
         use CollectiveKind as K;
         let axis = match &n.op {
-            Op::Collective { group, .. } => self.g.group(*group).map(|g| g.axis.clone()),
+            Op::Collective { group, .. } => self.g.group(*group).map(|g| g.axis),
             _ => None,
-        }
-        .unwrap_or_default();
-        let expert = match axis.as_str() {
-            "dense_dp" => false,
-            "expert_dp" => true,
-            other => return Err(format!("dp-stream collective on a `{other}` group")),
         };
+        let expert = match axis {
+            Some(Axis::DenseDp) => false,
+            Some(Axis::ExpertDp) => true,
+            Some(other) => return Err(format!("dp-stream collective on a `{other}` group")),
+            None => return Err("dp-stream collective on an undeclared group".into()),
+        };
+        let axis = axis.expect("matched above");
         let mine = self.dp_group(expert).0;
         if group != mine.as_slice() {
             return Err(format!(

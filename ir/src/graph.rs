@@ -9,7 +9,8 @@
 //! Everything is an integer: FLOPs, bytes, shapes. No floats, so graphs compare exactly,
 //! print canonically and round-trip through the text form.
 
-use crate::ids::{BufferId, GroupId, NodeId};
+use crate::ids::{BufferId, GroupId, NodeId, ValueId};
+use crate::vocab::Axis;
 use serde::{Deserialize, Serialize};
 
 /// Element type of a tensor or a message.
@@ -124,9 +125,8 @@ impl Fabric {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcessGroup {
     pub id: GroupId,
-    /// Mesh axis (or axis product) the group spans: "tp", "cp", "ep", "dp", "pp",
-    /// "dense_dp", "expert_dp".
-    pub axis: String,
+    /// Mesh axis (or axis product) the group spans.
+    pub axis: Axis,
     /// Index of this group among the groups of its axis.
     pub index: u32,
     /// Member ranks, ascending; a member's position is its rank inside the group.
@@ -199,6 +199,74 @@ pub struct Buffer {
     pub name: String,
     pub kind: BufferKind,
     pub bytes: u64,
+}
+
+/// What a value holds. Parameters, gradients, fp32 master weights and optimizer moments
+/// are the rank's *state*: live before the step and after it, written in place (a node that
+/// updates one lists it among its results). Data (token ids, labels) is the step's input:
+/// live when it starts, never written. Activations are defined by exactly one node, used
+/// after it, and released by a `release` node before the step ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueKind {
+    Param,
+    Grad,
+    Master,
+    /// An AdamW moment (first or second).
+    Moment,
+    /// Token ids, labels, positions read from the data source.
+    Data,
+    Activation,
+}
+
+impl ValueKind {
+    pub const ALL: [ValueKind; 6] = [
+        ValueKind::Param,
+        ValueKind::Grad,
+        ValueKind::Master,
+        ValueKind::Moment,
+        ValueKind::Data,
+        ValueKind::Activation,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            ValueKind::Param => "param",
+            ValueKind::Grad => "grad",
+            ValueKind::Master => "master",
+            ValueKind::Moment => "moment",
+            ValueKind::Data => "data",
+            ValueKind::Activation => "activation",
+        }
+    }
+    /// State persists across steps; the rest lives inside one step.
+    pub fn is_state(self) -> bool {
+        matches!(
+            self,
+            ValueKind::Param | ValueKind::Grad | ValueKind::Master | ValueKind::Moment
+        )
+    }
+}
+
+/// A tensor of the step, declared once per graph: `value %7 activation bf16[8,16] L0.x`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Value {
+    pub id: ValueId,
+    pub kind: ValueKind,
+    pub dtype: DType,
+    /// Dimensions, outermost first (row-major); `[]` is a scalar.
+    pub shape: Vec<u64>,
+    /// What it is, for people and for checkpoints (`L3.qkv` for a parameter shard).
+    pub name: String,
+}
+
+impl Value {
+    /// Number of elements (saturating: a hand-written shape may overflow).
+    pub fn elems(&self) -> u64 {
+        self.shape.iter().fold(1u64, |a, &d| a.saturating_mul(d))
+    }
+    pub fn bytes(&self) -> u64 {
+        self.elems().saturating_mul(self.dtype.bytes())
+    }
 }
 
 /// Collective operations on a process group. `bytes` is always the size of the full
@@ -388,6 +456,9 @@ pub enum Op {
     Free {
         buffer: BufferId,
     },
+    /// The end of its operands' lifetimes: transient values are released here (a backend
+    /// frees or recycles their memory); using one afterwards is an error.
+    Release,
     /// Snapshot of the rank's training state (`bytes`) when `step % every_steps == 0`.
     Checkpoint {
         every_steps: u64,
@@ -424,6 +495,7 @@ impl Op {
             Op::Recv { .. } => "recv",
             Op::Alloc { .. } => "alloc",
             Op::Free { .. } => "free",
+            Op::Release => "release",
             Op::Checkpoint { .. } => "checkpoint",
         }
     }
@@ -448,6 +520,12 @@ pub struct Node {
     pub op: Op,
     /// Nodes that must finish before this one starts (all earlier in program order).
     pub deps: Vec<NodeId>,
+    /// Values the node reads, in the op kind's operand order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub operands: Vec<ValueId>,
+    /// Values the node defines (transient) or writes in place (state).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub results: Vec<ValueId>,
 }
 
 /// The op graph of one rank for one training step.
@@ -459,6 +537,9 @@ pub struct Graph {
     pub groups: Vec<ProcessGroup>,
     /// Buffers referenced by the nodes; `buffers[i].id == BufferId(i)`.
     pub buffers: Vec<Buffer>,
+    /// Values referenced by the nodes; `values[i].id == ValueId(i)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub values: Vec<Value>,
     /// Program order; `nodes[i].id == NodeId(i)`.
     pub nodes: Vec<Node>,
 }
@@ -491,8 +572,40 @@ impl Graph {
             layer,
             op,
             deps,
+            operands: Vec::new(),
+            results: Vec::new(),
         });
         id
+    }
+
+    /// Declare a value; returns its id.
+    pub fn value(
+        &mut self,
+        kind: ValueKind,
+        dtype: DType,
+        shape: Vec<u64>,
+        name: impl Into<String>,
+    ) -> ValueId {
+        let id = ValueId(self.values.len() as u32);
+        self.values.push(Value {
+            id,
+            kind,
+            dtype,
+            shape,
+            name: name.into(),
+        });
+        id
+    }
+
+    /// Set the operands and results of node `id`.
+    pub fn set_values(&mut self, id: NodeId, operands: Vec<ValueId>, results: Vec<ValueId>) {
+        let n = &mut self.nodes[id.index()];
+        n.operands = operands;
+        n.results = results;
+    }
+
+    pub fn value_of(&self, id: ValueId) -> Option<&Value> {
+        self.values.get(id.index())
     }
 
     /// Declare a buffer; returns its id.

@@ -1,5 +1,5 @@
 //! Typed u32 ids whose text form is their readable name: `n12` (node), `g3` (process
-//! group), `b5` (buffer).
+//! group), `b5` (buffer), `%7` (value).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -54,6 +54,12 @@ id!(
     /// A named buffer of a rank's graph.
     BufferId,
     "b"
+);
+id!(
+    /// A value (tensor) of a rank's graph: parameters, gradients, optimizer state, data
+    /// and activations.
+    ValueId,
+    "%"
 );
 
 #[cfg(test)]

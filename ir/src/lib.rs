@@ -14,11 +14,13 @@ pub mod ids;
 
 pub use graph::{
     Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op, Pass,
-    ProcessGroup, ReduceOp, Stream, Work,
+    ProcessGroup, ReduceOp, Stream, Value, ValueKind, Work,
 };
-pub use ids::{BufferId, GroupId, NodeId};
+pub use ids::{BufferId, GroupId, NodeId, ValueId};
 pub mod program;
 pub use program::{Program, RankClass};
 pub mod matching;
 pub mod text;
 pub mod verify;
+pub mod vocab;
+pub use vocab::Axis;

@@ -20,6 +20,7 @@
 
 use crate::graph::{Graph, Node, Op, ProcessGroup, ReduceOp};
 use crate::ids::{GroupId, NodeId};
+use crate::vocab::Axis;
 use crate::program::{Program, RankClass};
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
@@ -94,7 +95,7 @@ pub struct ClassIndex {
 #[derive(Clone, Debug, Default)]
 pub struct ProgramIndex {
     /// Axis names, ascending.
-    pub axes: Vec<String>,
+    pub axes: Vec<Axis>,
     /// Axis index of each group.
     pub axis_of_group: Vec<u32>,
     /// `rank_group[r][axis]`: the group of that axis containing `r`, if any.
@@ -106,15 +107,15 @@ impl ProgramIndex {
     /// Build the index; structural problems are appended to `errs`. The program must have
     /// passed [`check_structure`].
     pub fn build(p: &Program, errs: &mut Vec<MatchError>) -> ProgramIndex {
-        let axes: Vec<String> = p
+        let axes: Vec<Axis> = p
             .groups
             .iter()
-            .map(|g| g.axis.clone())
+            .map(|g| g.axis)
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        let axis_id = |a: &str| axes.binary_search_by(|x| x.as_str().cmp(a)).unwrap() as u32;
-        let axis_of_group: Vec<u32> = p.groups.iter().map(|g| axis_id(&g.axis)).collect();
+        let axis_id = |a: Axis| axes.binary_search(&a).unwrap() as u32;
+        let axis_of_group: Vec<u32> = p.groups.iter().map(|g| axis_id(g.axis)).collect();
         let mut rank_group = vec![vec![None; axes.len()]; p.world as usize];
         for (r, gs) in p.membership.iter().enumerate() {
             for &g in gs {
@@ -261,8 +262,8 @@ impl ProgramIndex {
     pub fn axis_label(&self, c: usize, n: usize) -> Option<&str> {
         match self.classes[c].role[n] {
             CommRole::Local => None,
-            CommRole::Coll { axis, .. } => Some(&self.axes[axis as usize]),
-            CommRole::Send { .. } | CommRole::Recv { .. } => Some("pp"),
+            CommRole::Coll { axis, .. } => Some(self.axes[axis as usize].name()),
+            CommRole::Send { .. } | CommRole::Recv { .. } => Some(Axis::Pp.name()),
         }
     }
 }
@@ -325,7 +326,7 @@ pub fn check_structure(p: &Program) -> Vec<MatchError> {
                             format!("membership lists {} which does not contain it", pg.name()),
                         ));
                     }
-                    if !axes.insert(pg.axis.as_str()) {
+                    if !axes.insert(pg.axis) {
                         errs.push(err(
                             r as u32,
                             None,

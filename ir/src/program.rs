@@ -12,6 +12,7 @@
 
 use crate::graph::{Graph, Op, ProcessGroup};
 use crate::ids::GroupId;
+use crate::vocab::Axis;
 use serde::{Deserialize, Serialize};
 
 /// Ranks that share one graph (up to group ids and peers).
@@ -41,7 +42,7 @@ impl Program {
     }
 
     /// The group of `axis` that `rank` belongs to.
-    pub fn group_for(&self, rank: u32, axis: &str) -> Option<GroupId> {
+    pub fn group_for(&self, rank: u32, axis: Axis) -> Option<GroupId> {
         self.membership
             .get(rank as usize)?
             .iter()
@@ -60,7 +61,7 @@ impl Program {
             return Some(g);
         }
         let remap = |id: GroupId| -> GroupId {
-            let axis = &self.groups[id.index()].axis;
+            let axis = self.groups[id.index()].axis;
             self.group_for(rank, axis).unwrap_or(id)
         };
         for n in &mut g.nodes {

@@ -10,16 +10,21 @@
 //!
 //! ```text
 //! file      := line*                      (lines separated by '\n'; a trailing '\r' is ignored)
-//! line      := blank | comment | graph | group | buffer | node
+//! line      := blank | comment | graph | group | buffer | value | node
 //!                                         (print writes: header comment, graph, groups,
-//!                                          buffers, nodes; parse accepts the last three
-//!                                          interleaved, appending each to its vector)
+//!                                          buffers, values, nodes; parse accepts the last
+//!                                          four interleaved, appending each to its vector)
 //! comment   := ';' any*                   ("; shardwright-ir V" with V != 1 is rejected)
 //! graph     := 'graph' 'rank=' U32 'world=' U32          (exactly once, before all else)
-//! group     := 'group' GROUPID NAME'.'U32 FABRIC 'ranks='[U32 (',' U32)*]
-//!                                         (bare axis: all before the last '.'; may be empty ranks)
+//! group     := 'group' GROUPID AXIS'.'U32 FABRIC 'ranks='[U32 (',' U32)*]
+//!                                         (AXIS: tp cp ep dp pp dense_dp expert_dp world;
+//!                                          any other name is an error; ranks may be empty)
 //! buffer    := 'buffer' BUFFERID BUFKIND NAME 'bytes=' U64
-//! node      := NODEID '=' op '@'STREAM PASS ['mb='U32] ['layer='U32] ['<-' deps]
+//! value     := 'value' VALUEID VALKIND DTYPE'['[U64 (',' U64)*]']' NAME
+//!                                         (e.g. `value %3 activation bf16[8,4096] L0.x`)
+//! node      := NODEID '=' op [values] ['->' values] '@'STREAM PASS ['mb='U32] ['layer='U32]
+//!              ['<-' deps]                (operands, then results)
+//! values    := VALUEID (',' VALUEID)*     (printed as "%1, %2")
 //! deps      := NODEID (',' NODEID)*       (printed as "n1, n2": comma then space)
 //! op        := 'gemm' NAME 'm=' U64 'n=' U64 'k=' U64 DTYPE ['weight=' NAME] work
 //!            | 'attention' ['causal'] 'heads=' U32 'kv_heads=' U32 'seq_q=' U64
@@ -33,7 +38,7 @@
 //!                                         (the reduction is `sum` unless `reduce=max` says so)
 //!            | 'send' 'peer=' U32 'bytes=' U64 DTYPE
 //!            | 'recv' 'peer=' U32 'bytes=' U64 DTYPE
-//!            | 'alloc' BUFFERID | 'free' BUFFERID
+//!            | 'alloc' BUFFERID | 'free' BUFFERID | 'release'
 //!            | 'checkpoint' 'every=' U64 'bytes=' U64
 //! work      := 'flops=' U64 'bytes=' U64
 //! NAME      := [A-Za-z0-9_.:/-]+ | QUOTED
@@ -63,9 +68,10 @@
 
 use crate::graph::{
     Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op, Pass,
-    ProcessGroup, ReduceOp, Stream, Work,
+    ProcessGroup, ReduceOp, Stream, Value, ValueKind, Work,
 };
-use crate::ids::{BufferId, GroupId, NodeId};
+use crate::ids::{BufferId, GroupId, NodeId, ValueId};
+use crate::vocab::Axis;
 use std::fmt::{self, Write as _};
 
 /// The first line of every printed graph.
@@ -108,8 +114,7 @@ pub fn print(g: &Graph) -> String {
     let _ = writeln!(out, "graph rank={} world={}", g.rank, g.world);
     for pg in &g.groups {
         let _ = write!(out, "group {} ", pg.id);
-        write_name(&mut out, &pg.axis);
-        let _ = write!(out, ".{} {} ranks=", pg.index, pg.fabric.name());
+        let _ = write!(out, "{}.{} {} ranks=", pg.axis, pg.index, pg.fabric.name());
         for (i, r) in pg.ranks.iter().enumerate() {
             if i > 0 {
                 out.push(',');
@@ -122,6 +127,18 @@ pub fn print(g: &Graph) -> String {
         let _ = write!(out, "buffer {} {} ", b.id, b.kind.name());
         write_name(&mut out, &b.name);
         let _ = writeln!(out, " bytes={}", b.bytes);
+    }
+    for v in &g.values {
+        let _ = write!(out, "value {} {} {}[", v.id, v.kind.name(), v.dtype.name());
+        for (i, d) in v.shape.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let _ = write!(out, "{d}");
+        }
+        out.push_str("] ");
+        write_name(&mut out, &v.name);
+        out.push('\n');
     }
     for n in &g.nodes {
         write_node(&mut out, n);
@@ -255,6 +272,15 @@ fn write_node(out: &mut String, n: &Node) {
         Op::Checkpoint { every_steps, bytes } => {
             let _ = write!(out, " every={every_steps} bytes={bytes}");
         }
+        Op::Release => {}
+    }
+    for (i, v) in n.operands.iter().enumerate() {
+        out.push_str(if i == 0 { " " } else { ", " });
+        let _ = write!(out, "{v}");
+    }
+    for (i, v) in n.results.iter().enumerate() {
+        out.push_str(if i == 0 { " -> " } else { ", " });
+        let _ = write!(out, "{v}");
     }
     let _ = write!(out, " @{} {}", n.stream.name(), n.pass.name());
     if let Some(mb) = n.mb {
@@ -528,6 +554,22 @@ impl<'a> Cursor<'a> {
             DType::ALL.into_iter().find(|d| d.name() == s)
         })
     }
+    /// A comma-separated list of ids (`a, b, c`: each but the last ends with a comma).
+    fn list<T: std::str::FromStr>(&mut self, what: &str) -> Result<Vec<T>, ParseError> {
+        let mut out = Vec::new();
+        loop {
+            let t = self.next(what)?;
+            let (text, more) = match t.text.strip_suffix(',') {
+                Some(s) => (s, true),
+                None => (t.text, false),
+            };
+            out.push(text.parse().map_err(|_| self.err_at(Some(t), what))?);
+            if !more {
+                return Ok(out);
+            }
+        }
+    }
+
     fn end(&self) -> Result<(), ParseError> {
         match self.peek() {
             None => Ok(()),
@@ -610,17 +652,8 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
             let what = "a group name `<axis>.<index>`";
             let t = c.next(what)?;
             let (axis, index) = (|| {
-                let (axis, rest) = if t.text.starts_with('"') {
-                    decode_name(t.text)?
-                } else {
-                    let (a, _) = t.text.rsplit_once('.').ok_or("`.<index>`")?;
-                    if !is_bare_name(a) {
-                        return Err("an axis name (`[A-Za-z0-9_.:/-]+` or quoted)".into());
-                    }
-                    (a.to_string(), &t.text[a.len()..])
-                };
-                let idx = rest.strip_prefix('.').ok_or("`.<index>`")?;
-                Ok::<_, String>((axis, parse_int(idx)?))
+                let (a, idx) = t.text.rsplit_once('.').ok_or("`.<index>`")?;
+                Ok::<_, String>((a.parse::<Axis>()?, parse_int(idx)?))
             })()
             .map_err(|e| c.err_at(Some(t), format!("{what}: {e}")))?;
             let fabric = c.parse_tok("a fabric (nvlink, network)", |s| {
@@ -656,16 +689,56 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
                 bytes,
             });
         }
+        "value" => {
+            c.pos += 1;
+            let id: ValueId = c.id("a value id (`%N`)")?;
+            let kind = c.parse_tok(
+                "a value kind (param, grad, master, moment, data, activation)",
+                |s| one_of(&ValueKind::ALL, ValueKind::name, s),
+            )?;
+            let what = "a typed shape `<dtype>[<dims>]` (e.g. `bf16[8,4096]`)";
+            let t = c.next(what)?;
+            let (dtype, shape) = (|| {
+                let (dt, rest) = t.text.split_once('[').ok_or("`[`")?;
+                let dims = rest.strip_suffix(']').ok_or("`]`")?;
+                let dtype = one_of(&DType::ALL, DType::name, dt)
+                    .ok_or_else(|| format!("a dtype, not `{dt}`"))?;
+                let shape = if dims.is_empty() {
+                    Vec::new()
+                } else {
+                    dims.split(',').map(parse_int).collect::<Result<_, _>>()?
+                };
+                Ok::<_, String>((dtype, shape))
+            })()
+            .map_err(|e| c.err_at(Some(t), format!("{what}: {e}")))?;
+            let name = c.name("a value name")?;
+            g.values.push(Value {
+                id,
+                kind,
+                dtype,
+                shape,
+                name,
+            });
+        }
         "graph" => {
             return Err(c.err_at(
                 Some(first),
-                "`group`, `buffer` or a node id (`nN`); the `graph` line comes once",
+                "`group`, `buffer`, `value` or a node id (`nN`); the `graph` line comes once",
             ))
         }
         _ => {
-            let id: NodeId = c.id("`group`, `buffer` or a node id (`nN`)")?;
+            let id: NodeId = c.id("`group`, `buffer`, `value` or a node id (`nN`)")?;
             c.keyword("=")?;
             let op = parse_op(c)?;
+            let operands = match c.peek() {
+                Some(t) if t.text.starts_with('%') => c.list("a value id (`%N`)")?,
+                _ => Vec::new(),
+            };
+            let results = if c.flag("->") {
+                c.list("a value id (`%N`)")?
+            } else {
+                Vec::new()
+            };
             let stream = c.parse_tok(
                 "a stream (`@compute`, `@comm`, `@p2p`, `@dp`, `@io`)",
                 |s| {
@@ -678,23 +751,11 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
             })?;
             let mb = c.opt_u32("mb")?;
             let layer = c.opt_u32("layer")?;
-            let mut deps = Vec::new();
-            if c.flag("<-") {
-                loop {
-                    let t = c.next("a node id (`nN`)")?;
-                    let (text, more) = match t.text.strip_suffix(',') {
-                        Some(s) => (s, true),
-                        None => (t.text, false),
-                    };
-                    let d: NodeId = text
-                        .parse()
-                        .map_err(|_| c.err_at(Some(t), "a node id (`nN`)"))?;
-                    deps.push(d);
-                    if !more {
-                        break;
-                    }
-                }
-            }
+            let deps = if c.flag("<-") {
+                c.list("a node id (`nN`)")?
+            } else {
+                Vec::new()
+            };
             g.nodes.push(Node {
                 id,
                 stream,
@@ -703,6 +764,8 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
                 layer,
                 op,
                 deps,
+                operands,
+                results,
             });
         }
     }
@@ -711,7 +774,8 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
 
 fn parse_op(c: &mut Cursor<'_>) -> Result<Op, ParseError> {
     const OPS: &str = "an op (gemm, attention, norm, elementwise, embedding, loss, \
-                       optimizer_step, collective, send, recv, alloc, free, checkpoint)";
+                       optimizer_step, collective, send, recv, alloc, free, release, \
+                       checkpoint)";
     let t = c.next(OPS)?;
     Ok(match t.text {
         "gemm" => {
@@ -822,6 +886,7 @@ fn parse_op(c: &mut Cursor<'_>) -> Result<Op, ParseError> {
         "free" => Op::Free {
             buffer: c.id("a buffer id (`bN`)")?,
         },
+        "release" => Op::Release,
         "checkpoint" => Op::Checkpoint {
             every_steps: c.u64("every")?,
             bytes: c.u64("bytes")?,

@@ -13,6 +13,8 @@
 //! - `group-ref`: every collective's group is declared in `groups`.
 //! - `buffer-ref`: every alloc/free names a declared buffer.
 //! - `dep-ref`: every dep names an existing node.
+//! - `value-id`: `values[i].id == ValueId(i)`.
+//! - `value-ref`: every operand and result names a declared value.
 //!
 //! **Phase 2: semantics**
 //! - `rank`: `world > 0` and `rank < world`.
@@ -44,8 +46,25 @@
 //! - `gemm-flops`: a gemm's `flops == 2 * m * n * k` (without overflow).
 //! - `reduce-op`: a reduction other than `sum` (`reduce=max`) only on all_reduce or
 //!   reduce_scatter.
+//!
+//! **Values** (nodes name the tensors they read and write; see [`crate::graph::ValueKind`]):
+//! - `use-before-def`: an activation is used, or released, only after the node that
+//!   defines it (its one appearance among a node's results). State and data (the step's
+//!   token ids and labels) are live when the step starts.
+//! - `redefinition`: an activation is defined by exactly one node; data by none.
+//! - `use-after-release`: no node reads, writes or releases a value after its release.
+//! - `release-state`: parameters, gradients, master weights and moments are never released
+//!   (they are the rank's state, live across steps); a `release` reads only.
+//! - `unreleased`: every activation defined in the step is released by its end (reported
+//!   at the defining node).
+//! - `value-shape`: operands and results agree with the op: element counts per op kind (a
+//!   gemm's `[m,k] x [k,n] -> [m,n]`, a norm's `tokens x width`, an elementwise op's
+//!   `elems`, attention's `batch x seq_q x heads x head_dim`, an embedding's
+//!   `tokens x hidden`, a loss's `tokens x vocab` logits) and, for collectives, sends and
+//!   receives, bytes and dtype (the all-gather's input and the reduce-scatter's output are
+//!   one member's share).
 
-use crate::graph::{BufferKind, CollectiveKind, Graph, Op, Stream};
+use crate::graph::{BufferKind, CollectiveKind, Graph, Op, Stream, ValueKind};
 use crate::ids::{BufferId, NodeId};
 use crate::text::{is_bare_name, print_node};
 use std::fmt;
@@ -58,6 +77,8 @@ pub const RULES: &[&str] = &[
     "group-ref",
     "buffer-ref",
     "dep-ref",
+    "value-id",
+    "value-ref",
     "rank",
     "name",
     "group-ranks",
@@ -74,6 +95,12 @@ pub const RULES: &[&str] = &[
     "message-size",
     "gemm-flops",
     "reduce-op",
+    "use-before-def",
+    "redefinition",
+    "use-after-release",
+    "release-state",
+    "unreleased",
+    "value-shape",
 ];
 
 /// One violated invariant.
@@ -205,6 +232,19 @@ fn handles(g: &Graph, e: &mut Errors<'_>) {
                 );
             }
         }
+        for v in n.operands.iter().chain(&n.results) {
+            if v.index() >= g.values.len() {
+                e.at(i, "value-ref", format!("value {v} is not declared"));
+            }
+        }
+    }
+    for (i, v) in g.values.iter().enumerate() {
+        if v.id.index() != i {
+            e.graph(
+                "value-id",
+                format!("value {} (`{}`) is at index {i}", v.id, v.name),
+            );
+        }
     }
 }
 
@@ -216,15 +256,6 @@ fn semantics(g: &Graph, e: &mut Errors<'_>) {
         );
     }
     for pg in &g.groups {
-        if !is_bare_name(&pg.axis) {
-            e.graph(
-                "name",
-                format!(
-                    "group {} axis {:?} is not [A-Za-z0-9_.:/-]+",
-                    pg.id, pg.axis
-                ),
-            );
-        }
         if pg.ranks.is_empty() {
             e.graph(
                 "group-ranks",
@@ -482,7 +513,218 @@ fn semantics(g: &Graph, e: &mut Errors<'_>) {
             }
         }
     }
+    values(g, e);
     cycle(g, e);
+}
+
+/// Where a value stands while walking program order.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Life {
+    /// Live when the step starts: state (parameters, gradients, ...) and data.
+    Entry,
+    Undefined,
+    Defined(usize),
+    Released(usize),
+}
+
+/// The value rules (`use-before-def` .. `value-shape`).
+fn values(g: &Graph, e: &mut Errors<'_>) {
+    for v in &g.values {
+        if !is_bare_name(&v.name) {
+            e.graph(
+                "name",
+                format!("value {} name {:?} is not [A-Za-z0-9_.:/-]+", v.id, v.name),
+            );
+        }
+    }
+    let mut life: Vec<Life> = g
+        .values
+        .iter()
+        .map(|v| {
+            if v.kind == ValueKind::Activation {
+                Life::Undefined
+            } else {
+                Life::Entry
+            }
+        })
+        .collect();
+    for (i, n) in g.nodes.iter().enumerate() {
+        let release = matches!(n.op, Op::Release);
+        if release && !n.results.is_empty() {
+            e.at(i, "release-state", "a release defines nothing".into());
+        }
+        for &v in &n.operands {
+            let val = &g.values[v.index()];
+            if release && val.kind.is_state() {
+                e.at(
+                    i,
+                    "release-state",
+                    format!("{v} (`{}`) is {} state", val.name, val.kind.name()),
+                );
+            }
+            match life[v.index()] {
+                Life::Released(at) => e.at(
+                    i,
+                    "use-after-release",
+                    format!("{v} (`{}`) was released at {}", val.name, g.nodes[at].id),
+                ),
+                Life::Undefined => e.at(
+                    i,
+                    "use-before-def",
+                    format!("{v} (`{}`) is not defined yet", val.name),
+                ),
+                _ => {}
+            }
+        }
+        for &v in &n.results {
+            let val = &g.values[v.index()];
+            match life[v.index()] {
+                Life::Released(at) => e.at(
+                    i,
+                    "use-after-release",
+                    format!("{v} (`{}`) was released at {}", val.name, g.nodes[at].id),
+                ),
+                Life::Defined(at) if !val.kind.is_state() => e.at(
+                    i,
+                    "redefinition",
+                    format!("{v} (`{}`) is already defined at {}", val.name, g.nodes[at].id),
+                ),
+                Life::Entry if !val.kind.is_state() => e.at(
+                    i,
+                    "redefinition",
+                    format!("{v} (`{}`) is step input data", val.name),
+                ),
+                Life::Entry => {}
+                _ => life[v.index()] = Life::Defined(i),
+            }
+        }
+        if release {
+            for &v in &n.operands {
+                if !g.values[v.index()].kind.is_state() {
+                    life[v.index()] = Life::Released(i);
+                }
+            }
+        }
+        if !n.operands.is_empty() || !n.results.is_empty() {
+            if let Err(why) = shapes(g, n) {
+                e.at(i, "value-shape", why);
+            }
+        }
+    }
+    for (v, l) in life.iter().enumerate() {
+        if let Life::Defined(at) = *l {
+            let val = &g.values[v];
+            if val.kind == ValueKind::Activation {
+                e.at(
+                    at,
+                    "unreleased",
+                    format!(
+                        "{} {} (`{}`) is never released",
+                        val.kind.name(),
+                        val.id,
+                        val.name
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// Whether a node's operands and results agree with its op (see `value-shape`).
+fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
+    let val = |v: &crate::ids::ValueId| &g.values[v.index()];
+    let arg = |i: usize| {
+        n.operands
+            .get(i)
+            .map(val)
+            .ok_or_else(|| format!("{} needs operand {}", n.op.keyword(), i + 1))
+    };
+    let res = |i: usize| {
+        n.results
+            .get(i)
+            .map(val)
+            .ok_or_else(|| format!("{} needs result {}", n.op.keyword(), i + 1))
+    };
+    let elems = |what: &str, v: &crate::graph::Value, want: u128| {
+        if v.elems() as u128 == want {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what} {} (`{}`) has {} elements, the op needs {want}",
+                v.id,
+                v.name,
+                v.elems()
+            ))
+        }
+    };
+    let bytes = |what: &str, v: &crate::graph::Value, dt: crate::graph::DType, want: u64| {
+        if v.dtype != dt {
+            Err(format!(
+                "{what} {} (`{}`) is {}, the op moves {}",
+                v.id,
+                v.name,
+                v.dtype.name(),
+                dt.name()
+            ))
+        } else if v.bytes() != want {
+            Err(format!(
+                "{what} {} (`{}`) has {} bytes, the op moves {want}",
+                v.id,
+                v.name,
+                v.bytes()
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    let w = |a: u64, b: u64| a as u128 * b as u128;
+    match &n.op {
+        Op::Gemm { m, n: nn, k, .. } => {
+            elems("operand", arg(0)?, w(*m, *k))?;
+            elems("operand", arg(1)?, w(*k, *nn))?;
+            elems("result", res(0)?, w(*m, *nn))
+        }
+        Op::Norm { tokens, width, .. } => {
+            elems("operand", arg(0)?, w(*tokens, *width))?;
+            elems("result", res(0)?, w(*tokens, *width))
+        }
+        Op::Elementwise { elems: el, .. } => elems("result", res(0)?, *el as u128),
+        Op::Attention {
+            heads,
+            seq_q,
+            head_dim,
+            batch,
+            ..
+        } => {
+            let q = w(*batch as u64, *seq_q) * w(*heads as u64, *head_dim as u64);
+            elems("operand", arg(0)?, q)?;
+            elems("result", res(0)?, q)
+        }
+        Op::Embedding { tokens, hidden, .. } => elems("result", res(0)?, w(*tokens, *hidden)),
+        Op::Loss { tokens, vocab, .. } => elems("operand", arg(0)?, w(*tokens, *vocab)),
+        Op::Collective {
+            kind,
+            group,
+            bytes: b,
+            dtype,
+            ..
+        } => {
+            let members = g.group(*group).map_or(1, |pg| pg.ranks.len().max(1)) as u64;
+            let share = b / members;
+            let (input, output) = match kind {
+                CollectiveKind::AllGather => (share, *b),
+                CollectiveKind::ReduceScatter => (*b, share),
+                _ => (*b, *b),
+            };
+            if *kind != CollectiveKind::Broadcast || !n.operands.is_empty() {
+                bytes("operand", arg(0)?, *dtype, input)?;
+            }
+            bytes("result", res(0)?, *dtype, output)
+        }
+        Op::Send { bytes: b, dtype, .. } => bytes("operand", arg(0)?, *dtype, *b),
+        Op::Recv { bytes: b, dtype, .. } => bytes("result", res(0)?, *dtype, *b),
+        _ => Ok(()),
+    }
 }
 
 /// The documented acyclicity algorithm: petgraph toposort of the dep graph.

@@ -8,7 +8,7 @@ use shardwright_ir::*;
 fn pg(id: u32, axis: &str, index: u32, ranks: &[u32]) -> ProcessGroup {
     ProcessGroup {
         id: GroupId(id),
-        axis: axis.into(),
+        axis: axis.parse().unwrap(),
         index,
         ranks: ranks.to_vec(),
         fabric: Fabric::Nvlink,

@@ -12,14 +12,14 @@ fn example() -> Graph {
     let mut g = Graph::new(0, 16384);
     g.groups.push(ProcessGroup {
         id: GroupId(0),
-        axis: "tp".into(),
+        axis: Axis::Tp,
         index: 0,
         ranks: (0..8).collect(),
         fabric: Fabric::Nvlink,
     });
     g.groups.push(ProcessGroup {
         id: GroupId(5),
-        axis: "dense_dp".into(),
+        axis: Axis::DenseDp,
         index: 0,
         ranks: vec![0, 8, 16, 24],
         fabric: Fabric::Network,
@@ -232,7 +232,7 @@ fn non_bare_names_are_quoted() {
     g.buffer("q\"\\\n\u{1}", BufferKind::Comm, 8);
     g.groups.push(ProcessGroup {
         id: GroupId(0),
-        axis: "a b.3".into(),
+        axis: Axis::ExpertDp,
         index: 7,
         ranks: vec![],
         fabric: Fabric::Nvlink,
@@ -244,7 +244,7 @@ fn non_bare_names_are_quoted() {
         t.contains(r#"buffer b2 comm "q\"\\\n\u{1}" bytes=8"#),
         "{t}"
     );
-    assert!(t.contains("group g0 \"a b.3\".7 nvlink ranks=\n"), "{t}");
+    assert!(t.contains("group g0 expert_dp.7 nvlink ranks=\n"), "{t}");
     assert_eq!(parse(&t).unwrap(), g);
 }
 
@@ -267,6 +267,12 @@ fn parse_errors_say_where_and_what() {
         e.to_string(),
         "line 2, column 19: expected `n=<integer>`, found `x=2`"
     );
+
+    // An unknown mesh axis is an error naming the axes there are, never a default.
+    let e = err("graph rank=0 world=2\ngroup g0 tensor.0 nvlink ranks=0,1");
+    assert_eq!((e.line, e.column), (2, 10));
+    assert!(e.expected.contains("unknown axis \"tensor\""), "{e}");
+    assert!(e.expected.contains("dense_dp"), "{e}");
 
     let e = err("graph rank=0 world=2\nn0 = frobnicate @compute fwd");
     assert_eq!((e.line, e.column), (2, 6));

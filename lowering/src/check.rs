@@ -489,24 +489,24 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
                         );
                         continue;
                     }
-                    match pg.axis.as_str() {
-                        "tp" => bad(
+                    match pg.axis {
+                        GroupKind::Tp => bad(
                             hidden,
                             "TP collective of the hidden states",
                             *bytes,
                             n,
                             unit,
                         ),
-                        "cp" => bad(cp_kv, "CP exchange of K and V", *bytes, n, unit),
-                        "ep" => bad(
+                        GroupKind::Cp => bad(cp_kv, "CP exchange of K and V", *bytes, n, unit),
+                        GroupKind::Ep => bad(
                             routed,
                             "EP all-to-all of the routed tokens",
                             *bytes,
                             n,
                             unit,
                         ),
-                        "dense_dp" | "expert_dp" => {
-                            let i = usize::from(pg.axis == "expert_dp");
+                        GroupKind::DenseDp | GroupKind::ExpertDp => {
+                            let i = usize::from(pg.axis == GroupKind::ExpertDp);
                             let is_grad = matches!(
                                 kind,
                                 CollectiveKind::AllReduce | CollectiveKind::ReduceScatter

@@ -119,11 +119,14 @@ impl<'a> PlanCost<'a> {
         PlanCost { l, table }
     }
 
+    /// The template's (exposed seconds, elements) of op `name`. An op the template does
+    /// not list has no cost: NaN, which the simulator reports as an error naming the node
+    /// (never a silent 0 s).
     fn get(&self, kind: LayerKind, pass: Pass, name: &str) -> (f64, f64) {
         self.table
             .get(&(kind_id(kind), ir_pass(pass), name))
             .copied()
-            .unwrap_or((0.0, 0.0))
+            .unwrap_or((f64::NAN, f64::NAN))
     }
 
     fn layer_kind(&self, node: &Node) -> LayerKind {
@@ -193,24 +196,23 @@ impl<'a> PlanCost<'a> {
                 // In-layer collectives: the template's exposed time (a named one moves
                 // something else than the layer's activations: charged by its bytes).
                 if node.layer.is_some() && tensor.is_none() {
-                    let name = match (g.axis.as_str(), ck) {
-                        ("tp", CollectiveKind::AllGather) => Some("tp.all_gather"),
-                        ("tp", CollectiveKind::ReduceScatter) => Some("tp.reduce_scatter"),
-                        ("tp", _) => Some("tp.all_reduce"),
-                        ("cp", _) => Some("cp"),
-                        ("ep", _) => Some("ep"),
+                    let name = match (g.axis, ck) {
+                        (GroupKind::Tp, CollectiveKind::AllGather) => Some("tp.all_gather"),
+                        (GroupKind::Tp, CollectiveKind::ReduceScatter) => {
+                            Some("tp.reduce_scatter")
+                        }
+                        (GroupKind::Tp, _) => Some("tp.all_reduce"),
+                        (GroupKind::Cp, _) => Some("cp"),
+                        (GroupKind::Ep, _) => Some("ep"),
                         _ => None,
                     };
                     if let Some(name) = name {
                         return self.get(kind, pass, name).0;
                     }
                 }
-                let axis = match g.axis.as_str() {
-                    "tp" => GroupKind::Tp,
-                    "expert_dp" => GroupKind::ExpertDp,
-                    _ => GroupKind::DenseDp,
-                };
-                let link = group_link(job, l.mesh.fabric(axis));
+                // The link of the group's own axis (the world group's norm all-reduce,
+                // the MoE statistics over cp, ...), never a stand-in group's.
+                let link = group_link(job, l.mesh.fabric(g.axis));
                 let n = g.ranks.len() as u64;
                 let b = *bytes as f64;
                 let t = match ck {
@@ -242,7 +244,7 @@ impl<'a> PlanCost<'a> {
                         link.latency_s,
                     ),
                 };
-                if g.axis == "tp" {
+                if g.axis == GroupKind::Tp {
                     t * (1.0 - e.tp_overlap)
                 } else {
                     t
@@ -259,7 +261,7 @@ impl<'a> PlanCost<'a> {
                 };
                 send_s(*bytes as f64, gbps, link.latency_s)
             }
-            Op::Alloc { .. } | Op::Free { .. } | Op::Checkpoint { .. } => 0.0,
+            Op::Alloc { .. } | Op::Free { .. } | Op::Release | Op::Checkpoint { .. } => 0.0,
         }
     }
 }

@@ -43,7 +43,7 @@
 //! as in the plan's MFU formula, so the FLOPs of all ranks sum to the step's model FLOPs
 //! plus recomputation (checked by [`crate::check`]).
 
-use crate::mesh::{declare_groups, WORLD};
+use crate::mesh::declare_groups;
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
 use shardwright_cost::schedule::{slots, Phase};
 use shardwright_ir::{
@@ -300,7 +300,7 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    fn group_named(&mut self, axis: &str) -> Option<GroupId> {
+    fn group_named(&mut self, axis: GroupKind) -> Option<GroupId> {
         let id = self.program.group_for(self.rank, axis)?;
         if self.g.group(id).is_none() {
             let pg = self.program.group(id).clone();
@@ -338,7 +338,7 @@ impl Builder<'_> {
             mb,
             layer,
             kind,
-            axis.name(),
+            axis,
             bytes,
             dt,
             blocking,
@@ -356,7 +356,7 @@ impl Builder<'_> {
         mb: Option<u32>,
         layer: Option<u32>,
         kind: CollectiveKind,
-        axis: &str,
+        axis: GroupKind,
         bytes: u64,
         dt: DType,
         blocking: bool,
@@ -672,7 +672,7 @@ impl<'a> Ctx<'a> {
                 mb,
                 None,
                 CollectiveKind::AllReduce,
-                GroupKind::Tp.name(),
+                GroupKind::Tp,
                 per_token * d.t * DType::F32.bytes(),
                 DType::F32,
                 true,
@@ -848,7 +848,7 @@ impl<'a> Ctx<'a> {
                 Some(mb),
                 Some(layer),
                 CollectiveKind::AllReduce,
-                axis.name(),
+                axis,
                 bytes,
                 DType::F32,
                 true,
@@ -875,7 +875,7 @@ impl<'a> Ctx<'a> {
             Some(mb),
             Some(layer),
             CollectiveKind::AllReduce,
-            GroupKind::Tp.name(),
+            GroupKind::Tp,
             d.t * k * DType::F32.bytes(),
             DType::F32,
             true,
@@ -913,7 +913,7 @@ impl<'a> Ctx<'a> {
             Some(mb),
             Some(layer),
             kind,
-            GroupKind::Tp.name(),
+            GroupKind::Tp,
             d.t * k * d.h * d.w.bytes(),
             d.w,
             true,
@@ -1227,7 +1227,7 @@ impl<'a> Ctx<'a> {
             mb,
             layer,
             CollectiveKind::AllReduce,
-            GroupKind::Tp.name(),
+            GroupKind::Tp,
             n * g.bytes(),
             g,
             false,
@@ -1541,7 +1541,7 @@ impl<'a> Ctx<'a> {
                             } else {
                                 CollectiveKind::AllReduce
                             },
-                            GroupKind::Tp.name(),
+                            GroupKind::Tp,
                             d.t * d.h * d.w.bytes(),
                             d.w,
                             true,
@@ -1630,7 +1630,7 @@ impl<'a> Ctx<'a> {
                                 mbo,
                                 None,
                                 CollectiveKind::AllGather,
-                                GroupKind::Tp.name(),
+                                GroupKind::Tp,
                                 d.t * d.h * d.w.bytes(),
                                 d.w,
                                 true,
@@ -1689,7 +1689,7 @@ impl<'a> Ctx<'a> {
             None,
             None,
             CollectiveKind::AllReduce,
-            WORLD,
+            GroupKind::World,
             2 * DType::F32.bytes(),
             DType::F32,
             true,
@@ -1766,7 +1766,7 @@ impl<'a> Ctx<'a> {
                     None,
                     None,
                     CollectiveKind::AllGather,
-                    GroupKind::DenseDp.name(),
+                    GroupKind::DenseDp,
                     round(ends_p) * d.w.bytes(),
                     d.w,
                     false,

@@ -14,7 +14,7 @@ pub const AXES: [GroupKind; 6] = [
 ];
 
 /// Every group of every axis in [`AXES`] with more than one member, then (world > 1) the
-/// [`WORLD`] group of every rank, and for each rank the groups it belongs to (ascending by
+/// [`GroupKind::World`] group of every rank, and for each rank the groups it belongs to (ascending by
 /// id).
 pub fn declare_groups(mesh: &Mesh) -> (Vec<ProcessGroup>, Vec<Vec<GroupId>>) {
     let world = mesh.world();
@@ -42,7 +42,7 @@ pub fn declare_groups(mesh: &Mesh) -> (Vec<ProcessGroup>, Vec<Vec<GroupId>>) {
                     gi,
                     ProcessGroup {
                         id,
-                        axis: kind.name().to_string(),
+                        axis: kind,
                         index: gi,
                         ranks: mesh.members(kind, r),
                         fabric,
@@ -59,7 +59,7 @@ pub fn declare_groups(mesh: &Mesh) -> (Vec<ProcessGroup>, Vec<Vec<GroupId>>) {
         let id = GroupId(groups.len() as u32);
         groups.push(ProcessGroup {
             id,
-            axis: WORLD.to_string(),
+            axis: GroupKind::World,
             index: 0,
             ranks: (0..world).collect(),
             fabric: if world > mesh.gpus_per_node() {
@@ -75,5 +75,3 @@ pub fn declare_groups(mesh: &Mesh) -> (Vec<ProcessGroup>, Vec<Vec<GroupId>>) {
     (groups, membership)
 }
 
-/// The axis name of the group of every rank.
-pub const WORLD: &str = "world";

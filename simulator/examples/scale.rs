@@ -168,7 +168,7 @@ fn build() -> Program {
             }
             groups.push(ProcessGroup {
                 id,
-                axis: "tp".into(),
+                axis: shardwright_ir::Axis::Tp,
                 index: id.0,
                 ranks,
                 fabric: Fabric::Nvlink,
@@ -185,7 +185,7 @@ fn build() -> Program {
             }
             groups.push(ProcessGroup {
                 id,
-                axis: "dp".into(),
+                axis: shardwright_ir::Axis::Dp,
                 index: id.0 - ntp,
                 ranks,
                 fabric: Fabric::Network,

@@ -118,7 +118,10 @@ pub enum SimError {
     Deadlock(Vec<MatchError>),
     #[error("invalid option: {0}")]
     Option(String),
-    #[error("cost of rank {rank} {node} is {seconds} (must be finite and >= 0)")]
+    #[error(
+        "cost of rank {rank} {node} is {seconds} (must be finite and >= 0{})",
+        if seconds.is_nan() { "; NaN: the cost model has no entry for this op" } else { "" }
+    )]
     Cost {
         rank: u32,
         node: NodeId,

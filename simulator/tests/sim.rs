@@ -7,7 +7,7 @@ use shardwright_simulator::{chrome_trace, simulate, SimOptions, SimReport};
 fn pg(id: u32, axis: &str, index: u32, ranks: &[u32]) -> ProcessGroup {
     ProcessGroup {
         id: GroupId(id),
-        axis: axis.into(),
+        axis: axis.parse().unwrap(),
         index,
         ranks: ranks.to_vec(),
         fabric: Fabric::Nvlink,

@@ -20,7 +20,6 @@
 //! group of one rank keeps one `(stride of its first axis, 1)` dimension.
 
 use crate::layout::Layout;
-use std::fmt;
 
 /// A rank's coordinate on each axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -47,19 +46,9 @@ impl Coord {
     }
 }
 
-/// A process group kind. Groups of one kind partition the world.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum GroupKind {
-    Tp,
-    Cp,
-    Ep,
-    Dp,
-    Pp,
-    /// cp x ep x dp: the ranks holding replicas of the same dense weights.
-    DenseDp,
-    /// cp x dp: the ranks holding replicas of the same experts.
-    ExpertDp,
-}
+/// A process group kind: the project's one [`Axis`] enum (`shardwright_ir::vocab`).
+/// Groups of one kind partition the world ([`Axis::World`] is a single group).
+pub use shardwright_ir::Axis as GroupKind;
 
 const TP: usize = 0;
 const CP: usize = 1;
@@ -67,46 +56,17 @@ const EP: usize = 2;
 const DP: usize = 3;
 const PP: usize = 4;
 
-impl GroupKind {
-    pub const ALL: [GroupKind; 7] = [
-        GroupKind::Tp,
-        GroupKind::Cp,
-        GroupKind::Ep,
-        GroupKind::Dp,
-        GroupKind::Pp,
-        GroupKind::DenseDp,
-        GroupKind::ExpertDp,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            GroupKind::Tp => "tp",
-            GroupKind::Cp => "cp",
-            GroupKind::Ep => "ep",
-            GroupKind::Dp => "dp",
-            GroupKind::Pp => "pp",
-            GroupKind::DenseDp => "dense_dp",
-            GroupKind::ExpertDp => "expert_dp",
-        }
-    }
-
-    /// Mesh axes (indices into tp, cp, ep, dp, pp) the group spans, fastest first.
-    fn axes(self) -> &'static [usize] {
-        match self {
-            GroupKind::Tp => &[TP],
-            GroupKind::Cp => &[CP],
-            GroupKind::Ep => &[EP],
-            GroupKind::Dp => &[DP],
-            GroupKind::Pp => &[PP],
-            GroupKind::DenseDp => &[CP, EP, DP],
-            GroupKind::ExpertDp => &[CP, DP],
-        }
-    }
-}
-
-impl fmt::Display for GroupKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+/// Mesh axes (indices into tp, cp, ep, dp, pp) the group of `k` spans, fastest first.
+fn axis_dims(k: GroupKind) -> &'static [usize] {
+    match k {
+        GroupKind::Tp => &[TP],
+        GroupKind::Cp => &[CP],
+        GroupKind::Ep => &[EP],
+        GroupKind::Dp => &[DP],
+        GroupKind::Pp => &[PP],
+        GroupKind::DenseDp => &[CP, EP, DP],
+        GroupKind::ExpertDp => &[CP, DP],
+        GroupKind::World => &[TP, CP, EP, DP, PP],
     }
 }
 
@@ -190,7 +150,7 @@ impl Mesh {
         if k == GroupKind::Ep && self.fold {
             &EP_FOLDED
         } else {
-            k.axes()
+            axis_dims(k)
         }
     }
 
@@ -387,7 +347,7 @@ mod tests {
         let names: Vec<String> = GroupKind::ALL.iter().map(|k| k.to_string()).collect();
         assert_eq!(
             names,
-            ["tp", "cp", "ep", "dp", "pp", "dense_dp", "expert_dp"]
+            ["tp", "cp", "ep", "dp", "pp", "dense_dp", "expert_dp", "world"]
         );
     }
 

@@ -32,6 +32,7 @@ fn varies(k: GroupKind) -> [bool; 5] {
         GroupKind::Pp => [false, false, false, false, true],
         GroupKind::DenseDp => [false, true, true, true, false],
         GroupKind::ExpertDp => [false, true, false, true, false],
+        GroupKind::World => [true, true, true, true, true],
     }
 }
 

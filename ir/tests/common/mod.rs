@@ -152,7 +152,7 @@ fn raw_op(names: BoxedStrategy<String>) -> impl Strategy<Value = Op> {
 }
 
 type NodeSpec = (Op, bool, Pass, Option<u32>, Option<u32>, Vec<u32>);
-type GroupSpec = (u32, String, u32, Fabric, std::collections::BTreeSet<u32>);
+type GroupSpec = (u32, Axis, u32, Fabric, std::collections::BTreeSet<u32>);
 type BufferSpec = (String, BufferKind, u64, bool, u32, u32);
 
 fn node_spec(names: BoxedStrategy<String>) -> impl Strategy<Value = NodeSpec> {
@@ -180,7 +180,7 @@ pub fn arb_graph_with(names: BoxedStrategy<String>) -> impl Strategy<Value = Gra
         vec(
             (
                 1u32..4,
-                names.clone(),
+                prop::sample::select(Axis::ALL.to_vec()),
                 0u32..100,
                 fabric,
                 btree_set(any::<u32>(), 0..6),
