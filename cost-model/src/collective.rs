@@ -12,6 +12,17 @@ pub fn all_reduce_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
     2.0 * (n - 1.0) / n * bytes / (gbps * 1e9) + 2.0 * (n - 1.0) * alpha_s
 }
 
+/// Double-binary-tree all-reduce (what NCCL's tuner picks for small messages over many
+/// ranks): a reduce up and a broadcast down `ceil(log2 n)` levels, the whole message over
+/// each link: `2 ceil(log2 n) (alpha + M / B)`.
+pub fn tree_all_reduce_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    let depth = (n as f64).log2().ceil();
+    2.0 * depth * (alpha_s + bytes / (gbps * 1e9))
+}
+
 /// Ring all-gather or reduce-scatter: `(n-1)/n * M / B + (n-1) alpha`.
 pub fn all_gather_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
     if n <= 1 {

@@ -14,7 +14,7 @@
 //! the bubble and the in-flight activations come from a walk of the schedule
 //! ([`crate::schedule::walk`]), since the closed forms assume equal chunks. Collectives run on the fabric their group crosses (see `group_link`).
 
-use crate::collective::{all_gather_s, all_reduce_s, reduce_scatter_s, send_s};
+use crate::collective::{all_gather_s, all_reduce_s, reduce_scatter_s, send_s, tree_all_reduce_s};
 use crate::flops;
 use crate::framework;
 use crate::layer::{layer_ops, LayerKind, LayerShape, OpCost, OpKind};
@@ -946,19 +946,10 @@ pub fn evaluate_with(
     };
     let opt_params = dense_p * shard(ddp) + expert_p * shard(edp);
     // Before it, the global gradient norm for clipping: an 8-byte all-reduce over every
-    // rank, latency-bound, so a tree (NCCL picks one for small messages): 2 log2(world)
-    // hops at the slowest link's latency. Counted in `optimizer_s`.
-    let world_n = layout.world();
-    let norm_lat = if world_n > job.cluster.gpus_per_node as u64 {
-        job.hardware.inter_node_latency_s
-    } else {
-        job.hardware.nvlink_latency_s
-    };
-    let grad_norm_s = if world_n > 1 {
-        2.0 * (world_n as f64).log2().ceil() * norm_lat
-    } else {
-        0.0
-    };
+    // rank, latency-bound, so a tree (NCCL picks one for small messages) on the world
+    // group's link. Counted in `optimizer_s`.
+    let norm_link = group_link(job, mesh.fabric(GroupKind::World));
+    let grad_norm_s = tree_all_reduce_s(8.0, layout.world(), norm_link.gbps, norm_link.latency_s);
     let optimizer_s =
         opt_params * opt_bytes_per_param / (job.hardware.hbm_gbps * 1e9) + grad_norm_s;
 

@@ -70,8 +70,8 @@ use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::model::{lr_at, shard, Dims, Split};
-use shardwright_ir::{Axis, 
-    CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, ReduceOp, Stream,
+use shardwright_ir::{
+    Axis, CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, ReduceOp, Stream,
 };
 use shardwright_spec::job::Job;
 use shardwright_spec::Layout;

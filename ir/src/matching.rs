@@ -20,8 +20,8 @@
 
 use crate::graph::{Graph, Node, Op, ProcessGroup, ReduceOp};
 use crate::ids::{GroupId, NodeId};
-use crate::vocab::Axis;
 use crate::program::{Program, RankClass};
+use crate::vocab::Axis;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};

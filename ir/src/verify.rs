@@ -587,7 +587,10 @@ fn values(g: &Graph, e: &mut Errors<'_>) {
                 Life::Defined(at) if !val.kind.is_state() => e.at(
                     i,
                     "redefinition",
-                    format!("{v} (`{}`) is already defined at {}", val.name, g.nodes[at].id),
+                    format!(
+                        "{v} (`{}`) is already defined at {}",
+                        val.name, g.nodes[at].id
+                    ),
                 ),
                 Life::Entry if !val.kind.is_state() => e.at(
                     i,
@@ -721,8 +724,12 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             }
             bytes("result", res(0)?, *dtype, output)
         }
-        Op::Send { bytes: b, dtype, .. } => bytes("operand", arg(0)?, *dtype, *b),
-        Op::Recv { bytes: b, dtype, .. } => bytes("result", res(0)?, *dtype, *b),
+        Op::Send {
+            bytes: b, dtype, ..
+        } => bytes("operand", arg(0)?, *dtype, *b),
+        Op::Recv {
+            bytes: b, dtype, ..
+        } => bytes("result", res(0)?, *dtype, *b),
         _ => Ok(()),
     }
 }

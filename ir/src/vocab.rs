@@ -65,10 +65,13 @@ impl fmt::Display for Axis {
 impl FromStr for Axis {
     type Err = String;
     fn from_str(s: &str) -> Result<Axis, String> {
-        Axis::ALL.into_iter().find(|a| a.name() == s).ok_or_else(|| {
-            let names: Vec<&str> = Axis::ALL.iter().map(|a| a.name()).collect();
-            format!("unknown axis {s:?} (one of {})", names.join(", "))
-        })
+        Axis::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Axis::ALL.iter().map(|a| a.name()).collect();
+                format!("unknown axis {s:?} (one of {})", names.join(", "))
+            })
     }
 }
 
@@ -81,7 +84,16 @@ mod tests {
         let names: Vec<&str> = Axis::ALL.iter().map(|a| a.name()).collect();
         assert_eq!(
             names,
-            ["tp", "cp", "ep", "dp", "pp", "dense_dp", "expert_dp", "world"]
+            [
+                "tp",
+                "cp",
+                "ep",
+                "dp",
+                "pp",
+                "dense_dp",
+                "expert_dp",
+                "world"
+            ]
         );
         for a in Axis::ALL {
             assert_eq!(a.name().parse::<Axis>(), Ok(a));

@@ -94,7 +94,12 @@ fn redefinition() {
     // also the wrong size, and the logits it should define are then read undefined).
     assert_eq!(
         rules(&edit("-> %9 @compute", "-> %0 @compute")),
-        ["redefinition", "value-shape", "use-before-def", "use-before-def"]
+        [
+            "redefinition",
+            "value-shape",
+            "use-before-def",
+            "use-before-def"
+        ]
     );
 }
 
@@ -118,7 +123,10 @@ fn release_state() {
         ["release-state"]
     );
     assert_eq!(
-        rules(&edit("release %2, %4, %6, %7, %9, %10 @", "release %2, %4, %6, %7, %9, %10 -> %5 @")),
+        rules(&edit(
+            "release %2, %4, %6, %7, %9, %10 @",
+            "release %2, %4, %6, %7, %9, %10 -> %5 @"
+        )),
         ["release-state"]
     );
 }
@@ -136,11 +144,17 @@ fn unreleased() {
 fn value_shape() {
     // gemm: [m,k] x [k,n] -> [m,n].
     assert_eq!(
-        rules(&edit("value %6 activation bf16[8,24]", "value %6 activation bf16[8,25]")),
+        rules(&edit(
+            "value %6 activation bf16[8,24]",
+            "value %6 activation bf16[8,25]"
+        )),
         ["value-shape", "value-shape"]
     );
     // A wrong operand: the norm's weight where the gemm reads its input.
-    assert_eq!(rules(&edit("%4, %5 -> %6", "%3, %5 -> %6")), ["value-shape"]);
+    assert_eq!(
+        rules(&edit("%4, %5 -> %6", "%3, %5 -> %6")),
+        ["value-shape"]
+    );
     // Collectives: the all-gather's input is one member's share of `bytes`.
     assert_eq!(
         rules(&edit("all_gather g0 bytes=768", "all_gather g0 bytes=384")),
@@ -148,13 +162,23 @@ fn value_shape() {
     );
     // ... and the dtype of what they move.
     assert_eq!(
-        rules(&edit("all_reduce g0 bytes=384 bf16", "all_reduce g0 bytes=384 f16")),
+        rules(&edit(
+            "all_reduce g0 bytes=384 bf16",
+            "all_reduce g0 bytes=384 f16"
+        )),
         ["value-shape"]
     );
     // A loss without its logits.
-    assert_eq!(rules(&edit("%9, %0 @compute", "%0 @compute")), ["value-shape"]);
+    assert_eq!(
+        rules(&edit("%9, %0 @compute", "%0 @compute")),
+        ["value-shape"]
+    );
     let es = verify_graph(&edit("%9, %0 @compute", "%0 @compute")).unwrap_err();
-    assert!(es[0].message.contains("has 8 elements, the op needs 256"), "{}", es[0]);
+    assert!(
+        es[0].message.contains("has 8 elements, the op needs 256"),
+        "{}",
+        es[0]
+    );
 }
 
 #[test]

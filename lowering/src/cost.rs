@@ -25,7 +25,7 @@
 
 use crate::lower::Lowered;
 use shardwright_cost::collective::{
-    all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s,
+    all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s, tree_all_reduce_s,
 };
 use shardwright_cost::eval::group_link;
 use shardwright_cost::layer::{self, layer_ops, Coll, LayerKind, LayerShape, OpKind};
@@ -35,16 +35,6 @@ use std::collections::BTreeMap;
 
 /// Up to this size a named all-reduce may take the tree algorithm's time.
 const SMALL_BYTES: f64 = (1 << 20) as f64;
-
-/// Double-binary-tree all-reduce: a reduce up and a broadcast down `ceil(log2 n)` levels,
-/// the whole message over each link.
-fn tree_all_reduce_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
-    if n <= 1 {
-        return 0.0;
-    }
-    let depth = (n as f64).log2().ceil();
-    2.0 * depth * (alpha_s + bytes / (gbps * 1e9))
-}
 
 /// Template ops by (layer kind, pass, name): (exposed seconds, elements for elementwise).
 type Table = BTreeMap<(u8, u8, &'static str), (f64, f64)>;
@@ -198,9 +188,7 @@ impl<'a> PlanCost<'a> {
                 if node.layer.is_some() && tensor.is_none() {
                     let name = match (g.axis, ck) {
                         (GroupKind::Tp, CollectiveKind::AllGather) => Some("tp.all_gather"),
-                        (GroupKind::Tp, CollectiveKind::ReduceScatter) => {
-                            Some("tp.reduce_scatter")
-                        }
+                        (GroupKind::Tp, CollectiveKind::ReduceScatter) => Some("tp.reduce_scatter"),
                         (GroupKind::Tp, _) => Some("tp.all_reduce"),
                         (GroupKind::Cp, _) => Some("cp"),
                         (GroupKind::Ep, _) => Some("ep"),

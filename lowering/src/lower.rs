@@ -289,6 +289,24 @@ fn pad(bytes: u64, n: u64, dt: DType) -> u64 {
     bytes.div_ceil(unit) * unit
 }
 
+/// One collective the builder emits (see [`Builder::collective`]).
+struct Coll {
+    stream: Stream,
+    pass: Pass,
+    mb: Option<u32>,
+    layer: Option<u32>,
+    kind: CollectiveKind,
+    axis: GroupKind,
+    /// The full logical tensor (padded to the group's share here).
+    bytes: u64,
+    dt: DType,
+    /// The next compute node waits for it.
+    blocking: bool,
+    /// What it moves, when it is not the layer's activations (`loss.max`, `grad_norm`, ...).
+    tensor: Option<String>,
+    reduce: ReduceOp,
+}
+
 struct Builder<'a> {
     g: Graph,
     program: &'a Program,
@@ -317,22 +335,10 @@ impl Builder<'_> {
         id
     }
 
-    /// A collective that the following compute waits for (or, on the dp stream, that
-    /// waits for the preceding compute only).
-    #[allow(clippy::too_many_arguments)]
-    fn collective(
-        &mut self,
-        stream: Stream,
-        pass: Pass,
-        mb: Option<u32>,
-        layer: Option<u32>,
-        kind: CollectiveKind,
-        axis: GroupKind,
-        bytes: u64,
-        dt: DType,
-        blocking: bool,
-    ) -> Option<NodeId> {
-        self.named(
+    /// A collective that the following compute waits for (`blocking`), or, on the dp
+    /// stream, that waits for the preceding compute only.
+    fn collective(&mut self, c: Coll) -> Option<NodeId> {
+        let Coll {
             stream,
             pass,
             mb,
@@ -342,27 +348,9 @@ impl Builder<'_> {
             bytes,
             dt,
             blocking,
-            None,
-            ReduceOp::Sum,
-        )
-    }
-
-    /// [`Builder::collective`] naming the tensor it moves and its reduction.
-    #[allow(clippy::too_many_arguments)]
-    fn named(
-        &mut self,
-        stream: Stream,
-        pass: Pass,
-        mb: Option<u32>,
-        layer: Option<u32>,
-        kind: CollectiveKind,
-        axis: GroupKind,
-        bytes: u64,
-        dt: DType,
-        blocking: bool,
-        tensor: Option<String>,
-        reduce: ReduceOp,
-    ) -> Option<NodeId> {
+            tensor,
+            reduce,
+        } = c;
         let group = self.group_named(axis)?;
         let n = self.program.group(group).ranks.len() as u64;
         let bytes = match kind {
@@ -614,17 +602,19 @@ impl<'a> Ctx<'a> {
     fn tp_gather(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>) {
         let d = self.dims();
         if d.sp {
-            b.collective(
-                Stream::Comm,
+            b.collective(Coll {
+                stream: Stream::Comm,
                 pass,
                 mb,
                 layer,
-                CollectiveKind::AllGather,
-                GroupKind::Tp,
-                d.t * d.h * d.w.bytes(),
-                d.w,
-                true,
-            );
+                kind: CollectiveKind::AllGather,
+                axis: GroupKind::Tp,
+                bytes: d.t * d.h * d.w.bytes(),
+                dt: d.w,
+                blocking: true,
+                tensor: None,
+                reduce: ReduceOp::Sum,
+            });
         }
     }
 
@@ -638,17 +628,19 @@ impl<'a> Ctx<'a> {
             } else {
                 CollectiveKind::AllReduce
             };
-            b.collective(
-                Stream::Comm,
+            b.collective(Coll {
+                stream: Stream::Comm,
                 pass,
                 mb,
                 layer,
                 kind,
-                GroupKind::Tp,
-                d.t * d.h * d.w.bytes(),
-                d.w,
-                true,
-            );
+                axis: GroupKind::Tp,
+                bytes: d.t * d.h * d.w.bytes(),
+                dt: d.w,
+                blocking: true,
+                tensor: None,
+                reduce: ReduceOp::Sum,
+            });
         }
     }
 
@@ -666,19 +658,19 @@ impl<'a> Ctx<'a> {
             ("loss.max", ReduceOp::Max, 1),
             ("loss.target_sumexp", ReduceOp::Sum, 2),
         ] {
-            b.named(
-                Stream::Comm,
-                Pass::Fwd,
+            b.collective(Coll {
+                stream: Stream::Comm,
+                pass: Pass::Fwd,
                 mb,
-                None,
-                CollectiveKind::AllReduce,
-                GroupKind::Tp,
-                per_token * d.t * DType::F32.bytes(),
-                DType::F32,
-                true,
-                Some(tensor.into()),
+                layer: None,
+                kind: CollectiveKind::AllReduce,
+                axis: GroupKind::Tp,
+                bytes: per_token * d.t * DType::F32.bytes(),
+                dt: DType::F32,
+                blocking: true,
+                tensor: Some(tensor.into()),
                 reduce,
-            );
+            });
         }
     }
 
@@ -711,17 +703,19 @@ impl<'a> Ctx<'a> {
         );
         if self.layout.cp > 1 {
             let kv = 2 * d.t * self.layout.cp as u64 * d.kv_heads * d.d * d.w.bytes();
-            b.collective(
-                Stream::Comm,
+            b.collective(Coll {
+                stream: Stream::Comm,
                 pass,
-                mbo,
-                lo,
-                CollectiveKind::AllGather,
-                GroupKind::Cp,
-                kv,
-                d.w,
-                true,
-            );
+                mb: mbo,
+                layer: lo,
+                kind: CollectiveKind::AllGather,
+                axis: GroupKind::Cp,
+                bytes: kv,
+                dt: d.w,
+                blocking: true,
+                tensor: None,
+                reduce: ReduceOp::Sum,
+            });
         }
         b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, false));
         b.compute(
@@ -842,19 +836,19 @@ impl<'a> Ctx<'a> {
             axes.push(GroupKind::Cp);
         }
         for axis in axes {
-            b.named(
-                Stream::Comm,
+            b.collective(Coll {
+                stream: Stream::Comm,
                 pass,
-                Some(mb),
-                Some(layer),
-                CollectiveKind::AllReduce,
+                mb: Some(mb),
+                layer: Some(layer),
+                kind: CollectiveKind::AllReduce,
                 axis,
                 bytes,
-                DType::F32,
-                true,
-                Some(format!("L{layer}.moe.stats.{}", axis.name())),
-                ReduceOp::Sum,
-            );
+                dt: DType::F32,
+                blocking: true,
+                tensor: Some(format!("L{layer}.moe.stats.{}", axis.name())),
+                reduce: ReduceOp::Sum,
+            });
         }
     }
 
@@ -869,19 +863,19 @@ impl<'a> Ctx<'a> {
             return;
         }
         let k = self.job.model.moe.as_ref().map_or(0, |x| x.top_k as u64);
-        b.named(
-            Stream::Comm,
-            Pass::Bwd,
-            Some(mb),
-            Some(layer),
-            CollectiveKind::AllReduce,
-            GroupKind::Tp,
-            d.t * k * DType::F32.bytes(),
-            DType::F32,
-            true,
-            Some(format!("L{layer}.moe.gate_grad")),
-            ReduceOp::Sum,
-        );
+        b.collective(Coll {
+            stream: Stream::Comm,
+            pass: Pass::Bwd,
+            mb: Some(mb),
+            layer: Some(layer),
+            kind: CollectiveKind::AllReduce,
+            axis: GroupKind::Tp,
+            bytes: d.t * k * DType::F32.bytes(),
+            dt: DType::F32,
+            blocking: true,
+            tensor: Some(format!("L{layer}.moe.gate_grad")),
+            reduce: ReduceOp::Sum,
+        });
     }
 
     /// Sequence parallelism with experts sharded over tp (Megatron's alltoall token
@@ -907,35 +901,37 @@ impl<'a> Ctx<'a> {
         } else {
             "experts_scatter"
         };
-        b.named(
-            Stream::Comm,
+        b.collective(Coll {
+            stream: Stream::Comm,
             pass,
-            Some(mb),
-            Some(layer),
+            mb: Some(mb),
+            layer: Some(layer),
             kind,
-            GroupKind::Tp,
-            d.t * k * d.h * d.w.bytes(),
-            d.w,
-            true,
-            Some(format!("L{layer}.moe.{name}")),
-            ReduceOp::Sum,
-        );
+            axis: GroupKind::Tp,
+            bytes: d.t * k * d.h * d.w.bytes(),
+            dt: d.w,
+            blocking: true,
+            tensor: Some(format!("L{layer}.moe.{name}")),
+            reduce: ReduceOp::Sum,
+        });
     }
 
     fn ep_a2a(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>, bytes: u64) {
         if self.layout.ep_group() > 1 {
             let w = self.dims().w;
-            b.collective(
-                Stream::Comm,
+            b.collective(Coll {
+                stream: Stream::Comm,
                 pass,
                 mb,
                 layer,
-                CollectiveKind::AllToAll,
-                GroupKind::Ep,
+                kind: CollectiveKind::AllToAll,
+                axis: GroupKind::Ep,
                 bytes,
-                w,
-                true,
-            );
+                dt: w,
+                blocking: true,
+                tensor: None,
+                reduce: ReduceOp::Sum,
+            });
         }
     }
 
@@ -1140,17 +1136,19 @@ impl<'a> Ctx<'a> {
         b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, true));
         if self.layout.cp > 1 {
             let kv = 2 * d.t * self.layout.cp as u64 * d.kv_heads * d.d * d.w.bytes();
-            b.collective(
-                Stream::Comm,
+            b.collective(Coll {
+                stream: Stream::Comm,
                 pass,
-                mbo,
-                lo,
-                CollectiveKind::ReduceScatter,
-                GroupKind::Cp,
-                kv,
-                d.w,
-                true,
-            );
+                mb: mbo,
+                layer: lo,
+                kind: CollectiveKind::ReduceScatter,
+                axis: GroupKind::Cp,
+                bytes: kv,
+                dt: d.w,
+                blocking: true,
+                tensor: None,
+                reduce: ReduceOp::Sum,
+            });
         }
         b.compute(
             pass,
@@ -1221,19 +1219,19 @@ impl<'a> Ctx<'a> {
             Some(l) => format!("L{l}.replicated_grads"),
             None => "ends.replicated_grads".to_string(),
         };
-        if let Some(id) = b.named(
-            Stream::Dp,
+        if let Some(id) = b.collective(Coll {
+            stream: Stream::Dp,
             pass,
             mb,
             layer,
-            CollectiveKind::AllReduce,
-            GroupKind::Tp,
-            n * g.bytes(),
-            g,
-            false,
-            Some(tensor),
-            ReduceOp::Sum,
-        ) {
+            kind: CollectiveKind::AllReduce,
+            axis: GroupKind::Tp,
+            bytes: n * g.bytes(),
+            dt: g,
+            blocking: false,
+            tensor: Some(tensor),
+            reduce: ReduceOp::Sum,
+        }) {
             out.push(id);
         }
     }
@@ -1263,8 +1261,19 @@ impl<'a> Ctx<'a> {
                 continue;
             }
             let bytes = p.round() as u64 * g.bytes();
-            if let Some(id) = b.collective(Stream::Dp, pass, mb, layer, kind, axis, bytes, g, false)
-            {
+            if let Some(id) = b.collective(Coll {
+                stream: Stream::Dp,
+                pass,
+                mb,
+                layer,
+                kind,
+                axis,
+                bytes,
+                dt: g,
+                blocking: false,
+                tensor: None,
+                reduce: ReduceOp::Sum,
+            }) {
                 out.push(id);
             }
         }
@@ -1290,17 +1299,19 @@ impl<'a> Ctx<'a> {
             let bytes = p.round() as u64 * w.bytes();
             // The gather does not wait for compute: the dp stream runs ahead (prefetch).
             let saved = b.last.take();
-            if let Some(id) = b.collective(
-                Stream::Dp,
+            if let Some(id) = b.collective(Coll {
+                stream: Stream::Dp,
                 pass,
-                Some(mb),
+                mb: Some(mb),
                 layer,
-                CollectiveKind::AllGather,
+                kind: CollectiveKind::AllGather,
                 axis,
                 bytes,
-                w,
-                false,
-            ) {
+                dt: w,
+                blocking: false,
+                tensor: None,
+                reduce: ReduceOp::Sum,
+            }) {
                 b.pending.push(id);
             }
             b.last = saved;
@@ -1531,23 +1542,23 @@ impl<'a> Ctx<'a> {
                         // The head's input gradient is a partial sum over the vocabulary
                         // shards: reduce-scattered into the sequence shards with SP, else
                         // all-reduced (Megatron's column-parallel backward).
-                        b.named(
-                            Stream::Comm,
-                            Pass::Bwd,
-                            mbo,
-                            None,
-                            if d.sp {
+                        b.collective(Coll {
+                            stream: Stream::Comm,
+                            pass: Pass::Bwd,
+                            mb: mbo,
+                            layer: None,
+                            kind: if d.sp {
                                 CollectiveKind::ReduceScatter
                             } else {
                                 CollectiveKind::AllReduce
                             },
-                            GroupKind::Tp,
-                            d.t * d.h * d.w.bytes(),
-                            d.w,
-                            true,
-                            Some("head.dgrad".into()),
-                            ReduceOp::Sum,
-                        );
+                            axis: GroupKind::Tp,
+                            bytes: d.t * d.h * d.w.bytes(),
+                            dt: d.w,
+                            blocking: true,
+                            tensor: Some("head.dgrad".into()),
+                            reduce: ReduceOp::Sum,
+                        });
                         b.compute(Pass::Bwd, mbo, None, norm(d.ts, d.h));
                         if let Some(buf) = ends.remove(&(u32::MAX - s.mb)) {
                             b.mem(false, buf, Pass::Bwd, mbo, None);
@@ -1624,19 +1635,19 @@ impl<'a> Ctx<'a> {
                         // vocabulary-parallel embedding's backward (every tp rank scatters
                         // every token's row into its vocabulary shard).
                         if d.sp {
-                            b.named(
-                                Stream::Comm,
-                                Pass::Bwd,
-                                mbo,
-                                None,
-                                CollectiveKind::AllGather,
-                                GroupKind::Tp,
-                                d.t * d.h * d.w.bytes(),
-                                d.w,
-                                true,
-                                Some("embed.dgrad.gather".into()),
-                                ReduceOp::Sum,
-                            );
+                            b.collective(Coll {
+                                stream: Stream::Comm,
+                                pass: Pass::Bwd,
+                                mb: mbo,
+                                layer: None,
+                                kind: CollectiveKind::AllGather,
+                                axis: GroupKind::Tp,
+                                bytes: d.t * d.h * d.w.bytes(),
+                                dt: d.w,
+                                blocking: true,
+                                tensor: Some("embed.dgrad.gather".into()),
+                                reduce: ReduceOp::Sum,
+                            });
                         }
                         b.compute(Pass::Bwd, mbo, None, embedding_op(&d));
                         if let Some(buf) = ends.remove(&s.mb) {
@@ -1683,19 +1694,19 @@ impl<'a> Ctx<'a> {
         let mut deps: Vec<NodeId> = b.pending.iter().copied().chain(b.last).collect();
         deps.sort_unstable();
         deps.dedup();
-        let norm = b.named(
-            Stream::Dp,
-            Pass::Step,
-            None,
-            None,
-            CollectiveKind::AllReduce,
-            GroupKind::World,
-            2 * DType::F32.bytes(),
-            DType::F32,
-            true,
-            Some("grad_norm".into()),
-            ReduceOp::Sum,
-        );
+        let norm = b.collective(Coll {
+            stream: Stream::Dp,
+            pass: Pass::Step,
+            mb: None,
+            layer: None,
+            kind: CollectiveKind::AllReduce,
+            axis: GroupKind::World,
+            bytes: 2 * DType::F32.bytes(),
+            dt: DType::F32,
+            blocking: true,
+            tensor: Some("grad_norm".into()),
+            reduce: ReduceOp::Sum,
+        });
         if let Some(id) = norm {
             // It waits for every gradient reduction and the last compute.
             let node = &mut b.g.nodes[id.index()];
@@ -1735,17 +1746,19 @@ impl<'a> Ctx<'a> {
                 (expert_p, GroupKind::ExpertDp),
             ] {
                 if p_ > 0.0 {
-                    b.collective(
-                        Stream::Dp,
-                        Pass::Step,
-                        None,
-                        None,
-                        CollectiveKind::AllGather,
+                    b.collective(Coll {
+                        stream: Stream::Dp,
+                        pass: Pass::Step,
+                        mb: None,
+                        layer: None,
+                        kind: CollectiveKind::AllGather,
                         axis,
-                        round(p_) * d.w.bytes(),
-                        d.w,
-                        false,
-                    );
+                        bytes: round(p_) * d.w.bytes(),
+                        dt: d.w,
+                        blocking: false,
+                        tensor: None,
+                        reduce: ReduceOp::Sum,
+                    });
                 }
             }
         }
@@ -1760,19 +1773,19 @@ impl<'a> Ctx<'a> {
                 ends_p += self.lc.head_params;
             }
             if ends_p > 0.0 {
-                b.named(
-                    Stream::Dp,
-                    Pass::Step,
-                    None,
-                    None,
-                    CollectiveKind::AllGather,
-                    GroupKind::DenseDp,
-                    round(ends_p) * d.w.bytes(),
-                    d.w,
-                    false,
-                    Some("ends.weights".into()),
-                    ReduceOp::Sum,
-                );
+                b.collective(Coll {
+                    stream: Stream::Dp,
+                    pass: Pass::Step,
+                    mb: None,
+                    layer: None,
+                    kind: CollectiveKind::AllGather,
+                    axis: GroupKind::DenseDp,
+                    bytes: round(ends_p) * d.w.bytes(),
+                    dt: d.w,
+                    blocking: false,
+                    tensor: Some("ends.weights".into()),
+                    reduce: ReduceOp::Sum,
+                });
             }
         }
         let ck = round(self.eval.estimate.reliability.checkpoint_bytes_per_gpu);

@@ -74,4 +74,3 @@ pub fn declare_groups(mesh: &Mesh) -> (Vec<ProcessGroup>, Vec<Vec<GroupId>>) {
     }
     (groups, membership)
 }
-

@@ -347,7 +347,16 @@ mod tests {
         let names: Vec<String> = GroupKind::ALL.iter().map(|k| k.to_string()).collect();
         assert_eq!(
             names,
-            ["tp", "cp", "ep", "dp", "pp", "dense_dp", "expert_dp", "world"]
+            [
+                "tp",
+                "cp",
+                "ep",
+                "dp",
+                "pp",
+                "dense_dp",
+                "expert_dp",
+                "world"
+            ]
         );
     }
 
