@@ -1332,70 +1332,11 @@ impl<'a> Ctx<'a> {
             last: None,
             pending: Vec::new(),
         };
-        let re = &self.eval.ranks[j as usize];
-        let mem = &re.memory;
         let z3 = l.zero_stage >= 3;
         let round = |x: f64| x.max(0.0).round() as u64;
 
         // ---- persistent state and step buffers ----
-        let mut persistent = Vec::new();
-        for (name, kind, bytes) in [
-            ("weights", BufferKind::Weight, mem.weights_bytes),
-            ("grads", BufferKind::Grad, mem.grads_bytes),
-            ("master", BufferKind::Master, mem.master_bytes),
-            ("optimizer", BufferKind::Optimizer, mem.optimizer_bytes),
-            ("comm_buffers", BufferKind::Reserve, mem.comm_buffers_bytes),
-            // The allocator's rounding loss at the activation peak is held for the step.
-            (
-                "reserve",
-                BufferKind::Reserve,
-                mem.reserve_bytes + mem.allocator_waste_bytes,
-            ),
-        ] {
-            if bytes > 0.0 {
-                persistent.push(b.g.buffer(name, kind, round(bytes)));
-            }
-        }
-        for id in persistent {
-            b.mem(true, id, Pass::Step, None, None);
-        }
-        // Temporaries the cost model counts: gradient buckets (and the ZeRO-3 prefetch of two
-        // layers' full weights), allocated for the step.
-        let (dense_p, expert_p) = {
-            let mut dp = 0.0;
-            let mut ep = 0.0;
-            for &(first, count) in &self.chunks[j as usize] {
-                for layer in first..first + count {
-                    let (a, e) = self.layer_params(layer);
-                    dp += a;
-                    ep += e;
-                }
-            }
-            if j == 0 {
-                dp += self.lc.embed_params;
-            }
-            if j == p - 1 {
-                dp += self.lc.head_params;
-            }
-            (dp, ep)
-        };
-        let g_bytes = self.job.training.grad_dtype.bytes();
-        let bucket = 2.0 * (dense_p + expert_p).min(40e6) * g_bytes;
-        let mut step_temps = vec![b.g.buffer("grad_buckets", BufferKind::Comm, round(bucket))];
-        if z3 {
-            let layer_full = self
-                .lc
-                .dense_layer_params
-                .max(self.lc.moe_layer_dense_params + self.lc.moe_layer_expert_params);
-            step_temps.push(b.g.buffer(
-                "zero3_prefetch",
-                BufferKind::Comm,
-                round(2.0 * layer_full * d.w.bytes() as f64),
-            ));
-        }
-        for &id in &step_temps {
-            b.mem(true, id, Pass::Step, None, None);
-        }
+        let (step_temps, params) = self.step_buffers(&mut b, j);
 
         // ---- pipeline schedule ----
         let stride = self.mesh.shape(GroupKind::Pp).dims[0].0 as i64;
@@ -1687,6 +1628,96 @@ impl<'a> Ctx<'a> {
         }
 
         // ---- optimizer step, parameter all-gather, checkpoint ----
+        self.step_tail(&mut b, j, params, dp_nodes);
+        for &id in step_temps.iter().rev() {
+            b.mem(false, id, Pass::Step, None, None);
+        }
+        b.g
+    }
+
+    /// The rank's persistent state (weights, gradients, master, optimizer, communication
+    /// buffers, reserve) allocated for good, and the step's temporaries (gradient buckets,
+    /// ZeRO-3 prefetch) allocated for the step. Returns the temporaries and the stage's
+    /// (dense, expert) parameter counts.
+    fn step_buffers(&self, b: &mut Builder, j: u32) -> (Vec<BufferId>, (f64, f64)) {
+        let l = self.layout;
+        let p = l.pp;
+        let d = self.dims();
+        let mem = &self.eval.ranks[j as usize].memory;
+        let z3 = l.zero_stage >= 3;
+        let round = |x: f64| x.max(0.0).round() as u64;
+        let mut persistent = Vec::new();
+        for (name, kind, bytes) in [
+            ("weights", BufferKind::Weight, mem.weights_bytes),
+            ("grads", BufferKind::Grad, mem.grads_bytes),
+            ("master", BufferKind::Master, mem.master_bytes),
+            ("optimizer", BufferKind::Optimizer, mem.optimizer_bytes),
+            ("comm_buffers", BufferKind::Reserve, mem.comm_buffers_bytes),
+            // The allocator's rounding loss at the activation peak is held for the step.
+            (
+                "reserve",
+                BufferKind::Reserve,
+                mem.reserve_bytes + mem.allocator_waste_bytes,
+            ),
+        ] {
+            if bytes > 0.0 {
+                persistent.push(b.g.buffer(name, kind, round(bytes)));
+            }
+        }
+        for id in persistent {
+            b.mem(true, id, Pass::Step, None, None);
+        }
+        // Temporaries the cost model counts: gradient buckets (and the ZeRO-3 prefetch of two
+        // layers' full weights), allocated for the step.
+        let (dense_p, expert_p) = {
+            let mut dp = 0.0;
+            let mut ep = 0.0;
+            for &(first, count) in &self.chunks[j as usize] {
+                for layer in first..first + count {
+                    let (a, e) = self.layer_params(layer);
+                    dp += a;
+                    ep += e;
+                }
+            }
+            if j == 0 {
+                dp += self.lc.embed_params;
+            }
+            if j == p - 1 {
+                dp += self.lc.head_params;
+            }
+            (dp, ep)
+        };
+        let g_bytes = self.job.training.grad_dtype.bytes();
+        let bucket = 2.0 * (dense_p + expert_p).min(40e6) * g_bytes;
+        let mut step_temps = vec![b.g.buffer("grad_buckets", BufferKind::Comm, round(bucket))];
+        if z3 {
+            let layer_full = self
+                .lc
+                .dense_layer_params
+                .max(self.lc.moe_layer_dense_params + self.lc.moe_layer_expert_params);
+            step_temps.push(b.g.buffer(
+                "zero3_prefetch",
+                BufferKind::Comm,
+                round(2.0 * layer_full * d.w.bytes() as f64),
+            ));
+        }
+        for &id in &step_temps {
+            b.mem(true, id, Pass::Step, None, None);
+        }
+
+        (step_temps, (dense_p, expert_p))
+    }
+
+    /// After the last backward: the gradient norm's all-reduce (waiting for every gradient
+    /// reduction `dp_nodes`), the optimizer step, ZeRO's parameter all-gathers and the
+    /// checkpoint.
+    fn step_tail(&self, b: &mut Builder, j: u32, params: (f64, f64), dp_nodes: Vec<NodeId>) {
+        let l = self.layout;
+        let p = l.pp;
+        let d = self.dims();
+        let z3 = l.zero_stage >= 3;
+        let round = |x: f64| x.max(0.0).round() as u64;
+        let (dense_p, expert_p) = params;
         b.pending.extend(dp_nodes.iter().copied());
         // Gradient clipping's global norm: every rank's sum of squares of the gradient
         // elements it owns, summed over all ranks (with the step's loss share beside it for
@@ -1800,9 +1831,5 @@ impl<'a> Ctx<'a> {
             },
             vec![opt],
         );
-        for &id in step_temps.iter().rev() {
-            b.mem(false, id, Pass::Step, None, None);
-        }
-        b.g
     }
 }
