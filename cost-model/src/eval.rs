@@ -821,7 +821,6 @@ pub fn evaluate_with(
         start += count;
     }
 
-    let e = &job.efficiency;
     let m = mb_count as f64;
     let bubble = match &walk {
         Some(w) => (w.makespan - m * slow_total).max(0.0),
@@ -829,6 +828,257 @@ pub fn evaluate_with(
         None if p > 1 => (sum_total - slow_total) / v as f64,
         None => 0.0,
     };
+    let StepTerms {
+        pp_s,
+        dp_total,
+        dp_exposed,
+        optimizer_s,
+        step,
+    } = step_terms(
+        job,
+        lc,
+        layout,
+        &mesh,
+        slow.gemm + slow.attn + slow.elementwise,
+        slow_total,
+        max_params,
+        bubble,
+    );
+    let tr = &job.training;
+    let tokens_per_step = tr.global_batch as f64 * model.seq_len as f64;
+    let tokens_per_s = tokens_per_step / step;
+    let world = layout.world() as f64;
+    let mf = flops::model_flops_per_token(model);
+    let hf = flops::hardware_flops_per_token_framework(
+        model,
+        layout.recompute,
+        &job.training.recompute_modules,
+        framework::mechanisms(job.framework).selective,
+    );
+    let peak = if tr.fp8_gemms {
+        job.hardware.peak_fp8_flops
+    } else {
+        job.hardware.peak_bf16_flops
+    };
+    let mfu = mf * tokens_per_s / (world * peak);
+    let hfu = hf * tokens_per_s / (world * peak);
+
+    let rel = reliability_estimate(job, layout, step);
+    // Bound for re-partitioning (v = 1): total work is fixed, the slowest rank is at least
+    // the mean, and m*max + (sum - max) grows with max; DP exposure and the optimizer step
+    // are at least 0; the goodput fraction is at most its supremum over every checkpoint
+    // interval (whatever step count the interval rounds to).
+    let goodput_bound = if p > 1 && v == 1 {
+        let mean = sum_total / p as f64;
+        let step_min = m * mean + (sum_total - mean) + pp_s;
+        tokens_per_step / step_min * goodput_fraction_sup(job, layout)
+    } else {
+        tokens_per_step / step * rel.goodput_fraction
+    };
+    let fits = worst_mem.total_bytes <= worst_mem.hbm_bytes;
+    let step_b = StepBreakdown {
+        compute_s: m * (slow.gemm + slow.attn + slow.elementwise + slow.overhead),
+        gemm_s: m * slow.gemm,
+        attention_s: m * slow.attn,
+        elementwise_s: m * slow.elementwise,
+        overhead_s: m * slow.overhead,
+        tp_comm_s: m * slow.tp_exposed,
+        tp_comm_total_s: m * slow.tp_total,
+        cp_comm_s: m * slow.cp_exposed,
+        cp_comm_total_s: m * slow.cp_total,
+        ep_comm_s: m * slow.ep,
+        pp_p2p_s: pp_s,
+        pipeline_bubble_s: bubble,
+        bubble_fraction: bubble / step,
+        dp_comm_total_s: dp_total,
+        dp_comm_exposed_s: dp_exposed,
+        dp_overlap_share: if dp_total > 0.0 {
+            1.0 - dp_exposed / dp_total
+        } else {
+            1.0
+        },
+        optimizer_s,
+        step_s: step,
+    };
+    Evaluation {
+        estimate: Estimate {
+            memory: worst_mem,
+            step: step_b,
+            tokens_per_step,
+            tokens_per_s,
+            tokens_per_s_per_gpu: tokens_per_s / world,
+            model_flops_per_token: mf,
+            hardware_flops_per_token: hf,
+            mfu,
+            hfu,
+            goodput_tokens_per_s: tokens_per_s * rel.goodput_fraction,
+            reliability: rel,
+            fits,
+        },
+        ranks,
+        goodput_bound,
+    }
+}
+
+/// What one pipeline stage of a non-interleaved layout contributes to [`evaluate`] under an
+/// explicit split: the terms the step and the memory check read from each rank.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StageTerms {
+    /// Time per micro-batch (forward + backward + recompute), `LayerTime::total`.
+    pub total_s: f64,
+    /// Its GEMM + attention + elementwise part (what data-parallel traffic hides behind).
+    pub compute_s: f64,
+    /// Parameters held: (dense, expert).
+    pub params: (f64, f64),
+    /// Peak memory of the stage (`MemoryBreakdown::total_bytes`).
+    pub memory_bytes: f64,
+}
+
+/// The cost model of a non-interleaved pipeline (vpp 1) as a function of its stage split,
+/// for an exact search over splits: [`evaluate`] with `Split::Explicit` reads each rank
+/// only through [`SplitModel::stage`], and combines them only through the slowest rank
+/// (the first with the largest `total_s`: its `total_s` and `compute_s`), the rank with
+/// the most parameters (the first with the largest dense + expert sum: its pair), the sum
+/// of the ranks' `total_s` and the largest `memory_bytes`; [`SplitModel::goodput`] is that
+/// combination.
+pub struct SplitModel<'a> {
+    job: &'a Job,
+    lc: &'a LayerCosts,
+    layout: &'a Layout,
+    mesh: Mesh,
+    group_comm: f64,
+    fraction_sup: f64,
+}
+
+impl<'a> SplitModel<'a> {
+    /// `lc` must have been built for `layout`, whose vpp must be 1.
+    pub fn new(job: &'a Job, lc: &'a LayerCosts, layout: &'a Layout) -> SplitModel<'a> {
+        assert!(
+            layout.vpp <= 1,
+            "SplitModel is for non-interleaved pipelines"
+        );
+        let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
+        let group_comm = group_buffer_bytes(job, layout, &mesh);
+        SplitModel {
+            job,
+            lc,
+            layout,
+            mesh,
+            group_comm,
+            fraction_sup: goodput_fraction_sup(job, layout),
+        }
+    }
+
+    /// Stage `j` holding layers `start .. start + count` (with the embedding when j = 0 and
+    /// the LM head when j = pp - 1).
+    pub fn stage(&self, start: u32, count: u32, j: u32) -> StageTerms {
+        let load = rank_load(self.job, start, count, j, self.layout.pp);
+        let t = rank_time(self.lc, &load);
+        let mem = rank_memory(
+            self.job,
+            self.lc,
+            self.layout,
+            &self.mesh,
+            self.group_comm,
+            &load,
+            j,
+            None,
+        );
+        StageTerms {
+            total_s: t.total(),
+            compute_s: t.gemm + t.attn + t.elementwise,
+            params: rank_params(self.lc, &load),
+            memory_bytes: mem.total_bytes,
+        }
+    }
+
+    /// An upper bound on the goodput of every split whose step is at least that of
+    /// [`SplitModel::goodput`] with these arguments: the step does not decrease with either
+    /// parameter count, and the goodput fraction is at most [`goodput_fraction_sup`].
+    pub fn goodput_ceiling(
+        &self,
+        slow_total: f64,
+        slow_compute: f64,
+        sum_total: f64,
+        max_params: (f64, f64),
+    ) -> f64 {
+        let step = self.step_s(slow_total, slow_compute, sum_total, max_params);
+        let tokens_per_step = self.job.training.global_batch as f64 * self.job.model.seq_len as f64;
+        tokens_per_step / step * self.fraction_sup
+    }
+
+    fn step_s(
+        &self,
+        slow_total: f64,
+        slow_compute: f64,
+        sum_total: f64,
+        max_params: (f64, f64),
+    ) -> f64 {
+        let p = self.layout.pp;
+        let v = self.layout.vpp.max(1);
+        let bubble = if p > 1 {
+            (sum_total - slow_total) / v as f64
+        } else {
+            0.0
+        };
+        step_terms(
+            self.job,
+            self.lc,
+            self.layout,
+            &self.mesh,
+            slow_compute,
+            slow_total,
+            max_params,
+            bubble,
+        )
+        .step
+    }
+
+    /// Goodput (tokens/s) of a split whose slowest rank has `slow_total` and `slow_compute`,
+    /// whose ranks' times sum to `sum_total` and whose rank with the most parameters holds
+    /// `max_params`: the same arithmetic as [`evaluate`]'s.
+    pub fn goodput(
+        &self,
+        slow_total: f64,
+        slow_compute: f64,
+        sum_total: f64,
+        max_params: (f64, f64),
+    ) -> f64 {
+        let step = self.step_s(slow_total, slow_compute, sum_total, max_params);
+        let tokens_per_step = self.job.training.global_batch as f64 * self.job.model.seq_len as f64;
+        let tokens_per_s = tokens_per_step / step;
+        tokens_per_s * reliability_estimate(self.job, self.layout, step).goodput_fraction
+    }
+}
+
+/// The split-dependent step terms of [`evaluate`] other than the per-rank work.
+struct StepTerms {
+    pp_s: f64,
+    dp_total: f64,
+    dp_exposed: f64,
+    optimizer_s: f64,
+    step: f64,
+}
+
+/// Step time from what the pipeline split decides: the slowest rank's time per micro-batch
+/// (`slow_total`) and its compute part (GEMM + attention + elementwise, which DP traffic
+/// hides behind), the parameters (dense, expert) of the rank holding the most, and the
+/// bubble. Shared by [`evaluate`] and [`SplitModel::goodput`], so the two cannot disagree.
+#[allow(clippy::too_many_arguments)]
+fn step_terms(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    mesh: &Mesh,
+    compute_mb: f64,
+    slow_total: f64,
+    max_params: (f64, f64),
+    bubble: f64,
+) -> StepTerms {
+    let p = layout.pp;
+    let v = layout.vpp.max(1);
+    let m = layout.grad_accum as f64;
+    let e = &job.efficiency;
     // Pipeline sends: forward activation and backward gradient per micro-batch per chunk
     // boundary; the fill/drain path crosses p-1 boundaries; steady-state sends of a rank sit
     // between its compute slots. With interleaving a micro-batch leaves each rank once per
@@ -912,7 +1162,6 @@ pub fn evaluate_with(
     // concurrent stretch costs the share (1 - dp_overlap) of its length. Exposed time is the
     // larger of the traffic that outlasts the compute and that slowdown:
     // max(traffic - compute, (1 - dp_overlap) * min(traffic, compute)).
-    let compute_mb = slow.gemm + slow.attn + slow.elementwise;
     // A framework that reduces gradients only after the pipeline's last backward (DeepSpeed's
     // pipeline engine) hides nothing.
     let dp_overlap = if p > 1 && !framework::mechanisms(job.framework).dp_overlap_with_pp {
@@ -954,82 +1203,69 @@ pub fn evaluate_with(
         opt_params * opt_bytes_per_param / (job.hardware.hbm_gbps * 1e9) + grad_norm_s;
 
     let step = m * slow_total + bubble + pp_s + dp_exposed + optimizer_s;
-    let tokens_per_step = tr.global_batch as f64 * model.seq_len as f64;
-    let tokens_per_s = tokens_per_step / step;
-    let world = layout.world() as f64;
-    let mf = flops::model_flops_per_token(model);
-    let hf = flops::hardware_flops_per_token_framework(
-        model,
-        layout.recompute,
-        &job.training.recompute_modules,
-        framework::mechanisms(job.framework).selective,
-    );
-    let peak = if tr.fp8_gemms {
-        job.hardware.peak_fp8_flops
-    } else {
-        job.hardware.peak_bf16_flops
-    };
-    let mfu = mf * tokens_per_s / (world * peak);
-    let hfu = hf * tokens_per_s / (world * peak);
-
-    let rel = reliability_estimate(job, layout, step);
-    // Bound for re-partitioning (v = 1): total work is fixed, the slowest rank is at least
-    // the mean, and m*max + (sum - max) grows with max; DP exposure and the optimizer step
-    // are at least 0. The 1e-3 slack covers the checkpoint interval's rounding to steps.
-    let goodput_bound = if p > 1 && v == 1 {
-        let mean = sum_total / p as f64;
-        let step_min = m * mean + (sum_total - mean) + pp_s;
-        tokens_per_step / step_min * rel.goodput_fraction * (1.0 + 1e-3)
-    } else {
-        tokens_per_step / step * rel.goodput_fraction
-    };
-    let fits = worst_mem.total_bytes <= worst_mem.hbm_bytes;
-    let step_b = StepBreakdown {
-        compute_s: m * (slow.gemm + slow.attn + slow.elementwise + slow.overhead),
-        gemm_s: m * slow.gemm,
-        attention_s: m * slow.attn,
-        elementwise_s: m * slow.elementwise,
-        overhead_s: m * slow.overhead,
-        tp_comm_s: m * slow.tp_exposed,
-        tp_comm_total_s: m * slow.tp_total,
-        cp_comm_s: m * slow.cp_exposed,
-        cp_comm_total_s: m * slow.cp_total,
-        ep_comm_s: m * slow.ep,
-        pp_p2p_s: pp_s,
-        pipeline_bubble_s: bubble,
-        bubble_fraction: bubble / step,
-        dp_comm_total_s: dp_total,
-        dp_comm_exposed_s: dp_exposed,
-        dp_overlap_share: if dp_total > 0.0 {
-            1.0 - dp_exposed / dp_total
-        } else {
-            1.0
-        },
+    StepTerms {
+        pp_s,
+        dp_total,
+        dp_exposed,
         optimizer_s,
-        step_s: step,
-    };
-    Evaluation {
-        estimate: Estimate {
-            memory: worst_mem,
-            step: step_b,
-            tokens_per_step,
-            tokens_per_s,
-            tokens_per_s_per_gpu: tokens_per_s / world,
-            model_flops_per_token: mf,
-            hardware_flops_per_token: hf,
-            mfu,
-            hfu,
-            goodput_tokens_per_s: tokens_per_s * rel.goodput_fraction,
-            reliability: rel,
-            fits,
-        },
-        ranks,
-        goodput_bound,
+        step,
     }
 }
 
 /// Checkpoint cost, interval and goodput for a layout with the given step time.
 pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64) -> ReliabilityEstimate {
+    let c = checkpoint_costs(job, layout);
+    let r = &job.reliability;
+    let steps = ((c.target_s / step_s).round() as u64).max(1);
+    let interval = steps as f64 * step_s;
+    let (good, overhead, loss) =
+        reliability::goodput_fraction(interval, c.stall_s, c.mtbf_s, r.restart_s, c.lag_s);
+    ReliabilityEstimate {
+        job_mtbf_hours: r.job_mtbf_hours,
+        checkpoint_stall_s: c.stall_s,
+        checkpoint_write_s: c.durable_s,
+        checkpoint_bytes_per_gpu: c.per_gpu_bytes,
+        checkpoint_bytes_total: c.total_bytes,
+        interval_young_s: c.young_s,
+        interval_daly_s: c.daly_s,
+        interval_s: interval,
+        interval_minutes: interval / 60.0,
+        interval_steps: steps,
+        restart_s: r.restart_s,
+        checkpoint_overhead: overhead,
+        failure_loss: loss,
+        goodput_fraction: good,
+    }
+}
+
+/// The largest goodput fraction any checkpoint interval gives `layout` (whatever its step
+/// time): `1 - C/T - (T/2 + R + W)/M` is concave in T with its maximum at Young's
+/// `T = sqrt(2 C M)`; with no stall (or no failures) the supremum is `1 - (R + W)/M`.
+/// [`reliability_estimate`]'s fraction never exceeds it: an upper bound for pruning.
+pub fn goodput_fraction_sup(job: &Job, layout: &Layout) -> f64 {
+    let c = checkpoint_costs(job, layout);
+    let r = &job.reliability;
+    if c.young_s > 0.0 && c.young_s.is_finite() {
+        reliability::goodput_fraction(c.young_s, c.stall_s, c.mtbf_s, r.restart_s, c.lag_s).0
+    } else {
+        (1.0 - (r.restart_s + c.lag_s) / c.mtbf_s).clamp(0.0, 1.0)
+    }
+}
+
+struct CheckpointCosts {
+    mtbf_s: f64,
+    stall_s: f64,
+    lag_s: f64,
+    durable_s: f64,
+    total_bytes: f64,
+    per_gpu_bytes: f64,
+    young_s: f64,
+    daly_s: f64,
+    /// The interval the step count is rounded from.
+    target_s: f64,
+}
+
+fn checkpoint_costs(job: &Job, layout: &Layout) -> CheckpointCosts {
     let r = &job.reliability;
     let tr = &job.training;
     let mtbf_s = r.job_mtbf_hours * 3600.0;
@@ -1064,24 +1300,15 @@ pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64) -> Reliabil
     let young = reliability::young_interval_s(stall, mtbf_s);
     let daly = reliability::daly_interval_s(stall, mtbf_s);
     let target = r.pinned_interval_s.unwrap_or(daly).max(lag);
-    let steps = ((target / step_s).round() as u64).max(1);
-    let interval = steps as f64 * step_s;
-    let (good, overhead, loss) =
-        reliability::goodput_fraction(interval, stall, mtbf_s, r.restart_s, lag);
-    ReliabilityEstimate {
-        job_mtbf_hours: r.job_mtbf_hours,
-        checkpoint_stall_s: stall,
-        checkpoint_write_s: durable,
-        checkpoint_bytes_per_gpu: per_gpu,
-        checkpoint_bytes_total: total,
-        interval_young_s: young,
-        interval_daly_s: daly,
-        interval_s: interval,
-        interval_minutes: interval / 60.0,
-        interval_steps: steps,
-        restart_s: r.restart_s,
-        checkpoint_overhead: overhead,
-        failure_loss: loss,
-        goodput_fraction: good,
+    CheckpointCosts {
+        mtbf_s,
+        stall_s: stall,
+        lag_s: lag,
+        durable_s: durable,
+        total_bytes: total,
+        per_gpu_bytes: per_gpu,
+        young_s: young,
+        daly_s: daly,
+        target_s: target,
     }
 }

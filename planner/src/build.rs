@@ -1,15 +1,15 @@
 //! From search results to the reviewable [`Plan`].
 //!
-//! The search ranks layouts with a balanced layer split. The best few are then refined:
-//! for non-interleaved pipelines the layers (with the embedding on the first rank and the
-//! LM head on the last) are re-assigned to stages by [`crate::partition::partition_lp`]
-//! (min slowest stage under each stage's memory cap), re-evaluated, and re-ranked.
+//! The search ranks layouts with a balanced layer split and gives each an upper bound on
+//! the goodput any stage split could reach. [`plan`] then refines by branch and bound:
+//! candidates in order of their bound, each with its goodput-optimal split (non-interleaved
+//! pipelines: [`crate::split::best_split`], exact over every contiguous split that fits),
+//! until no bound can reach the kept top; so the chosen plan is the optimum of the cost
+//! model over the layouts searched and their stage splits.
 
-use crate::partition::{self, Item};
 use crate::search::{rank_cmp, search, tie_break_reason, tie_floor, Candidate};
-use shardwright_cost::eval::{
-    evaluate, item_memory, Evaluation, ItemMemory, LayerCosts, RankEval, Split,
-};
+use crate::split;
+use shardwright_cost::eval::{evaluate, Evaluation, LayerCosts, RankEval, Split};
 use shardwright_cost::flops;
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
@@ -44,29 +44,25 @@ pub enum PlanError {
     },
 }
 
-/// How the stage split is computed: the good_lp MILP, or the exact dynamic program (same
-/// optimum and the same canonical split, faster; used while ranking many candidates).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Partitioner {
-    Lp,
-    Dp,
-}
-
-/// Evaluate a layout with its refined stage split (good_lp) when that helps (and fits).
+/// Evaluate a layout with its goodput-optimal stage split ([`crate::split::best_split`],
+/// exact over every contiguous split that fits) when that beats the balanced split; the
+/// layer counts per stage are returned when it does.
 pub fn evaluate_refined(
     job: &Job,
     layout: &Layout,
     refine: bool,
 ) -> (Evaluation, Option<Vec<u32>>) {
-    evaluate_refined_with(job, layout, refine, Partitioner::Lp)
+    evaluate_refined_above(job, layout, refine, f64::NEG_INFINITY)
 }
 
-/// [`evaluate_refined`] with a choice of partitioner.
-pub fn evaluate_refined_with(
+/// [`evaluate_refined`], looking only for splits whose goodput exceeds `floor` as well as
+/// the balanced split's (the branch and bound's cut: a split at or below it cannot enter
+/// the kept top).
+fn evaluate_refined_above(
     job: &Job,
     layout: &Layout,
     refine: bool,
-    how: Partitioner,
+    cut: f64,
 ) -> (Evaluation, Option<Vec<u32>>) {
     let lc = LayerCosts::for_layout(job, layout);
     let balanced = evaluate(job, &lc, layout, Split::Balanced, true);
@@ -74,84 +70,30 @@ pub fn evaluate_refined_with(
     if !refine || layout.pp <= 1 || layout.vpp > 1 || job.pinned.even_pipeline_chunks {
         return (balanced, None);
     }
-    let Some(counts) = refine_split(job, &lc, layout, &balanced, how) else {
+    // The balanced split is one of the splits: only a better one replaces it.
+    let floor = if balanced.estimate.fits {
+        balanced.estimate.goodput_tokens_per_s
+    } else {
+        f64::NEG_INFINITY
+    };
+    let floor = floor.max(cut);
+    let sum_total: f64 = balanced.ranks.iter().map(|r| r.time_per_mb_s).sum();
+    let Some(best) = split::best_split(job, &lc, layout, sum_total, floor) else {
         return (balanced, None);
     };
-    let refined = evaluate(job, &lc, layout, Split::Explicit(&counts), true);
-    let better = refined.estimate.fits
-        && refined.estimate.step.step_s < balanced.estimate.step.step_s * (1.0 - 1e-9);
-    if better {
-        (refined, Some(counts))
+    let refined = evaluate(job, &lc, layout, Split::Explicit(&best.counts), true);
+    debug_assert_eq!(
+        refined.estimate.goodput_tokens_per_s.to_bits(),
+        best.goodput.to_bits()
+    );
+    if refined.estimate.fits
+        && (!balanced.estimate.fits
+            || refined.estimate.goodput_tokens_per_s > balanced.estimate.goodput_tokens_per_s)
+    {
+        (refined, Some(best.counts))
     } else {
         (balanced, None)
     }
-}
-
-/// Items: embedding, each layer, LM head; cap: HBM minus what does not scale with layers.
-fn refine_split(
-    job: &Job,
-    lc: &LayerCosts,
-    layout: &Layout,
-    bal: &Evaluation,
-    how: Partitioner,
-) -> Option<Vec<u32>> {
-    // Memory per item comes from the cost model (ZeRO sharding, activations, logits).
-    let mem = item_memory(job, lc, layout);
-    let item = |time_s: f64, m: ItemMemory| Item {
-        time_s,
-        static_bytes: m.static_bytes,
-        act_bytes: m.act_bytes,
-    };
-    let m = &job.model;
-    let mut items = Vec::with_capacity(m.num_layers as usize + 2);
-    items.push(item(0.0, mem.embedding));
-    for l in 0..m.num_layers {
-        items.push(if l >= m.dense_layers() {
-            item(lc.moe.total(), mem.moe_layer)
-        } else {
-            item(lc.dense.total(), mem.dense_layer)
-        });
-    }
-    items.push(item(lc.head.total(), mem.head));
-    let inflight: Vec<f64> = (0..layout.pp)
-        .map(|j| {
-            shardwright_cost::eval::inflight(
-                layout.schedule,
-                layout.pp,
-                layout.vpp,
-                layout.grad_accum,
-                j,
-            )
-        })
-        .collect();
-    // Everything else on a GPU: reserve, communication buffers, buckets, recompute working
-    // set (take the largest stage's figure from the balanced evaluation).
-    let other = bal
-        .ranks
-        .iter()
-        .map(|r| r.memory.reserve_bytes + r.memory.comm_buffers_bytes + r.memory.temporary_bytes)
-        .fold(0.0, f64::max);
-    let cap = job.hardware.hbm_bytes - other;
-    let part = match how {
-        Partitioner::Lp => partition::partition_lp(&items, &inflight, cap)
-            .or_else(|_| partition::partition_dp(&items, &inflight, cap)),
-        Partitioner::Dp => partition::partition_dp(&items, &inflight, cap),
-    }
-    .ok()?;
-    // Convert item boundaries into transformer layers per stage.
-    let n_items = items.len();
-    let mut counts = Vec::with_capacity(layout.pp as usize);
-    for j in 0..part.starts.len() {
-        let s = part.starts[j];
-        let e = if j + 1 < part.starts.len() {
-            part.starts[j + 1]
-        } else {
-            n_items
-        };
-        let layers = (s..e).filter(|&i| i > 0 && i < n_items - 1).count() as u32;
-        counts.push(layers);
-    }
-    Some(counts)
 }
 
 fn formulas() -> BTreeMap<String, String> {
@@ -345,7 +287,12 @@ pub fn plan(
         {
             break;
         }
-        let (ev, _) = evaluate_refined_with(job, &c.layout, opts.refine, Partitioner::Dp);
+        let cut = if refined.len() == keep {
+            tie_floor(refined[keep - 1].0.estimate.goodput_tokens_per_s)
+        } else {
+            f64::NEG_INFINITY
+        };
+        let (ev, _) = evaluate_refined_above(job, &c.layout, opts.refine, cut);
         refined.push((
             Candidate {
                 layout: c.layout,
@@ -356,13 +303,6 @@ pub fn plan(
         ));
         refined.sort_by(|a, b| rank_cmp(&a.0, &b.0));
         refined.truncate(keep);
-    }
-    // The chosen layout's stage table comes from the good_lp partition (the same canonical
-    // split the DP finds).
-    if opts.refine {
-        let (ev, _) = evaluate_refined_with(job, &refined[0].0.layout, true, Partitioner::Lp);
-        refined[0].0.estimate = ev.estimate.clone();
-        refined[0].1 = ev;
     }
     let (chosen, chosen_ev) = refined[0].clone();
     let est = &chosen.estimate;

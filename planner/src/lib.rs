@@ -7,5 +7,6 @@
 pub mod build;
 pub mod partition;
 pub mod search;
+pub mod split;
 
 pub use build::{evaluate_refined, plan, PlanError, PlanOptions};

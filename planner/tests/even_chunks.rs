@@ -1,5 +1,5 @@
-//! `even_pipeline_chunks` keeps the even layer split: the LP stage partition, which moves
-//! layers off the stage that holds a large LM head, is not applied.
+//! `even_pipeline_chunks` keeps the even layer split: the goodput-optimal stage split,
+//! which moves layers off the stage that holds a large LM head, is not applied.
 
 use shardwright_cost::resolve::{resolve, ResolveOptions};
 use shardwright_planner::evaluate_refined;
@@ -40,7 +40,7 @@ fn even_chunks_keep_the_even_split() {
     };
     // Free: the head's stage (a 256k vocabulary, half a layer's GEMMs again) sheds layers.
     let (free, counts) = evaluate_refined(&job(false), &l, true);
-    let counts = counts.expect("the LP moves layers off the head's stage");
+    let counts = counts.expect("the optimal split moves layers off the head's stage");
     assert_ne!(counts, vec![4, 4, 4, 4], "{counts:?}");
     // Even chunks: 4 layers per stage, the balanced evaluation, slower than the free one.
     let (even, none) = evaluate_refined(&job(true), &l, true);
