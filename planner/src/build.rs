@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 pub struct PlanOptions {
     /// Alternatives to keep besides the chosen layout.
     pub top_k: usize,
-    /// Refine the best candidates' stage partition with the LP (default on).
+    /// Refine the best candidates' stage split exactly (`split.rs`; default on).
     pub refine: bool,
 }
 

@@ -5,7 +5,6 @@
 //! Output order is fully determined by [`search::rank_cmp`] (no hash-map iteration).
 
 pub mod build;
-pub mod partition;
 pub mod search;
 pub mod split;
 
