@@ -14,7 +14,7 @@ __device__ void swiglu_fwd(const T* __restrict__ gu, T* __restrict__ y, u64 t, u
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (u64)gridDim.x * blockDim.x) {
         const u64 i = e / f, j = e % f;
         const float g = to_f32(gu[i * 2 * f + j]), u = to_f32(gu[i * 2 * f + f + j]);
-        y[e] = from_f32<T>(g * sigmoid(g) * u);
+        y[e] = from_f32<T>(g / (1.0f + expf(-g)) * u);  // silu as the reference writes it
     }
 }
 

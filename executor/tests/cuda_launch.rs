@@ -282,3 +282,38 @@ fn rope_tables_match_the_reference_angles() {
         }
     }
 }
+
+/// The embedding backward's segments, summed as `embedding_bwd_*` sums them (per row, its
+/// tokens in order, onto the existing gradient), give the reference's gradient bit for bit.
+#[test]
+fn embedding_segments_reproduce_the_reference_gradient() {
+    use shardwright_executor::cuda::embedding_segments;
+    let (h, vocab_start, rows) = (5usize, 10usize, 7usize);
+    // Ids below, inside and above the shard, repeated, unsorted.
+    let ids: Vec<u32> = vec![12, 3, 16, 12, 10, 17, 12, 16, 25, 10, 11];
+    let dy: Vec<f32> = (0..ids.len() * h).map(|i| ((i * 7919) % 113) as f32 * 0.013 - 0.7).collect();
+    let init: Vec<f32> = (0..rows * h).map(|i| (i as f32 * 0.37).sin()).collect();
+
+    let mut want = init.clone();
+    Cpu.embedding_bwd(&ids, &dy, vocab_start, h, &mut want);
+
+    let seg = embedding_segments(&ids, vocab_start, rows);
+    assert_eq!(seg.seg_row, vec![0, 1, 2, 6]);
+    assert_eq!(seg.seg_start, vec![0, 2, 3, 6, 8]);
+    assert_eq!(seg.order, vec![4, 9, 10, 0, 3, 6, 2, 7]);
+    let mut got = init;
+    for s in 0..seg.seg_row.len() {
+        let r = seg.seg_row[s] as usize;
+        for j in 0..h {
+            let mut acc = got[r * h + j];
+            for n in seg.seg_start[s]..seg.seg_start[s + 1] {
+                acc += dy[seg.order[n as usize] as usize * h + j];
+            }
+            got[r * h + j] = acc;
+        }
+    }
+    assert_eq!(
+        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+}

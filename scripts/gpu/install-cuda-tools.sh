@@ -46,7 +46,8 @@ rm -rf "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$(dirname "$dest")"
 echo "cuda-tools: installing $want into $dest"
-"$python" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
+"$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    --no-deps --no-compile \
     --target "$tmp" "${wheels[@]}"
 # ptxas keeps its executable bit from the wheel; make sure of it.
 chmod +x "$tmp/nvidia/cuda_nvcc/bin/ptxas"
