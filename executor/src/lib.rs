@@ -3,6 +3,8 @@
 //! - [`backend`]: the [`Backend`] kernel trait and the f32 [`Cpu`] reference backend;
 //! - [`checkpoint`]: the asynchronous, tiered, checksummed checkpoint store of per-rank
 //!   training state;
+//! - [`cuda`]: the CUDA backend's kernels (CUDA C++ for NVRTC), launch configurations and
+//!   NCCL bootstrap; its host side through `cudarc` is behind the `cuda` feature;
 //! - [`comm`]: the [`Communicator`] trait and the in-process [`comm::Local`] (ranks as
 //!   threads, real data, deterministic rank-order reductions);
 //! - [`model`]: the model's parameters, deterministic full weights, tensor-parallel splits,
@@ -16,6 +18,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;
+pub mod cuda;
 pub mod data;
 pub mod interp;
 pub mod model;

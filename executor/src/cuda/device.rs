@@ -1,0 +1,155 @@
+//! The host side of the CUDA backend through `cudarc` (feature `cuda`). Every CUDA library
+//! is loaded at run time (`dynamic-loading`): building and starting need no CUDA; what a
+//! machine lacks is an error here, never a failed link.
+//!
+//! [`Device`] owns a context on one GPU, compiles every file of the registry
+//! ([`crate::cuda::kernels::FILES`]) with NVRTC for the device's compute capability, loads
+//! the modules and resolves every entry point. [`Device::prepare`] turns a
+//! [`Launch`](crate::cuda::launch::Launch) into `cudarc`'s launch configuration after checking
+//! it against the device's limits (setting the shared-memory opt-in when needed).
+//! [`nccl_unique_id`] is rank 0's half of the NCCL bootstrap
+//! ([`crate::cuda::bootstrap`]).
+
+use crate::cuda::bootstrap::{UniqueId, NCCL_UNIQUE_ID_BYTES};
+use crate::cuda::kernels::{nvrtc_options, FILES};
+use crate::cuda::launch::{Launch, Limits};
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Which of the CUDA libraries this process can load: `(driver, nvrtc, nccl)`.
+pub fn libraries_present() -> (bool, bool, bool) {
+    // SAFETY: these only try to open the shared libraries (dlopen), nothing is called.
+    unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::nccl::sys::is_culib_present(),
+        )
+    }
+}
+
+/// Why no GPU can be used here, or `None` when the driver loads and sees a device.
+pub fn unavailable() -> Option<String> {
+    let (driver, nvrtc, _) = libraries_present();
+    if !driver {
+        return Some("the CUDA driver library (libcuda.so) is not installed".into());
+    }
+    if !nvrtc {
+        return Some(
+            "libnvrtc is not on the library path (scripts/gpu/install-cuda-tools.sh installs it under target/cuda-tools)"
+                .into(),
+        );
+    }
+    match CudaContext::device_count() {
+        Ok(0) => Some("the CUDA driver sees no device".into()),
+        Ok(_) => None,
+        Err(e) => Some(format!("the CUDA driver failed: {e}")),
+    }
+}
+
+/// The include directory with `cuda_bf16.h`: `$SHARDWRIGHT_CUDA_INCLUDE`, else
+/// `$CUDA_HOME/include`, else `/usr/local/cuda/include`.
+pub fn cuda_include_dir() -> String {
+    std::env::var("SHARDWRIGHT_CUDA_INCLUDE")
+        .or_else(|_| std::env::var("CUDA_HOME").map(|h| format!("{h}/include")))
+        .unwrap_or_else(|_| "/usr/local/cuda/include".into())
+}
+
+/// One GPU with every kernel loaded.
+pub struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// Compute capability as `major * 10 + minor` (90 for H100).
+    pub sm: u32,
+    pub limits: Limits,
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl Device {
+    /// A context on GPU `ordinal` with every kernel compiled (NVRTC, `compute_<sm>`) and
+    /// loaded; `include_dir` holds the CUDA headers ([`cuda_include_dir`]).
+    pub fn new(ordinal: usize, include_dir: &str) -> Result<Device, String> {
+        if let Some(why) = unavailable() {
+            return Err(why);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+        let sm = (major * 10 + minor) as u32;
+        let limits = if sm >= 90 { Limits::SM90 } else { Limits::SM80 };
+        let mut functions = HashMap::new();
+        for f in FILES {
+            let opts = CompileOptions {
+                options: nvrtc_options(sm),
+                include_paths: vec![include_dir.to_string()],
+                name: Some(f.file.to_string()),
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(f.source(), opts)
+                .map_err(|e| format!("NVRTC: {} for sm_{sm}: {e:?}", f.file))?;
+            let module = ctx
+                .load_module(ptx)
+                .map_err(|e| format!("loading {} on device {ordinal}: {e}", f.file))?;
+            for &entry in f.entries {
+                let func = module
+                    .load_function(entry)
+                    .map_err(|e| format!("{}: entry point {entry}: {e}", f.file))?;
+                functions.insert(entry, func);
+            }
+        }
+        let stream = ctx.default_stream();
+        Ok(Device {
+            ctx,
+            stream,
+            sm,
+            limits,
+            functions,
+        })
+    }
+
+    /// The loaded entry point `entry`.
+    pub fn function(&self, entry: &str) -> Option<&CudaFunction> {
+        self.functions.get(entry)
+    }
+
+    /// The function and `cudarc` configuration of `l`, checked against this device's
+    /// limits; sets the dynamic shared-memory opt-in when `l` needs more than the default.
+    pub fn prepare(&self, l: &Launch) -> Result<(&CudaFunction, LaunchConfig), String> {
+        l.check(&self.limits).map_err(|e| e.to_string())?;
+        let f = self
+            .function(&l.entry)
+            .ok_or_else(|| format!("{}: not loaded", l.entry))?;
+        if l.needs_smem_optin(&self.limits) {
+            f.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                l.smem as i32,
+            )
+            .map_err(|e| format!("{}: shared-memory opt-in of {} bytes: {e}", l.entry, l.smem))?;
+        }
+        Ok((
+            f,
+            LaunchConfig {
+                grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+                block_dim: (l.block[0], l.block[1], l.block[2]),
+                shared_mem_bytes: l.smem,
+            },
+        ))
+    }
+}
+
+/// A fresh NCCL unique id (`ncclGetUniqueId`), rank 0's side of the bootstrap.
+pub fn nccl_unique_id() -> Result<UniqueId, String> {
+    if !libraries_present().2 {
+        return Err("libnccl is not installed (NCCL's unique id needs it on rank 0)".into());
+    }
+    let id = cudarc::nccl::result::get_uniqueid().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
+    let mut out = [0u8; NCCL_UNIQUE_ID_BYTES];
+    for (o, &c) in out.iter_mut().zip(id.internal.iter()) {
+        *o = c as u8;
+    }
+    Ok(out)
+}
