@@ -23,4 +23,4 @@ pub mod matching;
 pub mod text;
 pub mod verify;
 pub mod vocab;
-pub use vocab::Axis;
+pub use vocab::{Axis, Coord};

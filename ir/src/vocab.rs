@@ -1,4 +1,5 @@
-//! The project's shared vocabulary: mesh axes as one enum.
+//! The project's shared vocabulary: mesh axes as one enum, and a rank's coordinates on
+//! them.
 //!
 //! Every crate that names a process group's axis (the mesh in `spec`, the cost model, the
 //! lowering, the executor) uses [`Axis`]; the text form prints [`Axis::name`] and parsing
@@ -72,6 +73,34 @@ impl FromStr for Axis {
                 let names: Vec<&str> = Axis::ALL.iter().map(|a| a.name()).collect();
                 format!("unknown axis {s:?} (one of {})", names.join(", "))
             })
+    }
+}
+
+/// A rank's coordinate on each mesh axis (tp fastest, pp slowest).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct Coord {
+    pub tp: u32,
+    pub cp: u32,
+    pub ep: u32,
+    pub dp: u32,
+    pub pp: u32,
+}
+
+impl Coord {
+    /// `[tp, cp, ep, dp, pp]`.
+    pub fn as_array(self) -> [u32; 5] {
+        [self.tp, self.cp, self.ep, self.dp, self.pp]
+    }
+    pub fn from_array(a: [u32; 5]) -> Coord {
+        Coord {
+            tp: a[0],
+            cp: a[1],
+            ep: a[2],
+            dp: a[3],
+            pp: a[4],
+        }
     }
 }
 

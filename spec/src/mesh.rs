@@ -21,30 +21,9 @@
 
 use crate::layout::Layout;
 
-/// A rank's coordinate on each axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct Coord {
-    pub tp: u32,
-    pub cp: u32,
-    pub ep: u32,
-    pub dp: u32,
-    pub pp: u32,
-}
-
-impl Coord {
-    fn to_array(self) -> [u32; 5] {
-        [self.tp, self.cp, self.ep, self.dp, self.pp]
-    }
-    fn from_array(a: [u32; 5]) -> Coord {
-        Coord {
-            tp: a[0],
-            cp: a[1],
-            ep: a[2],
-            dp: a[3],
-            pp: a[4],
-        }
-    }
-}
+/// A rank's coordinate on each axis (the IR's [`shardwright_ir::Coord`], which a `Program`
+/// carries for every rank).
+pub use shardwright_ir::Coord;
 
 /// A process group kind: the project's one [`Axis`] enum (`shardwright_ir::vocab`).
 /// Groups of one kind partition the world ([`Axis::World`] is a single group).
@@ -197,7 +176,7 @@ impl Mesh {
     }
 
     pub fn rank(&self, c: Coord) -> u32 {
-        let a = c.to_array();
+        let a = c.as_array();
         let mut r = 0u32;
         for i in (0..5).rev() {
             r = r * self.deg[i] + a[i];
@@ -282,7 +261,7 @@ impl Mesh {
 
     /// Members of the group of kind `k` through `rank`, ascending (for `Pp`: stage order).
     pub fn members(&self, k: GroupKind, rank: u32) -> Vec<u32> {
-        let mut c = self.coord(rank).to_array();
+        let mut c = self.coord(rank).as_array();
         let axes = self.axes(k);
         for &a in axes {
             c[a] = 0;
@@ -311,7 +290,7 @@ impl Mesh {
     /// Mixed-radix number of `rank`'s coordinates on the axes `inside` (or outside) group
     /// `k`, fastest axis least significant.
     fn radix(&self, k: GroupKind, rank: u32, inside: bool) -> u32 {
-        let c = self.coord(rank).to_array();
+        let c = self.coord(rank).as_array();
         let axes = self.axes(k);
         let mut idx = 0u32;
         for a in (0..5).rev() {
