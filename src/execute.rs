@@ -574,7 +574,7 @@ fn fault_tolerance(
         ckpt = ckpt.durable(d);
     }
     let start_from = if f.resume {
-        resharded_start(plan, &ckpt, &a.plan)?
+        Some(resume_point(plan, &ckpt, &a.plan)?)
     } else {
         None
     };
@@ -597,29 +597,68 @@ fn fault_tolerance(
     }))
 }
 
-/// `--resume` onto a layout other than the checkpoint's: the newest complete checkpoint
-/// (of any world size), resharded for this plan (`None`: same layout, or no checkpoint;
-/// the normal resume path takes it).
-fn resharded_start(
+/// `--resume`: the newest complete checkpoint that verifies, resharded for this plan when
+/// it was written on another layout. Nothing to resume (an empty or missing directory,
+/// every checkpoint failing verification) is an error that names the directories and
+/// each checkpoint's fault; a checkpoint that fails verification is set aside
+/// (`step-N.failed-verification`), never deleted.
+fn resume_point(
     plan: &shardwright_spec::Plan,
     ckpt: &CkptConfig,
     path: &std::path::Path,
-) -> Result<Option<(u64, Vec<shardwright_executor::checkpoint::RankState>)>, Failure> {
-    use shardwright_executor::checkpoint::{restore_latest, CkptError, RankState};
+) -> Result<(u64, Vec<shardwright_executor::checkpoint::RankState>), Failure> {
+    use shardwright_executor::checkpoint::{restore_latest_setting_aside, CkptError, RankState};
     let mut dirs: Vec<&std::path::Path> = vec![&ckpt.fast_dir];
     if let Some(d) = &ckpt.durable_dir {
         dirs.push(d);
     }
     let world = plan.inputs.cluster.world_size as u32;
-    let mut warn = |w: String| eprintln!("warning: {w}");
-    let got = match restore_latest(&dirs, world, &mut warn) {
-        Err(CkptError::WorldMismatch { found, .. }) => restore_latest(&dirs, found, &mut warn),
+    let mut warnings = Vec::new();
+    let mut warn = |w: String| warnings.push(w);
+    let got = match restore_latest_setting_aside(&dirs, world, &mut warn) {
+        Err(CkptError::WorldMismatch { found, .. }) => {
+            restore_latest_setting_aside(&dirs, found, &mut warn)
+        }
         other => other,
     }
     .map_err(|e| usage(anyhow!("--resume: {e}")))?;
+    let names = dirs
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect::<Vec<_>>()
+        .join(" and ");
     let Some((step, states)) = got else {
-        return Ok(None);
+        let why = if warnings.is_empty() {
+            let aside = dirs
+                .iter()
+                .filter_map(|d| std::fs::read_dir(d).ok())
+                .flat_map(|rd| rd.flatten())
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .contains(shardwright_executor::checkpoint::SET_ASIDE_SUFFIX)
+                })
+                .count();
+            let exists = dirs.iter().any(|d| d.is_dir());
+            match (exists, aside) {
+                (false, _) => " (the directory does not exist: misspelled?)".to_string(),
+                (true, 0) => " (no step-N checkpoint directory in it)".to_string(),
+                (true, n) => format!(
+                    " ({n} checkpoint(s) set aside earlier as *{}: they failed verification)",
+                    shardwright_executor::checkpoint::SET_ASIDE_SUFFIX
+                ),
+            }
+        } else {
+            format!(":\n  {}", warnings.join("\n  "))
+        };
+        return Err(usage(anyhow!(
+            "--resume: nothing to resume in --checkpoint-dir {names}{why}\n\
+             (drop --resume to start from step 1)"
+        )));
     };
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
     let meta = &states[0].meta;
     let old_layout: shardwright_spec::Layout = serde_json::from_value(meta["layout"].clone())
         .map_err(|e| {
@@ -627,8 +666,10 @@ fn resharded_start(
                 "--resume: checkpoint step {step} does not record its layout: {e}"
             ))
         })?;
-    if old_layout == plan.layout && states.len() as u32 == world {
-        return Ok(None);
+    let same_layout = old_layout == plan.layout && states.len() as u32 == world;
+    if same_layout {
+        eprintln!("resuming after step {step} from {names}");
+        return Ok((step, states));
     }
     let old_gb = meta["global_batch"].as_u64().unwrap_or(0);
     if old_gb != plan.inputs.training.global_batch {
@@ -665,7 +706,7 @@ fn resharded_start(
         ln.program.world,
         ln.layout.compact()
     );
-    Ok(Some((
+    Ok((
         step,
         new.into_iter()
             .map(|(rank, tensors)| RankState {
@@ -674,7 +715,7 @@ fn resharded_start(
                 meta: serde_json::json!({"step": step}),
             })
             .collect(),
-    )))
+    ))
 }
 
 fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {

@@ -7,6 +7,7 @@ mod common;
 
 use common::{root, run};
 use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
 
 /// `-o` through a symlink writes the link's target (the link stays a link); `-o FIFO`
 /// writes into the FIFO (it stays a FIFO, the reader gets the text); `-o -` is stdout.
@@ -56,4 +57,132 @@ fn output_into_symlink_fifo_and_stdout() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(out, schema);
     assert!(!root().join("-").exists(), "a file named `-` was written");
+}
+
+/// The 4-rank tiny plan (tp2 dp2, ZeRO-1) in `dir/tiny.json`.
+fn tiny_plan(dir: &Path) -> PathBuf {
+    let spec = dir.join("tiny.yaml");
+    std::fs::write(&spec, common::TINY_TP2_DP2).unwrap();
+    let plan = dir.join("tiny.json");
+    let (code, _, err) = run(&[
+        "plan",
+        spec.to_str().unwrap(),
+        "-o",
+        plan.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    plan
+}
+
+/// `execute PLAN --quiet ARGS...`.
+fn exec(plan: &Path, args: &[&str]) -> (i32, String, String) {
+    let mut a = vec!["execute", plan.to_str().unwrap(), "--quiet"];
+    a.extend_from_slice(args);
+    run(&a)
+}
+
+/// The checkpoint step directories under `dir` (set-aside ones included), sorted.
+fn step_dirs(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("step-"))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Every checkpoint fails its checksum: `--resume` is an error naming the directory and
+/// each damaged file, not a silent start from step 1; the damaged checkpoints are kept
+/// (set aside), and a later run's `--keep` pruning does not delete them. An empty or
+/// misspelled `--checkpoint-dir` is an error too.
+#[test]
+fn resume_with_nothing_valid_is_an_error_and_keeps_the_bad_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = tiny_plan(dir.path());
+    let ck = dir.path().join("ck");
+    let cks = ck.to_str().unwrap();
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            cks,
+            "--checkpoint-every",
+            "2",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let written = step_dirs(&ck);
+    assert_eq!(written.len(), 2, "{written:?}");
+    for d in &written {
+        let f = ck.join(d).join("rank-00000.bin");
+        let mut b = std::fs::read(&f).unwrap();
+        let i = b.len() / 2;
+        b[i] ^= 0x5a;
+        std::fs::write(&f, b).unwrap();
+    }
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "6",
+            "--resume",
+            "--checkpoint-dir",
+            cks,
+            "--checkpoint-every",
+            "2",
+        ],
+    );
+    assert_ne!(code, 0, "resumed from nothing: {err}");
+    assert!(err.contains(cks), "names the directory: {err}");
+    assert_eq!(
+        err.matches("checksum mismatch").count(),
+        2,
+        "each damaged file's fault: {err}"
+    );
+    assert!(!err.contains("steps on"), "nothing trained: {err}");
+    // Both damaged checkpoints are still there, their files intact.
+    let kept = step_dirs(&ck);
+    assert_eq!(kept.len(), 2, "{kept:?}");
+    for d in &kept {
+        assert!(ck.join(d).join("rank-00000.bin").is_file(), "{d}");
+    }
+    // A fresh run into the same directory prunes only what it wrote.
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "8",
+            "--checkpoint-dir",
+            cks,
+            "--checkpoint-every",
+            "1",
+            "--keep",
+            "1",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let after = step_dirs(&ck);
+    for d in &kept {
+        assert!(after.contains(d), "{d} was deleted: {after:?}");
+    }
+
+    // An empty directory, and one that does not exist.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    for d in [empty, dir.path().join("ckk")] {
+        let ds = d.to_str().unwrap();
+        let (code, _, err) = exec(&plan, &["--steps", "4", "--resume", "--checkpoint-dir", ds]);
+        assert_ne!(code, 0, "{ds}: {err}");
+        assert!(
+            err.contains(ds) && err.contains("nothing to resume"),
+            "{err}"
+        );
+    }
 }

@@ -1128,6 +1128,56 @@ pub fn restore_latest(
     world: u32,
     warn: &mut dyn FnMut(String),
 ) -> Result<Option<(u64, Vec<RankState>)>, CkptError> {
+    restore_from(dirs, world, false, warn)
+}
+
+/// Suffix of a step directory set aside by [`restore_latest_setting_aside`].
+pub const SET_ASIDE_SUFFIX: &str = ".failed-verification";
+
+/// [`restore_latest`], and every complete checkpoint that fails verification is renamed
+/// `step-NNNNNN.failed-verification` (never restored, never pruned by retention, never
+/// overwritten when training writes that step again): kept for inspection.
+pub fn restore_latest_setting_aside(
+    dirs: &[&Path],
+    world: u32,
+    warn: &mut dyn FnMut(String),
+) -> Result<Option<(u64, Vec<RankState>)>, CkptError> {
+    restore_from(dirs, world, true, warn)
+}
+
+/// Rename a step directory that failed verification out of the way (see
+/// [`SET_ASIDE_SUFFIX`]); returns the new path.
+fn set_aside(dir: &Path) -> io::Result<PathBuf> {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    let mut to = parent.join(format!("{name}{SET_ASIDE_SUFFIX}"));
+    let mut n = 1;
+    while to.exists() {
+        n += 1;
+        to = parent.join(format!("{name}{SET_ASIDE_SUFFIX}.{n}"));
+    }
+    fs::rename(dir, &to)?;
+    Ok(to)
+}
+
+fn restore_from(
+    dirs: &[&Path],
+    world: u32,
+    aside: bool,
+    warn: &mut dyn FnMut(String),
+) -> Result<Option<(u64, Vec<RankState>)>, CkptError> {
+    let note = |dir: &Path, msg: String, warn: &mut dyn FnMut(String)| {
+        if !aside {
+            return warn(msg);
+        }
+        match set_aside(dir) {
+            Ok(to) => warn(format!("{msg}; set aside as {} (kept)", to.display())),
+            Err(e) => warn(format!("{msg}; could not set it aside: {e}")),
+        }
+    };
     let mut cands: Vec<(u64, usize, bool)> = Vec::new();
     for (tier, root) in dirs.iter().enumerate() {
         match list_steps(root) {
@@ -1149,7 +1199,7 @@ pub fn restore_latest(
         let m = match read_manifest(&dir, step) {
             Ok((m, _)) => m,
             Err(e) => {
-                warn(format!("checkpoint step {step} skipped: {e}"));
+                note(&dir, format!("checkpoint step {step} skipped: {e}"), warn);
                 continue;
             }
         };
@@ -1163,10 +1213,14 @@ pub fn restore_latest(
         }
         match load_checkpoint(&dir, &m) {
             Ok(states) => return Ok(Some((step, states))),
-            Err(e) => warn(format!(
-                "checkpoint step {step} in {} skipped: {e}",
-                dirs[tier].display()
-            )),
+            Err(e) => note(
+                &dir,
+                format!(
+                    "checkpoint step {step} in {} skipped: {e}",
+                    dirs[tier].display()
+                ),
+                warn,
+            ),
         }
     }
     Ok(None)

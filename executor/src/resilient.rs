@@ -651,7 +651,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         if let Some(d) = &res.ckpt.durable_dir {
             dirs.push(d);
         }
-        crate::checkpoint::restore_latest(&dirs, world, &mut |w| warnings.push(w))
+        crate::checkpoint::restore_latest_setting_aside(&dirs, world, &mut |w| warnings.push(w))
             .map_err(|e| ExecError::Model(format!("restoring a checkpoint: {e}")))
     };
     let mut state: Option<(u64, Vec<RankState>)> = res.start_from.clone();
