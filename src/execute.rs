@@ -49,6 +49,8 @@ pub struct ExecArgs {
     /// Stop after this many steps (a time-limited allocation); the schedule still spans
     /// `steps`.
     pub exit_after: Option<u32>,
+    /// Replace the run already in `--out` (without it, a fresh run there is refused).
+    pub overwrite: bool,
     pub ft: FaultArgs,
 }
 
@@ -108,10 +110,14 @@ struct FtEvent {
 }
 
 /// One step's metrics line.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct StepMetrics {
     /// Steps completed (1-based, as Megatron counts iterations).
     pub step: u32,
+    /// This step is in `metrics.jsonl` already (a resume ran it again after the
+    /// checkpoint it restored); the later line is the one that counts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replayed: bool,
     pub loss: f64,
     pub grad_norm: f64,
     pub lr: f64,
@@ -191,6 +197,8 @@ struct Sink {
     last_end: Instant,
     pending: BTreeMap<u32, Vec<(u32, f64, f64, f64)>>,
     lines: Vec<StepMetrics>,
+    /// The last step `metrics.jsonl` held before this run (a resume appends to it).
+    logged_upto: u32,
     out: Box<dyn std::io::Write + Send>,
     bar: indicatif::ProgressBar,
     error: Option<String>,
@@ -210,6 +218,7 @@ impl Sink {
         self.last_end = now;
         let m = StepMetrics {
             step: e.step + 1,
+            replayed: e.step < self.logged_upto,
             loss: v[0].2,
             grad_norm: v[0].3,
             lr: lr_at(&self.cfg, e.step) as f64,
@@ -233,6 +242,9 @@ impl Sink {
     /// A new attempt starts at `first` (after a rollback): forget partial steps, and the
     /// steps that run again.
     fn restart(&mut self, first: u32) {
+        self.logged_upto = self
+            .logged_upto
+            .max(self.lines.iter().map(|m| m.step).max().unwrap_or(0));
         self.pending.clear();
         self.lines.retain(|m| m.step <= first);
         self.bar.set_position(first as u64);
@@ -339,17 +351,41 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         }
     };
 
+    // A resume appends to the run's metrics; a fresh run never overwrites another run's
+    // files unless told to.
+    let mut earlier: Vec<StepMetrics> = Vec::new();
     if let Some(out) = a.out.as_ref().filter(|_| writes) {
         std::fs::create_dir_all(out)
             .with_context(|| format!("--out {}: cannot create the directory", out.display()))?;
+        let used: Vec<&str> = ["metrics.jsonl", "summary.json", "loss.svg"]
+            .into_iter()
+            .filter(|f| out.join(f).exists())
+            .collect();
+        if !used.is_empty() && !a.ft.resume && !a.overwrite {
+            return Err(usage(anyhow!(
+                "--out {}: holds an earlier run ({}); pass --overwrite to replace it, \
+                 --resume to continue it, or choose another --out",
+                out.display(),
+                used.join(", ")
+            )));
+        }
+        if a.ft.resume {
+            earlier = read_metrics(&out.join("metrics.jsonl"))?;
+        }
     }
     let metrics_out: Box<dyn std::io::Write + Send> = match &a.out {
         _ if !writes => Box::new(std::io::sink()),
         Some(out) => {
             let p = out.join("metrics.jsonl");
-            Box::new(
-                std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?,
-            )
+            let f = if a.ft.resume {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&p)
+            } else {
+                std::fs::File::create(&p)
+            };
+            Box::new(f.with_context(|| format!("opening {}", p.display()))?)
         }
         None => Box::new(std::io::stdout()),
     };
@@ -381,7 +417,8 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         cfg: cfg.clone(),
         last_end: start,
         pending: BTreeMap::new(),
-        lines: Vec::new(),
+        logged_upto: earlier.iter().map(|m| m.step).max().unwrap_or(0),
+        lines: earlier,
         out: metrics_out,
         bar: bar.clone(),
         error: None,
@@ -778,6 +815,34 @@ fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {
         goodput: r.goodput(),
         predicted_goodput: predicted,
     }
+}
+
+/// The lines of an earlier run's `metrics.jsonl` (none if it does not exist); a line
+/// that does not parse is an error naming the file and line.
+fn read_metrics(path: &std::path::Path) -> Result<Vec<StepMetrics>, Failure> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(anyhow!("reading {}: {e}", path.display()).into()),
+    };
+    let mut out: Vec<StepMetrics> = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let m: StepMetrics = serde_json::from_str(line).map_err(|e| {
+            usage(anyhow!(
+                "{} line {}: not a metrics line ({e}); a resume appends to it",
+                path.display(),
+                i + 1
+            ))
+        })?;
+        // A replayed step replaces the earlier line of the same step.
+        out.retain(|x| x.step < m.step);
+        out.push(m);
+    }
+    Ok(out)
 }
 
 fn print_ft(ft: &FtSummary) {

@@ -307,6 +307,10 @@ enum Cmd {
         /// schedule still spans --steps); resume later with --resume.
         #[arg(long)]
         exit_after: Option<u32>,
+        /// Replace the run already in --out (metrics.jsonl, summary.json, loss.svg);
+        /// without it a fresh run into a used --out is refused (--resume appends).
+        #[arg(long)]
+        overwrite: bool,
         /// Checkpoint into this (fast, local) directory; turns on fault tolerance.
         #[arg(long, help_heading = "Fault tolerance")]
         checkpoint_dir: Option<PathBuf>,
@@ -675,6 +679,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             weight_decay,
             quiet,
             exit_after,
+            overwrite,
             checkpoint_dir,
             durable_dir,
             keep,
@@ -698,6 +703,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             weight_decay,
             quiet,
             exit_after,
+            overwrite,
             ft: execute::FaultArgs {
                 checkpoint_dir,
                 durable_dir,

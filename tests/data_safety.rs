@@ -96,6 +96,14 @@ fn step_dirs(dir: &Path) -> Vec<String> {
     v
 }
 
+fn metrics(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 /// Every checkpoint fails its checksum: `--resume` is an error naming the directory and
 /// each damaged file, not a silent start from step 1; the damaged checkpoints are kept
 /// (set aside), and a later run's `--keep` pruning does not delete them. An empty or
@@ -185,4 +193,85 @@ fn resume_with_nothing_valid_is_an_error_and_keeps_the_bad_checkpoints() {
             "{err}"
         );
     }
+}
+
+/// A resume into the same `--out` appends to `metrics.jsonl` (a step run again after the
+/// restored checkpoint is marked `replayed`), and `summary.json`/`loss.svg` cover the
+/// whole run; a fresh run into a used `--out` is refused unless `--overwrite`.
+#[test]
+fn resume_appends_to_out_and_a_fresh_run_does_not_overwrite_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = tiny_plan(dir.path());
+    let ck = dir.path().join("ck");
+    let cks = ck.to_str().unwrap();
+    let out = dir.path().join("run");
+    let outs = out.to_str().unwrap();
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "6",
+            "--exit-after",
+            "4",
+            "--checkpoint-dir",
+            cks,
+            "--checkpoint-every",
+            "3",
+            "--out",
+            outs,
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let first = metrics(&out);
+    assert_eq!(first.len(), 4);
+    // The newest checkpoint (after the 4th step) is lost: the resume runs step 4 again.
+    let newest = step_dirs(&ck).pop().unwrap();
+    std::fs::remove_dir_all(ck.join(newest)).unwrap();
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "6",
+            "--resume",
+            "--checkpoint-dir",
+            cks,
+            "--checkpoint-every",
+            "3",
+            "--out",
+            outs,
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let all = metrics(&out);
+    let steps: Vec<u64> = all.iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [1, 2, 3, 4, 4, 5, 6], "appended: {all:?}");
+    assert_eq!(
+        &all[..4],
+        &first[..],
+        "the earlier lines are kept as they were"
+    );
+    assert_eq!(all[4]["replayed"], true, "{}", all[4]);
+    assert!(all[5].get("replayed").is_none(), "{}", all[5]);
+    assert_eq!(
+        all[4]["loss"].as_f64().unwrap().to_bits(),
+        first[3]["loss"].as_f64().unwrap().to_bits(),
+        "the replayed step is the same step"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(
+        summary["first_loss"], first[0]["loss"],
+        "the summary covers the whole run"
+    );
+    assert_eq!(summary["last_loss"], all[6]["loss"]);
+
+    // A fresh run into the used folder is refused, and changes nothing.
+    let before = std::fs::read(out.join("metrics.jsonl")).unwrap();
+    let (code, _, err) = exec(&plan, &["--steps", "2", "--out", outs]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(outs) && err.contains("--overwrite"), "{err}");
+    assert_eq!(std::fs::read(out.join("metrics.jsonl")).unwrap(), before);
+    let (code, _, err) = exec(&plan, &["--steps", "2", "--out", outs, "--overwrite"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(metrics(&out).len(), 2);
 }
