@@ -62,6 +62,8 @@ pub struct FaultArgs {
     pub keep: usize,
     pub checkpoint_every: Option<u32>,
     pub resume: bool,
+    /// Resume although the run's settings differ from the checkpoint's.
+    pub allow_changed_settings: bool,
     pub faults: Vec<String>,
     pub hot_spares: Option<u32>,
     pub collective_timeout_s: f64,
@@ -606,12 +608,20 @@ fn fault_tolerance(
             n
         }
     };
+    let settings = run_settings(a, plan)?;
     let mut ckpt = CkptConfig::new(dir).keep(f.keep, f.keep);
+    ckpt.settings = Some(settings.clone());
     if let Some(d) = &f.durable_dir {
         ckpt = ckpt.durable(d);
     }
     let start_from = if f.resume {
-        Some(resume_point(plan, &ckpt, &a.plan)?)
+        Some(resume_point(
+            plan,
+            &ckpt,
+            &a.plan,
+            &settings,
+            f.allow_changed_settings,
+        )?)
     } else {
         None
     };
@@ -629,6 +639,7 @@ fn fault_tolerance(
             "layout": plan.layout,
             "stages": plan.stages,
             "global_batch": plan.inputs.training.global_batch,
+            "settings": settings,
         }),
         start_from,
     }))
@@ -643,6 +654,8 @@ fn resume_point(
     plan: &shardwright_spec::Plan,
     ckpt: &CkptConfig,
     path: &std::path::Path,
+    settings: &serde_json::Value,
+    allow_changed: bool,
 ) -> Result<(u64, Vec<shardwright_executor::checkpoint::RankState>), Failure> {
     use shardwright_executor::checkpoint::{restore_latest_setting_aside, CkptError, RankState};
     let mut dirs: Vec<&std::path::Path> = vec![&ckpt.fast_dir];
@@ -704,6 +717,13 @@ fn resume_point(
             ))
         })?;
     let same_layout = old_layout == plan.layout && states.len() as u32 == world;
+    check_settings(
+        step,
+        &meta["settings"],
+        settings,
+        same_layout,
+        allow_changed,
+    )?;
     if same_layout {
         eprintln!("resuming after step {step} from {names}");
         return Ok((step, states));
@@ -988,4 +1008,82 @@ mod distributed {
         comm.finish().map_err(|e| ExecError::Panic(d.rank, e))?;
         Ok(vec![rep])
     }
+}
+
+/// What a checkpoint records of the run that wrote it, and a resume checks: the plan
+/// (fingerprint of its JSON) and its model, the data (fingerprint of the dataset's
+/// manifest, or random tokens), and every hyperparameter that shapes the trajectory.
+fn run_settings(a: &ExecArgs, plan: &shardwright_spec::Plan) -> Result<serde_json::Value, Failure> {
+    use shardwright_executor::checkpoint::fingerprint;
+    let data = match &a.data {
+        Some(dir) => {
+            let m = dir.join("manifest.json");
+            let bytes =
+                std::fs::read(&m).map_err(|e| usage(anyhow!("--data {}: {e}", m.display())))?;
+            format!("dataset {}", fingerprint(&bytes))
+        }
+        None => "random tokens".into(),
+    };
+    let model = serde_json::to_vec(&plan.inputs.model).map_err(|e| anyhow!(e))?;
+    // As typed (0.003, not the f32's widening 0.003000000026077032).
+    let num = |x: f32| x.to_string().parse::<f64>().unwrap_or(f64::NAN);
+    Ok(serde_json::json!({
+        "plan": fingerprint(shardwright_spec::plan::to_json(plan).as_bytes()),
+        "model": fingerprint(&model),
+        "data": data,
+        "seed": a.seed,
+        "steps": a.steps,
+        "lr": num(a.lr),
+        "min_lr": num(a.min_lr),
+        "warmup": a.warmup.unwrap_or((a.steps / 10).max(1)),
+        "clip": num(a.clip),
+        "weight_decay": num(a.weight_decay),
+    }))
+}
+
+/// A resume continues the run the checkpoint was written by: every setting it recorded
+/// must be this run's (the plan only on the same layout: a resume onto another layout
+/// reshards), unless `--allow-changed-settings`. A checkpoint from before settings were
+/// recorded is resumed with a warning.
+fn check_settings(
+    step: u64,
+    old: &serde_json::Value,
+    new: &serde_json::Value,
+    same_layout: bool,
+    allow: bool,
+) -> Result<(), Failure> {
+    let Some(old) = old.as_object() else {
+        eprintln!(
+            "warning: checkpoint step {step} does not record its run's settings (written by \
+             an older shardwright); seed, learning rate and data are not checked"
+        );
+        return Ok(());
+    };
+    let show = |v: Option<&serde_json::Value>| match v {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(v) => v.to_string(),
+        None => "(not recorded)".into(),
+    };
+    let changed: Vec<String> = old
+        .iter()
+        .filter(|(k, _)| same_layout || k.as_str() != "plan")
+        .filter(|(k, v)| new.get(k.as_str()) != Some(v))
+        .map(|(k, v)| format!("{k}: {} -> {}", show(Some(v)), show(new.get(k.as_str()))))
+        .collect();
+    if changed.is_empty() {
+        return Ok(());
+    }
+    let list = changed.join("\n  ");
+    if allow {
+        eprintln!(
+            "warning: resuming checkpoint step {step} with changed settings \
+             (--allow-changed-settings):\n  {list}"
+        );
+        return Ok(());
+    }
+    Err(usage(anyhow!(
+        "--resume: this run's settings differ from checkpoint step {step}'s:\n  {list}\n\
+         (run with the checkpoint's settings, or pass --allow-changed-settings to continue \
+         with the new ones)"
+    )))
 }

@@ -326,6 +326,10 @@ enum Cmd {
         /// Start from the newest complete checkpoint that verifies.
         #[arg(long, help_heading = "Fault tolerance")]
         resume: bool,
+        /// With --resume: continue although the seed, learning rate, data, steps or plan
+        /// differ from the checkpoint's (each change is printed).
+        #[arg(long, requires = "resume", help_heading = "Fault tolerance")]
+        allow_changed_settings: bool,
         /// Inject a fault: `rank=R,step=S,kind=crash|hang|slow|corrupt-checkpoint|bitflip`
         /// (`slow` takes `factor=X`, default 3). Repeatable.
         #[arg(long, value_name = "SPEC", help_heading = "Fault tolerance")]
@@ -685,6 +689,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             keep,
             checkpoint_every,
             resume,
+            allow_changed_settings,
             inject_fault,
             hot_spares,
             collective_timeout,
@@ -710,6 +715,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 keep,
                 checkpoint_every,
                 resume,
+                allow_changed_settings,
                 faults: inject_fault,
                 hot_spares,
                 collective_timeout_s: collective_timeout,

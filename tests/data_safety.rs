@@ -275,3 +275,116 @@ fn resume_appends_to_out_and_a_fresh_run_does_not_overwrite_it() {
     assert_eq!(code, 0, "{err}");
     assert_eq!(metrics(&out).len(), 2);
 }
+
+/// The tiny plan with a 512-token vocabulary, and a small prepared dataset for it.
+fn tiny_plan_with_data(dir: &Path) -> (PathBuf, PathBuf) {
+    let spec = dir.join("tiny512.yaml");
+    std::fs::write(
+        &spec,
+        common::TINY_TP2_DP2.replace("vocab_size: 64", "vocab_size: 512"),
+    )
+    .unwrap();
+    let plan = dir.join("tiny512.json");
+    let (code, _, err) = run(&[
+        "plan",
+        spec.to_str().unwrap(),
+        "-o",
+        plan.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let text: String = (0..300)
+        .map(|i| {
+            format!(
+                "document {i}: the quick brown fox {} jumps over the lazy dog.\n\n",
+                i * 7
+            )
+        })
+        .collect();
+    let input = dir.join("corpus.txt");
+    std::fs::write(&input, text).unwrap();
+    let data = dir.join("data");
+    let (code, _, err) = run(&[
+        "data",
+        "prepare",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        data.to_str().unwrap(),
+        "--vocab-size",
+        "300",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    (plan, data)
+}
+
+/// A resume checks the run's settings against the checkpoint's: another seed, learning
+/// rate, or no `--data` (random tokens instead of the dataset) is an error that says what
+/// changed, unless `--allow-changed-settings`. A manifest written before settings were
+/// recorded still loads.
+#[test]
+fn resume_refuses_changed_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let (plan, data) = tiny_plan_with_data(dir.path());
+    let ck = dir.path().join("ck");
+    let cks = ck.to_str().unwrap();
+    let ds = data.to_str().unwrap();
+    let base = [
+        "--steps",
+        "6",
+        "--checkpoint-dir",
+        cks,
+        "--checkpoint-every",
+        "3",
+    ];
+    let with = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        exec(&plan, &a)
+    };
+    let (code, _, err) = with(&["--exit-after", "3", "--data", ds, "--seed", "5"]);
+    assert_eq!(code, 0, "{err}");
+    for (extra, want) in [
+        (
+            vec!["--resume", "--data", ds, "--seed", "6"],
+            "seed: 5 -> 6",
+        ),
+        (
+            vec!["--resume", "--data", ds, "--seed", "5", "--lr", "0.01"],
+            "lr: 0.003",
+        ),
+        (vec!["--resume", "--seed", "5"], "-> random tokens"),
+    ] {
+        let (code, _, err) = with(&extra);
+        assert_eq!(code, 2, "{extra:?} resumed: {err}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert!(err.contains("--allow-changed-settings"), "{err}");
+    }
+    // Allowed on request, saying what changed.
+    let (code, _, err) = with(&[
+        "--resume",
+        "--data",
+        ds,
+        "--seed",
+        "6",
+        "--allow-changed-settings",
+        "--exit-after",
+        "4",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("seed: 5 -> 6"), "{err}");
+    // The same settings resume; a manifest without `settings` (older checkpoints) loads.
+    for d in step_dirs(&ck) {
+        let m = ck.join(d).join("manifest.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&m).unwrap()).unwrap();
+        assert!(
+            v["settings"]["seed"].is_u64(),
+            "the manifest records the settings: {v}"
+        );
+        v.as_object_mut().unwrap().remove("settings");
+        std::fs::write(&m, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    }
+    let (code, _, err) = with(&["--resume", "--data", ds, "--seed", "6"]);
+    assert_eq!(code, 0, "{err}");
+}

@@ -187,6 +187,11 @@ pub struct Manifest {
     pub checksum: String,
     /// One per rank, in rank order.
     pub files: Vec<FileEntry>,
+    /// What the run was (plan and data fingerprints, hyperparameters), as the trainer
+    /// gave it in [`CkptConfig::settings`]; absent in checkpoints written before it was
+    /// recorded (they still load).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<serde_json::Value>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -218,6 +223,12 @@ fn parse_step_dir(name: &str) -> Option<u64> {
 
 fn hex64(h: u64) -> String {
     format!("{h:016x}")
+}
+
+/// `xxh3-64:` and the 16 hex digits of the XXH3-64 of `bytes`: a short identity of a file
+/// (a plan, a dataset manifest) for [`CkptConfig::settings`].
+pub fn fingerprint(bytes: &[u8]) -> String {
+    format!("xxh3-64:{}", hex64(xxhash_rust::xxh3::xxh3_64(bytes)))
 }
 
 /// fsync a directory so a rename or create inside it is durable (no-op off Unix).
@@ -438,6 +449,8 @@ pub struct CkptConfig {
     /// gets in when the queue is empty). Default: no limit.
     pub max_queued_bytes: u64,
     pub hook: Option<Hook>,
+    /// Recorded in every manifest (see [`Manifest::settings`]).
+    pub settings: Option<serde_json::Value>,
 }
 
 impl CkptConfig {
@@ -450,6 +463,7 @@ impl CkptConfig {
             keep_durable: 2,
             max_queued_bytes: u64::MAX,
             hook: None,
+            settings: None,
         }
     }
     pub fn durable(mut self, dir: impl Into<PathBuf>) -> CkptConfig {
@@ -782,7 +796,7 @@ fn writer_loop(
             // Only this thread writes fast-tier manifests; `pending_writes` (decremented
             // below) keeps `wait` waiting meanwhile.
             drop(st);
-            let res = write_manifest(&cfg.fast_dir, step, p.world, p.written);
+            let res = write_manifest(&cfg, step, p.world, p.written);
             st = shared.lock();
             match res {
                 Err(e) => st.errors.push(e),
@@ -857,7 +871,7 @@ fn manifest_text(m: &Manifest) -> String {
 }
 
 fn write_manifest(
-    root: &Path,
+    cfg: &CkptConfig,
     step: u64,
     world: u32,
     written: BTreeMap<u32, FileEntry>,
@@ -869,8 +883,9 @@ fn write_manifest(
         world,
         checksum: "xxh3-64".into(),
         files: written.into_values().collect(),
+        settings: cfg.settings.clone(),
     };
-    let dir = root.join(step_dir_name(step));
+    let dir = cfg.fast_dir.join(step_dir_name(step));
     let text = manifest_text(&m);
     write_atomic(&dir, MANIFEST_NAME, |f| f.write_all(text.as_bytes()))
 }
