@@ -204,6 +204,8 @@ struct Sink {
     out: Box<dyn std::io::Write + Send>,
     bar: indicatif::ProgressBar,
     error: Option<String>,
+    /// The first step (1-based) whose loss or gradient norm was NaN or infinite.
+    non_finite: Option<u32>,
 }
 
 impl Sink {
@@ -230,6 +232,9 @@ impl Sink {
             step_time_s: wall,
             rank_time_s: v.iter().map(|x| x.1).collect(),
         };
+        if !(m.loss.is_finite() && m.grad_norm.is_finite()) {
+            self.non_finite.get_or_insert(m.step);
+        }
         let line = serde_json::to_string(&m).unwrap_or_default();
         if let Err(err) = writeln!(self.out, "{line}").and_then(|_| self.out.flush()) {
             self.error.get_or_insert(format!("writing metrics: {err}"));
@@ -251,6 +256,9 @@ impl Sink {
         self.lines.retain(|m| m.step <= first);
         self.bar.set_position(first as u64);
         self.last_end = Instant::now();
+        if self.non_finite.is_some_and(|s| s > first) {
+            self.non_finite = None;
+        }
     }
 }
 
@@ -424,6 +432,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         out: metrics_out,
         bar: bar.clone(),
         error: None,
+        non_finite: None,
     });
     let on_step = |e: StepEvent| {
         if let Ok(mut s) = sink.lock() {
@@ -499,8 +508,20 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     if let Some(e) = sink.error {
         return Err(anyhow!(e).into());
     }
+    let diverged = sink.non_finite.map(|s| {
+        Failure::from(anyhow!(
+            "{}: step {s}: the loss or gradient norm is NaN or infinite; training diverged \
+             (lower --lr, raise --warmup, or check the data){}",
+            a.plan.display(),
+            if a.ft.checkpoint_dir.is_none() {
+                "; with --checkpoint-dir such a step is rolled back instead"
+            } else {
+                ""
+            }
+        ))
+    });
     if !writes {
-        return Ok(());
+        return diverged.map_or(Ok(()), Err);
     }
     let lines = sink.lines;
     let wall = start.elapsed().as_secs_f64();
@@ -550,7 +571,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             out.display()
         );
     }
-    Ok(())
+    diverged.map_or(Ok(()), Err)
 }
 
 /// The resilience settings `execute` was asked for, or `None`.
@@ -870,6 +891,13 @@ fn print_ft(ft: &FtSummary) {
         eprintln!("warning: {w}");
     }
     for e in &ft.events {
+        if e.kind == "loss-outlier" {
+            eprintln!(
+                "{} at step {}: {} [flagged by {}; no action taken]",
+                e.kind, e.step, e.message, e.detected_by
+            );
+            continue;
+        }
         eprintln!(
             "{} at step {}{}: {} [detected by {} after {:.3} s; recovered in {:.3} s from {}{}]",
             e.kind,

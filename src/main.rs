@@ -287,18 +287,18 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Peak learning rate (AdamW).
-        #[arg(long, default_value_t = 3e-3)]
+        #[arg(long, default_value_t = 3e-3, value_parser = finite_non_negative)]
         lr: f32,
         /// Final learning rate of the cosine decay.
-        #[arg(long, default_value_t = 3e-4)]
+        #[arg(long, default_value_t = 3e-4, value_parser = finite_non_negative)]
         min_lr: f32,
         /// Linear warm-up steps (default: a tenth of --steps).
         #[arg(long)]
         warmup: Option<u32>,
         /// Global gradient-norm clipping threshold.
-        #[arg(long, default_value_t = 1.0)]
+        #[arg(long, default_value_t = 1.0, value_parser = finite_non_negative)]
         clip: f32,
-        #[arg(long, default_value_t = 0.1)]
+        #[arg(long, default_value_t = 0.1, value_parser = finite_non_negative)]
         weight_decay: f32,
         /// No progress bar.
         #[arg(long)]
@@ -388,6 +388,23 @@ enum Cmd {
 enum IrFormat {
     Text,
     Json,
+}
+
+/// A hyperparameter: a finite number, not negative (NaN or inf would train NaN weights).
+fn finite_non_negative(s: &str) -> Result<f32, String> {
+    let v: f32 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number"))?;
+    if !v.is_finite() {
+        return Err(format!(
+            "`{s}` is not finite; give a finite number such as 3e-3"
+        ));
+    }
+    if v < 0.0 {
+        return Err(format!("`{s}` is negative"));
+    }
+    Ok(v)
 }
 
 /// An error with its exit code.

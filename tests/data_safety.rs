@@ -388,3 +388,62 @@ fn resume_refuses_changed_settings() {
     let (code, _, err) = with(&["--resume", "--data", ds, "--seed", "6"]);
     assert_eq!(code, 0, "{err}");
 }
+
+/// NaN or infinite hyperparameters are usage errors; a run whose loss goes non-finite
+/// stops with an error instead of exiting 0, rolls back rather than checkpointing
+/// non-finite state, and says nothing "recovered".
+#[test]
+fn non_finite_numbers_stop_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = tiny_plan(dir.path());
+    for (flag, v) in [
+        ("--lr", "NaN"),
+        ("--lr", "inf"),
+        ("--min-lr", "-inf"),
+        ("--clip", "nan"),
+        ("--weight-decay", "inf"),
+    ] {
+        let arg = format!("{flag}={v}");
+        let (code, _, err) = exec(&plan, &["--steps", "2", &arg]);
+        assert_eq!(code, 2, "{flag} {v}: {err}");
+        assert!(err.contains(flag) && err.contains("not finite"), "{err}");
+    }
+    // A learning rate that blows the weights up: the loss goes non-finite.
+    let (code, out, err) = exec(&plan, &["--steps", "4", "--lr", "1e30"]);
+    assert_ne!(code, 0, "diverged, exit 0: {err}");
+    assert!(err.contains("NaN or infinite"), "{err}");
+    assert!(
+        out.lines().count() >= 1,
+        "the metrics are still written: {out}"
+    );
+    let ck = dir.path().join("ck");
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "4",
+            "--lr",
+            "1e30",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--checkpoint-every",
+            "1",
+        ],
+    );
+    assert_ne!(code, 0, "diverged, exit 0: {err}");
+    assert!(err.contains("again after rolling back"), "{err}");
+    assert!(!err.contains("recovered in"), "{err}");
+    // No checkpoint holds a NaN or an infinity.
+    for d in step_dirs(&ck) {
+        for e in std::fs::read_dir(ck.join(&d)).unwrap().flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "bin") {
+                let b = std::fs::read(&p).unwrap();
+                let (_, st) = shardwright_executor::checkpoint::parse_rank_file(&p, &b).unwrap();
+                for (name, t) in &st.tensors {
+                    assert!(t.iter().all(|x| x.is_finite()), "{}: {name}", p.display());
+                }
+            }
+        }
+    }
+}

@@ -446,6 +446,25 @@ impl RankHooks for Attempt<'_> {
             }
         }
         self.beat(rank);
+        // A non-finite loss or gradient norm: the step's update is poison. Roll back to the
+        // last checkpoint (never checkpoint this state); `run_resilient` stops the run if
+        // the same step goes non-finite again.
+        if !report.global_loss.is_finite() || !report.grad_norm.is_finite() {
+            self.fail(Detected {
+                kind: "non-finite",
+                step,
+                rank: None,
+                replace: false,
+                detected_by: "loss and gradient-norm check after every step".into(),
+                message: format!(
+                    "step {step}: loss {}, gradient norm {}",
+                    report.global_loss, report.grad_norm
+                ),
+                injected_at: None,
+                at: Instant::now(),
+            });
+            return Err("non-finite loss or gradient norm".into());
+        }
         // Silent data corruption: data-parallel replicas hold bit-identical weights.
         let (group, size) = self.replica[rank as usize];
         if size > 1 {
@@ -532,9 +551,26 @@ impl RankHooks for Attempt<'_> {
         let every = self.cfg.checkpoint_every;
         if every > 0 && ((step + 1) % every == 0 || step + 1 == self.steps) {
             let t = Instant::now();
+            let tensors = state.export();
+            if let Some((name, _)) = tensors
+                .iter()
+                .find(|(_, v)| v.iter().any(|x| !x.is_finite()))
+            {
+                self.fail(Detected {
+                    kind: "non-finite",
+                    step,
+                    rank: Some(rank),
+                    replace: false,
+                    detected_by: "finite check of the state before a checkpoint".into(),
+                    message: format!("step {step}: rank {rank}'s `{name}` holds NaN or inf"),
+                    injected_at: None,
+                    at: Instant::now(),
+                });
+                return Err("non-finite state: not checkpointed".into());
+            }
             let st = RankState {
                 rank,
-                tensors: state.export(),
+                tensors,
                 meta: {
                     let mut m = self.cfg.meta.clone();
                     if !m.is_object() {
@@ -665,6 +701,8 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
     let mut step_s = BTreeMap::new();
     let mut blocked = (0.0, 0u32);
     let mut recovering: Option<(Detected, Instant)> = None;
+    // Steps that went non-finite once (rolled back); a second time stops the run.
+    let mut non_finite: BTreeSet<u32> = BTreeSet::new();
     loop {
         let first = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
         let ckpt = Checkpointer::new(res.ckpt.clone())
@@ -836,6 +874,13 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                 }
             }
         };
+        if detected.kind == "non-finite" && !non_finite.insert(detected.step) {
+            return Err(ExecError::Model(format!(
+                "non-finite training state at step {} again after rolling back ({}): the run \
+                 diverges; stopping (lower --lr, raise --warmup, or check the data)",
+                detected.step, detected.message
+            )));
+        }
         let mut replaced = None;
         if detected.replace {
             if let Some(r) = detected.rank {
