@@ -85,6 +85,12 @@ struct FtSummary {
     checkpoint_blocked_s: f64,
     /// The same as a share of the steps between two checkpoints.
     checkpoint_blocked_share: f64,
+    /// The most steps a snapshot was ahead of the newest complete checkpoint (the writer
+    /// is allowed one checkpoint behind; then training waits for it).
+    checkpoint_max_lag_steps: u64,
+    /// Snapshots that waited for the writer, and the time they waited in all.
+    checkpoint_writer_waits: u32,
+    checkpoint_writer_wait_s: f64,
     resumed_at_step: u32,
     hot_spares: u32,
     events: Vec<FtEvent>,
@@ -635,6 +641,11 @@ fn fault_tolerance(
     if let Some(d) = &f.durable_dir {
         ckpt = ckpt.durable(d);
     }
+    // The writer may be one checkpoint behind; the next snapshot waits for it (its wait
+    // counts as checkpoint stall and is reported), so training never runs far ahead of
+    // its newest durable state.
+    ckpt = ckpt.max_pending_checkpoints(1);
+
     let start_from = if f.resume {
         Some(resume_point(
             plan,
@@ -833,6 +844,9 @@ fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {
         } else {
             0.0
         },
+        checkpoint_max_lag_steps: r.ckpt_lag.max_lag_steps,
+        checkpoint_writer_waits: r.ckpt_lag.waits,
+        checkpoint_writer_wait_s: r.ckpt_lag.wait_s,
         resumed_at_step: r.first_step,
         hot_spares: res.hot_spares,
         events: r
@@ -919,11 +933,15 @@ fn print_ft(ft: &FtSummary) {
     }
     eprintln!(
         "checkpoints: {} (every {} steps), {:.2} ms blocked each ({:.2}% of the steps between); \
+         writer at most {} step(s) behind ({} wait(s) for it, {:.1} ms); \
          goodput {:.1}% achieved, {:.1}% predicted by the plan's formula for this failure rate",
         ft.checkpoints,
         ft.checkpoint_every,
         ft.checkpoint_blocked_s * 1e3,
         100.0 * ft.checkpoint_blocked_share,
+        ft.checkpoint_max_lag_steps,
+        ft.checkpoint_writer_waits,
+        ft.checkpoint_writer_wait_s * 1e3,
         100.0 * ft.goodput,
         100.0 * ft.predicted_goodput
     );

@@ -448,6 +448,10 @@ pub struct CkptConfig {
     /// snapshot that would go beyond it waits until the writer has made room (it always
     /// gets in when the queue is empty). Default: no limit.
     pub max_queued_bytes: u64,
+    /// Checkpoints (every rank handed over) the writer may be behind by: the first
+    /// snapshot of a newer step waits while this many are still being written, so
+    /// training never runs unboundedly ahead of its last durable state. Default: no limit.
+    pub max_pending_checkpoints: usize,
     pub hook: Option<Hook>,
     /// Recorded in every manifest (see [`Manifest::settings`]).
     pub settings: Option<serde_json::Value>,
@@ -462,6 +466,7 @@ impl CkptConfig {
             keep_fast: 2,
             keep_durable: 2,
             max_queued_bytes: u64::MAX,
+            max_pending_checkpoints: usize::MAX,
             hook: None,
             settings: None,
         }
@@ -477,6 +482,10 @@ impl CkptConfig {
     }
     pub fn max_queued_bytes(mut self, bytes: u64) -> CkptConfig {
         self.max_queued_bytes = bytes;
+        self
+    }
+    pub fn max_pending_checkpoints(mut self, n: usize) -> CkptConfig {
+        self.max_pending_checkpoints = n.max(1);
         self
     }
     pub fn hook(mut self, hook: impl Fn(HookPoint) + Send + Sync + 'static) -> CkptConfig {
@@ -507,6 +516,20 @@ struct State {
     /// Complete in the fast tier, not yet copied down (fast retention keeps them).
     copying: BTreeSet<u64>,
     errors: Vec<CkptError>,
+    /// The newest step whose manifest is written in the fast tier.
+    last_complete: Option<u64>,
+    lag: LagStats,
+}
+
+/// How far the background writer fell behind training.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LagStats {
+    /// The most steps between a new snapshot and the newest complete checkpoint (or the
+    /// first snapshot's step, before any completed), when the snapshot was handed over.
+    pub max_lag_steps: u64,
+    /// Snapshots that waited for the writer (`max_pending_checkpoints`), and how long.
+    pub waits: u32,
+    pub wait_s: f64,
 }
 
 struct Shared {
@@ -636,6 +659,35 @@ impl Checkpointer {
     pub fn snapshot(&self, step: u64, world: u32, state: RankState) -> Result<(), CkptError> {
         let bytes = state.tensor_bytes();
         let mut st = self.shared.lock();
+        let behind = |st: &State| {
+            !st.steps.contains_key(&step)
+                && st
+                    .steps
+                    .values()
+                    .filter(|p| p.submitted.len() as u32 == p.world)
+                    .count()
+                    >= self.cfg.max_pending_checkpoints
+        };
+        if behind(&st) {
+            let t = std::time::Instant::now();
+            if let Some(h) = &self.cfg.hook {
+                h(HookPoint::SnapshotWaits {
+                    step,
+                    rank: state.rank,
+                });
+            }
+            while behind(&st) {
+                st = self.shared.idle.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            st.lag.waits += 1;
+            st.lag.wait_s += t.elapsed().as_secs_f64();
+        }
+        let base = st
+            .last_complete
+            .or_else(|| st.steps.keys().next().copied())
+            .unwrap_or(step);
+        let lag = step.saturating_sub(base);
+        st.lag.max_lag_steps = st.lag.max_lag_steps.max(lag);
         if st.pending_writes > 0
             && st.queued_bytes.saturating_add(bytes) > self.cfg.max_queued_bytes
         {
@@ -701,6 +753,11 @@ impl Checkpointer {
             st = self.shared.idle.wait(st).unwrap_or_else(|e| e.into_inner());
         }
         take_errors(&mut st)
+    }
+
+    /// How far the writer fell behind so far.
+    pub fn lag(&self) -> LagStats {
+        self.shared.lock().lag
     }
 
     /// [`restore_latest`] over this checkpointer's tiers (fast, then durable).
@@ -798,6 +855,9 @@ fn writer_loop(
             drop(st);
             let res = write_manifest(&cfg, step, p.world, p.written);
             st = shared.lock();
+            if res.is_ok() {
+                st.last_complete = Some(st.last_complete.map_or(step, |s| s.max(step)));
+            }
             match res {
                 Err(e) => st.errors.push(e),
                 Ok(()) => match &copier {

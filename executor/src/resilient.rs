@@ -167,6 +167,8 @@ pub struct ResilientReport {
     /// and queued), and the number of checkpoints taken.
     pub ckpt_blocked_s: f64,
     pub checkpoints: u32,
+    /// How far the background checkpoint writer fell behind training (all attempts).
+    pub ckpt_lag: crate::checkpoint::LagStats,
     /// Logical rank -> slot at the end.
     pub slots: Vec<u32>,
 }
@@ -779,6 +781,10 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
             run_ranks_on(&hub, program, job, layout, &backend, cfg, &opts)
         };
         let ckpt_result = ckpt.wait();
+        let lag = ckpt.lag();
+        report.ckpt_lag.max_lag_steps = report.ckpt_lag.max_lag_steps.max(lag.max_lag_steps);
+        report.ckpt_lag.waits += lag.waits;
+        report.ckpt_lag.wait_s += lag.wait_s;
 
         {
             let b = attempt.blocked.lock().unwrap_or_else(|e| e.into_inner());
