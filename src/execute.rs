@@ -741,6 +741,8 @@ fn resume_point(
     for w in &warnings {
         eprintln!("warning: {w}");
     }
+    // Steps completed (checkpoints written before steps counted from 1 are one lower).
+    let step = shardwright_executor::resilient::steps_done(step, &states[0].meta);
     let meta = &states[0].meta;
     let old_layout: shardwright_spec::Layout = serde_json::from_value(meta["layout"].clone())
         .map_err(|e| {

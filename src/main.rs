@@ -331,7 +331,8 @@ enum Cmd {
         #[arg(long, requires = "resume", help_heading = "Fault tolerance")]
         allow_changed_settings: bool,
         /// Inject a fault: `rank=R,step=S,kind=crash|hang|slow|corrupt-checkpoint|bitflip`
-        /// (`slow` takes `factor=X`, default 3). Repeatable.
+        /// (`slow` takes `factor=X`, default 3). Steps count from 1, as in metrics.jsonl;
+        /// a bit flip strikes after step S, the others before it. Repeatable.
         #[arg(long, value_name = "SPEC", help_heading = "Fault tolerance")]
         inject_fault: Vec<String>,
         /// Hot spares (default: the plan's cluster.hot_spares).

@@ -447,3 +447,120 @@ fn non_finite_numbers_stop_the_run() {
         }
     }
 }
+
+/// Steps count from 1 everywhere: `step-000004` is the checkpoint after the 4th step (the
+/// 4th line of metrics.jsonl), a fault at step 5 strikes before the 5th step and restores
+/// `restored_step` 4, and the messages say so. A checkpoint written before (named by the
+/// 0-based index of its last step, without `steps_done`) still resumes after the right
+/// step.
+#[test]
+fn steps_count_from_one_everywhere() {
+    use shardwright_executor::checkpoint::{restore_latest, Checkpointer, CkptConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let plan = tiny_plan(dir.path());
+    let clean = dir.path().join("clean");
+    let (code, _, err) = exec(&plan, &["--steps", "6", "--out", clean.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let ck = dir.path().join("ck");
+    let cks = ck.to_str().unwrap();
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "6",
+            "--exit-after",
+            "4",
+            "--checkpoint-dir",
+            cks,
+            "--checkpoint-every",
+            "2",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(step_dirs(&ck), ["step-000002", "step-000004"]);
+
+    let out = dir.path().join("faulty");
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            dir.path().join("ck2").to_str().unwrap(),
+            "--checkpoint-every",
+            "2",
+            "--hot-spares",
+            "1",
+            "--inject-fault",
+            "rank=1,step=5,kind=crash",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("crash at step 5, rank 1: rank 1 crashed before step 5"),
+        "{err}"
+    );
+    assert!(err.contains("from checkpoint step 4"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let ev = &summary["fault_tolerance"]["events"][0];
+    assert_eq!(
+        (ev["step"].as_u64(), ev["restored_step"].as_u64()),
+        (Some(5), Some(4)),
+        "{ev}"
+    );
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "2",
+            "--checkpoint-dir",
+            cks,
+            "--inject-fault",
+            "rank=1,step=0,kind=crash",
+        ],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("steps count from 1"), "{err}");
+
+    // The same checkpoint as the old convention wrote it: `step-000003`, no `steps_done`.
+    let (step, states) = restore_latest(&[&ck], 4, &mut |w| panic!("{w}"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(step, 4);
+    let old = dir.path().join("old");
+    let w = Checkpointer::new(CkptConfig::new(&old)).unwrap();
+    for mut s in states {
+        s.meta.as_object_mut().unwrap().remove("steps_done");
+        s.meta["step"] = serde_json::json!(3);
+        w.snapshot(3, 4, s).unwrap();
+    }
+    w.wait().unwrap();
+    drop(w);
+    let resumed = dir.path().join("resumed");
+    let (code, _, err) = exec(
+        &plan,
+        &[
+            "--steps",
+            "6",
+            "--resume",
+            "--checkpoint-dir",
+            old.to_str().unwrap(),
+            "--checkpoint-every",
+            "2",
+            "--out",
+            resumed.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("resuming after step 4"), "{err}");
+    let m = metrics(&resumed);
+    assert_eq!(m[0]["step"], 5);
+    let c = metrics(&clean);
+    for l in &m {
+        let s = l["step"].as_u64().unwrap() as usize;
+        assert_eq!(l["loss"], c[s - 1]["loss"], "step {s}");
+    }
+}

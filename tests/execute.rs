@@ -360,7 +360,7 @@ fn faults_are_survived_from_the_cli() {
     );
     let ft = &summary(&out)["fault_tolerance"];
     assert_eq!(ft["events"].as_array().unwrap().len(), 2);
-    assert_eq!(ft["events"][0]["restored_step"], 5);
+    assert_eq!(ft["events"][0]["restored_step"], 6, "crashed before step 7");
     assert_eq!(ft["events"][0]["replaced_slot"], serde_json::json!([3, 8]));
     let g = ft["goodput"].as_f64().unwrap();
     assert!(g > 0.0 && g < 1.0, "{g}");

@@ -41,7 +41,8 @@ pub enum FaultKind {
     Bitflip,
 }
 
-/// A fault injected into `rank` at `step`.
+/// A fault injected into `rank` at `step` (1-based: step N is the N-th step; a crash
+/// strikes before it, a bit flip after it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fault {
     pub rank: u32,
@@ -64,7 +65,15 @@ impl std::str::FromStr for Fault {
             };
             match k.trim() {
                 "rank" => rank = Some(num("rank")?),
-                "step" => step = Some(num("step")?),
+                "step" => {
+                    let n = num("step")?;
+                    if n == 0 {
+                        return Err(format!(
+                            "step=`{v}`: steps count from 1 (step N is the N-th step)"
+                        ));
+                    }
+                    step = Some(n)
+                }
                 "kind" => kind = Some(v.trim().to_string()),
                 "factor" => {
                     factor = v
@@ -101,6 +110,21 @@ impl std::str::FromStr for Fault {
     }
 }
 
+/// Key of a checkpoint's metadata saying its step is the number of steps completed
+/// (1-based, `step-000006` = after the 6th step, as `metrics.jsonl` counts).
+pub const STEPS_DONE: &str = "steps_done";
+
+/// Steps completed by a checkpoint of `step` with rank metadata `meta`. Checkpoints
+/// written before steps counted from 1 (no `steps_done` key) were named by the 0-based
+/// index of their last step, one below the steps they completed.
+pub fn steps_done(step: u64, meta: &serde_json::Value) -> u64 {
+    if meta.get(STEPS_DONE).is_some() {
+        step
+    } else {
+        step + 1
+    }
+}
+
 /// How to survive.
 #[derive(Clone)]
 pub struct Resilience {
@@ -118,8 +142,8 @@ pub struct Resilience {
     /// Written into every rank file's metadata beside the step (e.g. the layout, so a
     /// resume on another layout can reshard).
     pub meta: serde_json::Value,
-    /// Start from this state (step, every rank's state) instead of the checkpoint
-    /// directories: a checkpoint of another layout, resharded.
+    /// Start from this state (steps completed, every rank's state) instead of the
+    /// checkpoint directories: a checkpoint of another layout, resharded.
     pub start_from: Option<(u64, Vec<RankState>)>,
 }
 
@@ -302,7 +326,8 @@ impl Attempt<'_> {
     fn corrupt_newest(&self, rank: u32, step: u32) -> String {
         let every = self.cfg.checkpoint_every;
         if every > 0 && step >= every {
-            let want = (step / every) * every - 1;
+            // `step` steps are complete: the newest checkpoint is after a multiple of every.
+            let want = (step / every) * every;
             let dir = self
                 .cfg
                 .ckpt
@@ -361,7 +386,10 @@ impl Attempt<'_> {
 }
 
 impl RankHooks for Attempt<'_> {
-    fn before_step(&self, rank: u32, step: u32) -> Result<(), String> {
+    fn before_step(&self, rank: u32, idx: u32) -> Result<(), String> {
+        // Steps count from 1 (step N is the N-th step), as metrics, checkpoints and
+        // fault specs do; the interpreter's `idx` is 0-based.
+        let step = idx + 1;
         self.beat(rank);
         for i in self.due(rank, step, false) {
             let now = Instant::now();
@@ -380,7 +408,7 @@ impl RankHooks for Attempt<'_> {
                     return Err("crashed (injected)".into());
                 }
                 FaultKind::CorruptCheckpoint => {
-                    let what = self.corrupt_newest(rank, step);
+                    let what = self.corrupt_newest(rank, idx);
                     self.fail(Detected {
                         kind: "crash",
                         step,
@@ -426,11 +454,12 @@ impl RankHooks for Attempt<'_> {
     fn after_step(
         &self,
         rank: u32,
-        step: u32,
+        idx: u32,
         report: &StepReport,
         seconds: f64,
         state: &mut dyn RankStateAccess,
     ) -> Result<(), String> {
+        let step = idx + 1;
         // A slow slot: the step took `factor` times as long.
         let f = self.slot_factor(self.slots[rank as usize]);
         if f > 1.0 {
@@ -521,7 +550,7 @@ impl RankHooks for Attempt<'_> {
         }
         {
             let mut st = self.step_s.lock().unwrap_or_else(|e| e.into_inner());
-            let e = st.entry(step).or_insert(0.0);
+            let e = st.entry(idx).or_insert(0.0);
             *e = e.max(seconds);
         }
         if rank == 0 {
@@ -545,13 +574,13 @@ impl RankHooks for Attempt<'_> {
                         replaced: None,
                     });
             }
-            l.insert(step, (loss, report.grad_norm));
+            l.insert(idx, (loss, report.grad_norm));
         }
         // Checkpoint: the step is blocked only while the state is copied and queued.
         // Every `every` steps, and after the last step (a run that stops early, as a
         // time-limited allocation does, can resume where it stopped).
         let every = self.cfg.checkpoint_every;
-        if every > 0 && ((step + 1) % every == 0 || step + 1 == self.steps) {
+        if every > 0 && (step % every == 0 || step == self.steps) {
             let t = Instant::now();
             let tensors = state.export();
             if let Some((name, _)) = tensors
@@ -579,6 +608,7 @@ impl RankHooks for Attempt<'_> {
                         m = serde_json::json!({});
                     }
                     m["step"] = serde_json::json!(step);
+                    m[STEPS_DONE] = serde_json::json!(step);
                     m
                 },
             };
@@ -589,7 +619,7 @@ impl RankHooks for Attempt<'_> {
             b.0 += t.elapsed().as_secs_f64();
             b.1 += 1;
         }
-        if step + 1 == self.steps {
+        if step == self.steps {
             self.final_state
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -601,7 +631,7 @@ impl RankHooks for Attempt<'_> {
             let st = self.step_s.lock().unwrap_or_else(|e| e.into_inner());
             let mut prev: Vec<f64> = st
                 .iter()
-                .filter(|(s, _)| **s < step)
+                .filter(|(s, _)| **s < idx)
                 .map(|(_, t)| *t)
                 .collect();
             prev.sort_by(|a, b| a.total_cmp(b));
@@ -690,15 +720,14 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
             dirs.push(d);
         }
         crate::checkpoint::restore_latest_setting_aside(&dirs, world, &mut |w| warnings.push(w))
+            .map(|got| got.map(|(step, states)| (steps_done(step, &states[0].meta), states)))
             .map_err(|e| ExecError::Model(format!("restoring a checkpoint: {e}")))
     };
     let mut state: Option<(u64, Vec<RankState>)> = res.start_from.clone();
-    if state.is_some() {
-        report.first_step = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
-    } else if res.resume {
+    if state.is_none() && res.resume {
         state = restore(&mut warnings)?;
-        report.first_step = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
     }
+    report.first_step = state.as_ref().map(|s| s.0 as u32).unwrap_or(0);
     let mut losses = BTreeMap::new();
     let mut step_s = BTreeMap::new();
     let mut blocked = (0.0, 0u32);
@@ -706,7 +735,8 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
     // Steps that went non-finite once (rolled back); a second time stops the run.
     let mut non_finite: BTreeSet<u32> = BTreeSet::new();
     loop {
-        let first = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
+        // Steps completed so far: the 0-based index of the first step to run.
+        let first = state.as_ref().map(|s| s.0 as u32).unwrap_or(0);
         let ckpt = Checkpointer::new(res.ckpt.clone())
             .map_err(|e| ExecError::Model(format!("checkpoint directory: {e}")))?;
         let hub = Hub::with_timeout(world, res.collective_timeout);
@@ -736,7 +766,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         if let Some((r, why)) = screened {
             attempt.fail(Detected {
                 kind: "straggler",
-                step: first,
+                step: first + 1,
                 rank: Some(r),
                 replace: true,
                 detected_by: "straggler screening (at start)".into(),
@@ -859,7 +889,12 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                         .copied();
                     Detected {
                         kind: "hang",
-                        step: losses.keys().next_back().map(|s| s + 1).unwrap_or(first),
+                        // The step after the last one every rank finished (1-based).
+                        step: losses
+                            .keys()
+                            .next_back()
+                            .map(|s| s + 2)
+                            .unwrap_or(first + 1),
                         rank: Some(r),
                         replace: true,
                         detected_by: format!(
@@ -919,7 +954,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         recovering = Some((detected.clone(), detected.at));
         state = restore(&mut warnings)?;
         // Steps after the restored checkpoint run again: forget their first run.
-        let keep_below = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
+        let keep_below = state.as_ref().map(|s| s.0 as u32).unwrap_or(0);
         losses.retain(|s, _| *s < keep_below);
         step_s.retain(|s, _| *s < keep_below);
     }
