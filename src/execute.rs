@@ -462,13 +462,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         on_step: Some(&on_step),
         ..Default::default()
     };
-    let resilience = fault_tolerance(a, &plan)?;
-    if resilience.is_some() && dist.is_some() {
-        return Err(usage(anyhow!(
-            "--checkpoint-dir/--resume/--inject-fault run in one process for now; \
-             not under `launch --local` or torchrun"
-        )));
-    }
+    let resilience = fault_tolerance(a, &plan, dist.as_ref().map(|d| d.rank))?;
     let mut ft_report = None;
     let res = match (&dist, &resilience) {
         (None, None) => {
@@ -504,7 +498,37 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             std::panic::set_hook(prev);
             out
         }
-        (Some(d), _) => distributed::run(d, &l, &cfg, &opts).map(|_| ()),
+        (Some(d), None) => distributed::run(d, &l, &cfg, &opts).map(|_| ()),
+        (Some(d), Some(r)) => {
+            // One rank of a multi-process job: its own rank file of each checkpoint, and
+            // its own state of the checkpoint it resumes from.
+            let hooks = RankCheckpoints {
+                res: r,
+                run_id: std::env::var("SHARDWRIGHT_RUN_ID")
+                    .or_else(|_| std::env::var("TORCHELASTIC_RUN_ID"))
+                    .unwrap_or_else(|_| d.master.clone()),
+                steps: run_steps,
+                world,
+                keep: a.ft.keep,
+            };
+            let first = r.start_from.as_ref().map_or(0, |s| s.0 as u32);
+            let init = |rank: u32| {
+                r.start_from
+                    .as_ref()
+                    .and_then(|(_, v)| v.iter().find(|s| s.rank == rank))
+                    .map(|s| s.tensors.clone())
+            };
+            if let Ok(mut s) = sink.lock() {
+                s.restart(first);
+            }
+            let opts = RunOptions {
+                first_step: first,
+                initial_state: Some(&init),
+                hooks: Some(&hooks),
+                ..opts
+            };
+            distributed::run(d, &l, &cfg, &opts).map(|_| ())
+        }
     };
     bar.finish_and_clear();
     res.map_err(|e| anyhow!("{}: {e}", a.plan.display()))?;
@@ -581,13 +605,22 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
 }
 
 /// The resilience settings `execute` was asked for, or `None`.
+/// `rank`: this process is that rank of a multi-process job (`launch --local`,
+/// torchrun): checkpoints and resume work there, faults and the durable tier do not.
 fn fault_tolerance(
     a: &ExecArgs,
     plan: &shardwright_spec::Plan,
+    rank: Option<u32>,
 ) -> Result<Option<Resilience>, Failure> {
     let f = &a.ft;
     if !f.wanted() {
         return Ok(None);
+    }
+    if rank.is_some() && (!f.faults.is_empty() || f.durable_dir.is_some()) {
+        return Err(usage(anyhow!(
+            "--inject-fault and --durable-dir run in one process for now, not under \
+             `launch --local` or torchrun (--checkpoint-dir and --resume do)"
+        )));
     }
     let Some(dir) = &f.checkpoint_dir else {
         return Err(usage(anyhow!(
@@ -653,6 +686,7 @@ fn fault_tolerance(
             &a.plan,
             &settings,
             f.allow_changed_settings,
+            rank,
         )?)
     } else {
         None
@@ -688,8 +722,24 @@ fn resume_point(
     path: &std::path::Path,
     settings: &serde_json::Value,
     allow_changed: bool,
+    rank: Option<u32>,
 ) -> Result<(u64, Vec<shardwright_executor::checkpoint::RankState>), Failure> {
-    use shardwright_executor::checkpoint::{restore_latest_setting_aside, CkptError, RankState};
+    use shardwright_executor::checkpoint::{
+        restore_latest, restore_latest_setting_aside, CkptError, RankState,
+    };
+    // Several processes read the directory at once: only one process may rename in it,
+    // so none does (a damaged checkpoint is skipped, not set aside).
+    type Restore = fn(
+        &[&std::path::Path],
+        u32,
+        &mut dyn FnMut(String),
+    ) -> Result<Option<(u64, Vec<RankState>)>, CkptError>;
+    let restore_latest_setting_aside: Restore = if rank.is_some() {
+        restore_latest
+    } else {
+        restore_latest_setting_aside
+    };
+    let say = rank.unwrap_or(0) == 0;
     let mut dirs: Vec<&std::path::Path> = vec![&ckpt.fast_dir];
     if let Some(d) = &ckpt.durable_dir {
         dirs.push(d);
@@ -738,7 +788,7 @@ fn resume_point(
              (drop --resume to start from step 1)"
         )));
     };
-    for w in &warnings {
+    for w in warnings.iter().filter(|_| say) {
         eprintln!("warning: {w}");
     }
     // Steps completed (checkpoints written before steps counted from 1 are one lower).
@@ -759,7 +809,9 @@ fn resume_point(
         allow_changed,
     )?;
     if same_layout {
-        eprintln!("resuming after step {step} from {names}");
+        if say {
+            eprintln!("resuming after step {step} from {names}");
+        }
         return Ok((step, states));
     }
     let old_gb = meta["global_batch"].as_u64().unwrap_or(0);
@@ -807,6 +859,67 @@ fn resume_point(
             })
             .collect(),
     ))
+}
+
+/// Checkpoints of one rank's process in a multi-process job: every `checkpoint_every`
+/// steps and after the last, this rank's file (`checkpoint::write_rank_part`; the last
+/// rank to write a step writes its manifest); rank 0 applies `--keep`.
+struct RankCheckpoints<'a> {
+    res: &'a Resilience,
+    run_id: String,
+    steps: u32,
+    world: u32,
+    keep: usize,
+}
+
+impl shardwright_executor::interp::RankHooks for RankCheckpoints<'_> {
+    fn after_step(
+        &self,
+        rank: u32,
+        idx: u32,
+        _report: &shardwright_executor::interp::StepReport,
+        _seconds: f64,
+        state: &mut dyn shardwright_executor::interp::RankStateAccess,
+    ) -> Result<(), String> {
+        use shardwright_executor::checkpoint::{prune, write_rank_part, RankState};
+        let step = idx + 1;
+        let every = self.res.checkpoint_every;
+        if every == 0 || !(step % every == 0 || step == self.steps) {
+            return Ok(());
+        }
+        let tensors = state.export();
+        if let Some(name) = tensors
+            .iter()
+            .find(|(_, v)| v.iter().any(|x| !x.is_finite()))
+            .map(|(k, _)| k)
+        {
+            return Err(format!(
+                "step {step}: `{name}` holds NaN or inf; not checkpointed"
+            ));
+        }
+        let mut meta = self.res.meta.clone();
+        meta["step"] = serde_json::json!(step);
+        meta[shardwright_executor::resilient::STEPS_DONE] = serde_json::json!(step);
+        let st = RankState {
+            rank,
+            tensors,
+            meta,
+        };
+        let dir = &self.res.ckpt.fast_dir;
+        write_rank_part(
+            dir,
+            &self.run_id,
+            step as u64,
+            self.world,
+            &st,
+            self.res.ckpt.settings.as_ref(),
+        )
+        .map_err(|e| format!("checkpoint of step {step}: {e}"))?;
+        if rank == 0 {
+            prune(dir, self.keep).map_err(|e| format!("checkpoint retention: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {
@@ -1037,7 +1150,9 @@ mod distributed {
             diagnostics: opts.diagnostics,
             data: opts.data,
             on_step: Some(&on_step),
-            ..Default::default()
+            first_step: opts.first_step,
+            initial_state: opts.initial_state,
+            hooks: opts.hooks,
         };
         // A communicator failure is a panic that run_rank turns into the error printed at
         // the end (naming the rank, the collective and the peer): no backtrace for it.

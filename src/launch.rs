@@ -301,6 +301,14 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
     let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
     INTERRUPTED.store(false, Ordering::SeqCst);
 
+    // One id per launch: a rank's checkpoint entry counts only beside its own run's.
+    let run_id = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel();
     let mut gang = Gang(Vec::new());
@@ -318,6 +326,7 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env(TIMEOUT_ENV, timeout.as_secs_f64().to_string())
+            .env("SHARDWRIGHT_RUN_ID", &run_id)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

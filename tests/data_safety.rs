@@ -564,3 +564,77 @@ fn steps_count_from_one_everywhere() {
         assert_eq!(l["loss"], c[s - 1]["loss"], "step {s}");
     }
 }
+
+/// `launch --local` resumes as the in-process run does: each rank's process writes its own
+/// file of every checkpoint (the last to write a step writes its manifest); a rank that
+/// dies ends the job, and the next launch with `--resume` continues after the newest
+/// complete checkpoint, bit-identical to the uninterrupted in-process run, appending to
+/// the same `--out`.
+#[test]
+fn launch_local_resumes_across_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = tiny_plan(dir.path());
+    let clean = dir.path().join("clean");
+    let (code, _, err) = exec(&plan, &["--steps", "6", "--out", clean.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let ck = dir.path().join("ck");
+    let out = dir.path().join("mp");
+    let launch = |extra: &[&str], exit_at: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_shardwright"));
+        c.args([
+            "launch",
+            plan.to_str().unwrap(),
+            "--local",
+            "4",
+            "--",
+            "--quiet",
+        ])
+        .args(["--steps", "6", "--checkpoint-every", "2"])
+        .args([
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .args(extra)
+        .current_dir(root());
+        for v in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ] {
+            c.env_remove(v);
+        }
+        match exit_at {
+            Some(v) => c.env("SHARDWRIGHT_TEST_EXIT_AT_STEP", v),
+            None => c.env_remove("SHARDWRIGHT_TEST_EXIT_AT_STEP"),
+        };
+        let o = c.output().unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    // Rank 1 exits after step 5: the job fails; checkpoints after steps 2 and 4 are complete.
+    let (code, err) = launch(&[], Some("1:5"));
+    assert_ne!(code, Some(0), "{err}");
+    assert_eq!(step_dirs(&ck), ["step-000002", "step-000004"], "{err}");
+    assert!(ck.join("step-000004/manifest.json").is_file(), "{err}");
+    let (code, err) = launch(&["--resume"], None);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("resuming after step 4"), "{err}");
+    let m = metrics(&out);
+    let c = metrics(&clean);
+    let last = m.last().unwrap();
+    assert_eq!(last["step"], 6);
+    for l in m.iter().filter(|l| l["step"].as_u64().unwrap() >= 5) {
+        let s = l["step"].as_u64().unwrap() as usize;
+        assert_eq!(
+            l["loss"].as_f64().unwrap().to_bits(),
+            c[s - 1]["loss"].as_f64().unwrap().to_bits(),
+            "step {s}"
+        );
+    }
+}

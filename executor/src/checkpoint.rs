@@ -82,9 +82,10 @@
 //! one is tried. A checkpoint written by another number of ranks is an error
 //! ([`CkptError::WorldMismatch`]): resharding is separate work.
 //!
-//! Scope: one process writes every rank of a step (the in-process communicator's ranks as
-//! threads). Several processes sharing one directory would need a coordinator to write the
-//! manifest; that is not here.
+//! Scope: [`Checkpointer`] is one process writing every rank of a step (the in-process
+//! communicator's ranks as threads). With one process per rank (`launch --local`,
+//! torchrun), [`write_rank_part`] writes each process's own file with an entry beside it,
+//! and the process that finds every rank's entry of its run writes the manifest.
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -250,7 +251,18 @@ fn write_atomic<T>(
     name: &str,
     body: impl FnOnce(&mut File) -> io::Result<T>,
 ) -> Result<T, CkptError> {
-    let tmp = dir.join(format!(".{name}.tmp"));
+    write_atomic_via(dir, name, &format!(".{name}.tmp"), body)
+}
+
+/// [`write_atomic`] through the temporary name `tmp` (one of its own per process when
+/// several processes may write `name`).
+fn write_atomic_via<T>(
+    dir: &Path,
+    name: &str,
+    tmp: &str,
+    body: impl FnOnce(&mut File) -> io::Result<T>,
+) -> Result<T, CkptError> {
+    let tmp = dir.join(tmp);
     let dest = dir.join(name);
     let res = (|| {
         let mut f = File::create(&tmp)?;
@@ -979,6 +991,83 @@ fn copier_loop(cfg: CkptConfig, shared: Arc<Shared>, rx: Receiver<u64>) {
         st.pending_copies -= 1;
         shared.idle.notify_all();
     }
+}
+
+/// One process per rank (`launch --local`, torchrun): write this process's rank file of
+/// `step` into `root/step-N/` (synchronously) with an entry file beside it
+/// (`.rank-NNNNN.entry.json`: its manifest entry and `run_id`); the process that then
+/// finds every rank's entry of this run writes the manifest (the same bytes whichever
+/// process does, through a temporary name of its own). Entries of another run (an
+/// earlier run into the same directory) do not count, so a manifest never lists a stale
+/// file. Returns whether this process wrote the manifest.
+pub fn write_rank_part(
+    root: &Path,
+    run_id: &str,
+    step: u64,
+    world: u32,
+    state: &RankState,
+    settings: Option<&serde_json::Value>,
+) -> Result<bool, CkptError> {
+    if state.rank >= world {
+        return Err(CkptError::Invalid(format!(
+            "step {step}: rank {} is not below world {world}",
+            state.rank
+        )));
+    }
+    let dir = root.join(step_dir_name(step));
+    prepare_step_dir(root, &dir)?;
+    let name = rank_file_name(state.rank);
+    let (bytes, hash) = write_atomic(&dir, &name, |f| write_rank(f, step, world, state))?;
+    let entry = FileEntry {
+        file: name,
+        rank: state.rank,
+        bytes,
+        xxh3_64: hex64(hash),
+    };
+    let text = serde_json::json!({"run": run_id, "entry": entry}).to_string();
+    write_atomic(&dir, &entry_file_name(state.rank), |f| {
+        f.write_all(text.as_bytes())
+    })?;
+    let mut files = Vec::new();
+    for r in 0..world {
+        let Ok(b) = fs::read(dir.join(entry_file_name(r))) else {
+            return Ok(false);
+        };
+        let v: serde_json::Value = match serde_json::from_slice(&b) {
+            Ok(v) => v,
+            Err(_) => return Ok(false),
+        };
+        if v["run"] != run_id {
+            return Ok(false);
+        }
+        match serde_json::from_value::<FileEntry>(v["entry"].clone()) {
+            Ok(e) if e.rank == r => files.push(e),
+            _ => return Ok(false),
+        }
+    }
+    let m = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        format_version: FORMAT_VERSION,
+        step,
+        world,
+        checksum: "xxh3-64".into(),
+        files,
+        settings: settings.cloned(),
+    };
+    let text = manifest_text(&m);
+    let tmp = format!(".{MANIFEST_NAME}.tmp{}", std::process::id());
+    write_atomic_via(&dir, MANIFEST_NAME, &tmp, |f| f.write_all(text.as_bytes()))?;
+    Ok(true)
+}
+
+fn entry_file_name(rank: u32) -> String {
+    format!(".{}.entry.json", rank_file_name(rank))
+}
+
+/// Keep the newest `keep` complete checkpoints under `root` (the retention of
+/// [`Checkpointer`], for [`write_rank_part`]'s callers: one process prunes).
+pub fn prune(root: &Path, keep: usize) -> Result<Vec<u64>, CkptError> {
+    retain(root, keep.max(1), &BTreeSet::new())
 }
 
 /// Read and check a step directory's manifest.
