@@ -635,6 +635,24 @@ fn fault_tolerance(
                 .map_err(|e| usage(anyhow!("--inject-fault {s}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let world = plan.inputs.cluster.world_size;
+    let last = a.exit_after.map_or(a.steps, |n| n.min(a.steps));
+    for (spec, fault) in f.faults.iter().zip(&faults) {
+        if fault.rank as u64 >= world {
+            return Err(usage(anyhow!(
+                "--inject-fault {spec}: rank {} does not exist: the plan has {world} ranks (0 to {})",
+                fault.rank,
+                world - 1
+            )));
+        }
+        if fault.step > last {
+            return Err(usage(anyhow!(
+                "--inject-fault {spec}: step {} is after the last step this run takes ({last}); \
+                 it would never happen",
+                fault.step
+            )));
+        }
+    }
     if f.keep == 0 {
         return Err(usage(anyhow!("--keep: at least 1")));
     }
