@@ -97,3 +97,40 @@ fn explain_step_shares_sum_to_100() {
         table.join("\n")
     );
 }
+
+/// A YAML alias bomb is reported in words (too many nodes, alias expansion), not as the
+/// parser's `Nodes { nodes: 250001 }`; a whole number too large for its field is called
+/// that, not "floating point".
+#[test]
+fn yaml_limits_and_huge_integers_are_said_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut bomb = vec!["a0: &a0 [x, x, x, x, x, x, x, x, x, x]".to_string()];
+    for i in 1..7 {
+        let refs = vec![format!("*a{}", i - 1); 10].join(", ");
+        bomb.push(format!("a{i}: &a{i} [{refs}]"));
+    }
+    bomb.push("job: *a6".into());
+    let f = dir.path().join("bomb.yaml");
+    std::fs::write(&f, bomb.join("\n")).unwrap();
+    let (code, _, err) = run(&["plan", f.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("too many YAML nodes") && err.contains("alias"),
+        "{err}"
+    );
+    assert!(!err.contains("Nodes {"), "{err}");
+
+    let text = std::fs::read_to_string(common::root().join("specs/llama3-405b-16k-h100.yaml"))
+        .unwrap()
+        .replace("num_layers: 126", "num_layers: 99999999999999999999999");
+    let f = dir.path().join("big.yaml");
+    std::fs::write(&f, text).unwrap();
+    let (code, _, err) = run(&["plan", f.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("job.model.num_layers")
+            && err.contains("too large for this field (a u32: at most 4294967295)"),
+        "{err}"
+    );
+    assert!(!err.contains("floating point"), "{err}");
+}
