@@ -134,3 +134,46 @@ fn yaml_limits_and_huge_integers_are_said_in_words() {
     );
     assert!(!err.contains("floating point"), "{err}");
 }
+
+/// A hang names the rank it blames everywhere: the oldest heartbeat is that rank's (ranks
+/// that timed out waiting were alive), and the evidence is the wait that timed out, not an
+/// internal hook node (`node 4294967295`).
+#[test]
+fn a_hang_message_names_the_blamed_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = dir.path().join("tiny.yaml");
+    std::fs::write(&spec, common::TINY_TP2_DP2).unwrap();
+    let plan = dir.path().join("tiny.json");
+    let p = plan.to_str().unwrap();
+    let (code, _, err) = run(&["plan", spec.to_str().unwrap(), "-o", p, "--quiet"]);
+    assert_eq!(code, 0, "{err}");
+    let ck = dir.path().join("ck");
+    let (code, _, err) = run(&[
+        "execute",
+        p,
+        "--steps",
+        "6",
+        "--quiet",
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--checkpoint-every",
+        "2",
+        "--hot-spares",
+        "1",
+        "--collective-timeout",
+        "1",
+        "--inject-fault",
+        "rank=2,step=4,kind=hang",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("hang at step 4, rank 2"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("oldest heartbeat: rank 2"), "{line}");
+    assert!(
+        line.contains("timed out") && line.contains("waiting for rank(s) [2]"),
+        "{line}"
+    );
+    assert!(!line.contains("4294967295"), "{line}");
+}

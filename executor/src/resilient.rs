@@ -870,17 +870,43 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
             Some(d) => d,
             None => {
                 let blamed = hub.blamed();
+                // The evidence: a rank that timed out waiting (it names the collective
+                // and whom it waited for), else the first error not caused by the abort.
                 let first_err = results
                     .iter()
                     .filter_map(|r| r.as_ref().err())
-                    .find(|e| !e.to_string().contains("aborted"))
+                    .find(|e| e.to_string().contains("timed out"))
+                    .or_else(|| {
+                        results
+                            .iter()
+                            .filter_map(|r| r.as_ref().err())
+                            .find(|e| !e.to_string().contains("aborted"))
+                    })
                     .or_else(|| results.iter().filter_map(|r| r.as_ref().err()).next())
                     .map(|e| e.to_string())
                     .unwrap_or_default();
                 if blamed.len() == 1 {
                     let r = blamed[0];
                     let hb = attempt.heartbeat.lock().unwrap_or_else(|e| e.into_inner());
-                    let oldest = hb.iter().min_by_key(|(_, t)| **t).map(|(r, _)| *r);
+                    // Ranks that timed out waiting, or were aborted, were alive until the
+                    // end (a real rank's heartbeat thread beats while it waits): the oldest
+                    // heartbeat among the others.
+                    let waited: BTreeSet<u32> = results
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, x)| {
+                            x.as_ref().err().is_some_and(|e| {
+                                let e = e.to_string();
+                                e.contains("timed out") || e.contains("aborted")
+                            })
+                        })
+                        .map(|(i, _)| i as u32)
+                        .collect();
+                    let oldest = hb
+                        .iter()
+                        .filter(|(r, _)| !waited.contains(r))
+                        .min_by_key(|(_, t)| **t)
+                        .map(|(r, _)| *r);
                     let injected = attempt
                         .injected
                         .lock()
