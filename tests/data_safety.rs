@@ -449,7 +449,7 @@ fn non_finite_numbers_stop_the_run() {
 }
 
 /// Steps count from 1 everywhere: `step-000004` is the checkpoint after the 4th step (the
-/// 4th line of metrics.jsonl), a fault at step 5 strikes before the 5th step and restores
+/// 4th line of metrics.jsonl), a fault at step 6 strikes before the 6th step and restores
 /// `restored_step` 4, and the messages say so. A checkpoint written before (named by the
 /// 0-based index of its last step, without `steps_done`) still resumes after the right
 /// step.
@@ -492,14 +492,14 @@ fn steps_count_from_one_everywhere() {
             "--hot-spares",
             "1",
             "--inject-fault",
-            "rank=1,step=5,kind=crash",
+            "rank=1,step=6,kind=crash",
             "--out",
             out.to_str().unwrap(),
         ],
     );
     assert_eq!(code, 0, "{err}");
     assert!(
-        err.contains("crash at step 5, rank 1: rank 1 crashed before step 5"),
+        err.contains("crash at step 6, rank 1: rank 1 crashed before step 6"),
         "{err}"
     );
     assert!(err.contains("from checkpoint step 4"), "{err}");
@@ -508,7 +508,7 @@ fn steps_count_from_one_everywhere() {
     let ev = &summary["fault_tolerance"]["events"][0];
     assert_eq!(
         (ev["step"].as_u64(), ev["restored_step"].as_u64()),
-        (Some(5), Some(4)),
+        (Some(6), Some(4)),
         "{ev}"
     );
     let (code, _, err) = exec(

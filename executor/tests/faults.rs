@@ -104,10 +104,10 @@ fn faulty(layout: &str, fault: &str, spares: u32) -> (ResilientReport, tempfile:
 #[test]
 fn crash_is_replaced_by_a_spare_and_rolled_back() {
     let base = clean("tp2,dp2,ga2");
-    let (r, _d) = faulty("tp2,dp2,ga2", "rank=1,step=5,kind=crash", 1);
+    let (r, _d) = faulty("tp2,dp2,ga2", "rank=1,step=6,kind=crash", 1);
     assert_eq!(r.events.len(), 1);
     let e = &r.events[0];
-    assert_eq!((e.kind.as_str(), e.rank, e.step), ("crash", Some(1), 5));
+    assert_eq!((e.kind.as_str(), e.rank, e.step), ("crash", Some(1), 6));
     assert_eq!(
         e.replaced,
         Some((1, 4)),
@@ -116,7 +116,7 @@ fn crash_is_replaced_by_a_spare_and_rolled_back() {
     assert_eq!(
         e.restored_step,
         Some(4),
-        "crashed before step 5: checkpoints after steps 2 and 4; 4 is newest"
+        "crashed before step 6: checkpoints after steps 2 and 4; 4 is newest"
     );
     assert_eq!(r.slots, vec![0, 4, 2, 3]);
     same_end(&r, &base);
