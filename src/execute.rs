@@ -126,6 +126,10 @@ pub struct StepMetrics {
     /// checkpoint it restored); the later line is the one that counts.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub replayed: bool,
+    /// With checkpoints: how many steps the newest snapshot so far was ahead of the newest
+    /// complete checkpoint when it was handed to the background writer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_lag_steps: Option<u64>,
     pub loss: f64,
     pub grad_norm: f64,
     pub lr: f64,
@@ -207,6 +211,8 @@ struct Sink {
     lines: Vec<StepMetrics>,
     /// The last step `metrics.jsonl` held before this run (a resume appends to it).
     logged_upto: u32,
+    /// The checkpoint writer's lag (`CkptConfig::lag_gauge`), when checkpointing.
+    lag: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
     out: Box<dyn std::io::Write + Send>,
     bar: indicatif::ProgressBar,
     error: Option<String>,
@@ -229,6 +235,10 @@ impl Sink {
         let m = StepMetrics {
             step: e.step + 1,
             replayed: e.step < self.logged_upto,
+            checkpoint_lag_steps: self
+                .lag
+                .as_ref()
+                .map(|g| g.load(std::sync::atomic::Ordering::Relaxed)),
             loss: v[0].2,
             grad_norm: v[0].3,
             lr: lr_at(&self.cfg, e.step) as f64,
@@ -424,6 +434,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         b
     };
     let start = Instant::now();
+    let resilience = fault_tolerance(a, &plan, dist.as_ref().map(|d| d.rank))?;
     let sink = Mutex::new(Sink {
         // One process sees its own rank's steps only.
         world: if dist.is_some() { 1 } else { world },
@@ -434,6 +445,10 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         last_end: start,
         pending: BTreeMap::new(),
         logged_upto: earlier.iter().map(|m| m.step).max().unwrap_or(0),
+        lag: resilience
+            .as_ref()
+            .and_then(|r| r.ckpt.lag_gauge.clone())
+            .filter(|_| dist.is_none()),
         lines: earlier,
         out: metrics_out,
         bar: bar.clone(),
@@ -462,7 +477,6 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         on_step: Some(&on_step),
         ..Default::default()
     };
-    let resilience = fault_tolerance(a, &plan, dist.as_ref().map(|d| d.rank))?;
     let mut ft_report = None;
     let res = match (&dist, &resilience) {
         (None, None) => {
@@ -696,6 +710,7 @@ fn fault_tolerance(
     // counts as checkpoint stall and is reported), so training never runs far ahead of
     // its newest durable state.
     ckpt = ckpt.max_pending_checkpoints(1);
+    ckpt.lag_gauge = Some(Default::default());
 
     let start_from = if f.resume {
         Some(resume_point(

@@ -251,6 +251,13 @@ fn resume_appends_to_out_and_a_fresh_run_does_not_overwrite_it() {
         "the earlier lines are kept as they were"
     );
     assert_eq!(all[4]["replayed"], true, "{}", all[4]);
+    // Each line says how far the checkpoint writer was behind (at most one checkpoint).
+    for m in &all[4..] {
+        let lag = m["checkpoint_lag_steps"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{m}"));
+        assert!(lag <= 6, "{m}");
+    }
     assert!(all[5].get("replayed").is_none(), "{}", all[5]);
     assert_eq!(
         all[4]["loss"].as_f64().unwrap().to_bits(),

@@ -464,6 +464,9 @@ pub struct CkptConfig {
     /// snapshot of a newer step waits while this many are still being written, so
     /// training never runs unboundedly ahead of its last durable state. Default: no limit.
     pub max_pending_checkpoints: usize,
+    /// Set at every snapshot to its lag: the steps between it and the newest complete
+    /// checkpoint (see [`LagStats::max_lag_steps`]), for a per-step report.
+    pub lag_gauge: Option<Arc<std::sync::atomic::AtomicU64>>,
     pub hook: Option<Hook>,
     /// Recorded in every manifest (see [`Manifest::settings`]).
     pub settings: Option<serde_json::Value>,
@@ -479,6 +482,7 @@ impl CkptConfig {
             keep_durable: 2,
             max_queued_bytes: u64::MAX,
             max_pending_checkpoints: usize::MAX,
+            lag_gauge: None,
             hook: None,
             settings: None,
         }
@@ -700,6 +704,9 @@ impl Checkpointer {
             .unwrap_or(step);
         let lag = step.saturating_sub(base);
         st.lag.max_lag_steps = st.lag.max_lag_steps.max(lag);
+        if let Some(g) = &self.cfg.lag_gauge {
+            g.store(lag, std::sync::atomic::Ordering::Relaxed);
+        }
         if st.pending_writes > 0
             && st.queued_bytes.saturating_add(bytes) > self.cfg.max_queued_bytes
         {
