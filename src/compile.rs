@@ -50,8 +50,14 @@ pub fn parse_ranks(s: &str, world: u32) -> Result<Vec<u32>, Failure> {
         };
         let a: u32 = a.parse().map_err(|_| bad("not a rank or a range A-B"))?;
         let b: u32 = b.parse().map_err(|_| bad("not a rank or a range A-B"))?;
-        if a > b || b >= world {
-            return Err(bad(&format!("out of range (world {world})")));
+        if a > b {
+            return Err(bad(&format!("the range is reversed (write {b}-{a})")));
+        }
+        if b >= world {
+            return Err(bad(&format!(
+                "out of range: the plan has {world} ranks (0 to {})",
+                world.saturating_sub(1)
+            )));
         }
         out.extend(a..=b);
     }

@@ -49,6 +49,8 @@ pub struct ExecArgs {
     /// Stop after this many steps (a time-limited allocation); the schedule still spans
     /// `steps`.
     pub exit_after: Option<u32>,
+    /// Replace the run already in `--out` (without it, a fresh run there is refused).
+    pub overwrite: bool,
     pub ft: FaultArgs,
 }
 
@@ -60,6 +62,8 @@ pub struct FaultArgs {
     pub keep: usize,
     pub checkpoint_every: Option<u32>,
     pub resume: bool,
+    /// Resume although the run's settings differ from the checkpoint's.
+    pub allow_changed_settings: bool,
     pub faults: Vec<String>,
     pub hot_spares: Option<u32>,
     pub collective_timeout_s: f64,
@@ -81,6 +85,12 @@ struct FtSummary {
     checkpoint_blocked_s: f64,
     /// The same as a share of the steps between two checkpoints.
     checkpoint_blocked_share: f64,
+    /// The most steps a snapshot was ahead of the newest complete checkpoint (the writer
+    /// is allowed one checkpoint behind; then training waits for it).
+    checkpoint_max_lag_steps: u64,
+    /// Snapshots that waited for the writer, and the time they waited in all.
+    checkpoint_writer_waits: u32,
+    checkpoint_writer_wait_s: f64,
     resumed_at_step: u32,
     hot_spares: u32,
     events: Vec<FtEvent>,
@@ -108,10 +118,18 @@ struct FtEvent {
 }
 
 /// One step's metrics line.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct StepMetrics {
     /// Steps completed (1-based, as Megatron counts iterations).
     pub step: u32,
+    /// This step is in `metrics.jsonl` already (a resume ran it again after the
+    /// checkpoint it restored); the later line is the one that counts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replayed: bool,
+    /// With checkpoints: how many steps the newest snapshot so far was ahead of the newest
+    /// complete checkpoint when it was handed to the background writer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_lag_steps: Option<u64>,
     pub loss: f64,
     pub grad_norm: f64,
     pub lr: f64,
@@ -191,9 +209,15 @@ struct Sink {
     last_end: Instant,
     pending: BTreeMap<u32, Vec<(u32, f64, f64, f64)>>,
     lines: Vec<StepMetrics>,
+    /// The last step `metrics.jsonl` held before this run (a resume appends to it).
+    logged_upto: u32,
+    /// The checkpoint writer's lag (`CkptConfig::lag_gauge`), when checkpointing.
+    lag: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
     out: Box<dyn std::io::Write + Send>,
     bar: indicatif::ProgressBar,
     error: Option<String>,
+    /// The first step (1-based) whose loss or gradient norm was NaN or infinite.
+    non_finite: Option<u32>,
 }
 
 impl Sink {
@@ -210,6 +234,11 @@ impl Sink {
         self.last_end = now;
         let m = StepMetrics {
             step: e.step + 1,
+            replayed: e.step < self.logged_upto,
+            checkpoint_lag_steps: self
+                .lag
+                .as_ref()
+                .map(|g| g.load(std::sync::atomic::Ordering::Relaxed)),
             loss: v[0].2,
             grad_norm: v[0].3,
             lr: lr_at(&self.cfg, e.step) as f64,
@@ -219,6 +248,9 @@ impl Sink {
             step_time_s: wall,
             rank_time_s: v.iter().map(|x| x.1).collect(),
         };
+        if !(m.loss.is_finite() && m.grad_norm.is_finite()) {
+            self.non_finite.get_or_insert(m.step);
+        }
         let line = serde_json::to_string(&m).unwrap_or_default();
         if let Err(err) = writeln!(self.out, "{line}").and_then(|_| self.out.flush()) {
             self.error.get_or_insert(format!("writing metrics: {err}"));
@@ -233,10 +265,16 @@ impl Sink {
     /// A new attempt starts at `first` (after a rollback): forget partial steps, and the
     /// steps that run again.
     fn restart(&mut self, first: u32) {
+        self.logged_upto = self
+            .logged_upto
+            .max(self.lines.iter().map(|m| m.step).max().unwrap_or(0));
         self.pending.clear();
         self.lines.retain(|m| m.step <= first);
         self.bar.set_position(first as u64);
         self.last_end = Instant::now();
+        if self.non_finite.is_some_and(|s| s > first) {
+            self.non_finite = None;
+        }
     }
 }
 
@@ -339,17 +377,41 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         }
     };
 
+    // A resume appends to the run's metrics; a fresh run never overwrites another run's
+    // files unless told to.
+    let mut earlier: Vec<StepMetrics> = Vec::new();
     if let Some(out) = a.out.as_ref().filter(|_| writes) {
         std::fs::create_dir_all(out)
             .with_context(|| format!("--out {}: cannot create the directory", out.display()))?;
+        let used: Vec<&str> = ["metrics.jsonl", "summary.json", "loss.svg"]
+            .into_iter()
+            .filter(|f| out.join(f).exists())
+            .collect();
+        if !used.is_empty() && !a.ft.resume && !a.overwrite {
+            return Err(usage(anyhow!(
+                "--out {}: holds an earlier run ({}); pass --overwrite to replace it, \
+                 --resume to continue it, or choose another --out",
+                out.display(),
+                used.join(", ")
+            )));
+        }
+        if a.ft.resume {
+            earlier = read_metrics(&out.join("metrics.jsonl"))?;
+        }
     }
     let metrics_out: Box<dyn std::io::Write + Send> = match &a.out {
         _ if !writes => Box::new(std::io::sink()),
         Some(out) => {
             let p = out.join("metrics.jsonl");
-            Box::new(
-                std::fs::File::create(&p).with_context(|| format!("creating {}", p.display()))?,
-            )
+            let f = if a.ft.resume {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&p)
+            } else {
+                std::fs::File::create(&p)
+            };
+            Box::new(f.with_context(|| format!("opening {}", p.display()))?)
         }
         None => Box::new(std::io::stdout()),
     };
@@ -372,6 +434,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         b
     };
     let start = Instant::now();
+    let resilience = fault_tolerance(a, &plan, dist.as_ref().map(|d| d.rank))?;
     let sink = Mutex::new(Sink {
         // One process sees its own rank's steps only.
         world: if dist.is_some() { 1 } else { world },
@@ -381,10 +444,16 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         cfg: cfg.clone(),
         last_end: start,
         pending: BTreeMap::new(),
-        lines: Vec::new(),
+        logged_upto: earlier.iter().map(|m| m.step).max().unwrap_or(0),
+        lag: resilience
+            .as_ref()
+            .and_then(|r| r.ckpt.lag_gauge.clone())
+            .filter(|_| dist.is_none()),
+        lines: earlier,
         out: metrics_out,
         bar: bar.clone(),
         error: None,
+        non_finite: None,
     });
     let on_step = |e: StepEvent| {
         if let Ok(mut s) = sink.lock() {
@@ -408,13 +477,6 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         on_step: Some(&on_step),
         ..Default::default()
     };
-    let resilience = fault_tolerance(a, &plan)?;
-    if resilience.is_some() && dist.is_some() {
-        return Err(usage(anyhow!(
-            "--checkpoint-dir/--resume/--inject-fault run in one process for now; \
-             not under `launch --local` or torchrun"
-        )));
-    }
     let mut ft_report = None;
     let res = match (&dist, &resilience) {
         (None, None) => {
@@ -450,7 +512,37 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             std::panic::set_hook(prev);
             out
         }
-        (Some(d), _) => distributed::run(d, &l, &cfg, &opts).map(|_| ()),
+        (Some(d), None) => distributed::run(d, &l, &cfg, &opts).map(|_| ()),
+        (Some(d), Some(r)) => {
+            // One rank of a multi-process job: its own rank file of each checkpoint, and
+            // its own state of the checkpoint it resumes from.
+            let hooks = RankCheckpoints {
+                res: r,
+                run_id: std::env::var("SHARDWRIGHT_RUN_ID")
+                    .or_else(|_| std::env::var("TORCHELASTIC_RUN_ID"))
+                    .unwrap_or_else(|_| d.master.clone()),
+                steps: run_steps,
+                world,
+                keep: a.ft.keep,
+            };
+            let first = r.start_from.as_ref().map_or(0, |s| s.0 as u32);
+            let init = |rank: u32| {
+                r.start_from
+                    .as_ref()
+                    .and_then(|(_, v)| v.iter().find(|s| s.rank == rank))
+                    .map(|s| s.tensors.clone())
+            };
+            if let Ok(mut s) = sink.lock() {
+                s.restart(first);
+            }
+            let opts = RunOptions {
+                first_step: first,
+                initial_state: Some(&init),
+                hooks: Some(&hooks),
+                ..opts
+            };
+            distributed::run(d, &l, &cfg, &opts).map(|_| ())
+        }
     };
     bar.finish_and_clear();
     res.map_err(|e| anyhow!("{}: {e}", a.plan.display()))?;
@@ -460,8 +552,20 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     if let Some(e) = sink.error {
         return Err(anyhow!(e).into());
     }
+    let diverged = sink.non_finite.map(|s| {
+        Failure::from(anyhow!(
+            "{}: step {s}: the loss or gradient norm is NaN or infinite; training diverged \
+             (lower --lr, raise --warmup, or check the data){}",
+            a.plan.display(),
+            if a.ft.checkpoint_dir.is_none() {
+                "; with --checkpoint-dir such a step is rolled back instead"
+            } else {
+                ""
+            }
+        ))
+    });
     if !writes {
-        return Ok(());
+        return diverged.map_or(Ok(()), Err);
     }
     let lines = sink.lines;
     let wall = start.elapsed().as_secs_f64();
@@ -511,17 +615,26 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             out.display()
         );
     }
-    Ok(())
+    diverged.map_or(Ok(()), Err)
 }
 
 /// The resilience settings `execute` was asked for, or `None`.
+/// `rank`: this process is that rank of a multi-process job (`launch --local`,
+/// torchrun): checkpoints and resume work there, faults and the durable tier do not.
 fn fault_tolerance(
     a: &ExecArgs,
     plan: &shardwright_spec::Plan,
+    rank: Option<u32>,
 ) -> Result<Option<Resilience>, Failure> {
     let f = &a.ft;
     if !f.wanted() {
         return Ok(None);
+    }
+    if rank.is_some() && (!f.faults.is_empty() || f.durable_dir.is_some()) {
+        return Err(usage(anyhow!(
+            "--inject-fault and --durable-dir run in one process for now, not under \
+             `launch --local` or torchrun (--checkpoint-dir and --resume do)"
+        )));
     }
     let Some(dir) = &f.checkpoint_dir else {
         return Err(usage(anyhow!(
@@ -536,6 +649,24 @@ fn fault_tolerance(
                 .map_err(|e| usage(anyhow!("--inject-fault {s}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let world = plan.inputs.cluster.world_size;
+    let last = a.exit_after.map_or(a.steps, |n| n.min(a.steps));
+    for (spec, fault) in f.faults.iter().zip(&faults) {
+        if fault.rank as u64 >= world {
+            return Err(usage(anyhow!(
+                "--inject-fault {spec}: rank {} does not exist: the plan has {world} ranks (0 to {})",
+                fault.rank,
+                world - 1
+            )));
+        }
+        if fault.step > last {
+            return Err(usage(anyhow!(
+                "--inject-fault {spec}: step {} is after the last step this run takes ({last}); \
+                 it would never happen",
+                fault.step
+            )));
+        }
+    }
     if f.keep == 0 {
         return Err(usage(anyhow!("--keep: at least 1")));
     }
@@ -569,12 +700,27 @@ fn fault_tolerance(
             n
         }
     };
+    let settings = run_settings(a, plan)?;
     let mut ckpt = CkptConfig::new(dir).keep(f.keep, f.keep);
+    ckpt.settings = Some(settings.clone());
     if let Some(d) = &f.durable_dir {
         ckpt = ckpt.durable(d);
     }
+    // The writer may be one checkpoint behind; the next snapshot waits for it (its wait
+    // counts as checkpoint stall and is reported), so training never runs far ahead of
+    // its newest durable state.
+    ckpt = ckpt.max_pending_checkpoints(1);
+    ckpt.lag_gauge = Some(Default::default());
+
     let start_from = if f.resume {
-        resharded_start(plan, &ckpt, &a.plan)?
+        Some(resume_point(
+            plan,
+            &ckpt,
+            &a.plan,
+            &settings,
+            f.allow_changed_settings,
+            rank,
+        )?)
     } else {
         None
     };
@@ -592,34 +738,94 @@ fn fault_tolerance(
             "layout": plan.layout,
             "stages": plan.stages,
             "global_batch": plan.inputs.training.global_batch,
+            "settings": settings,
         }),
         start_from,
     }))
 }
 
-/// `--resume` onto a layout other than the checkpoint's: the newest complete checkpoint
-/// (of any world size), resharded for this plan (`None`: same layout, or no checkpoint;
-/// the normal resume path takes it).
-fn resharded_start(
+/// `--resume`: the newest complete checkpoint that verifies, resharded for this plan when
+/// it was written on another layout. Nothing to resume (an empty or missing directory,
+/// every checkpoint failing verification) is an error that names the directories and
+/// each checkpoint's fault; a checkpoint that fails verification is set aside
+/// (`step-N.failed-verification`), never deleted.
+fn resume_point(
     plan: &shardwright_spec::Plan,
     ckpt: &CkptConfig,
     path: &std::path::Path,
-) -> Result<Option<(u64, Vec<shardwright_executor::checkpoint::RankState>)>, Failure> {
-    use shardwright_executor::checkpoint::{restore_latest, CkptError, RankState};
+    settings: &serde_json::Value,
+    allow_changed: bool,
+    rank: Option<u32>,
+) -> Result<(u64, Vec<shardwright_executor::checkpoint::RankState>), Failure> {
+    use shardwright_executor::checkpoint::{
+        restore_latest, restore_latest_setting_aside, CkptError, RankState,
+    };
+    // Several processes read the directory at once: only one process may rename in it,
+    // so none does (a damaged checkpoint is skipped, not set aside).
+    type Restore = fn(
+        &[&std::path::Path],
+        u32,
+        &mut dyn FnMut(String),
+    ) -> Result<Option<(u64, Vec<RankState>)>, CkptError>;
+    let restore_latest_setting_aside: Restore = if rank.is_some() {
+        restore_latest
+    } else {
+        restore_latest_setting_aside
+    };
+    let say = rank.unwrap_or(0) == 0;
     let mut dirs: Vec<&std::path::Path> = vec![&ckpt.fast_dir];
     if let Some(d) = &ckpt.durable_dir {
         dirs.push(d);
     }
     let world = plan.inputs.cluster.world_size as u32;
-    let mut warn = |w: String| eprintln!("warning: {w}");
-    let got = match restore_latest(&dirs, world, &mut warn) {
-        Err(CkptError::WorldMismatch { found, .. }) => restore_latest(&dirs, found, &mut warn),
+    let mut warnings = Vec::new();
+    let mut warn = |w: String| warnings.push(w);
+    let got = match restore_latest_setting_aside(&dirs, world, &mut warn) {
+        Err(CkptError::WorldMismatch { found, .. }) => {
+            restore_latest_setting_aside(&dirs, found, &mut warn)
+        }
         other => other,
     }
     .map_err(|e| usage(anyhow!("--resume: {e}")))?;
+    let names = dirs
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect::<Vec<_>>()
+        .join(" and ");
     let Some((step, states)) = got else {
-        return Ok(None);
+        let why = if warnings.is_empty() {
+            let aside = dirs
+                .iter()
+                .filter_map(|d| std::fs::read_dir(d).ok())
+                .flat_map(|rd| rd.flatten())
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .contains(shardwright_executor::checkpoint::SET_ASIDE_SUFFIX)
+                })
+                .count();
+            let exists = dirs.iter().any(|d| d.is_dir());
+            match (exists, aside) {
+                (false, _) => " (the directory does not exist: misspelled?)".to_string(),
+                (true, 0) => " (no step-N checkpoint directory in it)".to_string(),
+                (true, n) => format!(
+                    " ({n} checkpoint(s) set aside earlier as *{}: they failed verification)",
+                    shardwright_executor::checkpoint::SET_ASIDE_SUFFIX
+                ),
+            }
+        } else {
+            format!(":\n  {}", warnings.join("\n  "))
+        };
+        return Err(usage(anyhow!(
+            "--resume: nothing to resume in --checkpoint-dir {names}{why}\n\
+             (drop --resume to start from step 1)"
+        )));
     };
+    for w in warnings.iter().filter(|_| say) {
+        eprintln!("warning: {w}");
+    }
+    // Steps completed (checkpoints written before steps counted from 1 are one lower).
+    let step = shardwright_executor::resilient::steps_done(step, &states[0].meta);
     let meta = &states[0].meta;
     let old_layout: shardwright_spec::Layout = serde_json::from_value(meta["layout"].clone())
         .map_err(|e| {
@@ -627,8 +833,19 @@ fn resharded_start(
                 "--resume: checkpoint step {step} does not record its layout: {e}"
             ))
         })?;
-    if old_layout == plan.layout && states.len() as u32 == world {
-        return Ok(None);
+    let same_layout = old_layout == plan.layout && states.len() as u32 == world;
+    check_settings(
+        step,
+        &meta["settings"],
+        settings,
+        same_layout,
+        allow_changed,
+    )?;
+    if same_layout {
+        if say {
+            eprintln!("resuming after step {step} from {names}");
+        }
+        return Ok((step, states));
     }
     let old_gb = meta["global_batch"].as_u64().unwrap_or(0);
     if old_gb != plan.inputs.training.global_batch {
@@ -665,7 +882,7 @@ fn resharded_start(
         ln.program.world,
         ln.layout.compact()
     );
-    Ok(Some((
+    Ok((
         step,
         new.into_iter()
             .map(|(rank, tensors)| RankState {
@@ -674,7 +891,68 @@ fn resharded_start(
                 meta: serde_json::json!({"step": step}),
             })
             .collect(),
-    )))
+    ))
+}
+
+/// Checkpoints of one rank's process in a multi-process job: every `checkpoint_every`
+/// steps and after the last, this rank's file (`checkpoint::write_rank_part`; the last
+/// rank to write a step writes its manifest); rank 0 applies `--keep`.
+struct RankCheckpoints<'a> {
+    res: &'a Resilience,
+    run_id: String,
+    steps: u32,
+    world: u32,
+    keep: usize,
+}
+
+impl shardwright_executor::interp::RankHooks for RankCheckpoints<'_> {
+    fn after_step(
+        &self,
+        rank: u32,
+        idx: u32,
+        _report: &shardwright_executor::interp::StepReport,
+        _seconds: f64,
+        state: &mut dyn shardwright_executor::interp::RankStateAccess,
+    ) -> Result<(), String> {
+        use shardwright_executor::checkpoint::{prune, write_rank_part, RankState};
+        let step = idx + 1;
+        let every = self.res.checkpoint_every;
+        if every == 0 || !(step % every == 0 || step == self.steps) {
+            return Ok(());
+        }
+        let tensors = state.export();
+        if let Some(name) = tensors
+            .iter()
+            .find(|(_, v)| v.iter().any(|x| !x.is_finite()))
+            .map(|(k, _)| k)
+        {
+            return Err(format!(
+                "step {step}: `{name}` holds NaN or inf; not checkpointed"
+            ));
+        }
+        let mut meta = self.res.meta.clone();
+        meta["step"] = serde_json::json!(step);
+        meta[shardwright_executor::resilient::STEPS_DONE] = serde_json::json!(step);
+        let st = RankState {
+            rank,
+            tensors,
+            meta,
+        };
+        let dir = &self.res.ckpt.fast_dir;
+        write_rank_part(
+            dir,
+            &self.run_id,
+            step as u64,
+            self.world,
+            &st,
+            self.res.ckpt.settings.as_ref(),
+        )
+        .map_err(|e| format!("checkpoint of step {step}: {e}"))?;
+        if rank == 0 {
+            prune(dir, self.keep).map_err(|e| format!("checkpoint retention: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {
@@ -714,6 +992,9 @@ fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {
         } else {
             0.0
         },
+        checkpoint_max_lag_steps: r.ckpt_lag.max_lag_steps,
+        checkpoint_writer_waits: r.ckpt_lag.waits,
+        checkpoint_writer_wait_s: r.ckpt_lag.wait_s,
         resumed_at_step: r.first_step,
         hot_spares: res.hot_spares,
         events: r
@@ -739,11 +1020,46 @@ fn ft_summary(r: &ResilientReport, res: &Resilience) -> FtSummary {
     }
 }
 
+/// The lines of an earlier run's `metrics.jsonl` (none if it does not exist); a line
+/// that does not parse is an error naming the file and line.
+fn read_metrics(path: &std::path::Path) -> Result<Vec<StepMetrics>, Failure> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(anyhow!("reading {}: {e}", path.display()).into()),
+    };
+    let mut out: Vec<StepMetrics> = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let m: StepMetrics = serde_json::from_str(line).map_err(|e| {
+            usage(anyhow!(
+                "{} line {}: not a metrics line ({e}); a resume appends to it",
+                path.display(),
+                i + 1
+            ))
+        })?;
+        // A replayed step replaces the earlier line of the same step.
+        out.retain(|x| x.step < m.step);
+        out.push(m);
+    }
+    Ok(out)
+}
+
 fn print_ft(ft: &FtSummary) {
     for w in &ft.warnings {
         eprintln!("warning: {w}");
     }
     for e in &ft.events {
+        if e.kind == "loss-outlier" {
+            eprintln!(
+                "{} at step {}: {} [flagged by {}; no action taken]",
+                e.kind, e.step, e.message, e.detected_by
+            );
+            continue;
+        }
         eprintln!(
             "{} at step {}{}: {} [detected by {} after {:.3} s; recovered in {:.3} s from {}{}]",
             e.kind,
@@ -765,11 +1081,15 @@ fn print_ft(ft: &FtSummary) {
     }
     eprintln!(
         "checkpoints: {} (every {} steps), {:.2} ms blocked each ({:.2}% of the steps between); \
+         writer at most {} step(s) behind ({} wait(s) for it, {:.1} ms); \
          goodput {:.1}% achieved, {:.1}% predicted by the plan's formula for this failure rate",
         ft.checkpoints,
         ft.checkpoint_every,
         ft.checkpoint_blocked_s * 1e3,
         100.0 * ft.checkpoint_blocked_share,
+        ft.checkpoint_max_lag_steps,
+        ft.checkpoint_writer_waits,
+        ft.checkpoint_writer_wait_s * 1e3,
         100.0 * ft.goodput,
         100.0 * ft.predicted_goodput
     );
@@ -863,7 +1183,9 @@ mod distributed {
             diagnostics: opts.diagnostics,
             data: opts.data,
             on_step: Some(&on_step),
-            ..Default::default()
+            first_step: opts.first_step,
+            initial_state: opts.initial_state,
+            hooks: opts.hooks,
         };
         // A communicator failure is a panic that run_rank turns into the error printed at
         // the end (naming the rank, the collective and the peer): no backtrace for it.
@@ -882,4 +1204,82 @@ mod distributed {
         comm.finish().map_err(|e| ExecError::Panic(d.rank, e))?;
         Ok(vec![rep])
     }
+}
+
+/// What a checkpoint records of the run that wrote it, and a resume checks: the plan
+/// (fingerprint of its JSON) and its model, the data (fingerprint of the dataset's
+/// manifest, or random tokens), and every hyperparameter that shapes the trajectory.
+fn run_settings(a: &ExecArgs, plan: &shardwright_spec::Plan) -> Result<serde_json::Value, Failure> {
+    use shardwright_executor::checkpoint::fingerprint;
+    let data = match &a.data {
+        Some(dir) => {
+            let m = dir.join("manifest.json");
+            let bytes =
+                std::fs::read(&m).map_err(|e| usage(anyhow!("--data {}: {e}", m.display())))?;
+            format!("dataset {}", fingerprint(&bytes))
+        }
+        None => "random tokens".into(),
+    };
+    let model = serde_json::to_vec(&plan.inputs.model).map_err(|e| anyhow!(e))?;
+    // As typed (0.003, not the f32's widening 0.003000000026077032).
+    let num = |x: f32| x.to_string().parse::<f64>().unwrap_or(f64::NAN);
+    Ok(serde_json::json!({
+        "plan": fingerprint(shardwright_spec::plan::to_json(plan).as_bytes()),
+        "model": fingerprint(&model),
+        "data": data,
+        "seed": a.seed,
+        "steps": a.steps,
+        "lr": num(a.lr),
+        "min_lr": num(a.min_lr),
+        "warmup": a.warmup.unwrap_or((a.steps / 10).max(1)),
+        "clip": num(a.clip),
+        "weight_decay": num(a.weight_decay),
+    }))
+}
+
+/// A resume continues the run the checkpoint was written by: every setting it recorded
+/// must be this run's (the plan only on the same layout: a resume onto another layout
+/// reshards), unless `--allow-changed-settings`. A checkpoint from before settings were
+/// recorded is resumed with a warning.
+fn check_settings(
+    step: u64,
+    old: &serde_json::Value,
+    new: &serde_json::Value,
+    same_layout: bool,
+    allow: bool,
+) -> Result<(), Failure> {
+    let Some(old) = old.as_object() else {
+        eprintln!(
+            "warning: checkpoint step {step} does not record its run's settings (written by \
+             an older shardwright); seed, learning rate and data are not checked"
+        );
+        return Ok(());
+    };
+    let show = |v: Option<&serde_json::Value>| match v {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(v) => v.to_string(),
+        None => "(not recorded)".into(),
+    };
+    let changed: Vec<String> = old
+        .iter()
+        .filter(|(k, _)| same_layout || k.as_str() != "plan")
+        .filter(|(k, v)| new.get(k.as_str()) != Some(v))
+        .map(|(k, v)| format!("{k}: {} -> {}", show(Some(v)), show(new.get(k.as_str()))))
+        .collect();
+    if changed.is_empty() {
+        return Ok(());
+    }
+    let list = changed.join("\n  ");
+    if allow {
+        eprintln!(
+            "warning: resuming checkpoint step {step} with changed settings \
+             (--allow-changed-settings):\n  {list}"
+        );
+        return Ok(());
+    }
+    Err(usage(anyhow!(
+        "--resume: this run's settings differ from checkpoint step {step}'s:\n  {list}\n\
+         (run with the checkpoint's settings, or pass --allow-changed-settings to continue \
+         with the new ones)"
+    )))
 }

@@ -28,6 +28,34 @@ fn sig(x: f64) -> String {
     }
 }
 
+const CP_TOTAL: &str = "CP comm (total)";
+
+/// `parts` of `total` in tenths of a percent. When the parts add up to the total, the
+/// rounding is by largest remainder, so the shares sum to exactly 100.0%.
+fn tenths_of_percent(parts: &[f64], total: f64) -> Vec<i64> {
+    if !(total > 0.0) {
+        return vec![0; parts.len()];
+    }
+    let raw: Vec<f64> = parts.iter().map(|v| v / total * 1000.0).collect();
+    let mut out: Vec<i64> = raw.iter().map(|x| x.floor() as i64).collect();
+    let missing = 1000 - out.iter().sum::<i64>();
+    let sum: f64 = raw.iter().sum();
+    if (sum - 1000.0).abs() < 0.5 && missing >= 0 && missing as usize <= out.len() {
+        let mut order: Vec<usize> = (0..raw.len()).collect();
+        order.sort_by(|&a, &b| {
+            (raw[b] - raw[b].floor())
+                .total_cmp(&(raw[a] - raw[a].floor()))
+                .then(a.cmp(&b))
+        });
+        for &i in order.iter().take(missing as usize) {
+            out[i] += 1;
+        }
+    } else {
+        out = raw.iter().map(|x| x.round() as i64).collect();
+    }
+    out
+}
+
 fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
@@ -157,7 +185,7 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
         ("launch overhead", st.overhead_s),
         ("TP comm (exposed)", st.tp_comm_s),
         ("CP comm (exposed)", st.cp_comm_s),
-        ("CP comm (total)", st.cp_comm_total_s),
+        (CP_TOTAL, st.cp_comm_total_s),
         ("EP all-to-all", st.ep_comm_s),
         ("PP send/recv", st.pp_p2p_s),
         ("pipeline bubble", st.pipeline_bubble_s),
@@ -167,14 +195,24 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
     .into_iter()
     .filter(|(_, v)| details || *v != 0.0)
     .collect();
+    // The parts of the step add up to it (CP comm (total) is not a part: its exposed
+    // share is): their shares, rounded so they sum to 100%.
+    let additive: Vec<f64> = step_rows
+        .iter()
+        .filter(|(k, _)| *k != CP_TOTAL)
+        .map(|(_, v)| *v)
+        .collect();
+    let mut shares = tenths_of_percent(&additive, st.step_s).into_iter();
     let mut left = vec![format!("{:<23} {:>7} {:>6}", "step time", "s", "share")];
     for (k, v) in &step_rows {
-        left.push(format!(
-            "  {:<21} {:>7} {:>6}",
-            k,
-            sig(*v),
-            pct(v / st.step_s)
-        ));
+        let share = if *k == CP_TOTAL {
+            // Mostly hidden behind compute: shown in parentheses, not part of the 100%.
+            format!("({:.1}%)", v / st.step_s * 100.0)
+        } else {
+            let t = shares.next().unwrap_or(0);
+            format!("{}.{}%", t / 10, t % 10)
+        };
+        left.push(format!("  {:<21} {:>7} {:>6}", k, sig(*v), share));
     }
     left.push(format!(
         "  {:<21} {:>7} {:>6}",

@@ -45,19 +45,52 @@ pub fn read_runs(path: Option<&Path>) -> Result<(String, String), Failure> {
     }
 }
 
-/// Write to a temp file beside the target, then rename: readers never see half a file.
+/// Write `text` to `path` (stdout for `None` or `-`). A regular file (or a new one) is
+/// written to a temp file beside it, then renamed over it: readers never see half a file.
+/// A symlink is followed: its target is replaced that way and the link stays a link. A
+/// character device or FIFO (`/dev/null`, `/dev/stdout`, a named pipe) is opened and
+/// written straight into: never replaced by a regular file.
 pub fn write_output(path: Option<&Path>, text: &str) -> Result<(), Failure> {
-    let Some(path) = path else {
-        std::io::stdout()
-            .write_all(text.as_bytes())
-            .context("writing stdout")?;
-        return Ok(());
+    let path = match path {
+        Some(p) if p != Path::new("-") => p,
+        _ => {
+            std::io::stdout()
+                .write_all(text.as_bytes())
+                .and_then(|_| std::io::stdout().flush())
+                .context("writing stdout")?;
+            return Ok(());
+        }
     };
-    let dir = path
+    let target = resolve_links(path)
+        .map_err(|e| anyhow!("writing {}: resolving the symlink: {e}", path.display()))?;
+    if let Ok(meta) = std::fs::metadata(&target) {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        if t.is_char_device() || t.is_fifo() {
+            let res = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&target)
+                .and_then(|mut f| f.write_all(text.as_bytes()));
+            return res.map_err(|e| anyhow!("writing {}: {e}", path.display()).into());
+        }
+        if t.is_dir() {
+            return Err(usage(anyhow!(
+                "{}: is a directory, not a file",
+                path.display()
+            )));
+        }
+        if !t.is_file() {
+            return Err(usage(anyhow!(
+                "{}: not a regular file, character device or FIFO; not replaced",
+                path.display()
+            )));
+        }
+    }
+    let dir = target
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let name = path
+    let name = target
         .file_name()
         .ok_or_else(|| usage(anyhow!("{}: not a file path", path.display())))?;
     let tmp = dir.join(format!(
@@ -69,13 +102,32 @@ pub fn write_output(path: Option<&Path>, text: &str) -> Result<(), Failure> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(text.as_bytes())?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        std::fs::rename(&tmp, &target)
     })();
     if let Err(e) = res {
         let _ = std::fs::remove_file(&tmp);
         return Err(anyhow!("writing {}: {e}", path.display()).into());
     }
     Ok(())
+}
+
+/// Follow `path` through symlinks (a chain, relative or absolute; the last target may
+/// not exist yet) to the path that is written.
+fn resolve_links(path: &Path) -> std::io::Result<std::path::PathBuf> {
+    let mut p = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let to = std::fs::read_link(&p)?;
+                p = match p.parent() {
+                    Some(dir) if to.is_relative() => dir.join(to),
+                    _ => to,
+                };
+            }
+            _ => return Ok(p),
+        }
+    }
+    Err(std::io::Error::other("too many levels of symbolic links"))
 }
 
 /// A plan file: JSON syntax errors name the line and column; a value of the wrong shape

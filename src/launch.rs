@@ -44,6 +44,15 @@ pub struct LocalArgs<'a> {
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The interruption was SIGTERM (exit 143, 128 + 15), not Ctrl-C's SIGINT (130).
+static TERMINATED: AtomicBool = AtomicBool::new(false);
+
+#[cfg(unix)]
+extern "C" fn on_sigterm(_: libc::c_int) {
+    // Only atomics: async-signal-safe.
+    TERMINATED.store(true, Ordering::SeqCst);
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
 
 /// One child. A waiter thread owns the `Child`: it waits for the exit *without reaping*
 /// (`waitid(WNOWAIT)`), marks the rank exited under the lock, then reaps and reports. The
@@ -300,7 +309,25 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
     // one is already: then the default behaviour stays, and Drop still reaps).
     let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
     INTERRUPTED.store(false, Ordering::SeqCst);
+    TERMINATED.store(false, Ordering::SeqCst);
+    // SIGTERM gets a handler of its own, to tell it from Ctrl-C in the exit code.
+    #[cfg(unix)]
+    // SAFETY: the handler only stores to atomics.
+    unsafe {
+        libc::signal(
+            libc::SIGTERM,
+            on_sigterm as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
+    }
 
+    // One id per launch: a rank's checkpoint entry counts only beside its own run's.
+    let run_id = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
     let t0 = Instant::now();
     let (tx, rx) = mpsc::channel();
     let mut gang = Gang(Vec::new());
@@ -318,6 +345,7 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env(TIMEOUT_ENV, timeout.as_secs_f64().to_string())
+            .env("SHARDWRIGHT_RUN_ID", &run_id)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -455,7 +483,11 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
             msg.push_str(&format!("\n  rank {i}: {}", fate(r)));
         }
         return Err(Failure {
-            code: 130,
+            code: if TERMINATED.load(Ordering::SeqCst) {
+                143
+            } else {
+                130
+            },
             error: anyhow!(msg),
         });
     }

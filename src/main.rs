@@ -287,18 +287,18 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Peak learning rate (AdamW).
-        #[arg(long, default_value_t = 3e-3)]
+        #[arg(long, default_value_t = 3e-3, value_parser = finite_non_negative)]
         lr: f32,
         /// Final learning rate of the cosine decay.
-        #[arg(long, default_value_t = 3e-4)]
+        #[arg(long, default_value_t = 3e-4, value_parser = finite_non_negative)]
         min_lr: f32,
         /// Linear warm-up steps (default: a tenth of --steps).
         #[arg(long)]
         warmup: Option<u32>,
         /// Global gradient-norm clipping threshold.
-        #[arg(long, default_value_t = 1.0)]
+        #[arg(long, default_value_t = 1.0, value_parser = finite_non_negative)]
         clip: f32,
-        #[arg(long, default_value_t = 0.1)]
+        #[arg(long, default_value_t = 0.1, value_parser = finite_non_negative)]
         weight_decay: f32,
         /// No progress bar.
         #[arg(long)]
@@ -307,6 +307,10 @@ enum Cmd {
         /// schedule still spans --steps); resume later with --resume.
         #[arg(long)]
         exit_after: Option<u32>,
+        /// Replace the run already in --out (metrics.jsonl, summary.json, loss.svg);
+        /// without it a fresh run into a used --out is refused (--resume appends).
+        #[arg(long)]
+        overwrite: bool,
         /// Checkpoint into this (fast, local) directory; turns on fault tolerance.
         #[arg(long, help_heading = "Fault tolerance")]
         checkpoint_dir: Option<PathBuf>,
@@ -322,8 +326,13 @@ enum Cmd {
         /// Start from the newest complete checkpoint that verifies.
         #[arg(long, help_heading = "Fault tolerance")]
         resume: bool,
+        /// With --resume: continue although the seed, learning rate, data, steps or plan
+        /// differ from the checkpoint's (each change is printed).
+        #[arg(long, requires = "resume", help_heading = "Fault tolerance")]
+        allow_changed_settings: bool,
         /// Inject a fault: `rank=R,step=S,kind=crash|hang|slow|corrupt-checkpoint|bitflip`
-        /// (`slow` takes `factor=X`, default 3). Repeatable.
+        /// (`slow` takes `factor=X`, default 3). Steps count from 1, as in metrics.jsonl;
+        /// a bit flip strikes after step S, the others before it. Repeatable.
         #[arg(long, value_name = "SPEC", help_heading = "Fault tolerance")]
         inject_fault: Vec<String>,
         /// Hot spares (default: the plan's cluster.hot_spares).
@@ -380,6 +389,23 @@ enum Cmd {
 enum IrFormat {
     Text,
     Json,
+}
+
+/// A hyperparameter: a finite number, not negative (NaN or inf would train NaN weights).
+fn finite_non_negative(s: &str) -> Result<f32, String> {
+    let v: f32 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number"))?;
+    if !v.is_finite() {
+        return Err(format!(
+            "`{s}` is not finite; give a finite number such as 3e-3"
+        ));
+    }
+    if v < 0.0 {
+        return Err(format!("`{s}` is negative"));
+    }
+    Ok(v)
 }
 
 /// An error with its exit code.
@@ -675,11 +701,13 @@ fn run(cli: Cli) -> Result<(), Failure> {
             weight_decay,
             quiet,
             exit_after,
+            overwrite,
             checkpoint_dir,
             durable_dir,
             keep,
             checkpoint_every,
             resume,
+            allow_changed_settings,
             inject_fault,
             hot_spares,
             collective_timeout,
@@ -698,12 +726,14 @@ fn run(cli: Cli) -> Result<(), Failure> {
             weight_decay,
             quiet,
             exit_after,
+            overwrite,
             ft: execute::FaultArgs {
                 checkpoint_dir,
                 durable_dir,
                 keep,
                 checkpoint_every,
                 resume,
+                allow_changed_settings,
                 faults: inject_fault,
                 hot_spares,
                 collective_timeout_s: collective_timeout,

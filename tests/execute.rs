@@ -339,13 +339,13 @@ fn faults_are_survived_from_the_cli() {
         "--hot-spares",
         "1",
         "--inject-fault",
-        "rank=3,step=7,kind=crash",
+        "rank=3,step=8,kind=crash",
         "--inject-fault",
         "rank=5,step=9,kind=bitflip",
     ]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        err.contains("crash at step 7, rank 3") && err.contains("sdc at step 9"),
+        err.contains("crash at step 8, rank 3") && err.contains("sdc at step 9"),
         "{err}"
     );
     assert!(
@@ -360,7 +360,7 @@ fn faults_are_survived_from_the_cli() {
     );
     let ft = &summary(&out)["fault_tolerance"];
     assert_eq!(ft["events"].as_array().unwrap().len(), 2);
-    assert_eq!(ft["events"][0]["restored_step"], 5);
+    assert_eq!(ft["events"][0]["restored_step"], 6, "crashed before step 8");
     assert_eq!(ft["events"][0]["replaced_slot"], serde_json::json!([3, 8]));
     let g = ft["goodput"].as_f64().unwrap();
     assert!(g > 0.0 && g < 1.0, "{g}");

@@ -298,8 +298,14 @@ fn a_hung_rank_is_named_by_the_timeout_and_killed() {
     none_left(&r.err);
 }
 
+/// Ctrl-C (SIGINT) exits 130 and SIGTERM 143 (128 + the signal), as shells report them.
 #[test]
 fn interrupting_the_launcher_stops_every_rank() {
+    interrupt_with(libc::SIGINT, 130);
+    interrupt_with(libc::SIGTERM, 143);
+}
+
+fn interrupt_with(signal: libc::c_int, want: i32) {
     let dir = tempfile::tempdir().unwrap();
     let p = plan4(dir.path());
     let mut child = cmd(&[
@@ -336,13 +342,13 @@ fn interrupting_the_launcher_stops_every_rank() {
     let t0 = Instant::now();
     // SAFETY: a plain signal to our own child.
     unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+        libc::kill(child.id() as libc::pid_t, signal);
     }
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut rd, &mut rest).unwrap();
     err.push_str(&rest);
     let st = child.wait().unwrap();
-    assert_eq!(st.code(), Some(130), "{err}");
+    assert_eq!(st.code(), Some(want), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     assert!(
         err.contains("launch: interrupted; every rank was stopped"),

@@ -82,9 +82,10 @@
 //! one is tried. A checkpoint written by another number of ranks is an error
 //! ([`CkptError::WorldMismatch`]): resharding is separate work.
 //!
-//! Scope: one process writes every rank of a step (the in-process communicator's ranks as
-//! threads). Several processes sharing one directory would need a coordinator to write the
-//! manifest; that is not here.
+//! Scope: [`Checkpointer`] is one process writing every rank of a step (the in-process
+//! communicator's ranks as threads). With one process per rank (`launch --local`,
+//! torchrun), [`write_rank_part`] writes each process's own file with an entry beside it,
+//! and the process that finds every rank's entry of its run writes the manifest.
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -187,6 +188,11 @@ pub struct Manifest {
     pub checksum: String,
     /// One per rank, in rank order.
     pub files: Vec<FileEntry>,
+    /// What the run was (plan and data fingerprints, hyperparameters), as the trainer
+    /// gave it in [`CkptConfig::settings`]; absent in checkpoints written before it was
+    /// recorded (they still load).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<serde_json::Value>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -220,6 +226,12 @@ fn hex64(h: u64) -> String {
     format!("{h:016x}")
 }
 
+/// `xxh3-64:` and the 16 hex digits of the XXH3-64 of `bytes`: a short identity of a file
+/// (a plan, a dataset manifest) for [`CkptConfig::settings`].
+pub fn fingerprint(bytes: &[u8]) -> String {
+    format!("xxh3-64:{}", hex64(xxhash_rust::xxh3::xxh3_64(bytes)))
+}
+
 /// fsync a directory so a rename or create inside it is durable (no-op off Unix).
 fn sync_dir(dir: &Path) -> Result<(), CkptError> {
     #[cfg(unix)]
@@ -239,7 +251,18 @@ fn write_atomic<T>(
     name: &str,
     body: impl FnOnce(&mut File) -> io::Result<T>,
 ) -> Result<T, CkptError> {
-    let tmp = dir.join(format!(".{name}.tmp"));
+    write_atomic_via(dir, name, &format!(".{name}.tmp"), body)
+}
+
+/// [`write_atomic`] through the temporary name `tmp` (one of its own per process when
+/// several processes may write `name`).
+fn write_atomic_via<T>(
+    dir: &Path,
+    name: &str,
+    tmp: &str,
+    body: impl FnOnce(&mut File) -> io::Result<T>,
+) -> Result<T, CkptError> {
+    let tmp = dir.join(tmp);
     let dest = dir.join(name);
     let res = (|| {
         let mut f = File::create(&tmp)?;
@@ -437,7 +460,16 @@ pub struct CkptConfig {
     /// snapshot that would go beyond it waits until the writer has made room (it always
     /// gets in when the queue is empty). Default: no limit.
     pub max_queued_bytes: u64,
+    /// Checkpoints (every rank handed over) the writer may be behind by: the first
+    /// snapshot of a newer step waits while this many are still being written, so
+    /// training never runs unboundedly ahead of its last durable state. Default: no limit.
+    pub max_pending_checkpoints: usize,
+    /// Set at every snapshot to its lag: the steps between it and the newest complete
+    /// checkpoint (see [`LagStats::max_lag_steps`]), for a per-step report.
+    pub lag_gauge: Option<Arc<std::sync::atomic::AtomicU64>>,
     pub hook: Option<Hook>,
+    /// Recorded in every manifest (see [`Manifest::settings`]).
+    pub settings: Option<serde_json::Value>,
 }
 
 impl CkptConfig {
@@ -449,7 +481,10 @@ impl CkptConfig {
             keep_fast: 2,
             keep_durable: 2,
             max_queued_bytes: u64::MAX,
+            max_pending_checkpoints: usize::MAX,
+            lag_gauge: None,
             hook: None,
+            settings: None,
         }
     }
     pub fn durable(mut self, dir: impl Into<PathBuf>) -> CkptConfig {
@@ -463,6 +498,10 @@ impl CkptConfig {
     }
     pub fn max_queued_bytes(mut self, bytes: u64) -> CkptConfig {
         self.max_queued_bytes = bytes;
+        self
+    }
+    pub fn max_pending_checkpoints(mut self, n: usize) -> CkptConfig {
+        self.max_pending_checkpoints = n.max(1);
         self
     }
     pub fn hook(mut self, hook: impl Fn(HookPoint) + Send + Sync + 'static) -> CkptConfig {
@@ -493,6 +532,20 @@ struct State {
     /// Complete in the fast tier, not yet copied down (fast retention keeps them).
     copying: BTreeSet<u64>,
     errors: Vec<CkptError>,
+    /// The newest step whose manifest is written in the fast tier.
+    last_complete: Option<u64>,
+    lag: LagStats,
+}
+
+/// How far the background writer fell behind training.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LagStats {
+    /// The most steps between a new snapshot and the newest complete checkpoint (or the
+    /// first snapshot's step, before any completed), when the snapshot was handed over.
+    pub max_lag_steps: u64,
+    /// Snapshots that waited for the writer (`max_pending_checkpoints`), and how long.
+    pub waits: u32,
+    pub wait_s: f64,
 }
 
 struct Shared {
@@ -622,6 +675,38 @@ impl Checkpointer {
     pub fn snapshot(&self, step: u64, world: u32, state: RankState) -> Result<(), CkptError> {
         let bytes = state.tensor_bytes();
         let mut st = self.shared.lock();
+        let behind = |st: &State| {
+            !st.steps.contains_key(&step)
+                && st
+                    .steps
+                    .values()
+                    .filter(|p| p.submitted.len() as u32 == p.world)
+                    .count()
+                    >= self.cfg.max_pending_checkpoints
+        };
+        if behind(&st) {
+            let t = std::time::Instant::now();
+            if let Some(h) = &self.cfg.hook {
+                h(HookPoint::SnapshotWaits {
+                    step,
+                    rank: state.rank,
+                });
+            }
+            while behind(&st) {
+                st = self.shared.idle.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            st.lag.waits += 1;
+            st.lag.wait_s += t.elapsed().as_secs_f64();
+        }
+        let base = st
+            .last_complete
+            .or_else(|| st.steps.keys().next().copied())
+            .unwrap_or(step);
+        let lag = step.saturating_sub(base);
+        st.lag.max_lag_steps = st.lag.max_lag_steps.max(lag);
+        if let Some(g) = &self.cfg.lag_gauge {
+            g.store(lag, std::sync::atomic::Ordering::Relaxed);
+        }
         if st.pending_writes > 0
             && st.queued_bytes.saturating_add(bytes) > self.cfg.max_queued_bytes
         {
@@ -687,6 +772,11 @@ impl Checkpointer {
             st = self.shared.idle.wait(st).unwrap_or_else(|e| e.into_inner());
         }
         take_errors(&mut st)
+    }
+
+    /// How far the writer fell behind so far.
+    pub fn lag(&self) -> LagStats {
+        self.shared.lock().lag
     }
 
     /// [`restore_latest`] over this checkpointer's tiers (fast, then durable).
@@ -782,8 +872,11 @@ fn writer_loop(
             // Only this thread writes fast-tier manifests; `pending_writes` (decremented
             // below) keeps `wait` waiting meanwhile.
             drop(st);
-            let res = write_manifest(&cfg.fast_dir, step, p.world, p.written);
+            let res = write_manifest(&cfg, step, p.world, p.written);
             st = shared.lock();
+            if res.is_ok() {
+                st.last_complete = Some(st.last_complete.map_or(step, |s| s.max(step)));
+            }
             match res {
                 Err(e) => st.errors.push(e),
                 Ok(()) => match &copier {
@@ -857,7 +950,7 @@ fn manifest_text(m: &Manifest) -> String {
 }
 
 fn write_manifest(
-    root: &Path,
+    cfg: &CkptConfig,
     step: u64,
     world: u32,
     written: BTreeMap<u32, FileEntry>,
@@ -869,8 +962,9 @@ fn write_manifest(
         world,
         checksum: "xxh3-64".into(),
         files: written.into_values().collect(),
+        settings: cfg.settings.clone(),
     };
-    let dir = root.join(step_dir_name(step));
+    let dir = cfg.fast_dir.join(step_dir_name(step));
     let text = manifest_text(&m);
     write_atomic(&dir, MANIFEST_NAME, |f| f.write_all(text.as_bytes()))
 }
@@ -904,6 +998,83 @@ fn copier_loop(cfg: CkptConfig, shared: Arc<Shared>, rx: Receiver<u64>) {
         st.pending_copies -= 1;
         shared.idle.notify_all();
     }
+}
+
+/// One process per rank (`launch --local`, torchrun): write this process's rank file of
+/// `step` into `root/step-N/` (synchronously) with an entry file beside it
+/// (`.rank-NNNNN.entry.json`: its manifest entry and `run_id`); the process that then
+/// finds every rank's entry of this run writes the manifest (the same bytes whichever
+/// process does, through a temporary name of its own). Entries of another run (an
+/// earlier run into the same directory) do not count, so a manifest never lists a stale
+/// file. Returns whether this process wrote the manifest.
+pub fn write_rank_part(
+    root: &Path,
+    run_id: &str,
+    step: u64,
+    world: u32,
+    state: &RankState,
+    settings: Option<&serde_json::Value>,
+) -> Result<bool, CkptError> {
+    if state.rank >= world {
+        return Err(CkptError::Invalid(format!(
+            "step {step}: rank {} is not below world {world}",
+            state.rank
+        )));
+    }
+    let dir = root.join(step_dir_name(step));
+    prepare_step_dir(root, &dir)?;
+    let name = rank_file_name(state.rank);
+    let (bytes, hash) = write_atomic(&dir, &name, |f| write_rank(f, step, world, state))?;
+    let entry = FileEntry {
+        file: name,
+        rank: state.rank,
+        bytes,
+        xxh3_64: hex64(hash),
+    };
+    let text = serde_json::json!({"run": run_id, "entry": entry}).to_string();
+    write_atomic(&dir, &entry_file_name(state.rank), |f| {
+        f.write_all(text.as_bytes())
+    })?;
+    let mut files = Vec::new();
+    for r in 0..world {
+        let Ok(b) = fs::read(dir.join(entry_file_name(r))) else {
+            return Ok(false);
+        };
+        let v: serde_json::Value = match serde_json::from_slice(&b) {
+            Ok(v) => v,
+            Err(_) => return Ok(false),
+        };
+        if v["run"] != run_id {
+            return Ok(false);
+        }
+        match serde_json::from_value::<FileEntry>(v["entry"].clone()) {
+            Ok(e) if e.rank == r => files.push(e),
+            _ => return Ok(false),
+        }
+    }
+    let m = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        format_version: FORMAT_VERSION,
+        step,
+        world,
+        checksum: "xxh3-64".into(),
+        files,
+        settings: settings.cloned(),
+    };
+    let text = manifest_text(&m);
+    let tmp = format!(".{MANIFEST_NAME}.tmp{}", std::process::id());
+    write_atomic_via(&dir, MANIFEST_NAME, &tmp, |f| f.write_all(text.as_bytes()))?;
+    Ok(true)
+}
+
+fn entry_file_name(rank: u32) -> String {
+    format!(".{}.entry.json", rank_file_name(rank))
+}
+
+/// Keep the newest `keep` complete checkpoints under `root` (the retention of
+/// [`Checkpointer`], for [`write_rank_part`]'s callers: one process prunes).
+pub fn prune(root: &Path, keep: usize) -> Result<Vec<u64>, CkptError> {
+    retain(root, keep.max(1), &BTreeSet::new())
 }
 
 /// Read and check a step directory's manifest.
@@ -1128,6 +1299,56 @@ pub fn restore_latest(
     world: u32,
     warn: &mut dyn FnMut(String),
 ) -> Result<Option<(u64, Vec<RankState>)>, CkptError> {
+    restore_from(dirs, world, false, warn)
+}
+
+/// Suffix of a step directory set aside by [`restore_latest_setting_aside`].
+pub const SET_ASIDE_SUFFIX: &str = ".failed-verification";
+
+/// [`restore_latest`], and every complete checkpoint that fails verification is renamed
+/// `step-NNNNNN.failed-verification` (never restored, never pruned by retention, never
+/// overwritten when training writes that step again): kept for inspection.
+pub fn restore_latest_setting_aside(
+    dirs: &[&Path],
+    world: u32,
+    warn: &mut dyn FnMut(String),
+) -> Result<Option<(u64, Vec<RankState>)>, CkptError> {
+    restore_from(dirs, world, true, warn)
+}
+
+/// Rename a step directory that failed verification out of the way (see
+/// [`SET_ASIDE_SUFFIX`]); returns the new path.
+fn set_aside(dir: &Path) -> io::Result<PathBuf> {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    let mut to = parent.join(format!("{name}{SET_ASIDE_SUFFIX}"));
+    let mut n = 1;
+    while to.exists() {
+        n += 1;
+        to = parent.join(format!("{name}{SET_ASIDE_SUFFIX}.{n}"));
+    }
+    fs::rename(dir, &to)?;
+    Ok(to)
+}
+
+fn restore_from(
+    dirs: &[&Path],
+    world: u32,
+    aside: bool,
+    warn: &mut dyn FnMut(String),
+) -> Result<Option<(u64, Vec<RankState>)>, CkptError> {
+    let note = |dir: &Path, msg: String, warn: &mut dyn FnMut(String)| {
+        if !aside {
+            return warn(msg);
+        }
+        match set_aside(dir) {
+            Ok(to) => warn(format!("{msg}; set aside as {} (kept)", to.display())),
+            Err(e) => warn(format!("{msg}; could not set it aside: {e}")),
+        }
+    };
     let mut cands: Vec<(u64, usize, bool)> = Vec::new();
     for (tier, root) in dirs.iter().enumerate() {
         match list_steps(root) {
@@ -1149,7 +1370,7 @@ pub fn restore_latest(
         let m = match read_manifest(&dir, step) {
             Ok((m, _)) => m,
             Err(e) => {
-                warn(format!("checkpoint step {step} skipped: {e}"));
+                note(&dir, format!("checkpoint step {step} skipped: {e}"), warn);
                 continue;
             }
         };
@@ -1163,10 +1384,14 @@ pub fn restore_latest(
         }
         match load_checkpoint(&dir, &m) {
             Ok(states) => return Ok(Some((step, states))),
-            Err(e) => warn(format!(
-                "checkpoint step {step} in {} skipped: {e}",
-                dirs[tier].display()
-            )),
+            Err(e) => note(
+                &dir,
+                format!(
+                    "checkpoint step {step} in {} skipped: {e}",
+                    dirs[tier].display()
+                ),
+                warn,
+            ),
         }
     }
     Ok(None)

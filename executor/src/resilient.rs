@@ -41,7 +41,8 @@ pub enum FaultKind {
     Bitflip,
 }
 
-/// A fault injected into `rank` at `step`.
+/// A fault injected into `rank` at `step` (1-based: step N is the N-th step; a crash
+/// strikes before it, a bit flip after it).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fault {
     pub rank: u32,
@@ -64,7 +65,15 @@ impl std::str::FromStr for Fault {
             };
             match k.trim() {
                 "rank" => rank = Some(num("rank")?),
-                "step" => step = Some(num("step")?),
+                "step" => {
+                    let n = num("step")?;
+                    if n == 0 {
+                        return Err(format!(
+                            "step=`{v}`: steps count from 1 (step N is the N-th step)"
+                        ));
+                    }
+                    step = Some(n)
+                }
                 "kind" => kind = Some(v.trim().to_string()),
                 "factor" => {
                     factor = v
@@ -101,6 +110,21 @@ impl std::str::FromStr for Fault {
     }
 }
 
+/// Key of a checkpoint's metadata saying its step is the number of steps completed
+/// (1-based, `step-000006` = after the 6th step, as `metrics.jsonl` counts).
+pub const STEPS_DONE: &str = "steps_done";
+
+/// Steps completed by a checkpoint of `step` with rank metadata `meta`. Checkpoints
+/// written before steps counted from 1 (no `steps_done` key) were named by the 0-based
+/// index of their last step, one below the steps they completed.
+pub fn steps_done(step: u64, meta: &serde_json::Value) -> u64 {
+    if meta.get(STEPS_DONE).is_some() {
+        step
+    } else {
+        step + 1
+    }
+}
+
 /// How to survive.
 #[derive(Clone)]
 pub struct Resilience {
@@ -118,8 +142,8 @@ pub struct Resilience {
     /// Written into every rank file's metadata beside the step (e.g. the layout, so a
     /// resume on another layout can reshard).
     pub meta: serde_json::Value,
-    /// Start from this state (step, every rank's state) instead of the checkpoint
-    /// directories: a checkpoint of another layout, resharded.
+    /// Start from this state (steps completed, every rank's state) instead of the
+    /// checkpoint directories: a checkpoint of another layout, resharded.
     pub start_from: Option<(u64, Vec<RankState>)>,
 }
 
@@ -167,6 +191,8 @@ pub struct ResilientReport {
     /// and queued), and the number of checkpoints taken.
     pub ckpt_blocked_s: f64,
     pub checkpoints: u32,
+    /// How far the background checkpoint writer fell behind training (all attempts).
+    pub ckpt_lag: crate::checkpoint::LagStats,
     /// Logical rank -> slot at the end.
     pub slots: Vec<u32>,
 }
@@ -300,7 +326,8 @@ impl Attempt<'_> {
     fn corrupt_newest(&self, rank: u32, step: u32) -> String {
         let every = self.cfg.checkpoint_every;
         if every > 0 && step >= every {
-            let want = (step / every) * every - 1;
+            // `step` steps are complete: the newest checkpoint is after a multiple of every.
+            let want = (step / every) * every;
             let dir = self
                 .cfg
                 .ckpt
@@ -359,7 +386,10 @@ impl Attempt<'_> {
 }
 
 impl RankHooks for Attempt<'_> {
-    fn before_step(&self, rank: u32, step: u32) -> Result<(), String> {
+    fn before_step(&self, rank: u32, idx: u32) -> Result<(), String> {
+        // Steps count from 1 (step N is the N-th step), as metrics, checkpoints and
+        // fault specs do; the interpreter's `idx` is 0-based.
+        let step = idx + 1;
         self.beat(rank);
         for i in self.due(rank, step, false) {
             let now = Instant::now();
@@ -378,7 +408,7 @@ impl RankHooks for Attempt<'_> {
                     return Err("crashed (injected)".into());
                 }
                 FaultKind::CorruptCheckpoint => {
-                    let what = self.corrupt_newest(rank, step);
+                    let what = self.corrupt_newest(rank, idx);
                     self.fail(Detected {
                         kind: "crash",
                         step,
@@ -424,11 +454,12 @@ impl RankHooks for Attempt<'_> {
     fn after_step(
         &self,
         rank: u32,
-        step: u32,
+        idx: u32,
         report: &StepReport,
         seconds: f64,
         state: &mut dyn RankStateAccess,
     ) -> Result<(), String> {
+        let step = idx + 1;
         // A slow slot: the step took `factor` times as long.
         let f = self.slot_factor(self.slots[rank as usize]);
         if f > 1.0 {
@@ -446,6 +477,25 @@ impl RankHooks for Attempt<'_> {
             }
         }
         self.beat(rank);
+        // A non-finite loss or gradient norm: the step's update is poison. Roll back to the
+        // last checkpoint (never checkpoint this state); `run_resilient` stops the run if
+        // the same step goes non-finite again.
+        if !report.global_loss.is_finite() || !report.grad_norm.is_finite() {
+            self.fail(Detected {
+                kind: "non-finite",
+                step,
+                rank: None,
+                replace: false,
+                detected_by: "loss and gradient-norm check after every step".into(),
+                message: format!(
+                    "step {step}: loss {}, gradient norm {}",
+                    report.global_loss, report.grad_norm
+                ),
+                injected_at: None,
+                at: Instant::now(),
+            });
+            return Err("non-finite loss or gradient norm".into());
+        }
         // Silent data corruption: data-parallel replicas hold bit-identical weights.
         let (group, size) = self.replica[rank as usize];
         if size > 1 {
@@ -500,7 +550,7 @@ impl RankHooks for Attempt<'_> {
         }
         {
             let mut st = self.step_s.lock().unwrap_or_else(|e| e.into_inner());
-            let e = st.entry(step).or_insert(0.0);
+            let e = st.entry(idx).or_insert(0.0);
             *e = e.max(seconds);
         }
         if rank == 0 {
@@ -524,23 +574,41 @@ impl RankHooks for Attempt<'_> {
                         replaced: None,
                     });
             }
-            l.insert(step, (loss, report.grad_norm));
+            l.insert(idx, (loss, report.grad_norm));
         }
         // Checkpoint: the step is blocked only while the state is copied and queued.
         // Every `every` steps, and after the last step (a run that stops early, as a
         // time-limited allocation does, can resume where it stopped).
         let every = self.cfg.checkpoint_every;
-        if every > 0 && ((step + 1) % every == 0 || step + 1 == self.steps) {
+        if every > 0 && (step % every == 0 || step == self.steps) {
             let t = Instant::now();
+            let tensors = state.export();
+            if let Some((name, _)) = tensors
+                .iter()
+                .find(|(_, v)| v.iter().any(|x| !x.is_finite()))
+            {
+                self.fail(Detected {
+                    kind: "non-finite",
+                    step,
+                    rank: Some(rank),
+                    replace: false,
+                    detected_by: "finite check of the state before a checkpoint".into(),
+                    message: format!("step {step}: rank {rank}'s `{name}` holds NaN or inf"),
+                    injected_at: None,
+                    at: Instant::now(),
+                });
+                return Err("non-finite state: not checkpointed".into());
+            }
             let st = RankState {
                 rank,
-                tensors: state.export(),
+                tensors,
                 meta: {
                     let mut m = self.cfg.meta.clone();
                     if !m.is_object() {
                         m = serde_json::json!({});
                     }
                     m["step"] = serde_json::json!(step);
+                    m[STEPS_DONE] = serde_json::json!(step);
                     m
                 },
             };
@@ -551,7 +619,7 @@ impl RankHooks for Attempt<'_> {
             b.0 += t.elapsed().as_secs_f64();
             b.1 += 1;
         }
-        if step + 1 == self.steps {
+        if step == self.steps {
             self.final_state
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -563,7 +631,7 @@ impl RankHooks for Attempt<'_> {
             let st = self.step_s.lock().unwrap_or_else(|e| e.into_inner());
             let mut prev: Vec<f64> = st
                 .iter()
-                .filter(|(s, _)| **s < step)
+                .filter(|(s, _)| **s < idx)
                 .map(|(_, t)| *t)
                 .collect();
             prev.sort_by(|a, b| a.total_cmp(b));
@@ -651,22 +719,24 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         if let Some(d) = &res.ckpt.durable_dir {
             dirs.push(d);
         }
-        crate::checkpoint::restore_latest(&dirs, world, &mut |w| warnings.push(w))
+        crate::checkpoint::restore_latest_setting_aside(&dirs, world, &mut |w| warnings.push(w))
+            .map(|got| got.map(|(step, states)| (steps_done(step, &states[0].meta), states)))
             .map_err(|e| ExecError::Model(format!("restoring a checkpoint: {e}")))
     };
     let mut state: Option<(u64, Vec<RankState>)> = res.start_from.clone();
-    if state.is_some() {
-        report.first_step = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
-    } else if res.resume {
+    if state.is_none() && res.resume {
         state = restore(&mut warnings)?;
-        report.first_step = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
     }
+    report.first_step = state.as_ref().map(|s| s.0 as u32).unwrap_or(0);
     let mut losses = BTreeMap::new();
     let mut step_s = BTreeMap::new();
     let mut blocked = (0.0, 0u32);
     let mut recovering: Option<(Detected, Instant)> = None;
+    // Steps that went non-finite once (rolled back); a second time stops the run.
+    let mut non_finite: BTreeSet<u32> = BTreeSet::new();
     loop {
-        let first = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
+        // Steps completed so far: the 0-based index of the first step to run.
+        let first = state.as_ref().map(|s| s.0 as u32).unwrap_or(0);
         let ckpt = Checkpointer::new(res.ckpt.clone())
             .map_err(|e| ExecError::Model(format!("checkpoint directory: {e}")))?;
         let hub = Hub::with_timeout(world, res.collective_timeout);
@@ -696,7 +766,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         if let Some((r, why)) = screened {
             attempt.fail(Detected {
                 kind: "straggler",
-                step: first,
+                step: first + 1,
                 rank: Some(r),
                 replace: true,
                 detected_by: "straggler screening (at start)".into(),
@@ -741,6 +811,10 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
             run_ranks_on(&hub, program, job, layout, &backend, cfg, &opts)
         };
         let ckpt_result = ckpt.wait();
+        let lag = ckpt.lag();
+        report.ckpt_lag.max_lag_steps = report.ckpt_lag.max_lag_steps.max(lag.max_lag_steps);
+        report.ckpt_lag.waits += lag.waits;
+        report.ckpt_lag.wait_s += lag.wait_s;
 
         {
             let b = attempt.blocked.lock().unwrap_or_else(|e| e.into_inner());
@@ -796,17 +870,43 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
             Some(d) => d,
             None => {
                 let blamed = hub.blamed();
+                // The evidence: a rank that timed out waiting (it names the collective
+                // and whom it waited for), else the first error not caused by the abort.
                 let first_err = results
                     .iter()
                     .filter_map(|r| r.as_ref().err())
-                    .find(|e| !e.to_string().contains("aborted"))
+                    .find(|e| e.to_string().contains("timed out"))
+                    .or_else(|| {
+                        results
+                            .iter()
+                            .filter_map(|r| r.as_ref().err())
+                            .find(|e| !e.to_string().contains("aborted"))
+                    })
                     .or_else(|| results.iter().filter_map(|r| r.as_ref().err()).next())
                     .map(|e| e.to_string())
                     .unwrap_or_default();
                 if blamed.len() == 1 {
                     let r = blamed[0];
                     let hb = attempt.heartbeat.lock().unwrap_or_else(|e| e.into_inner());
-                    let oldest = hb.iter().min_by_key(|(_, t)| **t).map(|(r, _)| *r);
+                    // Ranks that timed out waiting, or were aborted, were alive until the
+                    // end (a real rank's heartbeat thread beats while it waits): the oldest
+                    // heartbeat among the others.
+                    let waited: BTreeSet<u32> = results
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, x)| {
+                            x.as_ref().err().is_some_and(|e| {
+                                let e = e.to_string();
+                                e.contains("timed out") || e.contains("aborted")
+                            })
+                        })
+                        .map(|(i, _)| i as u32)
+                        .collect();
+                    let oldest = hb
+                        .iter()
+                        .filter(|(r, _)| !waited.contains(r))
+                        .min_by_key(|(_, t)| **t)
+                        .map(|(r, _)| *r);
                     let injected = attempt
                         .injected
                         .lock()
@@ -815,7 +915,12 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                         .copied();
                     Detected {
                         kind: "hang",
-                        step: losses.keys().next_back().map(|s| s + 1).unwrap_or(first),
+                        // The step after the last one every rank finished (1-based).
+                        step: losses
+                            .keys()
+                            .next_back()
+                            .map(|s| s + 2)
+                            .unwrap_or(first + 1),
                         rank: Some(r),
                         replace: true,
                         detected_by: format!(
@@ -836,6 +941,13 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                 }
             }
         };
+        if detected.kind == "non-finite" && !non_finite.insert(detected.step) {
+            return Err(ExecError::Model(format!(
+                "non-finite training state at step {} again after rolling back ({}): the run \
+                 diverges; stopping (lower --lr, raise --warmup, or check the data)",
+                detected.step, detected.message
+            )));
+        }
         let mut replaced = None;
         if detected.replace {
             if let Some(r) = detected.rank {
@@ -868,7 +980,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         recovering = Some((detected.clone(), detected.at));
         state = restore(&mut warnings)?;
         // Steps after the restored checkpoint run again: forget their first run.
-        let keep_below = state.as_ref().map(|s| s.0 as u32 + 1).unwrap_or(0);
+        let keep_below = state.as_ref().map(|s| s.0 as u32).unwrap_or(0);
         losses.retain(|s, _| *s < keep_below);
         step_s.retain(|s, _| *s < keep_below);
     }

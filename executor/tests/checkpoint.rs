@@ -573,3 +573,36 @@ fn fast_retention_keeps_what_is_not_copied_down_yet() {
         ["step-000001", "step-000002", "step-000003"]
     );
 }
+
+/// A writer slower than training (every rank's snapshot of a step handed over each
+/// step): with `max_pending_checkpoints(1)` a snapshot of a newer step waits while one
+/// checkpoint is still being written, so the writer is never more than one step behind;
+/// the waits and the lag are reported. Unbounded, the same writer falls behind.
+#[test]
+fn the_writer_falls_at_most_one_checkpoint_behind() {
+    let run = |bound: Option<usize>| {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cfg = CkptConfig::new(tmp.path().join("fast"))
+            .keep(10, 10)
+            .hook(|p| {
+                if let HookPoint::BeforeRankWrite { .. } = p {
+                    std::thread::sleep(Duration::from_millis(30));
+                }
+            });
+        if let Some(n) = bound {
+            cfg = cfg.max_pending_checkpoints(n);
+        }
+        let ck = Checkpointer::new(cfg).unwrap();
+        for s in 1..=8 {
+            ck.snapshot(s, 1, state(0, s, 3)).unwrap();
+        }
+        ck.wait().unwrap();
+        ck.lag()
+    };
+    let bounded = run(Some(1));
+    assert!(bounded.max_lag_steps <= 1, "{bounded:?}");
+    assert!(bounded.waits >= 6 && bounded.wait_s > 0.0, "{bounded:?}");
+    let unbounded = run(None);
+    assert!(unbounded.max_lag_steps >= 5, "{unbounded:?}");
+    assert_eq!(unbounded.waits, 0);
+}

@@ -104,10 +104,10 @@ fn faulty(layout: &str, fault: &str, spares: u32) -> (ResilientReport, tempfile:
 #[test]
 fn crash_is_replaced_by_a_spare_and_rolled_back() {
     let base = clean("tp2,dp2,ga2");
-    let (r, _d) = faulty("tp2,dp2,ga2", "rank=1,step=5,kind=crash", 1);
+    let (r, _d) = faulty("tp2,dp2,ga2", "rank=1,step=6,kind=crash", 1);
     assert_eq!(r.events.len(), 1);
     let e = &r.events[0];
-    assert_eq!((e.kind.as_str(), e.rank, e.step), ("crash", Some(1), 5));
+    assert_eq!((e.kind.as_str(), e.rank, e.step), ("crash", Some(1), 6));
     assert_eq!(
         e.replaced,
         Some((1, 4)),
@@ -115,8 +115,8 @@ fn crash_is_replaced_by_a_spare_and_rolled_back() {
     );
     assert_eq!(
         e.restored_step,
-        Some(3),
-        "checkpoints after steps 1 and 3; 3 is newest"
+        Some(4),
+        "crashed before step 6: checkpoints after steps 2 and 4; 4 is newest"
     );
     assert_eq!(r.slots, vec![0, 4, 2, 3]);
     same_end(&r, &base);
@@ -159,12 +159,12 @@ fn a_corrupt_checkpoint_falls_back_to_the_previous_one() {
     let r = run("dp2,ga2,zero1", STEPS, &res).unwrap();
     assert_eq!(
         r.events[0].restored_step,
-        Some(3),
-        "step 5's copy is damaged"
+        Some(2),
+        "crashed before step 6: step 4's copy is damaged"
     );
     let w = r.warnings.join("\n");
     assert!(
-        w.contains("rank-00000.bin") && w.contains("step-000005"),
+        w.contains("rank-00000.bin") && w.contains("step-000004"),
         "{w}"
     );
     same_end(&r, &base);
@@ -223,7 +223,7 @@ fn resume_is_bit_identical() {
         assert_eq!(first.losses.len(), 4);
         res.resume = true;
         let second = run(layout, STEPS, &res).unwrap();
-        assert_eq!(second.first_step, 4, "{layout}: resumed after step 3");
+        assert_eq!(second.first_step, 4, "{layout}: resumed after step 4");
         assert_eq!(second.losses.len(), 4, "{layout}: steps 4..7 run");
         let mut joined = second;
         joined.losses.extend(first.losses);
@@ -239,6 +239,7 @@ fn fault_specs_are_checked() {
         ("rank=x,step=2,kind=crash", "rank=`x`"),
         ("rank=1,step=2,kind=slow,factor=0.5", "slowdown above 1"),
         ("rank=1,when=2,kind=crash", "unknown key `when`"),
+        ("rank=1,step=0,kind=crash", "steps count from 1"),
     ] {
         let e = bad.parse::<Fault>().expect_err(bad);
         assert!(e.contains(why), "{bad}: {e}");
@@ -281,7 +282,7 @@ fn resume_on_another_layout_reshards() {
             })
             .unwrap()
             .expect("a checkpoint");
-        assert_eq!(step, 3);
+        assert_eq!(step, 4, "named by the steps it completed");
         let by_rank = states.into_iter().map(|s| (s.rank, s.tensors)).collect();
         let cfg = common::cfg();
         let logical = logical_state(&a.program, &a.job, &a.layout, &cfg, &by_rank).unwrap();

@@ -107,8 +107,29 @@ pub fn parse_value(text: &str, format: Format) -> Result<serde_json::Value, Spec
 }
 
 /// The YAML library's messages address its API user (`set DuplicateKeyPolicy in Options if
-/// acceptable`); say instead what the spec's author can do.
+/// acceptable`, `budget breached: Nodes { nodes: 250001 }`); say instead what the spec's
+/// author can do.
 fn tidy_yaml_error(msg: &str) -> String {
+    const BUDGET: &str = "budget breached: ";
+    if let Some(at) = msg.find(BUDGET) {
+        let what = &msg[at + BUDGET.len()..];
+        let end = what.find('}').map_or(what.len(), |i| i + 1);
+        let (kind, detail) = what[..end].split_once(' ').unwrap_or((&what[..end], ""));
+        let words = match kind {
+            "Nodes" => format!(
+                "too many YAML nodes ({}): the parser's limit guards against alias expansion \
+                 (an anchor referenced by aliases that reference it again multiplies the \
+                 document); write the values out, or use fewer nested aliases",
+                detail.trim_matches(|c| c == '{' || c == '}' || c == ' ')
+            ),
+            _ => format!(
+                "the document exceeds the YAML parser's limits ({kind} {}): too large, too \
+                 deep or too many aliases",
+                detail.trim()
+            ),
+        };
+        return format!("{}{words}{}", &msg[..at], &what[end..]);
+    }
     const ADVICE_END: &str = " in Options if acceptable";
     let mut out = String::with_capacity(msg.len());
     let mut rest = msg;
@@ -123,6 +144,27 @@ fn tidy_yaml_error(msg: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// A whole number too large for its field reaches serde as a float (`invalid type:
+/// floating point `1e+23`, expected u32`): say that it is too large, and the limit.
+fn too_big_integer(msg: &str) -> Option<String> {
+    let rest = msg.strip_prefix("invalid type: floating point `")?;
+    let (num, rest) = rest.split_once('`')?;
+    let ty = rest.strip_prefix(", expected ")?.trim();
+    let max = match ty {
+        "u8" => u8::MAX as u128,
+        "u16" => u16::MAX as u128,
+        "u32" => u32::MAX as u128,
+        "u64" | "usize" => u64::MAX as u128,
+        "i32" => i32::MAX as u128,
+        "i64" | "isize" => i64::MAX as u128,
+        _ => return None,
+    };
+    let v: f64 = num.parse().ok()?;
+    (v.fract() == 0.0 && v.abs() > max as f64).then(|| {
+        format!("the whole number {num} is too large for this field (a {ty}: at most {max})")
+    })
 }
 
 /// Deserialize any typed document from a value, reporting the failing field path.
@@ -158,6 +200,9 @@ fn clean_path(p: &str) -> String {
 
 /// serde says "unknown field `tpp`, expected one of `tp`, `pp`, ..."; add the closest name.
 fn with_hint(msg: &str) -> String {
+    if let Some(m) = too_big_integer(msg) {
+        return m;
+    }
     let (Some(start), true) = (
         msg.find("unknown field `")
             .or_else(|| msg.find("unknown variant `")),
