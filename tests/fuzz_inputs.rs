@@ -136,9 +136,19 @@ fn check(args: &[&str], input: &Path, out: Option<&Path>) -> Result<(), TestCase
     prop_assert_ne!(code, Some(101), "panicked: {}", err);
     prop_assert!(code.is_some(), "killed by a signal: {}", err);
     if code != Some(0) {
-        prop_assert!(err.contains("error:"), "exit {:?} without an error line: {}", code, err);
+        prop_assert!(
+            err.contains("error:"),
+            "exit {:?} without an error line: {}",
+            code,
+            err
+        );
         let name = input.file_name().unwrap().to_string_lossy();
-        prop_assert!(err.contains(&*name), "the error does not name {}: {}", name, err);
+        prop_assert!(
+            err.contains(&*name),
+            "the error does not name {}: {}",
+            name,
+            err
+        );
         if let Some(o) = out {
             prop_assert_eq!(std::fs::read_to_string(o).unwrap(), SENTINEL);
         }
@@ -200,4 +210,160 @@ fn check_code(r: &Output) -> i32 {
     let c = r.status.code().unwrap();
     assert!((1..=4).contains(&c), "exit {c}");
     c
+}
+
+/// A tiny plan, a 4-step run with checkpoints after steps 2 and 4, and its losses: made
+/// once for the checkpoint property.
+struct Trained {
+    _dir: tempfile::TempDir,
+    plan: std::path::PathBuf,
+    ck: std::path::PathBuf,
+    losses: Vec<f64>,
+}
+
+fn losses(out: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())
+        })
+        .collect()
+}
+
+fn trained() -> &'static Trained {
+    static T: std::sync::OnceLock<Trained> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let plan = dir.path().join("tiny.json");
+        let spec = Path::new(env!("CARGO_MANIFEST_DIR")).join("specs/tiny-llama-cpu.yaml");
+        let r = bin(&[
+            "plan",
+            spec.to_str().unwrap(),
+            "-o",
+            plan.to_str().unwrap(),
+            "--quiet",
+        ]);
+        assert!(r.status.success());
+        let ck = dir.path().join("ck");
+        let out = dir.path().join("out");
+        let r = bin(&[
+            "execute",
+            plan.to_str().unwrap(),
+            "--quiet",
+            "--steps",
+            "4",
+            "--checkpoint-dir",
+            ck.to_str().unwrap(),
+            "--checkpoint-every",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+        let losses = losses(&out).into_iter().map(|(_, l)| l).collect();
+        Trained {
+            _dir: dir,
+            plan,
+            ck,
+            losses,
+        }
+    })
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// How a checkpoint file is damaged.
+#[derive(Clone, Debug)]
+enum Damage {
+    Flip(f64, u8),
+    Truncate(f64),
+    Append(Vec<u8>),
+    Delete,
+    Empty,
+}
+
+fn damage() -> impl Strategy<Value = Damage> {
+    prop_oneof![
+        (0.0..1.0f64, 1u8..=255).prop_map(|(f, x)| Damage::Flip(f, x)),
+        (0.0..1.0f64).prop_map(Damage::Truncate),
+        prop::collection::vec(any::<u8>(), 1..16).prop_map(Damage::Append),
+        Just(Damage::Delete),
+        Just(Damage::Empty),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+    /// Any damage to one file of the newest checkpoint (a rank's state or the manifest):
+    /// `--resume` never panics, resumes from the older good checkpoint (or the newest, when
+    /// the damage is harmless) and trains the same losses, bit for bit, as the run that was
+    /// never interrupted; the damaged checkpoint is kept (in place or set aside), never
+    /// deleted.
+    #[test]
+    fn damaged_checkpoints(file in 0usize..9, d in damage()) {
+        let t = trained();
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ck");
+        copy_dir(&t.ck, &ck);
+        let newest = ck.join("step-000004");
+        let mut names: Vec<String> = std::fs::read_dir(&newest).unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        let victim = newest.join(&names[file % names.len()]);
+        let bytes = std::fs::read(&victim).unwrap();
+        match &d {
+            Damage::Flip(f, x) => {
+                let mut b = bytes.clone();
+                let i = at(b.len().saturating_sub(1), *f);
+                b[i] ^= x;
+                std::fs::write(&victim, b).unwrap();
+            }
+            Damage::Truncate(f) => std::fs::write(&victim, &bytes[..at(bytes.len(), *f)]).unwrap(),
+            Damage::Append(extra) => {
+                let mut b = bytes.clone();
+                b.extend_from_slice(extra);
+                std::fs::write(&victim, b).unwrap();
+            }
+            Damage::Delete => std::fs::remove_file(&victim).unwrap(),
+            Damage::Empty => std::fs::write(&victim, b"").unwrap(),
+        }
+        let out = dir.path().join("out");
+        let r = bin(&[
+            "execute", t.plan.to_str().unwrap(), "--quiet", "--steps", "4", "--resume",
+            "--checkpoint-dir", ck.to_str().unwrap(), "--checkpoint-every", "2",
+            "--out", out.to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        prop_assert_ne!(r.status.code(), Some(101), "panicked: {}", err);
+        prop_assert_eq!(r.status.code(), Some(0), "did not resume: {}", err);
+        // A deleted or emptied file cannot pass verification: steps 3 and 4 ran again.
+        if matches!(d, Damage::Delete | Damage::Empty) {
+            let steps: Vec<u64> = losses(&out).into_iter().map(|(s, _)| s).collect();
+            prop_assert_eq!(steps, vec![3, 4]);
+        }
+        // Whatever ran after the restore trained the uninterrupted run's losses.
+        if out.join("metrics.jsonl").exists() {
+            for (step, loss) in losses(&out) {
+                prop_assert_eq!(loss, t.losses[step as usize - 1], "step {}", step);
+            }
+        }
+        // The damaged checkpoint is still there, in place or set aside.
+        let kept = std::fs::read_dir(&ck).unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| e.file_name().to_string_lossy().starts_with("step-000004"));
+        prop_assert!(kept, "the damaged checkpoint was deleted");
+    }
 }

@@ -61,8 +61,14 @@ fn launches(p: &Plan) -> Vec<(String, Result<Launch, launch::LaunchError>)> {
     let mut add = |label: String, r: Result<Launch, launch::LaunchError>| out.push((label, r));
     for dt in [Dtype::F32, Dtype::Bf16] {
         let s = dt.suffix();
-        add(format!("embedding fwd {s}"), launch::embedding_fwd(dt, t, h));
-        add(format!("embedding bwd {s}"), launch::embedding_bwd(dt, t, h));
+        add(
+            format!("embedding fwd {s}"),
+            launch::embedding_fwd(dt, t, h),
+        );
+        add(
+            format!("embedding bwd {s}"),
+            launch::embedding_bwd(dt, t, h),
+        );
         add(format!("norm fwd {s}"), launch::norm_fwd(norm, dt, t_sp, h));
         match launch::norm_bwd(norm, dt, t_sp, h) {
             Ok([a, b]) => {
@@ -72,10 +78,22 @@ fn launches(p: &Plan) -> Vec<(String, Result<Launch, launch::LaunchError>)> {
             Err(e) => add(format!("norm bwd {s}"), Err(e)),
         }
         for bwd in [false, true] {
-            add(format!("rope q {s} bwd={bwd}"), launch::rope(dt, bwd, t, heads, d));
-            add(format!("rope k {s} bwd={bwd}"), launch::rope(dt, bwd, t, kv, d));
-            add(format!("swiglu {s} bwd={bwd}"), launch::swiglu(dt, bwd, t, m.ffn_hidden_size / tp));
-            add(format!("gelu {s} bwd={bwd}"), launch::gelu(dt, bwd, t * (m.ffn_hidden_size / tp)));
+            add(
+                format!("rope q {s} bwd={bwd}"),
+                launch::rope(dt, bwd, t, heads, d),
+            );
+            add(
+                format!("rope k {s} bwd={bwd}"),
+                launch::rope(dt, bwd, t, kv, d),
+            );
+            add(
+                format!("swiglu {s} bwd={bwd}"),
+                launch::swiglu(dt, bwd, t, m.ffn_hidden_size / tp),
+            );
+            add(
+                format!("gelu {s} bwd={bwd}"),
+                launch::gelu(dt, bwd, t * (m.ffn_hidden_size / tp)),
+            );
         }
         // Attention as the reference runs it under cp (local queries, all keys), and as a
         // ring step (a chunk of keys).
@@ -91,7 +109,12 @@ fn launches(p: &Plan) -> Vec<(String, Result<Launch, launch::LaunchError>)> {
             };
             match launch::attention(dt, &a) {
                 Ok(x) => {
-                    for (k, lc) in [("fwd", x.fwd), ("delta", x.bwd_delta), ("dkdv", x.bwd_dkdv), ("dq", x.bwd_dq)] {
+                    for (k, lc) in [
+                        ("fwd", x.fwd),
+                        ("delta", x.bwd_delta),
+                        ("dkdv", x.bwd_dkdv),
+                        ("dq", x.bwd_dq),
+                    ] {
                         add(format!("attention {what} {k} {s}"), Ok(lc));
                     }
                 }
@@ -100,7 +123,12 @@ fn launches(p: &Plan) -> Vec<(String, Result<Launch, launch::LaunchError>)> {
         }
         match launch::xent(dt, t, vocab) {
             Ok(x) => {
-                for (k, lc) in [("fwd", x.fwd_local), ("rescale", x.rescale), ("finish", x.finish), ("bwd", x.bwd)] {
+                for (k, lc) in [
+                    ("fwd", x.fwd_local),
+                    ("rescale", x.rescale),
+                    ("finish", x.finish),
+                    ("bwd", x.bwd),
+                ] {
                     add(format!("xent {k} {s}"), Ok(lc));
                 }
             }
@@ -127,7 +155,12 @@ fn launches(p: &Plan) -> Vec<(String, Result<Launch, launch::LaunchError>)> {
             }
             add(
                 format!("expert swiglu {s}"),
-                launch::swiglu(dt, false, t_sp * moe.top_k as u64, moe.expert_ffn_hidden_size / tp.max(1)),
+                launch::swiglu(
+                    dt,
+                    false,
+                    t_sp * moe.top_k as u64,
+                    moe.expert_ffn_hidden_size / tp.max(1),
+                ),
             );
         }
     }
@@ -204,10 +237,18 @@ fn limits_are_enforced() {
     // Each limit, one at a time.
     let mut l = ok.fwd.clone();
     l.grid[1] = 65536;
-    assert!(l.check(&Limits::SM90).unwrap_err().0.contains("grid dimension 1"));
+    assert!(l
+        .check(&Limits::SM90)
+        .unwrap_err()
+        .0
+        .contains("grid dimension 1"));
     let mut l = ok.fwd.clone();
     l.block = [2048, 1, 1];
-    assert!(l.check(&Limits::SM90).unwrap_err().0.contains("threads per block"));
+    assert!(l
+        .check(&Limits::SM90)
+        .unwrap_err()
+        .0
+        .contains("threads per block"));
     let mut l = ok.fwd.clone();
     l.smem = 100 * 1024;
     assert!(l.needs_smem_optin(&Limits::SM90));
@@ -219,7 +260,11 @@ fn limits_are_enforced() {
     assert!(l.check(&Limits::SM90).is_err());
     let mut l = ok.fwd.clone();
     l.entry = "no_such_kernel".into();
-    assert!(l.check(&Limits::SM90).unwrap_err().0.contains("no such kernel"));
+    assert!(l
+        .check(&Limits::SM90)
+        .unwrap_err()
+        .0
+        .contains("no such kernel"));
 
     // Shapes without a kernel.
     let bad = |a: Attn| launch::attention(Dtype::F32, &a).unwrap_err().0;
@@ -232,17 +277,38 @@ fn limits_are_enforced() {
         head_dim: 16,
         window: 0,
     };
-    assert!(bad(Attn { head_dim: 256, ..base }).contains("head_dim 256"));
-    assert!(bad(Attn { kv_heads: 3, ..base }).contains("not a multiple"));
+    assert!(bad(Attn {
+        head_dim: 256,
+        ..base
+    })
+    .contains("head_dim 256"));
+    assert!(bad(Attn {
+        kv_heads: 3,
+        ..base
+    })
+    .contains("not a multiple"));
     assert!(launch::rope(Dtype::F32, false, 4, 2, 7).is_err());
     assert!(launch::moe(Dtype::F32, 10, 4, 5, 8).is_err());
-    assert!(launch::moe(Dtype::F32, 1 << 22, 64, 8, 8).unwrap_err().0.contains("routed slots"));
+    assert!(launch::moe(Dtype::F32, 1 << 22, 64, 8, 8)
+        .unwrap_err()
+        .0
+        .contains("routed slots"));
     assert!(launch::norm_fwd(Norm::Rms, Dtype::F32, 0, 8).is_err());
 
     // Small head dims use the smallest variant; every variant is a registered kernel.
-    assert_eq!(launch::attention(Dtype::F32, &base).unwrap().fwd.entry, "attn_fwd_f32_d64");
+    assert_eq!(
+        launch::attention(Dtype::F32, &base).unwrap().fwd.entry,
+        "attn_fwd_f32_d64"
+    );
     for d in [8, 56, 64, 100, 128] {
-        let x = launch::attention(Dtype::Bf16, &Attn { head_dim: d, ..base }).unwrap();
+        let x = launch::attention(
+            Dtype::Bf16,
+            &Attn {
+                head_dim: d,
+                ..base
+            },
+        )
+        .unwrap();
         for lc in [x.fwd, x.bwd_delta, x.bwd_dkdv, x.bwd_dq] {
             assert!(file_of(&lc.entry).is_some(), "{}", lc.entry);
         }
@@ -277,8 +343,16 @@ fn rope_tables_match_the_reference_angles() {
         x[..half].fill(1.0);
         Cpu.rope_fwd(&mut x, &[p as u32], 1, d, theta);
         for j in 0..half {
-            assert_eq!(x[j].to_bits(), cos[p * half + j].to_bits(), "cos p={p} j={j}");
-            assert_eq!(x[j + half].to_bits(), sin[p * half + j].to_bits(), "sin p={p} j={j}");
+            assert_eq!(
+                x[j].to_bits(),
+                cos[p * half + j].to_bits(),
+                "cos p={p} j={j}"
+            );
+            assert_eq!(
+                x[j + half].to_bits(),
+                sin[p * half + j].to_bits(),
+                "sin p={p} j={j}"
+            );
         }
     }
 }
@@ -291,7 +365,9 @@ fn embedding_segments_reproduce_the_reference_gradient() {
     let (h, vocab_start, rows) = (5usize, 10usize, 7usize);
     // Ids below, inside and above the shard, repeated, unsorted.
     let ids: Vec<u32> = vec![12, 3, 16, 12, 10, 17, 12, 16, 25, 10, 11];
-    let dy: Vec<f32> = (0..ids.len() * h).map(|i| ((i * 7919) % 113) as f32 * 0.013 - 0.7).collect();
+    let dy: Vec<f32> = (0..ids.len() * h)
+        .map(|i| ((i * 7919) % 113) as f32 * 0.013 - 0.7)
+        .collect();
     let init: Vec<f32> = (0..rows * h).map(|i| (i as f32 * 0.37).sin()).collect();
 
     let mut want = init.clone();

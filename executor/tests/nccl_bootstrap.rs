@@ -61,7 +61,10 @@ fn run_ranks(
 }
 
 fn vars(pairs: &[(&str, String)]) -> HashMap<String, String> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect()
 }
 
 #[test]
@@ -118,7 +121,9 @@ fn single_process_and_bad_environments() {
     // Errors name the variable.
     let env = vars(&[("WORLD_SIZE", "2".into()), ("RANK", "5".into())]);
     let get = |k: &str| env.get(k).cloned();
-    let e = bootstrap_from(&get, "world", || panic!("not called")).err().unwrap();
+    let e = bootstrap_from(&get, "world", || panic!("not called"))
+        .err()
+        .unwrap();
     assert!(e.contains("RANK=5"), "{e}");
     // Rank 0 failing to make the id says so.
     let port = free_port();
@@ -156,7 +161,8 @@ fn ids_per_communicator_and_malformed_ids() {
     assert_eq!((a, b), peer.join().unwrap());
     assert_ne!(a, b);
 
-    host.set(&format!("blob/{}", id_key("bad")), &[1, 2, 3]).unwrap();
+    host.set(&format!("blob/{}", id_key("bad")), &[1, 2, 3])
+        .unwrap();
     let e = exchange_unique_id(&host, 1, 1, "bad", || panic!("not rank 0")).unwrap_err();
     assert!(e.contains("3 bytes") && e.contains("128"), "{e}");
 }

@@ -76,13 +76,17 @@ impl Nvrtc {
     }
 
     fn error_string(&self, code: c_int) -> String {
-        let f: Symbol<unsafe extern "C" fn(c_int) -> *const c_char> = self.sym(b"nvrtcGetErrorString");
+        let f: Symbol<unsafe extern "C" fn(c_int) -> *const c_char> =
+            self.sym(b"nvrtcGetErrorString");
         // SAFETY: NVRTC returns a static C string.
-        unsafe { CStr::from_ptr(f(code)) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(f(code)) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     fn version(&self) -> (i32, i32) {
-        let f: Symbol<unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int> = self.sym(b"nvrtcVersion");
+        let f: Symbol<unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int> =
+            self.sym(b"nvrtcVersion");
         let (mut a, mut b) = (0, 0);
         // SAFETY: two out-parameters.
         assert_eq!(unsafe { f(&mut a, &mut b) }, 0);
@@ -113,7 +117,10 @@ impl Nvrtc {
 
         let csrc = CString::new(src).unwrap();
         let cname = CString::new(name).unwrap();
-        let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str()).unwrap()).collect();
+        let copts: Vec<CString> = opts
+            .iter()
+            .map(|o| CString::new(o.as_str()).unwrap())
+            .collect();
         let popts: Vec<*const c_char> = copts.iter().map(|o| o.as_ptr()).collect();
         let mut prog: Prog = std::ptr::null_mut();
         let read = |size: &Symbol<SizeFn>, get: &Symbol<GetFn>, prog: Prog| -> String {
@@ -131,7 +138,14 @@ impl Nvrtc {
         // SAFETY: valid C strings and arrays that outlive the calls; the program is
         // destroyed once.
         unsafe {
-            let r = create(&mut prog, csrc.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null());
+            let r = create(
+                &mut prog,
+                csrc.as_ptr(),
+                cname.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            );
             if r != 0 {
                 return Err(format!("nvrtcCreateProgram: {}", self.error_string(r)));
             }
@@ -258,7 +272,10 @@ fn compile_all(t: &Tools) -> (Vec<Row>, Vec<String>) {
             let figs = parse_ptxas(&text);
             for e in f.entries {
                 if !figs.contains_key(*e) {
-                    errors.push(format!("{} (sm_{sm}): ptxas reported nothing for {e}", f.file));
+                    errors.push(format!(
+                        "{} (sm_{sm}): ptxas reported nothing for {e}",
+                        f.file
+                    ));
                 }
             }
             figures.push(figs);
@@ -268,7 +285,10 @@ fn compile_all(t: &Tools) -> (Vec<Row>, Vec<String>) {
                 file: f.file,
                 hot: f.hot,
                 entry: e.to_string(),
-                per_arch: figures.iter().map(|m| m.get(*e).cloned().unwrap_or_default()).collect(),
+                per_arch: figures
+                    .iter()
+                    .map(|m| m.get(*e).cloned().unwrap_or_default())
+                    .collect(),
             });
         }
     }
@@ -324,7 +344,12 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_hot_spills() {
             }
         }
     }
-    assert!(errors.is_empty(), "{} problem(s):\n{}", errors.len(), errors.join("\n"));
+    assert!(
+        errors.is_empty(),
+        "{} problem(s):\n{}",
+        errors.len(),
+        errors.join("\n")
+    );
 }
 
 /// Every `.cu` file of `executor/kernels/` is in the registry (so the check above sees it)
@@ -343,14 +368,25 @@ fn registry_lists_every_kernel_file() {
         let text = std::fs::read_to_string(dir.join(f.file)).unwrap();
         assert_eq!(text, f.text, "{}: the embedded text is stale", f.file);
         let src: &KernelFile = f;
-        assert!(src.text.contains("#include \"common.cuh\""), "{} does not include common.cuh", f.file);
-        assert!(!src.source().contains("#include \"common.cuh\""), "{}: common.cuh not inlined", f.file);
+        assert!(
+            src.text.contains("#include \"common.cuh\""),
+            "{} does not include common.cuh",
+            f.file
+        );
+        assert!(
+            !src.source().contains("#include \"common.cuh\""),
+            "{}: common.cuh not inlined",
+            f.file
+        );
         let mut seen = BTreeSet::new();
         for e in f.entries {
             assert!(seen.insert(*e), "{}: {e} listed twice", f.file);
         }
     }
-    let all: Vec<&str> = FILES.iter().flat_map(|f| f.entries.iter().copied()).collect();
+    let all: Vec<&str> = FILES
+        .iter()
+        .flat_map(|f| f.entries.iter().copied())
+        .collect();
     let unique: BTreeSet<&str> = all.iter().copied().collect();
     assert_eq!(all.len(), unique.len(), "an entry point is in two files");
 }

@@ -38,7 +38,8 @@ pub fn exchange_unique_id(
 ) -> Result<UniqueId, String> {
     let key = id_key(name);
     let blob = if rank == 0 {
-        let id = make().map_err(|e| format!("rank 0: creating the NCCL unique id of `{name}`: {e}"))?;
+        let id =
+            make().map_err(|e| format!("rank 0: creating the NCCL unique id of `{name}`: {e}"))?;
         store.broadcast_blob(&key, Some(id.to_vec()))?
     } else {
         store.broadcast_blob(&key, None)?
@@ -54,7 +55,9 @@ pub fn exchange_unique_id(
 }
 
 /// The environment with Slurm's variables standing in for torchrun's missing ones.
-pub fn torchrun_or_slurm(get: &dyn Fn(&str) -> Option<String>) -> impl Fn(&str) -> Option<String> + '_ {
+pub fn torchrun_or_slurm(
+    get: &dyn Fn(&str) -> Option<String>,
+) -> impl Fn(&str) -> Option<String> + '_ {
     move |k: &str| {
         get(k).or_else(|| match k {
             "RANK" => get("SLURM_PROCID"),

@@ -84,7 +84,12 @@ pub const FILES: &[KernelFile] = &[
     KernelFile {
         file: "rope.cu",
         text: include_str!("../../kernels/rope.cu"),
-        entries: &["rope_fwd_f32", "rope_bwd_f32", "rope_fwd_bf16", "rope_bwd_bf16"],
+        entries: &[
+            "rope_fwd_f32",
+            "rope_bwd_f32",
+            "rope_fwd_bf16",
+            "rope_bwd_bf16",
+        ],
         hot: false,
     },
     KernelFile {

@@ -89,8 +89,9 @@ impl Launch {
     fn new(entry: String, grid: [u64; 3], block: u32, smem: u32) -> Result<Launch, LaunchError> {
         let mut g = [0u32; 3];
         for (i, &x) in grid.iter().enumerate() {
-            g[i] = u32::try_from(x)
-                .map_err(|_| LaunchError(format!("{entry}: grid dimension {i} = {x} overflows u32")))?;
+            g[i] = u32::try_from(x).map_err(|_| {
+                LaunchError(format!("{entry}: grid dimension {i} = {x} overflows u32"))
+            })?;
         }
         Ok(Launch {
             entry,
@@ -116,7 +117,10 @@ impl Launch {
             return err(format!("{e}: no such kernel in executor/kernels"));
         }
         if self.grid.contains(&0) || self.block.contains(&0) {
-            return err(format!("{e}: empty launch (grid {:?}, block {:?})", self.grid, self.block));
+            return err(format!(
+                "{e}: empty launch (grid {:?}, block {:?})",
+                self.grid, self.block
+            ));
         }
         if self.threads_per_block() > l.max_threads_per_block as u64 {
             return err(format!(
@@ -128,14 +132,23 @@ impl Launch {
         }
         for i in 0..3 {
             if self.block[i] > l.max_block[i] {
-                return err(format!("{e}: block dimension {i} = {} > {} on {}", self.block[i], l.max_block[i], l.name));
+                return err(format!(
+                    "{e}: block dimension {i} = {} > {} on {}",
+                    self.block[i], l.max_block[i], l.name
+                ));
             }
             if self.grid[i] > l.max_grid[i] {
-                return err(format!("{e}: grid dimension {i} = {} > {} on {}", self.grid[i], l.max_grid[i], l.name));
+                return err(format!(
+                    "{e}: grid dimension {i} = {} > {} on {}",
+                    self.grid[i], l.max_grid[i], l.name
+                ));
             }
         }
         if self.block[0] % 32 != 0 {
-            return err(format!("{e}: block of {} threads is not whole warps", self.block[0]));
+            return err(format!(
+                "{e}: block of {} threads is not whole warps",
+                self.block[0]
+            ));
         }
         if self.smem > l.smem_optin {
             return err(format!(
@@ -153,7 +166,9 @@ const ELEMENTWISE_BLOCK: u32 = 256;
 const ELEMENTWISE_MAX_GRID: u64 = 1 << 16;
 
 fn elementwise(entry: String, n: u64) -> Result<Launch, LaunchError> {
-    let grid = n.div_ceil(ELEMENTWISE_BLOCK as u64).clamp(1, ELEMENTWISE_MAX_GRID);
+    let grid = n
+        .div_ceil(ELEMENTWISE_BLOCK as u64)
+        .clamp(1, ELEMENTWISE_MAX_GRID);
     if n == 0 {
         return err(format!("{entry}: no elements"));
     }
@@ -227,7 +242,11 @@ pub fn norm_bwd(n: Norm, dt: Dtype, t: u64, h: u64) -> Result<[Launch; 2], Launc
 
 /// Rotary embedding (forward or backward) on `t` tokens of `heads` heads of `d` values.
 pub fn rope(dt: Dtype, backward: bool, t: u64, heads: u64, d: u64) -> Result<Launch, LaunchError> {
-    let entry = format!("rope_{}_{}", if backward { "bwd" } else { "fwd" }, dt.suffix());
+    let entry = format!(
+        "rope_{}_{}",
+        if backward { "bwd" } else { "fwd" },
+        dt.suffix()
+    );
     if d % 2 != 0 {
         return err(format!("{entry}: head_dim {d} is odd (rotary needs pairs)"));
     }
@@ -239,12 +258,26 @@ pub fn swiglu(dt: Dtype, backward: bool, t: u64, f: u64) -> Result<Launch, Launc
     if f > u32::MAX as u64 {
         return err(format!("swiglu: width {f} overflows u32"));
     }
-    elementwise(format!("swiglu_{}_{}", if backward { "bwd" } else { "fwd" }, dt.suffix()), t * f)
+    elementwise(
+        format!(
+            "swiglu_{}_{}",
+            if backward { "bwd" } else { "fwd" },
+            dt.suffix()
+        ),
+        t * f,
+    )
 }
 
 /// GeLU forward or backward on `n` values.
 pub fn gelu(dt: Dtype, backward: bool, n: u64) -> Result<Launch, LaunchError> {
-    elementwise(format!("gelu_{}_{}", if backward { "bwd" } else { "fwd" }, dt.suffix()), n)
+    elementwise(
+        format!(
+            "gelu_{}_{}",
+            if backward { "bwd" } else { "fwd" },
+            dt.suffix()
+        ),
+        n,
+    )
 }
 
 /// One attention call (the reference's `AttnShape` plus a key offset and a window).
@@ -280,16 +313,33 @@ pub struct AttnLaunches {
 
 pub fn attention(dt: Dtype, a: &Attn) -> Result<AttnLaunches, LaunchError> {
     let s = dt.suffix();
-    if a.head_dim == 0 || a.heads == 0 || a.kv_heads == 0 || a.batch == 0 || a.seq_q == 0 || a.seq_kv == 0 {
+    if a.head_dim == 0
+        || a.heads == 0
+        || a.kv_heads == 0
+        || a.batch == 0
+        || a.seq_q == 0
+        || a.seq_kv == 0
+    {
         return err(format!("attention: empty shape {a:?}"));
     }
     if a.heads % a.kv_heads != 0 {
-        return err(format!("attention: {} heads not a multiple of {} kv heads", a.heads, a.kv_heads));
+        return err(format!(
+            "attention: {} heads not a multiple of {} kv heads",
+            a.heads, a.kv_heads
+        ));
     }
     let Some(dv) = attn_head_dim_variant(a.head_dim) else {
-        return err(format!("attention: head_dim {} > 128 has no kernel", a.head_dim));
+        return err(format!(
+            "attention: head_dim {} > 128 has no kernel",
+            a.head_dim
+        ));
     };
-    for (what, x) in [("seq_q", a.seq_q), ("seq_kv", a.seq_kv), ("heads", a.heads), ("kv_heads", a.kv_heads)] {
+    for (what, x) in [
+        ("seq_q", a.seq_q),
+        ("seq_kv", a.seq_kv),
+        ("heads", a.heads),
+        ("kv_heads", a.kv_heads),
+    ] {
         if x > u32::MAX as u64 {
             return err(format!("attention: {what} {x} overflows u32"));
         }
@@ -310,7 +360,12 @@ pub fn attention(dt: Dtype, a: &Attn) -> Result<AttnLaunches, LaunchError> {
             ATT_THREADS,
             smem_fwd,
         )?,
-        bwd_delta: Launch::new(format!("attn_bwd_delta_{s}"), [rows.div_ceil(warps), 1, 1], 1024, 0)?,
+        bwd_delta: Launch::new(
+            format!("attn_bwd_delta_{s}"),
+            [rows.div_ceil(warps), 1, 1],
+            1024,
+            0,
+        )?,
         bwd_dkdv: Launch::new(
             format!("attn_bwd_dkdv_{s}_d{dv}"),
             [a.seq_kv.div_ceil(per_block), a.kv_heads, a.batch],
@@ -352,7 +407,15 @@ pub fn adamw(grad: Dtype, n: u64) -> Result<Launch, LaunchError> {
 
 /// A cast of `n` values.
 pub fn cast(to_bf16: bool, n: u64) -> Result<Launch, LaunchError> {
-    elementwise(if to_bf16 { "cast_f32_to_bf16" } else { "cast_bf16_to_f32" }.into(), n)
+    elementwise(
+        if to_bf16 {
+            "cast_f32_to_bf16"
+        } else {
+            "cast_bf16_to_f32"
+        }
+        .into(),
+        n,
+    )
 }
 
 /// The MoE launches for `t` tokens, `e` experts, top `k`, width `h`.
