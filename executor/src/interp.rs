@@ -124,7 +124,9 @@ impl Default for ExecConfig {
 pub enum ExecError {
     #[error("model: {0}")]
     Model(String),
-    #[error("rank {rank}, step {step}, node {node} ({what}): {why}")]
+    /// `step` is the 0-based index of the step; messages count steps from 1, as the
+    /// metrics and checkpoints do.
+    #[error("rank {rank}, step {}, node n{node} ({what}): {why}", .step + 1)]
     Node {
         rank: u32,
         step: u32,
@@ -132,6 +134,9 @@ pub enum ExecError {
         what: String,
         why: String,
     },
+    /// A step hook (checkpointing, fault injection, resume checks) failed between nodes.
+    #[error("rank {rank}, step {} (step hook): {why}", .step + 1)]
+    Hook { rank: u32, step: u32, why: String },
     #[error("rank {0} failed: {1}")]
     Panic(u32, String),
 }
@@ -418,13 +423,7 @@ pub fn run_rank<B: Backend, C: Communicator>(
                 ))
             })?;
         }
-        let hook_err = |step: u32, why: String| ExecError::Node {
-            rank: r,
-            step,
-            node: u32::MAX,
-            what: "step hook".into(),
-            why,
-        };
+        let hook_err = |step: u32, why: String| ExecError::Hook { rank: r, step, why };
         let mut reps = Vec::new();
         for step in opts.first_step..opts.steps {
             if let Some(h) = opts.hooks {
@@ -3320,5 +3319,32 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             other => return Err(format!("unknown MoE backward gemm `{other}`")),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ExecError;
+
+    #[test]
+    fn errors_count_steps_from_one_and_name_no_fake_node() {
+        let hook = ExecError::Hook {
+            rank: 3,
+            step: 0,
+            why: "injected".into(),
+        };
+        assert_eq!(hook.to_string(), "rank 3, step 1 (step hook): injected");
+        let node = ExecError::Node {
+            rank: 1,
+            step: 4,
+            node: 12,
+            what: "compute gemm".into(),
+            why: "shape".into(),
+        };
+        assert_eq!(
+            node.to_string(),
+            "rank 1, step 5, node n12 (compute gemm): shape"
+        );
+        assert!(!hook.to_string().contains(&u32::MAX.to_string()));
     }
 }
