@@ -305,6 +305,61 @@ fn interrupting_the_launcher_stops_every_rank() {
     interrupt_with(libc::SIGTERM, 143);
 }
 
+/// `kill -9` of the launcher (no chance to clean up): its ranks die with it (each rank's
+/// parent-death signal), none is left running.
+#[test]
+fn killing_the_launcher_kills_its_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = plan4(dir.path());
+    let mut child = cmd(&[
+        "launch",
+        s(&p),
+        "--local",
+        "4",
+        "--timeout",
+        "60",
+        "--",
+        "--steps",
+        "4",
+        "--quiet",
+    ])
+    .env("SHARDWRIGHT_TEST_EXIT_AT_STEP", "0:1:hang")
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut err = String::new();
+    let mut rd = BufReader::new(child.stderr.take().unwrap());
+    loop {
+        let mut line = String::new();
+        assert!(
+            rd.read_line(&mut line).unwrap() > 0,
+            "launcher ended early: {err}"
+        );
+        err.push_str(&line);
+        if line.contains("stops after step 1 (hang)") {
+            break;
+        }
+    }
+    let ranks = pids(&err);
+    assert_eq!(ranks.len(), 4, "{err}");
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let alive = |p: &u32| {
+        let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+        String::from_utf8_lossy(&cmdline).contains("shardwright")
+    };
+    let t0 = Instant::now();
+    while ranks.iter().any(alive) && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left: Vec<&u32> = ranks.iter().filter(|p| alive(p)).collect();
+    assert!(
+        left.is_empty(),
+        "ranks {left:?} outlived their launcher by 5 s"
+    );
+}
+
 fn interrupt_with(signal: libc::c_int, want: i32) {
     let dir = tempfile::tempdir().unwrap();
     let p = plan4(dir.path());
