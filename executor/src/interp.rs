@@ -804,8 +804,11 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let cp = group(Axis::Cp);
         // The data replica index: the program declares no `dp` group (only dense_dp), so
         // it comes from the mesh convention.
-        let mesh = shardwright_spec::mesh::Mesh::new(layout, job.cluster.gpus_per_node);
-        let coord = mesh.coord(rank);
+        let coord = program.coord(rank).ok_or_else(|| {
+            ExecError::Model(format!(
+                "the program carries no mesh coordinates for rank {rank}"
+            ))
+        })?;
         let dense_dp = group(Axis::DenseDp);
         let ep = group(Axis::Ep);
         let expert_dp = group(Axis::ExpertDp);

@@ -691,12 +691,15 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         }
     }
     let start = Instant::now();
-    let mesh = shardwright_spec::mesh::Mesh::new(layout, job.cluster.gpus_per_node);
     // Replica groups: ranks that differ only in their dp coordinate.
     let mut ids: BTreeMap<(u32, u32, u32, u32), u32> = BTreeMap::new();
     let mut replica = Vec::new();
     for r in 0..world {
-        let c = mesh.coord(r);
+        let c = program.coord(r).ok_or_else(|| {
+            ExecError::Model(format!(
+                "the program carries no mesh coordinates for rank {r}"
+            ))
+        })?;
         let n = ids.len() as u32;
         let g = *ids.entry((c.tp, c.cp, c.ep, c.pp)).or_insert(n);
         replica.push((g, 0));

@@ -794,6 +794,7 @@ pub fn refine_classes<'a>(p: &'a Program, isolate: &[u32]) -> Cow<'a, Program> {
         membership: p.membership.clone(),
         classes,
         class_of,
+        coords: p.coords.clone(),
     })
 }
 
@@ -1200,6 +1201,7 @@ pub fn program_of_ranks(groups: Vec<ProcessGroup>, graphs: Vec<Graph>) -> Progra
         world,
         groups,
         membership,
+        coords: Vec::new(),
         class_of: (0..world).collect(),
         classes: graphs
             .into_iter()

@@ -12,7 +12,7 @@
 
 use crate::graph::{Graph, Op, ProcessGroup};
 use crate::ids::GroupId;
-use crate::vocab::Axis;
+use crate::vocab::{Axis, Coord};
 use serde::{Deserialize, Serialize};
 
 /// Ranks that share one graph (up to group ids and peers).
@@ -34,11 +34,20 @@ pub struct Program {
     pub classes: Vec<RankClass>,
     /// For each rank, the index of its class.
     pub class_of: Vec<u32>,
+    /// For each rank, its coordinates on the mesh axes (empty for a hand-built program
+    /// that has no mesh), so a backend needs no layout to know where a rank sits.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub coords: Vec<Coord>,
 }
 
 impl Program {
     pub fn group(&self, id: GroupId) -> &ProcessGroup {
         &self.groups[id.index()]
+    }
+
+    /// The coordinates of `rank`, when the program carries them.
+    pub fn coord(&self, rank: u32) -> Option<Coord> {
+        self.coords.get(rank as usize).copied()
     }
 
     /// The group of `axis` that `rank` belongs to.

@@ -131,6 +131,7 @@ fn two_stage_program(stage1_recv_bytes: u64) -> Program {
         ],
     );
     Program {
+        coords: Vec::new(),
         world: 4,
         groups,
         membership: vec![

@@ -158,6 +158,7 @@ fn prepare(plan: &Plan) -> Result<Prepared, LowerError> {
         membership,
         classes: Vec::new(),
         class_of: vec![0; world as usize],
+        coords: (0..world as u32).map(|r| mesh.coord(r)).collect(),
     };
     Ok(Prepared {
         job,

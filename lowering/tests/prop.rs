@@ -182,6 +182,14 @@ proptest! {
         prop_assert!(check_errs.is_empty(), "{c:?}: {check_errs:?}");
 
         let world = l.program.world;
+        // Every rank's coordinates, recomposed with the mesh convention written out here
+        // (tp fastest, then cp, ep, dp, pp), give the rank back; each is in range.
+        prop_assert_eq!(l.program.coords.len(), world as usize);
+        for (rank, k) in l.program.coords.iter().enumerate() {
+            prop_assert!(k.tp < c.tp && k.cp < c.cp && k.ep < c.ep && k.dp < c.dp && k.pp < c.pp);
+            let back = k.tp + c.tp * (k.cp + c.cp * (k.ep + c.ep * (k.dp + c.dp * k.pp)));
+            prop_assert_eq!(back, rank as u32);
+        }
         let r = (pick % world as u64) as u32;
         let (base, ci) = isolate(&l.program, r);
         let g = &base.classes[ci].graph;

@@ -203,6 +203,7 @@ fn build() -> Program {
         })
         .collect();
     Program {
+        coords: Vec::new(),
         world,
         groups,
         membership,

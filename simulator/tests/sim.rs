@@ -132,6 +132,7 @@ fn gpipe(m: u32, tf: u64, tb: u64, tp: u32) -> Program {
     }
     let membership = (0..world).map(|r| vec![GroupId(r / tp)]).collect();
     Program {
+        coords: Vec::new(),
         world,
         groups,
         membership,
@@ -300,6 +301,7 @@ fn tp_dp() -> Program {
     );
     g.push(Stream::Dp, Pass::Step, None, None, ar(2, 1), vec![c]);
     Program {
+        coords: Vec::new(),
         world: 4,
         groups,
         membership: vec![
@@ -355,6 +357,7 @@ fn d_straggler_in_tp_group() {
         let b = g.push(Stream::Comm, Pass::Fwd, None, None, ar(0, 1), vec![a]);
         g.push(Stream::Compute, Pass::Fwd, None, None, comp(2), vec![b]);
         Program {
+            coords: Vec::new(),
             world: 2,
             groups: vec![pg(0, "tp", 0, &[0, 1])],
             membership: vec![vec![GroupId(0)], vec![GroupId(0)]],
