@@ -564,7 +564,7 @@ mod tests {
     #[test]
     fn the_blamed_rank_comes_from_tcp_messages() {
         for (line, want) in [
-            ("error: p.json: rank 3 failed: rank 3: all_reduce #49 on group [2, 3]: rank 2 closed the connection (its process exited or failed)", Some(2)),
+            ("error: p.json: rank 3 failed: all_reduce #49 on group [2, 3]: rank 2 closed the connection (its process exited or failed)", Some(2)),
             ("rank 1: reduce_scatter #5 on group [1, 3]: timed out after 2 s waiting for rank 13 (SHARDWRIGHT_COLLECTIVE_TIMEOUT_S sets the limit)", Some(13)),
             ("rank 0: recv from rank 4: rank 4 connection failed (reset): its process exited or failed", Some(4)),
             ("rank 0: send to rank 6: sending to rank 6 failed (broken pipe): its process exited or failed", Some(6)),

@@ -223,6 +223,11 @@ fn a_rank_that_exits_ends_the_gang_naming_it() {
             line.contains("closed the connection") || line.contains("connection failed"),
             "{line}"
         );
+        // Said once: "rank 0 failed: recv ...", not "rank 0 failed: rank 0: recv ...".
+        assert!(
+            !line.contains(&format!("rank {other} failed: rank {other}:")),
+            "{line}"
+        );
     }
     assert!(gone(&r.err, 2), "{}", r.err);
     // Metrics of the completed steps were printed, then nothing.

@@ -461,6 +461,11 @@ pub fn run_rank<B: Backend, C: Communicator>(
                 .cloned()
                 .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "panic".into());
+            // "rank 3 failed: rank 3: ..." says the rank twice.
+            let msg = match msg.strip_prefix(&format!("rank {r}: ")) {
+                Some(rest) => rest.to_string(),
+                None => msg,
+            };
             Err(ExecError::Panic(r, msg))
         }
     }
