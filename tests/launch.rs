@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 mod common;
 
 use common::root;
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStderr, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The binary with none of the multi-process variables of the test's own environment.
@@ -315,37 +315,7 @@ fn interrupting_the_launcher_stops_every_rank() {
 #[test]
 fn killing_the_launcher_kills_its_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let p = plan4(dir.path());
-    let mut child = cmd(&[
-        "launch",
-        s(&p),
-        "--local",
-        "4",
-        "--timeout",
-        "60",
-        "--",
-        "--steps",
-        "4",
-        "--quiet",
-    ])
-    .env("SHARDWRIGHT_TEST_EXIT_AT_STEP", "0:1:hang")
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut err = String::new();
-    let mut rd = BufReader::new(child.stderr.take().unwrap());
-    loop {
-        let mut line = String::new();
-        assert!(
-            rd.read_line(&mut line).unwrap() > 0,
-            "launcher ended early: {err}"
-        );
-        err.push_str(&line);
-        if line.contains("stops after step 1 (hang)") {
-            break;
-        }
-    }
+    let (mut child, _rd, err) = hung_launch(dir.path());
     let ranks = pids(&err);
     assert_eq!(ranks.len(), 4, "{err}");
     child.kill().unwrap(); // SIGKILL
@@ -365,9 +335,10 @@ fn killing_the_launcher_kills_its_ranks() {
     );
 }
 
-fn interrupt_with(signal: libc::c_int, want: i32) {
-    let dir = tempfile::tempdir().unwrap();
-    let p = plan4(dir.path());
+/// A 4-rank launch whose rank 0 hangs after step 1, returned once it hangs (every rank is
+/// then blocked in a collective): the launcher, its stderr and what it printed so far.
+fn hung_launch(dir: &Path) -> (Child, BufReader<ChildStderr>, String) {
+    let p = plan4(dir);
     let mut child = cmd(&[
         "launch",
         s(&p),
@@ -387,7 +358,6 @@ fn interrupt_with(signal: libc::c_int, want: i32) {
     .unwrap();
     let mut err = String::new();
     let mut rd = BufReader::new(child.stderr.take().unwrap());
-    // Wait until rank 0 hangs (every rank is then blocked in a collective).
     loop {
         let mut line = String::new();
         assert!(
@@ -396,9 +366,14 @@ fn interrupt_with(signal: libc::c_int, want: i32) {
         );
         err.push_str(&line);
         if line.contains("stops after step 1 (hang)") {
-            break;
+            return (child, rd, err);
         }
     }
+}
+
+fn interrupt_with(signal: libc::c_int, want: i32) {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, mut rd, mut err) = hung_launch(dir.path());
     let t0 = Instant::now();
     // SAFETY: a plain signal to our own child.
     unsafe {
