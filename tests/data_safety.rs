@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{root, run};
+use common::{metrics, root, run, tiny_plan};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
@@ -59,22 +59,6 @@ fn output_into_symlink_fifo_and_stdout() {
     assert!(!root().join("-").exists(), "a file named `-` was written");
 }
 
-/// The 4-rank tiny plan (tp2 dp2, ZeRO-1) in `dir/tiny.json`.
-fn tiny_plan(dir: &Path) -> PathBuf {
-    let spec = dir.join("tiny.yaml");
-    std::fs::write(&spec, common::TINY_TP2_DP2).unwrap();
-    let plan = dir.join("tiny.json");
-    let (code, _, err) = run(&[
-        "plan",
-        spec.to_str().unwrap(),
-        "-o",
-        plan.to_str().unwrap(),
-        "--quiet",
-    ]);
-    assert_eq!(code, 0, "{err}");
-    plan
-}
-
 /// `execute PLAN --quiet ARGS...`.
 fn exec(plan: &Path, args: &[&str]) -> (i32, String, String) {
     let mut a = vec!["execute", plan.to_str().unwrap(), "--quiet"];
@@ -94,14 +78,6 @@ fn step_dirs(dir: &Path) -> Vec<String> {
         .unwrap_or_default();
     v.sort();
     v
-}
-
-fn metrics(out: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 /// Every checkpoint fails its checksum: `--resume` is an error naming the directory and

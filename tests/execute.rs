@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{root, run};
+use common::{metrics, root, run};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -28,14 +28,6 @@ fn plan_with(dir: &Path, name: &str, parallelism: Option<&str>) -> PathBuf {
     ]);
     assert_eq!(code, 0, "{err}");
     plan
-}
-
-fn metrics(out: &Path) -> Vec<Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 /// The 8-rank plan (tp2 pp2 dp2, SP, ZeRO-1, selective recompute) and the single-rank

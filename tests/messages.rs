@@ -10,12 +10,8 @@ use common::run;
 #[test]
 fn fault_and_rank_flags_say_what_is_wrong() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("tiny.yaml");
-    std::fs::write(&spec, common::TINY_TP2_DP2).unwrap();
-    let plan = dir.path().join("tiny.json");
+    let plan = common::tiny_plan(dir.path());
     let p = plan.to_str().unwrap();
-    let (code, _, err) = run(&["plan", spec.to_str().unwrap(), "-o", p, "--quiet"]);
-    assert_eq!(code, 0, "{err}");
     let ck = dir.path().join("ck");
     let ck = ck.to_str().unwrap();
     for (fault, want) in [
@@ -141,12 +137,8 @@ fn yaml_limits_and_huge_integers_are_said_in_words() {
 #[test]
 fn a_hang_message_names_the_blamed_rank() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("tiny.yaml");
-    std::fs::write(&spec, common::TINY_TP2_DP2).unwrap();
-    let plan = dir.path().join("tiny.json");
+    let plan = common::tiny_plan(dir.path());
     let p = plan.to_str().unwrap();
-    let (code, _, err) = run(&["plan", spec.to_str().unwrap(), "-o", p, "--quiet"]);
-    assert_eq!(code, 0, "{err}");
     let ck = dir.path().join("ck");
     let (code, _, err) = run(&[
         "execute",

@@ -1003,8 +1003,12 @@ impl<'a> SplitModel<'a> {
         max_params: (f64, f64),
     ) -> f64 {
         let step = self.step_s(slow_total, slow_compute, sum_total, max_params);
-        let tokens_per_step = self.job.training.global_batch as f64 * self.job.model.seq_len as f64;
-        tokens_per_step / step * self.fraction_sup
+        self.tokens_per_s(step) * self.fraction_sup
+    }
+
+    /// Tokens per second of a step of `step` seconds.
+    fn tokens_per_s(&self, step: f64) -> f64 {
+        self.job.training.global_batch as f64 * self.job.model.seq_len as f64 / step
     }
 
     fn step_s(
@@ -1045,9 +1049,7 @@ impl<'a> SplitModel<'a> {
         max_params: (f64, f64),
     ) -> f64 {
         let step = self.step_s(slow_total, slow_compute, sum_total, max_params);
-        let tokens_per_step = self.job.training.global_batch as f64 * self.job.model.seq_len as f64;
-        let tokens_per_s = tokens_per_step / step;
-        tokens_per_s * reliability_estimate(self.job, self.layout, step).goodput_fraction
+        self.tokens_per_s(step) * reliability_estimate(self.job, self.layout, step).goodput_fraction
     }
 }
 

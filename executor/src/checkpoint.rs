@@ -195,6 +195,26 @@ pub struct Manifest {
     pub settings: Option<serde_json::Value>,
 }
 
+impl Manifest {
+    /// The manifest of step `step` over `files` (one per rank, in rank order).
+    fn new(
+        step: u64,
+        world: u32,
+        files: Vec<FileEntry>,
+        settings: Option<serde_json::Value>,
+    ) -> Manifest {
+        Manifest {
+            format: MANIFEST_FORMAT.into(),
+            format_version: FORMAT_VERSION,
+            step,
+            world,
+            checksum: "xxh3-64".into(),
+            files,
+            settings,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct FileEntry {
     pub file: String,
@@ -955,15 +975,12 @@ fn write_manifest(
     world: u32,
     written: BTreeMap<u32, FileEntry>,
 ) -> Result<(), CkptError> {
-    let m = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        format_version: FORMAT_VERSION,
+    let m = Manifest::new(
         step,
         world,
-        checksum: "xxh3-64".into(),
-        files: written.into_values().collect(),
-        settings: cfg.settings.clone(),
-    };
+        written.into_values().collect(),
+        cfg.settings.clone(),
+    );
     let dir = cfg.fast_dir.join(step_dir_name(step));
     let text = manifest_text(&m);
     write_atomic(&dir, MANIFEST_NAME, |f| f.write_all(text.as_bytes()))
@@ -1052,15 +1069,7 @@ pub fn write_rank_part(
             _ => return Ok(false),
         }
     }
-    let m = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        format_version: FORMAT_VERSION,
-        step,
-        world,
-        checksum: "xxh3-64".into(),
-        files,
-        settings: settings.cloned(),
-    };
+    let m = Manifest::new(step, world, files, settings.cloned());
     let text = manifest_text(&m);
     let tmp = format!(".{MANIFEST_NAME}.tmp{}", std::process::id());
     write_atomic_via(&dir, MANIFEST_NAME, &tmp, |f| f.write_all(text.as_bytes()))?;

@@ -322,24 +322,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_round_trip() {
-        let names: Vec<String> = GroupKind::ALL.iter().map(|k| k.to_string()).collect();
-        assert_eq!(
-            names,
-            [
-                "tp",
-                "cp",
-                "ep",
-                "dp",
-                "pp",
-                "dense_dp",
-                "expert_dp",
-                "world"
-            ]
-        );
-    }
-
-    #[test]
     fn hand_worked_expert_dp() {
         // tp=2, cp=2, ep=2, dp=2, pp=1 on 8-GPU nodes: rank = tp + 2 cp + 4 ep + 8 dp.
         // Rank 0's expert replicas vary cp and dp with tp = ep = 0: ranks 0, 2, 8, 10.

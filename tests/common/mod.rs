@@ -1,7 +1,7 @@
 //! Helpers shared by the CLI-level integration tests.
 #![allow(dead_code)] // each test binary uses its own subset
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub fn root() -> PathBuf {
@@ -76,3 +76,28 @@ cluster:
   gpus_per_node: 8
   num_gpus: 4
 ";
+
+/// The 4-rank tiny plan (tp2 dp2, ZeRO-1) of [`TINY_TP2_DP2`], planned into `dir/tiny.json`.
+pub fn tiny_plan(dir: &Path) -> PathBuf {
+    let spec = dir.join("tiny.yaml");
+    std::fs::write(&spec, TINY_TP2_DP2).unwrap();
+    let plan = dir.join("tiny.json");
+    let (code, _, err) = run(&[
+        "plan",
+        spec.to_str().unwrap(),
+        "-o",
+        plan.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    plan
+}
+
+/// The lines of an `execute --out` folder's `metrics.jsonl`.
+pub fn metrics(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
