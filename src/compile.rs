@@ -25,15 +25,32 @@ pub fn lower_all(path: &Path, plan: &Plan) -> Result<Lowered, Failure> {
     shardwright_lowering::lower(plan).map_err(|e| usage(anyhow!("{}: {e}", path.display())))
 }
 
-/// `shardwright lower PLAN --rank R`.
-pub fn lower(path: &Path, rank: u32, json: bool, output: Option<&Path>) -> Result<(), Failure> {
+/// `shardwright lower PLAN [--rank R]`: the whole program, or one rank's graph.
+pub fn lower(
+    path: &Path,
+    rank: Option<u32>,
+    json: bool,
+    output: Option<&Path>,
+) -> Result<(), Failure> {
     let plan = load_plan(path)?;
-    let g = shardwright_lowering::lower_rank(&plan, rank)
-        .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
-    let text = if json {
-        serde_json::to_string_pretty(&g).map_err(|e| anyhow!(e))? + "\n"
-    } else {
-        shardwright_ir::text::print(&g)
+    let bad = |e: shardwright_lowering::LowerError| usage(anyhow!("{}: {e}", path.display()));
+    let text = match rank {
+        Some(rank) => {
+            let g = shardwright_lowering::lower_rank(&plan, rank).map_err(bad)?;
+            if json {
+                serde_json::to_string_pretty(&g).map_err(|e| anyhow!(e))? + "\n"
+            } else {
+                shardwright_ir::text::print(&g)
+            }
+        }
+        None => {
+            let p = shardwright_lowering::lower(&plan).map_err(bad)?.program;
+            if json {
+                serde_json::to_string_pretty(&p).map_err(|e| anyhow!(e))? + "\n"
+            } else {
+                shardwright_ir::text::print_program(&p)
+            }
+        }
     };
     io::write_output(output, &text)
 }
@@ -97,12 +114,10 @@ pub fn parse_straggler(s: &str) -> Result<(u32, f64), Failure> {
     }
 }
 
-/// `shardwright verify PLAN`: graph rules, cross-rank matching, checks against the plan.
-/// Every verification rule on a lowered plan: each graph, the cross-rank matching and
-/// deadlock pass (when the graphs are sound), and the checks against the plan. Errors are
+/// The rules a program obeys on its own (no plan to compare with): each graph's, then,
+/// when the graphs are sound, the cross-rank matching and deadlock pass. Errors are
 /// rendered with the offending node's text line.
-pub fn verification(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<String>) {
-    let p = &l.program;
+pub fn program_errors(p: &shardwright_ir::Program) -> Vec<String> {
     let mut errors: Vec<String> = Vec::new();
     for c in &p.classes {
         if let Err(es) = verify_graph(&c.graph) {
@@ -123,6 +138,16 @@ pub fn verification(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<String>) {
             }
         }
     }
+    errors
+}
+
+/// `shardwright verify PLAN`: graph rules, cross-rank matching, checks against the plan.
+/// Every verification rule on a lowered plan: each graph, the cross-rank matching and
+/// deadlock pass (when the graphs are sound), and the checks against the plan. Errors are
+/// rendered with the offending node's text line.
+pub fn verification(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<String>) {
+    let p = &l.program;
+    let mut errors = program_errors(p);
     let (report, check_errs) = check(l, plan);
     for e in &check_errs {
         let line = e.node.and_then(|n| {

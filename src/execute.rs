@@ -15,7 +15,7 @@ use crate::{io, usage, Failure};
 use anyhow::{anyhow, Context};
 use serde::Serialize;
 use shardwright_executor::checkpoint::CkptConfig;
-use shardwright_executor::model::{lr_at, Dims};
+use shardwright_executor::model::lr_at;
 use shardwright_executor::resilient::{run_resilient, Fault, Resilience, ResilientReport};
 use shardwright_executor::{
     run_program_with, Cpu, DataCtx, DataSource, ExecConfig, RunOptions, StepEvent,
@@ -143,11 +143,11 @@ pub struct StepMetrics {
 }
 
 #[derive(Serialize)]
-struct Summary<'a> {
+struct Summary {
     plan: String,
     backend: &'static str,
     world: u32,
-    layout: &'a shardwright_spec::Layout,
+    layout: serde_json::Value,
     steps: u32,
     data: String,
     tokens_per_step: u64,
@@ -279,6 +279,85 @@ impl Sink {
 }
 
 /// `shardwright execute PLAN --backend cpu`.
+/// What `execute` runs: a plan (lowered and verified here) or a program that `lower`
+/// wrote (parsed and verified here); either way the executor sees the program alone.
+struct Source {
+    program: shardwright_ir::Program,
+    run: shardwright_ir::RunInfo,
+    /// The plan, when the input is one: a resume onto another layout reshards through it.
+    plan: Option<shardwright_spec::Plan>,
+    /// Fingerprint of the input file's meaning (the plan's canonical JSON, or the
+    /// program's canonical text).
+    fingerprint: String,
+}
+
+impl Source {
+    /// The layout as `summary.json` and checkpoints record it: the plan's, or the
+    /// program's `run` line.
+    fn layout_json(&self) -> serde_json::Value {
+        match &self.plan {
+            Some(p) => serde_json::to_value(p.layout).unwrap_or_default(),
+            None => serde_json::to_value(&self.run).unwrap_or_default(),
+        }
+    }
+}
+
+/// Read `path` as a program (its first line is the program header) or else as a plan.
+fn load_source(path: &std::path::Path) -> Result<Source, Failure> {
+    use shardwright_executor::checkpoint::fingerprint;
+    let text = io::read_input(path)?;
+    let (program, plan, fp) = if text.starts_with(shardwright_ir::text::PROGRAM_HEADER) {
+        let p = shardwright_ir::text::parse_program(&text)
+            .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
+        let errors = crate::compile::program_errors(&p);
+        if !errors.is_empty() {
+            return Err(Failure {
+                code: VERIFY_FAILED,
+                error: anyhow!(
+                    "{}: the program fails verification ({} error(s)); nothing was run. \
+                     First: {}",
+                    path.display(),
+                    errors.len(),
+                    errors[0]
+                ),
+            });
+        }
+        let fp = fingerprint(shardwright_ir::text::print_program(&p).as_bytes());
+        (p, None, fp)
+    } else {
+        let plan = io::parse_plan(path, &text)?;
+        let l = lower_all(path, &plan)?;
+        let (_, errors) = verification(&l, &plan);
+        if !errors.is_empty() {
+            return Err(Failure {
+                code: VERIFY_FAILED,
+                error: anyhow!(
+                    "{}: the plan's graphs fail verification ({} error(s)); nothing was run. \
+                     First: {}\n(`shardwright verify {}` lists them all)",
+                    path.display(),
+                    errors.len(),
+                    errors[0],
+                    path.display()
+                ),
+            });
+        }
+        let fp = fingerprint(shardwright_spec::plan::to_json(&plan).as_bytes());
+        (l.program, Some(plan), fp)
+    };
+    let run = program.run.clone().ok_or_else(|| {
+        usage(anyhow!(
+            "{}: the program states no model run (no `model`/`run` lines): nothing to train",
+            path.display()
+        ))
+    })?;
+    Ok(Source {
+        program,
+        run,
+        plan,
+        fingerprint: fp,
+    })
+}
+
 pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     if a.backend == BackendKind::Cuda {
         return Err(usage(anyhow!(
@@ -293,31 +372,16 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         Some(n) => n.min(a.steps),
         None => a.steps,
     };
-    let plan = crate::compile::load_plan(&a.plan)?;
-    let l = lower_all(&a.plan, &plan)?;
-    let (report, errors) = verification(&l, &plan);
-    if !errors.is_empty() {
-        return Err(Failure {
-            code: VERIFY_FAILED,
-            error: anyhow!(
-                "{}: the plan's graphs fail verification ({} error(s)); nothing was run. \
-                 First: {}\n(`shardwright verify {}` lists them all)",
-                a.plan.display(),
-                errors.len(),
-                errors[0],
-                a.plan.display()
-            ),
-        });
-    }
-    let dims = Dims::from_job(&l.job).map_err(|e| {
+    let src = load_source(&a.plan)?;
+    let (program, run) = (&src.program, &src.run);
+    let dims = shardwright_executor::check_model(program).map_err(|e| {
         usage(anyhow!(
-            "{}: job.model: the CPU executor cannot run this model: {e}",
-            a.plan.display()
+            "{}: job.model: the CPU executor cannot run this model: {}",
+            a.plan.display(),
+            e.to_string().trim_start_matches("model: ")
         ))
     })?;
-    dims.check_divisible(l.layout.tp as usize, l.layout.cp as usize)
-        .map_err(|e| usage(anyhow!("{}: job.model: {e}", a.plan.display())))?;
-    let world = l.program.world;
+    let world = program.world;
     // Started as one rank of a multi-process job (launch --local, torchrun, Slurm): this
     // process runs that rank only, and only rank 0 writes metrics and outputs.
     let dist = distributed::from_env(world)?;
@@ -332,89 +396,12 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         weight_decay: a.weight_decay,
         ..ExecConfig::default()
     };
-    let gb = l.job.training.global_batch as u64;
+    let gb = run.global_batch;
     let tokens = gb * dims.seq as u64;
 
-    // The dataset is checked once, up front, before any rank starts.
-    let data_name = match &a.data {
-        Some(dir) => {
-            let ctx = DataCtx {
-                rank: 0,
-                dp_rank: 0,
-                dp_size: l.layout.dp * l.layout.ep,
-                micro_batch: l.layout.micro_batch,
-                grad_accum: l.layout.grad_accum as u32,
-                seq: dims.seq as u32,
-                vocab: dims.vocab as u32,
-            };
-            let loader = shardwright_data::Loader::open(dir, loader_config(&ctx, a.seed, 0))
-                .map_err(|e| usage(anyhow!("--data {}: {e}", dir.display())))?;
-            if loader.vocab_size() as usize > dims.vocab {
-                return Err(usage(anyhow!(
-                    "--data {}: the tokenizer has {} tokens but the plan's model \
-                     (job.model.vocab_size) has {}",
-                    dir.display(),
-                    loader.vocab_size(),
-                    dims.vocab
-                )));
-            }
-            format!(
-                "{} ({} samples of {} tokens, {} steps per epoch)",
-                dir.display(),
-                loader.samples_per_epoch(),
-                dims.seq + 1,
-                loader.steps_per_epoch()
-            )
-        }
-        None => {
-            if writes {
-                eprintln!(
-                "no --data: training on random tokens (the loss cannot fall far below ln(vocab) = {:.3})",
-                (dims.vocab as f64).ln()
-            );
-            }
-            "synthetic random tokens".into()
-        }
-    };
+    let data_name = check_data(a, run, &dims, writes)?;
 
-    // A resume appends to the run's metrics; a fresh run never overwrites another run's
-    // files unless told to.
-    let mut earlier: Vec<StepMetrics> = Vec::new();
-    if let Some(out) = a.out.as_ref().filter(|_| writes) {
-        std::fs::create_dir_all(out)
-            .with_context(|| format!("--out {}: cannot create the directory", out.display()))?;
-        let used: Vec<&str> = ["metrics.jsonl", "summary.json", "loss.svg"]
-            .into_iter()
-            .filter(|f| out.join(f).exists())
-            .collect();
-        if !used.is_empty() && !a.ft.resume && !a.overwrite {
-            return Err(usage(anyhow!(
-                "--out {}: holds an earlier run ({}); pass --overwrite to replace it, \
-                 --resume to continue it, or choose another --out",
-                out.display(),
-                used.join(", ")
-            )));
-        }
-        if a.ft.resume {
-            earlier = read_metrics(&out.join("metrics.jsonl"))?;
-        }
-    }
-    let metrics_out: Box<dyn std::io::Write + Send> = match &a.out {
-        _ if !writes => Box::new(std::io::sink()),
-        Some(out) => {
-            let p = out.join("metrics.jsonl");
-            let f = if a.ft.resume {
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&p)
-            } else {
-                std::fs::File::create(&p)
-            };
-            Box::new(f.with_context(|| format!("opening {}", p.display()))?)
-        }
-        None => Box::new(std::io::stdout()),
-    };
+    let (earlier, metrics_out) = open_metrics(a, writes)?;
     let threads = std::thread::available_parallelism()
         .map(|n| n.get() as u32)
         .unwrap_or(1)
@@ -434,12 +421,12 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         b
     };
     let start = Instant::now();
-    let resilience = fault_tolerance(a, &plan, dist.as_ref().map(|d| d.rank))?;
+    let resilience = fault_tolerance(a, &src, dist.as_ref().map(|d| d.rank))?;
     let sink = Mutex::new(Sink {
         // One process sees its own rank's steps only.
         world: if dist.is_some() { 1 } else { world },
         tokens,
-        flops: report.expected_model_flops as f64,
+        flops: run.model_flops as f64,
         peak,
         cfg: cfg.clone(),
         last_end: start,
@@ -479,9 +466,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     };
     let mut ft_report = None;
     let res = match (&dist, &resilience) {
-        (None, None) => {
-            run_program_with(&l.program, &l.job, &l.layout, Cpu, &cfg, &opts).map(|_| ())
-        }
+        (None, None) => run_program_with(program, Cpu, &cfg, &opts).map(|_| ()),
         (None, Some(r)) => {
             let restart = |first: u32| {
                 if let Ok(mut s) = sink.lock() {
@@ -504,15 +489,13 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
                     eprintln!("{info}");
                 }
             }));
-            let out = run_resilient(
-                &l.program, &l.job, &l.layout, Cpu, &cfg, run_steps, &opts, r, &restart,
-            )
-            .map(|rep| ft_report = Some(rep));
+            let out = run_resilient(program, Cpu, &cfg, run_steps, &opts, r, &restart)
+                .map(|rep| ft_report = Some(rep));
             let _ = std::panic::take_hook();
             std::panic::set_hook(prev);
             out
         }
-        (Some(d), None) => distributed::run(d, &l, &cfg, &opts).map(|_| ()),
+        (Some(d), None) => distributed::run(d, program, &cfg, &opts).map(|_| ()),
         (Some(d), Some(r)) => {
             // One rank of a multi-process job: its own rank file of each checkpoint, and
             // its own state of the checkpoint it resumes from.
@@ -541,7 +524,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
                 hooks: Some(&hooks),
                 ..opts
             };
-            distributed::run(d, &l, &cfg, &opts).map(|_| ())
+            distributed::run(d, program, &cfg, &opts).map(|_| ())
         }
     };
     bar.finish_and_clear();
@@ -574,11 +557,11 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         plan: a.plan.display().to_string(),
         backend: "cpu",
         world,
-        layout: &l.layout,
+        layout: src.layout_json(),
         steps: run_steps,
         data: data_name,
         tokens_per_step: tokens,
-        model_flops_per_step: report.expected_model_flops as f64,
+        model_flops_per_step: run.model_flops as f64,
         peak_flops: peak,
         peak_basis: format!("measured f32 GEMM of one core x {threads} core(s)"),
         first_loss: lines.first().map(|m| m.loss).unwrap_or(f64::NAN),
@@ -618,12 +601,105 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     diverged.map_or(Ok(()), Err)
 }
 
+/// The dataset, checked once, up front, before any rank starts: its name for the
+/// summary, or why it cannot feed this program's model.
+fn check_data(
+    a: &ExecArgs,
+    run: &shardwright_ir::RunInfo,
+    dims: &shardwright_executor::model::Dims,
+    writes: bool,
+) -> Result<String, Failure> {
+    Ok(match &a.data {
+        Some(dir) => {
+            let ctx = DataCtx {
+                rank: 0,
+                dp_rank: 0,
+                dp_size: run.data_replicas(),
+                micro_batch: run.micro_batch,
+                grad_accum: run.grad_accum as u32,
+                seq: dims.seq as u32,
+                vocab: dims.vocab as u32,
+            };
+            let loader = shardwright_data::Loader::open(dir, loader_config(&ctx, a.seed, 0))
+                .map_err(|e| usage(anyhow!("--data {}: {e}", dir.display())))?;
+            if loader.vocab_size() as usize > dims.vocab {
+                return Err(usage(anyhow!(
+                    "--data {}: the tokenizer has {} tokens but the plan's model \
+                     (job.model.vocab_size) has {}",
+                    dir.display(),
+                    loader.vocab_size(),
+                    dims.vocab
+                )));
+            }
+            format!(
+                "{} ({} samples of {} tokens, {} steps per epoch)",
+                dir.display(),
+                loader.samples_per_epoch(),
+                dims.seq + 1,
+                loader.steps_per_epoch()
+            )
+        }
+        None => {
+            if writes {
+                eprintln!(
+                "no --data: training on random tokens (the loss cannot fall far below ln(vocab) = {:.3})",
+                (dims.vocab as f64).ln()
+            );
+            }
+            "synthetic random tokens".into()
+        }
+    })
+}
+
+/// The metrics already in `--out` (a resume appends to them) and where this run's go: a
+/// fresh run never overwrites another run's files unless told to.
+type MetricsOut = Box<dyn std::io::Write + Send>;
+fn open_metrics(a: &ExecArgs, writes: bool) -> Result<(Vec<StepMetrics>, MetricsOut), Failure> {
+    let mut earlier: Vec<StepMetrics> = Vec::new();
+    if let Some(out) = a.out.as_ref().filter(|_| writes) {
+        std::fs::create_dir_all(out)
+            .with_context(|| format!("--out {}: cannot create the directory", out.display()))?;
+        let used: Vec<&str> = ["metrics.jsonl", "summary.json", "loss.svg"]
+            .into_iter()
+            .filter(|f| out.join(f).exists())
+            .collect();
+        if !used.is_empty() && !a.ft.resume && !a.overwrite {
+            return Err(usage(anyhow!(
+                "--out {}: holds an earlier run ({}); pass --overwrite to replace it, \
+                 --resume to continue it, or choose another --out",
+                out.display(),
+                used.join(", ")
+            )));
+        }
+        if a.ft.resume {
+            earlier = read_metrics(&out.join("metrics.jsonl"))?;
+        }
+    }
+    let metrics_out: MetricsOut = match &a.out {
+        _ if !writes => Box::new(std::io::sink()),
+        Some(out) => {
+            let p = out.join("metrics.jsonl");
+            let f = if a.ft.resume {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&p)
+            } else {
+                std::fs::File::create(&p)
+            };
+            Box::new(f.with_context(|| format!("opening {}", p.display()))?)
+        }
+        None => Box::new(std::io::stdout()),
+    };
+    Ok((earlier, metrics_out))
+}
+
 /// The resilience settings `execute` was asked for, or `None`.
 /// `rank`: this process is that rank of a multi-process job (`launch --local`,
 /// torchrun): checkpoints and resume work there, faults and the durable tier do not.
 fn fault_tolerance(
     a: &ExecArgs,
-    plan: &shardwright_spec::Plan,
+    src: &Source,
     rank: Option<u32>,
 ) -> Result<Option<Resilience>, Failure> {
     let f = &a.ft;
@@ -649,10 +725,10 @@ fn fault_tolerance(
                 .map_err(|e| usage(anyhow!("--inject-fault {s}: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let world = plan.inputs.cluster.world_size;
+    let world = src.program.world;
     let last = a.exit_after.map_or(a.steps, |n| n.min(a.steps));
     for (spec, fault) in f.faults.iter().zip(&faults) {
-        if fault.rank as u64 >= world {
+        if fault.rank >= world {
             return Err(usage(anyhow!(
                 "--inject-fault {spec}: rank {} does not exist: the plan has {world} ranks (0 to {})",
                 fault.rank,
@@ -680,27 +756,31 @@ fn fault_tolerance(
             "--straggler-threshold: a positive share, e.g. 0.05"
         )));
     }
-    // The plan's Young/Daly interval, in steps, unless overridden.
+    // The program's checkpoint node (the plan's Young/Daly interval, in steps), unless
+    // overridden.
     let every = match f.checkpoint_every {
         Some(0) => return Err(usage(anyhow!("--checkpoint-every: at least 1"))),
         Some(n) => n,
         None => {
-            let n = plan
-                .estimate
-                .reliability
-                .interval_steps
-                .clamp(1, u32::MAX as u64) as u32;
+            let n = src.program.checkpoint_every().ok_or_else(|| {
+                usage(anyhow!(
+                    "{}: the program has no `checkpoint` node; pass --checkpoint-every",
+                    a.plan.display()
+                ))
+            })?;
+            let n = n.clamp(1, u32::MAX as u64) as u32;
             if n >= a.steps {
                 eprintln!(
-                    "note: the plan's checkpoint interval is {n} steps (Young/Daly for its \
-                     cluster); this run of {} steps takes none unless --checkpoint-every is set",
+                    "note: the program checkpoints every {n} steps (the plan's Young/Daly \
+                     interval for its cluster); this run of {} steps takes none unless \
+                     --checkpoint-every is set",
                     a.steps
                 );
             }
             n
         }
     };
-    let settings = run_settings(a, plan)?;
+    let settings = run_settings(a, src)?;
     let mut ckpt = CkptConfig::new(dir).keep(f.keep, f.keep);
     ckpt.settings = Some(settings.clone());
     if let Some(d) = &f.durable_dir {
@@ -714,7 +794,7 @@ fn fault_tolerance(
 
     let start_from = if f.resume {
         Some(resume_point(
-            plan,
+            src,
             &ckpt,
             &a.plan,
             &settings,
@@ -729,15 +809,17 @@ fn fault_tolerance(
         ckpt,
         resume: f.resume,
         faults,
-        hot_spares: f
-            .hot_spares
-            .unwrap_or(plan.inputs.cluster.hot_spares as u32),
+        hot_spares: f.hot_spares.unwrap_or(
+            src.plan
+                .as_ref()
+                .map_or(0, |p| p.inputs.cluster.hot_spares as u32),
+        ),
         collective_timeout: std::time::Duration::from_secs_f64(f.collective_timeout_s),
         straggler_threshold: f.straggler_threshold,
         meta: serde_json::json!({
-            "layout": plan.layout,
-            "stages": plan.stages,
-            "global_batch": plan.inputs.training.global_batch,
+            "layout": src.layout_json(),
+            "stages": src.plan.as_ref().map(|p| &p.stages),
+            "global_batch": src.run.global_batch,
             "settings": settings,
         }),
         start_from,
@@ -750,7 +832,7 @@ fn fault_tolerance(
 /// each checkpoint's fault; a checkpoint that fails verification is set aside
 /// (`step-N.failed-verification`), never deleted.
 fn resume_point(
-    plan: &shardwright_spec::Plan,
+    src: &Source,
     ckpt: &CkptConfig,
     path: &std::path::Path,
     settings: &serde_json::Value,
@@ -777,7 +859,7 @@ fn resume_point(
     if let Some(d) = &ckpt.durable_dir {
         dirs.push(d);
     }
-    let world = plan.inputs.cluster.world_size as u32;
+    let world = src.program.world;
     let mut warnings = Vec::new();
     let mut warn = |w: String| warnings.push(w);
     let got = match restore_latest_setting_aside(&dirs, world, &mut warn) {
@@ -827,13 +909,12 @@ fn resume_point(
     // Steps completed (checkpoints written before steps counted from 1 are one lower).
     let step = shardwright_executor::resilient::steps_done(step, &states[0].meta);
     let meta = &states[0].meta;
-    let old_layout: shardwright_spec::Layout = serde_json::from_value(meta["layout"].clone())
-        .map_err(|e| {
-            usage(anyhow!(
-                "--resume: checkpoint step {step} does not record its layout: {e}"
-            ))
-        })?;
-    let same_layout = old_layout == plan.layout && states.len() as u32 == world;
+    if meta["layout"].is_null() {
+        return Err(usage(anyhow!(
+            "--resume: checkpoint step {step} does not record its layout"
+        )));
+    }
+    let same_layout = meta["layout"] == src.layout_json() && states.len() as u32 == world;
     check_settings(
         step,
         &meta["settings"],
@@ -847,6 +928,19 @@ fn resume_point(
         }
         return Ok((step, states));
     }
+    let Some(plan) = &src.plan else {
+        return Err(usage(anyhow!(
+            "--resume: checkpoint step {step} was written on another layout ({}); resharding \
+             it needs the plan: execute the plan instead of the lowered program",
+            meta["layout"]
+        )));
+    };
+    let old_layout: shardwright_spec::Layout = serde_json::from_value(meta["layout"].clone())
+        .map_err(|e| {
+            usage(anyhow!(
+                "--resume: checkpoint step {step}: its layout does not read as a plan's: {e}"
+            ))
+        })?;
     let old_gb = meta["global_batch"].as_u64().unwrap_or(0);
     if old_gb != plan.inputs.training.global_batch {
         return Err(usage(anyhow!(
@@ -870,10 +964,9 @@ fn resume_point(
     let ln = lower_all(path, plan)?;
     let cfg = ExecConfig::default();
     let by_rank = states.into_iter().map(|s| (s.rank, s.tensors)).collect();
-    let logical =
-        shardwright_executor::logical_state(&lo.program, &lo.job, &lo.layout, &cfg, &by_rank)
-            .map_err(|e| usage(anyhow!("--resume: checkpoint step {step}: {e}")))?;
-    let new = shardwright_executor::sharded_state(&ln.program, &ln.job, &ln.layout, &cfg, &logical)
+    let logical = shardwright_executor::logical_state(&lo.program, &cfg, &by_rank)
+        .map_err(|e| usage(anyhow!("--resume: checkpoint step {step}: {e}")))?;
+    let new = shardwright_executor::sharded_state(&ln.program, &cfg, &logical)
         .map_err(|e| usage(anyhow!("--resume: resharding: {e}")))?;
     eprintln!(
         "resuming after step {step}: checkpoint of {} ranks ({}) resharded onto {} ranks ({})",
@@ -1150,7 +1243,7 @@ mod distributed {
     /// last message is cut short by this process exiting).
     pub fn run(
         d: &EnvRank,
-        l: &shardwright_lowering::Lowered,
+        program: &shardwright_ir::Program,
         cfg: &ExecConfig,
         opts: &RunOptions,
     ) -> Result<Vec<RankReport>, ExecError> {
@@ -1198,9 +1291,7 @@ mod distributed {
                 prev(info)
             }
         }));
-        let rep = run_rank(
-            &l.program, &l.job, &l.layout, &Cpu, cfg, &mut comm, d.rank, &opts,
-        )?;
+        let rep = run_rank(program, &Cpu, cfg, &mut comm, d.rank, &opts)?;
         comm.finish().map_err(|e| ExecError::Panic(d.rank, e))?;
         Ok(vec![rep])
     }
@@ -1209,7 +1300,7 @@ mod distributed {
 /// What a checkpoint records of the run that wrote it, and a resume checks: the plan
 /// (fingerprint of its JSON) and its model, the data (fingerprint of the dataset's
 /// manifest, or random tokens), and every hyperparameter that shapes the trajectory.
-fn run_settings(a: &ExecArgs, plan: &shardwright_spec::Plan) -> Result<serde_json::Value, Failure> {
+fn run_settings(a: &ExecArgs, src: &Source) -> Result<serde_json::Value, Failure> {
     use shardwright_executor::checkpoint::fingerprint;
     let data = match &a.data {
         Some(dir) => {
@@ -1220,11 +1311,15 @@ fn run_settings(a: &ExecArgs, plan: &shardwright_spec::Plan) -> Result<serde_jso
         }
         None => "random tokens".into(),
     };
-    let model = serde_json::to_vec(&plan.inputs.model).map_err(|e| anyhow!(e))?;
+    let model = match &src.plan {
+        Some(plan) => serde_json::to_vec(&plan.inputs.model),
+        None => serde_json::to_vec(&src.program.model),
+    }
+    .map_err(|e| anyhow!(e))?;
     // As typed (0.003, not the f32's widening 0.003000000026077032).
     let num = |x: f32| x.to_string().parse::<f64>().unwrap_or(f64::NAN);
     Ok(serde_json::json!({
-        "plan": fingerprint(shardwright_spec::plan::to_json(plan).as_bytes()),
+        "plan": src.fingerprint,
         "model": fingerprint(&model),
         "data": data,
         "seed": a.seed,

@@ -123,16 +123,18 @@ enum Cmd {
         #[arg(long, default_value = "calibrated-1")]
         version: String,
     },
-    /// Lower a plan to the op graph of one rank (canonical text, or JSON).
+    /// Lower a plan to its program (every rank class's graph, the groups, each rank's
+    /// coordinates, the model and the layout: what `execute` runs), or to the op graph of
+    /// one rank (canonical text, or JSON).
     #[command(
-        after_help = "Examples:\n  shardwright lower plan.json --rank 0\n  shardwright lower plan.json --rank 1024 --format json -o rank1024.json"
+        after_help = "Examples:\n  shardwright lower plan.json -o prog.ir && shardwright execute prog.ir\n  shardwright lower plan.json --rank 0\n  shardwright lower plan.json --rank 1024 --format json -o rank1024.json"
     )]
     Lower {
         /// Plan JSON (`-` for stdin).
         plan: PathBuf,
-        /// Rank whose graph to print.
-        #[arg(long, default_value_t = 0)]
-        rank: u32,
+        /// Print only this rank's graph (default: the whole program).
+        #[arg(long)]
+        rank: Option<u32>,
         #[arg(long, value_enum, default_value_t = IrFormat::Text)]
         format: IrFormat,
         /// Output file (default: stdout). Written atomically.

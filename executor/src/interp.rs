@@ -70,11 +70,10 @@ use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Communicator;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::model::{lr_at, shard, Dims, Split};
+use shardwright_ir::run::RunInfo;
 use shardwright_ir::{
     Axis, CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, Program, ReduceOp, Stream,
 };
-use shardwright_spec::job::Job;
-use shardwright_spec::Layout;
 use std::collections::{BTreeMap, HashMap};
 
 mod state;
@@ -177,16 +176,12 @@ pub struct RankReport {
 /// every step reports its gradients and weights.
 pub fn run_program<B: Backend + Clone + 'static>(
     program: &Program,
-    job: &Job,
-    layout: &Layout,
     backend: B,
     cfg: &ExecConfig,
     steps: u32,
 ) -> Result<Vec<RankReport>, ExecError> {
     run_program_with(
         program,
-        job,
-        layout,
         backend,
         cfg,
         &RunOptions {
@@ -279,15 +274,13 @@ pub trait RankHooks: Sync {
 /// [`run_program`] with a data source, a per-step observer and without diagnostics.
 pub fn run_program_with<B: Backend + Clone + 'static>(
     program: &Program,
-    job: &Job,
-    layout: &Layout,
     backend: B,
     cfg: &ExecConfig,
     opts: &RunOptions,
 ) -> Result<Vec<RankReport>, ExecError> {
-    check_model(job, layout)?;
+    check_model(program)?;
     let hub = crate::comm::Hub::new(program.world);
-    let results = run_ranks_on(&hub, program, job, layout, &backend, cfg, opts);
+    let results = run_ranks_on(&hub, program, &backend, cfg, opts);
     let mut out = Vec::new();
     let mut first_err: Option<ExecError> = None;
     for r in results {
@@ -313,8 +306,6 @@ pub fn run_program_with<B: Backend + Clone + 'static>(
 pub fn run_ranks_on<B: Backend + Clone>(
     hub: &std::sync::Arc<crate::comm::Hub>,
     program: &Program,
-    job: &Job,
-    layout: &Layout,
     backend: &B,
     cfg: &ExecConfig,
     opts: &RunOptions,
@@ -327,7 +318,7 @@ pub fn run_ranks_on<B: Backend + Clone>(
             .map(|(r, comm)| {
                 let (be, hub) = (backend.clone(), hub.clone());
                 s.spawn(move || {
-                    let out = run_rank(program, job, layout, &be, cfg, comm, r as u32, opts);
+                    let out = run_rank(program, &be, cfg, comm, r as u32, opts);
                     if out.is_err() {
                         hub.abort();
                     }
@@ -342,42 +333,53 @@ pub fn run_ranks_on<B: Backend + Clone>(
 }
 
 /// What the executor needs of expert parallelism and MoE layers under a layout.
-fn check_moe_layout(dims: &Dims, layout: &Layout) -> Result<(), String> {
-    if dims.tied && layout.pp > 1 {
+fn check_moe_layout(dims: &Dims, run: &RunInfo) -> Result<(), String> {
+    if dims.tied && run.pp > 1 {
         // The lowering has no all-reduce of the embedding gradient between the first and
         // the last stage (Megatron's embedding group); running without it would train two
         // different tables.
         return Err(format!(
             "tied embeddings with pp = {}: the op graph has no first/last-stage sync of the \
              shared embedding gradient yet; untie them or use pp = 1",
-            layout.pp
+            run.pp
         ));
     }
     let Some(m) = &dims.moe else {
-        if layout.ep > 1 {
+        if run.ep > 1 {
             return Err(format!(
                 "layout.ep = {}: expert parallelism needs MoE layers",
-                layout.ep
+                run.ep
             ));
         }
         return Ok(());
     };
-    if m.experts % layout.ep_group() as usize != 0 {
+    if m.experts % run.ep_group() as usize != 0 {
         return Err(format!(
             "moe.num_experts {} is not divisible by the expert-parallel group of {}",
             m.experts,
-            layout.ep_group()
+            run.ep_group()
         ));
     }
     Ok(())
 }
 
-/// The model's dimensions, checked against the layout.
-pub(crate) fn check_model(job: &Job, layout: &Layout) -> Result<Dims, ExecError> {
-    let dims = Dims::from_job(job).map_err(ExecError::Model)?;
-    dims.check_divisible(layout.tp as usize, layout.cp as usize)
+/// The program's layout facts, or why a program without them cannot train.
+pub fn run_info(program: &Program) -> Result<&RunInfo, ExecError> {
+    program.run.as_ref().ok_or_else(|| {
+        ExecError::Model("the program states no model run (no `run` line): nothing to train".into())
+    })
+}
+
+/// The program's model dimensions, checked against its layout.
+pub fn check_model(program: &Program) -> Result<Dims, ExecError> {
+    let model = program.model.as_ref().ok_or_else(|| {
+        ExecError::Model("the program states no model (no `model` line): nothing to train".into())
+    })?;
+    let run = run_info(program)?;
+    let dims = Dims::from_model(model).map_err(ExecError::Model)?;
+    dims.check_divisible(run.tp as usize, run.cp as usize)
         .map_err(ExecError::Model)?;
-    check_moe_layout(&dims, layout).map_err(ExecError::Model)?;
+    check_moe_layout(&dims, run).map_err(ExecError::Model)?;
     Ok(dims)
 }
 
@@ -385,11 +387,8 @@ pub(crate) fn check_model(job: &Job, layout: &Layout) -> Result<Dims, ExecError>
 /// [`crate::Local`] of a thread, or [`crate::tcp::TcpComm`] of a process). Every rank of
 /// the program must run with the same arguments. A panic (a communicator's failure, a
 /// kernel's assertion) becomes [`ExecError::Panic`].
-#[allow(clippy::too_many_arguments)]
 pub fn run_rank<B: Backend, C: Communicator>(
     program: &Program,
-    job: &Job,
-    layout: &Layout,
     backend: &B,
     cfg: &ExecConfig,
     comm: C,
@@ -398,14 +397,14 @@ pub fn run_rank<B: Backend, C: Communicator>(
 ) -> Result<RankReport, ExecError> {
     let r = rank;
     let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let dims = check_model(job, layout)?;
+        let dims = check_model(program)?;
         let graph = program.graph_of(r).ok_or_else(|| {
             ExecError::Model(format!(
                 "rank {r} is not in the program (world {})",
                 program.world
             ))
         })?;
-        let mut rk = RankExec::new(backend, comm, &graph, program, &dims, layout, job, cfg)?;
+        let mut rk = RankExec::new(backend, comm, &graph, program, &dims, cfg)?;
         rk.diagnostics = opts.diagnostics;
         let ctx = rk.data_ctx();
         rk.data = Some(match opts.data {
@@ -694,7 +693,7 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     comm: C,
     g: &'a Graph,
     dims: &'a Dims,
-    layout: &'a Layout,
+    run: &'a RunInfo,
     cfg: &'a ExecConfig,
     rank: u32,
     world: u32,
@@ -784,19 +783,17 @@ fn err(why: impl Into<String>) -> String {
 }
 
 impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
-    #[allow(clippy::too_many_arguments)]
     fn new(
         be: &'a B,
         comm: C,
         g: &'a Graph,
         program: &'a Program,
         dims: &'a Dims,
-        layout: &'a Layout,
-        job: &'a Job,
         cfg: &'a ExecConfig,
     ) -> Result<Self, ExecError> {
         let rank = g.rank;
-        check_moe_layout(dims, layout).map_err(ExecError::Model)?;
+        let run = run_info(program)?;
+        check_moe_layout(dims, run).map_err(ExecError::Model)?;
         // A group of one rank is not declared: the axis has size 1 here.
         let group = |axis: Axis| -> Vec<u32> {
             program
@@ -821,19 +818,19 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let t = tp.len();
         let tp_pos = pos(&tp);
         let vl = dims.vocab / t;
-        let whole = layout.folds_tp_into_ep();
+        let whole = run.whole_experts;
         let mut ex = RankExec {
             be,
             comm,
             g,
             dims,
-            layout,
+            run,
             cfg,
             rank,
             world: program.world,
             tp_pos,
             cp_pos: pos(&cp),
-            dp_pos: (coord.dp * layout.ep + coord.ep) as usize,
+            dp_pos: (coord.dp * run.ep + coord.ep) as usize,
             dense_pos: pos(&dense_dp),
             dense_dp,
             local_experts: dims.local_experts(ep_pos, ep.len()),
@@ -853,10 +850,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             fl: dims.f / t,
             vl,
             vocab_start: tp_pos * vl,
-            sp: layout.sequence_parallel && t > 1,
-            mb_size: layout.micro_batch as usize,
-            grad_accum: layout.grad_accum as usize,
-            global_tokens: (job.training.global_batch as usize * dims.seq) as f64,
+            sp: run.sequence_parallel && t > 1,
+            mb_size: run.micro_batch as usize,
+            grad_accum: run.grad_accum as usize,
+            global_tokens: (run.global_batch as usize * dims.seq) as f64,
             params: BTreeMap::new(),
             grads: BTreeMap::new(),
             m: BTreeMap::new(),
@@ -883,11 +880,11 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             data: None,
             batches: BTreeMap::new(),
         };
-        let expect = (layout.dp * layout.ep) as usize * layout.grad_accum as usize * ex.mb_size;
-        if expect != job.training.global_batch as usize {
+        let expect = (run.dp * run.ep) as usize * run.grad_accum as usize * ex.mb_size;
+        if expect != run.global_batch as usize {
             return Err(ExecError::Model(format!(
                 "global batch {} != dp {} x ep {} x grad_accum {} x micro_batch {}",
-                job.training.global_batch, layout.dp, layout.ep, layout.grad_accum, ex.mb_size
+                run.global_batch, run.dp, run.ep, run.grad_accum, ex.mb_size
             )));
         }
         if ex.sp && (ex.tokens() % t != 0) {
@@ -944,7 +941,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 let local = shard(&full, dims.shape(name), &dims.split(name), i, n);
                 sizes.push(local.len());
                 ex.grads.insert(name.clone(), vec![0.0; local.len()]);
-                if layout.zero_stage == 0 {
+                if run.zero_stage == 0 {
                     ex.m.insert(name.clone(), vec![0.0; local.len()]);
                     ex.v.insert(name.clone(), vec![0.0; local.len()]);
                 }
@@ -962,7 +959,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 m: Vec::new(),
                 v: Vec::new(),
             };
-            if layout.zero_stage >= 1 {
+            if run.zero_stage >= 1 {
                 let flat = ex.flatten(&b.names, &ex.params, padded);
                 b.p = flat[bpos * c..(bpos + 1) * c].to_vec();
                 b.g = vec![0.0; c];
@@ -976,10 +973,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
 
     /// Tokens per micro-batch on this rank (b s / cp).
     fn tokens(&self) -> usize {
-        self.mb_size * self.dims.seq / self.layout.cp as usize
+        self.mb_size * self.dims.seq / self.run.cp as usize
     }
     fn seq_local(&self) -> usize {
-        self.dims.seq / self.layout.cp as usize
+        self.dims.seq / self.run.cp as usize
     }
 
     fn flatten(
@@ -1013,7 +1010,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         DataCtx {
             rank: self.rank,
             dp_rank: self.dp_pos as u32,
-            dp_size: self.layout.dp * self.layout.ep,
+            dp_size: self.run.dp * self.run.ep,
             micro_batch: self.mb_size as u32,
             grad_accum: self.grad_accum as u32,
             seq: self.dims.seq as u32,
@@ -1126,7 +1123,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             rep.aux_loss = Some(self.aux);
         }
         // Weights after the step (ZeRO-3: gathered from the shards, diagnostic only).
-        if self.diagnostics && self.layout.zero_stage >= 3 {
+        if self.diagnostics && self.run.zero_stage >= 3 {
             let keys: Vec<_> = self.buckets.keys().copied().collect();
             for k in keys {
                 let full = self.gather_bucket(k);
@@ -1179,10 +1176,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         // TP/EP collectives, skipped alike on every rank) would reproduce the kept values
         // bit for bit; they run as no-ops. The attention core's replay and full recompute
         // do run, on values dropped first.
-        if n.pass == Pass::Recompute
-            && self.layout.recompute == shardwright_spec::spec::Recompute::Selective
-            && !self.is_selective(n)
-        {
+        if n.pass == Pass::Recompute && self.run.selective_recompute && !self.is_selective(n) {
             return Ok(());
         }
         match &n.op {
@@ -2395,7 +2389,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             return Err("the gradient statistics were already taken this step".into());
         }
         self.stats_done = true;
-        let zero = self.layout.zero_stage;
+        let zero = self.run.zero_stage;
         // Buckets without a dp reduction (a single replica: the IR emits none).
         let keys: Vec<_> = self.buckets.keys().copied().collect();
         for k in keys {
@@ -2472,7 +2466,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     }
 
     fn optimizer_step(&mut self) -> Result<(), String> {
-        let zero = self.layout.zero_stage;
+        let zero = self.run.zero_stage;
         // The global figures when the graph's `grad_norm` all-reduce ran, else this rank's
         // own (a single rank's graph has none).
         let buf = match self.norm_stats.take() {

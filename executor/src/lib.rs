@@ -30,8 +30,8 @@ pub use backend::{AdamW, AttnShape, Backend, Cpu};
 pub use comm::{Communicator, Hub, Local};
 pub use data::{DataCtx, DataSource, Synthetic};
 pub use interp::{
-    logical_state, run_program, run_program_with, run_rank, sharded_state, DataFactory, ExecConfig,
-    ExecError, InitialState, RankHooks, RankReport, RankStateAccess, RunOptions, StepEvent,
-    StepReport,
+    check_model, logical_state, run_program, run_program_with, run_rank, sharded_state,
+    DataFactory, ExecConfig, ExecError, InitialState, RankHooks, RankReport, RankStateAccess,
+    RunOptions, StepEvent, StepReport,
 };
 pub use tcp::{Store, TcpComm};

@@ -40,8 +40,7 @@
 //! starts from the same full weights.
 
 use crate::rng::Rng;
-use shardwright_spec::job::Job;
-use shardwright_spec::spec::{Activation, Arch, Norm};
+use shardwright_ir::run::{Activation, ModelInfo, NormKind};
 
 /// Model dimensions (full, unsharded).
 #[derive(Clone, Debug, PartialEq)]
@@ -79,14 +78,10 @@ pub struct MoeDims {
 }
 
 impl Dims {
-    /// The model of a job, or why the executor cannot run it yet.
-    pub fn from_job(job: &Job) -> Result<Dims, String> {
-        let m = &job.model;
+    /// The model a program states, or why the executor cannot run it yet.
+    pub fn from_model(m: &ModelInfo) -> Result<Dims, String> {
         let mut why = Vec::new();
-        if (m.arch == Arch::Moe) != m.moe.is_some() {
-            why.push("an MoE architecture without its `moe` section (or the reverse)");
-        }
-        if !matches!(m.ffn_activation, Activation::Swiglu | Activation::Gelu) {
+        if !matches!(m.activation, Activation::Swiglu | Activation::Gelu) {
             why.push("an MLP activation other than SwiGLU or GeLU");
         }
         if m.linear_bias {
@@ -98,30 +93,30 @@ impl Dims {
         if !m.causal {
             why.push("non-causal attention");
         }
-        if m.sliding_window.is_some_and(|w| w < m.seq_len) || m.attention_sink_tokens > 0 {
+        if m.sliding_window.is_some_and(|w| w < m.seq) || m.attention_sink_tokens > 0 {
             why.push("sliding-window or attention-sink attention");
         }
         if !why.is_empty() {
             return Err(format!("not supported yet: {}", why.join(", ")));
         }
         Ok(Dims {
-            layers: m.num_layers,
-            h: m.hidden_size as usize,
-            heads: m.num_attention_heads as usize,
-            kv_heads: m.num_kv_heads as usize,
+            layers: m.layers,
+            h: m.hidden as usize,
+            heads: m.heads as usize,
+            kv_heads: m.kv_heads as usize,
             d: m.head_dim as usize,
-            f: m.ffn_hidden_size as usize,
-            vocab: m.vocab_size as usize,
-            seq: m.seq_len as usize,
+            f: m.ffn as usize,
+            vocab: m.vocab as usize,
+            seq: m.seq as usize,
             tied: m.tied_embeddings,
-            layernorm: m.norm == Norm::Layernorm,
-            gelu: m.ffn_activation == Activation::Gelu,
+            layernorm: m.norm == NormKind::Layernorm,
+            gelu: m.activation == Activation::Gelu,
             learned_positions: m.learned_positions,
             moe: m.moe.as_ref().map(|x| MoeDims {
-                experts: x.num_experts as usize,
+                experts: x.experts as usize,
                 top_k: x.top_k as usize,
-                fe: x.expert_ffn_hidden_size as usize,
-                fs: (x.num_shared_experts as u64 * x.shared_expert_ffn_hidden_size) as usize,
+                fe: x.expert_ffn as usize,
+                fs: x.shared_ffn as usize,
                 first_k_dense: x.first_k_dense,
             }),
         })

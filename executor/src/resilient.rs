@@ -25,8 +25,6 @@ use crate::comm::Hub;
 use crate::interp::{run_ranks_on, RankHooks, RankReport, RankStateAccess, RunOptions, StepReport};
 use crate::{Backend, ExecConfig, ExecError};
 use shardwright_ir::Program;
-use shardwright_spec::job::Job;
-use shardwright_spec::Layout;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -669,11 +667,8 @@ impl RankHooks for Attempt<'_> {
 }
 
 /// Train `program` for `steps` steps, surviving the faults of `res`.
-#[allow(clippy::too_many_arguments)]
 pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
     program: &Program,
-    job: &Job,
-    layout: &Layout,
     backend: B,
     cfg: &ExecConfig,
     steps: u32,
@@ -811,7 +806,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                 initial_state: Some(&take_init),
                 hooks: Some(&attempt),
             };
-            run_ranks_on(&hub, program, job, layout, &backend, cfg, &opts)
+            run_ranks_on(&hub, program, &backend, cfg, &opts)
         };
         let ckpt_result = ckpt.wait();
         let lag = ckpt.lag();

@@ -19,7 +19,8 @@ fn matrix(tied: bool, layouts: &[&str]) {
 fn matrix_layers(tied: bool, layers: u32, layouts: &[&str]) {
     let tpl = common::template(tied, layers);
     let base_plan = common::plan_for(&tpl, common::layout("ga4"));
-    let dims = Dims::from_job(&base_plan.inputs).unwrap();
+    let dims =
+        Dims::from_model(&shardwright_lowering::info::model_info(&base_plan.inputs)).unwrap();
     let base = common::run(&base_plan, STEPS);
     for l in layouts {
         let plan = common::plan_for(&tpl, common::layout(l));
@@ -89,7 +90,8 @@ fn recompute_modules_and_op_level_ac() {
     use shardwright_spec::spec::{Framework, RecomputeModule as R};
     let tpl = common::template(false, common::LAYERS);
     let base_plan = common::plan_for(&tpl, common::layout("ga4"));
-    let dims = Dims::from_job(&base_plan.inputs).unwrap();
+    let dims =
+        Dims::from_model(&shardwright_lowering::info::model_info(&base_plan.inputs)).unwrap();
     let base = common::run(&base_plan, STEPS);
     let cases = [
         (
@@ -138,15 +140,9 @@ fn tied_embeddings_across_stages_are_refused() {
     let tpl = common::template(true, common::LAYERS);
     let plan = common::plan_for(&tpl, common::layout("pp2,ga4"));
     let l = shardwright_lowering::lower(&plan).unwrap();
-    let err = shardwright_executor::run_program(
-        &l.program,
-        &l.job,
-        &l.layout,
-        shardwright_executor::Cpu,
-        &common::cfg(),
-        1,
-    )
-    .expect_err("refused");
+    let err =
+        shardwright_executor::run_program(&l.program, shardwright_executor::Cpu, &common::cfg(), 1)
+            .expect_err("refused");
     assert!(
         err.to_string().contains("tied embeddings with pp = 2"),
         "{err}"
@@ -196,7 +192,7 @@ fn a_missing_collective_is_caught() {
     use shardwright_executor::{run_program, Cpu};
     use shardwright_ir::{CollectiveKind, Op, Stream};
     let tpl = common::template(false, common::LAYERS);
-    let dims = Dims::from_job(&tpl.inputs).unwrap();
+    let dims = Dims::from_model(&shardwright_lowering::info::model_info(&tpl.inputs)).unwrap();
     let base = common::run(&common::plan_for(&tpl, common::layout("ga4")), 1);
     let plan = common::plan_for(&tpl, common::layout("tp2,ga4"));
     let mut lowered = shardwright_lowering::lower(&plan).unwrap();
@@ -213,15 +209,7 @@ fn a_missing_collective_is_caught() {
                 ))
         });
     }
-    let runs = run_program(
-        &lowered.program,
-        &lowered.job,
-        &lowered.layout,
-        Cpu,
-        &common::cfg(),
-        1,
-    )
-    .expect("runs");
+    let runs = run_program(&lowered.program, Cpu, &common::cfg(), 1).expect("runs");
     let err = std::panic::catch_unwind(|| common::compare("mutated", &dims, &base, &runs, TOL))
         .expect_err("a dropped all-reduce must be caught");
     let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
@@ -238,7 +226,7 @@ fn dropping_role_is_caught(layout: &str, role: &str) {
 fn dropping_role_is_caught_in(tpl: &shardwright_spec::Plan, layout: &str, role: &str) {
     use shardwright_executor::{run_program, Cpu};
     use shardwright_ir::Op;
-    let dims = Dims::from_job(&tpl.inputs).unwrap();
+    let dims = Dims::from_model(&shardwright_lowering::info::model_info(&tpl.inputs)).unwrap();
     let base = common::run(&common::plan_for(tpl, common::layout("ga4")), 2);
     let plan = common::plan_for(tpl, common::layout(layout));
     let mut lowered = shardwright_lowering::lower(&plan).unwrap();
@@ -257,14 +245,7 @@ fn dropping_role_is_caught_in(tpl: &shardwright_spec::Plan, layout: &str, role: 
     // The unmodified program passes (so the failure below is the dropped node's).
     let runs = common::run(&plan, 2);
     common::compare(layout, &dims, &base, &runs, TOL);
-    let runs = run_program(
-        &lowered.program,
-        &lowered.job,
-        &lowered.layout,
-        Cpu,
-        &common::cfg(),
-        2,
-    );
+    let runs = run_program(&lowered.program, Cpu, &common::cfg(), 2);
     // Either the run stops with an error naming the node (not a panic), or it differs.
     let runs = match runs {
         Ok(r) => r,
@@ -337,7 +318,8 @@ fn moe_matrix(layers: u32, layouts: &[&str]) {
 /// [`moe_matrix`] of another MoE template.
 fn moe_matrix_of(tpl: shardwright_spec::Plan, layouts: &[&str]) {
     let base_plan = common::plan_for(&tpl, common::layout("ga4"));
-    let dims = Dims::from_job(&base_plan.inputs).unwrap();
+    let dims =
+        Dims::from_model(&shardwright_lowering::info::model_info(&base_plan.inputs)).unwrap();
     let base = common::run(&base_plan, STEPS);
     assert!(
         base[0]
@@ -443,7 +425,7 @@ fn a_dropped_all_to_all_is_caught() {
     use shardwright_executor::{run_program, Cpu};
     use shardwright_ir::{CollectiveKind, Op};
     let tpl = common::moe_template(2, 1, 1);
-    let dims = Dims::from_job(&tpl.inputs).unwrap();
+    let dims = Dims::from_model(&shardwright_lowering::info::model_info(&tpl.inputs)).unwrap();
     let base = common::run(&common::plan_for(&tpl, common::layout("ga4")), 1);
     let plan = common::plan_for(&tpl, common::layout("ep2,ga2"));
     let mut lowered = shardwright_lowering::lower(&plan).unwrap();
@@ -464,15 +446,7 @@ fn a_dropped_all_to_all_is_caught() {
     }
     // Two micro-batches, each with a dispatch and a combine forward and backward.
     assert_eq!(dropped, 8, "all-to-alls of layer 1 in the program");
-    let runs = run_program(
-        &lowered.program,
-        &lowered.job,
-        &lowered.layout,
-        Cpu,
-        &common::cfg(),
-        1,
-    )
-    .expect("runs");
+    let runs = run_program(&lowered.program, Cpu, &common::cfg(), 1).expect("runs");
     // The intact program passes the same comparison.
     common::compare("intact", &dims, &base, &common::run(&plan, 1), TOL);
     let err = std::panic::catch_unwind(|| common::compare("mutated", &dims, &base, &runs, TOL))
@@ -521,16 +495,9 @@ fn moe_layouts_the_executor_refuses() {
     let mut plan = common::plan_for(&tpl, common::layout("ep4,ga1"));
     plan.inputs.model.moe.as_mut().unwrap().num_experts = 3;
     let lowered = shardwright_lowering::lower(&plan).unwrap();
-    let err = run_program(
-        &lowered.program,
-        &lowered.job,
-        &lowered.layout,
-        Cpu,
-        &common::cfg(),
-        1,
-    )
-    .expect_err("3 experts over ep 4")
-    .to_string();
+    let err = run_program(&lowered.program, Cpu, &common::cfg(), 1)
+        .expect_err("3 experts over ep 4")
+        .to_string();
     assert!(
         err.contains("num_experts 3 is not divisible by the expert-parallel group of 4"),
         "{err}"
@@ -557,7 +524,8 @@ fn moe_with_sequence_parallel() {
 fn gpt_matrix(tied: bool, layouts: &[&str]) {
     let tpl = common::gpt_template(tied, common::LAYERS);
     let base_plan = common::plan_for(&tpl, common::layout("ga4"));
-    let dims = Dims::from_job(&base_plan.inputs).unwrap();
+    let dims =
+        Dims::from_model(&shardwright_lowering::info::model_info(&base_plan.inputs)).unwrap();
     assert!(dims.layernorm && dims.gelu && dims.learned_positions);
     let base = common::run(&base_plan, STEPS);
     for l in layouts {

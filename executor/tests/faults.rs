@@ -42,8 +42,6 @@ fn run_of(
     let l = shardwright_lowering::lower(&plan).unwrap();
     run_resilient(
         &l.program,
-        &l.job,
-        &l.layout,
         Cpu,
         &common::cfg(),
         steps,
@@ -285,8 +283,8 @@ fn resume_on_another_layout_reshards() {
         assert_eq!(step, 4, "named by the steps it completed");
         let by_rank = states.into_iter().map(|s| (s.rank, s.tensors)).collect();
         let cfg = common::cfg();
-        let logical = logical_state(&a.program, &a.job, &a.layout, &cfg, &by_rank).unwrap();
-        let resharded = sharded_state(&b.program, &b.job, &b.layout, &cfg, &logical).unwrap();
+        let logical = logical_state(&a.program, &cfg, &by_rank).unwrap();
+        let resharded = sharded_state(&b.program, &cfg, &logical).unwrap();
         let mut res = resilience(dir.path(), &[], 0);
         res.start_from = Some((
             step,
@@ -303,8 +301,6 @@ fn resume_on_another_layout_reshards() {
         let l2 = shardwright_lowering::lower(&tpl2).unwrap();
         let second = run_resilient(
             &l2.program,
-            &l2.job,
-            &l2.layout,
             Cpu,
             &cfg,
             STEPS,

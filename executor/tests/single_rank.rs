@@ -230,7 +230,7 @@ fn check(tied: bool) {
 /// AdamW update is checked by hand.
 fn check_plan(tpl: &shardwright_spec::Plan, spot: &str) {
     let plan = common::plan_for(tpl, common::layout("ga4"));
-    let dims = Dims::from_job(&plan.inputs).unwrap();
+    let dims = Dims::from_model(&shardwright_lowering::info::model_info(&plan.inputs)).unwrap();
     let cfg = common::cfg();
     let reps = common::run(&plan, 1);
     let st = &reps[0].steps[0];
@@ -376,22 +376,14 @@ fn moe_aux_loss_router_gradient_matches_finite_differences() {
     use shardwright_executor::{run_program, Cpu};
     let tpl = common::moe_template(2, 1, 1);
     let plan = common::plan_for(&tpl, common::layout("ga4"));
-    let dims = Dims::from_job(&plan.inputs).unwrap();
+    let dims = Dims::from_model(&shardwright_lowering::info::model_info(&plan.inputs)).unwrap();
     let lowered = shardwright_lowering::lower(&plan).unwrap();
     let grad = |coef: f32| {
         let cfg = shardwright_executor::ExecConfig {
             moe_aux_coef: coef,
             ..common::cfg()
         };
-        let r = run_program(
-            &lowered.program,
-            &lowered.job,
-            &lowered.layout,
-            Cpu,
-            &cfg,
-            1,
-        )
-        .unwrap();
+        let r = run_program(&lowered.program, Cpu, &cfg, 1).unwrap();
         r[0].steps[0].grads["L1.router"].clone()
     };
     let (g0, g1) = (grad(0.0), grad(1.0));

@@ -280,8 +280,6 @@ fn run_template_over_tcp(tpl: &shardwright_spec::Plan, layout: &str, steps: u32)
                 s.spawn(move || {
                     run_rank(
                         &lowered.program,
-                        &lowered.job,
-                        &lowered.layout,
                         &Cpu,
                         cfg,
                         comm,
@@ -372,8 +370,6 @@ fn run_rank_turns_a_vanished_peer_into_an_error_naming_it() {
     let c0 = comms.pop().unwrap();
     let r = run_rank(
         &lowered.program,
-        &lowered.job,
-        &lowered.layout,
         &Cpu,
         &common::cfg(),
         c0,

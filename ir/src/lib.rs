@@ -18,7 +18,9 @@ pub use graph::{
 };
 pub use ids::{BufferId, GroupId, NodeId, ValueId};
 pub mod program;
+pub mod run;
 pub use program::{Program, RankClass};
+pub use run::{ModelInfo, MoeInfo, RunInfo};
 pub mod matching;
 pub mod text;
 pub mod verify;

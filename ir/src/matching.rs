@@ -795,6 +795,8 @@ pub fn refine_classes<'a>(p: &'a Program, isolate: &[u32]) -> Cow<'a, Program> {
         classes,
         class_of,
         coords: p.coords.clone(),
+        model: p.model.clone(),
+        run: p.run.clone(),
     })
 }
 
@@ -1202,6 +1204,8 @@ pub fn program_of_ranks(groups: Vec<ProcessGroup>, graphs: Vec<Graph>) -> Progra
         groups,
         membership,
         coords: Vec::new(),
+        model: None,
+        run: None,
         class_of: (0..world).collect(),
         classes: graphs
             .into_iter()

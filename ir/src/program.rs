@@ -12,6 +12,7 @@
 
 use crate::graph::{Graph, Op, ProcessGroup};
 use crate::ids::GroupId;
+use crate::run::{ModelInfo, RunInfo};
 use crate::vocab::{Axis, Coord};
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +39,12 @@ pub struct Program {
     /// that has no mesh), so a backend needs no layout to know where a rank sits.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub coords: Vec<Coord>,
+    /// The model the graphs train (absent for a program built by hand).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelInfo>,
+    /// The layout and batch arithmetic of the step (absent for a program built by hand).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<RunInfo>,
 }
 
 impl Program {
@@ -57,6 +64,17 @@ impl Program {
             .iter()
             .copied()
             .find(|g| self.groups[g.index()].axis == axis)
+    }
+
+    /// The checkpoint interval in steps: the `every` of the graphs' `checkpoint` node
+    /// (every class has the same one), `None` when the graphs checkpoint nothing.
+    pub fn checkpoint_every(&self) -> Option<u64> {
+        self.classes.iter().find_map(|c| {
+            c.graph.nodes.iter().find_map(|n| match n.op {
+                Op::Checkpoint { every_steps, .. } => Some(every_steps),
+                _ => None,
+            })
+        })
     }
 
     /// The class graph relabeled for `rank` (see the module doc).

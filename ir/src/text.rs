@@ -74,6 +74,9 @@ use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::vocab::Axis;
 use std::fmt::{self, Write as _};
 
+mod program;
+pub use program::{parse_program, print_program, PROGRAM_HEADER};
+
 /// The first line of every printed graph.
 pub const HEADER: &str = "; shardwright-ir 1";
 
@@ -113,15 +116,7 @@ pub fn print(g: &Graph) -> String {
     out.push('\n');
     let _ = writeln!(out, "graph rank={} world={}", g.rank, g.world);
     for pg in &g.groups {
-        let _ = write!(out, "group {} ", pg.id);
-        let _ = write!(out, "{}.{} {} ranks=", pg.axis, pg.index, pg.fabric.name());
-        for (i, r) in pg.ranks.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            let _ = write!(out, "{r}");
-        }
-        out.push('\n');
+        write_group(&mut out, pg);
     }
     for b in &g.buffers {
         let _ = write!(out, "buffer {} {} ", b.id, b.kind.name());
@@ -145,6 +140,24 @@ pub fn print(g: &Graph) -> String {
         out.push('\n');
     }
     out
+}
+
+/// A `group` line (shared by graphs and programs), with its newline.
+fn write_group(out: &mut String, pg: &ProcessGroup) {
+    let _ = write!(out, "group {} ", pg.id);
+    let _ = write!(out, "{}.{} {} ranks=", pg.axis, pg.index, pg.fabric.name());
+    write_list(out, &pg.ranks);
+    out.push('\n');
+}
+
+/// Comma-separated, no spaces (`0,1,2`).
+fn write_list<T: fmt::Display>(out: &mut String, xs: &[T]) {
+    for (i, x) in xs.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(out, "{x}");
+    }
 }
 
 /// One node as its line of [`print()`] (without the newline); used by verifier messages.
@@ -643,36 +656,41 @@ pub fn parse(s: &str) -> Result<Graph, ParseError> {
     })
 }
 
+/// A `group` line after its keyword (shared by graphs and programs).
+fn parse_group(c: &mut Cursor<'_>) -> Result<ProcessGroup, ParseError> {
+    let id: GroupId = c.id("a group id (`gN`)")?;
+    let what = "a group name `<axis>.<index>`";
+    let t = c.next(what)?;
+    let (axis, index) = (|| {
+        let (a, idx) = t.text.rsplit_once('.').ok_or("`.<index>`")?;
+        Ok::<_, String>((a.parse::<Axis>()?, parse_int(idx)?))
+    })()
+    .map_err(|e| c.err_at(Some(t), format!("{what}: {e}")))?;
+    let fabric = c.parse_tok("a fabric (nvlink, network)", |s| {
+        one_of(&FABRICS, Fabric::name, s)
+    })?;
+    let ranks = c.key("ranks", "comma-separated ranks", |v| {
+        if v.is_empty() {
+            Ok(Vec::new())
+        } else {
+            v.split(',').map(parse_int).collect()
+        }
+    })?;
+    Ok(ProcessGroup {
+        id,
+        axis,
+        index,
+        ranks,
+        fabric,
+    })
+}
+
 fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
     let first = c.peek().expect("non-empty line has a token");
     match first.text {
         "group" => {
             c.pos += 1;
-            let id: GroupId = c.id("a group id (`gN`)")?;
-            let what = "a group name `<axis>.<index>`";
-            let t = c.next(what)?;
-            let (axis, index) = (|| {
-                let (a, idx) = t.text.rsplit_once('.').ok_or("`.<index>`")?;
-                Ok::<_, String>((a.parse::<Axis>()?, parse_int(idx)?))
-            })()
-            .map_err(|e| c.err_at(Some(t), format!("{what}: {e}")))?;
-            let fabric = c.parse_tok("a fabric (nvlink, network)", |s| {
-                one_of(&FABRICS, Fabric::name, s)
-            })?;
-            let ranks = c.key("ranks", "comma-separated ranks", |v| {
-                if v.is_empty() {
-                    Ok(Vec::new())
-                } else {
-                    v.split(',').map(parse_int).collect()
-                }
-            })?;
-            g.groups.push(ProcessGroup {
-                id,
-                axis,
-                index,
-                ranks,
-                fabric,
-            });
+            g.groups.push(parse_group(c)?);
         }
         "buffer" => {
             c.pos += 1;

@@ -132,6 +132,8 @@ fn two_stage_program(stage1_recv_bytes: u64) -> Program {
     );
     Program {
         coords: Vec::new(),
+        model: None,
+        run: None,
         world: 4,
         groups,
         membership: vec![

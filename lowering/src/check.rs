@@ -120,6 +120,11 @@ fn window_keys(m: &shardwright_spec::job::Model) -> Option<f64> {
     Some(share * windowed + (1.0 - share) * full)
 }
 
+/// The model FLOPs of one step of `l` (all ranks, no recomputation, unpadded shapes).
+pub fn model_flops(l: &Lowered) -> u128 {
+    hand_count(l).model
+}
+
 fn hand_count(l: &Lowered) -> HandCount {
     let m = &l.job.model;
     let lay = &l.layout;

@@ -7,6 +7,7 @@
 
 pub mod check;
 pub mod cost;
+pub mod info;
 pub mod lower;
 pub mod mesh;
 

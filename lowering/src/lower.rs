@@ -45,7 +45,7 @@
 
 use crate::mesh::declare_groups;
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
-use shardwright_cost::schedule::{slots, Phase};
+use shardwright_cost::schedule::{slots, Phase, Slot};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
     Program, RankClass, ReduceOp, Stream, Work,
@@ -159,6 +159,8 @@ fn prepare(plan: &Plan) -> Result<Prepared, LowerError> {
         classes: Vec::new(),
         class_of: vec![0; world as usize],
         coords: (0..world as u32).map(|r| mesh.coord(r)).collect(),
+        model: Some(crate::info::model_info(&job)),
+        run: None,
     };
     Ok(Prepared {
         job,
@@ -231,7 +233,7 @@ pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
     }
     pre.program.classes = classes;
     pre.program.class_of = class_of;
-    Ok(Lowered {
+    let mut l = Lowered {
         program: pre.program,
         mesh: pre.mesh,
         job: pre.job,
@@ -240,7 +242,31 @@ pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
         eval: pre.eval,
         class_coords,
         chunks: pre.chunks,
-    })
+    };
+    let flops = crate::check::model_flops(&l);
+    l.program.run = Some(crate::info::run_info(&l.job, &l.layout, flops));
+    Ok(l)
+}
+
+/// What one rank's walk over its pipeline schedule carries from slot to slot.
+struct Walk {
+    /// Pipeline stage and context-parallel index of the rank.
+    j: u32,
+    cp_idx: u32,
+    /// The last virtual stage (the one with the head).
+    last_vs: u32,
+    p2p_bytes: u64,
+    /// Pipeline neighbours (wrapping around for the interleaved schedule's chunks).
+    peer_prev: u32,
+    peer_next: u32,
+    /// For each local chunk, the index of its last backward slot.
+    last_bwd: BTreeMap<u32, usize>,
+    /// Live activation buffers by (layer, micro-batch).
+    acts: BTreeMap<(u32, u32), BufferId>,
+    /// Live embedding outputs (by micro-batch) and logits (by `u32::MAX - micro-batch`).
+    ends: BTreeMap<u32, BufferId>,
+    /// The data-parallel reduction nodes the optimizer step waits for.
+    dp_nodes: Vec<NodeId>,
 }
 
 struct Ctx<'a> {
@@ -1321,11 +1347,9 @@ impl<'a> Ctx<'a> {
 
     fn lower_rank(&self, program: &Program, rank: u32) -> Graph {
         let coord = self.mesh.coord(rank);
-        let (j, cp_idx) = (coord.pp, coord.cp);
+        let j = coord.pp;
         let l = self.layout;
         let (p, v) = (l.pp, l.vpp.max(1));
-        let m = l.grad_accum as u32;
-        let d = self.dims();
         let mut b = Builder {
             g: Graph::new(rank, program.world),
             program,
@@ -1333,17 +1357,11 @@ impl<'a> Ctx<'a> {
             last: None,
             pending: Vec::new(),
         };
-        let z3 = l.zero_stage >= 3;
-        let round = |x: f64| x.max(0.0).round() as u64;
 
         // ---- persistent state and step buffers ----
         let (step_temps, params) = self.step_buffers(&mut b, j);
 
         // ---- pipeline schedule ----
-        let stride = self.mesh.shape(GroupKind::Pp).dims[0].0 as i64;
-        let last_vs = p * v - 1;
-        let p2p_bytes = round(self.lc.p2p_bytes);
-        let chunks = &self.chunks[j as usize];
         let sl = slots(
             l.schedule,
             p,
@@ -1352,288 +1370,301 @@ impl<'a> Ctx<'a> {
             } else {
                 1
             },
-            m,
+            l.grad_accum as u32,
             j,
         );
-        let last_bwd: BTreeMap<u32, usize> = sl
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.phase == Phase::Bwd)
-            .map(|(i, s)| (s.chunk, i))
-            .collect();
-        let mut acts: BTreeMap<(u32, u32), BufferId> = BTreeMap::new();
-        let mut ends: BTreeMap<u32, BufferId> = BTreeMap::new();
-        let mut dp_nodes = Vec::new();
-        let act_bytes = |layer: u32| {
-            if self.is_moe_layer(layer) {
-                self.lc.moe_act_bytes
+        let stride = self.mesh.shape(GroupKind::Pp).dims[0].0 as i64;
+        let at = |k: i64| (rank as i64 + k * stride) as u32;
+        let mut w = Walk {
+            j,
+            cp_idx: coord.cp,
+            last_vs: p * v - 1,
+            p2p_bytes: self.lc.p2p_bytes.max(0.0).round() as u64,
+            peer_prev: if j > 0 { at(-1) } else { at(p as i64 - 1) },
+            peer_next: if j + 1 < p {
+                at(1)
             } else {
-                self.lc.dense_act_bytes
-            }
+                at(-(p as i64 - 1))
+            },
+            last_bwd: sl
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.phase == Phase::Bwd)
+                .map(|(i, s)| (s.chunk, i))
+                .collect(),
+            acts: BTreeMap::new(),
+            ends: BTreeMap::new(),
+            dp_nodes: Vec::new(),
         };
         for (si, s) in sl.iter().enumerate() {
-            let vs = s.chunk * p + j;
-            let (first, count) = chunks[s.chunk as usize];
-            let has_embed = vs == 0;
-            let has_head = vs == last_vs;
-            let mbo = Some(s.mb);
-            let peer_prev = if j > 0 {
-                rank as i64 - stride
-            } else {
-                rank as i64 + (p as i64 - 1) * stride
-            } as u32;
-            let peer_next = if j + 1 < p {
-                rank as i64 + stride
-            } else {
-                rank as i64 - (p as i64 - 1) * stride
-            } as u32;
             match s.phase {
-                Phase::Fwd => {
-                    if vs > 0 {
-                        let id = b.g.push(
-                            Stream::P2p,
-                            Pass::Fwd,
-                            mbo,
-                            None,
-                            Op::Recv {
-                                peer: peer_prev,
-                                bytes: p2p_bytes,
-                                dtype: d.w,
-                            },
-                            Vec::new(),
-                        );
-                        b.pending.push(id);
-                    }
-                    if has_embed {
-                        let buf = b.g.buffer(
-                            format!("embed.act.mb{}", s.mb),
-                            BufferKind::Activation,
-                            round(2.0 * self.lc.tokens * d.h as f64),
-                        );
-                        ends.insert(s.mb, buf);
-                        b.mem(true, buf, Pass::Fwd, mbo, None);
-                        b.compute(Pass::Fwd, mbo, None, embedding_op(&d));
-                        // Vocabulary-parallel embedding: partial rows summed over TP.
-                        self.tp_reduce(&mut b, Pass::Fwd, mbo, None);
-                    }
-                    for layer in first..first + count {
-                        if z3 {
-                            self.zero3_gather(
-                                &mut b,
-                                Pass::Fwd,
-                                s.mb,
-                                Some(layer),
-                                self.layer_params(layer),
-                            );
-                        }
-                        let buf = b.g.buffer(
-                            format!("L{layer}.act.mb{}", s.mb),
-                            BufferKind::Activation,
-                            round(act_bytes(layer)),
-                        );
-                        acts.insert((layer, s.mb), buf);
-                        b.mem(true, buf, Pass::Fwd, mbo, Some(layer));
-                        self.layer_fwd(&mut b, layer, s.mb, Pass::Fwd, cp_idx);
-                    }
-                    if has_head {
-                        let buf = b.g.buffer(
-                            format!("logits.mb{}", s.mb),
-                            BufferKind::Logits,
-                            round(self.lc.logits_bytes),
-                        );
-                        ends.insert(u32::MAX - s.mb, buf);
-                        b.mem(true, buf, Pass::Fwd, mbo, None);
-                        b.compute(Pass::Fwd, mbo, None, norm(d.ts, d.h));
-                        self.tp_gather(&mut b, Pass::Fwd, mbo, None);
-                        let head_w = self.head_weight();
-                        b.compute(
-                            Pass::Fwd,
-                            mbo,
-                            None,
-                            gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
-                        );
-                        b.compute(Pass::Fwd, mbo, None, loss_op(&d));
-                        self.loss_reductions(&mut b, mbo);
-                    } else {
-                        let deps = b.last.into_iter().collect();
-                        b.g.push(
-                            Stream::P2p,
-                            Pass::Fwd,
-                            mbo,
-                            None,
-                            Op::Send {
-                                peer: peer_next,
-                                bytes: p2p_bytes,
-                                dtype: d.w,
-                            },
-                            deps,
-                        );
-                    }
-                }
-                Phase::Bwd => {
-                    if has_head {
-                        b.compute(Pass::Bwd, mbo, None, loss_op(&d));
-                        let head_w = self.head_weight();
-                        let g = G {
-                            name: "lm_head",
-                            m: d.t,
-                            n: d.vocab,
-                            k: d.h,
-                        };
-                        self.gemm_bwd(&mut b, None, s.mb, &g, Some(head_w.into()));
-                        // The head's input gradient is a partial sum over the vocabulary
-                        // shards: reduce-scattered into the sequence shards with SP, else
-                        // all-reduced (Megatron's column-parallel backward).
-                        b.collective(Coll {
-                            stream: Stream::Comm,
-                            pass: Pass::Bwd,
-                            mb: mbo,
-                            layer: None,
-                            kind: if d.sp {
-                                CollectiveKind::ReduceScatter
-                            } else {
-                                CollectiveKind::AllReduce
-                            },
-                            axis: GroupKind::Tp,
-                            bytes: d.t * d.h * d.w.bytes(),
-                            dt: d.w,
-                            blocking: true,
-                            tensor: Some("head.dgrad".into()),
-                            reduce: ReduceOp::Sum,
-                        });
-                        b.compute(Pass::Bwd, mbo, None, norm(d.ts, d.h));
-                        if let Some(buf) = ends.remove(&(u32::MAX - s.mb)) {
-                            b.mem(false, buf, Pass::Bwd, mbo, None);
-                        }
-                    } else {
-                        let id = b.g.push(
-                            Stream::P2p,
-                            Pass::Bwd,
-                            mbo,
-                            None,
-                            Op::Recv {
-                                peer: peer_next,
-                                bytes: p2p_bytes,
-                                dtype: d.w,
-                            },
-                            Vec::new(),
-                        );
-                        b.pending.push(id);
-                    }
-                    let last_of_chunk = last_bwd.get(&s.chunk) == Some(&si);
-                    for layer in (first..first + count).rev() {
-                        if z3 {
-                            self.zero3_gather(
-                                &mut b,
-                                Pass::Bwd,
-                                s.mb,
-                                Some(layer),
-                                self.layer_params(layer),
-                            );
-                        }
-                        let work = if l.recompute == Recompute::Full
-                            && self.lc.recompute_work_bytes > 0.0
-                        {
-                            let w = b.g.buffer(
-                                format!("L{layer}.recompute.mb{}", s.mb),
-                                BufferKind::Workspace,
-                                round(self.lc.recompute_work_bytes),
-                            );
-                            b.mem(true, w, Pass::Recompute, mbo, Some(layer));
-                            self.layer_fwd(&mut b, layer, s.mb, Pass::Recompute, cp_idx);
-                            Some(w)
-                        } else {
-                            None
-                        };
-                        self.layer_bwd(&mut b, layer, s.mb, cp_idx);
-                        if let Some(w) = work {
-                            b.mem(false, w, Pass::Bwd, mbo, Some(layer));
-                        }
-                        if let Some(buf) = acts.remove(&(layer, s.mb)) {
-                            b.mem(false, buf, Pass::Bwd, mbo, Some(layer));
-                        }
-                        if z3 {
-                            self.sp_grad_reduce(&mut b, mbo, Some(layer), false, &mut dp_nodes);
-                            self.grad_reduce(
-                                &mut b,
-                                mbo,
-                                Some(layer),
-                                self.layer_params(layer),
-                                &mut dp_nodes,
-                            );
-                        } else if last_of_chunk {
-                            self.sp_grad_reduce(&mut b, None, Some(layer), false, &mut dp_nodes);
-                            self.grad_reduce(
-                                &mut b,
-                                None,
-                                Some(layer),
-                                self.layer_params(layer),
-                                &mut dp_nodes,
-                            );
-                        }
-                    }
-                    if has_embed {
-                        // SP: the sequence shards of the gradient gathered for the
-                        // vocabulary-parallel embedding's backward (every tp rank scatters
-                        // every token's row into its vocabulary shard).
-                        if d.sp {
-                            b.collective(Coll {
-                                stream: Stream::Comm,
-                                pass: Pass::Bwd,
-                                mb: mbo,
-                                layer: None,
-                                kind: CollectiveKind::AllGather,
-                                axis: GroupKind::Tp,
-                                bytes: d.t * d.h * d.w.bytes(),
-                                dt: d.w,
-                                blocking: true,
-                                tensor: Some("embed.dgrad.gather".into()),
-                                reduce: ReduceOp::Sum,
-                            });
-                        }
-                        b.compute(Pass::Bwd, mbo, None, embedding_op(&d));
-                        if let Some(buf) = ends.remove(&s.mb) {
-                            b.mem(false, buf, Pass::Bwd, mbo, None);
-                        }
-                    } else {
-                        let deps = b.last.into_iter().collect();
-                        b.g.push(
-                            Stream::P2p,
-                            Pass::Bwd,
-                            mbo,
-                            None,
-                            Op::Send {
-                                peer: peer_prev,
-                                bytes: p2p_bytes,
-                                dtype: d.w,
-                            },
-                            deps,
-                        );
-                    }
-                    if last_of_chunk || z3 {
-                        let mut ends_p = (0.0, 0.0);
-                        if has_embed {
-                            ends_p.0 += self.lc.embed_params;
-                        }
-                        if has_head {
-                            ends_p.0 += self.lc.head_params;
-                        }
-                        if ends_p.0 > 0.0 {
-                            let mb = if z3 { mbo } else { None };
-                            self.sp_grad_reduce(&mut b, mb, None, has_head, &mut dp_nodes);
-                            self.grad_reduce(&mut b, mb, None, ends_p, &mut dp_nodes);
-                        }
-                    }
-                }
+                Phase::Fwd => self.fwd_slot(&mut b, &mut w, s),
+                Phase::Bwd => self.bwd_slot(&mut b, &mut w, si, s),
             }
         }
 
         // ---- optimizer step, parameter all-gather, checkpoint ----
-        self.step_tail(&mut b, j, params, dp_nodes);
+        self.step_tail(&mut b, j, params, w.dp_nodes);
         for &id in step_temps.iter().rev() {
             b.mem(false, id, Pass::Step, None, None);
         }
         b.g
+    }
+
+    /// Activation bytes a layer keeps for its backward.
+    fn act_bytes(&self, layer: u32) -> f64 {
+        if self.is_moe_layer(layer) {
+            self.lc.moe_act_bytes
+        } else {
+            self.lc.dense_act_bytes
+        }
+    }
+
+    /// A forward slot: receive from the previous virtual stage (or embed), the chunk's
+    /// layers, then the head and loss on the last virtual stage or a send to the next.
+    fn fwd_slot(&self, b: &mut Builder, w: &mut Walk, s: &Slot) {
+        let p = self.layout.pp;
+        let vs = s.chunk * p + w.j;
+        let (first, count) = self.chunks[w.j as usize][s.chunk as usize];
+        let (has_embed, has_head) = (vs == 0, vs == w.last_vs);
+        let mbo = Some(s.mb);
+        let d = self.dims();
+        let z3 = self.layout.zero_stage >= 3;
+        let round = |x: f64| x.max(0.0).round() as u64;
+        if vs > 0 {
+            let id = b.g.push(
+                Stream::P2p,
+                Pass::Fwd,
+                mbo,
+                None,
+                Op::Recv {
+                    peer: w.peer_prev,
+                    bytes: w.p2p_bytes,
+                    dtype: d.w,
+                },
+                Vec::new(),
+            );
+            b.pending.push(id);
+        }
+        if has_embed {
+            let buf = b.g.buffer(
+                format!("embed.act.mb{}", s.mb),
+                BufferKind::Activation,
+                round(2.0 * self.lc.tokens * d.h as f64),
+            );
+            w.ends.insert(s.mb, buf);
+            b.mem(true, buf, Pass::Fwd, mbo, None);
+            b.compute(Pass::Fwd, mbo, None, embedding_op(&d));
+            // Vocabulary-parallel embedding: partial rows summed over TP.
+            self.tp_reduce(b, Pass::Fwd, mbo, None);
+        }
+        for layer in first..first + count {
+            if z3 {
+                self.zero3_gather(b, Pass::Fwd, s.mb, Some(layer), self.layer_params(layer));
+            }
+            let buf = b.g.buffer(
+                format!("L{layer}.act.mb{}", s.mb),
+                BufferKind::Activation,
+                round(self.act_bytes(layer)),
+            );
+            w.acts.insert((layer, s.mb), buf);
+            b.mem(true, buf, Pass::Fwd, mbo, Some(layer));
+            self.layer_fwd(b, layer, s.mb, Pass::Fwd, w.cp_idx);
+        }
+        if has_head {
+            let buf = b.g.buffer(
+                format!("logits.mb{}", s.mb),
+                BufferKind::Logits,
+                round(self.lc.logits_bytes),
+            );
+            w.ends.insert(u32::MAX - s.mb, buf);
+            b.mem(true, buf, Pass::Fwd, mbo, None);
+            b.compute(Pass::Fwd, mbo, None, norm(d.ts, d.h));
+            self.tp_gather(b, Pass::Fwd, mbo, None);
+            let head_w = self.head_weight();
+            b.compute(
+                Pass::Fwd,
+                mbo,
+                None,
+                gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
+            );
+            b.compute(Pass::Fwd, mbo, None, loss_op(&d));
+            self.loss_reductions(b, mbo);
+        } else {
+            let deps = b.last.into_iter().collect();
+            b.g.push(
+                Stream::P2p,
+                Pass::Fwd,
+                mbo,
+                None,
+                Op::Send {
+                    peer: w.peer_next,
+                    bytes: w.p2p_bytes,
+                    dtype: d.w,
+                },
+                deps,
+            );
+        }
+    }
+
+    /// A backward slot: the head's backward on the last virtual stage (or a receive), the
+    /// chunk's layers in reverse with their recompute and gradient reductions, then the
+    /// embedding's backward or a send to the previous virtual stage.
+    fn bwd_slot(&self, b: &mut Builder, w: &mut Walk, si: usize, s: &Slot) {
+        let p = self.layout.pp;
+        let l = self.layout;
+        let vs = s.chunk * p + w.j;
+        let (first, count) = self.chunks[w.j as usize][s.chunk as usize];
+        let (has_embed, has_head) = (vs == 0, vs == w.last_vs);
+        let mbo = Some(s.mb);
+        let d = self.dims();
+        let z3 = l.zero_stage >= 3;
+        let round = |x: f64| x.max(0.0).round() as u64;
+        if has_head {
+            b.compute(Pass::Bwd, mbo, None, loss_op(&d));
+            let head_w = self.head_weight();
+            let g = G {
+                name: "lm_head",
+                m: d.t,
+                n: d.vocab,
+                k: d.h,
+            };
+            self.gemm_bwd(b, None, s.mb, &g, Some(head_w.into()));
+            // The head's input gradient is a partial sum over the vocabulary
+            // shards: reduce-scattered into the sequence shards with SP, else
+            // all-reduced (Megatron's column-parallel backward).
+            b.collective(Coll {
+                stream: Stream::Comm,
+                pass: Pass::Bwd,
+                mb: mbo,
+                layer: None,
+                kind: if d.sp {
+                    CollectiveKind::ReduceScatter
+                } else {
+                    CollectiveKind::AllReduce
+                },
+                axis: GroupKind::Tp,
+                bytes: d.t * d.h * d.w.bytes(),
+                dt: d.w,
+                blocking: true,
+                tensor: Some("head.dgrad".into()),
+                reduce: ReduceOp::Sum,
+            });
+            b.compute(Pass::Bwd, mbo, None, norm(d.ts, d.h));
+            if let Some(buf) = w.ends.remove(&(u32::MAX - s.mb)) {
+                b.mem(false, buf, Pass::Bwd, mbo, None);
+            }
+        } else {
+            let id = b.g.push(
+                Stream::P2p,
+                Pass::Bwd,
+                mbo,
+                None,
+                Op::Recv {
+                    peer: w.peer_next,
+                    bytes: w.p2p_bytes,
+                    dtype: d.w,
+                },
+                Vec::new(),
+            );
+            b.pending.push(id);
+        }
+        let last_of_chunk = w.last_bwd.get(&s.chunk) == Some(&si);
+        for layer in (first..first + count).rev() {
+            if z3 {
+                self.zero3_gather(b, Pass::Bwd, s.mb, Some(layer), self.layer_params(layer));
+            }
+            let work = if l.recompute == Recompute::Full && self.lc.recompute_work_bytes > 0.0 {
+                let ws = b.g.buffer(
+                    format!("L{layer}.recompute.mb{}", s.mb),
+                    BufferKind::Workspace,
+                    round(self.lc.recompute_work_bytes),
+                );
+                b.mem(true, ws, Pass::Recompute, mbo, Some(layer));
+                self.layer_fwd(b, layer, s.mb, Pass::Recompute, w.cp_idx);
+                Some(ws)
+            } else {
+                None
+            };
+            self.layer_bwd(b, layer, s.mb, w.cp_idx);
+            if let Some(ws) = work {
+                b.mem(false, ws, Pass::Bwd, mbo, Some(layer));
+            }
+            if let Some(buf) = w.acts.remove(&(layer, s.mb)) {
+                b.mem(false, buf, Pass::Bwd, mbo, Some(layer));
+            }
+            if z3 {
+                self.sp_grad_reduce(b, mbo, Some(layer), false, &mut w.dp_nodes);
+                self.grad_reduce(
+                    b,
+                    mbo,
+                    Some(layer),
+                    self.layer_params(layer),
+                    &mut w.dp_nodes,
+                );
+            } else if last_of_chunk {
+                self.sp_grad_reduce(b, None, Some(layer), false, &mut w.dp_nodes);
+                self.grad_reduce(
+                    b,
+                    None,
+                    Some(layer),
+                    self.layer_params(layer),
+                    &mut w.dp_nodes,
+                );
+            }
+        }
+        if has_embed {
+            // SP: the sequence shards of the gradient gathered for the
+            // vocabulary-parallel embedding's backward (every tp rank scatters
+            // every token's row into its vocabulary shard).
+            if d.sp {
+                b.collective(Coll {
+                    stream: Stream::Comm,
+                    pass: Pass::Bwd,
+                    mb: mbo,
+                    layer: None,
+                    kind: CollectiveKind::AllGather,
+                    axis: GroupKind::Tp,
+                    bytes: d.t * d.h * d.w.bytes(),
+                    dt: d.w,
+                    blocking: true,
+                    tensor: Some("embed.dgrad.gather".into()),
+                    reduce: ReduceOp::Sum,
+                });
+            }
+            b.compute(Pass::Bwd, mbo, None, embedding_op(&d));
+            if let Some(buf) = w.ends.remove(&s.mb) {
+                b.mem(false, buf, Pass::Bwd, mbo, None);
+            }
+        } else {
+            let deps = b.last.into_iter().collect();
+            b.g.push(
+                Stream::P2p,
+                Pass::Bwd,
+                mbo,
+                None,
+                Op::Send {
+                    peer: w.peer_prev,
+                    bytes: w.p2p_bytes,
+                    dtype: d.w,
+                },
+                deps,
+            );
+        }
+        if last_of_chunk || z3 {
+            let mut ends_p = (0.0, 0.0);
+            if has_embed {
+                ends_p.0 += self.lc.embed_params;
+            }
+            if has_head {
+                ends_p.0 += self.lc.head_params;
+            }
+            if ends_p.0 > 0.0 {
+                let mb = if z3 { mbo } else { None };
+                self.sp_grad_reduce(b, mb, None, has_head, &mut w.dp_nodes);
+                self.grad_reduce(b, mb, None, ends_p, &mut w.dp_nodes);
+            }
+        }
     }
 
     /// The rank's persistent state (weights, gradients, master, optimizer, communication

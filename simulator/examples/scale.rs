@@ -204,6 +204,8 @@ fn build() -> Program {
         .collect();
     Program {
         coords: Vec::new(),
+        model: None,
+        run: None,
         world,
         groups,
         membership,

@@ -133,6 +133,8 @@ fn gpipe(m: u32, tf: u64, tb: u64, tp: u32) -> Program {
     let membership = (0..world).map(|r| vec![GroupId(r / tp)]).collect();
     Program {
         coords: Vec::new(),
+        model: None,
+        run: None,
         world,
         groups,
         membership,
@@ -302,6 +304,8 @@ fn tp_dp() -> Program {
     g.push(Stream::Dp, Pass::Step, None, None, ar(2, 1), vec![c]);
     Program {
         coords: Vec::new(),
+        model: None,
+        run: None,
         world: 4,
         groups,
         membership: vec![
@@ -358,6 +362,8 @@ fn d_straggler_in_tp_group() {
         g.push(Stream::Compute, Pass::Fwd, None, None, comp(2), vec![b]);
         Program {
             coords: Vec::new(),
+            model: None,
+            run: None,
             world: 2,
             groups: vec![pg(0, "tp", 0, &[0, 1])],
             membership: vec![vec![GroupId(0)], vec![GroupId(0)]],

@@ -41,7 +41,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         for (n, v) in &self.v {
             out.insert(format!("adam_v/{n}"), v.clone());
         }
-        if self.layout.zero_stage >= 1 {
+        if self.run.zero_stage >= 1 {
             for (k, b) in &self.buckets {
                 let bn = bucket_name(*k);
                 out.insert(format!("zero/{bn}/master"), b.p.clone());
@@ -76,7 +76,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         for (n, v) in self.v.iter_mut() {
             *v = take(format!("adam_v/{n}"), v.len())?;
         }
-        if self.layout.zero_stage >= 1 {
+        if self.run.zero_stage >= 1 {
             for (k, b) in self.buckets.iter_mut() {
                 let bn = bucket_name(*k);
                 b.p = take(format!("zero/{bn}/master"), b.p.len())?;
@@ -141,12 +141,10 @@ impl<B: Backend, C: Communicator> RankStateAccess for RankExec<'_, B, C> {
 /// One rank's state of `program` under `layout`, each rank built as the executor builds it.
 fn with_ranks<T>(
     program: &shardwright_ir::Program,
-    job: &shardwright_spec::job::Job,
-    layout: &shardwright_spec::Layout,
     cfg: &super::ExecConfig,
     mut f: impl FnMut(u32, &mut RankExec<'_, crate::Cpu, crate::comm::Local>) -> Result<T, String>,
 ) -> Result<Vec<T>, String> {
-    let dims = super::check_model(job, layout).map_err(|e| e.to_string())?;
+    let dims = super::check_model(program).map_err(|e| e.to_string())?;
     let hub = crate::comm::Hub::new(program.world);
     let be = crate::Cpu;
     let mut out = Vec::new();
@@ -154,8 +152,8 @@ fn with_ranks<T>(
         let graph = program
             .graph_of(r as u32)
             .ok_or_else(|| format!("rank {r} is not in the program"))?;
-        let mut rk = RankExec::new(&be, comm, &graph, program, &dims, layout, job, cfg)
-            .map_err(|e| e.to_string())?;
+        let mut rk =
+            RankExec::new(&be, comm, &graph, program, &dims, cfg).map_err(|e| e.to_string())?;
         out.push(f(r as u32, &mut rk)?);
     }
     Ok(out)
@@ -167,13 +165,11 @@ fn with_ranks<T>(
 /// state.
 pub fn logical_state(
     program: &shardwright_ir::Program,
-    job: &shardwright_spec::job::Job,
-    layout: &shardwright_spec::Layout,
     cfg: &super::ExecConfig,
     states: &BTreeMap<u32, BTreeMap<String, Vec<f32>>>,
 ) -> Result<BTreeMap<String, Vec<f32>>, String> {
     type Part = (usize, [Vec<f32>; 3], Vec<String>, Vec<usize>, usize, usize);
-    let dims = super::check_model(job, layout).map_err(|e| e.to_string())?;
+    let dims = super::check_model(program).map_err(|e| e.to_string())?;
     let mut full: BTreeMap<String, Vec<f32>> = BTreeMap::new();
     let mut put = |kind: &str, name: &str, local: &[f32], i: usize, tp: usize| {
         let shape = dims.shape(name);
@@ -184,8 +180,10 @@ pub fn logical_state(
     };
     // ZeRO buckets: (bucket, its data-parallel group) -> every member's shard.
     let mut buckets: BTreeMap<(super::BKey, Vec<u32>), Vec<Part>> = BTreeMap::new();
-    let zero = layout.zero_stage;
-    let locals = with_ranks(program, job, layout, cfg, |r, rk| {
+    let zero = super::run_info(program)
+        .map_err(|e| e.to_string())?
+        .zero_stage;
+    let locals = with_ranks(program, cfg, |r, rk| {
         let st = states
             .get(&r)
             .ok_or_else(|| format!("the checkpoint has no state for rank {r}"))?;
@@ -243,12 +241,10 @@ pub fn logical_state(
 /// checkpoint of one layout loaded onto another.
 pub fn sharded_state(
     program: &shardwright_ir::Program,
-    job: &shardwright_spec::job::Job,
-    layout: &shardwright_spec::Layout,
     cfg: &super::ExecConfig,
     logical: &BTreeMap<String, Vec<f32>>,
 ) -> Result<BTreeMap<u32, BTreeMap<String, Vec<f32>>>, String> {
-    let dims = super::check_model(job, layout).map_err(|e| e.to_string())?;
+    let dims = super::check_model(program).map_err(|e| e.to_string())?;
     let get = |kind: &str, name: &str, i: usize, tp: usize| -> Result<Vec<f32>, String> {
         let full = logical
             .get(&format!("{kind}/{name}"))
@@ -263,8 +259,10 @@ pub fn sharded_state(
         }
         Ok(crate::model::shard(full, shape, &dims.split(name), i, tp))
     };
-    let zero = layout.zero_stage;
-    let states = with_ranks(program, job, layout, cfg, |r, rk| {
+    let zero = super::run_info(program)
+        .map_err(|e| e.to_string())?
+        .zero_stage;
+    let states = with_ranks(program, cfg, |r, rk| {
         let names: Vec<String> = rk.params.keys().cloned().collect();
         let mut master = BTreeMap::new();
         let mut m = BTreeMap::new();

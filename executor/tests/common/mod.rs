@@ -190,18 +190,18 @@ pub fn cfg() -> ExecConfig {
     }
 }
 
-/// Lower and run `steps` steps of `plan`.
+/// Lower `plan`, write its program in the text form that `lower -o prog.ir` writes, read
+/// it back (it must be the same program) and run `steps` steps of what was read: every
+/// layout these tests run is run from the program text alone (no plan, job or layout).
 pub fn run(plan: &Plan, steps: u32) -> Vec<RankReport> {
     let lowered = shardwright_lowering::lower(plan).expect("lowers");
-    run_program(
-        &lowered.program,
-        &lowered.job,
-        &lowered.layout,
-        Cpu,
-        &cfg(),
-        steps,
-    )
-    .unwrap_or_else(|e| panic!("{e}"))
+    let text = shardwright_ir::text::print_program(&lowered.program);
+    let program = shardwright_ir::text::parse_program(&text).expect("the program text parses");
+    assert!(
+        program == lowered.program,
+        "the program text does not round-trip"
+    );
+    run_program(&program, Cpu, &cfg(), steps).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Relative error of `a` against `b`: max |a - b| / max |b|.
