@@ -4,18 +4,21 @@
 //!   NVRTC compiles them at run time) and their entry points;
 //! - [`launch`]: grid/block/shared memory of every kernel for given shapes, checked
 //!   against sm_80/sm_90 limits;
+//! - [`arena`]: the device memory plan of a step: every buffer of a graph at an offset in
+//!   one arena (best fit, coalescing, 256-byte alignment), its footprint and live peak;
 //! - [`bootstrap`]: handing NCCL's 128-byte unique id from rank 0 to every rank over the
 //!   rendezvous [`crate::tcp::Store`] (torchrun's and Slurm's environment);
 //! - `device` (feature `cuda`): the host side through `cudarc`, loaded at run time: a
 //!   context, the kernels compiled by NVRTC and loaded as modules, launches, and NCCL's
 //!   unique id.
 //!
-//! The first three need no CUDA and are always compiled, so their tests run in the normal
+//! The first four need no CUDA and are always compiled, so their tests run in the normal
 //! test run; `device` is what the feature adds. Kernels follow the math and the layouts of
 //! the CPU reference ([`crate::backend`]) so a GPU test can compare the two; they are not
 //! yet behind the interpreter, which needs the backend seam (buffers owned by the backend)
 //! first.
 
+pub mod arena;
 pub mod bootstrap;
 #[cfg(feature = "cuda")]
 pub mod device;
