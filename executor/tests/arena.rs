@@ -95,8 +95,7 @@ fn check(g: &Graph, a: &ArenaPlan) -> Result<(), String> {
                 continue;
             }
             pairs += 1;
-            let disjoint =
-                x.offset + x.reserved <= y.offset || y.offset + y.reserved <= x.offset;
+            let disjoint = x.offset + x.reserved <= y.offset || y.offset + y.reserved <= x.offset;
             if !disjoint || x.bytes_overlap(y) {
                 return Err(format!(
                     "{} [{}, +{}) and {} [{}, +{}) are live together and overlap",
@@ -205,17 +204,45 @@ fn bad_memory_events_are_errors() {
     use shardwright_ir::{BufferKind, Op, Pass, Stream};
     let mut g = Graph::new(0, 1);
     let b = g.buffer("act.x", BufferKind::Activation, 1000);
-    g.push(Stream::Compute, Pass::Fwd, None, None, Op::Alloc { buffer: b }, vec![]);
-    g.push(Stream::Compute, Pass::Fwd, None, None, Op::Free { buffer: b }, vec![]);
+    g.push(
+        Stream::Compute,
+        Pass::Fwd,
+        None,
+        None,
+        Op::Alloc { buffer: b },
+        vec![],
+    );
+    g.push(
+        Stream::Compute,
+        Pass::Fwd,
+        None,
+        None,
+        Op::Free { buffer: b },
+        vec![],
+    );
     let ok = plan_arena(&g).unwrap();
     assert_eq!((ok.peak_live, ok.footprint), (1000, 1024));
-    g.push(Stream::Compute, Pass::Fwd, None, None, Op::Free { buffer: b }, vec![]);
+    g.push(
+        Stream::Compute,
+        Pass::Fwd,
+        None,
+        None,
+        Op::Free { buffer: b },
+        vec![],
+    );
     let e = plan_arena(&g).unwrap_err().to_string();
     assert!(e.contains("act.x") && e.contains("twice"), "{e}");
 
     let mut h = Graph::new(0, 1);
     let c = h.buffer("act.y", BufferKind::Activation, 8);
-    h.push(Stream::Compute, Pass::Fwd, None, None, Op::Free { buffer: c }, vec![]);
+    h.push(
+        Stream::Compute,
+        Pass::Fwd,
+        None,
+        None,
+        Op::Free { buffer: c },
+        vec![],
+    );
     let e = plan_arena(&h).unwrap_err().to_string();
     assert!(e.contains("act.y") && e.contains("not allocated"), "{e}");
 }
@@ -244,7 +271,8 @@ impl NaiveArena {
                 o
             }
             None => {
-                let last = (0..self.free.len()).find(|&i| self.free[i].0 + self.free[i].1 == self.top);
+                let last =
+                    (0..self.free.len()).find(|&i| self.free[i].0 + self.free[i].1 == self.top);
                 let o = match last {
                     Some(i) => self.free.remove(i).0,
                     None => self.top,
@@ -291,9 +319,16 @@ fn arena_agrees_with_a_naive_best_fit() {
             if live.is_empty() || next() % 5 < 3 {
                 let bytes = 1 + next() % [300, 5_000, 70_000, 1_000_000][(next() % 4) as usize];
                 let off = a.alloc(bytes);
-                assert_eq!(off, r.alloc(bytes), "round {round} step {step}: alloc {bytes}");
+                assert_eq!(
+                    off,
+                    r.alloc(bytes),
+                    "round {round} step {step}: alloc {bytes}"
+                );
                 for &(o, b) in &live {
-                    assert!(off + bytes <= o || o + b <= off, "round {round} step {step}");
+                    assert!(
+                        off + bytes <= o || o + b <= off,
+                        "round {round} step {step}"
+                    );
                 }
                 live.push((off, bytes));
             } else {
