@@ -10,10 +10,12 @@
 //!   rendezvous [`crate::tcp::Store`] (torchrun's and Slurm's environment);
 //! - `device` (feature `cuda`): the host side through `cudarc`, loaded at run time: a
 //!   context, the kernels compiled by NVRTC and loaded as modules, launches, and NCCL's
-//!   unique id.
+//!   unique id;
+//! - `snapshot` (feature `cuda`): checkpoint snapshots of device tensors through reused
+//!   page-locked host buffers, handed to the asynchronous [`crate::checkpoint`] writer.
 //!
 //! The first four need no CUDA and are always compiled, so their tests run in the normal
-//! test run; `device` is what the feature adds. Kernels follow the math and the layouts of
+//! test run; `device` and `snapshot` are what the feature adds. Kernels follow the math and the layouts of
 //! the CPU reference ([`crate::backend`]) so a GPU test can compare the two; they are not
 //! yet behind the interpreter, which needs the backend seam (buffers owned by the backend)
 //! first.
@@ -24,6 +26,8 @@ pub mod bootstrap;
 pub mod device;
 pub mod kernels;
 pub mod launch;
+#[cfg(feature = "cuda")]
+pub mod snapshot;
 
 /// The bits of the bf16 nearest to `x` (round to nearest, ties to even; NaN stays a quiet
 /// NaN), as `__float2bfloat16_rn` rounds: how the host makes the bf16 inputs of a kernel.
