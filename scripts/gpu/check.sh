@@ -86,8 +86,8 @@ if [ "$mode" = "--vendor" ]; then
     tmp="$work/vendor"
     rm -rf "$tmp"
     # From the local cargo cache when it has everything, else from the network.
-    if ! cargo vendor --locked --offline --versioned-dirs "$tmp" >/dev/null; then
-        cargo vendor --locked --versioned-dirs "$tmp" >/dev/null || exit 1
+    if ! cargo vendor --locked --offline --versioned-dirs "$tmp" >/dev/null 2>"$work/vendor.log"; then
+        cargo vendor --locked --versioned-dirs "$tmp" >/dev/null 2>>"$work/vendor.log" || { tail -5 "$work/vendor.log" >&2; exit 1; }
     fi
     tar -C "$work" -czf "$repo/target/gpu-vendor.tar.gz" vendor
     rm -rf "$tmp"
@@ -176,7 +176,9 @@ build() {
             echo "--- offline build failed; trying with the network" >>"$build_log"
             build_offline="false"
             budget=$(($(left) - 40))
-            [ "$budget" -ge 20 ] && timeout "$budget" cargo "${cargo_args[@]}" \
+            # No network fails fast instead of retrying until the limit.
+            [ "$budget" -ge 20 ] && CARGO_NET_RETRY=0 CARGO_HTTP_TIMEOUT=15 \
+                timeout "$budget" cargo "${cargo_args[@]}" \
                 >"$work/artifacts.json" 2>>"$build_log" && ok=0
         fi
     fi
