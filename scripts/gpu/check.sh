@@ -27,8 +27,11 @@
 #
 # Limit: GPU_CHECK_LIMIT_S seconds in all (default 230, under 4 minutes); the build gets
 # what is left minus 40 s, each test at most 120 s or what is left. Target directory:
-# $CARGO_TARGET_DIR, else target/. Profile: dev (opt-level 1, dependencies at 2): a cold
-# build of the 68 crates these tests need is about a minute on 16 cores.
+# $CARGO_TARGET_DIR, else target/. Profile: dev (opt-level 1, dependencies at 2). A cold
+# build of what these tests need (104 compilation units) took 324 CPU-seconds on the
+# machine this was written on; on 16 cores that should be one to two minutes (critical
+# path syn -> serde_derive -> the workspace crates -> the executor), not yet measured on
+# a GPU machine: GPU_CHECK_LIMIT_S leaves the tests at least 40 s either way.
 #
 # Finding CUDA: libcuda from the driver; NVRTC (libnvrtc.so.12) and NCCL from the
 # LD_LIBRARY_PATH, else from the `nvidia` pip packages next to PyTorch (found with
