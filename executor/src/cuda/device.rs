@@ -7,6 +7,8 @@
 //! the modules and resolves every entry point. [`Device::prepare`] turns a
 //! [`Launch`](crate::cuda::launch::Launch) into `cudarc`'s launch configuration after checking
 //! it against the device's limits (setting the shared-memory opt-in when needed).
+//! [`Device::upload`], [`Device::zeros`], [`Device::download`] and [`Device::launch`] are
+//! what a caller (the kernel tests, `tests/cuda_kernels.rs`) needs to run one kernel.
 //! [`nccl_unique_id`] is rank 0's half of the NCCL bootstrap
 //! ([`crate::cuda::bootstrap`]).
 
@@ -15,6 +17,9 @@ use crate::cuda::kernels::{nvrtc_options, FILES};
 use crate::cuda::launch::{Launch, Limits};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
+/// Re-exported for callers of [`Device::launch`] (device buffers, element types, kernel
+/// arguments).
+pub use cudarc::driver::{CudaSlice, DeviceRepr, LaunchArgs, PushKernelArg, ValidAsZeroBits};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -138,6 +143,69 @@ impl Device {
                 shared_mem_bytes: l.smem,
             },
         ))
+    }
+}
+
+impl Device {
+    /// A new device buffer holding `host`.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, String> {
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| format!("copying {} values to the device: {e}", host.len()))
+    }
+
+    /// A new device buffer of `n` zeros.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, String> {
+        self.stream
+            .alloc_zeros(n)
+            .map_err(|e| format!("allocating {n} values on the device: {e}"))
+    }
+
+    /// The contents of `d`, after everything queued on the stream has finished (so a kernel
+    /// error surfaces here, named).
+    pub fn download<T: DeviceRepr>(&self, d: &CudaSlice<T>) -> Result<Vec<T>, String> {
+        let v = self
+            .stream
+            .clone_dtoh(d)
+            .map_err(|e| format!("copying {} values from the device: {e}", d.len()))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| format!("waiting for the stream: {e}"))?;
+        Ok(v)
+    }
+
+    /// Queues `l` (checked and prepared by [`Device::prepare`]) on the device's stream with
+    /// the arguments `args` pushes, in the order of the kernel's parameters: device buffers
+    /// as `&CudaSlice` (read) or `&mut CudaSlice` (written), scalars by reference with the
+    /// exact C type (`u32`, `u64`, `i64`, `f32`), a null pointer as `&0u64`.
+    ///
+    /// # Safety
+    ///
+    /// The arguments must match the kernel's signature in number, order and type, and the
+    /// buffers must be as large as the kernel reads and writes for `l`'s shape: nothing
+    /// checks either.
+    pub unsafe fn launch<'a>(
+        &'a self,
+        l: &Launch,
+        args: impl FnOnce(&mut LaunchArgs<'a>),
+    ) -> Result<(), String> {
+        let (f, cfg) = self.prepare(l)?;
+        let mut b = self.stream.launch_builder(f);
+        args(&mut b);
+        b.launch(cfg).map_err(|e| {
+            format!(
+                "{}: launch of grid {:?} block {:?} smem {}: {e}",
+                l.entry, l.grid, l.block, l.smem
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<(), String> {
+        self.stream
+            .synchronize()
+            .map_err(|e| format!("waiting for the stream: {e}"))
     }
 }
 

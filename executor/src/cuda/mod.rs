@@ -4,23 +4,52 @@
 //!   NVRTC compiles them at run time) and their entry points;
 //! - [`launch`]: grid/block/shared memory of every kernel for given shapes, checked
 //!   against sm_80/sm_90 limits;
+//! - [`arena`]: the device memory plan of a step: every buffer of a graph at an offset in
+//!   one arena (best fit, coalescing, 256-byte alignment), its footprint and live peak;
 //! - [`bootstrap`]: handing NCCL's 128-byte unique id from rank 0 to every rank over the
 //!   rendezvous [`crate::tcp::Store`] (torchrun's and Slurm's environment);
 //! - `device` (feature `cuda`): the host side through `cudarc`, loaded at run time: a
 //!   context, the kernels compiled by NVRTC and loaded as modules, launches, and NCCL's
-//!   unique id.
+//!   unique id;
+//! - `snapshot` (feature `cuda`): checkpoint snapshots of device tensors through reused
+//!   page-locked host buffers, handed to the asynchronous [`crate::checkpoint`] writer.
 //!
-//! The first three need no CUDA and are always compiled, so their tests run in the normal
-//! test run; `device` is what the feature adds. Kernels follow the math and the layouts of
+//! The first four need no CUDA and are always compiled, so their tests run in the normal
+//! test run; `device` and `snapshot` are what the feature adds. Kernels follow the math and the layouts of
 //! the CPU reference ([`crate::backend`]) so a GPU test can compare the two; they are not
 //! yet behind the interpreter, which needs the backend seam (buffers owned by the backend)
 //! first.
 
+pub mod arena;
 pub mod bootstrap;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod kernels;
 pub mod launch;
+#[cfg(feature = "cuda")]
+pub mod snapshot;
+
+/// The bits of the bf16 nearest to `x` (round to nearest, ties to even; NaN stays a quiet
+/// NaN), as `__float2bfloat16_rn` rounds: how the host makes the bf16 inputs of a kernel.
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    // Adding 0x7fff plus the lowest kept bit rounds half to even; a carry into the exponent
+    // is the correct rounding up (to infinity past the largest finite bf16).
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// The value of the bf16 with bits `b` (exact).
+pub fn bf16_value(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// `x` rounded to the nearest bf16 (`bf16_value(bf16_bits(x))`).
+pub fn round_bf16(x: f32) -> f32 {
+    bf16_value(bf16_bits(x))
+}
 
 /// RoPE tables `(cos, sin)`, each `[positions, d / 2]`, with the reference's angles
 /// (`backend.rs`: f64 `pos * theta^(-2 j / d)`, cos and sin rounded to f32), for the
@@ -96,4 +125,32 @@ pub fn adamw_bias_corrections(h: &crate::backend::AdamW) -> (f32, f32) {
         1.0 - h.beta1.powi(h.step as i32),
         1.0 - h.beta2.powi(h.step as i32),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_is_nearest_even() {
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: to the even one, 1.
+        assert_eq!(bf16_bits(1.0 + 2f32.powi(-8)), 0x3f80);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: to 1 + 2^-6 (even).
+        assert_eq!(bf16_bits(1.0 + 3.0 * 2f32.powi(-8)), 0x3f82);
+        // Just above the half rounds up, just below rounds down.
+        assert_eq!(bf16_bits(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(bf16_bits(f32::from_bits(0x3f80_7fff)), 0x3f80);
+        assert_eq!(bf16_bits(-2.5), 0xc020);
+        assert_eq!(bf16_bits(-0.0), 0x8000);
+        assert_eq!(bf16_bits(f32::INFINITY), 0x7f80);
+        assert_eq!(bf16_bits(f32::MAX), 0x7f80); // overflows to infinity
+        assert_eq!(bf16_bits(f32::from_bits(1)), 0x0000); // the smallest subnormal: to 0
+        assert_eq!(bf16_bits(f32::from_bits(0x0000_8000)), 0x0000); // a tie, to even 0
+        assert_eq!(bf16_bits(f32::from_bits(0x0001_8000)), 0x0002); // a tie, to even 2
+        assert!(bf16_value(bf16_bits(f32::NAN)).is_nan());
+        for b in [0u16, 1, 0x3f80, 0x7f7f, 0x8001, 0xff7f] {
+            assert_eq!(bf16_bits(bf16_value(b)), b, "{b:#x} round-trips");
+        }
+        assert_eq!(round_bf16(1.2345), 1.234375);
+    }
 }
