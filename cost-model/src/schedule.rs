@@ -107,6 +107,7 @@ pub fn slots(schedule: Schedule, p: u32, v: u32, m: u32, j: u32) -> Vec<Slot> {
 /// backward. Every rank runs its [`slots`] in order; a forward waits for the previous
 /// virtual stage's forward of the same micro-batch, a backward for the next virtual
 /// stage's backward. Transfers between stages are not included (the caller adds them).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Walk {
     /// Time from the first forward to the last backward.
     pub makespan: f64,
