@@ -56,7 +56,7 @@ median_ms() { # bin spec -> median wall ms over $RUNS runs
     for _ in $(seq "$RUNS"); do
         local s e
         s=$(date +%s%N)
-        "$bin" plan --quiet "$spec" -o /dev/null
+        "$bin" plan --quiet "$spec" -o /dev/null 2>/dev/null
         e=$(date +%s%N)
         t+=($(((e - s) / 1000)))
     done
@@ -73,8 +73,8 @@ command -v hyperfine >/dev/null && TIMER=hyperfine_ms
 echo "| row | candidates | $BASE_REV (ms) | this tree (ms) | speed-up | same plan |"
 echo "|---|---:|---:|---:|---:|---|"
 for spec in "${ROWS[@]}"; do
-    "$BASE" plan --quiet "$spec" -o "$TMP/base.json"
-    "$NEW" plan --quiet "$spec" -o "$TMP/new.json"
+    "$BASE" plan --quiet "$spec" -o "$TMP/base.json" 2>/dev/null
+    "$NEW" plan --quiet "$spec" -o "$TMP/new.json" 2>/dev/null
     same=no
     cmp -s "$TMP/base.json" "$TMP/new.json" && same=yes
     n=$(candidates "$TMP/new.json")
