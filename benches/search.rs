@@ -1,7 +1,11 @@
 //! Full layout search (search + stage refinement + plan assembly) on the seed jobs:
-//! S4 (405B on 16,384 H100), S6 (70B on 128 A100), S13 (DeepSeek-V3 shape on 2,048 H800).
+//! S4 (405B on 16,384 H100), S6 (70B on 128 A100), S13 (DeepSeek-V3 shape on 2,048 H800),
+//! each with its pins cleared; then the rows of issue 25's plan-speed table as
+//! `shardwright plan` runs them: the 405B specs as written (`plan_as_written`), the 405B
+//! on 256 GPUs and DeepSeek-V3 without its parallelism pins.
 //! Prints candidate layouts per second for each before criterion's timings.
-//! Run: `cargo bench --bench search`.
+//! Run: `cargo bench --bench search` (`scripts/bench-plan.sh` compares with the commit
+//! before the parallel search, binary against binary).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use shardwright_cost::{resolve, ResolveOptions, Resolved};
@@ -18,13 +22,54 @@ const CASES: &[(&str, &str)] = &[
     ),
 ];
 
+/// The plan-speed rows of issue 25: (name, spec, GPUs instead of the spec's, clear pins).
+const ROWS: &[(&str, &str, Option<u64>, bool)] = &[
+    ("405b_16k_h100", "specs/llama3-405b-16k-h100.yaml", None, false),
+    (
+        "405b_table4_16k_h100",
+        "specs/llama3-405b-table4-16k-h100.yaml",
+        None,
+        false,
+    ),
+    (
+        "deepseek_v3_2048xh800_unpinned",
+        "specs/deepseek-v3-2048xh800.yaml",
+        None,
+        true,
+    ),
+    ("405b_256xh100", "specs/llama3-405b-16k-h100.yaml", Some(256), false),
+];
+
 fn load(path: &str) -> Resolved {
+    load_row(path, None, true)
+}
+
+fn load_row(path: &str, gpus: Option<u64>, clear_pins: bool) -> Resolved {
     let full = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
     let text = std::fs::read_to_string(full).unwrap();
     let mut spec = parse_spec(&text, Format::Yaml).unwrap();
-    // Search the whole space (the example specs may pin axes).
-    spec.job.parallelism = Default::default();
+    if clear_pins {
+        // Search the whole space (the example specs may pin axes).
+        spec.job.parallelism = Default::default();
+    }
+    if let Some(n) = gpus {
+        spec.cluster.num_gpus = Some(n);
+    }
     resolve(&spec, &ResolveOptions::default()).unwrap()
+}
+
+/// The issue-25 rows: `plan` as the CLI runs it (search, refinement, assembly).
+fn bench_rows(c: &mut Criterion) {
+    let mut g = c.benchmark_group("plan_as_written");
+    g.sample_size(10);
+    for (name, path, gpus, clear) in ROWS {
+        let r = load_row(path, *gpus, *clear);
+        let opts = PlanOptions::default();
+        g.bench_function(*name, |b| {
+            b.iter(|| plan(&r.job, &r.warnings, &opts, &mut |_, _| {}).unwrap())
+        });
+    }
+    g.finish();
 }
 
 fn bench(c: &mut Criterion) {
@@ -72,5 +117,5 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+criterion_group!(benches, bench, bench_rows);
 criterion_main!(benches);

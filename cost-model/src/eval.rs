@@ -188,36 +188,41 @@ impl LayerCosts {
         sp: bool,
         rc: Recompute,
     ) -> LayerCosts {
-        LayerCosts::with_experts(job, tp, cp, ep, micro_batch, sp, rc, false)
+        let shape = LayerShape {
+            tp,
+            cp,
+            ep,
+            micro_batch,
+            sp,
+            recompute: rc,
+        };
+        LayerCosts::with_experts(job, &shape, false)
     }
 
     /// The per-layer costs `layout` needs.
     pub fn for_layout(job: &Job, l: &Layout) -> LayerCosts {
-        LayerCosts::with_experts(
-            job,
-            l.tp,
-            l.cp,
-            l.ep,
-            l.micro_batch,
-            l.sequence_parallel,
-            l.recompute,
-            l.folds_tp_into_ep(),
-        )
+        let shape = LayerShape {
+            tp: l.tp,
+            cp: l.cp,
+            ep: l.ep,
+            micro_batch: l.micro_batch,
+            sp: l.sequence_parallel,
+            recompute: l.recompute,
+        };
+        LayerCosts::with_experts(job, &shape, l.folds_tp_into_ep())
     }
 
     /// `whole_experts`: expert tensor parallelism 1 (experts whole on each rank, the
     /// expert-parallel group folds tp in); otherwise experts are split over tp.
-    #[allow(clippy::too_many_arguments)]
-    pub fn with_experts(
-        job: &Job,
-        tp: u32,
-        cp: u32,
-        ep: u32,
-        micro_batch: u32,
-        sp: bool,
-        rc: Recompute,
-        whole_experts: bool,
-    ) -> LayerCosts {
+    pub fn with_experts(job: &Job, shape: &LayerShape, whole_experts: bool) -> LayerCosts {
+        let LayerShape {
+            tp,
+            cp,
+            ep,
+            micro_batch,
+            sp,
+            recompute: rc,
+        } = *shape;
         let m = &job.model;
         let e = &job.efficiency;
         let t = tp as f64;
@@ -230,16 +235,8 @@ impl LayerCosts {
         // overhead. Groups inside one model replica depend only on (tp, cp, ep).
         let mesh = Mesh::from_degrees(tp, cp, ep, 1, 1, job.cluster.gpus_per_node)
             .with_whole_experts(whole_experts);
-        let shape = LayerShape {
-            tp,
-            cp,
-            ep,
-            micro_batch,
-            sp,
-            recompute: rc,
-        };
         let time = |kind: LayerKind| {
-            LayerTime::from_ops(&layer_ops(job, &mesh, &shape, kind), e.layer_overhead_s)
+            LayerTime::from_ops(&layer_ops(job, &mesh, shape, kind), e.layer_overhead_s)
         };
         let dense = time(LayerKind::Dense);
         let head = time(LayerKind::Head);
@@ -583,17 +580,26 @@ fn pp_buffer_bytes(job: &Job, layout: &Layout, mesh: &Mesh, j: u32) -> f64 {
     nccl_comm_bytes(mesh.size(GroupKind::Pp) as u64, how, ch)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn rank_memory(
-    job: &Job,
-    lc: &LayerCosts,
-    layout: &Layout,
-    mesh: &Mesh,
+/// What every rank's memory of one layout shares: the job, the per-layer costs, the layout,
+/// its mesh and the NCCL buffers of the groups every stage has alike.
+struct MemoryCtx<'a> {
+    job: &'a Job,
+    lc: &'a LayerCosts,
+    layout: &'a Layout,
+    mesh: &'a Mesh,
     group_comm: f64,
-    l: &RankLoad,
-    j: u32,
-    act_peak: Option<f64>,
-) -> MemoryBreakdown {
+}
+
+/// Memory of pipeline rank `j` holding `l`; `act_peak`: the schedule walk's activation
+/// peak where the closed form does not hold.
+fn rank_memory(cx: &MemoryCtx<'_>, l: &RankLoad, j: u32, act_peak: Option<f64>) -> MemoryBreakdown {
+    let MemoryCtx {
+        job,
+        lc,
+        layout,
+        mesh,
+        group_comm,
+    } = *cx;
     let tr = &job.training;
     let (dense_p, expert_p) = rank_params(lc, l);
     let ddp = layout.dense_dp() as f64;
@@ -684,84 +690,169 @@ pub fn evaluate(
     split: Split<'_>,
     detail: bool,
 ) -> Evaluation {
-    evaluate_with(job, lc, layout, split, detail, true)
+    evaluate_with(job, lc, layout, split, detail, UnevenWalk::Walk)
 }
 
-/// [`evaluate`], optionally without walking an uneven interleaved schedule: `walk = false`
-/// then charges no pipeline bubble at all (the slowest rank's own work bounds the walk from
-/// below), an optimistic goodput the search prunes with before paying for the walk. Its
-/// memory is the closed form's and means nothing for such layouts.
+/// How [`evaluate_with`] charges an interleaved schedule with uneven chunks (see
+/// [`is_uneven`]); other layouts ignore it.
+#[derive(Clone, Copy, Debug)]
+pub enum UnevenWalk<'a> {
+    /// Walk the schedule ([`uneven_walk`]).
+    Walk,
+    /// Charge no pipeline bubble at all (the slowest rank's own work bounds the walk from
+    /// below): an optimistic goodput the search prunes with before paying for the walk. Its
+    /// memory is the closed form's and means nothing for such layouts.
+    Skip,
+    /// This walk, which must be [`uneven_walk`] of the same job, per-layer costs and layout
+    /// up to the ZeRO stage (the walk does not read it): the search walks a layout family
+    /// once for all its ZeRO stages.
+    Given(&'a schedule::Walk),
+}
+
+/// [`evaluate`], with the uneven interleaved schedule's walk as `uneven` says.
 pub fn evaluate_with(
     job: &Job,
     lc: &LayerCosts,
     layout: &Layout,
     split: Split<'_>,
     detail: bool,
-    walk: bool,
+    uneven: UnevenWalk<'_>,
 ) -> Evaluation {
     let p = layout.pp;
     let v = layout.vpp.max(1);
-    let mb_count = layout.grad_accum;
     let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
-    // NCCL buffers of the groups every stage has alike (the PP sends vary by stage).
-    let group_comm = group_buffer_bytes(job, layout, &mesh);
-    let model = &job.model;
-    let mut ranks = Vec::new();
-    let mut worst_mem = MemoryBreakdown::default();
-    let mut slow = LayerTime::default();
-    let mut slow_total = -1.0;
-    let mut sum_total = 0.0;
-    let mut max_params = (0.0f64, 0.0f64);
-    let mut start = 0u32;
+    let cx = MemoryCtx {
+        job,
+        lc,
+        layout,
+        mesh: &mesh,
+        // NCCL buffers of the groups every stage has alike (the PP sends vary by stage).
+        group_comm: group_buffer_bytes(job, layout, &mesh),
+    };
     // Interleaving with uneven chunks: the bubble and the in-flight activations come from a
     // walk of the schedule (the closed forms assume equal chunks).
-    let uneven = layout.schedule == Schedule::Interleaved
-        && v > 1
-        && model.num_layers % (p * v) != 0
-        && matches!(split, Split::Balanced);
-    // Each virtual stage's time per micro-batch (forward + backward) and saved bytes.
-    let chunk = |vs: u32| -> (f64, f64) {
-        let (s0, c) = chunk_layers(model.num_layers, p * v, vs);
+    let is_uneven = is_uneven(job, layout) && matches!(split, Split::Balanced);
+    let own;
+    let walk = match uneven {
+        _ if !is_uneven => None,
+        UnevenWalk::Skip => None,
+        UnevenWalk::Given(w) => Some(w),
+        UnevenWalk::Walk => {
+            own = uneven_walk(job, lc, layout, None);
+            Some(&own)
+        }
+    };
+    let r = rank_sums(&cx, split, detail, walk);
+    let m = layout.grad_accum as f64;
+    let bubble = match walk {
+        Some(w) => (w.makespan - m * r.slow_total).max(0.0),
+        None if is_uneven => 0.0,
+        None if p > 1 => (r.sum_total - r.slow_total) / v as f64,
+        None => 0.0,
+    };
+    let terms = step_terms(
+        job,
+        lc,
+        layout,
+        &mesh,
+        r.slow.gemm + r.slow.attn + r.slow.elementwise,
+        r.slow_total,
+        r.max_params,
+        bubble,
+    );
+    assemble(job, layout, r, bubble, terms)
+}
+
+/// Whether `layout` interleaves chunks of unequal layer counts (layers not a multiple of
+/// `pp vpp`): its bubble and activation peak then come from [`uneven_walk`].
+pub fn is_uneven(job: &Job, layout: &Layout) -> bool {
+    let v = layout.vpp.max(1);
+    layout.schedule == Schedule::Interleaved && v > 1 && job.model.num_layers % (layout.pp * v) != 0
+}
+
+/// The schedule walk of a layout with uneven chunks under the balanced split: each virtual
+/// stage's forward and backward time per micro-batch and saved bytes, walked by `plan`
+/// (which must be [`schedule::WalkPlan::new`] of the layout's schedule, pp, vpp and
+/// micro-batches) or by [`schedule::walk`]. Reads neither dp nor the ZeRO stage beyond the
+/// micro-batch count.
+pub fn uneven_walk(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    plan: Option<&schedule::WalkPlan>,
+) -> schedule::Walk {
+    let p = layout.pp;
+    let v = layout.vpp.max(1);
+    let layers = job.model.num_layers;
+    let n = (p * v) as usize;
+    let (mut fwd, mut bwd, mut act) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    let fshare = if layout.recompute == Recompute::Full {
+        0.25
+    } else {
+        1.0 / 3.0
+    };
+    for vs in 0..p * v {
+        let (s0, c) = chunk_layers(layers, p * v, vs);
         let mut part = rank_load(job, s0, c, vs % p, p);
         part.head = vs == p * v - 1;
         part.embedding = vs == 0;
         let t = rank_time(lc, &part).total();
-        let act = part.dense_layers as f64 * lc.dense_act_bytes
+        let a = part.dense_layers as f64 * lc.dense_act_bytes
             + part.moe_layers as f64 * lc.moe_act_bytes
             + if part.embedding {
                 lc.embed_act_bytes
             } else {
                 0.0
             };
-        (t, act)
-    };
-    let walk_on = walk;
-    let walk = if uneven && walk_on {
-        let n = (p * v) as usize;
-        let (mut fwd, mut bwd, mut act) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        let fshare = if layout.recompute == Recompute::Full {
-            0.25
-        } else {
-            1.0 / 3.0
-        };
-        for vs in 0..p * v {
-            let (t, a) = chunk(vs);
-            fwd[vs as usize] = t * fshare;
-            bwd[vs as usize] = t * (1.0 - fshare);
-            act[vs as usize] = a;
-        }
-        Some(schedule::walk(
+        fwd[vs as usize] = t * fshare;
+        bwd[vs as usize] = t * (1.0 - fshare);
+        act[vs as usize] = a;
+    }
+    match plan {
+        Some(plan) => plan.run(&fwd, &bwd, &act),
+        None => schedule::walk(
             layout.schedule,
             p,
             v,
-            mb_count as u32,
+            layout.grad_accum as u32,
             &fwd,
             &bwd,
             &act,
-        ))
-    } else {
-        None
+        ),
+    }
+}
+
+/// What [`evaluate_with`] reads from the ranks: the slowest (first with the largest time
+/// per micro-batch), the sum of their times, the rank with the most parameters (first with
+/// the largest dense + expert sum) and the largest memory.
+struct RankSums {
+    ranks: Vec<RankEval>,
+    worst_mem: MemoryBreakdown,
+    slow: LayerTime,
+    slow_total: f64,
+    sum_total: f64,
+    max_params: (f64, f64),
+}
+
+fn rank_sums(
+    cx: &MemoryCtx<'_>,
+    split: Split<'_>,
+    detail: bool,
+    walk: Option<&schedule::Walk>,
+) -> RankSums {
+    let (job, lc, layout) = (cx.job, cx.lc, cx.layout);
+    let p = layout.pp;
+    let v = layout.vpp.max(1);
+    let model = &job.model;
+    let mut r = RankSums {
+        ranks: Vec::new(),
+        worst_mem: MemoryBreakdown::default(),
+        slow: LayerTime::default(),
+        slow_total: -1.0,
+        sum_total: 0.0,
+        max_params: (0.0, 0.0),
     };
+    let mut start = 0u32;
     for j in 0..p {
         let (load, count) = match split {
             Split::Balanced => {
@@ -788,30 +879,21 @@ pub fn evaluate_with(
         };
         let t = rank_time(lc, &load);
         let total = t.total();
-        sum_total += total;
-        if total > slow_total {
-            slow_total = total;
-            slow = t;
+        r.sum_total += total;
+        if total > r.slow_total {
+            r.slow_total = total;
+            r.slow = t;
         }
-        let mem = rank_memory(
-            job,
-            lc,
-            layout,
-            &mesh,
-            group_comm,
-            &load,
-            j,
-            walk.as_ref().map(|w| w.peak_act[j as usize]),
-        );
-        if mem.total_bytes > worst_mem.total_bytes {
-            worst_mem = mem.clone();
+        let mem = rank_memory(cx, &load, j, walk.map(|w| w.peak_act[j as usize]));
+        if mem.total_bytes > r.worst_mem.total_bytes {
+            r.worst_mem = mem.clone();
         }
         let params = rank_params(lc, &load);
-        if params.0 + params.1 > max_params.0 + max_params.1 {
-            max_params = params;
+        if params.0 + params.1 > r.max_params.0 + r.max_params.1 {
+            r.max_params = params;
         }
         if detail {
-            ranks.push(RankEval {
+            r.ranks.push(RankEval {
                 load,
                 first_layer: start,
                 time_per_mb_s: total,
@@ -820,30 +902,30 @@ pub fn evaluate_with(
         }
         start += count;
     }
+    r
+}
 
-    let m = mb_count as f64;
-    let bubble = match &walk {
-        Some(w) => (w.makespan - m * slow_total).max(0.0),
-        None if uneven => 0.0,
-        None if p > 1 => (sum_total - slow_total) / v as f64,
-        None => 0.0,
-    };
+/// The estimate from the ranks' sums, the bubble and the step's terms.
+fn assemble(job: &Job, layout: &Layout, r: RankSums, bubble: f64, terms: StepTerms) -> Evaluation {
     let StepTerms {
         pp_s,
         dp_total,
         dp_exposed,
         optimizer_s,
         step,
-    } = step_terms(
-        job,
-        lc,
-        layout,
-        &mesh,
-        slow.gemm + slow.attn + slow.elementwise,
-        slow_total,
-        max_params,
-        bubble,
-    );
+    } = terms;
+    let RankSums {
+        ranks,
+        worst_mem,
+        slow,
+        slow_total: _,
+        sum_total,
+        max_params: _,
+    } = r;
+    let p = layout.pp;
+    let v = layout.vpp.max(1);
+    let m = layout.grad_accum as f64;
+    let model = &job.model;
     let tr = &job.training;
     let tokens_per_step = tr.global_batch as f64 * model.seq_len as f64;
     let tokens_per_s = tokens_per_step / step;
@@ -974,16 +1056,14 @@ impl<'a> SplitModel<'a> {
     pub fn stage(&self, start: u32, count: u32, j: u32) -> StageTerms {
         let load = rank_load(self.job, start, count, j, self.layout.pp);
         let t = rank_time(self.lc, &load);
-        let mem = rank_memory(
-            self.job,
-            self.lc,
-            self.layout,
-            &self.mesh,
-            self.group_comm,
-            &load,
-            j,
-            None,
-        );
+        let cx = MemoryCtx {
+            job: self.job,
+            lc: self.lc,
+            layout: self.layout,
+            mesh: &self.mesh,
+            group_comm: self.group_comm,
+        };
+        let mem = rank_memory(&cx, &load, j, None);
         StageTerms {
             total_s: t.total(),
             compute_s: t.gemm + t.attn + t.elementwise,

@@ -107,6 +107,7 @@ pub fn slots(schedule: Schedule, p: u32, v: u32, m: u32, j: u32) -> Vec<Slot> {
 /// backward. Every rank runs its [`slots`] in order; a forward waits for the previous
 /// virtual stage's forward of the same micro-batch, a backward for the next virtual
 /// stage's backward. Transfers between stages are not included (the caller adds them).
+#[derive(Clone, Debug, PartialEq)]
 pub struct Walk {
     /// Time from the first forward to the last backward.
     pub makespan: f64,
@@ -114,7 +115,152 @@ pub struct Walk {
     pub peak_act: Vec<f64>,
 }
 
+/// The walk of `schedule` over `p` ranks, `v` chunks and `m` micro-batches: equal, bit for
+/// bit, to [`walk_reference`] (same additions and maxima in the same order per rank), by
+/// way of a [`WalkPlan`]. Callers that walk the same integers many times keep the plan.
 pub fn walk(
+    schedule: Schedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    fwd: &[f64],
+    bwd: &[f64],
+    act: &[f64],
+) -> Walk {
+    WalkPlan::new(schedule, p, v, m).run(fwd, bwd, act)
+}
+
+/// One pass of a compiled walk: rank `rank` runs the forward (`pass` even) or backward
+/// (`pass` odd) of virtual stage `pass / 2` once the pass at `dep` is done (index into the
+/// finish times, 0 = time zero).
+/// [`Step::dep`] of a pass that never runs (a deadlocked schedule).
+const NEVER: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Step {
+    rank: u32,
+    pass: u32,
+    dep: u32,
+}
+
+/// What a schedule walk depends on besides the durations: the order of every rank's passes
+/// and which pass each one waits for, for one `(schedule, p, v, m)`. [`WalkPlan::run`] then
+/// costs one maximum and one addition per pass, with no search for the next ready pass;
+/// the walk is linear in the micro-batches, so a plan pays for itself when the same
+/// integers are walked with many durations (the search does, once per layout family).
+#[derive(Clone, Debug)]
+pub struct WalkPlan {
+    p: u32,
+    vs_n: usize,
+    /// Every pass of every rank, in an order that runs each after what it waits for and
+    /// each rank's passes in its [`slots`] order.
+    steps: Vec<Step>,
+}
+
+impl WalkPlan {
+    /// The passes of [`walk_reference`] in the order its sweep runs them.
+    pub fn new(schedule: Schedule, p: u32, v: u32, m: u32) -> WalkPlan {
+        let v = if schedule == Schedule::Interleaved {
+            v
+        } else {
+            1
+        };
+        let vs_n = (p * v) as usize;
+        let lists: Vec<Vec<Slot>> = (0..p).map(|j| slots(schedule, p, v, m, j)).collect();
+        let total: usize = lists.iter().map(Vec::len).sum();
+        // Index (1-based) of the step that finished each (virtual stage, micro-batch) pass;
+        // 0 = not yet.
+        let mut f_done = vec![0u32; vs_n * m as usize];
+        let mut b_done = vec![0u32; vs_n * m as usize];
+        let mut next = vec![0usize; p as usize];
+        let mut steps: Vec<Step> = Vec::with_capacity(total);
+        while steps.len() < total {
+            let mut progress = false;
+            for j in 0..p as usize {
+                while let Some(s) = lists[j].get(next[j]) {
+                    let vs = (s.chunk * p) as usize + j;
+                    let at = |vs: usize| vs * m as usize + s.mb as usize;
+                    // `Some(0)`: starts at time zero; `None`: waits for a pass not yet run.
+                    let dep = match s.phase {
+                        Phase::Fwd if vs > 0 => Some(f_done[at(vs - 1)]).filter(|&d| d > 0),
+                        Phase::Fwd => Some(0),
+                        Phase::Bwd if vs + 1 < vs_n => Some(b_done[at(vs + 1)]).filter(|&d| d > 0),
+                        Phase::Bwd => Some(f_done[at(vs)]).filter(|&d| d > 0),
+                    };
+                    let Some(dep) = dep else { break };
+                    let bwd = s.phase == Phase::Bwd;
+                    steps.push(Step {
+                        rank: j as u32,
+                        pass: 2 * vs as u32 + u32::from(bwd),
+                        dep,
+                    });
+                    let id = steps.len() as u32;
+                    if bwd {
+                        b_done[at(vs)] = id;
+                    } else {
+                        f_done[at(vs)] = id;
+                    }
+                    next[j] += 1;
+                    progress = true;
+                }
+            }
+            if !progress {
+                // Only for micro-batch counts the rules reject (interleaving with m not a
+                // multiple of p can deadlock). As the sweep, time what ran; the passes that
+                // never run still count towards each rank's activation peak.
+                for (j, list) in lists.iter().enumerate() {
+                    for s in &list[next[j]..] {
+                        let vs = (s.chunk * p) as usize + j;
+                        steps.push(Step {
+                            rank: j as u32,
+                            pass: 2 * vs as u32 + u32::from(s.phase == Phase::Bwd),
+                            dep: NEVER,
+                        });
+                    }
+                }
+                break;
+            }
+        }
+        WalkPlan { p, vs_n, steps }
+    }
+
+    /// The walk with these durations and saved bytes (see [`Walk`]; slices of `p v`).
+    pub fn run(&self, fwd: &[f64], bwd: &[f64], act: &[f64]) -> Walk {
+        let p = self.p as usize;
+        let (fwd, bwd, act) = (&fwd[..self.vs_n], &bwd[..self.vs_n], &act[..self.vs_n]);
+        let mut done = Vec::with_capacity(self.steps.len() + 1);
+        done.push(0.0f64);
+        let mut clock = vec![0.0f64; p];
+        let mut live = vec![0.0f64; p];
+        let mut peak_act = vec![0.0f64; p];
+        for s in &self.steps {
+            let j = s.rank as usize;
+            let vs = (s.pass / 2) as usize;
+            let fwd_pass = s.pass % 2 == 0;
+            if fwd_pass {
+                live[j] += act[vs];
+                peak_act[j] = peak_act[j].max(live[j]);
+            } else {
+                live[j] -= act[vs];
+            }
+            if s.dep == NEVER {
+                continue;
+            }
+            let dep = done[s.dep as usize];
+            let t = clock[j].max(dep) + if fwd_pass { fwd[vs] } else { bwd[vs] };
+            clock[j] = t;
+            done.push(t);
+        }
+        Walk {
+            makespan: clock.iter().copied().fold(0.0, f64::max),
+            peak_act,
+        }
+    }
+}
+
+/// The walk as a sweep over the ranks that runs every pass whose input is ready, until all
+/// have run: the definition [`walk`] and [`WalkPlan`] are tested against.
+pub fn walk_reference(
     schedule: Schedule,
     p: u32,
     v: u32,
@@ -305,6 +451,60 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// The compiled walk against the sweep it replaces, bit for bit, over every schedule
+    /// and a grid of (p, v, m) (m below, at and off multiples of p), with random durations
+    /// and saved bytes (some equal, so maxima tie), and a plan reused across durations.
+    #[test]
+    fn walk_plan_equals_the_reference_walk_bit_for_bit() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut cases = 0;
+        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
+            for p in 1..=6u32 {
+                for v in 1..=4u32 {
+                    for m in 1..=13u32 {
+                        let plan = WalkPlan::new(sched, p, v, m);
+                        let n = (p * v) as usize;
+                        for trial in 0..3 {
+                            let mut val = |_| match trial {
+                                // Equal stages: every maximum ties.
+                                0 => 0.1,
+                                _ => (rnd() % 10_000) as f64 / 997.0 + 1e-3,
+                            };
+                            let fwd: Vec<f64> = (0..n).map(&mut val).collect();
+                            let bwd: Vec<f64> = (0..n).map(&mut val).collect();
+                            let act: Vec<f64> = (0..n).map(&mut val).collect();
+                            let want = walk_reference(sched, p, v, m, &fwd, &bwd, &act);
+                            for got in [
+                                plan.run(&fwd, &bwd, &act),
+                                walk(sched, p, v, m, &fwd, &bwd, &act),
+                            ] {
+                                assert_eq!(
+                                    got.makespan.to_bits(),
+                                    want.makespan.to_bits(),
+                                    "{sched:?} p{p} v{v} m{m}: {} vs {}",
+                                    got.makespan,
+                                    want.makespan
+                                );
+                                let bits = |w: &Walk| -> Vec<u64> {
+                                    w.peak_act.iter().map(|a| a.to_bits()).collect()
+                                };
+                                assert_eq!(bits(&got), bits(&want), "{sched:?} p{p} v{v} m{m}");
+                            }
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 3 * 6 * 4 * 13 * 3);
     }
 
     #[test]

@@ -6,14 +6,20 @@
 //! not expanded). The inner loop reuses [`LayerCosts`] across pp/dp/vpp/ZeRO, so a candidate
 //! costs one `evaluate` call with no allocation.
 
-use shardwright_cost::eval::{evaluate, evaluate_with, LayerCosts, Split};
+use rayon::prelude::*;
+use shardwright_cost::eval::{
+    evaluate, evaluate_with, is_uneven, uneven_walk, LayerCosts, Split, UnevenWalk,
+};
+use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
 use shardwright_cost::rules::{self, Axes, Rejection};
+use shardwright_cost::schedule::{Walk, WalkPlan};
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
 use shardwright_spec::plan::{Estimate, SearchSummary};
 use shardwright_spec::spec::{Recompute, Schedule};
 use std::cmp::Ordering;
+use std::collections::BTreeMap;
 
 /// Largest micro-batch considered (sequences).
 pub const MAX_MICRO_BATCH: u64 = 16;
@@ -122,17 +128,23 @@ pub struct SearchResult {
     pub summary: SearchSummary,
 }
 
+/// Rejection counts and the first example of each reason, in the order the search visits
+/// candidates.
 struct Tally {
     summary: SearchSummary,
 }
 
 impl Tally {
     fn reject(&mut self, reason: Rejection, example: impl FnOnce() -> String) {
-        let reason = reason.name();
+        self.count(reason.name(), example);
+    }
+
+    /// One candidate counted under `key` (a [`Rejection`] name or a search-only reason).
+    fn count(&mut self, key: &str, example: impl FnOnce() -> String) {
         self.summary.candidates += 1;
-        *self.summary.rejected.entry(reason.to_string()).or_insert(0) += 1;
-        if !self.summary.examples.contains_key(reason) {
-            self.summary.examples.insert(reason.to_string(), example());
+        *self.summary.rejected.entry(key.to_string()).or_insert(0) += 1;
+        if !self.summary.examples.contains_key(key) {
+            self.summary.examples.insert(key.to_string(), example());
         }
     }
 }
@@ -159,342 +171,245 @@ fn pick<T: Copy>(pinned: Option<T>, all: Vec<T>) -> Vec<T> {
     }
 }
 
-/// Run the search. `keep` = how many of the best candidates to return; `progress` is called
-/// with (done, total) over the outer loop.
-pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> SearchResult {
-    let pins = &job.pinned;
-    let m = &job.model;
-    let world = job.cluster.world_size;
-    let gpn = job.cluster.gpus_per_node as u64;
-    let gb = job.training.global_batch;
-    let ctx = rules::Ctx::of(job);
-    let mut tally = Tally {
-        summary: SearchSummary::default(),
-    };
-    let mut best: Vec<Candidate> = Vec::with_capacity(keep + 1);
-    let mut hopefuls: Vec<Candidate> = Vec::new();
-    let threshold = |best: &Vec<Candidate>| {
-        if best.len() == keep && keep > 0 {
-            tie_floor(best[keep - 1].estimate.goodput_tokens_per_s)
-        } else {
-            f64::NEG_INFINITY
+/// The axes the search enumerates (pinned axes hold their one value) and what every
+/// candidate reads.
+struct Space<'a> {
+    job: &'a Job,
+    ctx: rules::Ctx<'a>,
+    world: u64,
+    fully_pinned: bool,
+    tps: Vec<u64>,
+    cps: Vec<u64>,
+    eps: Vec<u64>,
+    mbs: Vec<u64>,
+    recomputes: Vec<Recompute>,
+    zeros: Vec<u8>,
+}
+
+/// One unit of the search's work, in its order: a (tp, cp, ep) mesh that the mesh rules
+/// reject (one candidate), or one [`LayerCosts`] with every (pp, vpp, schedule, ZeRO) under
+/// it. `outer` numbers the (tp, cp, ep) meshes from 1 (for progress).
+#[derive(Clone, Copy, Debug)]
+enum Unit {
+    MeshRejected {
+        outer: u64,
+        reason: Rejection,
+        tp: u64,
+        cp: u64,
+        ep: u64,
+    },
+    Costs {
+        outer: u64,
+        tp: u64,
+        cp: u64,
+        ep: u64,
+        mb: u64,
+        sp: bool,
+        rc: Recompute,
+        whole: bool,
+    },
+}
+
+impl Unit {
+    fn outer(&self) -> u64 {
+        match *self {
+            Unit::MeshRejected { outer, .. } | Unit::Costs { outer, .. } => outer,
         }
-    };
-    let fully_pinned = pins.tp.is_some()
-        && pins.pp.is_some()
-        && pins.dp.is_some()
-        && pins.cp.is_some()
-        && pins.ep.is_some()
-        && pins.micro_batch.is_some()
-        && pins.zero_stage.is_some()
-        && pins.recompute.is_some()
-        && (pins.vpp.is_some() || pins.pp == Some(1))
-        && (pins.sequence_parallel.is_some() || pins.tp == Some(1));
-    tally.summary.fully_pinned = fully_pinned;
+    }
+}
 
-    let divs = divisors(world);
-    let tps = pick(pins.tp.map(|v| v as u64), divs.clone());
-    let cps = pick(pins.cp.map(|v| v as u64), divs.clone());
-    let eps = match (&m.moe, pins.ep) {
-        (_, Some(v)) => vec![v as u64],
-        (None, None) => vec![1],
-        (Some(_), None) => divs.clone(),
-    };
-    let recomputes = pick(
-        pins.recompute,
-        vec![Recompute::None, Recompute::Selective, Recompute::Full],
-    );
-    let zeros = pick(pins.zero_stage, vec![0u8, 1, 2, 3]);
-    let reshard = pins.fsdp_reshard_after_forward;
+/// Where a rejected candidate was rejected, for its example text (written only for the
+/// first of each reason).
+#[derive(Clone, Copy, Debug)]
+enum Site {
+    Mesh { tp: u64, cp: u64, ep: u64 },
+    Pipeline { pp: u64, dp: u64, mb: u64, ep: u64 },
+    Interleave { pp: u64, v: u32, ga: u64 },
+    Layout(Layout),
+}
 
-    // Outer loop units for progress: (tp, cp, ep) meshes.
-    let total_outer = (tps.len() * cps.len() * eps.len()) as u64;
-    let mut done_outer = 0u64;
-    for &tp in &tps {
-        for &cp in &cps {
-            for &ep in &eps {
-                done_outer += 1;
-                progress(done_outer, total_outer);
-                let inner = tp * cp * ep;
-                if world % inner != 0 {
-                    continue; // not a factorization of the world: not a candidate
-                }
-                // ---- mesh-level rules ----
-                let mesh_axes = Axes {
-                    tp: Some(tp),
-                    cp: Some(cp),
-                    ep: Some(ep),
-                    ..Axes::default()
-                };
-                if let Some(r) = rules::first_violation(&ctx, &mesh_axes) {
-                    tally.reject(r, || match r {
-                        Rejection::TpAcrossNodes => format!("tp={tp} > {gpn} GPUs per node"),
-                        Rejection::HeadsNotDivisibleByTp => {
-                            format!("num_attention_heads={} vs tp={tp}", m.num_attention_heads)
-                        }
-                        Rejection::KvHeadsVsTp => {
-                            format!("num_kv_heads={} vs tp={tp}", m.num_kv_heads)
-                        }
-                        Rejection::CpWithoutFlashAttention => format!(
-                            "cp={cp}: ring attention needs a blockwise (flash) attention kernel"
-                        ),
-                        Rejection::SeqLenVsCp => format!("seq_len={} split {cp} ways (needs 2*cp | s and >= {MIN_CP_SHARD_TOKENS} tokens per shard)", m.seq_len),
-                        Rejection::ExpertsNotDivisibleByEp => format!(
-                            "num_experts={} vs ep={ep}",
-                            m.moe.as_ref().map_or(0, |x| x.num_experts)
-                        ),
-                        Rejection::EpWithoutExperts => format!("ep={ep} on a dense model"),
-                        other => other.name().to_string(),
-                    });
-                    continue;
-                }
-                let pps: Vec<u64> = pick(pins.pp.map(|v| v as u64), divisors(world / inner));
-                let sps = match (pins.sequence_parallel, tp) {
-                    (Some(v), _) => vec![v],
-                    (None, 1) => vec![false],
-                    (None, _) => vec![true, false],
-                };
-                // micro-batch candidates: divisors of the per-replica batch, capped.
-                let mbs_all: Vec<u64> = (1..=MAX_MICRO_BATCH.min(gb))
-                    .filter(|b| gb % b == 0)
-                    .collect();
-                let mbs = pick(pins.micro_batch.map(|v| v as u64), mbs_all);
-                for &mb in &mbs {
-                    for &sp in &sps {
-                        if sp && tp == 1 {
-                            continue;
-                        }
-                        // Whole experts (expert TP 1) fold tp into the expert-parallel
-                        // group: an MoE choice with tp > 1 and sequence parallelism (each
-                        // tp rank dispatches its own shard) when tp x ep divides the experts.
-                        let fold_ok = sp
-                            && tp > 1
-                            && m.moe
-                                .as_ref()
-                                .is_some_and(|x| x.num_experts as u64 % (tp * ep) == 0);
-                        let wholes: Vec<bool> = match pins.expert_tp {
-                            Some(1) if tp > 1 => {
-                                if fold_ok {
-                                    vec![true]
-                                } else {
-                                    vec![]
-                                }
+/// What the search decided about one candidate before ranking it, in the search's order.
+#[derive(Clone, Debug)]
+enum Event {
+    Rejected(Rejection, Site),
+    /// Counted, not evaluated: the same estimate as ZeRO stage `lower` (which wins the tie).
+    SameAsLowerZero(Layout, u8),
+    /// Evaluated with its walk (or none needed).
+    Evaluated(Box<Candidate>),
+    /// Uneven interleaving: `optimistic` is its goodput with no pipeline bubble, an upper
+    /// bound; `full` its evaluation once walked. Candidates of one unit with the same
+    /// `family` (pp, vpp) share one walk.
+    Uneven {
+        layout: Layout,
+        optimistic: f64,
+        family: u32,
+        full: Option<Box<Candidate>>,
+    },
+}
+
+/// One unit's candidates (and the per-layer costs they were evaluated with).
+struct Expanded {
+    lc: Option<LayerCosts>,
+    events: Vec<Event>,
+}
+
+/// Units expanded in parallel per window, then replayed in order: a window is a few times
+/// the thread count, so the replay's threshold is never far behind.
+const WINDOW: usize = 64;
+
+/// Run the search. `keep` = how many of the best candidates to return; `progress` is called
+/// with (done, total) over the (tp, cp, ep) meshes.
+///
+/// Candidates are expanded and evaluated in parallel (rayon), a window of units at a time,
+/// then replayed in the sequential order: counts, examples, the top `keep` and the pruning
+/// of uneven interleaving against the running threshold are those of one thread visiting
+/// every candidate in order, whatever the thread count. Walks of uneven interleaving run
+/// (in parallel, one per pp/vpp family for all its ZeRO stages) for the candidates whose
+/// optimistic goodput reaches a lower bound of the threshold the replay will hold; the
+/// replay walks any other it needs itself.
+pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> SearchResult {
+    let space = Space::new(job);
+    let units = space.units();
+    let total_outer = (space.tps.len() * space.cps.len() * space.eps.len()) as u64;
+    let mut run = Replay {
+        keep,
+        fully_pinned: space.fully_pinned,
+        tally: Tally {
+            summary: SearchSummary {
+                fully_pinned: space.fully_pinned,
+                ..SearchSummary::default()
+            },
+        },
+        best: Vec::with_capacity(keep + 1),
+        hopefuls: Vec::new(),
+    };
+    let mut plans = WalkPlans::default();
+    for window in units.chunks(WINDOW) {
+        let mut expanded: Vec<Expanded> = window.par_iter().map(|u| space.expand(u)).collect();
+        run.walk_likely(&space, &mut plans, &mut expanded);
+        for (unit, ex) in window.iter().zip(expanded) {
+            run.replay(&space, unit, ex);
+            progress(unit.outer(), total_outer);
+        }
+    }
+    progress(total_outer, total_outer);
+    run.finish()
+}
+
+impl<'a> Space<'a> {
+    fn new(job: &'a Job) -> Space<'a> {
+        let pins = &job.pinned;
+        let world = job.cluster.world_size;
+        let gb = job.training.global_batch;
+        let fully_pinned = pins.tp.is_some()
+            && pins.pp.is_some()
+            && pins.dp.is_some()
+            && pins.cp.is_some()
+            && pins.ep.is_some()
+            && pins.micro_batch.is_some()
+            && pins.zero_stage.is_some()
+            && pins.recompute.is_some()
+            && (pins.vpp.is_some() || pins.pp == Some(1))
+            && (pins.sequence_parallel.is_some() || pins.tp == Some(1));
+        let divs = divisors(world);
+        // micro-batch candidates: divisors of the per-replica batch, capped.
+        let mbs_all: Vec<u64> = (1..=MAX_MICRO_BATCH.min(gb))
+            .filter(|b| gb % b == 0)
+            .collect();
+        Space {
+            job,
+            ctx: rules::Ctx::of(job),
+            world,
+            fully_pinned,
+            tps: pick(pins.tp.map(|v| v as u64), divs.clone()),
+            cps: pick(pins.cp.map(|v| v as u64), divs.clone()),
+            eps: match (&job.model.moe, pins.ep) {
+                (_, Some(v)) => vec![v as u64],
+                (None, None) => vec![1],
+                (Some(_), None) => divs.clone(),
+            },
+            mbs: pick(pins.micro_batch.map(|v| v as u64), mbs_all),
+            recomputes: pick(
+                pins.recompute,
+                vec![Recompute::None, Recompute::Selective, Recompute::Full],
+            ),
+            zeros: pick(pins.zero_stage, vec![0u8, 1, 2, 3]),
+        }
+    }
+
+    /// Every unit, in the search's order (tp, cp, ep, micro-batch, sequence parallelism,
+    /// recompute, whole experts).
+    fn units(&self) -> Vec<Unit> {
+        let pins = &self.job.pinned;
+        let m = &self.job.model;
+        let mut units = Vec::new();
+        let mut outer = 0u64;
+        for &tp in &self.tps {
+            for &cp in &self.cps {
+                for &ep in &self.eps {
+                    outer += 1;
+                    if self.world % (tp * cp * ep) != 0 {
+                        continue; // not a factorization of the world: not a candidate
+                    }
+                    let mesh_axes = Axes {
+                        tp: Some(tp),
+                        cp: Some(cp),
+                        ep: Some(ep),
+                        ..Axes::default()
+                    };
+                    if let Some(reason) = rules::first_violation(&self.ctx, &mesh_axes) {
+                        units.push(Unit::MeshRejected {
+                            outer,
+                            reason,
+                            tp,
+                            cp,
+                            ep,
+                        });
+                        continue;
+                    }
+                    let sps = match (pins.sequence_parallel, tp) {
+                        (Some(v), _) => vec![v],
+                        (None, 1) => vec![false],
+                        (None, _) => vec![true, false],
+                    };
+                    for &mb in &self.mbs {
+                        for &sp in &sps {
+                            if sp && tp == 1 {
+                                continue;
                             }
-                            Some(_) => vec![false],
-                            None if fold_ok => vec![false, true],
-                            None => vec![false],
-                        };
-                        for &rc in &recomputes {
-                            for &whole in &wholes {
-                                let lc = LayerCosts::with_experts(
-                                    job, tp as u32, cp as u32, ep as u32, mb as u32, sp, rc, whole,
-                                );
-                                for &pp in &pps {
-                                    let rest = world / inner;
-                                    if rest % pp != 0 {
-                                        continue;
+                            // Whole experts (expert TP 1) fold tp into the expert-parallel
+                            // group: an MoE choice with tp > 1 and sequence parallelism (each
+                            // tp rank dispatches its own shard) when tp x ep divides the
+                            // experts.
+                            let fold_ok = sp
+                                && tp > 1
+                                && m.moe
+                                    .as_ref()
+                                    .is_some_and(|x| x.num_experts as u64 % (tp * ep) == 0);
+                            let wholes: Vec<bool> = match pins.expert_tp {
+                                Some(1) if tp > 1 => {
+                                    if fold_ok {
+                                        vec![true]
+                                    } else {
+                                        vec![]
                                     }
-                                    let dp = rest / pp;
-                                    if let Some(pdp) = pins.dp {
-                                        if pdp as u64 != dp {
-                                            continue;
-                                        }
-                                    }
-                                    let pp_axes = Axes {
-                                        ep: Some(ep),
-                                        pp: Some(pp),
-                                        dp: Some(dp),
-                                        micro_batch: Some(mb),
-                                        ..Axes::default()
-                                    };
-                                    if let Some(r) = rules::first_violation(&ctx, &pp_axes) {
-                                        tally.reject(r, || match r {
-                                        Rejection::PpExceedsLayers => {
-                                            format!("pp={pp} > num_layers={}", m.num_layers)
-                                        }
-                                        Rejection::BatchNotDivisible => format!("global_batch={gb} vs micro_batch*dp*ep = {mb}*{dp}*{ep}"),
-                                        Rejection::GradAccumMismatch => format!(
-                                            "job.batch.grad_accum={} but layout gives {}",
-                                            job.training.grad_accum.unwrap_or(0),
-                                            gb / (mb * dp * ep)
-                                        ),
-                                        other => other.name().to_string(),
+                                }
+                                Some(_) => vec![false],
+                                None if fold_ok => vec![false, true],
+                                None => vec![false],
+                            };
+                            for &rc in &self.recomputes {
+                                for &whole in &wholes {
+                                    units.push(Unit::Costs {
+                                        outer,
+                                        tp,
+                                        cp,
+                                        ep,
+                                        mb,
+                                        sp,
+                                        rc,
+                                        whole,
                                     });
-                                        continue;
-                                    }
-                                    let per = mb * dp * ep;
-                                    let ga = gb / per;
-                                    // Virtual stages go with the interleaved schedule only.
-                                    let vpps: Vec<u32> = match (pins.vpp, pins.schedule) {
-                                        (Some(v), _) => vec![v],
-                                        (None, _) if pp == 1 => vec![1],
-                                        (None, Some(Schedule::Interleaved)) => {
-                                            (2..=MAX_VPP).collect()
-                                        }
-                                        (None, Some(_)) => vec![1],
-                                        (None, None) => (1..=MAX_VPP).collect(),
-                                    };
-                                    for &v in &vpps {
-                                        let schedules: Vec<Schedule> = match (pins.schedule, v) {
-                                            (Some(s), _) => vec![s],
-                                            (None, 1) => vec![Schedule::OneFOneB],
-                                            (None, _) => vec![Schedule::Interleaved],
-                                        };
-                                        let v_axes = Axes {
-                                            pp: Some(pp),
-                                            vpp: Some(v as u64),
-                                            grad_accum: Some(ga),
-                                            ..Axes::default()
-                                        };
-                                        if let Some(r) = rules::first_violation(&ctx, &v_axes) {
-                                            tally.reject(r, || match r {
-                                            Rejection::LayersVsInterleave => format!(
-                                                "num_layers={} < pp*vpp={} chunks",
-                                                m.num_layers,
-                                                pp * v as u64
-                                            ),
-                                            Rejection::MicrobatchesVsInterleave => format!("{ga} micro-batches not a multiple of pp={pp} (interleaved schedule)"),
-                                            Rejection::UnevenPipelineChunks => format!(
-                                                "num_layers={} not a multiple of pp*vpp={} (even_pipeline_chunks)",
-                                                m.num_layers,
-                                                pp * v as u64
-                                            ),
-                                            other => other.name().to_string(),
-                                        });
-                                            continue;
-                                        }
-                                        for &sched in &schedules {
-                                            for &z in &zeros {
-                                                let layout = Layout {
-                                                    tp: tp as u32,
-                                                    pp: pp as u32,
-                                                    dp: dp as u32,
-                                                    cp: cp as u32,
-                                                    ep: ep as u32,
-                                                    vpp: v,
-                                                    micro_batch: mb as u32,
-                                                    grad_accum: ga,
-                                                    zero_stage: z,
-                                                    recompute: rc,
-                                                    sequence_parallel: sp,
-                                                    schedule: sched,
-                                                    expert_tp: (m.is_moe() && tp > 1).then_some(
-                                                        if whole { 1 } else { tp as u32 },
-                                                    ),
-                                                };
-                                                let z_axes = Axes {
-                                                    pp: Some(pp),
-                                                    vpp: Some(v as u64),
-                                                    schedule: Some(sched),
-                                                    zero_stage: Some(z),
-                                                    ..Axes::default()
-                                                };
-                                                if let Some(r) =
-                                                    rules::first_violation(&ctx, &z_axes)
-                                                {
-                                                    tally.reject(r, || format!("{layout}: {r}"));
-                                                    continue;
-                                                }
-                                                // A ZeRO stage whose sharding and traffic the cost
-                                                // model says are those of a lower stage in the list
-                                                // (ZeRO-2, and FSDP without resharding, under PP are
-                                                // ZeRO-1's) has the same estimate; the lower stage
-                                                // wins that tie, so it is counted, not evaluated.
-                                                let sharding =
-                                                    |z: u8| DpSharding::new(z, pp as u32, reshard);
-                                                if let Some(&lower) = zeros.iter().find(|&&z2| {
-                                                    z2 < z && sharding(z2) == sharding(z)
-                                                }) {
-                                                    tally.summary.candidates += 1;
-                                                    let key = "same_as_lower_zero_stage";
-                                                    *tally
-                                                        .summary
-                                                        .rejected
-                                                        .entry(key.to_string())
-                                                        .or_insert(0) += 1;
-                                                    if !tally.summary.examples.contains_key(key) {
-                                                        tally.summary.examples.insert(
-                                                        key.to_string(),
-                                                        format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie"),
-                                                    );
-                                                    }
-                                                    continue;
-                                                }
-                                                // Uneven interleaving: walking the schedule
-                                                // costs O(pp m vpp); first ask for the goodput
-                                                // with no bubble (an upper bound) and walk only
-                                                // when that could reach the top.
-                                                if v > 1
-                                                    && m.num_layers as u64 % (pp * v as u64) != 0
-                                                {
-                                                    let opt = evaluate_with(
-                                                        job,
-                                                        &lc,
-                                                        &layout,
-                                                        Split::Balanced,
-                                                        false,
-                                                        false,
-                                                    );
-                                                    if opt.estimate.goodput_tokens_per_s
-                                                        < threshold(&best)
-                                                    {
-                                                        tally.summary.candidates += 1;
-                                                        let key = "below_top_without_bubble";
-                                                        *tally
-                                                            .summary
-                                                            .rejected
-                                                            .entry(key.to_string())
-                                                            .or_insert(0) += 1;
-                                                        if !tally.summary.examples.contains_key(key)
-                                                        {
-                                                            tally.summary.examples.insert(
-                                                            key.to_string(),
-                                                            format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top"),
-                                                        );
-                                                        }
-                                                        continue;
-                                                    }
-                                                }
-                                                let ev = evaluate(
-                                                    job,
-                                                    &lc,
-                                                    &layout,
-                                                    Split::Balanced,
-                                                    false,
-                                                );
-                                                if !ev.estimate.fits && !fully_pinned {
-                                                    let need = ev.estimate.memory.total_bytes;
-                                                    let hbm = ev.estimate.memory.hbm_bytes;
-                                                    tally.reject(Rejection::OutOfMemory, || {
-                                                        format!(
-                                                            "{layout}: needs {:.1} GB of {:.1} GB",
-                                                            need / 1e9,
-                                                            hbm / 1e9
-                                                        )
-                                                    });
-                                                    continue;
-                                                }
-                                                tally.summary.candidates += 1;
-                                                tally.summary.feasible +=
-                                                    u64::from(ev.estimate.fits);
-                                                let cand = Candidate {
-                                                    layout,
-                                                    estimate: ev.estimate,
-                                                    goodput_bound: ev.goodput_bound,
-                                                };
-                                                if cand.goodput_bound
-                                                    > cand.estimate.goodput_tokens_per_s
-                                                {
-                                                    hopefuls.push(cand.clone());
-                                                    if hopefuls.len() > 4096 {
-                                                        let t = threshold(&best);
-                                                        hopefuls.retain(|c| c.goodput_bound >= t);
-                                                    }
-                                                }
-                                                insert_top(&mut best, keep, cand);
-                                            }
-                                        }
-                                    }
                                 }
                             }
                         }
@@ -502,13 +417,458 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                 }
             }
         }
+        units
     }
-    let t = threshold(&best);
-    hopefuls.retain(|c| c.goodput_bound >= t && !best.iter().any(|b| b.layout == c.layout));
-    SearchResult {
-        best,
-        hopefuls,
-        summary: tally.summary,
+
+    /// A unit's candidates over (pp, vpp, schedule, ZeRO stage), each rejected, counted or
+    /// evaluated (uneven interleaving: only its optimistic goodput).
+    fn expand(&self, unit: &Unit) -> Expanded {
+        let Unit::Costs {
+            tp,
+            cp,
+            ep,
+            mb,
+            sp,
+            rc,
+            whole,
+            ..
+        } = *unit
+        else {
+            return Expanded {
+                lc: None,
+                events: Vec::new(),
+            };
+        };
+        let job = self.job;
+        let pins = &job.pinned;
+        let shape = LayerShape {
+            tp: tp as u32,
+            cp: cp as u32,
+            ep: ep as u32,
+            micro_batch: mb as u32,
+            sp,
+            recompute: rc,
+        };
+        let lc = LayerCosts::with_experts(job, &shape, whole);
+        let rest = self.world / (tp * cp * ep);
+        let pps: Vec<u64> = pick(pins.pp.map(|v| v as u64), divisors(rest));
+        let mut events = Vec::new();
+        let mut family = 0u32;
+        for &pp in &pps {
+            if rest % pp != 0 {
+                continue;
+            }
+            let dp = rest / pp;
+            if pins.dp.is_some_and(|pdp| pdp as u64 != dp) {
+                continue;
+            }
+            let pp_axes = Axes {
+                ep: Some(ep),
+                pp: Some(pp),
+                dp: Some(dp),
+                micro_batch: Some(mb),
+                ..Axes::default()
+            };
+            if let Some(r) = rules::first_violation(&self.ctx, &pp_axes) {
+                events.push(Event::Rejected(r, Site::Pipeline { pp, dp, mb, ep }));
+                continue;
+            }
+            let ga = job.training.global_batch / (mb * dp * ep);
+            // Virtual stages go with the interleaved schedule only.
+            let vpps: Vec<u32> = match (pins.vpp, pins.schedule) {
+                (Some(v), _) => vec![v],
+                (None, _) if pp == 1 => vec![1],
+                (None, Some(Schedule::Interleaved)) => (2..=MAX_VPP).collect(),
+                (None, Some(_)) => vec![1],
+                (None, None) => (1..=MAX_VPP).collect(),
+            };
+            for &v in &vpps {
+                let v_axes = Axes {
+                    pp: Some(pp),
+                    vpp: Some(v as u64),
+                    grad_accum: Some(ga),
+                    ..Axes::default()
+                };
+                if let Some(r) = rules::first_violation(&self.ctx, &v_axes) {
+                    events.push(Event::Rejected(r, Site::Interleave { pp, v, ga }));
+                    continue;
+                }
+                family += 1;
+                let schedules: Vec<Schedule> = match (pins.schedule, v) {
+                    (Some(s), _) => vec![s],
+                    (None, 1) => vec![Schedule::OneFOneB],
+                    (None, _) => vec![Schedule::Interleaved],
+                };
+                for &sched in &schedules {
+                    for &z in &self.zeros {
+                        let layout = Layout {
+                            tp: tp as u32,
+                            pp: pp as u32,
+                            dp: dp as u32,
+                            cp: cp as u32,
+                            ep: ep as u32,
+                            vpp: v,
+                            micro_batch: mb as u32,
+                            grad_accum: ga,
+                            zero_stage: z,
+                            recompute: rc,
+                            sequence_parallel: sp,
+                            schedule: sched,
+                            expert_tp: (job.model.is_moe() && tp > 1).then_some(if whole {
+                                1
+                            } else {
+                                tp as u32
+                            }),
+                        };
+                        events.push(self.candidate(&lc, layout, family));
+                    }
+                }
+            }
+        }
+        Expanded {
+            lc: Some(lc),
+            events,
+        }
+    }
+
+    /// One (pp, vpp, schedule, ZeRO) candidate of a unit.
+    fn candidate(&self, lc: &LayerCosts, layout: Layout, family: u32) -> Event {
+        let (pp, v, z) = (layout.pp, layout.vpp, layout.zero_stage);
+        let z_axes = Axes {
+            pp: Some(pp as u64),
+            vpp: Some(v as u64),
+            schedule: Some(layout.schedule),
+            zero_stage: Some(z),
+            ..Axes::default()
+        };
+        if let Some(r) = rules::first_violation(&self.ctx, &z_axes) {
+            return Event::Rejected(r, Site::Layout(layout));
+        }
+        // A ZeRO stage whose sharding and traffic the cost model says are those of a lower
+        // stage in the list (ZeRO-2, and FSDP without resharding, under PP are ZeRO-1's) has
+        // the same estimate; the lower stage wins that tie, so it is counted, not evaluated.
+        let reshard = self.job.pinned.fsdp_reshard_after_forward;
+        let sharding = |z: u8| DpSharding::new(z, pp, reshard);
+        if let Some(&lower) = self
+            .zeros
+            .iter()
+            .find(|&&z2| z2 < z && sharding(z2) == sharding(z))
+        {
+            return Event::SameAsLowerZero(layout, lower);
+        }
+        // Uneven interleaving: walking the schedule costs O(pp m vpp); first ask for the
+        // goodput with no bubble (an upper bound) and walk only when that could reach the top.
+        if v > 1 && self.job.model.num_layers % (pp * v) != 0 {
+            let opt = evaluate_with(
+                self.job,
+                lc,
+                &layout,
+                Split::Balanced,
+                false,
+                UnevenWalk::Skip,
+            );
+            return Event::Uneven {
+                layout,
+                optimistic: opt.estimate.goodput_tokens_per_s,
+                family,
+                full: None,
+            };
+        }
+        let ev = evaluate(self.job, lc, &layout, Split::Balanced, false);
+        Event::Evaluated(Box::new(Candidate {
+            layout,
+            estimate: ev.estimate,
+            goodput_bound: ev.goodput_bound,
+        }))
+    }
+
+    /// The example text of a rejection.
+    fn example(&self, r: Rejection, site: &Site) -> String {
+        let m = &self.job.model;
+        let gb = self.job.training.global_batch;
+        match (*site, r) {
+            (Site::Mesh { tp, .. }, Rejection::TpAcrossNodes) => {
+                format!("tp={tp} > {} GPUs per node", self.job.cluster.gpus_per_node)
+            }
+            (Site::Mesh { tp, .. }, Rejection::HeadsNotDivisibleByTp) => {
+                format!("num_attention_heads={} vs tp={tp}", m.num_attention_heads)
+            }
+            (Site::Mesh { tp, .. }, Rejection::KvHeadsVsTp) => {
+                format!("num_kv_heads={} vs tp={tp}", m.num_kv_heads)
+            }
+            (Site::Mesh { cp, .. }, Rejection::CpWithoutFlashAttention) => {
+                format!("cp={cp}: ring attention needs a blockwise (flash) attention kernel")
+            }
+            (Site::Mesh { cp, .. }, Rejection::SeqLenVsCp) => format!(
+                "seq_len={} split {cp} ways (needs 2*cp | s and >= {MIN_CP_SHARD_TOKENS} tokens per shard)",
+                m.seq_len
+            ),
+            (Site::Mesh { ep, .. }, Rejection::ExpertsNotDivisibleByEp) => format!(
+                "num_experts={} vs ep={ep}",
+                m.moe.as_ref().map_or(0, |x| x.num_experts)
+            ),
+            (Site::Mesh { ep, .. }, Rejection::EpWithoutExperts) => {
+                format!("ep={ep} on a dense model")
+            }
+            (Site::Pipeline { pp, .. }, Rejection::PpExceedsLayers) => {
+                format!("pp={pp} > num_layers={}", m.num_layers)
+            }
+            (Site::Pipeline { dp, mb, ep, .. }, Rejection::BatchNotDivisible) => {
+                format!("global_batch={gb} vs micro_batch*dp*ep = {mb}*{dp}*{ep}")
+            }
+            (Site::Pipeline { dp, mb, ep, .. }, Rejection::GradAccumMismatch) => format!(
+                "job.batch.grad_accum={} but layout gives {}",
+                self.job.training.grad_accum.unwrap_or(0),
+                gb / (mb * dp * ep)
+            ),
+            (Site::Interleave { pp, v, .. }, Rejection::LayersVsInterleave) => format!(
+                "num_layers={} < pp*vpp={} chunks",
+                m.num_layers,
+                pp * v as u64
+            ),
+            (Site::Interleave { pp, ga, .. }, Rejection::MicrobatchesVsInterleave) => {
+                format!("{ga} micro-batches not a multiple of pp={pp} (interleaved schedule)")
+            }
+            (Site::Interleave { pp, v, .. }, Rejection::UnevenPipelineChunks) => format!(
+                "num_layers={} not a multiple of pp*vpp={} (even_pipeline_chunks)",
+                m.num_layers,
+                pp * v as u64
+            ),
+            (Site::Layout(layout), r) => format!("{layout}: {r}"),
+            (_, other) => other.name().to_string(),
+        }
+    }
+}
+
+/// [`WalkPlan`]s by (schedule, pp, vpp, micro-batches), built once per search.
+#[derive(Default)]
+struct WalkPlans {
+    plans: BTreeMap<(Schedule, u32, u32, u32), WalkPlan>,
+}
+
+impl WalkPlans {
+    fn key(l: &Layout) -> (Schedule, u32, u32, u32) {
+        (l.schedule, l.pp, l.vpp, l.grad_accum as u32)
+    }
+
+    /// Build the plans of `layouts` not built yet (in parallel).
+    fn prepare(&mut self, layouts: impl Iterator<Item = Layout>) {
+        let mut missing: Vec<_> = layouts
+            .map(|l| Self::key(&l))
+            .filter(|k| !self.plans.contains_key(k))
+            .collect();
+        missing.sort();
+        missing.dedup();
+        let built: Vec<WalkPlan> = missing
+            .par_iter()
+            .map(|&(s, p, v, m)| WalkPlan::new(s, p, v, m))
+            .collect();
+        self.plans.extend(missing.into_iter().zip(built));
+    }
+
+    /// `layout`'s evaluation with its walk (the plan must have been prepared).
+    fn candidate(&self, job: &Job, lc: &LayerCosts, layout: &Layout, walk: &Walk) -> Candidate {
+        let ev = evaluate_with(
+            job,
+            lc,
+            layout,
+            Split::Balanced,
+            false,
+            UnevenWalk::Given(walk),
+        );
+        Candidate {
+            layout: *layout,
+            estimate: ev.estimate,
+            goodput_bound: ev.goodput_bound,
+        }
+    }
+
+    fn walk(&self, job: &Job, lc: &LayerCosts, layout: &Layout) -> Walk {
+        uneven_walk(job, lc, layout, self.plans.get(&Self::key(layout)))
+    }
+}
+
+/// The sequential state of the search: counts, the top `keep`, the hopefuls.
+struct Replay {
+    keep: usize,
+    fully_pinned: bool,
+    tally: Tally,
+    best: Vec<Candidate>,
+    hopefuls: Vec<Candidate>,
+}
+
+/// The goodput a candidate must reach to enter a full top (`-inf` until it is full).
+fn threshold(best: &[Candidate], keep: usize) -> f64 {
+    if best.len() == keep && keep > 0 {
+        tie_floor(best[keep - 1].estimate.goodput_tokens_per_s)
+    } else {
+        f64::NEG_INFINITY
+    }
+}
+
+impl Replay {
+    /// Walk, in parallel, the uneven interleaving of `window` that the replay will likely
+    /// need: whose optimistic goodput reaches a lower bound of the threshold it will meet.
+    /// The top at the window's start plus the window's evaluated candidates before it
+    /// bound that threshold from below, up to the tie margin: a larger set's `keep`-th
+    /// prints at least as high, so its goodput is at least 1e-5 below ours, and
+    /// `tie_floor` applied twice stays under its `tie_floor`. (Only speed depends on it:
+    /// the replay walks any other candidate it needs.)
+    fn walk_likely(&self, space: &Space<'_>, plans: &mut WalkPlans, expanded: &mut [Expanded]) {
+        let mut lower = self.best.clone();
+        // (unit in the window, family) -> indices of the events to evaluate.
+        let mut wanted: BTreeMap<(usize, u32), Vec<usize>> = BTreeMap::new();
+        for (u, ex) in expanded.iter().enumerate() {
+            for (i, e) in ex.events.iter().enumerate() {
+                match e {
+                    Event::Evaluated(c) if c.estimate.fits || self.fully_pinned => {
+                        insert_top(&mut lower, self.keep, (**c).clone());
+                    }
+                    Event::Uneven {
+                        optimistic, family, ..
+                    } => {
+                        let t = threshold(&lower, self.keep);
+                        let t = if t.is_finite() { tie_floor(t) } else { t };
+                        if *optimistic >= t || optimistic.is_nan() {
+                            wanted.entry((u, *family)).or_default().push(i);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let layout_of = |u: usize, i: usize| match &expanded[u].events[i] {
+            Event::Uneven { layout, .. } => *layout,
+            _ => unreachable!("only uneven candidates are walked"),
+        };
+        let job = space.job;
+        plans.prepare(
+            wanted
+                .iter()
+                .map(|(&(u, _), is)| layout_of(u, is[0]))
+                .filter(|l| is_uneven(job, l)),
+        );
+        let plans = &*plans;
+        let done: Vec<Vec<Candidate>> = wanted
+            .par_iter()
+            .map(|(&(u, _), is)| {
+                let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
+                let first = layout_of(u, is[0]);
+                // One walk for the family: it does not read the ZeRO stage.
+                let walk = is_uneven(job, &first).then(|| plans.walk(job, lc, &first));
+                is.iter()
+                    .map(|&i| {
+                        let l = layout_of(u, i);
+                        match &walk {
+                            Some(w) => plans.candidate(job, lc, &l, w),
+                            None => {
+                                let ev = evaluate(job, lc, &l, Split::Balanced, false);
+                                Candidate {
+                                    layout: l,
+                                    estimate: ev.estimate,
+                                    goodput_bound: ev.goodput_bound,
+                                }
+                            }
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        for (((u, _), is), cands) in wanted.into_iter().zip(done) {
+            for (i, c) in is.into_iter().zip(cands) {
+                if let Event::Uneven { full, .. } = &mut expanded[u].events[i] {
+                    *full = Some(Box::new(c));
+                }
+            }
+        }
+    }
+
+    /// One unit's candidates in order, as the sequential search counts and ranks them.
+    fn replay(&mut self, space: &Space<'_>, unit: &Unit, ex: Expanded) {
+        if let Unit::MeshRejected {
+            reason, tp, cp, ep, ..
+        } = *unit
+        {
+            let site = Site::Mesh { tp, cp, ep };
+            self.tally.reject(reason, || space.example(reason, &site));
+            return;
+        }
+        for e in ex.events {
+            match e {
+                Event::Rejected(r, site) => self.tally.reject(r, || space.example(r, &site)),
+                Event::SameAsLowerZero(layout, lower) => {
+                    self.tally.count("same_as_lower_zero_stage", || {
+                        format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie")
+                    });
+                }
+                Event::Evaluated(c) => self.rank(*c),
+                Event::Uneven {
+                    layout,
+                    optimistic,
+                    full,
+                    ..
+                } => {
+                    if optimistic < threshold(&self.best, self.keep) {
+                        self.tally.count("below_top_without_bubble", || {
+                            format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top")
+                        });
+                        continue;
+                    }
+                    let c = match full {
+                        Some(c) => *c,
+                        None => {
+                            let lc = ex.lc.as_ref().expect("a unit with candidates");
+                            let ev = evaluate(space.job, lc, &layout, Split::Balanced, false);
+                            Candidate {
+                                layout,
+                                estimate: ev.estimate,
+                                goodput_bound: ev.goodput_bound,
+                            }
+                        }
+                    };
+                    self.rank(c);
+                }
+            }
+        }
+    }
+
+    /// An evaluated candidate: rejected for memory, or counted and offered to the top.
+    fn rank(&mut self, cand: Candidate) {
+        if !cand.estimate.fits && !self.fully_pinned {
+            let need = cand.estimate.memory.total_bytes;
+            let hbm = cand.estimate.memory.hbm_bytes;
+            let layout = cand.layout;
+            self.tally.reject(Rejection::OutOfMemory, || {
+                format!(
+                    "{layout}: needs {:.1} GB of {:.1} GB",
+                    need / 1e9,
+                    hbm / 1e9
+                )
+            });
+            return;
+        }
+        self.tally.summary.candidates += 1;
+        self.tally.summary.feasible += u64::from(cand.estimate.fits);
+        if cand.goodput_bound > cand.estimate.goodput_tokens_per_s {
+            self.hopefuls.push(cand.clone());
+            if self.hopefuls.len() > 4096 {
+                let t = threshold(&self.best, self.keep);
+                self.hopefuls.retain(|c| c.goodput_bound >= t);
+            }
+        }
+        insert_top(&mut self.best, self.keep, cand);
+    }
+
+    fn finish(self) -> SearchResult {
+        let t = threshold(&self.best, self.keep);
+        let best = self.best;
+        let mut hopefuls = self.hopefuls;
+        hopefuls.retain(|c| c.goodput_bound >= t && !best.iter().any(|b| b.layout == c.layout));
+        SearchResult {
+            best,
+            hopefuls,
+            summary: self.tally.summary,
+        }
     }
 }
 
