@@ -24,7 +24,12 @@ const CASES: &[(&str, &str)] = &[
 
 /// The plan-speed rows of issue 25: (name, spec, GPUs instead of the spec's, clear pins).
 const ROWS: &[(&str, &str, Option<u64>, bool)] = &[
-    ("405b_16k_h100", "specs/llama3-405b-16k-h100.yaml", None, false),
+    (
+        "405b_16k_h100",
+        "specs/llama3-405b-16k-h100.yaml",
+        None,
+        false,
+    ),
     (
         "405b_table4_16k_h100",
         "specs/llama3-405b-table4-16k-h100.yaml",
@@ -37,7 +42,12 @@ const ROWS: &[(&str, &str, Option<u64>, bool)] = &[
         None,
         true,
     ),
-    ("405b_256xh100", "specs/llama3-405b-16k-h100.yaml", Some(256), false),
+    (
+        "405b_256xh100",
+        "specs/llama3-405b-16k-h100.yaml",
+        Some(256),
+        false,
+    ),
 ];
 
 fn load(path: &str) -> Resolved {

@@ -473,27 +473,10 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
                     s.restart(first);
                 }
             };
-            // Ranks torn down after a fault end in panics (aborted, timed out): expected,
-            // and reported as events; print only the unexpected ones.
-            let prev = std::panic::take_hook();
-            std::panic::set_hook(Box::new(|info| {
-                let msg = info
-                    .payload()
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                if !(msg.contains("aborted because another rank failed")
-                    || msg.contains("timed out"))
-                {
-                    eprintln!("{info}");
-                }
-            }));
-            let out = run_resilient(program, Cpu, &cfg, run_steps, &opts, r, &restart)
-                .map(|rep| ft_report = Some(rep));
-            let _ = std::panic::take_hook();
-            std::panic::set_hook(prev);
-            out
+            quiet_teardown(|| {
+                run_resilient(program, Cpu, &cfg, run_steps, &opts, r, &restart)
+                    .map(|rep| ft_report = Some(rep))
+            })
         }
         (Some(d), None) => distributed::run(d, program, &cfg, &opts).map(|_| ()),
         (Some(d), Some(r)) => {
@@ -550,38 +533,88 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     if !writes {
         return diverged.map_or(Ok(()), Err);
     }
-    let lines = sink.lines;
-    let wall = start.elapsed().as_secs_f64();
-    let tail: Vec<&StepMetrics> = lines.iter().skip(1).collect();
+    write_summary(
+        a,
+        &src,
+        Finished {
+            lines: sink.lines,
+            wall: start.elapsed().as_secs_f64(),
+            run_steps,
+            data_name,
+            tokens,
+            peak,
+            threads,
+            ft: match (&ft_report, &resilience) {
+                (Some(r), Some(res)) => Some(ft_summary(r, res)),
+                _ => None,
+            },
+        },
+    )?;
+    diverged.map_or(Ok(()), Err)
+}
+
+/// Runs `f` with a panic hook that keeps quiet about the panics of ranks torn down after a
+/// fault (aborted, timed out: expected, and reported as events) and prints the others.
+fn quiet_teardown<T>(f: impl FnOnce() -> T) -> T {
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        if !(msg.contains("aborted because another rank failed") || msg.contains("timed out")) {
+            eprintln!("{info}");
+        }
+    }));
+    let out = f();
+    let _ = std::panic::take_hook();
+    std::panic::set_hook(prev);
+    out
+}
+
+/// What a finished run leaves for its summary.
+struct Finished {
+    lines: Vec<StepMetrics>,
+    wall: f64,
+    run_steps: u32,
+    data_name: String,
+    tokens: u64,
+    peak: f64,
+    threads: u32,
+    ft: Option<FtSummary>,
+}
+
+/// The run's last line on stderr and, with `--out`, `summary.json` and `loss.svg`.
+fn write_summary(a: &ExecArgs, src: &Source, f: Finished) -> Result<(), Failure> {
+    let tail: Vec<&StepMetrics> = f.lines.iter().skip(1).collect();
     let summary = Summary {
         plan: a.plan.display().to_string(),
         backend: "cpu",
-        world,
+        world: src.program.world,
         layout: src.layout_json(),
-        steps: run_steps,
-        data: data_name,
-        tokens_per_step: tokens,
-        model_flops_per_step: run.model_flops as f64,
-        peak_flops: peak,
-        peak_basis: format!("measured f32 GEMM of one core x {threads} core(s)"),
-        first_loss: lines.first().map(|m| m.loss).unwrap_or(f64::NAN),
-        last_loss: lines.last().map(|m| m.loss).unwrap_or(f64::NAN),
+        steps: f.run_steps,
+        data: f.data_name,
+        tokens_per_step: f.tokens,
+        model_flops_per_step: src.run.model_flops as f64,
+        peak_flops: f.peak,
+        peak_basis: format!("measured f32 GEMM of one core x {} core(s)", f.threads),
+        first_loss: f.lines.first().map(|m| m.loss).unwrap_or(f64::NAN),
+        last_loss: f.lines.last().map(|m| m.loss).unwrap_or(f64::NAN),
         median_tokens_per_s: median(tail.iter().map(|m| m.tokens_per_s).collect()),
         median_mfu: median(tail.iter().map(|m| m.mfu).collect()),
-        wall_s: wall,
-        fault_tolerance: match (&ft_report, &resilience) {
-            (Some(r), Some(res)) => Some(ft_summary(r, res)),
-            _ => None,
-        },
+        wall_s: f.wall,
+        fault_tolerance: f.ft,
     };
     if let Some(ft) = &summary.fault_tolerance {
         print_ft(ft);
     }
     eprintln!(
         "{} steps on {} rank(s) in {:.1} s: loss {:.4} -> {:.4}, median {:.0} tokens/s, MFU {:.1}% of {}",
-        lines.len(),
-        world,
-        wall,
+        f.lines.len(),
+        src.program.world,
+        f.wall,
         summary.first_loss,
         summary.last_loss,
         summary.median_tokens_per_s,
@@ -591,14 +624,14 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     if let Some(out) = &a.out {
         let text = serde_json::to_string_pretty(&summary).map_err(|e| anyhow!(e))? + "\n";
         io::write_output(Some(&out.join("summary.json")), &text)?;
-        let svg = crate::plot::training_svg(&lines)?;
+        let svg = crate::plot::training_svg(&f.lines)?;
         io::write_output(Some(&out.join("loss.svg")), &svg)?;
         eprintln!(
             "wrote {}/metrics.jsonl, summary.json, loss.svg",
             out.display()
         );
     }
-    diverged.map_or(Ok(()), Err)
+    Ok(())
 }
 
 /// The dataset, checked once, up front, before any rank starts: its name for the

@@ -19,9 +19,8 @@ fn plan_bytes(path: &str, clear_pins: bool, threads: usize) -> String {
         .num_threads(threads)
         .build()
         .unwrap();
-    let p = pool.install(|| {
-        plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap()
-    });
+    let p = pool
+        .install(|| plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap());
     shardwright_spec::plan::to_json(&p)
 }
 
@@ -43,6 +42,10 @@ fn plan_bytes_do_not_depend_on_the_thread_count() {
                 "{path}: the plan on {threads} threads differs from the plan on 1"
             );
         }
-        assert!(one.contains("\"search\""), "{path}: {}", &one[..200.min(one.len())]);
+        assert!(
+            one.contains("\"search\""),
+            "{path}: {}",
+            &one[..200.min(one.len())]
+        );
     }
 }
