@@ -250,6 +250,93 @@ fn synthetic_step_s() -> f64 {
 }
 
 impl Attempt<'_> {
+    /// What this attempt adds to the run's totals: checkpoint stalls, flagged events, and
+    /// the steps it completed on every rank (a later rollback may re-run some; the last
+    /// run of a step is the one kept).
+    fn harvest(
+        &self,
+        blocked: &mut (f64, u32),
+        events: &mut Vec<Event>,
+        losses: &mut BTreeMap<u32, (f64, f64)>,
+        step_s: &mut BTreeMap<u32, f64>,
+    ) {
+        {
+            let b = self.blocked.lock().unwrap_or_else(|e| e.into_inner());
+            blocked.0 += b.0;
+            blocked.1 += b.1;
+        }
+        events.extend(
+            self.flagged
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .drain(..),
+        );
+        for (s, lg) in self.losses.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            losses.insert(*s, *lg);
+        }
+        for (s, t) in self.step_s.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            step_s.insert(*s, *t);
+        }
+    }
+
+    /// Silent data corruption: data-parallel replicas hold bit-identical weights. The last
+    /// replica of a group to report compares the group's checksums; a disagreement fails
+    /// the attempt, naming the odd rank when a majority agrees.
+    fn check_replicas(&self, rank: u32, step: u32, checksum: u64) -> Result<(), String> {
+        let (group, size) = self.replica[rank as usize];
+        if size > 1 {
+            let sum = checksum;
+            let complete = {
+                let mut sums = self.sums.lock().unwrap_or_else(|e| e.into_inner());
+                let v = sums.entry((step, group)).or_default();
+                v.push((rank, sum));
+                (v.len() == size as usize).then(|| v.clone())
+            };
+            if let Some(v) = complete {
+                let mut count: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+                for (r, s) in &v {
+                    count.entry(*s).or_default().push(*r);
+                }
+                if count.len() > 1 {
+                    let majority = count.values().map(|rs| rs.len()).max().unwrap_or(0);
+                    let odd: Vec<u32> = count
+                        .values()
+                        .filter(|rs| rs.len() < majority)
+                        .flatten()
+                        .copied()
+                        .collect();
+                    let unique = majority * 2 > v.len() && odd.len() == 1;
+                    let culprit = unique.then(|| odd[0]);
+                    let injected = {
+                        let inj = self.injected.lock().unwrap_or_else(|e| e.into_inner());
+                        v.iter().filter_map(|(r, _)| inj.get(r).copied()).min()
+                    };
+                    let mut ranks: Vec<u32> = v.iter().map(|x| x.0).collect();
+                    ranks.sort_unstable();
+                    self.fail(Detected {
+                    kind: "sdc",
+                    step,
+                    rank: culprit,
+                    replace: unique,
+                    detected_by: "data-parallel replicas' weight checksums".into(),
+                    message: match culprit {
+                        Some(r) => format!(
+                            "after step {step} rank {r}'s weights differ from its replicas {ranks:?}"
+                        ),
+                        None => format!(
+                            "after step {step} the replicas {ranks:?} disagree and no majority names one"
+                        ),
+                    },
+                    injected_at: injected,
+                    at: Instant::now(),
+                });
+                    return Err("replica weights disagree".into());
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn fail(&self, d: Detected) {
         let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
         if f.is_none() {
@@ -494,58 +581,7 @@ impl RankHooks for Attempt<'_> {
             });
             return Err("non-finite loss or gradient norm".into());
         }
-        // Silent data corruption: data-parallel replicas hold bit-identical weights.
-        let (group, size) = self.replica[rank as usize];
-        if size > 1 {
-            let sum = state.weights_checksum();
-            let complete = {
-                let mut sums = self.sums.lock().unwrap_or_else(|e| e.into_inner());
-                let v = sums.entry((step, group)).or_default();
-                v.push((rank, sum));
-                (v.len() == size as usize).then(|| v.clone())
-            };
-            if let Some(v) = complete {
-                let mut count: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-                for (r, s) in &v {
-                    count.entry(*s).or_default().push(*r);
-                }
-                if count.len() > 1 {
-                    let majority = count.values().map(|rs| rs.len()).max().unwrap_or(0);
-                    let odd: Vec<u32> = count
-                        .values()
-                        .filter(|rs| rs.len() < majority)
-                        .flatten()
-                        .copied()
-                        .collect();
-                    let unique = majority * 2 > v.len() && odd.len() == 1;
-                    let culprit = unique.then(|| odd[0]);
-                    let injected = {
-                        let inj = self.injected.lock().unwrap_or_else(|e| e.into_inner());
-                        v.iter().filter_map(|(r, _)| inj.get(r).copied()).min()
-                    };
-                    let mut ranks: Vec<u32> = v.iter().map(|x| x.0).collect();
-                    ranks.sort_unstable();
-                    self.fail(Detected {
-                        kind: "sdc",
-                        step,
-                        rank: culprit,
-                        replace: unique,
-                        detected_by: "data-parallel replicas' weight checksums".into(),
-                        message: match culprit {
-                            Some(r) => format!(
-                                "after step {step} rank {r}'s weights differ from its replicas {ranks:?}"
-                            ),
-                            None => format!(
-                                "after step {step} the replicas {ranks:?} disagree and no majority names one"
-                            ),
-                        },
-                        injected_at: injected,
-                        at: Instant::now(),
-                    });
-                    return Err("replica weights disagree".into());
-                }
-            }
-        }
+        self.check_replicas(rank, step, state.weights_checksum())?;
         {
             let mut st = self.step_s.lock().unwrap_or_else(|e| e.into_inner());
             let e = st.entry(idx).or_insert(0.0);
@@ -666,6 +702,152 @@ impl RankHooks for Attempt<'_> {
     }
 }
 
+/// Each rank's replica group (ranks that differ only in their dp coordinate) and the
+/// group's size.
+fn replica_groups(program: &Program) -> Result<Vec<(u32, u32)>, ExecError> {
+    let mut ids: BTreeMap<(u32, u32, u32, u32), u32> = BTreeMap::new();
+    let mut replica = Vec::new();
+    for r in 0..program.world {
+        let c = program.coord(r).ok_or_else(|| {
+            ExecError::Model(format!(
+                "the program carries no mesh coordinates for rank {r}"
+            ))
+        })?;
+        let n = ids.len() as u32;
+        let g = *ids.entry((c.tp, c.cp, c.ep, c.pp)).or_insert(n);
+        replica.push((g, 0));
+    }
+    for r in 0..program.world as usize {
+        let g = replica[r].0;
+        replica[r].1 = replica.iter().filter(|x| x.0 == g).count() as u32;
+    }
+    Ok(replica)
+}
+
+/// What failed when no hook detected it: a hang (one rank blamed by the collective
+/// timeouts: its evidence, the oldest heartbeat among the ranks that did not wait) or else
+/// the error itself, which ends the run.
+fn diagnose(
+    a: &Attempt<'_>,
+    hub: &Hub,
+    results: Vec<Result<RankReport, ExecError>>,
+    losses: &BTreeMap<u32, (f64, f64)>,
+    first: u32,
+) -> Result<Detected, ExecError> {
+    let blamed = hub.blamed();
+    // The evidence: a rank that timed out waiting (it names the collective
+    // and whom it waited for), else the first error not caused by the abort.
+    let first_err = results
+        .iter()
+        .filter_map(|r| r.as_ref().err())
+        .find(|e| e.to_string().contains("timed out"))
+        .or_else(|| {
+            results
+                .iter()
+                .filter_map(|r| r.as_ref().err())
+                .find(|e| !e.to_string().contains("aborted"))
+        })
+        .or_else(|| results.iter().filter_map(|r| r.as_ref().err()).next())
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    if blamed.len() == 1 {
+        let r = blamed[0];
+        let hb = a.heartbeat.lock().unwrap_or_else(|e| e.into_inner());
+        // Ranks that timed out waiting, or were aborted, were alive until the
+        // end (a real rank's heartbeat thread beats while it waits): the oldest
+        // heartbeat among the others.
+        let waited: BTreeSet<u32> = results
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| {
+                x.as_ref().err().is_some_and(|e| {
+                    let e = e.to_string();
+                    e.contains("timed out") || e.contains("aborted")
+                })
+            })
+            .map(|(i, _)| i as u32)
+            .collect();
+        let oldest = hb
+            .iter()
+            .filter(|(r, _)| !waited.contains(r))
+            .min_by_key(|(_, t)| **t)
+            .map(|(r, _)| *r);
+        let injected = a
+            .injected
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&r)
+            .copied();
+        Ok(Detected {
+            kind: "hang",
+            // The step after the last one every rank finished (1-based).
+            step: losses
+                .keys()
+                .next_back()
+                .map(|s| s + 2)
+                .unwrap_or(first + 1),
+            rank: Some(r),
+            replace: true,
+            detected_by: format!(
+                "collective timeout ({:.1} s); oldest heartbeat: rank {}",
+                a.cfg.collective_timeout.as_secs_f64(),
+                oldest.map(|o| o.to_string()).unwrap_or("-".into())
+            ),
+            message: format!("rank {r} stopped answering: {first_err}"),
+            injected_at: injected,
+            at: Instant::now(),
+        })
+    } else {
+        // Not a fault we can recover from: report the error itself.
+        Err(results
+            .into_iter()
+            .find_map(|r| r.err())
+            .unwrap_or_else(|| ExecError::Model(first_err)))
+    }
+}
+
+/// The event of a detected fault, with the hot spare that takes the failed rank's slot
+/// when the fault replaces it; an error when no spare is left.
+fn record_fault(
+    detected: &Detected,
+    slots: &mut [u32],
+    next_spare: &mut u32,
+    world: u32,
+    hot_spares: u32,
+    events: &mut Vec<Event>,
+) -> Result<(), ExecError> {
+    let mut replaced = None;
+    if detected.replace {
+        if let Some(r) = detected.rank {
+            if *next_spare >= world + hot_spares {
+                return Err(ExecError::Model(format!(
+                    "{} of rank {r} at step {} ({}) and no hot spare is left \
+                     (cluster.hot_spares = {})",
+                    detected.kind, detected.step, detected.message, hot_spares
+                )));
+            }
+            replaced = Some((slots[r as usize], *next_spare));
+            slots[r as usize] = *next_spare;
+            *next_spare += 1;
+        }
+    }
+    events.push(Event {
+        kind: detected.kind.to_string(),
+        step: detected.step,
+        rank: detected.rank,
+        detected_by: detected.detected_by.clone(),
+        message: detected.message.clone(),
+        detect_s: detected
+            .injected_at
+            .map(|t| detected.at.saturating_duration_since(t).as_secs_f64())
+            .unwrap_or(0.0),
+        recovery_s: 0.0,
+        restored_step: None,
+        replaced,
+    });
+    Ok(())
+}
+
 /// Train `program` for `steps` steps, surviving the faults of `res`.
 pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
     program: &Program,
@@ -686,23 +868,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         }
     }
     let start = Instant::now();
-    // Replica groups: ranks that differ only in their dp coordinate.
-    let mut ids: BTreeMap<(u32, u32, u32, u32), u32> = BTreeMap::new();
-    let mut replica = Vec::new();
-    for r in 0..world {
-        let c = program.coord(r).ok_or_else(|| {
-            ExecError::Model(format!(
-                "the program carries no mesh coordinates for rank {r}"
-            ))
-        })?;
-        let n = ids.len() as u32;
-        let g = *ids.entry((c.tp, c.cp, c.ep, c.pp)).or_insert(n);
-        replica.push((g, 0));
-    }
-    for r in 0..world as usize {
-        let g = replica[r].0;
-        replica[r].1 = replica.iter().filter(|x| x.0 == g).count() as u32;
-    }
+    let replica = replica_groups(program)?;
     let mut slots: Vec<u32> = (0..world).collect();
     let mut next_spare = world;
     let fired = Mutex::new(BTreeSet::new());
@@ -814,42 +980,13 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         report.ckpt_lag.waits += lag.waits;
         report.ckpt_lag.wait_s += lag.wait_s;
 
-        {
-            let b = attempt.blocked.lock().unwrap_or_else(|e| e.into_inner());
-            blocked.0 += b.0;
-            blocked.1 += b.1;
-        }
-        report.events.extend(
-            attempt
-                .flagged
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .drain(..),
-        );
+        attempt.harvest(&mut blocked, &mut report.events, &mut losses, &mut step_s);
         let failed = results.iter().any(|r| r.is_err())
             || attempt
                 .failure
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .is_some();
-        // The steps this attempt completed on every rank count (a later rollback may
-        // re-run some; the last run of a step is the one kept).
-        for (s, (l, g)) in attempt
-            .losses
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
-            losses.insert(*s, (*l, *g));
-        }
-        for (s, t) in attempt
-            .step_s
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
-            step_s.insert(*s, *t);
-        }
         if !failed {
             ckpt_result.map_err(|e| ExecError::Model(format!("checkpoint: {e}")))?;
             report.final_state = attempt
@@ -866,78 +1003,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
             .clone();
         let detected = match detected {
             Some(d) => d,
-            None => {
-                let blamed = hub.blamed();
-                // The evidence: a rank that timed out waiting (it names the collective
-                // and whom it waited for), else the first error not caused by the abort.
-                let first_err = results
-                    .iter()
-                    .filter_map(|r| r.as_ref().err())
-                    .find(|e| e.to_string().contains("timed out"))
-                    .or_else(|| {
-                        results
-                            .iter()
-                            .filter_map(|r| r.as_ref().err())
-                            .find(|e| !e.to_string().contains("aborted"))
-                    })
-                    .or_else(|| results.iter().filter_map(|r| r.as_ref().err()).next())
-                    .map(|e| e.to_string())
-                    .unwrap_or_default();
-                if blamed.len() == 1 {
-                    let r = blamed[0];
-                    let hb = attempt.heartbeat.lock().unwrap_or_else(|e| e.into_inner());
-                    // Ranks that timed out waiting, or were aborted, were alive until the
-                    // end (a real rank's heartbeat thread beats while it waits): the oldest
-                    // heartbeat among the others.
-                    let waited: BTreeSet<u32> = results
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, x)| {
-                            x.as_ref().err().is_some_and(|e| {
-                                let e = e.to_string();
-                                e.contains("timed out") || e.contains("aborted")
-                            })
-                        })
-                        .map(|(i, _)| i as u32)
-                        .collect();
-                    let oldest = hb
-                        .iter()
-                        .filter(|(r, _)| !waited.contains(r))
-                        .min_by_key(|(_, t)| **t)
-                        .map(|(r, _)| *r);
-                    let injected = attempt
-                        .injected
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get(&r)
-                        .copied();
-                    Detected {
-                        kind: "hang",
-                        // The step after the last one every rank finished (1-based).
-                        step: losses
-                            .keys()
-                            .next_back()
-                            .map(|s| s + 2)
-                            .unwrap_or(first + 1),
-                        rank: Some(r),
-                        replace: true,
-                        detected_by: format!(
-                            "collective timeout ({:.1} s); oldest heartbeat: rank {}",
-                            res.collective_timeout.as_secs_f64(),
-                            oldest.map(|o| o.to_string()).unwrap_or("-".into())
-                        ),
-                        message: format!("rank {r} stopped answering: {first_err}"),
-                        injected_at: injected,
-                        at: Instant::now(),
-                    }
-                } else {
-                    // Not a fault we can recover from: report the error itself.
-                    return Err(results
-                        .into_iter()
-                        .find_map(|r| r.err())
-                        .unwrap_or_else(|| ExecError::Model(first_err)));
-                }
-            }
+            None => diagnose(&attempt, &hub, results, &losses, first)?,
         };
         if detected.kind == "non-finite" && !non_finite.insert(detected.step) {
             return Err(ExecError::Model(format!(
@@ -946,35 +1012,14 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                 detected.step, detected.message
             )));
         }
-        let mut replaced = None;
-        if detected.replace {
-            if let Some(r) = detected.rank {
-                if next_spare >= world + res.hot_spares {
-                    return Err(ExecError::Model(format!(
-                        "{} of rank {r} at step {} ({}) and no hot spare is left \
-                         (cluster.hot_spares = {})",
-                        detected.kind, detected.step, detected.message, res.hot_spares
-                    )));
-                }
-                replaced = Some((slots[r as usize], next_spare));
-                slots[r as usize] = next_spare;
-                next_spare += 1;
-            }
-        }
-        report.events.push(Event {
-            kind: detected.kind.to_string(),
-            step: detected.step,
-            rank: detected.rank,
-            detected_by: detected.detected_by.clone(),
-            message: detected.message.clone(),
-            detect_s: detected
-                .injected_at
-                .map(|t| detected.at.saturating_duration_since(t).as_secs_f64())
-                .unwrap_or(0.0),
-            recovery_s: 0.0,
-            restored_step: None,
-            replaced,
-        });
+        record_fault(
+            &detected,
+            &mut slots,
+            &mut next_spare,
+            world,
+            res.hot_spares,
+            &mut report.events,
+        )?;
         recovering = Some((detected.clone(), detected.at));
         state = restore(&mut warnings)?;
         // Steps after the restored checkpoint run again: forget their first run.
