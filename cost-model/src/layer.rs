@@ -28,6 +28,7 @@
 
 use crate::collective::{
     all_gather_s, all_reduce_s, all_to_all_s, moe_dispatch_dedup_s, reduce_scatter_s, send_s,
+    MoeDispatch,
 };
 use crate::eval::{gemm_eff, group_link};
 use crate::flops;
@@ -526,16 +527,16 @@ impl Ctx<'_> {
                     MoeDispatcher::Alltoall => {
                         all_to_all_s(msg, ep, per_node, intra, inter, link.latency_s)
                     }
-                    MoeDispatcher::Deepep => moe_dispatch_dedup_s(
+                    MoeDispatcher::Deepep => moe_dispatch_dedup_s(&MoeDispatch {
                         token_bytes,
-                        moe.top_k,
-                        moe.num_experts,
-                        ep,
+                        k: moe.top_k,
+                        experts: moe.num_experts,
+                        n: ep,
                         per_node,
-                        intra,
-                        inter,
-                        link.latency_s,
-                    ),
+                        intra_gbps: intra,
+                        inter_gbps: inter,
+                        alpha_s: link.latency_s,
+                    }),
                 };
                 Some((msg, one))
             } else {
