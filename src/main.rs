@@ -665,23 +665,23 @@ fn plan_cmd(
     quiet: bool,
     baseline: Option<&str>,
 ) -> Result<(), Failure> {
-    if let Some(b) = &baseline {
+    if let Some(b) = baseline {
         baseline::check_syntax(b)?;
     }
-    let loaded = io::load_job(&spec, profile.as_deref())?;
+    let loaded = io::load_job(spec, profile)?;
     let job = &loaded.resolved;
     for w in &job.warnings {
         eprintln!("warning: {w}");
     }
     let mut plan = io::plan_with_progress(job, top, !quiet)?;
-    if let Some(b) = &baseline {
+    if let Some(b) = baseline {
         let cmp = baseline::compare(&loaded.spec, &loaded.opts, &plan, b)?;
         eprint!("{}", baseline::render(&cmp, true));
         plan.baseline = Some(cmp);
     }
     let text = shardwright_spec::plan::to_json(&plan);
-    io::write_output(output.as_deref(), &text)?;
-    if let Some(o) = &output {
+    io::write_output(output, &text)?;
+    if let Some(o) = output {
         eprintln!(
             "wrote {}: {}\n  MFU {:.1}%, goodput {:.3e} tokens/s",
             o.display(),
@@ -695,8 +695,8 @@ fn plan_cmd(
 
 /// `explain`: print the summary of a plan.
 fn explain_cmd(plan: &Path, details: bool) -> Result<(), Failure> {
-    let text = io::read_input(&plan)?;
-    let plan = io::parse_plan(&plan, &text)?;
+    let text = io::read_input(plan)?;
+    let plan = io::parse_plan(plan, &text)?;
     print!(
         "{}",
         explain::render(&plan, details).context("rendering the summary")?
@@ -713,10 +713,10 @@ fn validate_cmd(
     output: Option<&Path>,
     planner_report: Option<&Path>,
 ) -> Result<(), Failure> {
-    let (name, text) = io::read_runs(runs.as_deref())?;
+    let (name, text) = io::read_runs(runs)?;
     let file = shardwright_validate::load_runs(&text)
         .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
-    let profiles = profile.as_deref().map(io::load_profile).transpose()?;
+    let profiles = profile.map(io::load_profile).transpose()?;
     let report = shardwright_validate::validate(&file, profiles.as_ref());
     if report.rows.is_empty() {
         return Err(nothing_scored(&name, &report.summary.skipped));
@@ -726,11 +726,11 @@ fn validate_cmd(
     } else {
         shardwright_validate::render_text(&report)
     };
-    io::write_output(output.as_deref(), &out)?;
+    io::write_output(output, &out)?;
     if let Some(path) = planner_report {
         let rows = shardwright_validate::planner_vs_published(&file, profiles.as_ref());
         io::write_output(
-            Some(&path),
+            Some(path),
             &shardwright_validate::render_planner_report(&rows),
         )?;
     }
@@ -745,21 +745,18 @@ fn calibrate_cmd(
     report: Option<&Path>,
     version: &str,
 ) -> Result<(), Failure> {
-    let (name, text) = io::read_runs(runs.as_deref())?;
+    let (name, text) = io::read_runs(runs)?;
     let file = shardwright_validate::load_runs(&text)
         .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
-    let cal = shardwright_validate::calibrate::calibrate(&file, text.as_bytes(), &version);
+    let cal = shardwright_validate::calibrate::calibrate(&file, text.as_bytes(), version);
     if cal.profile.provenance.runs_used == 0 || cal.profile.kinds.is_empty() {
         // Nothing was fitted: refuse to write a profile that would be ignored.
         let report = shardwright_validate::validate(&file, None);
         return Err(nothing_scored(&name, &report.summary.skipped));
     }
-    io::write_output(
-        output.as_deref(),
-        &shardwright_spec::plan::to_json(&cal.profile),
-    )?;
+    io::write_output(output, &shardwright_spec::plan::to_json(&cal.profile))?;
     if let Some(r) = report {
-        io::write_output(Some(&r), &shardwright_spec::plan::to_json(&cal))?;
+        io::write_output(Some(r), &shardwright_spec::plan::to_json(&cal))?;
     }
     print_calibration_errors(&cal);
     Ok(())
