@@ -5,7 +5,7 @@
 
 use minijinja::{context, Environment};
 use shardwright_spec::layout::{recompute_name, schedule_name};
-use shardwright_spec::Plan;
+use shardwright_spec::{Layout, Plan};
 
 const TEMPLATE: &str = include_str!("templates/explain.txt");
 
@@ -86,16 +86,46 @@ pub fn wrap(text: &str, first: &str, indent: &str) -> Vec<String> {
     lines
 }
 
+/// The summary of `plan`; with `details`, the full tables and lists.
 pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
     let mut env = Environment::new();
     env.add_template("explain", TEMPLATE)?;
+    let (head, overview) = overview(plan);
+    let tables = side_by_side(&step_table(plan, details), &memory_table(plan, details));
+    let baseline = plan
+        .baseline
+        .as_ref()
+        .map(|b| crate::baseline::render(b, details).trim_end().to_string());
+    let mut tail: Vec<String> = Vec::new();
+    if !plan.alternatives.is_empty() {
+        alternatives(plan, details, &mut tail);
+    }
+    search(plan, details, &mut tail);
+    for w in &plan.warnings {
+        tail.extend(wrap(w, "warning    ", "           "));
+    }
+    if !details {
+        tail.push("(shardwright explain --details PLAN: full tables, layouts, examples)".into());
+    }
+
+    let tmpl = env.get_template("explain")?;
+    tmpl.render(context! {
+        head => head,
+        overview => overview,
+        tables => tables.trim_end(),
+        baseline => baseline,
+        tail => tail,
+    })
+}
+
+/// The plan's first line (the job and model) and the overview under it: cluster, layout,
+/// throughput, goodput, memory, checkpointing, budget and tie-break.
+fn overview(plan: &Plan) -> (String, Vec<String>) {
     let e = &plan.estimate;
-    let st = &e.step;
     let job = &plan.inputs;
     let l = &plan.layout;
     let r = &e.reliability;
     let m = &e.memory;
-
     let c = &job.cluster;
     let nodes = if c.num_gpus < c.gpus_per_node as u64 {
         format!("1 node, {} of its {} GPUs", c.num_gpus, c.gpus_per_node)
@@ -176,8 +206,12 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
     if let Some(t) = &plan.summary.tie_break {
         overview.extend(wrap(t, "tie        ", "           "));
     }
+    (head, overview)
+}
 
-    // Step time and memory side by side (38 + 4 + 38 columns).
+/// The step time table: each part of the step with its share (summing to 100%).
+fn step_table(plan: &Plan, details: bool) -> Vec<String> {
+    let st = &plan.estimate.step;
     let step_rows: Vec<(&str, f64)> = [
         ("compute (GEMM)", st.gemm_s),
         ("compute (attention)", st.attention_s),
@@ -220,6 +254,12 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
         sig(st.step_s),
         "100%"
     ));
+    left
+}
+
+/// The memory table of the stage with the largest footprint.
+fn memory_table(plan: &Plan, details: bool) -> Vec<String> {
+    let m = &plan.estimate.memory;
     let mem_rows: Vec<(&str, f64)> = [
         ("weights", m.weights_bytes),
         ("gradients", m.grads_bytes),
@@ -245,6 +285,11 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
     }
     right.push(format!("  {:<26} {:>8.2}", "total", m.total_bytes / 1e9));
     right.push(format!("  {:<26} {:>8.2}", "HBM", m.hbm_bytes / 1e9));
+    right
+}
+
+/// Two tables side by side (38 + 4 + 38 columns).
+fn side_by_side(left: &[String], right: &[String]) -> String {
     let rows = left.len().max(right.len());
     let mut tables = String::new();
     for i in 0..rows {
@@ -254,69 +299,72 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
         tables.push_str(line.trim_end());
         tables.push('\n');
     }
+    tables
+}
 
-    let baseline = plan
-        .baseline
-        .as_ref()
-        .map(|b| crate::baseline::render(b, details).trim_end().to_string());
-
-    let mut tail: Vec<String> = Vec::new();
-    if !plan.alternatives.is_empty() {
-        let shown = if details {
-            plan.alternatives.len()
+/// The alternative layouts: each one's goodput against the plan and its layout (with
+/// `details`) or the axes it differs in.
+fn alternatives(plan: &Plan, details: bool, tail: &mut Vec<String>) {
+    let shown = if details {
+        plan.alternatives.len()
+    } else {
+        plan.alternatives.len().min(SHORT_ALTERNATIVES)
+    };
+    tail.push(format!(
+        "alternatives (goodput vs the plan; {} of {})",
+        shown,
+        plan.alternatives.len()
+    ));
+    for a in &plan.alternatives[..shown] {
+        let al = &a.layout;
+        if details {
+            tail.push(format!(
+                "  #{:<2} {:>+7.2}%  {}",
+                a.rank,
+                a.goodput_delta_pct,
+                sig(a.goodput_tokens_per_s)
+            ));
+            tail.push(format!("  {}", al.compact()));
         } else {
-            plan.alternatives.len().min(SHORT_ALTERNATIVES)
-        };
-        tail.push(format!(
-            "alternatives (goodput vs the plan; {} of {})",
-            shown,
-            plan.alternatives.len()
-        ));
-        for a in &plan.alternatives[..shown] {
-            let al = &a.layout;
-            let value = |axis: &str| -> String {
-                match axis {
-                    "tp" => format!("tp{}", al.tp),
-                    "pp" => format!("pp{}", al.pp),
-                    "dp" => format!("dp{}", al.dp),
-                    "cp" => format!("cp{}", al.cp),
-                    "ep" => format!("ep{}", al.ep),
-                    "vpp" => format!("vpp{}", al.vpp),
-                    "micro_batch" => format!("mb{}", al.micro_batch),
-                    "grad_accum" => format!("ga{}", al.grad_accum),
-                    "zero_stage" => format!("zero{}", al.zero_stage),
-                    "recompute" => format!("rc={}", recompute_name(al.recompute)),
-                    "sequence_parallel" => {
-                        format!("sp={}", if al.sequence_parallel { "on" } else { "off" })
-                    }
-                    "schedule" => format!("schedule={}", schedule_name(al.schedule)),
-                    "expert_tp" => format!("etp{}", al.expert_tp_size()),
-                    other => other.to_string(),
-                }
-            };
-            if details {
-                tail.push(format!(
-                    "  #{:<2} {:>+7.2}%  {}",
-                    a.rank,
-                    a.goodput_delta_pct,
-                    sig(a.goodput_tokens_per_s)
-                ));
-                tail.push(format!("  {}", al.compact()));
+            let diff: Vec<String> = a.differs_in.iter().map(|d| axis_value(al, d)).collect();
+            let text = if diff.is_empty() {
+                "(same layout, other stage split)".to_string()
             } else {
-                let diff: Vec<String> = a.differs_in.iter().map(|d| value(d)).collect();
-                let text = if diff.is_empty() {
-                    "(same layout, other stage split)".to_string()
-                } else {
-                    diff.join(" ")
-                };
-                tail.extend(wrap(
-                    &text,
-                    &format!("  #{:<2} {:>+7.2}%  differs: ", a.rank, a.goodput_delta_pct),
-                    "                       ",
-                ));
-            }
+                diff.join(" ")
+            };
+            tail.extend(wrap(
+                &text,
+                &format!("  #{:<2} {:>+7.2}%  differs: ", a.rank, a.goodput_delta_pct),
+                "                       ",
+            ));
         }
     }
+}
+
+/// An alternative layout's value on `axis`, as the alternatives list names it ("tp4").
+fn axis_value(al: &Layout, axis: &str) -> String {
+    match axis {
+        "tp" => format!("tp{}", al.tp),
+        "pp" => format!("pp{}", al.pp),
+        "dp" => format!("dp{}", al.dp),
+        "cp" => format!("cp{}", al.cp),
+        "ep" => format!("ep{}", al.ep),
+        "vpp" => format!("vpp{}", al.vpp),
+        "micro_batch" => format!("mb{}", al.micro_batch),
+        "grad_accum" => format!("ga{}", al.grad_accum),
+        "zero_stage" => format!("zero{}", al.zero_stage),
+        "recompute" => format!("rc={}", recompute_name(al.recompute)),
+        "sequence_parallel" => {
+            format!("sp={}", if al.sequence_parallel { "on" } else { "off" })
+        }
+        "schedule" => format!("schedule={}", schedule_name(al.schedule)),
+        "expert_tp" => format!("etp{}", al.expert_tp_size()),
+        other => other.to_string(),
+    }
+}
+
+/// The search's counts and rejections, and (with `details`) the rank order.
+fn search(plan: &Plan, details: bool, tail: &mut Vec<String>) {
     let s = &plan.search;
     tail.push(format!(
         "search     {} candidates, {} feasible{}",
@@ -360,19 +408,4 @@ pub fn render(plan: &Plan, details: bool) -> Result<String, minijinja::Error> {
             "           ",
         ));
     }
-    for w in &plan.warnings {
-        tail.extend(wrap(w, "warning    ", "           "));
-    }
-    if !details {
-        tail.push("(shardwright explain --details PLAN: full tables, layouts, examples)".into());
-    }
-
-    let tmpl = env.get_template("explain")?;
-    tmpl.render(context! {
-        head => head,
-        overview => overview,
-        tables => tables.trim_end(),
-        baseline => baseline,
-        tail => tail,
-    })
 }

@@ -272,6 +272,62 @@ fn die_with_parent(_cmd: &mut Command) {}
 
 /// `shardwright launch PLAN --local N [--port P] [--timeout S] [-- EXECUTE_ARGS...]`.
 pub fn local(a: &LocalArgs) -> Result<(), Failure> {
+    check_world(a)?;
+    let timeout = timeout_of(a)?;
+    let port = match a.port {
+        Some(0) => return Err(usage(anyhow!("launch --local: --port 0: give a TCP port from 1 to 65535, or leave --port out for a free one"))),
+        Some(p) => p,
+        None => free_port()?,
+    };
+    let exe = std::env::current_exe()
+        .map_err(|e| anyhow!("launch --local: cannot find this program's path: {e}"))?;
+    let has_backend = a
+        .extra
+        .iter()
+        .any(|x| x == "--backend" || x.starts_with("--backend="));
+    catch_interrupts();
+    let env = RankEnv {
+        exe,
+        has_backend,
+        port,
+        timeout,
+        run_id: run_id(),
+    };
+    let t0 = Instant::now();
+    let (tx, rx) = mpsc::channel();
+    let mut gang = Gang(Vec::new());
+    for r in 0..a.n {
+        start_rank(a, &env, r, &tx, &mut gang)?;
+    }
+    eprintln!(
+        "launch: {} rank(s) of {} on 127.0.0.1:{port}, pids {}",
+        a.n,
+        a.plan.display(),
+        gang.0
+            .iter()
+            .map(|r| r.pid.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let (first, interrupted) = watch(&mut gang, &rx, t0, timeout)?;
+    // Every child has exited: the pipes are closed, the forwarders end.
+    for r in &mut gang.0 {
+        for h in r.readers.drain(..) {
+            let _ = h.join();
+        }
+    }
+    if interrupted {
+        return Err(interrupted_failure(&gang));
+    }
+    let Some(seen_first) = first else {
+        return Ok(());
+    };
+    Err(failure_report(&gang, blame(&gang, seen_first)))
+}
+
+/// The launch's checks before anything starts: at least one process, a plan file (every
+/// rank reads it) whose world is the number of processes.
+fn check_world(a: &LocalArgs) -> Result<(), Failure> {
     if a.n == 0 {
         return Err(usage(anyhow!(
             "launch --local 0: give at least one process"
@@ -293,20 +349,12 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
             plan.summary.layout
         )));
     }
-    let timeout = timeout_of(a)?;
-    let port = match a.port {
-        Some(0) => return Err(usage(anyhow!("launch --local: --port 0: give a TCP port from 1 to 65535, or leave --port out for a free one"))),
-        Some(p) => p,
-        None => free_port()?,
-    };
-    let exe = std::env::current_exe()
-        .map_err(|e| anyhow!("launch --local: cannot find this program's path: {e}"))?;
-    let has_backend = a
-        .extra
-        .iter()
-        .any(|x| x == "--backend" || x.starts_with("--backend="));
-    // Ctrl-C / SIGTERM: stop the children, then report (a second handler cannot be set when
-    // one is already: then the default behaviour stays, and Drop still reaps).
+    Ok(())
+}
+
+/// Ctrl-C / SIGTERM: stop the children, then report (a second handler cannot be set when
+/// one is already: then the default behaviour stays, and Drop still reaps).
+fn catch_interrupts() {
     let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
     INTERRUPTED.store(false, Ordering::SeqCst);
     TERMINATED.store(false, Ordering::SeqCst);
@@ -319,96 +367,120 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
             on_sigterm as extern "C" fn(libc::c_int) as libc::sighandler_t,
         );
     }
+}
 
-    // One id per launch: a rank's checkpoint entry counts only beside its own run's.
-    let run_id = format!(
+/// One id per launch: a rank's checkpoint entry counts only beside its own run's.
+fn run_id() -> String {
+    format!(
         "{}-{}",
         std::process::id(),
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
-    );
-    let t0 = Instant::now();
-    let (tx, rx) = mpsc::channel();
-    let mut gang = Gang(Vec::new());
-    for r in 0..a.n {
-        let mut cmd = Command::new(&exe);
-        cmd.arg("execute").arg(a.plan);
-        if !has_backend {
-            cmd.args(["--backend", "cpu"]);
-        }
-        cmd.args(a.extra)
-            .env("RANK", r.to_string())
-            .env("WORLD_SIZE", a.n.to_string())
-            .env("LOCAL_RANK", r.to_string())
-            .env("LOCAL_WORLD_SIZE", a.n.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", port.to_string())
-            .env(TIMEOUT_ENV, timeout.as_secs_f64().to_string())
-            .env("SHARDWRIGHT_RUN_ID", &run_id)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        die_with_parent(&mut cmd);
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| anyhow!("launch --local: starting rank {r} ({}): {e}", exe.display()))?;
-        let (out, err) = (child.stdout.take(), child.stderr.take());
-        let pid = child.id();
-        let exited = Arc::new(Mutex::new(false));
-        // The waiter first: from then on the gang reaps this child on every path.
-        let waiter = match spawn_waiter(r as usize, child, exited.clone(), tx.clone()) {
-            Ok(w) => w,
-            Err(e) => {
-                // The child went with the thread that did not start: kill it by pid.
-                // SAFETY: plain syscall on our own, unreaped child.
-                unsafe {
-                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
-                }
-                return Err(anyhow!("launch: cannot start a thread: {e}").into());
-            }
-        };
-        let tail = Arc::new(Mutex::new(VecDeque::new()));
-        gang.0.push(Rank {
-            pid,
-            exited,
-            waiter: Some(waiter),
-            status: None,
-            killed: false,
-            exited_after: Duration::ZERO,
-            tail: tail.clone(),
-            readers: Vec::new(),
-        });
-        let rank = gang.0.last_mut().expect("just pushed");
-        let prefix = format!("[rank {r}] ");
-        if let Some(out) = out {
-            let p = (r != 0).then(|| prefix.clone());
-            rank.readers
-                .push(forward(out, p, true, None).map_err(|e| anyhow!("launch: {e}"))?);
-        }
-        if let Some(err) = err {
-            rank.readers.push(
-                forward(err, Some(prefix), false, Some(tail))
-                    .map_err(|e| anyhow!("launch: {e}"))?,
-            );
-        }
-    }
-    eprintln!(
-        "launch: {} rank(s) of {} on 127.0.0.1:{port}, pids {}",
-        a.n,
-        a.plan.display(),
-        gang.0
-            .iter()
-            .map(|r| r.pid.to_string())
-            .collect::<Vec<_>>()
-            .join(" ")
-    );
+    )
+}
 
-    // Watch the gang: exits arrive in the order they happened.
+/// What every rank's process is started with.
+struct RankEnv {
+    /// This program.
+    exe: std::path::PathBuf,
+    /// The extra arguments choose the backend (else `--backend cpu`).
+    has_backend: bool,
+    /// The rendezvous port on 127.0.0.1.
+    port: u16,
+    /// The collective timeout.
+    timeout: Duration,
+    run_id: String,
+}
+
+/// Start rank `r` as a child `execute` with the torchrun environment, add it to `gang`
+/// (whose waiter thread sends its exit on `tx`) and forward its output.
+fn start_rank(
+    a: &LocalArgs,
+    env: &RankEnv,
+    r: u32,
+    tx: &mpsc::Sender<(usize, std::io::Result<ExitStatus>, Instant)>,
+    gang: &mut Gang,
+) -> Result<(), Failure> {
+    let mut cmd = Command::new(&env.exe);
+    cmd.arg("execute").arg(a.plan);
+    if !env.has_backend {
+        cmd.args(["--backend", "cpu"]);
+    }
+    cmd.args(a.extra)
+        .env("RANK", r.to_string())
+        .env("WORLD_SIZE", a.n.to_string())
+        .env("LOCAL_RANK", r.to_string())
+        .env("LOCAL_WORLD_SIZE", a.n.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", env.port.to_string())
+        .env(TIMEOUT_ENV, env.timeout.as_secs_f64().to_string())
+        .env("SHARDWRIGHT_RUN_ID", &env.run_id)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    die_with_parent(&mut cmd);
+    let mut child = cmd.spawn().map_err(|e| {
+        anyhow!(
+            "launch --local: starting rank {r} ({}): {e}",
+            env.exe.display()
+        )
+    })?;
+    let (out, err) = (child.stdout.take(), child.stderr.take());
+    let pid = child.id();
+    let exited = Arc::new(Mutex::new(false));
+    // The waiter first: from then on the gang reaps this child on every path.
+    let waiter = match spawn_waiter(r as usize, child, exited.clone(), tx.clone()) {
+        Ok(w) => w,
+        Err(e) => {
+            // The child went with the thread that did not start: kill it by pid.
+            // SAFETY: plain syscall on our own, unreaped child.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+            return Err(anyhow!("launch: cannot start a thread: {e}").into());
+        }
+    };
+    let tail = Arc::new(Mutex::new(VecDeque::new()));
+    gang.0.push(Rank {
+        pid,
+        exited,
+        waiter: Some(waiter),
+        status: None,
+        killed: false,
+        exited_after: Duration::ZERO,
+        tail: tail.clone(),
+        readers: Vec::new(),
+    });
+    let rank = gang.0.last_mut().expect("just pushed");
+    let prefix = format!("[rank {r}] ");
+    if let Some(out) = out {
+        let p = (r != 0).then(|| prefix.clone());
+        rank.readers
+            .push(forward(out, p, true, None).map_err(|e| anyhow!("launch: {e}"))?);
+    }
+    if let Some(err) = err {
+        rank.readers.push(
+            forward(err, Some(prefix), false, Some(tail)).map_err(|e| anyhow!("launch: {e}"))?,
+        );
+    }
+    Ok(())
+}
+
+/// Watch the gang until every rank has exited: exits arrive on `rx` in the order they
+/// happened. After the first failure the others get `timeout` to stop by themselves; on
+/// an interruption every rank is killed at once. Returns the first failed rank seen and
+/// whether the launch was interrupted.
+fn watch(
+    gang: &mut Gang,
+    rx: &mpsc::Receiver<(usize, std::io::Result<ExitStatus>, Instant)>,
+    t0: Instant,
+    timeout: Duration,
+) -> Result<(Option<usize>, bool), Failure> {
     let mut first: Option<usize> = None;
     let mut deadline: Option<Instant> = None;
     let mut interrupted = false;
-    let mut running = a.n as usize;
+    let mut running = gang.0.len();
     while running > 0 {
         match rx.recv_timeout(Duration::from_millis(20)) {
             Ok((i, st, when)) => {
@@ -451,61 +523,64 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
             deadline = None;
         }
     }
-    // Every child has exited: the pipes are closed, the forwarders end.
-    for r in &mut gang.0 {
-        for h in r.readers.drain(..) {
-            let _ = h.join();
-        }
+    Ok((first, interrupted))
+}
+
+/// The last lines a rank wrote to stderr.
+fn tail_of(r: &Rank) -> Vec<String> {
+    r.tail
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .cloned()
+        .collect()
+}
+
+/// How a rank ended: killed by the launcher, or its exit and when.
+fn fate(r: &Rank) -> String {
+    let st = r.status.as_ref().expect("every rank was waited for");
+    if r.killed {
+        format!("killed by the launcher ({})", describe(st))
+    } else {
+        format!(
+            "{} after {:.1} s",
+            describe(st),
+            r.exited_after.as_secs_f64()
+        )
     }
-    let tail_of = |r: &Rank| -> Vec<String> {
-        r.tail
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .cloned()
-            .collect()
-    };
-    let fate = |r: &Rank| -> String {
-        let st = r.status.as_ref().expect("every rank was waited for");
-        if r.killed {
-            format!("killed by the launcher ({})", describe(st))
+}
+
+/// The line that says why a rank failed: its last error line, else its last line.
+fn why_of(r: &Rank) -> Option<String> {
+    let t = tail_of(r);
+    t.iter()
+        .rev()
+        .find(|l| l.contains("error"))
+        .or(t.last())
+        .cloned()
+}
+
+/// An interrupted launch (exit 130, or 143 for SIGTERM): how every rank ended.
+fn interrupted_failure(gang: &Gang) -> Failure {
+    let mut msg = "launch: interrupted; every rank was stopped:".to_string();
+    for (i, r) in gang.0.iter().enumerate() {
+        msg.push_str(&format!("\n  rank {i}: {}", fate(r)));
+    }
+    Failure {
+        code: if TERMINATED.load(Ordering::SeqCst) {
+            143
         } else {
-            format!(
-                "{} after {:.1} s",
-                describe(st),
-                r.exited_after.as_secs_f64()
-            )
-        }
-    };
-    if interrupted {
-        let mut msg = "launch: interrupted; every rank was stopped:".to_string();
-        for (i, r) in gang.0.iter().enumerate() {
-            msg.push_str(&format!("\n  rank {i}: {}", fate(r)));
-        }
-        return Err(Failure {
-            code: if TERMINATED.load(Ordering::SeqCst) {
-                143
-            } else {
-                130
-            },
-            error: anyhow!(msg),
-        });
+            130
+        },
+        error: anyhow!(msg),
     }
-    let Some(seen_first) = first else {
-        return Ok(());
-    };
-    // Exits are seen in the order the kernel reports them, which can put a peer that saw
-    // the connection close before the rank that closed it. Follow the blame instead: from
-    // the first exit seen, go to the rank its error names (closed the connection, timed
-    // out waiting for it) while that rank failed too.
-    let why_of = |r: &Rank| -> Option<String> {
-        let t = tail_of(r);
-        t.iter()
-            .rev()
-            .find(|l| l.contains("error"))
-            .or(t.last())
-            .cloned()
-    };
+}
+
+/// The rank that failed first. Exits are seen in the order the kernel reports them, which
+/// can put a peer that saw the connection close before the rank that closed it. Follow the
+/// blame instead: from the first exit seen, go to the rank its error names (closed the
+/// connection, timed out waiting for it) while that rank failed too.
+fn blame(gang: &Gang, seen_first: usize) -> usize {
     let mut f = seen_first;
     let mut visited = vec![f];
     while let Some(p) = why_of(&gang.0[f]).as_deref().and_then(blamed) {
@@ -520,6 +595,12 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
         visited.push(p);
         f = p;
     }
+    f
+}
+
+/// The failure of the gang whose rank `f` failed first: its fate and stderr, every other
+/// rank's fate and reason, with rank `f`'s exit code (1 when it has none).
+fn failure_report(gang: &Gang, f: usize) -> Failure {
     let fr = &gang.0[f];
     let mut msg = format!(
         "launch: rank {f} (pid {}) failed first: {}",
@@ -551,10 +632,10 @@ pub fn local(a: &LocalArgs) -> Result<(), Failure> {
         .and_then(|s| s.code())
         .filter(|c| (1..=255).contains(c))
         .unwrap_or(1) as u8;
-    Err(Failure {
+    Failure {
         code,
         error: anyhow!(msg),
-    })
+    }
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ mod replan;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 const EXAMPLES: &str = "Examples:
@@ -471,129 +471,39 @@ fn run(cli: Cli) -> Result<(), Failure> {
             profile,
             quiet,
             baseline,
-        } => {
-            if let Some(b) = &baseline {
-                baseline::check_syntax(b)?;
-            }
-            let loaded = io::load_job(&spec, profile.as_deref())?;
-            let job = &loaded.resolved;
-            for w in &job.warnings {
-                eprintln!("warning: {w}");
-            }
-            let mut plan = io::plan_with_progress(job, top, !quiet)?;
-            if let Some(b) = &baseline {
-                let cmp = baseline::compare(&loaded.spec, &loaded.opts, &plan, b)?;
-                eprint!("{}", baseline::render(&cmp, true));
-                plan.baseline = Some(cmp);
-            }
-            let text = shardwright_spec::plan::to_json(&plan);
-            io::write_output(output.as_deref(), &text)?;
-            if let Some(o) = &output {
-                eprintln!(
-                    "wrote {}: {}\n  MFU {:.1}%, goodput {:.3e} tokens/s",
-                    o.display(),
-                    plan.summary.layout,
-                    plan.estimate.mfu * 100.0,
-                    plan.estimate.goodput_tokens_per_s
-                );
-            }
-            Ok(())
-        }
-        Cmd::Explain { plan, details } => {
-            let text = io::read_input(&plan)?;
-            let plan = io::parse_plan(&plan, &text)?;
-            print!(
-                "{}",
-                explain::render(&plan, details).context("rendering the summary")?
-            );
-            Ok(())
-        }
+        } => plan_cmd(
+            &spec,
+            output.as_deref(),
+            top,
+            profile.as_deref(),
+            quiet,
+            baseline.as_deref(),
+        ),
+        Cmd::Explain { plan, details } => explain_cmd(&plan, details),
         Cmd::Validate {
             runs,
             profile,
             json,
             output,
             planner_report,
-        } => {
-            let (name, text) = io::read_runs(runs.as_deref())?;
-            let file = shardwright_validate::load_runs(&text)
-                .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
-            let profiles = profile.as_deref().map(io::load_profile).transpose()?;
-            let report = shardwright_validate::validate(&file, profiles.as_ref());
-            if report.rows.is_empty() {
-                return Err(nothing_scored(&name, &report.summary.skipped));
-            }
-            let out = if json {
-                shardwright_validate::to_json(&report)
-            } else {
-                shardwright_validate::render_text(&report)
-            };
-            io::write_output(output.as_deref(), &out)?;
-            if let Some(path) = planner_report {
-                let rows = shardwright_validate::planner_vs_published(&file, profiles.as_ref());
-                io::write_output(
-                    Some(&path),
-                    &shardwright_validate::render_planner_report(&rows),
-                )?;
-            }
-            Ok(())
-        }
+        } => validate_cmd(
+            runs.as_deref(),
+            profile.as_deref(),
+            json,
+            output.as_deref(),
+            planner_report.as_deref(),
+        ),
         Cmd::Calibrate {
             runs,
             output,
             report,
             version,
-        } => {
-            let (name, text) = io::read_runs(runs.as_deref())?;
-            let file = shardwright_validate::load_runs(&text)
-                .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
-            let cal = shardwright_validate::calibrate::calibrate(&file, text.as_bytes(), &version);
-            if cal.profile.provenance.runs_used == 0 || cal.profile.kinds.is_empty() {
-                // Nothing was fitted: refuse to write a profile that would be ignored.
-                let report = shardwright_validate::validate(&file, None);
-                return Err(nothing_scored(&name, &report.summary.skipped));
-            }
-            io::write_output(
-                output.as_deref(),
-                &shardwright_spec::plan::to_json(&cal.profile),
-            )?;
-            if let Some(r) = report {
-                io::write_output(Some(&r), &shardwright_spec::plan::to_json(&cal))?;
-            }
-            eprintln!(
-                "in-sample |error|: median {:.1}%, p90 {:.1}%, max {:.1}% over {} runs",
-                cal.in_sample.median_abs_pct,
-                cal.in_sample.p90_abs_pct,
-                cal.in_sample.max_abs_pct,
-                cal.in_sample.n
-            );
-            eprintln!(
-                "leave-one-source-out |error|: median {:.1}%, p90 {:.1}%, max {:.1}%",
-                cal.loso.median_abs_pct, cal.loso.p90_abs_pct, cal.loso.max_abs_pct
-            );
-            for (src, s) in &cal.loso_per_source {
-                eprintln!(
-                    "  held out {src:<14} n={:<3} median {:>5.1}%  bias {:+.1}%",
-                    s.n, s.median_abs_pct, s.median_signed_pct
-                );
-            }
-            for (what, ev) in [
-                ("framework", &cal.leave_one_framework_out),
-                ("GPU-kind", &cal.leave_one_gpu_kind_out),
-            ] {
-                eprintln!(
-                    "leave-one-{what}-out |error|: median {:.1}%, p90 {:.1}%, max {:.1}%",
-                    ev.all.median_abs_pct, ev.all.p90_abs_pct, ev.all.max_abs_pct
-                );
-                for (g, s) in &ev.per_group {
-                    eprintln!(
-                        "  held out {g:<14} n={:<3} median {:>5.1}%  bias {:+.1}%",
-                        s.n, s.median_abs_pct, s.median_signed_pct
-                    );
-                }
-            }
-            Ok(())
-        }
+        } => calibrate_cmd(
+            runs.as_deref(),
+            output.as_deref(),
+            report.as_deref(),
+            &version,
+        ),
         Cmd::Lower {
             plan,
             rank,
@@ -677,17 +587,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             dry_run,
             output.as_deref(),
         ),
-        Cmd::Completions { shell } => {
-            let mut buf = Vec::new();
-            clap_complete::generate(
-                shell,
-                &mut <Cli as clap::CommandFactory>::command(),
-                "shardwright",
-                &mut buf,
-            );
-            std::io::Write::write_all(&mut std::io::stdout(), &buf).context("writing stdout")?;
-            Ok(())
-        }
+        Cmd::Completions { shell } => completions(shell),
         Cmd::Data { cmd } => data_cmd::run(cmd),
         Cmd::Execute {
             plan,
@@ -755,4 +655,161 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Ok(())
         }
     }
+}
+
+/// `plan`: search the layouts of the job in `spec` (with `baseline`, compare that layout)
+/// and write the plan.
+fn plan_cmd(
+    spec: &Path,
+    output: Option<&Path>,
+    top: usize,
+    profile: Option<&Path>,
+    quiet: bool,
+    baseline: Option<&str>,
+) -> Result<(), Failure> {
+    if let Some(b) = baseline {
+        baseline::check_syntax(b)?;
+    }
+    let loaded = io::load_job(spec, profile)?;
+    let job = &loaded.resolved;
+    for w in &job.warnings {
+        eprintln!("warning: {w}");
+    }
+    let mut plan = io::plan_with_progress(job, top, !quiet)?;
+    if let Some(b) = baseline {
+        let cmp = baseline::compare(&loaded.spec, &loaded.opts, &plan, b)?;
+        eprint!("{}", baseline::render(&cmp, true));
+        plan.baseline = Some(cmp);
+    }
+    let text = shardwright_spec::plan::to_json(&plan);
+    io::write_output(output, &text)?;
+    if let Some(o) = output {
+        eprintln!(
+            "wrote {}: {}\n  MFU {:.1}%, goodput {:.3e} tokens/s",
+            o.display(),
+            plan.summary.layout,
+            plan.estimate.mfu * 100.0,
+            plan.estimate.goodput_tokens_per_s
+        );
+    }
+    Ok(())
+}
+
+/// `explain`: print the summary of a plan.
+fn explain_cmd(plan: &Path, details: bool) -> Result<(), Failure> {
+    let text = io::read_input(plan)?;
+    let plan = io::parse_plan(plan, &text)?;
+    print!(
+        "{}",
+        explain::render(&plan, details).context("rendering the summary")?
+    );
+    Ok(())
+}
+
+/// `validate`: predict the published runs and write the comparison (and, with
+/// `planner_report`, the planner's layouts against the published ones).
+fn validate_cmd(
+    runs: Option<&Path>,
+    profile: Option<&Path>,
+    json: bool,
+    output: Option<&Path>,
+    planner_report: Option<&Path>,
+) -> Result<(), Failure> {
+    let (name, text) = io::read_runs(runs)?;
+    let file = shardwright_validate::load_runs(&text)
+        .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
+    let profiles = profile.map(io::load_profile).transpose()?;
+    let report = shardwright_validate::validate(&file, profiles.as_ref());
+    if report.rows.is_empty() {
+        return Err(nothing_scored(&name, &report.summary.skipped));
+    }
+    let out = if json {
+        shardwright_validate::to_json(&report)
+    } else {
+        shardwright_validate::render_text(&report)
+    };
+    io::write_output(output, &out)?;
+    if let Some(path) = planner_report {
+        let rows = shardwright_validate::planner_vs_published(&file, profiles.as_ref());
+        io::write_output(
+            Some(path),
+            &shardwright_validate::render_planner_report(&rows),
+        )?;
+    }
+    Ok(())
+}
+
+/// `calibrate`: fit the efficiency profile to the published runs, write it (and the
+/// report), and print the fit's errors.
+fn calibrate_cmd(
+    runs: Option<&Path>,
+    output: Option<&Path>,
+    report: Option<&Path>,
+    version: &str,
+) -> Result<(), Failure> {
+    let (name, text) = io::read_runs(runs)?;
+    let file = shardwright_validate::load_runs(&text)
+        .map_err(|e| usage(anyhow::anyhow!("{name}: {e}")))?;
+    let cal = shardwright_validate::calibrate::calibrate(&file, text.as_bytes(), version);
+    if cal.profile.provenance.runs_used == 0 || cal.profile.kinds.is_empty() {
+        // Nothing was fitted: refuse to write a profile that would be ignored.
+        let report = shardwright_validate::validate(&file, None);
+        return Err(nothing_scored(&name, &report.summary.skipped));
+    }
+    io::write_output(output, &shardwright_spec::plan::to_json(&cal.profile))?;
+    if let Some(r) = report {
+        io::write_output(Some(r), &shardwright_spec::plan::to_json(&cal))?;
+    }
+    print_calibration_errors(&cal);
+    Ok(())
+}
+
+/// The calibration's errors on stderr: in sample, and with each source, framework and
+/// GPU kind held out.
+fn print_calibration_errors(cal: &shardwright_validate::calibrate::Calibration) {
+    eprintln!(
+        "in-sample |error|: median {:.1}%, p90 {:.1}%, max {:.1}% over {} runs",
+        cal.in_sample.median_abs_pct,
+        cal.in_sample.p90_abs_pct,
+        cal.in_sample.max_abs_pct,
+        cal.in_sample.n
+    );
+    eprintln!(
+        "leave-one-source-out |error|: median {:.1}%, p90 {:.1}%, max {:.1}%",
+        cal.loso.median_abs_pct, cal.loso.p90_abs_pct, cal.loso.max_abs_pct
+    );
+    for (src, s) in &cal.loso_per_source {
+        eprintln!(
+            "  held out {src:<14} n={:<3} median {:>5.1}%  bias {:+.1}%",
+            s.n, s.median_abs_pct, s.median_signed_pct
+        );
+    }
+    for (what, ev) in [
+        ("framework", &cal.leave_one_framework_out),
+        ("GPU-kind", &cal.leave_one_gpu_kind_out),
+    ] {
+        eprintln!(
+            "leave-one-{what}-out |error|: median {:.1}%, p90 {:.1}%, max {:.1}%",
+            ev.all.median_abs_pct, ev.all.p90_abs_pct, ev.all.max_abs_pct
+        );
+        for (g, s) in &ev.per_group {
+            eprintln!(
+                "  held out {g:<14} n={:<3} median {:>5.1}%  bias {:+.1}%",
+                s.n, s.median_abs_pct, s.median_signed_pct
+            );
+        }
+    }
+}
+
+/// `completions`: print the completion script for `shell`.
+fn completions(shell: clap_complete::Shell) -> Result<(), Failure> {
+    let mut buf = Vec::new();
+    clap_complete::generate(
+        shell,
+        &mut <Cli as clap::CommandFactory>::command(),
+        "shardwright",
+        &mut buf,
+    );
+    std::io::Write::write_all(&mut std::io::stdout(), &buf).context("writing stdout")?;
+    Ok(())
 }

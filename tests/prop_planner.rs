@@ -878,79 +878,134 @@ const SECTIONS: &[&str] = &[
 /// Apply mutation `kind` (with free parameters `k` and `bad`) to a valid case.
 fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
     let mut s = case.spec.clone();
-    let r = case.reference;
-    let p = &mut s.job.parallelism;
-    let (path, what): (String, &'static str) = match kind % 24 {
+    let kind = kind % 24;
+    let (path, what) = match kind {
+        3 => return unknown_field(&s, k, yaml),
+        19 => return misspelled_variant(&s, k, yaml),
+        20 => return wrong_type(&s, k, yaml),
+        4 => break_number(&mut s, k, bad),
+        0 | 5..=8 | 14 => break_model(&mut s, kind, k),
+        10..=13 => break_cluster(&mut s, kind, k),
+        1 | 2 | 9 | 15..=18 | 21..=23 => break_layout(&mut s, &case.reference, kind, k),
+        _ => unreachable!("mutation {kind}"),
+    };
+    Invalid {
+        input: Input::Struct(s),
+        path,
+        what,
+    }
+}
+
+/// Unknown field: a typo of a known name or a random one, in a random section.
+fn unknown_field(s: &SpecFile, k: u32, yaml: bool) -> Invalid {
+    let section = SECTIONS[k as usize % SECTIONS.len()];
+    let mut v = spec_value(s);
+    let obj = object_at(&mut v, section);
+    let name = [
+        "tpp",
+        "num_layer",
+        "hbm",
+        "global_batch_size",
+        "gpus",
+        "zero",
+    ][(k as usize / 8) % 6];
+    let name = format!("{name}{}", if obj.contains_key(name) { "_x" } else { "" });
+    obj.insert(name.clone(), Value::from(k));
+    let (text, _) = to_text(&v, yaml);
+    Invalid {
+        input: Input::Text(text, yaml),
+        path: format!("{section}.{name}"),
+        what: "unknown field",
+    }
+}
+
+/// A misspelled enum variant in the text.
+fn misspelled_variant(s: &SpecFile, k: u32, yaml: bool) -> Invalid {
+    let mut v = spec_value(s);
+    let (section, key, val) = [
+        ("job.model", "arch", "dens"),
+        ("job.model", "ffn_activation", "swiglo"),
+        ("job.parallelism", "recompute", "ful"),
+        ("job.parallelism", "schedule", "1f1"),
+        ("job.precision", "compute", "bf61"),
+    ][k as usize % 5];
+    object_at(&mut v, section).insert(key.into(), Value::from(val));
+    let (text, _) = to_text(&v, yaml);
+    Invalid {
+        input: Input::Text(text, yaml),
+        path: format!("{section}.{key}"),
+        what: "bad enum variant",
+    }
+}
+
+/// Wrong type or out-of-range integer in the text.
+fn wrong_type(s: &SpecFile, k: u32, yaml: bool) -> Invalid {
+    let mut v = spec_value(s);
+    let (section, key) = [
+        ("job.model", "num_layers"),
+        ("job.model", "hidden_size"),
+        ("job.batch", "global_batch"),
+        ("cluster", "gpus_per_node"),
+        ("job.parallelism", "tp"),
+    ][k as usize % 5];
+    // u64::MAX is out of range only for the u32 fields (a huge global_batch is
+    // valid text; see huge_global_batch_is_an_error_not_a_hang).
+    let too_big = if matches!(key, "num_layers" | "gpus_per_node" | "tp") {
+        Value::from(u64::MAX)
+    } else {
+        Value::from("0x10")
+    };
+    let val = [
+        Value::from("many"),
+        Value::from(-3),
+        Value::from(1.5),
+        Value::from(vec![1, 2]),
+        too_big,
+    ][(k as usize / 5) % 5]
+        .clone();
+    object_at(&mut v, section).insert(key.into(), val);
+    let (text, _) = to_text(&v, yaml);
+    Invalid {
+        input: Input::Text(text, yaml),
+        path: format!("{section}.{key}"),
+        what: "wrong type",
+    }
+}
+
+/// A number field that must be positive (or non-negative) made zero, negative or NaN.
+fn break_number(s: &mut SpecFile, k: u32, bad: f64) -> (String, &'static str) {
+    let field = F64_FIELDS[k as usize % F64_FIELDS.len()];
+    // restart_s, checkpoint_fixed_s and the reserve accept 0; nothing accepts < 0 or NaN.
+    let v = if bad == 0.0 && !field.contains("_s") && !field.contains("reserve") {
+        0.0
+    } else if bad.is_nan() {
+        f64::NAN
+    } else {
+        -bad.abs().max(1e-9)
+    };
+    set_f64(s, field, v);
+    // JSON/YAML text cannot carry NaN/inf from a struct (they serialize as null).
+    (
+        field.into(),
+        if v.is_finite() {
+            "negative or zero number"
+        } else {
+            "non-finite number"
+        },
+    )
+}
+
+/// A model shape the spec rejects (kinds 0, 5-8, 14).
+fn break_model(s: &mut SpecFile, kind: u8, k: u32) -> (String, &'static str) {
+    match kind {
         0 => {
             s.job.model.num_layers = 0;
             ("job.model.num_layers".into(), "zero layers")
         }
-        1 => {
-            // Heads are powers of two; 3 never divides them.
-            p.tp = Some(3);
-            (
-                "job.model.num_attention_heads".into(),
-                "heads not divisible by pinned tp",
-            )
-        }
-        2 => {
-            *p = ParallelismSpec {
-                tp: Some(r.tp),
-                pp: Some(r.pp),
-                dp: Some(r.dp * (2 + k % 3)),
-                cp: Some(r.cp),
-                ep: Some(r.ep),
-                ..ParallelismSpec::default()
-            };
-            ("job.parallelism".into(), "pinned product != world")
-        }
-        3 => {
-            // Unknown field: a typo of a known name or a random one, in a random section.
-            let section = SECTIONS[k as usize % SECTIONS.len()];
-            let mut v = spec_value(&s);
-            let obj = object_at(&mut v, section);
-            let name = [
-                "tpp",
-                "num_layer",
-                "hbm",
-                "global_batch_size",
-                "gpus",
-                "zero",
-            ][(k as usize / 8) % 6];
-            let name = format!("{name}{}", if obj.contains_key(name) { "_x" } else { "" });
-            obj.insert(name.clone(), Value::from(k));
-            let (text, _) = to_text(&v, yaml);
-            return Invalid {
-                input: Input::Text(text, yaml),
-                path: format!("{section}.{name}"),
-                what: "unknown field",
-            };
-        }
-        4 => {
-            let field = F64_FIELDS[k as usize % F64_FIELDS.len()];
-            // restart_s, checkpoint_fixed_s and the reserve accept 0; nothing accepts < 0 or NaN.
-            let v = if bad == 0.0 && !field.contains("_s") && !field.contains("reserve") {
-                0.0
-            } else if bad.is_nan() {
-                f64::NAN
-            } else {
-                -bad.abs().max(1e-9)
-            };
-            set_f64(&mut s, field, v);
-            // JSON/YAML text cannot carry NaN/inf from a struct (they serialize as null).
-            (
-                field.into(),
-                if v.is_finite() {
-                    "negative or zero number"
-                } else {
-                    "non-finite number"
-                },
-            )
-        }
         5 => {
             s.job.model.arch = Arch::Dense;
             s.job.model.moe = None;
-            p.ep = Some(2 + k % 4);
+            s.job.parallelism.ep = Some(2 + k % 4);
             ("job.parallelism.ep".into(), "ep on a dense model")
         }
         6 => {
@@ -964,7 +1019,7 @@ fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
                 shared_expert_ffn_hidden_size: None,
                 first_k_dense: 0,
             });
-            p.ep = None;
+            s.job.parallelism.ep = None;
             ("job.model.moe.top_k".into(), "top_k > experts")
         }
         7 => {
@@ -981,12 +1036,30 @@ fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
                 "hidden not divisible by heads",
             )
         }
-        9 => {
-            s.job.batch.global_batch = 0;
-            s.job.batch.grad_accum = None;
-            p.micro_batch = None;
-            ("job.batch.global_batch".into(), "zero global batch")
+        14 => {
+            let layers = s.job.model.num_layers;
+            s.job.model.arch = Arch::Moe;
+            s.job.model.moe = Some(MoeSpec {
+                num_experts: 8,
+                top_k: 2,
+                num_shared_experts: 0,
+                expert_ffn_hidden_size: 512,
+                shared_expert_ffn_hidden_size: None,
+                first_k_dense: layers + 1 + k % 4,
+            });
+            s.job.parallelism.ep = None;
+            (
+                "job.model.moe.first_k_dense".into(),
+                "first_k_dense > layers",
+            )
         }
+        _ => unreachable!("mutation {kind}"),
+    }
+}
+
+/// A cluster the spec rejects (kinds 10-13).
+fn break_cluster(s: &mut SpecFile, kind: u8, k: u32) -> (String, &'static str) {
+    match kind {
         10 => {
             s.cluster.gpus_per_node = 0;
             ("cluster.gpus_per_node".into(), "zero gpus per node")
@@ -1017,22 +1090,38 @@ fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
                 "num_gpus != nodes x gpus_per_node",
             )
         }
-        14 => {
-            let layers = s.job.model.num_layers;
-            s.job.model.arch = Arch::Moe;
-            s.job.model.moe = Some(MoeSpec {
-                num_experts: 8,
-                top_k: 2,
-                num_shared_experts: 0,
-                expert_ffn_hidden_size: 512,
-                shared_expert_ffn_hidden_size: None,
-                first_k_dense: layers + 1 + k % 4,
-            });
-            p.ep = None;
+        _ => unreachable!("mutation {kind}"),
+    }
+}
+
+/// Pins or a batch the spec rejects (kinds 1, 2, 9, 15-18, 21-23); `r` is a valid layout of the case.
+fn break_layout(s: &mut SpecFile, r: &Layout, kind: u8, k: u32) -> (String, &'static str) {
+    let p = &mut s.job.parallelism;
+    match kind {
+        1 => {
+            // Heads are powers of two; 3 never divides them.
+            p.tp = Some(3);
             (
-                "job.model.moe.first_k_dense".into(),
-                "first_k_dense > layers",
+                "job.model.num_attention_heads".into(),
+                "heads not divisible by pinned tp",
             )
+        }
+        2 => {
+            *p = ParallelismSpec {
+                tp: Some(r.tp),
+                pp: Some(r.pp),
+                dp: Some(r.dp * (2 + k % 3)),
+                cp: Some(r.cp),
+                ep: Some(r.ep),
+                ..ParallelismSpec::default()
+            };
+            ("job.parallelism".into(), "pinned product != world")
+        }
+        9 => {
+            s.job.batch.global_batch = 0;
+            s.job.batch.grad_accum = None;
+            p.micro_batch = None;
+            ("job.batch.global_batch".into(), "zero global batch")
         }
         15 => {
             p.zero_stage = Some(4 + (k % 250) as u8);
@@ -1063,57 +1152,6 @@ fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
                 "vpp without interleaved schedule",
             )
         }
-        19 => {
-            // A misspelled enum variant in the text.
-            let mut v = spec_value(&s);
-            let (section, key, val) = [
-                ("job.model", "arch", "dens"),
-                ("job.model", "ffn_activation", "swiglo"),
-                ("job.parallelism", "recompute", "ful"),
-                ("job.parallelism", "schedule", "1f1"),
-                ("job.precision", "compute", "bf61"),
-            ][k as usize % 5];
-            object_at(&mut v, section).insert(key.into(), Value::from(val));
-            let (text, _) = to_text(&v, yaml);
-            return Invalid {
-                input: Input::Text(text, yaml),
-                path: format!("{section}.{key}"),
-                what: "bad enum variant",
-            };
-        }
-        20 => {
-            // Wrong type or out-of-range integer in the text.
-            let mut v = spec_value(&s);
-            let (section, key) = [
-                ("job.model", "num_layers"),
-                ("job.model", "hidden_size"),
-                ("job.batch", "global_batch"),
-                ("cluster", "gpus_per_node"),
-                ("job.parallelism", "tp"),
-            ][k as usize % 5];
-            // u64::MAX is out of range only for the u32 fields (a huge global_batch is
-            // valid text; see huge_global_batch_is_an_error_not_a_hang).
-            let too_big = if matches!(key, "num_layers" | "gpus_per_node" | "tp") {
-                Value::from(u64::MAX)
-            } else {
-                Value::from("0x10")
-            };
-            let val = [
-                Value::from("many"),
-                Value::from(-3),
-                Value::from(1.5),
-                Value::from(vec![1, 2]),
-                too_big,
-            ][(k as usize / 5) % 5]
-                .clone();
-            object_at(&mut v, section).insert(key.into(), val);
-            let (text, _) = to_text(&v, yaml);
-            return Invalid {
-                input: Input::Text(text, yaml),
-                path: format!("{section}.{key}"),
-                what: "wrong type",
-            };
-        }
         21 => {
             let name = ["tp", "pp", "dp", "cp", "ep", "vpp", "micro_batch"][k as usize % 7];
             match name {
@@ -1132,7 +1170,7 @@ fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
             p.cp = Some(3);
             ("job.model.seq_len".into(), "seq_len not divisible by 2*cp")
         }
-        _ => {
+        23 => {
             *p = ParallelismSpec {
                 dp: Some(r.dp),
                 ep: Some(r.ep),
@@ -1145,11 +1183,7 @@ fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
                 "grad_accum inconsistent with pins",
             )
         }
-    };
-    Invalid {
-        input: Input::Struct(s),
-        path,
-        what,
+        _ => unreachable!("mutation {kind}"),
     }
 }
 

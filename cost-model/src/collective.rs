@@ -93,23 +93,45 @@ pub fn remote_nodes_per_token(k: u32, experts: u32, nodes: u64) -> f64 {
     (n - 1.0) * (1.0 - none)
 }
 
+/// One MoE dispatch (or combine) over an expert-parallel group, as
+/// [`moe_dispatch_dedup_s`] costs it.
+#[derive(Clone, Copy, Debug)]
+pub struct MoeDispatch {
+    /// One copy of all of the rank's tokens, bytes.
+    pub token_bytes: f64,
+    /// Experts each token is routed to (top-k).
+    pub k: u32,
+    /// Routed experts, spread evenly over the group.
+    pub experts: u32,
+    /// Ranks in the group.
+    pub n: u64,
+    /// Ranks of the group in one node.
+    pub per_node: u64,
+    /// NVLink bus bandwidth, GB/s.
+    pub intra_gbps: f64,
+    /// Inter-node bus bandwidth, GB/s.
+    pub inter_gbps: f64,
+    /// Per-step latency, s.
+    pub alpha_s: f64,
+}
+
 /// MoE dispatch (or combine) with node deduplication (DeepEP / HybridEP): each of the rank's
 /// tokens (`token_bytes` for one copy of all of them) crosses the network once per remote
 /// node that hosts one of its `k` experts ([`remote_nodes_per_token`]), then fans out over
 /// NVLink to the GPUs of that node; the `k` routed copies inside the own node travel over
 /// NVLink directly. `n` ranks, `per_node` of them in one node. The slower side bounds the
 /// time.
-#[allow(clippy::too_many_arguments)]
-pub fn moe_dispatch_dedup_s(
-    token_bytes: f64,
-    k: u32,
-    experts: u32,
-    n: u64,
-    per_node: u64,
-    intra_gbps: f64,
-    inter_gbps: f64,
-    alpha_s: f64,
-) -> f64 {
+pub fn moe_dispatch_dedup_s(d: &MoeDispatch) -> f64 {
+    let MoeDispatch {
+        token_bytes,
+        k,
+        experts,
+        n,
+        per_node,
+        intra_gbps,
+        inter_gbps,
+        alpha_s,
+    } = *d;
     if n <= 1 {
         return 0.0;
     }
@@ -160,7 +182,16 @@ mod tests {
     /// all-to-all sends both copies, 6 x 2 x 8/16 = 6 GB (6 s).
     #[test]
     fn dedup_sends_each_token_once_per_remote_node() {
-        let dedup = moe_dispatch_dedup_s(6e9, 2, 4, 16, 8, 1e6, 1.0, 0.0);
+        let dedup = moe_dispatch_dedup_s(&MoeDispatch {
+            token_bytes: 6e9,
+            k: 2,
+            experts: 4,
+            n: 16,
+            per_node: 8,
+            intra_gbps: 1e6,
+            inter_gbps: 1.0,
+            alpha_s: 0.0,
+        });
         assert!((dedup - 5.0).abs() < 1e-9, "{dedup}");
         let flat = all_to_all_s(6e9 * 2.0, 16, 8, 1e6, 1.0, 0.0);
         assert!((flat - 6.0).abs() < 1e-9, "{flat}");

@@ -28,10 +28,11 @@
 
 use crate::collective::{
     all_gather_s, all_reduce_s, all_to_all_s, moe_dispatch_dedup_s, reduce_scatter_s, send_s,
+    MoeDispatch,
 };
 use crate::eval::{gemm_eff, group_link};
 use crate::flops;
-use shardwright_spec::job::Job;
+use shardwright_spec::job::{Job, Moe};
 use shardwright_spec::mesh::{GroupKind, Mesh};
 use shardwright_spec::spec::{MoeDispatcher, Recompute, RecomputeModule};
 
@@ -409,10 +410,7 @@ impl Ctx<'_> {
         let job = self.job;
         let m = &job.model;
         let eff = &job.efficiency;
-        let (t, h, tokens) = (self.t, self.h, self.tokens);
-        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
-        let mats = m.ffn_activation.mlp_matrices();
+        let (tokens, h) = (self.tokens, self.h);
         // Norms, residual adds and rotary on the hidden size (sharded with SP).
         let hidden_elems = tokens * h / self.seq_div;
         let eager = crate::framework::eager_elementwise(job.framework, job.torch_compile);
@@ -430,55 +428,14 @@ impl Ctx<'_> {
             hidden_elems,
             eff.elementwise_bytes_per_h * 2.0 * hidden_elems * hidden_x,
         );
-        let sc = e.scale();
-        let qkv_s = self.gemm_time(tokens, (qd + 2.0 * kvd) / t, h, 1, sc);
-        let proj_s = self.gemm_time(tokens, h, qd / t, 1, sc);
-        self.tp_pair(e, "attn", (qkv_s, proj_s));
-        self.gemm(e, "qkv", tokens, (qd + 2.0 * kvd) / t, h, 1);
-        self.attention_core(e);
-        self.gemm(e, "proj", tokens, h, qd / t, 1);
+        self.attention_block(e);
         // Whole experts (expert tensor parallelism 1): each rank feeds its own sequence
         // shard (tokens / tp) to full-width experts spread over the tp x ep ranks of the
         // folded expert-parallel group; only the shared experts stay split over tp.
         let whole = moe_layer && self.mesh.whole_experts();
-        let (expert_rows, expert_width_div) = if whole {
-            (tokens / t, 1.0)
-        } else {
-            (tokens, t)
-        };
         // The GEMMs the MLP block's TP collectives pipeline with (dense FC1/FC2; MoE: the
         // shared experts, and the experts when they are split over tp).
-        let mlp_gemms = {
-            let mats = m.ffn_activation.mlp_matrices();
-            match (&m.moe, moe_layer) {
-                (Some(moe), true) => {
-                    let fe = moe.expert_ffn_hidden_size as f64;
-                    let fs =
-                        moe.shared_expert_ffn_hidden_size as f64 * moe.num_shared_experts as f64;
-                    let shared = (
-                        self.gemm_time(tokens, (mats - 1.0) * fs / t, h, 1, sc),
-                        self.gemm_time(tokens, h, fs / t, 1, sc),
-                    );
-                    if whole {
-                        shared
-                    } else {
-                        let rows = tokens * moe.top_k as f64;
-                        let g = moe.num_experts / self.shape.ep;
-                        (
-                            self.gemm_time(rows, (mats - 1.0) * fe / t, h, g, sc) + shared.0,
-                            self.gemm_time(rows, h, fe / t, g, sc) + shared.1,
-                        )
-                    }
-                }
-                _ => {
-                    let f = m.ffn_hidden_size as f64;
-                    (
-                        self.gemm_time(tokens, (mats - 1.0) * f / t, h, 1, sc),
-                        self.gemm_time(tokens, h, f / t, 1, sc),
-                    )
-                }
-            }
-        };
+        let mlp_gemms = self.mlp_gemm_times(moe_layer, whole, e.scale());
         // Under sequence parallelism an MoE block without shared experts has no hidden-state
         // tp collective: the router and the dispatch work on the rank's sequence shard
         // (split experts gather their routed rows below).
@@ -487,122 +444,9 @@ impl Ctx<'_> {
             self.tp_pair(e, "mlp", mlp_gemms);
         }
         let width = if moe_layer {
-            let moe = m.moe.as_ref().expect("MoE layer of a model with experts");
-            let k = moe.top_k as f64;
-            let fe = moe.expert_ffn_hidden_size as f64;
-            let fs = moe.shared_expert_ffn_hidden_size as f64;
-            let ns = moe.num_shared_experts as f64;
-            let experts_local = moe.num_experts / self.mesh.size(GroupKind::Ep);
-            // The router sees the rank's tokens: its sequence shard under SP (without SP
-            // every tp rank routes the whole micro-batch, as Megatron does).
-            self.gemm(
-                e,
-                "router",
-                tokens / self.seq_div,
-                moe.num_experts as f64,
-                h,
-                1,
-            );
-            // Token permutation around the experts (memory bound): the routed copies are
-            // gathered into expert order and scattered back, each a read and a write of
-            // tokens*k*h 16-bit values.
-            let routed = tokens * k * h / self.seq_div;
-            self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
-            // EP all-to-all: dispatch and combine, each rank sending tokens*k*h*2 bytes
-            // (its sequence shard's with SP) over the expert-parallel group.
-            let ep = self.mesh.size(GroupKind::Ep) as u64;
-            let a2a = if ep > 1 {
-                let link = group_link(job, self.mesh.fabric(GroupKind::Ep));
-                let hw = &job.hardware;
-                // One copy of the rank's tokens; the flat all-to-all moves k of them.
-                let token_bytes = tokens * h * 2.0 / self.seq_div;
-                let msg = token_bytes * k;
-                let (intra, inter) = (
-                    hw.nvlink_gbps * eff.nvlink_bus_eff,
-                    hw.inter_node_gbps * eff.inter_node_bus_eff,
-                );
-                let per_node = link.fabric.ranks_per_node;
-                let one = match job.moe_dispatcher {
-                    MoeDispatcher::Alltoall => {
-                        all_to_all_s(msg, ep, per_node, intra, inter, link.latency_s)
-                    }
-                    MoeDispatcher::Deepep => moe_dispatch_dedup_s(
-                        token_bytes,
-                        moe.top_k,
-                        moe.num_experts,
-                        ep,
-                        per_node,
-                        intra,
-                        inter,
-                        link.latency_s,
-                    ),
-                };
-                Some((msg, one))
-            } else {
-                None
-            };
-            let a2a_op = |e: &mut Emit, name: &'static str| {
-                if let Some((msg, one)) = a2a {
-                    let op = OpKind::Collective {
-                        kind: Coll::AllToAll,
-                        group: GroupKind::Ep,
-                        bytes: msg,
-                    };
-                    e.comm(name, op, msg, one, one * (1.0 - eff.ep_overlap));
-                }
-            };
-            a2a_op(e, "ep_dispatch");
-            // Experts split over tp under sequence parallelism (Megatron's alltoall
-            // dispatcher with expert TP = tp): the rows each tp rank received are
-            // all-gathered over tp before the experts, and their partial outputs
-            // reduce-scattered after: the micro-batch's routed rows, tokens x k x h.
-            let expert_tp_coll = |e: &mut Emit, name: &'static str, kind: Coll| {
-                if whole || !self.shape.sp || self.shape.tp <= 1 {
-                    return;
-                }
-                let tp = self.shape.tp as u64;
-                let link = group_link(job, self.mesh.fabric(GroupKind::Tp));
-                let msg = tokens * k * h * 2.0;
-                let time = match kind {
-                    Coll::AllGather => all_gather_s(msg, tp, link.gbps, link.latency_s),
-                    _ => reduce_scatter_s(msg, tp, link.gbps, link.latency_s),
-                };
-                let hide = if crate::framework::mechanisms(job.framework).tp_overlap {
-                    eff.tp_overlap
-                } else {
-                    0.0
-                };
-                let op = OpKind::Collective {
-                    kind,
-                    group: GroupKind::Tp,
-                    bytes: msg,
-                };
-                e.comm(name, op, msg, time, time * (1.0 - hide));
-            };
-            expert_tp_coll(e, "tp_all_gather_experts", Coll::AllGather);
-            let rows = expert_rows * k; // routed copies over the local experts
-            let fe_local = fe / expert_width_div;
-            self.gemm(
-                e,
-                "expert_fc1",
-                rows,
-                (mats - 1.0) * fe_local,
-                h,
-                experts_local,
-            );
-            self.gemm(e, "expert_fc2", rows, h, fe_local, experts_local);
-            expert_tp_coll(e, "tp_reduce_scatter_experts", Coll::ReduceScatter);
-            a2a_op(e, "ep_combine");
-            if moe.num_shared_experts > 0 {
-                self.gemm(e, "shared_fc1", tokens, (mats - 1.0) * fs / t * ns, h, 1);
-                self.gemm(e, "shared_fc2", tokens, h, fs / t * ns, 1);
-            }
-            (mats - 1.0) * (fe * k + fs * ns) / t
+            self.moe_mlp(e, whole)
         } else {
-            let f = m.ffn_hidden_size as f64;
-            self.gemm(e, "fc1", tokens, (mats - 1.0) * f / t, h, 1);
-            self.gemm(e, "fc2", tokens, h, f / t, 1);
-            (mats - 1.0) * f / t
+            self.dense_mlp(e)
         };
         // Activation function on the MLP width: half the per-element bytes of the
         // hidden-size ops (16-bit values).
@@ -613,6 +457,216 @@ impl Ctx<'_> {
             act_elems,
             eff.elementwise_bytes_per_h * act_elems * act_x,
         );
+    }
+
+    /// The attention block of one pass: QKV projection, attention core and output
+    /// projection, with the TP collectives that pipeline with the two GEMMs.
+    fn attention_block(&self, e: &mut Emit) {
+        let m = &self.job.model;
+        let (t, h, tokens) = (self.t, self.h, self.tokens);
+        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+        let sc = e.scale();
+        let qkv_s = self.gemm_time(tokens, (qd + 2.0 * kvd) / t, h, 1, sc);
+        let proj_s = self.gemm_time(tokens, h, qd / t, 1, sc);
+        self.tp_pair(e, "attn", (qkv_s, proj_s));
+        self.gemm(e, "qkv", tokens, (qd + 2.0 * kvd) / t, h, 1);
+        self.attention_core(e);
+        self.gemm(e, "proj", tokens, h, qd / t, 1);
+    }
+
+    /// Times of the MLP block's first and second GEMMs in a pass of `sc` times the forward
+    /// work: dense FC1/FC2; MoE: the shared experts, plus the experts unless they are
+    /// `whole`.
+    fn mlp_gemm_times(&self, moe_layer: bool, whole: bool, sc: f64) -> (f64, f64) {
+        let m = &self.job.model;
+        let (t, h, tokens) = (self.t, self.h, self.tokens);
+        let mats = m.ffn_activation.mlp_matrices();
+        match (&m.moe, moe_layer) {
+            (Some(moe), true) => {
+                let fe = moe.expert_ffn_hidden_size as f64;
+                let fs = moe.shared_expert_ffn_hidden_size as f64 * moe.num_shared_experts as f64;
+                let shared = (
+                    self.gemm_time(tokens, (mats - 1.0) * fs / t, h, 1, sc),
+                    self.gemm_time(tokens, h, fs / t, 1, sc),
+                );
+                if whole {
+                    shared
+                } else {
+                    let rows = tokens * moe.top_k as f64;
+                    let g = moe.num_experts / self.shape.ep;
+                    (
+                        self.gemm_time(rows, (mats - 1.0) * fe / t, h, g, sc) + shared.0,
+                        self.gemm_time(rows, h, fe / t, g, sc) + shared.1,
+                    )
+                }
+            }
+            _ => {
+                let f = m.ffn_hidden_size as f64;
+                (
+                    self.gemm_time(tokens, (mats - 1.0) * f / t, h, 1, sc),
+                    self.gemm_time(tokens, h, f / t, 1, sc),
+                )
+            }
+        }
+    }
+
+    /// The dense MLP's GEMMs; returns the width of its activation per token.
+    fn dense_mlp(&self, e: &mut Emit) -> f64 {
+        let m = &self.job.model;
+        let (t, h, tokens) = (self.t, self.h, self.tokens);
+        let mats = m.ffn_activation.mlp_matrices();
+        let f = m.ffn_hidden_size as f64;
+        self.gemm(e, "fc1", tokens, (mats - 1.0) * f / t, h, 1);
+        self.gemm(e, "fc2", tokens, h, f / t, 1);
+        (mats - 1.0) * f / t
+    }
+
+    /// The MoE block: router, permutation, EP dispatch, the local experts (with their tp
+    /// collectives when split over tp), EP combine and the shared experts. `whole`: each
+    /// expert whole on one rank. Returns the width of the activation per token.
+    fn moe_mlp(&self, e: &mut Emit, whole: bool) -> f64 {
+        let job = self.job;
+        let m = &job.model;
+        let (t, h, tokens) = (self.t, self.h, self.tokens);
+        let mats = m.ffn_activation.mlp_matrices();
+        let (expert_rows, expert_width_div) = if whole {
+            (tokens / t, 1.0)
+        } else {
+            (tokens, t)
+        };
+        let moe = m.moe.as_ref().expect("MoE layer of a model with experts");
+        let k = moe.top_k as f64;
+        let fe = moe.expert_ffn_hidden_size as f64;
+        let fs = moe.shared_expert_ffn_hidden_size as f64;
+        let ns = moe.num_shared_experts as f64;
+        let experts_local = moe.num_experts / self.mesh.size(GroupKind::Ep);
+        // The router sees the rank's tokens: its sequence shard under SP (without SP
+        // every tp rank routes the whole micro-batch, as Megatron does).
+        self.gemm(
+            e,
+            "router",
+            tokens / self.seq_div,
+            moe.num_experts as f64,
+            h,
+            1,
+        );
+        // Token permutation around the experts (memory bound): the routed copies are
+        // gathered into expert order and scattered back, each a read and a write of
+        // tokens*k*h 16-bit values.
+        let routed = tokens * k * h / self.seq_div;
+        self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
+        let a2a = self.ep_all_to_all(moe);
+        self.ep_op(e, "ep_dispatch", a2a);
+        if !whole {
+            self.expert_tp_collective(e, "tp_all_gather_experts", Coll::AllGather, k);
+        }
+        let rows = expert_rows * k; // routed copies over the local experts
+        let fe_local = fe / expert_width_div;
+        self.gemm(
+            e,
+            "expert_fc1",
+            rows,
+            (mats - 1.0) * fe_local,
+            h,
+            experts_local,
+        );
+        self.gemm(e, "expert_fc2", rows, h, fe_local, experts_local);
+        if !whole {
+            self.expert_tp_collective(e, "tp_reduce_scatter_experts", Coll::ReduceScatter, k);
+        }
+        self.ep_op(e, "ep_combine", a2a);
+        if moe.num_shared_experts > 0 {
+            self.gemm(e, "shared_fc1", tokens, (mats - 1.0) * fs / t * ns, h, 1);
+            self.gemm(e, "shared_fc2", tokens, h, fs / t * ns, 1);
+        }
+        (mats - 1.0) * (fe * k + fs * ns) / t
+    }
+
+    /// EP all-to-all: dispatch and combine, each rank sending tokens*k*h*2 bytes (its
+    /// sequence shard's with SP) over the expert-parallel group. The message and the time
+    /// of one, under the job's dispatcher; None without expert parallelism.
+    fn ep_all_to_all(&self, moe: &Moe) -> Option<(f64, f64)> {
+        let job = self.job;
+        let eff = &job.efficiency;
+        let ep = self.mesh.size(GroupKind::Ep) as u64;
+        if ep <= 1 {
+            return None;
+        }
+        let link = group_link(job, self.mesh.fabric(GroupKind::Ep));
+        let hw = &job.hardware;
+        // One copy of the rank's tokens; the flat all-to-all moves k of them.
+        let token_bytes = self.tokens * self.h * 2.0 / self.seq_div;
+        let msg = token_bytes * moe.top_k as f64;
+        let (intra, inter) = (
+            hw.nvlink_gbps * eff.nvlink_bus_eff,
+            hw.inter_node_gbps * eff.inter_node_bus_eff,
+        );
+        let per_node = link.fabric.ranks_per_node;
+        let one = match job.moe_dispatcher {
+            MoeDispatcher::Alltoall => {
+                all_to_all_s(msg, ep, per_node, intra, inter, link.latency_s)
+            }
+            MoeDispatcher::Deepep => moe_dispatch_dedup_s(&MoeDispatch {
+                token_bytes,
+                k: moe.top_k,
+                experts: moe.num_experts,
+                n: ep,
+                per_node,
+                intra_gbps: intra,
+                inter_gbps: inter,
+                alpha_s: link.latency_s,
+            }),
+        };
+        Some((msg, one))
+    }
+
+    /// One EP all-to-all op (`a2a` from [`Ctx::ep_all_to_all`]), partly hidden
+    /// (`ep_overlap`).
+    fn ep_op(&self, e: &mut Emit, name: &'static str, a2a: Option<(f64, f64)>) {
+        if let Some((msg, one)) = a2a {
+            let op = OpKind::Collective {
+                kind: Coll::AllToAll,
+                group: GroupKind::Ep,
+                bytes: msg,
+            };
+            e.comm(
+                name,
+                op,
+                msg,
+                one,
+                one * (1.0 - self.job.efficiency.ep_overlap),
+            );
+        }
+    }
+
+    /// Experts split over tp under sequence parallelism (Megatron's alltoall dispatcher
+    /// with expert TP = tp): the rows each tp rank received are all-gathered over tp before
+    /// the experts, and their partial outputs reduce-scattered after: the micro-batch's
+    /// routed rows, tokens x k x h. Nothing without SP or tp.
+    fn expert_tp_collective(&self, e: &mut Emit, name: &'static str, kind: Coll, k: f64) {
+        if !self.shape.sp || self.shape.tp <= 1 {
+            return;
+        }
+        let job = self.job;
+        let tp = self.shape.tp as u64;
+        let link = group_link(job, self.mesh.fabric(GroupKind::Tp));
+        let msg = self.tokens * k * self.h * 2.0;
+        let time = match kind {
+            Coll::AllGather => all_gather_s(msg, tp, link.gbps, link.latency_s),
+            _ => reduce_scatter_s(msg, tp, link.gbps, link.latency_s),
+        };
+        let hide = if crate::framework::mechanisms(job.framework).tp_overlap {
+            job.efficiency.tp_overlap
+        } else {
+            0.0
+        };
+        let op = OpKind::Collective {
+            kind,
+            group: GroupKind::Tp,
+            bytes: msg,
+        };
+        e.comm(name, op, msg, time, time * (1.0 - hide));
     }
 }
 
@@ -642,251 +696,275 @@ fn recomputed(name: &str, moe: bool, mods: &[RecomputeModule]) -> bool {
 /// The ops of one layer kind for one micro-batch on one GPU, in pass order (forward,
 /// recompute, backward). `mesh` gives the groups' fabrics (only tp, cp and ep are read).
 pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -> Vec<OpCost> {
-    let m = &job.model;
-    let e = &job.efficiency;
-    let hw = &job.hardware;
-    let t = shape.tp as f64;
-    let cx = Ctx {
-        job,
-        mesh: *mesh,
-        shape: *shape,
-        t,
-        h: m.hidden_size as f64,
-        tokens: shape.micro_batch as f64 * m.seq_len as f64 / shape.cp as f64,
-        seq_div: if shape.sp { t } else { 1.0 },
-        // Under a power limit the tensor cores run at the sustained clock (`clock_ratio`).
-        gemm_peak: hw.clock_ratio
-            * if job.training.fp8_gemms {
-                hw.peak_fp8_flops * e.fp8_gemm_rel
-            } else {
-                hw.peak_bf16_flops
-            },
-        attn_rate: hw.peak_bf16_flops * hw.clock_ratio * e.attn_eff,
-        hbm: hw.hbm_gbps * 1e9,
-    };
+    let cx = Ctx::new(job, mesh, shape);
     let mut out = Vec::with_capacity(64);
     match which {
-        LayerKind::Dense | LayerKind::Moe => {
-            let moe = which == LayerKind::Moe;
-            cx.layer_pass(
-                &mut Emit {
-                    out: &mut out,
-                    pass: Pass::Fwd,
-                },
-                moe,
-            );
-            match shape.recompute {
-                // The forward again: the same ops, copied rather than recomputed (the
-                // search builds these for every shape).
-                Recompute::Full => {
-                    for i in 0..out.len() {
-                        let op = OpCost {
-                            pass: Pass::Recompute,
-                            ..out[i]
-                        };
-                        out.push(op);
-                    }
-                }
-                // torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense
-                // block: the replay from the block input reruns every elementwise op and
-                // the TP all-gathers (their outputs are not kept) and every other matmul
-                // in forward order: wk, wo, and the MLP's second (gated: w3, the up half of
-                // FC1; else FC2).
-                Recompute::Selective if !moe && crate::framework::op_level_ac(job.framework) => {
-                    let mut again = Vec::with_capacity(32);
-                    cx.layer_pass(
-                        &mut Emit {
-                            out: &mut again,
-                            pass: Pass::Recompute,
-                        },
-                        false,
-                    );
-                    out.extend(again.into_iter().filter(|op| {
-                        matches!(
-                            op.name,
-                            "hidden_ops"
-                                | "act"
-                                | "tp_all_gather_attn"
-                                | "tp_all_gather_mlp"
-                                | "tp_all_reduce_attn"
-                                | "tp_all_reduce_mlp"
-                        )
-                    }));
-                    let (t, h) = (cx.t, cx.h);
-                    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-                    let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
-                    let f = m.ffn_hidden_size as f64;
-                    let re = &mut Emit {
-                        out: &mut out,
-                        pass: Pass::Recompute,
-                    };
-                    cx.gemm(re, "k_proj", cx.tokens, kvd / t, h, 1);
-                    cx.gemm(re, "proj", cx.tokens, h, qd / t, 1);
-                    if m.ffn_activation.mlp_matrices() > 2.0 {
-                        cx.gemm(re, "fc1_up", cx.tokens, f / t, h, 1);
-                    } else {
-                        cx.gemm(re, "fc2", cx.tokens, h, f / t, 1);
-                    }
-                }
-                // Fine-grained selective recompute: the forward ops of the chosen modules
-                // (`job.training.recompute_modules`), in forward order.
-                Recompute::Selective => {
-                    let mods = &job.training.recompute_modules;
-                    let mut again = Vec::with_capacity(32);
-                    cx.layer_pass(
-                        &mut Emit {
-                            out: &mut again,
-                            pass: Pass::Recompute,
-                        },
-                        moe,
-                    );
-                    if mods.contains(&RecomputeModule::Layernorm) {
-                        // Two norms: read the input, write the output (16-bit).
-                        let elems = cx.tokens * cx.h / cx.seq_div;
-                        cx.elementwise(
-                            &mut Emit {
-                                out: &mut out,
-                                pass: Pass::Recompute,
-                            },
-                            "norm_recompute",
-                            2.0 * elems,
-                            8.0 * elems,
-                        );
-                    }
-                    out.extend(
-                        again
-                            .into_iter()
-                            .filter(|op| recomputed(op.name, moe, mods)),
-                    );
-                }
-                Recompute::None => {}
-            }
-            cx.layer_pass(
-                &mut Emit {
-                    out: &mut out,
-                    pass: Pass::Bwd,
-                },
-                moe,
-            );
-        }
-        LayerKind::Head => {
-            let v = m.vocab_size as f64;
-            let logits = cx.tokens * v / t;
-            for pass in [Pass::Fwd, Pass::Bwd] {
-                let mut em = Emit {
-                    out: &mut out,
-                    pass,
-                };
-                // The head's tensor-parallel collectives, on the critical path (nothing to
-                // hide behind): with SP the final norm's output is all-gathered before the
-                // head and its input gradient reduce-scattered after; without SP the input
-                // gradient is all-reduced. The vocabulary-parallel loss reduces the
-                // per-token max (4 B) and the target logit with the sum of exponentials
-                // (8 B) over tp (Megatron's _VocabParallelCrossEntropy).
-                let tp = cx.shape.tp as u64;
-                if tp > 1 {
-                    let link = group_link(cx.job, cx.mesh.fabric(GroupKind::Tp));
-                    let (gbps, lat) = (link.gbps, link.latency_s);
-                    let act = cx.tokens * cx.h * 2.0;
-                    // The activation collectives overlap as the layers' TP collectives do
-                    // (`tp_pair`); the loss's tiny reductions cannot.
-                    let hide = if crate::framework::mechanisms(cx.job.framework).tp_overlap {
-                        cx.job.efficiency.tp_overlap
-                    } else {
-                        0.0
-                    };
-                    let mut put = |name: &'static str, kind: Coll, bytes: f64, t_s: f64| {
-                        let exposed = if name.starts_with("tp_loss") {
-                            t_s
-                        } else {
-                            t_s * (1.0 - hide)
-                        };
-                        em.comm(
-                            name,
-                            OpKind::Collective {
-                                kind,
-                                group: GroupKind::Tp,
-                                bytes,
-                            },
-                            bytes,
-                            t_s,
-                            exposed,
-                        );
-                    };
-                    match (pass, cx.shape.sp) {
-                        (Pass::Fwd, true) => put(
-                            "tp_all_gather_head",
-                            Coll::AllGather,
-                            act,
-                            all_gather_s(act, tp, gbps, lat),
-                        ),
-                        (Pass::Bwd, true) => put(
-                            "tp_reduce_scatter_head",
-                            Coll::ReduceScatter,
-                            act,
-                            reduce_scatter_s(act, tp, gbps, lat),
-                        ),
-                        (Pass::Bwd, false) => put(
-                            "tp_all_reduce_head",
-                            Coll::AllReduce,
-                            act,
-                            all_reduce_s(act, tp, gbps, lat),
-                        ),
-                        _ => {}
-                    }
-                    if pass == Pass::Fwd {
-                        let toks = cx.tokens;
-                        put(
-                            "tp_loss_max",
-                            Coll::AllReduce,
-                            4.0 * toks,
-                            all_reduce_s(4.0 * toks, tp, gbps, lat),
-                        );
-                        put(
-                            "tp_loss_sum",
-                            Coll::AllReduce,
-                            8.0 * toks,
-                            all_reduce_s(8.0 * toks, tp, gbps, lat),
-                        );
-                    }
-                }
-                cx.gemm(&mut em, "lm_head", cx.tokens, v / t, cx.h, 1);
-                // fp32: forward writes the logits and reads/writes them in the softmax
-                // (12 B per logit); backward writes their gradient (4 B).
-                let b = if pass == Pass::Fwd { 12.0 } else { 4.0 };
-                em.push(
-                    "softmax_ce",
-                    OpKind::Elementwise {
-                        what: "softmax_ce",
-                        elems: logits,
-                    },
-                    0.0,
-                    b * logits,
-                    b * logits / cx.hbm,
-                );
-            }
-        }
-        LayerKind::Embedding => {
-            // A gather (forward) and a scatter-add into the embedding gradient (backward):
-            // not charged by the analytical model (its traffic is one row per token).
-            for pass in [Pass::Fwd, Pass::Bwd] {
-                let elems = cx.tokens * cx.h / cx.seq_div;
-                Emit {
-                    out: &mut out,
-                    pass,
-                }
-                .push(
-                    "embedding_lookup",
-                    OpKind::Elementwise {
-                        what: "embedding_lookup",
-                        elems,
-                    },
-                    0.0,
-                    0.0,
-                    0.0,
-                );
-            }
-        }
+        LayerKind::Dense => cx.transformer_layer(&mut out, false),
+        LayerKind::Moe => cx.transformer_layer(&mut out, true),
+        LayerKind::Head => cx.head(&mut out),
+        LayerKind::Embedding => cx.embedding(&mut out),
     }
     out
+}
+
+impl<'a> Ctx<'a> {
+    /// The rates and sizes of `shape` on `mesh`.
+    fn new(job: &'a Job, mesh: &Mesh, shape: &LayerShape) -> Ctx<'a> {
+        let m = &job.model;
+        let e = &job.efficiency;
+        let hw = &job.hardware;
+        let t = shape.tp as f64;
+        Ctx {
+            job,
+            mesh: *mesh,
+            shape: *shape,
+            t,
+            h: m.hidden_size as f64,
+            tokens: shape.micro_batch as f64 * m.seq_len as f64 / shape.cp as f64,
+            seq_div: if shape.sp { t } else { 1.0 },
+            // Under a power limit the tensor cores run at the sustained clock (`clock_ratio`).
+            gemm_peak: hw.clock_ratio
+                * if job.training.fp8_gemms {
+                    hw.peak_fp8_flops * e.fp8_gemm_rel
+                } else {
+                    hw.peak_bf16_flops
+                },
+            attn_rate: hw.peak_bf16_flops * hw.clock_ratio * e.attn_eff,
+            hbm: hw.hbm_gbps * 1e9,
+        }
+    }
+}
+
+impl Ctx<'_> {
+    /// A transformer layer (dense or MoE): forward, the recompute its shape asks for, and
+    /// backward.
+    fn transformer_layer(&self, out: &mut Vec<OpCost>, moe: bool) {
+        self.layer_pass(
+            &mut Emit {
+                out,
+                pass: Pass::Fwd,
+            },
+            moe,
+        );
+        match self.shape.recompute {
+            // The forward again: the same ops, copied rather than recomputed (the
+            // search builds these for every shape).
+            Recompute::Full => {
+                for i in 0..out.len() {
+                    let op = OpCost {
+                        pass: Pass::Recompute,
+                        ..out[i]
+                    };
+                    out.push(op);
+                }
+            }
+            Recompute::Selective if !moe && crate::framework::op_level_ac(self.job.framework) => {
+                self.op_level_recompute(out)
+            }
+            Recompute::Selective => self.module_recompute(out, moe),
+            Recompute::None => {}
+        }
+        self.layer_pass(
+            &mut Emit {
+                out,
+                pass: Pass::Bwd,
+            },
+            moe,
+        );
+    }
+
+    /// torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense block: the
+    /// replay from the block input reruns every elementwise op and the TP all-gathers
+    /// (their outputs are not kept) and every other matmul in forward order: wk, wo, and
+    /// the MLP's second (gated: w3, the up half of FC1; else FC2).
+    fn op_level_recompute(&self, out: &mut Vec<OpCost>) {
+        let m = &self.job.model;
+        let mut again = Vec::with_capacity(32);
+        self.layer_pass(
+            &mut Emit {
+                out: &mut again,
+                pass: Pass::Recompute,
+            },
+            false,
+        );
+        out.extend(again.into_iter().filter(|op| {
+            matches!(
+                op.name,
+                "hidden_ops"
+                    | "act"
+                    | "tp_all_gather_attn"
+                    | "tp_all_gather_mlp"
+                    | "tp_all_reduce_attn"
+                    | "tp_all_reduce_mlp"
+            )
+        }));
+        let (t, h) = (self.t, self.h);
+        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+        let f = m.ffn_hidden_size as f64;
+        let re = &mut Emit {
+            out,
+            pass: Pass::Recompute,
+        };
+        self.gemm(re, "k_proj", self.tokens, kvd / t, h, 1);
+        self.gemm(re, "proj", self.tokens, h, qd / t, 1);
+        if m.ffn_activation.mlp_matrices() > 2.0 {
+            self.gemm(re, "fc1_up", self.tokens, f / t, h, 1);
+        } else {
+            self.gemm(re, "fc2", self.tokens, h, f / t, 1);
+        }
+    }
+
+    /// Fine-grained selective recompute: the forward ops of the chosen modules
+    /// (`job.training.recompute_modules`), in forward order.
+    fn module_recompute(&self, out: &mut Vec<OpCost>, moe: bool) {
+        let mods = &self.job.training.recompute_modules;
+        let mut again = Vec::with_capacity(32);
+        self.layer_pass(
+            &mut Emit {
+                out: &mut again,
+                pass: Pass::Recompute,
+            },
+            moe,
+        );
+        if mods.contains(&RecomputeModule::Layernorm) {
+            // Two norms: read the input, write the output (16-bit).
+            let elems = self.tokens * self.h / self.seq_div;
+            self.elementwise(
+                &mut Emit {
+                    out,
+                    pass: Pass::Recompute,
+                },
+                "norm_recompute",
+                2.0 * elems,
+                8.0 * elems,
+            );
+        }
+        out.extend(
+            again
+                .into_iter()
+                .filter(|op| recomputed(op.name, moe, mods)),
+        );
+    }
+
+    /// The final LM head GEMM and the cross-entropy loss, forward and backward, with their
+    /// tensor-parallel collectives.
+    fn head(&self, out: &mut Vec<OpCost>) {
+        let v = self.job.model.vocab_size as f64;
+        let logits = self.tokens * v / self.t;
+        for pass in [Pass::Fwd, Pass::Bwd] {
+            let mut em = Emit { out, pass };
+            self.head_tp_collectives(&mut em);
+            self.gemm(&mut em, "lm_head", self.tokens, v / self.t, self.h, 1);
+            // fp32: forward writes the logits and reads/writes them in the softmax
+            // (12 B per logit); backward writes their gradient (4 B).
+            let b = if pass == Pass::Fwd { 12.0 } else { 4.0 };
+            em.push(
+                "softmax_ce",
+                OpKind::Elementwise {
+                    what: "softmax_ce",
+                    elems: logits,
+                },
+                0.0,
+                b * logits,
+                b * logits / self.hbm,
+            );
+        }
+    }
+
+    /// The head's tensor-parallel collectives in one pass, on the critical path (nothing
+    /// to hide behind): with SP the final norm's output is all-gathered before the head
+    /// and its input gradient reduce-scattered after; without SP the input gradient is
+    /// all-reduced. The vocabulary-parallel loss reduces the per-token max (4 B) and the
+    /// target logit with the sum of exponentials (8 B) over tp (Megatron's
+    /// _VocabParallelCrossEntropy).
+    fn head_tp_collectives(&self, em: &mut Emit) {
+        let tp = self.shape.tp as u64;
+        if tp <= 1 {
+            return;
+        }
+        let pass = em.pass;
+        let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
+        let (gbps, lat) = (link.gbps, link.latency_s);
+        let act = self.tokens * self.h * 2.0;
+        // The activation collectives overlap as the layers' TP collectives do
+        // (`tp_pair`); the loss's tiny reductions cannot.
+        let hide = if crate::framework::mechanisms(self.job.framework).tp_overlap {
+            self.job.efficiency.tp_overlap
+        } else {
+            0.0
+        };
+        let mut put = |name: &'static str, kind: Coll, bytes: f64, t_s: f64| {
+            let exposed = if name.starts_with("tp_loss") {
+                t_s
+            } else {
+                t_s * (1.0 - hide)
+            };
+            em.comm(
+                name,
+                OpKind::Collective {
+                    kind,
+                    group: GroupKind::Tp,
+                    bytes,
+                },
+                bytes,
+                t_s,
+                exposed,
+            );
+        };
+        match (pass, self.shape.sp) {
+            (Pass::Fwd, true) => put(
+                "tp_all_gather_head",
+                Coll::AllGather,
+                act,
+                all_gather_s(act, tp, gbps, lat),
+            ),
+            (Pass::Bwd, true) => put(
+                "tp_reduce_scatter_head",
+                Coll::ReduceScatter,
+                act,
+                reduce_scatter_s(act, tp, gbps, lat),
+            ),
+            (Pass::Bwd, false) => put(
+                "tp_all_reduce_head",
+                Coll::AllReduce,
+                act,
+                all_reduce_s(act, tp, gbps, lat),
+            ),
+            _ => {}
+        }
+        if pass == Pass::Fwd {
+            let toks = self.tokens;
+            put(
+                "tp_loss_max",
+                Coll::AllReduce,
+                4.0 * toks,
+                all_reduce_s(4.0 * toks, tp, gbps, lat),
+            );
+            put(
+                "tp_loss_sum",
+                Coll::AllReduce,
+                8.0 * toks,
+                all_reduce_s(8.0 * toks, tp, gbps, lat),
+            );
+        }
+    }
+
+    /// A gather (forward) and a scatter-add into the embedding gradient (backward): not
+    /// charged by the analytical model (its traffic is one row per token).
+    fn embedding(&self, out: &mut Vec<OpCost>) {
+        for pass in [Pass::Fwd, Pass::Bwd] {
+            let elems = self.tokens * self.h / self.seq_div;
+            Emit { out, pass }.push(
+                "embedding_lookup",
+                OpKind::Elementwise {
+                    what: "embedding_lookup",
+                    elems,
+                },
+                0.0,
+                0.0,
+                0.0,
+            );
+        }
+    }
 }

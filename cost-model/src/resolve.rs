@@ -61,9 +61,41 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     let mut errs = Errs(Vec::new());
     let mut warnings = Vec::new();
     let js = &spec.job;
-    let ms = &js.model;
+    let cs = &spec.cluster;
+    let model = resolve_model(&mut errs, &mut warnings, &js.model);
+    let hw = resolve_hardware(&mut errs, cs);
+    let cluster = resolve_cluster(&mut errs, cs);
+    let training = resolve_training(&mut errs, js, &hw);
+    check_recompute_modules(&mut errs, js);
+    let pins = &js.parallelism;
+    validate_pins(&mut errs, pins, &model, &cluster, &training);
+    let reliability = resolve_reliability(&mut errs, spec, &hw, &cluster);
+    check_framework_options(&mut errs, js);
+    if !errs.0.is_empty() {
+        return Err(SpecErrors(errs.0));
+    }
+    let efficiency = efficiency_for(opts, &hw.kind);
+    let job = Job {
+        name: js.name.clone().unwrap_or_else(|| "job".into()),
+        model,
+        hardware: hw,
+        cluster,
+        training,
+        reliability,
+        pinned: pins.clone(),
+        efficiency,
+        framework: js.framework,
+        tp_comm_overlap: js.tp_comm_overlap,
+        torch_compile: js.torch_compile,
+        dp_comm_overlap: js.dp_comm_overlap,
+        moe_dispatcher: js.moe_dispatcher,
+    };
+    Ok(Resolved { job, warnings })
+}
 
-    // ---- model ----
+/// `job.model`: checks the shape, fills in the defaults (kv heads, head_dim, shared expert
+/// width) and derives the parameter counts; a stated `params` far from them is a warning.
+fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) -> Model {
     for (path, v) in [
         ("job.model.num_layers", ms.num_layers as u64),
         ("job.model.hidden_size", ms.hidden_size),
@@ -86,7 +118,59 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             format!("{kv_heads} must divide num_attention_heads={heads}"),
         );
     }
-    let head_dim = match ms.head_dim {
+    let head_dim = resolve_head_dim(errs, ms, heads);
+    let moe = resolve_moe(errs, ms);
+    let needs_dense_ffn = moe.as_ref().map_or(true, |m| m.first_k_dense > 0);
+    let ffn = resolve_ffn(errs, ms, needs_dense_ffn);
+    if let Some(p) = ms.params {
+        positive(errs, "job.model.params", p);
+    }
+    check_sliding_window(errs, ms);
+    let mut model = Model {
+        arch: ms.arch,
+        num_layers: ms.num_layers,
+        hidden_size: ms.hidden_size,
+        num_attention_heads: ms.num_attention_heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        ffn_hidden_size: ffn,
+        ffn_activation: ms.ffn_activation,
+        norm: ms.norm,
+        vocab_size: ms.vocab_size,
+        seq_len: ms.seq_len,
+        tied_embeddings: ms.tied_embeddings,
+        learned_positions: ms.learned_positions,
+        linear_bias: ms.linear_bias,
+        dropout: ms.dropout,
+        flash_attention: ms.flash_attention,
+        causal: ms.causal,
+        moe,
+        sliding_window: ms.sliding_window,
+        sliding_window_pattern: ms.sliding_window_pattern.unwrap_or(1).max(1),
+        attention_sink_tokens: ms.attention_sink_tokens,
+        params_total: 0.0,
+        params_active: 0.0,
+        params_stated: ms.params,
+    };
+    let (total, active) = flops::param_counts(&model);
+    model.params_total = total;
+    model.params_active = active;
+    if let Some(stated) = ms.params {
+        if stated > 0.0 && ((total - stated) / stated).abs() > 0.02 {
+            warnings.push(format!(
+                "job.model.params: stated {:.4e} but the shape gives {:.4e} ({:+.1}%); the shape is used",
+                stated,
+                total,
+                (total / stated - 1.0) * 100.0
+            ));
+        }
+    }
+    model
+}
+
+/// The head width: `job.model.head_dim`, or hidden_size / heads when not given.
+fn resolve_head_dim(errs: &mut Errs, ms: &ModelSpec, heads: u32) -> u64 {
+    match ms.head_dim {
         Some(0) => {
             errs.push("job.model.head_dim", "must be at least 1");
             1
@@ -104,8 +188,12 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             }
             (ms.hidden_size / heads as u64).max(1)
         }
-    };
-    let moe = match (&ms.arch, &ms.moe) {
+    }
+}
+
+/// `job.model.moe`, which must be present exactly when the arch is moe.
+fn resolve_moe(errs: &mut Errs, ms: &ModelSpec) -> Option<Moe> {
+    match (&ms.arch, &ms.moe) {
         (Arch::Dense, Some(_)) => {
             errs.push("job.model.moe", "given but arch is dense; set arch: moe");
             None
@@ -148,9 +236,12 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             })
         }
         (Arch::Dense, None) => None,
-    };
-    let needs_dense_ffn = moe.as_ref().map_or(true, |m| m.first_k_dense > 0);
-    let ffn = match ms.ffn_hidden_size {
+    }
+}
+
+/// The dense MLP width: required when any layer is dense, 0 when none is and none is given.
+fn resolve_ffn(errs: &mut Errs, ms: &ModelSpec, needs_dense_ffn: bool) -> u64 {
+    match ms.ffn_hidden_size {
         Some(0) => {
             errs.push("job.model.ffn_hidden_size", "must be at least 1");
             0
@@ -164,10 +255,11 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             0
         }
         None => 0,
-    };
-    if let Some(p) = ms.params {
-        positive(&mut errs, "job.model.params", p);
     }
+}
+
+/// The sliding-window attention fields: positive, and the pattern and sinks only with a window.
+fn check_sliding_window(errs: &mut Errs, ms: &ModelSpec) {
     if let Some(w) = ms.sliding_window {
         if w == 0 {
             errs.push("job.model.sliding_window", "must be at least 1 token");
@@ -187,92 +279,22 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             "sliding_window_pattern and attention_sink_tokens need a sliding_window",
         );
     }
-    let mut model = Model {
-        arch: ms.arch,
-        num_layers: ms.num_layers,
-        hidden_size: ms.hidden_size,
-        num_attention_heads: ms.num_attention_heads,
-        num_kv_heads: kv_heads,
-        head_dim,
-        ffn_hidden_size: ffn,
-        ffn_activation: ms.ffn_activation,
-        norm: ms.norm,
-        vocab_size: ms.vocab_size,
-        seq_len: ms.seq_len,
-        tied_embeddings: ms.tied_embeddings,
-        learned_positions: ms.learned_positions,
-        linear_bias: ms.linear_bias,
-        dropout: ms.dropout,
-        flash_attention: ms.flash_attention,
-        causal: ms.causal,
-        moe,
-        sliding_window: ms.sliding_window,
-        sliding_window_pattern: ms.sliding_window_pattern.unwrap_or(1).max(1),
-        attention_sink_tokens: ms.attention_sink_tokens,
-        params_total: 0.0,
-        params_active: 0.0,
-        params_stated: ms.params,
-    };
-    let (total, active) = flops::param_counts(&model);
-    model.params_total = total;
-    model.params_active = active;
-    if let Some(stated) = ms.params {
-        if stated > 0.0 && ((total - stated) / stated).abs() > 0.02 {
-            warnings.push(format!(
-                "job.model.params: stated {:.4e} but the shape gives {:.4e} ({:+.1}%); the shape is used",
-                stated,
-                total,
-                (total / stated - 1.0) * 100.0
-            ));
-        }
-    }
+}
 
-    // ---- cluster / hardware ----
-    let cs = &spec.cluster;
-    let entry = match &cs.gpu {
-        Some(name) => match catalog::find(name) {
-            Some(e) => Some(e),
-            None => {
-                errs.push(
-                    "cluster.gpu",
-                    format!(
-                        "unknown GPU `{name}`; known: {} (or give cluster.hardware numbers)",
-                        catalog::names().join(", ")
-                    ),
-                );
-                None
-            }
-        },
-        None => None,
-    };
+/// The GPU's numbers: the catalog entry for `cluster.gpu` (or a custom part), with the
+/// `cluster.hardware` overrides and power limit applied; a custom part must give the numbers.
+fn resolve_hardware(errs: &mut Errs, cs: &ClusterSpec) -> Hardware {
+    let entry = catalog_entry(errs, cs);
     let hw_spec = &cs.hardware;
     let mut hw = match entry {
         Some(e) => e.hardware(),
-        None => Hardware {
-            gpu: "custom".into(),
-            kind: "custom".into(),
-            hbm_bytes: 0.0,
-            peak_bf16_flops: 0.0,
-            peak_fp8_flops: 0.0,
-            hbm_gbps: 0.0,
-            nvlink_gbps: 0.0,
-            inter_node_gbps: 0.0,
-            nvlink_latency_s: 5e-6,
-            inter_node_latency_s: 12e-6,
-            pcie_gbps: 25.0,
-            clock_ratio: 1.0,
-            sources: vec!["cluster.hardware in the spec".into()],
-        },
+        None => custom_hardware(),
     };
     let mut overridden = Vec::new();
     macro_rules! over {
         ($field:ident) => {
             if let Some(v) = hw_spec.$field {
-                positive(
-                    &mut errs,
-                    concat!("cluster.hardware.", stringify!($field)),
-                    v,
-                );
+                positive(errs, concat!("cluster.hardware.", stringify!($field)), v);
                 hw.$field = v;
                 overridden.push(stringify!($field));
             }
@@ -288,26 +310,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     over!(inter_node_latency_s);
     over!(pcie_gbps);
     if let Some(limit) = hw_spec.power_limit_w {
-        positive(&mut errs, "cluster.hardware.power_limit_w", limit);
-        let peaks_given = hw_spec.peak_bf16_flops.is_some() || hw_spec.peak_fp8_flops.is_some();
-        match entry {
-            Some(e) if limit > 0.0 && peaks_given => hw.sources.push(format!(
-                "power limit {limit} W: the peaks given in cluster.hardware are taken as the rates at that limit (not scaled again; the part's TDP is {} W)",
-                e.tdp_w
-            )),
-            Some(e) if limit > 0.0 => {
-                hw.clock_ratio = catalog::power_limited_clock(limit, e.tdp_w);
-                hw.sources.push(format!(
-                    "power limit {limit} W of the part's {} W: sustained compute clock (limit/TDP)^(1/3) = {:.3}",
-                    e.tdp_w, hw.clock_ratio
-                ));
-            }
-            Some(_) => {}
-            None => errs.push(
-                "cluster.hardware.power_limit_w",
-                "needs a catalog cluster.gpu (its rated TDP); for other GPUs give the peaks they sustain",
-            ),
-        }
+        apply_power_limit(errs, &mut hw, entry, hw_spec, limit);
     }
     if !overridden.is_empty() && entry.is_some() {
         hw.sources
@@ -329,6 +332,79 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             }
         }
     }
+    hw
+}
+
+/// The catalog entry that `cluster.gpu` names, if it names one.
+fn catalog_entry(errs: &mut Errs, cs: &ClusterSpec) -> Option<&'static catalog::CatalogEntry> {
+    let name = cs.gpu.as_ref()?;
+    let entry = catalog::find(name);
+    if entry.is_none() {
+        errs.push(
+            "cluster.gpu",
+            format!(
+                "unknown GPU `{name}`; known: {} (or give cluster.hardware numbers)",
+                catalog::names().join(", ")
+            ),
+        );
+    }
+    entry
+}
+
+/// A GPU not in the catalog: every number comes from `cluster.hardware`, except the
+/// latencies and PCIe bandwidth, which have typical defaults.
+fn custom_hardware() -> Hardware {
+    Hardware {
+        gpu: "custom".into(),
+        kind: "custom".into(),
+        hbm_bytes: 0.0,
+        peak_bf16_flops: 0.0,
+        peak_fp8_flops: 0.0,
+        hbm_gbps: 0.0,
+        nvlink_gbps: 0.0,
+        inter_node_gbps: 0.0,
+        nvlink_latency_s: 5e-6,
+        inter_node_latency_s: 12e-6,
+        pcie_gbps: 25.0,
+        clock_ratio: 1.0,
+        sources: vec!["cluster.hardware in the spec".into()],
+    }
+}
+
+/// `cluster.hardware.power_limit_w`: a catalog part's sustained clock at that limit, unless
+/// the spec gives the peaks (then they are the rates at the limit already).
+fn apply_power_limit(
+    errs: &mut Errs,
+    hw: &mut Hardware,
+    entry: Option<&catalog::CatalogEntry>,
+    hw_spec: &HardwareSpec,
+    limit: f64,
+) {
+    positive(errs, "cluster.hardware.power_limit_w", limit);
+    let peaks_given = hw_spec.peak_bf16_flops.is_some() || hw_spec.peak_fp8_flops.is_some();
+    match entry {
+        Some(e) if limit > 0.0 && peaks_given => hw.sources.push(format!(
+            "power limit {limit} W: the peaks given in cluster.hardware are taken as the rates at that limit (not scaled again; the part's TDP is {} W)",
+            e.tdp_w
+        )),
+        Some(e) if limit > 0.0 => {
+            hw.clock_ratio = catalog::power_limited_clock(limit, e.tdp_w);
+            hw.sources.push(format!(
+                "power limit {limit} W of the part's {} W: sustained compute clock (limit/TDP)^(1/3) = {:.3}",
+                e.tdp_w, hw.clock_ratio
+            ));
+        }
+        Some(_) => {}
+        None => errs.push(
+            "cluster.hardware.power_limit_w",
+            "needs a catalog cluster.gpu (its rated TDP); for other GPUs give the peaks they sustain",
+        ),
+    }
+}
+
+/// The cluster's size: GPUs (from num_gpus or nodes, in whole nodes), hot spares, the
+/// training world they leave, and the per-GPU framework reserve.
+fn resolve_cluster(errs: &mut Errs, cs: &ClusterSpec) -> Cluster {
     if cs.gpus_per_node == 0 {
         errs.push("cluster.gpus_per_node", "must be at least 1");
     }
@@ -388,16 +464,18 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     if !(reserve.is_finite() && reserve >= 0.0) {
         errs.push("cluster.framework_reserve_bytes", "must be >= 0");
     }
-    let cluster = Cluster {
+    Cluster {
         num_gpus,
         gpus_per_node: cs.gpus_per_node,
         nodes: num_gpus.div_ceil(gpn),
         hot_spares: cs.hot_spares,
         world_size: world,
         framework_reserve_bytes: reserve,
-    };
+    }
+}
 
-    // ---- precision / training ----
+/// Precision, batch and optimizer (FP8 GEMMs need a GPU with FP8 tensor cores).
+fn resolve_training(errs: &mut Errs, js: &JobSpec, hw: &Hardware) -> Training {
     let ps = &js.precision;
     if !matches!(ps.compute, Dtype::Bf16 | Dtype::Fp16) {
         errs.push(
@@ -425,16 +503,16 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         );
     }
     if let Some(t) = bs.token_budget {
-        positive(&mut errs, "job.batch.token_budget", t);
+        positive(errs, "job.batch.token_budget", t);
     }
     let states = match js.optimizer.kind {
         OptimizerKind::Adam | OptimizerKind::Adamw => 2,
         OptimizerKind::Sgd => 1,
     };
-    let training = Training {
+    Training {
         global_batch: bs.global_batch,
         grad_accum: bs.grad_accum,
-        tokens_per_step: bs.global_batch as f64 * ms.seq_len as f64,
+        tokens_per_step: bs.global_batch as f64 * js.model.seq_len as f64,
         token_budget: bs.token_budget,
         compute_dtype: ps.compute,
         fp8_gemms: ps.fp8_gemms,
@@ -452,47 +530,58 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             v.dedup();
             v
         },
+    }
+}
+
+/// `job.recompute_modules`: not empty, MoE modules only on an MoE model, and only under
+/// selective recompute.
+fn check_recompute_modules(errs: &mut Errs, js: &JobSpec) {
+    let Some(mods) = &js.recompute_modules else {
+        return;
     };
-    if let Some(mods) = &js.recompute_modules {
-        use shardwright_spec::spec::RecomputeModule as R;
-        if mods.is_empty() {
+    use shardwright_spec::spec::RecomputeModule as R;
+    if mods.is_empty() {
+        errs.push(
+            "job.recompute_modules",
+            "empty: list at least one module (or set parallelism.recompute: none)",
+        );
+    }
+    for m in mods {
+        if matches!(m, R::MoeAct | R::Moe | R::SharedExperts) && js.model.moe.is_none() {
             errs.push(
                 "job.recompute_modules",
-                "empty: list at least one module (or set parallelism.recompute: none)",
-            );
-        }
-        for m in mods {
-            if matches!(m, R::MoeAct | R::Moe | R::SharedExperts) && ms.moe.is_none() {
-                errs.push(
-                    "job.recompute_modules",
-                    format!("{} needs an MoE model (job.model.moe)", m.name()),
-                );
-            }
-        }
-        if matches!(
-            js.parallelism.recompute,
-            Some(shardwright_spec::spec::Recompute::None | shardwright_spec::spec::Recompute::Full)
-        ) {
-            errs.push(
-                "job.recompute_modules",
-                "applies to selective recompute, but job.parallelism.recompute pins another mode",
+                format!("{} needs an MoE model (job.model.moe)", m.name()),
             );
         }
     }
+    if matches!(
+        js.parallelism.recompute,
+        Some(shardwright_spec::spec::Recompute::None | shardwright_spec::spec::Recompute::Full)
+    ) {
+        errs.push(
+            "job.recompute_modules",
+            "applies to selective recompute, but job.parallelism.recompute pins another mode",
+        );
+    }
+}
 
-    // ---- parallelism pins ----
-    let pins = &js.parallelism;
-    validate_pins(&mut errs, pins, &model, &cluster, &training);
-
-    // ---- reliability ----
-    let rs = &cs.reliability;
+/// Failures and checkpoints: the MTBF (given per job or per GPU, else Llama 3's), restart
+/// and checkpoint stall times, the storage tiers and which one is durable.
+fn resolve_reliability(
+    errs: &mut Errs,
+    spec: &SpecFile,
+    hw: &Hardware,
+    cluster: &Cluster,
+) -> Reliability {
+    let rs = &spec.cluster.reliability;
+    let world = cluster.world_size;
     let (gpu_mtbf, job_mtbf, source) = match (rs.job_mtbf_hours, rs.gpu_mtbf_hours) {
         (Some(j), _) => {
-            positive(&mut errs, "cluster.reliability.job_mtbf_hours", j);
+            positive(errs, "cluster.reliability.job_mtbf_hours", j);
             (j * world.max(1) as f64, j, "cluster.reliability.job_mtbf_hours".to_string())
         }
         (None, Some(g)) => {
-            positive(&mut errs, "cluster.reliability.gpu_mtbf_hours", g);
+            positive(errs, "cluster.reliability.gpu_mtbf_hours", g);
             (g, g / world.max(1) as f64, "cluster.reliability.gpu_mtbf_hours".to_string())
         }
         (None, None) => (
@@ -509,8 +598,36 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     if fixed_s < 0.0 || !fixed_s.is_finite() {
         errs.push("cluster.reliability.checkpoint_fixed_s", "must be >= 0");
     }
-    let tiers: Vec<StorageTier> = match &cs.storage {
-        Some(list) if list.is_empty() => {
+    let gpn = spec.cluster.gpus_per_node.max(1) as u64;
+    let tiers = resolve_storage(errs, spec.cluster.storage.as_deref(), hw, gpn);
+    let ck = &spec.job.checkpoint;
+    let durable = durable_tier(errs, ck, &tiers);
+    if let Some(m) = ck.interval_minutes {
+        positive(errs, "job.checkpoint.interval_minutes", m);
+    }
+    Reliability {
+        gpu_mtbf_hours: gpu_mtbf,
+        job_mtbf_hours: job_mtbf,
+        mtbf_source: source,
+        restart_s,
+        checkpoint_fixed_s: fixed_s,
+        tiers,
+        durable_tier: durable,
+        asynchronous: ck.asynchronous.unwrap_or(true),
+        pinned_interval_s: ck.interval_minutes.map(|m| m * 60.0),
+    }
+}
+
+/// `cluster.storage` with each tier's default write bandwidth filled in; when not given,
+/// host RAM (over PCIe) and a parallel file system.
+fn resolve_storage(
+    errs: &mut Errs,
+    storage: Option<&[StorageTierSpec]>,
+    hw: &Hardware,
+    gpn: u64,
+) -> Vec<StorageTier> {
+    match storage {
+        Some([]) => {
             errs.push("cluster.storage", "list at least one tier");
             Vec::new()
         }
@@ -526,13 +643,13 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
                 };
                 let bw = t.write_gbps_per_node.unwrap_or(default_bw);
                 positive(
-                    &mut errs,
+                    errs,
                     &format!("cluster.storage[{i}].write_gbps_per_node"),
                     bw,
                 );
                 if let Some(a) = t.aggregate_write_gbps {
                     positive(
-                        &mut errs,
+                        errs,
                         &format!("cluster.storage[{i}].aggregate_write_gbps"),
                         a,
                     );
@@ -559,9 +676,13 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
                 aggregate_write_gbps: Some(1000.0),
             },
         ],
-    };
-    let ck = &js.checkpoint;
-    let durable = match &ck.durable_tier {
+    }
+}
+
+/// The index of the tier a checkpoint is durable on: `job.checkpoint.durable_tier`, else the
+/// most durable kind (the last of them when several share it).
+fn durable_tier(errs: &mut Errs, ck: &CheckpointSpec, tiers: &[StorageTier]) -> usize {
+    match &ck.durable_tier {
         Some(name) => match tiers.iter().position(|t| &t.name == name) {
             Some(i) => i,
             None => {
@@ -582,22 +703,11 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             .max_by_key(|(i, t)| (t.kind, *i))
             .map(|(i, _)| i)
             .unwrap_or(0),
-    };
-    if let Some(m) = ck.interval_minutes {
-        positive(&mut errs, "job.checkpoint.interval_minutes", m);
     }
-    let reliability = Reliability {
-        gpu_mtbf_hours: gpu_mtbf,
-        job_mtbf_hours: job_mtbf,
-        mtbf_source: source,
-        restart_s,
-        checkpoint_fixed_s: fixed_s,
-        tiers,
-        durable_tier: durable,
-        asynchronous: ck.asynchronous.unwrap_or(true),
-        pinned_interval_s: ck.interval_minutes.map(|m| m * 60.0),
-    };
+}
 
+/// The framework switches that the chosen framework cannot honour.
+fn check_framework_options(errs: &mut Errs, js: &JobSpec) {
     if js.tp_comm_overlap && js.framework == shardwright_spec::spec::Framework::Deepspeed {
         errs.push(
             "job.tp_comm_overlap",
@@ -616,34 +726,15 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
             "torchtitan's FSDP2 and DDP always overlap gradient reduction with the backward",
         );
     }
-    if !errs.0.is_empty() {
-        return Err(SpecErrors(errs.0));
-    }
-    let efficiency = opts
-        .profile
+}
+
+/// The efficiency profile: the one given, else the GPU kind's from the given profiles, else
+/// the built-in one.
+fn efficiency_for(opts: &ResolveOptions, kind: &str) -> Efficiency {
+    opts.profile
         .clone()
-        .or_else(|| {
-            opts.profiles
-                .as_ref()
-                .and_then(|p| p.get(&hw.kind).cloned())
-        })
-        .unwrap_or_else(|| catalog::builtin_efficiency(&hw.kind));
-    let job = Job {
-        name: js.name.clone().unwrap_or_else(|| "job".into()),
-        model,
-        hardware: hw,
-        cluster,
-        training,
-        reliability,
-        pinned: pins.clone(),
-        efficiency,
-        framework: js.framework,
-        tp_comm_overlap: js.tp_comm_overlap,
-        torch_compile: js.torch_compile,
-        dp_comm_overlap: js.dp_comm_overlap,
-        moe_dispatcher: js.moe_dispatcher,
-    };
-    Ok(Resolved { job, warnings })
+        .or_else(|| opts.profiles.as_ref().and_then(|p| p.get(kind).cloned()))
+        .unwrap_or_else(|| catalog::builtin_efficiency(kind))
 }
 
 /// The pinned axes as the layout rules see them (ep is 1 for a dense model when not pinned;
@@ -664,7 +755,34 @@ pub fn pinned_axes(p: &ParallelismSpec, m: &Model) -> rules::Axes {
     }
 }
 
+/// The pinned `job.parallelism` degrees: each in range, together a fit for the world size,
+/// and within the layout rules the search applies.
 fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t: &Training) {
+    check_pin_ranges(errs, p);
+    check_pinned_world(errs, p, c);
+    // Layout rules on the pinned axes: the same rule set the search applies.
+    let ctx = rules::Ctx {
+        model: m,
+        gpus_per_node: c.gpus_per_node,
+        allow_tp_across_nodes: p.allow_tp_across_nodes,
+        even_pipeline_chunks: p.even_pipeline_chunks,
+        global_batch: t.global_batch,
+        grad_accum: t.grad_accum,
+    };
+    let axes = pinned_axes(p, m);
+    let broken = rules::violations(&ctx, &axes);
+    report_shape_violations(errs, p, m, c, &broken);
+    if p.sequence_parallel == Some(true) && p.tp == Some(1) {
+        errs.push("job.parallelism.sequence_parallel", "needs tp > 1");
+    }
+    if let Some(e) = p.expert_tp {
+        check_expert_tp(errs, p, m, e);
+    }
+    report_batch_violations(errs, p, t, &axes, &broken);
+}
+
+/// Degrees of at least 1 and a ZeRO stage of 0 to 3.
+fn check_pin_ranges(errs: &mut Errs, p: &ParallelismSpec) {
     for (name, v) in [
         ("tp", p.tp),
         ("pp", p.pp),
@@ -686,6 +804,11 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             );
         }
     }
+}
+
+/// The pinned mesh degrees multiply to the world size when all are pinned, and divide it
+/// otherwise.
+fn check_pinned_world(errs: &mut Errs, p: &ParallelismSpec, c: &Cluster) {
     let world = c.world_size;
     let axes = [p.tp, p.pp, p.dp, p.cp, p.ep];
     let pinned_product: u64 = axes.iter().flatten().map(|&v| v.max(1) as u64).product();
@@ -714,17 +837,17 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             format!("pinned degrees multiply to {pinned_product}, which does not divide the {world} GPUs{spares}"),
         );
     }
-    // Layout rules on the pinned axes: the same rule set the search applies.
-    let ctx = rules::Ctx {
-        model: m,
-        gpus_per_node: c.gpus_per_node,
-        allow_tp_across_nodes: p.allow_tp_across_nodes,
-        even_pipeline_chunks: p.even_pipeline_chunks,
-        global_batch: t.global_batch,
-        grad_accum: t.grad_accum,
-    };
-    let axes = pinned_axes(p, m);
-    let broken = rules::violations(&ctx, &axes);
+}
+
+/// The broken layout rules about the model's shape: heads vs tp, tp across nodes, layers vs
+/// pipeline chunks, experts vs ep, sequence vs cp.
+fn report_shape_violations(
+    errs: &mut Errs,
+    p: &ParallelismSpec,
+    m: &Model,
+    c: &Cluster,
+    broken: &[Rejection],
+) {
     let has = |r: Rejection| broken.contains(&r);
     let tp = p.tp.unwrap_or(1);
     if has(Rejection::HeadsNotDivisibleByTp) {
@@ -824,44 +947,56 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             );
         }
     }
-    if p.sequence_parallel == Some(true) && p.tp == Some(1) {
-        errs.push("job.parallelism.sequence_parallel", "needs tp > 1");
-    }
-    if let Some(e) = p.expert_tp {
-        let path = "job.parallelism.expert_tp";
-        match (&m.moe, p.tp) {
-            (None, _) => errs.push(path, format!("{e} but the model has no experts")),
-            (Some(_), Some(tp)) if e != 1 && e != tp => errs.push(
-                path,
-                format!("{e}: must be 1 (whole experts) or tp ({tp}, experts split like the MLP)"),
-            ),
-            (Some(_), None) if e != 1 => errs.push(
-                path,
-                format!("{e}: must be 1 (whole experts) or equal to a pinned tp"),
-            ),
-            (Some(moe), Some(tp)) if e == 1 && tp > 1 => {
-                if p.sequence_parallel == Some(false) {
+}
+
+/// `job.parallelism.expert_tp` (`e`): an MoE model's experts are whole (1) or split like the
+/// MLP (tp); whole experts under tp > 1 need sequence parallelism and tp x ep to divide them.
+fn check_expert_tp(errs: &mut Errs, p: &ParallelismSpec, m: &Model, e: u32) {
+    let path = "job.parallelism.expert_tp";
+    match (&m.moe, p.tp) {
+        (None, _) => errs.push(path, format!("{e} but the model has no experts")),
+        (Some(_), Some(tp)) if e != 1 && e != tp => errs.push(
+            path,
+            format!("{e}: must be 1 (whole experts) or tp ({tp}, experts split like the MLP)"),
+        ),
+        (Some(_), None) if e != 1 => errs.push(
+            path,
+            format!("{e}: must be 1 (whole experts) or equal to a pinned tp"),
+        ),
+        (Some(moe), Some(tp)) if e == 1 && tp > 1 => {
+            if p.sequence_parallel == Some(false) {
+                errs.push(
+                    path,
+                    "1 with tp > 1 needs sequence_parallel: each tp rank dispatches its own sequence shard to whole experts",
+                );
+            }
+            if let Some(ep) = p.ep {
+                if moe.num_experts as u64 % (tp as u64 * ep as u64) != 0 {
                     errs.push(
                         path,
-                        "1 with tp > 1 needs sequence_parallel: each tp rank dispatches its own sequence shard to whole experts",
+                        format!(
+                            "1 spreads the experts over tp x ep = {} ranks, which does not divide num_experts {}",
+                            tp * ep,
+                            moe.num_experts
+                        ),
                     );
                 }
-                if let Some(ep) = p.ep {
-                    if moe.num_experts as u64 % (tp as u64 * ep as u64) != 0 {
-                        errs.push(
-                            path,
-                            format!(
-                                "1 spreads the experts over tp x ep = {} ranks, which does not divide num_experts {}",
-                                tp * ep,
-                                moe.num_experts
-                            ),
-                        );
-                    }
-                }
             }
-            _ => {}
         }
+        _ => {}
     }
+}
+
+/// The broken layout rules about the batch: its split into micro-batches over the replicas,
+/// and the interleaved schedule's needs.
+fn report_batch_violations(
+    errs: &mut Errs,
+    p: &ParallelismSpec,
+    t: &Training,
+    axes: &rules::Axes,
+    broken: &[Rejection],
+) {
+    let has = |r: Rejection| broken.contains(&r);
     // Batch arithmetic when the replica count and micro-batch are pinned.
     if let (Some(dp), Some(ep), Some(mb)) = (axes.dp, axes.ep, axes.micro_batch) {
         let per = dp * ep * mb;
@@ -886,6 +1021,8 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
             );
         }
     }
+    let pp = p.pp.unwrap_or(1);
+    let v = p.vpp.unwrap_or(1);
     if has(Rejection::MicrobatchesVsInterleave) {
         errs.push(
             "job.parallelism.vpp",

@@ -294,32 +294,10 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
             "layer_freq": moe_layer_freq(e.first_k_dense, m.num_layers),
         })
     });
-
     // The layer split over (virtual) pipeline stages, when it is not the even one.
     let pp_layout = megatron_pp_layout(plan);
-    if pp_layout.is_none() && l.pp > 1 && !even_split(plan) {
-        notes.push(format!(
-            "the plan's layer split over pipeline ranks ({:?}) could not be read as virtual stages: set it by hand (see the plan's `stages`)",
-            plan.stages.iter().map(|s| s.num_layers).collect::<Vec<_>>()
-        ));
-    }
-    if let (Some(pl), Framework::Nemo) = (&pp_layout, fw) {
-        notes.push(format!(
-            "the plan splits layers unevenly over pipeline stages; in Megatron's layout syntax: \"{pl}\" (Megatron-LM flag --pipeline-model-parallel-layout): set the recipe's split to match"
-        ));
-    }
     let titan_less = titan_less_layers(plan).filter(|_| pp_layout.is_some());
-    if pp_layout.is_some()
-        && (fw == Framework::Deepspeed || (fw == Framework::Torchtitan && titan_less.is_none()))
-    {
-        notes.push(format!(
-            "the plan splits layers unevenly over pipeline stages ({}); {} takes an even split from this file: set the split in model code to match",
-            pp_layout.as_deref().unwrap_or_default(),
-            fw.name()
-        ));
-    }
-
-    let mut fwctx = serde_json::Map::new();
+    pipeline_split_notes(plan, fw, pp_layout.as_deref(), titan_less, &mut notes);
     if l.folds_tp_into_ep() && !matches!(fw, Framework::Megatron | Framework::Nemo) {
         notes.push(format!(
             "the plan keeps experts whole (expert TP 1, the expert-parallel group spans tp x ep = {} ranks); {} is exported with its expert parallelism as planned ep={} and experts split as that framework does",
@@ -328,164 +306,16 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
             l.ep
         ));
     }
-    match fw {
+    let fwctx = match fw {
         Framework::Megatron | Framework::Nemo => {
-            if l.schedule == Schedule::Gpipe && l.pp > 1 {
-                notes.push(
-                    "the plan's GPipe schedule has no Megatron equivalent; Megatron runs 1F1B (less activation memory, same bubble)".into(),
-                );
-            }
-            if m.is_moe() && l.cp > 1 && l.ep > 1 {
-                notes.push(format!(
-                    "Megatron lays out expert groups tp-ep-edp-pp (EP ranks {} apart, CP folded into expert data parallelism); shardwright's EP groups are tp*cp = {} ranks apart. Dense groups match; the expert all-to-all runs on different (more local) ranks than planned",
-                    l.tp,
-                    l.tp * l.cp
-                ));
-            }
-            if m.ffn_activation == Activation::Relu {
-                notes.push("ReLU MLP: Megatron has no plain-ReLU flag (--squared-relu is a different activation); the default GeLU is emitted".into());
-            }
-            if l.zero_stage >= 2 {
-                notes.push(format!(
-                    "ZeRO-{} maps to Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy {}); it needs a Megatron with Megatron-FSDP (core_r0.14+) and --ckpt-format fsdp_dtensor",
-                    l.zero_stage,
-                    megatron_sharding(l.zero_stage).unwrap()
-                ));
-            }
-            fwctx.insert("sharding".into(), json!(megatron_sharding(l.zero_stage)));
-            fwctx.insert("pp_layout".into(), json!(pp_layout));
+            megatron_context(plan, pp_layout.as_deref(), &mut notes)
         }
-        Framework::Torchtitan => {
-            let t = titan_dp(l);
-            if l.zero_stage == 1 && l.ep == 1 && batch_dp > 1 {
-                notes.push("torchtitan has no ZeRO-1 (sharded optimizer with replicated weights): exported as DDP (data_parallel_replicate_degree), which keeps the whole optimizer state on every rank; the plan's memory estimate assumed it sharded".into());
-            }
-            if l.zero_stage < 2 && l.ep > 1 {
-                notes.push(format!(
-                    "torchtitan's expert parallelism borrows from the FSDP dimension: ZeRO-{} with ep={} is exported as HSDP (replicate {} x shard {}), so dense weights are sharded over the ep ranks (ZeRO-3 there)",
-                    l.zero_stage, l.ep, t.replicate, t.shard
-                ));
-            }
-            if l.zero_stage == 2 {
-                notes.push("ZeRO-2 maps to FSDP with fsdp_reshard_after_forward = \"never\" (parameters stay gathered between forward and backward)".into());
-            }
-            if job.training.compute_dtype == Dtype::Fp16 {
-                notes.push("torchtitan's mixed_precision_param is bfloat16 or float32 (no float16): exported as bfloat16".into());
-            }
-            if l.tp > 1 && !l.sequence_parallel {
-                notes.push("torchtitan's tensor parallelism always shards norms and dropout over the sequence (sequence parallelism on); the plan has it off".into());
-            }
-            if l.cp > 1 && l.ep > l.cp * t.shard as u32 {
-                notes.push(format!(
-                    "torchtitan requires expert_parallel_degree <= data_parallel_shard_degree x context_parallel_degree ({} > {} x {})",
-                    l.ep, t.shard, l.cp
-                ));
-            }
-            let lps = if titan_less.is_some() {
-                None
-            } else if l.pp > 1 && m.num_layers % (l.pp * l.vpp) == 0 {
-                Some(m.num_layers / (l.pp * l.vpp))
-            } else {
-                if l.pp > 1 && l.vpp > 1 && pp_layout.is_none() {
-                    notes.push(format!(
-                        "{} layers do not divide into pp x vpp = {} stages: pipeline_parallel_layers_per_stage is left out, torchtitan picks the split",
-                        m.num_layers,
-                        l.pp * l.vpp
-                    ));
-                }
-                None
-            };
-            // With PP, torchtitan cuts the local batch into micro-batches; without it,
-            // gradient accumulation = global / (local x dp).
-            let local = if l.pp > 1 {
-                l.micro_batch as u64 * l.grad_accum
-            } else {
-                l.micro_batch as u64
-            };
-            fwctx.insert(
-                "dp".into(),
-                json!({"replicate": t.replicate, "shard": t.shard, "reshard_never": t.reshard_never}),
-            );
-            fwctx.insert("schedule".into(), json!(titan_schedule(l.schedule)));
-            fwctx.insert("layers_per_stage".into(), json!(lps));
-            fwctx.insert(
-                "less_layers".into(),
-                match titan_less {
-                    Some((f, l)) => json!({"first": f, "last": l}),
-                    None => Value::Null,
-                },
-            );
-            fwctx.insert("local_batch_size".into(), json!(local));
-            // The plan's elementwise costs: fused kernels unless it is an eager torchtitan
-            // plan (framework torchtitan without torch_compile).
-            fwctx.insert(
-                "titan_plan".into(),
-                json!(job.framework == shardwright_spec::spec::Framework::Torchtitan),
-            );
-            fwctx.insert(
-                "compile".into(),
-                json!(
-                    job.framework != shardwright_spec::spec::Framework::Torchtitan
-                        || job.torch_compile
-                ),
-            );
-            fwctx.insert(
-                "model_name".into(),
-                json!(if m.is_moe() { "deepseek_v3" } else { "llama3" }),
-            );
-        }
+        Framework::Torchtitan => titan_context(plan, pp_layout.as_deref(), titan_less, &mut notes),
         Framework::Deepspeed => {
-            if l.cp > 1 {
-                notes.push(format!(
-                    "DeepSpeed has no context parallelism (Ulysses sequence parallelism is a different scheme): the plan's cp={} is not expressible; DeepSpeed counts those ranks as data parallel, so train_batch_size below is {} (the plan's global batch {} x cp)",
-                    l.cp,
-                    job.training.global_batch * l.cp as u64,
-                    job.training.global_batch
-                ));
-            }
-            if l.ep > 1 {
-                notes.push(format!(
-                    "DeepSpeed-MoE takes the expert-parallel size in model code (deepspeed.moe.layer.MoE(ep_size={})), not in this JSON",
-                    l.ep
-                ));
-            }
-            if l.vpp > 1 || l.schedule == Schedule::Interleaved {
-                notes.push("DeepSpeed's pipeline engine has no interleaved schedule: vpp is not expressible (it runs 1F1B-style)".into());
-            }
-            if l.schedule == Schedule::Gpipe && l.pp > 1 {
-                notes.push(
-                    "DeepSpeed's pipeline engine runs a 1F1B-style schedule, not GPipe".into(),
-                );
-            }
-            if l.sequence_parallel && l.tp > 1 {
-                notes.push("Megatron-style sequence parallelism is a model-code choice in DeepSpeed (Megatron-DeepSpeed --sequence-parallel), not in this JSON".into());
-            }
-            if l.recompute == Recompute::Selective {
-                notes.push("selective recomputation is a model-code choice in DeepSpeed; the activation_checkpointing section (full-layer checkpointing) is left out".into());
-            }
-            if l.tp > 1 {
-                notes.push(format!(
-                    "tensor parallelism is exported as AutoTP (tensor_parallel.autotp_size = {}); with Megatron-DeepSpeed pass --tensor-model-parallel-size {} instead",
-                    l.tp, l.tp
-                ));
-            }
-            if l.tp > 1 && l.zero_stage == 3 {
-                notes.push("DeepSpeed's AutoTP training combines with ZeRO stages 0-2, not 3: use Megatron-DeepSpeed's tensor parallelism, or ZeRO-2".into());
-            }
-            if l.pp > 1 && l.zero_stage >= 2 {
-                notes.push(format!(
-                    "DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only: ZeRO-{} with pp={} is rejected at start-up",
-                    l.zero_stage, l.pp
-                ));
-            }
-            if l.pp > 1 {
-                notes.push(format!(
-                    "pipeline.stages must match PipelineModule(num_stages={}) in the model code",
-                    l.pp
-                ));
-            }
+            deepspeed_notes(plan, &mut notes);
+            serde_json::Map::new()
         }
-    }
+    };
 
     let nodes = (l.world()).div_ceil(job.cluster.gpus_per_node as u64);
     let ctx = json!({
@@ -543,6 +373,220 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
     });
     let notes = notes_of(&ctx);
     (ctx, notes)
+}
+
+/// Notes on a layer split over pipeline stages that `fw` cannot take from the exported
+/// file: one not readable as virtual stages, or an uneven one (`pp_layout`) where the
+/// framework splits evenly (torchtitan unless `titan_less` says it can shorten the first
+/// and last stages).
+fn pipeline_split_notes(
+    plan: &Plan,
+    fw: Framework,
+    pp_layout: Option<&str>,
+    titan_less: Option<(u32, u32)>,
+    notes: &mut Vec<String>,
+) {
+    let l = &plan.layout;
+    if pp_layout.is_none() && l.pp > 1 && !even_split(plan) {
+        notes.push(format!(
+            "the plan's layer split over pipeline ranks ({:?}) could not be read as virtual stages: set it by hand (see the plan's `stages`)",
+            plan.stages.iter().map(|s| s.num_layers).collect::<Vec<_>>()
+        ));
+    }
+    if let (Some(pl), Framework::Nemo) = (pp_layout, fw) {
+        notes.push(format!(
+            "the plan splits layers unevenly over pipeline stages; in Megatron's layout syntax: \"{pl}\" (Megatron-LM flag --pipeline-model-parallel-layout): set the recipe's split to match"
+        ));
+    }
+    if pp_layout.is_some()
+        && (fw == Framework::Deepspeed || (fw == Framework::Torchtitan && titan_less.is_none()))
+    {
+        notes.push(format!(
+            "the plan splits layers unevenly over pipeline stages ({}); {} takes an even split from this file: set the split in model code to match",
+            pp_layout.unwrap_or_default(),
+            fw.name()
+        ));
+    }
+}
+
+/// Megatron / NeMo: the `fw` context (FSDP sharding strategy, pipeline layout) and the
+/// notes on what Megatron lays out differently from the plan.
+fn megatron_context(
+    plan: &Plan,
+    pp_layout: Option<&str>,
+    notes: &mut Vec<String>,
+) -> serde_json::Map<String, Value> {
+    let l = &plan.layout;
+    let m = &plan.inputs.model;
+    let mut fwctx = serde_json::Map::new();
+    if l.schedule == Schedule::Gpipe && l.pp > 1 {
+        notes.push(
+            "the plan's GPipe schedule has no Megatron equivalent; Megatron runs 1F1B (less activation memory, same bubble)".into(),
+        );
+    }
+    if m.is_moe() && l.cp > 1 && l.ep > 1 {
+        notes.push(format!(
+            "Megatron lays out expert groups tp-ep-edp-pp (EP ranks {} apart, CP folded into expert data parallelism); shardwright's EP groups are tp*cp = {} ranks apart. Dense groups match; the expert all-to-all runs on different (more local) ranks than planned",
+            l.tp,
+            l.tp * l.cp
+        ));
+    }
+    if m.ffn_activation == Activation::Relu {
+        notes.push("ReLU MLP: Megatron has no plain-ReLU flag (--squared-relu is a different activation); the default GeLU is emitted".into());
+    }
+    if l.zero_stage >= 2 {
+        notes.push(format!(
+            "ZeRO-{} maps to Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy {}); it needs a Megatron with Megatron-FSDP (core_r0.14+) and --ckpt-format fsdp_dtensor",
+            l.zero_stage,
+            megatron_sharding(l.zero_stage).unwrap()
+        ));
+    }
+    fwctx.insert("sharding".into(), json!(megatron_sharding(l.zero_stage)));
+    fwctx.insert("pp_layout".into(), json!(pp_layout));
+    fwctx
+}
+
+/// torchtitan: the `fw` context (data-parallel degrees, schedule, layers per stage, local
+/// batch, compile) and the notes on what torchtitan cannot express.
+fn titan_context(
+    plan: &Plan,
+    pp_layout: Option<&str>,
+    titan_less: Option<(u32, u32)>,
+    notes: &mut Vec<String>,
+) -> serde_json::Map<String, Value> {
+    let l = &plan.layout;
+    let job = &plan.inputs;
+    let m = &job.model;
+    let batch_dp = l.batch_replicas();
+    let mut fwctx = serde_json::Map::new();
+    let t = titan_dp(l);
+    if l.zero_stage == 1 && l.ep == 1 && batch_dp > 1 {
+        notes.push("torchtitan has no ZeRO-1 (sharded optimizer with replicated weights): exported as DDP (data_parallel_replicate_degree), which keeps the whole optimizer state on every rank; the plan's memory estimate assumed it sharded".into());
+    }
+    if l.zero_stage < 2 && l.ep > 1 {
+        notes.push(format!(
+            "torchtitan's expert parallelism borrows from the FSDP dimension: ZeRO-{} with ep={} is exported as HSDP (replicate {} x shard {}), so dense weights are sharded over the ep ranks (ZeRO-3 there)",
+            l.zero_stage, l.ep, t.replicate, t.shard
+        ));
+    }
+    if l.zero_stage == 2 {
+        notes.push("ZeRO-2 maps to FSDP with fsdp_reshard_after_forward = \"never\" (parameters stay gathered between forward and backward)".into());
+    }
+    if job.training.compute_dtype == Dtype::Fp16 {
+        notes.push("torchtitan's mixed_precision_param is bfloat16 or float32 (no float16): exported as bfloat16".into());
+    }
+    if l.tp > 1 && !l.sequence_parallel {
+        notes.push("torchtitan's tensor parallelism always shards norms and dropout over the sequence (sequence parallelism on); the plan has it off".into());
+    }
+    if l.cp > 1 && l.ep > l.cp * t.shard as u32 {
+        notes.push(format!(
+            "torchtitan requires expert_parallel_degree <= data_parallel_shard_degree x context_parallel_degree ({} > {} x {})",
+            l.ep, t.shard, l.cp
+        ));
+    }
+    let lps = if titan_less.is_some() {
+        None
+    } else if l.pp > 1 && m.num_layers % (l.pp * l.vpp) == 0 {
+        Some(m.num_layers / (l.pp * l.vpp))
+    } else {
+        if l.pp > 1 && l.vpp > 1 && pp_layout.is_none() {
+            notes.push(format!(
+                "{} layers do not divide into pp x vpp = {} stages: pipeline_parallel_layers_per_stage is left out, torchtitan picks the split",
+                m.num_layers,
+                l.pp * l.vpp
+            ));
+        }
+        None
+    };
+    // With PP, torchtitan cuts the local batch into micro-batches; without it,
+    // gradient accumulation = global / (local x dp).
+    let local = if l.pp > 1 {
+        l.micro_batch as u64 * l.grad_accum
+    } else {
+        l.micro_batch as u64
+    };
+    fwctx.insert(
+        "dp".into(),
+        json!({"replicate": t.replicate, "shard": t.shard, "reshard_never": t.reshard_never}),
+    );
+    fwctx.insert("schedule".into(), json!(titan_schedule(l.schedule)));
+    fwctx.insert("layers_per_stage".into(), json!(lps));
+    fwctx.insert(
+        "less_layers".into(),
+        match titan_less {
+            Some((f, l)) => json!({"first": f, "last": l}),
+            None => Value::Null,
+        },
+    );
+    fwctx.insert("local_batch_size".into(), json!(local));
+    // The plan's elementwise costs: fused kernels unless it is an eager torchtitan
+    // plan (framework torchtitan without torch_compile).
+    fwctx.insert(
+        "titan_plan".into(),
+        json!(job.framework == shardwright_spec::spec::Framework::Torchtitan),
+    );
+    fwctx.insert(
+        "compile".into(),
+        json!(job.framework != shardwright_spec::spec::Framework::Torchtitan || job.torch_compile),
+    );
+    fwctx.insert(
+        "model_name".into(),
+        json!(if m.is_moe() { "deepseek_v3" } else { "llama3" }),
+    );
+    fwctx
+}
+
+/// DeepSpeed: the notes on what its JSON config cannot say (it has no `fw` context).
+fn deepspeed_notes(plan: &Plan, notes: &mut Vec<String>) {
+    let l = &plan.layout;
+    let job = &plan.inputs;
+    if l.cp > 1 {
+        notes.push(format!(
+            "DeepSpeed has no context parallelism (Ulysses sequence parallelism is a different scheme): the plan's cp={} is not expressible; DeepSpeed counts those ranks as data parallel, so train_batch_size below is {} (the plan's global batch {} x cp)",
+            l.cp,
+            job.training.global_batch * l.cp as u64,
+            job.training.global_batch
+        ));
+    }
+    if l.ep > 1 {
+        notes.push(format!(
+            "DeepSpeed-MoE takes the expert-parallel size in model code (deepspeed.moe.layer.MoE(ep_size={})), not in this JSON",
+            l.ep
+        ));
+    }
+    if l.vpp > 1 || l.schedule == Schedule::Interleaved {
+        notes.push("DeepSpeed's pipeline engine has no interleaved schedule: vpp is not expressible (it runs 1F1B-style)".into());
+    }
+    if l.schedule == Schedule::Gpipe && l.pp > 1 {
+        notes.push("DeepSpeed's pipeline engine runs a 1F1B-style schedule, not GPipe".into());
+    }
+    if l.sequence_parallel && l.tp > 1 {
+        notes.push("Megatron-style sequence parallelism is a model-code choice in DeepSpeed (Megatron-DeepSpeed --sequence-parallel), not in this JSON".into());
+    }
+    if l.recompute == Recompute::Selective {
+        notes.push("selective recomputation is a model-code choice in DeepSpeed; the activation_checkpointing section (full-layer checkpointing) is left out".into());
+    }
+    if l.tp > 1 {
+        notes.push(format!(
+            "tensor parallelism is exported as AutoTP (tensor_parallel.autotp_size = {}); with Megatron-DeepSpeed pass --tensor-model-parallel-size {} instead",
+            l.tp, l.tp
+        ));
+    }
+    if l.tp > 1 && l.zero_stage == 3 {
+        notes.push("DeepSpeed's AutoTP training combines with ZeRO stages 0-2, not 3: use Megatron-DeepSpeed's tensor parallelism, or ZeRO-2".into());
+    }
+    if l.pp > 1 && l.zero_stage >= 2 {
+        notes.push(format!(
+            "DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only: ZeRO-{} with pp={} is rejected at start-up",
+            l.zero_stage, l.pp
+        ));
+    }
+    if l.pp > 1 {
+        notes.push(format!(
+            "pipeline.stages must match PipelineModule(num_stages={}) in the model code",
+            l.pp
+        ));
+    }
 }
 
 fn notes_of(ctx: &Value) -> Vec<String> {

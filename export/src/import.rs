@@ -285,6 +285,8 @@ fn data_parallel(
     Ok(Some((d / ep as u64) as u32))
 }
 
+/// Megatron-LM flags: the layout, global batch, model shape, precision and the job
+/// options they set.
 fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     let f = Flags(flags(&shell_words(text)));
     if !f.has("tensor-model-parallel-size")
@@ -301,109 +303,18 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     let pp = f.degree("pipeline-model-parallel-size")?;
     let cp = f.degree("context-parallel-size")?;
     let ep = f.degree("expert-model-parallel-size")?;
-    // Expert TP 1 keeps experts whole and spreads them over Megatron's expert-parallel
-    // group, which shardwright writes as tp x ep (the tp ranks folded in).
     let etp = f.num("expert-tensor-parallel-size")?;
-    let (ep, expert_tp) = match etp {
-        Some(1) if tp > 1 => {
-            if ep % tp != 0 {
-                return Err(bad(format!(
-                    "flag --expert-model-parallel-size {ep} with --expert-tensor-parallel-size 1: the expert-parallel group folds the {tp} tensor-parallel ranks in, so it must be a multiple of {tp}"
-                )));
-            }
-            (ep / tp, Some(1))
-        }
-        _ => (ep, None),
-    };
+    let (ep, expert_tp) = megatron_expert_tp(tp, ep, etp)?;
     let num_layers = f.num("num-layers")?.map(|n| n as u32).or(side.num_layers);
-    let vpp = if let Some(text) = f.str("pipeline-model-parallel-layout")? {
-        let stages = crate::context::parse_pp_layout(text).ok_or_else(|| {
-            bad(format!(
-                "flag --pipeline-model-parallel-layout: `{text}` is not a layout (stages split by `|`, each of E, t, t*N, m, L)"
-            ))
-        })?;
-        if stages.len() as u64 % pp as u64 != 0 {
-            return Err(bad(format!(
-                "flag --pipeline-model-parallel-layout: {} stages are not a multiple of --pipeline-model-parallel-size {pp}",
-                stages.len()
-            )));
-        }
-        if let Some(n) = num_layers {
-            let total: u32 = stages.iter().sum();
-            if total != n {
-                return Err(bad(format!(
-                    "flag --pipeline-model-parallel-layout: {total} decoder layers, not --num-layers {n}"
-                )));
-            }
-        }
-        imp.notes.push("--pipeline-model-parallel-layout: the virtual stages per rank are imported; the split itself is the planner's to choose".into());
-        (stages.len() as u64 / pp as u64) as u32
-    } else if let Some(v) = f.num("num-virtual-stages-per-pipeline-rank")? {
-        if v == 0 {
-            return Err(bad(
-                "flag --num-virtual-stages-per-pipeline-rank: must be at least 1".into(),
-            ));
-        }
-        v as u32
-    } else if let Some(per) = f.num("num-layers-per-virtual-pipeline-stage")? {
-        let Some(n) = num_layers else {
-            return Err(bad("flag --num-layers-per-virtual-pipeline-stage: needs --num-layers (or job.model.num_layers in the cluster file) to give the virtual stages per rank".into()));
-        };
-        let chunk = per * pp as u64;
-        if per == 0 || n as u64 % chunk != 0 {
-            return Err(bad(format!(
-                "flag --num-layers-per-virtual-pipeline-stage: {n} layers do not split into {per} per virtual stage x pp {pp}"
-            )));
-        }
-        (n as u64 / chunk) as u32
-    } else {
-        1
-    };
+    let vpp = megatron_vpp(&f, pp, num_layers, &mut imp.notes)?;
     let dp = data_parallel(
         side.world,
         tp as u64 * pp as u64 * cp as u64,
         "--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size",
         ep,
     )?;
-    let zero = if f.has("use-megatron-fsdp") || f.has("use-custom-fsdp") {
-        match f.str("data-parallel-sharding-strategy")?.unwrap_or("no_shard") {
-            "no_shard" => 0,
-            "optim" => 1,
-            "optim_grads" => 2,
-            "optim_grads_params" => 3,
-            v => {
-                return Err(bad(format!(
-                    "flag --data-parallel-sharding-strategy: `{v}` is not no_shard, optim, optim_grads or optim_grads_params"
-                )))
-            }
-        }
-    } else if f.has("use-torch-fsdp2") {
-        3
-    } else if f.has("use-distributed-optimizer") {
-        1
-    } else {
-        0
-    };
-    let recompute = match f.str("recompute-granularity")? {
-        None => Recompute::None,
-        Some("selective") => Recompute::Selective,
-        Some("full") => {
-            let method = f.str("recompute-method")?;
-            let layers = f.num("recompute-num-layers")?.unwrap_or(1);
-            if method == Some("block") || (method == Some("uniform") && layers > 1) {
-                imp.notes.push(format!(
-                    "--recompute-method {} --recompute-num-layers {layers}: read as full recomputation of every layer (shardwright models whole-layer recompute only)",
-                    method.unwrap_or("uniform")
-                ));
-            }
-            Recompute::Full
-        }
-        Some(v) => {
-            return Err(bad(format!(
-                "flag --recompute-granularity: `{v}` is not selective or full"
-            )))
-        }
-    };
+    let zero = megatron_zero(&f)?;
+    let recompute = megatron_recompute(&f, &mut imp.notes)?;
     imp.pins = ParallelismSpec {
         tp: Some(tp),
         pp: Some(pp),
@@ -429,13 +340,148 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     if imp.global_batch.is_none() {
         imp.notes.push("no --global-batch-size: Megatron would use micro-batch x data-parallel size; the spec's job.batch.global_batch is kept".into());
     }
+    megatron_layout_notes(&f, tp, etp, &mut imp.notes);
+    // The model, when the flags describe one.
+    if f.has("num-layers") || f.has("hidden-size") {
+        imp.model = megatron_model(&f)?;
+    }
+    megatron_job_options(&f, &mut imp)?;
+    Ok(imp)
+}
+
+/// The expert-parallel degree and expert TP pin from `--expert-model-parallel-size` (`ep`)
+/// and `--expert-tensor-parallel-size` (`etp`). Expert TP 1 keeps experts whole and spreads
+/// them over Megatron's expert-parallel group, which shardwright writes as tp x ep (the tp
+/// ranks folded in).
+fn megatron_expert_tp(
+    tp: u32,
+    ep: u32,
+    etp: Option<u64>,
+) -> Result<(u32, Option<u32>), ExportError> {
+    match etp {
+        Some(1) if tp > 1 => {
+            if ep % tp != 0 {
+                return Err(bad(format!(
+                    "flag --expert-model-parallel-size {ep} with --expert-tensor-parallel-size 1: the expert-parallel group folds the {tp} tensor-parallel ranks in, so it must be a multiple of {tp}"
+                )));
+            }
+            Ok((ep / tp, Some(1)))
+        }
+        _ => Ok((ep, None)),
+    }
+}
+
+/// Virtual pipeline stages per rank: from `--pipeline-model-parallel-layout`,
+/// `--num-virtual-stages-per-pipeline-rank` or `--num-layers-per-virtual-pipeline-stage`
+/// (which needs the layer count); else 1.
+fn megatron_vpp(
+    f: &Flags,
+    pp: u32,
+    num_layers: Option<u32>,
+    notes: &mut Vec<String>,
+) -> Result<u32, ExportError> {
+    if let Some(text) = f.str("pipeline-model-parallel-layout")? {
+        let stages = crate::context::parse_pp_layout(text).ok_or_else(|| {
+            bad(format!(
+                "flag --pipeline-model-parallel-layout: `{text}` is not a layout (stages split by `|`, each of E, t, t*N, m, L)"
+            ))
+        })?;
+        if stages.len() as u64 % pp as u64 != 0 {
+            return Err(bad(format!(
+                "flag --pipeline-model-parallel-layout: {} stages are not a multiple of --pipeline-model-parallel-size {pp}",
+                stages.len()
+            )));
+        }
+        if let Some(n) = num_layers {
+            let total: u32 = stages.iter().sum();
+            if total != n {
+                return Err(bad(format!(
+                    "flag --pipeline-model-parallel-layout: {total} decoder layers, not --num-layers {n}"
+                )));
+            }
+        }
+        notes.push("--pipeline-model-parallel-layout: the virtual stages per rank are imported; the split itself is the planner's to choose".into());
+        Ok((stages.len() as u64 / pp as u64) as u32)
+    } else if let Some(v) = f.num("num-virtual-stages-per-pipeline-rank")? {
+        if v == 0 {
+            return Err(bad(
+                "flag --num-virtual-stages-per-pipeline-rank: must be at least 1".into(),
+            ));
+        }
+        Ok(v as u32)
+    } else if let Some(per) = f.num("num-layers-per-virtual-pipeline-stage")? {
+        let Some(n) = num_layers else {
+            return Err(bad("flag --num-layers-per-virtual-pipeline-stage: needs --num-layers (or job.model.num_layers in the cluster file) to give the virtual stages per rank".into()));
+        };
+        let chunk = per * pp as u64;
+        if per == 0 || n as u64 % chunk != 0 {
+            return Err(bad(format!(
+                "flag --num-layers-per-virtual-pipeline-stage: {n} layers do not split into {per} per virtual stage x pp {pp}"
+            )));
+        }
+        Ok((n as u64 / chunk) as u32)
+    } else {
+        Ok(1)
+    }
+}
+
+/// The ZeRO stage: Megatron FSDP's sharding strategy, FSDP2 (3), the distributed optimizer
+/// (1) or plain DDP (0).
+fn megatron_zero(f: &Flags) -> Result<u8, ExportError> {
+    Ok(if f.has("use-megatron-fsdp") || f.has("use-custom-fsdp") {
+        match f.str("data-parallel-sharding-strategy")?.unwrap_or("no_shard") {
+            "no_shard" => 0,
+            "optim" => 1,
+            "optim_grads" => 2,
+            "optim_grads_params" => 3,
+            v => {
+                return Err(bad(format!(
+                    "flag --data-parallel-sharding-strategy: `{v}` is not no_shard, optim, optim_grads or optim_grads_params"
+                )))
+            }
+        }
+    } else if f.has("use-torch-fsdp2") {
+        3
+    } else if f.has("use-distributed-optimizer") {
+        1
+    } else {
+        0
+    })
+}
+
+/// Activation recompute from `--recompute-granularity` (partial full recompute is read as
+/// every layer, with a note).
+fn megatron_recompute(f: &Flags, notes: &mut Vec<String>) -> Result<Recompute, ExportError> {
+    match f.str("recompute-granularity")? {
+        None => Ok(Recompute::None),
+        Some("selective") => Ok(Recompute::Selective),
+        Some("full") => {
+            let method = f.str("recompute-method")?;
+            let layers = f.num("recompute-num-layers")?.unwrap_or(1);
+            if method == Some("block") || (method == Some("uniform") && layers > 1) {
+                notes.push(format!(
+                    "--recompute-method {} --recompute-num-layers {layers}: read as full recomputation of every layer (shardwright models whole-layer recompute only)",
+                    method.unwrap_or("uniform")
+                ));
+            }
+            Ok(Recompute::Full)
+        }
+        Some(v) => Err(bad(format!(
+            "flag --recompute-granularity: `{v}` is not selective or full"
+        ))),
+    }
+}
+
+/// Notes on the layout flags that are not imported as given: an expert TP other than 1 or
+/// tp, the tp-pp-dp rank order, the checkpoint interval and an uneven layer split.
+fn megatron_layout_notes(f: &Flags, tp: u32, etp: Option<u64>, notes: &mut Vec<String>) {
     if let Some(etp) = etp.filter(|&e| e != 1 && e != tp as u64) {
-        imp.notes.push(format!(
+        notes.push(format!(
             "--expert-tensor-parallel-size {etp}: shardwright models expert TP 1 or the full tp ({tp}); the estimate splits experts over the full tp"
         ));
     }
     if f.has("use-tp-pp-dp-mapping") {
-        imp.notes.push("--use-tp-pp-dp-mapping puts dp outside pp (order tp-cp-ep-pp-dp); shardwright estimates with Megatron's default order tp-cp-ep-dp-pp".into());
+        notes.push("--use-tp-pp-dp-mapping puts dp outside pp (order tp-cp-ep-pp-dp); shardwright estimates with Megatron's default order tp-cp-ep-dp-pp".into());
     }
     for (flag, what) in [
         ("save-interval", "the checkpoint interval (shardwright chooses it; pin minutes with job.checkpoint.interval_minutes)"),
@@ -443,90 +489,99 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
         ("decoder-last-pipeline-num-layers", "the layer split over pipeline ranks (shardwright chooses it)"),
     ] {
         if f.has(flag) {
-            imp.notes.push(format!("--{flag} is not imported: {what}"));
+            notes.push(format!("--{flag} is not imported: {what}"));
         }
     }
+}
 
-    // The model, when the flags describe one.
-    if f.has("num-layers") || f.has("hidden-size") {
-        let m = &mut imp.model;
-        let mut put = |k: &str, v: Option<u64>| {
-            if let Some(v) = v {
-                m.insert(k.into(), json!(v));
-            }
-        };
-        put("num_layers", f.num("num-layers")?);
-        put("hidden_size", f.num("hidden-size")?);
-        put("ffn_hidden_size", f.num("ffn-hidden-size")?);
-        put("num_attention_heads", f.num("num-attention-heads")?);
-        put("head_dim", f.num("kv-channels")?);
-        put("seq_len", f.num("seq-length")?);
-        put("vocab_size", f.num("vocab-size")?);
-        let heads = f.num("num-attention-heads")?;
-        let kv = if f.has("group-query-attention") {
-            f.num("num-query-groups")?.or(Some(1))
-        } else {
-            heads
-        };
-        put("num_kv_heads", kv);
-        m.insert(
-            "ffn_activation".into(),
-            json!(if f.has("swiglu") { "swiglu" } else { "gelu" }),
-        );
-        let norm = f.str("normalization")?.unwrap_or("LayerNorm");
-        m.insert(
-            "norm".into(),
-            json!(match norm {
-                "RMSNorm" => "rmsnorm",
-                "LayerNorm" => "layernorm",
-                v =>
-                    return Err(bad(format!(
-                        "flag --normalization: `{v}` is not RMSNorm or LayerNorm"
-                    ))),
-            }),
-        );
-        m.insert(
-            "tied_embeddings".into(),
-            json!(!f.has("untie-embeddings-and-output-weights")),
-        );
-        let pos = f
-            .str("position-embedding-type")?
-            .unwrap_or("learned_absolute");
-        m.insert("learned_positions".into(), json!(pos == "learned_absolute"));
-        m.insert("linear_bias".into(), json!(!f.has("disable-bias-linear")));
-        let drop_a = f.float("attention-dropout")?.unwrap_or(0.1);
-        let drop_h = f.float("hidden-dropout")?.unwrap_or(0.1);
-        m.insert("dropout".into(), json!(drop_a > 0.0 || drop_h > 0.0));
-        if let Some(e) = f.num("num-experts")? {
-            m.insert("arch".into(), json!("moe"));
-            let mut moe = Map::new();
-            moe.insert("num_experts".into(), json!(e));
-            moe.insert(
-                "top_k".into(),
-                json!(f.num("moe-router-topk")?.unwrap_or(2)),
-            );
-            let eff = f
-                .num("moe-ffn-hidden-size")?
-                .or(f.num("ffn-hidden-size")?)
-                .ok_or_else(|| {
-                    bad(
-                        "flag --num-experts: needs --moe-ffn-hidden-size (or --ffn-hidden-size)"
-                            .into(),
-                    )
-                })?;
-            moe.insert("expert_ffn_hidden_size".into(), json!(eff));
-            if let Some(s) = f.num("moe-shared-expert-intermediate-size")? {
-                moe.insert("num_shared_experts".into(), json!(1));
-                moe.insert("shared_expert_ffn_hidden_size".into(), json!(s));
-            }
-            if let Some(freq) = f.str("moe-layer-freq")? {
-                moe.insert("first_k_dense".into(), json!(first_k_dense(freq)?));
-            }
-            m.insert("moe".into(), Value::Object(moe));
-        } else {
-            m.insert("arch".into(), json!("dense"));
+/// The `job.model` fields the flags give: the shape, activation, norm, embeddings,
+/// positions, biases, dropout and the MoE section.
+fn megatron_model(f: &Flags) -> Result<Map<String, Value>, ExportError> {
+    let mut m = Map::new();
+    let mut put = |k: &str, v: Option<u64>| {
+        if let Some(v) = v {
+            m.insert(k.into(), json!(v));
         }
+    };
+    put("num_layers", f.num("num-layers")?);
+    put("hidden_size", f.num("hidden-size")?);
+    put("ffn_hidden_size", f.num("ffn-hidden-size")?);
+    put("num_attention_heads", f.num("num-attention-heads")?);
+    put("head_dim", f.num("kv-channels")?);
+    put("seq_len", f.num("seq-length")?);
+    put("vocab_size", f.num("vocab-size")?);
+    let heads = f.num("num-attention-heads")?;
+    let kv = if f.has("group-query-attention") {
+        f.num("num-query-groups")?.or(Some(1))
+    } else {
+        heads
+    };
+    put("num_kv_heads", kv);
+    m.insert(
+        "ffn_activation".into(),
+        json!(if f.has("swiglu") { "swiglu" } else { "gelu" }),
+    );
+    let norm = f.str("normalization")?.unwrap_or("LayerNorm");
+    m.insert(
+        "norm".into(),
+        json!(match norm {
+            "RMSNorm" => "rmsnorm",
+            "LayerNorm" => "layernorm",
+            v =>
+                return Err(bad(format!(
+                    "flag --normalization: `{v}` is not RMSNorm or LayerNorm"
+                ))),
+        }),
+    );
+    m.insert(
+        "tied_embeddings".into(),
+        json!(!f.has("untie-embeddings-and-output-weights")),
+    );
+    let pos = f
+        .str("position-embedding-type")?
+        .unwrap_or("learned_absolute");
+    m.insert("learned_positions".into(), json!(pos == "learned_absolute"));
+    m.insert("linear_bias".into(), json!(!f.has("disable-bias-linear")));
+    let drop_a = f.float("attention-dropout")?.unwrap_or(0.1);
+    let drop_h = f.float("hidden-dropout")?.unwrap_or(0.1);
+    m.insert("dropout".into(), json!(drop_a > 0.0 || drop_h > 0.0));
+    if let Some(e) = f.num("num-experts")? {
+        m.insert("arch".into(), json!("moe"));
+        m.insert("moe".into(), Value::Object(megatron_moe(f, e)?));
+    } else {
+        m.insert("arch".into(), json!("dense"));
     }
+    Ok(m)
+}
+
+/// The `job.model.moe` section of a model with `experts` experts.
+fn megatron_moe(f: &Flags, experts: u64) -> Result<Map<String, Value>, ExportError> {
+    let mut moe = Map::new();
+    moe.insert("num_experts".into(), json!(experts));
+    moe.insert(
+        "top_k".into(),
+        json!(f.num("moe-router-topk")?.unwrap_or(2)),
+    );
+    let eff = f
+        .num("moe-ffn-hidden-size")?
+        .or(f.num("ffn-hidden-size")?)
+        .ok_or_else(|| {
+            bad("flag --num-experts: needs --moe-ffn-hidden-size (or --ffn-hidden-size)".into())
+        })?;
+    moe.insert("expert_ffn_hidden_size".into(), json!(eff));
+    if let Some(s) = f.num("moe-shared-expert-intermediate-size")? {
+        moe.insert("num_shared_experts".into(), json!(1));
+        moe.insert("shared_expert_ffn_hidden_size".into(), json!(s));
+    }
+    if let Some(freq) = f.str("moe-layer-freq")? {
+        moe.insert("first_k_dense".into(), json!(first_k_dense(freq)?));
+    }
+    Ok(moe)
+}
+
+/// Precision (fp16 / bf16 compute, FP8 GEMMs) and the job options: TP communication
+/// overlap, gradient-reduction overlap and the MoE dispatcher.
+fn megatron_job_options(f: &Flags, imp: &mut Imported) -> Result<(), ExportError> {
     if f.has("fp16") {
         imp.precision.insert("compute".into(), json!("fp16"));
     } else if f.has("bf16") {
@@ -557,7 +612,7 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
             )))
         }
     }
-    Ok(imp)
+    Ok(())
 }
 
 // ---------------------------------------------------------------- torchtitan

@@ -25,7 +25,7 @@
 use crate::lower::Lowered;
 use shardwright_cost::flops;
 use shardwright_cost::framework::{mechanisms, op_level_ac};
-use shardwright_ir::{CollectiveKind, Op, Pass};
+use shardwright_ir::{CollectiveKind, Node, Op, Pass, ProcessGroup};
 use shardwright_spec::mesh::GroupKind;
 use shardwright_spec::spec::{Norm, Recompute, RecomputeModule};
 use shardwright_spec::Plan;
@@ -244,26 +244,43 @@ fn hand_count(l: &Lowered) -> HandCount {
 /// Run every rule; returns the report and the errors (empty when the plan passes).
 pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
     let mut errs = Vec::new();
-    let p = &l.program;
+    let flops = check_flops(l, plan, &mut errs);
+    let memory = check_memory(l, &mut errs);
+    let checked = check_collective_bytes(l, &mut errs);
+    let report = CheckReport {
+        ir_flops: flops.ir,
+        expected_model_flops: flops.expected,
+        padding_flops: flops.ir.saturating_sub(flops.expected),
+        cost_model_flops: flops.cost_model,
+        recompute_flops: flops.recompute,
+        recompute_share: flops.recompute_share,
+        plan_recompute_share: flops.plan_recompute_share,
+        memory,
+        collectives_checked: checked,
+    };
+    (report, errs)
+}
+
+/// What the `flops` and `recompute` rules measured.
+struct FlopTotals {
+    /// Compute FLOPs of all ranks outside the recompute pass, and in it.
+    ir: u128,
+    recompute: u128,
+    /// The hand count of the step's model FLOPs.
+    expected: u128,
+    /// The cost model's model FLOPs of the step.
+    cost_model: f64,
+    /// Recompute FLOPs as a share of the rest, in the IR and in the plan (HFU - MFU).
+    recompute_share: f64,
+    plan_recompute_share: f64,
+}
+
+/// The `flops` rule (the IR's compute FLOPs against the hand count) and the `recompute`
+/// rule (its recompute-pass FLOPs against the hand count and the plan's HFU - MFU).
+fn check_flops(l: &Lowered, plan: &Plan, errs: &mut Vec<CheckError>) -> FlopTotals {
     let m = &l.job.model;
     let lay = &l.layout;
-    let w = l.job.training.compute_dtype.bytes() as u64;
-
-    // ---- FLOPs ----
-    let mut ir_flops: u128 = 0;
-    let mut rc_flops: u128 = 0;
-    for c in &p.classes {
-        let n = c.ranks.len() as u128;
-        for node in &c.graph.nodes {
-            if let Some(wk) = node.op.work() {
-                if node.pass == Pass::Recompute {
-                    rc_flops += wk.flops as u128 * n;
-                } else {
-                    ir_flops += wk.flops as u128 * n;
-                }
-            }
-        }
-    }
+    let (ir_flops, rc_flops) = ir_flops(l);
     let hand = hand_count(l);
     let (expected, padded) = (hand.model, hand.model_padded);
     // Sliding-window attention is counted in f64 (an average number of keys per query),
@@ -342,10 +359,40 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
             ),
         });
     }
+    FlopTotals {
+        ir: ir_flops,
+        recompute: rc_flops,
+        expected,
+        cost_model: cm_flops,
+        recompute_share: share,
+        plan_recompute_share: plan_share,
+    }
+}
 
-    // ---- memory ----
+/// The compute FLOPs of all ranks: (outside the recompute pass, in it).
+fn ir_flops(l: &Lowered) -> (u128, u128) {
+    let mut ir_flops: u128 = 0;
+    let mut rc_flops: u128 = 0;
+    for c in &l.program.classes {
+        let n = c.ranks.len() as u128;
+        for node in &c.graph.nodes {
+            if let Some(wk) = node.op.work() {
+                if node.pass == Pass::Recompute {
+                    rc_flops += wk.flops as u128 * n;
+                } else {
+                    ir_flops += wk.flops as u128 * n;
+                }
+            }
+        }
+    }
+    (ir_flops, rc_flops)
+}
+
+/// The `memory` rule: each class's peak of live buffers fits HBM and is within 5% of the
+/// cost model's estimate for its stage.
+fn check_memory(l: &Lowered, errs: &mut Vec<CheckError>) -> Vec<StageMemory> {
     let mut memory = Vec::new();
-    for (ci, c) in p.classes.iter().enumerate() {
+    for (ci, c) in l.program.classes.iter().enumerate() {
         let (stage, cp_index) = l.class_coords[ci];
         let rank = c.ranks[0];
         let (peak, at) = c.graph.peak_memory();
@@ -387,38 +434,75 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
             rel_diff: rel,
         });
     }
+    memory
+}
 
-    // ---- collective bytes ----
-    let tokens = lay.micro_batch as u64 * m.seq_len / lay.cp as u64;
-    let sp = lay.sequence_parallel && lay.tp > 1;
-    let hidden = tokens * m.hidden_size * w;
-    let kv_local = (m.num_kv_heads as u64).div_ceil(lay.tp as u64);
-    let cp_kv = 2 * lay.micro_batch as u64 * m.seq_len * kv_local * m.head_dim * w;
-    let routed = m.moe.as_ref().map_or(0, |moe| {
-        tokens / if sp { lay.tp as u64 } else { 1 } * moe.top_k as u64 * m.hidden_size * w
-    });
-    let boundary = hidden / if sp { lay.tp as u64 } else { 1 };
+/// The tensors of one micro-batch that the collectives and sends move, bytes.
+struct TensorBytes {
+    /// The rank's tokens of the micro-batch (its CP shard).
+    tokens: u64,
+    /// Their hidden states (TP collectives).
+    hidden: u64,
+    /// The gathered K and V (CP exchange).
+    cp_kv: u64,
+    /// The routed token copies (EP all-to-all).
+    routed: u64,
+    /// The stage boundary's activations (pipeline sends).
+    boundary: u64,
+}
+
+impl TensorBytes {
+    fn of(l: &Lowered) -> TensorBytes {
+        let m = &l.job.model;
+        let lay = &l.layout;
+        let w = l.job.training.compute_dtype.bytes() as u64;
+        let tokens = lay.micro_batch as u64 * m.seq_len / lay.cp as u64;
+        let sp = lay.sequence_parallel && lay.tp > 1;
+        let hidden = tokens * m.hidden_size * w;
+        let kv_local = (m.num_kv_heads as u64).div_ceil(lay.tp as u64);
+        let cp_kv = 2 * lay.micro_batch as u64 * m.seq_len * kv_local * m.head_dim * w;
+        let routed = m.moe.as_ref().map_or(0, |moe| {
+            tokens / if sp { lay.tp as u64 } else { 1 } * moe.top_k as u64 * m.hidden_size * w
+        });
+        let boundary = hidden / if sp { lay.tp as u64 } else { 1 };
+        TensorBytes {
+            tokens,
+            hidden,
+            cp_kv,
+            routed,
+            boundary,
+        }
+    }
+}
+
+/// What a collective should move.
+enum Expect<'a> {
+    /// A tensor of `want` bytes, named `what`, padded to a multiple of `pad` bytes.
+    Tensor {
+        want: u64,
+        what: &'a str,
+        pad: u64,
+    },
+    /// Gradients of the dense (0) or expert (1) data-parallel group, checked in sum.
+    Gradients(usize),
+    Unchecked,
+}
+
+/// The `bytes` rule: every collective and pipeline send moves the tensor it names, and
+/// the data-parallel reductions of a class add up to its stage's gradients. Returns the
+/// number of ops checked.
+fn check_collective_bytes(l: &Lowered, errs: &mut Vec<CheckError>) -> u64 {
+    let p = &l.program;
+    let lay = &l.layout;
+    let sizes = TensorBytes::of(l);
     let mut checked = 0u64;
     for (ci, c) in p.classes.iter().enumerate() {
         let rank = c.ranks[0];
-        let g = &c.graph;
         let (stage, _) = l.class_coords[ci];
         let mut grad_bytes = [0u64; 2];
         let mut grad_slack = [0u64; 2];
-        for node in &g.nodes {
-            let mut bad = |want: u64, what: &str, got: u64, n: u64, unit: u64| {
-                // Collectives are padded to a multiple of the group size.
-                let hi = want.div_ceil(n * unit) * n * unit;
-                if got < want || got > hi {
-                    errs.push(CheckError {
-                        rank,
-                        node: Some(node.id.0),
-                        rule: "bytes",
-                        message: format!("{what}: moves {got} bytes, the tensor is {want}"),
-                    });
-                }
-            };
-            match &node.op {
+        for node in &c.graph.nodes {
+            let (expect, got) = match &node.op {
                 Op::Collective {
                     kind,
                     group,
@@ -432,86 +516,9 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
                     let n = pg.ranks.len() as u64;
                     let unit = dtype.bytes();
                     let role = tensor.as_deref().unwrap_or("");
-                    // Per-token f32 scalars: the vocabulary-parallel loss statistics.
-                    if role.starts_with("loss.") {
-                        // One (max) or two (target logit, sum of exponentials) per token.
-                        let per = if role == "loss.max" { 1 } else { 2 };
-                        bad(per * tokens * 4, role, *bytes, 1, unit);
-                        continue;
-                    }
-                    // MoE: per-sequence routing statistics (2 E f32 per sequence), the
-                    // gates' gradients (one f32 per routed slot), the SP experts' gather and
-                    // reduce-scatter of the micro-batch's routed rows.
-                    if let Some(moe) = m.moe.as_ref() {
-                        let k = moe.top_k as u64;
-                        if role.ends_with(".moe.stats.tp") || role.ends_with(".moe.stats.cp") {
-                            let want = lay.micro_batch as u64 * 2 * moe.num_experts as u64 * 4;
-                            bad(want, role, *bytes, 1, unit);
-                            continue;
-                        }
-                        if role.ends_with(".moe.gate_grad") {
-                            bad(tokens * k * 4, role, *bytes, 1, unit);
-                            continue;
-                        }
-                        if role.ends_with(".moe.experts_gather")
-                            || role.ends_with(".moe.experts_scatter")
-                        {
-                            bad(tokens * k * m.hidden_size * w, role, *bytes, n, unit);
-                            continue;
-                        }
-                    }
-                    // The sum of squares and the loss share.
-                    if role == "grad_norm" {
-                        bad(8, role, *bytes, 1, unit);
-                        continue;
-                    }
-                    if role.ends_with(".replicated_grads") {
-                        let per_norm = m.hidden_size
-                            * if m.norm == shardwright_spec::spec::Norm::Layernorm {
-                                2
-                            } else {
-                                1
-                            };
-                        let want = match node.layer {
-                            Some(l) => {
-                                let moe = m.is_moe() && l >= m.dense_layers();
-                                2 * per_norm
-                                    + if moe {
-                                        m.moe.as_ref().map_or(0, |x| x.num_experts as u64)
-                                            * m.hidden_size
-                                    } else {
-                                        0
-                                    }
-                            }
-                            None => per_norm,
-                        };
-                        bad(
-                            want * l.job.training.grad_dtype.bytes() as u64,
-                            role,
-                            *bytes,
-                            1,
-                            unit,
-                        );
-                        continue;
-                    }
-                    match pg.axis {
-                        GroupKind::Tp => bad(
-                            hidden,
-                            "TP collective of the hidden states",
-                            *bytes,
-                            n,
-                            unit,
-                        ),
-                        GroupKind::Cp => bad(cp_kv, "CP exchange of K and V", *bytes, n, unit),
-                        GroupKind::Ep => bad(
-                            routed,
-                            "EP all-to-all of the routed tokens",
-                            *bytes,
-                            n,
-                            unit,
-                        ),
-                        GroupKind::DenseDp | GroupKind::ExpertDp => {
-                            let i = usize::from(pg.axis == GroupKind::ExpertDp);
+                    let expect = collective_expectation(l, &sizes, node, pg, role, unit);
+                    let expect = match expect {
+                        Expect::Gradients(i) => {
                             let is_grad = matches!(
                                 kind,
                                 CollectiveKind::AllReduce | CollectiveKind::ReduceScatter
@@ -526,59 +533,163 @@ pub fn check(l: &Lowered, plan: &Plan) -> (CheckReport, Vec<CheckError>) {
                                 grad_bytes[i] += *bytes * per;
                                 grad_slack[i] += n * unit * per;
                             }
+                            Expect::Unchecked
                         }
-                        _ => {}
-                    }
+                        other => other,
+                    };
+                    (expect, *bytes)
                 }
                 Op::Send { bytes, .. } | Op::Recv { bytes, .. } => {
                     checked += 1;
-                    bad(boundary, "pipeline boundary activations", *bytes, 1, 1);
+                    let expect = Expect::Tensor {
+                        want: sizes.boundary,
+                        what: "pipeline boundary activations",
+                        pad: 1,
+                    };
+                    (expect, *bytes)
                 }
-                _ => {}
+                _ => (Expect::Unchecked, 0),
+            };
+            if let Expect::Tensor { want, what, pad } = expect {
+                // Collectives are padded to a multiple of the group size.
+                let hi = want.div_ceil(pad) * pad;
+                if got < want || got > hi {
+                    errs.push(CheckError {
+                        rank,
+                        node: Some(node.id.0),
+                        rule: "bytes",
+                        message: format!("{what}: moves {got} bytes, the tensor is {want}"),
+                    });
+                }
             }
         }
-        // The stage's gradients, unsharded.
-        let gb = l.job.training.grad_dtype.bytes();
-        let (dense_p, expert_p) = stage_params(l, stage);
-        let sizes = [
-            l.mesh.size(GroupKind::DenseDp),
-            l.mesh.size(GroupKind::ExpertDp),
-        ];
-        for (i, (params, axis)) in [(dense_p, "dense"), (expert_p, "expert")]
-            .iter()
-            .enumerate()
-        {
-            if sizes[i] <= 1 {
-                // No replicas: nothing to reduce.
-                continue;
-            }
-            let want = (params.round() as u64) * gb as u64;
-            let got = grad_bytes[i];
-            if (got as i128 - want as i128).unsigned_abs() > grad_slack[i] as u128 + 64 * gb as u128
-            {
-                errs.push(CheckError {
-                    rank,
-                    node: None,
-                    rule: "bytes",
-                    message: format!(
-                        "{axis} gradient reductions move {got} bytes, the stage holds {want} bytes of {axis} gradients"
-                    ),
-                });
-            }
+        check_gradient_bytes(l, (rank, stage), grad_bytes, grad_slack, errs);
+    }
+    checked
+}
+
+/// What the collective `node` over `pg` should move, from its tensor's `role`; `unit` is
+/// its element size.
+fn collective_expectation<'a>(
+    l: &Lowered,
+    sizes: &TensorBytes,
+    node: &Node,
+    pg: &ProcessGroup,
+    role: &'a str,
+    unit: u64,
+) -> Expect<'a> {
+    let m = &l.job.model;
+    let w = l.job.training.compute_dtype.bytes() as u64;
+    let tokens = sizes.tokens;
+    let n = pg.ranks.len() as u64;
+    let tensor = |want: u64, what: &'a str, n: u64| Expect::Tensor {
+        want,
+        what,
+        pad: n * unit,
+    };
+    // Per-token f32 scalars: the vocabulary-parallel loss statistics.
+    if role.starts_with("loss.") {
+        // One (max) or two (target logit, sum of exponentials) per token.
+        let per = if role == "loss.max" { 1 } else { 2 };
+        return tensor(per * tokens * 4, role, 1);
+    }
+    // MoE: per-sequence routing statistics (2 E f32 per sequence), the gates' gradients
+    // (one f32 per routed slot), the SP experts' gather and reduce-scatter of the
+    // micro-batch's routed rows.
+    if let Some(moe) = m.moe.as_ref() {
+        let k = moe.top_k as u64;
+        if role.ends_with(".moe.stats.tp") || role.ends_with(".moe.stats.cp") {
+            let want = l.layout.micro_batch as u64 * 2 * moe.num_experts as u64 * 4;
+            return tensor(want, role, 1);
+        }
+        if role.ends_with(".moe.gate_grad") {
+            return tensor(tokens * k * 4, role, 1);
+        }
+        if role.ends_with(".moe.experts_gather") || role.ends_with(".moe.experts_scatter") {
+            return tensor(tokens * k * m.hidden_size * w, role, n);
         }
     }
-    let report = CheckReport {
-        ir_flops,
-        expected_model_flops: expected,
-        padding_flops: ir_flops.saturating_sub(expected),
-        cost_model_flops: cm_flops,
-        recompute_flops: rc_flops,
-        recompute_share: share,
-        plan_recompute_share: plan_share,
-        memory,
-        collectives_checked: checked,
+    // The sum of squares and the loss share.
+    if role == "grad_norm" {
+        return tensor(8, role, 1);
+    }
+    if role.ends_with(".replicated_grads") {
+        return tensor(replicated_grad_bytes(l, node.layer), role, 1);
+    }
+    match pg.axis {
+        GroupKind::Tp => tensor(sizes.hidden, "TP collective of the hidden states", n),
+        GroupKind::Cp => tensor(sizes.cp_kv, "CP exchange of K and V", n),
+        GroupKind::Ep => tensor(sizes.routed, "EP all-to-all of the routed tokens", n),
+        GroupKind::DenseDp | GroupKind::ExpertDp => {
+            Expect::Gradients(usize::from(pg.axis == GroupKind::ExpertDp))
+        }
+        _ => Expect::Unchecked,
+    }
+}
+
+/// Bytes of the gradients replicated over tp that `layer` (None: the final norm) reduces:
+/// its norm weights (and biases), and an MoE layer's router.
+fn replicated_grad_bytes(l: &Lowered, layer: Option<u32>) -> u64 {
+    let m = &l.job.model;
+    let per_norm = m.hidden_size
+        * if m.norm == shardwright_spec::spec::Norm::Layernorm {
+            2
+        } else {
+            1
+        };
+    let want = match layer {
+        Some(layer) => {
+            let moe = m.is_moe() && layer >= m.dense_layers();
+            2 * per_norm
+                + if moe {
+                    m.moe.as_ref().map_or(0, |x| x.num_experts as u64) * m.hidden_size
+                } else {
+                    0
+                }
+        }
+        None => per_norm,
     };
-    (report, errs)
+    want * l.job.training.grad_dtype.bytes() as u64
+}
+
+/// The data-parallel gradient reductions of the class of `rank` (on `stage`), `grad_bytes`
+/// in sum with up to `grad_slack` of padding per group kind (dense, expert), against the
+/// gradients the stage holds.
+fn check_gradient_bytes(
+    l: &Lowered,
+    (rank, stage): (u32, u32),
+    grad_bytes: [u64; 2],
+    grad_slack: [u64; 2],
+    errs: &mut Vec<CheckError>,
+) {
+    // The stage's gradients, unsharded.
+    let gb = l.job.training.grad_dtype.bytes();
+    let (dense_p, expert_p) = stage_params(l, stage);
+    let sizes = [
+        l.mesh.size(GroupKind::DenseDp),
+        l.mesh.size(GroupKind::ExpertDp),
+    ];
+    for (i, (params, axis)) in [(dense_p, "dense"), (expert_p, "expert")]
+        .iter()
+        .enumerate()
+    {
+        if sizes[i] <= 1 {
+            // No replicas: nothing to reduce.
+            continue;
+        }
+        let want = (params.round() as u64) * gb as u64;
+        let got = grad_bytes[i];
+        if (got as i128 - want as i128).unsigned_abs() > grad_slack[i] as u128 + 64 * gb as u128 {
+            errs.push(CheckError {
+                rank,
+                node: None,
+                rule: "bytes",
+                message: format!(
+                    "{axis} gradient reductions move {got} bytes, the stage holds {want} bytes of {axis} gradients"
+                ),
+            });
+        }
+    }
 }
 
 /// Parameters (dense, expert) held by pipeline stage `j`, from the cost model's per-layer

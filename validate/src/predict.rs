@@ -70,22 +70,23 @@ pub fn pinned_layout(job: &Job) -> Option<Layout> {
     let sequence_parallel = p.sequence_parallel.or((tp == 1).then_some(false))?;
     Some(layout_with(
         job,
-        tp,
-        pp,
-        dp,
-        cp,
-        ep,
-        vpp,
-        micro_batch,
-        zero_stage,
-        recompute,
-        sequence_parallel,
+        LayoutChoice {
+            tp,
+            pp,
+            dp,
+            cp,
+            ep,
+            vpp,
+            micro_batch,
+            zero_stage,
+            recompute,
+            sequence_parallel,
+        },
     ))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn layout_with(
-    job: &Job,
+/// The axes and options of a layout that [`layout_with`] completes from the job.
+struct LayoutChoice {
     tp: u32,
     pp: u32,
     dp: u32,
@@ -96,27 +97,31 @@ fn layout_with(
     zero_stage: u8,
     recompute: Recompute,
     sequence_parallel: bool,
-) -> Layout {
-    let per = micro_batch as u64 * dp as u64 * ep as u64;
-    let schedule = job.pinned.schedule.unwrap_or(if vpp > 1 {
+}
+
+/// The layout of `c` on `job`: gradient accumulation from the global batch, the pinned
+/// schedule (else interleaved when vpp > 1), and the pinned expert tp of an MoE model.
+fn layout_with(job: &Job, c: LayoutChoice) -> Layout {
+    let per = c.micro_batch as u64 * c.dp as u64 * c.ep as u64;
+    let schedule = job.pinned.schedule.unwrap_or(if c.vpp > 1 {
         Schedule::Interleaved
     } else {
         Schedule::OneFOneB
     });
     Layout {
-        tp,
-        pp,
-        dp,
-        cp,
-        ep,
-        vpp,
-        micro_batch,
+        tp: c.tp,
+        pp: c.pp,
+        dp: c.dp,
+        cp: c.cp,
+        ep: c.ep,
+        vpp: c.vpp,
+        micro_batch: c.micro_batch,
         grad_accum: (job.training.global_batch / per.max(1)).max(1),
-        zero_stage,
-        recompute,
-        sequence_parallel,
+        zero_stage: c.zero_stage,
+        recompute: c.recompute,
+        sequence_parallel: c.sequence_parallel,
         schedule,
-        expert_tp: (job.model.is_moe() && tp > 1).then(|| job.pinned.expert_tp.unwrap_or(tp)),
+        expert_tp: (job.model.is_moe() && c.tp > 1).then(|| job.pinned.expert_tp.unwrap_or(c.tp)),
     }
 }
 
@@ -126,16 +131,18 @@ fn lean_layout(job: &Job) -> Option<Layout> {
     let (tp, pp, dp, cp, ep) = (p.tp?, p.pp?, p.dp?, p.cp?, p.ep?);
     Some(layout_with(
         job,
-        tp,
-        pp,
-        dp,
-        cp,
-        ep,
-        p.vpp.unwrap_or(1),
-        p.micro_batch.unwrap_or(1),
-        p.zero_stage.unwrap_or(1),
-        p.recompute.unwrap_or(Recompute::Full),
-        p.sequence_parallel.unwrap_or(tp > 1),
+        LayoutChoice {
+            tp,
+            pp,
+            dp,
+            cp,
+            ep,
+            vpp: p.vpp.unwrap_or(1),
+            micro_batch: p.micro_batch.unwrap_or(1),
+            zero_stage: p.zero_stage.unwrap_or(1),
+            recompute: p.recompute.unwrap_or(Recompute::Full),
+            sequence_parallel: p.sequence_parallel.unwrap_or(tp > 1),
+        },
     ))
 }
 

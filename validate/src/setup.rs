@@ -713,28 +713,89 @@ pub fn setup_run_in(
     run: &Run,
     file_hardware: Option<&serde_json::Value>,
 ) -> Result<RunSetup, Skip> {
-    let skip = |reason: String| Err(Skip::new(&run.id, reason));
+    let skip = |reason: String| Skip::new(&run.id, reason);
     let source = source_key(&run.id);
     let mut notes = Vec::new();
-    let m = &run.model;
-    let hw = &run.hardware;
-    let par = &run.parallelism;
+    let gpu = run_gpu(run, file_hardware, &mut notes).map_err(skip)?;
+    let ctx = RunContext::of(run);
+    let conv = conventions(run, &ctx);
+    let model = run_model(run, &conv, &mut notes).map_err(skip)?;
+    let (pins, global_batch) = run_pins(run, &conv, gpu.gpus_per_node, &mut notes).map_err(skip)?;
+    let precision = run_precision(run, &conv, &mut notes);
+    let mut spec = SpecFile {
+        job: JobSpec {
+            name: Some(run.id.clone()),
+            model,
+            parallelism: pins,
+            precision,
+            batch: BatchSpec {
+                global_batch,
+                grad_accum: None,
+                token_budget: None,
+            },
+            optimizer: OptimizerSpec::default(),
+            checkpoint: CheckpointSpec::default(),
+            recompute_modules: None,
+            tp_comm_overlap: conv.tp_comm_overlap,
+            torch_compile: conv.torch_compile,
+            // Overlapped for every run. Legacy Megatron (2021-22) all-reduced after the last
+            // backward, but exposing it puts narayanan21's data-parallel-only rows (dp32,
+            // pp1) 15% too slow: those runs say the reduction was hidden.
+            dp_comm_overlap: true,
+            framework: ctx.framework.unwrap_or_default(),
+            moe_dispatcher: conv.moe_dispatcher,
+        },
+        cluster: ClusterSpec {
+            gpu: Some(gpu.catalog_name),
+            hardware: gpu.hardware,
+            gpus_per_node: gpu.gpus_per_node,
+            num_gpus: Some(run.hardware.num_gpus),
+            nodes: None,
+            hot_spares: 0,
+            reliability: ReliabilitySpec::default(),
+            storage: None,
+            framework_reserve_bytes: None,
+        },
+    };
+    if stated_first_k_dense(&run.model).is_none() {
+        infer_first_k_dense(&mut spec, &mut notes);
+    }
+    Ok(RunSetup {
+        id: run.id.clone(),
+        source,
+        gpu_kind: gpu.kind,
+        framework: ctx.framework.map_or("unknown", Framework::name).to_string(),
+        spec,
+        notes,
+    })
+}
 
-    // ---- hardware ----
+/// The cluster side of a run's spec: its GPU's catalog name and kind, the node size and
+/// the hardware overrides.
+struct RunCluster {
+    catalog_name: String,
+    kind: String,
+    gpus_per_node: u32,
+    hardware: HardwareSpec,
+}
+
+/// A run's GPU ([`resolve_gpu`]), node size (8 when not published) and inter-node bandwidth
+/// (the published per-GPU Gbit/s, else the catalog's); TPUs are not modelled.
+fn run_gpu(
+    run: &Run,
+    file_hardware: Option<&serde_json::Value>,
+    notes: &mut Vec<String>,
+) -> Result<RunCluster, String> {
+    let hw = &run.hardware;
     if hw.gpu_type.to_ascii_uppercase().starts_with("TPU") {
-        return skip(format!(
+        return Err(format!(
             "{}: TPU pods (ICI 3D torus, no NVLink/NIC split) are not modeled",
             hw.gpu_type
         ));
     }
-    let gpu = match resolve_gpu(&hw.gpu_type, file_hardware) {
-        Ok(g) => g,
-        Err(reason) => return skip(reason),
-    };
+    let gpu = resolve_gpu(&hw.gpu_type, file_hardware)?;
     notes.extend(gpu.notes.iter().cloned());
     let entry = gpu.base;
-    let catalog_name = entry.names[0].to_string();
-    let gpu_kind = entry.kind.to_string();
     let gpus_per_node = match hw.gpus_per_node {
         Some(g) if g > 0 => g,
         _ => {
@@ -750,10 +811,18 @@ pub fn setup_run_in(
             entry.inter_node_gbps
         )),
     }
+    Ok(RunCluster {
+        catalog_name: entry.names[0].to_string(),
+        kind: entry.kind.to_string(),
+        gpus_per_node,
+        hardware,
+    })
+}
 
-    // ---- model ----
-    let ctx = RunContext::of(run);
-    let conv = conventions(run, &ctx);
+/// The run's model as a spec: its published shape, with the source's architecture
+/// conventions ([`Conventions`]) for what it leaves out.
+fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<ModelSpec, String> {
+    let m = &run.model;
     notes.extend(conv.framework_note.map(String::from));
     if conv.moe_dispatcher == MoeDispatcher::Deepep && run.model.moe.is_some() {
         notes.push(
@@ -763,41 +832,13 @@ pub fn setup_run_in(
     let arch = match m.arch.to_ascii_lowercase().as_str() {
         "dense" => Arch::Dense,
         "moe" => Arch::Moe,
-        other => return skip(format!("model.arch `{other}` is neither dense nor moe")),
+        other => return Err(format!("model.arch `{other}` is neither dense nor moe")),
     };
-    let activation = match m.ffn_activation.as_deref() {
-        Some(a) => match parse_activation(a) {
-            Some(x) => {
-                if a.to_ascii_lowercase().contains("clamp") {
-                    notes.push(format!("activation `{a}` modeled as plain swiglu"));
-                }
-                x
-            }
-            None => return skip(format!("ffn_activation `{a}` not recognised")),
-        },
-        None if conv.megatron_gpt_default_ffn => Activation::Gelu,
-        None => return skip(
-            "ffn_activation not published (only a Megatron-based framework has a default: 4h GeLU)"
-                .into(),
-        ),
-    };
-    let ffn = match m.ffn_hidden_size {
-        Some(f) => Some(f),
-        None if arch == Arch::Dense && conv.megatron_gpt_default_ffn => {
-            notes.push(format!(
-                "FFN shape not published: Megatron GPT default 4h GeLU ({}), multi-head attention",
-                4 * m.hidden_size
-            ));
-            Some(4 * m.hidden_size)
-        }
-        None if arch == Arch::Dense => {
-            return skip("ffn_hidden_size not published for a dense model".into())
-        }
-        None => None,
-    };
-    let head_dim = head_dim(m, &mut notes);
+    let activation = run_activation(m, conv, notes)?;
+    let ffn = run_ffn(m, arch, conv, notes)?;
+    let head_dim = head_dim(m, notes);
     if head_dim.is_none() && m.hidden_size % m.num_attention_heads.max(1) as u64 != 0 {
-        return skip("hidden_size not divisible by heads and no head_dim known".into());
+        return Err("hidden_size not divisible by heads and no head_dim known".into());
     }
     let moe = match (&m.moe, arch) {
         (Some(x), _) => Some(MoeSpec {
@@ -808,7 +849,7 @@ pub fn setup_run_in(
             shared_expert_ffn_hidden_size: None,
             first_k_dense: stated_first_k_dense(m).unwrap_or(0),
         }),
-        (None, Arch::Moe) => return skip("arch moe without a moe section".into()),
+        (None, Arch::Moe) => return Err("arch moe without a moe section".into()),
         (None, Arch::Dense) => None,
     };
     let model_notes = m.notes.as_deref().unwrap_or("").to_ascii_lowercase();
@@ -816,27 +857,13 @@ pub fn setup_run_in(
         && !["alibi", "rotary", "rope"]
             .iter()
             .any(|k| model_notes.contains(k));
-    let window = sliding_window(&model_notes);
-    match window {
-        Some((w, pattern)) => notes.push(format!(
-            "sliding-window attention from the model notes: {w} tokens, {}",
-            match pattern {
-                Some(n) => format!("one layer in {n} attends to the full sequence"),
-                None => "every layer windowed".to_string(),
-            }
-        )),
-        None if model_notes.contains("sliding") => notes.push(
-            "the model notes name sliding-window attention without a window size: full attention FLOPs"
-                .into(),
-        ),
-        None => {}
-    }
+    let window = run_sliding_window(&model_notes, notes);
     if conv.gpt_style && !learned_positions {
         notes.push(
             "positions from the model notes (ALiBi/rotary): no learned position table".into(),
         );
     }
-    let model = ModelSpec {
+    Ok(ModelSpec {
         name: m.name.clone(),
         arch,
         params: m.total_params_b.filter(|p| *p > 0.0).map(|p| p * 1e9),
@@ -864,34 +891,90 @@ pub fn setup_run_in(
         sliding_window: window.map(|w| w.0),
         sliding_window_pattern: window.and_then(|w| w.1),
         attention_sink_tokens: 0,
-    };
+    })
+}
 
-    // ---- mesh ----
+/// The MLP activation as published, else Megatron's GPT default (GeLU) where it applies.
+fn run_activation(
+    m: &RunModel,
+    conv: &Conventions,
+    notes: &mut Vec<String>,
+) -> Result<Activation, String> {
+    match m.ffn_activation.as_deref() {
+        Some(a) => match parse_activation(a) {
+            Some(x) => {
+                if a.to_ascii_lowercase().contains("clamp") {
+                    notes.push(format!("activation `{a}` modeled as plain swiglu"));
+                }
+                Ok(x)
+            }
+            None => Err(format!("ffn_activation `{a}` not recognised")),
+        },
+        None if conv.megatron_gpt_default_ffn => Ok(Activation::Gelu),
+        None => Err(
+            "ffn_activation not published (only a Megatron-based framework has a default: 4h GeLU)"
+                .into(),
+        ),
+    }
+}
+
+/// The dense MLP width as published, else Megatron's GPT default 4h for a dense model where
+/// it applies; an MoE model may leave it out.
+fn run_ffn(
+    m: &RunModel,
+    arch: Arch,
+    conv: &Conventions,
+    notes: &mut Vec<String>,
+) -> Result<Option<u64>, String> {
+    match m.ffn_hidden_size {
+        Some(f) => Ok(Some(f)),
+        None if arch == Arch::Dense && conv.megatron_gpt_default_ffn => {
+            notes.push(format!(
+                "FFN shape not published: Megatron GPT default 4h GeLU ({}), multi-head attention",
+                4 * m.hidden_size
+            ));
+            Ok(Some(4 * m.hidden_size))
+        }
+        None if arch == Arch::Dense => {
+            Err("ffn_hidden_size not published for a dense model".into())
+        }
+        None => Ok(None),
+    }
+}
+
+/// The sliding window the (lower-cased) model notes give ([`sliding_window`]), with a note
+/// saying what was read.
+fn run_sliding_window(model_notes: &str, notes: &mut Vec<String>) -> Option<(u64, Option<u32>)> {
+    let window = sliding_window(model_notes);
+    match window {
+        Some((w, pattern)) => notes.push(format!(
+            "sliding-window attention from the model notes: {w} tokens, {}",
+            match pattern {
+                Some(n) => format!("one layer in {n} attends to the full sequence"),
+                None => "every layer windowed".to_string(),
+            }
+        )),
+        None if model_notes.contains("sliding") => notes.push(
+            "the model notes name sliding-window attention without a window size: full attention FLOPs"
+                .into(),
+        ),
+        None => {}
+    }
+    window
+}
+
+/// The run's layout as pins (mesh, pipeline schedule, sequence parallel, recompute, ZeRO)
+/// and the global batch to plan for.
+fn run_pins(
+    run: &Run,
+    conv: &Conventions,
+    gpus_per_node: u32,
+    notes: &mut Vec<String>,
+) -> Result<(ParallelismSpec, u64), String> {
+    let par = &run.parallelism;
     let pp = par.pp.unwrap_or(1).max(1);
     let cp = par.cp.unwrap_or(1).max(1);
-    let ep_pub = par.ep.unwrap_or(1).max(1);
-    // tp: published; else num_gpus / (dp*pp*cp) when dp is; else (a dense model) the
-    // planner's choice, like any other unpublished axis, with dp following from the GPUs.
-    let tp_pub = match (par.tp.filter(|v| *v > 0), par.dp.filter(|v| *v > 0)) {
-        (Some(tp), _) => Some(tp),
-        (None, Some(d)) => {
-            let inner = d as u64 * pp as u64 * cp as u64;
-            if hw.num_gpus % inner != 0 || run.model.moe.is_some() {
-                return skip("tensor-parallel degree (tp) not published and num_gpus / (dp*pp*cp) does not give it".into());
-            }
-            notes.push("tp not published: num_gpus / (dp*pp*cp)".into());
-            Some((hw.num_gpus / inner) as u32)
-        }
-        (None, None) if run.model.moe.is_none() && ep_pub == 1 => {
-            notes.push(
-                "tensor-parallel degree (tp) and dp not published: chosen by the planner (tp x dp = num_gpus / (pp*cp))".into(),
-            );
-            None
-        }
-        (None, None) => {
-            return skip("tensor-parallel degree (tp) not published for an MoE run".into())
-        }
-    };
+    let tp_pub = published_tp(run, notes)?;
     let mut pins = ParallelismSpec {
         pp: Some(pp),
         cp: Some(cp),
@@ -901,80 +984,170 @@ pub fn setup_run_in(
     // dp as published (or derived), for the grad_accum cross-check below.
     let mut dp_known = None;
     if let Some(tp) = tp_pub {
-        let dp_pub = match par.dp {
-            Some(d) if d > 0 => d,
-            _ => {
-                let inner = tp as u64 * pp as u64 * cp as u64;
-                if hw.num_gpus % inner != 0 {
-                    return skip("dp not published and num_gpus / (tp*pp*cp) is not whole".into());
-                }
-                notes.push("dp not published: num_gpus / (tp*pp*cp)".into());
-                (hw.num_gpus / inner) as u32
-            }
-        };
-        // Expert TP: the run's `etp` when stated, else the convention.
-        let whole_pref = run.model.moe.is_some()
-            && tp > 1
-            && match par.etp {
-                Some(e) if e > 0 => e == 1,
-                _ => conv.whole_experts,
-            };
-        let Some((ep, dp, whole, mesh_note)) = mesh_from_published(tp, dp_pub, ep_pub, whole_pref)
-        else {
-            return skip(format!(
-                "ep={ep_pub} fits neither dp={dp_pub} nor dp*tp={}: mesh not representable",
-                dp_pub as u64 * tp as u64
-            ));
-        };
-        notes.extend(mesh_note);
-        let world = Mesh::from_degrees(tp, cp, ep, dp, pp, gpus_per_node).world() as u64;
-        if world != hw.num_gpus {
-            return skip(format!(
-                "tp*pp*cp*dp = {world} but the run used {} GPUs (spares or a different mesh)",
-                hw.num_gpus
-            ));
-        }
-        pins.tp = Some(tp);
-        pins.dp = Some(dp);
-        pins.ep = Some(ep);
-        pins.allow_tp_across_nodes = tp > gpus_per_node;
-        // Whole experts, or split over tp: pinned either way so the planner keeps the
-        // run's choice.
-        pins.expert_tp = (run.model.moe.is_some() && tp > 1).then_some(if whole { 1 } else { tp });
-        if tp > gpus_per_node {
-            notes.push(format!("tp={tp} spans nodes"));
-        }
-        dp_known = Some(dp_pub);
+        dp_known = Some(pin_mesh(run, conv, tp, gpus_per_node, &mut pins, notes)?);
     } else {
         pins.ep = Some(1);
     }
-    // With tp left open, a global batch that none of the data-parallel degrees the GPUs
-    // allow can split (tp up to a node, dividing the heads) cannot be what ran: it is a
-    // rounded figure. Use the nearest multiple of the smallest such degree.
-    let mut global_batch = par.global_batch_size_seqs;
-    if tp_pub.is_none() {
-        let n = hw.num_gpus / (pp as u64 * cp as u64);
-        let dps: Vec<u64> = (1..=gpus_per_node as u64)
-            .filter(|t| n % t == 0 && m.num_attention_heads as u64 % t == 0)
-            .map(|t| n / t)
-            .collect();
-        if !dps.is_empty() && !dps.iter().any(|d| global_batch % d == 0) {
-            let d = *dps.iter().min().expect("non-empty");
-            // The multiple of d below (none when the batch is under d) or above, the nearer.
-            let below = global_batch / d * d;
-            let near = if below > 0 && global_batch - below <= below + d - global_batch {
-                below
-            } else {
-                below + d
-            };
-            notes.push(format!(
-                "global batch {global_batch} splits over none of the data-parallel degrees {n} GPUs allow: {near}, the nearest multiple of dp={d}"
-            ));
-            global_batch = near;
-        }
-    }
+    let global_batch = if tp_pub.is_none() {
+        splittable_global_batch(run, gpus_per_node, notes)
+    } else {
+        par.global_batch_size_seqs
+    };
     // A published pp that does not divide the layers says the run split unevenly.
     pins.even_pipeline_chunks = conv.even_pipeline_chunks && run.model.num_layers % pp == 0;
+    pin_pipeline_schedule(run, conv, &mut pins, notes);
+    match par.sequence_parallel {
+        Some(true) if tp_pub == Some(1) => notes.push("sequence_parallel with tp=1 ignored".into()),
+        Some(sp) => pins.sequence_parallel = Some(sp),
+        None => {}
+    }
+    pin_recompute(run, &mut pins, notes);
+    pin_zero(run, conv, &mut pins, notes);
+    if let (Some(ga), Some(mb), Some(dp_pub)) = (par.grad_accum_steps, pins.micro_batch, dp_known) {
+        let per = mb as u64 * dp_pub as u64;
+        if per == 0 || ga * per != par.global_batch_size_seqs {
+            notes.push(format!(
+                "published grad_accum_steps={ga} disagrees with global_batch/(micro_batch*dp) = {}/{per}",
+                par.global_batch_size_seqs
+            ));
+        }
+    }
+    Ok((pins, global_batch))
+}
+
+/// The tensor-parallel degree: published; else num_gpus / (dp*pp*cp) when dp is; else (a
+/// dense model) the planner's choice (None), like any other unpublished axis, with dp
+/// following from the GPUs.
+fn published_tp(run: &Run, notes: &mut Vec<String>) -> Result<Option<u32>, String> {
+    let par = &run.parallelism;
+    let pp = par.pp.unwrap_or(1).max(1);
+    let cp = par.cp.unwrap_or(1).max(1);
+    let ep_pub = par.ep.unwrap_or(1).max(1);
+    let num_gpus = run.hardware.num_gpus;
+    match (par.tp.filter(|v| *v > 0), par.dp.filter(|v| *v > 0)) {
+        (Some(tp), _) => Ok(Some(tp)),
+        (None, Some(d)) => {
+            let inner = d as u64 * pp as u64 * cp as u64;
+            if num_gpus % inner != 0 || run.model.moe.is_some() {
+                return Err("tensor-parallel degree (tp) not published and num_gpus / (dp*pp*cp) does not give it".into());
+            }
+            notes.push("tp not published: num_gpus / (dp*pp*cp)".into());
+            Ok(Some((num_gpus / inner) as u32))
+        }
+        (None, None) if run.model.moe.is_none() && ep_pub == 1 => {
+            notes.push(
+                "tensor-parallel degree (tp) and dp not published: chosen by the planner (tp x dp = num_gpus / (pp*cp))".into(),
+            );
+            Ok(None)
+        }
+        (None, None) => Err("tensor-parallel degree (tp) not published for an MoE run".into()),
+    }
+}
+
+/// Pins the mesh of a run whose tp is known: dp (published, else what the GPUs leave), ep
+/// and expert tp ([`mesh_from_published`]); the mesh must use every GPU of the run.
+/// Returns dp as published (or derived).
+fn pin_mesh(
+    run: &Run,
+    conv: &Conventions,
+    tp: u32,
+    gpus_per_node: u32,
+    pins: &mut ParallelismSpec,
+    notes: &mut Vec<String>,
+) -> Result<u32, String> {
+    let par = &run.parallelism;
+    let pp = par.pp.unwrap_or(1).max(1);
+    let cp = par.cp.unwrap_or(1).max(1);
+    let ep_pub = par.ep.unwrap_or(1).max(1);
+    let num_gpus = run.hardware.num_gpus;
+    let dp_pub = match par.dp {
+        Some(d) if d > 0 => d,
+        _ => {
+            let inner = tp as u64 * pp as u64 * cp as u64;
+            if num_gpus % inner != 0 {
+                return Err("dp not published and num_gpus / (tp*pp*cp) is not whole".into());
+            }
+            notes.push("dp not published: num_gpus / (tp*pp*cp)".into());
+            (num_gpus / inner) as u32
+        }
+    };
+    // Expert TP: the run's `etp` when stated, else the convention.
+    let whole_pref = run.model.moe.is_some()
+        && tp > 1
+        && match par.etp {
+            Some(e) if e > 0 => e == 1,
+            _ => conv.whole_experts,
+        };
+    let Some((ep, dp, whole, mesh_note)) = mesh_from_published(tp, dp_pub, ep_pub, whole_pref)
+    else {
+        return Err(format!(
+            "ep={ep_pub} fits neither dp={dp_pub} nor dp*tp={}: mesh not representable",
+            dp_pub as u64 * tp as u64
+        ));
+    };
+    notes.extend(mesh_note);
+    let world = Mesh::from_degrees(tp, cp, ep, dp, pp, gpus_per_node).world() as u64;
+    if world != num_gpus {
+        return Err(format!(
+            "tp*pp*cp*dp = {world} but the run used {num_gpus} GPUs (spares or a different mesh)"
+        ));
+    }
+    pins.tp = Some(tp);
+    pins.dp = Some(dp);
+    pins.ep = Some(ep);
+    pins.allow_tp_across_nodes = tp > gpus_per_node;
+    // Whole experts, or split over tp: pinned either way so the planner keeps the
+    // run's choice.
+    pins.expert_tp = (run.model.moe.is_some() && tp > 1).then_some(if whole { 1 } else { tp });
+    if tp > gpus_per_node {
+        notes.push(format!("tp={tp} spans nodes"));
+    }
+    Ok(dp_pub)
+}
+
+/// The global batch of a run whose tp is left open. A global batch that none of the
+/// data-parallel degrees the GPUs allow can split (tp up to a node, dividing the heads)
+/// cannot be what ran: it is a rounded figure. Use the nearest multiple of the smallest
+/// such degree.
+fn splittable_global_batch(run: &Run, gpus_per_node: u32, notes: &mut Vec<String>) -> u64 {
+    let par = &run.parallelism;
+    let pp = par.pp.unwrap_or(1).max(1);
+    let cp = par.cp.unwrap_or(1).max(1);
+    let global_batch = par.global_batch_size_seqs;
+    let n = run.hardware.num_gpus / (pp as u64 * cp as u64);
+    let dps: Vec<u64> = (1..=gpus_per_node as u64)
+        .filter(|t| n % t == 0 && run.model.num_attention_heads as u64 % t == 0)
+        .map(|t| n / t)
+        .collect();
+    if dps.is_empty() || dps.iter().any(|d| global_batch % d == 0) {
+        return global_batch;
+    }
+    let d = *dps.iter().min().expect("non-empty");
+    // The multiple of d below (none when the batch is under d) or above, the nearer.
+    let below = global_batch / d * d;
+    let near = if below > 0 && global_batch - below <= below + d - global_batch {
+        below
+    } else {
+        below + d
+    };
+    notes.push(format!(
+        "global batch {global_batch} splits over none of the data-parallel degrees {n} GPUs allow: {near}, the nearest multiple of dp={d}"
+    ));
+    near
+}
+
+/// Virtual pipeline stages and schedule: as published when the layers split into them;
+/// 1F1B when the schedule says so or the framework interleaves only with pp > 2; else left
+/// to the planner.
+fn pin_pipeline_schedule(
+    run: &Run,
+    conv: &Conventions,
+    pins: &mut ParallelismSpec,
+    notes: &mut Vec<String>,
+) {
+    let par = &run.parallelism;
+    let m = &run.model;
+    let pp = par.pp.unwrap_or(1).max(1);
     let schedule_text = par
         .pipeline_schedule
         .as_deref()
@@ -1018,11 +1191,12 @@ pub fn setup_run_in(
         }
         None => {}
     }
-    match par.sequence_parallel {
-        Some(true) if tp_pub == Some(1) => notes.push("sequence_parallel with tp=1 ignored".into()),
-        Some(sp) => pins.sequence_parallel = Some(sp),
-        None => {}
-    }
+}
+
+/// Activation recompute from the run's wording ([`parse_recompute`]), with a note when the
+/// wording is unsure or not understood.
+fn pin_recompute(run: &Run, pins: &mut ParallelismSpec, notes: &mut Vec<String>) {
+    let par = &run.parallelism;
     pins.recompute = parse_recompute(par.activation_recompute.as_deref());
     if let Some(t) = par.activation_recompute.as_deref() {
         if pins.recompute.is_some() && t.to_ascii_lowercase().contains("unsure") {
@@ -1031,6 +1205,12 @@ pub fn setup_run_in(
             notes.push(format!("recompute wording not understood: \"{t}\""));
         }
     }
+}
+
+/// The ZeRO stage from the run's wording ([`parse_zero`]), else the source's convention,
+/// else left to the planner.
+fn pin_zero(run: &Run, conv: &Conventions, pins: &mut ParallelismSpec, notes: &mut Vec<String>) {
+    let par = &run.parallelism;
     pins.zero_stage = parse_zero(par.zero_or_fsdp.as_deref());
     if pins.zero_stage.is_none() && par.zero_or_fsdp.is_none() {
         if let Some(z) = conv.default_zero {
@@ -1050,18 +1230,12 @@ pub fn setup_run_in(
             ));
         }
     }
-    if let (Some(ga), Some(mb), Some(dp_pub)) = (par.grad_accum_steps, pins.micro_batch, dp_known) {
-        let per = mb as u64 * dp_pub as u64;
-        if per == 0 || ga * per != par.global_batch_size_seqs {
-            notes.push(format!(
-                "published grad_accum_steps={ga} disagrees with global_batch/(micro_batch*dp) = {}/{per}",
-                par.global_batch_size_seqs
-            ));
-        }
-    }
+}
 
-    // ---- precision ----
-    let precision_text = par.precision.as_deref().unwrap_or("");
+/// Precision: BF16 compute, FP8 GEMMs when the run's precision names FP8, and the
+/// framework's gradient dtype.
+fn run_precision(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> PrecisionSpec {
+    let precision_text = run.parallelism.precision.as_deref().unwrap_or("");
     // FP8 GEMMs: "FP8", torchao's "Float8", or the format's name.
     let fp8 = {
         let p = precision_text.to_ascii_lowercase();
@@ -1072,7 +1246,7 @@ pub fn setup_run_in(
             "FP8 read from an unsure statement: \"{precision_text}\""
         ));
     }
-    let precision = PrecisionSpec {
+    PrecisionSpec {
         compute: Dtype::Bf16,
         fp8_gemms: fp8,
         grads: if conv.fp32_grads {
@@ -1081,54 +1255,7 @@ pub fn setup_run_in(
             Dtype::Bf16
         },
         ..PrecisionSpec::default()
-    };
-
-    let mut spec = SpecFile {
-        job: JobSpec {
-            name: Some(run.id.clone()),
-            model,
-            parallelism: pins,
-            precision,
-            batch: BatchSpec {
-                global_batch,
-                grad_accum: None,
-                token_budget: None,
-            },
-            optimizer: OptimizerSpec::default(),
-            checkpoint: CheckpointSpec::default(),
-            recompute_modules: None,
-            tp_comm_overlap: conv.tp_comm_overlap,
-            torch_compile: conv.torch_compile,
-            // Overlapped for every run. Legacy Megatron (2021-22) all-reduced after the last
-            // backward, but exposing it puts narayanan21's data-parallel-only rows (dp32,
-            // pp1) 15% too slow: those runs say the reduction was hidden.
-            dp_comm_overlap: true,
-            framework: ctx.framework.unwrap_or_default(),
-            moe_dispatcher: conv.moe_dispatcher,
-        },
-        cluster: ClusterSpec {
-            gpu: Some(catalog_name),
-            hardware,
-            gpus_per_node,
-            num_gpus: Some(hw.num_gpus),
-            nodes: None,
-            hot_spares: 0,
-            reliability: ReliabilitySpec::default(),
-            storage: None,
-            framework_reserve_bytes: None,
-        },
-    };
-    if stated_first_k_dense(m).is_none() {
-        infer_first_k_dense(&mut spec, &mut notes);
     }
-    Ok(RunSetup {
-        id: run.id.clone(),
-        source,
-        gpu_kind,
-        framework: ctx.framework.map_or("unknown", Framework::name).to_string(),
-        spec,
-        notes,
-    })
 }
 
 #[cfg(test)]
