@@ -51,6 +51,50 @@ pub struct Routing {
     pub gates: Vec<f32>,
 }
 
+/// A GEMM operand: a row-major matrix, stored as the operand or as its transpose.
+#[derive(Clone, Copy, Debug)]
+pub struct Operand<'a> {
+    pub data: &'a [f32],
+    /// The stored matrix is the operand's transpose.
+    pub trans: bool,
+}
+
+impl<'a> Operand<'a> {
+    /// The operand as stored.
+    pub fn n(data: &'a [f32]) -> Self {
+        Operand { data, trans: false }
+    }
+    /// The transpose of the stored matrix.
+    pub fn t(data: &'a [f32]) -> Self {
+        Operand { data, trans: true }
+    }
+}
+
+/// A GEMM's shape: `op(a)` is `m x k`, `op(b)` is `k x n`, `c` is `m x n`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmShape {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+/// The weight and bias gradients a LayerNorm backward accumulates into.
+pub struct NormGrads<'a> {
+    pub dw: &'a mut [f32],
+    pub db: &'a mut [f32],
+}
+
+/// What the attention forward kept for its backward: the inputs, the output and the
+/// per-row log-sum-exp of the scores.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSaved<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub o: &'a [f32],
+    pub lse: &'a [f32],
+}
+
 /// The kernels the interpreter needs. Implementations must be deterministic.
 pub trait Backend: Send + Sync {
     /// LayerNorm with weight and bias over rows of `h`: `y = (x - mean) rstd w + b`;
@@ -79,8 +123,7 @@ pub trait Backend: Send + Sync {
         }
         (y, st)
     }
-    /// Returns `dx`; accumulates `dw` and `db`.
-    #[allow(clippy::too_many_arguments)]
+    /// Returns `dx`; accumulates the weight and bias gradients `g`.
     fn layernorm_bwd(
         &self,
         x: &[f32],
@@ -88,9 +131,9 @@ pub trait Backend: Send + Sync {
         stats: &[f32],
         dy: &[f32],
         h: usize,
-        dw: &mut [f32],
-        db: &mut [f32],
+        g: NormGrads<'_>,
     ) -> Vec<f32> {
+        let NormGrads { dw, db } = g;
         let t = x.len() / h;
         let mut dx = vec![0.0; x.len()];
         for i in 0..t {
@@ -202,38 +245,44 @@ pub trait Backend: Send + Sync {
         dl
     }
 
-    /// `c = beta * c + op(a) @ op(b)` with `op(a)` of shape `m x k`, `op(b)` of `k x n`;
-    /// `ta`/`tb` say the stored matrix is the transpose (`a` stored `k x m`, `b` `n x k`).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: &[f32],
-        ta: bool,
-        b: &[f32],
-        tb: bool,
-        beta: f32,
-        c: &mut [f32],
-    );
+    /// `c = beta * c + op(a) @ op(b)` with `op(a)` of shape `m x k`, `op(b)` of `k x n`
+    /// (`s`); an operand marked `trans` is stored transposed (`a` stored `k x m`, `b`
+    /// `n x k`).
+    fn gemm(&self, s: GemmShape, a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]);
 
     /// `y[t, n] = x[t, k] @ w[k, n]`.
     fn linear_fwd(&self, x: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
         let mut y = vec![0.0; t * n];
-        self.gemm(t, k, n, x, false, w, false, 0.0, &mut y);
+        self.gemm(
+            GemmShape { m: t, k, n },
+            Operand::n(x),
+            Operand::n(w),
+            0.0,
+            &mut y,
+        );
         y
     }
     /// `dx[t, k] = dy[t, n] @ w[k, n]^T`.
     fn linear_dgrad(&self, dy: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
         let mut dx = vec![0.0; t * k];
-        self.gemm(t, n, k, dy, false, w, true, 0.0, &mut dx);
+        self.gemm(
+            GemmShape { m: t, k: n, n: k },
+            Operand::n(dy),
+            Operand::t(w),
+            0.0,
+            &mut dx,
+        );
         dx
     }
     /// `dw[k, n] += x[t, k]^T @ dy[t, n]`.
-    #[allow(clippy::too_many_arguments)]
     fn linear_wgrad(&self, x: &[f32], dy: &[f32], t: usize, k: usize, n: usize, dw: &mut [f32]) {
-        self.gemm(k, t, n, x, true, dy, false, 1.0, dw);
+        self.gemm(
+            GemmShape { m: k, k: t, n },
+            Operand::t(x),
+            Operand::n(dy),
+            1.0,
+            dw,
+        );
     }
 
     /// Rows `ids[i] - vocab_start` of `table` (`[vocab_len, h]`); zero rows for ids outside
@@ -273,14 +322,9 @@ pub trait Backend: Send + Sync {
     /// `q_offset + query index`.
     fn attention_fwd(&self, q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>);
     /// Returns `(dq, dk, dv)`.
-    #[allow(clippy::too_many_arguments)]
     fn attention_bwd(
         &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &[f32],
-        lse: &[f32],
+        saved: AttnSaved<'_>,
         dout: &[f32],
         s: AttnShape,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>);
@@ -348,18 +392,9 @@ fn rope_angles(pos: u32, d: usize, theta: f32) -> impl Iterator<Item = (f32, f32
 }
 
 impl Backend for Cpu {
-    fn gemm(
-        &self,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: &[f32],
-        ta: bool,
-        b: &[f32],
-        tb: bool,
-        beta: f32,
-        c: &mut [f32],
-    ) {
+    fn gemm(&self, s: GemmShape, a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]) {
+        let GemmShape { m, k, n } = s;
+        let (a, ta, b, tb) = (a.data, a.trans, b.data, b.trans);
         assert!(
             a.len() >= m * k && b.len() >= k * n && c.len() >= m * n,
             "gemm shapes"
@@ -549,14 +584,11 @@ impl Backend for Cpu {
 
     fn attention_bwd(
         &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &[f32],
-        lse: &[f32],
+        saved: AttnSaved<'_>,
         dout: &[f32],
         s: AttnShape,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let AttnSaved { q, k, v, o, lse } = saved;
         let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
         let group = hq / hk.max(1);
         let scale = 1.0 / (d as f32).sqrt();

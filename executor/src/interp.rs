@@ -66,7 +66,7 @@
 //! Steps the IR does not contain and the interpreter performs itself: the GPT
 //! learned-position add rides on the embedding node.
 
-use crate::backend::{AdamW, AttnShape, Backend};
+use crate::backend::{AdamW, AttnSaved, AttnShape, Backend, GemmShape, NormGrads, Operand};
 use crate::comm::Communicator;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::model::{lr_at, shard, Dims, Split};
@@ -1515,13 +1515,13 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 let logits = if self.dims.tied {
                     let mut y = vec![0.0; t * self.vl];
                     be.gemm(
-                        t,
-                        h,
-                        self.vl,
-                        x,
-                        false,
-                        self.w("embedding")?,
-                        true,
+                        GemmShape {
+                            m: t,
+                            k: h,
+                            n: self.vl,
+                        },
+                        Operand::n(x),
+                        Operand::t(self.w("embedding")?),
                         0.0,
                         &mut y,
                     );
@@ -1664,7 +1664,13 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         let dl = a.get("dlogits")?;
                         if self.dims.tied {
                             let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
-                            be.gemm(vl, t, h, dl, true, x, false, 1.0, dw);
+                            be.gemm(
+                                GemmShape { m: vl, k: t, n: h },
+                                Operand::t(dl),
+                                Operand::n(x),
+                                1.0,
+                                dw,
+                            );
                         } else {
                             let dw = self.grads.get_mut("lm_head").ok_or("no lm_head grad")?;
                             be.linear_wgrad(x, dl, t, h, vl, dw);
@@ -1683,8 +1689,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     &self.params,
                     &mut self.grads,
                     "final_norm",
-                    a.get("x")?,
-                    a.get("r")?,
+                    NormSaved {
+                        x: a.get("x")?,
+                        stats: a.get("r")?,
+                    },
                     &dn,
                 )?;
                 self.gcur.insert(mb, dx);
@@ -1730,119 +1738,129 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         Ok(())
     }
 
-    fn layer_bwd(&mut self, n: &Node, l: u32) -> Result<(), String> {
+    /// A layer's backward GEMM (data or weight gradient) by its role.
+    fn layer_bwd_gemm(&mut self, n: &Node, l: u32) -> Result<(), String> {
         let mb = n.mb.ok_or("layer node without micro-batch")?;
         let (t, h, d) = (self.tokens(), self.dims.h, self.dims.d);
         let (hl, kvl, fl) = (self.hl, self.kvl, self.fl);
         let be = self.be;
         let name = |s: &str| format!("L{l}.{s}");
         let key = (l, mb);
-        match &n.op {
-            Op::Gemm { .. } => {
-                let gname = Self::gemm_name(n).unwrap_or("").to_string();
-                match gname.as_str() {
-                    "fc2.dgrad" => {
-                        let dy = match self
-                            .acts
-                            .get_mut(&key)
-                            .ok_or("no activations")?
-                            .0
-                            .remove("dy2")
-                        {
-                            Some(x) => x,
-                            None => self.gcur.get(&mb).ok_or("no incoming gradient")?.clone(),
-                        };
-                        let da = be.linear_dgrad(&dy, self.w(&name("fc2"))?, t, fl, h);
-                        let a = self.acts.get_mut(&key).unwrap();
-                        a.put("dy2", dy);
-                        a.put("dact", da);
-                        self.tag = Tag::Fc2D;
-                    }
-                    "fc2.wgrad" => {
-                        let a = self.acts.get_mut(&key).ok_or("no activations")?;
-                        let dy = a.take("dy2")?;
-                        let dw = self.grads.get_mut(&name("fc2")).ok_or("no grad")?;
-                        be.linear_wgrad(a.get("act")?, &dy, t, fl, h, dw);
-                        self.tag = Tag::Fc2W;
-                    }
-                    "fc1.dgrad" => {
-                        let a = self.acts.get_mut(&key).ok_or("no activations")?;
-                        let dn = be.linear_dgrad(
-                            a.get("da")?,
-                            self.params.get(&name("fc1")).ok_or("no fc1")?,
-                            t,
-                            h,
-                            self.dims.fc1_blocks() * fl,
-                        );
-                        a.put("dn2", dn);
-                        self.tag = Tag::Fc1D;
-                    }
-                    "fc1.wgrad" => {
-                        let a = self.acts.get_mut(&key).ok_or("no activations")?;
-                        let x =
-                            a.0.get("n2_full")
-                                .or(a.0.get("n2"))
-                                .ok_or("no normed input")?;
-                        let dw = self.grads.get_mut(&name("fc1")).ok_or("no grad")?;
-                        be.linear_wgrad(x, a.get("da")?, t, h, self.dims.fc1_blocks() * fl, dw);
-                        self.tag = Tag::Fc1W;
-                    }
-                    "proj.dgrad" => {
-                        let gathered = self
-                            .acts
-                            .get_mut(&key)
-                            .ok_or("no activations")?
-                            .0
-                            .remove("dy1");
-                        let dy = match gathered {
-                            Some(x) => x,
-                            None => self.acts[&key].get("dh1")?.clone(),
-                        };
-                        let dout = be.linear_dgrad(&dy, self.w(&name("proj"))?, t, hl * d, h);
-                        let a = self.acts.get_mut(&key).unwrap();
-                        a.put("dy1", dy);
-                        a.put("do", dout);
-                        self.tag = Tag::ProjD;
-                    }
-                    "proj.wgrad" => {
-                        let a = self.acts.get_mut(&key).ok_or("no activations")?;
-                        let dy = a.take("dy1")?;
-                        let dw = self.grads.get_mut(&name("proj")).ok_or("no grad")?;
-                        be.linear_wgrad(a.get("o")?, &dy, t, hl * d, h, dw);
-                        self.tag = Tag::ProjW;
-                    }
-                    "qkv.dgrad" => {
-                        let a = self.acts.get_mut(&key).ok_or("no activations")?;
-                        let nq = (hl + 2 * kvl) * d;
-                        let dn = be.linear_dgrad(
-                            a.get("dqkv")?,
-                            self.params.get(&name("qkv")).ok_or("no qkv")?,
-                            t,
-                            h,
-                            nq,
-                        );
-                        a.put("dn1", dn);
-                        self.tag = Tag::QkvD;
-                    }
-                    "qkv.wgrad" => {
-                        let a = self.acts.get_mut(&key).ok_or("no activations")?;
-                        let nq = (hl + 2 * kvl) * d;
-                        let x =
-                            a.0.get("n1_full")
-                                .or(a.0.get("n1"))
-                                .ok_or("no normed input")?;
-                        let dw = self.grads.get_mut(&name("qkv")).ok_or("no grad")?;
-                        be.linear_wgrad(x, a.get("dqkv")?, t, h, nq, dw);
-                        self.tag = Tag::QkvW;
-                    }
-                    "router.dgrad" | "router.wgrad" | "expert_fc1.dgrad" | "expert_fc1.wgrad"
-                    | "expert_fc2.dgrad" | "expert_fc2.wgrad" | "shared_fc1.dgrad"
-                    | "shared_fc1.wgrad" | "shared_fc2.dgrad" | "shared_fc2.wgrad" => {
-                        return self.moe_bwd_gemm(&gname, l, mb);
-                    }
-                    other => return Err(format!("unknown backward gemm `{other}`")),
-                }
+        let gname = Self::gemm_name(n).unwrap_or("").to_string();
+        match gname.as_str() {
+            "fc2.dgrad" => {
+                let dy = match self
+                    .acts
+                    .get_mut(&key)
+                    .ok_or("no activations")?
+                    .0
+                    .remove("dy2")
+                {
+                    Some(x) => x,
+                    None => self.gcur.get(&mb).ok_or("no incoming gradient")?.clone(),
+                };
+                let da = be.linear_dgrad(&dy, self.w(&name("fc2"))?, t, fl, h);
+                let a = self.acts.get_mut(&key).unwrap();
+                a.put("dy2", dy);
+                a.put("dact", da);
+                self.tag = Tag::Fc2D;
             }
+            "fc2.wgrad" => {
+                let a = self.acts.get_mut(&key).ok_or("no activations")?;
+                let dy = a.take("dy2")?;
+                let dw = self.grads.get_mut(&name("fc2")).ok_or("no grad")?;
+                be.linear_wgrad(a.get("act")?, &dy, t, fl, h, dw);
+                self.tag = Tag::Fc2W;
+            }
+            "fc1.dgrad" => {
+                let a = self.acts.get_mut(&key).ok_or("no activations")?;
+                let dn = be.linear_dgrad(
+                    a.get("da")?,
+                    self.params.get(&name("fc1")).ok_or("no fc1")?,
+                    t,
+                    h,
+                    self.dims.fc1_blocks() * fl,
+                );
+                a.put("dn2", dn);
+                self.tag = Tag::Fc1D;
+            }
+            "fc1.wgrad" => {
+                let a = self.acts.get_mut(&key).ok_or("no activations")?;
+                let x =
+                    a.0.get("n2_full")
+                        .or(a.0.get("n2"))
+                        .ok_or("no normed input")?;
+                let dw = self.grads.get_mut(&name("fc1")).ok_or("no grad")?;
+                be.linear_wgrad(x, a.get("da")?, t, h, self.dims.fc1_blocks() * fl, dw);
+                self.tag = Tag::Fc1W;
+            }
+            "proj.dgrad" => {
+                let gathered = self
+                    .acts
+                    .get_mut(&key)
+                    .ok_or("no activations")?
+                    .0
+                    .remove("dy1");
+                let dy = match gathered {
+                    Some(x) => x,
+                    None => self.acts[&key].get("dh1")?.clone(),
+                };
+                let dout = be.linear_dgrad(&dy, self.w(&name("proj"))?, t, hl * d, h);
+                let a = self.acts.get_mut(&key).unwrap();
+                a.put("dy1", dy);
+                a.put("do", dout);
+                self.tag = Tag::ProjD;
+            }
+            "proj.wgrad" => {
+                let a = self.acts.get_mut(&key).ok_or("no activations")?;
+                let dy = a.take("dy1")?;
+                let dw = self.grads.get_mut(&name("proj")).ok_or("no grad")?;
+                be.linear_wgrad(a.get("o")?, &dy, t, hl * d, h, dw);
+                self.tag = Tag::ProjW;
+            }
+            "qkv.dgrad" => {
+                let a = self.acts.get_mut(&key).ok_or("no activations")?;
+                let nq = (hl + 2 * kvl) * d;
+                let dn = be.linear_dgrad(
+                    a.get("dqkv")?,
+                    self.params.get(&name("qkv")).ok_or("no qkv")?,
+                    t,
+                    h,
+                    nq,
+                );
+                a.put("dn1", dn);
+                self.tag = Tag::QkvD;
+            }
+            "qkv.wgrad" => {
+                let a = self.acts.get_mut(&key).ok_or("no activations")?;
+                let nq = (hl + 2 * kvl) * d;
+                let x =
+                    a.0.get("n1_full")
+                        .or(a.0.get("n1"))
+                        .ok_or("no normed input")?;
+                let dw = self.grads.get_mut(&name("qkv")).ok_or("no grad")?;
+                be.linear_wgrad(x, a.get("dqkv")?, t, h, nq, dw);
+                self.tag = Tag::QkvW;
+            }
+            "router.dgrad" | "router.wgrad" | "expert_fc1.dgrad" | "expert_fc1.wgrad"
+            | "expert_fc2.dgrad" | "expert_fc2.wgrad" | "shared_fc1.dgrad" | "shared_fc1.wgrad"
+            | "shared_fc2.dgrad" | "shared_fc2.wgrad" => {
+                return self.moe_bwd_gemm(&gname, l, mb);
+            }
+            other => return Err(format!("unknown backward gemm `{other}`")),
+        }
+        Ok(())
+    }
+
+    fn layer_bwd(&mut self, n: &Node, l: u32) -> Result<(), String> {
+        let mb = n.mb.ok_or("layer node without micro-batch")?;
+        let (t, d) = (self.tokens(), self.dims.d);
+        let (hl, kvl, fl) = (self.hl, self.kvl, self.fl);
+        let be = self.be;
+        let name = |s: &str| format!("L{l}.{s}");
+        let key = (l, mb);
+        match &n.op {
+            Op::Gemm { .. } => return self.layer_bwd_gemm(n, l),
             Op::Elementwise { kind, .. } => match kind {
                 ElementwiseKind::Activation => {
                     let (x, dy, dx, width, tag) = match self.tag {
@@ -1909,15 +1927,14 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                     return Ok(());
                 }
                 let dout = a.take("do")?;
-                let (dq, dk, dv) = be.attention_bwd(
-                    a.get("q")?,
-                    a.get("k_full")?,
-                    a.get("v_full")?,
-                    a.get("o")?,
-                    a.get("lse")?,
-                    &dout,
-                    s,
-                );
+                let saved = AttnSaved {
+                    q: a.get("q")?,
+                    k: a.get("k_full")?,
+                    v: a.get("v_full")?,
+                    o: a.get("o")?,
+                    lse: a.get("lse")?,
+                };
+                let (dq, dk, dv) = be.attention_bwd(saved, &dout, s);
                 a.put("dq", dq);
                 a.put("dk", dk);
                 a.put("dv", dv);
@@ -1939,8 +1956,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         &self.params,
                         &mut self.grads,
                         &name("mlp_norm"),
-                        a.get("h1")?,
-                        a.get("r2")?,
+                        NormSaved {
+                            x: a.get("h1")?,
+                            stats: a.get("r2")?,
+                        },
                         &dn,
                     )?;
                     let dh1: Vec<f32> = gin.iter().zip(&dx).map(|(a, b)| a + b).collect();
@@ -1957,8 +1976,10 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         &self.params,
                         &mut self.grads,
                         &name("attn_norm"),
-                        a.get("x")?,
-                        a.get("r1")?,
+                        NormSaved {
+                            x: a.get("x")?,
+                            stats: a.get("r1")?,
+                        },
                         &dn,
                     )?;
                     let g: Vec<f32> = gin.iter().zip(&dx).map(|(a, b)| a + b).collect();
@@ -1972,6 +1993,63 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     }
 
     /// Comm-stream collectives (TP, CP, EP): move the tensor the previous node produced.
+    /// A collective that names its tensor outside the layer dataflow (the loss's, MoE's,
+    /// the head's input gradient, the embedding's gathered gradient): run it and say so.
+    fn role_collective(
+        &mut self,
+        n: &Node,
+        kind: CollectiveKind,
+        group: &[u32],
+        elems: usize,
+    ) -> Result<bool, String> {
+        use CollectiveKind as K;
+        let mb = n.mb.ok_or("collective without micro-batch")?;
+        let check = |len: usize| -> Result<(), String> {
+            if len != elems {
+                return Err(format!("moves {len} elements, the IR says {elems}"));
+            }
+            Ok(())
+        };
+        if let Op::Collective {
+            tensor: Some(role),
+            reduce,
+            ..
+        } = &n.op
+        {
+            if role.starts_with("loss.") {
+                self.loss_collective(n, role, kind, *reduce, group, elems)?;
+                return Ok(true);
+            }
+            if role.contains(".moe.") {
+                self.moe_collective(n, role, kind, group, elems)?;
+                return Ok(true);
+            }
+            if role == "head.dgrad" && kind == K::AllReduce {
+                // The head's input gradient, partial over the vocabulary shards.
+                let a = self.head.get_mut(&mb).ok_or("no head state")?;
+                let mut dn = a.take("dn")?;
+                check(dn.len())?;
+                self.comm.all_reduce(group, &mut dn);
+                self.head.get_mut(&mb).unwrap().put("dn", dn);
+                return Ok(true);
+            }
+            if role == "embed.dgrad.gather" {
+                if kind != K::AllGather {
+                    return Err(format!("{role}: a {}, expected an all-gather", kind.name()));
+                }
+                let g = self
+                    .gcur
+                    .remove(&mb)
+                    .ok_or("no gradient at the embedding")?;
+                let full = self.comm.all_gather(group, &g);
+                check(full.len())?;
+                self.gcur.insert(mb, full);
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     fn comm_collective(
         &mut self,
         n: &Node,
@@ -1990,40 +2068,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             }
             Ok(())
         };
-        if let Op::Collective {
-            tensor: Some(role),
-            reduce,
-            ..
-        } = &n.op
-        {
-            if role.starts_with("loss.") {
-                return self.loss_collective(n, role, kind, *reduce, group, elems);
-            }
-            if role.contains(".moe.") {
-                return self.moe_collective(n, role, kind, group, elems);
-            }
-            if role == "head.dgrad" && kind == K::AllReduce {
-                // The head's input gradient, partial over the vocabulary shards.
-                let a = self.head.get_mut(&mb).ok_or("no head state")?;
-                let mut dn = a.take("dn")?;
-                check(dn.len())?;
-                self.comm.all_reduce(group, &mut dn);
-                self.head.get_mut(&mb).unwrap().put("dn", dn);
-                return Ok(());
-            }
-            if role == "embed.dgrad.gather" {
-                if kind != K::AllGather {
-                    return Err(format!("{role}: a {}, expected an all-gather", kind.name()));
-                }
-                let g = self
-                    .gcur
-                    .remove(&mb)
-                    .ok_or("no gradient at the embedding")?;
-                let full = self.comm.all_gather(group, &g);
-                check(full.len())?;
-                self.gcur.insert(mb, full);
-                return Ok(());
-            }
+        if self.role_collective(n, kind, group, elems)? {
+            return Ok(());
         }
         let fwd = matches!(n.pass, Pass::Fwd | Pass::Recompute);
         match (fwd, self.tag, kind) {
@@ -2519,17 +2565,21 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     }
 }
 
+/// A norm's input and per-row statistics, kept by its forward for the backward.
+struct NormSaved<'a> {
+    x: &'a [f32],
+    stats: &'a [f32],
+}
+
 /// Backward of the norm `name` (RMSNorm, or LayerNorm with `{name}_bias`): returns `dx`,
 /// accumulates the weight (and bias) gradients.
-#[allow(clippy::too_many_arguments)]
 fn norm_bwd<B: Backend>(
     be: &B,
     dims: &Dims,
     params: &BTreeMap<String, Vec<f32>>,
     grads: &mut BTreeMap<String, Vec<f32>>,
     name: &str,
-    x: &[f32],
-    stats: &[f32],
+    saved: NormSaved<'_>,
     dy: &[f32],
 ) -> Result<Vec<f32>, String> {
     let w = params.get(name).ok_or_else(|| format!("no {name}"))?;
@@ -2541,11 +2591,15 @@ fn norm_bwd<B: Backend>(
         let mut db = grads
             .remove(&bn)
             .ok_or_else(|| format!("no {bn} gradient"))?;
-        let dx = be.layernorm_bwd(x, w, stats, dy, dims.h, &mut dw, &mut db);
+        let g = NormGrads {
+            dw: &mut dw,
+            db: &mut db,
+        };
+        let dx = be.layernorm_bwd(saved.x, w, saved.stats, dy, dims.h, g);
         grads.insert(bn, db);
         dx
     } else {
-        be.rmsnorm_bwd(x, w, stats, dy, dims.h, &mut dw)
+        be.rmsnorm_bwd(saved.x, w, saved.stats, dy, dims.h, &mut dw)
     };
     grads.insert(name.to_string(), dw);
     Ok(dx)

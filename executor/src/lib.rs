@@ -26,7 +26,7 @@ pub mod resilient;
 pub mod rng;
 pub mod tcp;
 
-pub use backend::{AdamW, AttnShape, Backend, Cpu};
+pub use backend::{AdamW, AttnSaved, AttnShape, Backend, Cpu, GemmShape, NormGrads, Operand};
 pub use comm::{Communicator, Hub, Local};
 pub use data::{DataCtx, DataSource, Synthetic};
 pub use interp::{

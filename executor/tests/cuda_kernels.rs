@@ -20,7 +20,7 @@ use shardwright_executor::cuda::{
     adamw_bias_corrections, bf16_bits, bf16_value, embedding_segments, rope_tables,
 };
 use shardwright_executor::rng::Rng;
-use shardwright_executor::{AdamW, AttnShape, Backend, Cpu};
+use shardwright_executor::{AdamW, AttnSaved, AttnShape, Backend, Cpu, NormGrads};
 use std::sync::OnceLock;
 
 static DEVICE: OnceLock<Result<Device, String>> = OnceLock::new();
@@ -339,7 +339,17 @@ fn layernorm<T: Elem>(d: &Device, t: usize, h: usize) {
     let mut dx_d = d.zeros::<T>(t * h).unwrap();
     let mut dw_d = d.upload(&dw).unwrap();
     let mut db_d = d.upload(&db).unwrap();
-    let dx_ref = Cpu.layernorm_bwd(&x, &w, &stats_ref, &dy, h, &mut dw, &mut db);
+    let dx_ref = Cpu.layernorm_bwd(
+        &x,
+        &w,
+        &stats_ref,
+        &dy,
+        h,
+        NormGrads {
+            dw: &mut dw,
+            db: &mut db,
+        },
+    );
     let [main, red] = launch::norm_bwd(Norm::Layer, T::DT, t as u64, h as u64).unwrap();
     let blocks = main.grid[0] as u64;
     let mut pw = d.zeros::<f32>(blocks as usize * h).unwrap();
@@ -582,7 +592,17 @@ fn attention<T: Elem>(d: &Device, s: AttnShape) {
     // Backward from the reference's forward (o in the storage type), so only it is compared.
     let o = seen::<T>(&o_ref);
     let dout = seen::<T>(&g.vec(nq, 1.0));
-    let (dq_ref, dk_ref, dv_ref) = Cpu.attention_bwd(&q, &k, &v, &o, &lse_ref, &dout, s);
+    let (dq_ref, dk_ref, dv_ref) = Cpu.attention_bwd(
+        AttnSaved {
+            q: &q,
+            k: &k,
+            v: &v,
+            o: &o,
+            lse: &lse_ref,
+        },
+        &dout,
+        s,
+    );
     let (o_in, dout_d, lse_in) = (
         up::<T>(d, &o),
         up::<T>(d, &dout),

@@ -3,7 +3,7 @@
 //! attention and RMSNorm against textbook formulas written here in f64.
 
 use shardwright_executor::rng::Rng;
-use shardwright_executor::{AdamW, AttnShape, Backend, Cpu};
+use shardwright_executor::{AdamW, AttnSaved, AttnShape, Backend, Cpu, NormGrads};
 
 fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum()
@@ -195,7 +195,17 @@ fn attention_forward_matches_textbook_and_gradients_match_finite_differences() {
             assert!((o[i] as f64 - e[i]).abs() < 1e-5, "attention o[{i}] {s:?}");
         }
         let r = g.vec(o.len(), 1.0);
-        let (dq, dk, dv) = cpu.attention_bwd(&q, &k, &v, &o, &lse, &r, s);
+        let (dq, dk, dv) = cpu.attention_bwd(
+            AttnSaved {
+                q: &q,
+                k: &k,
+                v: &v,
+                o: &o,
+                lse: &lse,
+            },
+            &r,
+            s,
+        );
         check_grad("attention.dq", &q, &r, &dq, &|q| {
             cpu.attention_fwd(q, &k, &v, s).0
         });
@@ -401,7 +411,17 @@ fn layernorm_and_gelu() {
     let r = g.vec(t * h, 1.0);
     let mut dw = vec![0.0; h];
     let mut db = vec![0.0; h];
-    let dx = cpu.layernorm_bwd(&x, &w, &st, &r, h, &mut dw, &mut db);
+    let dx = cpu.layernorm_bwd(
+        &x,
+        &w,
+        &st,
+        &r,
+        h,
+        NormGrads {
+            dw: &mut dw,
+            db: &mut db,
+        },
+    );
     check_grad("layernorm.dx", &x, &r, &dx, &|x| {
         cpu.layernorm_fwd(x, &w, &b, h, 1e-5).0
     });
