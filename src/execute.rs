@@ -382,6 +382,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         ))
     })?;
     let world = program.world;
+    check_memory(&a.plan, &dims)?;
     // Started as one rank of a multi-process job (launch --local, torchrun, Slurm): this
     // process runs that rank only, and only rank 0 writes metrics and outputs.
     let dist = distributed::from_env(world)?;
@@ -572,6 +573,37 @@ fn quiet_teardown<T>(f: impl FnOnce() -> T) -> T {
     let _ = std::panic::take_hook();
     std::panic::set_hook(prev);
     out
+}
+
+/// The CPU executor keeps f32 weights, gradients and both Adam moments of at least one
+/// whole replica in this machine's memory (16 bytes per parameter): refuse, before any rank
+/// starts, a model whose state cannot fit in the memory the kernel says is available,
+/// instead of being killed part-way (a 405B plan would need 6.5 TB).
+fn check_memory(
+    path: &std::path::Path,
+    dims: &shardwright_executor::model::Dims,
+) -> Result<(), Failure> {
+    let Some(avail) = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| {
+        t.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+    }) else {
+        return Ok(());
+    };
+    let params = dims.total_elements();
+    let need = params.saturating_mul(16);
+    if need > avail {
+        return Err(usage(anyhow!(
+            "{}: the CPU executor holds f32 weights, gradients and Adam moments in memory: \
+             this model's {params} parameters need at least {:.1} GB, and {:.1} GB are \
+             available; train a smaller model on the CPU (the plan itself is for GPUs)",
+            path.display(),
+            need as f64 / 1e9,
+            avail as f64 / 1e9
+        )));
+    }
+    Ok(())
 }
 
 /// What a finished run leaves for its summary.

@@ -679,3 +679,16 @@ fn a_broken_program_is_refused_with_its_line() {
         "{err}"
     );
 }
+
+/// A model whose f32 training state cannot fit this machine is refused before any rank
+/// starts, with the count of its parameters (Llama 3.1 405B: 405,853,388,800, the figure
+/// its model card states), instead of the process being killed for memory part-way.
+#[test]
+fn a_model_too_big_for_the_machine_is_refused_up_front() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = dir.path().join("405b.json");
+    std::fs::write(&plan, common::plan_json("llama3-405b-16k-h100.yaml")).unwrap();
+    let (code, _, err) = run(&["execute", plan.to_str().unwrap(), "--steps", "1", "--quiet"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("405853388800 parameters"), "{err}");
+}

@@ -231,6 +231,35 @@ impl Dims {
             .collect()
     }
 
+    /// Elements of every parameter of the full model: all layers, all experts, the
+    /// embedding (with learned positions), the final norm and an untied head.
+    pub fn total_elements(&self) -> u64 {
+        let el = |n: &String| {
+            let s = self.shape(n);
+            (s[0] * s[1]) as u64
+        };
+        let experts = self.moe.as_ref().map_or(0, |m| m.experts);
+        let mut names: Vec<String> = vec!["embedding".into(), "final_norm".into()];
+        if self.layernorm {
+            names.push("final_norm_bias".into());
+        }
+        if !self.tied {
+            names.push("lm_head".into());
+        }
+        if self.learned_positions {
+            names.push("pos_embedding".into());
+        }
+        let ends: u64 = names.iter().map(el).sum();
+        let layers: u64 = (0..self.layers)
+            .map(|l| {
+                let dense: u64 = self.layer_params(l).iter().map(el).sum();
+                let routed: u64 = self.expert_params(l, 0..experts).iter().map(el).sum();
+                dense + routed
+            })
+            .sum();
+        ends + layers
+    }
+
     /// Full shape `[rows, cols]` of a parameter (vectors are `[1, h]`).
     pub fn shape(&self, name: &str) -> [usize; 2] {
         let short = name.rsplit('.').next().unwrap_or(name);
