@@ -755,10 +755,12 @@ pub fn evaluate_with(
         lc,
         layout,
         &mesh,
-        r.slow.gemm + r.slow.attn + r.slow.elementwise,
-        r.slow_total,
-        r.max_params,
-        bubble,
+        SplitTimes {
+            compute_mb: r.slow.gemm + r.slow.attn + r.slow.elementwise,
+            slow_total: r.slow_total,
+            max_params: r.max_params,
+            bubble,
+        },
     );
     assemble(job, layout, r, bubble, terms)
 }
@@ -1110,10 +1112,12 @@ impl<'a> SplitModel<'a> {
             self.lc,
             self.layout,
             &self.mesh,
-            slow_compute,
-            slow_total,
-            max_params,
-            bubble,
+            SplitTimes {
+                compute_mb: slow_compute,
+                slow_total,
+                max_params,
+                bubble,
+            },
         )
         .step
     }
@@ -1142,21 +1146,35 @@ struct StepTerms {
     step: f64,
 }
 
+/// What the pipeline split decides, as [`step_terms`] reads it.
+struct SplitTimes {
+    /// The slowest rank's compute (GEMM + attention + elementwise) per micro-batch.
+    compute_mb: f64,
+    /// The slowest rank's time per micro-batch.
+    slow_total: f64,
+    /// The parameters (dense, expert) of the rank holding the most.
+    max_params: (f64, f64),
+    /// The pipeline bubble (seconds).
+    bubble: f64,
+}
+
 /// Step time from what the pipeline split decides: the slowest rank's time per micro-batch
 /// (`slow_total`) and its compute part (GEMM + attention + elementwise, which DP traffic
 /// hides behind), the parameters (dense, expert) of the rank holding the most, and the
 /// bubble. Shared by [`evaluate`] and [`SplitModel::goodput`], so the two cannot disagree.
-#[allow(clippy::too_many_arguments)]
 fn step_terms(
     job: &Job,
     lc: &LayerCosts,
     layout: &Layout,
     mesh: &Mesh,
-    compute_mb: f64,
-    slow_total: f64,
-    max_params: (f64, f64),
-    bubble: f64,
+    split: SplitTimes,
 ) -> StepTerms {
+    let SplitTimes {
+        compute_mb,
+        slow_total,
+        max_params,
+        bubble,
+    } = split;
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let m = layout.grad_accum as f64;

@@ -12,10 +12,11 @@
 //! `scripts/gpu/check.sh` runs it on a GPU machine.
 #![cfg(feature = "cuda")]
 
+use shardwright_executor::backend::Routing;
 use shardwright_executor::cuda::device::{
     cuda_include_dir, unavailable, CudaSlice, Device, DeviceRepr, PushKernelArg, ValidAsZeroBits,
 };
-use shardwright_executor::cuda::launch::{self, Attn, Dtype, Launch, Norm};
+use shardwright_executor::cuda::launch::{self, Attn, Dtype, Launch, MoeLaunches, Norm};
 use shardwright_executor::cuda::{
     adamw_bias_corrections, bf16_bits, bf16_value, embedding_segments, rope_tables,
 };
@@ -991,15 +992,64 @@ fn dispatch_order(experts: &[u32], e: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>, V
     (counts, offsets, row_slot, slot_row)
 }
 
+/// The sizes of the MoE test and its launches: `t` tokens routed to `k` of `e` experts,
+/// hidden size `h`; the `u64`/`u32` copies are the kernels' arguments.
+struct MoeCase {
+    t: usize,
+    e: usize,
+    k: usize,
+    h: usize,
+    slots: usize,
+    ls: MoeLaunches,
+    tt: u64,
+    ee: u32,
+    kk: u32,
+    hh: u32,
+    ss: u64,
+}
+
+/// The device side of the routing: expert ids and gates per slot (the reference's).
+struct MoeRouted {
+    x_in: CudaSlice<u32>,
+    g_in: CudaSlice<f32>,
+}
+
+/// The dispatch order (the reference's) and its device copies.
+struct MoeDispatch {
+    row_slot: Vec<u32>,
+    slot_row: Vec<u32>,
+    row_slot_d: CudaSlice<u32>,
+    slot_row_d: CudaSlice<u32>,
+}
+
 fn moe<T: Elem>(d: &Device) {
-    let s = T::DT.suffix();
     let mut g = Rng::new(91);
     let (t, e, k, h) = (100usize, 8usize, 2usize, 96usize);
     let slots = t * k;
-    let ls = launch::moe(T::DT, t as u64, e as u64, k as u64, h as u64).unwrap();
-    let (tt, ee, kk, hh, ss) = (t as u64, e as u32, k as u32, h as u32, slots as u64);
+    let m = MoeCase {
+        t,
+        e,
+        k,
+        h,
+        slots,
+        ls: launch::moe(T::DT, t as u64, e as u64, k as u64, h as u64).unwrap(),
+        tt: t as u64,
+        ee: e as u32,
+        kk: k as u32,
+        hh: h as u32,
+        ss: slots as u64,
+    };
+    let r = moe_route(d, &m, &mut g);
+    let routed = moe_route_bwd(d, &m, &mut g, &r);
+    let dispatch = moe_count_index(d, &m, &r, &routed);
+    moe_permute::<T>(d, &m, &mut g, &dispatch);
+    moe_unpermute::<T>(d, &m, &mut g, &r, &routed, &dispatch);
+}
 
-    // Routing.
+/// `moe_route_topk` against [`Cpu::route`]; the reference's routing.
+fn moe_route(d: &Device, m: &MoeCase, g: &mut Rng) -> Routing {
+    let (t, e, k, slots) = (m.t, m.e, m.k, m.slots);
+    let (tt, ee, kk) = (m.tt, m.ee, m.kk);
     let logits = g.vec(t * e, 3.0);
     let r = Cpu.route(&logits, e, k);
     let logits_d = d.upload(&logits).unwrap();
@@ -1007,7 +1057,7 @@ fn moe<T: Elem>(d: &Device) {
     let mut experts_d = d.zeros::<u32>(slots).unwrap();
     let mut gates_d = d.zeros::<f32>(slots).unwrap();
     unsafe {
-        d.launch(&ls.route, |b| {
+        d.launch(&m.ls.route, |b| {
             b.arg(&logits_d)
                 .arg(&mut probs_d)
                 .arg(&mut experts_d)
@@ -1035,11 +1085,16 @@ fn moe<T: Elem>(d: &Device) {
         &r.gates,
         1e-5,
     );
+    r
+}
 
-    // Its backward, from the reference's routing.
+/// `moe_route_bwd`, from the reference's routing (which stays on the device for the rest).
+fn moe_route_bwd(d: &Device, m: &MoeCase, g: &mut Rng, r: &Routing) -> MoeRouted {
+    let (t, e, k, slots) = (m.t, m.e, m.k, m.slots);
+    let (tt, ee, kk) = (m.tt, m.ee, m.kk);
     let dgates = g.vec(slots, 1.0);
     let dprobs = g.vec(t * e, 0.1);
-    let want = Cpu.route_bwd(&r, &dgates, &dprobs, e, k);
+    let want = Cpu.route_bwd(r, &dgates, &dprobs, e, k);
     let (p_in, x_in, g_in) = (
         d.upload(&r.probs).unwrap(),
         d.upload(&r.experts).unwrap(),
@@ -1048,7 +1103,7 @@ fn moe<T: Elem>(d: &Device) {
     let (dg_d, dp_d) = (d.upload(&dgates).unwrap(), d.upload(&dprobs).unwrap());
     let mut dl_d = d.zeros::<f32>(t * e).unwrap();
     unsafe {
-        d.launch(&ls.route_bwd, |b| {
+        d.launch(&m.ls.route_bwd, |b| {
             b.arg(&p_in)
                 .arg(&x_in)
                 .arg(&g_in)
@@ -1062,13 +1117,19 @@ fn moe<T: Elem>(d: &Device) {
     }
     .unwrap();
     close("moe_route_bwd", &down_f32(d, &dl_d), &want, 1e-5);
+    MoeRouted { x_in, g_in }
+}
 
-    // Count and index.
+/// `moe_count` and `moe_index` against [`dispatch_order`] (exact).
+fn moe_count_index(d: &Device, m: &MoeCase, r: &Routing, routed: &MoeRouted) -> MoeDispatch {
+    let (e, slots) = (m.e, m.slots);
+    let (ee, ss) = (m.ee, m.ss);
+    let x_in = &routed.x_in;
     let (counts, offsets, row_slot, slot_row) = dispatch_order(&r.experts, e);
     let mut counts_d = d.zeros::<u32>(e).unwrap();
     unsafe {
-        d.launch(&ls.count, |b| {
-            b.arg(&x_in).arg(&mut counts_d).arg(&ss);
+        d.launch(&m.ls.count, |b| {
+            b.arg(x_in).arg(&mut counts_d).arg(&ss);
         })
     }
     .unwrap();
@@ -1077,8 +1138,8 @@ fn moe<T: Elem>(d: &Device) {
     let mut row_slot_d = d.zeros::<u32>(slots).unwrap();
     let mut slot_row_d = d.zeros::<u32>(slots).unwrap();
     unsafe {
-        d.launch(&ls.index, |b| {
-            b.arg(&x_in)
+        d.launch(&m.ls.index, |b| {
+            b.arg(x_in)
                 .arg(&counts_d)
                 .arg(&mut offsets_d)
                 .arg(&mut row_slot_d)
@@ -1104,18 +1165,34 @@ fn moe<T: Elem>(d: &Device) {
         "moe_index slot_row"
     );
     println!("moe_count, moe_index: {slots} slots over {e} experts, exact");
+    MoeDispatch {
+        row_slot,
+        slot_row,
+        row_slot_d,
+        slot_row_d,
+    }
+}
 
-    // Permute: y[row] = x[row_slot[row] / k].
+/// Permute: y[row] = x[row_slot[row] / k].
+fn moe_permute<T: Elem>(d: &Device, m: &MoeCase, g: &mut Rng, dispatch: &MoeDispatch) {
+    let s = T::DT.suffix();
+    let (t, k, h, slots) = (m.t, m.k, m.h, m.slots);
+    let (hh, kk) = (m.hh, m.kk);
     let x = seen::<T>(&g.vec(t * h, 1.0));
     let x_d = up::<T>(d, &x);
     let mut y_d = d.zeros::<T>(slots * h).unwrap();
     unsafe {
-        d.launch(&ls.permute, |b| {
-            b.arg(&x_d).arg(&row_slot_d).arg(&mut y_d).arg(&hh).arg(&kk);
+        d.launch(&m.ls.permute, |b| {
+            b.arg(&x_d)
+                .arg(&dispatch.row_slot_d)
+                .arg(&mut y_d)
+                .arg(&hh)
+                .arg(&kk);
         })
     }
     .unwrap();
-    let y_ref: Vec<f32> = row_slot
+    let y_ref: Vec<f32> = dispatch
+        .row_slot
         .iter()
         .flat_map(|&sl| {
             let tok = sl as usize / k;
@@ -1123,18 +1200,32 @@ fn moe<T: Elem>(d: &Device) {
         })
         .collect();
     close(&format!("moe_permute_{s}"), &down(d, &y_d), &y_ref, 0.0);
+}
 
-    // Unpermute (the combine, gates weighted; and without gates, the dispatch's backward).
+/// Unpermute (the combine, gates weighted; and without gates, the dispatch's backward),
+/// then its backward: dy[row] = gate dout[token], dgates[slot] = <y[row], dout[token]>.
+fn moe_unpermute<T: Elem>(
+    d: &Device,
+    m: &MoeCase,
+    g: &mut Rng,
+    r: &Routing,
+    routed: &MoeRouted,
+    dispatch: &MoeDispatch,
+) {
+    let s = T::DT.suffix();
+    let (t, k, h, slots) = (m.t, m.k, m.h, m.slots);
+    let (hh, kk) = (m.hh, m.kk);
+    let (g_in, slot_row, slot_row_d) = (&routed.g_in, &dispatch.slot_row, &dispatch.slot_row_d);
     let y = seen::<T>(&g.vec(slots * h, 1.0));
     let y_in = up::<T>(d, &y);
     let null = 0u64;
     for gated in [true, false] {
         let mut out_d = d.zeros::<T>(t * h).unwrap();
         unsafe {
-            d.launch(&ls.unpermute, |b| {
-                b.arg(&y_in).arg(&slot_row_d);
+            d.launch(&m.ls.unpermute, |b| {
+                b.arg(&y_in).arg(slot_row_d);
                 if gated {
-                    b.arg(&g_in);
+                    b.arg(g_in);
                 } else {
                     b.arg(&null);
                 }
@@ -1161,17 +1252,16 @@ fn moe<T: Elem>(d: &Device) {
         );
     }
 
-    // Its backward: dy[row] = gate dout[token], dgates[slot] = <y[row], dout[token]>.
     let dout = seen::<T>(&g.vec(t * h, 1.0));
     let dout_d = up::<T>(d, &dout);
     let mut dy_d = d.zeros::<T>(slots * h).unwrap();
     let mut dgates_d = d.zeros::<f32>(slots).unwrap();
     unsafe {
-        d.launch(&ls.unpermute_bwd, |b| {
+        d.launch(&m.ls.unpermute_bwd, |b| {
             b.arg(&dout_d)
                 .arg(&y_in)
-                .arg(&slot_row_d)
-                .arg(&g_in)
+                .arg(slot_row_d)
+                .arg(g_in)
                 .arg(&mut dy_d)
                 .arg(&mut dgates_d)
                 .arg(&hh)

@@ -858,239 +858,294 @@ fn run_indexed(
     ix: &ProgramIndex,
     duration: &mut dyn FnMut(usize, &Node) -> f64,
 ) -> Timeline {
-    let nc = p.classes.len();
-    // Successor CSR per class, and remaining-predecessor counts.
-    let mut succ_start: Vec<Vec<u32>> = Vec::with_capacity(nc);
-    let mut succ: Vec<Vec<u32>> = Vec::with_capacity(nc);
-    let mut remaining: Vec<Vec<u32>> = Vec::with_capacity(nc);
-    let mut deps_of: Vec<Vec<Vec<u32>>> = Vec::with_capacity(nc);
-    for (c, class) in p.classes.iter().enumerate() {
-        let nodes = &class.graph.nodes;
-        let n = nodes.len();
-        let mut count = vec![0u32; n + 1];
-        let mut rem = vec![0u32; n];
-        let mut deps: Vec<Vec<u32>> = Vec::with_capacity(n);
-        for (i, node) in nodes.iter().enumerate() {
-            let mut d: Vec<u32> = node
-                .deps
-                .iter()
-                .map(|d| d.0)
-                .filter(|&d| (d as usize) < i)
-                .collect();
-            d.sort_unstable();
-            d.dedup();
-            for &x in &d {
-                count[x as usize] += 1;
-            }
-            rem[i] = d.len() as u32;
-            if let Some(sp) = ix.classes[c].stream_pred[i] {
-                count[sp as usize] += 1;
-                rem[i] += 1;
-            }
-            deps.push(d);
-        }
-        // prefix sums
-        let mut start = vec![0u32; n + 1];
-        for i in 0..n {
-            start[i + 1] = start[i] + count[i];
-        }
-        let mut fill = start.clone();
-        let mut s = vec![0u32; start[n] as usize];
-        for (i, d) in deps.iter().enumerate() {
-            for &x in d {
-                s[fill[x as usize] as usize] = i as u32;
-                fill[x as usize] += 1;
-            }
-            if let Some(sp) = ix.classes[c].stream_pred[i] {
-                s[fill[sp as usize] as usize] = i as u32;
-                fill[sp as usize] += 1;
-            }
-        }
-        succ_start.push(start);
-        succ.push(s);
-        remaining.push(rem);
-        deps_of.push(deps);
-    }
-    let mut times: Vec<ClassTimes> = p
-        .classes
-        .iter()
-        .map(|class| {
-            let n = class.graph.nodes.len();
-            ClassTimes {
-                ready: vec![f64::NAN; n],
-                start: vec![f64::NAN; n],
-                finish: vec![f64::NAN; n],
-                done: vec![false; n],
-                crit: vec![None; n],
-                last_arrival: vec![None; n],
-            }
-        })
-        .collect();
-    let mut durs: Vec<Vec<f64>> = p
-        .classes
-        .iter()
-        .map(|c| vec![0.0; c.graph.nodes.len()])
-        .collect();
-    let mut local_crit: Vec<Vec<Option<u32>>> = p
-        .classes
-        .iter()
-        .map(|c| vec![None; c.graph.nodes.len()])
-        .collect();
+    let mut graph = DepGraph::build(p, ix);
+    let mut run = Run::new(p, ix);
     let mut stack: Vec<(u32, u32)> = Vec::new();
-    for (c, rem) in remaining.iter().enumerate() {
+    for (c, rem) in graph.remaining.iter().enumerate() {
         for (i, &r) in rem.iter().enumerate().rev() {
             if r == 0 {
                 stack.push((c as u32, i as u32));
             }
         }
     }
-    let mut finished: Vec<(u32, u32)> = Vec::new();
     while let Some((c, n)) = stack.pop() {
+        run.visit(c, n, &graph.deps_of[c as usize][n as usize], duration);
+        for (fc, fnode) in run.finished.drain(..) {
+            graph.release(fc as usize, fnode as usize, &mut stack);
+        }
+    }
+    let blocked = blocked_report(p, ix, &run.times);
+    Timeline {
+        index: ix.clone(),
+        classes: run.times,
+        blocked,
+    }
+}
+
+/// The local dependency graph of every class for [`run_indexed`]: a node's successors
+/// (deps and stream order, as CSR), its deps, and how many predecessors are still pending.
+struct DepGraph {
+    succ_start: Vec<Vec<u32>>,
+    succ: Vec<Vec<u32>>,
+    remaining: Vec<Vec<u32>>,
+    /// Each node's deps that are earlier in program order, ascending, deduplicated.
+    deps_of: Vec<Vec<Vec<u32>>>,
+}
+
+impl DepGraph {
+    fn build(p: &Program, ix: &ProgramIndex) -> Self {
+        let nc = p.classes.len();
+        let mut g = DepGraph {
+            succ_start: Vec::with_capacity(nc),
+            succ: Vec::with_capacity(nc),
+            remaining: Vec::with_capacity(nc),
+            deps_of: Vec::with_capacity(nc),
+        };
+        for (c, class) in p.classes.iter().enumerate() {
+            let nodes = &class.graph.nodes;
+            let n = nodes.len();
+            let mut count = vec![0u32; n + 1];
+            let mut rem = vec![0u32; n];
+            let mut deps: Vec<Vec<u32>> = Vec::with_capacity(n);
+            for (i, node) in nodes.iter().enumerate() {
+                let mut d: Vec<u32> = node
+                    .deps
+                    .iter()
+                    .map(|d| d.0)
+                    .filter(|&d| (d as usize) < i)
+                    .collect();
+                d.sort_unstable();
+                d.dedup();
+                for &x in &d {
+                    count[x as usize] += 1;
+                }
+                rem[i] = d.len() as u32;
+                if let Some(sp) = ix.classes[c].stream_pred[i] {
+                    count[sp as usize] += 1;
+                    rem[i] += 1;
+                }
+                deps.push(d);
+            }
+            // prefix sums
+            let mut start = vec![0u32; n + 1];
+            for i in 0..n {
+                start[i + 1] = start[i] + count[i];
+            }
+            let mut fill = start.clone();
+            let mut s = vec![0u32; start[n] as usize];
+            for (i, d) in deps.iter().enumerate() {
+                for &x in d {
+                    s[fill[x as usize] as usize] = i as u32;
+                    fill[x as usize] += 1;
+                }
+                if let Some(sp) = ix.classes[c].stream_pred[i] {
+                    s[fill[sp as usize] as usize] = i as u32;
+                    fill[sp as usize] += 1;
+                }
+            }
+            g.succ_start.push(start);
+            g.succ.push(s);
+            g.remaining.push(rem);
+            g.deps_of.push(deps);
+        }
+        g
+    }
+
+    /// Node `n` of class `c` finished: successors with no pending predecessor go on `stack`.
+    fn release(&mut self, c: usize, n: usize, stack: &mut Vec<(u32, u32)>) {
+        for k in self.succ_start[c][n]..self.succ_start[c][n + 1] {
+            let s = self.succ[c][k as usize] as usize;
+            self.remaining[c][s] -= 1;
+            if self.remaining[c][s] == 0 {
+                stack.push((c as u32, s as u32));
+            }
+        }
+    }
+}
+
+fn node_ref(class: u32, node: u32) -> NodeRef {
+    NodeRef {
+        class,
+        node: NodeId(node),
+    }
+}
+
+/// The state of [`run_indexed`]: times so far, and the nodes finished by the last visit.
+struct Run<'a> {
+    p: &'a Program,
+    ix: &'a ProgramIndex,
+    times: Vec<ClassTimes>,
+    durs: Vec<Vec<f64>>,
+    local_crit: Vec<Vec<Option<u32>>>,
+    finished: Vec<(u32, u32)>,
+}
+
+impl<'a> Run<'a> {
+    fn new(p: &'a Program, ix: &'a ProgramIndex) -> Self {
+        let times: Vec<ClassTimes> = p
+            .classes
+            .iter()
+            .map(|class| {
+                let n = class.graph.nodes.len();
+                ClassTimes {
+                    ready: vec![f64::NAN; n],
+                    start: vec![f64::NAN; n],
+                    finish: vec![f64::NAN; n],
+                    done: vec![false; n],
+                    crit: vec![None; n],
+                    last_arrival: vec![None; n],
+                }
+            })
+            .collect();
+        let durs: Vec<Vec<f64>> = p
+            .classes
+            .iter()
+            .map(|c| vec![0.0; c.graph.nodes.len()])
+            .collect();
+        let local_crit: Vec<Vec<Option<u32>>> = p
+            .classes
+            .iter()
+            .map(|c| vec![None; c.graph.nodes.len()])
+            .collect();
+        Run {
+            p,
+            ix,
+            times,
+            durs,
+            local_crit,
+            finished: Vec::new(),
+        }
+    }
+
+    /// Node `n` of class `c` is ready (its local predecessors, `deps` and the stream's, are
+    /// done): record its arrival and finish it, with its partners once all have arrived.
+    fn visit(
+        &mut self,
+        c: u32,
+        n: u32,
+        deps: &[u32],
+        duration: &mut dyn FnMut(usize, &Node) -> f64,
+    ) {
         let (cu, nu) = (c as usize, n as usize);
-        let node = &p.classes[cu].graph.nodes[nu];
+        let node = &self.p.classes[cu].graph.nodes[nu];
         // ready time and critical local predecessor
-        let t = &times[cu];
+        let t = &self.times[cu];
         let mut ready = 0.0f64;
         let mut crit: Option<u32> = None;
-        if let Some(sp) = ix.classes[cu].stream_pred[nu] {
+        if let Some(sp) = self.ix.classes[cu].stream_pred[nu] {
             ready = t.finish[sp as usize];
             crit = Some(sp);
         }
-        for &d in &deps_of[cu][nu] {
+        for &d in deps {
             let f = t.finish[d as usize];
             if crit.is_none() || f > ready {
                 ready = f;
                 crit = Some(d);
             }
         }
-        times[cu].ready[nu] = ready;
-        local_crit[cu][nu] = crit;
+        self.times[cu].ready[nu] = ready;
+        self.local_crit[cu][nu] = crit;
         let dur = duration(cu, node);
-        durs[cu][nu] = dur;
-        match ix.classes[cu].role[nu] {
-            CommRole::Local => {
-                let t = &mut times[cu];
-                t.start[nu] = ready;
-                t.finish[nu] = ready + dur;
-                t.done[nu] = true;
-                t.crit[nu] = crit.map(|x| NodeRef {
-                    class: c,
-                    node: NodeId(x),
-                });
-                finished.push((c, n));
-            }
-            CommRole::Send { .. } | CommRole::Recv { .. } => {
-                // Point-to-point is eager: a send occupies its stream for its duration and
-                // never waits for the receiver (NCCL grouped send/recv, Megatron's batched
-                // p2p); a receive completes once its send has been posted, the transfer
-                // starting when both sides are there.
-                let Some(parts) = ix.participants(p, cu, nu) else {
-                    continue;
-                };
-                let is_send = matches!(ix.classes[cu].role[nu], CommRole::Send { .. });
-                let Some(&(oc, on)) = parts.iter().find(|&&x| x != (c, n)) else {
-                    continue;
-                };
-                let (sc, sn, rc, rn) = if is_send {
-                    (c, n, oc, on)
-                } else {
-                    (oc, on, c, n)
-                };
-                if is_send {
-                    let t = &mut times[cu];
-                    t.start[nu] = ready;
-                    t.finish[nu] = ready + dur;
-                    t.done[nu] = true;
-                    t.crit[nu] = crit.map(|x| NodeRef {
-                        class: c,
-                        node: NodeId(x),
-                    });
-                    finished.push((c, n));
-                }
-                let send_ready = times[sc as usize].ready[sn as usize];
-                let recv_ready = times[rc as usize].ready[rn as usize];
-                // (No `continue` here: a finished send's successors are released below.)
-                let pending = send_ready.is_nan()
-                    || recv_ready.is_nan()
-                    || times[rc as usize].done[rn as usize];
-                if !pending {
-                    let (start, last) = if send_ready > recv_ready {
-                        (send_ready, (sc, sn))
-                    } else {
-                        (recv_ready, (rc, rn))
-                    };
-                    let d = durs[sc as usize][sn as usize].max(durs[rc as usize][rn as usize]);
-                    let crit = local_crit[last.0 as usize][last.1 as usize].map(|x| NodeRef {
-                        class: last.0,
-                        node: NodeId(x),
-                    });
-                    let t = &mut times[rc as usize];
-                    t.start[rn as usize] = start;
-                    t.finish[rn as usize] = start + d;
-                    t.done[rn as usize] = true;
-                    t.crit[rn as usize] = crit;
-                    t.last_arrival[rn as usize] = Some(NodeRef {
-                        class: last.0,
-                        node: NodeId(last.1),
-                    });
-                    finished.push((rc, rn));
-                }
-            }
-            CommRole::Coll { .. } => {
-                let Some(parts) = ix.participants(p, cu, nu) else {
-                    continue;
-                };
-                if parts
-                    .iter()
-                    .any(|&(pc, pn)| times[pc as usize].ready[pn as usize].is_nan())
-                {
-                    continue;
-                }
-                let mut last = parts[0];
-                let mut start = f64::NEG_INFINITY;
-                let mut d = 0.0f64;
-                for &(pc, pn) in &parts {
-                    let r = times[pc as usize].ready[pn as usize];
-                    if r > start {
-                        start = r;
-                        last = (pc, pn);
-                    }
-                    d = d.max(durs[pc as usize][pn as usize]);
-                }
-                let crit = local_crit[last.0 as usize][last.1 as usize].map(|x| NodeRef {
-                    class: last.0,
-                    node: NodeId(x),
-                });
-                for &(pc, pn) in &parts {
-                    let t = &mut times[pc as usize];
-                    t.start[pn as usize] = start;
-                    t.finish[pn as usize] = start + d;
-                    t.done[pn as usize] = true;
-                    t.crit[pn as usize] = crit;
-                    t.last_arrival[pn as usize] = Some(NodeRef {
-                        class: last.0,
-                        node: NodeId(last.1),
-                    });
-                    finished.push((pc, pn));
-                }
-            }
-        }
-        for (fc, fnode) in finished.drain(..) {
-            let (fc, fnode) = (fc as usize, fnode as usize);
-            for k in succ_start[fc][fnode]..succ_start[fc][fnode + 1] {
-                let s = succ[fc][k as usize] as usize;
-                remaining[fc][s] -= 1;
-                if remaining[fc][s] == 0 {
-                    stack.push((fc as u32, s as u32));
-                }
-            }
+        self.durs[cu][nu] = dur;
+        match self.ix.classes[cu].role[nu] {
+            CommRole::Local => self.finish_alone(c, n, ready, dur, crit),
+            CommRole::Send { .. } | CommRole::Recv { .. } => self.p2p(c, n, ready, dur, crit),
+            CommRole::Coll { .. } => self.collective(c, n),
         }
     }
-    let blocked = blocked_report(p, ix, &times);
-    Timeline {
-        index: ix.clone(),
-        classes: times,
-        blocked,
+
+    /// Finish a node that waits for nobody (a local op or a send): it starts when ready.
+    fn finish_alone(&mut self, c: u32, n: u32, ready: f64, dur: f64, crit: Option<u32>) {
+        let nu = n as usize;
+        let t = &mut self.times[c as usize];
+        t.start[nu] = ready;
+        t.finish[nu] = ready + dur;
+        t.done[nu] = true;
+        t.crit[nu] = crit.map(|x| node_ref(c, x));
+        self.finished.push((c, n));
+    }
+
+    /// A send or recv arrived.
+    fn p2p(&mut self, c: u32, n: u32, ready: f64, dur: f64, crit: Option<u32>) {
+        // Point-to-point is eager: a send occupies its stream for its duration and
+        // never waits for the receiver (NCCL grouped send/recv, Megatron's batched
+        // p2p); a receive completes once its send has been posted, the transfer
+        // starting when both sides are there.
+        let (cu, nu) = (c as usize, n as usize);
+        let Some(parts) = self.ix.participants(self.p, cu, nu) else {
+            return;
+        };
+        let is_send = matches!(self.ix.classes[cu].role[nu], CommRole::Send { .. });
+        let Some(&(oc, on)) = parts.iter().find(|&&x| x != (c, n)) else {
+            return;
+        };
+        let (sc, sn, rc, rn) = if is_send {
+            (c, n, oc, on)
+        } else {
+            (oc, on, c, n)
+        };
+        if is_send {
+            self.finish_alone(c, n, ready, dur, crit);
+        }
+        let times = &mut self.times;
+        let send_ready = times[sc as usize].ready[sn as usize];
+        let recv_ready = times[rc as usize].ready[rn as usize];
+        // (No early return here: a finished send's successors are released by the caller.)
+        let pending =
+            send_ready.is_nan() || recv_ready.is_nan() || times[rc as usize].done[rn as usize];
+        if !pending {
+            let (start, last) = if send_ready > recv_ready {
+                (send_ready, (sc, sn))
+            } else {
+                (recv_ready, (rc, rn))
+            };
+            let d = self.durs[sc as usize][sn as usize].max(self.durs[rc as usize][rn as usize]);
+            let crit =
+                self.local_crit[last.0 as usize][last.1 as usize].map(|x| node_ref(last.0, x));
+            let t = &mut times[rc as usize];
+            t.start[rn as usize] = start;
+            t.finish[rn as usize] = start + d;
+            t.done[rn as usize] = true;
+            t.crit[rn as usize] = crit;
+            t.last_arrival[rn as usize] = Some(node_ref(last.0, last.1));
+            self.finished.push((rc, rn));
+        }
+    }
+
+    /// A collective arrived: once every participant has, they all run together, starting at
+    /// the last arrival and taking the longest duration.
+    fn collective(&mut self, c: u32, n: u32) {
+        let Some(parts) = self.ix.participants(self.p, c as usize, n as usize) else {
+            return;
+        };
+        let times = &mut self.times;
+        if parts
+            .iter()
+            .any(|&(pc, pn)| times[pc as usize].ready[pn as usize].is_nan())
+        {
+            return;
+        }
+        let mut last = parts[0];
+        let mut start = f64::NEG_INFINITY;
+        let mut d = 0.0f64;
+        for &(pc, pn) in &parts {
+            let r = times[pc as usize].ready[pn as usize];
+            if r > start {
+                start = r;
+                last = (pc, pn);
+            }
+            d = d.max(self.durs[pc as usize][pn as usize]);
+        }
+        let crit = self.local_crit[last.0 as usize][last.1 as usize].map(|x| node_ref(last.0, x));
+        for &(pc, pn) in &parts {
+            let t = &mut times[pc as usize];
+            t.start[pn as usize] = start;
+            t.finish[pn as usize] = start + d;
+            t.done[pn as usize] = true;
+            t.crit[pn as usize] = crit;
+            t.last_arrival[pn as usize] = Some(node_ref(last.0, last.1));
+            self.finished.push((pc, pn));
+        }
     }
 }
 

@@ -64,8 +64,10 @@
 //!   receives, bytes and dtype (the all-gather's input and the reduce-scatter's output are
 //!   one member's share).
 
-use crate::graph::{BufferKind, CollectiveKind, Graph, Op, Stream, ValueKind};
-use crate::ids::{BufferId, NodeId};
+use crate::graph::{
+    BufferKind, CollectiveKind, DType, Graph, Node, Op, ReduceOp, Stream, ValueKind,
+};
+use crate::ids::{BufferId, GroupId, NodeId};
 use crate::text::{is_bare_name, print_node};
 use std::fmt;
 
@@ -249,6 +251,55 @@ fn handles(g: &Graph, e: &mut Errors<'_>) {
 }
 
 fn semantics(g: &Graph, e: &mut Errors<'_>) {
+    graph_rules(g, e);
+    let mut mem = Memory::new(g);
+    for (i, n) in g.nodes.iter().enumerate() {
+        order_and_stream(i, n, e);
+        match &n.op {
+            Op::Gemm {
+                name,
+                m,
+                n: nn,
+                k,
+                weight,
+                work,
+                ..
+            } => gemm_rules(i, name, weight.as_deref(), [*m, *nn, *k], work.flops, e),
+            Op::Collective {
+                kind,
+                group,
+                bytes,
+                dtype,
+                tensor,
+                reduce,
+            } => collective_rules(
+                g,
+                i,
+                Collective {
+                    kind: *kind,
+                    group: *group,
+                    bytes: *bytes,
+                    dtype: *dtype,
+                    tensor: tensor.as_deref(),
+                    reduce: *reduce,
+                },
+                e,
+            ),
+            Op::Send { peer, bytes, dtype } | Op::Recv { peer, bytes, dtype } => {
+                p2p_rules(g, i, *peer, *bytes, *dtype, e)
+            }
+            Op::Alloc { buffer } => mem.alloc(g, i, *buffer, e),
+            Op::Free { buffer } => mem.free(g, i, *buffer, e),
+            _ => {}
+        }
+    }
+    mem.leaks(g, e);
+    values(g, e);
+    cycle(g, e);
+}
+
+/// Graph-level rules (`rank`, `group-ranks`, buffer `name`s), reported before any node.
+fn graph_rules(g: &Graph, e: &mut Errors<'_>) {
     if g.world == 0 || g.rank >= g.world {
         e.graph(
             "rank",
@@ -290,231 +341,264 @@ fn semantics(g: &Graph, e: &mut Errors<'_>) {
             );
         }
     }
+}
 
-    // Memory state per buffer: the alloc node, whether freed.
-    let mut alloc_at: Vec<Option<usize>> = vec![None; g.buffers.len()];
-    let mut freed = vec![false; g.buffers.len()];
-
-    for (i, n) in g.nodes.iter().enumerate() {
-        for d in &n.deps {
-            if d.index() >= i {
-                e.at(
-                    i,
-                    "dep",
-                    format!("dep {d} is not earlier in program order than {}", n.id),
-                );
-            }
-        }
-        let stream_ok = match n.op {
-            Op::Collective { .. } => matches!(n.stream, Stream::Comm | Stream::Dp),
-            Op::Send { .. } | Op::Recv { .. } => matches!(n.stream, Stream::P2p | Stream::Comm),
-            Op::Checkpoint { .. } => n.stream == Stream::Io,
-            _ => n.stream == Stream::Compute,
-        };
-        if !stream_ok {
-            let want = match n.op {
-                Op::Collective { .. } => "@comm or @dp",
-                Op::Send { .. } | Op::Recv { .. } => "@p2p or @comm",
-                Op::Checkpoint { .. } => "@io",
-                _ => "@compute",
-            };
+/// The `dep` and `stream` rules of `nodes[i]`.
+fn order_and_stream(i: usize, n: &Node, e: &mut Errors<'_>) {
+    for d in &n.deps {
+        if d.index() >= i {
             e.at(
                 i,
-                "stream",
-                format!(
-                    "{} runs on @{}, expected {want}",
-                    n.op.keyword(),
-                    n.stream.name()
-                ),
+                "dep",
+                format!("dep {d} is not earlier in program order than {}", n.id),
             );
         }
-        match &n.op {
-            Op::Gemm {
-                name,
-                m,
-                n: nn,
-                k,
-                weight,
-                work,
-                ..
-            } => {
-                if !is_bare_name(name) {
-                    e.at(
-                        i,
-                        "name",
-                        format!("gemm name {name:?} is not [A-Za-z0-9_.:/-]+"),
-                    );
-                }
-                if let Some(w) = weight.as_ref().filter(|w| !is_bare_name(w)) {
-                    e.at(
-                        i,
-                        "name",
-                        format!("gemm weight {w:?} is not [A-Za-z0-9_.:/-]+"),
-                    );
-                }
-                let want = 2 * (*m as u128) * (*nn as u128) * (*k as u128);
-                if want != work.flops as u128 {
-                    e.at(
-                        i,
-                        "gemm-flops",
-                        format!("flops={} but 2*m*n*k = {want}", work.flops),
-                    );
-                }
-            }
-            Op::Collective {
-                kind,
-                group,
-                bytes,
-                dtype,
-                tensor,
-                reduce,
-            } => {
-                if let Some(t) = tensor {
-                    if !is_bare_name(t) {
-                        e.at(
-                            i,
-                            "name",
-                            format!("collective tensor {t:?} is not [A-Za-z0-9_.:/-]+"),
-                        );
-                    }
-                }
-                if !reduce.is_sum()
-                    && !matches!(
-                        kind,
-                        CollectiveKind::AllReduce | CollectiveKind::ReduceScatter
-                    )
-                {
-                    e.at(
-                        i,
-                        "reduce-op",
-                        format!(
-                            "reduce={} on a {}: only all_reduce and reduce_scatter reduce",
-                            reduce.name(),
-                            kind.name()
-                        ),
-                    );
-                }
-                let pg = g.group(*group).expect("checked in phase 1");
-                if !pg.ranks.contains(&g.rank) {
-                    e.at(
-                        i,
-                        "group-member",
-                        format!("rank {} is not a member of {group} ({})", g.rank, pg.name()),
-                    );
-                }
-                let shards = match kind {
-                    CollectiveKind::AllGather
-                    | CollectiveKind::ReduceScatter
-                    | CollectiveKind::AllToAll => pg.ranks.len() as u64,
-                    CollectiveKind::AllReduce | CollectiveKind::Broadcast => 1,
-                };
-                let unit = shards * dtype.bytes();
-                if unit > 0 && bytes % unit != 0 {
-                    let of = if shards == 1 {
-                        format!("{} size {}", dtype.name(), dtype.bytes())
-                    } else {
-                        format!(
-                            "group size {shards} x {} size {} = {unit}",
-                            dtype.name(),
-                            dtype.bytes()
-                        )
-                    };
-                    e.at(
-                        i,
-                        "message-size",
-                        format!("{} bytes={bytes} is not a multiple of {of}", kind.name()),
-                    );
-                }
-            }
-            Op::Send { peer, bytes, dtype } | Op::Recv { peer, bytes, dtype } => {
-                if *peer == g.rank || *peer >= g.world {
-                    e.at(
-                        i,
-                        "peer",
-                        format!(
-                            "peer {peer} must be another rank below world {} (this is rank {})",
-                            g.world, g.rank
-                        ),
-                    );
-                }
-                if bytes % dtype.bytes() != 0 {
-                    e.at(
-                        i,
-                        "message-size",
-                        format!(
-                            "bytes={bytes} is not a multiple of {} size {}",
-                            dtype.name(),
-                            dtype.bytes()
-                        ),
-                    );
-                }
-            }
-            Op::Alloc { buffer } => {
-                let b = buffer.index();
-                if let Some(first) = alloc_at[b] {
-                    e.at(
-                        i,
-                        "double-alloc",
-                        format!(
-                            "buffer {buffer} (`{}`) was already allocated by {}",
-                            g.buffers[b].name, g.nodes[first].id
-                        ),
-                    );
-                } else {
-                    alloc_at[b] = Some(i);
-                }
-            }
-            Op::Free { buffer } => {
-                let b = buffer.index();
-                let buf = &g.buffers[b];
-                if !is_transient(buf.kind) {
-                    e.at(
-                        i,
-                        "persistent-free",
-                        format!(
-                            "buffer {buffer} (`{}`) is a persistent {} buffer",
-                            buf.name,
-                            buf.kind.name()
-                        ),
-                    );
-                } else if alloc_at[b].is_none() {
-                    e.at(
-                        i,
-                        "free-before-alloc",
-                        format!("buffer {buffer} (`{}`) is not allocated yet", buf.name),
-                    );
-                } else if freed[b] {
-                    e.at(
-                        i,
-                        "double-free",
-                        format!("buffer {buffer} (`{}`) is already freed", buf.name),
-                    );
-                } else {
-                    freed[b] = true;
-                }
-            }
-            _ => {}
+    }
+    let stream_ok = match n.op {
+        Op::Collective { .. } => matches!(n.stream, Stream::Comm | Stream::Dp),
+        Op::Send { .. } | Op::Recv { .. } => matches!(n.stream, Stream::P2p | Stream::Comm),
+        Op::Checkpoint { .. } => n.stream == Stream::Io,
+        _ => n.stream == Stream::Compute,
+    };
+    if !stream_ok {
+        let want = match n.op {
+            Op::Collective { .. } => "@comm or @dp",
+            Op::Send { .. } | Op::Recv { .. } => "@p2p or @comm",
+            Op::Checkpoint { .. } => "@io",
+            _ => "@compute",
+        };
+        e.at(
+            i,
+            "stream",
+            format!(
+                "{} runs on @{}, expected {want}",
+                n.op.keyword(),
+                n.stream.name()
+            ),
+        );
+    }
+}
+
+/// A gemm's `name` and `gemm-flops` rules; `mnk` is `[m, n, k]`.
+fn gemm_rules(
+    i: usize,
+    name: &str,
+    weight: Option<&str>,
+    mnk: [u64; 3],
+    flops: u64,
+    e: &mut Errors<'_>,
+) {
+    if !is_bare_name(name) {
+        e.at(
+            i,
+            "name",
+            format!("gemm name {name:?} is not [A-Za-z0-9_.:/-]+"),
+        );
+    }
+    if let Some(w) = weight.filter(|w| !is_bare_name(w)) {
+        e.at(
+            i,
+            "name",
+            format!("gemm weight {w:?} is not [A-Za-z0-9_.:/-]+"),
+        );
+    }
+    let [m, nn, k] = mnk;
+    let want = 2 * (m as u128) * (nn as u128) * (k as u128);
+    if want != flops as u128 {
+        e.at(
+            i,
+            "gemm-flops",
+            format!("flops={flops} but 2*m*n*k = {want}"),
+        );
+    }
+}
+
+/// The fields of an `Op::Collective` that its rules read.
+struct Collective<'a> {
+    kind: CollectiveKind,
+    group: GroupId,
+    bytes: u64,
+    dtype: DType,
+    tensor: Option<&'a str>,
+    reduce: ReduceOp,
+}
+
+/// A collective's `name`, `reduce-op`, `group-member` and `message-size` rules.
+fn collective_rules(g: &Graph, i: usize, c: Collective<'_>, e: &mut Errors<'_>) {
+    let Collective {
+        kind,
+        group,
+        bytes,
+        dtype,
+        tensor,
+        reduce,
+    } = c;
+    if let Some(t) = tensor {
+        if !is_bare_name(t) {
+            e.at(
+                i,
+                "name",
+                format!("collective tensor {t:?} is not [A-Za-z0-9_.:/-]+"),
+            );
         }
     }
-    for (b, at) in alloc_at.iter().enumerate() {
+    if !reduce.is_sum()
+        && !matches!(
+            kind,
+            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter
+        )
+    {
+        e.at(
+            i,
+            "reduce-op",
+            format!(
+                "reduce={} on a {}: only all_reduce and reduce_scatter reduce",
+                reduce.name(),
+                kind.name()
+            ),
+        );
+    }
+    let pg = g.group(group).expect("checked in phase 1");
+    if !pg.ranks.contains(&g.rank) {
+        e.at(
+            i,
+            "group-member",
+            format!("rank {} is not a member of {group} ({})", g.rank, pg.name()),
+        );
+    }
+    let shards = match kind {
+        CollectiveKind::AllGather | CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => {
+            pg.ranks.len() as u64
+        }
+        CollectiveKind::AllReduce | CollectiveKind::Broadcast => 1,
+    };
+    let unit = shards * dtype.bytes();
+    if unit > 0 && bytes % unit != 0 {
+        let of = if shards == 1 {
+            format!("{} size {}", dtype.name(), dtype.bytes())
+        } else {
+            format!(
+                "group size {shards} x {} size {} = {unit}",
+                dtype.name(),
+                dtype.bytes()
+            )
+        };
+        e.at(
+            i,
+            "message-size",
+            format!("{} bytes={bytes} is not a multiple of {of}", kind.name()),
+        );
+    }
+}
+
+/// A send's or recv's `peer` and `message-size` rules.
+fn p2p_rules(g: &Graph, i: usize, peer: u32, bytes: u64, dtype: DType, e: &mut Errors<'_>) {
+    if peer == g.rank || peer >= g.world {
+        e.at(
+            i,
+            "peer",
+            format!(
+                "peer {peer} must be another rank below world {} (this is rank {})",
+                g.world, g.rank
+            ),
+        );
+    }
+    if bytes % dtype.bytes() != 0 {
+        e.at(
+            i,
+            "message-size",
+            format!(
+                "bytes={bytes} is not a multiple of {} size {}",
+                dtype.name(),
+                dtype.bytes()
+            ),
+        );
+    }
+}
+
+/// Memory state per buffer while walking program order: the alloc node, whether freed.
+struct Memory {
+    alloc_at: Vec<Option<usize>>,
+    freed: Vec<bool>,
+}
+
+impl Memory {
+    fn new(g: &Graph) -> Self {
+        Memory {
+            alloc_at: vec![None; g.buffers.len()],
+            freed: vec![false; g.buffers.len()],
+        }
+    }
+
+    /// The `double-alloc` rule of an alloc at `nodes[i]`.
+    fn alloc(&mut self, g: &Graph, i: usize, buffer: BufferId, e: &mut Errors<'_>) {
+        let b = buffer.index();
+        if let Some(first) = self.alloc_at[b] {
+            e.at(
+                i,
+                "double-alloc",
+                format!(
+                    "buffer {buffer} (`{}`) was already allocated by {}",
+                    g.buffers[b].name, g.nodes[first].id
+                ),
+            );
+        } else {
+            self.alloc_at[b] = Some(i);
+        }
+    }
+
+    /// The `persistent-free`, `free-before-alloc` and `double-free` rules of a free at
+    /// `nodes[i]`.
+    fn free(&mut self, g: &Graph, i: usize, buffer: BufferId, e: &mut Errors<'_>) {
+        let b = buffer.index();
         let buf = &g.buffers[b];
-        if let Some(i) = *at {
-            if is_transient(buf.kind) && !freed[b] {
-                e.at(
-                    i,
-                    "leak",
-                    format!(
-                        "transient {} buffer {} (`{}`) is never freed",
-                        buf.kind.name(),
-                        BufferId(b as u32),
-                        buf.name
-                    ),
-                );
+        if !is_transient(buf.kind) {
+            e.at(
+                i,
+                "persistent-free",
+                format!(
+                    "buffer {buffer} (`{}`) is a persistent {} buffer",
+                    buf.name,
+                    buf.kind.name()
+                ),
+            );
+        } else if self.alloc_at[b].is_none() {
+            e.at(
+                i,
+                "free-before-alloc",
+                format!("buffer {buffer} (`{}`) is not allocated yet", buf.name),
+            );
+        } else if self.freed[b] {
+            e.at(
+                i,
+                "double-free",
+                format!("buffer {buffer} (`{}`) is already freed", buf.name),
+            );
+        } else {
+            self.freed[b] = true;
+        }
+    }
+
+    /// The `leak` rule at the end of the step (in buffer order, at the alloc node).
+    fn leaks(&self, g: &Graph, e: &mut Errors<'_>) {
+        for (b, at) in self.alloc_at.iter().enumerate() {
+            let buf = &g.buffers[b];
+            if let Some(i) = *at {
+                if is_transient(buf.kind) && !self.freed[b] {
+                    e.at(
+                        i,
+                        "leak",
+                        format!(
+                            "transient {} buffer {} (`{}`) is never freed",
+                            buf.kind.name(),
+                            BufferId(b as u32),
+                            buf.name
+                        ),
+                    );
+                }
             }
         }
     }
-    values(g, e);
-    cycle(g, e);
 }
 
 /// Where a value stands while walking program order.
