@@ -9,13 +9,10 @@
 //!
 //! `cargo test -p shardwright-executor --test arena -- --nocapture` prints the figures.
 
-use shardwright_cost::{resolve, ResolveOptions};
+mod common;
+use common::bundled_plans as specs;
 use shardwright_executor::cuda::arena::{plan_arena, ArenaPlan, ARENA_ALIGN};
 use shardwright_ir::Graph;
-use shardwright_planner::{plan, PlanOptions};
-use shardwright_spec::parse::{parse_spec, Format};
-use shardwright_spec::Plan;
-use std::path::Path;
 
 /// The footprint may exceed the live peak by at most this fraction. Measured on the bundled
 /// specs (the table `--nocapture` prints; 90 class graphs, 17 to 1,319 buffers each): 86
@@ -28,27 +25,6 @@ use std::path::Path;
 /// them apart: the arena's unit tests and the randomized comparison with a naive best fit
 /// below cover best fit and coalescing.
 const MAX_OVERHEAD: f64 = 0.02;
-
-fn specs() -> Vec<(String, Plan)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs");
-    let mut names: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".yaml") || n.ends_with(".json"))
-        .collect();
-    names.sort();
-    assert!(!names.is_empty(), "no specs in {}", dir.display());
-    names
-        .into_iter()
-        .map(|n| {
-            let text = std::fs::read_to_string(dir.join(&n)).unwrap();
-            let spec = parse_spec(&text, Format::from_path(&n)).unwrap();
-            let r = resolve(&spec, &ResolveOptions::default()).unwrap();
-            let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
-            (n, p)
-        })
-        .collect()
-}
 
 /// Every check of the module doc on one graph; the error names the rule broken.
 fn check(g: &Graph, a: &ArenaPlan) -> Result<(), String> {

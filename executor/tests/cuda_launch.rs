@@ -3,36 +3,13 @@
 //! sm_80 limits: threads per block, grid dimensions (y, z <= 65535), dynamic shared memory
 //! (48 KiB without the opt-in, 227 KiB / 163 KiB with it). No GPU needed.
 
-use shardwright_cost::{resolve, ResolveOptions};
+mod common;
+use common::bundled_plans as specs;
 use shardwright_executor::cuda::kernels::file_of;
 use shardwright_executor::cuda::launch::{self, Attn, Dtype, Launch, Limits, Norm};
 use shardwright_executor::cuda::rope_tables;
 use shardwright_executor::{Backend, Cpu};
-use shardwright_planner::{plan, PlanOptions};
-use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_spec::Plan;
-use std::path::Path;
-
-fn specs() -> Vec<(String, Plan)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs");
-    let mut names: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".yaml") || n.ends_with(".json"))
-        .collect();
-    names.sort();
-    assert!(!names.is_empty(), "no specs in {}", dir.display());
-    names
-        .into_iter()
-        .map(|n| {
-            let text = std::fs::read_to_string(dir.join(&n)).unwrap();
-            let spec = parse_spec(&text, Format::from_path(&n)).unwrap();
-            let r = resolve(&spec, &ResolveOptions::default()).unwrap();
-            let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
-            (n, p)
-        })
-        .collect()
-}
 
 /// Every launch one rank of `p` makes in a step (both element types), with a label.
 fn launches(p: &Plan) -> Vec<(String, Result<Launch, launch::LaunchError>)> {

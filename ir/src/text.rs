@@ -445,6 +445,15 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
+    /// The tokens of `line` (line number `lineno`), before the first.
+    fn of_line(line: &'a str, lineno: usize) -> Result<Self, ParseError> {
+        Ok(Cursor {
+            toks: tokenize(line, lineno)?,
+            pos: 0,
+            line: lineno,
+            line_len: line.chars().count(),
+        })
+    }
     fn err_at(&self, tok: Option<Tok<'a>>, expected: impl Into<String>) -> ParseError {
         match tok {
             Some(t) => ParseError {
@@ -630,13 +639,7 @@ pub fn parse(s: &str) -> Result<Graph, ParseError> {
             }
             continue;
         }
-        let toks = tokenize(line, lineno)?;
-        let mut c = Cursor {
-            toks,
-            pos: 0,
-            line: lineno,
-            line_len: line.chars().count(),
-        };
+        let mut c = Cursor::of_line(line, lineno)?;
         let Some(g) = graph.as_mut() else {
             c.keyword("graph")?;
             let rank = c.u32("rank")?;

@@ -300,3 +300,25 @@ pub fn compare(what: &str, dims: &Dims, base: &[RankReport], runs: &[RankReport]
     );
     worst
 }
+
+/// The plan of every bundled spec (`specs/`), by file name, sorted.
+pub fn bundled_plans() -> Vec<(String, Plan)> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../specs");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml") || n.ends_with(".json"))
+        .collect();
+    names.sort();
+    assert!(!names.is_empty(), "no specs in {}", dir.display());
+    names
+        .into_iter()
+        .map(|n| {
+            let text = std::fs::read_to_string(dir.join(&n)).unwrap();
+            let spec = parse_spec(&text, Format::from_path(&n)).unwrap();
+            let r = resolve(&spec, &ResolveOptions::default()).unwrap();
+            let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
+            (n, p)
+        })
+        .collect()
+}

@@ -25,7 +25,7 @@
 //! `rank` lines come in rank order, `class` lines in class order. [`parse_program`] inverts
 //! [`print_program`] exactly; errors carry the line number in the whole file.
 
-use super::{parse_group, parse_int, tokenize, write_group, write_list, Cursor, ParseError};
+use super::{parse_group, parse_int, write_group, write_list, Cursor, ParseError};
 use crate::ids::GroupId;
 use crate::program::{Program, RankClass};
 use crate::run::{Activation, ModelInfo, MoeInfo, NormKind, RunInfo};
@@ -168,13 +168,7 @@ pub fn parse_program(s: &str) -> Result<Program, ParseError> {
             i += 1;
             continue;
         }
-        let toks = tokenize(line, lineno)?;
-        let mut c = Cursor {
-            toks,
-            pos: 0,
-            line: lineno,
-            line_len: line.chars().count(),
-        };
+        let mut c = Cursor::of_line(line, lineno)?;
         let first = c.peek().expect("non-empty line").text;
         if !saw_program {
             c.keyword("program")?;
@@ -237,13 +231,7 @@ pub fn parse_program(s: &str) -> Result<Program, ParseError> {
     while i < lines.len() {
         let lineno = i + 1;
         let line = lines[i].strip_suffix('\r').unwrap_or(lines[i]);
-        let toks = tokenize(line, lineno)?;
-        let mut c = Cursor {
-            toks,
-            pos: 0,
-            line: lineno,
-            line_len: line.chars().count(),
-        };
+        let mut c = Cursor::of_line(line, lineno)?;
         c.keyword("class")?;
         let index: u32 = c.id("the class index")?;
         if index as usize != p.classes.len() {
