@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# How plan time scales with the cluster (issue 25): the 405B spec
+# (specs/llama3-405b-16k-h100.yaml) planned on 64 to 65,536 GPUs, release build; per row
+# the candidates searched, the median wall time and the time per candidate. The search
+# scales when the time per candidate does not grow as the GPU count shrinks (fewer GPUs:
+# more micro-batches per pipeline, so longer schedule walks per candidate).
+#
+#   scripts/bench-plan-scale.sh [runs]     (default 5 runs per row; median reported)
+#
+# Set BIN=path to time another build (e.g. an older commit's) on the same rows.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${1:-5}
+if [ -z "${BIN:-}" ]; then
+    cargo build --release --locked --quiet --bin shardwright
+    BIN=${CARGO_TARGET_DIR:-target}/release/shardwright
+fi
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+echo "| GPUs | candidates | plan (ms, median of $RUNS) | us per candidate |"
+echo "|---:|---:|---:|---:|"
+for n in 64 256 1024 4096 16384 65536; do
+    spec="$TMP/405b-$n.yaml"
+    sed "s/^\(  num_gpus:\) 16384\$/\1 $n/" specs/llama3-405b-16k-h100.yaml >"$spec"
+    grep -q "^  num_gpus: $n\$" "$spec"
+    if ! "$BIN" plan --quiet "$spec" -o "$TMP/p.json" 2>"$TMP/err"; then
+        echo "| $n | - | no feasible plan: $(head -c 120 "$TMP/err" | tr '\n' ' ') | - |"
+        continue
+    fi
+    c=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["search"]["candidates"])' "$TMP/p.json")
+    t=()
+    for _ in $(seq "$RUNS"); do
+        s=$(date +%s%N)
+        "$BIN" plan --quiet "$spec" -o /dev/null 2>/dev/null || true
+        e=$(date +%s%N)
+        t+=($(((e - s) / 1000)))
+    done
+    ms=$(printf '%s\n' "${t[@]}" | sort -n | awk '{a[NR]=$1} END {printf "%.1f", a[int((NR+1)/2)]/1000}')
+    per=$(python3 -c "print('%.2f' % ($ms * 1000 / $c))")
+    echo "| $n | $c | $ms | $per |"
+done
+echo
+echo "machine: $(nproc) cores; $RUNS runs per row; $(date -u +%F); $("$BIN" --version 2>/dev/null || true)"
