@@ -278,12 +278,11 @@ impl Sink {
     }
 }
 
-/// `shardwright execute PLAN --backend cpu`.
 /// What `execute` runs: a plan (lowered and verified here) or a program that `lower`
 /// wrote (parsed and verified here); either way the executor sees the program alone.
 struct Source {
+    /// A program with a `run` (checked by [`load_source`]).
     program: shardwright_ir::Program,
-    run: shardwright_ir::RunInfo,
     /// The plan, when the input is one: a resume onto another layout reshards through it.
     plan: Option<shardwright_spec::Plan>,
     /// Fingerprint of the input file's meaning (the plan's canonical JSON, or the
@@ -292,13 +291,39 @@ struct Source {
 }
 
 impl Source {
+    /// The program's layout facts.
+    fn run(&self) -> &shardwright_ir::RunInfo {
+        self.program
+            .run
+            .as_ref()
+            .expect("load_source admits only programs with a run")
+    }
+
     /// The layout as `summary.json` and checkpoints record it: the plan's, or the
     /// program's `run` line.
     fn layout_json(&self) -> serde_json::Value {
         match &self.plan {
             Some(p) => serde_json::to_value(p.layout).unwrap_or_default(),
-            None => serde_json::to_value(&self.run).unwrap_or_default(),
+            None => serde_json::to_value(self.run()).unwrap_or_default(),
         }
+    }
+}
+
+/// Nothing runs when verification fails: exit 4 with the count and the first error.
+fn verification_failed(
+    path: &std::path::Path,
+    what: &str,
+    errors: &[String],
+    hint: &str,
+) -> Failure {
+    Failure {
+        code: VERIFY_FAILED,
+        error: anyhow!(
+            "{}: {what} verification ({} error(s)); nothing was run. First: {}{hint}",
+            path.display(),
+            errors.len(),
+            errors[0]
+        ),
     }
 }
 
@@ -311,16 +336,7 @@ fn load_source(path: &std::path::Path) -> Result<Source, Failure> {
             .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
         let errors = crate::compile::program_errors(&p);
         if !errors.is_empty() {
-            return Err(Failure {
-                code: VERIFY_FAILED,
-                error: anyhow!(
-                    "{}: the program fails verification ({} error(s)); nothing was run. \
-                     First: {}",
-                    path.display(),
-                    errors.len(),
-                    errors[0]
-                ),
-            });
+            return Err(verification_failed(path, "the program fails", &errors, ""));
         }
         let fp = fingerprint(shardwright_ir::text::print_program(&p).as_bytes());
         (p, None, fp)
@@ -329,35 +345,31 @@ fn load_source(path: &std::path::Path) -> Result<Source, Failure> {
         let l = lower_all(path, &plan)?;
         let (_, errors) = verification(&l, &plan);
         if !errors.is_empty() {
-            return Err(Failure {
-                code: VERIFY_FAILED,
-                error: anyhow!(
-                    "{}: the plan's graphs fail verification ({} error(s)); nothing was run. \
-                     First: {}\n(`shardwright verify {}` lists them all)",
-                    path.display(),
-                    errors.len(),
-                    errors[0],
-                    path.display()
-                ),
-            });
+            let hint = format!("\n(`shardwright verify {}` lists them all)", path.display());
+            return Err(verification_failed(
+                path,
+                "the plan's graphs fail",
+                &errors,
+                &hint,
+            ));
         }
         let fp = fingerprint(shardwright_spec::plan::to_json(&plan).as_bytes());
         (l.program, Some(plan), fp)
     };
-    let run = program.run.clone().ok_or_else(|| {
-        usage(anyhow!(
+    if program.run.is_none() {
+        return Err(usage(anyhow!(
             "{}: the program states no model run (no `model`/`run` lines): nothing to train",
             path.display()
-        ))
-    })?;
+        )));
+    }
     Ok(Source {
         program,
-        run,
         plan,
         fingerprint: fp,
     })
 }
 
+/// `shardwright execute PLAN|PROGRAM --backend cpu`.
 pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     if a.backend == BackendKind::Cuda {
         return Err(usage(anyhow!(
@@ -373,7 +385,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         None => a.steps,
     };
     let src = load_source(&a.plan)?;
-    let (program, run) = (&src.program, &src.run);
+    let (program, run) = (&src.program, src.run());
     let dims = shardwright_executor::check_model(program).map_err(|e| {
         usage(anyhow!(
             "{}: job.model: the CPU executor cannot run this model: {}",
@@ -629,7 +641,7 @@ fn write_summary(a: &ExecArgs, src: &Source, f: Finished) -> Result<(), Failure>
         steps: f.run_steps,
         data: f.data_name,
         tokens_per_step: f.tokens,
-        model_flops_per_step: src.run.model_flops as f64,
+        model_flops_per_step: src.run().model_flops as f64,
         peak_flops: f.peak,
         peak_basis: format!("measured f32 GEMM of one core x {} core(s)", f.threads),
         first_loss: f.lines.first().map(|m| m.loss).unwrap_or(f64::NAN),
@@ -884,7 +896,7 @@ fn fault_tolerance(
         meta: serde_json::json!({
             "layout": src.layout_json(),
             "stages": src.plan.as_ref().map(|p| &p.stages),
-            "global_batch": src.run.global_batch,
+            "global_batch": src.run().global_batch,
             "settings": settings,
         }),
         start_from,

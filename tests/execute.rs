@@ -7,14 +7,21 @@ use common::{metrics, root, run};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-/// The bundled CPU spec with its layout replaced, planned into `dir/NAME.json`.
+/// The bundled CPU spec with its layout replaced (on one GPU), planned into
+/// `dir/NAME.json`.
 fn plan_with(dir: &Path, name: &str, parallelism: Option<&str>) -> PathBuf {
+    plan_on(dir, name, parallelism.map(|p| (p, 1)))
+}
+
+/// The bundled CPU spec with its layout and GPU count replaced, planned into
+/// `dir/NAME.json` (the spec written beside it as `NAME.yaml`).
+fn plan_on(dir: &Path, name: &str, layout: Option<(&str, u32)>) -> PathBuf {
     let mut text = std::fs::read_to_string(root().join("specs/tiny-llama-cpu.yaml")).unwrap();
-    if let Some(p) = parallelism {
+    if let Some((p, gpus)) = layout {
         let start = text.find("  parallelism:").unwrap();
         let end = start + text[start..].find('\n').unwrap();
         text.replace_range(start..end, &format!("  parallelism: {p}"));
-        text = text.replace("num_gpus: 8", "num_gpus: 1");
+        text = text.replace("num_gpus: 8", &format!("num_gpus: {gpus}"));
     }
     let spec = dir.join(format!("{name}.yaml"));
     std::fs::write(&spec, text).unwrap();
@@ -536,7 +543,6 @@ fn resume_on_another_layout_from_the_cli() {
 #[test]
 fn a_lowered_program_trains_like_its_plan() {
     let dir = tempfile::tempdir().unwrap();
-    let base = std::fs::read_to_string(root().join("specs/tiny-llama-cpu.yaml")).unwrap();
     let layouts = [
         ("default", None, 8),
         (
@@ -557,20 +563,9 @@ fn a_lowered_program_trains_like_its_plan() {
             .collect()
     };
     for (name, par, gpus) in layouts {
-        let mut text = base.clone();
-        if let Some(p) = par {
-            let start = text.find("  parallelism:").unwrap();
-            let end = start + text[start..].find('\n').unwrap();
-            text.replace_range(start..end, &format!("  parallelism: {p}"));
-            text = text.replace("num_gpus: 8", &format!("num_gpus: {gpus}"));
-        }
-        let spec = dir.path().join(format!("{name}.yaml"));
-        std::fs::write(&spec, text).unwrap();
-        let plan = dir.path().join(format!("{name}.json"));
+        let plan = plan_on(dir.path(), name, par.map(|p| (p, gpus)));
         let prog = dir.path().join(format!("{name}.ir"));
         let s = |p: &Path| p.to_str().unwrap().to_string();
-        let (code, _, err) = run(&["plan", &s(&spec), "-o", &s(&plan), "--quiet"]);
-        assert_eq!(code, 0, "{name}: {err}");
         let (code, _, err) = run(&["lower", &s(&plan), "-o", &s(&prog)]);
         assert_eq!(code, 0, "{name}: {err}");
         assert!(std::fs::read_to_string(&prog)

@@ -2004,12 +2004,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     ) -> Result<bool, String> {
         use CollectiveKind as K;
         let mb = n.mb.ok_or("collective without micro-batch")?;
-        let check = |len: usize| -> Result<(), String> {
-            if len != elems {
-                return Err(format!("moves {len} elements, the IR says {elems}"));
-            }
-            Ok(())
-        };
+        let check = |len: usize| moves_as_stated(len, elems);
         if let Op::Collective {
             tensor: Some(role),
             reduce,
@@ -2060,14 +2055,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         use CollectiveKind as K;
         let mb = n.mb.ok_or("collective without micro-batch")?;
         let gn = group.len();
-        // The logical tensor's element count (all-gather output, reduce-scatter input, the
-        // all-reduce buffer) must be what the IR says.
-        let check = |len: usize| -> Result<(), String> {
-            if len != elems {
-                return Err(format!("moves {len} elements, the IR says {elems}"));
-            }
-            Ok(())
-        };
+        let check = |len: usize| moves_as_stated(len, elems);
         if self.role_collective(n, kind, group, elems)? {
             return Ok(());
         }
@@ -2563,6 +2551,15 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         }
         Ok(())
     }
+}
+
+/// A collective moves the element count its IR node states (the all-gather output, the
+/// reduce-scatter input, the all-reduce buffer).
+fn moves_as_stated(len: usize, elems: usize) -> Result<(), String> {
+    if len != elems {
+        return Err(format!("moves {len} elements, the IR says {elems}"));
+    }
+    Ok(())
 }
 
 /// A norm's input and per-row statistics, kept by its forward for the backward.
