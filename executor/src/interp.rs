@@ -1539,6 +1539,11 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 // the backward's loss node completes the loss from what they left.
                 let (_, tg) = self.batch(mb)?;
                 let a = self.head.get_mut(&mb).ok_or("no logits")?;
+                if a.0.contains_key("lse_l") {
+                    // The vocabulary-parallel loss's second forward node (after `loss.max`):
+                    // this interpreter took every statistic at the first.
+                    return Ok(());
+                }
                 let logits = a.get("logits")?;
                 let (lse_l, tgt) = be.xent_local(logits, &tg, self.vl, self.vocab_start);
                 let mx: Vec<f32> = logits

@@ -21,13 +21,15 @@ pub enum DType {
     Bf16,
     F16,
     Fp8,
+    /// 32-bit integers: token ids and labels.
+    I32,
 }
 
 impl DType {
-    pub const ALL: [DType; 4] = [DType::F32, DType::Bf16, DType::F16, DType::Fp8];
+    pub const ALL: [DType; 5] = [DType::F32, DType::Bf16, DType::F16, DType::Fp8, DType::I32];
     pub fn bytes(self) -> u64 {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::I32 => 4,
             DType::Bf16 | DType::F16 => 2,
             DType::Fp8 => 1,
         }
@@ -38,6 +40,7 @@ impl DType {
             DType::Bf16 => "bf16",
             DType::F16 => "f16",
             DType::Fp8 => "fp8",
+            DType::I32 => "i32",
         }
     }
 }

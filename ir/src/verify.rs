@@ -58,14 +58,19 @@
 //! - `unreleased`: every activation defined in the step is released by its end (reported
 //!   at the defining node).
 //! - `value-shape`: operands and results agree with the op: element counts per op kind (a
-//!   gemm's `[m,k] x [k,n] -> [m,n]`, a norm's `tokens x width`, an elementwise op's
-//!   `elems`, attention's `batch x seq_q x heads x head_dim`, an embedding's
-//!   `tokens x hidden`, a loss's `tokens x vocab` logits) and, for collectives, sends and
-//!   receives, bytes and dtype (the all-gather's input and the reduce-scatter's output are
-//!   one member's share).
+//!   gemm's `[m,k] x [k,n] -> [m,n]`, a norm's `tokens x width`, attention's
+//!   `batch x seq_q x heads x head_dim`, an embedding's `tokens x hidden` (its output
+//!   forward, its incoming gradient backward), a loss's `tokens x vocab` logits; an
+//!   elementwise op's `elems` are its input's (activation: the up projection's output), its
+//!   output's (residual, dropout, scale), or moved whole (rope: the results hold as many
+//!   elements as the operands, the fused QKV in, Q and K|V out)) and, for collectives,
+//!   sends and receives, bytes and dtype (the all-gather's input and the reduce-scatter's
+//!   output are one member's share; several operands or results are flattened in order,
+//!   padded up to the op's size by less than one element per member).
 
 use crate::graph::{
-    BufferKind, CollectiveKind, DType, Graph, Node, Op, ReduceOp, Stream, ValueKind,
+    BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, Node, Op, ReduceOp, Stream,
+    ValueKind,
 };
 use crate::ids::{BufferId, GroupId, NodeId};
 use crate::text::{is_bare_name, print_node};
@@ -764,6 +769,34 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             Ok(())
         }
     };
+    // Several values flattened in order (one alone must match exactly): their bytes, padded
+    // up to the op's by less than one element per member.
+    let flat = |what: &str, vs: &[crate::ids::ValueId], dt: DType, want: u64, members: u64| {
+        if vs.len() <= 1 {
+            let v = vs
+                .first()
+                .map(val)
+                .ok_or_else(|| format!("{} needs {what}", n.op.keyword()))?;
+            return bytes(&what[..what.len() - 1], v, dt, want);
+        }
+        if let Some(v) = vs.iter().map(val).find(|v| v.dtype != dt) {
+            return Err(format!(
+                "{} (`{}`) is {}, the op moves {}",
+                v.id,
+                v.name,
+                v.dtype.name(),
+                dt.name()
+            ));
+        }
+        let sum: u64 = vs.iter().map(|v| val(v).bytes()).fold(0, u64::saturating_add);
+        if sum <= want && want - sum < members.max(1) * dt.bytes() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{what} hold {sum} bytes, the op moves {want} (padding under one element per member)"
+            ))
+        }
+    };
     let w = |a: u64, b: u64| a as u128 * b as u128;
     match &n.op {
         Op::Gemm { m, n: nn, k, .. } => {
@@ -774,6 +807,25 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
         Op::Norm { tokens, width, .. } => {
             elems("operand", arg(0)?, w(*tokens, *width))?;
             elems("result", res(0)?, w(*tokens, *width))
+        }
+        Op::Elementwise {
+            kind: ElementwiseKind::Activation,
+            elems: el,
+            ..
+        } => elems("operand", arg(0)?, *el as u128),
+        Op::Elementwise {
+            kind: ElementwiseKind::Rope,
+            ..
+        } => {
+            let total = |vs: &[crate::ids::ValueId]| -> u128 {
+                vs.iter().map(|v| val(v).elems() as u128).sum()
+            };
+            let (i, o) = (total(&n.operands), total(&n.results));
+            if i == o && i > 0 {
+                Ok(())
+            } else {
+                Err(format!("rope moves {i} elements in and {o} out"))
+            }
         }
         Op::Elementwise { elems: el, .. } => elems("result", res(0)?, *el as u128),
         Op::Attention {
@@ -786,6 +838,9 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             let q = w(*batch as u64, *seq_q) * w(*heads as u64, *head_dim as u64);
             elems("operand", arg(0)?, q)?;
             elems("result", res(0)?, q)
+        }
+        Op::Embedding { tokens, hidden, .. } if n.pass == crate::graph::Pass::Bwd => {
+            elems("operand", arg(0)?, w(*tokens, *hidden))
         }
         Op::Embedding { tokens, hidden, .. } => elems("result", res(0)?, w(*tokens, *hidden)),
         Op::Loss { tokens, vocab, .. } => elems("operand", arg(0)?, w(*tokens, *vocab)),
@@ -804,9 +859,9 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
                 _ => (*b, *b),
             };
             if *kind != CollectiveKind::Broadcast || !n.operands.is_empty() {
-                bytes("operand", arg(0)?, *dtype, input)?;
+                flat("operands", &n.operands, *dtype, input, members)?;
             }
-            bytes("result", res(0)?, *dtype, output)
+            flat("results", &n.results, *dtype, output, members)
         }
         Op::Send {
             bytes: b, dtype, ..

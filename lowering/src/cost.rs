@@ -173,7 +173,21 @@ impl<'a> PlanCost<'a> {
                 ElementwiseKind::Rope | ElementwiseKind::Residual | ElementwiseKind::Dropout => 0.0,
             },
             Op::Embedding { .. } => self.get(LayerKind::Embedding, pass, "embedding_lookup").0,
-            Op::Loss { .. } => self.get(LayerKind::Head, pass, "softmax_ce").0,
+            // The vocabulary-parallel forward splits the loss into two passes over the
+            // logits: each is charged its share of the template's time by bytes.
+            Op::Loss {
+                tokens,
+                vocab,
+                work,
+            } => {
+                let whole = 8.0 * *tokens as f64 * *vocab as f64;
+                let share = if whole > 0.0 {
+                    (work.bytes as f64 / whole).min(1.0)
+                } else {
+                    1.0
+                };
+                self.get(LayerKind::Head, pass, "softmax_ce").0 * share
+            }
             Op::OptimizerStep { work, .. } => work.bytes as f64 / hbm,
             Op::Collective {
                 kind: ck,
@@ -273,7 +287,16 @@ impl shardwright_simulator::OpCost for PlanCost<'_> {
                     }
                 }
             }
-            (Op::Loss { .. }, None, Pass::Fwd) => t += overhead,
+            // Once per micro-batch: on the loss right after the LM head.
+            (Op::Loss { .. }, None, Pass::Fwd) => {
+                let g = &program.classes[class].graph;
+                let i = node.id.index();
+                let after_head = i > 0
+                    && matches!(&g.nodes[i - 1].op, Op::Gemm { name, .. } if name == "lm_head");
+                if after_head {
+                    t += overhead;
+                }
+            }
             _ => {}
         }
         t

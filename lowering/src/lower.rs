@@ -54,7 +54,11 @@ use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
 use shardwright_spec::spec::{Norm, Recompute, RecomputeModule, Schedule};
 use shardwright_spec::{Layout, Plan};
+use shardwright_ir::ValueId;
 use std::collections::BTreeMap;
+
+mod values;
+use values::{Vals, EMBED, HEAD, NONE};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LowerError {
@@ -342,6 +346,8 @@ struct Builder<'a> {
     last: Option<NodeId>,
     /// Comm nodes the next compute node must wait for.
     pending: Vec<NodeId>,
+    /// The values the nodes read and write (see [`values`]).
+    v: Vals,
 }
 
 impl Builder<'_> {
@@ -479,14 +485,15 @@ fn embedding_op(d: &Dims) -> Op {
     }
 }
 
-/// Softmax cross-entropy over the local vocabulary share (fp32 logits read and written).
-fn loss_op(d: &Dims) -> Op {
+/// Softmax cross-entropy over the local vocabulary share (fp32 logits read and written),
+/// or one of its `parts` (the vocabulary-parallel forward's two passes over the logits).
+fn loss_op(d: &Dims, parts: u64) -> Op {
     Op::Loss {
         tokens: d.t,
         vocab: d.vocab,
         work: Work {
             flops: 0,
-            bytes: 8 * d.t * d.vocab,
+            bytes: 8 * d.t * d.vocab / parts,
         },
     }
 }
@@ -626,10 +633,16 @@ impl<'a> Ctx<'a> {
 
     /// Sequence parallelism's all-gather of the hidden states into a column-parallel block
     /// (forward), or of the output gradient into a row-parallel block (backward).
-    fn tp_gather(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>) {
+    fn tp_gather(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        mb: Option<u32>,
+        layer: Option<u32>,
+    ) -> Option<NodeId> {
         let d = self.dims();
         if d.sp {
-            b.collective(Coll {
+            return b.collective(Coll {
                 stream: Stream::Comm,
                 pass,
                 mb,
@@ -643,11 +656,18 @@ impl<'a> Ctx<'a> {
                 reduce: ReduceOp::Sum,
             });
         }
+        None
     }
 
     /// The TP reduction after a row-parallel block (forward) or of the input gradient of a
     /// column-parallel block (backward): all-reduce, or reduce-scatter with SP.
-    fn tp_reduce(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>) {
+    fn tp_reduce(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        mb: Option<u32>,
+        layer: Option<u32>,
+    ) -> Option<NodeId> {
         let d = self.dims();
         if self.layout.tp > 1 {
             let kind = if d.sp {
@@ -655,7 +675,7 @@ impl<'a> Ctx<'a> {
             } else {
                 CollectiveKind::AllReduce
             };
-            b.collective(Coll {
+            return b.collective(Coll {
                 stream: Stream::Comm,
                 pass,
                 mb,
@@ -669,113 +689,319 @@ impl<'a> Ctx<'a> {
                 reduce: ReduceOp::Sum,
             });
         }
+        None
     }
 
-    /// The vocabulary-parallel cross-entropy's reductions over tp: the all-reduce (max) of
-    /// each token's largest local logit, then one all-reduce (sum) of its target logit
-    /// (held by one rank) and its sum of exponentials relative to the maximum, side by
-    /// side (Megatron-core's `_VocabParallelCrossEntropy` reduces those two separately; its
-    /// fused cross-entropy concatenates them into one all-reduce, as here). f32.
-    fn loss_reductions(&self, b: &mut Builder, mb: Option<u32>) {
-        if self.layout.tp <= 1 {
-            return;
+    /// [`Self::tp_gather`] of `x` (`[ts, h]` -> `[t, h]`), its result filed as `key` in
+    /// scope `at`; without SP `x` itself.
+    fn gather_v(&self, b: &mut Builder, pass: Pass, at: (u32, u32), x: ValueId, key: &'static str) -> ValueId {
+        let d = self.dims();
+        let layer = (at.0 < EMBED).then_some(at.0);
+        match self.tp_gather(b, pass, Some(at.1), layer) {
+            Some(id) => {
+                let y = b.act(at, key, d.w, &[d.t, d.h]);
+                b.set(id, &[x], &[y]);
+                y
+            }
+            None => {
+                b.put(at, key, x);
+                x
+            }
+        }
+    }
+
+    /// [`Self::tp_reduce`] of the partial `x` (`[t, h]` -> `[ts, h]`), filed as `key`;
+    /// without TP `x` itself.
+    fn reduce_v(&self, b: &mut Builder, pass: Pass, at: (u32, u32), x: ValueId, key: &'static str) -> ValueId {
+        let d = self.dims();
+        let layer = (at.0 < EMBED).then_some(at.0);
+        match self.tp_reduce(b, pass, Some(at.1), layer) {
+            Some(id) => {
+                let y = b.act(at, key, d.w, &[d.ts, d.h]);
+                b.set(id, &[x], &[y]);
+                y
+            }
+            None => {
+                b.put(at, key, x);
+                x
+            }
+        }
+    }
+
+    /// The parameter `name` of `layer` (or of the ends) and its gradient, declared with
+    /// the rank's shard shape (`[in, out]` for GEMM weights, as the forward multiplies).
+    fn weight(&self, b: &mut Builder, layer: Option<u32>, name: &'static str) -> (ValueId, ValueId) {
+        if !b.v.on {
+            return b.param(name, &[], DType::F32, DType::F32);
         }
         let d = self.dims();
-        for (tensor, reduce, per_token) in [
-            ("loss.max", ReduceOp::Max, 1),
-            ("loss.target_sumexp", ReduceOp::Sum, 2),
-        ] {
+        let (h, qkv) = (d.h, (d.heads + 2 * d.kv_heads) * d.d);
+        let shape: Vec<u64> = match name {
+            "embedding" => vec![d.vocab, h],
+            "pos_embedding" => vec![d.seq, h],
+            "lm_head" => vec![h, d.vocab],
+            "qkv" => vec![h, qkv],
+            "proj" => vec![d.heads * d.d, h],
+            "fc1" => vec![h, (d.mats - 1) * d.f],
+            "fc2" => vec![d.f, h],
+            _ => vec![h],
+        };
+        let g = dtype(self.job.training.grad_dtype.bytes());
+        let full = match layer {
+            Some(l) => format!("L{l}.{name}"),
+            None => name.to_string(),
+        };
+        b.param(&full, &shape, d.w, g)
+    }
+
+    /// A norm's parameters (weight, and bias for LayerNorm) and their gradients.
+    fn norm_weights(&self, b: &mut Builder, layer: Option<u32>, which: &'static str) -> (Vec<ValueId>, Vec<ValueId>) {
+        let names: &[&'static str] = match (which, self.job.model.norm == Norm::Layernorm) {
+            ("attn_norm", true) => &["attn_norm", "attn_norm_bias"],
+            ("mlp_norm", true) => &["mlp_norm", "mlp_norm_bias"],
+            ("final_norm", true) => &["final_norm", "final_norm_bias"],
+            ("attn_norm", false) => &["attn_norm"],
+            ("mlp_norm", false) => &["mlp_norm"],
+            _ => &["final_norm"],
+        };
+        names.iter().map(|n| self.weight(b, layer, n)).unzip()
+    }
+
+    /// A norm forward of `x` (`[ts, h]`) in scope `at`: the output as `y`, the fp32
+    /// statistics as `stats`.
+    fn norm_fwd_v(&self, b: &mut Builder, pass: Pass, at: (u32, u32), x: ValueId, which: &'static str, keys: (&'static str, &'static str)) -> ValueId {
+        let d = self.dims();
+        let layer = (at.0 < EMBED).then_some(at.0);
+        let (ws, _) = self.norm_weights(b, layer, which);
+        let id = b.compute(pass, Some(at.1), layer, norm(d.ts, d.h));
+        let y = b.act(at, keys.0, d.w, &[d.ts, d.h]);
+        let r = b.act(at, keys.1, DType::F32, &[d.ts]);
+        b.set(id, &[&[x][..], &ws].concat(), &[y, r]);
+        y
+    }
+
+    /// A norm backward in scope `at`: `[dy, x, stats]`, the output gradient through the
+    /// norm of `x` with its statistics, plus the residual gradient `dres` when given;
+    /// accumulates the norm's gradients.
+    fn norm_bwd_v(&self, b: &mut Builder, at: (u32, u32), which: &'static str, io: [ValueId; 3], dres: Option<ValueId>) -> ValueId {
+        let [dy, x, stats] = io;
+        let d = self.dims();
+        let layer = (at.0 < EMBED).then_some(at.0);
+        let (ws, gs) = self.norm_weights(b, layer, which);
+        let id = b.compute(Pass::Bwd, Some(at.1), layer, norm(d.ts, d.h));
+        let dx = b.decl(at, "dx", d.w, &[d.ts, d.h]);
+        let mut ops = vec![dy, x];
+        ops.extend(&ws);
+        ops.push(stats);
+        ops.extend(dres);
+        b.set(id, &ops, &[&[dx][..], &gs].concat());
+        dx
+    }
+
+    /// The loss forward of micro-batch `mb` from the logits (`[t, v]`, fp32, the local
+    /// vocabulary share). Without TP one `loss` node leaves each token's largest logit
+    /// (`max`, `[t]`) and its target logit beside `sum exp(logit - max)` (`stats`,
+    /// `[t, 2]`). Under TP (the vocabulary-parallel cross-entropy): a first `loss` node
+    /// leaves the local maximum, an all-reduce (max) makes it global, a second `loss` node
+    /// takes the target logit (held by one rank, 0 elsewhere) and the sum of exponentials
+    /// relative to the global maximum over the local vocabulary, and an all-reduce (sum)
+    /// adds them over tp (Megatron-core's `_VocabParallelCrossEntropy` reduces those two
+    /// separately; its fused cross-entropy concatenates them into one all-reduce, as here).
+    /// The two nodes split the loss's work (each reads the logits once).
+    fn loss_fwd(&self, b: &mut Builder, mb: u32, logits: ValueId) {
+        let d = self.dims();
+        let at = (HEAD, mb);
+        let (_, labels) = b.data(mb, d.t);
+        let mbo = Some(mb);
+        let f32 = DType::F32;
+        if self.layout.tp <= 1 {
+            let id = b.compute(Pass::Fwd, mbo, None, loss_op(&d, 1));
+            let mx = b.act(at, "max", f32, &[d.t]);
+            let st = b.act(at, "stats", f32, &[d.t, 2]);
+            b.set(id, &[logits, labels], &[mx, st]);
+            return;
+        }
+        let reduce = |b: &mut Builder, tensor: &str, reduce, per_token| {
             b.collective(Coll {
                 stream: Stream::Comm,
                 pass: Pass::Fwd,
-                mb,
+                mb: mbo,
                 layer: None,
                 kind: CollectiveKind::AllReduce,
                 axis: GroupKind::Tp,
-                bytes: per_token * d.t * DType::F32.bytes(),
-                dt: DType::F32,
+                bytes: per_token * d.t * f32.bytes(),
+                dt: f32,
                 blocking: true,
                 tensor: Some(tensor.into()),
                 reduce,
-            });
-        }
+            })
+        };
+        let id = b.compute(Pass::Fwd, mbo, None, loss_op(&d, 2));
+        let lmax = b.act(at, "local_max", f32, &[d.t]);
+        b.set(id, &[logits, labels], &[lmax]);
+        let id = reduce(b, "loss.max", ReduceOp::Max, 1);
+        let mx = b.act(at, "max", f32, &[d.t]);
+        b.set_opt(id, &[lmax], &[mx]);
+        let id = b.compute(Pass::Fwd, mbo, None, loss_op(&d, 2));
+        let lst = b.act(at, "local_stats", f32, &[d.t, 2]);
+        b.set(id, &[logits, labels, mx], &[lst]);
+        let id = reduce(b, "loss.target_sumexp", ReduceOp::Sum, 2);
+        let st = b.act(at, "stats", f32, &[d.t, 2]);
+        b.set_opt(id, &[lst], &[st]);
     }
 
-    /// Emit the forward (or recompute) of one layer.
+    /// Emit the forward (or recompute) of one layer. The forward takes the micro-batch's
+    /// hidden state and hands its output on; the replay (full recompute) starts again from
+    /// the kept input and files its output in the scope.
     fn layer_fwd(&self, b: &mut Builder, layer: u32, mb: u32, pass: Pass, cp_idx: u32) {
         let d = self.dims();
         let (mbo, lo) = (Some(mb), Some(layer));
+        let at = (layer, mb);
         let wname = |n: &str| Some(format!("L{layer}.{n}"));
+        let x = if pass == Pass::Recompute {
+            b.get(at, "x")
+        } else {
+            let x = b.take_cur(mb);
+            b.put(at, "x", x);
+            x
+        };
         // attention block
-        b.compute(pass, mbo, lo, norm(d.ts, d.h));
-        self.tp_gather(b, pass, mbo, lo);
-        b.compute(
-            pass,
-            mbo,
-            lo,
-            gemm(
-                "qkv",
-                d.t,
-                (d.heads + 2 * d.kv_heads) * d.d,
-                d.h,
-                d.w,
-                wname("qkv"),
-            ),
-        );
-        b.compute(
+        let y1 = self.norm_fwd_v(b, pass, at, x, "attn_norm", ("y1", "rstd1"));
+        let yg1 = self.gather_v(b, pass, at, y1, "yg1");
+        let (wq, _) = self.weight(b, lo, "qkv");
+        let qkv_n = (d.heads + 2 * d.kv_heads) * d.d;
+        let id = b.compute(pass, mbo, lo, gemm("qkv", d.t, qkv_n, d.h, d.w, wname("qkv")));
+        let qkv = b.act(at, "qkv", d.w, &[d.t, qkv_n]);
+        b.set(id, &[yg1, wq], &[qkv]);
+        let id = b.compute(
             pass,
             mbo,
             lo,
             ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
         );
-        if self.layout.cp > 1 {
-            let kv = 2 * d.t * self.layout.cp as u64 * d.kv_heads * d.d * d.w.bytes();
-            b.collective(Coll {
+        let q = b.act(at, "q", d.w, &[d.t, d.heads * d.d]);
+        let kv = b.act(at, "kv", d.w, &[d.t, 2 * d.kv_heads * d.d]);
+        b.set(id, &[qkv], &[q, kv]);
+        let kvg = if self.layout.cp > 1 {
+            let c = self.layout.cp as u64;
+            let kvb = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
+            let id = b.collective(Coll {
                 stream: Stream::Comm,
                 pass,
                 mb: mbo,
                 layer: lo,
                 kind: CollectiveKind::AllGather,
                 axis: GroupKind::Cp,
-                bytes: kv,
+                bytes: kvb,
                 dt: d.w,
                 blocking: true,
                 tensor: None,
                 reduce: ReduceOp::Sum,
             });
-        }
-        b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, false));
-        b.compute(
+            let kvg = b.act(at, "kvg", d.w, &[d.t * c, 2 * d.kv_heads * d.d]);
+            b.set_opt(id, &[kv], &[kvg]);
+            kvg
+        } else {
+            b.put(at, "kvg", kv);
+            kv
+        };
+        let id = b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, false));
+        let o = b.act(at, "o", d.w, &[d.t, d.heads * d.d]);
+        let lse = b.act(at, "lse", DType::F32, &[d.t, d.heads]);
+        b.set(id, &[q, kvg], &[o, lse]);
+        let (wp, _) = self.weight(b, lo, "proj");
+        let id = b.compute(
             pass,
             mbo,
             lo,
             gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")),
         );
-        self.tp_reduce(b, pass, mbo, lo);
-        b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
-        if self.job.model.dropout {
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
-        }
+        let p1 = b.act(at, "p1", d.w, &[d.t, d.h]);
+        b.set(id, &[o, wp], &[p1]);
+        let p1r = self.reduce_v(b, pass, at, p1, "p1r");
+        let xm = self.residual_v(b, pass, at, x, p1r, "xm");
         // MLP block (an MoE block under SP without shared experts keeps the sequence
         // shard throughout: no hidden-state gather or reduce-scatter)
-        b.compute(pass, mbo, lo, norm(d.ts, d.h));
+        let y2 = self.norm_fwd_v(b, pass, at, xm, "mlp_norm", ("y2", "rstd2"));
         let block_tp = self.block_tp(layer);
-        if block_tp {
-            self.tp_gather(b, pass, mbo, lo);
-        }
-        let gs = self.mlp_gemms(layer, &d);
-        if self.is_moe_layer(layer) {
-            self.moe_block_fwd(b, pass, mb, layer, &gs, true);
+        let yg2 = if block_tp {
+            self.gather_v(b, pass, at, y2, "yg2")
         } else {
-            self.mlp_fwd(b, pass, mb, layer, &gs[0], &gs[1]);
+            y2
+        };
+        let gs = self.mlp_gemms(layer, &d);
+        let p2 = if self.is_moe_layer(layer) {
+            self.moe_block_fwd(b, pass, mb, layer, &gs, true);
+            yg2
+        } else {
+            self.mlp_fwd(b, pass, at, &gs[0], &gs[1], yg2)
+        };
+        let p2r = if block_tp {
+            self.reduce_v(b, pass, at, p2, "p2r")
+        } else {
+            p2
+        };
+        let out = self.residual_v(b, pass, at, xm, p2r, "out");
+        if pass == Pass::Recompute {
+            return;
         }
-        if block_tp {
-            self.tp_reduce(b, pass, mbo, lo);
+        // The output is the next scope's; the forward keeps what the backward reads.
+        if let Some(s) = b.v.scopes.get_mut(&at) {
+            s.vals.remove("out");
         }
-        b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
-        if self.job.model.dropout {
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
+        b.v.cur.insert(mb, out);
+        let keep = self.kept(layer);
+        b.release_scope_but(at, &keep, Pass::Fwd, lo);
+    }
+
+    /// The residual add `x + y` in scope `at` filed as `key` (then dropout, when the model
+    /// has it).
+    fn residual_v(&self, b: &mut Builder, pass: Pass, at: (u32, u32), x: ValueId, y: ValueId, key: &'static str) -> ValueId {
+        let d = self.dims();
+        let (mbo, lo) = (Some(at.1), Some(at.0));
+        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
+        let z = b.act(at, key, d.w, &[d.ts, d.h]);
+        b.set(id, &[x, y], &[z]);
+        if !self.job.model.dropout {
+            return z;
         }
+        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
+        let zd = b.act(at, key, d.w, &[d.ts, d.h]);
+        b.set(id, &[z], &[zd]);
+        zd
+    }
+
+    /// What a layer's forward keeps for its backward (the rest is released at its end):
+    /// the recompute policy drops what its replay defines again.
+    fn kept(&self, layer: u32) -> Vec<&'static str> {
+        if self.layout.recompute == Recompute::Full {
+            return vec!["x"];
+        }
+        let sp = self.dims().sp;
+        let mut keep = vec![
+            "x", "rstd1", "yg1", "q", "kvg", "o", "lse", "xm", "rstd2", "yg2", "u", "a",
+        ];
+        let mut drop = |k: &str| keep.retain(|x| *x != k);
+        if self.recomputes(layer, RecomputeModule::CoreAttn) {
+            drop("lse");
+        }
+        if self.recomputes(layer, RecomputeModule::Layernorm) {
+            drop("rstd1");
+            drop("rstd2");
+            if !sp {
+                drop("yg1");
+                drop("yg2");
+            }
+        }
+        if self.recomputes(layer, RecomputeModule::Mlp) && !self.is_moe_layer(layer) {
+            drop("u");
+            drop("a");
+            if sp {
+                drop("yg2");
+                keep.push("y2");
+            }
+        }
+        keep
     }
 
     /// The MoE block's forward (or replay): router, permutation, dispatch, experts,
@@ -800,17 +1026,17 @@ impl<'a> Ctx<'a> {
         }
         self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
         self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
-        self.mlp_fwd(b, pass, mb, layer, &gs[1], &gs[2]);
+        self.mlp_fwd(b, pass, (layer, mb), &gs[1], &gs[2], NONE);
         self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
         self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
         b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
         if gs.len() > 3 {
-            self.mlp_fwd(b, pass, mb, layer, &gs[3], &gs[4]);
+            self.mlp_fwd(b, pass, (layer, mb), &gs[3], &gs[4], NONE);
         }
     }
 
     /// A forward (or recompute) GEMM of `layer` reading weight `L{layer}.{name}`.
-    fn gemm_fwd(&self, b: &mut Builder, pass: Pass, mb: u32, layer: u32, g: &G) {
+    fn gemm_fwd(&self, b: &mut Builder, pass: Pass, mb: u32, layer: u32, g: &G) -> NodeId {
         let w = self.dims().w;
         let weight = Some(format!("L{layer}.{}", g.name));
         b.compute(
@@ -818,32 +1044,74 @@ impl<'a> Ctx<'a> {
             Some(mb),
             Some(layer),
             gemm(g.name, g.m, g.n, g.k, w, weight),
-        );
+        )
     }
 
-    /// An MLP (or expert group) forward: up projection, activation, down projection.
-    fn mlp_fwd(&self, b: &mut Builder, pass: Pass, mb: u32, layer: u32, up: &G, down: &G) {
-        self.gemm_fwd(b, pass, mb, layer, up);
-        b.compute(
+    /// An MLP (or expert group) forward of `x` in scope `at`: up projection (`u`),
+    /// activation (`a`), down projection (`p2`, returned: the partial output under TP).
+    fn mlp_fwd(&self, b: &mut Builder, pass: Pass, at: (u32, u32), up: &G, down: &G, x: ValueId) -> ValueId {
+        let (layer, mb) = at;
+        let w = self.dims().w;
+        let (w1, _) = self.weight(b, Some(layer), up.name);
+        let id = self.gemm_fwd(b, pass, mb, layer, up);
+        let u = b.act(at, "u", w, &[up.m, up.n]);
+        b.set(id, &[x, w1], &[u]);
+        let id = b.compute(
             pass,
             Some(mb),
             Some(layer),
             ew(ElementwiseKind::Activation, up.m * up.n, 6),
         );
-        self.gemm_fwd(b, pass, mb, layer, down);
+        let a = b.act(at, "a", w, &[down.m, down.k]);
+        b.set(id, &[u], &[a]);
+        let (w2, _) = self.weight(b, Some(layer), down.name);
+        let id = self.gemm_fwd(b, pass, mb, layer, down);
+        let p = b.act(at, "p2", w, &[down.m, down.n]);
+        b.set(id, &[a, w2], &[p]);
+        p
     }
 
-    /// Its backward: down projection, activation, up projection.
-    fn mlp_bwd(&self, b: &mut Builder, mb: u32, layer: u32, up: &G, down: &G) {
-        let weight = |g: &G| Some(format!("L{layer}.{}", g.name));
-        self.gemm_bwd(b, Some(layer), mb, down, weight(down));
-        b.compute(
+    /// Its backward from the output gradient `dy`: down projection, activation, up
+    /// projection; returns the input gradient (partial under TP).
+    fn mlp_bwd(&self, b: &mut Builder, at: (u32, u32), up: &G, down: &G, dy: ValueId) -> ValueId {
+        let (layer, mb) = at;
+        let w = self.dims().w;
+        let a = b.get(at, "a");
+        let da = self.gemm_bwd_v(b, at, down, [dy, a], "da");
+        let id = b.compute(
             Pass::Bwd,
             Some(mb),
             Some(layer),
             ew(ElementwiseKind::Activation, up.m * up.n, 8),
         );
-        self.gemm_bwd(b, Some(layer), mb, up, weight(up));
+        let du = b.act(at, "du", w, &[up.m, up.n]);
+        let u = b.get(at, "u");
+        b.set(id, &[u, da], &[du]);
+        let x = b.get(at, "yg2");
+        self.gemm_bwd_v(b, at, up, [du, x], "dyg2")
+    }
+
+    /// [`Self::gemm_bwd`] of `layer`'s GEMM `g` with values: `[dy, x]` are the output
+    /// gradient and the forward's input; the data gradient (returned, as `key`) and the
+    /// weight's gradient, accumulated.
+    fn gemm_bwd_v(&self, b: &mut Builder, at: (u32, u32), g: &G, io: [ValueId; 2], key: &'static str) -> ValueId {
+        self.gemm_bwd_w(b, at, (g, g.name), io, key)
+    }
+
+    /// Same, for GEMM `g` reading weight `wname` (the head's `lm_head` or `embedding`).
+    fn gemm_bwd_w(&self, b: &mut Builder, at: (u32, u32), gw: (&G, &'static str), io: [ValueId; 2], key: &'static str) -> ValueId {
+        let ([dy, x], (g, wname)) = (io, gw);
+        let layer = (at.0 < EMBED).then_some(at.0);
+        let (wv, gv) = self.weight(b, layer, wname);
+        let full = match layer {
+            Some(l) => format!("L{l}.{wname}"),
+            None => wname.to_string(),
+        };
+        let (dg, wg) = self.gemm_bwd(b, layer, at.1, g, Some(full));
+        let dx = b.act(at, key, self.dims().w, &[g.m, g.k]);
+        b.set(dg, &[dy, wv], &[dx]);
+        b.set(wg, &[x, dy], &[gv]);
+        dx
     }
 
     /// The load-balancing loss's per-sequence routing statistics (routed-slot counts and
@@ -970,22 +1238,23 @@ impl<'a> Ctx<'a> {
         mb: u32,
         g: &G,
         weight: Option<String>,
-    ) {
+    ) -> (NodeId, NodeId) {
         let w = self.dims().w;
         let dg = format!("{}.dgrad", g.name);
         let wg = format!("{}.wgrad", g.name);
-        b.compute(
+        let d = b.compute(
             Pass::Bwd,
             Some(mb),
             layer,
             gemm(&dg, g.m, g.k, g.n, w, weight.clone()),
         );
-        b.compute(
+        let wn = b.compute(
             Pass::Bwd,
             Some(mb),
             layer,
             gemm(&wg, g.k, g.n, g.m, w, weight),
         );
+        (d, wn)
     }
 
     /// Selective recompute of `layer` as the cost model charges it: torchtitan's op-level
@@ -1011,11 +1280,38 @@ impl<'a> Ctx<'a> {
 
     /// Before the backward of a block: the norm again when its output was not kept
     /// (Megatron's `layernorm` module, torchtitan's op-level AC).
-    fn norm_recompute(&self, b: &mut Builder, layer: u32, mb: u32) {
+    /// The replay defines the norm's output and statistics again (and, without SP, the
+    /// GEMM input the weight gradient reads).
+    fn norm_recompute(&self, b: &mut Builder, at: (u32, u32), which: &'static str) {
+        let layer = at.0;
         if self.recomputes(layer, RecomputeModule::Layernorm) || self.titan_sac(layer) {
-            let d = self.dims();
-            b.compute(Pass::Recompute, Some(mb), Some(layer), norm(d.ts, d.h));
+            let (x, keys, gathered) = if which == "mlp_norm" {
+                (b.get(at, "xm"), ("y2", "rstd2"), "yg2")
+            } else {
+                (b.get(at, "x"), ("y1", "rstd1"), "yg1")
+            };
+            let y = self.norm_fwd_v(b, Pass::Recompute, at, x, which, keys);
+            if !self.dims().sp {
+                b.put(at, gathered, y);
+            }
         }
+    }
+
+    /// A dropout's backward on `dy` (when the model has dropout), filed as `key`.
+    fn dropout_bwd_v(&self, b: &mut Builder, at: (u32, u32), dy: ValueId, key: &'static str) -> ValueId {
+        if !self.job.model.dropout {
+            return dy;
+        }
+        let d = self.dims();
+        let id = b.compute(
+            Pass::Bwd,
+            Some(at.1),
+            Some(at.0),
+            ew(ElementwiseKind::Dropout, d.ts * d.h, 5),
+        );
+        let z = b.act(at, key, d.w, &[d.ts, d.h]);
+        b.set(id, &[dy], &[z]);
+        z
     }
 
     /// Before the MLP block's backward: the forward ops of the recomputed modules, in
@@ -1050,10 +1346,14 @@ impl<'a> Ctx<'a> {
         }
         if !self.is_moe_layer(layer) {
             if self.recomputes(layer, RecomputeModule::Mlp) {
-                if block_tp {
-                    self.tp_gather(b, rc, mbo, lo);
-                }
-                self.mlp_fwd(b, rc, mb, layer, &gs[0], &gs[1]);
+                let at = (layer, mb);
+                let y2 = b.get(at, "y2");
+                let yg2 = if block_tp {
+                    self.gather_v(b, rc, at, y2, "yg2")
+                } else {
+                    y2
+                };
+                self.mlp_fwd(b, rc, at, &gs[0], &gs[1], yg2);
             }
             return;
         }
@@ -1073,63 +1373,58 @@ impl<'a> Ctx<'a> {
             );
         }
         if gs.len() > 3 && self.recomputes(layer, RecomputeModule::SharedExperts) {
-            self.mlp_fwd(b, rc, mb, layer, &gs[3], &gs[4]);
+            self.mlp_fwd(b, rc, (layer, mb), &gs[3], &gs[4], NONE);
         }
     }
 
+    /// Emit the backward of one layer: it takes the micro-batch's incoming gradient and
+    /// hands the input gradient on, then releases the whole scope.
     fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
         let d = self.dims();
         let (mbo, lo) = (Some(mb), Some(layer));
+        let at = (layer, mb);
         let pass = Pass::Bwd;
         let wname = |n: &str| Some(format!("L{layer}.{n}"));
+        let dout = b.take_dcur(mb);
+        b.put(at, "dout", dout);
         // MLP block
-        if self.job.model.dropout {
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
-        }
+        let dout = self.dropout_bwd_v(b, at, dout, "dout_d");
         let block_tp = self.block_tp(layer);
         let gs = self.mlp_gemms(layer, &d);
-        self.norm_recompute(b, layer, mb);
+        self.norm_recompute(b, at, "mlp_norm");
         self.mlp_recompute(b, layer, mb, &gs);
-        if block_tp {
-            self.tp_gather(b, pass, mbo, lo);
-        }
-        if self.is_moe_layer(layer) {
-            let moe = self.job.model.moe.as_ref().expect("moe");
-            let routed = d.ts * moe.top_k as u64 * d.h;
-            if gs.len() > 3 {
-                self.mlp_bwd(b, mb, layer, &gs[3], &gs[4]);
-            }
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-            self.moe_gate_grad(b, mb, layer);
-            self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-            self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
-            self.mlp_bwd(b, mb, layer, &gs[1], &gs[2]);
-            self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
-            self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-            self.gemm_bwd(b, lo, mb, &gs[0], wname(gs[0].name));
+        let dg2 = if block_tp {
+            self.gather_v(b, pass, at, dout, "dg2")
         } else {
-            self.mlp_bwd(b, mb, layer, &gs[0], &gs[1]);
-        }
-        if block_tp {
-            self.tp_reduce(b, pass, mbo, lo);
-        }
-        b.compute(pass, mbo, lo, norm(d.ts, d.h));
+            dout
+        };
+        let dy2 = if self.is_moe_layer(layer) {
+            self.moe_block_bwd(b, mb, layer, &gs);
+            NONE
+        } else {
+            self.mlp_bwd(b, at, &gs[0], &gs[1], dg2)
+        };
+        let dy2r = if block_tp {
+            self.reduce_v(b, pass, at, dy2, "dy2r")
+        } else {
+            dy2
+        };
+        let io = [dy2r, b.get(at, "xm"), b.get(at, "rstd2")];
+        let dxm = self.norm_bwd_v(b, at, "mlp_norm", io, Some(dout));
+        b.put(at, "dxm", dxm);
         // attention block
-        if self.job.model.dropout {
-            b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
-        }
-        self.tp_gather(b, pass, mbo, lo);
+        let dxm = self.dropout_bwd_v(b, at, dxm, "dxm_d");
+        let dg1 = self.gather_v(b, pass, at, dxm, "dg1");
         let proj = G {
             name: "proj",
             m: d.t,
             n: d.h,
             k: d.heads * d.d,
         };
-        self.norm_recompute(b, layer, mb);
+        self.norm_recompute(b, at, "attn_norm");
         if self.titan_sac(layer) {
             // torchtitan's op-level AC reruns wk (and the rotary on K) and wo; the SDPA
-            // output is kept.
+            // output is kept. (These replays carry no values yet.)
             let rc = Pass::Recompute;
             self.tp_gather(b, rc, mbo, lo);
             b.compute(
@@ -1151,19 +1446,32 @@ impl<'a> Ctx<'a> {
                 gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")),
             );
         }
-        self.gemm_bwd(b, lo, mb, &proj, wname("proj"));
-        if self.recomputes(layer, RecomputeModule::CoreAttn) {
-            b.compute(
+        let o = b.get(at, "o");
+        let d_o = self.gemm_bwd_v(b, at, &proj, [dg1, o], "do");
+        let (q, kvg) = (b.get(at, "q"), b.get(at, "kvg"));
+        let o = if self.recomputes(layer, RecomputeModule::CoreAttn) {
+            let id = b.compute(
                 Pass::Recompute,
                 mbo,
                 lo,
                 self.attention_op(&d, cp_idx, false),
             );
-        }
-        b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, true));
-        if self.layout.cp > 1 {
-            let kv = 2 * d.t * self.layout.cp as u64 * d.kv_heads * d.d * d.w.bytes();
-            b.collective(Coll {
+            let o2 = b.act(at, "o_rc", d.w, &[d.t, d.heads * d.d]);
+            let lse = b.act(at, "lse", DType::F32, &[d.t, d.heads]);
+            b.set(id, &[q, kvg], &[o2, lse]);
+            o2
+        } else {
+            o
+        };
+        let id = b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, true));
+        let dq = b.act(at, "dq", d.w, &[d.t, d.heads * d.d]);
+        let c = self.layout.cp as u64;
+        let dkvg = b.act(at, "dkvg", d.w, &[d.t * c, 2 * d.kv_heads * d.d]);
+        let lse = b.get(at, "lse");
+        b.set(id, &[q, kvg, o, lse, d_o], &[dq, dkvg]);
+        let dkv = if self.layout.cp > 1 {
+            let kv = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
+            let id = b.collective(Coll {
                 stream: Stream::Comm,
                 pass,
                 mb: mbo,
@@ -1176,8 +1484,13 @@ impl<'a> Ctx<'a> {
                 tensor: None,
                 reduce: ReduceOp::Sum,
             });
-        }
-        b.compute(
+            let dkv = b.act(at, "dkv", d.w, &[d.t, 2 * d.kv_heads * d.d]);
+            b.set_opt(id, &[dkvg], &[dkv]);
+            dkv
+        } else {
+            dkvg
+        };
+        let id = b.compute(
             pass,
             mbo,
             lo,
@@ -1189,9 +1502,40 @@ impl<'a> Ctx<'a> {
             n: (d.heads + 2 * d.kv_heads) * d.d,
             k: d.h,
         };
-        self.gemm_bwd(b, lo, mb, &qkv, wname("qkv"));
-        self.tp_reduce(b, pass, mbo, lo);
-        b.compute(pass, mbo, lo, norm(d.ts, d.h));
+        let dqkv = b.act(at, "dqkv", d.w, &[d.t, qkv.n]);
+        b.set(id, &[dq, dkv], &[dqkv]);
+        let yg1 = b.get(at, "yg1");
+        let dyg1 = self.gemm_bwd_v(b, at, &qkv, [dqkv, yg1], "dyg1");
+        let dy1 = self.reduce_v(b, pass, at, dyg1, "dy1");
+        let io = [dy1, b.get(at, "x"), b.get(at, "rstd1")];
+        let dx = self.norm_bwd_v(b, at, "attn_norm", io, Some(dxm));
+        if b.v.on {
+            b.v.dcur.insert(mb, dx);
+        }
+        b.release_scope_but(at, &[], Pass::Bwd, lo);
+    }
+
+    /// The MoE block's backward (no values yet): shared experts, permutation, dispatch,
+    /// experts, combine, un-permutation, router.
+    fn moe_block_bwd(&self, b: &mut Builder, mb: u32, layer: u32, gs: &[G]) {
+        let d = self.dims();
+        let (mbo, lo) = (Some(mb), Some(layer));
+        let pass = Pass::Bwd;
+        let at = (layer, mb);
+        let moe = self.job.model.moe.as_ref().expect("moe");
+        let routed = d.ts * moe.top_k as u64 * d.h;
+        if gs.len() > 3 {
+            self.mlp_bwd(b, at, &gs[3], &gs[4], NONE);
+        }
+        b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+        self.moe_gate_grad(b, mb, layer);
+        self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+        self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
+        self.mlp_bwd(b, at, &gs[1], &gs[2], NONE);
+        self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
+        self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+        b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+        self.gemm_bwd(b, lo, mb, &gs[0], Some(format!("L{layer}.{}", gs[0].name)));
     }
 
     /// Parameters of one layer on this rank: (dense, expert), from the cost model.
@@ -1356,6 +1700,10 @@ impl<'a> Ctx<'a> {
             rank,
             last: None,
             pending: Vec::new(),
+            v: Vals {
+                on: !self.job.model.is_moe(),
+                ..Vals::default()
+            },
         };
 
         // ---- persistent state and step buffers ----
@@ -1420,6 +1768,170 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// The embedding of micro-batch `mb`: the (vocabulary-parallel) lookup of its tokens,
+    /// plus the learned positions when the model has them, summed over TP; the result is
+    /// the hidden state handed to the first layer.
+    fn embed_fwd(&self, b: &mut Builder, mb: u32) {
+        let d = self.dims();
+        let at = (EMBED, mb);
+        let (tok, _) = b.data(mb, d.t);
+        let mut ops = vec![tok, self.weight(b, None, "embedding").0];
+        if self.job.model.learned_positions {
+            ops.push(self.weight(b, None, "pos_embedding").0);
+        }
+        let id = b.compute(Pass::Fwd, Some(mb), None, embedding_op(&d));
+        let e = b.act(at, "e", d.w, &[d.t, d.h]);
+        b.set(id, &ops, &[e]);
+        // Vocabulary-parallel embedding: partial rows summed over TP.
+        let x = self.reduce_v(b, Pass::Fwd, at, e, "x0");
+        self.hand_on(b, at, x, false);
+    }
+
+    /// Its backward: (SP) every token's gradient gathered, scattered into the embedding's
+    /// gradient rows (and the positions').
+    fn embed_bwd(&self, b: &mut Builder, mb: u32) {
+        let d = self.dims();
+        let at = (EMBED, mb);
+        let dx = b.take_dcur(mb);
+        b.put(at, "dx", dx);
+        // SP: the sequence shards of the gradient gathered for the vocabulary-parallel
+        // embedding's backward (every tp rank scatters every token's row into its
+        // vocabulary shard).
+        let id = d.sp.then(|| {
+            b.collective(Coll {
+                stream: Stream::Comm,
+                pass: Pass::Bwd,
+                mb: Some(mb),
+                layer: None,
+                kind: CollectiveKind::AllGather,
+                axis: GroupKind::Tp,
+                bytes: d.t * d.h * d.w.bytes(),
+                dt: d.w,
+                blocking: true,
+                tensor: Some("embed.dgrad.gather".into()),
+                reduce: ReduceOp::Sum,
+            })
+        });
+        let dxg = match id.flatten() {
+            Some(id) => {
+                let g = b.act(at, "dxg", d.w, &[d.t, d.h]);
+                b.set(id, &[dx], &[g]);
+                g
+            }
+            None => dx,
+        };
+        let (tok, _) = b.data(mb, d.t);
+        let mut grads = vec![self.weight(b, None, "embedding").1];
+        if self.job.model.learned_positions {
+            grads.push(self.weight(b, None, "pos_embedding").1);
+        }
+        let id = b.compute(Pass::Bwd, Some(mb), None, embedding_op(&d));
+        b.set(id, &[dxg, tok], &grads);
+        b.release_scope_but(at, &[], Pass::Bwd, None);
+    }
+
+    /// Hand `x` of scope `at` on as the micro-batch's hidden state (or, `grad`, its
+    /// gradient), out of the scope; release the rest of the scope when it is the embedding.
+    fn hand_on(&self, b: &mut Builder, at: (u32, u32), x: ValueId, grad: bool) {
+        if !b.v.on {
+            return;
+        }
+        if let Some(s) = b.v.scopes.get_mut(&at) {
+            s.vals.retain(|_, v| *v != x);
+        }
+        if grad {
+            b.v.dcur.insert(at.1, x);
+        } else {
+            b.v.cur.insert(at.1, x);
+        }
+        if at.0 == EMBED {
+            b.release_scope_but(at, &[], Pass::Fwd, None);
+        }
+    }
+
+    /// The head's forward on micro-batch `mb`: final norm, (SP) gather, LM head GEMM into
+    /// fp32 logits, the loss; keeps what its backward reads.
+    fn head_fwd(&self, b: &mut Builder, mb: u32) {
+        let d = self.dims();
+        let at = (HEAD, mb);
+        let x = b.take_cur(mb);
+        b.put(at, "x", x);
+        let y = self.norm_fwd_v(b, Pass::Fwd, at, x, "final_norm", ("y", "rstd"));
+        let yg = self.gather_v(b, Pass::Fwd, at, y, "yg");
+        let head_w = self.head_weight();
+        let (wv, _) = self.weight(b, None, head_w);
+        let id = b.compute(
+            Pass::Fwd,
+            Some(mb),
+            None,
+            gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
+        );
+        let logits = b.act(at, "logits", DType::F32, &[d.t, d.vocab]);
+        b.set(id, &[yg, wv], &[logits]);
+        self.loss_fwd(b, mb, logits);
+        b.release_scope_but(at, &["x", "rstd", "yg", "logits", "max", "stats"], Pass::Fwd, None);
+    }
+
+    /// Its backward: the logits' gradient, the LM head's data and weight gradients, the
+    /// TP reduction of the input gradient, the final norm's backward; hands the gradient
+    /// to the last layer and releases the scope.
+    fn head_bwd(&self, b: &mut Builder, mb: u32) {
+        let d = self.dims();
+        let at = (HEAD, mb);
+        let (_, labels) = b.data(mb, d.t);
+        let id = b.compute(Pass::Bwd, Some(mb), None, loss_op(&d, 1));
+        let dl = b.act(at, "dlogits", DType::F32, &[d.t, d.vocab]);
+        let ops = [
+            b.get(at, "logits"),
+            labels,
+            b.get(at, "max"),
+            b.get(at, "stats"),
+        ];
+        b.set(id, &ops, &[dl]);
+        let g = G {
+            name: "lm_head",
+            m: d.t,
+            n: d.vocab,
+            k: d.h,
+        };
+        let yg = b.get(at, "yg");
+        let dyg = self.gemm_bwd_w(b, at, (&g, self.head_weight()), [dl, yg], "dyg");
+        // The head's input gradient is a partial sum over the vocabulary shards:
+        // reduce-scattered into the sequence shards with SP, else all-reduced (Megatron's
+        // column-parallel backward).
+        let id = b.collective(Coll {
+            stream: Stream::Comm,
+            pass: Pass::Bwd,
+            mb: Some(mb),
+            layer: None,
+            kind: if d.sp {
+                CollectiveKind::ReduceScatter
+            } else {
+                CollectiveKind::AllReduce
+            },
+            axis: GroupKind::Tp,
+            bytes: d.t * d.h * d.w.bytes(),
+            dt: d.w,
+            blocking: true,
+            tensor: Some("head.dgrad".into()),
+            reduce: ReduceOp::Sum,
+        });
+        let dy = match id {
+            Some(id) => {
+                let dy = b.act(at, "dy", d.w, &[d.ts, d.h]);
+                b.set(id, &[dyg], &[dy]);
+                dy
+            }
+            None => dyg,
+        };
+        let io = [dy, b.get(at, "x"), b.get(at, "rstd")];
+        let dx = self.norm_bwd_v(b, at, "final_norm", io, None);
+        if b.v.on {
+            b.v.dcur.insert(mb, dx);
+        }
+        b.release_scope_but(at, &[], Pass::Bwd, None);
+    }
+
     /// A forward slot: receive from the previous virtual stage (or embed), the chunk's
     /// layers, then the head and loss on the last virtual stage or a send to the next.
     fn fwd_slot(&self, b: &mut Builder, w: &mut Walk, s: &Slot) {
@@ -1445,6 +1957,11 @@ impl<'a> Ctx<'a> {
                 Vec::new(),
             );
             b.pending.push(id);
+            let x = b.decl((first, s.mb), "recv", d.w, &[d.ts, d.h]);
+            b.set(id, &[], &[x]);
+            if b.v.on {
+                b.v.cur.insert(s.mb, x);
+            }
         }
         if has_embed {
             let buf = b.g.buffer(
@@ -1454,9 +1971,7 @@ impl<'a> Ctx<'a> {
             );
             w.ends.insert(s.mb, buf);
             b.mem(true, buf, Pass::Fwd, mbo, None);
-            b.compute(Pass::Fwd, mbo, None, embedding_op(&d));
-            // Vocabulary-parallel embedding: partial rows summed over TP.
-            self.tp_reduce(b, Pass::Fwd, mbo, None);
+            self.embed_fwd(b, s.mb);
         }
         for layer in first..first + count {
             if z3 {
@@ -1479,20 +1994,10 @@ impl<'a> Ctx<'a> {
             );
             w.ends.insert(u32::MAX - s.mb, buf);
             b.mem(true, buf, Pass::Fwd, mbo, None);
-            b.compute(Pass::Fwd, mbo, None, norm(d.ts, d.h));
-            self.tp_gather(b, Pass::Fwd, mbo, None);
-            let head_w = self.head_weight();
-            b.compute(
-                Pass::Fwd,
-                mbo,
-                None,
-                gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
-            );
-            b.compute(Pass::Fwd, mbo, None, loss_op(&d));
-            self.loss_reductions(b, mbo);
+            self.head_fwd(b, s.mb);
         } else {
             let deps = b.last.into_iter().collect();
-            b.g.push(
+            let id = b.g.push(
                 Stream::P2p,
                 Pass::Fwd,
                 mbo,
@@ -1504,6 +2009,9 @@ impl<'a> Ctx<'a> {
                 },
                 deps,
             );
+            let x = b.take_cur(s.mb);
+            b.set(id, &[x], &[]);
+            b.release(Pass::Fwd, mbo, None, vec![x], vec![id]);
         }
     }
 
@@ -1521,36 +2029,7 @@ impl<'a> Ctx<'a> {
         let z3 = l.zero_stage >= 3;
         let round = |x: f64| x.max(0.0).round() as u64;
         if has_head {
-            b.compute(Pass::Bwd, mbo, None, loss_op(&d));
-            let head_w = self.head_weight();
-            let g = G {
-                name: "lm_head",
-                m: d.t,
-                n: d.vocab,
-                k: d.h,
-            };
-            self.gemm_bwd(b, None, s.mb, &g, Some(head_w.into()));
-            // The head's input gradient is a partial sum over the vocabulary
-            // shards: reduce-scattered into the sequence shards with SP, else
-            // all-reduced (Megatron's column-parallel backward).
-            b.collective(Coll {
-                stream: Stream::Comm,
-                pass: Pass::Bwd,
-                mb: mbo,
-                layer: None,
-                kind: if d.sp {
-                    CollectiveKind::ReduceScatter
-                } else {
-                    CollectiveKind::AllReduce
-                },
-                axis: GroupKind::Tp,
-                bytes: d.t * d.h * d.w.bytes(),
-                dt: d.w,
-                blocking: true,
-                tensor: Some("head.dgrad".into()),
-                reduce: ReduceOp::Sum,
-            });
-            b.compute(Pass::Bwd, mbo, None, norm(d.ts, d.h));
+            self.head_bwd(b, s.mb);
             if let Some(buf) = w.ends.remove(&(u32::MAX - s.mb)) {
                 b.mem(false, buf, Pass::Bwd, mbo, None);
             }
@@ -1568,6 +2047,12 @@ impl<'a> Ctx<'a> {
                 Vec::new(),
             );
             b.pending.push(id);
+            let last = first + count - 1;
+            let dx = b.decl((last, s.mb), "recv_grad", d.w, &[d.ts, d.h]);
+            b.set(id, &[], &[dx]);
+            if b.v.on {
+                b.v.dcur.insert(s.mb, dx);
+            }
         }
         let last_of_chunk = w.last_bwd.get(&s.chunk) == Some(&si);
         for layer in (first..first + count).rev() {
@@ -1614,31 +2099,13 @@ impl<'a> Ctx<'a> {
             }
         }
         if has_embed {
-            // SP: the sequence shards of the gradient gathered for the
-            // vocabulary-parallel embedding's backward (every tp rank scatters
-            // every token's row into its vocabulary shard).
-            if d.sp {
-                b.collective(Coll {
-                    stream: Stream::Comm,
-                    pass: Pass::Bwd,
-                    mb: mbo,
-                    layer: None,
-                    kind: CollectiveKind::AllGather,
-                    axis: GroupKind::Tp,
-                    bytes: d.t * d.h * d.w.bytes(),
-                    dt: d.w,
-                    blocking: true,
-                    tensor: Some("embed.dgrad.gather".into()),
-                    reduce: ReduceOp::Sum,
-                });
-            }
-            b.compute(Pass::Bwd, mbo, None, embedding_op(&d));
+            self.embed_bwd(b, s.mb);
             if let Some(buf) = w.ends.remove(&s.mb) {
                 b.mem(false, buf, Pass::Bwd, mbo, None);
             }
         } else {
             let deps = b.last.into_iter().collect();
-            b.g.push(
+            let id = b.g.push(
                 Stream::P2p,
                 Pass::Bwd,
                 mbo,
@@ -1650,6 +2117,9 @@ impl<'a> Ctx<'a> {
                 },
                 deps,
             );
+            let dx = b.take_dcur(s.mb);
+            b.set(id, &[dx], &[]);
+            b.release(Pass::Bwd, mbo, None, vec![dx], vec![id]);
         }
         if last_of_chunk || z3 {
             let mut ends_p = (0.0, 0.0);

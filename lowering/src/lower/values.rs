@@ -1,0 +1,213 @@
+//! The values (tensors) the lowering's nodes read and write.
+//!
+//! Every compute node, in-layer collective, send and receive of a dense model's graph names
+//! its operands and results (see [`shardwright_ir::Value`]); the executor and the verifier
+//! read the dataflow from them instead of inferring it from the node order.
+//!
+//! - State: each parameter the rank holds (`L3.qkv`, `embedding`, `final_norm`, ...; its
+//!   tensor-parallel shard, shaped as the op uses it) and its gradient (`L3.qkv.grad`, in
+//!   the gradient dtype). A weight-gradient GEMM or a norm's backward lists the gradient
+//!   among its results: it accumulates into it in place.
+//! - Data: each micro-batch's token ids and labels (`mb2.tokens`, `mb2.labels`, i32).
+//! - Activations: defined once, by one node; the hidden state flows from the embedding (or
+//!   a receive) through the layers to the head (or a send), its gradient back.
+//!
+//! Lifetimes, per layer and micro-batch (a *scope*): the forward's values the backward
+//! reads are kept, the rest are released by one `release` node at the end of the layer's
+//! forward; the backward releases everything else of the scope (the kept values, the
+//! recomputed ones, its own gradients) by one `release` node at its end. What is kept is
+//! the recompute policy's choice: full recompute keeps the layer input only (the replay
+//! defines fresh values), Megatron's selective modules drop what they rerun (core attention:
+//! the log-sum-exp; layernorm: the norm statistics; MLP: the up projection and activation).
+//! A layer's input belongs to its scope (released after its backward), its output to the
+//! next scope (the next layer, the head, or the send that hands it on).
+//!
+//! Not yet valued (their nodes carry no operands or results): MoE models (the whole graph),
+//! torchtitan's op-level recompute replays, and the data-parallel stream (gradient
+//! reductions, ZeRO gathers, the optimizer and its state).
+
+use super::Builder;
+use shardwright_ir::{DType, NodeId, Pass, Stream, ValueId, ValueKind};
+use std::collections::BTreeMap;
+
+/// Scope id of the head (final norm, LM head, loss) and of the embedding.
+pub(super) const HEAD: u32 = u32::MAX;
+pub(super) const EMBED: u32 = u32::MAX - 1;
+
+/// The values of one (layer, micro-batch): by role, plus superseded ones awaiting release.
+#[derive(Default)]
+pub(super) struct Scope {
+    pub vals: BTreeMap<&'static str, ValueId>,
+    pub extra: Vec<ValueId>,
+}
+
+/// The value bookkeeping of one rank's lowering.
+#[derive(Default)]
+pub(super) struct Vals {
+    /// Whether this graph carries values (dense models).
+    pub on: bool,
+    pub params: BTreeMap<String, (ValueId, ValueId)>,
+    pub data: BTreeMap<u32, (ValueId, ValueId)>,
+    pub scopes: BTreeMap<(u32, u32), Scope>,
+    /// The hidden state, and its gradient, of each micro-batch between scopes.
+    pub cur: BTreeMap<u32, ValueId>,
+    pub dcur: BTreeMap<u32, ValueId>,
+}
+
+pub(super) const NONE: ValueId = ValueId(u32::MAX);
+
+impl Builder<'_> {
+    /// A new activation of scope `(layer, mb)` under `key`.
+    pub(super) fn act(&mut self, at: (u32, u32), key: &'static str, dt: DType, shape: &[u64]) -> ValueId {
+        let id = self.decl(at, key, dt, shape);
+        self.put(at, key, id);
+        id
+    }
+
+    /// A new activation named after scope `(layer, mb)` and `key`, filed nowhere (the
+    /// hidden state or gradient handed to the next scope).
+    pub(super) fn decl(&mut self, at: (u32, u32), key: &'static str, dt: DType, shape: &[u64]) -> ValueId {
+        if !self.v.on {
+            return NONE;
+        }
+        let name = match at.0 {
+            HEAD => format!("head.mb{}.{key}", at.1),
+            EMBED => format!("embed.mb{}.{key}", at.1),
+            l => format!("L{l}.mb{}.{key}", at.1),
+        };
+        self.g.value(ValueKind::Activation, dt, shape.to_vec(), name)
+    }
+
+    /// File `id` under `key` in its scope; a value it supersedes is released with the scope.
+    pub(super) fn put(&mut self, at: (u32, u32), key: &'static str, id: ValueId) {
+        if !self.v.on {
+            return;
+        }
+        let s = self.v.scopes.entry(at).or_default();
+        if let Some(old) = s.vals.insert(key, id) {
+            if old != id {
+                s.extra.push(old);
+            }
+        }
+    }
+
+    pub(super) fn get(&self, at: (u32, u32), key: &'static str) -> ValueId {
+        if !self.v.on {
+            return NONE;
+        }
+        self.v
+            .scopes
+            .get(&at)
+            .and_then(|s| s.vals.get(key))
+            .copied()
+            .unwrap_or_else(|| panic!("lowering: no value `{key}` in scope {at:?}"))
+    }
+
+    /// A parameter (and its gradient) the rank holds, declared at its first use.
+    pub(super) fn param(&mut self, name: &str, shape: &[u64], w: DType, g: DType) -> (ValueId, ValueId) {
+        if !self.v.on {
+            return (NONE, NONE);
+        }
+        if let Some(&p) = self.v.params.get(name) {
+            return p;
+        }
+        let p = self.g.value(ValueKind::Param, w, shape.to_vec(), name);
+        let gr = self
+            .g
+            .value(ValueKind::Grad, g, shape.to_vec(), format!("{name}.grad"));
+        self.v.params.insert(name.to_string(), (p, gr));
+        (p, gr)
+    }
+
+    /// The token ids and labels of micro-batch `mb` (`t` of them on this rank).
+    pub(super) fn data(&mut self, mb: u32, t: u64) -> (ValueId, ValueId) {
+        if !self.v.on {
+            return (NONE, NONE);
+        }
+        if let Some(&d) = self.v.data.get(&mb) {
+            return d;
+        }
+        let tok = self
+            .g
+            .value(ValueKind::Data, DType::I32, vec![t], format!("mb{mb}.tokens"));
+        let lab = self
+            .g
+            .value(ValueKind::Data, DType::I32, vec![t], format!("mb{mb}.labels"));
+        self.v.data.insert(mb, (tok, lab));
+        (tok, lab)
+    }
+
+    /// Operands and results of node `id`.
+    pub(super) fn set(&mut self, id: NodeId, operands: &[ValueId], results: &[ValueId]) {
+        if self.v.on {
+            self.g.set_values(id, operands.to_vec(), results.to_vec());
+        }
+    }
+
+    /// Same, for a node that may not have been emitted.
+    pub(super) fn set_opt(&mut self, id: Option<NodeId>, operands: &[ValueId], results: &[ValueId]) {
+        if let Some(id) = id {
+            self.set(id, operands, results);
+        }
+    }
+
+    /// One `release` node for `vals` (deduplicated, in id order), after `deps`.
+    pub(super) fn release(&mut self, pass: Pass, mb: Option<u32>, layer: Option<u32>, mut vals: Vec<ValueId>, deps: Vec<NodeId>) {
+        if !self.v.on {
+            return;
+        }
+        vals.retain(|v| *v != NONE);
+        vals.sort_unstable();
+        vals.dedup();
+        if vals.is_empty() {
+            return;
+        }
+        let id = self.g.push(Stream::Compute, pass, mb, layer, shardwright_ir::Op::Release, deps);
+        self.g.set_values(id, vals, Vec::new());
+    }
+
+    /// Release the scope's values but `keep` (which stay filed under their keys).
+    pub(super) fn release_scope_but(&mut self, at: (u32, u32), keep: &[&'static str], pass: Pass, layer: Option<u32>) {
+        if !self.v.on {
+            return;
+        }
+        let Some(s) = self.v.scopes.get_mut(&at) else {
+            return;
+        };
+        let kept: Vec<ValueId> = keep.iter().filter_map(|k| s.vals.get(k).copied()).collect();
+        let mut out: Vec<ValueId> = std::mem::take(&mut s.extra);
+        s.vals.retain(|_, v| {
+            if kept.contains(v) {
+                true
+            } else {
+                out.push(*v);
+                false
+            }
+        });
+        if s.vals.is_empty() {
+            self.v.scopes.remove(&at);
+        }
+        self.release(pass, Some(at.1), layer, out, Vec::new());
+    }
+
+    /// The hidden state of micro-batch `mb` handed to the next scope.
+    pub(super) fn take_cur(&mut self, mb: u32) -> ValueId {
+        if !self.v.on {
+            return NONE;
+        }
+        self.v
+            .cur
+            .remove(&mb)
+            .unwrap_or_else(|| panic!("lowering: no hidden state for micro-batch {mb}"))
+    }
+
+    pub(super) fn take_dcur(&mut self, mb: u32) -> ValueId {
+        if !self.v.on {
+            return NONE;
+        }
+        self.v
+            .dcur
+            .remove(&mb)
+            .unwrap_or_else(|| panic!("lowering: no gradient for micro-batch {mb}"))
+    }
+}
