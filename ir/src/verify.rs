@@ -788,7 +788,10 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
                 dt.name()
             ));
         }
-        let sum: u64 = vs.iter().map(|v| val(v).bytes()).fold(0, u64::saturating_add);
+        let sum: u64 = vs
+            .iter()
+            .map(|v| val(v).bytes())
+            .fold(0, u64::saturating_add);
         if sum <= want && want - sum < members.max(1) * dt.bytes() {
             Ok(())
         } else {

@@ -46,6 +46,7 @@
 use crate::mesh::declare_groups;
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
 use shardwright_cost::schedule::{slots, Phase, Slot};
+use shardwright_ir::ValueId;
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
     Program, RankClass, ReduceOp, Stream, Work,
@@ -54,7 +55,6 @@ use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
 use shardwright_spec::spec::{Norm, Recompute, RecomputeModule, Schedule};
 use shardwright_spec::{Layout, Plan};
-use shardwright_ir::ValueId;
 use std::collections::BTreeMap;
 
 mod values;
@@ -694,7 +694,14 @@ impl<'a> Ctx<'a> {
 
     /// [`Self::tp_gather`] of `x` (`[ts, h]` -> `[t, h]`), its result filed as `key` in
     /// scope `at`; without SP `x` itself.
-    fn gather_v(&self, b: &mut Builder, pass: Pass, at: (u32, u32), x: ValueId, key: &'static str) -> ValueId {
+    fn gather_v(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        at: (u32, u32),
+        x: ValueId,
+        key: &'static str,
+    ) -> ValueId {
         let d = self.dims();
         let layer = (at.0 < EMBED).then_some(at.0);
         match self.tp_gather(b, pass, Some(at.1), layer) {
@@ -712,7 +719,14 @@ impl<'a> Ctx<'a> {
 
     /// [`Self::tp_reduce`] of the partial `x` (`[t, h]` -> `[ts, h]`), filed as `key`;
     /// without TP `x` itself.
-    fn reduce_v(&self, b: &mut Builder, pass: Pass, at: (u32, u32), x: ValueId, key: &'static str) -> ValueId {
+    fn reduce_v(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        at: (u32, u32),
+        x: ValueId,
+        key: &'static str,
+    ) -> ValueId {
         let d = self.dims();
         let layer = (at.0 < EMBED).then_some(at.0);
         match self.tp_reduce(b, pass, Some(at.1), layer) {
@@ -730,7 +744,12 @@ impl<'a> Ctx<'a> {
 
     /// The parameter `name` of `layer` (or of the ends) and its gradient, declared with
     /// the rank's shard shape (`[in, out]` for GEMM weights, as the forward multiplies).
-    fn weight(&self, b: &mut Builder, layer: Option<u32>, name: &'static str) -> (ValueId, ValueId) {
+    fn weight(
+        &self,
+        b: &mut Builder,
+        layer: Option<u32>,
+        name: &'static str,
+    ) -> (ValueId, ValueId) {
         if !b.v.on {
             return b.param(name, &[], DType::F32, DType::F32);
         }
@@ -755,7 +774,12 @@ impl<'a> Ctx<'a> {
     }
 
     /// A norm's parameters (weight, and bias for LayerNorm) and their gradients.
-    fn norm_weights(&self, b: &mut Builder, layer: Option<u32>, which: &'static str) -> (Vec<ValueId>, Vec<ValueId>) {
+    fn norm_weights(
+        &self,
+        b: &mut Builder,
+        layer: Option<u32>,
+        which: &'static str,
+    ) -> (Vec<ValueId>, Vec<ValueId>) {
         let names: &[&'static str] = match (which, self.job.model.norm == Norm::Layernorm) {
             ("attn_norm", true) => &["attn_norm", "attn_norm_bias"],
             ("mlp_norm", true) => &["mlp_norm", "mlp_norm_bias"],
@@ -769,7 +793,15 @@ impl<'a> Ctx<'a> {
 
     /// A norm forward of `x` (`[ts, h]`) in scope `at`: the output as `y`, the fp32
     /// statistics as `stats`.
-    fn norm_fwd_v(&self, b: &mut Builder, pass: Pass, at: (u32, u32), x: ValueId, which: &'static str, keys: (&'static str, &'static str)) -> ValueId {
+    fn norm_fwd_v(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        at: (u32, u32),
+        x: ValueId,
+        which: &'static str,
+        keys: (&'static str, &'static str),
+    ) -> ValueId {
         let d = self.dims();
         let layer = (at.0 < EMBED).then_some(at.0);
         let (ws, _) = self.norm_weights(b, layer, which);
@@ -783,7 +815,14 @@ impl<'a> Ctx<'a> {
     /// A norm backward in scope `at`: `[dy, x, stats]`, the output gradient through the
     /// norm of `x` with its statistics, plus the residual gradient `dres` when given;
     /// accumulates the norm's gradients.
-    fn norm_bwd_v(&self, b: &mut Builder, at: (u32, u32), which: &'static str, io: [ValueId; 3], dres: Option<ValueId>) -> ValueId {
+    fn norm_bwd_v(
+        &self,
+        b: &mut Builder,
+        at: (u32, u32),
+        which: &'static str,
+        io: [ValueId; 3],
+        dres: Option<ValueId>,
+    ) -> ValueId {
         let [dy, x, stats] = io;
         let d = self.dims();
         let layer = (at.0 < EMBED).then_some(at.0);
@@ -870,7 +909,12 @@ impl<'a> Ctx<'a> {
         let yg1 = self.gather_v(b, pass, at, y1, "yg1");
         let (wq, _) = self.weight(b, lo, "qkv");
         let qkv_n = (d.heads + 2 * d.kv_heads) * d.d;
-        let id = b.compute(pass, mbo, lo, gemm("qkv", d.t, qkv_n, d.h, d.w, wname("qkv")));
+        let id = b.compute(
+            pass,
+            mbo,
+            lo,
+            gemm("qkv", d.t, qkv_n, d.h, d.w, wname("qkv")),
+        );
         let qkv = b.act(at, "qkv", d.w, &[d.t, qkv_n]);
         b.set(id, &[yg1, wq], &[qkv]);
         let id = b.compute(
@@ -956,7 +1000,15 @@ impl<'a> Ctx<'a> {
 
     /// The residual add `x + y` in scope `at` filed as `key` (then dropout, when the model
     /// has it).
-    fn residual_v(&self, b: &mut Builder, pass: Pass, at: (u32, u32), x: ValueId, y: ValueId, key: &'static str) -> ValueId {
+    fn residual_v(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        at: (u32, u32),
+        x: ValueId,
+        y: ValueId,
+        key: &'static str,
+    ) -> ValueId {
         let d = self.dims();
         let (mbo, lo) = (Some(at.1), Some(at.0));
         let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
@@ -1049,7 +1101,15 @@ impl<'a> Ctx<'a> {
 
     /// An MLP (or expert group) forward of `x` in scope `at`: up projection (`u`),
     /// activation (`a`), down projection (`p2`, returned: the partial output under TP).
-    fn mlp_fwd(&self, b: &mut Builder, pass: Pass, at: (u32, u32), up: &G, down: &G, x: ValueId) -> ValueId {
+    fn mlp_fwd(
+        &self,
+        b: &mut Builder,
+        pass: Pass,
+        at: (u32, u32),
+        up: &G,
+        down: &G,
+        x: ValueId,
+    ) -> ValueId {
         let (layer, mb) = at;
         let w = self.dims().w;
         let (w1, _) = self.weight(b, Some(layer), up.name);
@@ -1094,12 +1154,26 @@ impl<'a> Ctx<'a> {
     /// [`Self::gemm_bwd`] of `layer`'s GEMM `g` with values: `[dy, x]` are the output
     /// gradient and the forward's input; the data gradient (returned, as `key`) and the
     /// weight's gradient, accumulated.
-    fn gemm_bwd_v(&self, b: &mut Builder, at: (u32, u32), g: &G, io: [ValueId; 2], key: &'static str) -> ValueId {
+    fn gemm_bwd_v(
+        &self,
+        b: &mut Builder,
+        at: (u32, u32),
+        g: &G,
+        io: [ValueId; 2],
+        key: &'static str,
+    ) -> ValueId {
         self.gemm_bwd_w(b, at, (g, g.name), io, key)
     }
 
     /// Same, for GEMM `g` reading weight `wname` (the head's `lm_head` or `embedding`).
-    fn gemm_bwd_w(&self, b: &mut Builder, at: (u32, u32), gw: (&G, &'static str), io: [ValueId; 2], key: &'static str) -> ValueId {
+    fn gemm_bwd_w(
+        &self,
+        b: &mut Builder,
+        at: (u32, u32),
+        gw: (&G, &'static str),
+        io: [ValueId; 2],
+        key: &'static str,
+    ) -> ValueId {
         let ([dy, x], (g, wname)) = (io, gw);
         let layer = (at.0 < EMBED).then_some(at.0);
         let (wv, gv) = self.weight(b, layer, wname);
@@ -1298,7 +1372,13 @@ impl<'a> Ctx<'a> {
     }
 
     /// A dropout's backward on `dy` (when the model has dropout), filed as `key`.
-    fn dropout_bwd_v(&self, b: &mut Builder, at: (u32, u32), dy: ValueId, key: &'static str) -> ValueId {
+    fn dropout_bwd_v(
+        &self,
+        b: &mut Builder,
+        at: (u32, u32),
+        dy: ValueId,
+        key: &'static str,
+    ) -> ValueId {
         if !self.job.model.dropout {
             return dy;
         }
@@ -1869,7 +1949,12 @@ impl<'a> Ctx<'a> {
         let logits = b.act(at, "logits", DType::F32, &[d.t, d.vocab]);
         b.set(id, &[yg, wv], &[logits]);
         self.loss_fwd(b, mb, logits);
-        b.release_scope_but(at, &["x", "rstd", "yg", "logits", "max", "stats"], Pass::Fwd, None);
+        b.release_scope_but(
+            at,
+            &["x", "rstd", "yg", "logits", "max", "stats"],
+            Pass::Fwd,
+            None,
+        );
     }
 
     /// Its backward: the logits' gradient, the LM head's data and weight gradients, the

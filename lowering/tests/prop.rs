@@ -241,6 +241,47 @@ proptest! {
             gm.nodes[j].op = tmp;
             prop_assert!(!errors(&m).is_empty(), "{c:?}: swapped collectives n{i}, n{j} on rank {r} not caught");
         }
+        // A dense model's graph names the values of every op but the data-parallel
+        // stream's, memory events and torchtitan's op-level replays.
+        if !c.moe {
+            for n in &g.nodes {
+                let valued = match &n.op {
+                    Op::Alloc { .. } | Op::Free { .. } | Op::Checkpoint { .. } | Op::OptimizerStep { .. } => false,
+                    Op::Collective { .. } => n.stream != shardwright_ir::Stream::Dp,
+                    _ => true,
+                };
+                if valued {
+                    prop_assert!(!n.operands.is_empty() || !n.results.is_empty(),
+                        "{c:?}: rank {r}: {} carries no values", shardwright_ir::text::print_node(g, n));
+                }
+            }
+            // Delete a release: its activations are never released.
+            let rels = idx(&|o| matches!(o, Op::Release));
+            prop_assert!(!rels.is_empty(), "{c:?}: no release");
+            let mut m = base.clone();
+            remove_node(&mut m.classes[ci].graph, choose(&rels, 4));
+            let e = errors(&m);
+            prop_assert!(e.iter().any(|x| x.contains("[unreleased]")), "{c:?}: deleted release on rank {r} not caught: {e:?}");
+            // A value used after its release.
+            let i = choose(&rels, 5);
+            let gone = g.nodes[i].operands[0];
+            if let Some(j) = (i + 1..g.nodes.len()).find(|&j| !g.nodes[j].operands.is_empty() && !matches!(g.nodes[j].op, Op::Release)) {
+                let mut m = base.clone();
+                m.classes[ci].graph.nodes[j].operands[0] = gone;
+                let e = errors(&m);
+                prop_assert!(e.iter().any(|x| x.contains("[use-after-release]")), "{c:?}: use after release on rank {r} not caught: {e:?}");
+            }
+            // A GEMM reading the wrong operand (another value of another size).
+            let gemms = idx(&|o| matches!(o, Op::Gemm { .. }));
+            let i = choose(&gemms, 6);
+            let want = g.values[g.nodes[i].operands[1].index()].elems();
+            if let Some(v) = g.values.iter().find(|v| v.elems() != want && v.kind == shardwright_ir::ValueKind::Param) {
+                let mut m = base.clone();
+                m.classes[ci].graph.nodes[i].operands[1] = v.id;
+                let e = errors(&m);
+                prop_assert!(e.iter().any(|x| x.contains("[value-shape]")), "{c:?}: wrong operand on rank {r} not caught: {e:?}");
+            }
+        }
         // Delete the free of a transient buffer.
         let frees: Vec<usize> = g.nodes.iter().enumerate().filter(|(_, n)| match n.op {
             Op::Free { buffer } => is_transient(g.buffers[buffer.index()].kind),

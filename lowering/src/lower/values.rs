@@ -58,7 +58,13 @@ pub(super) const NONE: ValueId = ValueId(u32::MAX);
 
 impl Builder<'_> {
     /// A new activation of scope `(layer, mb)` under `key`.
-    pub(super) fn act(&mut self, at: (u32, u32), key: &'static str, dt: DType, shape: &[u64]) -> ValueId {
+    pub(super) fn act(
+        &mut self,
+        at: (u32, u32),
+        key: &'static str,
+        dt: DType,
+        shape: &[u64],
+    ) -> ValueId {
         let id = self.decl(at, key, dt, shape);
         self.put(at, key, id);
         id
@@ -66,7 +72,13 @@ impl Builder<'_> {
 
     /// A new activation named after scope `(layer, mb)` and `key`, filed nowhere (the
     /// hidden state or gradient handed to the next scope).
-    pub(super) fn decl(&mut self, at: (u32, u32), key: &'static str, dt: DType, shape: &[u64]) -> ValueId {
+    pub(super) fn decl(
+        &mut self,
+        at: (u32, u32),
+        key: &'static str,
+        dt: DType,
+        shape: &[u64],
+    ) -> ValueId {
         if !self.v.on {
             return NONE;
         }
@@ -75,7 +87,8 @@ impl Builder<'_> {
             EMBED => format!("embed.mb{}.{key}", at.1),
             l => format!("L{l}.mb{}.{key}", at.1),
         };
-        self.g.value(ValueKind::Activation, dt, shape.to_vec(), name)
+        self.g
+            .value(ValueKind::Activation, dt, shape.to_vec(), name)
     }
 
     /// File `id` under `key` in its scope; a value it supersedes is released with the scope.
@@ -104,7 +117,13 @@ impl Builder<'_> {
     }
 
     /// A parameter (and its gradient) the rank holds, declared at its first use.
-    pub(super) fn param(&mut self, name: &str, shape: &[u64], w: DType, g: DType) -> (ValueId, ValueId) {
+    pub(super) fn param(
+        &mut self,
+        name: &str,
+        shape: &[u64],
+        w: DType,
+        g: DType,
+    ) -> (ValueId, ValueId) {
         if !self.v.on {
             return (NONE, NONE);
         }
@@ -127,12 +146,18 @@ impl Builder<'_> {
         if let Some(&d) = self.v.data.get(&mb) {
             return d;
         }
-        let tok = self
-            .g
-            .value(ValueKind::Data, DType::I32, vec![t], format!("mb{mb}.tokens"));
-        let lab = self
-            .g
-            .value(ValueKind::Data, DType::I32, vec![t], format!("mb{mb}.labels"));
+        let tok = self.g.value(
+            ValueKind::Data,
+            DType::I32,
+            vec![t],
+            format!("mb{mb}.tokens"),
+        );
+        let lab = self.g.value(
+            ValueKind::Data,
+            DType::I32,
+            vec![t],
+            format!("mb{mb}.labels"),
+        );
         self.v.data.insert(mb, (tok, lab));
         (tok, lab)
     }
@@ -145,14 +170,26 @@ impl Builder<'_> {
     }
 
     /// Same, for a node that may not have been emitted.
-    pub(super) fn set_opt(&mut self, id: Option<NodeId>, operands: &[ValueId], results: &[ValueId]) {
+    pub(super) fn set_opt(
+        &mut self,
+        id: Option<NodeId>,
+        operands: &[ValueId],
+        results: &[ValueId],
+    ) {
         if let Some(id) = id {
             self.set(id, operands, results);
         }
     }
 
     /// One `release` node for `vals` (deduplicated, in id order), after `deps`.
-    pub(super) fn release(&mut self, pass: Pass, mb: Option<u32>, layer: Option<u32>, mut vals: Vec<ValueId>, deps: Vec<NodeId>) {
+    pub(super) fn release(
+        &mut self,
+        pass: Pass,
+        mb: Option<u32>,
+        layer: Option<u32>,
+        mut vals: Vec<ValueId>,
+        deps: Vec<NodeId>,
+    ) {
         if !self.v.on {
             return;
         }
@@ -162,12 +199,25 @@ impl Builder<'_> {
         if vals.is_empty() {
             return;
         }
-        let id = self.g.push(Stream::Compute, pass, mb, layer, shardwright_ir::Op::Release, deps);
+        let id = self.g.push(
+            Stream::Compute,
+            pass,
+            mb,
+            layer,
+            shardwright_ir::Op::Release,
+            deps,
+        );
         self.g.set_values(id, vals, Vec::new());
     }
 
     /// Release the scope's values but `keep` (which stay filed under their keys).
-    pub(super) fn release_scope_but(&mut self, at: (u32, u32), keep: &[&'static str], pass: Pass, layer: Option<u32>) {
+    pub(super) fn release_scope_but(
+        &mut self,
+        at: (u32, u32),
+        keep: &[&'static str],
+        pass: Pass,
+        layer: Option<u32>,
+    ) {
         if !self.v.on {
             return;
         }
