@@ -77,6 +77,7 @@ use shardwright_ir::{
 use std::collections::{BTreeMap, HashMap};
 
 mod state;
+mod values;
 pub use state::{logical_state, sharded_state};
 
 /// Training hyper-parameters of a run.
@@ -756,6 +757,8 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     data: Option<Box<dyn DataSource>>,
     /// This step's micro-batches, fetched once each: (inputs, targets).
     batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
+    /// The activations of the value path, by value id (see [`values`]).
+    vals: Vec<Option<Vec<f32>>>,
 }
 
 /// All-reduce with the node's reduction (`max` as an all-gather and a local maximum:
@@ -864,6 +867,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             cur: BTreeMap::new(),
             gcur: BTreeMap::new(),
             acts: BTreeMap::new(),
+            vals: vec![None; g.values.len()],
             head: BTreeMap::new(),
             moe: BTreeMap::new(),
             counters: BTreeMap::new(),
@@ -1170,6 +1174,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     }
 
     fn node(&mut self, n: &Node) -> Result<(), String> {
+        if Self::valued(n) {
+            return self.value_node(n);
+        }
         // Module-level selective recompute (Megatron's `recompute_modules` beyond the
         // attention core, torchtitan's op-level AC): this backend keeps every activation and
         // its forward is deterministic, so the replays (GEMMs, elementwise ops and their

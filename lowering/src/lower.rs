@@ -188,6 +188,7 @@ impl Prepared {
             mesh: &self.mesh,
             chunks: &self.chunks,
             interval_steps: self.interval_steps,
+            dims: Ctx::local_dims(&self.job, &self.layout),
         }
     }
 }
@@ -206,13 +207,17 @@ pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
     let mut pre = prepare(plan)?;
     let layout = pre.layout;
     let world = pre.program.world;
-    let mut class_coords = Vec::new();
-    let mut classes = Vec::new();
-    let mut class_of = vec![0u32; world as usize];
-    {
+    // The classes in (pp, cp) order, lowered in parallel (each is independent; the
+    // ordered collect keeps the program the same bytes on any thread count).
+    let class_coords: Vec<(u32, u32)> = (0..layout.pp)
+        .flat_map(|pp| (0..layout.cp).map(move |cp| (pp, cp)))
+        .collect();
+    let graphs: Vec<Graph> = {
+        use rayon::prelude::*;
         let ctx = pre.ctx();
-        for pp in 0..layout.pp {
-            for cp in 0..layout.cp {
+        class_coords
+            .par_iter()
+            .map(|&(pp, cp)| {
                 let rep = pre.mesh.rank(Coord {
                     tp: 0,
                     cp,
@@ -220,21 +225,23 @@ pub fn lower(plan: &Plan) -> Result<Lowered, LowerError> {
                     dp: 0,
                     pp,
                 });
-                let graph = ctx.lower_rank(&pre.program, rep);
-                let idx = classes.len() as u32;
-                let mut ranks = Vec::new();
-                for r in 0..world {
-                    let c = pre.mesh.coord(r);
-                    if c.pp == pp && c.cp == cp {
-                        ranks.push(r);
-                        class_of[r as usize] = idx;
-                    }
-                }
-                classes.push(RankClass { ranks, graph });
-                class_coords.push((pp, cp));
-            }
-        }
+                ctx.lower_rank(&pre.program, rep)
+            })
+            .collect()
+    };
+    let mut members: Vec<Vec<u32>> = vec![Vec::new(); class_coords.len()];
+    let mut class_of = vec![0u32; world as usize];
+    for r in 0..world {
+        let c = pre.mesh.coord(r);
+        let idx = c.pp * layout.cp + c.cp;
+        members[idx as usize].push(r);
+        class_of[r as usize] = idx;
     }
+    let classes: Vec<RankClass> = members
+        .into_iter()
+        .zip(graphs)
+        .map(|(ranks, graph)| RankClass { ranks, graph })
+        .collect();
     pre.program.classes = classes;
     pre.program.class_of = class_of;
     let mut l = Lowered {
@@ -281,9 +288,12 @@ struct Ctx<'a> {
     mesh: &'a Mesh,
     chunks: &'a [Vec<(u32, u32)>],
     interval_steps: u64,
+    /// [`Ctx::local_dims`], computed once.
+    dims: Dims,
 }
 
 /// Model dimensions local to one rank.
+#[derive(Clone, Copy)]
 struct Dims {
     /// Tokens per micro-batch on this rank (b s / cp).
     t: u64,
@@ -509,8 +519,11 @@ struct G {
 
 impl<'a> Ctx<'a> {
     fn dims(&self) -> Dims {
-        let m = &self.job.model;
-        let l = self.layout;
+        self.dims
+    }
+
+    fn local_dims(job: &Job, layout: &Layout) -> Dims {
+        let (m, l) = (&job.model, layout);
         let t = l.tp as u64;
         let tokens = l.micro_batch as u64 * m.seq_len / l.cp as u64;
         let sp = l.sequence_parallel && l.tp > 1;
@@ -525,7 +538,7 @@ impl<'a> Ctx<'a> {
             f: div_ceil(m.ffn_hidden_size, t),
             vocab: div_ceil(m.vocab_size, t),
             seq: m.seq_len,
-            w: dtype(self.job.training.compute_dtype.bytes()),
+            w: dtype(job.training.compute_dtype.bytes()),
             sp,
         }
     }
@@ -750,8 +763,8 @@ impl<'a> Ctx<'a> {
         layer: Option<u32>,
         name: &'static str,
     ) -> (ValueId, ValueId) {
-        if !b.v.on {
-            return b.param(name, &[], DType::F32, DType::F32);
+        if let Some(p) = b.known_param((layer, name)) {
+            return p;
         }
         let d = self.dims();
         let (h, qkv) = (d.h, (d.heads + 2 * d.kv_heads) * d.d);
@@ -766,11 +779,7 @@ impl<'a> Ctx<'a> {
             _ => vec![h],
         };
         let g = dtype(self.job.training.grad_dtype.bytes());
-        let full = match layer {
-            Some(l) => format!("L{l}.{name}"),
-            None => name.to_string(),
-        };
-        b.param(&full, &shape, d.w, g)
+        b.param((layer, name), &shape, d.w, g)
     }
 
     /// A norm's parameters (weight, and bias for LayerNorm) and their gradients.
@@ -839,8 +848,7 @@ impl<'a> Ctx<'a> {
 
     /// The loss forward of micro-batch `mb` from the logits (`[t, v]`, fp32, the local
     /// vocabulary share). Without TP one `loss` node leaves each token's largest logit
-    /// (`max`, `[t]`) and its target logit beside `sum exp(logit - max)` (`stats`,
-    /// `[t, 2]`). Under TP (the vocabulary-parallel cross-entropy): a first `loss` node
+    /// (`max`, `[t]`) and its target logit and log-sum-exp (`stats`, `[2, t]`). Under TP (the vocabulary-parallel cross-entropy): a first `loss` node
     /// leaves the local maximum, an all-reduce (max) makes it global, a second `loss` node
     /// takes the target logit (held by one rank, 0 elsewhere) and the sum of exponentials
     /// relative to the global maximum over the local vocabulary, and an all-reduce (sum)
@@ -856,7 +864,7 @@ impl<'a> Ctx<'a> {
         if self.layout.tp <= 1 {
             let id = b.compute(Pass::Fwd, mbo, None, loss_op(&d, 1));
             let mx = b.act(at, "max", f32, &[d.t]);
-            let st = b.act(at, "stats", f32, &[d.t, 2]);
+            let st = b.act(at, "stats", f32, &[2, d.t]);
             b.set(id, &[logits, labels], &[mx, st]);
             return;
         }
@@ -882,10 +890,10 @@ impl<'a> Ctx<'a> {
         let mx = b.act(at, "max", f32, &[d.t]);
         b.set_opt(id, &[lmax], &[mx]);
         let id = b.compute(Pass::Fwd, mbo, None, loss_op(&d, 2));
-        let lst = b.act(at, "local_stats", f32, &[d.t, 2]);
+        let lst = b.act(at, "local_stats", f32, &[2, d.t]);
         b.set(id, &[logits, labels, mx], &[lst]);
         let id = reduce(b, "loss.target_sumexp", ReduceOp::Sum, 2);
-        let st = b.act(at, "stats", f32, &[d.t, 2]);
+        let st = b.act(at, "stats", f32, &[2, d.t]);
         b.set_opt(id, &[lst], &[st]);
     }
 
@@ -924,7 +932,7 @@ impl<'a> Ctx<'a> {
             ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
         );
         let q = b.act(at, "q", d.w, &[d.t, d.heads * d.d]);
-        let kv = b.act(at, "kv", d.w, &[d.t, 2 * d.kv_heads * d.d]);
+        let kv = b.act(at, "kv", d.w, &[2, d.t, d.kv_heads * d.d]);
         b.set(id, &[qkv], &[q, kv]);
         let kvg = if self.layout.cp > 1 {
             let c = self.layout.cp as u64;
@@ -942,7 +950,7 @@ impl<'a> Ctx<'a> {
                 tensor: None,
                 reduce: ReduceOp::Sum,
             });
-            let kvg = b.act(at, "kvg", d.w, &[d.t * c, 2 * d.kv_heads * d.d]);
+            let kvg = b.act(at, "kvg", d.w, &[c, 2, d.t, d.kv_heads * d.d]);
             b.set_opt(id, &[kv], &[kvg]);
             kvg
         } else {
@@ -1546,7 +1554,7 @@ impl<'a> Ctx<'a> {
         let id = b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, true));
         let dq = b.act(at, "dq", d.w, &[d.t, d.heads * d.d]);
         let c = self.layout.cp as u64;
-        let dkvg = b.act(at, "dkvg", d.w, &[d.t * c, 2 * d.kv_heads * d.d]);
+        let dkvg = b.act(at, "dkvg", d.w, &[c, 2, d.t, d.kv_heads * d.d]);
         let lse = b.get(at, "lse");
         b.set(id, &[q, kvg, o, lse, d_o], &[dq, dkvg]);
         let dkv = if self.layout.cp > 1 {
@@ -1564,7 +1572,7 @@ impl<'a> Ctx<'a> {
                 tensor: None,
                 reduce: ReduceOp::Sum,
             });
-            let dkv = b.act(at, "dkv", d.w, &[d.t, 2 * d.kv_heads * d.d]);
+            let dkv = b.act(at, "dkv", d.w, &[2, d.t, d.kv_heads * d.d]);
             b.set_opt(id, &[dkvg], &[dkv]);
             dkv
         } else {
@@ -1785,6 +1793,14 @@ impl<'a> Ctx<'a> {
                 ..Vals::default()
             },
         };
+
+        // Room for the graph: about 60 nodes and values per layer and micro-batch.
+        let layers: u32 = self.chunks[j as usize].iter().map(|c| c.1).sum();
+        let guess = 60 * (layers as usize + 2) * l.grad_accum as usize;
+        b.g.nodes.reserve(guess);
+        if b.v.on {
+            b.g.values.reserve(guess);
+        }
 
         // ---- persistent state and step buffers ----
         let (step_temps, params) = self.step_buffers(&mut b, j);
@@ -2132,7 +2148,7 @@ impl<'a> Ctx<'a> {
                 Vec::new(),
             );
             b.pending.push(id);
-            let last = first + count - 1;
+            let last = (first + count).saturating_sub(1);
             let dx = b.decl((last, s.mb), "recv_grad", d.w, &[d.ts, d.h]);
             b.set(id, &[], &[dx]);
             if b.v.on {

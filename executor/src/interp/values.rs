@@ -1,0 +1,510 @@
+//! The value path: a node that names its operands and results runs on them, whatever its
+//! place in the graph. Each op kind is one backend call (or a collective) on the values
+//! the node lists, in the operand order the lowering documents
+//! (`shardwright_lowering::lower`'s `values` module):
+//!
+//! | op | operands | results |
+//! |---|---|---|
+//! | `norm` (forward, replay) | `x, w[, b]` | `y, stats` |
+//! | `norm` (backward) | `dy, x, w[, b], stats[, dres]` | `dx (+ dres), dw[, db]` |
+//! | `gemm` / `.dgrad` / `.wgrad` | `x, W` / `dy, W` / `x, dy` | `y` / `dx` / `dW` (accumulated) |
+//! | `rope` (forward) | `qkv` (per token: Q, K, V heads) | `q`, `kv` (all K rows, then all V rows) |
+//! | `rope` (backward) | `dq, dkv` | `dqkv` |
+//! | `attention` (forward, replay) | `q, kv` (context parallel: every member's `kv`, in group order) | `o, lse` |
+//! | `attention` (backward) | `q, kv, o, lse, do` | `dq, dkv` (per member, as `kv`) |
+//! | `activation` | `u` / `u, da` | `a` / `du` |
+//! | `residual` | `x, y` | `x + y` |
+//! | `embedding` | `tokens, E[, P]` / `dx, tokens` | `e` / `dE[, dP]` (accumulated) |
+//! | `loss` | `logits, labels[, max]` / `logits, labels, max, stats` | see below / `dlogits` |
+//! | collective, send, recv | the tensor in | the tensor out |
+//! | `release` | values whose lifetime ends | |
+//!
+//! The loss without TP is one node: `max` (each token's largest logit) and `stats` (its
+//! target logit and log-sum-exp, `[2, t]`). Under TP the first node leaves the local
+//! maximum (reduced by `loss.max`), the second the target logit (0 outside its shard) and
+//! `sum exp(logit - max)` over the local vocabulary (summed by `loss.target_sumexp`); the
+//! backward takes `max + ln(sumexp)` as the log-sum-exp. The backward adds the micro-batch's
+//! share of the step's loss.
+//!
+//! Parameters and gradients are the rank's named state (`L3.qkv`, `L3.qkv.grad`); token ids
+//! and labels come from the data source by micro-batch; activations live in a table by value
+//! id from their defining node to their `release`.
+
+use super::{all_reduce_op, err, norm_bwd, NormSaved, RankExec};
+use crate::backend::{AttnSaved, Backend, GemmShape, Operand};
+use crate::comm::Communicator;
+use shardwright_ir::{CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, ValueId, ValueKind};
+use std::collections::BTreeMap;
+
+/// An activation (from the value table) or a parameter (from the rank's state), borrowing
+/// only those two fields so the caller may hold the communicator or the gradients.
+fn get<'a>(
+    g: &Graph,
+    vals: &'a [Option<Vec<f32>>],
+    params: &'a BTreeMap<String, Vec<f32>>,
+    v: ValueId,
+) -> Result<&'a Vec<f32>, String> {
+    let val = &g.values[v.index()];
+    match val.kind {
+        ValueKind::Activation => vals[v.index()]
+            .as_ref()
+            .ok_or_else(|| format!("{v} (`{}`) holds nothing", val.name)),
+        ValueKind::Param => params
+            .get(&val.name)
+            .ok_or_else(|| format!("weight {} not on this rank", val.name)),
+        other => Err(format!(
+            "{v} (`{}`) is {}, not readable here",
+            val.name,
+            other.name()
+        )),
+    }
+}
+
+impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+    /// Whether the node runs on the value path.
+    pub(super) fn valued(n: &Node) -> bool {
+        !n.operands.is_empty() || !n.results.is_empty()
+    }
+
+    fn value_name(&self, v: ValueId) -> &str {
+        &self.g.values[v.index()].name
+    }
+
+    /// An activation or a parameter.
+    fn val(&self, v: ValueId) -> Result<&Vec<f32>, String> {
+        get(self.g, &self.vals, &self.params, v)
+    }
+
+    fn def(&mut self, v: ValueId, x: Vec<f32>) {
+        self.vals[v.index()] = Some(x);
+    }
+
+    fn arg(n: &Node, i: usize) -> Result<ValueId, String> {
+        n.operands
+            .get(i)
+            .copied()
+            .ok_or_else(|| format!("{} needs operand {}", n.op.keyword(), i + 1))
+    }
+
+    fn res(n: &Node, i: usize) -> Result<ValueId, String> {
+        n.results
+            .get(i)
+            .copied()
+            .ok_or_else(|| format!("{} needs result {}", n.op.keyword(), i + 1))
+    }
+
+    /// Run a node on its values.
+    pub(super) fn value_node(&mut self, n: &Node) -> Result<(), String> {
+        let mb = n.mb.unwrap_or(0);
+        match &n.op {
+            Op::Release => {
+                for v in &n.operands {
+                    self.vals[v.index()] = None;
+                }
+                Ok(())
+            }
+            Op::Send { peer, .. } => {
+                let x = self.val(Self::arg(n, 0)?)?.clone();
+                self.comm.send(*peer, &x);
+                Ok(())
+            }
+            Op::Recv { peer, .. } => {
+                let x = self.comm.recv(*peer);
+                self.def(Self::res(n, 0)?, x);
+                Ok(())
+            }
+            Op::Collective {
+                kind,
+                bytes,
+                dtype,
+                reduce,
+                ..
+            } => {
+                let group = self.group_ranks(n)?;
+                let elems = (*bytes / dtype.bytes()) as usize;
+                let x = get(self.g, &self.vals, &self.params, Self::arg(n, 0)?)?;
+                let y = match kind {
+                    CollectiveKind::AllGather => self.comm.all_gather(&group, x),
+                    CollectiveKind::ReduceScatter => {
+                        super::moves_as_stated(x.len(), elems)?;
+                        self.comm.reduce_scatter(&group, x)
+                    }
+                    CollectiveKind::AllReduce => {
+                        let mut y = x.clone();
+                        super::moves_as_stated(y.len(), elems)?;
+                        all_reduce_op(&mut self.comm, &group, &mut y, *reduce);
+                        y
+                    }
+                    other => return Err(format!("{} on values", other.name())),
+                };
+                if *kind == CollectiveKind::AllGather {
+                    super::moves_as_stated(y.len(), elems)?;
+                }
+                self.def(Self::res(n, 0)?, y);
+                Ok(())
+            }
+            Op::Norm { .. } => self.v_norm(n),
+            Op::Gemm { name, .. } => self.v_gemm(n, name),
+            Op::Elementwise { kind, .. } => self.v_elementwise(n, *kind),
+            Op::Attention { .. } => self.v_attention(n),
+            Op::Embedding { .. } => self.v_embedding(n, mb),
+            Op::Loss { .. } => self.v_loss(n, mb),
+            _ => Err(err("no value rule for this op")),
+        }
+    }
+
+    fn v_norm(&mut self, n: &Node) -> Result<(), String> {
+        let ws = if self.dims.layernorm { 2 } else { 1 };
+        let wname = self
+            .value_name(Self::arg(n, if n.pass == Pass::Bwd { 2 } else { 1 })?)
+            .to_string();
+        if n.pass != Pass::Bwd {
+            let (y, r) = self.norm_fwd(self.val(Self::arg(n, 0)?)?, &wname)?;
+            self.def(Self::res(n, 0)?, y);
+            self.def(Self::res(n, 1)?, r);
+            return Ok(());
+        }
+        let (dy, x, st) = (Self::arg(n, 0)?, Self::arg(n, 1)?, Self::arg(n, 2 + ws)?);
+        let dx = {
+            let at = |v| get(self.g, &self.vals, &self.params, v);
+            let (dy, x, st) = (at(dy)?, at(x)?, at(st)?);
+            norm_bwd(
+                self.be,
+                self.dims,
+                &self.params,
+                &mut self.grads,
+                &wname,
+                NormSaved { x, stats: st },
+                dy,
+            )?
+        };
+        let dx = match n.operands.get(3 + ws) {
+            // The residual branch's gradient plus the norm's.
+            Some(&r) => self.val(r)?.iter().zip(&dx).map(|(a, b)| a + b).collect(),
+            None => dx,
+        };
+        self.def(Self::res(n, 0)?, dx);
+        Ok(())
+    }
+
+    fn v_gemm(&mut self, n: &Node, name: &str) -> Result<(), String> {
+        let Op::Gemm {
+            m,
+            n: nn,
+            k,
+            weight,
+            ..
+        } = &n.op
+        else {
+            return Err(err("not a gemm"));
+        };
+        let (m, nn, k) = (*m as usize, *nn as usize, *k as usize);
+        let be = self.be;
+        // The LM head tied to the embedding multiplies by the embedding's transpose.
+        let tied = self.dims.tied && weight.as_deref() == Some("embedding");
+        let (a, b) = (Self::arg(n, 0)?, Self::arg(n, 1)?);
+        if name.ends_with(".wgrad") {
+            let gname = self.value_name(Self::res(n, 0)?).to_string();
+            let pname = gname.strip_suffix(".grad").unwrap_or(&gname).to_string();
+            let x = get(self.g, &self.vals, &self.params, a)?;
+            let dy = get(self.g, &self.vals, &self.params, b)?;
+            let dw = self
+                .grads
+                .get_mut(&pname)
+                .ok_or_else(|| format!("no gradient of {pname}"))?;
+            if tied {
+                be.gemm(
+                    GemmShape { m: nn, k, n: m },
+                    Operand::t(dy),
+                    Operand::n(x),
+                    1.0,
+                    dw,
+                );
+            } else {
+                be.linear_wgrad(x, dy, k, m, nn, dw);
+            }
+            return Ok(());
+        }
+        let (x, w) = (self.val(a)?, self.val(b)?);
+        let y = if name.ends_with(".dgrad") {
+            if tied {
+                be.linear_fwd(x, w, m, k, nn)
+            } else {
+                be.linear_dgrad(x, w, m, nn, k)
+            }
+        } else if tied {
+            let mut y = vec![0.0; m * nn];
+            be.gemm(
+                GemmShape { m, k, n: nn },
+                Operand::n(x),
+                Operand::t(w),
+                0.0,
+                &mut y,
+            );
+            y
+        } else {
+            be.linear_fwd(x, w, m, k, nn)
+        };
+        self.def(Self::res(n, 0)?, y);
+        Ok(())
+    }
+
+    fn v_elementwise(&mut self, n: &Node, kind: ElementwiseKind) -> Result<(), String> {
+        let be = self.be;
+        let bwd = n.pass == Pass::Bwd;
+        match kind {
+            ElementwiseKind::Residual => {
+                let (x, y) = (self.val(Self::arg(n, 0)?)?, self.val(Self::arg(n, 1)?)?);
+                if x.len() != y.len() {
+                    return Err(format!("residual of {} elements onto {}", y.len(), x.len()));
+                }
+                let z = x.iter().zip(y).map(|(a, b)| a + b).collect();
+                self.def(Self::res(n, 0)?, z);
+            }
+            ElementwiseKind::Activation => {
+                let u = self.val(Self::arg(n, 0)?)?;
+                let out = if bwd {
+                    let da = self.val(Self::arg(n, 1)?)?;
+                    let width = *self.g.values[Self::arg(n, 1)?.index()]
+                        .shape
+                        .last()
+                        .unwrap_or(&1) as usize;
+                    if self.dims.gelu {
+                        be.gelu_bwd(u, da)
+                    } else {
+                        be.swiglu_bwd(u, da, width)
+                    }
+                } else {
+                    let width = *self.g.values[Self::res(n, 0)?.index()]
+                        .shape
+                        .last()
+                        .unwrap_or(&1) as usize;
+                    if self.dims.gelu {
+                        be.gelu_fwd(u)
+                    } else {
+                        be.swiglu_fwd(u, width)
+                    }
+                };
+                self.def(Self::res(n, 0)?, out);
+            }
+            ElementwiseKind::Rope => self.v_rope(n, bwd)?,
+            other => return Err(format!("elementwise {} on values", other.name())),
+        }
+        Ok(())
+    }
+
+    fn v_rope(&mut self, n: &Node, bwd: bool) -> Result<(), String> {
+        let be = self.be;
+        let (t, d, hl, kvl) = (self.tokens(), self.dims.d, self.hl, self.kvl);
+        let pos = self.positions();
+        let theta = self.cfg.rope_theta;
+        let rotary = !self.dims.learned_positions;
+        if !bwd {
+            let qkv = self.val(Self::arg(n, 0)?)?;
+            let w = (hl + 2 * kvl) * d;
+            let mut q = Vec::with_capacity(t * hl * d);
+            let mut k = Vec::with_capacity(2 * t * kvl * d);
+            let mut v = Vec::with_capacity(t * kvl * d);
+            for i in 0..t {
+                let row = &qkv[i * w..(i + 1) * w];
+                q.extend_from_slice(&row[..hl * d]);
+                k.extend_from_slice(&row[hl * d..(hl + kvl) * d]);
+                v.extend_from_slice(&row[(hl + kvl) * d..]);
+            }
+            if rotary {
+                be.rope_fwd(&mut q, &pos, hl, d, theta);
+                be.rope_fwd(&mut k, &pos, kvl, d, theta);
+            }
+            k.extend_from_slice(&v);
+            self.def(Self::res(n, 0)?, q);
+            self.def(Self::res(n, 1)?, k);
+            return Ok(());
+        }
+        let mut dq = self.val(Self::arg(n, 0)?)?.clone();
+        let dkv = self.val(Self::arg(n, 1)?)?;
+        let half = dkv.len() / 2;
+        let mut dk = dkv[..half].to_vec();
+        let dv = &dkv[half..];
+        if rotary {
+            be.rope_bwd(&mut dq, &pos, hl, d, theta);
+            be.rope_bwd(&mut dk, &pos, kvl, d, theta);
+        }
+        let mut dqkv = Vec::with_capacity(t * (hl + 2 * kvl) * d);
+        for i in 0..t {
+            dqkv.extend_from_slice(&dq[i * hl * d..(i + 1) * hl * d]);
+            dqkv.extend_from_slice(&dk[i * kvl * d..(i + 1) * kvl * d]);
+            dqkv.extend_from_slice(&dv[i * kvl * d..(i + 1) * kvl * d]);
+        }
+        self.def(Self::res(n, 0)?, dqkv);
+        Ok(())
+    }
+
+    /// Every member's K and V (each `kv` is its K rows then its V rows), laid out as the
+    /// whole sequence per micro-batch sequence: (K, V).
+    fn kv_full(&self, kv: &[f32]) -> (Vec<f32>, Vec<f32>) {
+        let gn = self.run.cp.max(1) as usize;
+        let part = kv.len() / gn;
+        let half = part / 2;
+        if gn == 1 {
+            return (kv[..half].to_vec(), kv[half..].to_vec());
+        }
+        let (sl, row, mbs) = (self.seq_local(), self.kvl * self.dims.d, self.mb_size);
+        let mut kf = vec![0.0; half * gn];
+        let mut vf = vec![0.0; half * gn];
+        for r in 0..gn {
+            let p = &kv[r * part..(r + 1) * part];
+            for b in 0..mbs {
+                for j in 0..sl {
+                    let src = (b * sl + j) * row;
+                    let dst = (b * sl * gn + r * sl + j) * row;
+                    kf[dst..dst + row].copy_from_slice(&p[src..src + row]);
+                    vf[dst..dst + row].copy_from_slice(&p[half + src..half + src + row]);
+                }
+            }
+        }
+        (kf, vf)
+    }
+
+    /// The inverse layout of [`Self::kv_full`]: per member its K rows then its V rows.
+    fn kv_parts(&self, dk: &[f32], dv: &[f32]) -> Vec<f32> {
+        let gn = self.run.cp.max(1) as usize;
+        if gn == 1 {
+            let mut out = dk.to_vec();
+            out.extend_from_slice(dv);
+            return out;
+        }
+        let (sl, row, mbs) = (self.seq_local(), self.kvl * self.dims.d, self.mb_size);
+        let mut buf = Vec::with_capacity(2 * dk.len());
+        for r in 0..gn {
+            for src in [dk, dv] {
+                for b in 0..mbs {
+                    let lo = (b * sl * gn + r * sl) * row;
+                    buf.extend_from_slice(&src[lo..lo + sl * row]);
+                }
+            }
+        }
+        buf
+    }
+
+    fn v_attention(&mut self, n: &Node) -> Result<(), String> {
+        let s = self.attn_shape(n)?;
+        let be = self.be;
+        let (kf, vf) = self.kv_full(self.val(Self::arg(n, 1)?)?);
+        let q = self.val(Self::arg(n, 0)?)?;
+        if n.pass != Pass::Bwd {
+            let (o, lse) = be.attention_fwd(q, &kf, &vf, s);
+            self.def(Self::res(n, 0)?, o);
+            self.def(Self::res(n, 1)?, lse);
+            return Ok(());
+        }
+        let saved = AttnSaved {
+            q,
+            k: &kf,
+            v: &vf,
+            o: self.val(Self::arg(n, 2)?)?,
+            lse: self.val(Self::arg(n, 3)?)?,
+        };
+        let (dq, dk, dv) = be.attention_bwd(saved, self.val(Self::arg(n, 4)?)?, s);
+        let dkv = self.kv_parts(&dk, &dv);
+        self.def(Self::res(n, 0)?, dq);
+        self.def(Self::res(n, 1)?, dkv);
+        Ok(())
+    }
+
+    fn v_embedding(&mut self, n: &Node, mb: u32) -> Result<(), String> {
+        let be = self.be;
+        let (t, h) = (self.tokens(), self.dims.h);
+        let (ids, _) = self.batch(mb)?;
+        if n.pass != Pass::Bwd {
+            let mut e = be.embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
+            if self.dims.learned_positions && self.tp_pos == 0 {
+                // Once per token: the tp reduction after the vocabulary-parallel lookup
+                // sums the ranks' rows.
+                let pe = self.w("pos_embedding")?;
+                for (i, p) in self.positions().into_iter().enumerate() {
+                    let p = p as usize;
+                    for (a, b) in e[i * h..(i + 1) * h]
+                        .iter_mut()
+                        .zip(&pe[p * h..(p + 1) * h])
+                    {
+                        *a += b;
+                    }
+                }
+            }
+            self.def(Self::res(n, 0)?, e);
+            return Ok(());
+        }
+        let g = get(self.g, &self.vals, &self.params, Self::arg(n, 0)?)?;
+        if g.len() != t * h {
+            return Err(format!(
+                "the gradient at the embedding has {} values, the micro-batch's {t} tokens need {}",
+                g.len(),
+                t * h
+            ));
+        }
+        let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
+        be.embedding_bwd(&ids, g, self.vocab_start, h, dw);
+        if self.dims.learned_positions {
+            // Every tp rank holds the whole gradient here: the same on each.
+            let pos = self.positions();
+            let dp = self
+                .grads
+                .get_mut("pos_embedding")
+                .ok_or("no position grad")?;
+            for (i, p) in pos.into_iter().enumerate() {
+                let p = p as usize;
+                for (a, b) in dp[p * h..(p + 1) * h]
+                    .iter_mut()
+                    .zip(&g[i * h..(i + 1) * h])
+                {
+                    *a += b;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn v_loss(&mut self, n: &Node, mb: u32) -> Result<(), String> {
+        let be = self.be;
+        let (vl, vs) = (self.vl, self.vocab_start);
+        let (_, tg) = self.batch(mb)?;
+        let logits = self.val(Self::arg(n, 0)?)?;
+        let vocab_parallel = self.run.tp > 1;
+        if n.pass == Pass::Bwd {
+            let (mx, st) = (self.val(Self::arg(n, 2)?)?, self.val(Self::arg(n, 3)?)?);
+            let t = mx.len();
+            let (tgt, second) = st.split_at(t);
+            let lse: Vec<f32> = if vocab_parallel {
+                mx.iter().zip(second).map(|(m, s)| m + s.ln()).collect()
+            } else {
+                second.to_vec()
+            };
+            let sum: f64 = lse.iter().zip(tgt).map(|(a, b)| (a - b) as f64).sum();
+            let dl = be.xent_bwd(logits, &tg, &lse, vl, vs, (1.0 / self.global_tokens) as f32);
+            self.loss += sum / self.global_tokens;
+            self.has_loss = true;
+            self.def(Self::res(n, 0)?, dl);
+            return Ok(());
+        }
+        let (lse_l, tgt) = be.xent_local(logits, &tg, vl, vs);
+        if n.operands.len() > 2 {
+            // The vocabulary-parallel second pass: relative to the global maximum.
+            let mx = self.val(Self::arg(n, 2)?)?;
+            let mut st = tgt;
+            st.extend(lse_l.iter().zip(mx).map(|(l, m)| (l - m).exp()));
+            self.def(Self::res(n, 0)?, st);
+            return Ok(());
+        }
+        let mx: Vec<f32> = logits
+            .chunks(vl)
+            .map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+            .collect();
+        self.def(Self::res(n, 0)?, mx);
+        if !vocab_parallel {
+            let mut st = tgt;
+            st.extend_from_slice(&lse_l);
+            self.def(Self::res(n, 1)?, st);
+        }
+        Ok(())
+    }
+}
