@@ -321,7 +321,9 @@ pub fn simulate_cmd(path: &Path, a: &SimArgs) -> Result<(), Failure> {
         }
     }
     let plan = load_plan(path)?;
-    let l = lower_all(path, &plan)?;
+    // The simulator reads ops, order and costs, not the values.
+    let l = shardwright_lowering::lower_with(&plan, false)
+        .map_err(|e| usage(anyhow!("{}: {e}", path.display())))?;
     let world = l.program.world;
     if let Some((r, _)) = straggler {
         if r >= world {

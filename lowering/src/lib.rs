@@ -11,4 +11,4 @@ pub mod info;
 pub mod lower;
 pub mod mesh;
 
-pub use lower::{lower, lower_rank, LowerError, Lowered};
+pub use lower::{lower, lower_rank, lower_with, LowerError, Lowered};
