@@ -1485,22 +1485,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let be = self.be;
         match &n.op {
             Op::Embedding { .. } => {
-                let (ids, _) = self.batch(mb)?;
-                let mut e = be.embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
-                if self.dims.learned_positions && self.tp_pos == 0 {
-                    // Once per token: the tp reduction after the vocabulary-parallel
-                    // lookup sums the ranks' rows.
-                    let pe = self.w("pos_embedding")?;
-                    for (i, p) in self.positions().into_iter().enumerate() {
-                        let p = p as usize;
-                        for (a, b) in e[i * h..(i + 1) * h]
-                            .iter_mut()
-                            .zip(&pe[p * h..(p + 1) * h])
-                        {
-                            *a += b;
-                        }
-                    }
-                }
+                let e = self.embed(mb)?;
                 self.cur.insert(mb, e);
                 self.tag = Tag::Embed;
             }
@@ -1723,26 +1708,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                         t * h
                     ));
                 }
-                let (ids, _) = self.batch(mb)?;
-                let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
-                be.embedding_bwd(&ids, &g, self.vocab_start, h, dw);
-                if self.dims.learned_positions {
-                    // Every tp rank holds the whole gradient here: the same on each.
-                    let pos = self.positions();
-                    let dp = self
-                        .grads
-                        .get_mut("pos_embedding")
-                        .ok_or("no position grad")?;
-                    for (i, p) in pos.into_iter().enumerate() {
-                        let p = p as usize;
-                        for (a, b) in dp[p * h..(p + 1) * h]
-                            .iter_mut()
-                            .zip(&g[i * h..(i + 1) * h])
-                        {
-                            *a += b;
-                        }
-                    }
-                }
+                self.embed_bwd(mb, &g)?;
                 self.tag = Tag::EmbedB;
             }
             _ => return Err(err("unexpected op outside a layer")),
@@ -2066,7 +2032,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
     ) -> Result<(), String> {
         use CollectiveKind as K;
         let mb = n.mb.ok_or("collective without micro-batch")?;
-        let gn = group.len();
         let check = |len: usize| moves_as_stated(len, elems);
         if self.role_collective(n, kind, group, elems)? {
             return Ok(());
@@ -2093,27 +2058,13 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             }
             (true, Tag::Rope, K::AllGather) => {
                 let l = n.layer.ok_or("no layer")?;
-                let (sl, row, mbs) = (self.seq_local(), self.kvl * self.dims.d, self.mb_size);
-                let a = self.acts.get_mut(&(l, mb)).unwrap();
+                let a = &self.acts[&(l, mb)];
                 let mut kv = a.get("k")?.clone();
                 kv.extend_from_slice(a.get("v")?);
                 let all = self.comm.all_gather(group, &kv);
                 check(all.len())?;
-                let part = kv.len();
-                let half = part / 2;
-                let mut kf = vec![0.0; half * gn];
-                let mut vf = vec![0.0; half * gn];
-                for r in 0..gn {
-                    let p = &all[r * part..(r + 1) * part];
-                    for b in 0..mbs {
-                        for j in 0..sl {
-                            let src = (b * sl + j) * row;
-                            let dst = (b * sl * gn + r * sl + j) * row;
-                            kf[dst..dst + row].copy_from_slice(&p[src..src + row]);
-                            vf[dst..dst + row].copy_from_slice(&p[half + src..half + src + row]);
-                        }
-                    }
-                }
+                let (kf, vf) = self.kv_full(&all);
+                let a = self.acts.get_mut(&(l, mb)).unwrap();
                 a.put("k_full", kf);
                 a.put("v_full", vf);
             }
@@ -2202,20 +2153,12 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             }
             (false, Tag::AttnB, K::ReduceScatter) => {
                 let l = n.layer.ok_or("no layer")?;
-                let (sl, row, mbs) = (self.seq_local(), self.kvl * self.dims.d, self.mb_size);
+                let chunk = self.mb_size * self.seq_local() * self.kvl * self.dims.d;
                 let a = self.acts.get_mut(&(l, mb)).unwrap();
                 let dk = a.take("dk")?;
                 let dv = a.take("dv")?;
-                let chunk = mbs * sl * row;
-                let mut buf = Vec::with_capacity(2 * dk.len());
-                for r in 0..gn {
-                    for src in [&dk, &dv] {
-                        for b in 0..mbs {
-                            let lo = (b * sl * gn + r * sl) * row;
-                            buf.extend_from_slice(&src[lo..lo + sl * row]);
-                        }
-                    }
-                }
+                let buf = self.kv_parts(&dk, &dv);
+                let a = self.acts.get_mut(&(l, mb)).unwrap();
                 check(buf.len())?;
                 let mine = self.comm.reduce_scatter(group, &buf);
                 a.put("dk", mine[..chunk].to_vec());
@@ -2649,6 +2592,56 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         } else {
             self.be.rmsnorm_fwd(x, self.w(name)?, h, eps)
         })
+    }
+
+    /// The embedding of micro-batch `mb`'s tokens (this rank's vocabulary rows), plus the
+    /// learned positions once per token (on the first tp rank: the tp reduction after the
+    /// vocabulary-parallel lookup sums the ranks' rows).
+    fn embed(&mut self, mb: u32) -> Result<Vec<f32>, String> {
+        let h = self.dims.h;
+        let (ids, _) = self.batch(mb)?;
+        let mut e = self
+            .be
+            .embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
+        if self.dims.learned_positions && self.tp_pos == 0 {
+            let pe = self.w("pos_embedding")?;
+            for (i, p) in self.positions().into_iter().enumerate() {
+                let p = p as usize;
+                for (a, b) in e[i * h..(i + 1) * h]
+                    .iter_mut()
+                    .zip(&pe[p * h..(p + 1) * h])
+                {
+                    *a += b;
+                }
+            }
+        }
+        Ok(e)
+    }
+
+    /// Its backward: `g` (every token's gradient) scattered into the embedding's rows and
+    /// the positions' (every tp rank holds the whole gradient here: the same on each).
+    fn embed_bwd(&mut self, mb: u32, g: &[f32]) -> Result<(), String> {
+        let h = self.dims.h;
+        let (ids, _) = self.batch(mb)?;
+        let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
+        self.be.embedding_bwd(&ids, g, self.vocab_start, h, dw);
+        if self.dims.learned_positions {
+            let pos = self.positions();
+            let dp = self
+                .grads
+                .get_mut("pos_embedding")
+                .ok_or("no position grad")?;
+            for (i, p) in pos.into_iter().enumerate() {
+                let p = p as usize;
+                for (a, b) in dp[p * h..(p + 1) * h]
+                    .iter_mut()
+                    .zip(&g[i * h..(i + 1) * h])
+                {
+                    *a += b;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn moe_dims(&self) -> Result<crate::model::MoeDims, String> {

@@ -725,19 +725,9 @@ impl<'a> Ctx<'a> {
         x: ValueId,
         key: &'static str,
     ) -> ValueId {
-        let d = self.dims();
         let layer = (at.0 < EMBED).then_some(at.0);
-        match self.tp_gather(b, pass, Some(at.1), layer) {
-            Some(id) => {
-                let y = b.act(at, key, d.w, &[d.t, d.h]);
-                b.set(id, &[x], &[y]);
-                y
-            }
-            None => {
-                b.put(at, key, x);
-                x
-            }
-        }
+        let id = self.tp_gather(b, pass, Some(at.1), layer);
+        self.tp_result(b, id, at, x, (key, self.dims().t))
     }
 
     /// [`Self::tp_reduce`] of the partial `x` (`[t, h]` -> `[ts, h]`), filed as `key`;
@@ -750,11 +740,25 @@ impl<'a> Ctx<'a> {
         x: ValueId,
         key: &'static str,
     ) -> ValueId {
-        let d = self.dims();
         let layer = (at.0 < EMBED).then_some(at.0);
-        match self.tp_reduce(b, pass, Some(at.1), layer) {
+        let id = self.tp_reduce(b, pass, Some(at.1), layer);
+        self.tp_result(b, id, at, x, (key, self.dims().ts))
+    }
+
+    /// The values of TP collective `id` on `x`: its result of `rows x h`, filed as `key`;
+    /// `x` itself under `key` when there is no collective.
+    fn tp_result(
+        &self,
+        b: &mut Builder,
+        id: Option<NodeId>,
+        at: (u32, u32),
+        x: ValueId,
+        out: (&'static str, u64),
+    ) -> ValueId {
+        let (key, rows) = out;
+        match id {
             Some(id) => {
-                let y = b.act(at, key, d.w, &[d.ts, d.h]);
+                let y = b.act(at, key, self.dims().w, &[rows, self.dims().h]);
                 b.set(id, &[x], &[y]);
                 y
             }

@@ -341,7 +341,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     /// Every member's K and V (each `kv` is its K rows then its V rows), laid out as the
     /// whole sequence per micro-batch sequence: (K, V).
-    fn kv_full(&self, kv: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    pub(super) fn kv_full(&self, kv: &[f32]) -> (Vec<f32>, Vec<f32>) {
         let gn = self.run.cp.max(1) as usize;
         let part = kv.len() / gn;
         let half = part / 2;
@@ -366,7 +366,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     }
 
     /// The inverse layout of [`Self::kv_full`]: per member its K rows then its V rows.
-    fn kv_parts(&self, dk: &[f32], dv: &[f32]) -> Vec<f32> {
+    pub(super) fn kv_parts(&self, dk: &[f32], dv: &[f32]) -> Vec<f32> {
         let gn = self.run.cp.max(1) as usize;
         if gn == 1 {
             let mut out = dk.to_vec();
@@ -412,29 +412,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     }
 
     fn v_embedding(&mut self, n: &Node, mb: u32) -> Result<(), String> {
-        let be = self.be;
         let (t, h) = (self.tokens(), self.dims.h);
-        let (ids, _) = self.batch(mb)?;
         if n.pass != Pass::Bwd {
-            let mut e = be.embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
-            if self.dims.learned_positions && self.tp_pos == 0 {
-                // Once per token: the tp reduction after the vocabulary-parallel lookup
-                // sums the ranks' rows.
-                let pe = self.w("pos_embedding")?;
-                for (i, p) in self.positions().into_iter().enumerate() {
-                    let p = p as usize;
-                    for (a, b) in e[i * h..(i + 1) * h]
-                        .iter_mut()
-                        .zip(&pe[p * h..(p + 1) * h])
-                    {
-                        *a += b;
-                    }
-                }
-            }
+            let e = self.embed(mb)?;
             self.def(Self::res(n, 0)?, e);
             return Ok(());
         }
-        let g = get(self.g, &self.vals, &self.params, Self::arg(n, 0)?)?;
+        let g = self.val(Self::arg(n, 0)?)?.clone();
         if g.len() != t * h {
             return Err(format!(
                 "the gradient at the embedding has {} values, the micro-batch's {t} tokens need {}",
@@ -442,26 +426,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 t * h
             ));
         }
-        let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
-        be.embedding_bwd(&ids, g, self.vocab_start, h, dw);
-        if self.dims.learned_positions {
-            // Every tp rank holds the whole gradient here: the same on each.
-            let pos = self.positions();
-            let dp = self
-                .grads
-                .get_mut("pos_embedding")
-                .ok_or("no position grad")?;
-            for (i, p) in pos.into_iter().enumerate() {
-                let p = p as usize;
-                for (a, b) in dp[p * h..(p + 1) * h]
-                    .iter_mut()
-                    .zip(&g[i * h..(i + 1) * h])
-                {
-                    *a += b;
-                }
-            }
-        }
-        Ok(())
+        self.embed_bwd(mb, &g)
     }
 
     fn v_loss(&mut self, n: &Node, mb: u32) -> Result<(), String> {

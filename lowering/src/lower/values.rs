@@ -285,24 +285,26 @@ impl Builder<'_> {
         self.release(pass, Some(at.1), layer, out, Vec::new());
     }
 
-    /// The hidden state of micro-batch `mb` handed to the next scope.
-    pub(super) fn take_cur(&mut self, mb: u32) -> ValueId {
+    /// The hidden state of micro-batch `mb` handed to the next scope (or, `grad`, its
+    /// gradient).
+    pub(super) fn take_flow(&mut self, mb: u32, grad: bool) -> ValueId {
         if !self.v.on {
             return NONE;
         }
-        self.v
-            .cur
-            .remove(&mb)
-            .unwrap_or_else(|| panic!("lowering: no hidden state for micro-batch {mb}"))
+        let (flow, what) = if grad {
+            (&mut self.v.dcur, "gradient")
+        } else {
+            (&mut self.v.cur, "hidden state")
+        };
+        flow.remove(&mb)
+            .unwrap_or_else(|| panic!("lowering: no {what} for micro-batch {mb}"))
+    }
+
+    pub(super) fn take_cur(&mut self, mb: u32) -> ValueId {
+        self.take_flow(mb, false)
     }
 
     pub(super) fn take_dcur(&mut self, mb: u32) -> ValueId {
-        if !self.v.on {
-            return NONE;
-        }
-        self.v
-            .dcur
-            .remove(&mb)
-            .unwrap_or_else(|| panic!("lowering: no gradient for micro-batch {mb}"))
+        self.take_flow(mb, true)
     }
 }
