@@ -126,12 +126,18 @@ pub fn parse_straggler(s: &str) -> Result<(u32, f64), Failure> {
 /// when the graphs are sound, the cross-rank matching and deadlock pass. Errors are
 /// rendered with the offending node's text line.
 pub fn program_errors(p: &shardwright_ir::Program) -> Vec<String> {
-    let mut errors: Vec<String> = Vec::new();
-    for c in &p.classes {
-        if let Err(es) = verify_graph(&c.graph) {
-            errors.extend(es.iter().map(|e| e.to_string()));
-        }
-    }
+    // Each class's graph on its own, in parallel; errors in class order.
+    let per_class: Vec<Vec<String>> = {
+        use rayon::prelude::*;
+        p.classes
+            .par_iter()
+            .map(|c| match verify_graph(&c.graph) {
+                Ok(()) => Vec::new(),
+                Err(es) => es.iter().map(|e| e.to_string()).collect(),
+            })
+            .collect()
+    };
+    let mut errors: Vec<String> = per_class.into_iter().flatten().collect();
     if errors.is_empty() {
         if let Err(es) = verify_program(p) {
             for e in es {
