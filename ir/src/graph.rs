@@ -12,6 +12,16 @@
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::vocab::Axis;
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
+
+/// A value's dimensions (inline up to four: no allocation per value at 10^5 values).
+pub type Shape = SmallVec<[u64; 4]>;
+/// A node's operands or results (inline up to four).
+pub type ValueIds = SmallVec<[ValueId; 4]>;
+
+fn no_values(v: &ValueIds) -> bool {
+    v.is_empty()
+}
 
 /// Element type of a tensor or a message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -257,7 +267,7 @@ pub struct Value {
     pub kind: ValueKind,
     pub dtype: DType,
     /// Dimensions, outermost first (row-major); `[]` is a scalar.
-    pub shape: Vec<u64>,
+    pub shape: Shape,
     /// What it is, for people and for checkpoints (`L3.qkv` for a parameter shard).
     pub name: String,
 }
@@ -524,11 +534,11 @@ pub struct Node {
     /// Nodes that must finish before this one starts (all earlier in program order).
     pub deps: Vec<NodeId>,
     /// Values the node reads, in the op kind's operand order.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub operands: Vec<ValueId>,
+    #[serde(default, skip_serializing_if = "no_values")]
+    pub operands: ValueIds,
     /// Values the node defines (transient) or writes in place (state).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub results: Vec<ValueId>,
+    #[serde(default, skip_serializing_if = "no_values")]
+    pub results: ValueIds,
 }
 
 /// The op graph of one rank for one training step.
@@ -575,8 +585,8 @@ impl Graph {
             layer,
             op,
             deps,
-            operands: Vec::new(),
-            results: Vec::new(),
+            operands: ValueIds::new(),
+            results: ValueIds::new(),
         });
         id
     }
@@ -586,7 +596,7 @@ impl Graph {
         &mut self,
         kind: ValueKind,
         dtype: DType,
-        shape: Vec<u64>,
+        shape: impl Into<Shape>,
         name: impl Into<String>,
     ) -> ValueId {
         let id = ValueId(self.values.len() as u32);
@@ -594,17 +604,22 @@ impl Graph {
             id,
             kind,
             dtype,
-            shape,
+            shape: shape.into(),
             name: name.into(),
         });
         id
     }
 
     /// Set the operands and results of node `id`.
-    pub fn set_values(&mut self, id: NodeId, operands: Vec<ValueId>, results: Vec<ValueId>) {
+    pub fn set_values(
+        &mut self,
+        id: NodeId,
+        operands: impl Into<ValueIds>,
+        results: impl Into<ValueIds>,
+    ) {
         let n = &mut self.nodes[id.index()];
-        n.operands = operands;
-        n.results = results;
+        n.operands = operands.into();
+        n.results = results.into();
     }
 
     pub fn value_of(&self, id: ValueId) -> Option<&Value> {

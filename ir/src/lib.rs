@@ -14,7 +14,7 @@ pub mod ids;
 
 pub use graph::{
     Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op, Pass,
-    ProcessGroup, ReduceOp, Stream, Value, ValueKind, Work,
+    ProcessGroup, ReduceOp, Shape, Stream, Value, ValueIds, ValueKind, Work,
 };
 pub use ids::{BufferId, GroupId, NodeId, ValueId};
 pub mod program;

@@ -737,7 +737,7 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
                 id,
                 kind,
                 dtype,
-                shape,
+                shape: shape.into(),
                 name,
             });
         }
@@ -785,8 +785,8 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
                 layer,
                 op,
                 deps,
-                operands,
-                results,
+                operands: operands.into(),
+                results: results.into(),
             });
         }
     }

@@ -56,9 +56,9 @@ fn valued_graph_is_valid_and_canonical() {
     assert_eq!(verify_graph(&valued()), Ok(()));
     assert_eq!(print(&valued()), VALUED);
     let g = valued();
-    assert_eq!(g.values[10].shape, vec![8, 48]);
-    assert_eq!(g.nodes[2].operands, vec![ValueId(4), ValueId(5)]);
-    assert_eq!(g.nodes[2].results, vec![ValueId(6)]);
+    assert_eq!(g.values[10].shape.as_slice(), [8, 48]);
+    assert_eq!(g.nodes[2].operands.as_slice(), [ValueId(4), ValueId(5)]);
+    assert_eq!(g.nodes[2].results.as_slice(), [ValueId(6)]);
     // JSON keeps them too.
     let j = serde_json::to_string(&g).unwrap();
     assert_eq!(serde_json::from_str::<Graph>(&j).unwrap(), g);
@@ -337,7 +337,7 @@ proptest! {
         let v = ValueId(v as u32);
         for n in &mut g.nodes {
             if matches!(n.op, Op::Release) {
-                n.operands.retain(|&x| x != v);
+                n.operands.retain(|x| *x != v);
             }
         }
         let def = g.nodes.iter().position(|n| n.results.contains(&v)).unwrap();

@@ -113,8 +113,12 @@ impl Builder<'_> {
         push_u32(&mut name, at.1);
         name.push('.');
         name.push_str(key);
-        self.g
-            .value(ValueKind::Activation, dt, shape.to_vec(), name)
+        self.g.value(
+            ValueKind::Activation,
+            dt,
+            shardwright_ir::Shape::from_slice(shape),
+            name,
+        )
     }
 
     /// File `id` under `key` in its scope; a value it supersedes is released with the scope.
@@ -177,8 +181,18 @@ impl Builder<'_> {
             None => key.1.to_string(),
         };
         let gname = format!("{name}.grad");
-        let p = self.g.value(ValueKind::Param, w, shape.to_vec(), name);
-        let gr = self.g.value(ValueKind::Grad, g, shape.to_vec(), gname);
+        let p = self.g.value(
+            ValueKind::Param,
+            w,
+            shardwright_ir::Shape::from_slice(shape),
+            name,
+        );
+        let gr = self.g.value(
+            ValueKind::Grad,
+            g,
+            shardwright_ir::Shape::from_slice(shape),
+            gname,
+        );
         self.v.params.insert(key, (p, gr));
         (p, gr)
     }
@@ -210,7 +224,11 @@ impl Builder<'_> {
     /// Operands and results of node `id`.
     pub(super) fn set(&mut self, id: NodeId, operands: &[ValueId], results: &[ValueId]) {
         if self.v.on {
-            self.g.set_values(id, operands.to_vec(), results.to_vec());
+            self.g.set_values(
+                id,
+                shardwright_ir::ValueIds::from_slice(operands),
+                shardwright_ir::ValueIds::from_slice(results),
+            );
         }
     }
 
@@ -252,7 +270,7 @@ impl Builder<'_> {
             shardwright_ir::Op::Release,
             deps,
         );
-        self.g.set_values(id, vals, Vec::new());
+        self.g.set_values(id, vals, shardwright_ir::ValueIds::new());
     }
 
     /// Release the scope's values but `keep` (which stay filed under their keys).
