@@ -892,6 +892,7 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
             expert_ffn_hidden_size: x.expert_ffn_hidden,
             shared_expert_ffn_hidden_size: None,
             first_k_dense: stated_first_k_dense(m).unwrap_or(0),
+            max_nodes_per_token: node_limited_routing(run, notes),
         }),
         (None, Arch::Moe) => return Err("arch moe without a moe section".into()),
         (None, Arch::Dense) => None,
@@ -996,6 +997,36 @@ fn run_ffn(
         }
         None => Ok(None),
     }
+}
+
+/// Node-limited routing as the run's model or parallelism notes state it: "at most N
+/// nodes" (DeepSeek-V3's wording), or a router group top-k (`group_topk`, `topk_group`,
+/// `moe_router_group_topk`; one router group per node, Megatron-Bridge's DeepSeek recipes
+/// set the groups to the nodes of the expert-parallel group). None when nothing states it.
+fn node_limited_routing(run: &Run, notes: &mut Vec<String>) -> Option<u32> {
+    let text = format!(
+        "{} {}",
+        run.model.notes.as_deref().unwrap_or(""),
+        run.parallelism.notes.as_deref().unwrap_or("")
+    )
+    .to_ascii_lowercase();
+    let at_most = text.find("at most ").and_then(|i| {
+        let rest = &text[i + 8..];
+        let n: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        let after = rest[n.len()..].trim_start();
+        (after.starts_with("node") && !n.is_empty()).then(|| n.parse::<u32>().ok())?
+    });
+    let m = at_most.or_else(|| {
+        ["moe_router_group_topk", "group_topk", "topk_group", "group-topk"]
+            .iter()
+            .find_map(|k| number_after(&text, k))
+    })?;
+    (m > 0).then(|| {
+        notes.push(format!(
+            "node-limited routing from the notes: each token reaches at most {m} nodes of its expert-parallel group"
+        ));
+        m
+    })
 }
 
 /// The sliding window the (lower-cased) model notes give ([`sliding_window`]), with a note

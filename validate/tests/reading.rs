@@ -126,3 +126,31 @@ fn skipped_runs_are_counted_above_the_scores_and_a_misfit_names_its_largest_term
     assert!(t.starts_with("activations 70.0 GB of 90.0 GB"), "{t}");
     assert!(t.contains("stage 0, 8 micro-batches in flight"), "{t}");
 }
+
+#[test]
+fn node_limited_routing_is_read_from_the_notes() {
+    let moe_run = |notes: &str| {
+        format!(
+            r#"{{"runs": [{{
+  "id": "x_moe", "source": {{"title": "Megatron-LM 2025"}},
+  "model": {{"name": "m", "arch": "moe", "num_layers": 8, "hidden_size": 2048,
+    "num_attention_heads": 16, "num_kv_heads": 16, "ffn_activation": "swiglu",
+    "vocab_size": 32000, "seq_len": 4096, "notes": "{notes}",
+    "moe": {{"num_routed_experts": 64, "top_k": 8, "expert_ffn_hidden": 1024}}}},
+  "hardware": {{"gpu_type": "H100-SXM5-80GB", "num_gpus": 64, "gpus_per_node": 8}},
+  "parallelism": {{"tp": 1, "pp": 1, "dp": 64, "cp": 1, "ep": 64,
+    "global_batch_size_seqs": 256}},
+  "result": {{"tokens_per_sec_per_gpu": 1000}}
+}}]}}"#
+        )
+    };
+    let limit = |notes: &str| {
+        let f = load_runs(&moe_run(notes)).unwrap();
+        let s = setup_run(&f.runs[0]).unwrap();
+        s.spec.job.model.moe.unwrap().max_nodes_per_token
+    };
+    // DeepSeek-V3's wording (sec. 2.1.2) and Megatron's flag.
+    assert_eq!(limit("node-limited routing: each token is sent to at most 4 nodes"), Some(4));
+    assert_eq!(limit("--moe-router-num-groups 8 --moe_router_group_topk 4"), Some(4));
+    assert_eq!(limit("top-8 routing"), None);
+}
