@@ -879,7 +879,7 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
         other => return Err(format!("model.arch `{other}` is neither dense nor moe")),
     };
     let activation = run_activation(m, conv, notes)?;
-    let ffn = run_ffn(m, arch, conv, notes)?;
+    let ffn = run_ffn(m, arch, activation, conv, notes)?;
     let head_dim = head_dim(m, notes);
     if head_dim.is_none() && m.hidden_size % m.num_attention_heads.max(1) as u64 != 0 {
         return Err("hidden_size not divisible by heads and no head_dim known".into());
@@ -956,8 +956,14 @@ fn run_activation(
             None => Err(format!("ffn_activation `{a}` not recognised")),
         },
         None if conv.megatron_gpt_default_ffn => Ok(Activation::Gelu),
+        // torchtitan's decoders (`torchtitan/models/llama3`, its only dense family) have one
+        // MLP: `w2(silu(w1(x)) * w3(x))`.
+        None if conv.framework == Some(Framework::Torchtitan) => {
+            notes.push("ffn_activation not published: torchtitan's llama MLP, swiglu".into());
+            Ok(Activation::Swiglu)
+        }
         None => Err(
-            "ffn_activation not published (only a Megatron-based framework has a default: 4h GeLU)"
+            "ffn_activation not published (only Megatron-based frameworks (4h GeLU) and torchtitan (SwiGLU) have a default)"
                 .into(),
         ),
     }
@@ -968,6 +974,7 @@ fn run_activation(
 fn run_ffn(
     m: &RunModel,
     arch: Arch,
+    activation: Activation,
     conv: &Conventions,
     notes: &mut Vec<String>,
 ) -> Result<Option<u64>, String> {
@@ -981,8 +988,7 @@ fn run_ffn(
             Ok(Some(4 * m.hidden_size))
         }
         None if arch == Arch::Dense => {
-            let act = m.ffn_activation.as_deref().and_then(parse_activation);
-            match act.and_then(|a| framework_default_ffn(conv.framework, a, m.hidden_size)) {
+            match framework_default_ffn(conv.framework, activation, m.hidden_size) {
                 Some((f, why)) => {
                     notes.push(format!(
                         "ffn_hidden_size not published: the named framework's default {f} ({why})"

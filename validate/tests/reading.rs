@@ -65,6 +65,12 @@ fn a_missing_ffn_width_takes_the_named_frameworks_default_with_a_note() {
     let s = setup_run(&f.runs[0]).expect("scored, not skipped");
     assert_eq!(s.spec.job.model.ffn_hidden_size, Some(11008));
     assert!(s.notes.iter().any(|n| n.contains("ffn_hidden_size not published")));
+    // Neither the activation nor the width: torchtitan's llama MLP (SwiGLU) and its width.
+    let text = run_json("", "", "TorchTitan (arXiv 2410.06511)").replace(r#""ffn_activation": "swiglu","#, "");
+    let f = load_runs(&text).unwrap();
+    let s = setup_run(&f.runs[0]).expect("scored, not skipped");
+    assert_eq!(s.spec.job.model.ffn_activation, Activation::Swiglu);
+    assert_eq!(s.spec.job.model.ffn_hidden_size, Some(11008));
     // No framework named: skipped, with the reason.
     let f = load_runs(&run_json("", "", "a blog post")).unwrap();
     let skip = setup_run(&f.runs[0]).unwrap_err();
