@@ -251,6 +251,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
         expert_ffn_hidden_size: hidden * mult,
         shared_expert_ffn_hidden_size: None,
         first_k_dense: fkd.min(layers - 1),
+        max_nodes_per_token: None,
     });
 
     // ---- reference layout (tp fastest, then cp, ep, dp, pp) ----
@@ -1018,6 +1019,7 @@ fn break_model(s: &mut SpecFile, kind: u8, k: u32) -> (String, &'static str) {
                 expert_ffn_hidden_size: s.job.model.hidden_size,
                 shared_expert_ffn_hidden_size: None,
                 first_k_dense: 0,
+                max_nodes_per_token: None,
             });
             s.job.parallelism.ep = None;
             ("job.model.moe.top_k".into(), "top_k > experts")
@@ -1046,6 +1048,7 @@ fn break_model(s: &mut SpecFile, kind: u8, k: u32) -> (String, &'static str) {
                 expert_ffn_hidden_size: 512,
                 shared_expert_ffn_hidden_size: None,
                 first_k_dense: layers + 1 + k % 4,
+                max_nodes_per_token: None,
             });
             s.job.parallelism.ep = None;
             (

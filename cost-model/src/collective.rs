@@ -93,6 +93,36 @@ pub fn remote_nodes_per_token(k: u32, experts: u32, nodes: u64) -> f64 {
     (n - 1.0) * (1.0 - none)
 }
 
+/// [`remote_nodes_per_token`] under node-limited routing (DeepSeek-V3, arXiv 2412.19437,
+/// sec. 2.1.2: "each token will be sent to at most M nodes", M = 4 of 8; Megatron-Core's
+/// `--moe-router-num-groups` / `--moe-router-group-topk` with a group per node): the token
+/// first picks `max_nodes` = M of the `nodes` (balanced routing: any M equally likely), then
+/// its `k` experts among the `M E/N` experts there. Distinct nodes it reaches:
+/// `D = M (1 - C((M - 1) E/N, k) / C(M E/N, k))`, each remote with probability
+/// `(N - 1) / N`. Without a limit, or one of at least `nodes`, this is
+/// [`remote_nodes_per_token`] exactly (`M = N` gives the same expectation).
+pub fn remote_nodes_per_token_limited(
+    k: u32,
+    experts: u32,
+    nodes: u64,
+    max_nodes: Option<u32>,
+) -> f64 {
+    let m = match max_nodes {
+        Some(m) if (m as u64) < nodes && nodes > 1 => m.max(1) as f64,
+        _ => return remote_nodes_per_token(k, experts, nodes),
+    };
+    let (e, n) = (experts as f64, nodes as f64);
+    let per_node = e / n;
+    let pool = m * per_node;
+    // C((M-1) e, k) / C(M e, k) = prod_i ((M-1) e - i) / (M e - i)
+    let mut none = 1.0;
+    for i in 0..k {
+        let i = i as f64;
+        none *= ((pool - per_node - i) / (pool - i)).max(0.0);
+    }
+    m * (1.0 - none) * (n - 1.0) / n
+}
+
 /// One MoE dispatch (or combine) over an expert-parallel group, as
 /// [`moe_dispatch_dedup_s`] costs it.
 #[derive(Clone, Copy, Debug)]
@@ -113,6 +143,9 @@ pub struct MoeDispatch {
     pub inter_gbps: f64,
     /// Per-step latency, s.
     pub alpha_s: f64,
+    /// Node-limited routing: at most this many nodes per token
+    /// ([`remote_nodes_per_token_limited`]).
+    pub max_nodes: Option<u32>,
 }
 
 /// MoE dispatch (or combine) with node deduplication (DeepEP / HybridEP): each of the rank's
@@ -131,6 +164,7 @@ pub fn moe_dispatch_dedup_s(d: &MoeDispatch) -> f64 {
         intra_gbps,
         inter_gbps,
         alpha_s,
+        max_nodes,
     } = *d;
     if n <= 1 {
         return 0.0;
@@ -138,7 +172,7 @@ pub fn moe_dispatch_dedup_s(d: &MoeDispatch) -> f64 {
     let r = per_node.clamp(1, n);
     let nodes = n.div_ceil(r);
     let (nf, rf, kf) = (n as f64, r as f64, k as f64);
-    let inter = token_bytes * remote_nodes_per_token(k, experts, nodes);
+    let inter = token_bytes * remote_nodes_per_token_limited(k, experts, nodes, max_nodes);
     // NVLink: routed copies to the other GPUs of the own node, and the remote copies that
     // arriving tokens are forwarded to (all but the one on the receiving GPU).
     let local = token_bytes * kf * (rf - 1.0) / nf;
@@ -181,6 +215,39 @@ mod tests {
     /// inter-node: deduplicated, 6 x 5/6 = 5 GB cross the network (5 s); the flat
     /// all-to-all sends both copies, 6 x 2 x 8/16 = 6 GB (6 s).
     #[test]
+    fn node_limited_routing() {
+        // Hand count: 4 experts on 2 nodes, k = 2, at most 1 node: both experts on the one
+        // chosen node, remote with probability 1/2; unlimited: 1 - C(2,2)/C(4,2) = 5/6.
+        assert!((remote_nodes_per_token_limited(2, 4, 2, Some(1)) - 0.5).abs() < 1e-12);
+        assert_eq!(
+            remote_nodes_per_token_limited(2, 4, 2, None),
+            remote_nodes_per_token(2, 4, 2)
+        );
+        // A limit of N nodes (or more) is no limit: the same expectation, bit for bit.
+        for (k, e, n) in [(8, 256, 8), (2, 64, 4), (6, 160, 16)] {
+            assert_eq!(
+                remote_nodes_per_token_limited(k, e, n, Some(n as u32)),
+                remote_nodes_per_token(k, e, n)
+            );
+            // ... and the closed form with M = N agrees with it.
+            let m = n as f64;
+            let per = e as f64 / m;
+            let none: f64 = (0..k)
+                .map(|i| (e as f64 - per - i as f64) / (e as f64 - i as f64))
+                .product();
+            let d = m * (1.0 - none) * (m - 1.0) / m;
+            assert!((d - remote_nodes_per_token(k, e, n)).abs() < 1e-9);
+        }
+        // DeepSeek-V3 (arXiv 2412.19437, sec. 2.1.2 and 3.2.2): 256 routed experts, top 8, EP
+        // over 8 nodes, M = 4: a token crosses IB to at most 4 nodes (at most 3.5 remote on
+        // average when its own node is chosen 1 time in 2); without the limit 4.63 of 7.
+        let limited = remote_nodes_per_token_limited(8, 256, 8, Some(4));
+        let free = remote_nodes_per_token(8, 256, 8);
+        assert!(limited <= 4.0 * 7.0 / 8.0 && limited > 3.0, "{limited}");
+        assert!((free - 4.63).abs() < 0.01, "{free}");
+    }
+
+    #[test]
     fn dedup_sends_each_token_once_per_remote_node() {
         let dedup = moe_dispatch_dedup_s(&MoeDispatch {
             token_bytes: 6e9,
@@ -191,6 +258,7 @@ mod tests {
             intra_gbps: 1e6,
             inter_gbps: 1.0,
             alpha_s: 0.0,
+            max_nodes: None,
         });
         assert!((dedup - 5.0).abs() < 1e-9, "{dedup}");
         let flat = all_to_all_s(6e9 * 2.0, 16, 8, 1e6, 1.0, 0.0);

@@ -616,6 +616,7 @@ impl Ctx<'_> {
                 intra_gbps: intra,
                 inter_gbps: inter,
                 alpha_s: link.latency_s,
+                max_nodes: moe.max_nodes_per_token,
             }),
         };
         Some((msg, one))

@@ -218,6 +218,9 @@ fn resolve_moe(errs: &mut Errs, ms: &ModelSpec) -> Option<Moe> {
             if m.expert_ffn_hidden_size == 0 {
                 errs.push("job.model.moe.expert_ffn_hidden_size", "must be at least 1");
             }
+            if m.max_nodes_per_token == Some(0) {
+                errs.push("job.model.moe.max_nodes_per_token", "must be at least 1");
+            }
             if m.first_k_dense > ms.num_layers {
                 errs.push(
                     "job.model.moe.first_k_dense",
@@ -233,6 +236,7 @@ fn resolve_moe(errs: &mut Errs, ms: &ModelSpec) -> Option<Moe> {
                     .shared_expert_ffn_hidden_size
                     .unwrap_or(m.expert_ffn_hidden_size),
                 first_k_dense: m.first_k_dense.min(ms.num_layers),
+                max_nodes_per_token: m.max_nodes_per_token,
             })
         }
         (Arch::Dense, None) => None,

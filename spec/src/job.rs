@@ -92,6 +92,9 @@ pub struct Moe {
     pub expert_ffn_hidden_size: u64,
     pub shared_expert_ffn_hidden_size: u64,
     pub first_k_dense: u32,
+    /// Node-limited routing (`MoeSpec::max_nodes_per_token`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_nodes_per_token: Option<u32>,
 }
 
 fn default_true() -> bool {

@@ -282,6 +282,11 @@ pub struct MoeSpec {
     /// The first k layers are dense (DeepSeek-V3: 3).
     #[serde(default)]
     pub first_k_dense: u32,
+    /// Node-limited routing: each token reaches at most this many nodes of its
+    /// expert-parallel group (DeepSeek-V3: 4; Megatron-Core `--moe-router-group-topk` with
+    /// one router group per node). Unset: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_nodes_per_token: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]

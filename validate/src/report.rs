@@ -49,6 +49,10 @@ pub struct RunRow {
     pub fits: bool,
     /// Peak memory per GPU (worst pipeline stage), GB (1e9 bytes).
     pub memory_gb: f64,
+    /// When the layout does not fit: the largest term of the worst stage's memory, e.g.
+    /// `activations 41.2 GB (stage 0, 8 micro-batches in flight)`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub largest_memory_term: Option<String>,
     /// Which published field gave the measurement, and how it was converted.
     pub metric: String,
     pub notes: Vec<String>,
@@ -191,6 +195,8 @@ pub fn validate(runs: &RunsFile, profiles: Option<&BTreeMap<String, Efficiency>>
                 error_pct: (predicted / meas.tokens_per_s_per_gpu - 1.0) * 100.0,
                 fits: pred.estimate.fits,
                 memory_gb: pred.estimate.memory.total_bytes / 1e9,
+                largest_memory_term: (!pred.estimate.fits)
+                    .then(|| largest_memory_term(&pred.estimate.memory)),
                 metric: meas.metric,
                 notes,
                 uncounted: meas.uncounted,
@@ -209,6 +215,39 @@ pub fn validate(runs: &RunsFile, profiles: Option<&BTreeMap<String, Efficiency>>
     }
 }
 
+/// The largest term of a stage's memory, in words: where to look when a run that trained
+/// is predicted not to fit (the fault is then the model's).
+pub fn largest_memory_term(m: &shardwright_spec::plan::MemoryBreakdown) -> String {
+    let terms = [
+        ("weights", m.weights_bytes),
+        ("gradients", m.grads_bytes),
+        ("fp32 master weights", m.master_bytes),
+        ("optimizer moments", m.optimizer_bytes),
+        ("activations", m.activations_bytes),
+        ("logits", m.logits_bytes),
+        ("temporaries", m.temporary_bytes),
+        ("communication buffers", m.comm_buffers_bytes),
+        ("allocator rounding", m.allocator_waste_bytes),
+        ("framework reserve", m.reserve_bytes),
+    ];
+    let (name, bytes) = terms
+        .iter()
+        .copied()
+        .fold(("weights", f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
+    let inflight = if name == "activations" {
+        format!(", {} micro-batches in flight", m.inflight_microbatches)
+    } else {
+        String::new()
+    };
+    format!(
+        "{name} {:.1} GB of {:.1} GB (HBM {:.1} GB; stage {}{inflight})",
+        bytes / 1e9,
+        m.total_bytes / 1e9,
+        m.hbm_bytes / 1e9,
+        m.stage
+    )
+}
+
 /// Canonical JSON (floats at 6 significant digits, like plans).
 pub fn to_json(report: &Report) -> String {
     shardwright_spec::plan::to_json(report)
@@ -225,6 +264,20 @@ fn stats_line(out: &mut String, name: &str, s: &Stats) {
 /// Deterministic text report: a table of runs, notes per run, then the summary.
 pub fn render_text(report: &Report) -> String {
     let mut out = String::new();
+    // What was not scored comes first, so no reader takes the scores for the whole file.
+    let s = &report.summary;
+    let _ = writeln!(
+        out,
+        "scored {} of {} runs; skipped {}{}",
+        report.rows.len(),
+        report.rows.len() + s.skipped.len(),
+        s.skipped.len(),
+        if s.skipped.is_empty() { "" } else { ":" }
+    );
+    for k in &s.skipped {
+        let _ = writeln!(out, "  {}: {}", k.id, k.reason);
+    }
+    out.push('\n');
     let id_w = report
         .rows
         .iter()
@@ -257,6 +310,9 @@ pub fn render_text(report: &Report) -> String {
     );
     for r in &report.rows {
         let _ = writeln!(out, "{}\n    measured: {}", r.id, r.metric);
+        if let Some(t) = &r.largest_memory_term {
+            let _ = writeln!(out, "    - does not fit: largest term {t}");
+        }
         if let Some(u) = &r.uncounted {
             let _ = writeln!(out, "    - {u}");
         }
@@ -264,7 +320,6 @@ pub fn render_text(report: &Report) -> String {
             let _ = writeln!(out, "    - {n}");
         }
     }
-    let s = &report.summary;
     out.push_str("\nSummary (|error| %, median/p90 by linear interpolation)\n");
     let _ = writeln!(
         out,
@@ -306,6 +361,11 @@ pub fn render_text(report: &Report) -> String {
             s.not_fitting.join(", ")
         }
     );
+    for r in report.rows.iter().filter(|r| !r.fits) {
+        if let Some(t) = &r.largest_memory_term {
+            let _ = writeln!(out, "  {}: largest term {t}", r.id);
+        }
+    }
     let _ = writeln!(out, "skipped ({}):", s.skipped.len());
     for k in &s.skipped {
         let _ = writeln!(out, "  {}: {}", k.id, k.reason);

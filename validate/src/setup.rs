@@ -184,6 +184,11 @@ pub struct Conventions {
     pub torch_compile: bool,
     /// Pipeline chunks must hold equal layer counts (the spec's `even_pipeline_chunks`).
     pub even_pipeline_chunks: bool,
+    /// The framework the run names, for its documented defaults of fields the run leaves
+    /// out ([`framework_default_ffn`], [`torchtitan_pipeline_microbatches`]).
+    pub framework: Option<Framework>,
+    /// The year the run's source names (version-dependent framework defaults).
+    pub year: Option<u32>,
     /// The interleaved schedule needs pp > 2 (an unpublished vpp at pp 2 is 1).
     pub interleave_needs_pp_over_2: bool,
 }
@@ -319,6 +324,45 @@ pub fn conventions(run: &Run, ctx: &RunContext) -> Conventions {
         torch_compile,
         even_pipeline_chunks,
         interleave_needs_pp_over_2,
+        framework: ctx.framework,
+        year: ctx.year,
+    }
+}
+
+/// The dense FFN width a framework sets when the model gives none, with the source line:
+///
+/// - Megatron-LM (`megatron/training/arguments.py`, `--ffn-hidden-size` unset; NeMo 1 and
+///   Megatron-DeepSpeed parse the same arguments): `4h`, or with `--swiglu`
+///   `int((4h * 2/3) / 64) * 64` ("keep it a multiple of 64");
+/// - torchtitan (`torchtitan/models/llama3/model.py`, `FeedForward` with
+///   `multiple_of = 256` and no `ffn_dim_multiplier`, Meta's Llama reference code):
+///   `256 * ceil(int(2 * 4h / 3) / 256)` for a gated MLP, `4h` otherwise.
+///
+/// `None` for a framework that documents no default (or none named).
+pub fn framework_default_ffn(
+    framework: Option<Framework>,
+    activation: Activation,
+    hidden: u64,
+) -> Option<(u64, &'static str)> {
+    let gated = activation.gated();
+    match framework? {
+        Framework::Megatron | Framework::Nemo | Framework::Deepspeed => Some(if gated {
+            (
+                (4 * hidden * 2 / 3) / 64 * 64,
+                "Megatron-LM arguments.py default with --swiglu: int((4h*2/3)/64)*64",
+            )
+        } else {
+            (4 * hidden, "Megatron-LM arguments.py default: 4h")
+        }),
+        Framework::Torchtitan => Some(if gated {
+            let m = 256;
+            (
+                (4 * hidden * 2 / 3).div_ceil(m) * m,
+                "torchtitan llama FeedForward default: multiple_of 256 * ceil(int(2*4h/3)/256)",
+            )
+        } else {
+            (4 * hidden, "4h (torchtitan: non-gated MLP)")
+        }),
     }
 }
 
@@ -835,7 +879,7 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
         other => return Err(format!("model.arch `{other}` is neither dense nor moe")),
     };
     let activation = run_activation(m, conv, notes)?;
-    let ffn = run_ffn(m, arch, conv, notes)?;
+    let ffn = run_ffn(m, arch, activation, conv, notes)?;
     let head_dim = head_dim(m, notes);
     if head_dim.is_none() && m.hidden_size % m.num_attention_heads.max(1) as u64 != 0 {
         return Err("hidden_size not divisible by heads and no head_dim known".into());
@@ -848,6 +892,7 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
             expert_ffn_hidden_size: x.expert_ffn_hidden,
             shared_expert_ffn_hidden_size: None,
             first_k_dense: stated_first_k_dense(m).unwrap_or(0),
+            max_nodes_per_token: node_limited_routing(run, notes),
         }),
         (None, Arch::Moe) => return Err("arch moe without a moe section".into()),
         (None, Arch::Dense) => None,
@@ -911,8 +956,14 @@ fn run_activation(
             None => Err(format!("ffn_activation `{a}` not recognised")),
         },
         None if conv.megatron_gpt_default_ffn => Ok(Activation::Gelu),
+        // torchtitan's decoders (`torchtitan/models/llama3`, its only dense family) have one
+        // MLP: `w2(silu(w1(x)) * w3(x))`.
+        None if conv.framework == Some(Framework::Torchtitan) => {
+            notes.push("ffn_activation not published: torchtitan's llama MLP, swiglu".into());
+            Ok(Activation::Swiglu)
+        }
         None => Err(
-            "ffn_activation not published (only a Megatron-based framework has a default: 4h GeLU)"
+            "ffn_activation not published (only Megatron-based frameworks (4h GeLU) and torchtitan (SwiGLU) have a default)"
                 .into(),
         ),
     }
@@ -923,6 +974,7 @@ fn run_activation(
 fn run_ffn(
     m: &RunModel,
     arch: Arch,
+    activation: Activation,
     conv: &Conventions,
     notes: &mut Vec<String>,
 ) -> Result<Option<u64>, String> {
@@ -936,10 +988,51 @@ fn run_ffn(
             Ok(Some(4 * m.hidden_size))
         }
         None if arch == Arch::Dense => {
-            Err("ffn_hidden_size not published for a dense model".into())
+            match framework_default_ffn(conv.framework, activation, m.hidden_size) {
+                Some((f, why)) => {
+                    notes.push(format!(
+                        "ffn_hidden_size not published: the named framework's default {f} ({why})"
+                    ));
+                    Ok(Some(f))
+                }
+                None => Err(
+                    "ffn_hidden_size not published for a dense model, and no named framework has a default for it"
+                        .into(),
+                ),
+            }
         }
         None => Ok(None),
     }
+}
+
+/// Node-limited routing as the run's model or parallelism notes state it: "at most N
+/// nodes" (DeepSeek-V3's wording), or a router group top-k (`group_topk`, `topk_group`,
+/// `moe_router_group_topk`; one router group per node, Megatron-Bridge's DeepSeek recipes
+/// set the groups to the nodes of the expert-parallel group). None when nothing states it.
+fn node_limited_routing(run: &Run, notes: &mut Vec<String>) -> Option<u32> {
+    let text = format!(
+        "{} {}",
+        run.model.notes.as_deref().unwrap_or(""),
+        run.parallelism.notes.as_deref().unwrap_or("")
+    )
+    .to_ascii_lowercase();
+    let at_most = text.find("at most ").and_then(|i| {
+        let rest = &text[i + 8..];
+        let n: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        let after = rest[n.len()..].trim_start();
+        (after.starts_with("node") && !n.is_empty()).then(|| n.parse::<u32>().ok())?
+    });
+    let m = at_most.or_else(|| {
+        ["moe_router_group_topk", "group_topk", "topk_group", "group-topk"]
+            .iter()
+            .find_map(|k| number_after(&text, k))
+    })?;
+    (m > 0).then(|| {
+        notes.push(format!(
+            "node-limited routing from the notes: each token reaches at most {m} nodes of its expert-parallel group"
+        ));
+        m
+    })
 }
 
 /// The sliding window the (lower-cased) model notes give ([`sliding_window`]), with a note
@@ -1003,6 +1096,16 @@ fn run_pins(
     }
     pin_recompute(run, &mut pins, notes);
     pin_zero(run, conv, &mut pins, notes);
+    if let (Some(dp), Some(Framework::Torchtitan), true) = (dp_known, conv.framework, pp > 1) {
+        pins.micro_batch = Some(torchtitan_pipeline_micro_batch(
+            par.micro_batch_size,
+            par.global_batch_size_seqs,
+            dp,
+            pp,
+            conv.year,
+            notes,
+        ));
+    }
     if let (Some(ga), Some(mb), Some(dp_pub)) = (par.grad_accum_steps, pins.micro_batch, dp_known) {
         let per = mb as u64 * dp_pub as u64;
         if per == 0 || ga * per != par.global_batch_size_seqs {
@@ -1013,6 +1116,55 @@ fn run_pins(
         }
     }
     Ok((pins, global_batch))
+}
+
+/// Pipeline micro-batches per step that torchtitan's pipeline schedule runs when the job
+/// config sets none, for a local batch (sequences per data-parallel rank per step):
+///
+/// - releases up to 2024 (`experimental.pipeline_parallel_microbatches`, default `None`:
+///   "The default value will be the number of pipeline stages, if unspecified";
+///   `torchtitan/parallelisms/pipeline_llama.py`: `n_microbatches =
+///   job_config.experimental.pipeline_parallel_degree` when unset): `pp`;
+/// - 2025 releases (`parallelism.pipeline_parallel_microbatch_size`, default 1;
+///   `num_microbatches = local_batch_size // microbatch_size`): the local batch.
+pub fn torchtitan_pipeline_microbatches(local_batch: u64, pp: u32, year: Option<u32>) -> u64 {
+    match year {
+        Some(y) if y <= 2024 && local_batch % pp as u64 == 0 => pp as u64,
+        _ => local_batch,
+    }
+}
+
+/// A torchtitan pipeline run's micro-batch: its `micro_batch_size` field is torchtitan's
+/// *local* batch (the runs file's field conventions), which the schedule splits into
+/// micro-batches ([`torchtitan_pipeline_microbatches`]; the runs file has no field for the
+/// count). The local batch is global / dp; a field that disagrees is noted and the
+/// global batch (the published table's figure) wins.
+fn torchtitan_pipeline_micro_batch(
+    field: Option<u32>,
+    global_batch: u64,
+    dp: u32,
+    pp: u32,
+    year: Option<u32>,
+    notes: &mut Vec<String>,
+) -> u32 {
+    let local = (global_batch / dp.max(1) as u64).max(1);
+    if let Some(f) = field.filter(|f| *f as u64 != local) {
+        notes.push(format!(
+            "micro_batch_size {f} is torchtitan's local batch by the file's convention, but global/dp = {global_batch}/{dp} = {local}: the local batch is {local}"
+        ));
+    }
+    let m = torchtitan_pipeline_microbatches(local, pp, year);
+    let mb = (local / m).max(1) as u32;
+    notes.push(format!(
+        "torchtitan pipeline: local batch {local} in {m} micro-batches of {mb} (the schedule's default for {}: {})",
+        year.map_or("an undated run".to_string(), |y| format!("{y}")),
+        if year.is_some_and(|y| y <= 2024) && m == pp as u64 {
+            "n_microbatches = pp when unset"
+        } else {
+            "microbatch_size 1"
+        }
+    ));
+    mb
 }
 
 /// The tensor-parallel degree: published; else num_gpus / (dp*pp*cp) when dp is; else (a

@@ -29,8 +29,9 @@ fn torchtitan_runs_are_scored_fit_and_stay_accurate() {
     // 9.3% when written (25.5% before the power limit, op-level AC and eager kernels were
     // modelled). Known misses, over-predicted: context parallelism at cp >= 2 (+8% to
     // +53%: PyTorch's ring attention of Dec 2024 runs far below its FLOP count) and the
-    // 405B pipeline runs with 32 micro-batches of 8k tokens (+46% / +60%, against +6% for
-    // the same layout with 8 micro-batches of 32k).
+    // interleaved 405B pipeline run. The 405B pipeline rows were +46% / +60% while their
+    // local batch of 32 was read as 32 micro-batches of one; torchtitan's 2024 schedule
+    // splits it into pp = 8 micro-batches of 4 (`setup::torchtitan_pipeline_microbatches`).
     assert!(median <= 10.0, "held-out median |error| {median:.1}%");
     // The single-node and 128-GPU FSDP rows (no CP, no PP) within 10% each.
     for r in report

@@ -320,6 +320,7 @@ fn row(id: &str, source: &str, gpu: &str, err: f64, fits: bool) -> RunRow {
         error_pct: err,
         fits,
         memory_gb: 1.0,
+        largest_memory_term: None,
         metric: "test".into(),
         notes: vec![],
         uncounted: None,
