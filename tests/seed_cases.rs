@@ -68,6 +68,11 @@ fn s2_training_compute_405b() {
         "{:e}",
         seed.gpu_hours
     );
+    // The hand figures exactly: 15.6e12 / 2,667,288.23 = 5,848,637 s = 67.69256 days;
+    // x 24 x 16,384 = 26,617,796 GPU-hours; 15.6e12 x 2.43e12 = 3.7908e25 FLOPs.
+    assert!(close(seed.days, 67.692_555, 1e-6), "{}", seed.days);
+    assert!(close(seed.gpu_hours, 26_617_796.0, 1e-6), "{}", seed.gpu_hours);
+    assert!(close(seed.model_flops, 3.7908e25, 1e-6), "{:e}", seed.model_flops);
     // The plan's GPU-hours to the 15.6e12-token budget against what Meta reports for the
     // whole Llama 3.1 405B pre-training: 30.84 M H100 GPU-hours (Llama 3.1 model card,
     // "Training Factors"), which also pays for the failures and restarts the plan's
@@ -335,6 +340,11 @@ fn s11_chinchilla_budget() {
     assert!(close(b.model_flops, 1.58e24, 0.02), "{:e}", b.model_flops);
     assert!(close(b.days, 90.0, 0.02), "{}", b.days);
     assert!(close(b.gpu_hours, 1_105_920.0, 0.02), "{}", b.gpu_hours);
+    // The hand figures exactly: 8.8e12 x 1.8e11 = 1.584e24 FLOPs; 8.8e12 / 1,125,262.22 =
+    // 7,820,399 s = 90.51388 days, x 24 x 512 = 1,112,234.6 GPU-hours.
+    assert!(close(b.model_flops, 1.584e24, 1e-9), "{:e}", b.model_flops);
+    assert!(close(b.days, 90.513_882, 1e-6), "{}", b.days);
+    assert!(close(b.gpu_hours, 1_112_234.58, 1e-6), "{}", b.gpu_hours);
     // Compute-optimal size (Hoffmann et al. 2022, D = 20 N): the seed's sqrt(C / 120),
     // about 115e9.
     let n = flops::chinchilla_optimal_params(b.model_flops);
