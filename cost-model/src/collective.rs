@@ -12,10 +12,27 @@ pub fn all_reduce_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
     2.0 * (n - 1.0) / n * bytes / (gbps * 1e9) + 2.0 * (n - 1.0) * alpha_s
 }
 
-/// Double-binary-tree all-reduce (what NCCL's tuner picks for small messages over many
-/// ranks): a reduce up and a broadcast down `ceil(log2 n)` levels, the whole message over
-/// each link: `2 ceil(log2 n) (alpha + M / B)`.
-pub fn tree_all_reduce_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
+/// Up to this size an all-reduce may run as a tree ([`small_all_reduce_s`]).
+pub const TREE_MAX_BYTES: f64 = (1 << 20) as f64;
+
+/// An all-reduce as NCCL's tuner runs it for the step's small reductions (the global
+/// gradient norm, loss statistics, replicated gradients): latency-bound, so up to
+/// [`TREE_MAX_BYTES`] the faster of the ring (`2 (n - 1)` hops) and the double binary tree
+/// (`2 ceil(log2 n)` hops); a ring over 16,384 ranks would charge a third of a second for
+/// 8 bytes. Larger messages take the ring. The one home of this time: the analytical step
+/// (`eval`) and the lowering's per-node cost both call it.
+pub fn small_all_reduce_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
+    let ring = all_reduce_s(bytes, n, gbps, alpha_s);
+    if bytes <= TREE_MAX_BYTES {
+        ring.min(tree_all_reduce_s(bytes, n, gbps, alpha_s))
+    } else {
+        ring
+    }
+}
+
+/// Double-binary-tree all-reduce: a reduce up and a broadcast down `ceil(log2 n)` levels,
+/// the whole message over each link: `2 ceil(log2 n) (alpha + M / B)`.
+fn tree_all_reduce_s(bytes: f64, n: u64, gbps: f64, alpha_s: f64) -> f64 {
     if n <= 1 {
         return 0.0;
     }
@@ -195,6 +212,25 @@ mod tests {
         assert!((t - 0.040833).abs() < 1e-5, "{t}");
         assert_eq!(all_reduce_s(1e9, 1, 1.0, 1.0), 0.0);
         assert!((all_gather_s(8e9, 4, 1.0, 0.0) - 6.0).abs() < 1e-9);
+    }
+
+    /// Hand numbers, 8 bytes at 1 GB/s with a 10 us step latency (8 ns per byte-hop):
+    /// - 16,384 ranks: ring 2 x 16,383 x 10 us + 2 x 16383/16384 x 8 ns = 327.66 ms; tree
+    ///   2 x 14 levels x (10 us + 8 ns) = 280.224 us, the faster;
+    /// - 2 ranks: ring 2 x 10 us + 8 ns = 20.008 us, tree 2 x (10 us + 8 ns) = 20.016 us;
+    /// - 2 MiB over 1,024 ranks with a 1 ms step latency, above the tree limit: the ring,
+    ///   2 x 1023/1024 x 2,097,152 ns + 2,046 x 1 ms = 2,050.190208 ms, although the tree
+    ///   would take 2 x 10 x (1 ms + 2.097152 ms) = 61.94 ms.
+    #[test]
+    fn small_all_reduce_takes_the_faster_algorithm() {
+        let close = |a: f64, b: f64| (a / b - 1.0).abs() < 1e-9;
+        let t = small_all_reduce_s(8.0, 16_384, 1.0, 10e-6);
+        assert!(close(t, 280.224e-6), "{t}");
+        let t = small_all_reduce_s(8.0, 2, 1.0, 10e-6);
+        assert!(close(t, 20.008e-6), "{t}");
+        let t = small_all_reduce_s(2_097_152.0, 1024, 1.0, 1e-3);
+        assert!(close(t, 2.050_190_208), "{t}");
+        assert_eq!(small_all_reduce_s(8.0, 1, 1.0, 10e-6), 0.0);
     }
 
     /// Hand count: 4 experts on 2 nodes (2 each), top-2. Of the C(4,2) = 6 expert pairs one

@@ -14,7 +14,7 @@
 //! the bubble and the in-flight activations come from a walk of the schedule
 //! ([`crate::schedule::walk`]), since the closed forms assume equal chunks. Collectives run on the fabric their group crosses (see `group_link`).
 
-use crate::collective::{all_gather_s, all_reduce_s, reduce_scatter_s, send_s, tree_all_reduce_s};
+use crate::collective::{all_gather_s, all_reduce_s, reduce_scatter_s, send_s, small_all_reduce_s};
 use crate::flops;
 use crate::framework;
 use crate::layer::{layer_ops, LayerKind, LayerShape, OpCost, OpKind};
@@ -367,11 +367,6 @@ pub fn chunk_layers(layers: u32, chunks: u32, c: u32) -> (u32, u32) {
     let before = c.saturating_sub(1).min(extra);
     let count = base + u32::from(c >= 1 && c <= extra);
     (c * base + before, count)
-}
-
-/// Number of layers on rank `j` of `p` under the balanced split without interleaving.
-pub fn balanced_layers(layers: u32, p: u32, j: u32) -> u32 {
-    chunk_layers(layers, p, j).1
 }
 
 /// Rank `j`'s load given how many layers precede it and how many it holds.
@@ -1295,10 +1290,10 @@ fn step_terms(
     };
     let opt_params = dense_p * shard(ddp) + expert_p * shard(edp);
     // Before it, the global gradient norm for clipping: an 8-byte all-reduce over every
-    // rank, latency-bound, so a tree (NCCL picks one for small messages) on the world
-    // group's link. Counted in `optimizer_s`.
+    // rank on the world group's link, latency-bound ([`small_all_reduce_s`], as the
+    // lowering charges it). Counted in `optimizer_s`.
     let norm_link = group_link(job, mesh.fabric(GroupKind::World));
-    let grad_norm_s = tree_all_reduce_s(8.0, layout.world(), norm_link.gbps, norm_link.latency_s);
+    let grad_norm_s = small_all_reduce_s(8.0, layout.world(), norm_link.gbps, norm_link.latency_s);
     let optimizer_s =
         opt_params * opt_bytes_per_param / (job.hardware.hbm_gbps * 1e9) + grad_norm_s;
 

@@ -230,22 +230,7 @@ pub fn narayanan_flops_per_token(layers: f64, hidden: f64, seq: f64, vocab: f64)
         * (1.0 + seq / (6.0 * hidden) + vocab / (16.0 * layers * hidden))
 }
 
-/// Total training compute: `6 * params * tokens` (the seeds' rule of thumb).
-pub fn training_flops_6nd(params: f64, tokens: f64) -> f64 {
-    6.0 * params * tokens
-}
-
-/// Compute budget of a cluster: GPUs x peak x MFU x seconds.
-pub fn compute_budget_flops(gpus: f64, peak_flops: f64, mfu: f64, seconds: f64) -> f64 {
-    gpus * peak_flops * mfu * seconds
-}
-
 /// Chinchilla compute-optimal model size for budget C with D = 20 N: `C = 6 N D = 120 N^2`.
 pub fn chinchilla_optimal_params(compute_flops: f64) -> f64 {
     (compute_flops / 120.0).sqrt()
-}
-
-/// Days to process `flops` on `gpus` at `mfu` of `peak` per GPU.
-pub fn days_for(flops: f64, gpus: f64, peak_flops: f64, mfu: f64) -> f64 {
-    flops / (gpus * peak_flops * mfu) / 86400.0
 }

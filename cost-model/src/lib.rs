@@ -5,6 +5,7 @@
 //! only tunable numbers live in [`shardwright_spec::job::Efficiency`] (the hardware profile).
 
 pub mod attention;
+pub mod budget;
 pub mod catalog;
 pub mod collective;
 pub mod eval;

@@ -25,16 +25,13 @@
 
 use crate::lower::Lowered;
 use shardwright_cost::collective::{
-    all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s, tree_all_reduce_s,
+    all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s, send_s, small_all_reduce_s,
 };
 use shardwright_cost::eval::group_link;
 use shardwright_cost::layer::{self, layer_ops, Coll, LayerKind, LayerShape, OpKind};
 use shardwright_ir::{BufferKind, CollectiveKind, ElementwiseKind, Node, Op, Pass, Program};
 use shardwright_spec::mesh::GroupKind;
 use std::collections::BTreeMap;
-
-/// Up to this size a named all-reduce may take the tree algorithm's time.
-const SMALL_BYTES: f64 = (1 << 20) as f64;
 
 /// Template ops by (layer kind, pass, name): (exposed seconds, elements for elementwise).
 type Table = BTreeMap<(u8, u8, &'static str), (f64, f64)>;
@@ -218,17 +215,10 @@ impl<'a> PlanCost<'a> {
                 let n = g.ranks.len() as u64;
                 let b = *bytes as f64;
                 let t = match ck {
-                    // The step's scalar reductions (loss statistics, gradient norm, replicated
-                    // gradients): latency-bound, where NCCL's tuner picks the tree algorithm
-                    // (2 log2 n hops, each way) over the ring's 2 (n - 1); a ring over 16,384
-                    // ranks would charge a third of a second for 8 bytes.
-                    CollectiveKind::AllReduce if tensor.is_some() && b <= SMALL_BYTES => {
-                        all_reduce_s(b, n, link.gbps, link.latency_s).min(tree_all_reduce_s(
-                            b,
-                            n,
-                            link.gbps,
-                            link.latency_s,
-                        ))
+                    // The step's named reductions (loss statistics, gradient norm, replicated
+                    // gradients): the cost model's small all-reduce (ring or tree).
+                    CollectiveKind::AllReduce if tensor.is_some() => {
+                        small_all_reduce_s(b, n, link.gbps, link.latency_s)
                     }
                     CollectiveKind::AllReduce => all_reduce_s(b, n, link.gbps, link.latency_s),
                     CollectiveKind::AllGather | CollectiveKind::Broadcast => {

@@ -9,6 +9,7 @@
 
 use crate::search::{rank_cmp, search, tie_break_reason, tie_floor, Candidate};
 use crate::split;
+use shardwright_cost::budget::training_budget;
 use shardwright_cost::eval::{evaluate, Evaluation, LayerCosts, RankEval, Split};
 use shardwright_cost::flops;
 use shardwright_spec::job::Job;
@@ -357,13 +358,12 @@ pub fn plan(
         ));
     }
     let budget = job.training.token_budget.map(|tokens| {
-        let secs = tokens / est.goodput_tokens_per_s;
-        Budget {
-            token_budget: tokens,
-            model_flops: tokens * flops::model_flops_per_token(&job.model),
-            days: secs / 86400.0,
-            gpu_hours: secs / 3600.0 * job.cluster.num_gpus as f64,
-        }
+        training_budget(
+            tokens,
+            flops::model_flops_per_token(&job.model),
+            est.goodput_tokens_per_s,
+            job.cluster.num_gpus,
+        )
     });
     let tie_break = refined
         .get(1)

@@ -229,16 +229,6 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
 /// physical value instead of letting them drift to absorb another source's error.
 pub const PRIOR_WEIGHT: f64 = 1.0;
 
-/// Fit one kind's parameters on `cases` (all of that kind) starting from `start`.
-pub fn fit_kind(cases: &[&Case], start: &Efficiency) -> Efficiency {
-    let kind = cases.first().map(|c| c.kind.clone()).unwrap_or_default();
-    let owned: Vec<Case> = cases.iter().map(|c| (*c).clone()).collect();
-    let starts = BTreeMap::from([(kind.clone(), start.clone())]);
-    fit_joint(&owned, &starts)
-        .remove(&kind)
-        .unwrap_or_else(|| start.clone())
-}
-
 /// One fitted number: a parameter, either shared by every kind (`kind` None) or one kind's.
 struct Slot {
     p: Param,
