@@ -22,6 +22,8 @@ pub struct AttnShape {
     pub causal: bool,
 }
 
+use crate::cpu;
+
 /// AdamW hyper-parameters for one step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamW {
@@ -360,7 +362,8 @@ pub trait Backend: Send + Sync {
     fn adamw(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamW);
 }
 
-/// The CPU reference backend (f32, GEMMs by `matrixmultiply`).
+/// The CPU reference backend (f32; GEMMs by `matrixmultiply` and the other heavy kernels in
+/// [`crate::cpu`], on its thread pool).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
 
@@ -379,55 +382,13 @@ pub fn gemm_seconds(n: usize, reps: u32) -> f64 {
 }
 
 fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-fn rope_angles(pos: u32, d: usize, theta: f32) -> impl Iterator<Item = (f32, f32)> {
-    let half = d / 2;
-    (0..half).map(move |i| {
-        let inv = (theta as f64).powf(-(2.0 * i as f64) / d as f64);
-        let a = pos as f64 * inv;
-        (a.cos() as f32, a.sin() as f32)
-    })
+    x / (1.0 + cpu::exp::exp(-x))
 }
 
 impl Backend for Cpu {
     fn gemm(&self, s: GemmShape, a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]) {
         let GemmShape { m, k, n } = s;
-        let (a, ta, b, tb) = (a.data, a.trans, b.data, b.trans);
-        assert!(
-            a.len() >= m * k && b.len() >= k * n && c.len() >= m * n,
-            "gemm shapes"
-        );
-        if m == 0 || n == 0 {
-            return;
-        }
-        if k == 0 {
-            c[..m * n].iter_mut().for_each(|x| *x *= beta);
-            return;
-        }
-        // Row/column strides of op(a) (m x k) and op(b) (k x n).
-        let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
-        let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
-        // SAFETY: the asserts above bound every index the strides reach.
-        unsafe {
-            matrixmultiply::sgemm(
-                m,
-                k,
-                n,
-                1.0,
-                a.as_ptr(),
-                rsa,
-                csa,
-                b.as_ptr(),
-                rsb,
-                csb,
-                beta,
-                c.as_mut_ptr(),
-                n as isize,
-                1,
-            );
-        }
+        cpu::gemm::gemm(m, k, n, a.data, a.trans, b.data, b.trans, beta, c);
     }
 
     fn embedding_fwd(&self, ids: &[u32], table: &[f32], vocab_start: usize, h: usize) -> Vec<f32> {
@@ -509,77 +470,15 @@ impl Backend for Cpu {
     }
 
     fn rope_fwd(&self, x: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32) {
-        let half = d / 2;
-        for (i, &p) in pos.iter().enumerate() {
-            let cs: Vec<(f32, f32)> = rope_angles(p, d, theta).collect();
-            for hd in 0..heads {
-                let base = (i * heads + hd) * d;
-                for (j, &(c, s)) in cs.iter().enumerate() {
-                    let (a, b) = (x[base + j], x[base + j + half]);
-                    x[base + j] = a * c - b * s;
-                    x[base + j + half] = b * c + a * s;
-                }
-            }
-        }
+        cpu::rope::apply(x, pos, heads, d, theta, false);
     }
 
     fn rope_bwd(&self, dx: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32) {
-        let half = d / 2;
-        for (i, &p) in pos.iter().enumerate() {
-            let cs: Vec<(f32, f32)> = rope_angles(p, d, theta).collect();
-            for hd in 0..heads {
-                let base = (i * heads + hd) * d;
-                for (j, &(c, s)) in cs.iter().enumerate() {
-                    let (a, b) = (dx[base + j], dx[base + j + half]);
-                    dx[base + j] = a * c + b * s;
-                    dx[base + j + half] = b * c - a * s;
-                }
-            }
-        }
+        cpu::rope::apply(dx, pos, heads, d, theta, true);
     }
 
     fn attention_fwd(&self, q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>) {
-        let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
-        let group = hq / hk.max(1);
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut o = vec![0.0; s.batch * s.seq_q * hq * d];
-        let mut lse = vec![0.0; s.batch * hq * s.seq_q];
-        let mut p = vec![0.0f32; s.seq_kv];
-        for b in 0..s.batch {
-            for h in 0..hq {
-                let kh = h / group;
-                for i in 0..s.seq_q {
-                    let qi = &q[((b * s.seq_q + i) * hq + h) * d..][..d];
-                    let nk = if s.causal {
-                        (s.q_offset + i + 1).min(s.seq_kv)
-                    } else {
-                        s.seq_kv
-                    };
-                    let mut mx = f32::NEG_INFINITY;
-                    for (j, pj) in p.iter_mut().enumerate().take(nk) {
-                        let kj = &k[((b * s.seq_kv + j) * hk + kh) * d..][..d];
-                        let dot: f32 = qi.iter().zip(kj).map(|(a, b)| a * b).sum();
-                        *pj = dot * scale;
-                        mx = mx.max(*pj);
-                    }
-                    let mut sum = 0.0f32;
-                    for pj in p.iter_mut().take(nk) {
-                        *pj = (*pj - mx).exp();
-                        sum += *pj;
-                    }
-                    lse[(b * hq + h) * s.seq_q + i] = mx + sum.ln();
-                    let oi = &mut o[((b * s.seq_q + i) * hq + h) * d..][..d];
-                    for (j, pj) in p.iter().enumerate().take(nk) {
-                        let w = pj / sum;
-                        let vj = &v[((b * s.seq_kv + j) * hk + kh) * d..][..d];
-                        for (a, b) in oi.iter_mut().zip(vj) {
-                            *a += w * b;
-                        }
-                    }
-                }
-            }
-        }
-        (o, lse)
+        cpu::attention::forward(q, k, v, s)
     }
 
     fn attention_bwd(
@@ -588,46 +487,7 @@ impl Backend for Cpu {
         dout: &[f32],
         s: AttnShape,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let AttnSaved { q, k, v, o, lse } = saved;
-        let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
-        let group = hq / hk.max(1);
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut dq = vec![0.0; q.len()];
-        let mut dk = vec![0.0; k.len()];
-        let mut dv = vec![0.0; v.len()];
-        for b in 0..s.batch {
-            for h in 0..hq {
-                let kh = h / group;
-                for i in 0..s.seq_q {
-                    let qoff = ((b * s.seq_q + i) * hq + h) * d;
-                    let qi = &q[qoff..qoff + d];
-                    let doi = &dout[qoff..qoff + d];
-                    let oi = &o[qoff..qoff + d];
-                    let l = lse[(b * hq + h) * s.seq_q + i];
-                    let delta: f32 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
-                    let nk = if s.causal {
-                        (s.q_offset + i + 1).min(s.seq_kv)
-                    } else {
-                        s.seq_kv
-                    };
-                    for j in 0..nk {
-                        let koff = ((b * s.seq_kv + j) * hk + kh) * d;
-                        let kj = &k[koff..koff + d];
-                        let vj = &v[koff..koff + d];
-                        let dot: f32 = qi.iter().zip(kj).map(|(a, b)| a * b).sum();
-                        let pij = (dot * scale - l).exp();
-                        let dp: f32 = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
-                        let ds = pij * (dp - delta) * scale;
-                        for c in 0..d {
-                            dv[koff + c] += pij * doi[c];
-                            dq[qoff + c] += ds * kj[c];
-                            dk[koff + c] += ds * qi[c];
-                        }
-                    }
-                }
-            }
-        }
-        (dq, dk, dv)
+        cpu::attention::backward(saved, dout, s)
     }
 
     fn swiglu_fwd(&self, gu: &[f32], f: usize) -> Vec<f32> {
@@ -648,7 +508,7 @@ impl Backend for Cpu {
             for j in 0..f {
                 let g = gu[i * 2 * f + j];
                 let u = gu[i * 2 * f + f + j];
-                let sg = 1.0 / (1.0 + (-g).exp());
+                let sg = 1.0 / (1.0 + cpu::exp::exp(-g));
                 let dyv = dy[i * f + j];
                 d[i * 2 * f + j] = dyv * u * sg * (1.0 + g * (1.0 - sg));
                 d[i * 2 * f + f + j] = dyv * g * sg;
@@ -670,7 +530,7 @@ impl Backend for Cpu {
         for i in 0..t {
             let row = &logits[i * v..(i + 1) * v];
             let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = row.iter().map(|x| (x - mx).exp()).sum();
+            let sum: f32 = row.iter().map(|&x| cpu::exp::exp(x - mx)).sum();
             lse[i] = mx + sum.ln();
             let id = targets[i] as usize;
             if id >= vocab_start && id < vocab_start + v {
@@ -692,9 +552,10 @@ impl Backend for Cpu {
         let t = targets.len();
         let mut d = vec![0.0; t * v];
         for i in 0..t {
-            for j in 0..v {
-                d[i * v + j] = scale * (logits[i * v + j] - lse[i]).exp();
-            }
+            let row = &mut d[i * v..(i + 1) * v];
+            row.copy_from_slice(&logits[i * v..(i + 1) * v]);
+            cpu::exp::exp_sub(row, lse[i]);
+            row.iter_mut().for_each(|x| *x *= scale);
             let id = targets[i] as usize;
             if id >= vocab_start && id < vocab_start + v {
                 d[i * v + id - vocab_start] -= scale;

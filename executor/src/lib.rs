@@ -1,6 +1,8 @@
 //! Running lowered per-rank op graphs.
 //!
 //! - [`backend`]: the [`Backend`] kernel trait and the f32 [`Cpu`] reference backend;
+//! - [`cpu`]: the [`Cpu`] backend's kernels (tiled attention, fast `exp`, cached RoPE
+//!   tables, threaded GEMM) and its compute-thread pool;
 //! - [`checkpoint`]: the asynchronous, tiered, checksummed checkpoint store of per-rank
 //!   training state;
 //! - [`cuda`]: the CUDA backend's kernels (CUDA C++ for NVRTC), launch configurations and
@@ -18,6 +20,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod comm;
+pub mod cpu;
 pub mod cuda;
 pub mod data;
 pub mod interp;
