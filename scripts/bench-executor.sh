@@ -27,3 +27,38 @@ done
 for pf in 4 0; do
   echo "| loader, one dp rank, prefetch $pf | $(target/release/examples/loader_rate "$tmp/data" 64 2 4 $pf) | needs 1/2 of the 8-rank job's rate |"
 done
+
+# shardwright vs PyTorch (issue 25): 1 rank, the same tiny-Llama shape and global batch 16
+# at micro-batch 1, 4 and 16 on the same thread count; tokens/s, the ratio, peak RSS.
+# BENCH_THREADS (default: all cores) threads each; BENCH_BASE=REV adds the binary of an
+# older commit (built under target/bench-base) as a third column. PyTorch: the registry's
+# wheel in target/torch-venv (created on first use), run on the CPU.
+threads="${BENCH_THREADS:-$(nproc)}"
+venv=target/torch-venv
+[ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import torch' 2>/dev/null || {
+  python3 -m venv "$venv" && "$venv/bin/python" -m pip install --quiet torch numpy; }
+base=""
+if [ -n "${BENCH_BASE:-}" ]; then
+  mkdir -p target/bench-base && git archive "$BENCH_BASE" | tar -x -C target/bench-base
+  (cd target/bench-base && CARGO_TARGET_DIR="$PWD/target" cargo build --release --locked --quiet --bin shardwright)
+  base=target/bench-base/target/release/shardwright
+fi
+rss() { /usr/bin/time -f '%M' -o "$tmp/rss" "$@" > "$tmp/out" 2>/dev/null; echo "$(( $(tail -1 "$tmp/rss") / 1024 ))"; }
+echo
+echo "| micro-batch | shardwright tok/s (RSS MiB) | ${base:+base $BENCH_BASE tok/s (RSS MiB) | }PyTorch tok/s (RSS MiB) | shardwright / PyTorch |"
+echo "|---:|---:|${base:+---:|}---:|---:|"
+for mb in 1 4 16; do
+  sed -e "s/^  parallelism:.*/  parallelism: {tp: 1, pp: 1, dp: 1, cp: 1, ep: 1, micro_batch: $mb, zero_stage: 0, recompute: none, sequence_parallel: false, schedule: 1f1b}/" \
+      -e 's/num_gpus: 8/num_gpus: 1/' specs/tiny-llama-cpu.yaml > "$tmp/m$mb.yaml"
+  $bin plan "$tmp/m$mb.yaml" -o "$tmp/m$mb.json" --quiet 2>/dev/null
+  m=$(SHARDWRIGHT_THREADS=$threads rss $bin execute "$tmp/m$mb.json" --steps "$steps" --data "$tmp/data" --out "$tmp/s$mb" --overwrite --quiet)
+  s=$(field "$tmp/s$mb/summary.json" median_tokens_per_s)
+  bcol=""
+  if [ -n "$base" ]; then
+    bm=$(rss $base execute "$tmp/m$mb.json" --steps "$steps" --data "$tmp/data" --out "$tmp/b$mb" --overwrite --quiet)
+    bcol="$(field "$tmp/b$mb/summary.json" median_tokens_per_s) ($bm) | "
+  fi
+  tm=$(rss "$venv/bin/python" scripts/bench_torch.py --threads "$threads" --micro-batch "$mb" --steps "$steps")
+  t=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['median_tokens_per_s'], 1))" "$tmp/out")
+  echo "| $mb | $s ($m) | $bcol$t ($tm) | $(python3 -c "print(round($s / $t, 2))")x |"
+done
