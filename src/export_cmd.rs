@@ -68,13 +68,17 @@ pub fn export(
     to: To,
     output: Option<&Path>,
     template: Option<&Path>,
+    engine_version: Option<&str>,
 ) -> Result<(), Failure> {
     let plan = load_plan(plan_path)?;
     let fw = to.framework();
+    let engine = shardwright_export::Engine::resolve(fw, engine_version)
+        .map_err(|e| export_err(&format!("export --to {fw}"), e))?;
     let tpl = read_template(template)?;
-    let r = shardwright_export::export(
+    let r = shardwright_export::export_for(
         &plan,
         fw,
+        engine_version,
         tpl.as_ref().map(|(n, t)| (n.as_str(), t.as_str())),
     )
     .map_err(|e| export_err(&format!("export --to {fw}"), e))?;
@@ -83,7 +87,7 @@ pub fn export(
     }
     io::write_output(output, &r.text)?;
     if let Some(o) = output {
-        eprintln!("wrote {} ({fw}; targets {})", o.display(), fw.targets());
+        eprintln!("wrote {} ({fw}; targets {})", o.display(), engine.targets());
     }
     Ok(())
 }

@@ -677,3 +677,141 @@ fn hot_spares_are_reserved_nodes() {
     assert!(text.contains("SPARE_NODES=2"), "{text}");
     assert!(text.contains("TRAIN_NODES=16"), "{text}");
 }
+
+// ---------------------------------------------------------------- issue 27: exports the engines accept
+
+/// The flag names of a recorded Megatron-LM release, read from the data file itself
+/// (`export/megatron/flags/<tag>.txt`, extracted from that tag's arguments.py).
+fn megatron_release_flags(tag: &str) -> BTreeSet<String> {
+    let path = root().join(format!("export/megatron/flags/{tag}.txt"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    assert!(
+        text.starts_with(&format!("# Megatron-LM {tag} (NVIDIA/Megatron-LM tag {tag}, commit ")),
+        "{path:?} names its source release"
+    );
+    text.lines()
+        .filter(|l| l.starts_with("--"))
+        .map(str::to_string)
+        .collect()
+}
+
+fn megatron_tags() -> Vec<String> {
+    let mut tags: Vec<String> = std::fs::read_dir(root().join("export/megatron/flags"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .strip_suffix(".txt")
+                .map(str::to_string)
+        })
+        .collect();
+    tags.sort();
+    tags
+}
+
+/// The flags a Megatron launch script passes to pretrain_gpt.py: every `--name` in its
+/// `*_ARGS=( ... )` arrays except torchrun's DISTRIBUTED_ARGS.
+fn megatron_script_flags(script: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut counted = None;
+    for line in script.lines() {
+        let t = line.trim();
+        match counted {
+            Some(c) if t == ")" => {
+                let _: bool = c;
+                counted = None;
+            }
+            Some(true) => {
+                let code = t.split(" #").next().unwrap_or("");
+                if !code.starts_with('#') {
+                    out.extend(
+                        code.split_whitespace()
+                            .filter(|w| w.starts_with("--"))
+                            .map(|w| w.split('=').next().unwrap().to_string()),
+                    );
+                }
+            }
+            Some(false) => {}
+            None => {
+                if let Some(name) = t.strip_suffix("=(") {
+                    counted = Some(name != "DISTRIBUTED_ARGS");
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Defect 2: Megatron's validate_args asserts, under `--use-megatron-fsdp`,
+/// `os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS') != "1"` (recorded in
+/// export/megatron/rules.toml, rule fsdp-cuda-device-max-connections); the 70B plan is tp 4
+/// with ZeRO-2 (Megatron-FSDP). Without FSDP, tp or cp > 1 still needs it set to 1.
+#[test]
+fn megatron_fsdp_script_leaves_cuda_device_max_connections_unset() {
+    let plan = golden_plan("llama2-70b-128xa100");
+    assert!(plan.layout.zero_stage >= 2 && plan.layout.tp > 1);
+    let text = export(&plan, Framework::Megatron, None).unwrap().text;
+    assert!(text.contains("--use-megatron-fsdp"));
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    assert!(
+        !lines.contains(&"export CUDA_DEVICE_MAX_CONNECTIONS=1"),
+        "Megatron-FSDP with CUDA_DEVICE_MAX_CONNECTIONS=1 fails validate_args"
+    );
+    assert!(lines.contains(&"unset CUDA_DEVICE_MAX_CONNECTIONS"));
+    let mut plain = plan.clone();
+    plain.layout.zero_stage = 1;
+    let text = export(&plain, Framework::Megatron, None).unwrap().text;
+    assert!(text
+        .lines()
+        .any(|l| l.trim() == "export CUDA_DEVICE_MAX_CONNECTIONS=1"));
+}
+
+/// Defect 7: each export targets a stated Megatron-LM release (`--engine-version`), and
+/// every flag it passes is in that release's recorded flag set; the DeepEP dispatcher is
+/// `--moe-flex-dispatcher-backend deepep` from core_v0.16 and `--moe-enable-deepep` before.
+/// All golden plans, every ZeRO stage, every recorded release; each script also meets the
+/// recorded validate_args rules.
+#[test]
+fn megatron_exports_use_only_the_target_releases_flags() {
+    let tags = megatron_tags();
+    assert!(tags.len() >= 2, "{tags:?}");
+    for tag in &tags {
+        let known = megatron_release_flags(tag);
+        let release = shardwright_export::megatron::release(Some(tag)).unwrap();
+        for stem in spec_stems() {
+            let base = golden_plan(&stem);
+            for zero in 0..=3u8 {
+                let mut plan = base.clone();
+                plan.layout.zero_stage = zero;
+                let text = shardwright_export::export_for(&plan, Framework::Megatron, Some(tag), None)
+                    .unwrap_or_else(|e| panic!("{stem} zero {zero} for {tag}: {e}"))
+                    .text;
+                assert!(
+                    text.contains(&format!("# Targets Megatron-LM {tag} (")),
+                    "{stem}: header names {tag}"
+                );
+                for f in megatron_script_flags(&text) {
+                    assert!(known.contains(&f), "{stem} zero {zero}: {f} is not a flag of {tag}");
+                }
+                let broken = shardwright_export::megatron::check_script(&text, &release);
+                assert!(broken.is_empty(), "{stem} zero {zero} {tag}: {broken:?}");
+            }
+        }
+    }
+    let plan = golden_plan("deepseek-v3-2048xh800");
+    assert_eq!(plan.inputs.moe_dispatcher.name(), "deepep");
+    let old = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_v0.14.0"), None)
+        .unwrap()
+        .text;
+    assert!(!old.contains("--moe-flex-dispatcher-backend"), "first in core_v0.16");
+    assert!(old.contains("--moe-enable-deepep"));
+    let new = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_v0.16.1"), None)
+        .unwrap()
+        .text;
+    assert!(new.contains("--moe-flex-dispatcher-backend deepep"));
+    let e = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_r0.13"), None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--engine-version core_r0.13") && e.contains("core_v0.14.0"), "{e}");
+}

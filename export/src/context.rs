@@ -4,7 +4,7 @@
 //! Templates only print; every decision (which flag, which degree) is made here so that
 //! [`crate::import`] can be checked against it.
 
-use crate::Framework;
+use crate::{Engine, ExportError, Framework};
 use serde_json::{json, Value};
 use shardwright_spec::layout::{recompute_name, schedule_name};
 use shardwright_spec::spec::{Activation, Dtype, Norm, Recompute, Schedule};
@@ -275,8 +275,13 @@ fn dtype_name(d: Dtype) -> &'static str {
     }
 }
 
-/// The context for `fw` and the notes (also in the context as `notes`).
-pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
+/// The context for `fw` (release `engine`) and the notes (also in the context as
+/// `notes`); an error when the engine cannot express the plan's meaning.
+pub fn build(
+    plan: &Plan,
+    fw: Framework,
+    engine: &Engine,
+) -> Result<(Value, Vec<String>), ExportError> {
     let l = &plan.layout;
     let job = &plan.inputs;
     let m = &job.model;
@@ -308,7 +313,7 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
     }
     let fwctx = match fw {
         Framework::Megatron | Framework::Nemo => {
-            megatron_context(plan, pp_layout.as_deref(), &mut notes)
+            megatron_context(plan, engine, pp_layout.as_deref(), &mut notes)
         }
         Framework::Torchtitan => titan_context(plan, pp_layout.as_deref(), titan_less, &mut notes),
         Framework::Deepspeed => {
@@ -320,7 +325,11 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
     let nodes = (l.world()).div_ceil(job.cluster.gpus_per_node as u64);
     let ctx = json!({
         "framework": fw.name(),
-        "targets": fw.targets(),
+        "targets": engine.targets(),
+        "engine_version": match engine {
+            Engine::Megatron(r) => json!(r.tag),
+            Engine::Fixed(_) => Value::Null,
+        },
         "name": job.name,
         "layout": l.compact(),
         "world": l.world(),
@@ -372,7 +381,7 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
         "fw": fwctx,
     });
     let notes = notes_of(&ctx);
-    (ctx, notes)
+    Ok((ctx, notes))
 }
 
 /// Notes on a layer split over pipeline stages that `fw` cannot take from the exported
@@ -413,12 +422,44 @@ fn pipeline_split_notes(
 /// notes on what Megatron lays out differently from the plan.
 fn megatron_context(
     plan: &Plan,
+    engine: &Engine,
     pp_layout: Option<&str>,
     notes: &mut Vec<String>,
 ) -> serde_json::Map<String, Value> {
     let l = &plan.layout;
     let m = &plan.inputs.model;
     let mut fwctx = serde_json::Map::new();
+    // CUDA_DEVICE_MAX_CONNECTIONS (rules.toml): Megatron-FSDP asserts it is not 1, so the
+    // script unsets it; otherwise tp or cp > 1 asserts it is 1 (GPUs before Blackwell).
+    let fsdp = l.zero_stage >= 2;
+    fwctx.insert(
+        "max_connections".into(),
+        json!(if fsdp {
+            "unset"
+        } else if l.tp > 1 || l.cp > 1 {
+            "one"
+        } else {
+            "leave"
+        }),
+    );
+    if fsdp && (l.tp > 1 || l.cp > 1) {
+        notes.push(format!(
+            "Megatron-FSDP (ZeRO-{}) with tp={} cp={}: Megatron-FSDP requires CUDA_DEVICE_MAX_CONNECTIONS unset or > 1 (validate_args), so the script unsets it; Megatron warns that tensor/context parallelism prefers 1 on GPUs before Blackwell (less TP/CP overlap than with the distributed optimizer)",
+            l.zero_stage, l.tp, l.cp
+        ));
+    }
+    // The DeepEP flex dispatcher: `--moe-flex-dispatcher-backend deepep` from core_v0.16.0,
+    // `--moe-enable-deepep` before.
+    if let Engine::Megatron(r) = engine {
+        fwctx.insert(
+            "deepep_flags".into(),
+            json!(if r.has_flex_backend() {
+                vec!["--moe-flex-dispatcher-backend", "deepep"]
+            } else {
+                vec!["--moe-enable-deepep"]
+            }),
+        );
+    }
     if l.schedule == Schedule::Gpipe && l.pp > 1 {
         notes.push(
             "the plan's GPipe schedule has no Megatron equivalent; Megatron runs 1F1B (less activation memory, same bubble)".into(),
