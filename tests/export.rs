@@ -815,3 +815,50 @@ fn megatron_exports_use_only_the_target_releases_flags() {
         .to_string();
     assert!(e.contains("--engine-version core_r0.13") && e.contains("core_v0.14.0"), "{e}");
 }
+
+fn toml_i64(t: &toml::Table, section: &str, key: &str) -> i64 {
+    t[section][key]
+        .as_integer()
+        .unwrap_or_else(|| panic!("[{section}] {key}"))
+}
+
+/// Defect 1: torchtitan's `parallelize_llama` (v0.2.2, torchtitan/models/llama3/infra/
+/// parallelize.py) applies FSDP when `dp_shard > 1 or cp > 1` (ParallelDims.fsdp_enabled),
+/// else DDP over dp_replicate, which raises "DDP has not supported > 1D parallelism" unless
+/// the world size is dp_replicate. A ZeRO-1 plan shards the optimizer state, so its export
+/// must shard (FSDP), not replicate it (DDP). Every golden plan, every ZeRO stage.
+#[test]
+fn torchtitan_data_parallelism_is_what_parallelize_accepts() {
+    for stem in spec_stems() {
+        let base = golden_plan(&stem);
+        for zero in 0..=3u8 {
+            let mut plan = base.clone();
+            plan.layout.zero_stage = zero;
+            let l = &plan.layout;
+            let t: toml::Table = export(&plan, Framework::Torchtitan, None)
+                .unwrap()
+                .text
+                .parse()
+                .unwrap();
+            let rep = toml_i64(&t, "parallelism", "data_parallel_replicate_degree");
+            let shard = toml_i64(&t, "parallelism", "data_parallel_shard_degree");
+            let cp = toml_i64(&t, "parallelism", "context_parallel_degree");
+            let fsdp = shard > 1 || cp > 1;
+            let world = rep * shard * cp * l.tp as i64 * l.pp as i64;
+            assert_eq!(world as u64, l.world(), "{stem} zero {zero}");
+            if !fsdp && rep > 1 {
+                assert_eq!(
+                    world, rep,
+                    "{stem} zero {zero}: DDP with tp {} pp {} is refused by torchtitan",
+                    l.tp, l.pp
+                );
+            }
+            if zero >= 1 && l.batch_replicas() > 1 {
+                assert!(
+                    shard > 1,
+                    "{stem} zero {zero}: the optimizer state must be sharded (FSDP), got replicate {rep} x shard {shard}"
+                );
+            }
+        }
+    }
+}

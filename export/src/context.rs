@@ -22,17 +22,23 @@ pub struct TitanDp {
 
 /// torchtitan's data-parallel split for a layout. torchtitan's batch is split over
 /// `replicate x shard` ranks (= dp x ep here: expert parallelism borrows from the FSDP
-/// dimension); ZeRO-0/1 is plain replication (DDP), ZeRO-2/3 is FSDP.
+/// dimension). torchtitan applies DDP only when data parallelism is the only dimension
+/// (`parallelize_llama`: "DDP has not supported > 1D parallelism" unless world size =
+/// data_parallel_replicate_degree), and has no ZeRO-1: ZeRO-0 on data parallelism alone is
+/// DDP; ZeRO-0 with tp, pp or cp, and ZeRO-1 and 2 are FSDP that keeps parameters gathered
+/// from forward to backward (`fsdp_reshard_after_forward = "never"`: optimizer state and
+/// gradients sharded as ZeRO-2, memory at most the plan's); ZeRO-3 is FSDP.
 pub fn titan_dp(l: &Layout) -> TitanDp {
     let batch = l.batch_replicas();
+    let one_d = l.tp == 1 && l.pp == 1 && l.cp == 1;
     match l.zero_stage {
-        0 | 1 if l.ep == 1 => TitanDp {
+        0 if l.ep == 1 && one_d => TitanDp {
             replicate: batch,
             shard: 1,
             reshard_never: false,
         },
         // EP needs an FSDP dimension to borrow from: shard over the ep ranks (HSDP).
-        0 | 1 => TitanDp {
+        0 | 1 if l.ep > 1 => TitanDp {
             replicate: l.dp as u64,
             shard: l.ep as u64,
             reshard_never: false,
@@ -40,7 +46,7 @@ pub fn titan_dp(l: &Layout) -> TitanDp {
         z => TitanDp {
             replicate: 1,
             shard: batch,
-            reshard_never: z == 2,
+            reshard_never: z < 3,
         },
     }
 }
@@ -501,8 +507,17 @@ fn titan_context(
     let batch_dp = l.batch_replicas();
     let mut fwctx = serde_json::Map::new();
     let t = titan_dp(l);
-    if l.zero_stage == 1 && l.ep == 1 && batch_dp > 1 {
-        notes.push("torchtitan has no ZeRO-1 (sharded optimizer with replicated weights): exported as DDP (data_parallel_replicate_degree), which keeps the whole optimizer state on every rank; the plan's memory estimate assumed it sharded".into());
+    if l.zero_stage < 2 && l.ep == 1 && batch_dp > 1 && t.shard > 1 {
+        notes.push(format!(
+            "torchtitan has no ZeRO-{z}{why}: exported as FSDP over the {batch_dp} data-parallel ranks with fsdp_reshard_after_forward = \"never\" (parameters gathered once per micro-batch's forward and kept to its backward; optimizer state and gradients sharded): memory at most the plan's; without a pipeline, FSDP all-gathers parameters and reduce-scatters gradients per micro-batch (up to {} per step) where the plan reduces once per step",
+            l.grad_accum,
+            z = l.zero_stage,
+            why = if l.zero_stage == 0 {
+                " outside DDP, and DDP runs only when data parallelism is the only dimension (\"DDP has not supported > 1D parallelism\")"
+            } else {
+                " (sharded optimizer with replicated weights)"
+            }
+        ));
     }
     if l.zero_stage < 2 && l.ep > 1 {
         notes.push(format!(
