@@ -170,7 +170,7 @@ fn round_trip(plan: &Plan) -> Result<(), String> {
     ] {
         let text = export(plan, fw, None).map_err(|e| e.to_string())?.text;
         let imp = import::parse(fw, &text, side(plan)).map_err(|e| format!("{fw}: {e}"))?;
-        let want = import::project(fw, &plan.layout, plan.inputs.model.num_layers);
+        let want = import::project(fw, &plan.layout);
         if imp.pins != want {
             return Err(format!(
                 "{fw}: {} imported as {:?}, expected {:?}",
@@ -202,7 +202,7 @@ fn megatron_round_trip_is_exact_without_gpipe() {
     // Megatron expresses every axis; only GPipe (absent in Megatron) changes.
     for stem in spec_stems() {
         let plan = golden_plan(&stem);
-        let p = import::project(Framework::Megatron, &plan.layout, 0);
+        let p = import::project(Framework::Megatron, &plan.layout);
         let l = &plan.layout;
         assert_eq!(
             (
@@ -861,4 +861,139 @@ fn torchtitan_data_parallelism_is_what_parallelize_accepts() {
             }
         }
     }
+}
+
+/// torchtitan v0.2.2's `pipeline_llm` and `generate_llm_fqn_per_model_part`
+/// (torchtitan/distributed/pipeline_parallel.py), transcribed: the decoder layers of each
+/// model chunk torchtitan builds from a `[parallelism]` table for an `n`-layer model (chunk k
+/// runs on pipeline rank k mod pp, the "loop" style of `pipeline_module_split`).
+fn torchtitan_chunks(par: &toml::Value, n: u32) -> Vec<Vec<u32>> {
+    let int = |k: &str, d: i64| par.get(k).map_or(d, |v| v.as_integer().unwrap());
+    if let Some(parts) = par.get("module_fqns_per_model_part") {
+        return parts
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                p.as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|m| m.as_str().unwrap().strip_prefix("layers."))
+                    .map(|i| i.parse().unwrap())
+                    .collect()
+            })
+            .collect();
+    }
+    let pp = int("pipeline_parallel_degree", 1);
+    let single = matches!(
+        par.get("pipeline_parallel_schedule").and_then(|s| s.as_str()),
+        None | Some("1F1B") | Some("GPipe")
+    );
+    let input = int("pipeline_parallel_first_stage_less_layers", 1);
+    let output = int("pipeline_parallel_last_stage_less_layers", 1);
+    let num_stages = match par.get("pipeline_parallel_layers_per_stage") {
+        Some(lps) => {
+            let lps = lps.as_integer().unwrap();
+            let v = (n as i64 + input + output + lps - 1) / lps;
+            assert_eq!(v % pp, 0, "torchtitan: virtual stages {v} not divisible by pp {pp}");
+            let spr = v / pp;
+            assert!(if single { spr == 1 } else { spr >= 2 }, "torchtitan: {spr} stages per rank");
+            v
+        }
+        None => pp * if single { 1 } else { 2 },
+    };
+    let n = n as i64;
+    if num_stages == 1 {
+        return vec![(0..n as u32).collect()];
+    }
+    let eff = n + input + output;
+    let per = eff / num_stages;
+    let extra = eff % num_stages;
+    assert!(per > 0 && input <= per && output <= per, "torchtitan raises");
+    let mut cur = 0;
+    let mut out = Vec::new();
+    for k in 0..num_stages {
+        let mut take = per + i64::from(k < extra);
+        if k == 0 {
+            take -= input;
+        } else if k == num_stages - 1 {
+            take -= output;
+        }
+        let mut chunk = Vec::new();
+        for _ in 0..take {
+            if cur < n {
+                chunk.push(cur as u32);
+                cur += 1;
+            }
+        }
+        out.push(chunk);
+    }
+    out
+}
+
+/// The plan's model chunks: every layer range of every stage, in model order, with its
+/// pipeline rank.
+fn plan_chunks(plan: &Plan) -> Vec<(u32, Vec<u32>)> {
+    let mut chunks: Vec<(u32, Vec<u32>)> = plan
+        .stages
+        .iter()
+        .flat_map(|s| {
+            s.layers.iter().map(move |r| {
+                let (a, b) = match r.split_once('-') {
+                    Some((a, b)) => (a.parse::<u32>().unwrap(), b.parse::<u32>().unwrap()),
+                    None => (r.parse().unwrap(), r.parse().unwrap()),
+                };
+                (s.stage, (a..=b).collect())
+            })
+        })
+        .collect();
+    chunks.sort_by_key(|c| c.1[0]);
+    chunks
+}
+
+/// Defect 3: the split torchtitan builds from the exported TOML is the plan's, chunk for
+/// chunk and rank for rank, interleaved plans included (405B: 126 layers over pp 8 x vpp 8,
+/// first and last chunks one layer; DeepSeek: 61 layers over 16 stages, 2 first, 3 last).
+#[test]
+fn torchtitan_pipeline_split_is_the_plans() {
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        if plan.layout.pp == 1 {
+            continue;
+        }
+        let t: toml::Table = export(&plan, Framework::Torchtitan, None)
+            .unwrap()
+            .text
+            .parse()
+            .unwrap();
+        let got = torchtitan_chunks(&t["parallelism"], plan.inputs.model.num_layers);
+        let want = plan_chunks(&plan);
+        assert_eq!(got.len(), want.len(), "{stem}: model chunks");
+        let pp = plan.layout.pp;
+        for (k, (g, (stage, w))) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{stem}: chunk {k}");
+            assert_eq!(k as u32 % pp, *stage, "{stem}: chunk {k}'s rank");
+        }
+    }
+    // A split torchtitan's weights cannot make (uneven middle stages) goes module by module.
+    let mut plan = golden_plan("llama3-405b-pinned-tp8-pp16-dp128");
+    assert_eq!((plan.layout.pp, plan.layout.vpp), (16, 1));
+    let mut sizes: Vec<u32> = plan.stages.iter().map(|s| s.num_layers).collect();
+    sizes[1] += 1;
+    sizes[2] -= 1;
+    let mut next = 0;
+    for (s, n) in plan.stages.iter_mut().zip(&sizes) {
+        s.layers = vec![format!("{}-{}", next, next + n - 1)];
+        s.num_layers = *n;
+        next += n;
+    }
+    let text = export(&plan, Framework::Torchtitan, None).unwrap().text;
+    assert!(text.contains("module_fqns_per_model_part"), "{text}");
+    let t: toml::Table = text.parse().unwrap();
+    let got = torchtitan_chunks(&t["parallelism"], plan.inputs.model.num_layers);
+    let want: Vec<Vec<u32>> = plan_chunks(&plan).into_iter().map(|c| c.1).collect();
+    assert_eq!(got, want);
+    let fqns = t["parallelism"]["module_fqns_per_model_part"].as_array().unwrap();
+    assert_eq!(fqns[0].as_array().unwrap()[0].as_str(), Some("tok_embeddings"));
+    assert_eq!(fqns[15].as_array().unwrap().last().unwrap().as_str(), Some("output"));
 }

@@ -181,18 +181,129 @@ pub fn virtual_stage_layers(plan: &Plan) -> Option<Vec<u32>> {
     Some(chunks.iter().map(|&(a, b, _)| b - a + 1).collect())
 }
 
-/// torchtitan's `pipeline_parallel_first/last_stage_less_layers` for a split whose middle
-/// stages are equal and whose first and last hold no more (no interleaving, pp >= 3).
-pub fn titan_less_layers(plan: &Plan) -> Option<(u32, u32)> {
-    let l = &plan.layout;
-    if l.vpp != 1 || l.pp < 3 {
+/// torchtitan's own split of `n` decoder layers over `stages` model chunks when the first
+/// chunk counts the embedding as `first` layers and the last the head as `last`
+/// (`generate_llm_fqn_per_model_part`, torchtitan v0.2.2 distributed/pipeline_parallel.py):
+/// decoder layers per chunk, or None where torchtitan raises (no layers per chunk, a weight
+/// above them) or leaves layers out.
+pub fn titan_generated_split(stages: u32, n: u32, first: u32, last: u32) -> Option<Vec<u32>> {
+    if stages == 0 {
         return None;
     }
-    let v = virtual_stage_layers(plan)?;
-    let mid = v[1];
-    let (first, last) = (v[0], v[v.len() - 1]);
-    (v[1..v.len() - 1].iter().all(|&n| n == mid) && first <= mid && last <= mid)
-        .then_some((mid - first, mid - last))
+    if stages == 1 {
+        return Some(vec![n]);
+    }
+    let eff = n + first + last;
+    if stages > eff {
+        return None;
+    }
+    let per = eff / stages;
+    let extra = eff % stages;
+    if per == 0 || first > per || last > per {
+        return None;
+    }
+    let mut placed = 0u32;
+    let mut out = Vec::with_capacity(stages as usize);
+    for k in 0..stages {
+        let mut want = per + u32::from(k < extra);
+        if k == 0 {
+            want -= first;
+        } else if k == stages - 1 {
+            want -= last;
+        }
+        let take = want.min(n - placed);
+        placed += take;
+        out.push(take);
+    }
+    (placed == n).then_some(out)
+}
+
+/// Whether a torchtitan pipeline schedule runs one stage per rank
+/// (`PipelineScheduleSingle`: 1F1B, GPipe) or several (the looped schedules).
+fn titan_single_stage(s: Schedule) -> bool {
+    s != Schedule::Interleaved
+}
+
+/// How the plan's layer split is written for torchtitan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TitanSplit {
+    /// `pipeline_parallel_layers_per_stage` with the first and last stages lighter by
+    /// `first` / `last` layers: torchtitan's own split (see [`titan_generated_split`]) is the
+    /// plan's.
+    Generated { layers_per_stage: u32, first: u32, last: u32 },
+    /// `module_fqns_per_model_part`: the modules of every model chunk, in model order.
+    Fqns(Vec<Vec<String>>),
+}
+
+/// The plan's split over torchtitan's model chunks (virtual stage k on pipeline rank
+/// k mod pp, torchtitan's "loop" style), or None without a pipeline or when the plan's
+/// stages are not pp x vpp contiguous chunks.
+pub fn titan_split(plan: &Plan) -> Option<TitanSplit> {
+    let l = &plan.layout;
+    if l.pp <= 1 {
+        return None;
+    }
+    let n = plan.inputs.model.num_layers;
+    let stages = l.pp * l.vpp;
+    // A plan without stages (hand-made) gets the most even split.
+    let v = virtual_stage_layers(plan).or_else(|| {
+        plan.stages.is_empty().then(|| {
+            (0..stages)
+                .map(|k| n / stages + u32::from(k < n % stages))
+                .collect()
+        })
+    })?;
+    let max = v.iter().copied().max().unwrap_or(0);
+    // pipeline_llm: num_virtual_stages = ceil((n + first + last) / layers_per_stage), a
+    // multiple of pp, 1 per rank for single-stage schedules and at least 2 for looped ones.
+    // Of the weights that give the plan's split, the plainest: every chunk's share exactly
+    // `layers_per_stage` (no remainder spread over the first chunks), then the smallest.
+    let mut best: Option<((bool, u32, u32, u32), TitanSplit)> = None;
+    for lps in 1..=max + 1 {
+        for first in 0..=lps {
+            for last in 0..=lps {
+                let num = (n + first + last).div_ceil(lps);
+                if num != stages
+                    || (titan_single_stage(l.schedule) && num != l.pp)
+                    || (!titan_single_stage(l.schedule) && num < 2 * l.pp)
+                    || titan_generated_split(num, n, first, last).as_deref() != Some(&v[..])
+                {
+                    continue;
+                }
+                let key = ((n + first + last) % lps != 0, lps, first, last);
+                if best.as_ref().is_none_or(|(k, _)| key < *k) {
+                    let split = TitanSplit::Generated {
+                        layers_per_stage: lps,
+                        first,
+                        last,
+                    };
+                    best = Some((key, split));
+                }
+            }
+        }
+    }
+    if let Some((_, split)) = best {
+        return Some(split);
+    }
+    let mut next = 0;
+    let fqns = v
+        .iter()
+        .enumerate()
+        .map(|(k, &c)| {
+            let mut part = Vec::new();
+            if k == 0 {
+                part.push("tok_embeddings".to_string());
+            }
+            part.extend((next..next + c).map(|i| format!("layers.{i}")));
+            next += c;
+            if k + 1 == v.len() {
+                part.push("norm".into());
+                part.push("output".into());
+            }
+            part
+        })
+        .collect();
+    Some(TitanSplit::Fqns(fqns))
 }
 
 /// Join layout stages with `|`, writing a run of 3 or more equal stages as `(X|)*N`
@@ -307,8 +418,12 @@ pub fn build(
     });
     // The layer split over (virtual) pipeline stages, when it is not the even one.
     let pp_layout = megatron_pp_layout(plan);
-    let titan_less = titan_less_layers(plan).filter(|_| pp_layout.is_some());
-    pipeline_split_notes(plan, fw, pp_layout.as_deref(), titan_less, &mut notes);
+    let titan = if fw == Framework::Torchtitan {
+        titan_split(plan)
+    } else {
+        None
+    };
+    pipeline_split_notes(plan, fw, pp_layout.as_deref(), &mut notes);
     if l.folds_tp_into_ep() && !matches!(fw, Framework::Megatron | Framework::Nemo) {
         notes.push(format!(
             "the plan keeps experts whole (expert TP 1, the expert-parallel group spans tp x ep = {} ranks); {} is exported with its expert parallelism as planned ep={} and experts split as that framework does",
@@ -321,7 +436,7 @@ pub fn build(
         Framework::Megatron | Framework::Nemo => {
             megatron_context(plan, engine, pp_layout.as_deref(), &mut notes)
         }
-        Framework::Torchtitan => titan_context(plan, pp_layout.as_deref(), titan_less, &mut notes),
+        Framework::Torchtitan => titan_context(plan, titan.as_ref(), &mut notes),
         Framework::Deepspeed => {
             deepspeed_notes(plan, &mut notes);
             serde_json::Map::new()
@@ -392,13 +507,11 @@ pub fn build(
 
 /// Notes on a layer split over pipeline stages that `fw` cannot take from the exported
 /// file: one not readable as virtual stages, or an uneven one (`pp_layout`) where the
-/// framework splits evenly (torchtitan unless `titan_less` says it can shorten the first
-/// and last stages).
+/// framework splits evenly (DeepSpeed's `partition` is not the plan's).
 fn pipeline_split_notes(
     plan: &Plan,
     fw: Framework,
     pp_layout: Option<&str>,
-    titan_less: Option<(u32, u32)>,
     notes: &mut Vec<String>,
 ) {
     let l = &plan.layout;
@@ -414,7 +527,7 @@ fn pipeline_split_notes(
         ));
     }
     if pp_layout.is_some()
-        && (fw == Framework::Deepspeed || (fw == Framework::Torchtitan && titan_less.is_none()))
+        && fw == Framework::Deepspeed
     {
         notes.push(format!(
             "the plan splits layers unevenly over pipeline stages ({}); {} takes an even split from this file: set the split in model code to match",
@@ -497,8 +610,7 @@ fn megatron_context(
 /// batch, compile) and the notes on what torchtitan cannot express.
 fn titan_context(
     plan: &Plan,
-    pp_layout: Option<&str>,
-    titan_less: Option<(u32, u32)>,
+    split: Option<&TitanSplit>,
     notes: &mut Vec<String>,
 ) -> serde_json::Map<String, Value> {
     let l = &plan.layout;
@@ -540,20 +652,6 @@ fn titan_context(
             l.ep, t.shard, l.cp
         ));
     }
-    let lps = if titan_less.is_some() {
-        None
-    } else if l.pp > 1 && m.num_layers % (l.pp * l.vpp) == 0 {
-        Some(m.num_layers / (l.pp * l.vpp))
-    } else {
-        if l.pp > 1 && l.vpp > 1 && pp_layout.is_none() {
-            notes.push(format!(
-                "{} layers do not divide into pp x vpp = {} stages: pipeline_parallel_layers_per_stage is left out, torchtitan picks the split",
-                m.num_layers,
-                l.pp * l.vpp
-            ));
-        }
-        None
-    };
     // With PP, torchtitan cuts the local batch into micro-batches; without it,
     // gradient accumulation = global / (local x dp).
     let local = if l.pp > 1 {
@@ -566,11 +664,15 @@ fn titan_context(
         json!({"replicate": t.replicate, "shard": t.shard, "reshard_never": t.reshard_never}),
     );
     fwctx.insert("schedule".into(), json!(titan_schedule(l.schedule)));
-    fwctx.insert("layers_per_stage".into(), json!(lps));
     fwctx.insert(
-        "less_layers".into(),
-        match titan_less {
-            Some((f, l)) => json!({"first": f, "last": l}),
+        "split".into(),
+        match split {
+            Some(TitanSplit::Generated {
+                layers_per_stage,
+                first,
+                last,
+            }) => json!({"layers_per_stage": layers_per_stage, "first": first, "last": last, "fqns": null}),
+            Some(TitanSplit::Fqns(parts)) => json!({"layers_per_stage": null, "fqns": parts}),
             None => Value::Null,
         },
     );

@@ -55,7 +55,7 @@ pub fn parse(fw: Framework, text: &str, side: Side) -> Result<Imported, ExportEr
 }
 
 /// The part of `l` that an export to `fw` carries and an import reads back.
-pub fn project(fw: Framework, l: &Layout, num_layers: u32) -> ParallelismSpec {
+pub fn project(fw: Framework, l: &Layout) -> ParallelismSpec {
     let mut p = ParallelismSpec {
         tp: Some(l.tp),
         pp: Some(l.pp),
@@ -93,9 +93,10 @@ pub fn project(fw: Framework, l: &Layout, num_layers: u32) -> ParallelismSpec {
                 3
             });
             p.sequence_parallel = Some(l.tp > 1);
+            // The split is written exactly (layers per stage or module names) whenever the
+            // plan's stages are pp x vpp chunks.
             p.vpp = match l.schedule {
-                Schedule::Interleaved if num_layers % (l.pp * l.vpp) == 0 => Some(l.vpp),
-                Schedule::Interleaved => None,
+                Schedule::Interleaved => Some(l.vpp),
                 _ => Some(1),
             };
         }
@@ -645,6 +646,80 @@ fn positive(v: Option<i64>, default: i64, what: &str) -> Result<u64, ExportError
     Ok(v as u64)
 }
 
+/// Model chunks per pipeline rank as torchtitan's `pipeline_llm` (v0.2.2) counts them:
+/// `module_fqns_per_model_part` gives the chunks; else `pipeline_parallel_layers_per_stage`
+/// gives ceil((layers + first_stage_less + last_stage_less) / layers_per_stage) chunks (both
+/// "less" default 1), a multiple of pp, one per rank for 1F1B/GPipe and at least 2 for looped
+/// schedules; else 1 per rank, or 2 for a looped schedule (torchtitan's default).
+fn titan_vpp(
+    t: &toml::Table,
+    pp: u64,
+    looped: bool,
+    num_layers: Option<u32>,
+    notes: &mut Vec<String>,
+) -> Result<Option<u32>, ExportError> {
+    let per_rank = |chunks: u64, what: &str| -> Result<Option<u32>, ExportError> {
+        if chunks % pp != 0 {
+            return Err(bad(format!(
+                "{what}: {chunks} model chunks are not a multiple of pipeline_parallel_degree {pp} (torchtitan refuses it)"
+            )));
+        }
+        let spr = chunks / pp;
+        if !looped && spr != 1 {
+            return Err(bad(format!(
+                "{what}: {spr} model chunks per rank, but a single-stage schedule runs exactly 1 (torchtitan refuses it)"
+            )));
+        }
+        if looped && spr < 2 {
+            return Err(bad(format!(
+                "{what}: {spr} model chunk per rank, but a looped schedule needs at least 2 (torchtitan refuses it)"
+            )));
+        }
+        Ok(Some(spr as u32))
+    };
+    if let Some(parts) = t
+        .get("parallelism")
+        .and_then(|p| p.get("module_fqns_per_model_part"))
+    {
+        let parts = parts.as_array().ok_or_else(|| {
+            bad("[parallelism] module_fqns_per_model_part: not a list of lists of module names".into())
+        })?;
+        notes.push("[parallelism] module_fqns_per_model_part: the model chunks per rank are imported; the split itself is the planner's to choose".into());
+        return per_rank(parts.len() as u64, "[parallelism] module_fqns_per_model_part");
+    }
+    match toml_int(t, "parallelism", "pipeline_parallel_layers_per_stage")? {
+        Some(lps) => {
+            if lps < 1 {
+                return Err(bad(format!(
+                    "[parallelism] pipeline_parallel_layers_per_stage: {lps} must be at least 1"
+                )));
+            }
+            let Some(n) = num_layers else {
+                notes.push("pipeline_parallel_layers_per_stage without the model's num_layers (job.model.num_layers in the cluster file): the virtual stages per rank are left to the planner".into());
+                return Ok(None);
+            };
+            let less = |k: &str| -> Result<u64, ExportError> {
+                match toml_int(t, "parallelism", k)?.unwrap_or(1) {
+                    v if v >= 0 => Ok(v as u64),
+                    v => Err(bad(format!("[parallelism] {k}: {v} must be at least 0"))),
+                }
+            };
+            let eff = n as u64
+                + less("pipeline_parallel_first_stage_less_layers")?
+                + less("pipeline_parallel_last_stage_less_layers")?;
+            per_rank(
+                eff.div_ceil(lps as u64),
+                &format!("[parallelism] pipeline_parallel_layers_per_stage = {lps} with {n} layers"),
+            )
+        }
+        None if looped => {
+            notes.push("looped pipeline schedule without pipeline_parallel_layers_per_stage: torchtitan's default of 2 model chunks per rank (vpp 2)".into());
+            Ok(Some(2))
+        }
+        None => Ok(Some(1)),
+    }
+}
+
 fn torchtitan(text: &str, side: Side) -> Result<Imported, ExportError> {
     let t: toml::Table = text
         .parse()
@@ -722,26 +797,10 @@ fn torchtitan(text: &str, side: Side) -> Result<Imported, ExportError> {
             (None, true)
         }
     };
-    let vpp = if !looped || pp == 1 {
+    let vpp = if pp == 1 {
         Some(1)
     } else {
-        match (
-            toml_int(&t, "parallelism", "pipeline_parallel_layers_per_stage")?,
-            side.num_layers,
-        ) {
-            (Some(lps), Some(n)) if lps >= 1 && (n as u64) % (pp * lps as u64) == 0 => {
-                Some((n as u64 / (pp * lps as u64)) as u32)
-            }
-            (Some(lps), Some(n)) => {
-                return Err(bad(format!(
-                    "[parallelism] pipeline_parallel_layers_per_stage: {n} layers do not split into {lps} per stage x pp {pp}"
-                )))
-            }
-            _ => {
-                imp.notes.push("looped pipeline schedule without pipeline_parallel_layers_per_stage (or without the model's num_layers): the virtual stages per rank are left to the planner".into());
-                None
-            }
-        }
+        titan_vpp(&t, pp, looped, side.num_layers, &mut imp.notes)?
     };
     let local = positive(
         toml_int(&t, "training", "local_batch_size")?.or(toml_int(&t, "training", "batch_size")?),
