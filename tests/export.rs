@@ -155,20 +155,28 @@ fn side(plan: &Plan) -> Side {
     }
 }
 
-fn expected_global(fw: Framework, plan: &Plan) -> u64 {
-    match fw {
-        Framework::Deepspeed => plan.inputs.training.global_batch * plan.layout.cp as u64,
-        _ => plan.inputs.training.global_batch,
-    }
-}
-
 fn round_trip(plan: &Plan) -> Result<(), String> {
     for fw in [
         Framework::Megatron,
         Framework::Torchtitan,
         Framework::Deepspeed,
     ] {
-        let text = export(plan, fw, None).map_err(|e| e.to_string())?.text;
+        let text = match export(plan, fw, None) {
+            Ok(r) => r.text,
+            // DeepSpeed has no cp: the cp ranks become data-parallel ranks, and the global
+            // batch is kept only when accumulation or micro-batch divides by cp.
+            Err(shardwright_export::ExportError::Refused(why))
+                if fw == Framework::Deepspeed
+                    && plan.layout.grad_accum % plan.layout.cp as u64 != 0
+                    && plan.layout.micro_batch % plan.layout.cp != 0 =>
+            {
+                if !why.contains("no context parallelism") {
+                    return Err(format!("deepspeed refused for another reason: {why}"));
+                }
+                continue;
+            }
+            Err(e) => return Err(format!("{fw}: {e}")),
+        };
         let imp = import::parse(fw, &text, side(plan)).map_err(|e| format!("{fw}: {e}"))?;
         let want = import::project(fw, &plan.layout);
         if imp.pins != want {
@@ -179,11 +187,11 @@ fn round_trip(plan: &Plan) -> Result<(), String> {
                 want
             ));
         }
-        if imp.global_batch != Some(expected_global(fw, plan)) {
+        if imp.global_batch != Some(plan.inputs.training.global_batch) {
             return Err(format!(
                 "{fw}: global batch {:?}, expected {}",
                 imp.global_batch,
-                expected_global(fw, plan)
+                plan.inputs.training.global_batch
             ));
         }
     }
@@ -996,4 +1004,125 @@ fn torchtitan_pipeline_split_is_the_plans() {
     let fqns = t["parallelism"]["module_fqns_per_model_part"].as_array().unwrap();
     assert_eq!(fqns[0].as_array().unwrap()[0].as_str(), Some("tok_embeddings"));
     assert_eq!(fqns[15].as_array().unwrap().last().unwrap().as_str(), Some("output"));
+}
+
+/// Defect 5: DeepSpeedConfig._batch_assertion (deepspeed/runtime/config.py, v0.19.5)
+/// asserts train_batch_size == train_micro_batch_size_per_gpu x gradient_accumulation_steps
+/// x world_size, where world_size is the mpu's (a PipelineModule's grid:
+/// PipelineParallelGrid, data = world / (pipe x model)) data-parallel size, else the whole
+/// world. The export states that topology and must hold the plan's global batch under it;
+/// with cp > 1 (no context parallelism in DeepSpeed) it keeps the global batch, never
+/// multiplies it.
+#[test]
+fn deepspeed_batch_holds_as_deepspeed_checks_it() {
+    let mut with_cp = 0;
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        let l = &plan.layout;
+        let v: serde_json::Value =
+            serde_json::from_str(&export(&plan, Framework::Deepspeed, None).unwrap().text)
+                .unwrap();
+        let topo = &v["_shardwright"]["topology"];
+        let (pipe, model, data) = (
+            topo["pipe"].as_u64().unwrap(),
+            topo["model"].as_u64().unwrap(),
+            topo["data"].as_u64().unwrap(),
+        );
+        assert_eq!((pipe, model), (l.pp as u64, l.tp as u64), "{stem}");
+        // PipelineParallelGrid / the mpu: data = world / (pipe x model).
+        assert_eq!(data, l.world() / (pipe * model), "{stem}");
+        let launch = topo["launch"].as_str().unwrap();
+        if l.pp > 1 && l.tp > 1 {
+            assert!(
+                launch.contains(&format!(
+                    "PipeModelDataParallelTopology(num_pp={}, num_mp={}, num_dp={data})",
+                    l.pp, l.tp
+                )),
+                "{stem}: {launch}"
+            );
+        } else if l.tp > 1 {
+            assert!(launch.contains(&format!("get_data_parallel_world_size() == {data}")), "{stem}");
+        }
+        let n = |k: &str| v[k].as_u64().unwrap();
+        assert_eq!(
+            n("train_batch_size"),
+            n("train_micro_batch_size_per_gpu") * n("gradient_accumulation_steps") * data,
+            "{stem}: DeepSpeed's _batch_assertion"
+        );
+        assert_eq!(n("train_batch_size"), plan.inputs.training.global_batch, "{stem}");
+        with_cp += usize::from(l.cp > 1);
+    }
+    assert!(with_cp >= 3, "golden plans with cp > 1: {with_cp}");
+    // A cp the batch cannot absorb is refused with the reason.
+    let mut plan = golden_plan("tiny-moe-8xh100");
+    plan.layout.grad_accum = 3;
+    plan.inputs.training.global_batch = 3 * plan.layout.batch_replicas();
+    plan.layout.cp = 2;
+    let e = export(&plan, Framework::Deepspeed, None).unwrap_err().to_string();
+    assert!(e.contains("refused") && e.contains("no context parallelism"), "{e}");
+}
+
+/// Defect 6: DeepSpeed's pipeline engine switches activation checkpointing on from
+/// `pipeline.activation_checkpoint_interval` (deepspeed/runtime/pipe/engine.py), and reads
+/// nothing else of what get_pipeline_config fills but pipe_partitioned, grad_partitioned and
+/// use_reentrant; `pipeline.stages` / `partition` are PipelineModule arguments. An
+/// `activation_checkpointing` section switches nothing on. Keys written are keys DeepSpeed
+/// reads.
+#[test]
+fn deepspeed_full_recompute_on_the_pipeline_path() {
+    // Keys DeepSpeedConfig (v0.19.5) reads, top level and per section, plus the ignored
+    // `_shardwright` block.
+    let read: BTreeSet<&str> = [
+        "_shardwright",
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "zero_optimization",
+        "tensor_parallel",
+        "pipeline",
+        "bf16",
+        "fp16",
+        "gradient_clipping",
+        "steps_per_print",
+    ]
+    .into();
+    let pipeline_read: BTreeSet<&str> = [
+        "activation_checkpoint_interval",
+        "pipe_partitioned",
+        "grad_partitioned",
+        "use_reentrant",
+    ]
+    .into();
+    let mut full_pipelines = 0;
+    for stem in spec_stems() {
+        for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            let mut plan = golden_plan(&stem);
+            plan.layout.recompute = rc;
+            let v: serde_json::Value =
+                serde_json::from_str(&export(&plan, Framework::Deepspeed, None).unwrap().text)
+                    .unwrap();
+            for k in v.as_object().unwrap().keys() {
+                assert!(read.contains(k.as_str()), "{stem}: DeepSpeed does not read `{k}`");
+            }
+            if let Some(p) = v.get("pipeline") {
+                for k in p.as_object().unwrap().keys() {
+                    assert!(
+                        pipeline_read.contains(k.as_str()),
+                        "{stem}: the pipeline engine does not read pipeline.{k}"
+                    );
+                }
+            }
+            let interval = v
+                .pointer("/pipeline/activation_checkpoint_interval")
+                .and_then(|x| x.as_u64())
+                .unwrap_or(0);
+            if rc == Recompute::Full && plan.layout.pp > 1 {
+                assert_eq!(interval, 1, "{stem}: full recompute checkpoints every layer");
+                full_pipelines += 1;
+            } else {
+                assert_eq!(interval, 0, "{stem} {rc:?}");
+            }
+        }
+    }
+    assert!(full_pipelines >= 3);
 }

@@ -437,10 +437,7 @@ pub fn build(
             megatron_context(plan, engine, pp_layout.as_deref(), &mut notes)
         }
         Framework::Torchtitan => titan_context(plan, titan.as_ref(), &mut notes),
-        Framework::Deepspeed => {
-            deepspeed_notes(plan, &mut notes);
-            serde_json::Map::new()
-        }
+        Framework::Deepspeed => deepspeed_context(plan, &mut notes)?,
     };
 
     let nodes = (l.world()).div_ceil(job.cluster.gpus_per_node as u64);
@@ -471,7 +468,6 @@ pub fn build(
         "batch_dp": batch_dp,
         "megatron_dp": batch_dp,
         "global_batch": job.training.global_batch,
-        "ds_train_batch": job.training.global_batch * l.cp as u64,
         "seq_len": m.seq_len,
         "save_interval": interval,
         "checkpoint_minutes": plan.estimate.reliability.interval_minutes,
@@ -694,17 +690,76 @@ fn titan_context(
     fwctx
 }
 
-/// DeepSpeed: the notes on what its JSON config cannot say (it has no `fw` context).
-fn deepspeed_notes(plan: &Plan, notes: &mut Vec<String>) {
+/// DeepSpeed: the batch as `DeepSpeedConfig._batch_assertion` checks it
+/// (train_batch_size = micro-batch x accumulation x its data-parallel size), the topology
+/// the launcher must hand DeepSpeed for that data-parallel size, the pipeline engine's
+/// activation checkpointing, and the notes on what its JSON config cannot say. An error
+/// when the plan's global batch cannot be kept.
+fn deepspeed_context(
+    plan: &Plan,
+    notes: &mut Vec<String>,
+) -> Result<serde_json::Map<String, Value>, ExportError> {
     let l = &plan.layout;
     let job = &plan.inputs;
+    let global = job.training.global_batch;
+    // DeepSpeed's data-parallel size: world / (tp x pp) from the pipeline grid or the mpu;
+    // without context parallelism the cp ranks are data-parallel ranks there.
+    let ds_dp = l.world() / (l.tp as u64 * l.pp as u64);
+    let (mut mb, mut ga) = (l.micro_batch as u64, l.grad_accum);
     if l.cp > 1 {
+        let cp = l.cp as u64;
+        if ga % cp == 0 {
+            ga /= cp;
+        } else if mb % cp == 0 {
+            mb /= cp;
+        } else {
+            return Err(ExportError::Refused(format!(
+                "DeepSpeed has no context parallelism, so the plan's cp={} ranks would be data-parallel ranks ({} instead of {}): keeping the global batch {} needs the accumulation {} or the micro-batch {} to be a multiple of {}, and neither is; plan with cp=1 for DeepSpeed, or export to megatron or torchtitan",
+                l.cp, ds_dp, ds_dp / cp, global, l.grad_accum, l.micro_batch, l.cp
+            )));
+        }
         notes.push(format!(
-            "DeepSpeed has no context parallelism (Ulysses sequence parallelism is a different scheme): the plan's cp={} is not expressible; DeepSpeed counts those ranks as data parallel, so train_batch_size below is {} (the plan's global batch {} x cp)",
+            "DeepSpeed has no context parallelism (Ulysses sequence parallelism is a different scheme): the plan's cp={} ranks run as data-parallel ranks, each on whole sequences ({} data-parallel ranks); the global batch stays {} with {} (plan: micro-batch {}, accumulation {}), so activation memory per micro-batch is about {}x the plan's",
             l.cp,
-            job.training.global_batch * l.cp as u64,
-            job.training.global_batch
+            ds_dp,
+            global,
+            if ga != l.grad_accum {
+                format!("accumulation {ga}")
+            } else {
+                format!("micro-batch {mb}")
+            },
+            l.micro_batch,
+            l.grad_accum,
+            l.cp
         ));
+    }
+    debug_assert_eq!(mb * ga * ds_dp, global);
+    // What the launcher passes so that DeepSpeed's data-parallel size is ds_dp.
+    let launcher = if l.pp > 1 && l.tp > 1 {
+        format!(
+            "deepspeed.initialize(model=PipelineModule(layers, topology=PipeModelDataParallelTopology(num_pp={}, num_mp={}, num_dp={}))): DeepSpeed takes its data-parallel size {} from the module's grid (deepspeed.initialize refuses an mpu with a PipelineModule)",
+            l.pp, l.tp, ds_dp, ds_dp
+        )
+    } else if l.pp > 1 {
+        format!(
+            "deepspeed.initialize(model=PipelineModule(layers, num_stages={})): its grid's data-parallel size is world / stages = {}",
+            l.pp, ds_dp
+        )
+    } else if l.tp > 1 {
+        format!(
+            "deepspeed.initialize(..., mpu=M) with M.get_data_parallel_world_size() == {} (e.g. Megatron-DeepSpeed's mpu); without an mpu DeepSpeedConfig counts all {} ranks as data parallel and rejects train_batch_size {}",
+            ds_dp,
+            l.world(),
+            global
+        )
+    } else {
+        format!(
+            "no mpu: DeepSpeed's data-parallel size is the world size {}",
+            l.world()
+        )
+    };
+    if l.tp > 1 || l.pp > 1 {
+        notes.push(format!("launch with {launcher}"));
     }
     if l.ep > 1 {
         notes.push(format!(
@@ -721,8 +776,10 @@ fn deepspeed_notes(plan: &Plan, notes: &mut Vec<String>) {
     if l.sequence_parallel && l.tp > 1 {
         notes.push("Megatron-style sequence parallelism is a model-code choice in DeepSpeed (Megatron-DeepSpeed --sequence-parallel), not in this JSON".into());
     }
-    if l.recompute == Recompute::Selective {
-        notes.push("selective recomputation is a model-code choice in DeepSpeed; the activation_checkpointing section (full-layer checkpointing) is left out".into());
+    match (l.recompute, l.pp > 1) {
+        (Recompute::Selective, _) => notes.push("selective recomputation is a model-code choice in DeepSpeed; nothing in this JSON switches it on".into()),
+        (Recompute::Full, false) => notes.push("full recomputation without a pipeline is a model-code choice in DeepSpeed (wrap each layer in deepspeed.checkpointing.checkpoint); no key of this JSON switches it on".into()),
+        _ => {}
     }
     if l.tp > 1 {
         notes.push(format!(
@@ -739,12 +796,19 @@ fn deepspeed_notes(plan: &Plan, notes: &mut Vec<String>) {
             l.zero_stage, l.pp
         ));
     }
-    if l.pp > 1 {
-        notes.push(format!(
-            "pipeline.stages must match PipelineModule(num_stages={}) in the model code",
-            l.pp
-        ));
-    }
+    let mut fwctx = serde_json::Map::new();
+    fwctx.insert("train_batch".into(), json!(global));
+    fwctx.insert("micro_batch".into(), json!(mb));
+    fwctx.insert("grad_accum".into(), json!(ga));
+    fwctx.insert("data_parallel".into(), json!(ds_dp));
+    fwctx.insert("launcher".into(), json!(launcher));
+    // PipelineEngine reads pipeline.activation_checkpoint_interval (layers per checkpoint;
+    // 0 = off): 1 checkpoints every layer, the plan's full recomputation.
+    fwctx.insert(
+        "checkpoint_interval".into(),
+        json!(u32::from(l.recompute == Recompute::Full && l.pp > 1)),
+    );
+    Ok(fwctx)
 }
 
 fn notes_of(ctx: &Value) -> Vec<String> {

@@ -101,12 +101,19 @@ pub fn project(fw: Framework, l: &Layout) -> ParallelismSpec {
             };
         }
         Framework::Deepspeed => {
+            // The cp ranks are data-parallel ranks; the global batch is kept by dividing the
+            // accumulation (else the micro-batch) by cp.
             p.dp = Some(l.dp * l.ep * l.cp);
+            if l.cp > 1 && l.grad_accum % l.cp as u64 != 0 {
+                p.micro_batch = Some(l.micro_batch / l.cp);
+            }
             p.cp = Some(1);
             p.ep = Some(1);
             p.vpp = Some(1);
             p.schedule = Some(Schedule::OneFOneB);
-            p.recompute = (l.recompute == Recompute::Full).then_some(Recompute::Full);
+            // Only the pipeline engine switches recomputation on from the JSON.
+            p.recompute =
+                (l.recompute == Recompute::Full && l.pp > 1).then_some(Recompute::Full);
             p.sequence_parallel = None;
         }
     }
@@ -914,8 +921,16 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
         }
     };
     let mut imp = Imported::default();
-    let tp = num(&["tensor_parallel", "autotp_size"])?.unwrap_or(1);
-    let pp = num(&["pipeline", "stages"])?.unwrap_or(1);
+    // The degrees: AutoTP's size and the pipeline stages, else the topology a shardwright
+    // export states for the launcher (DeepSpeed takes both from model code).
+    let tp = match num(&["tensor_parallel", "autotp_size"])? {
+        Some(t) => t,
+        None => num(&["_shardwright", "topology", "model"])?.unwrap_or(1),
+    };
+    let pp = match num(&["pipeline", "stages"])? {
+        Some(p) => p,
+        None => num(&["_shardwright", "topology", "pipe"])?.unwrap_or(1),
+    };
     let zero = match obj.get("zero_optimization").and_then(|z| z.get("stage")) {
         None => 0,
         Some(s) => match s.as_u64() {
@@ -960,10 +975,30 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
         }
     }
     let _ = ga;
-    let recompute = if obj.contains_key("activation_checkpointing") {
+    // The pipeline engine checkpoints every `activation_checkpoint_interval` layers (0 off);
+    // an `activation_checkpointing` section only configures checkpointing that model code
+    // calls, it switches nothing on.
+    let interval = match v.pointer("/pipeline/activation_checkpoint_interval") {
+        None => 0,
+        Some(x) => x.as_u64().ok_or_else(|| {
+            bad(format!(
+                "pipeline.activation_checkpoint_interval: `{x}` is not a whole number >= 0"
+            ))
+        })?,
+    };
+    let recompute = if interval > 0 && pp > 1 {
+        if interval > 1 {
+            imp.notes.push(format!(
+                "pipeline.activation_checkpoint_interval = {interval}: read as full recomputation of every layer (shardwright models whole-layer recompute only)"
+            ));
+        }
         Some(Recompute::Full)
     } else {
-        imp.notes.push("no activation_checkpointing section: recomputation is a model-code choice in DeepSpeed, left to the planner".into());
+        imp.notes.push(if obj.contains_key("activation_checkpointing") {
+            "an activation_checkpointing section configures checkpointing that model code calls; it does not switch recomputation on: left to the planner".to_string()
+        } else {
+            "no pipeline.activation_checkpoint_interval: recomputation is a model-code choice in DeepSpeed, left to the planner".to_string()
+        });
         None
     };
     imp.notes.push("DeepSpeed's JSON has no context or expert parallelism: cp = ep = 1 (DeepSpeed-MoE's ep_size lives in model code)".into());

@@ -127,7 +127,7 @@ impl Engine {
 
 pub const NEMO_TARGET: &str = "Megatron-Bridge 0.2+ (NeMo 2 successor; ConfigContainer Hydra-style overrides, docs 'Megatron-LM to Megatron Bridge Guide')";
 pub const TORCHTITAN_TARGET: &str = "torchtitan main 2025 (torchtitan/config/job_config.py: [parallelism], [training] local_batch_size/global_batch_size, [activation_checkpoint] mode, [checkpoint] enable/interval)";
-pub const DEEPSPEED_TARGET: &str = "DeepSpeed 0.16+ (deepspeed/runtime/config.py: train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, zero_optimization.stage, pipeline.stages, tensor_parallel.autotp_size)";
+pub const DEEPSPEED_TARGET: &str = "DeepSpeed 0.16 to 0.19 (read against v0.19.5: deepspeed/runtime/config.py DeepSpeedConfig and _batch_assertion, get_pipeline_config; deepspeed/runtime/pipe/engine.py pipeline.activation_checkpoint_interval; deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)";
 
 impl fmt::Display for Framework {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
