@@ -1126,3 +1126,101 @@ fn deepspeed_full_recompute_on_the_pipeline_path() {
     }
     assert!(full_pipelines >= 3);
 }
+
+/// Megatron's `PipelineParallelLayerLayout.parse_str_to_list` (megatron/core/transformer/
+/// pipeline_parallel_layer_layout.py, core_v0.19.0), transcribed: commas dropped, `(X)*n`
+/// then `x*n` unrolled, stages split at `|`; the decoder layers (`t`) of each stage.
+fn megatron_layout_stages(layout: &str) -> Vec<u32> {
+    let mut s: String = layout.chars().filter(|&c| c != ',').collect();
+    let take_num = |rest: &str| -> (usize, usize) {
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        (digits.parse().unwrap(), digits.len())
+    };
+    while let Some(open) = s.find('(') {
+        let close = open + s[open..].find(')').unwrap();
+        assert_eq!(&s[close + 1..close + 2], "*", "{layout}");
+        let (n, len) = take_num(&s[close + 2..]);
+        let inner = s[open + 1..close].repeat(n);
+        s = format!("{}{}{}", &s[..open], inner, &s[close + 2 + len..]);
+    }
+    while let Some(star) = s.find('*') {
+        let (n, len) = take_num(&s[star + 1..]);
+        let c = s[..star].chars().last().unwrap();
+        s = format!(
+            "{}{}{}",
+            &s[..star - c.len_utf8()],
+            c.to_string().repeat(n),
+            &s[star + 1 + len..]
+        );
+    }
+    s.split('|')
+        .map(|st| {
+            assert!(st.chars().all(|c| "ELtm".contains(c)), "{layout}: {st}");
+            st.chars().filter(|&c| c == 't').count() as u32
+        })
+        .collect()
+}
+
+/// The Hydra overrides of a NeMo / Megatron-Bridge export, as KEY -> VALUE.
+fn bridge_overrides(script: &str) -> std::collections::BTreeMap<String, String> {
+    let start = script.find("OVERRIDES=(").unwrap();
+    let end = start + script[start..].find("\n)").unwrap();
+    import::shell_words(&script[start + "OVERRIDES=(".len()..end])
+        .into_iter()
+        .map(|w| {
+            let (k, v) = w.split_once('=').unwrap();
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+/// Defect 4: the NeMo / Megatron-Bridge export carries the plan's uneven split as
+/// TransformerConfig's `pipeline_model_parallel_layout` (a Hydra quoted string), which
+/// megatron-core parses to the plan's chunks; the vpp override agrees with it
+/// (TransformerConfig.__post_init__ asserts virtual_pipeline_model_parallel_size equals the
+/// layout's) and the split settings it refuses beside a layout are cleared. The header names
+/// Bridge v0.6.0's launcher, scripts/training/run_recipe.py (examples/recipes/ is gone), and
+/// the dataset's sequence length is GPTDatasetConfig.seq_length.
+#[test]
+fn nemo_export_carries_the_uneven_split() {
+    let mut uneven = 0;
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        let text = export(&plan, Framework::Nemo, None).unwrap().text;
+        assert!(text.contains("scripts/training/run_recipe.py --recipe"), "{stem}");
+        assert!(!text.contains("examples/recipes/"), "{stem}");
+        let o = bridge_overrides(&text);
+        assert_eq!(o["dataset.seq_length"], plan.inputs.model.seq_len.to_string());
+        assert!(!o.contains_key("dataset.sequence_length"), "{stem}");
+        let sizes: Vec<u32> = plan_chunks(&plan).iter().map(|c| c.1.len() as u32).collect();
+        let l = &plan.layout;
+        let is_even = sizes.iter().all(|&n| n == sizes[0]);
+        match o.get("model.pipeline_model_parallel_layout") {
+            None => assert!(l.pp == 1 || is_even, "{stem}: uneven split {sizes:?} not exported"),
+            Some(v) => {
+                uneven += 1;
+                let layout = v
+                    .strip_prefix('"')
+                    .and_then(|v| v.strip_suffix('"'))
+                    .unwrap_or_else(|| panic!("{stem}: a Hydra quoted string, got {v}"));
+                let stages = megatron_layout_stages(layout);
+                assert_eq!(stages, sizes, "{stem}");
+                let detected = stages.len() as u32 / l.pp;
+                let vpp = &o["model.virtual_pipeline_model_parallel_size"];
+                assert!(
+                    vpp == "null" || *vpp == detected.to_string(),
+                    "{stem}: vpp {vpp} vs layout's {detected}"
+                );
+                for (k, want) in [
+                    ("model.num_layers_in_first_pipeline_stage", "null"),
+                    ("model.num_layers_in_last_pipeline_stage", "null"),
+                    ("model.account_for_embedding_in_pipeline_split", "false"),
+                    ("model.account_for_loss_in_pipeline_split", "false"),
+                ] {
+                    assert_eq!(o.get(k).map(String::as_str), Some(want), "{stem}: {k}");
+                }
+            }
+        }
+    }
+    assert!(uneven >= 3, "golden plans with an uneven split: {uneven}");
+}

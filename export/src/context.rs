@@ -517,11 +517,6 @@ fn pipeline_split_notes(
             plan.stages.iter().map(|s| s.num_layers).collect::<Vec<_>>()
         ));
     }
-    if let (Some(pl), Framework::Nemo) = (pp_layout, fw) {
-        notes.push(format!(
-            "the plan splits layers unevenly over pipeline stages; in Megatron's layout syntax: \"{pl}\" (Megatron-LM flag --pipeline-model-parallel-layout): set the recipe's split to match"
-        ));
-    }
     if pp_layout.is_some()
         && fw == Framework::Deepspeed
     {

@@ -125,7 +125,7 @@ impl Engine {
     }
 }
 
-pub const NEMO_TARGET: &str = "Megatron-Bridge 0.2+ (NeMo 2 successor; ConfigContainer Hydra-style overrides, docs 'Megatron-LM to Megatron Bridge Guide')";
+pub const NEMO_TARGET: &str = "Megatron-Bridge v0.6.0 (scripts/training/run_recipe.py: --recipe FUNCTION --mode pretrain then Hydra KEY=VALUE ConfigContainer overrides; src/megatron/bridge/training/config.py: ConfigContainer sections, GPTDatasetConfig.seq_length; model fields are megatron-core TransformerConfig's, pipeline_model_parallel_layout checked in its __post_init__)";
 pub const TORCHTITAN_TARGET: &str = "torchtitan main 2025 (torchtitan/config/job_config.py: [parallelism], [training] local_batch_size/global_batch_size, [activation_checkpoint] mode, [checkpoint] enable/interval)";
 pub const DEEPSPEED_TARGET: &str = "DeepSpeed 0.16 to 0.19 (read against v0.19.5: deepspeed/runtime/config.py DeepSpeedConfig and _batch_assertion, get_pipeline_config; deepspeed/runtime/pipe/engine.py pipeline.activation_checkpoint_interval; deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)";
 
