@@ -122,7 +122,13 @@ pub fn import(
         world: import::world_of(&base),
         num_layers: import::num_layers_of(&base),
     };
-    let imp = import::parse(fw, &text, side).map_err(|e| export_err(&source, e))?;
+    let mut imp = import::parse(fw, &text, side).map_err(|e| export_err(&source, e))?;
+    // Megatron's --vocab-file (no --vocab-size): the vocabulary size is its entries, padded.
+    if let Some(vf) = imp.vocab_file.clone() {
+        let vocab = io::read_input(Path::new(&vf.path))?;
+        import::vocab_from_file(&mut imp, &vocab)
+            .map_err(|e| export_err(&format!("--vocab-file {}", vf.path), e))?;
+    }
     for n in &imp.notes {
         eprintln!("note: {fw}: {n}");
     }

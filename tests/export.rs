@@ -1224,3 +1224,89 @@ fn nemo_export_carries_the_uneven_split() {
     }
     assert!(uneven >= 3, "golden plans with an uneven split: {uneven}");
 }
+
+/// Defect 9: what Megatron, DeepSpeed and torchtitan do with what a config leaves out.
+/// Megatron's validate_args: no --ffn-hidden-size is 4h, or int(4h x 2/3 / 64) x 64 with
+/// --swiglu; a --vocab-file's entries are padded to a multiple of
+/// make_vocab_size_divisible_by (128) x tp (vocab_size_with_padding); a vocabulary given
+/// neither way is asked for by name; --rampup-batch-size is noted. DeepSpeed's
+/// activation_checkpointing section switches nothing on (the pipeline engine's
+/// activation_checkpoint_interval does). torchtitan's looped schedule without layers per
+/// stage builds 2 chunks per rank (pipeline_llm's default).
+#[test]
+fn import_reads_what_the_engines_default() {
+    let side = Side {
+        world: Some(16),
+        num_layers: Some(32),
+    };
+    let base = "--tensor-model-parallel-size 2 --num-layers 32 --hidden-size 4096 \
+        --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 --global-batch-size 64";
+    let imp = import::parse(Framework::Megatron, &format!("{base} --swiglu --vocab-size 32000"), side)
+        .unwrap();
+    assert_eq!(imp.model["ffn_hidden_size"], 10880, "int(4 x 4096 x 2/3 / 64) x 64");
+    assert!(imp.notes.iter().any(|n| n.contains("no --ffn-hidden-size")), "{:?}", imp.notes);
+    let imp = import::parse(Framework::Megatron, &format!("{base} --vocab-size 32000"), side).unwrap();
+    assert_eq!(imp.model["ffn_hidden_size"], 16384, "4h");
+
+    // --vocab-file: 1000 entries, padded to a multiple of 128 x tp 2 = 256 -> 1024.
+    let mut imp = import::parse(
+        Framework::Megatron,
+        &format!("{base} --vocab-file gpt2-vocab.json --rampup-batch-size 16 16 5000000"),
+        side,
+    )
+    .unwrap();
+    assert_eq!(
+        imp.vocab_file,
+        Some(import::VocabFile {
+            path: "gpt2-vocab.json".into(),
+            multiple: 256
+        })
+    );
+    assert!(
+        imp.notes.iter().any(|n| n.contains("--rampup-batch-size 16 16 5000000")
+            && n.contains("final global batch 64")),
+        "{:?}",
+        imp.notes
+    );
+    let cluster = serde_json::json!({"cluster": {"gpu": "h100-sxm-80g", "gpus_per_node": 8, "nodes": 2}});
+    let e = import::merge(&cluster, &imp, Framework::Megatron).unwrap_err().to_string();
+    assert!(e.contains("job.model.vocab_size") && e.contains("gpt2-vocab.json"), "{e}");
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..1000).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
+    let n = import::vocab_from_file(&mut imp, &serde_json::Value::Object(vocab).to_string()).unwrap();
+    assert_eq!(n, 1024);
+    assert_eq!(imp.model["vocab_size"], 1024);
+    import::merge(&cluster, &imp, Framework::Megatron).unwrap();
+    let bare = import::parse(Framework::Megatron, base, side).unwrap();
+    let e = import::merge(&cluster, &bare, Framework::Megatron).unwrap_err().to_string();
+    assert!(e.contains("job.model.vocab_size is missing") && e.contains("--vocab-size"), "{e}");
+
+    // DeepSpeed: the section alone is not full recompute; the pipeline interval is.
+    let ds = |extra: &str| {
+        import::parse(
+            Framework::Deepspeed,
+            &format!(r#"{{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 1, {extra} "zero_optimization": {{"stage": 1}}}}"#),
+            side,
+        )
+        .unwrap()
+    };
+    let imp = ds(r#""activation_checkpointing": {"partition_activations": true},"#);
+    assert_eq!(imp.pins.recompute, None);
+    let imp = ds(r#""pipeline": {"stages": 2, "activation_checkpoint_interval": 1},"#);
+    assert_eq!((imp.pins.pp, imp.pins.recompute), (Some(2), Some(Recompute::Full)));
+
+    // torchtitan: Interleaved1F1B without layers per stage = 2 chunks per rank.
+    let toml_text = "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"Interleaved1F1B\"\ndata_parallel_shard_degree = 8\n";
+    let imp = import::parse(Framework::Torchtitan, toml_text, side).unwrap();
+    assert_eq!(imp.pins.vpp, Some(2));
+    // ... and with layers per stage, torchtitan's count: ceil((32 + 1 + 1) / 4) = 9 chunks,
+    // not a multiple of pp 2: torchtitan refuses it.
+    let e = import::parse(
+        Framework::Torchtitan,
+        &format!("{toml_text}pipeline_parallel_layers_per_stage = 4\n"),
+        side,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("9 model chunks are not a multiple of pipeline_parallel_degree 2"), "{e}");
+}

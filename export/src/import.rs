@@ -36,6 +36,41 @@ pub struct Imported {
     pub job: Map<String, Value>,
     /// What was not imported, or read with an assumption.
     pub notes: Vec<String>,
+    /// Megatron's `--vocab-file` when no `--vocab-size` is given: the caller reads it and
+    /// calls [`vocab_from_file`] (the import itself does no I/O).
+    pub vocab_file: Option<VocabFile>,
+}
+
+/// A vocabulary file Megatron pads to a multiple of `multiple`
+/// (`--make-vocab-size-divisible-by` x tensor-parallel size).
+#[derive(Clone, Debug, PartialEq)]
+pub struct VocabFile {
+    pub path: String,
+    pub multiple: u64,
+}
+
+/// Set `job.model.vocab_size` from the text of Megatron's `--vocab-file`: its entries (the
+/// keys of a JSON vocabulary such as GPT-2's vocab.json, else one token a line), padded as
+/// Megatron pads them (`vocab_size_with_padding`, megatron/core/tokenizers/utils/
+/// build_tokenizer.py: up to a multiple of make_vocab_size_divisible_by x tp).
+pub fn vocab_from_file(imp: &mut Imported, text: &str) -> Result<u64, ExportError> {
+    let Some(vf) = imp.vocab_file.take() else {
+        return Err(bad("no --vocab-file to read".into()));
+    };
+    let entries = match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(m)) => m.len() as u64,
+        _ => text.lines().filter(|l| !l.trim().is_empty()).count() as u64,
+    };
+    if entries == 0 {
+        return Err(bad(format!("--vocab-file {}: no entries", vf.path)));
+    }
+    let padded = entries.div_ceil(vf.multiple) * vf.multiple;
+    imp.model.insert("vocab_size".into(), json!(padded));
+    imp.notes.push(format!(
+        "--vocab-file {}: {entries} entries, padded by Megatron to {padded} (a multiple of {}): vocab_size {padded}",
+        vf.path, vf.multiple
+    ));
+    Ok(padded)
 }
 
 fn bad(msg: String) -> ExportError {
@@ -351,7 +386,33 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     megatron_layout_notes(&f, tp, etp, &mut imp.notes);
     // The model, when the flags describe one.
     if f.has("num-layers") || f.has("hidden-size") {
-        imp.model = megatron_model(&f)?;
+        imp.model = megatron_model(&f, &mut imp.notes)?;
+        if !imp.model.contains_key("vocab_size") {
+            if let Some(path) = f.str("vocab-file")? {
+                let by = f.num("make-vocab-size-divisible-by")?.unwrap_or(128).max(1);
+                imp.vocab_file = Some(VocabFile {
+                    path: path.to_string(),
+                    multiple: by * tp as u64,
+                });
+            }
+        }
+    }
+    // Megatron's batch ramp-up: `--rampup-batch-size START INCREMENT SAMPLES`.
+    let words = shell_words(text);
+    if let Some(i) = words.iter().position(|w| w == "--rampup-batch-size") {
+        let vals: Vec<&str> = words[i + 1..]
+            .iter()
+            .take(3)
+            .map(String::as_str)
+            .collect();
+        imp.notes.push(format!(
+            "--rampup-batch-size {}: Megatron ramps the global batch up from {} by {} over {} samples; shardwright plans the final global batch{} throughout (the ramp's steps run with smaller batches than planned)",
+            vals.join(" "),
+            vals.first().unwrap_or(&"?"),
+            vals.get(1).unwrap_or(&"?"),
+            vals.get(2).unwrap_or(&"?"),
+            imp.global_batch.map(|g| format!(" {g}")).unwrap_or_default()
+        ));
     }
     megatron_job_options(&f, &mut imp)?;
     Ok(imp)
@@ -504,7 +565,7 @@ fn megatron_layout_notes(f: &Flags, tp: u32, etp: Option<u64>, notes: &mut Vec<S
 
 /// The `job.model` fields the flags give: the shape, activation, norm, embeddings,
 /// positions, biases, dropout and the MoE section.
-fn megatron_model(f: &Flags) -> Result<Map<String, Value>, ExportError> {
+fn megatron_model(f: &Flags, notes: &mut Vec<String>) -> Result<Map<String, Value>, ExportError> {
     let mut m = Map::new();
     let mut put = |k: &str, v: Option<u64>| {
         if let Some(v) = v {
@@ -513,7 +574,29 @@ fn megatron_model(f: &Flags) -> Result<Map<String, Value>, ExportError> {
     };
     put("num_layers", f.num("num-layers")?);
     put("hidden_size", f.num("hidden-size")?);
-    put("ffn_hidden_size", f.num("ffn-hidden-size")?);
+    // Megatron's default FFN width (validate_args): 4h, or with --swiglu
+    // int(4h x 2/3 / 64) x 64.
+    let ffn = match (f.num("ffn-hidden-size")?, f.num("hidden-size")?) {
+        (Some(n), _) => Some(n),
+        (None, Some(h)) => {
+            let n = if f.has("swiglu") {
+                (4 * h * 2 / 3) / 64 * 64
+            } else {
+                4 * h
+            };
+            notes.push(format!(
+                "no --ffn-hidden-size: Megatron's default for hidden size {h}{}: ffn_hidden_size {n}",
+                if f.has("swiglu") {
+                    " with --swiglu, int(4h x 2/3 / 64) x 64"
+                } else {
+                    ", 4h"
+                }
+            ));
+            Some(n)
+        }
+        (None, None) => None,
+    };
+    put("ffn_hidden_size", ffn);
     put("num_attention_heads", f.num("num-attention-heads")?);
     put("head_dim", f.num("kv-channels")?);
     put("seq_len", f.num("seq-length")?);
@@ -1125,6 +1208,19 @@ pub fn merge(base: &Value, imp: &Imported, fw: Framework) -> Result<Value, Expor
             m.insert(f.clone(), v.clone());
         }
     };
+    if fw == Framework::Megatron
+        && !imp.model.is_empty()
+        && !imp.model.contains_key("vocab_size")
+        && job["model"].get("vocab_size").is_none()
+    {
+        return Err(bad(match &imp.vocab_file {
+            Some(v) => format!(
+                "job.model.vocab_size: --vocab-file {} was not read; give --vocab-size N or job.model.vocab_size in the cluster file",
+                v.path
+            ),
+            None => "job.model.vocab_size is missing: the flags give neither --vocab-size nor --vocab-file; add --vocab-size N to the flags or job.model.vocab_size to the cluster file".into(),
+        }));
+    }
     put(job, "model", &imp.model);
     put(job, "precision", &imp.precision);
     for (f, v) in &imp.job {
