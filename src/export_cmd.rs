@@ -68,13 +68,17 @@ pub fn export(
     to: To,
     output: Option<&Path>,
     template: Option<&Path>,
+    engine_version: Option<&str>,
 ) -> Result<(), Failure> {
     let plan = load_plan(plan_path)?;
     let fw = to.framework();
+    let engine = shardwright_export::Engine::resolve(fw, engine_version)
+        .map_err(|e| export_err(&format!("export --to {fw}"), e))?;
     let tpl = read_template(template)?;
-    let r = shardwright_export::export(
+    let r = shardwright_export::export_for(
         &plan,
         fw,
+        engine_version,
         tpl.as_ref().map(|(n, t)| (n.as_str(), t.as_str())),
     )
     .map_err(|e| export_err(&format!("export --to {fw}"), e))?;
@@ -83,7 +87,7 @@ pub fn export(
     }
     io::write_output(output, &r.text)?;
     if let Some(o) = output {
-        eprintln!("wrote {} ({fw}; targets {})", o.display(), fw.targets());
+        eprintln!("wrote {} ({fw}; targets {})", o.display(), engine.targets());
     }
     Ok(())
 }
@@ -118,7 +122,13 @@ pub fn import(
         world: import::world_of(&base),
         num_layers: import::num_layers_of(&base),
     };
-    let imp = import::parse(fw, &text, side).map_err(|e| export_err(&source, e))?;
+    let mut imp = import::parse(fw, &text, side).map_err(|e| export_err(&source, e))?;
+    // Megatron's --vocab-file (no --vocab-size): the vocabulary size is its entries, padded.
+    if let Some(vf) = imp.vocab_file.clone() {
+        let vocab = io::read_input(Path::new(&vf.path))?;
+        import::vocab_from_file(&mut imp, &vocab)
+            .map_err(|e| export_err(&format!("--vocab-file {}", vf.path), e))?;
+    }
     for n in &imp.notes {
         eprintln!("note: {fw}: {n}");
     }

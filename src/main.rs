@@ -180,7 +180,7 @@ enum Cmd {
     /// Write the plan as another engine's config: Megatron-LM flags, NeMo 2 / Megatron-Bridge
     /// overrides, a torchtitan TOML or a DeepSpeed JSON (what it cannot express: stderr + comments).
     #[command(
-        after_help = "Examples:\n  shardwright export plan.json --to megatron -o pretrain.sh\n  shardwright export plan.json --to torchtitan --template my.toml.j2"
+        after_help = "Examples:\n  shardwright export plan.json --to megatron -o pretrain.sh\n  shardwright export plan.json --to megatron --engine-version core_v0.14.0 -o pretrain.sh\n  shardwright export plan.json --to torchtitan --template my.toml.j2"
     )]
     Export {
         /// Plan JSON (`-` for stdin).
@@ -194,6 +194,11 @@ enum Cmd {
         /// Your own minijinja template instead of the built-in one (see export/templates/).
         #[arg(long)]
         template: Option<PathBuf>,
+        /// The engine release to write for: a Megatron-LM release (core_v0.14.0 ..
+        /// core_v0.19.0, default the newest; its flag names and validate_args rules are
+        /// checked).
+        #[arg(long, value_name = "VERSION")]
+        engine_version: Option<String>,
     },
     /// Read your Megatron flags / torchtitan TOML / DeepSpeed JSON plus a cluster file and
     /// write a job spec with that layout pinned.
@@ -538,7 +543,14 @@ fn run(cli: Cli) -> Result<(), Failure> {
             to,
             output,
             template,
-        } => export_cmd::export(&plan, to, output.as_deref(), template.as_deref()),
+            engine_version,
+        } => export_cmd::export(
+            &plan,
+            to,
+            output.as_deref(),
+            template.as_deref(),
+            engine_version.as_deref(),
+        ),
         Cmd::Import {
             from,
             cluster,

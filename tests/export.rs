@@ -155,22 +155,30 @@ fn side(plan: &Plan) -> Side {
     }
 }
 
-fn expected_global(fw: Framework, plan: &Plan) -> u64 {
-    match fw {
-        Framework::Deepspeed => plan.inputs.training.global_batch * plan.layout.cp as u64,
-        _ => plan.inputs.training.global_batch,
-    }
-}
-
 fn round_trip(plan: &Plan) -> Result<(), String> {
     for fw in [
         Framework::Megatron,
         Framework::Torchtitan,
         Framework::Deepspeed,
     ] {
-        let text = export(plan, fw, None).map_err(|e| e.to_string())?.text;
+        let text = match export(plan, fw, None) {
+            Ok(r) => r.text,
+            // DeepSpeed has no cp: the cp ranks become data-parallel ranks, and the global
+            // batch is kept only when accumulation or micro-batch divides by cp.
+            Err(shardwright_export::ExportError::Refused(why))
+                if fw == Framework::Deepspeed
+                    && plan.layout.grad_accum % plan.layout.cp as u64 != 0
+                    && plan.layout.micro_batch % plan.layout.cp != 0 =>
+            {
+                if !why.contains("no context parallelism") {
+                    return Err(format!("deepspeed refused for another reason: {why}"));
+                }
+                continue;
+            }
+            Err(e) => return Err(format!("{fw}: {e}")),
+        };
         let imp = import::parse(fw, &text, side(plan)).map_err(|e| format!("{fw}: {e}"))?;
-        let want = import::project(fw, &plan.layout, plan.inputs.model.num_layers);
+        let want = import::project(fw, &plan.layout);
         if imp.pins != want {
             return Err(format!(
                 "{fw}: {} imported as {:?}, expected {:?}",
@@ -179,11 +187,11 @@ fn round_trip(plan: &Plan) -> Result<(), String> {
                 want
             ));
         }
-        if imp.global_batch != Some(expected_global(fw, plan)) {
+        if imp.global_batch != Some(plan.inputs.training.global_batch) {
             return Err(format!(
                 "{fw}: global batch {:?}, expected {}",
                 imp.global_batch,
-                expected_global(fw, plan)
+                plan.inputs.training.global_batch
             ));
         }
     }
@@ -202,7 +210,7 @@ fn megatron_round_trip_is_exact_without_gpipe() {
     // Megatron expresses every axis; only GPipe (absent in Megatron) changes.
     for stem in spec_stems() {
         let plan = golden_plan(&stem);
-        let p = import::project(Framework::Megatron, &plan.layout, 0);
+        let p = import::project(Framework::Megatron, &plan.layout);
         let l = &plan.layout;
         assert_eq!(
             (
@@ -676,4 +684,629 @@ fn hot_spares_are_reserved_nodes() {
     assert!(text.contains("#SBATCH --nodes=18"), "{text}");
     assert!(text.contains("SPARE_NODES=2"), "{text}");
     assert!(text.contains("TRAIN_NODES=16"), "{text}");
+}
+
+// ---------------------------------------------------------------- issue 27: exports the engines accept
+
+/// The flag names of a recorded Megatron-LM release, read from the data file itself
+/// (`export/megatron/flags/<tag>.txt`, extracted from that tag's arguments.py).
+fn megatron_release_flags(tag: &str) -> BTreeSet<String> {
+    let path = root().join(format!("export/megatron/flags/{tag}.txt"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    assert!(
+        text.starts_with(&format!("# Megatron-LM {tag} (NVIDIA/Megatron-LM tag {tag}, commit ")),
+        "{path:?} names its source release"
+    );
+    text.lines()
+        .filter(|l| l.starts_with("--"))
+        .map(str::to_string)
+        .collect()
+}
+
+fn megatron_tags() -> Vec<String> {
+    let mut tags: Vec<String> = std::fs::read_dir(root().join("export/megatron/flags"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .strip_suffix(".txt")
+                .map(str::to_string)
+        })
+        .collect();
+    tags.sort();
+    tags
+}
+
+/// The flags a Megatron launch script passes to pretrain_gpt.py: every `--name` in its
+/// `*_ARGS=( ... )` arrays except torchrun's DISTRIBUTED_ARGS.
+fn megatron_script_flags(script: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut counted = None;
+    for line in script.lines() {
+        let t = line.trim();
+        match counted {
+            Some(c) if t == ")" => {
+                let _: bool = c;
+                counted = None;
+            }
+            Some(true) => {
+                let code = t.split(" #").next().unwrap_or("");
+                if !code.starts_with('#') {
+                    out.extend(
+                        code.split_whitespace()
+                            .filter(|w| w.starts_with("--"))
+                            .map(|w| w.split('=').next().unwrap().to_string()),
+                    );
+                }
+            }
+            Some(false) => {}
+            None => {
+                if let Some(name) = t.strip_suffix("=(") {
+                    counted = Some(name != "DISTRIBUTED_ARGS");
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Defect 2: Megatron's validate_args asserts, under `--use-megatron-fsdp`,
+/// `os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS') != "1"` (recorded in
+/// export/megatron/rules.toml, rule fsdp-cuda-device-max-connections); the 70B plan is tp 4
+/// with ZeRO-2 (Megatron-FSDP). Without FSDP, tp or cp > 1 still needs it set to 1.
+#[test]
+fn megatron_fsdp_script_leaves_cuda_device_max_connections_unset() {
+    let plan = golden_plan("llama2-70b-128xa100");
+    assert!(plan.layout.zero_stage >= 2 && plan.layout.tp > 1);
+    let text = export(&plan, Framework::Megatron, None).unwrap().text;
+    assert!(text.contains("--use-megatron-fsdp"));
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    assert!(
+        !lines.contains(&"export CUDA_DEVICE_MAX_CONNECTIONS=1"),
+        "Megatron-FSDP with CUDA_DEVICE_MAX_CONNECTIONS=1 fails validate_args"
+    );
+    assert!(lines.contains(&"unset CUDA_DEVICE_MAX_CONNECTIONS"));
+    let mut plain = plan.clone();
+    plain.layout.zero_stage = 1;
+    let text = export(&plain, Framework::Megatron, None).unwrap().text;
+    assert!(text
+        .lines()
+        .any(|l| l.trim() == "export CUDA_DEVICE_MAX_CONNECTIONS=1"));
+}
+
+/// Defect 7: each export targets a stated Megatron-LM release (`--engine-version`), and
+/// every flag it passes is in that release's recorded flag set; the DeepEP dispatcher is
+/// `--moe-flex-dispatcher-backend deepep` from core_v0.16 and `--moe-enable-deepep` before.
+/// All golden plans, every ZeRO stage, every recorded release; each script also meets the
+/// recorded validate_args rules.
+#[test]
+fn megatron_exports_use_only_the_target_releases_flags() {
+    let tags = megatron_tags();
+    assert!(tags.len() >= 2, "{tags:?}");
+    for tag in &tags {
+        let known = megatron_release_flags(tag);
+        let release = shardwright_export::megatron::release(Some(tag)).unwrap();
+        for stem in spec_stems() {
+            let base = golden_plan(&stem);
+            for zero in 0..=3u8 {
+                let mut plan = base.clone();
+                plan.layout.zero_stage = zero;
+                let text = shardwright_export::export_for(&plan, Framework::Megatron, Some(tag), None)
+                    .unwrap_or_else(|e| panic!("{stem} zero {zero} for {tag}: {e}"))
+                    .text;
+                assert!(
+                    text.contains(&format!("# Targets Megatron-LM {tag} (")),
+                    "{stem}: header names {tag}"
+                );
+                for f in megatron_script_flags(&text) {
+                    assert!(known.contains(&f), "{stem} zero {zero}: {f} is not a flag of {tag}");
+                }
+                let broken = shardwright_export::megatron::check_script(&text, &release);
+                assert!(broken.is_empty(), "{stem} zero {zero} {tag}: {broken:?}");
+            }
+        }
+    }
+    let plan = golden_plan("deepseek-v3-2048xh800");
+    assert_eq!(plan.inputs.moe_dispatcher.name(), "deepep");
+    let old = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_v0.14.0"), None)
+        .unwrap()
+        .text;
+    assert!(!old.contains("--moe-flex-dispatcher-backend"), "first in core_v0.16");
+    assert!(old.contains("--moe-enable-deepep"));
+    let new = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_v0.16.1"), None)
+        .unwrap()
+        .text;
+    assert!(new.contains("--moe-flex-dispatcher-backend deepep"));
+    let e = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_r0.13"), None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--engine-version core_r0.13") && e.contains("core_v0.14.0"), "{e}");
+}
+
+fn toml_i64(t: &toml::Table, section: &str, key: &str) -> i64 {
+    t[section][key]
+        .as_integer()
+        .unwrap_or_else(|| panic!("[{section}] {key}"))
+}
+
+/// Defect 1: torchtitan's `parallelize_llama` (v0.2.2, torchtitan/models/llama3/infra/
+/// parallelize.py) applies FSDP when `dp_shard > 1 or cp > 1` (ParallelDims.fsdp_enabled),
+/// else DDP over dp_replicate, which raises "DDP has not supported > 1D parallelism" unless
+/// the world size is dp_replicate. A ZeRO-1 plan shards the optimizer state, so its export
+/// must shard (FSDP), not replicate it (DDP). Every golden plan, every ZeRO stage.
+#[test]
+fn torchtitan_data_parallelism_is_what_parallelize_accepts() {
+    for stem in spec_stems() {
+        let base = golden_plan(&stem);
+        for zero in 0..=3u8 {
+            let mut plan = base.clone();
+            plan.layout.zero_stage = zero;
+            let l = &plan.layout;
+            let t: toml::Table = export(&plan, Framework::Torchtitan, None)
+                .unwrap()
+                .text
+                .parse()
+                .unwrap();
+            let rep = toml_i64(&t, "parallelism", "data_parallel_replicate_degree");
+            let shard = toml_i64(&t, "parallelism", "data_parallel_shard_degree");
+            let cp = toml_i64(&t, "parallelism", "context_parallel_degree");
+            let fsdp = shard > 1 || cp > 1;
+            let world = rep * shard * cp * l.tp as i64 * l.pp as i64;
+            assert_eq!(world as u64, l.world(), "{stem} zero {zero}");
+            if !fsdp && rep > 1 {
+                assert_eq!(
+                    world, rep,
+                    "{stem} zero {zero}: DDP with tp {} pp {} is refused by torchtitan",
+                    l.tp, l.pp
+                );
+            }
+            if zero >= 1 && l.batch_replicas() > 1 {
+                assert!(
+                    shard > 1,
+                    "{stem} zero {zero}: the optimizer state must be sharded (FSDP), got replicate {rep} x shard {shard}"
+                );
+            }
+        }
+    }
+}
+
+/// torchtitan v0.2.2's `pipeline_llm` and `generate_llm_fqn_per_model_part`
+/// (torchtitan/distributed/pipeline_parallel.py), transcribed: the decoder layers of each
+/// model chunk torchtitan builds from a `[parallelism]` table for an `n`-layer model (chunk k
+/// runs on pipeline rank k mod pp, the "loop" style of `pipeline_module_split`).
+fn torchtitan_chunks(par: &toml::Value, n: u32) -> Vec<Vec<u32>> {
+    let int = |k: &str, d: i64| par.get(k).map_or(d, |v| v.as_integer().unwrap());
+    if let Some(parts) = par.get("module_fqns_per_model_part") {
+        return parts
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                p.as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|m| m.as_str().unwrap().strip_prefix("layers."))
+                    .map(|i| i.parse().unwrap())
+                    .collect()
+            })
+            .collect();
+    }
+    let pp = int("pipeline_parallel_degree", 1);
+    let single = matches!(
+        par.get("pipeline_parallel_schedule").and_then(|s| s.as_str()),
+        None | Some("1F1B") | Some("GPipe")
+    );
+    let input = int("pipeline_parallel_first_stage_less_layers", 1);
+    let output = int("pipeline_parallel_last_stage_less_layers", 1);
+    let num_stages = match par.get("pipeline_parallel_layers_per_stage") {
+        Some(lps) => {
+            let lps = lps.as_integer().unwrap();
+            let v = (n as i64 + input + output + lps - 1) / lps;
+            assert_eq!(v % pp, 0, "torchtitan: virtual stages {v} not divisible by pp {pp}");
+            let spr = v / pp;
+            assert!(if single { spr == 1 } else { spr >= 2 }, "torchtitan: {spr} stages per rank");
+            v
+        }
+        None => pp * if single { 1 } else { 2 },
+    };
+    let n = n as i64;
+    if num_stages == 1 {
+        return vec![(0..n as u32).collect()];
+    }
+    let eff = n + input + output;
+    let per = eff / num_stages;
+    let extra = eff % num_stages;
+    assert!(per > 0 && input <= per && output <= per, "torchtitan raises");
+    let mut cur = 0;
+    let mut out = Vec::new();
+    for k in 0..num_stages {
+        let mut take = per + i64::from(k < extra);
+        if k == 0 {
+            take -= input;
+        } else if k == num_stages - 1 {
+            take -= output;
+        }
+        let mut chunk = Vec::new();
+        for _ in 0..take {
+            if cur < n {
+                chunk.push(cur as u32);
+                cur += 1;
+            }
+        }
+        out.push(chunk);
+    }
+    out
+}
+
+/// The plan's model chunks: every layer range of every stage, in model order, with its
+/// pipeline rank.
+fn plan_chunks(plan: &Plan) -> Vec<(u32, Vec<u32>)> {
+    let mut chunks: Vec<(u32, Vec<u32>)> = plan
+        .stages
+        .iter()
+        .flat_map(|s| {
+            s.layers.iter().map(move |r| {
+                let (a, b) = match r.split_once('-') {
+                    Some((a, b)) => (a.parse::<u32>().unwrap(), b.parse::<u32>().unwrap()),
+                    None => (r.parse().unwrap(), r.parse().unwrap()),
+                };
+                (s.stage, (a..=b).collect())
+            })
+        })
+        .collect();
+    chunks.sort_by_key(|c| c.1[0]);
+    chunks
+}
+
+/// Defect 3: the split torchtitan builds from the exported TOML is the plan's, chunk for
+/// chunk and rank for rank, interleaved plans included (405B: 126 layers over pp 8 x vpp 8,
+/// first and last chunks one layer; DeepSeek: 61 layers over 16 stages, 2 first, 3 last).
+#[test]
+fn torchtitan_pipeline_split_is_the_plans() {
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        if plan.layout.pp == 1 {
+            continue;
+        }
+        let t: toml::Table = export(&plan, Framework::Torchtitan, None)
+            .unwrap()
+            .text
+            .parse()
+            .unwrap();
+        let got = torchtitan_chunks(&t["parallelism"], plan.inputs.model.num_layers);
+        let want = plan_chunks(&plan);
+        assert_eq!(got.len(), want.len(), "{stem}: model chunks");
+        let pp = plan.layout.pp;
+        for (k, (g, (stage, w))) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "{stem}: chunk {k}");
+            assert_eq!(k as u32 % pp, *stage, "{stem}: chunk {k}'s rank");
+        }
+    }
+    // A split torchtitan's weights cannot make (uneven middle stages) goes module by module.
+    let mut plan = golden_plan("llama3-405b-pinned-tp8-pp16-dp128");
+    assert_eq!((plan.layout.pp, plan.layout.vpp), (16, 1));
+    let mut sizes: Vec<u32> = plan.stages.iter().map(|s| s.num_layers).collect();
+    sizes[1] += 1;
+    sizes[2] -= 1;
+    let mut next = 0;
+    for (s, n) in plan.stages.iter_mut().zip(&sizes) {
+        s.layers = vec![format!("{}-{}", next, next + n - 1)];
+        s.num_layers = *n;
+        next += n;
+    }
+    let text = export(&plan, Framework::Torchtitan, None).unwrap().text;
+    assert!(text.contains("module_fqns_per_model_part"), "{text}");
+    let t: toml::Table = text.parse().unwrap();
+    let got = torchtitan_chunks(&t["parallelism"], plan.inputs.model.num_layers);
+    let want: Vec<Vec<u32>> = plan_chunks(&plan).into_iter().map(|c| c.1).collect();
+    assert_eq!(got, want);
+    let fqns = t["parallelism"]["module_fqns_per_model_part"].as_array().unwrap();
+    assert_eq!(fqns[0].as_array().unwrap()[0].as_str(), Some("tok_embeddings"));
+    assert_eq!(fqns[15].as_array().unwrap().last().unwrap().as_str(), Some("output"));
+}
+
+/// Defect 5: DeepSpeedConfig._batch_assertion (deepspeed/runtime/config.py, v0.19.5)
+/// asserts train_batch_size == train_micro_batch_size_per_gpu x gradient_accumulation_steps
+/// x world_size, where world_size is the mpu's (a PipelineModule's grid:
+/// PipelineParallelGrid, data = world / (pipe x model)) data-parallel size, else the whole
+/// world. The export states that topology and must hold the plan's global batch under it;
+/// with cp > 1 (no context parallelism in DeepSpeed) it keeps the global batch, never
+/// multiplies it.
+#[test]
+fn deepspeed_batch_holds_as_deepspeed_checks_it() {
+    let mut with_cp = 0;
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        let l = &plan.layout;
+        let v: serde_json::Value =
+            serde_json::from_str(&export(&plan, Framework::Deepspeed, None).unwrap().text)
+                .unwrap();
+        let topo = &v["_shardwright"]["topology"];
+        let (pipe, model, data) = (
+            topo["pipe"].as_u64().unwrap(),
+            topo["model"].as_u64().unwrap(),
+            topo["data"].as_u64().unwrap(),
+        );
+        assert_eq!((pipe, model), (l.pp as u64, l.tp as u64), "{stem}");
+        // PipelineParallelGrid / the mpu: data = world / (pipe x model).
+        assert_eq!(data, l.world() / (pipe * model), "{stem}");
+        let launch = topo["launch"].as_str().unwrap();
+        if l.pp > 1 && l.tp > 1 {
+            assert!(
+                launch.contains(&format!(
+                    "PipeModelDataParallelTopology(num_pp={}, num_mp={}, num_dp={data})",
+                    l.pp, l.tp
+                )),
+                "{stem}: {launch}"
+            );
+        } else if l.tp > 1 {
+            assert!(launch.contains(&format!("get_data_parallel_world_size() == {data}")), "{stem}");
+        }
+        let n = |k: &str| v[k].as_u64().unwrap();
+        assert_eq!(
+            n("train_batch_size"),
+            n("train_micro_batch_size_per_gpu") * n("gradient_accumulation_steps") * data,
+            "{stem}: DeepSpeed's _batch_assertion"
+        );
+        assert_eq!(n("train_batch_size"), plan.inputs.training.global_batch, "{stem}");
+        with_cp += usize::from(l.cp > 1);
+    }
+    assert!(with_cp >= 3, "golden plans with cp > 1: {with_cp}");
+    // A cp the batch cannot absorb is refused with the reason.
+    let mut plan = golden_plan("tiny-moe-8xh100");
+    plan.layout.grad_accum = 3;
+    plan.inputs.training.global_batch = 3 * plan.layout.batch_replicas();
+    plan.layout.cp = 2;
+    let e = export(&plan, Framework::Deepspeed, None).unwrap_err().to_string();
+    assert!(e.contains("refused") && e.contains("no context parallelism"), "{e}");
+}
+
+/// Defect 6: DeepSpeed's pipeline engine switches activation checkpointing on from
+/// `pipeline.activation_checkpoint_interval` (deepspeed/runtime/pipe/engine.py), and reads
+/// nothing else of what get_pipeline_config fills but pipe_partitioned, grad_partitioned and
+/// use_reentrant; `pipeline.stages` / `partition` are PipelineModule arguments. An
+/// `activation_checkpointing` section switches nothing on. Keys written are keys DeepSpeed
+/// reads.
+#[test]
+fn deepspeed_full_recompute_on_the_pipeline_path() {
+    // Keys DeepSpeedConfig (v0.19.5) reads, top level and per section, plus the ignored
+    // `_shardwright` block.
+    let read: BTreeSet<&str> = [
+        "_shardwright",
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "zero_optimization",
+        "tensor_parallel",
+        "pipeline",
+        "bf16",
+        "fp16",
+        "gradient_clipping",
+        "steps_per_print",
+    ]
+    .into();
+    let pipeline_read: BTreeSet<&str> = [
+        "activation_checkpoint_interval",
+        "pipe_partitioned",
+        "grad_partitioned",
+        "use_reentrant",
+    ]
+    .into();
+    let mut full_pipelines = 0;
+    for stem in spec_stems() {
+        for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            let mut plan = golden_plan(&stem);
+            plan.layout.recompute = rc;
+            let v: serde_json::Value =
+                serde_json::from_str(&export(&plan, Framework::Deepspeed, None).unwrap().text)
+                    .unwrap();
+            for k in v.as_object().unwrap().keys() {
+                assert!(read.contains(k.as_str()), "{stem}: DeepSpeed does not read `{k}`");
+            }
+            if let Some(p) = v.get("pipeline") {
+                for k in p.as_object().unwrap().keys() {
+                    assert!(
+                        pipeline_read.contains(k.as_str()),
+                        "{stem}: the pipeline engine does not read pipeline.{k}"
+                    );
+                }
+            }
+            let interval = v
+                .pointer("/pipeline/activation_checkpoint_interval")
+                .and_then(|x| x.as_u64())
+                .unwrap_or(0);
+            if rc == Recompute::Full && plan.layout.pp > 1 {
+                assert_eq!(interval, 1, "{stem}: full recompute checkpoints every layer");
+                full_pipelines += 1;
+            } else {
+                assert_eq!(interval, 0, "{stem} {rc:?}");
+            }
+        }
+    }
+    assert!(full_pipelines >= 3);
+}
+
+/// Megatron's `PipelineParallelLayerLayout.parse_str_to_list` (megatron/core/transformer/
+/// pipeline_parallel_layer_layout.py, core_v0.19.0), transcribed: commas dropped, `(X)*n`
+/// then `x*n` unrolled, stages split at `|`; the decoder layers (`t`) of each stage.
+fn megatron_layout_stages(layout: &str) -> Vec<u32> {
+    let mut s: String = layout.chars().filter(|&c| c != ',').collect();
+    let take_num = |rest: &str| -> (usize, usize) {
+        let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+        (digits.parse().unwrap(), digits.len())
+    };
+    while let Some(open) = s.find('(') {
+        let close = open + s[open..].find(')').unwrap();
+        assert_eq!(&s[close + 1..close + 2], "*", "{layout}");
+        let (n, len) = take_num(&s[close + 2..]);
+        let inner = s[open + 1..close].repeat(n);
+        s = format!("{}{}{}", &s[..open], inner, &s[close + 2 + len..]);
+    }
+    while let Some(star) = s.find('*') {
+        let (n, len) = take_num(&s[star + 1..]);
+        let c = s[..star].chars().last().unwrap();
+        s = format!(
+            "{}{}{}",
+            &s[..star - c.len_utf8()],
+            c.to_string().repeat(n),
+            &s[star + 1 + len..]
+        );
+    }
+    s.split('|')
+        .map(|st| {
+            assert!(st.chars().all(|c| "ELtm".contains(c)), "{layout}: {st}");
+            st.chars().filter(|&c| c == 't').count() as u32
+        })
+        .collect()
+}
+
+/// The Hydra overrides of a NeMo / Megatron-Bridge export, as KEY -> VALUE.
+fn bridge_overrides(script: &str) -> std::collections::BTreeMap<String, String> {
+    let start = script.find("OVERRIDES=(").unwrap();
+    let end = start + script[start..].find("\n)").unwrap();
+    import::shell_words(&script[start + "OVERRIDES=(".len()..end])
+        .into_iter()
+        .map(|w| {
+            let (k, v) = w.split_once('=').unwrap();
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+/// Defect 4: the NeMo / Megatron-Bridge export carries the plan's uneven split as
+/// TransformerConfig's `pipeline_model_parallel_layout` (a Hydra quoted string), which
+/// megatron-core parses to the plan's chunks; the vpp override agrees with it
+/// (TransformerConfig.__post_init__ asserts virtual_pipeline_model_parallel_size equals the
+/// layout's) and the split settings it refuses beside a layout are cleared. The header names
+/// Bridge v0.6.0's launcher, scripts/training/run_recipe.py (examples/recipes/ is gone), and
+/// the dataset's sequence length is GPTDatasetConfig.seq_length.
+#[test]
+fn nemo_export_carries_the_uneven_split() {
+    let mut uneven = 0;
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        let text = export(&plan, Framework::Nemo, None).unwrap().text;
+        assert!(text.contains("scripts/training/run_recipe.py --recipe"), "{stem}");
+        assert!(!text.contains("examples/recipes/"), "{stem}");
+        let o = bridge_overrides(&text);
+        assert_eq!(o["dataset.seq_length"], plan.inputs.model.seq_len.to_string());
+        assert!(!o.contains_key("dataset.sequence_length"), "{stem}");
+        let sizes: Vec<u32> = plan_chunks(&plan).iter().map(|c| c.1.len() as u32).collect();
+        let l = &plan.layout;
+        let is_even = sizes.iter().all(|&n| n == sizes[0]);
+        match o.get("model.pipeline_model_parallel_layout") {
+            None => assert!(l.pp == 1 || is_even, "{stem}: uneven split {sizes:?} not exported"),
+            Some(v) => {
+                uneven += 1;
+                let layout = v
+                    .strip_prefix('"')
+                    .and_then(|v| v.strip_suffix('"'))
+                    .unwrap_or_else(|| panic!("{stem}: a Hydra quoted string, got {v}"));
+                let stages = megatron_layout_stages(layout);
+                assert_eq!(stages, sizes, "{stem}");
+                let detected = stages.len() as u32 / l.pp;
+                let vpp = &o["model.virtual_pipeline_model_parallel_size"];
+                assert!(
+                    vpp == "null" || *vpp == detected.to_string(),
+                    "{stem}: vpp {vpp} vs layout's {detected}"
+                );
+                for (k, want) in [
+                    ("model.num_layers_in_first_pipeline_stage", "null"),
+                    ("model.num_layers_in_last_pipeline_stage", "null"),
+                    ("model.account_for_embedding_in_pipeline_split", "false"),
+                    ("model.account_for_loss_in_pipeline_split", "false"),
+                ] {
+                    assert_eq!(o.get(k).map(String::as_str), Some(want), "{stem}: {k}");
+                }
+            }
+        }
+    }
+    assert!(uneven >= 3, "golden plans with an uneven split: {uneven}");
+}
+
+/// Defect 9: what Megatron, DeepSpeed and torchtitan do with what a config leaves out.
+/// Megatron's validate_args: no --ffn-hidden-size is 4h, or int(4h x 2/3 / 64) x 64 with
+/// --swiglu; a --vocab-file's entries are padded to a multiple of
+/// make_vocab_size_divisible_by (128) x tp (vocab_size_with_padding); a vocabulary given
+/// neither way is asked for by name; --rampup-batch-size is noted. DeepSpeed's
+/// activation_checkpointing section switches nothing on (the pipeline engine's
+/// activation_checkpoint_interval does). torchtitan's looped schedule without layers per
+/// stage builds 2 chunks per rank (pipeline_llm's default).
+#[test]
+fn import_reads_what_the_engines_default() {
+    let side = Side {
+        world: Some(16),
+        num_layers: Some(32),
+    };
+    let base = "--tensor-model-parallel-size 2 --num-layers 32 --hidden-size 4096 \
+        --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 --global-batch-size 64";
+    let imp = import::parse(Framework::Megatron, &format!("{base} --swiglu --vocab-size 32000"), side)
+        .unwrap();
+    assert_eq!(imp.model["ffn_hidden_size"], 10880, "int(4 x 4096 x 2/3 / 64) x 64");
+    assert!(imp.notes.iter().any(|n| n.contains("no --ffn-hidden-size")), "{:?}", imp.notes);
+    let imp = import::parse(Framework::Megatron, &format!("{base} --vocab-size 32000"), side).unwrap();
+    assert_eq!(imp.model["ffn_hidden_size"], 16384, "4h");
+
+    // --vocab-file: 1000 entries, padded to a multiple of 128 x tp 2 = 256 -> 1024.
+    let mut imp = import::parse(
+        Framework::Megatron,
+        &format!("{base} --vocab-file gpt2-vocab.json --rampup-batch-size 16 16 5000000"),
+        side,
+    )
+    .unwrap();
+    assert_eq!(
+        imp.vocab_file,
+        Some(import::VocabFile {
+            path: "gpt2-vocab.json".into(),
+            multiple: 256
+        })
+    );
+    assert!(
+        imp.notes.iter().any(|n| n.contains("--rampup-batch-size 16 16 5000000")
+            && n.contains("final global batch 64")),
+        "{:?}",
+        imp.notes
+    );
+    let cluster = serde_json::json!({"cluster": {"gpu": "h100-sxm-80g", "gpus_per_node": 8, "nodes": 2}});
+    let e = import::merge(&cluster, &imp, Framework::Megatron).unwrap_err().to_string();
+    assert!(e.contains("job.model.vocab_size") && e.contains("gpt2-vocab.json"), "{e}");
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..1000).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
+    let n = import::vocab_from_file(&mut imp, &serde_json::Value::Object(vocab).to_string()).unwrap();
+    assert_eq!(n, 1024);
+    assert_eq!(imp.model["vocab_size"], 1024);
+    import::merge(&cluster, &imp, Framework::Megatron).unwrap();
+    let bare = import::parse(Framework::Megatron, base, side).unwrap();
+    let e = import::merge(&cluster, &bare, Framework::Megatron).unwrap_err().to_string();
+    assert!(e.contains("job.model.vocab_size is missing") && e.contains("--vocab-size"), "{e}");
+
+    // DeepSpeed: the section alone is not full recompute; the pipeline interval is.
+    let ds = |extra: &str| {
+        import::parse(
+            Framework::Deepspeed,
+            &format!(r#"{{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 1, {extra} "zero_optimization": {{"stage": 1}}}}"#),
+            side,
+        )
+        .unwrap()
+    };
+    let imp = ds(r#""activation_checkpointing": {"partition_activations": true},"#);
+    assert_eq!(imp.pins.recompute, None);
+    let imp = ds(r#""pipeline": {"stages": 2, "activation_checkpoint_interval": 1},"#);
+    assert_eq!((imp.pins.pp, imp.pins.recompute), (Some(2), Some(Recompute::Full)));
+
+    // torchtitan: Interleaved1F1B without layers per stage = 2 chunks per rank.
+    let toml_text = "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"Interleaved1F1B\"\ndata_parallel_shard_degree = 8\n";
+    let imp = import::parse(Framework::Torchtitan, toml_text, side).unwrap();
+    assert_eq!(imp.pins.vpp, Some(2));
+    // ... and with layers per stage, torchtitan's count: ceil((32 + 1 + 1) / 4) = 9 chunks,
+    // not a multiple of pp 2: torchtitan refuses it.
+    let e = import::parse(
+        Framework::Torchtitan,
+        &format!("{toml_text}pipeline_parallel_layers_per_stage = 4\n"),
+        side,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("9 model chunks are not a multiple of pipeline_parallel_degree 2"), "{e}");
 }

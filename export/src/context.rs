@@ -4,7 +4,7 @@
 //! Templates only print; every decision (which flag, which degree) is made here so that
 //! [`crate::import`] can be checked against it.
 
-use crate::Framework;
+use crate::{Engine, ExportError, Framework};
 use serde_json::{json, Value};
 use shardwright_spec::layout::{recompute_name, schedule_name};
 use shardwright_spec::spec::{Activation, Dtype, Norm, Recompute, Schedule};
@@ -22,17 +22,23 @@ pub struct TitanDp {
 
 /// torchtitan's data-parallel split for a layout. torchtitan's batch is split over
 /// `replicate x shard` ranks (= dp x ep here: expert parallelism borrows from the FSDP
-/// dimension); ZeRO-0/1 is plain replication (DDP), ZeRO-2/3 is FSDP.
+/// dimension). torchtitan applies DDP only when data parallelism is the only dimension
+/// (`parallelize_llama`: "DDP has not supported > 1D parallelism" unless world size =
+/// data_parallel_replicate_degree), and has no ZeRO-1: ZeRO-0 on data parallelism alone is
+/// DDP; ZeRO-0 with tp, pp or cp, and ZeRO-1 and 2 are FSDP that keeps parameters gathered
+/// from forward to backward (`fsdp_reshard_after_forward = "never"`: optimizer state and
+/// gradients sharded as ZeRO-2, memory at most the plan's); ZeRO-3 is FSDP.
 pub fn titan_dp(l: &Layout) -> TitanDp {
     let batch = l.batch_replicas();
+    let one_d = l.tp == 1 && l.pp == 1 && l.cp == 1;
     match l.zero_stage {
-        0 | 1 if l.ep == 1 => TitanDp {
+        0 if l.ep == 1 && one_d => TitanDp {
             replicate: batch,
             shard: 1,
             reshard_never: false,
         },
         // EP needs an FSDP dimension to borrow from: shard over the ep ranks (HSDP).
-        0 | 1 => TitanDp {
+        0 | 1 if l.ep > 1 => TitanDp {
             replicate: l.dp as u64,
             shard: l.ep as u64,
             reshard_never: false,
@@ -40,7 +46,7 @@ pub fn titan_dp(l: &Layout) -> TitanDp {
         z => TitanDp {
             replicate: 1,
             shard: batch,
-            reshard_never: z == 2,
+            reshard_never: z < 3,
         },
     }
 }
@@ -175,18 +181,129 @@ pub fn virtual_stage_layers(plan: &Plan) -> Option<Vec<u32>> {
     Some(chunks.iter().map(|&(a, b, _)| b - a + 1).collect())
 }
 
-/// torchtitan's `pipeline_parallel_first/last_stage_less_layers` for a split whose middle
-/// stages are equal and whose first and last hold no more (no interleaving, pp >= 3).
-pub fn titan_less_layers(plan: &Plan) -> Option<(u32, u32)> {
-    let l = &plan.layout;
-    if l.vpp != 1 || l.pp < 3 {
+/// torchtitan's own split of `n` decoder layers over `stages` model chunks when the first
+/// chunk counts the embedding as `first` layers and the last the head as `last`
+/// (`generate_llm_fqn_per_model_part`, torchtitan v0.2.2 distributed/pipeline_parallel.py):
+/// decoder layers per chunk, or None where torchtitan raises (no layers per chunk, a weight
+/// above them) or leaves layers out.
+pub fn titan_generated_split(stages: u32, n: u32, first: u32, last: u32) -> Option<Vec<u32>> {
+    if stages == 0 {
         return None;
     }
-    let v = virtual_stage_layers(plan)?;
-    let mid = v[1];
-    let (first, last) = (v[0], v[v.len() - 1]);
-    (v[1..v.len() - 1].iter().all(|&n| n == mid) && first <= mid && last <= mid)
-        .then_some((mid - first, mid - last))
+    if stages == 1 {
+        return Some(vec![n]);
+    }
+    let eff = n + first + last;
+    if stages > eff {
+        return None;
+    }
+    let per = eff / stages;
+    let extra = eff % stages;
+    if per == 0 || first > per || last > per {
+        return None;
+    }
+    let mut placed = 0u32;
+    let mut out = Vec::with_capacity(stages as usize);
+    for k in 0..stages {
+        let mut want = per + u32::from(k < extra);
+        if k == 0 {
+            want -= first;
+        } else if k == stages - 1 {
+            want -= last;
+        }
+        let take = want.min(n - placed);
+        placed += take;
+        out.push(take);
+    }
+    (placed == n).then_some(out)
+}
+
+/// Whether a torchtitan pipeline schedule runs one stage per rank
+/// (`PipelineScheduleSingle`: 1F1B, GPipe) or several (the looped schedules).
+fn titan_single_stage(s: Schedule) -> bool {
+    s != Schedule::Interleaved
+}
+
+/// How the plan's layer split is written for torchtitan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TitanSplit {
+    /// `pipeline_parallel_layers_per_stage` with the first and last stages lighter by
+    /// `first` / `last` layers: torchtitan's own split (see [`titan_generated_split`]) is the
+    /// plan's.
+    Generated { layers_per_stage: u32, first: u32, last: u32 },
+    /// `module_fqns_per_model_part`: the modules of every model chunk, in model order.
+    Fqns(Vec<Vec<String>>),
+}
+
+/// The plan's split over torchtitan's model chunks (virtual stage k on pipeline rank
+/// k mod pp, torchtitan's "loop" style), or None without a pipeline or when the plan's
+/// stages are not pp x vpp contiguous chunks.
+pub fn titan_split(plan: &Plan) -> Option<TitanSplit> {
+    let l = &plan.layout;
+    if l.pp <= 1 {
+        return None;
+    }
+    let n = plan.inputs.model.num_layers;
+    let stages = l.pp * l.vpp;
+    // A plan without stages (hand-made) gets the most even split.
+    let v = virtual_stage_layers(plan).or_else(|| {
+        plan.stages.is_empty().then(|| {
+            (0..stages)
+                .map(|k| n / stages + u32::from(k < n % stages))
+                .collect()
+        })
+    })?;
+    let max = v.iter().copied().max().unwrap_or(0);
+    // pipeline_llm: num_virtual_stages = ceil((n + first + last) / layers_per_stage), a
+    // multiple of pp, 1 per rank for single-stage schedules and at least 2 for looped ones.
+    // Of the weights that give the plan's split, the plainest: every chunk's share exactly
+    // `layers_per_stage` (no remainder spread over the first chunks), then the smallest.
+    let mut best: Option<((bool, u32, u32, u32), TitanSplit)> = None;
+    for lps in 1..=max + 1 {
+        for first in 0..=lps {
+            for last in 0..=lps {
+                let num = (n + first + last).div_ceil(lps);
+                if num != stages
+                    || (titan_single_stage(l.schedule) && num != l.pp)
+                    || (!titan_single_stage(l.schedule) && num < 2 * l.pp)
+                    || titan_generated_split(num, n, first, last).as_deref() != Some(&v[..])
+                {
+                    continue;
+                }
+                let key = ((n + first + last) % lps != 0, lps, first, last);
+                if best.as_ref().is_none_or(|(k, _)| key < *k) {
+                    let split = TitanSplit::Generated {
+                        layers_per_stage: lps,
+                        first,
+                        last,
+                    };
+                    best = Some((key, split));
+                }
+            }
+        }
+    }
+    if let Some((_, split)) = best {
+        return Some(split);
+    }
+    let mut next = 0;
+    let fqns = v
+        .iter()
+        .enumerate()
+        .map(|(k, &c)| {
+            let mut part = Vec::new();
+            if k == 0 {
+                part.push("tok_embeddings".to_string());
+            }
+            part.extend((next..next + c).map(|i| format!("layers.{i}")));
+            next += c;
+            if k + 1 == v.len() {
+                part.push("norm".into());
+                part.push("output".into());
+            }
+            part
+        })
+        .collect();
+    Some(TitanSplit::Fqns(fqns))
 }
 
 /// Join layout stages with `|`, writing a run of 3 or more equal stages as `(X|)*N`
@@ -275,8 +392,13 @@ fn dtype_name(d: Dtype) -> &'static str {
     }
 }
 
-/// The context for `fw` and the notes (also in the context as `notes`).
-pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
+/// The context for `fw` (release `engine`) and the notes (also in the context as
+/// `notes`); an error when the engine cannot express the plan's meaning.
+pub fn build(
+    plan: &Plan,
+    fw: Framework,
+    engine: &Engine,
+) -> Result<(Value, Vec<String>), ExportError> {
     let l = &plan.layout;
     let job = &plan.inputs;
     let m = &job.model;
@@ -296,8 +418,12 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
     });
     // The layer split over (virtual) pipeline stages, when it is not the even one.
     let pp_layout = megatron_pp_layout(plan);
-    let titan_less = titan_less_layers(plan).filter(|_| pp_layout.is_some());
-    pipeline_split_notes(plan, fw, pp_layout.as_deref(), titan_less, &mut notes);
+    let titan = if fw == Framework::Torchtitan {
+        titan_split(plan)
+    } else {
+        None
+    };
+    pipeline_split_notes(plan, fw, pp_layout.as_deref(), &mut notes);
     if l.folds_tp_into_ep() && !matches!(fw, Framework::Megatron | Framework::Nemo) {
         notes.push(format!(
             "the plan keeps experts whole (expert TP 1, the expert-parallel group spans tp x ep = {} ranks); {} is exported with its expert parallelism as planned ep={} and experts split as that framework does",
@@ -308,19 +434,20 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
     }
     let fwctx = match fw {
         Framework::Megatron | Framework::Nemo => {
-            megatron_context(plan, pp_layout.as_deref(), &mut notes)
+            megatron_context(plan, engine, pp_layout.as_deref(), &mut notes)
         }
-        Framework::Torchtitan => titan_context(plan, pp_layout.as_deref(), titan_less, &mut notes),
-        Framework::Deepspeed => {
-            deepspeed_notes(plan, &mut notes);
-            serde_json::Map::new()
-        }
+        Framework::Torchtitan => titan_context(plan, titan.as_ref(), &mut notes),
+        Framework::Deepspeed => deepspeed_context(plan, &mut notes)?,
     };
 
     let nodes = (l.world()).div_ceil(job.cluster.gpus_per_node as u64);
     let ctx = json!({
         "framework": fw.name(),
-        "targets": fw.targets(),
+        "targets": engine.targets(),
+        "engine_version": match engine {
+            Engine::Megatron(r) => json!(r.tag),
+            Engine::Fixed(_) => Value::Null,
+        },
         "name": job.name,
         "layout": l.compact(),
         "world": l.world(),
@@ -341,7 +468,6 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
         "batch_dp": batch_dp,
         "megatron_dp": batch_dp,
         "global_batch": job.training.global_batch,
-        "ds_train_batch": job.training.global_batch * l.cp as u64,
         "seq_len": m.seq_len,
         "save_interval": interval,
         "checkpoint_minutes": plan.estimate.reliability.interval_minutes,
@@ -372,18 +498,16 @@ pub fn build(plan: &Plan, fw: Framework) -> (Value, Vec<String>) {
         "fw": fwctx,
     });
     let notes = notes_of(&ctx);
-    (ctx, notes)
+    Ok((ctx, notes))
 }
 
 /// Notes on a layer split over pipeline stages that `fw` cannot take from the exported
 /// file: one not readable as virtual stages, or an uneven one (`pp_layout`) where the
-/// framework splits evenly (torchtitan unless `titan_less` says it can shorten the first
-/// and last stages).
+/// framework splits evenly (DeepSpeed's `partition` is not the plan's).
 fn pipeline_split_notes(
     plan: &Plan,
     fw: Framework,
     pp_layout: Option<&str>,
-    titan_less: Option<(u32, u32)>,
     notes: &mut Vec<String>,
 ) {
     let l = &plan.layout;
@@ -393,13 +517,8 @@ fn pipeline_split_notes(
             plan.stages.iter().map(|s| s.num_layers).collect::<Vec<_>>()
         ));
     }
-    if let (Some(pl), Framework::Nemo) = (pp_layout, fw) {
-        notes.push(format!(
-            "the plan splits layers unevenly over pipeline stages; in Megatron's layout syntax: \"{pl}\" (Megatron-LM flag --pipeline-model-parallel-layout): set the recipe's split to match"
-        ));
-    }
     if pp_layout.is_some()
-        && (fw == Framework::Deepspeed || (fw == Framework::Torchtitan && titan_less.is_none()))
+        && fw == Framework::Deepspeed
     {
         notes.push(format!(
             "the plan splits layers unevenly over pipeline stages ({}); {} takes an even split from this file: set the split in model code to match",
@@ -413,12 +532,44 @@ fn pipeline_split_notes(
 /// notes on what Megatron lays out differently from the plan.
 fn megatron_context(
     plan: &Plan,
+    engine: &Engine,
     pp_layout: Option<&str>,
     notes: &mut Vec<String>,
 ) -> serde_json::Map<String, Value> {
     let l = &plan.layout;
     let m = &plan.inputs.model;
     let mut fwctx = serde_json::Map::new();
+    // CUDA_DEVICE_MAX_CONNECTIONS (rules.toml): Megatron-FSDP asserts it is not 1, so the
+    // script unsets it; otherwise tp or cp > 1 asserts it is 1 (GPUs before Blackwell).
+    let fsdp = l.zero_stage >= 2;
+    fwctx.insert(
+        "max_connections".into(),
+        json!(if fsdp {
+            "unset"
+        } else if l.tp > 1 || l.cp > 1 {
+            "one"
+        } else {
+            "leave"
+        }),
+    );
+    if fsdp && (l.tp > 1 || l.cp > 1) {
+        notes.push(format!(
+            "Megatron-FSDP (ZeRO-{}) with tp={} cp={}: Megatron-FSDP requires CUDA_DEVICE_MAX_CONNECTIONS unset or > 1 (validate_args), so the script unsets it; Megatron warns that tensor/context parallelism prefers 1 on GPUs before Blackwell (less TP/CP overlap than with the distributed optimizer)",
+            l.zero_stage, l.tp, l.cp
+        ));
+    }
+    // The DeepEP flex dispatcher: `--moe-flex-dispatcher-backend deepep` from core_v0.16.0,
+    // `--moe-enable-deepep` before.
+    if let Engine::Megatron(r) = engine {
+        fwctx.insert(
+            "deepep_flags".into(),
+            json!(if r.has_flex_backend() {
+                vec!["--moe-flex-dispatcher-backend", "deepep"]
+            } else {
+                vec!["--moe-enable-deepep"]
+            }),
+        );
+    }
     if l.schedule == Schedule::Gpipe && l.pp > 1 {
         notes.push(
             "the plan's GPipe schedule has no Megatron equivalent; Megatron runs 1F1B (less activation memory, same bubble)".into(),
@@ -450,8 +601,7 @@ fn megatron_context(
 /// batch, compile) and the notes on what torchtitan cannot express.
 fn titan_context(
     plan: &Plan,
-    pp_layout: Option<&str>,
-    titan_less: Option<(u32, u32)>,
+    split: Option<&TitanSplit>,
     notes: &mut Vec<String>,
 ) -> serde_json::Map<String, Value> {
     let l = &plan.layout;
@@ -460,8 +610,17 @@ fn titan_context(
     let batch_dp = l.batch_replicas();
     let mut fwctx = serde_json::Map::new();
     let t = titan_dp(l);
-    if l.zero_stage == 1 && l.ep == 1 && batch_dp > 1 {
-        notes.push("torchtitan has no ZeRO-1 (sharded optimizer with replicated weights): exported as DDP (data_parallel_replicate_degree), which keeps the whole optimizer state on every rank; the plan's memory estimate assumed it sharded".into());
+    if l.zero_stage < 2 && l.ep == 1 && batch_dp > 1 && t.shard > 1 {
+        notes.push(format!(
+            "torchtitan has no ZeRO-{z}{why}: exported as FSDP over the {batch_dp} data-parallel ranks with fsdp_reshard_after_forward = \"never\" (parameters gathered once per micro-batch's forward and kept to its backward; optimizer state and gradients sharded): memory at most the plan's; without a pipeline, FSDP all-gathers parameters and reduce-scatters gradients per micro-batch (up to {} per step) where the plan reduces once per step",
+            l.grad_accum,
+            z = l.zero_stage,
+            why = if l.zero_stage == 0 {
+                " outside DDP, and DDP runs only when data parallelism is the only dimension (\"DDP has not supported > 1D parallelism\")"
+            } else {
+                " (sharded optimizer with replicated weights)"
+            }
+        ));
     }
     if l.zero_stage < 2 && l.ep > 1 {
         notes.push(format!(
@@ -484,20 +643,6 @@ fn titan_context(
             l.ep, t.shard, l.cp
         ));
     }
-    let lps = if titan_less.is_some() {
-        None
-    } else if l.pp > 1 && m.num_layers % (l.pp * l.vpp) == 0 {
-        Some(m.num_layers / (l.pp * l.vpp))
-    } else {
-        if l.pp > 1 && l.vpp > 1 && pp_layout.is_none() {
-            notes.push(format!(
-                "{} layers do not divide into pp x vpp = {} stages: pipeline_parallel_layers_per_stage is left out, torchtitan picks the split",
-                m.num_layers,
-                l.pp * l.vpp
-            ));
-        }
-        None
-    };
     // With PP, torchtitan cuts the local batch into micro-batches; without it,
     // gradient accumulation = global / (local x dp).
     let local = if l.pp > 1 {
@@ -510,11 +655,15 @@ fn titan_context(
         json!({"replicate": t.replicate, "shard": t.shard, "reshard_never": t.reshard_never}),
     );
     fwctx.insert("schedule".into(), json!(titan_schedule(l.schedule)));
-    fwctx.insert("layers_per_stage".into(), json!(lps));
     fwctx.insert(
-        "less_layers".into(),
-        match titan_less {
-            Some((f, l)) => json!({"first": f, "last": l}),
+        "split".into(),
+        match split {
+            Some(TitanSplit::Generated {
+                layers_per_stage,
+                first,
+                last,
+            }) => json!({"layers_per_stage": layers_per_stage, "first": first, "last": last, "fqns": null}),
+            Some(TitanSplit::Fqns(parts)) => json!({"layers_per_stage": null, "fqns": parts}),
             None => Value::Null,
         },
     );
@@ -536,17 +685,76 @@ fn titan_context(
     fwctx
 }
 
-/// DeepSpeed: the notes on what its JSON config cannot say (it has no `fw` context).
-fn deepspeed_notes(plan: &Plan, notes: &mut Vec<String>) {
+/// DeepSpeed: the batch as `DeepSpeedConfig._batch_assertion` checks it
+/// (train_batch_size = micro-batch x accumulation x its data-parallel size), the topology
+/// the launcher must hand DeepSpeed for that data-parallel size, the pipeline engine's
+/// activation checkpointing, and the notes on what its JSON config cannot say. An error
+/// when the plan's global batch cannot be kept.
+fn deepspeed_context(
+    plan: &Plan,
+    notes: &mut Vec<String>,
+) -> Result<serde_json::Map<String, Value>, ExportError> {
     let l = &plan.layout;
     let job = &plan.inputs;
+    let global = job.training.global_batch;
+    // DeepSpeed's data-parallel size: world / (tp x pp) from the pipeline grid or the mpu;
+    // without context parallelism the cp ranks are data-parallel ranks there.
+    let ds_dp = l.world() / (l.tp as u64 * l.pp as u64);
+    let (mut mb, mut ga) = (l.micro_batch as u64, l.grad_accum);
     if l.cp > 1 {
+        let cp = l.cp as u64;
+        if ga % cp == 0 {
+            ga /= cp;
+        } else if mb % cp == 0 {
+            mb /= cp;
+        } else {
+            return Err(ExportError::Refused(format!(
+                "DeepSpeed has no context parallelism, so the plan's cp={} ranks would be data-parallel ranks ({} instead of {}): keeping the global batch {} needs the accumulation {} or the micro-batch {} to be a multiple of {}, and neither is; plan with cp=1 for DeepSpeed, or export to megatron or torchtitan",
+                l.cp, ds_dp, ds_dp / cp, global, l.grad_accum, l.micro_batch, l.cp
+            )));
+        }
         notes.push(format!(
-            "DeepSpeed has no context parallelism (Ulysses sequence parallelism is a different scheme): the plan's cp={} is not expressible; DeepSpeed counts those ranks as data parallel, so train_batch_size below is {} (the plan's global batch {} x cp)",
+            "DeepSpeed has no context parallelism (Ulysses sequence parallelism is a different scheme): the plan's cp={} ranks run as data-parallel ranks, each on whole sequences ({} data-parallel ranks); the global batch stays {} with {} (plan: micro-batch {}, accumulation {}), so activation memory per micro-batch is about {}x the plan's",
             l.cp,
-            job.training.global_batch * l.cp as u64,
-            job.training.global_batch
+            ds_dp,
+            global,
+            if ga != l.grad_accum {
+                format!("accumulation {ga}")
+            } else {
+                format!("micro-batch {mb}")
+            },
+            l.micro_batch,
+            l.grad_accum,
+            l.cp
         ));
+    }
+    debug_assert_eq!(mb * ga * ds_dp, global);
+    // What the launcher passes so that DeepSpeed's data-parallel size is ds_dp.
+    let launcher = if l.pp > 1 && l.tp > 1 {
+        format!(
+            "deepspeed.initialize(model=PipelineModule(layers, topology=PipeModelDataParallelTopology(num_pp={}, num_mp={}, num_dp={}))): DeepSpeed takes its data-parallel size {} from the module's grid (deepspeed.initialize refuses an mpu with a PipelineModule)",
+            l.pp, l.tp, ds_dp, ds_dp
+        )
+    } else if l.pp > 1 {
+        format!(
+            "deepspeed.initialize(model=PipelineModule(layers, num_stages={})): its grid's data-parallel size is world / stages = {}",
+            l.pp, ds_dp
+        )
+    } else if l.tp > 1 {
+        format!(
+            "deepspeed.initialize(..., mpu=M) with M.get_data_parallel_world_size() == {} (e.g. Megatron-DeepSpeed's mpu); without an mpu DeepSpeedConfig counts all {} ranks as data parallel and rejects train_batch_size {}",
+            ds_dp,
+            l.world(),
+            global
+        )
+    } else {
+        format!(
+            "no mpu: DeepSpeed's data-parallel size is the world size {}",
+            l.world()
+        )
+    };
+    if l.tp > 1 || l.pp > 1 {
+        notes.push(format!("launch with {launcher}"));
     }
     if l.ep > 1 {
         notes.push(format!(
@@ -563,8 +771,10 @@ fn deepspeed_notes(plan: &Plan, notes: &mut Vec<String>) {
     if l.sequence_parallel && l.tp > 1 {
         notes.push("Megatron-style sequence parallelism is a model-code choice in DeepSpeed (Megatron-DeepSpeed --sequence-parallel), not in this JSON".into());
     }
-    if l.recompute == Recompute::Selective {
-        notes.push("selective recomputation is a model-code choice in DeepSpeed; the activation_checkpointing section (full-layer checkpointing) is left out".into());
+    match (l.recompute, l.pp > 1) {
+        (Recompute::Selective, _) => notes.push("selective recomputation is a model-code choice in DeepSpeed; nothing in this JSON switches it on".into()),
+        (Recompute::Full, false) => notes.push("full recomputation without a pipeline is a model-code choice in DeepSpeed (wrap each layer in deepspeed.checkpointing.checkpoint); no key of this JSON switches it on".into()),
+        _ => {}
     }
     if l.tp > 1 {
         notes.push(format!(
@@ -581,12 +791,19 @@ fn deepspeed_notes(plan: &Plan, notes: &mut Vec<String>) {
             l.zero_stage, l.pp
         ));
     }
-    if l.pp > 1 {
-        notes.push(format!(
-            "pipeline.stages must match PipelineModule(num_stages={}) in the model code",
-            l.pp
-        ));
-    }
+    let mut fwctx = serde_json::Map::new();
+    fwctx.insert("train_batch".into(), json!(global));
+    fwctx.insert("micro_batch".into(), json!(mb));
+    fwctx.insert("grad_accum".into(), json!(ga));
+    fwctx.insert("data_parallel".into(), json!(ds_dp));
+    fwctx.insert("launcher".into(), json!(launcher));
+    // PipelineEngine reads pipeline.activation_checkpoint_interval (layers per checkpoint;
+    // 0 = off): 1 checkpoints every layer, the plan's full recomputation.
+    fwctx.insert(
+        "checkpoint_interval".into(),
+        json!(u32::from(l.recompute == Recompute::Full && l.pp > 1)),
+    );
+    Ok(fwctx)
 }
 
 fn notes_of(ctx: &Value) -> Vec<String> {

@@ -36,6 +36,41 @@ pub struct Imported {
     pub job: Map<String, Value>,
     /// What was not imported, or read with an assumption.
     pub notes: Vec<String>,
+    /// Megatron's `--vocab-file` when no `--vocab-size` is given: the caller reads it and
+    /// calls [`vocab_from_file`] (the import itself does no I/O).
+    pub vocab_file: Option<VocabFile>,
+}
+
+/// A vocabulary file Megatron pads to a multiple of `multiple`
+/// (`--make-vocab-size-divisible-by` x tensor-parallel size).
+#[derive(Clone, Debug, PartialEq)]
+pub struct VocabFile {
+    pub path: String,
+    pub multiple: u64,
+}
+
+/// Set `job.model.vocab_size` from the text of Megatron's `--vocab-file`: its entries (the
+/// keys of a JSON vocabulary such as GPT-2's vocab.json, else one token a line), padded as
+/// Megatron pads them (`vocab_size_with_padding`, megatron/core/tokenizers/utils/
+/// build_tokenizer.py: up to a multiple of make_vocab_size_divisible_by x tp).
+pub fn vocab_from_file(imp: &mut Imported, text: &str) -> Result<u64, ExportError> {
+    let Some(vf) = imp.vocab_file.take() else {
+        return Err(bad("no --vocab-file to read".into()));
+    };
+    let entries = match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(m)) => m.len() as u64,
+        _ => text.lines().filter(|l| !l.trim().is_empty()).count() as u64,
+    };
+    if entries == 0 {
+        return Err(bad(format!("--vocab-file {}: no entries", vf.path)));
+    }
+    let padded = entries.div_ceil(vf.multiple) * vf.multiple;
+    imp.model.insert("vocab_size".into(), json!(padded));
+    imp.notes.push(format!(
+        "--vocab-file {}: {entries} entries, padded by Megatron to {padded} (a multiple of {}): vocab_size {padded}",
+        vf.path, vf.multiple
+    ));
+    Ok(padded)
 }
 
 fn bad(msg: String) -> ExportError {
@@ -55,7 +90,7 @@ pub fn parse(fw: Framework, text: &str, side: Side) -> Result<Imported, ExportEr
 }
 
 /// The part of `l` that an export to `fw` carries and an import reads back.
-pub fn project(fw: Framework, l: &Layout, num_layers: u32) -> ParallelismSpec {
+pub fn project(fw: Framework, l: &Layout) -> ParallelismSpec {
     let mut p = ParallelismSpec {
         tp: Some(l.tp),
         pp: Some(l.pp),
@@ -93,19 +128,27 @@ pub fn project(fw: Framework, l: &Layout, num_layers: u32) -> ParallelismSpec {
                 3
             });
             p.sequence_parallel = Some(l.tp > 1);
+            // The split is written exactly (layers per stage or module names) whenever the
+            // plan's stages are pp x vpp chunks.
             p.vpp = match l.schedule {
-                Schedule::Interleaved if num_layers % (l.pp * l.vpp) == 0 => Some(l.vpp),
-                Schedule::Interleaved => None,
+                Schedule::Interleaved => Some(l.vpp),
                 _ => Some(1),
             };
         }
         Framework::Deepspeed => {
+            // The cp ranks are data-parallel ranks; the global batch is kept by dividing the
+            // accumulation (else the micro-batch) by cp.
             p.dp = Some(l.dp * l.ep * l.cp);
+            if l.cp > 1 && l.grad_accum % l.cp as u64 != 0 {
+                p.micro_batch = Some(l.micro_batch / l.cp);
+            }
             p.cp = Some(1);
             p.ep = Some(1);
             p.vpp = Some(1);
             p.schedule = Some(Schedule::OneFOneB);
-            p.recompute = (l.recompute == Recompute::Full).then_some(Recompute::Full);
+            // Only the pipeline engine switches recomputation on from the JSON.
+            p.recompute =
+                (l.recompute == Recompute::Full && l.pp > 1).then_some(Recompute::Full);
             p.sequence_parallel = None;
         }
     }
@@ -343,7 +386,33 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     megatron_layout_notes(&f, tp, etp, &mut imp.notes);
     // The model, when the flags describe one.
     if f.has("num-layers") || f.has("hidden-size") {
-        imp.model = megatron_model(&f)?;
+        imp.model = megatron_model(&f, &mut imp.notes)?;
+        if !imp.model.contains_key("vocab_size") {
+            if let Some(path) = f.str("vocab-file")? {
+                let by = f.num("make-vocab-size-divisible-by")?.unwrap_or(128).max(1);
+                imp.vocab_file = Some(VocabFile {
+                    path: path.to_string(),
+                    multiple: by * tp as u64,
+                });
+            }
+        }
+    }
+    // Megatron's batch ramp-up: `--rampup-batch-size START INCREMENT SAMPLES`.
+    let words = shell_words(text);
+    if let Some(i) = words.iter().position(|w| w == "--rampup-batch-size") {
+        let vals: Vec<&str> = words[i + 1..]
+            .iter()
+            .take(3)
+            .map(String::as_str)
+            .collect();
+        imp.notes.push(format!(
+            "--rampup-batch-size {}: Megatron ramps the global batch up from {} by {} over {} samples; shardwright plans the final global batch{} throughout (the ramp's steps run with smaller batches than planned)",
+            vals.join(" "),
+            vals.first().unwrap_or(&"?"),
+            vals.get(1).unwrap_or(&"?"),
+            vals.get(2).unwrap_or(&"?"),
+            imp.global_batch.map(|g| format!(" {g}")).unwrap_or_default()
+        ));
     }
     megatron_job_options(&f, &mut imp)?;
     Ok(imp)
@@ -496,7 +565,7 @@ fn megatron_layout_notes(f: &Flags, tp: u32, etp: Option<u64>, notes: &mut Vec<S
 
 /// The `job.model` fields the flags give: the shape, activation, norm, embeddings,
 /// positions, biases, dropout and the MoE section.
-fn megatron_model(f: &Flags) -> Result<Map<String, Value>, ExportError> {
+fn megatron_model(f: &Flags, notes: &mut Vec<String>) -> Result<Map<String, Value>, ExportError> {
     let mut m = Map::new();
     let mut put = |k: &str, v: Option<u64>| {
         if let Some(v) = v {
@@ -505,7 +574,29 @@ fn megatron_model(f: &Flags) -> Result<Map<String, Value>, ExportError> {
     };
     put("num_layers", f.num("num-layers")?);
     put("hidden_size", f.num("hidden-size")?);
-    put("ffn_hidden_size", f.num("ffn-hidden-size")?);
+    // Megatron's default FFN width (validate_args): 4h, or with --swiglu
+    // int(4h x 2/3 / 64) x 64.
+    let ffn = match (f.num("ffn-hidden-size")?, f.num("hidden-size")?) {
+        (Some(n), _) => Some(n),
+        (None, Some(h)) => {
+            let n = if f.has("swiglu") {
+                (4 * h * 2 / 3) / 64 * 64
+            } else {
+                4 * h
+            };
+            notes.push(format!(
+                "no --ffn-hidden-size: Megatron's default for hidden size {h}{}: ffn_hidden_size {n}",
+                if f.has("swiglu") {
+                    " with --swiglu, int(4h x 2/3 / 64) x 64"
+                } else {
+                    ", 4h"
+                }
+            ));
+            Some(n)
+        }
+        (None, None) => None,
+    };
+    put("ffn_hidden_size", ffn);
     put("num_attention_heads", f.num("num-attention-heads")?);
     put("head_dim", f.num("kv-channels")?);
     put("seq_len", f.num("seq-length")?);
@@ -645,6 +736,80 @@ fn positive(v: Option<i64>, default: i64, what: &str) -> Result<u64, ExportError
     Ok(v as u64)
 }
 
+/// Model chunks per pipeline rank as torchtitan's `pipeline_llm` (v0.2.2) counts them:
+/// `module_fqns_per_model_part` gives the chunks; else `pipeline_parallel_layers_per_stage`
+/// gives ceil((layers + first_stage_less + last_stage_less) / layers_per_stage) chunks (both
+/// "less" default 1), a multiple of pp, one per rank for 1F1B/GPipe and at least 2 for looped
+/// schedules; else 1 per rank, or 2 for a looped schedule (torchtitan's default).
+fn titan_vpp(
+    t: &toml::Table,
+    pp: u64,
+    looped: bool,
+    num_layers: Option<u32>,
+    notes: &mut Vec<String>,
+) -> Result<Option<u32>, ExportError> {
+    let per_rank = |chunks: u64, what: &str| -> Result<Option<u32>, ExportError> {
+        if chunks % pp != 0 {
+            return Err(bad(format!(
+                "{what}: {chunks} model chunks are not a multiple of pipeline_parallel_degree {pp} (torchtitan refuses it)"
+            )));
+        }
+        let spr = chunks / pp;
+        if !looped && spr != 1 {
+            return Err(bad(format!(
+                "{what}: {spr} model chunks per rank, but a single-stage schedule runs exactly 1 (torchtitan refuses it)"
+            )));
+        }
+        if looped && spr < 2 {
+            return Err(bad(format!(
+                "{what}: {spr} model chunk per rank, but a looped schedule needs at least 2 (torchtitan refuses it)"
+            )));
+        }
+        Ok(Some(spr as u32))
+    };
+    if let Some(parts) = t
+        .get("parallelism")
+        .and_then(|p| p.get("module_fqns_per_model_part"))
+    {
+        let parts = parts.as_array().ok_or_else(|| {
+            bad("[parallelism] module_fqns_per_model_part: not a list of lists of module names".into())
+        })?;
+        notes.push("[parallelism] module_fqns_per_model_part: the model chunks per rank are imported; the split itself is the planner's to choose".into());
+        return per_rank(parts.len() as u64, "[parallelism] module_fqns_per_model_part");
+    }
+    match toml_int(t, "parallelism", "pipeline_parallel_layers_per_stage")? {
+        Some(lps) => {
+            if lps < 1 {
+                return Err(bad(format!(
+                    "[parallelism] pipeline_parallel_layers_per_stage: {lps} must be at least 1"
+                )));
+            }
+            let Some(n) = num_layers else {
+                notes.push("pipeline_parallel_layers_per_stage without the model's num_layers (job.model.num_layers in the cluster file): the virtual stages per rank are left to the planner".into());
+                return Ok(None);
+            };
+            let less = |k: &str| -> Result<u64, ExportError> {
+                match toml_int(t, "parallelism", k)?.unwrap_or(1) {
+                    v if v >= 0 => Ok(v as u64),
+                    v => Err(bad(format!("[parallelism] {k}: {v} must be at least 0"))),
+                }
+            };
+            let eff = n as u64
+                + less("pipeline_parallel_first_stage_less_layers")?
+                + less("pipeline_parallel_last_stage_less_layers")?;
+            per_rank(
+                eff.div_ceil(lps as u64),
+                &format!("[parallelism] pipeline_parallel_layers_per_stage = {lps} with {n} layers"),
+            )
+        }
+        None if looped => {
+            notes.push("looped pipeline schedule without pipeline_parallel_layers_per_stage: torchtitan's default of 2 model chunks per rank (vpp 2)".into());
+            Ok(Some(2))
+        }
+        None => Ok(Some(1)),
+    }
+}
+
 fn torchtitan(text: &str, side: Side) -> Result<Imported, ExportError> {
     let t: toml::Table = text
         .parse()
@@ -722,26 +887,10 @@ fn torchtitan(text: &str, side: Side) -> Result<Imported, ExportError> {
             (None, true)
         }
     };
-    let vpp = if !looped || pp == 1 {
+    let vpp = if pp == 1 {
         Some(1)
     } else {
-        match (
-            toml_int(&t, "parallelism", "pipeline_parallel_layers_per_stage")?,
-            side.num_layers,
-        ) {
-            (Some(lps), Some(n)) if lps >= 1 && (n as u64) % (pp * lps as u64) == 0 => {
-                Some((n as u64 / (pp * lps as u64)) as u32)
-            }
-            (Some(lps), Some(n)) => {
-                return Err(bad(format!(
-                    "[parallelism] pipeline_parallel_layers_per_stage: {n} layers do not split into {lps} per stage x pp {pp}"
-                )))
-            }
-            _ => {
-                imp.notes.push("looped pipeline schedule without pipeline_parallel_layers_per_stage (or without the model's num_layers): the virtual stages per rank are left to the planner".into());
-                None
-            }
-        }
+        titan_vpp(&t, pp, looped, side.num_layers, &mut imp.notes)?
     };
     let local = positive(
         toml_int(&t, "training", "local_batch_size")?.or(toml_int(&t, "training", "batch_size")?),
@@ -855,8 +1004,16 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
         }
     };
     let mut imp = Imported::default();
-    let tp = num(&["tensor_parallel", "autotp_size"])?.unwrap_or(1);
-    let pp = num(&["pipeline", "stages"])?.unwrap_or(1);
+    // The degrees: AutoTP's size and the pipeline stages, else the topology a shardwright
+    // export states for the launcher (DeepSpeed takes both from model code).
+    let tp = match num(&["tensor_parallel", "autotp_size"])? {
+        Some(t) => t,
+        None => num(&["_shardwright", "topology", "model"])?.unwrap_or(1),
+    };
+    let pp = match num(&["pipeline", "stages"])? {
+        Some(p) => p,
+        None => num(&["_shardwright", "topology", "pipe"])?.unwrap_or(1),
+    };
     let zero = match obj.get("zero_optimization").and_then(|z| z.get("stage")) {
         None => 0,
         Some(s) => match s.as_u64() {
@@ -901,10 +1058,30 @@ fn deepspeed(text: &str, side: Side) -> Result<Imported, ExportError> {
         }
     }
     let _ = ga;
-    let recompute = if obj.contains_key("activation_checkpointing") {
+    // The pipeline engine checkpoints every `activation_checkpoint_interval` layers (0 off);
+    // an `activation_checkpointing` section only configures checkpointing that model code
+    // calls, it switches nothing on.
+    let interval = match v.pointer("/pipeline/activation_checkpoint_interval") {
+        None => 0,
+        Some(x) => x.as_u64().ok_or_else(|| {
+            bad(format!(
+                "pipeline.activation_checkpoint_interval: `{x}` is not a whole number >= 0"
+            ))
+        })?,
+    };
+    let recompute = if interval > 0 && pp > 1 {
+        if interval > 1 {
+            imp.notes.push(format!(
+                "pipeline.activation_checkpoint_interval = {interval}: read as full recomputation of every layer (shardwright models whole-layer recompute only)"
+            ));
+        }
         Some(Recompute::Full)
     } else {
-        imp.notes.push("no activation_checkpointing section: recomputation is a model-code choice in DeepSpeed, left to the planner".into());
+        imp.notes.push(if obj.contains_key("activation_checkpointing") {
+            "an activation_checkpointing section configures checkpointing that model code calls; it does not switch recomputation on: left to the planner".to_string()
+        } else {
+            "no pipeline.activation_checkpoint_interval: recomputation is a model-code choice in DeepSpeed, left to the planner".to_string()
+        });
         None
     };
     imp.notes.push("DeepSpeed's JSON has no context or expert parallelism: cp = ep = 1 (DeepSpeed-MoE's ep_size lives in model code)".into());
@@ -1031,6 +1208,19 @@ pub fn merge(base: &Value, imp: &Imported, fw: Framework) -> Result<Value, Expor
             m.insert(f.clone(), v.clone());
         }
     };
+    if fw == Framework::Megatron
+        && !imp.model.is_empty()
+        && !imp.model.contains_key("vocab_size")
+        && job["model"].get("vocab_size").is_none()
+    {
+        return Err(bad(match &imp.vocab_file {
+            Some(v) => format!(
+                "job.model.vocab_size: --vocab-file {} was not read; give --vocab-size N or job.model.vocab_size in the cluster file",
+                v.path
+            ),
+            None => "job.model.vocab_size is missing: the flags give neither --vocab-size nor --vocab-file; add --vocab-size N to the flags or job.model.vocab_size to the cluster file".into(),
+        }));
+    }
     put(job, "model", &imp.model);
     put(job, "precision", &imp.precision);
     for (f, v) in &imp.job {

@@ -18,6 +18,7 @@
 pub mod context;
 pub mod import;
 pub mod launch;
+pub mod megatron;
 
 use shardwright_spec::Plan;
 use std::fmt;
@@ -78,21 +79,55 @@ impl Framework {
         }
     }
 
-    /// Which version of the framework's sources the option names were checked against.
-    pub fn targets(self) -> &'static str {
+    /// Which version of the framework's sources the option names were checked against
+    /// (for Megatron and torchtitan: the default release; see [`Engine::targets`]).
+    pub fn targets(self) -> String {
+        Engine::resolve(self, None)
+            .expect("the default engine release resolves")
+            .targets()
+    }
+}
+
+/// The engine release an export targets (`export --engine-version`).
+#[derive(Clone, Debug)]
+pub enum Engine {
+    /// A recorded Megatron-LM release (its flag names and `validate_args` rules).
+    Megatron(megatron::Release),
+    /// NeMo / Megatron-Bridge, torchtitan or DeepSpeed: one supported release each.
+    Fixed(Framework),
+}
+
+impl Engine {
+    /// The release of `fw` named `version` (None: the default one).
+    pub fn resolve(fw: Framework, version: Option<&str>) -> Result<Engine, ExportError> {
+        match (fw, version) {
+            (Framework::Megatron, v) => Ok(Engine::Megatron(megatron::release(v)?)),
+            (fw, None) => Ok(Engine::Fixed(fw)),
+            (fw, Some(v)) => Err(ExportError::Input(format!(
+                "--engine-version {v}: {fw} exports target one release ({}); --engine-version selects a Megatron-LM release",
+                Engine::Fixed(fw).targets()
+            ))),
+        }
+    }
+
+    /// What the export was checked against, for the file's header and messages.
+    pub fn targets(&self) -> String {
         match self {
-            Framework::Megatron => MEGATRON_TARGET,
-            Framework::Nemo => NEMO_TARGET,
-            Framework::Torchtitan => TORCHTITAN_TARGET,
-            Framework::Deepspeed => DEEPSPEED_TARGET,
+            Engine::Megatron(r) => format!(
+                "{} (flag names: export/megatron/flags/{}.txt; validate_args rules: export/megatron/rules.toml; megatron/core/parallel_state.py: default order tp-cp-ep-dp-pp)",
+                r.source, r.tag
+            ),
+            Engine::Fixed(Framework::Nemo) => NEMO_TARGET.into(),
+            Engine::Fixed(Framework::Torchtitan) => TORCHTITAN_TARGET.into(),
+            Engine::Fixed(Framework::Deepspeed) => DEEPSPEED_TARGET.into(),
+            Engine::Fixed(Framework::Megatron) => unreachable!("Megatron has releases"),
         }
     }
 }
 
-pub const MEGATRON_TARGET: &str = "Megatron-LM main / core_r0.14 (megatron/training/arguments.py: --num-virtual-stages-per-pipeline-rank, --use-megatron-fsdp + --data-parallel-sharding-strategy; megatron/core/parallel_state.py: default order tp-cp-ep-dp-pp)";
-pub const NEMO_TARGET: &str = "Megatron-Bridge 0.2+ (NeMo 2 successor; ConfigContainer Hydra-style overrides, docs 'Megatron-LM to Megatron Bridge Guide')";
+pub const NEMO_TARGET: &str = "Megatron-Bridge v0.6.0 (scripts/training/run_recipe.py: --recipe FUNCTION --mode pretrain then Hydra KEY=VALUE ConfigContainer overrides; src/megatron/bridge/training/config.py: ConfigContainer sections, GPTDatasetConfig.seq_length; model fields are megatron-core TransformerConfig's, pipeline_model_parallel_layout checked in its __post_init__)";
 pub const TORCHTITAN_TARGET: &str = "torchtitan main 2025 (torchtitan/config/job_config.py: [parallelism], [training] local_batch_size/global_batch_size, [activation_checkpoint] mode, [checkpoint] enable/interval)";
-pub const DEEPSPEED_TARGET: &str = "DeepSpeed 0.16+ (deepspeed/runtime/config.py: train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, zero_optimization.stage, pipeline.stages, tensor_parallel.autotp_size)";
+pub const DEEPSPEED_TARGET: &str = "DeepSpeed 0.16 to 0.19 (read against v0.19.5: deepspeed/runtime/config.py DeepSpeedConfig and _batch_assertion, get_pipeline_config; deepspeed/runtime/pipe/engine.py pipeline.activation_checkpoint_interval; deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)";
 
 impl fmt::Display for Framework {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -120,6 +155,10 @@ pub enum ExportError {
     /// Bad input (the message names the flag, key or token).
     #[error("{0}")]
     Input(String),
+    /// A layout the target engine cannot express, or would read differently: refused
+    /// rather than exported with another meaning (the message says why).
+    #[error("refused: {0}")]
+    Refused(String),
 }
 
 /// A rendered file and what it could not express.
@@ -157,14 +196,44 @@ pub(crate) fn render_template(
         .map_err(err)
 }
 
-/// Export `plan` to `fw`, with the built-in template or `template` = (name, text).
+/// Export `plan` to `fw`'s default release, with the built-in template or `template` =
+/// (name, text).
 pub fn export(
     plan: &Plan,
     fw: Framework,
     template: Option<(&str, &str)>,
 ) -> Result<Rendered, ExportError> {
-    let (ctx, warnings) = context::build(plan, fw);
+    export_for(plan, fw, None, template)
+}
+
+/// Export `plan` to release `version` of `fw` (None: the default release). A Megatron
+/// script is checked against the release's flag names and the recorded `validate_args`
+/// rules: the built-in template's output must pass (else the export is refused, naming the
+/// flag or rule); a user template's failures are warnings.
+pub fn export_for(
+    plan: &Plan,
+    fw: Framework,
+    version: Option<&str>,
+    template: Option<(&str, &str)>,
+) -> Result<Rendered, ExportError> {
+    let engine = Engine::resolve(fw, version)?;
+    let (ctx, mut warnings) = context::build(plan, fw, &engine)?;
     let (name, text) = template.unwrap_or((fw.template_file(), fw.default_template()));
     let text = render_template(name, text, &ctx)?;
+    if let Engine::Megatron(r) = &engine {
+        let broken = megatron::check_script(&text, r);
+        if !broken.is_empty() && template.is_none() {
+            return Err(ExportError::Refused(format!(
+                "the Megatron-LM {} script would not pass that release's argument parser: {}",
+                r.tag,
+                broken.join("; ")
+            )));
+        }
+        warnings.extend(
+            broken
+                .into_iter()
+                .map(|b| format!("template {name} for Megatron-LM {}: {b}", r.tag)),
+        );
+    }
     Ok(Rendered { text, warnings })
 }
