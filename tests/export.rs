@@ -190,8 +190,7 @@ fn round_trip(plan: &Plan) -> Result<(), String> {
         if imp.global_batch != Some(plan.inputs.training.global_batch) {
             return Err(format!(
                 "{fw}: global batch {:?}, expected {}",
-                imp.global_batch,
-                plan.inputs.training.global_batch
+                imp.global_batch, plan.inputs.training.global_batch
             ));
         }
     }
@@ -694,7 +693,9 @@ fn megatron_release_flags(tag: &str) -> BTreeSet<String> {
     let path = root().join(format!("export/megatron/flags/{tag}.txt"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     assert!(
-        text.starts_with(&format!("# Megatron-LM {tag} (NVIDIA/Megatron-LM tag {tag}, commit ")),
+        text.starts_with(&format!(
+            "# Megatron-LM {tag} (NVIDIA/Megatron-LM tag {tag}, commit "
+        )),
         "{path:?} names its source release"
     );
     text.lines()
@@ -792,15 +793,19 @@ fn megatron_exports_use_only_the_target_releases_flags() {
             for zero in 0..=3u8 {
                 let mut plan = base.clone();
                 plan.layout.zero_stage = zero;
-                let text = shardwright_export::export_for(&plan, Framework::Megatron, Some(tag), None)
-                    .unwrap_or_else(|e| panic!("{stem} zero {zero} for {tag}: {e}"))
-                    .text;
+                let text =
+                    shardwright_export::export_for(&plan, Framework::Megatron, Some(tag), None)
+                        .unwrap_or_else(|e| panic!("{stem} zero {zero} for {tag}: {e}"))
+                        .text;
                 assert!(
                     text.contains(&format!("# Targets Megatron-LM {tag} (")),
                     "{stem}: header names {tag}"
                 );
                 for f in megatron_script_flags(&text) {
-                    assert!(known.contains(&f), "{stem} zero {zero}: {f} is not a flag of {tag}");
+                    assert!(
+                        known.contains(&f),
+                        "{stem} zero {zero}: {f} is not a flag of {tag}"
+                    );
                 }
                 let broken = shardwright_export::megatron::check_script(&text, &release);
                 assert!(broken.is_empty(), "{stem} zero {zero} {tag}: {broken:?}");
@@ -809,19 +814,27 @@ fn megatron_exports_use_only_the_target_releases_flags() {
     }
     let plan = golden_plan("deepseek-v3-2048xh800");
     assert_eq!(plan.inputs.moe_dispatcher.name(), "deepep");
-    let old = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_v0.14.0"), None)
-        .unwrap()
-        .text;
-    assert!(!old.contains("--moe-flex-dispatcher-backend"), "first in core_v0.16");
+    let old =
+        shardwright_export::export_for(&plan, Framework::Megatron, Some("core_v0.14.0"), None)
+            .unwrap()
+            .text;
+    assert!(
+        !old.contains("--moe-flex-dispatcher-backend"),
+        "first in core_v0.16"
+    );
     assert!(old.contains("--moe-enable-deepep"));
-    let new = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_v0.16.1"), None)
-        .unwrap()
-        .text;
+    let new =
+        shardwright_export::export_for(&plan, Framework::Megatron, Some("core_v0.16.1"), None)
+            .unwrap()
+            .text;
     assert!(new.contains("--moe-flex-dispatcher-backend deepep"));
     let e = shardwright_export::export_for(&plan, Framework::Megatron, Some("core_r0.13"), None)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("--engine-version core_r0.13") && e.contains("core_v0.14.0"), "{e}");
+    assert!(
+        e.contains("--engine-version core_r0.13") && e.contains("core_v0.14.0"),
+        "{e}"
+    );
 }
 
 fn toml_i64(t: &toml::Table, section: &str, key: &str) -> i64 {
@@ -894,7 +907,8 @@ fn torchtitan_chunks(par: &toml::Value, n: u32) -> Vec<Vec<u32>> {
     }
     let pp = int("pipeline_parallel_degree", 1);
     let single = matches!(
-        par.get("pipeline_parallel_schedule").and_then(|s| s.as_str()),
+        par.get("pipeline_parallel_schedule")
+            .and_then(|s| s.as_str()),
         None | Some("1F1B") | Some("GPipe")
     );
     let input = int("pipeline_parallel_first_stage_less_layers", 1);
@@ -903,9 +917,16 @@ fn torchtitan_chunks(par: &toml::Value, n: u32) -> Vec<Vec<u32>> {
         Some(lps) => {
             let lps = lps.as_integer().unwrap();
             let v = (n as i64 + input + output + lps - 1) / lps;
-            assert_eq!(v % pp, 0, "torchtitan: virtual stages {v} not divisible by pp {pp}");
+            assert_eq!(
+                v % pp,
+                0,
+                "torchtitan: virtual stages {v} not divisible by pp {pp}"
+            );
             let spr = v / pp;
-            assert!(if single { spr == 1 } else { spr >= 2 }, "torchtitan: {spr} stages per rank");
+            assert!(
+                if single { spr == 1 } else { spr >= 2 },
+                "torchtitan: {spr} stages per rank"
+            );
             v
         }
         None => pp * if single { 1 } else { 2 },
@@ -917,7 +938,10 @@ fn torchtitan_chunks(par: &toml::Value, n: u32) -> Vec<Vec<u32>> {
     let eff = n + input + output;
     let per = eff / num_stages;
     let extra = eff % num_stages;
-    assert!(per > 0 && input <= per && output <= per, "torchtitan raises");
+    assert!(
+        per > 0 && input <= per && output <= per,
+        "torchtitan raises"
+    );
     let mut cur = 0;
     let mut out = Vec::new();
     for k in 0..num_stages {
@@ -1001,9 +1025,17 @@ fn torchtitan_pipeline_split_is_the_plans() {
     let got = torchtitan_chunks(&t["parallelism"], plan.inputs.model.num_layers);
     let want: Vec<Vec<u32>> = plan_chunks(&plan).into_iter().map(|c| c.1).collect();
     assert_eq!(got, want);
-    let fqns = t["parallelism"]["module_fqns_per_model_part"].as_array().unwrap();
-    assert_eq!(fqns[0].as_array().unwrap()[0].as_str(), Some("tok_embeddings"));
-    assert_eq!(fqns[15].as_array().unwrap().last().unwrap().as_str(), Some("output"));
+    let fqns = t["parallelism"]["module_fqns_per_model_part"]
+        .as_array()
+        .unwrap();
+    assert_eq!(
+        fqns[0].as_array().unwrap()[0].as_str(),
+        Some("tok_embeddings")
+    );
+    assert_eq!(
+        fqns[15].as_array().unwrap().last().unwrap().as_str(),
+        Some("output")
+    );
 }
 
 /// Defect 5: DeepSpeedConfig._batch_assertion (deepspeed/runtime/config.py, v0.19.5)
@@ -1020,8 +1052,7 @@ fn deepspeed_batch_holds_as_deepspeed_checks_it() {
         let plan = golden_plan(&stem);
         let l = &plan.layout;
         let v: serde_json::Value =
-            serde_json::from_str(&export(&plan, Framework::Deepspeed, None).unwrap().text)
-                .unwrap();
+            serde_json::from_str(&export(&plan, Framework::Deepspeed, None).unwrap().text).unwrap();
         let topo = &v["_shardwright"]["topology"];
         let (pipe, model, data) = (
             topo["pipe"].as_u64().unwrap(),
@@ -1041,7 +1072,10 @@ fn deepspeed_batch_holds_as_deepspeed_checks_it() {
                 "{stem}: {launch}"
             );
         } else if l.tp > 1 {
-            assert!(launch.contains(&format!("get_data_parallel_world_size() == {data}")), "{stem}");
+            assert!(
+                launch.contains(&format!("get_data_parallel_world_size() == {data}")),
+                "{stem}"
+            );
         }
         let n = |k: &str| v[k].as_u64().unwrap();
         assert_eq!(
@@ -1049,7 +1083,11 @@ fn deepspeed_batch_holds_as_deepspeed_checks_it() {
             n("train_micro_batch_size_per_gpu") * n("gradient_accumulation_steps") * data,
             "{stem}: DeepSpeed's _batch_assertion"
         );
-        assert_eq!(n("train_batch_size"), plan.inputs.training.global_batch, "{stem}");
+        assert_eq!(
+            n("train_batch_size"),
+            plan.inputs.training.global_batch,
+            "{stem}"
+        );
         with_cp += usize::from(l.cp > 1);
     }
     assert!(with_cp >= 3, "golden plans with cp > 1: {with_cp}");
@@ -1058,8 +1096,13 @@ fn deepspeed_batch_holds_as_deepspeed_checks_it() {
     plan.layout.grad_accum = 3;
     plan.inputs.training.global_batch = 3 * plan.layout.batch_replicas();
     plan.layout.cp = 2;
-    let e = export(&plan, Framework::Deepspeed, None).unwrap_err().to_string();
-    assert!(e.contains("refused") && e.contains("no context parallelism"), "{e}");
+    let e = export(&plan, Framework::Deepspeed, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("refused") && e.contains("no context parallelism"),
+        "{e}"
+    );
 }
 
 /// Defect 6: DeepSpeed's pipeline engine switches activation checkpointing on from
@@ -1102,7 +1145,10 @@ fn deepspeed_full_recompute_on_the_pipeline_path() {
                 serde_json::from_str(&export(&plan, Framework::Deepspeed, None).unwrap().text)
                     .unwrap();
             for k in v.as_object().unwrap().keys() {
-                assert!(read.contains(k.as_str()), "{stem}: DeepSpeed does not read `{k}`");
+                assert!(
+                    read.contains(k.as_str()),
+                    "{stem}: DeepSpeed does not read `{k}`"
+                );
             }
             if let Some(p) = v.get("pipeline") {
                 for k in p.as_object().unwrap().keys() {
@@ -1117,7 +1163,10 @@ fn deepspeed_full_recompute_on_the_pipeline_path() {
                 .and_then(|x| x.as_u64())
                 .unwrap_or(0);
             if rc == Recompute::Full && plan.layout.pp > 1 {
-                assert_eq!(interval, 1, "{stem}: full recompute checkpoints every layer");
+                assert_eq!(
+                    interval, 1,
+                    "{stem}: full recompute checkpoints every layer"
+                );
                 full_pipelines += 1;
             } else {
                 assert_eq!(interval, 0, "{stem} {rc:?}");
@@ -1187,16 +1236,28 @@ fn nemo_export_carries_the_uneven_split() {
     for stem in spec_stems() {
         let plan = golden_plan(&stem);
         let text = export(&plan, Framework::Nemo, None).unwrap().text;
-        assert!(text.contains("scripts/training/run_recipe.py --recipe"), "{stem}");
+        assert!(
+            text.contains("scripts/training/run_recipe.py --recipe"),
+            "{stem}"
+        );
         assert!(!text.contains("examples/recipes/"), "{stem}");
         let o = bridge_overrides(&text);
-        assert_eq!(o["dataset.seq_length"], plan.inputs.model.seq_len.to_string());
+        assert_eq!(
+            o["dataset.seq_length"],
+            plan.inputs.model.seq_len.to_string()
+        );
         assert!(!o.contains_key("dataset.sequence_length"), "{stem}");
-        let sizes: Vec<u32> = plan_chunks(&plan).iter().map(|c| c.1.len() as u32).collect();
+        let sizes: Vec<u32> = plan_chunks(&plan)
+            .iter()
+            .map(|c| c.1.len() as u32)
+            .collect();
         let l = &plan.layout;
         let is_even = sizes.iter().all(|&n| n == sizes[0]);
         match o.get("model.pipeline_model_parallel_layout") {
-            None => assert!(l.pp == 1 || is_even, "{stem}: uneven split {sizes:?} not exported"),
+            None => assert!(
+                l.pp == 1 || is_even,
+                "{stem}: uneven split {sizes:?} not exported"
+            ),
             Some(v) => {
                 uneven += 1;
                 let layout = v
@@ -1241,11 +1302,27 @@ fn import_reads_what_the_engines_default() {
     };
     let base = "--tensor-model-parallel-size 2 --num-layers 32 --hidden-size 4096 \
         --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 --global-batch-size 64";
-    let imp = import::parse(Framework::Megatron, &format!("{base} --swiglu --vocab-size 32000"), side)
-        .unwrap();
-    assert_eq!(imp.model["ffn_hidden_size"], 10880, "int(4 x 4096 x 2/3 / 64) x 64");
-    assert!(imp.notes.iter().any(|n| n.contains("no --ffn-hidden-size")), "{:?}", imp.notes);
-    let imp = import::parse(Framework::Megatron, &format!("{base} --vocab-size 32000"), side).unwrap();
+    let imp = import::parse(
+        Framework::Megatron,
+        &format!("{base} --swiglu --vocab-size 32000"),
+        side,
+    )
+    .unwrap();
+    assert_eq!(
+        imp.model["ffn_hidden_size"], 10880,
+        "int(4 x 4096 x 2/3 / 64) x 64"
+    );
+    assert!(
+        imp.notes.iter().any(|n| n.contains("no --ffn-hidden-size")),
+        "{:?}",
+        imp.notes
+    );
+    let imp = import::parse(
+        Framework::Megatron,
+        &format!("{base} --vocab-size 32000"),
+        side,
+    )
+    .unwrap();
     assert_eq!(imp.model["ffn_hidden_size"], 16384, "4h");
 
     // --vocab-file: 1000 entries, padded to a multiple of 128 x tp 2 = 256 -> 1024.
@@ -1263,23 +1340,38 @@ fn import_reads_what_the_engines_default() {
         })
     );
     assert!(
-        imp.notes.iter().any(|n| n.contains("--rampup-batch-size 16 16 5000000")
-            && n.contains("final global batch 64")),
+        imp.notes
+            .iter()
+            .any(|n| n.contains("--rampup-batch-size 16 16 5000000")
+                && n.contains("final global batch 64")),
         "{:?}",
         imp.notes
     );
-    let cluster = serde_json::json!({"cluster": {"gpu": "h100-sxm-80g", "gpus_per_node": 8, "nodes": 2}});
-    let e = import::merge(&cluster, &imp, Framework::Megatron).unwrap_err().to_string();
-    assert!(e.contains("job.model.vocab_size") && e.contains("gpt2-vocab.json"), "{e}");
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        (0..1000).map(|i| (format!("t{i}"), serde_json::json!(i))).collect();
-    let n = import::vocab_from_file(&mut imp, &serde_json::Value::Object(vocab).to_string()).unwrap();
+    let cluster =
+        serde_json::json!({"cluster": {"gpu": "h100-sxm-80g", "gpus_per_node": 8, "nodes": 2}});
+    let e = import::merge(&cluster, &imp, Framework::Megatron)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("job.model.vocab_size") && e.contains("gpt2-vocab.json"),
+        "{e}"
+    );
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..1000)
+        .map(|i| (format!("t{i}"), serde_json::json!(i)))
+        .collect();
+    let n =
+        import::vocab_from_file(&mut imp, &serde_json::Value::Object(vocab).to_string()).unwrap();
     assert_eq!(n, 1024);
     assert_eq!(imp.model["vocab_size"], 1024);
     import::merge(&cluster, &imp, Framework::Megatron).unwrap();
     let bare = import::parse(Framework::Megatron, base, side).unwrap();
-    let e = import::merge(&cluster, &bare, Framework::Megatron).unwrap_err().to_string();
-    assert!(e.contains("job.model.vocab_size is missing") && e.contains("--vocab-size"), "{e}");
+    let e = import::merge(&cluster, &bare, Framework::Megatron)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("job.model.vocab_size is missing") && e.contains("--vocab-size"),
+        "{e}"
+    );
 
     // DeepSpeed: the section alone is not full recompute; the pipeline interval is.
     let ds = |extra: &str| {
@@ -1293,7 +1385,10 @@ fn import_reads_what_the_engines_default() {
     let imp = ds(r#""activation_checkpointing": {"partition_activations": true},"#);
     assert_eq!(imp.pins.recompute, None);
     let imp = ds(r#""pipeline": {"stages": 2, "activation_checkpoint_interval": 1},"#);
-    assert_eq!((imp.pins.pp, imp.pins.recompute), (Some(2), Some(Recompute::Full)));
+    assert_eq!(
+        (imp.pins.pp, imp.pins.recompute),
+        (Some(2), Some(Recompute::Full))
+    );
 
     // torchtitan: Interleaved1F1B without layers per stage = 2 chunks per rank.
     let toml_text = "[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"Interleaved1F1B\"\ndata_parallel_shard_degree = 8\n";
@@ -1308,5 +1403,8 @@ fn import_reads_what_the_engines_default() {
     )
     .unwrap_err()
     .to_string();
-    assert!(e.contains("9 model chunks are not a multiple of pipeline_parallel_degree 2"), "{e}");
+    assert!(
+        e.contains("9 model chunks are not a multiple of pipeline_parallel_degree 2"),
+        "{e}"
+    );
 }

@@ -61,8 +61,16 @@ fn s2_training_compute_405b() {
     // 26.6 M GPU-hours).
     let tokens_per_s = 16384.0 * 989e12 * 0.40 / (6.0 * 405e9);
     let seed = training_budget(15.6e12, 6.0 * 405e9, tokens_per_s, 16384);
-    assert!(close(seed.model_flops, 3.8e25, 0.03), "{:e}", seed.model_flops);
-    assert!(close(seed.days, 70.0, 0.05), "about 70 days, got {}", seed.days);
+    assert!(
+        close(seed.model_flops, 3.8e25, 0.03),
+        "{:e}",
+        seed.model_flops
+    );
+    assert!(
+        close(seed.days, 70.0, 0.05),
+        "about 70 days, got {}",
+        seed.days
+    );
     assert!(
         (26e6..=30e6).contains(&seed.gpu_hours),
         "{:e}",
@@ -71,8 +79,16 @@ fn s2_training_compute_405b() {
     // The hand figures exactly: 15.6e12 / 2,667,288.23 = 5,848,637 s = 67.69256 days;
     // x 24 x 16,384 = 26,617,796 GPU-hours; 15.6e12 x 2.43e12 = 3.7908e25 FLOPs.
     assert!(close(seed.days, 67.692_555, 1e-6), "{}", seed.days);
-    assert!(close(seed.gpu_hours, 26_617_796.0, 1e-6), "{}", seed.gpu_hours);
-    assert!(close(seed.model_flops, 3.7908e25, 1e-6), "{:e}", seed.model_flops);
+    assert!(
+        close(seed.gpu_hours, 26_617_796.0, 1e-6),
+        "{}",
+        seed.gpu_hours
+    );
+    assert!(
+        close(seed.model_flops, 3.7908e25, 1e-6),
+        "{:e}",
+        seed.model_flops
+    );
     // The plan's GPU-hours to the 15.6e12-token budget against what Meta reports for the
     // whole Llama 3.1 405B pre-training: 30.84 M H100 GPU-hours (Llama 3.1 model card,
     // "Training Factors"), which also pays for the failures and restarts the plan's
@@ -508,9 +524,21 @@ fn llama3_405b_zero2_with_pp_is_evaluated_and_fits() {
     // 1024, SwiGLU 3 x 16384 x 53248, norms 2 x 16384); bf16 weights and gradients 2 B
     // each, 6,375,407,616 B; fp32 master 4 B / 128 = 99,615,744 B.
     let m = &plan.estimate.memory;
-    assert!(close(m.weights_bytes, 6_375_407_616.0, 1e-9), "{}", m.weights_bytes);
-    assert!(close(m.grads_bytes, 6_375_407_616.0, 1e-9), "{}", m.grads_bytes);
-    assert!(close(m.master_bytes, 99_615_744.0, 1e-9), "{}", m.master_bytes);
+    assert!(
+        close(m.weights_bytes, 6_375_407_616.0, 1e-9),
+        "{}",
+        m.weights_bytes
+    );
+    assert!(
+        close(m.grads_bytes, 6_375_407_616.0, 1e-9),
+        "{}",
+        m.grads_bytes
+    );
+    assert!(
+        close(m.master_bytes, 99_615_744.0, 1e-9),
+        "{}",
+        m.master_bytes
+    );
     // FSDP (ZeRO-3) on the same layout: torchtitan's default with PP keeps the weights
     // gathered through the step, so it costs what ZeRO-1/2 cost here.
     s.job.parallelism.zero_stage = Some(3);

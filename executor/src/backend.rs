@@ -387,8 +387,7 @@ fn silu(x: f32) -> f32 {
 
 impl Backend for Cpu {
     fn gemm(&self, s: GemmShape, a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]) {
-        let GemmShape { m, k, n } = s;
-        cpu::gemm::gemm(m, k, n, a.data, a.trans, b.data, b.trans, beta, c);
+        cpu::gemm::gemm(s, a, b, beta, c);
     }
 
     fn embedding_fwd(&self, ids: &[u32], table: &[f32], vocab_start: usize, h: usize) -> Vec<f32> {

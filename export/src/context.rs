@@ -230,7 +230,11 @@ pub enum TitanSplit {
     /// `pipeline_parallel_layers_per_stage` with the first and last stages lighter by
     /// `first` / `last` layers: torchtitan's own split (see [`titan_generated_split`]) is the
     /// plan's.
-    Generated { layers_per_stage: u32, first: u32, last: u32 },
+    Generated {
+        layers_per_stage: u32,
+        first: u32,
+        last: u32,
+    },
     /// `module_fqns_per_model_part`: the modules of every model chunk, in model order.
     Fqns(Vec<Vec<String>>),
 }
@@ -517,9 +521,7 @@ fn pipeline_split_notes(
             plan.stages.iter().map(|s| s.num_layers).collect::<Vec<_>>()
         ));
     }
-    if pp_layout.is_some()
-        && fw == Framework::Deepspeed
-    {
+    if pp_layout.is_some() && fw == Framework::Deepspeed {
         notes.push(format!(
             "the plan splits layers unevenly over pipeline stages ({}); {} takes an even split from this file: set the split in model code to match",
             pp_layout.unwrap_or_default(),

@@ -147,8 +147,7 @@ pub fn project(fw: Framework, l: &Layout) -> ParallelismSpec {
             p.vpp = Some(1);
             p.schedule = Some(Schedule::OneFOneB);
             // Only the pipeline engine switches recomputation on from the JSON.
-            p.recompute =
-                (l.recompute == Recompute::Full && l.pp > 1).then_some(Recompute::Full);
+            p.recompute = (l.recompute == Recompute::Full && l.pp > 1).then_some(Recompute::Full);
             p.sequence_parallel = None;
         }
     }
@@ -400,11 +399,7 @@ fn megatron(text: &str, side: Side) -> Result<Imported, ExportError> {
     // Megatron's batch ramp-up: `--rampup-batch-size START INCREMENT SAMPLES`.
     let words = shell_words(text);
     if let Some(i) = words.iter().position(|w| w == "--rampup-batch-size") {
-        let vals: Vec<&str> = words[i + 1..]
-            .iter()
-            .take(3)
-            .map(String::as_str)
-            .collect();
+        let vals: Vec<&str> = words[i + 1..].iter().take(3).map(String::as_str).collect();
         imp.notes.push(format!(
             "--rampup-batch-size {}: Megatron ramps the global batch up from {} by {} over {} samples; shardwright plans the final global batch{} throughout (the ramp's steps run with smaller batches than planned)",
             vals.join(" "),
@@ -772,10 +767,16 @@ fn titan_vpp(
         .and_then(|p| p.get("module_fqns_per_model_part"))
     {
         let parts = parts.as_array().ok_or_else(|| {
-            bad("[parallelism] module_fqns_per_model_part: not a list of lists of module names".into())
+            bad(
+                "[parallelism] module_fqns_per_model_part: not a list of lists of module names"
+                    .into(),
+            )
         })?;
         notes.push("[parallelism] module_fqns_per_model_part: the model chunks per rank are imported; the split itself is the planner's to choose".into());
-        return per_rank(parts.len() as u64, "[parallelism] module_fqns_per_model_part");
+        return per_rank(
+            parts.len() as u64,
+            "[parallelism] module_fqns_per_model_part",
+        );
     }
     match toml_int(t, "parallelism", "pipeline_parallel_layers_per_stage")? {
         Some(lps) => {
@@ -799,7 +800,9 @@ fn titan_vpp(
                 + less("pipeline_parallel_last_stage_less_layers")?;
             per_rank(
                 eff.div_ceil(lps as u64),
-                &format!("[parallelism] pipeline_parallel_layers_per_stage = {lps} with {n} layers"),
+                &format!(
+                    "[parallelism] pipeline_parallel_layers_per_stage = {lps} with {n} layers"
+                ),
             )
         }
         None if looped => {

@@ -257,8 +257,7 @@ pub fn check_script(text: &str, release: &Release) -> Vec<String> {
         }
     }
     for r in rules() {
-        if r
-            .releases
+        if r.releases
             .as_ref()
             .is_some_and(|rs| !rs.iter().any(|x| x == release.tag))
         {
@@ -291,7 +290,10 @@ pub fn check_script(text: &str, release: &Release) -> Vec<String> {
         if many.len() > 1 {
             broken.push(format!(
                 "{} are given together",
-                many.iter().map(|f| f.as_str()).collect::<Vec<_>>().join(", ")
+                many.iter()
+                    .map(|f| f.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ));
         }
         for (k, v) in &r.env {
@@ -331,7 +333,10 @@ mod tests {
         }
         assert_eq!(release(Some("0.14.0")).unwrap().tag, "core_v0.14.0");
         let e = release(Some("core_v0.13.1")).unwrap_err().to_string();
-        assert!(e.contains("core_v0.13.1") && e.contains("core_v0.14.0"), "{e}");
+        assert!(
+            e.contains("core_v0.13.1") && e.contains("core_v0.14.0"),
+            "{e}"
+        );
         assert!(!rules().is_empty());
     }
 
@@ -356,13 +361,16 @@ mod tests {
         assert!(v.contains("rule fsdp-cuda-device-max-connections"), "{v}");
         assert!(v.contains("rule fsdp-checkpoint-format"), "{v}");
         assert!(
-            v.contains("line 6: --moe-flex-dispatcher-backend is not a flag of Megatron-LM core_v0.14.0"),
+            v.contains(
+                "line 6: --moe-flex-dispatcher-backend is not a flag of Megatron-LM core_v0.14.0"
+            ),
             "{v}"
         );
         let plain = "P_ARGS=(\n --tensor-model-parallel-size 2\n)\n";
         let v = check_script(plain, &r).join("\n");
         assert!(v.contains("rule tp-cp-cuda-device-max-connections"), "{v}");
-        let ok = "export CUDA_DEVICE_MAX_CONNECTIONS=1\nP_ARGS=(\n --tensor-model-parallel-size 2\n)\n";
+        let ok =
+            "export CUDA_DEVICE_MAX_CONNECTIONS=1\nP_ARGS=(\n --tensor-model-parallel-size 2\n)\n";
         assert!(check_script(ok, &r).is_empty());
     }
 }

@@ -230,10 +230,11 @@ pub fn largest_memory_term(m: &shardwright_spec::plan::MemoryBreakdown) -> Strin
         ("allocator rounding", m.allocator_waste_bytes),
         ("framework reserve", m.reserve_bytes),
     ];
-    let (name, bytes) = terms
-        .iter()
-        .copied()
-        .fold(("weights", f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
+    let (name, bytes) =
+        terms
+            .iter()
+            .copied()
+            .fold(("weights", f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
     let inflight = if name == "activations" {
         format!(", {} micro-batches in flight", m.inflight_microbatches)
     } else {

@@ -1023,9 +1023,14 @@ fn node_limited_routing(run: &Run, notes: &mut Vec<String>) -> Option<u32> {
         (after.starts_with("node") && !n.is_empty()).then(|| n.parse::<u32>().ok())?
     });
     let m = at_most.or_else(|| {
-        ["moe_router_group_topk", "group_topk", "topk_group", "group-topk"]
-            .iter()
-            .find_map(|k| number_after(&text, k))
+        [
+            "moe_router_group_topk",
+            "group_topk",
+            "topk_group",
+            "group-topk",
+        ]
+        .iter()
+        .find_map(|k| number_after(&text, k))
     })?;
     (m > 0).then(|| {
         notes.push(format!(

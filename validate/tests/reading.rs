@@ -21,7 +21,11 @@ fn ffn_defaults_are_the_frameworks_own() {
     assert_eq!(tt(5120).unwrap().0, 13824);
     // Megatron-LM arguments.py with --swiglu: int((4h * 2/3) / 64) * 64; 4096 -> 10880
     // (10922.67 / 64 = 170.67 -> 170 * 64), and 4h without it (GPT-3 175B: 49152).
-    let mg = |a, h| framework_default_ffn(Some(Framework::Megatron), a, h).unwrap().0;
+    let mg = |a, h| {
+        framework_default_ffn(Some(Framework::Megatron), a, h)
+            .unwrap()
+            .0
+    };
     assert_eq!(mg(Activation::Swiglu, 4096), 10880);
     assert_eq!(mg(Activation::Gelu, 12288), 49152);
     assert_eq!(mg(Activation::Swiglu, 4096), {
@@ -64,9 +68,13 @@ fn a_missing_ffn_width_takes_the_named_frameworks_default_with_a_note() {
     let f = load_runs(&run_json("", "", "TorchTitan (arXiv 2410.06511)")).unwrap();
     let s = setup_run(&f.runs[0]).expect("scored, not skipped");
     assert_eq!(s.spec.job.model.ffn_hidden_size, Some(11008));
-    assert!(s.notes.iter().any(|n| n.contains("ffn_hidden_size not published")));
+    assert!(s
+        .notes
+        .iter()
+        .any(|n| n.contains("ffn_hidden_size not published")));
     // Neither the activation nor the width: torchtitan's llama MLP (SwiGLU) and its width.
-    let text = run_json("", "", "TorchTitan (arXiv 2410.06511)").replace(r#""ffn_activation": "swiglu","#, "");
+    let text = run_json("", "", "TorchTitan (arXiv 2410.06511)")
+        .replace(r#""ffn_activation": "swiglu","#, "");
     let f = load_runs(&text).unwrap();
     let s = setup_run(&f.runs[0]).expect("scored, not skipped");
     assert_eq!(s.spec.job.model.ffn_activation, Activation::Swiglu);
@@ -100,7 +108,11 @@ fn a_torchtitan_pipeline_run_splits_its_local_batch_by_the_schedules_default() {
     // The bundled held-out torchtitan 405B rows (local batch 32 at dp 8, pp 8, 2024).
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("heldout/torchtitan-runs.json");
     let f = load_runs(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let r = f.runs.iter().find(|r| r.id == "torchtitan_405b_512gpu_1f1b").unwrap();
+    let r = f
+        .runs
+        .iter()
+        .find(|r| r.id == "torchtitan_405b_512gpu_1f1b")
+        .unwrap();
     let s = setup_run_in(r, f.hardware.as_ref()).unwrap();
     assert_eq!(s.spec.job.parallelism.micro_batch, Some(4), "{:?}", s.notes);
 }
@@ -156,7 +168,13 @@ fn node_limited_routing_is_read_from_the_notes() {
         s.spec.job.model.moe.unwrap().max_nodes_per_token
     };
     // DeepSeek-V3's wording (sec. 2.1.2) and Megatron's flag.
-    assert_eq!(limit("node-limited routing: each token is sent to at most 4 nodes"), Some(4));
-    assert_eq!(limit("--moe-router-num-groups 8 --moe_router_group_topk 4"), Some(4));
+    assert_eq!(
+        limit("node-limited routing: each token is sent to at most 4 nodes"),
+        Some(4)
+    );
+    assert_eq!(
+        limit("--moe-router-num-groups 8 --moe_router_group_topk 4"),
+        Some(4)
+    );
     assert_eq!(limit("top-8 routing"), None);
 }

@@ -63,12 +63,12 @@ fn gather_kv(sc: &mut Scratch, k: &[f32], v: &[f32], s: &AttnShape, b: usize, kh
         let kj = &k[off..off + d];
         let vj = &v[off..off + d];
         sc.kk[j * d..(j + 1) * d].copy_from_slice(kj);
-        for c in 0..d {
-            sc.kt[c * n + j] = kj[c];
+        for (c, &x) in kj.iter().enumerate() {
+            sc.kt[c * n + j] = x;
         }
         if vt {
-            for c in 0..d {
-                sc.vv[c * n + j] = vj[c];
+            for (c, &x) in vj.iter().enumerate() {
+                sc.vv[c * n + j] = x;
             }
         } else {
             sc.vv[j * d..(j + 1) * d].copy_from_slice(vj);
@@ -77,10 +77,18 @@ fn gather_kv(sc: &mut Scratch, k: &[f32], v: &[f32], s: &AttnShape, b: usize, kh
 }
 
 /// `out[r * BK + j] = sum_c a[r * d + c] * bt[c * n + j0 + j]` for `r < rows`, `j < cols`
-/// (summed in `c` order from zero, as the reference's dot products).
+/// (summed in `c` order from zero, as the reference's dot products); `tile` is
+/// `(j0, rows, cols)`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn tile_dots(out: &mut [f32], a: &[f32], bt: &[f32], n: usize, j0: usize, rows: usize, cols: usize, d: usize) {
+fn tile_dots(
+    out: &mut [f32],
+    a: &[f32],
+    bt: &[f32],
+    n: usize,
+    tile: (usize, usize, usize),
+    d: usize,
+) {
+    let (j0, rows, cols) = tile;
     for r in 0..rows {
         let o = &mut out[r * BK..r * BK + cols];
         o.fill(0.0);
@@ -96,7 +104,15 @@ fn tile_dots(out: &mut [f32], a: &[f32], bt: &[f32], n: usize, j0: usize, rows: 
 
 /// Forward of one `(batch, kv head)`: the group's query heads, every query tile.
 #[inline(always)]
-fn fwd_task(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, task: usize, o: SendPtr<f32>, lse: SendPtr<f32>) {
+fn fwd_task(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: &AttnShape,
+    task: usize,
+    o: SendPtr<f32>,
+    lse: SendPtr<f32>,
+) {
     let (hq, hk, d, sq, n) = (s.heads, s.kv_heads, s.head_dim, s.seq_q, s.seq_kv);
     let group = hq / hk.max(1);
     let (b, kh) = (task / hk, task % hk);
@@ -118,7 +134,7 @@ fn fwd_task(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, task: usize, o: Send
             let kend = visible(s, i0 + rows - 1);
             for j0 in (0..kend).step_by(BK) {
                 let cols = BK.min(kend - j0);
-                tile_dots(&mut sc.s, &sc.q, &sc.kt, n, j0, rows, cols, d);
+                tile_dots(&mut sc.s, &sc.q, &sc.kt, n, (j0, rows, cols), d);
                 for r in 0..rows {
                     let vis = visible(s, i0 + r).saturating_sub(j0).min(cols);
                     if vis == 0 {
@@ -163,7 +179,15 @@ fn fwd_task(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, task: usize, o: Send
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn fwd_task_avx2(q: &[f32], k: &[f32], v: &[f32], s: &AttnShape, t: usize, o: SendPtr<f32>, lse: SendPtr<f32>) {
+unsafe fn fwd_task_avx2(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: &AttnShape,
+    t: usize,
+    o: SendPtr<f32>,
+    lse: SendPtr<f32>,
+) {
     fwd_task(q, k, v, s, t, o, lse)
 }
 
@@ -214,7 +238,6 @@ pub fn forward_on(
 
 /// Backward of one `(batch, kv head)`: its query heads' `dq` rows and its `dk`, `dv` rows.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn bwd_task(
     sv: &AttnSaved<'_>,
     dout: &[f32],
@@ -252,8 +275,8 @@ fn bwd_task(
             let kend = visible(s, i0 + rows - 1);
             for j0 in (0..kend).step_by(BK) {
                 let cols = BK.min(kend - j0);
-                tile_dots(&mut sc.s, &sc.q, &sc.kt, n, j0, rows, cols, d);
-                tile_dots(&mut dp, &dot, &sc.vv, n, j0, rows, cols, d);
+                tile_dots(&mut sc.s, &sc.q, &sc.kt, n, (j0, rows, cols), d);
+                tile_dots(&mut dp, &dot, &sc.vv, n, (j0, rows, cols), d);
                 for r in 0..rows {
                     let vis = visible(s, i0 + r).saturating_sub(j0).min(cols);
                     let p = &mut sc.s[r * BK..r * BK + vis];
@@ -299,15 +322,16 @@ fn bwd_task(
         let off = ((b * n + j) * hk + kh) * d;
         // SAFETY: rows (b, j, kh) of dk and dv belong to this task only.
         unsafe {
-            std::slice::from_raw_parts_mut(dk.get().add(off), d).copy_from_slice(&dkk[j * d..(j + 1) * d]);
-            std::slice::from_raw_parts_mut(dv.get().add(off), d).copy_from_slice(&dvv[j * d..(j + 1) * d]);
+            std::slice::from_raw_parts_mut(dk.get().add(off), d)
+                .copy_from_slice(&dkk[j * d..(j + 1) * d]);
+            std::slice::from_raw_parts_mut(dv.get().add(off), d)
+                .copy_from_slice(&dvv[j * d..(j + 1) * d]);
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn bwd_task_avx2(
     sv: &AttnSaved<'_>,
     dout: &[f32],
@@ -321,7 +345,11 @@ unsafe fn bwd_task_avx2(
 }
 
 /// Attention backward: `(dq, dk, dv)` from the forward's inputs, output and `lse`.
-pub fn backward(saved: AttnSaved<'_>, dout: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+pub fn backward(
+    saved: AttnSaved<'_>,
+    dout: &[f32],
+    s: AttnShape,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     backward_on(None, saved, dout, s)
 }
 
@@ -336,7 +364,11 @@ pub fn backward_on(
     let nq = s.batch * s.seq_q * s.heads * d;
     let nk = s.batch * s.seq_kv * s.kv_heads * d;
     assert!(
-        saved.q.len() >= nq && saved.o.len() >= nq && dout.len() >= nq && saved.k.len() >= nk && saved.v.len() >= nk,
+        saved.q.len() >= nq
+            && saved.o.len() >= nq
+            && dout.len() >= nq
+            && saved.k.len() >= nk
+            && saved.v.len() >= nk,
         "attention backward shapes"
     );
     let mut dq = vec![0.0f32; saved.q.len()];
@@ -345,7 +377,11 @@ pub fn backward_on(
     if nq == 0 || s.kv_heads == 0 {
         return (dq, dk, dv);
     }
-    let ptrs = (SendPtr(dq.as_mut_ptr()), SendPtr(dk.as_mut_ptr()), SendPtr(dv.as_mut_ptr()));
+    let ptrs = (
+        SendPtr(dq.as_mut_ptr()),
+        SendPtr(dk.as_mut_ptr()),
+        SendPtr(dv.as_mut_ptr()),
+    );
     let tasks = s.batch * s.kv_heads;
     let work = 2 * s.batch * s.heads * s.seq_q * s.seq_kv * d;
     #[cfg(target_arch = "x86_64")]
@@ -414,7 +450,11 @@ mod tests {
         (o, lse)
     }
 
-    fn naive_backward(sv: AttnSaved<'_>, dout: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    fn naive_backward(
+        sv: AttnSaved<'_>,
+        dout: &[f32],
+        s: AttnShape,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let AttnSaved { q, k, v, o, lse } = sv;
         let (hq, hk, d) = (s.heads, s.kv_heads, s.head_dim);
         let group = hq / hk.max(1);
@@ -425,7 +465,11 @@ mod tests {
                 let kh = h / group;
                 for i in 0..s.seq_q {
                     let qoff = ((b * s.seq_q + i) * hq + h) * d;
-                    let (qi, doi, oi) = (&q[qoff..qoff + d], &dout[qoff..qoff + d], &o[qoff..qoff + d]);
+                    let (qi, doi, oi) = (
+                        &q[qoff..qoff + d],
+                        &dout[qoff..qoff + d],
+                        &o[qoff..qoff + d],
+                    );
                     let l = lse[(b * hq + h) * s.seq_q + i];
                     let delta: f32 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
                     for j in 0..visible(&s, i) {
@@ -451,7 +495,10 @@ mod tests {
         assert_eq!(got.len(), want.len(), "{name} length");
         let scale = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
         for (i, (a, b)) in got.iter().zip(want).enumerate() {
-            assert!((a - b).abs() <= 2e-5 * scale + 1e-6, "{name}[{i}]: tiled {a}, naive {b}");
+            assert!(
+                (a - b).abs() <= 2e-5 * scale + 1e-6,
+                "{name}[{i}]: tiled {a}, naive {b}"
+            );
         }
     }
 
@@ -461,8 +508,14 @@ mod tests {
 
     #[test]
     fn tiled_equals_naive_on_random_inputs_and_any_thread_count() {
-        let p1 = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        let p3 = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let p1 = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let p3 = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         let mut g = Rng::new(3);
         // (batch, seq_q, seq_kv, heads, kv_heads, d, q_offset, causal): tiles with ragged
         // ends, GQA groups, a context-parallel chunk (q_offset), MHA, non-causal.
@@ -475,7 +528,16 @@ mod tests {
             (1, 1, 65, 1, 1, 32, 64, true),
         ];
         for &(batch, seq_q, seq_kv, heads, kv_heads, head_dim, q_offset, causal) in &cases {
-            let s = AttnShape { batch, seq_q, seq_kv, heads, kv_heads, head_dim, q_offset, causal };
+            let s = AttnShape {
+                batch,
+                seq_q,
+                seq_kv,
+                heads,
+                kv_heads,
+                head_dim,
+                q_offset,
+                causal,
+            };
             let q = g.vec(batch * seq_q * heads * head_dim, 1.5);
             let k = g.vec(batch * seq_kv * kv_heads * head_dim, 1.5);
             let v = g.vec(batch * seq_kv * kv_heads * head_dim, 1.0);
@@ -485,15 +547,27 @@ mod tests {
             let (o3, l3) = forward_on(Some(&p3), &q, &k, &v, s);
             close("o", &o1, &o0);
             close("lse", &l1, &l0);
-            assert!(bits(&o1, &o3) && bits(&l1, &l3), "forward depends on the thread count");
-            let sv = AttnSaved { q: &q, k: &k, v: &v, o: &o0, lse: &l0 };
+            assert!(
+                bits(&o1, &o3) && bits(&l1, &l3),
+                "forward depends on the thread count"
+            );
+            let sv = AttnSaved {
+                q: &q,
+                k: &k,
+                v: &v,
+                o: &o0,
+                lse: &l0,
+            };
             let (dq0, dk0, dv0) = naive_backward(sv, &dout, s);
             let (dq1, dk1, dv1) = backward_on(Some(&p1), sv, &dout, s);
             let (dq3, dk3, dv3) = backward_on(Some(&p3), sv, &dout, s);
             close("dq", &dq1, &dq0);
             close("dk", &dk1, &dk0);
             close("dv", &dv1, &dv0);
-            assert!(bits(&dq1, &dq3) && bits(&dk1, &dk3) && bits(&dv1, &dv3), "backward depends on the thread count");
+            assert!(
+                bits(&dq1, &dq3) && bits(&dk1, &dk3) && bits(&dv1, &dv3),
+                "backward depends on the thread count"
+            );
         }
     }
 
@@ -501,7 +575,16 @@ mod tests {
     fn no_score_matrix_is_held() {
         // The scratch is one KV head's keys and values and BQ x BK tiles, whatever the
         // sequence length.
-        let s = AttnShape { batch: 1, seq_q: 4096, seq_kv: 4096, heads: 1, kv_heads: 1, head_dim: 8, q_offset: 0, causal: true };
+        let s = AttnShape {
+            batch: 1,
+            seq_q: 4096,
+            seq_kv: 4096,
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            q_offset: 0,
+            causal: true,
+        };
         let sc = Scratch::new(&s);
         let held = sc.kt.len() + sc.kk.len() + sc.vv.len() + sc.q.len() + sc.s.len();
         assert!(held < 4096 * 4096 / 100, "{held} floats of scratch");

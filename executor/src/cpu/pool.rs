@@ -93,7 +93,10 @@ mod tests {
 
     #[test]
     fn runs_every_task_once_on_any_pool() {
-        let p = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+        let p = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
         for pool in [None, Some(&p)] {
             let hits: Vec<AtomicUsize> = (0..37).map(|_| AtomicUsize::new(0)).collect();
             run_on(pool, 37, usize::MAX, |i| {

@@ -38,9 +38,15 @@ pub fn table(d: usize, theta: f32, max_pos: usize) -> Arc<Table> {
     static CACHE: OnceLock<Cache> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     let mut c = cache.lock().unwrap_or_else(|e| e.into_inner());
-    let e = c.entry((d, theta.to_bits())).or_insert_with(|| Arc::new(Table::new(0, d, theta)));
+    let e = c
+        .entry((d, theta.to_bits()))
+        .or_insert_with(|| Arc::new(Table::new(0, d, theta)));
     if e.len <= max_pos {
-        *e = Arc::new(Table::new((max_pos + 1).next_power_of_two().max(64), d, theta));
+        *e = Arc::new(Table::new(
+            (max_pos + 1).next_power_of_two().max(64),
+            d,
+            theta,
+        ));
     }
     Arc::clone(e)
 }
