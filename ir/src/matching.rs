@@ -1100,15 +1100,22 @@ impl<'a> Run<'a> {
                 (recv_ready, (rc, rn))
             };
             let d = self.durs[sc as usize][sn as usize].max(self.durs[rc as usize][rn as usize]);
-            let crit =
-                self.local_crit[last.0 as usize][last.1 as usize].map(|x| node_ref(last.0, x));
-            let t = &mut times[rc as usize];
-            t.start[rn as usize] = start;
-            t.finish[rn as usize] = start + d;
-            t.done[rn as usize] = true;
-            t.crit[rn as usize] = crit;
-            t.last_arrival[rn as usize] = Some(node_ref(last.0, last.1));
-            self.finished.push((rc, rn));
+            self.settle(&[(rc, rn)], start, d, last);
+        }
+    }
+
+    /// `nodes` ran together from `start` for `d`, released by `last`'s arrival: their
+    /// times, the critical path through `last`, and the finished list.
+    fn settle(&mut self, nodes: &[(u32, u32)], start: f64, d: f64, last: (u32, u32)) {
+        let crit = self.local_crit[last.0 as usize][last.1 as usize].map(|x| node_ref(last.0, x));
+        for &(c, n) in nodes {
+            let t = &mut self.times[c as usize];
+            t.start[n as usize] = start;
+            t.finish[n as usize] = start + d;
+            t.done[n as usize] = true;
+            t.crit[n as usize] = crit;
+            t.last_arrival[n as usize] = Some(node_ref(last.0, last.1));
+            self.finished.push((c, n));
         }
     }
 
@@ -1136,16 +1143,7 @@ impl<'a> Run<'a> {
             }
             d = d.max(self.durs[pc as usize][pn as usize]);
         }
-        let crit = self.local_crit[last.0 as usize][last.1 as usize].map(|x| node_ref(last.0, x));
-        for &(pc, pn) in &parts {
-            let t = &mut times[pc as usize];
-            t.start[pn as usize] = start;
-            t.finish[pn as usize] = start + d;
-            t.done[pn as usize] = true;
-            t.crit[pn as usize] = crit;
-            t.last_arrival[pn as usize] = Some(node_ref(last.0, last.1));
-            self.finished.push((pc, pn));
-        }
+        self.settle(&parts, start, d, last);
     }
 }
 
