@@ -1012,10 +1012,7 @@ impl<'a> Ctx<'a> {
             return;
         }
         // The output is the next scope's; the forward keeps what the backward reads.
-        if let Some(s) = b.v.scopes.get_mut(&at) {
-            s.vals.remove("out");
-        }
-        b.v.cur.insert(mb, out);
+        b.hand_on(at, out, false);
         let keep = self.kept(layer);
         b.release_scope_but(at, &keep, Pass::Fwd, lo);
     }
@@ -1611,9 +1608,7 @@ impl<'a> Ctx<'a> {
         let dy1 = self.reduce_v(b, pass, at, dyg1, "dy1");
         let io = [dy1, b.get(at, "x"), b.get(at, "rstd1")];
         let dx = self.norm_bwd_v(b, at, "attn_norm", io, Some(dxm));
-        if b.v.on {
-            b.v.dcur.insert(mb, dx);
-        }
+        b.hand_on(at, dx, true);
         b.release_scope_but(at, &[], Pass::Bwd, lo);
     }
 
@@ -1894,7 +1889,8 @@ impl<'a> Ctx<'a> {
         b.set(id, &ops, &[e]);
         // Vocabulary-parallel embedding: partial rows summed over TP.
         let x = self.reduce_v(b, Pass::Fwd, at, e, "x0");
-        self.hand_on(b, at, x, false);
+        b.hand_on(at, x, false);
+        b.release_scope_but(at, &[], Pass::Fwd, None);
     }
 
     /// Its backward: (SP) every token's gradient gathered, scattered into the embedding's
@@ -1938,25 +1934,6 @@ impl<'a> Ctx<'a> {
         let id = b.compute(Pass::Bwd, Some(mb), None, embedding_op(&d));
         b.set(id, &[dxg, tok], &grads);
         b.release_scope_but(at, &[], Pass::Bwd, None);
-    }
-
-    /// Hand `x` of scope `at` on as the micro-batch's hidden state (or, `grad`, its
-    /// gradient), out of the scope; release the rest of the scope when it is the embedding.
-    fn hand_on(&self, b: &mut Builder, at: (u32, u32), x: ValueId, grad: bool) {
-        if !b.v.on {
-            return;
-        }
-        if let Some(s) = b.v.scopes.get_mut(&at) {
-            s.vals.retain(|_, v| *v != x);
-        }
-        if grad {
-            b.v.dcur.insert(at.1, x);
-        } else {
-            b.v.cur.insert(at.1, x);
-        }
-        if at.0 == EMBED {
-            b.release_scope_but(at, &[], Pass::Fwd, None);
-        }
     }
 
     /// The head's forward on micro-batch `mb`: final norm, (SP) gather, LM head GEMM into
@@ -2041,9 +2018,7 @@ impl<'a> Ctx<'a> {
         };
         let io = [dy, b.get(at, "x"), b.get(at, "rstd")];
         let dx = self.norm_bwd_v(b, at, "final_norm", io, None);
-        if b.v.on {
-            b.v.dcur.insert(mb, dx);
-        }
+        b.hand_on(at, dx, true);
         b.release_scope_but(at, &[], Pass::Bwd, None);
     }
 
@@ -2072,11 +2047,10 @@ impl<'a> Ctx<'a> {
                 Vec::new(),
             );
             b.pending.push(id);
-            let x = b.decl((first, s.mb), "recv", d.w, &[d.ts, d.h]);
+            let at = (first, s.mb);
+            let x = b.decl(at, "recv", d.w, &[d.ts, d.h]);
             b.set(id, &[], &[x]);
-            if b.v.on {
-                b.v.cur.insert(s.mb, x);
-            }
+            b.hand_on(at, x, false);
         }
         if has_embed {
             let buf = b.g.buffer(
@@ -2162,12 +2136,10 @@ impl<'a> Ctx<'a> {
                 Vec::new(),
             );
             b.pending.push(id);
-            let last = (first + count).saturating_sub(1);
-            let dx = b.decl((last, s.mb), "recv_grad", d.w, &[d.ts, d.h]);
+            let at = ((first + count).saturating_sub(1), s.mb);
+            let dx = b.decl(at, "recv_grad", d.w, &[d.ts, d.h]);
             b.set(id, &[], &[dx]);
-            if b.v.on {
-                b.v.dcur.insert(s.mb, dx);
-            }
+            b.hand_on(at, dx, true);
         }
         let last_of_chunk = w.last_bwd.get(&s.chunk) == Some(&si);
         for layer in (first..first + count).rev() {

@@ -318,6 +318,23 @@ impl Builder<'_> {
             .unwrap_or_else(|| panic!("lowering: no {what} for micro-batch {mb}"))
     }
 
+    /// Hand `x` on as micro-batch `at.1`'s hidden state (or, `grad`, its gradient): out
+    /// of scope `at`, to whichever scope takes it next ([`Self::take_flow`]).
+    pub(super) fn hand_on(&mut self, at: (u32, u32), x: ValueId, grad: bool) {
+        if !self.v.on {
+            return;
+        }
+        if let Some(s) = self.v.scopes.get_mut(&at) {
+            s.vals.retain(|_, v| *v != x);
+        }
+        let flow = if grad {
+            &mut self.v.dcur
+        } else {
+            &mut self.v.cur
+        };
+        flow.insert(at.1, x);
+    }
+
     pub(super) fn take_cur(&mut self, mb: u32) -> ValueId {
         self.take_flow(mb, false)
     }
