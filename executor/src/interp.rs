@@ -76,6 +76,7 @@ use shardwright_ir::{
 };
 use std::collections::{BTreeMap, HashMap};
 
+mod moe_values;
 mod state;
 mod values;
 pub use state::{logical_state, sharded_state};
@@ -570,8 +571,6 @@ struct MoeState {
     /// Per sequence of the micro-batch: routed-slot counts then probability sums per
     /// expert (this rank's tokens until the graph's `L{l}.moe.stats.*` sum them).
     stats: Vec<f32>,
-    /// This micro-batch's share of the step's load-balancing loss already in the total.
-    aux: f64,
     /// Dispatch buffers the local experts ran on (ep members, times tp under SP once the
     /// graph's `L{l}.moe.experts_gather` brought every tp rank's).
     emembers: usize,
@@ -743,8 +742,6 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     y: Vec<f32>,
     loss: f64,
     has_loss: bool,
-    aux: f64,
-    has_aux: bool,
     report: StepReport,
     /// Buckets whose gradients went through a dp reduction this step.
     reduced: std::collections::BTreeSet<BKey>,
@@ -759,6 +756,12 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
     /// The activations of the value path, by value id (see [`values`]).
     vals: Vec<Option<Vec<f32>>>,
+    /// Each state value's key in `params`/`grads` ([`values::state_names`]).
+    pnames: Vec<String>,
+    /// The value path's MoE side tables.
+    mv: moe_values::MoeVals,
+    /// Each (layer, micro-batch)'s share of the step's load-balancing loss.
+    aux_shares: BTreeMap<(u32, u32), f64>,
 }
 
 /// All-reduce with the node's reduction (`max` as an all-gather and a local maximum:
@@ -818,6 +821,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let ep = group(Axis::Ep);
         let expert_dp = group(Axis::ExpertDp);
         let ep_pos = pos(&ep);
+        let first_expert = dims.local_experts(ep_pos, ep.len()).start;
         let t = tp.len();
         let tp_pos = pos(&tp);
         let vl = dims.vocab / t;
@@ -868,14 +872,15 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             gcur: BTreeMap::new(),
             acts: BTreeMap::new(),
             vals: vec![None; g.values.len()],
+            pnames: values::state_names(g, first_expert),
+            mv: moe_values::MoeVals::default(),
+            aux_shares: BTreeMap::new(),
             head: BTreeMap::new(),
             moe: BTreeMap::new(),
             counters: BTreeMap::new(),
             y: Vec::new(),
             loss: 0.0,
             has_loss: false,
-            aux: 0.0,
-            has_aux: false,
             report: StepReport::default(),
             reduced: Default::default(),
             norm_stats: None,
@@ -1077,8 +1082,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         self.report = StepReport::default();
         self.loss = 0.0;
         self.has_loss = false;
-        self.aux = 0.0;
-        self.has_aux = false;
+        self.aux_shares.clear();
         self.counters.clear();
         self.reduced.clear();
         self.norm_stats = None;
@@ -1123,8 +1127,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         if self.has_loss && self.tp_pos == 0 {
             rep.loss = Some(self.loss);
         }
-        if self.has_aux && self.tp_pos == 0 && self.cp_pos == 0 {
-            rep.aux_loss = Some(self.aux);
+        if !self.aux_shares.is_empty() && self.tp_pos == 0 && self.cp_pos == 0 {
+            rep.aux_loss = Some(self.aux_shares.values().sum());
         }
         // Weights after the step (ZeRO-3: gathered from the shards, diagnostic only).
         if self.diagnostics && self.run.zero_stage >= 3 {
@@ -2812,7 +2816,6 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 slot,
                 recv: Vec::new(),
                 stats,
-                aux: 0.0,
                 emembers: 0,
             },
         );
@@ -2825,30 +2828,14 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// (recomputed after each of the graph's reductions of them; the forward's loss share
     /// replaces the one counted before).
     fn moe_stats_finish(&mut self, l: u32, mb: u32, pass: Pass) -> Result<(), String> {
-        let m = self.moe_dims()?;
-        let (e, k, nseq) = (m.experts, m.top_k, self.mb_size);
-        let tf = self.dims.seq as f64;
-        let nglob = self.global_tokens / tf;
-        let coef = self.cfg.moe_aux_coef as f64;
+        let stats =
+            std::mem::take(&mut self.moe.get_mut(&(l, mb)).ok_or("no routing state")?.stats);
+        let (aux, daux) = self.aux_of(&stats)?;
         let st = self.moe.get_mut(&(l, mb)).ok_or("no routing state")?;
-        let stats = &st.stats;
-        let mut daux = vec![0.0f32; nseq * e];
-        let mut aux = 0.0;
-        for b in 0..nseq {
-            let mut s = 0.0;
-            for x in 0..e {
-                let f = stats[b * 2 * e + x] as f64 / (tf * k as f64);
-                let p = stats[b * 2 * e + e + x] as f64 / tf;
-                s += f * p;
-                daux[b * e + x] = (coef * e as f64 * f / (tf * nglob)) as f32;
-            }
-            aux += coef * e as f64 * s / nglob;
-        }
+        st.stats = stats;
         st.daux = daux;
         if pass == Pass::Fwd {
-            self.aux += aux - st.aux;
-            st.aux = aux;
-            self.has_aux = true;
+            self.aux_shares.insert((l, mb), aux);
         }
         Ok(())
     }

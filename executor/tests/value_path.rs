@@ -139,3 +139,52 @@ fn selective_module_recompute_trains_to_the_same_bits_on_either_path() {
         );
     }
 }
+
+/// MoE models (4 experts, top-2; layer 0 dense, the rest MoE; with and without a shared
+/// expert): routing, dispatch buffers, grouped expert GEMMs, the routing statistics and
+/// the load-balancing loss on values, over the MoE layouts of the equivalence matrix (EP,
+/// TP with and without SP, whole experts, CP, PP, ZeRO 0-3, full recompute).
+#[test]
+fn moe_layouts_train_to_the_same_bits_on_either_path() {
+    check(
+        &common::moe_template(2, 1, 1),
+        &[
+            "ga4",
+            "ep2,ga2",
+            "ep4,ga1",
+            "ep2,ga1,mb2",
+            "tp2,ga4",
+            "ep2,tp2,ga2",
+            "ep2,cp2,ga2",
+            "ep2,tp2,cp2,ga2,zero1",
+            "ep2,pp2,ga2",
+            "ep2,dp2,ga1,zero3",
+            "ep2,ga2,rc=full",
+            "ep2,tp2,sp=on,etp1,ga2",
+            "tp2,pp2,sp=on,etp1,ga4,zero2",
+        ],
+    );
+    check(
+        &common::moe_template(2, 1, 0),
+        &["tp2,sp=on,etp1,ga4", "ep2,tp2,sp=on,ga2", "tp2,sp=on,ga4"],
+    );
+}
+
+/// Megatron's MoE recompute modules (`moe`, `moe_act`, `shared_experts`) replay on values.
+#[test]
+fn moe_selective_recompute_trains_to_the_same_bits_on_either_path() {
+    use shardwright_spec::spec::RecomputeModule as R;
+    let tpl = common::moe_template(2, 1, 1);
+    for mods in [
+        vec![R::Moe],
+        vec![R::MoeAct, R::SharedExperts],
+        vec![R::Layernorm, R::Moe],
+    ] {
+        let mut t = tpl.clone();
+        t.inputs.training.recompute_modules = mods;
+        check(
+            &t,
+            &["ep2,tp2,ga2,rc=selective", "tp2,ga4,sp=on,rc=selective"],
+        );
+    }
+}

@@ -805,7 +805,46 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
         Op::Gemm { m, n: nn, k, .. } => {
             elems("operand", arg(0)?, w(*m, *k))?;
             elems("operand", arg(1)?, w(*k, *nn))?;
-            elems("result", res(0)?, w(*m, *nn))
+            // A third operand that is an activation is accumulated onto: the result is
+            // its shape (at least the product's rows); further parameters are a grouped
+            // GEMM's other experts.
+            match n.operands.get(2).map(val) {
+                Some(acc) if acc.kind == ValueKind::Activation => {
+                    if acc.elems() as u128 >= w(*m, *nn) {
+                        elems("result", res(0)?, acc.elems() as u128)
+                    } else {
+                        Err(format!(
+                            "accumulator {} (`{}`) has {} elements, under the product's {}",
+                            acc.id,
+                            acc.name,
+                            acc.elems(),
+                            w(*m, *nn)
+                        ))
+                    }
+                }
+                _ => elems("result", res(0)?, w(*m, *nn)),
+            }
+        }
+        Op::Elementwise {
+            kind: ElementwiseKind::Permute,
+            elems: el,
+            ..
+        } => {
+            // The routed rows: the dispatch's first result, the combine's first operand.
+            let (i, o) = (arg(0)?, res(0)?);
+            if i.elems() as u128 == *el as u128 || o.elems() as u128 == *el as u128 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "permute of {el} routed elements reads {} (`{}`, {}) into {} (`{}`, {})",
+                    i.id,
+                    i.name,
+                    i.elems(),
+                    o.id,
+                    o.name,
+                    o.elems()
+                ))
+            }
         }
         Op::Norm { tokens, width, .. } => {
             elems("operand", arg(0)?, w(*tokens, *width))?;

@@ -57,7 +57,9 @@ use shardwright_spec::spec::{Norm, Recompute, RecomputeModule, Schedule};
 use shardwright_spec::{Layout, Plan};
 use std::collections::BTreeMap;
 
+mod moe;
 mod values;
+use moe::Mlp;
 use values::{Vals, EMBED, HEAD, NONE};
 
 #[derive(Debug, thiserror::Error)]
@@ -189,7 +191,7 @@ impl Prepared {
             chunks: &self.chunks,
             interval_steps: self.interval_steps,
             dims: Ctx::local_dims(&self.job, &self.layout),
-            values: values && !self.job.model.is_moe(),
+            values,
         }
     }
 }
@@ -790,10 +792,27 @@ impl<'a> Ctx<'a> {
             "proj" => vec![d.heads * d.d, h],
             "fc1" => vec![h, (d.mats - 1) * d.f],
             "fc2" => vec![d.f, h],
+            "router" | "shared_fc1" | "shared_fc2" => {
+                let gs = self.mlp_gemms(layer.unwrap_or(0), &d);
+                let g = gs
+                    .iter()
+                    .find(|g| g.name == name)
+                    .expect("an MoE layer's GEMM");
+                vec![g.k, g.n]
+            }
             _ => vec![h],
         };
         let g = dtype(self.job.training.grad_dtype.bytes());
         b.param((layer, name), &shape, d.w, g)
+    }
+
+    /// The weight of `layer`'s GEMM `g` (`[k, n]`) and its gradient.
+    fn weight_of(&self, b: &mut Builder, layer: u32, g: &G) -> (ValueId, ValueId) {
+        if let Some(p) = b.known_param((Some(layer), g.name)) {
+            return p;
+        }
+        let gd = dtype(self.job.training.grad_dtype.bytes());
+        b.param((Some(layer), g.name), &[g.k, g.n], self.dims().w, gd)
     }
 
     /// A norm's parameters (weight, and bias for LayerNorm) and their gradients.
@@ -997,10 +1016,9 @@ impl<'a> Ctx<'a> {
         };
         let gs = self.mlp_gemms(layer, &d);
         let p2 = if self.is_moe_layer(layer) {
-            self.moe_block_fwd(b, pass, mb, layer, &gs, true);
-            yg2
+            self.moe_block_fwd(b, pass, at, &gs, (true, [y2, yg2]))
         } else {
-            self.mlp_fwd(b, pass, at, &gs[0], &gs[1], yg2)
+            self.mlp_fwd(b, pass, at, Mlp::dense(&gs[0], &gs[1]), yg2, None)
         };
         let p2r = if block_tp {
             self.reduce_v(b, pass, at, p2, "p2r")
@@ -1072,38 +1090,30 @@ impl<'a> Ctx<'a> {
                 keep.push("y2");
             }
         }
+        if self.is_moe_layer(layer) {
+            keep.extend(moe::KEPT);
+            let mut drop = |k: &str| keep.retain(|x| *x != k);
+            if self.recomputes(layer, RecomputeModule::Layernorm) {
+                drop("y2");
+            }
+            if self.recomputes(layer, RecomputeModule::Moe) {
+                // The replay defines the block again from `y2`; the statistics (reduced
+                // in the forward only) stay.
+                for k in moe::KEPT {
+                    if !matches!(*k, "y2" | "stats") {
+                        drop(k);
+                    }
+                }
+            }
+            if self.recomputes(layer, RecomputeModule::MoeAct) {
+                drop("ea");
+            }
+            if self.recomputes(layer, RecomputeModule::SharedExperts) {
+                drop("su");
+                drop("sa");
+            }
+        }
         keep
-    }
-
-    /// The MoE block's forward (or replay): router, permutation, dispatch, experts,
-    /// combine, shared experts; the routing statistics only in the forward (`stats`).
-    fn moe_block_fwd(
-        &self,
-        b: &mut Builder,
-        pass: Pass,
-        mb: u32,
-        layer: u32,
-        gs: &[G],
-        stats: bool,
-    ) {
-        let d = self.dims();
-        let (mbo, lo) = (Some(mb), Some(layer));
-        let moe = self.job.model.moe.as_ref().expect("moe");
-        let routed = d.ts * moe.top_k as u64 * d.h;
-        self.gemm_fwd(b, pass, mb, layer, &gs[0]);
-        b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-        if stats {
-            self.moe_stats(b, pass, mb, layer);
-        }
-        self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-        self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
-        self.mlp_fwd(b, pass, (layer, mb), &gs[1], &gs[2], NONE);
-        self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
-        self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-        b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-        if gs.len() > 3 {
-            self.mlp_fwd(b, pass, (layer, mb), &gs[3], &gs[4], NONE);
-        }
     }
 
     /// A forward (or recompute) GEMM of `layer` reading weight `L{layer}.{name}`.
@@ -1118,22 +1128,24 @@ impl<'a> Ctx<'a> {
         )
     }
 
-    /// An MLP (or expert group) forward of `x` in scope `at`: up projection (`u`),
-    /// activation (`a`), down projection (`p2`, returned: the partial output under TP).
+    /// An MLP forward of `x` in scope `at`: up projection, activation, down projection
+    /// (returned: the partial output under TP; plus `acc` when given, the down projection
+    /// accumulating onto it). Its values are filed under `mlp.keys`.
     fn mlp_fwd(
         &self,
         b: &mut Builder,
         pass: Pass,
         at: (u32, u32),
-        up: &G,
-        down: &G,
+        mlp: Mlp<'_>,
         x: ValueId,
+        acc: Option<ValueId>,
     ) -> ValueId {
         let (layer, mb) = at;
+        let (up, down, k) = (mlp.up, mlp.down, mlp.keys);
         let w = self.dims().w;
-        let (w1, _) = self.weight(b, Some(layer), up.name);
+        let (w1, _) = self.weight_of(b, layer, up);
         let id = self.gemm_fwd(b, pass, mb, layer, up);
-        let u = b.act(at, "u", w, &[up.m, up.n]);
+        let u = b.act(at, k.u, w, &[up.m, up.n]);
         b.set(id, &[x, w1], &[u]);
         let id = b.compute(
             pass,
@@ -1141,33 +1153,36 @@ impl<'a> Ctx<'a> {
             Some(layer),
             ew(ElementwiseKind::Activation, up.m * up.n, 6),
         );
-        let a = b.act(at, "a", w, &[down.m, down.k]);
+        let a = b.act(at, k.a, w, &[down.m, down.k]);
         b.set(id, &[u], &[a]);
-        let (w2, _) = self.weight(b, Some(layer), down.name);
+        let (w2, _) = self.weight_of(b, layer, down);
         let id = self.gemm_fwd(b, pass, mb, layer, down);
-        let p = b.act(at, "p2", w, &[down.m, down.n]);
-        b.set(id, &[a, w2], &[p]);
+        let p = b.act(at, k.p, w, &[down.m, down.n]);
+        let mut ops = vec![a, w2];
+        ops.extend(acc);
+        b.set(id, &ops, &[p]);
         p
     }
 
     /// Its backward from the output gradient `dy`: down projection, activation, up
     /// projection; returns the input gradient (partial under TP).
-    fn mlp_bwd(&self, b: &mut Builder, at: (u32, u32), up: &G, down: &G, dy: ValueId) -> ValueId {
+    fn mlp_bwd(&self, b: &mut Builder, at: (u32, u32), mlp: Mlp<'_>, dy: ValueId) -> ValueId {
         let (layer, mb) = at;
+        let (up, down, k) = (mlp.up, mlp.down, mlp.keys);
         let w = self.dims().w;
-        let a = b.get(at, "a");
-        let da = self.gemm_bwd_v(b, at, down, [dy, a], "da");
+        let a = b.get(at, k.a);
+        let da = self.gemm_bwd_v(b, at, down, [dy, a], k.da);
         let id = b.compute(
             Pass::Bwd,
             Some(mb),
             Some(layer),
             ew(ElementwiseKind::Activation, up.m * up.n, 8),
         );
-        let du = b.act(at, "du", w, &[up.m, up.n]);
-        let u = b.get(at, "u");
+        let du = b.act(at, k.du, w, &[up.m, up.n]);
+        let u = b.get(at, k.u);
         b.set(id, &[u, da], &[du]);
-        let x = b.get(at, "yg2");
-        self.gemm_bwd_v(b, at, up, [du, x], "dyg2")
+        let x = b.get(at, k.x);
+        self.gemm_bwd_v(b, at, up, [du, x], k.dx)
     }
 
     /// [`Self::gemm_bwd`] of `layer`'s GEMM `g` with values: `[dy, x]` are the output
@@ -1205,122 +1220,6 @@ impl<'a> Ctx<'a> {
         b.set(dg, &[dy, wv], &[dx]);
         b.set(wg, &[x, dy], &[gv]);
         dx
-    }
-
-    /// The load-balancing loss's per-sequence routing statistics (routed-slot counts and
-    /// probability sums per expert, f32, `2 E` per sequence of the micro-batch), summed
-    /// over the ranks that hold parts of a sequence: its SP shards over tp
-    /// (`L{l}.moe.stats.tp`) and its cp shards (`L{l}.moe.stats.cp`). Megatron-core
-    /// all-reduces them over its tp-cp group for the sequence-wise aux loss.
-    fn moe_stats(&self, b: &mut Builder, pass: Pass, mb: u32, layer: u32) {
-        let m = &self.job.model;
-        let e = m.moe.as_ref().map_or(0, |x| x.num_experts as u64);
-        let bytes = self.layout.micro_batch as u64 * 2 * e * DType::F32.bytes();
-        let mut axes = Vec::new();
-        if self.dims().sp {
-            axes.push(GroupKind::Tp);
-        }
-        if self.layout.cp > 1 {
-            axes.push(GroupKind::Cp);
-        }
-        for axis in axes {
-            b.collective(Coll {
-                stream: Stream::Comm,
-                pass,
-                mb: Some(mb),
-                layer: Some(layer),
-                kind: CollectiveKind::AllReduce,
-                axis,
-                bytes,
-                dt: DType::F32,
-                blocking: true,
-                tensor: Some(format!("L{layer}.moe.stats.{}", axis.name())),
-                reduce: ReduceOp::Sum,
-            });
-        }
-    }
-
-    /// Without SP each tp rank's expert outputs are partial sums over its share of the
-    /// expert width: the gradient of each routed slot's gate (`<expert output, output
-    /// gradient>`, f32, one per routed slot of the micro-batch) is all-reduced over tp
-    /// (`L{l}.moe.gate_grad`). With SP the expert outputs come back summed (the
-    /// reduce-scatter after the experts), so no node.
-    fn moe_gate_grad(&self, b: &mut Builder, mb: u32, layer: u32) {
-        let d = self.dims();
-        if self.layout.tp <= 1 || d.sp {
-            return;
-        }
-        let k = self.job.model.moe.as_ref().map_or(0, |x| x.top_k as u64);
-        b.collective(Coll {
-            stream: Stream::Comm,
-            pass: Pass::Bwd,
-            mb: Some(mb),
-            layer: Some(layer),
-            kind: CollectiveKind::AllReduce,
-            axis: GroupKind::Tp,
-            bytes: d.t * k * DType::F32.bytes(),
-            dt: DType::F32,
-            blocking: true,
-            tensor: Some(format!("L{layer}.moe.gate_grad")),
-            reduce: ReduceOp::Sum,
-        });
-    }
-
-    /// Sequence parallelism with experts sharded over tp (Megatron's alltoall token
-    /// dispatcher): the tp all-gather of the dispatched rows before the experts
-    /// (`L{l}.moe.experts_gather`, forward and backward) and the reduce-scatter of their
-    /// partial outputs after them (`L{l}.moe.experts_scatter`): the routed rows of the
-    /// whole micro-batch, `t k h` elements in the compute dtype.
-    fn moe_expert_tp(
-        &self,
-        b: &mut Builder,
-        pass: Pass,
-        mb: u32,
-        layer: u32,
-        kind: CollectiveKind,
-    ) {
-        let d = self.dims();
-        if !d.sp || self.layout.folds_tp_into_ep() {
-            return;
-        }
-        let k = self.job.model.moe.as_ref().map_or(0, |x| x.top_k as u64);
-        let name = if kind == CollectiveKind::AllGather {
-            "experts_gather"
-        } else {
-            "experts_scatter"
-        };
-        b.collective(Coll {
-            stream: Stream::Comm,
-            pass,
-            mb: Some(mb),
-            layer: Some(layer),
-            kind,
-            axis: GroupKind::Tp,
-            bytes: d.t * k * d.h * d.w.bytes(),
-            dt: d.w,
-            blocking: true,
-            tensor: Some(format!("L{layer}.moe.{name}")),
-            reduce: ReduceOp::Sum,
-        });
-    }
-
-    fn ep_a2a(&self, b: &mut Builder, pass: Pass, mb: Option<u32>, layer: Option<u32>, bytes: u64) {
-        if self.layout.ep_group() > 1 {
-            let w = self.dims().w;
-            b.collective(Coll {
-                stream: Stream::Comm,
-                pass,
-                mb,
-                layer,
-                kind: CollectiveKind::AllToAll,
-                axis: GroupKind::Ep,
-                bytes,
-                dt: w,
-                blocking: true,
-                tensor: None,
-                reduce: ReduceOp::Sum,
-            });
-        }
     }
 
     /// Backward of one GEMM: data gradient then weight gradient.
@@ -1452,27 +1351,35 @@ impl<'a> Ctx<'a> {
                 } else {
                     y2
                 };
-                self.mlp_fwd(b, rc, at, &gs[0], &gs[1], yg2);
+                self.mlp_fwd(b, rc, at, Mlp::dense(&gs[0], &gs[1]), yg2, None);
             }
             return;
         }
+        let at = (layer, mb);
         if self.recomputes(layer, RecomputeModule::Moe) {
-            if block_tp {
-                self.tp_gather(b, rc, mbo, lo);
-            }
-            self.moe_block_fwd(b, rc, mb, layer, gs, false);
+            let y2 = b.get(at, "y2");
+            let yg2 = if block_tp {
+                self.gather_v(b, rc, at, y2, "yg2")
+            } else {
+                y2
+            };
+            self.moe_block_fwd(b, rc, at, gs, (false, [y2, yg2]));
             return;
         }
         if self.recomputes(layer, RecomputeModule::MoeAct) {
-            b.compute(
+            let id = b.compute(
                 rc,
                 mbo,
                 lo,
                 ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 6),
             );
+            let eu = b.get(at, "eu");
+            let ea = b.act(at, "ea", d.w, &[gs[2].m, gs[2].k]);
+            b.set(id, &[eu], &[ea]);
         }
         if gs.len() > 3 && self.recomputes(layer, RecomputeModule::SharedExperts) {
-            self.mlp_fwd(b, rc, (layer, mb), &gs[3], &gs[4], NONE);
+            let yg2 = b.get(at, "yg2");
+            self.mlp_fwd(b, rc, at, Mlp::shared(&gs[3], &gs[4]), yg2, None);
         }
     }
 
@@ -1498,10 +1405,9 @@ impl<'a> Ctx<'a> {
             dout
         };
         let dy2 = if self.is_moe_layer(layer) {
-            self.moe_block_bwd(b, mb, layer, &gs);
-            NONE
+            self.moe_block_bwd(b, at, &gs, dg2)
         } else {
-            self.mlp_bwd(b, at, &gs[0], &gs[1], dg2)
+            self.mlp_bwd(b, at, Mlp::dense(&gs[0], &gs[1]), dg2)
         };
         let dy2r = if block_tp {
             self.reduce_v(b, pass, at, dy2, "dy2r")
@@ -1610,29 +1516,6 @@ impl<'a> Ctx<'a> {
         let dx = self.norm_bwd_v(b, at, "attn_norm", io, Some(dxm));
         b.hand_on(at, dx, true);
         b.release_scope_but(at, &[], Pass::Bwd, lo);
-    }
-
-    /// The MoE block's backward (no values yet): shared experts, permutation, dispatch,
-    /// experts, combine, un-permutation, router.
-    fn moe_block_bwd(&self, b: &mut Builder, mb: u32, layer: u32, gs: &[G]) {
-        let d = self.dims();
-        let (mbo, lo) = (Some(mb), Some(layer));
-        let pass = Pass::Bwd;
-        let at = (layer, mb);
-        let moe = self.job.model.moe.as_ref().expect("moe");
-        let routed = d.ts * moe.top_k as u64 * d.h;
-        if gs.len() > 3 {
-            self.mlp_bwd(b, at, &gs[3], &gs[4], NONE);
-        }
-        b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-        self.moe_gate_grad(b, mb, layer);
-        self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-        self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::AllGather);
-        self.mlp_bwd(b, at, &gs[1], &gs[2], NONE);
-        self.moe_expert_tp(b, pass, mb, layer, CollectiveKind::ReduceScatter);
-        self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-        b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-        self.gemm_bwd(b, lo, mb, &gs[0], Some(format!("L{layer}.{}", gs[0].name)));
     }
 
     /// Parameters of one layer on this rank: (dense, expert), from the cost model.

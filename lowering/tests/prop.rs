@@ -241,9 +241,9 @@ proptest! {
             gm.nodes[j].op = tmp;
             prop_assert!(!errors(&m).is_empty(), "{c:?}: swapped collectives n{i}, n{j} on rank {r} not caught");
         }
-        // A dense model's graph names the values of every op but the data-parallel
+        // A graph (dense or MoE) names the values of every op but the data-parallel
         // stream's, memory events and torchtitan's op-level replays.
-        if !c.moe {
+        {
             for n in &g.nodes {
                 let valued = match &n.op {
                     Op::Alloc { .. } | Op::Free { .. } | Op::Checkpoint { .. } | Op::OptimizerStep { .. } => false,

@@ -38,8 +38,9 @@ use std::collections::BTreeMap;
 
 /// An activation (from the value table) or a parameter (from the rank's state), borrowing
 /// only those two fields so the caller may hold the communicator or the gradients.
-fn get<'a>(
+pub(super) fn get<'a>(
     g: &Graph,
+    pnames: &[String],
     vals: &'a [Option<Vec<f32>>],
     params: &'a BTreeMap<String, Vec<f32>>,
     v: ValueId,
@@ -50,8 +51,8 @@ fn get<'a>(
             .as_ref()
             .ok_or_else(|| format!("{v} (`{}`) holds nothing", val.name)),
         ValueKind::Param => params
-            .get(&val.name)
-            .ok_or_else(|| format!("weight {} not on this rank", val.name)),
+            .get(&pnames[v.index()])
+            .ok_or_else(|| format!("weight {} not on this rank", pnames[v.index()])),
         other => Err(format!(
             "{v} (`{}`) is {}, not readable here",
             val.name,
@@ -60,33 +61,62 @@ fn get<'a>(
     }
 }
 
+/// The state key of each value (empty for activations and data): its name, except that a
+/// local expert's parameter `L{l}.le{i}.{w}` (and its gradient) is this rank's expert
+/// `first + i`, `L{l}.e{first + i}.{w}`: the program names a rank class's experts by local
+/// index, since every ep rank of the class runs the same graph on its own experts.
+pub(super) fn state_names(g: &Graph, first_expert: usize) -> Vec<String> {
+    g.values
+        .iter()
+        .map(|v| {
+            if !v.kind.is_state() {
+                return String::new();
+            }
+            let mut parts = v.name.splitn(3, '.');
+            let (l, e, rest) = (parts.next(), parts.next(), parts.next());
+            match (l, e.and_then(|e| e.strip_prefix("le")), rest) {
+                (Some(l), Some(i), Some(rest)) if i.parse::<usize>().is_ok() => {
+                    let i: usize = i.parse().unwrap_or(0);
+                    format!("{l}.e{}.{rest}", first_expert + i)
+                }
+                _ => v.name.clone(),
+            }
+        })
+        .collect()
+}
+
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// Whether the node runs on the value path.
     pub(super) fn valued(n: &Node) -> bool {
         !n.operands.is_empty() || !n.results.is_empty()
     }
 
-    fn value_name(&self, v: ValueId) -> &str {
-        &self.g.values[v.index()].name
+    /// A value's name; a parameter's or gradient's as this rank keys its state (a local
+    /// expert's as the global expert it is, see [`state_names`]).
+    pub(super) fn value_name(&self, v: ValueId) -> &str {
+        match self.pnames[v.index()].as_str() {
+            "" => &self.g.values[v.index()].name,
+            s => s,
+        }
     }
 
     /// An activation or a parameter.
-    fn val(&self, v: ValueId) -> Result<&Vec<f32>, String> {
-        get(self.g, &self.vals, &self.params, v)
+    pub(super) fn val(&self, v: ValueId) -> Result<&Vec<f32>, String> {
+        get(self.g, &self.pnames, &self.vals, &self.params, v)
     }
 
-    fn def(&mut self, v: ValueId, x: Vec<f32>) {
+    pub(super) fn def(&mut self, v: ValueId, x: Vec<f32>) {
         self.vals[v.index()] = Some(x);
     }
 
-    fn arg(n: &Node, i: usize) -> Result<ValueId, String> {
+    pub(super) fn arg(n: &Node, i: usize) -> Result<ValueId, String> {
         n.operands
             .get(i)
             .copied()
             .ok_or_else(|| format!("{} needs operand {}", n.op.keyword(), i + 1))
     }
 
-    fn res(n: &Node, i: usize) -> Result<ValueId, String> {
+    pub(super) fn res(n: &Node, i: usize) -> Result<ValueId, String> {
         n.results
             .get(i)
             .copied()
@@ -100,6 +130,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             Op::Release => {
                 for v in &n.operands {
                     self.vals[v.index()] = None;
+                    self.mv.release(*v);
                 }
                 Ok(())
             }
@@ -121,8 +152,17 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 ..
             } => {
                 let group = self.group_ranks(n)?;
+                if self.moe_collective_v(n, *kind, &group)?.is_some() {
+                    return Ok(());
+                }
                 let elems = (*bytes / dtype.bytes()) as usize;
-                let x = get(self.g, &self.vals, &self.params, Self::arg(n, 0)?)?;
+                let x = get(
+                    self.g,
+                    &self.pnames,
+                    &self.vals,
+                    &self.params,
+                    Self::arg(n, 0)?,
+                )?;
                 let y = match kind {
                     CollectiveKind::AllGather => self.comm.all_gather(&group, x),
                     CollectiveKind::ReduceScatter => {
@@ -144,6 +184,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 Ok(())
             }
             Op::Norm { .. } => self.v_norm(n),
+            Op::Gemm { name, .. } if self.mv.grouped_gemm(n) => self.v_expert_gemm(n, name),
             Op::Gemm { name, .. } => self.v_gemm(n, name),
             Op::Elementwise { kind, .. } => self.v_elementwise(n, *kind),
             Op::Attention { .. } => self.v_attention(n),
@@ -166,7 +207,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         }
         let (dy, x, st) = (Self::arg(n, 0)?, Self::arg(n, 1)?, Self::arg(n, 2 + ws)?);
         let dx = {
-            let at = |v| get(self.g, &self.vals, &self.params, v);
+            let at = |v| get(self.g, &self.pnames, &self.vals, &self.params, v);
             let (dy, x, st) = (at(dy)?, at(x)?, at(st)?);
             norm_bwd(
                 self.be,
@@ -206,8 +247,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         if name.ends_with(".wgrad") {
             let gname = self.value_name(Self::res(n, 0)?).to_string();
             let pname = gname.strip_suffix(".grad").unwrap_or(&gname).to_string();
-            let x = get(self.g, &self.vals, &self.params, a)?;
-            let dy = get(self.g, &self.vals, &self.params, b)?;
+            let x = get(self.g, &self.pnames, &self.vals, &self.params, a)?;
+            let dy = get(self.g, &self.pnames, &self.vals, &self.params, b)?;
             let dw = self
                 .grads
                 .get_mut(&pname)
@@ -226,7 +267,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             return Ok(());
         }
         let (x, w) = (self.val(a)?, self.val(b)?);
-        let y = if name.ends_with(".dgrad") {
+        let dgrad = name.ends_with(".dgrad");
+        let y = if dgrad {
             if tied {
                 be.linear_fwd(x, w, m, k, nn)
             } else {
@@ -245,8 +287,47 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         } else {
             be.linear_fwd(x, w, m, k, nn)
         };
+        let y = match n.operands.get(2) {
+            Some(&acc) => self.accumulate(acc, y, dgrad && self.replicated_input(b))?,
+            None => y,
+        };
         self.def(Self::res(n, 0)?, y);
         Ok(())
+    }
+
+    /// Whether `w` is a weight replicated over tp applied to the same tokens on every tp
+    /// rank (the router without SP): its data gradient counts once, on tp rank 0, so the
+    /// tp reduction of the input gradient that follows adds it once.
+    fn replicated_input(&self, w: ValueId) -> bool {
+        self.tp.len() > 1
+            && !self.sp
+            && self.dims.split(self.value_name(w)) == crate::model::Split::Replicated
+    }
+
+    /// The GEMM output `y` accumulated onto `acc`: elementwise, or, when `acc` holds the
+    /// micro-batch's rows and `y` this rank's sequence shard, onto the shard's rows. A
+    /// `replicated` product counts only on tp rank 0.
+    fn accumulate(&self, acc: ValueId, y: Vec<f32>, replicated: bool) -> Result<Vec<f32>, String> {
+        let mut out = self.val(acc)?.clone();
+        if replicated && self.tp_pos != 0 {
+            return Ok(out);
+        }
+        let row0 = if out.len() == y.len() {
+            0
+        } else {
+            self.routed_offset() * self.dims.h
+        };
+        let dst = out.get_mut(row0..row0 + y.len()).ok_or_else(|| {
+            format!(
+                "a GEMM output of {} values onto {} from {row0}",
+                y.len(),
+                self.val(acc).map_or(0, |v| v.len())
+            )
+        })?;
+        for (a, b) in dst.iter_mut().zip(&y) {
+            *a += b;
+        }
+        Ok(out)
     }
 
     fn v_elementwise(&mut self, n: &Node, kind: ElementwiseKind) -> Result<(), String> {
@@ -285,9 +366,12 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                         be.swiglu_fwd(u, width)
                     }
                 };
-                self.def(Self::res(n, 0)?, out);
+                let r = Self::res(n, 0)?;
+                self.def(r, out);
+                self.mv.inherit(Self::arg(n, 0)?, r);
             }
             ElementwiseKind::Rope => self.v_rope(n, bwd)?,
+            ElementwiseKind::Permute => self.v_permute(n)?,
             other => return Err(format!("elementwise {} on values", other.name())),
         }
         Ok(())

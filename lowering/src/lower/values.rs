@@ -22,9 +22,9 @@
 //! A layer's input belongs to its scope (released after its backward), its output to the
 //! next scope (the next layer, the head, or the send that hands it on).
 //!
-//! Not yet valued (their nodes carry no operands or results): MoE models (the whole graph),
-//! torchtitan's op-level recompute replays, and the data-parallel stream (gradient
-//! reductions, ZeRO gathers, the optimizer and its state).
+//! Not yet valued (their nodes carry no operands or results): torchtitan's op-level
+//! recompute replays, and the data-parallel stream (gradient reductions, ZeRO gathers, the
+//! optimizer and its state). The MoE block's values are listed in the `moe` module.
 
 use super::Builder;
 use shardwright_ir::{DType, NodeId, Pass, Stream, ValueId, ValueKind};
@@ -48,6 +48,8 @@ pub(super) struct Vals {
     pub on: bool,
     /// By (layer, or none for the ends; role).
     pub params: BTreeMap<(Option<u32>, &'static str), (ValueId, ValueId)>,
+    /// Parameters named whole (the experts').
+    pub named: BTreeMap<String, (ValueId, ValueId)>,
     pub data: BTreeMap<u32, (ValueId, ValueId)>,
     pub scopes: BTreeMap<(u32, u32), Scope>,
     /// The hidden state, and its gradient, of each micro-batch between scopes.
@@ -180,6 +182,32 @@ impl Builder<'_> {
             Some(l) => format!("L{l}.{}", key.1),
             None => key.1.to_string(),
         };
+        let p = self.new_param(name, shape, w, g);
+        self.v.params.insert(key, p);
+        p
+    }
+
+    /// A parameter named `name` (an expert's `L3.e5.expert_fc1`) and its gradient,
+    /// declared at its first use.
+    pub(super) fn named_param(
+        &mut self,
+        name: String,
+        shape: &[u64],
+        w: DType,
+        g: DType,
+    ) -> (ValueId, ValueId) {
+        if !self.v.on {
+            return (NONE, NONE);
+        }
+        if let Some(&p) = self.v.named.get(&name) {
+            return p;
+        }
+        let p = self.new_param(name.clone(), shape, w, g);
+        self.v.named.insert(name, p);
+        p
+    }
+
+    fn new_param(&mut self, name: String, shape: &[u64], w: DType, g: DType) -> (ValueId, ValueId) {
         let gname = format!("{name}.grad");
         let p = self.g.value(
             ValueKind::Param,
@@ -193,7 +221,6 @@ impl Builder<'_> {
             shardwright_ir::Shape::from_slice(shape),
             gname,
         );
-        self.v.params.insert(key, (p, gr));
         (p, gr)
     }
 

@@ -1,0 +1,526 @@
+//! The MoE block on the value path (the nodes and values are listed in the lowering's
+//! `moe` module).
+//!
+//! Three kinds of value here have a physical layout besides their logical IR shape:
+//! - a `route` (`[ts, k]` i32: each routed slot's expert) carries the routing (probabilities,
+//!   gates) and where each slot sits in the dispatch buffer ([`Route`]);
+//! - dispatch buffers (`xr`, `yr`, `dr`, ... logically `[rows, h]`) hold one chunk per ep
+//!   member: a header with the row count of each of the member's local experts, then the
+//!   rows grouped by local expert, zero-padded to the largest possible chunk, so a dropless
+//!   dispatch fits the fixed-size all-to-all (see [`super::Chunks`]);
+//! - grouped rows (the experts' up projection and activation, and their gradients) are the
+//!   received rows ordered by local expert, then by source buffer ([`Grouping`]).
+//!
+//! Their collectives move the physical buffers (the IR states the logical bytes); a
+//! reduce-scatter of dispatch buffers keeps the headers of the rank's own part.
+
+use super::{expert_offsets, Chunks, RankExec};
+use crate::backend::{Backend, Routing};
+use crate::comm::Communicator;
+use shardwright_ir::{CollectiveKind, DType, Node, Op, Pass, ValueId};
+use std::collections::{BTreeMap, BTreeSet};
+use std::rc::Rc;
+
+/// The routing of one (layer, micro-batch) as the source of its tokens.
+pub(super) struct Route {
+    routing: Routing,
+    /// Rows sent to each ep member, per local expert of the member.
+    send: Vec<Vec<usize>>,
+    /// Position of routed slot `i k + j` in the dispatch buffer: (member, row).
+    slot: Vec<(usize, usize)>,
+}
+
+/// Rows grouped by local expert from `members` dispatch buffers with row counts `recv`.
+pub(super) struct Grouping {
+    recv: Vec<Vec<usize>>,
+    members: usize,
+    /// First row of each local expert's group (and the total).
+    off: Vec<usize>,
+}
+
+/// The MoE side tables of the value path, by value id (dropped with the value).
+#[derive(Default)]
+pub(super) struct MoeVals {
+    routes: BTreeMap<ValueId, Route>,
+    chunked: BTreeSet<ValueId>,
+    grouped: BTreeMap<ValueId, Rc<Grouping>>,
+    /// Routing statistics: their (layer, micro-batch).
+    stats: BTreeMap<ValueId, (u32, u32)>,
+}
+
+impl MoeVals {
+    pub(super) fn release(&mut self, v: ValueId) {
+        self.routes.remove(&v);
+        self.chunked.remove(&v);
+        self.grouped.remove(&v);
+        self.stats.remove(&v);
+    }
+
+    pub(super) fn is_chunked(&self, v: ValueId) -> bool {
+        self.chunked.contains(&v)
+    }
+
+    fn is_grouped(&self, v: ValueId) -> bool {
+        self.grouped.contains_key(&v)
+    }
+
+    /// Whether a GEMM on these operands is the experts' grouped GEMM.
+    pub(super) fn grouped_gemm(&self, n: &Node) -> bool {
+        n.operands
+            .iter()
+            .take(2)
+            .any(|&v| self.is_chunked(v) || self.is_grouped(v))
+    }
+
+    /// The grouping of `v` handed to `to` (an elementwise op on grouped rows).
+    pub(super) fn inherit(&mut self, v: ValueId, to: ValueId) {
+        if let Some(g) = self.grouped.get(&v).cloned() {
+            self.grouped.insert(to, g);
+        }
+    }
+}
+
+/// The load-balancing loss of one micro-batch's routing statistics (per sequence: routed
+/// slot counts, then probability sums, per expert) and its gradient with respect to each
+/// sequence's probabilities: Switch/GShard's `coef E sum_e f_e P_e` per sequence, averaged
+/// over the global batch's `nglob` sequences of `tf` tokens.
+pub(super) fn aux_loss(
+    stats: &[f32],
+    e: usize,
+    k: usize,
+    tf: f64,
+    coef: f64,
+    nglob: f64,
+) -> (f64, Vec<f32>) {
+    let nseq = stats.len() / (2 * e).max(1);
+    let mut daux = vec![0.0f32; nseq * e];
+    let mut aux = 0.0;
+    for b in 0..nseq {
+        let mut s = 0.0;
+        for x in 0..e {
+            let f = stats[b * 2 * e + x] as f64 / (tf * k as f64);
+            let p = stats[b * 2 * e + e + x] as f64 / tf;
+            s += f * p;
+            daux[b * e + x] = (coef * e as f64 * f / (tf * nglob)) as f32;
+        }
+        aux += coef * e as f64 * s / nglob;
+    }
+    (aux, daux)
+}
+
+impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+    /// This micro-batch's share of the step's load-balancing loss from `stats`.
+    pub(super) fn aux_of(&self, stats: &[f32]) -> Result<(f64, Vec<f32>), String> {
+        let m = self.moe_dims()?;
+        let tf = self.dims.seq as f64;
+        Ok(aux_loss(
+            stats,
+            m.experts,
+            m.top_k,
+            tf,
+            self.cfg.moe_aux_coef as f64,
+            self.global_tokens / tf,
+        ))
+    }
+
+    /// A collective of MoE values: dispatch buffers (all-to-all over ep, all-gather and
+    /// reduce-scatter over tp) or routing statistics (all-reduce). `None` when `x` is
+    /// neither.
+    pub(super) fn moe_collective_v(
+        &mut self,
+        n: &Node,
+        kind: CollectiveKind,
+        group: &[u32],
+    ) -> Result<Option<()>, String> {
+        let (x, y) = (Self::arg(n, 0)?, Self::res(n, 0)?);
+        if let Some(&at) = self.mv.stats.get(&x) {
+            if kind != CollectiveKind::AllReduce {
+                return Err(format!("routing statistics moved by a {}", kind.name()));
+            }
+            let mut s = self.val(x)?.clone();
+            self.comm.all_reduce(group, &mut s);
+            if n.pass == Pass::Fwd {
+                let (aux, _) = self.aux_of(&s)?;
+                self.aux_shares.insert(at, aux);
+            }
+            self.def(y, s);
+            self.mv.stats.insert(y, at);
+            return Ok(Some(()));
+        }
+        if !self.mv.is_chunked(x) {
+            return Ok(None);
+        }
+        let ch = self.chunks(self.dims.h)?;
+        let buf = super::values::get(self.g, &self.pnames, &self.vals, &self.params, x)?;
+        let out = match kind {
+            CollectiveKind::AllToAll => {
+                if group != self.ep.as_slice() {
+                    return Err(format!(
+                        "all-to-all on {group:?}, this rank's ep group is {:?}",
+                        self.ep
+                    ));
+                }
+                self.comm.all_to_all(group, buf)
+            }
+            CollectiveKind::AllGather => self.comm.all_gather(group, buf),
+            CollectiveKind::ReduceScatter => {
+                let pos = group
+                    .iter()
+                    .position(|&r| r == self.rank)
+                    .ok_or("this rank is not in the group")?;
+                let part = buf.len() / group.len().max(1);
+                let own = buf[pos * part..(pos + 1) * part].to_vec();
+                let mut out = self.comm.reduce_scatter(group, buf);
+                // Summing the tp ranks' buffers summed their headers: keep this rank's.
+                if out.len() != ch.len() || own.len() != ch.len() {
+                    return Err(format!(
+                        "a reduce-scatter of dispatch buffers leaves {} values, a buffer holds {}",
+                        out.len(),
+                        ch.len()
+                    ));
+                }
+                for m in 0..ch.members {
+                    let lo = m * ch.chunk();
+                    out[lo..lo + ch.el].copy_from_slice(&own[lo..lo + ch.el]);
+                }
+                out
+            }
+            other => return Err(format!("{} of dispatch buffers", other.name())),
+        };
+        self.def(y, out);
+        self.mv.chunked.insert(y);
+        Ok(Some(()))
+    }
+
+    /// The four `permute` nodes: forward dispatch (`logits, x`) and combine (`yc, route`);
+    /// backward dispatch (`dy, route, eo`) and combine (`dxc, route, dg, stats[, ds]`).
+    pub(super) fn v_permute(&mut self, n: &Node) -> Result<(), String> {
+        let route_second = n
+            .operands
+            .get(1)
+            .is_some_and(|v| self.g.values[v.index()].dtype == DType::I32);
+        match (n.pass == Pass::Bwd, route_second, n.operands.len()) {
+            (false, false, _) => self.moe_dispatch_v(n),
+            (false, true, _) => self.moe_combine_v(n),
+            (true, true, 3) => self.moe_dispatch_bwd_v(n),
+            (true, true, _) => self.moe_combine_bwd_v(n),
+            _ => Err("a permute that is neither dispatch nor combine".into()),
+        }
+    }
+
+    /// Route the local tokens, count the routing statistics, and lay the routed rows out
+    /// for the dispatch all-to-all.
+    fn moe_dispatch_v(&mut self, n: &Node) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
+        let off = self.routed_offset();
+        let r = self.be.route(self.val(Self::arg(n, 0)?)?, e, k);
+        let x = self.val(Self::arg(n, 1)?)?;
+        if x.len() != t * h || r.experts.len() != t * k {
+            return Err(format!(
+                "dispatch of {} rows of {} logits, the rank routes {t} tokens of width {h}",
+                x.len() / h.max(1),
+                r.probs.len()
+            ));
+        }
+        let ch = self.chunks(h)?;
+        let el = ch.el;
+        let mut send = vec![vec![0usize; el]; ch.members];
+        for &x in &r.experts {
+            send[x as usize / el][x as usize % el] += 1;
+        }
+        let mut next: Vec<Vec<usize>> = send
+            .iter()
+            .map(|c| {
+                c.iter()
+                    .scan(0, |o, &n| {
+                        *o += n;
+                        Some(*o - n)
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut buf = vec![0.0f32; ch.len()];
+        for (mm, c) in send.iter().enumerate() {
+            for (x, &n) in c.iter().enumerate() {
+                buf[mm * ch.chunk() + x] = n as f32;
+            }
+        }
+        let mut slot = vec![(0, 0); t * k];
+        for i in 0..t {
+            for j in 0..k {
+                let ex = r.experts[i * k + j] as usize;
+                let (mm, le) = (ex / el, ex % el);
+                let row = next[mm][le];
+                next[mm][le] += 1;
+                slot[i * k + j] = (mm, row);
+                let lo = mm * ch.chunk() + el + row * h;
+                buf[lo..lo + h].copy_from_slice(&x[i * h..(i + 1) * h]);
+            }
+        }
+        // Per-sequence statistics: routed-slot counts and probability sums.
+        let (sl, nseq) = (self.seq_local(), self.mb_size);
+        let mut stats = vec![0.0f32; nseq * 2 * e];
+        for i in 0..t {
+            let b = (off + i) / sl;
+            for &x in &r.experts[i * k..(i + 1) * k] {
+                stats[b * 2 * e + x as usize] += 1.0;
+            }
+            for x in 0..e {
+                stats[b * 2 * e + e + x] += r.probs[i * e + x];
+            }
+        }
+        let (xr, route) = (Self::res(n, 0)?, Self::res(n, 1)?);
+        self.def(xr, buf);
+        self.mv.chunked.insert(xr);
+        self.def(route, r.experts.iter().map(|&x| x as f32).collect());
+        self.mv.routes.insert(
+            route,
+            Route {
+                routing: r,
+                send,
+                slot,
+            },
+        );
+        if let Some(&sv) = n.results.get(2) {
+            let (l, mb) = (n.layer.unwrap_or(0), n.mb.unwrap_or(0));
+            if n.pass == Pass::Fwd {
+                let (aux, _) = self.aux_of(&stats)?;
+                self.aux_shares.insert((l, mb), aux);
+            }
+            self.def(sv, stats);
+            self.mv.stats.insert(sv, (l, mb));
+        }
+        Ok(())
+    }
+
+    fn route(&self, v: ValueId) -> Result<&Route, String> {
+        self.mv
+            .routes
+            .get(&v)
+            .ok_or_else(|| format!("{v} carries no routing"))
+    }
+
+    /// The combined rows back to their tokens, weighted by the gates: each routed slot's
+    /// output (`eo`) and the block's output rows (`ym`; under SP with a tp reduction after
+    /// the block, the micro-batch's rows with this rank's filled in).
+    fn moe_combine_v(&mut self, n: &Node) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
+        let (off, tokens) = self.moe_rows();
+        let ch = self.chunks(h)?;
+        let buf = self.val(Self::arg(n, 0)?)?;
+        let st = self.route(Self::arg(n, 1)?)?;
+        let hdr = ch.headers(buf)?;
+        if hdr != st.send {
+            return Err(format!(
+                "the combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
+                st.send
+            ));
+        }
+        let mut eo = vec![0.0f32; t * k * h];
+        let mut y = vec![0.0f32; tokens * h];
+        for i in 0..t {
+            for j in 0..k {
+                let (mm, row) = st.slot[i * k + j];
+                let lo = mm * ch.chunk() + ch.el + row * h;
+                let src = &buf[lo..lo + h];
+                eo[(i * k + j) * h..(i * k + j + 1) * h].copy_from_slice(src);
+                let g = st.routing.gates[i * k + j];
+                for (a, b) in y[(off + i) * h..(off + i + 1) * h].iter_mut().zip(src) {
+                    *a += g * b;
+                }
+            }
+        }
+        self.def(Self::res(n, 0)?, eo);
+        self.def(Self::res(n, 1)?, y);
+        Ok(())
+    }
+
+    /// The gradient of each routed row (`g dy`) laid out like the forward's dispatch, and
+    /// each routed slot's gate gradient `<expert output, output gradient>`.
+    fn moe_dispatch_bwd_v(&mut self, n: &Node) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
+        let off = self.moe_rows().0;
+        let ch = self.chunks(h)?;
+        let dy = self.val(Self::arg(n, 0)?)?;
+        let st = self.route(Self::arg(n, 1)?)?;
+        let eo = self.val(Self::arg(n, 2)?)?;
+        let mut buf = vec![0.0f32; ch.len()];
+        for (mm, c) in st.send.iter().enumerate() {
+            for (x, &n) in c.iter().enumerate() {
+                buf[mm * ch.chunk() + x] = n as f32;
+            }
+        }
+        let mut dg = vec![0.0f32; t * k];
+        for i in 0..t {
+            let d = &dy[(off + i) * h..(off + i + 1) * h];
+            for j in 0..k {
+                let (mm, row) = st.slot[i * k + j];
+                let lo = mm * ch.chunk() + ch.el + row * h;
+                let g = st.routing.gates[i * k + j];
+                for (a, b) in buf[lo..lo + h].iter_mut().zip(d) {
+                    *a = g * b;
+                }
+                let o = &eo[(i * k + j) * h..(i * k + j + 1) * h];
+                dg[i * k + j] = o.iter().zip(d).map(|(a, b)| a * b).sum();
+            }
+        }
+        let dr = Self::res(n, 0)?;
+        self.def(dr, buf);
+        self.mv.chunked.insert(dr);
+        self.def(Self::res(n, 1)?, dg);
+        Ok(())
+    }
+
+    /// Each token's routed input gradients summed (onto the shared experts' `ds` when
+    /// given), and the router logits' gradient: the gates' gradients through the top-k
+    /// softmax plus the load-balancing loss's, from the statistics.
+    fn moe_combine_bwd_v(&mut self, n: &Node) -> Result<(), String> {
+        let m = self.moe_dims()?;
+        let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
+        let (off, tokens) = self.moe_rows();
+        let ch = self.chunks(h)?;
+        let buf = self.val(Self::arg(n, 0)?)?;
+        let st = self.route(Self::arg(n, 1)?)?;
+        let hdr = ch.headers(buf)?;
+        if hdr != st.send {
+            return Err(format!(
+                "the backward combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
+                st.send
+            ));
+        }
+        let mut dn = match n.operands.get(4) {
+            Some(&ds) => self.val(ds)?.clone(),
+            None => vec![0.0; tokens * h],
+        };
+        for i in 0..t {
+            for j in 0..k {
+                let (mm, row) = st.slot[i * k + j];
+                let lo = mm * ch.chunk() + ch.el + row * h;
+                let d = &mut dn[(off + i) * h..(off + i + 1) * h];
+                for (a, b) in d.iter_mut().zip(&buf[lo..lo + h]) {
+                    *a += b;
+                }
+            }
+        }
+        let (_, daux) = self.aux_of(self.val(Self::arg(n, 3)?)?)?;
+        let (ro, sl) = (self.routed_offset(), self.seq_local());
+        let mut dprobs = vec![0.0f32; t * e];
+        for i in 0..t {
+            let b = (ro + i) / sl;
+            dprobs[i * e..(i + 1) * e].copy_from_slice(&daux[b * e..(b + 1) * e]);
+        }
+        let dg = self.val(Self::arg(n, 2)?)?;
+        let dl = self.be.route_bwd(&st.routing, dg, &dprobs, e, k);
+        self.def(Self::res(n, 0)?, dn);
+        self.def(Self::res(n, 1)?, dl);
+        Ok(())
+    }
+
+    /// The local experts' grouped GEMM (forward, data or weight gradient) on dispatch
+    /// buffers or grouped rows, one weight operand (or gradient result) per local expert.
+    pub(super) fn v_expert_gemm(&mut self, n: &Node, name: &str) -> Result<(), String> {
+        let Op::Gemm { m, n: nn, k, .. } = &n.op else {
+            return Err("not a gemm".into());
+        };
+        let (m, nn, k) = (*m as usize, *nn as usize, *k as usize);
+        let (a, b) = (Self::arg(n, 0)?, Self::arg(n, 1)?);
+        if name.ends_with(".wgrad") {
+            // [x, dy]: either may be the dispatch buffer, the other grouped rows.
+            let (rows_in, rows_out) = (m, nn);
+            let (x, gx) = self.grouped_rows(a, rows_in)?;
+            let (dy, gy) = self.grouped_rows(b, rows_out)?;
+            if gx.off != gy.off {
+                return Err(format!(
+                    "expert weight gradient of rows grouped {:?} and {:?}",
+                    gx.off, gy.off
+                ));
+            }
+            let el = gx.off.len() - 1;
+            if n.results.len() != el {
+                return Err(format!("{el} local experts, {} gradients", n.results.len()));
+            }
+            for le in 0..el {
+                let (lo, hi) = (gx.off[le], gx.off[le + 1]);
+                if hi == lo {
+                    continue;
+                }
+                let gname = self.value_name(n.results[le]).to_string();
+                let pname = gname.strip_suffix(".grad").unwrap_or(&gname).to_string();
+                let dw = self
+                    .grads
+                    .get_mut(&pname)
+                    .ok_or_else(|| format!("no gradient of {pname}"))?;
+                self.be.linear_wgrad(
+                    &x[lo * rows_in..hi * rows_in],
+                    &dy[lo * rows_out..hi * rows_out],
+                    hi - lo,
+                    rows_in,
+                    rows_out,
+                    dw,
+                );
+            }
+            return Ok(());
+        }
+        // Forward `[x, W..]` (in `k`, out `nn`) or data gradient `[dy, W..]` (in `nn`, out `k`).
+        let dgrad = name.ends_with(".dgrad");
+        let (win, wout) = if dgrad { (nn, k) } else { (k, nn) };
+        let (xin, yout) = if dgrad { (wout, win) } else { (win, wout) };
+        let chunked_in = self.mv.is_chunked(a);
+        let (x, gr) = self.grouped_rows(a, xin)?;
+        let el = gr.off.len() - 1;
+        if n.operands.len() != 1 + el {
+            return Err(format!(
+                "{el} local experts, {} weights",
+                n.operands.len() - 1
+            ));
+        }
+        let mut y = vec![0.0f32; gr.off[el] * yout];
+        for le in 0..el {
+            let (lo, hi) = (gr.off[le], gr.off[le + 1]);
+            if hi == lo {
+                continue;
+            }
+            let w = self.val(n.operands[1 + le])?;
+            let rows = &x[lo * xin..hi * xin];
+            let out = if dgrad {
+                self.be.linear_dgrad(rows, w, hi - lo, win, wout)
+            } else {
+                self.be.linear_fwd(rows, w, hi - lo, win, wout)
+            };
+            y[lo * yout..hi * yout].copy_from_slice(&out);
+        }
+        let r = Self::res(n, 0)?;
+        if chunked_in {
+            // Dispatch buffers in, grouped rows out.
+            self.def(r, y);
+            self.mv.grouped.insert(r, gr);
+        } else {
+            // Grouped rows in, dispatch buffers out.
+            let ch = self.expert_chunks(yout, gr.members)?;
+            self.def(r, ch.ungroup(&y, &gr.recv));
+            self.mv.chunked.insert(r);
+        }
+        Ok(())
+    }
+
+    /// Value `v` as rows of `width` grouped by local expert, and their grouping: grouped
+    /// rows as they are; dispatch buffers grouped from their headers.
+    fn grouped_rows(&self, v: ValueId, width: usize) -> Result<(Vec<f32>, Rc<Grouping>), String> {
+        let buf = self.val(v)?;
+        if let Some(g) = self.mv.grouped.get(&v) {
+            return Ok((buf.clone(), g.clone()));
+        }
+        if !self.mv.is_chunked(v) {
+            return Err(format!("{v} is neither dispatch buffers nor grouped rows"));
+        }
+        let members = self.buffers_in(buf, width)?;
+        let ch: Chunks = self.expert_chunks(width, members)?;
+        let recv = ch.headers(buf)?;
+        let (x, off) = ch.group(buf, &recv);
+        debug_assert_eq!(off, expert_offsets(&recv, ch.el));
+        Ok((x, Rc::new(Grouping { recv, members, off })))
+    }
+}
