@@ -26,6 +26,25 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Instant;
 
+/// `--lr-decay-style`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LrDecayStyle {
+    Cosine,
+    Linear,
+    Constant,
+}
+
+impl LrDecayStyle {
+    fn decay(self) -> shardwright_executor::model::LrDecay {
+        use shardwright_executor::model::LrDecay;
+        match self {
+            LrDecayStyle::Cosine => LrDecay::Cosine,
+            LrDecayStyle::Linear => LrDecay::Linear,
+            LrDecayStyle::Constant => LrDecay::Constant,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendKind {
     Cpu,
@@ -42,7 +61,10 @@ pub struct ExecArgs {
     pub seed: u64,
     pub lr: f32,
     pub min_lr: f32,
-    pub warmup: Option<u32>,
+    pub warmup_steps: u32,
+    pub lr_decay_style: LrDecayStyle,
+    /// Weight decay on the norms too (torchtitan); off: Megatron's default.
+    pub weight_decay_norms: bool,
     pub clip: f32,
     pub weight_decay: f32,
     pub quiet: bool,
@@ -131,6 +153,11 @@ pub struct StepMetrics {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_lag_steps: Option<u64>,
     pub loss: f64,
+    /// The MoE load-balancing loss (its coefficient included), summed over the
+    /// MoE layers, averaged over the global batch as `loss` is: the objective is
+    /// `loss + aux_loss`. Absent for dense models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
     pub grad_norm: f64,
     pub lr: f64,
     pub tokens: u64,
@@ -207,7 +234,7 @@ struct Sink {
     peak: f64,
     cfg: ExecConfig,
     last_end: Instant,
-    pending: BTreeMap<u32, Vec<(u32, f64, f64, f64)>>,
+    pending: BTreeMap<u32, Vec<(u32, f64, f64, f64, Option<f64>)>>,
     lines: Vec<StepMetrics>,
     /// The last step `metrics.jsonl` held before this run (a resume appends to it).
     logged_upto: u32,
@@ -223,7 +250,13 @@ struct Sink {
 impl Sink {
     fn on_step(&mut self, e: &StepEvent) {
         let v = self.pending.entry(e.step).or_default();
-        v.push((e.rank, e.seconds, e.report.global_loss, e.report.grad_norm));
+        v.push((
+            e.rank,
+            e.seconds,
+            e.report.global_loss,
+            e.report.grad_norm,
+            e.report.aux_loss,
+        ));
         if v.len() < self.world as usize {
             return;
         }
@@ -240,6 +273,11 @@ impl Sink {
                 .as_ref()
                 .map(|g| g.load(std::sync::atomic::Ordering::Relaxed)),
             loss: v[0].2,
+            // Each MoE stage's share, reported once per stage and data replica.
+            aux_loss: v
+                .iter()
+                .filter_map(|x| x.4)
+                .fold(None, |a, x| Some(a.unwrap_or(0.0) + x)),
             grad_norm: v[0].3,
             lr: lr_at(&self.cfg, e.step) as f64,
             tokens: self.tokens,
@@ -403,7 +441,9 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         seed: a.seed,
         lr: a.lr,
         min_lr: a.min_lr,
-        warmup_steps: a.warmup.unwrap_or((a.steps / 10).max(1)),
+        warmup_steps: a.warmup_steps,
+        lr_decay: a.lr_decay_style.decay(),
+        decay_norms: a.weight_decay_norms,
         total_steps: a.steps,
         clip: a.clip,
         weight_decay: a.weight_decay,
@@ -534,7 +574,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     let diverged = sink.non_finite.map(|s| {
         Failure::from(anyhow!(
             "{}: step {s}: the loss or gradient norm is NaN or infinite; training diverged \
-             (lower --lr, raise --warmup, or check the data){}",
+             (lower --lr, raise --warmup-steps, or check the data){}",
             a.plan.display(),
             if a.ft.checkpoint_dir.is_none() {
                 "; with --checkpoint-dir such a step is rolled back instead"
@@ -1403,7 +1443,9 @@ fn run_settings(a: &ExecArgs, src: &Source) -> Result<serde_json::Value, Failure
         "steps": a.steps,
         "lr": num(a.lr),
         "min_lr": num(a.min_lr),
-        "warmup": a.warmup.unwrap_or((a.steps / 10).max(1)),
+        "warmup": a.warmup_steps,
+        "lr_decay_style": a.lr_decay_style.decay().name(),
+        "weight_decay_norms": a.weight_decay_norms,
         "clip": num(a.clip),
         "weight_decay": num(a.weight_decay),
     }))

@@ -93,6 +93,11 @@ pub struct ExecConfig {
     pub beta2: f32,
     pub eps: f32,
     pub weight_decay: f32,
+    /// The learning rate's decay after the warmup.
+    pub lr_decay: crate::model::LrDecay,
+    /// Weight decay on the norms' weights and biases too (torchtitan); by default they
+    /// are not decayed (Megatron).
+    pub decay_norms: bool,
     /// Global gradient-norm clipping threshold.
     pub clip: f32,
     pub norm_eps: f32,
@@ -113,6 +118,8 @@ impl Default for ExecConfig {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            lr_decay: crate::model::LrDecay::Cosine,
+            decay_norms: false,
             clip: 1.0,
             norm_eps: 1e-5,
             rope_theta: 10000.0,
@@ -2483,6 +2490,15 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             step: self.step + 1,
         };
         let be = self.be;
+        let (dims, all) = (self.dims, self.cfg.decay_norms);
+        let decayed = |name: &str| AdamW {
+            weight_decay: if crate::model::decays(dims, name, all) {
+                hp.weight_decay
+            } else {
+                0.0
+            },
+            ..hp
+        };
         if zero == 0 {
             let names: Vec<String> = self.params.keys().cloned().collect();
             for nm in names {
@@ -2490,13 +2506,33 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 let p = self.params.get_mut(&nm).unwrap();
                 let m = self.m.get_mut(&nm).unwrap();
                 let v = self.v.get_mut(&nm).unwrap();
-                be.adamw(p, &g, m, v, hp);
+                be.adamw(p, &g, m, v, decayed(&nm));
             }
         } else {
             let (nd, ne) = (self.dense_dp.len(), self.expert_dp.len());
+            let (dpos, epos) = (self.dense_pos, self.expert_pos);
             for (k, b) in self.buckets.iter_mut() {
                 let g: Vec<f32> = b.g.iter().map(|x| x * clip).collect();
-                be.adamw(&mut b.p, &g, &mut b.m, &mut b.v, hp);
+                // The shard's runs of parameters, each with its own decay (the padding
+                // after the last is zero and stays so).
+                let len = b.p.len();
+                let lo = len * if k.1 { epos } else { dpos };
+                let mut at = 0;
+                for (nm, &n) in b.names.iter().zip(&b.sizes) {
+                    let (s, e) = (at.max(lo), (at + n).min(lo + len));
+                    at += n;
+                    if s >= e {
+                        continue;
+                    }
+                    let r = s - lo..e - lo;
+                    be.adamw(
+                        &mut b.p[r.clone()],
+                        &g[r.clone()],
+                        &mut b.m[r.clone()],
+                        &mut b.v[r],
+                        decayed(nm),
+                    );
+                }
                 b.g.iter_mut().for_each(|x| *x = 0.0);
                 if (if k.1 { ne } else { nd }) == 1 {
                     // A group of one (e.g. the experts under ep without dp): the IR has no

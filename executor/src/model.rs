@@ -395,7 +395,29 @@ pub fn unshard_into(
     }
 }
 
-/// Learning rate at 0-based `step`: linear warmup, then cosine decay to `min_lr`.
+/// How the learning rate falls from its peak to `min_lr` after the warmup (Megatron's
+/// `--lr-decay-style` names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LrDecay {
+    #[default]
+    Cosine,
+    Linear,
+    Constant,
+}
+
+impl LrDecay {
+    pub fn name(self) -> &'static str {
+        match self {
+            LrDecay::Cosine => "cosine",
+            LrDecay::Linear => "linear",
+            LrDecay::Constant => "constant",
+        }
+    }
+}
+
+/// Learning rate at 0-based `step`: linear warmup over `warmup_steps` (Megatron's
+/// `(step + 1) / warmup` ramp), then `lr_decay` from `lr` to `min_lr` over the remaining
+/// steps (constant: `lr` throughout).
 pub fn lr_at(cfg: &crate::interp::ExecConfig, step: u32) -> f32 {
     let s = step as f64;
     let (lr, min) = (cfg.lr as f64, cfg.min_lr as f64);
@@ -405,7 +427,19 @@ pub fn lr_at(cfg: &crate::interp::ExecConfig, step: u32) -> f32 {
     }
     let span = (cfg.total_steps as f64 - w).max(1.0);
     let p = ((s - w) / span).min(1.0);
-    (min + 0.5 * (lr - min) * (1.0 + (std::f64::consts::PI * p).cos())) as f32
+    let x = match cfg.lr_decay {
+        LrDecay::Cosine => min + 0.5 * (lr - min) * (1.0 + (std::f64::consts::PI * p).cos()),
+        LrDecay::Linear => lr - (lr - min) * p,
+        LrDecay::Constant => lr,
+    };
+    x as f32
+}
+
+/// Whether AdamW's weight decay applies to parameter `name`: Megatron's default skips
+/// biases and every one-dimensional parameter (the norms' weights and biases); with
+/// `all` (torchtitan's AdamW over every parameter) it applies everywhere.
+pub fn decays(dims: &Dims, name: &str, all: bool) -> bool {
+    all || dims.shape(name)[0] != 1
 }
 
 /// The synthetic tokens of global sequence `g` in step `step`: `seq + 1` ids (inputs are

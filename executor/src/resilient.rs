@@ -1008,7 +1008,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         if detected.kind == "non-finite" && !non_finite.insert(detected.step) {
             return Err(ExecError::Model(format!(
                 "non-finite training state at step {} again after rolling back ({}): the run \
-                 diverges; stopping (lower --lr, raise --warmup, or check the data)",
+                 diverges; stopping (lower --lr, raise --warmup-steps, or check the data)",
                 detected.step, detected.message
             )));
         }

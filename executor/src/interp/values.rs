@@ -16,6 +16,8 @@
 //! | `residual` | `x, y` | `x + y` |
 //! | `embedding` | `tokens, E[, P]` / `dx, tokens` | `e` / `dE[, dP]` (accumulated) |
 //! | `loss` | `logits, labels[, max]` / `logits, labels, max, stats` | see below / `dlogits` |
+//! | `gemm` with a third, activation operand | `x, W, acc` / `dy, W, acc` | `acc +` the product (onto the rank's sequence-shard rows when `acc` holds the micro-batch's) |
+//! | `permute`, grouped expert GEMMs, MoE collectives | see `moe_values` | |
 //! | collective, send, recv | the tensor in | the tensor out |
 //! | `release` | values whose lifetime ends | |
 //!
