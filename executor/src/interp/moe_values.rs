@@ -56,6 +56,13 @@ impl MoeVals {
         self.stats.remove(&v);
     }
 
+    pub(super) fn is_empty(&self) -> bool {
+        self.routes.is_empty()
+            && self.chunked.is_empty()
+            && self.grouped.is_empty()
+            && self.stats.is_empty()
+    }
+
     pub(super) fn is_chunked(&self, v: ValueId) -> bool {
         self.chunked.contains(&v)
     }
