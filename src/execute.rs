@@ -45,6 +45,40 @@ impl LrDecayStyle {
     }
 }
 
+/// The optimizer's and the learning-rate schedule's flags (AdamW; Megatron's names).
+#[derive(Clone, Debug, clap::Args)]
+pub struct OptimArgs {
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = 3e-3, value_parser = crate::finite_non_negative)]
+    pub lr: f32,
+    /// Learning rate at the end of the decay (Megatron's --min-lr).
+    #[arg(long, default_value_t = 3e-4, value_parser = crate::finite_non_negative)]
+    pub min_lr: f32,
+    /// Linear warm-up steps from 0 to --lr (Megatron's --lr-warmup-iters).
+    #[arg(
+        long,
+        default_value_t = 0,
+        visible_alias = "lr-warmup-iters",
+        alias = "warmup"
+    )]
+    pub warmup_steps: u32,
+    /// How the learning rate falls from --lr to --min-lr after the warm-up, over the
+    /// remaining --steps (Megatron's --lr-decay-style).
+    #[arg(long, value_enum, default_value_t = LrDecayStyle::Cosine)]
+    pub lr_decay_style: LrDecayStyle,
+    /// Apply --weight-decay to the norms' weights and biases too (torchtitan's AdamW);
+    /// by default they are not decayed, as in Megatron.
+    #[arg(long)]
+    pub weight_decay_norms: bool,
+    /// Global gradient-norm clipping threshold.
+    #[arg(long, default_value_t = 1.0, value_parser = crate::finite_non_negative)]
+    pub clip: f32,
+    /// AdamW's decoupled weight decay (not applied to the norms unless
+    /// --weight-decay-norms).
+    #[arg(long, default_value_t = 0.1, value_parser = crate::finite_non_negative)]
+    pub weight_decay: f32,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendKind {
     Cpu,
@@ -59,14 +93,7 @@ pub struct ExecArgs {
     pub data: Option<PathBuf>,
     pub out: Option<PathBuf>,
     pub seed: u64,
-    pub lr: f32,
-    pub min_lr: f32,
-    pub warmup_steps: u32,
-    pub lr_decay_style: LrDecayStyle,
-    /// Weight decay on the norms too (torchtitan); off: Megatron's default.
-    pub weight_decay_norms: bool,
-    pub clip: f32,
-    pub weight_decay: f32,
+    pub optim: OptimArgs,
     pub quiet: bool,
     /// Stop after this many steps (a time-limited allocation); the schedule still spans
     /// `steps`.
@@ -439,14 +466,14 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     let writes = !matches!(&dist, Some(d) if d.rank != 0);
     let cfg = ExecConfig {
         seed: a.seed,
-        lr: a.lr,
-        min_lr: a.min_lr,
-        warmup_steps: a.warmup_steps,
-        lr_decay: a.lr_decay_style.decay(),
-        decay_norms: a.weight_decay_norms,
+        lr: a.optim.lr,
+        min_lr: a.optim.min_lr,
+        warmup_steps: a.optim.warmup_steps,
+        lr_decay: a.optim.lr_decay_style.decay(),
+        decay_norms: a.optim.weight_decay_norms,
         total_steps: a.steps,
-        clip: a.clip,
-        weight_decay: a.weight_decay,
+        clip: a.optim.clip,
+        weight_decay: a.optim.weight_decay,
         ..ExecConfig::default()
     };
     let gb = run.global_batch;
@@ -1441,13 +1468,13 @@ fn run_settings(a: &ExecArgs, src: &Source) -> Result<serde_json::Value, Failure
         "data": data,
         "seed": a.seed,
         "steps": a.steps,
-        "lr": num(a.lr),
-        "min_lr": num(a.min_lr),
-        "warmup": a.warmup_steps,
-        "lr_decay_style": a.lr_decay_style.decay().name(),
-        "weight_decay_norms": a.weight_decay_norms,
-        "clip": num(a.clip),
-        "weight_decay": num(a.weight_decay),
+        "lr": num(a.optim.lr),
+        "min_lr": num(a.optim.min_lr),
+        "warmup": a.optim.warmup_steps,
+        "lr_decay_style": a.optim.lr_decay_style.decay().name(),
+        "weight_decay_norms": a.optim.weight_decay_norms,
+        "clip": num(a.optim.clip),
+        "weight_decay": num(a.optim.weight_decay),
     }))
 }
 

@@ -293,33 +293,8 @@ enum Cmd {
         /// Seed of the weights and of the data order.
         #[arg(long, default_value_t = 1)]
         seed: u64,
-        /// Peak learning rate (AdamW).
-        #[arg(long, default_value_t = 3e-3, value_parser = finite_non_negative)]
-        lr: f32,
-        /// Learning rate at the end of the decay (Megatron's --min-lr).
-        #[arg(long, default_value_t = 3e-4, value_parser = finite_non_negative)]
-        min_lr: f32,
-        /// Linear warm-up steps from 0 to --lr (Megatron's --lr-warmup-iters).
-        #[arg(
-            long,
-            default_value_t = 0,
-            visible_alias = "lr-warmup-iters",
-            alias = "warmup"
-        )]
-        warmup_steps: u32,
-        /// How the learning rate falls from --lr to --min-lr after the warm-up, over the
-        /// remaining --steps (Megatron's --lr-decay-style).
-        #[arg(long, value_enum, default_value_t = execute::LrDecayStyle::Cosine)]
-        lr_decay_style: execute::LrDecayStyle,
-        /// Apply --weight-decay to the norms' weights and biases too (torchtitan's AdamW);
-        /// by default they are not decayed, as in Megatron.
-        #[arg(long)]
-        weight_decay_norms: bool,
-        /// Global gradient-norm clipping threshold.
-        #[arg(long, default_value_t = 1.0, value_parser = finite_non_negative)]
-        clip: f32,
-        #[arg(long, default_value_t = 0.1, value_parser = finite_non_negative)]
-        weight_decay: f32,
+        #[command(flatten)]
+        optim: execute::OptimArgs,
         /// No progress bar.
         #[arg(long)]
         quiet: bool,
@@ -621,13 +596,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             data,
             out,
             seed,
-            lr,
-            min_lr,
-            warmup_steps,
-            lr_decay_style,
-            weight_decay_norms,
-            clip,
-            weight_decay,
+            optim,
             quiet,
             exit_after,
             overwrite,
@@ -648,13 +617,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             data,
             out,
             seed,
-            lr,
-            min_lr,
-            warmup_steps,
-            lr_decay_style,
-            weight_decay_norms,
-            clip,
-            weight_decay,
+            optim,
             quiet,
             exit_after,
             overwrite,

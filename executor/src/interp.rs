@@ -1,67 +1,29 @@
 //! The interpreter: one rank's IR graph run with real tensors.
 //!
-//! Nodes run in program order (one thread per rank; streams are not overlapped). Each node
-//! does what it says; what the IR does not name explicitly is derived from the node's place
-//! in the lowering's documented order (`shardwright_lowering::lower`):
+//! Nodes run in program order (one thread per rank; streams are not overlapped). A node
+//! that names its operands and results (every layer, embedding and head node, dense and
+//! MoE, and their TP/SP/CP/EP collectives, sends and receives) is one backend call or
+//! collective on those values ([`values`], [`moe_values`]): activations live in a table by
+//! value id from their defining node to their `release`, parameters and gradients are the
+//! rank's named state. A node without values is an error, except:
 //!
-//! - a `norm` of a layer is the attention norm (first in the pass) or the MLP norm
-//!   (second); a `norm` without a layer is the final norm;
-//! - a comm-stream collective moves the tensor the previous compute node produced: after a
-//!   norm the SP all-gather of its output, after `rope` the CP all-gather of K and V, after
-//!   `proj`/`fc2`/the embedding the TP all-reduce or reduce-scatter of the partial output;
-//!   in the backward the SP all-gathers of the incoming gradient (first: the MLP's, second:
-//!   the attention's), after `fc1.wgrad`/`qkv.wgrad` the TP reduction of the input gradient,
-//!   after the attention backward the CP reduce-scatter of dK and dV, after `lm_head.wgrad`
-//!   the SP reduce-scatter;
-//! - `residual` adds the block output to the block input; the backward has no residual
-//!   node, so a backward `norm` adds the residual gradient;
-//! - a `recompute` pass of a layer first drops everything but the layer input (full
-//!   recompute), and a `recompute` attention inside a backward first drops the attention
-//!   output (selective), so the backward provably runs on recomputed values;
-//! - dp-stream collectives: an all-gather with a micro-batch is the ZeRO-3 gather of the
-//!   layer's weights; an all-reduce / reduce-scatter is the gradient reduction of the layer's
+//! - memory events (`alloc`, `free`) and `checkpoint` (the run loop's, see `resilient`);
+//! - the data-parallel stream, which still works on the rank's gradient buckets rather
+//!   than on values: an all-gather with a micro-batch is the ZeRO-3 gather of the layer's
+//!   weights; an all-reduce / reduce-scatter is the gradient reduction of the layer's
 //!   parameters (no layer: embedding, final norm and head), flattened in
 //!   [`Dims::layer_params`] order and padded to the group size; a step all-gather is the
 //!   ZeRO-1/2 parameter gather of every bucket's updated shard. The group's axis says which
 //!   bucket: `dense_dp` the dense weights, `expert_dp` the layer's local routed experts
-//!   ([`Dims::expert_params`] order);
-//! - an MoE layer's MLP block (see [`crate::model`] for the model, the `impl` block with
-//!   `moe_dispatch` for the routing and the load-balancing loss): `router` GEMM; the first
-//!   `permute` routes (top-k softmax) and lays the rows out per ep member; the ep
-//!   all-to-all after it is the dispatch; `expert_fc1`, activation, `expert_fc2` run the
-//!   local experts on what arrived; the ep all-to-all after `expert_fc2` is the combine; the
-//!   second `permute` weights each row by its gate and sums it into its token; then the
-//!   `shared_fc1`/activation/`shared_fc2` shared experts add theirs. An activation means
-//!   the dense, expert or shared one by the GEMM before it. The backward mirrors it: the
-//!   shared experts, the first `permute` (gate-weighted output gradient per routed row,
-//!   and each routed slot's gate gradient),
-//!   dispatch all-to-all, the experts' backward, combine all-to-all, the second `permute`
-//!   (row gradients summed into the tokens), `router.dgrad` (the gates' and the
-//!   load-balancing loss's gradient through the softmax into the router input) and
-//!   `router.wgrad`. Tokens are never dropped: the all-to-all moves fixed-size chunks
-//!   padded to the largest possible, with the real row counts in a header.
-//!
-//! - named collectives (`tensor=` in the IR) do what their name says, whatever comes
-//!   before them: `loss.max` (all-reduce max over tp of each token's largest local logit)
-//!   and `loss.target_sumexp` (the target logit and `sum exp(logit - max)` side by side;
-//!   the backward's `loss` node completes the loss from what they left, so a graph
-//!   without them computes a local, wrong loss), `head.dgrad` (the head's input gradient
-//!   without SP), `embed.dgrad.gather` (SP: every token's gradient for the embedding
-//!   backward), `L{l}.replicated_grads` / `ends.replicated_grads` (SP: the tp all-reduce
-//!   of the replicated parameters' gradients, flattened in bucket order), `grad_norm` (the
-//!   clipping norm's sum of squares and the step's loss over every rank; without it each
-//!   rank clips with its own norm), `ends.weights` (ZeRO-3: the embedding/head weights
-//!   from their updated shards after the optimizer).
-//!
-//! - MoE named collectives: `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` (all-reduce of
-//!   each sequence's routing statistics for the load-balancing loss over its SP shards and
-//!   its cp shards; the loss and its gradient are recomputed after each), `L{l}.moe.gate_grad`
-//!   (tp > 1 without SP: the tp all-reduce of the gates' gradients, computed by the first
-//!   backward permute from partial expert outputs), `L{l}.moe.experts_gather` /
-//!   `L{l}.moe.experts_scatter` (SP: the tp all-gather of the dispatched rows before the
-//!   experts, forward and backward, and the reduce-scatter of their partial outputs after
-//!   them, as Megatron's alltoall token dispatcher does with SP; the experts run on as
-//!   many dispatch buffers as the graph brought them).
+//!   ([`Dims::expert_params`] order). Named ones: `L{l}.replicated_grads` /
+//!   `ends.replicated_grads` (SP: the tp all-reduce of the replicated parameters'
+//!   gradients, flattened in bucket order), `grad_norm` (the clipping norm's sum of squares
+//!   and the step's loss over every rank; without it each rank clips with its own norm),
+//!   `ends.weights` (ZeRO-3: the embedding/head weights from their updated shards after the
+//!   optimizer);
+//! - the optimizer step (AdamW on the rank's parameters or ZeRO shards);
+//! - torchtitan's op-level selective recompute replays, which this backend skips: it keeps
+//!   the activations they would recompute, and its forward is deterministic.
 //!
 //! Steps the IR does not contain and the interpreter performs itself: the GPT
 //! learned-position add rides on the embedding node.

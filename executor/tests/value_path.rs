@@ -15,7 +15,6 @@
 mod common;
 
 use shardwright_executor::{run_program, Cpu, RankReport};
-use shardwright_ir::Program;
 
 const STEPS: u32 = 2;
 
