@@ -14,7 +14,7 @@
 //! Their collectives move the physical buffers (the IR states the logical bytes); a
 //! reduce-scatter of dispatch buffers keeps the headers of the rank's own part.
 
-use super::{expert_offsets, Chunks, RankExec};
+use super::RankExec;
 use crate::backend::{Backend, Routing};
 use crate::comm::Communicator;
 use shardwright_ir::{CollectiveKind, DType, Node, Op, Pass, ValueId};
@@ -67,7 +67,7 @@ impl MoeVals {
         self.chunked.contains(&v)
     }
 
-    fn is_grouped(&self, v: ValueId) -> bool {
+    pub(super) fn is_grouped(&self, v: ValueId) -> bool {
         self.grouped.contains_key(&v)
     }
 
@@ -217,7 +217,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     /// Route the local tokens, count the routing statistics, and lay the routed rows out
     /// for the dispatch all-to-all.
-    fn moe_dispatch_v(&mut self, n: &Node) -> Result<(), String> {
+    pub(super) fn moe_dispatch_v(&mut self, n: &Node) -> Result<(), String> {
         let m = self.moe_dims()?;
         let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
         let off = self.routed_offset();
@@ -301,7 +301,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         Ok(())
     }
 
-    fn route(&self, v: ValueId) -> Result<&Route, String> {
+    pub(super) fn route(&self, v: ValueId) -> Result<&Route, String> {
         self.mv
             .routes
             .get(&v)
@@ -311,7 +311,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// The combined rows back to their tokens, weighted by the gates: each routed slot's
     /// output (`eo`) and the block's output rows (`ym`; under SP with a tp reduction after
     /// the block, the micro-batch's rows with this rank's filled in).
-    fn moe_combine_v(&mut self, n: &Node) -> Result<(), String> {
+    pub(super) fn moe_combine_v(&mut self, n: &Node) -> Result<(), String> {
         let m = self.moe_dims()?;
         let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
         let (off, tokens) = self.moe_rows();
@@ -346,7 +346,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     /// The gradient of each routed row (`g dy`) laid out like the forward's dispatch, and
     /// each routed slot's gate gradient `<expert output, output gradient>`.
-    fn moe_dispatch_bwd_v(&mut self, n: &Node) -> Result<(), String> {
+    pub(super) fn moe_dispatch_bwd_v(&mut self, n: &Node) -> Result<(), String> {
         let m = self.moe_dims()?;
         let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
         let off = self.moe_rows().0;
@@ -384,7 +384,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// Each token's routed input gradients summed (onto the shared experts' `ds` when
     /// given), and the router logits' gradient: the gates' gradients through the top-k
     /// softmax plus the load-balancing loss's, from the statistics.
-    fn moe_combine_bwd_v(&mut self, n: &Node) -> Result<(), String> {
+    pub(super) fn moe_combine_bwd_v(&mut self, n: &Node) -> Result<(), String> {
         let m = self.moe_dims()?;
         let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
         let (off, tokens) = self.moe_rows();
@@ -515,7 +515,11 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     /// Value `v` as rows of `width` grouped by local expert, and their grouping: grouped
     /// rows as they are; dispatch buffers grouped from their headers.
-    fn grouped_rows(&self, v: ValueId, width: usize) -> Result<(Vec<f32>, Rc<Grouping>), String> {
+    pub(super) fn grouped_rows(
+        &self,
+        v: ValueId,
+        width: usize,
+    ) -> Result<(Vec<f32>, Rc<Grouping>), String> {
         let buf = self.val(v)?;
         if let Some(g) = self.mv.grouped.get(&v) {
             return Ok((buf.clone(), g.clone()));
@@ -529,5 +533,167 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let (x, off) = ch.group(buf, &recv);
         debug_assert_eq!(off, expert_offsets(&recv, ch.el));
         Ok((x, Rc::new(Grouping { recv, members, off })))
+    }
+}
+
+/// Dispatch-buffer layout helpers (see [`MoeState`]).
+pub(super) struct Chunks {
+    members: usize,
+    el: usize,
+    cap: usize,
+    w: usize,
+}
+
+impl Chunks {
+    pub(super) fn len(&self) -> usize {
+        self.members * self.chunk()
+    }
+    pub(super) fn chunk(&self) -> usize {
+        self.el + self.cap * self.w
+    }
+    /// The row counts of every chunk's header.
+    pub(super) fn headers(&self, buf: &[f32]) -> Result<Vec<Vec<usize>>, String> {
+        if buf.len() != self.len() {
+            return Err(format!(
+                "routed buffer of {} values, expected {}",
+                buf.len(),
+                self.len()
+            ));
+        }
+        let mut out = Vec::new();
+        for m in 0..self.members {
+            let h = &buf[m * self.chunk()..m * self.chunk() + self.el];
+            let c: Vec<usize> = h.iter().map(|&x| x as usize).collect();
+            if h.iter().zip(&c).any(|(&x, &n)| x != n as f32 || x < 0.0)
+                || c.iter().sum::<usize>() > self.cap
+            {
+                return Err(format!("routed chunk {m} has a bad header {h:?}"));
+            }
+            out.push(c);
+        }
+        Ok(out)
+    }
+    /// Rows grouped by local expert, then member (member `m`'s rows of expert `e` in chunk
+    /// order), and the offset of each expert's group (in rows).
+    pub(super) fn group(&self, buf: &[f32], counts: &[Vec<usize>]) -> (Vec<f32>, Vec<usize>) {
+        let mut out = Vec::new();
+        let mut off = vec![0];
+        for e in 0..self.el {
+            for (m, c) in counts.iter().enumerate() {
+                let start: usize = c[..e].iter().sum();
+                let lo = m * self.chunk() + self.el + start * self.w;
+                out.extend_from_slice(&buf[lo..lo + c[e] * self.w]);
+            }
+            off.push(out.len() / self.w);
+        }
+        (out, off)
+    }
+    /// The inverse of [`Chunks::group`], headers written.
+    pub(super) fn ungroup(&self, grouped: &[f32], counts: &[Vec<usize>]) -> Vec<f32> {
+        let mut buf = vec![0.0; self.len()];
+        let mut src = 0;
+        for (m, c) in counts.iter().enumerate() {
+            for (e, &n) in c.iter().enumerate() {
+                buf[m * self.chunk() + e] = n as f32;
+            }
+        }
+        for e in 0..self.el {
+            for (m, c) in counts.iter().enumerate() {
+                let start: usize = c[..e].iter().sum();
+                let lo = m * self.chunk() + self.el + start * self.w;
+                let n = c[e] * self.w;
+                buf[lo..lo + n].copy_from_slice(&grouped[src..src + n]);
+                src += n;
+            }
+        }
+        buf
+    }
+}
+
+/// Offsets (in rows) of each local expert's group in [`Chunks::group`] order.
+pub(super) fn expert_offsets(recv: &[Vec<usize>], el: usize) -> Vec<usize> {
+    let mut off = vec![0];
+    for e in 0..el {
+        let n: usize = recv.iter().map(|c| c[e]).sum();
+        off.push(off[e] + n);
+    }
+    off
+}
+
+impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+    pub(super) fn moe_dims(&self) -> Result<crate::model::MoeDims, String> {
+        self.dims
+            .moe
+            .clone()
+            .ok_or_else(|| "an MoE op in a dense model".to_string())
+    }
+
+    /// The dispatch-buffer layout for rows of width `w`: one chunk per ep member (the
+    /// source side).
+    pub(super) fn chunks(&self, w: usize) -> Result<Chunks, String> {
+        let m = self.moe_dims()?;
+        Ok(Chunks {
+            members: self.ep.len(),
+            el: m.experts / self.ep.len(),
+            cap: self.routed_tokens() * m.top_k,
+            w,
+        })
+    }
+
+    /// The layout the local experts see: `members` dispatch buffers (under sequence
+    /// parallelism those of every tp rank, tp-major, when the graph gathered them).
+    pub(super) fn expert_chunks(&self, w: usize, members: usize) -> Result<Chunks, String> {
+        let mut c = self.chunks(w)?;
+        c.members = members;
+        Ok(c)
+    }
+
+    /// How many dispatch buffers of width `w` `buf` holds.
+    pub(super) fn buffers_in(&self, buf: &[f32], w: usize) -> Result<usize, String> {
+        let c = self.chunks(w)?.chunk();
+        if c == 0 || buf.len() % c != 0 {
+            return Err(format!(
+                "a dispatch buffer of {} elements is not whole chunks of {c}",
+                buf.len()
+            ));
+        }
+        Ok(buf.len() / c)
+    }
+
+    /// Tokens this rank routes: its sequence shard under SP, else the micro-batch's.
+    pub(super) fn routed_tokens(&self) -> usize {
+        if self.sp {
+            self.tokens() / self.tp.len()
+        } else {
+            self.tokens()
+        }
+    }
+
+    /// Index of this rank's first routed token among the micro-batch's tokens.
+    pub(super) fn routed_offset(&self) -> usize {
+        if self.sp {
+            self.tp_pos * self.routed_tokens()
+        } else {
+            0
+        }
+    }
+
+    /// Whether an MoE layer's MLP block runs without the hidden-state tp gather and
+    /// reduce-scatter: under SP without a shared expert (the router and the dispatch see
+    /// the rank's shard; split experts gather their routed rows themselves).
+    pub(super) fn moe_block_local(&self) -> bool {
+        self.sp && self.dims.moe.as_ref().is_some_and(|m| m.fs == 0)
+    }
+
+    /// Where the MoE block's output (and its gradient) keeps this rank's routed tokens:
+    /// `(first row, rows)`. Under SP with a shared expert the block ends with a tp
+    /// reduce-scatter of the micro-batch's rows, this rank's filled in and zero elsewhere;
+    /// without one the block keeps only its own shard.
+    pub(super) fn moe_rows(&self) -> (usize, usize) {
+        if self.moe_block_local() {
+            (0, self.routed_tokens())
+        } else {
+            (self.routed_offset(), self.tokens())
+        }
     }
 }
