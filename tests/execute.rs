@@ -687,3 +687,80 @@ fn a_model_too_big_for_the_machine_is_refused_up_front() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("405853388800 parameters"), "{err}");
 }
+
+/// An MoE model's metrics carry its load-balancing loss beside the cross-entropy, summed
+/// over the stages' and replicas' shares: with 2 MoE layers of 4 experts and the default
+/// coefficient 0.01 it lies in `(0, 2 x 0.01 x 4]` (per layer `coef E sum_e f_e P_e` with
+/// `f` and `P` distributions over the experts), and near `2 x 0.01 = 0.02` for the nearly
+/// uniform routing of a fresh router. Layouts that split the batch differently (ep 2 over
+/// two pipeline stages, one rank) report the same figure to f32 rounding. A dense model's
+/// lines have none.
+#[test]
+fn moe_metrics_report_the_load_balancing_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(root().join("specs/tiny-llama-cpu.yaml")).unwrap();
+    let moe = text.replace(
+        "    arch: dense\n",
+        "    arch: moe\n    moe: {num_experts: 4, top_k: 2, num_shared_experts: 0, expert_ffn_hidden_size: 64, first_k_dense: 2}\n",
+    );
+    let mut auxes = Vec::new();
+    for (name, par) in [
+        ("ep", "{tp: 1, pp: 2, dp: 1, cp: 1, ep: 2, micro_batch: 2, zero_stage: 1, recompute: none, sequence_parallel: false, schedule: 1f1b}"),
+        ("one", "{tp: 1, pp: 1, dp: 1, cp: 1, ep: 1, micro_batch: 2, zero_stage: 0, recompute: none, sequence_parallel: false, schedule: 1f1b}"),
+    ] {
+        let start = moe.find("  parallelism:").unwrap();
+        let end = start + moe[start..].find('\n').unwrap();
+        let mut t = moe.clone();
+        t.replace_range(start..end, &format!("  parallelism: {par}"));
+        if name == "one" {
+            t = t.replace("num_gpus: 8", "num_gpus: 1");
+        } else {
+            t = t.replace("num_gpus: 8", "num_gpus: 4");
+        }
+        let spec = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&spec, t).unwrap();
+        let plan = dir.path().join(format!("{name}.json"));
+        let (code, _, err) = run(&["plan", spec.to_str().unwrap(), "-o", plan.to_str().unwrap(), "--quiet"]);
+        assert_eq!(code, 0, "{name}: {err}");
+        let out = dir.path().join(format!("out-{name}"));
+        let (code, _, err) = run(&[
+            "execute",
+            plan.to_str().unwrap(),
+            "--steps",
+            "2",
+            "--quiet",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{name}: {err}");
+        let m = metrics(&out);
+        let aux: Vec<f64> = m
+            .iter()
+            .map(|l| l["aux_loss"].as_f64().unwrap_or_else(|| panic!("{name}: no aux_loss in {l}")))
+            .collect();
+        for a in &aux {
+            assert!(*a > 0.0 && *a <= 2.0 * 0.01 * 4.0, "{name}: aux {a}");
+            assert!((a - 0.02).abs() < 0.01, "{name}: aux {a} far from uniform routing's 0.02");
+        }
+        auxes.push(aux);
+    }
+    for (a, b) in auxes[0].iter().zip(&auxes[1]) {
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "ep run {a} vs one rank {b}"
+        );
+    }
+    let dense = plan_with(dir.path(), "dense", Some("{tp: 1, pp: 1, dp: 1, cp: 1, ep: 1, micro_batch: 2, zero_stage: 0, recompute: none, sequence_parallel: false, schedule: 1f1b}"));
+    let out = dir.path().join("out-dense");
+    let (code, _, err) = run(&[
+        "execute",
+        dense.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--quiet",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(metrics(&out).iter().all(|l| l.get("aux_loss").is_none()));
+}
