@@ -71,10 +71,16 @@ impl Default for SimpleCost {
 
 impl OpCost for SimpleCost {
     fn seconds(&self, program: &Program, _class: usize, node: &Node) -> f64 {
-        if let Some(w) = node.op.work() {
-            return (w.flops as f64 / self.flops_per_s).max(w.bytes as f64 / self.hbm_bytes_per_s);
-        }
         match &node.op {
+            Op::Gemm { work, .. }
+            | Op::Attention { work, .. }
+            | Op::Norm { work, .. }
+            | Op::Elementwise { work, .. }
+            | Op::Embedding { work, .. }
+            | Op::Loss { work, .. }
+            | Op::OptimizerStep { work, .. } => {
+                (work.flops as f64 / self.flops_per_s).max(work.bytes as f64 / self.hbm_bytes_per_s)
+            }
             Op::Collective {
                 kind, group, bytes, ..
             } => {
@@ -95,7 +101,9 @@ impl OpCost for SimpleCost {
                 self.latency_s + *bytes as f64 / self.network_bytes_per_s
             }
             Op::Checkpoint { bytes, .. } => *bytes as f64 / self.io_bytes_per_s,
-            _ => 0.0,
+            // Memory events and value releases take no time; every other op is listed
+            // above, so a new op kind must say what it costs.
+            Op::Alloc { .. } | Op::Free { .. } | Op::Release => 0.0,
         }
     }
 }
