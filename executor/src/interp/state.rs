@@ -1,7 +1,10 @@
 //! A rank's training state as named tensors: what a checkpoint holds and a resume restores.
 //!
 //! Names (local shards, f32):
-//! - `param/NAME`: the weights this rank computes with (its tensor-parallel shard);
+//! - `param/NAME`: the weights this rank computes with (its tensor-parallel shard), as they
+//!   are after the step; under ZeRO-3 only the embedding's and head's (a layer's weights are
+//!   gathered from their shards before each use, so between steps the shards are the
+//!   weights);
 //! - `adam_m/NAME`, `adam_v/NAME`: AdamW moments (ZeRO-0: each rank holds its own);
 //! - `zero/BUCKET/master`, `zero/BUCKET/adam_m`, `zero/BUCKET/adam_v`: the ZeRO-1/2/3 shard of
 //!   a gradient bucket (`BUCKET` is `L{layer}`, `L{layer}.experts` or `ends`) with its
@@ -29,11 +32,26 @@ fn bucket_name((layer, expert): super::BKey) -> String {
 }
 
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+    /// Whether this rank holds parameter `name` current between steps. Under ZeRO-3 a
+    /// layer's weights are gathered from their master shards before each use and are
+    /// stale after the optimizer step, so a checkpoint keeps only the shards (as
+    /// DeepSpeed's ZeRO-3 checkpoints do); the embedding and head weights, gathered again
+    /// right after the optimizer (`ends.weights`), are current and kept.
+    fn held_between_steps(&self, name: &str) -> bool {
+        self.run.zero_stage < 3
+            || self
+                .buckets
+                .get(&(None, false))
+                .is_some_and(|b| b.names.iter().any(|n| n == name))
+    }
+
     /// Every tensor of this rank's state, by the names in the module doc.
     pub(crate) fn export_state(&self) -> BTreeMap<String, Vec<f32>> {
         let mut out = BTreeMap::new();
         for (n, p) in &self.params {
-            out.insert(format!("param/{n}"), p.clone());
+            if self.held_between_steps(n) {
+                out.insert(format!("param/{n}"), p.clone());
+            }
         }
         for (n, m) in &self.m {
             out.insert(format!("adam_m/{n}"), m.clone());
@@ -67,8 +85,15 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             }
             Ok(v)
         };
-        for (n, p) in self.params.iter_mut() {
-            *p = take(format!("param/{n}"), p.len())?;
+        let held: Vec<bool> = self
+            .params
+            .keys()
+            .map(|n| self.held_between_steps(n))
+            .collect();
+        for ((n, p), held) in self.params.iter_mut().zip(held) {
+            if held {
+                *p = take(format!("param/{n}"), p.len())?;
+            }
         }
         for (n, m) in self.m.iter_mut() {
             *m = take(format!("adam_m/{n}"), m.len())?;
