@@ -1,10 +1,11 @@
 //! Export, import and Slurm launch rendering (issue 13).
 //!
-//! - Golden exports: every spec in `specs/` x every framework, plus its sbatch script, is an
-//!   insta snapshot in `golden/export/` (rendered from the spec's golden plan in `golden/`,
-//!   which `tests/golden.rs` holds equal to a fresh plan). Unreferenced snapshots fail.
+//! - Golden exports: every spec in `specs/` x every framework (torchtitan twice: the current
+//!   0.3.x Python config function and the 0.2.x TOML), plus its sbatch script, is an insta
+//!   snapshot in `golden/export/` (rendered from the spec's golden plan in `golden/`, which
+//!   `tests/golden.rs` holds equal to a fresh plan). Unreferenced snapshots fail.
 //! - `bash -n` on every rendered shell script (Megatron, NeMo overrides, sbatch); the
-//!   TOML and JSON exports parse.
+//!   TOML and JSON exports parse, and the Python one compiles where python3 is installed.
 //! - Round trip: import(export(plan)) gives back `import::project(layout)` for the golden
 //!   plans and for random valid layouts (proptest).
 //! - Hand-written real configs import to the layout written down by hand; the CLI writes a
@@ -15,7 +16,7 @@ mod common;
 use common::{root, run};
 use proptest::prelude::*;
 use shardwright_export::import::{self, Side};
-use shardwright_export::{export, launch, Framework};
+use shardwright_export::{export, export_for, launch, Framework};
 use shardwright_spec::spec::{ParallelismSpec, Recompute, Schedule};
 use shardwright_spec::{Layout, Plan};
 use std::collections::BTreeSet;
@@ -69,12 +70,53 @@ fn bash_n(name: &str, script: &str) {
     );
 }
 
+/// The torchtitan 0.2.x release whose TOML the golden files hold beside the default
+/// (0.3.x) Python config.
+const TITAN_TOML: &str = "0.2.2";
+
+/// The torchtitan 0.2.2 TOML export of `plan`.
+fn titan_toml(plan: &Plan) -> String {
+    export_for(plan, Framework::Torchtitan, Some(TITAN_TOML), None)
+        .unwrap()
+        .text
+}
+
+/// `compile()` of a Python file by python3 (syntax only; skipped without python3).
+fn python_compiles(name: &str, text: &str) {
+    let Ok(mut child) = Command::new("python3")
+        .args([
+            "-c",
+            "import sys; compile(sys.stdin.read(), 'export.py', 'exec')",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    else {
+        eprintln!("python3 not available: skipping the syntax check of {name}");
+        return;
+    };
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "python3 compile {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn snapshot_names() -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for stem in spec_stems() {
         for fw in Framework::ALL {
             out.insert(format!("{stem}.{}", fw.name()));
         }
+        out.insert(format!("{stem}.torchtitan-{TITAN_TOML}"));
         out.insert(format!("{stem}.slurm"));
     }
     out
@@ -93,6 +135,7 @@ fn golden_exports() {
                 let r = export(&plan, fw, None).unwrap();
                 insta::assert_snapshot!(format!("{stem}.{}", fw.name()), r.text);
             }
+            insta::assert_snapshot!(format!("{stem}.torchtitan-{TITAN_TOML}"), titan_toml(&plan));
             let r = launch::slurm(&plan, &format!("plans/{stem}.json"), None).unwrap();
             insta::assert_snapshot!(format!("{stem}.slurm"), r.text);
         }
@@ -132,10 +175,13 @@ fn rendered_files_are_valid() {
                 &export(&plan, fw, None).unwrap().text,
             );
         }
-        let toml_text = export(&plan, Framework::Torchtitan, None).unwrap().text;
-        toml_text
+        titan_toml(&plan)
             .parse::<toml::Table>()
-            .unwrap_or_else(|e| panic!("{stem}.torchtitan: {e}"));
+            .unwrap_or_else(|e| panic!("{stem}.torchtitan-{TITAN_TOML}: {e}"));
+        python_compiles(
+            &format!("{stem}.torchtitan"),
+            &export(&plan, Framework::Torchtitan, None).unwrap().text,
+        );
         let json_text = export(&plan, Framework::Deepspeed, None).unwrap().text;
         serde_json::from_str::<serde_json::Value>(&json_text)
             .unwrap_or_else(|e| panic!("{stem}.deepspeed: {e}"));
@@ -161,7 +207,9 @@ fn round_trip(plan: &Plan) -> Result<(), String> {
         Framework::Torchtitan,
         Framework::Deepspeed,
     ] {
-        let text = match export(plan, fw, None) {
+        // torchtitan's import reads its 0.2.x TOML.
+        let version = (fw == Framework::Torchtitan).then_some(TITAN_TOML);
+        let text = match export_for(plan, fw, version, None) {
             Ok(r) => r.text,
             // DeepSpeed has no cp: the cp ranks become data-parallel ranks, and the global
             // batch is kept only when accumulation or micro-batch divides by cp.
@@ -856,11 +904,7 @@ fn torchtitan_data_parallelism_is_what_parallelize_accepts() {
             let mut plan = base.clone();
             plan.layout.zero_stage = zero;
             let l = &plan.layout;
-            let t: toml::Table = export(&plan, Framework::Torchtitan, None)
-                .unwrap()
-                .text
-                .parse()
-                .unwrap();
+            let t: toml::Table = titan_toml(&plan).parse().unwrap();
             let rep = toml_i64(&t, "parallelism", "data_parallel_replicate_degree");
             let shard = toml_i64(&t, "parallelism", "data_parallel_shard_degree");
             let cp = toml_i64(&t, "parallelism", "context_parallel_degree");
@@ -993,11 +1037,7 @@ fn torchtitan_pipeline_split_is_the_plans() {
         if plan.layout.pp == 1 {
             continue;
         }
-        let t: toml::Table = export(&plan, Framework::Torchtitan, None)
-            .unwrap()
-            .text
-            .parse()
-            .unwrap();
+        let t: toml::Table = titan_toml(&plan).parse().unwrap();
         let got = torchtitan_chunks(&t["parallelism"], plan.inputs.model.num_layers);
         let want = plan_chunks(&plan);
         assert_eq!(got.len(), want.len(), "{stem}: model chunks");
@@ -1019,7 +1059,7 @@ fn torchtitan_pipeline_split_is_the_plans() {
         s.num_layers = *n;
         next += n;
     }
-    let text = export(&plan, Framework::Torchtitan, None).unwrap().text;
+    let text = titan_toml(&plan);
     assert!(text.contains("module_fqns_per_model_part"), "{text}");
     let t: toml::Table = text.parse().unwrap();
     let got = torchtitan_chunks(&t["parallelism"], plan.inputs.model.num_layers);
@@ -1036,6 +1076,199 @@ fn torchtitan_pipeline_split_is_the_plans() {
         fqns[15].as_array().unwrap().last().unwrap().as_str(),
         Some("output")
     );
+}
+
+/// The fields a torchtitan 0.3 config function sets, read from its text as a table per
+/// section: `config.SECTION.FIELD = LITERAL` (lists may span lines; `None` leaves the field
+/// out), and `config.activation_checkpoint = POLICY` as `activation_checkpoint.policy`.
+fn py_config(text: &str) -> toml::Table {
+    let mut out = toml::Table::new();
+    let mut lines = text.lines();
+    while let Some(line) = lines.next() {
+        let Some(rest) = line.trim().strip_prefix("config.") else {
+            continue;
+        };
+        let Some((path, value)) = rest.split_once(" = ") else {
+            continue;
+        };
+        let mut value = value.to_string();
+        while value.matches('[').count() > value.matches(']').count() {
+            value.push_str(lines.next().expect("a closed list").trim());
+        }
+        let (section, field) = match path.split_once('.') {
+            Some((s, f)) => (s, f),
+            None => (path, "policy"),
+        };
+        let entry = out
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        if field == "policy" {
+            entry
+                .as_table_mut()
+                .unwrap()
+                .insert(field.into(), toml::Value::String(value));
+            continue;
+        }
+        if value == "None" {
+            continue;
+        }
+        let lit = value.replace("True", "true").replace("False", "false");
+        let v: toml::Table = format!("v = {lit}")
+            .parse()
+            .unwrap_or_else(|e| panic!("config.{path} = {value}: {e}"));
+        entry
+            .as_table_mut()
+            .unwrap()
+            .insert(field.into(), v["v"].clone());
+    }
+    out
+}
+
+/// Defect 8: torchtitan 0.3.x (the registry's current release) has no TOML job config:
+/// `ConfigManager._load_config` (torchtitan 0.3.0 config/manager.py) imports `--module M`
+/// and calls `--config F`, a function returning `Trainer.Config`. The default export is that
+/// module; each golden plan's file keeps the plan under 0.3.0's own rules:
+/// `ParallelDims._validate` (replicate x shard x cp x tp x pp = world),
+/// `Trainer.Config.__post_init__` (pipeline parallelism needs `disable_cuda_graphs`; the
+/// local batch divides into pipeline micro-batches), activation checkpointing as a policy
+/// object (`FullAC.Config()`, `SelectiveAC.Config()`, `None`), the output module
+/// `lm_head` in module splits, `enable_sequence_parallel` as planned, and no DDP
+/// restriction (0.3.0 `parallelize_llama` always applies `fully_shard`, so ZeRO-0 beside tp
+/// stays unsharded: replicate = the data-parallel ranks, shard 1).
+#[test]
+fn torchtitan_current_release_is_a_python_config_function() {
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        let l = &plan.layout;
+        let text = export(&plan, Framework::Torchtitan, None).unwrap().text;
+        assert!(
+            !text.contains("\n[parallelism]"),
+            "{stem}: TOML in a 0.3 export"
+        );
+        assert!(
+            text.contains("\ndef shardwright_plan() -> Trainer.Config:\n")
+                && text.contains("--module shardwright_plan --config shardwright_plan")
+                && text.contains("from torchtitan.trainer import Trainer\n"),
+            "{stem}: {text}"
+        );
+        let c = py_config(&text);
+        let par = &c["parallelism"];
+        let int = |k: &str| par[k].as_integer().unwrap_or_else(|| panic!("{stem}: {k}"));
+        let world = int("data_parallel_replicate_degree")
+            * int("data_parallel_shard_degree")
+            * int("context_parallel_degree")
+            * int("tensor_parallel_degree")
+            * int("pipeline_parallel_degree");
+        assert_eq!(world as u64, l.world(), "{stem}");
+        assert_eq!(
+            par["enable_sequence_parallel"].as_bool(),
+            Some(l.sequence_parallel),
+            "{stem}"
+        );
+        let training = &c["training"];
+        if l.pp > 1 {
+            assert_eq!(
+                training
+                    .get("disable_cuda_graphs")
+                    .and_then(|v| v.as_bool()),
+                Some(true),
+                "{stem}: Trainer.Config refuses pipeline parallelism with CUDA graphs"
+            );
+            let local = training["local_batch_size"].as_integer().unwrap();
+            assert_eq!(
+                local % int("pipeline_parallel_microbatch_size"),
+                0,
+                "{stem}"
+            );
+            // The split 0.3.0's pipeline_llm builds is the plan's (same algorithm as 0.2.2).
+            let got = torchtitan_chunks(par, plan.inputs.model.num_layers);
+            let want: Vec<Vec<u32>> = plan_chunks(&plan).into_iter().map(|c| c.1).collect();
+            assert_eq!(got, want, "{stem}");
+        }
+        let policy = c["activation_checkpoint"]["policy"].as_str().unwrap();
+        let want_policy = match l.recompute {
+            Recompute::None => "None",
+            Recompute::Full => "FullAC.Config()",
+            Recompute::Selective => "SelectiveAC.Config()",
+        };
+        assert_eq!(policy, want_policy, "{stem}");
+        assert_eq!(c["checkpoint"]["enable"].as_bool(), Some(true), "{stem}");
+    }
+    // The registry's model when the plan's shape is one of its flavors.
+    let text = export(
+        &golden_plan("llama3-405b-16k-h100"),
+        Framework::Torchtitan,
+        None,
+    )
+    .unwrap()
+    .text;
+    assert!(
+        text.contains("config_registry import llama3_405b as BASE")
+            && text.contains("FLAVOR = \"405B\"")
+            && text.contains("config.model_spec = model_registry(FLAVOR)"),
+        "{text}"
+    );
+    // ZeRO-0 with tp: replicated weights in 0.3 (0.2.2 had to shard: DDP is 1-D only).
+    let mut plan = golden_plan("llama3-405b-pinned-tp8-pp16-dp128");
+    plan.layout.zero_stage = 0;
+    let c = py_config(&export(&plan, Framework::Torchtitan, None).unwrap().text);
+    assert_eq!(
+        (
+            c["parallelism"]["data_parallel_replicate_degree"].as_integer(),
+            c["parallelism"]["data_parallel_shard_degree"].as_integer()
+        ),
+        (Some(128), Some(1))
+    );
+    // A module split names the output projection as 0.3.0 does (lm_head, not output).
+    let mut sizes: Vec<u32> = plan.stages.iter().map(|s| s.num_layers).collect();
+    sizes[1] += 1;
+    sizes[2] -= 1;
+    let mut next = 0;
+    for (s, n) in plan.stages.iter_mut().zip(&sizes) {
+        s.layers = vec![format!("{}-{}", next, next + n - 1)];
+        s.num_layers = *n;
+        next += n;
+    }
+    let c = py_config(&export(&plan, Framework::Torchtitan, None).unwrap().text);
+    let parts = c["parallelism"]["module_fqns_per_model_part"]
+        .as_array()
+        .unwrap();
+    assert_eq!(
+        parts[15].as_array().unwrap().last().unwrap().as_str(),
+        Some("lm_head")
+    );
+}
+
+/// Defect 8: `--engine-version` picks the torchtitan release: 0.2.x writes the TOML job
+/// config (0.2.2 `JobConfig`), 0.3.x the config function; an unknown release names the
+/// recorded ones.
+#[test]
+fn torchtitan_release_is_selected_by_version() {
+    let plan = golden_plan("tiny-llama-8xh100");
+    for v in ["0.2.2", "v0.2.2", "0.2"] {
+        let text = export_for(&plan, Framework::Torchtitan, Some(v), None)
+            .unwrap()
+            .text;
+        let t: toml::Table = text.parse().unwrap_or_else(|e| panic!("{v}: {e}"));
+        assert!(t.contains_key("parallelism"), "{v}");
+        assert!(text.contains("Targets torchtitan 0.2.2"), "{v}");
+    }
+    for v in ["0.3.0", "v0.3.0", "0.3"] {
+        let text = export_for(&plan, Framework::Torchtitan, Some(v), None)
+            .unwrap()
+            .text;
+        assert!(text.contains("def shardwright_plan()"), "{v}");
+        assert!(text.contains("Targets torchtitan 0.3.0"), "{v}");
+    }
+    let e = export_for(&plan, Framework::Torchtitan, Some("0.1.0"), None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("0.1.0") && e.contains("0.2.2, 0.3.0"), "{e}");
+    // DeepSpeed still has one release.
+    let e = export_for(&plan, Framework::Deepspeed, Some("0.3.0"), None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Megatron-LM or torchtitan"), "{e}");
 }
 
 /// Defect 5: DeepSpeedConfig._batch_assertion (deepspeed/runtime/config.py, v0.19.5)

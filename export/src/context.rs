@@ -4,7 +4,7 @@
 //! Templates only print; every decision (which flag, which degree) is made here so that
 //! [`crate::import`] can be checked against it.
 
-use crate::{Engine, ExportError, Framework};
+use crate::{torchtitan, Engine, ExportError, Framework};
 use serde_json::{json, Value};
 use shardwright_spec::layout::{recompute_name, schedule_name};
 use shardwright_spec::spec::{Activation, Dtype, Norm, Recompute, Schedule};
@@ -20,17 +20,26 @@ pub struct TitanDp {
     pub reshard_never: bool,
 }
 
-/// torchtitan's data-parallel split for a layout. torchtitan's batch is split over
-/// `replicate x shard` ranks (= dp x ep here: expert parallelism borrows from the FSDP
-/// dimension). torchtitan applies DDP only when data parallelism is the only dimension
-/// (`parallelize_llama`: "DDP has not supported > 1D parallelism" unless world size =
-/// data_parallel_replicate_degree), and has no ZeRO-1: ZeRO-0 on data parallelism alone is
-/// DDP; ZeRO-0 with tp, pp or cp, and ZeRO-1 and 2 are FSDP that keeps parameters gathered
-/// from forward to backward (`fsdp_reshard_after_forward = "never"`: optimizer state and
-/// gradients sharded as ZeRO-2, memory at most the plan's); ZeRO-3 is FSDP.
+/// torchtitan's data-parallel split for a layout, as torchtitan 0.2.x takes it. torchtitan's
+/// batch is split over `replicate x shard` ranks (= dp x ep here: expert parallelism
+/// borrows from the FSDP dimension). torchtitan 0.2.x applies DDP only when data
+/// parallelism is the only dimension (`parallelize_llama`: "DDP has not supported > 1D
+/// parallelism" unless world size = data_parallel_replicate_degree), and has no ZeRO-1:
+/// ZeRO-0 on data parallelism alone is DDP; ZeRO-0 with tp, pp or cp, and ZeRO-1 and 2 are
+/// FSDP that keeps parameters gathered from forward to backward
+/// (`fsdp_reshard_after_forward = "never"`: optimizer state and gradients sharded as
+/// ZeRO-2, memory at most the plan's); ZeRO-3 is FSDP.
 pub fn titan_dp(l: &Layout) -> TitanDp {
+    titan_dp_for(l, true)
+}
+
+/// [`titan_dp`] for a release: `ddp_1d_only` for 0.2.x; torchtitan 0.3.x has no DDP path
+/// (0.3.0 `parallelize_llama` always applies `fully_shard` over the
+/// `[dp_replicate, fsdp]` mesh), so ZeRO-0 is replication (replicate = the data-parallel
+/// ranks, shard 1) beside any other dimension.
+pub fn titan_dp_for(l: &Layout, ddp_1d_only: bool) -> TitanDp {
     let batch = l.batch_replicas();
-    let one_d = l.tp == 1 && l.pp == 1 && l.cp == 1;
+    let one_d = !ddp_1d_only || (l.tp == 1 && l.pp == 1 && l.cp == 1);
     match l.zero_stage {
         0 if l.ep == 1 && one_d => TitanDp {
             replicate: batch,
@@ -241,8 +250,9 @@ pub enum TitanSplit {
 
 /// The plan's split over torchtitan's model chunks (virtual stage k on pipeline rank
 /// k mod pp, torchtitan's "loop" style), or None without a pipeline or when the plan's
-/// stages are not pp x vpp contiguous chunks.
-pub fn titan_split(plan: &Plan) -> Option<TitanSplit> {
+/// stages are not pp x vpp contiguous chunks. `output` names the output projection
+/// module (`output` in 0.2.x, `lm_head` in 0.3.x).
+pub fn titan_split(plan: &Plan, output: &str) -> Option<TitanSplit> {
     let l = &plan.layout;
     if l.pp <= 1 {
         return None;
@@ -302,7 +312,7 @@ pub fn titan_split(plan: &Plan) -> Option<TitanSplit> {
             next += c;
             if k + 1 == v.len() {
                 part.push("norm".into());
-                part.push("output".into());
+                part.push(output.into());
             }
             part
         })
@@ -422,10 +432,9 @@ pub fn build(
     });
     // The layer split over (virtual) pipeline stages, when it is not the even one.
     let pp_layout = megatron_pp_layout(plan);
-    let titan = if fw == Framework::Torchtitan {
-        titan_split(plan)
-    } else {
-        None
+    let titan = match engine {
+        Engine::Torchtitan(r) => titan_split(plan, r.output_module()),
+        _ => None,
     };
     pipeline_split_notes(plan, fw, pp_layout.as_deref(), &mut notes);
     if l.folds_tp_into_ep() && !matches!(fw, Framework::Megatron | Framework::Nemo) {
@@ -440,7 +449,7 @@ pub fn build(
         Framework::Megatron | Framework::Nemo => {
             megatron_context(plan, engine, pp_layout.as_deref(), &mut notes)
         }
-        Framework::Torchtitan => titan_context(plan, titan.as_ref(), &mut notes),
+        Framework::Torchtitan => titan_context(plan, engine, titan.as_ref(), &mut notes),
         Framework::Deepspeed => deepspeed_context(plan, &mut notes)?,
     };
 
@@ -450,6 +459,7 @@ pub fn build(
         "targets": engine.targets(),
         "engine_version": match engine {
             Engine::Megatron(r) => json!(r.tag),
+            Engine::Torchtitan(r) => json!(r.tag),
             Engine::Fixed(_) => Value::Null,
         },
         "name": job.name,
@@ -600,18 +610,21 @@ fn megatron_context(
 }
 
 /// torchtitan: the `fw` context (data-parallel degrees, schedule, layers per stage, local
-/// batch, compile) and the notes on what torchtitan cannot express.
+/// batch, compile; for 0.3.x the base config function and the switches its
+/// `Trainer.Config` checks) and the notes on what torchtitan cannot express.
 fn titan_context(
     plan: &Plan,
+    engine: &Engine,
     split: Option<&TitanSplit>,
     notes: &mut Vec<String>,
 ) -> serde_json::Map<String, Value> {
     let l = &plan.layout;
     let job = &plan.inputs;
     let m = &job.model;
+    let python = matches!(engine, Engine::Torchtitan(r) if r.format == torchtitan::Format::Python);
     let batch_dp = l.batch_replicas();
     let mut fwctx = serde_json::Map::new();
-    let t = titan_dp(l);
+    let t = titan_dp_for(l, !python);
     if l.zero_stage < 2 && l.ep == 1 && batch_dp > 1 && t.shard > 1 {
         notes.push(format!(
             "torchtitan has no ZeRO-{z}{why}: exported as FSDP over the {batch_dp} data-parallel ranks with fsdp_reshard_after_forward = \"never\" (parameters gathered once per micro-batch's forward and kept to its backward; optimizer state and gradients sharded): memory at most the plan's; without a pipeline, FSDP all-gathers parameters and reduce-scatters gradients per micro-batch (up to {} per step) where the plan reduces once per step",
@@ -636,13 +649,21 @@ fn titan_context(
     if job.training.compute_dtype == Dtype::Fp16 {
         notes.push("torchtitan's mixed_precision_param is bfloat16 or float32 (no float16): exported as bfloat16".into());
     }
-    if l.tp > 1 && !l.sequence_parallel {
+    if l.tp > 1 && !l.sequence_parallel && !python {
         notes.push("torchtitan's tensor parallelism always shards norms and dropout over the sequence (sequence parallelism on); the plan has it off".into());
     }
-    if l.cp > 1 && l.ep > l.cp * t.shard as u32 {
+    if !python && l.cp > 1 && l.ep > l.cp * t.shard as u32 {
         notes.push(format!(
             "torchtitan requires expert_parallel_degree <= data_parallel_shard_degree x context_parallel_degree ({} > {} x {})",
             l.ep, t.shard, l.cp
+        ));
+    }
+    // 0.3.x (ParallelDims "efsdp"): EP borrows from dp_shard x cp x tp, which ep divides.
+    let borrow = t.shard * l.cp as u64 * l.tp as u64;
+    if python && l.ep > 1 && borrow % l.ep as u64 != 0 {
+        notes.push(format!(
+            "torchtitan 0.3 requires expert_parallel_degree to divide data_parallel_shard_degree x context_parallel_degree x tensor_parallel_degree ({} into {})",
+            l.ep, borrow
         ));
     }
     // With PP, torchtitan cuts the local batch into micro-batches; without it,
@@ -672,19 +693,56 @@ fn titan_context(
     fwctx.insert("local_batch_size".into(), json!(local));
     // The plan's elementwise costs: fused kernels unless it is an eager torchtitan
     // plan (framework torchtitan without torch_compile).
-    fwctx.insert(
-        "titan_plan".into(),
-        json!(job.framework == shardwright_spec::spec::Framework::Torchtitan),
-    );
-    fwctx.insert(
-        "compile".into(),
-        json!(job.framework != shardwright_spec::spec::Framework::Torchtitan || job.torch_compile),
-    );
-    fwctx.insert(
-        "model_name".into(),
-        json!(if m.is_moe() { "deepseek_v3" } else { "llama3" }),
-    );
+    let titan_plan = job.framework == shardwright_spec::spec::Framework::Torchtitan;
+    let compile = !titan_plan || job.torch_compile;
+    fwctx.insert("titan_plan".into(), json!(titan_plan));
+    fwctx.insert("compile".into(), json!(compile));
+    let family = if m.is_moe() { "deepseek_v3" } else { "llama3" };
+    fwctx.insert("model_name".into(), json!(family));
+    if python {
+        titan_python_context(plan, family, compile, &mut fwctx, notes);
+    }
     fwctx
+}
+
+/// torchtitan 0.3.x: the registry config function the exported one starts from (the model
+/// with the plan's layers, hidden size and heads, else the family's debug model, with a
+/// note), and the switches `Trainer.Config.__post_init__` and `CompileConfig` check.
+fn titan_python_context(
+    plan: &Plan,
+    family: &str,
+    compile: bool,
+    fwctx: &mut serde_json::Map<String, Value>,
+    notes: &mut Vec<String>,
+) {
+    let l = &plan.layout;
+    let job = &plan.inputs;
+    let m = &job.model;
+    let (base, exact) =
+        torchtitan::registry_model(family, m.num_layers, m.hidden_size, m.num_attention_heads);
+    if !exact {
+        notes.push(format!(
+            "torchtitan 0.3.0's config registry has no {family} model with the plan's shape ({} layers, hidden {}, {} heads): the file starts from {} (model_registry(\"{}\")); replace BASE and FLAVOR with your model's config function and flavor, or the pipeline split and the memory differ from the plan's",
+            m.num_layers, m.hidden_size, m.num_attention_heads, base.function, base.flavor
+        ));
+    }
+    fwctx.insert(
+        "base".into(),
+        json!({"family": base.family, "function": base.function, "flavor": base.flavor, "exact": exact}),
+    );
+    // Trainer.Config._validate_cuda_graphs: pipeline parallelism, and expert parallelism
+    // with a dispatcher that synchronizes with the host (the registry's default), need
+    // CUDA graphs off.
+    let no_graphs = l.pp > 1 || (m.is_moe() && l.ep > 1);
+    fwctx.insert("disable_cuda_graphs".into(), json!(no_graphs));
+    fwctx.insert("sequence_parallel".into(), json!(l.sequence_parallel));
+    // Megatron-style TP communication overlap is torchtitan's async TP, which
+    // CompileConfig.__post_init__ allows only with the model compiled.
+    let overlap = job.tp_comm_overlap && l.sequence_parallel && l.tp > 1;
+    if overlap && !compile {
+        notes.push("the plan overlaps tensor-parallel communication with GEMMs; torchtitan's async TP (compile.enable_async_tensor_parallel) needs the model compiled, which this eager plan is not: left off".into());
+    }
+    fwctx.insert("async_tp".into(), json!(overlap && compile));
 }
 
 /// DeepSpeed: the batch as `DeepSpeedConfig._batch_assertion` checks it

@@ -1,7 +1,8 @@
 //! shardwright-export: a plan in the words of the engine that runs it, and back.
 //!
 //! - [`export`]: a [`Plan`] -> Megatron-LM launch flags, NeMo 2 / Megatron-Bridge recipe
-//!   overrides, a torchtitan TOML, a DeepSpeed JSON config (minijinja templates under
+//!   overrides, a torchtitan config (0.3.x: a Python config function; 0.2.x: TOML), a
+//!   DeepSpeed JSON config (minijinja templates under
 //!   `export/templates/`, embedded, overridable with a user's own file).
 //! - [`import`]: a user's Megatron flags / torchtitan TOML / DeepSpeed JSON -> the layout
 //!   pins of a job spec (merged into a spec that holds the cluster).
@@ -19,6 +20,7 @@ pub mod context;
 pub mod import;
 pub mod launch;
 pub mod megatron;
+pub mod torchtitan;
 
 use shardwright_spec::Plan;
 use std::fmt;
@@ -50,41 +52,30 @@ impl Framework {
         }
     }
 
-    /// The template file under `export/templates/`.
+    /// The default release's engine.
+    fn default_engine(self) -> Engine {
+        Engine::resolve(self, None).expect("the default engine release resolves")
+    }
+
+    /// The template file under `export/templates/` (of the default release).
     pub fn template_file(self) -> &'static str {
-        match self {
-            Framework::Megatron => "megatron.sh.j2",
-            Framework::Nemo => "nemo.sh.j2",
-            Framework::Torchtitan => "torchtitan.toml.j2",
-            Framework::Deepspeed => "deepspeed.json.j2",
-        }
+        self.default_engine().template_file()
     }
 
-    /// The built-in template text.
+    /// The built-in template text (of the default release).
     pub fn default_template(self) -> &'static str {
-        match self {
-            Framework::Megatron => include_str!("../templates/megatron.sh.j2"),
-            Framework::Nemo => include_str!("../templates/nemo.sh.j2"),
-            Framework::Torchtitan => include_str!("../templates/torchtitan.toml.j2"),
-            Framework::Deepspeed => include_str!("../templates/deepspeed.json.j2"),
-        }
+        self.default_engine().default_template()
     }
 
-    /// Extension of the rendered file (`sh`, `toml`, `json`).
+    /// Extension of the rendered file (`sh`, `py`, `toml`, `json`) for the default release.
     pub fn extension(self) -> &'static str {
-        match self {
-            Framework::Megatron | Framework::Nemo => "sh",
-            Framework::Torchtitan => "toml",
-            Framework::Deepspeed => "json",
-        }
+        self.default_engine().extension()
     }
 
     /// Which version of the framework's sources the option names were checked against
     /// (for Megatron and torchtitan: the default release; see [`Engine::targets`]).
     pub fn targets(self) -> String {
-        Engine::resolve(self, None)
-            .expect("the default engine release resolves")
-            .targets()
+        self.default_engine().targets()
     }
 }
 
@@ -93,7 +84,9 @@ impl Framework {
 pub enum Engine {
     /// A recorded Megatron-LM release (its flag names and `validate_args` rules).
     Megatron(megatron::Release),
-    /// NeMo / Megatron-Bridge, torchtitan or DeepSpeed: one supported release each.
+    /// A recorded torchtitan release (0.2.x: TOML; 0.3.x: a Python config function).
+    Torchtitan(torchtitan::Release),
+    /// NeMo / Megatron-Bridge or DeepSpeed: one supported release each.
     Fixed(Framework),
 }
 
@@ -102,9 +95,10 @@ impl Engine {
     pub fn resolve(fw: Framework, version: Option<&str>) -> Result<Engine, ExportError> {
         match (fw, version) {
             (Framework::Megatron, v) => Ok(Engine::Megatron(megatron::release(v)?)),
+            (Framework::Torchtitan, v) => Ok(Engine::Torchtitan(torchtitan::release(v)?)),
             (fw, None) => Ok(Engine::Fixed(fw)),
             (fw, Some(v)) => Err(ExportError::Input(format!(
-                "--engine-version {v}: {fw} exports target one release ({}); --engine-version selects a Megatron-LM release",
+                "--engine-version {v}: {fw} exports target one release ({}); --engine-version selects a Megatron-LM or torchtitan release",
                 Engine::Fixed(fw).targets()
             ))),
         }
@@ -117,16 +111,58 @@ impl Engine {
                 "{} (flag names: export/megatron/flags/{}.txt; validate_args rules: export/megatron/rules.toml; megatron/core/parallel_state.py: default order tp-cp-ep-dp-pp)",
                 r.source, r.tag
             ),
+            Engine::Torchtitan(r) => r.source.into(),
             Engine::Fixed(Framework::Nemo) => NEMO_TARGET.into(),
-            Engine::Fixed(Framework::Torchtitan) => TORCHTITAN_TARGET.into(),
             Engine::Fixed(Framework::Deepspeed) => DEEPSPEED_TARGET.into(),
-            Engine::Fixed(Framework::Megatron) => unreachable!("Megatron has releases"),
+            Engine::Fixed(fw) => unreachable!("{fw} has recorded releases"),
+        }
+    }
+
+    /// The framework this is a release of.
+    pub fn framework(&self) -> Framework {
+        match self {
+            Engine::Megatron(_) => Framework::Megatron,
+            Engine::Torchtitan(_) => Framework::Torchtitan,
+            Engine::Fixed(fw) => *fw,
+        }
+    }
+
+    /// The template file under `export/templates/`.
+    pub fn template_file(&self) -> &'static str {
+        match self {
+            Engine::Megatron(_) => "megatron.sh.j2",
+            Engine::Torchtitan(r) => match r.format {
+                torchtitan::Format::Toml => "torchtitan.toml.j2",
+                torchtitan::Format::Python => "torchtitan.py.j2",
+            },
+            Engine::Fixed(Framework::Nemo) => "nemo.sh.j2",
+            Engine::Fixed(_) => "deepspeed.json.j2",
+        }
+    }
+
+    /// The built-in template text.
+    pub fn default_template(&self) -> &'static str {
+        match self.template_file() {
+            "megatron.sh.j2" => include_str!("../templates/megatron.sh.j2"),
+            "torchtitan.toml.j2" => include_str!("../templates/torchtitan.toml.j2"),
+            "torchtitan.py.j2" => include_str!("../templates/torchtitan.py.j2"),
+            "nemo.sh.j2" => include_str!("../templates/nemo.sh.j2"),
+            _ => include_str!("../templates/deepspeed.json.j2"),
+        }
+    }
+
+    /// Extension of the rendered file (`sh`, `py`, `toml`, `json`).
+    pub fn extension(&self) -> &'static str {
+        match self.template_file() {
+            "torchtitan.py.j2" => "py",
+            "torchtitan.toml.j2" => "toml",
+            "deepspeed.json.j2" => "json",
+            _ => "sh",
         }
     }
 }
 
 pub const NEMO_TARGET: &str = "Megatron-Bridge v0.6.0 (scripts/training/run_recipe.py: --recipe FUNCTION --mode pretrain then Hydra KEY=VALUE ConfigContainer overrides; src/megatron/bridge/training/config.py: ConfigContainer sections, GPTDatasetConfig.seq_length; model fields are megatron-core TransformerConfig's, pipeline_model_parallel_layout checked in its __post_init__)";
-pub const TORCHTITAN_TARGET: &str = "torchtitan main 2025 (torchtitan/config/job_config.py: [parallelism], [training] local_batch_size/global_batch_size, [activation_checkpoint] mode, [checkpoint] enable/interval)";
 pub const DEEPSPEED_TARGET: &str = "DeepSpeed 0.16 to 0.19 (read against v0.19.5: deepspeed/runtime/config.py DeepSpeedConfig and _batch_assertion, get_pipeline_config; deepspeed/runtime/pipe/engine.py pipeline.activation_checkpoint_interval; deepspeed/runtime/pipe/topology.py PipeModelDataParallelTopology)";
 
 impl fmt::Display for Framework {
@@ -206,7 +242,8 @@ pub fn export(
     export_for(plan, fw, None, template)
 }
 
-/// Export `plan` to release `version` of `fw` (None: the default release). A Megatron
+/// Export `plan` to release `version` of `fw` (None: the default release; for torchtitan
+/// 0.3.x a Python config function, 0.2.x a TOML file). A Megatron
 /// script is checked against the release's flag names and the recorded `validate_args`
 /// rules: the built-in template's output must pass (else the export is refused, naming the
 /// flag or rule); a user template's failures are warnings.
@@ -218,7 +255,7 @@ pub fn export_for(
 ) -> Result<Rendered, ExportError> {
     let engine = Engine::resolve(fw, version)?;
     let (ctx, mut warnings) = context::build(plan, fw, &engine)?;
-    let (name, text) = template.unwrap_or((fw.template_file(), fw.default_template()));
+    let (name, text) = template.unwrap_or((engine.template_file(), engine.default_template()));
     let text = render_template(name, text, &ctx)?;
     if let Engine::Megatron(r) = &engine {
         let broken = megatron::check_script(&text, r);
