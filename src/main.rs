@@ -180,7 +180,7 @@ enum Cmd {
     /// Write the plan as another engine's config: Megatron-LM flags, NeMo 2 / Megatron-Bridge
     /// overrides, a torchtitan TOML or a DeepSpeed JSON (what it cannot express: stderr + comments).
     #[command(
-        after_help = "Examples:\n  shardwright export plan.json --to megatron -o pretrain.sh\n  shardwright export plan.json --to megatron --engine-version core_v0.14.0 -o pretrain.sh\n  shardwright export plan.json --to torchtitan --template my.toml.j2"
+        after_help = "Examples:\n  shardwright export plan.json --to megatron -o pretrain.sh\n  shardwright export plan.json --to megatron --engine-version core_v0.14.0 -o pretrain.sh\n  shardwright export plan.json --to torchtitan -o shardwright_plan.py\n  shardwright export plan.json --to torchtitan --engine-version 0.2.2 -o train.toml"
     )]
     Export {
         /// Plan JSON (`-` for stdin).
@@ -196,7 +196,8 @@ enum Cmd {
         template: Option<PathBuf>,
         /// The engine release to write for: a Megatron-LM release (core_v0.14.0 ..
         /// core_v0.19.0, default the newest; its flag names and validate_args rules are
-        /// checked).
+        /// checked) or a torchtitan release (0.3.0, the default: a Python config module;
+        /// 0.2.2: TOML).
         #[arg(long, value_name = "VERSION")]
         engine_version: Option<String>,
     },
