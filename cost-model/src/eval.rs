@@ -778,6 +778,25 @@ pub fn uneven_walk(
     layout: &Layout,
     plan: Option<&schedule::WalkPlan>,
 ) -> schedule::Walk {
+    let (fwd, bwd, act) = uneven_stages(job, lc, layout);
+    match plan {
+        Some(plan) => plan.run(&fwd, &bwd, &act),
+        None => schedule::walk(
+            layout.schedule,
+            layout.pp,
+            layout.vpp.max(1),
+            layout.grad_accum as u32,
+            &fwd,
+            &bwd,
+            &act,
+        ),
+    }
+}
+
+/// Per virtual stage of an uneven interleaving under the balanced split: forward and
+/// backward seconds per micro-batch and the bytes saved until the backward.
+#[allow(clippy::type_complexity)]
+fn uneven_stages(job: &Job, lc: &LayerCosts, layout: &Layout) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let layers = job.model.num_layers;
@@ -805,15 +824,65 @@ pub fn uneven_walk(
         bwd[vs as usize] = t * (1.0 - fshare);
         act[vs as usize] = a;
     }
-    match plan {
-        Some(plan) => plan.run(&fwd, &bwd, &act),
-        None => schedule::walk(
+    (fwd, bwd, act)
+}
+
+/// Rank `j`'s load under the balanced split with `v` chunks per rank (one chunk when not
+/// interleaved), and the layers it holds.
+fn balanced_load(job: &Job, p: u32, v: u32, j: u32) -> (RankLoad, u32) {
+    let mut load = RankLoad {
+        embedding: j == 0,
+        head: j == p - 1,
+        ..RankLoad::default()
+    };
+    let mut n = 0;
+    for i in 0..v {
+        let (s0, c) = chunk_layers(job.model.num_layers, p * v, i * p + j);
+        let part = rank_load(job, s0, c, j, p);
+        load.dense_layers += part.dense_layers;
+        load.moe_layers += part.moe_layers;
+        n += c;
+    }
+    (load, n)
+}
+
+/// An upper bound on the goodput of [`evaluate_with`] for `layout` under the balanced split
+/// with [`UnevenWalk::Skip`] (no pipeline bubble), without costing memory or the step's
+/// other terms: the step is at least `m` times the slowest rank's time per micro-batch
+/// (the other terms are not negative; the slowest rank's time is the same arithmetic as
+/// [`evaluate_with`]'s), and the goodput fraction at most [`goodput_fraction_sup`] (plus
+/// 1e-9 for rounding). The search skips the evaluation of an uneven interleaving whose
+/// ceiling is below its kept top.
+pub fn no_bubble_goodput_ceiling(job: &Job, lc: &LayerCosts, layout: &Layout) -> f64 {
+    // Exposed data-parallel time is not negative while the overlap share is a share.
+    if !(0.0..=1.0).contains(&job.efficiency.dp_overlap) {
+        return f64::INFINITY;
+    }
+    let p = layout.pp;
+    let v = layout.vpp.max(1);
+    let slow = (0..p)
+        .map(|j| rank_time(lc, &balanced_load(job, p, v, j).0).total())
+        .fold(f64::NEG_INFINITY, f64::max);
+    let m = layout.grad_accum as f64;
+    let tokens_per_step = job.training.global_batch as f64 * job.model.seq_len as f64;
+    tokens_per_step / (m * slow) * (goodput_fraction_sup(job, layout) + 1e-9)
+}
+
+/// A stand-in for [`uneven_walk`] that costs no walk, for the memory check alone: each
+/// rank's activation peak is what it holds after its leading forwards
+/// ([`schedule::leading_forwards_peak`]), the same bits as a prefix of the walk's and so at
+/// most its peak; the makespan is 0. Memory is monotone in the peak, so a layout that does
+/// not fit with this walk (given to [`evaluate_with`]) does not fit with its own walk
+/// either; one that fits here may still not fit.
+pub fn uneven_walk_floor(job: &Job, lc: &LayerCosts, layout: &Layout) -> schedule::Walk {
+    let (_, _, act) = uneven_stages(job, lc, layout);
+    schedule::Walk {
+        makespan: 0.0,
+        peak_act: schedule::leading_forwards_peak(
             layout.schedule,
-            p,
-            v,
+            layout.pp,
+            layout.vpp.max(1),
             layout.grad_accum as u32,
-            &fwd,
-            &bwd,
             &act,
         ),
     }
@@ -853,24 +922,10 @@ fn rank_sums(
     for j in 0..p {
         let (load, count) = match split {
             Split::Balanced => {
-                // Sum the rank's chunks (one chunk when not interleaved).
-                let mut load = RankLoad {
-                    embedding: j == 0,
-                    head: j == p - 1,
-                    ..RankLoad::default()
-                };
-                let mut n = 0;
-                for i in 0..v {
-                    let (s0, c) = chunk_layers(model.num_layers, p * v, i * p + j);
-                    let part = rank_load(job, s0, c, j, p);
-                    load.dense_layers += part.dense_layers;
-                    load.moe_layers += part.moe_layers;
-                    n += c;
-                }
                 if v == 1 {
                     start = chunk_layers(model.num_layers, p, j).0;
                 }
-                (load, n)
+                balanced_load(job, p, v, j)
             }
             Split::Explicit(c) => (rank_load(job, start, c[j as usize], j, p), c[j as usize]),
         };

@@ -258,6 +258,40 @@ impl WalkPlan {
     }
 }
 
+/// Per rank: the largest sum of `act` over its leading forward passes (those before its
+/// first backward), added in its [`slots`] order as the walk adds them. These sums are
+/// prefixes of the walk's, bit for bit, so each is at most the walk's `peak_act` (the
+/// largest over every prefix); it costs `O(p (p + v p))`, not the walk's `O(p v m)`.
+pub fn leading_forwards_peak(schedule: Schedule, p: u32, v: u32, m: u32, act: &[f64]) -> Vec<f64> {
+    let v = if schedule == Schedule::Interleaved {
+        v
+    } else {
+        1
+    };
+    let total = m * v;
+    (0..p)
+        .map(|j| {
+            // Forwards before the first backward (see `slots`): every forward under GPipe;
+            // the warm-up and the first steady-state forward under 1F1B and interleaving.
+            let lead = match schedule {
+                Schedule::Gpipe => total,
+                _ if v == 1 => ((p - j - 1).min(m) + 1).min(total),
+                _ => (((p - j - 1) * 2 + (v - 1) * p).min(total) + 1).min(total),
+            };
+            let (mut live, mut peak) = (0.0f64, 0.0f64);
+            for f in 0..lead {
+                let chunk = match schedule {
+                    Schedule::Gpipe => f / m,
+                    _ => virtual_mb(f, p, v, m, true).1,
+                };
+                live += act[(chunk * p + j) as usize];
+                peak = peak.max(live);
+            }
+            peak
+        })
+        .collect()
+}
+
 /// The walk as a sweep over the ranks that runs every pass whose input is ready, until all
 /// have run: the definition [`walk`] and [`WalkPlan`] are tested against.
 pub fn walk_reference(
@@ -505,6 +539,50 @@ mod tests {
             }
         }
         assert_eq!(cases, 3 * 6 * 4 * 13 * 3);
+    }
+
+    /// The leading forwards' peak is, bit for bit, the activation held after those passes
+    /// in the walk's own order, and never above the walk's peak.
+    #[test]
+    fn leading_forwards_peak_is_a_prefix_of_the_walks() {
+        let mut x = 0x51_7cc1_b727_220au64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 10_000) as f64 / 997.0 + 1e-3
+        };
+        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
+            for p in 1..=6u32 {
+                for v in 1..=4u32 {
+                    for m in 1..=13u32 {
+                        let n = (p * v) as usize;
+                        let act: Vec<f64> = (0..n).map(|_| rnd()).collect();
+                        let ones = vec![1.0; n];
+                        let floor = leading_forwards_peak(sched, p, v, m, &act);
+                        let w = walk_reference(sched, p, v, m, &ones, &ones, &act);
+                        let vv = if sched == Schedule::Interleaved { v } else { 1 };
+                        for j in 0..p {
+                            assert!(floor[j as usize] <= w.peak_act[j as usize]);
+                            // The same additions over the slots before the first backward.
+                            let (mut live, mut peak) = (0.0f64, 0.0f64);
+                            for s in slots(sched, p, vv, m, j) {
+                                if s.phase == Phase::Bwd {
+                                    break;
+                                }
+                                live += act[(s.chunk * p + j) as usize];
+                                peak = peak.max(live);
+                            }
+                            assert_eq!(
+                                floor[j as usize].to_bits(),
+                                peak.to_bits(),
+                                "{sched:?} p{p} v{v} m{m} j{j}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
