@@ -8,8 +8,8 @@
 
 use rayon::prelude::*;
 use shardwright_cost::eval::{
-    evaluate, evaluate_with, is_uneven, no_bubble_goodput_ceiling, uneven_walk, uneven_walk_floor,
-    LayerCosts, Split, UnevenWalk,
+    evaluate, evaluate_fitting, evaluate_with, is_uneven, no_bubble_goodput_ceiling, uneven_walk,
+    uneven_walk_floor, LayerCosts, OutOfMemory, Split, UnevenWalk,
 };
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
@@ -17,7 +17,7 @@ use shardwright_cost::rules::{self, Axes, Rejection};
 use shardwright_cost::schedule::{Walk, WalkPlan};
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
-use shardwright_spec::plan::{Estimate, MemoryBreakdown, SearchSummary};
+use shardwright_spec::plan::{Estimate, SearchSummary};
 use shardwright_spec::spec::{Recompute, Schedule};
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -133,6 +133,9 @@ pub struct SearchResult {
 /// candidates.
 struct Tally {
     summary: SearchSummary,
+    /// Per reason, in the order first seen: its key, count and first example (moved into
+    /// the summary's maps by [`Tally::into_summary`]; a dozen keys, so a scan).
+    reasons: Vec<(&'static str, u64, String)>,
 }
 
 impl Tally {
@@ -141,12 +144,23 @@ impl Tally {
     }
 
     /// One candidate counted under `key` (a [`Rejection`] name or a search-only reason).
-    fn count(&mut self, key: &str, example: impl FnOnce() -> String) {
+    fn count(&mut self, key: &'static str, example: impl FnOnce() -> String) {
         self.summary.candidates += 1;
-        *self.summary.rejected.entry(key.to_string()).or_insert(0) += 1;
-        if !self.summary.examples.contains_key(key) {
-            self.summary.examples.insert(key.to_string(), example());
+        // (No allocation or map look-up per candidate: the search counts millions.)
+        let same = |k: &&'static str| std::ptr::eq(*k, key) || *k == key;
+        match self.reasons.iter_mut().find(|r| same(&r.0)) {
+            Some(r) => r.1 += 1,
+            None => self.reasons.push((key, 1, example())),
         }
+    }
+
+    fn into_summary(self) -> SearchSummary {
+        let mut summary = self.summary;
+        for (key, n, example) in self.reasons {
+            *summary.rejected.entry(key.to_string()).or_insert(0) += n;
+            summary.examples.entry(key.to_string()).or_insert(example);
+        }
+        summary
     }
 }
 
@@ -237,6 +251,8 @@ enum Event {
     SameAsLowerZero(Layout, u8),
     /// Evaluated with its walk (or none needed).
     Evaluated(Box<Candidate>),
+    /// Does not fit (the search is not fully pinned): the worst rank's bytes and the HBM.
+    OutOfMemory(Layout, f64, f64),
     /// Uneven interleaving: `ceiling` bounds its goodput with no pipeline bubble (its
     /// optimistic goodput, itself an upper bound) from above; `pre` is what
     /// [`Replay::prepare_uneven`] worked out ahead of the replay. Candidates of one unit
@@ -302,6 +318,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                 fully_pinned: space.fully_pinned,
                 ..SearchSummary::default()
             },
+            reasons: Vec::new(),
         },
         best: Vec::with_capacity(keep + 1),
         hopefuls: Vec::new(),
@@ -523,6 +540,8 @@ impl<'a> Space<'a> {
                     (None, _) => vec![Schedule::Interleaved],
                 };
                 for &sched in &schedules {
+                    // The ceiling of an uneven interleaving does not read the ZeRO stage.
+                    let mut ceiling = None;
                     for &z in &self.zeros {
                         let layout = Layout {
                             tp: tp as u32,
@@ -543,7 +562,7 @@ impl<'a> Space<'a> {
                                 tp as u32
                             }),
                         };
-                        events.push(self.candidate(&lc, layout, family));
+                        events.push(self.candidate(&lc, layout, family, &mut ceiling));
                     }
                 }
             }
@@ -555,7 +574,13 @@ impl<'a> Space<'a> {
     }
 
     /// One (pp, vpp, schedule, ZeRO) candidate of a unit.
-    fn candidate(&self, lc: &LayerCosts, layout: Layout, family: u32) -> Event {
+    fn candidate(
+        &self,
+        lc: &LayerCosts,
+        layout: Layout,
+        family: u32,
+        ceiling: &mut Option<f64>,
+    ) -> Event {
         let (pp, v, z) = (layout.pp, layout.vpp, layout.zero_stage);
         let z_axes = Axes {
             pp: Some(pp as u64),
@@ -586,17 +611,27 @@ impl<'a> Space<'a> {
         if v > 1 && self.job.model.num_layers % (pp * v) != 0 {
             return Event::Uneven {
                 layout,
-                ceiling: no_bubble_goodput_ceiling(self.job, lc, &layout),
+                ceiling: *ceiling
+                    .get_or_insert_with(|| no_bubble_goodput_ceiling(self.job, lc, &layout)),
                 family,
                 pre: None,
             };
         }
-        let ev = evaluate(self.job, lc, &layout, Split::Balanced, false);
-        Event::Evaluated(Box::new(Candidate {
-            layout,
-            estimate: ev.estimate,
-            goodput_bound: ev.goodput_bound,
-        }))
+        if self.fully_pinned {
+            // Ranked whether it fits or not.
+            return Event::Evaluated(Box::new(evaluated(self.job, lc, layout)));
+        }
+        match evaluate_fitting(self.job, lc, &layout, UnevenWalk::Walk) {
+            Ok(ev) => Event::Evaluated(Box::new(Candidate {
+                layout,
+                estimate: ev.estimate,
+                goodput_bound: ev.goodput_bound,
+            })),
+            Err(OutOfMemory(ev)) => {
+                let m = &ev.estimate.memory;
+                Event::OutOfMemory(layout, m.total_bytes, m.hbm_bytes)
+            }
+        }
     }
 
     /// An uneven interleaving's goodput with no pipeline bubble.
@@ -618,16 +653,7 @@ impl<'a> Space<'a> {
     fn out_of_memory_at_floor(&self, lc: &LayerCosts, layout: &Layout, floor: &Walk) -> bool {
         !self.fully_pinned
             && is_uneven(self.job, layout)
-            && !evaluate_with(
-                self.job,
-                lc,
-                layout,
-                Split::Balanced,
-                false,
-                UnevenWalk::Given(floor),
-            )
-            .estimate
-            .fits
+            && evaluate_fitting(self.job, lc, layout, UnevenWalk::Given(floor)).is_err()
     }
 
     /// The example text of a rejection.
@@ -772,7 +798,10 @@ impl Replay {
         for (u, ex) in expanded.iter().enumerate() {
             for (i, e) in ex.events.iter().enumerate() {
                 match e {
-                    Event::Evaluated(c) if c.estimate.fits || self.fully_pinned => {
+                    Event::Evaluated(c)
+                        if (c.estimate.fits || self.fully_pinned)
+                            && c.estimate.goodput_tokens_per_s >= threshold(&lower, self.keep) =>
+                    {
                         insert_top(&mut lower, self.keep, (**c).clone());
                     }
                     Event::Uneven {
@@ -892,6 +921,9 @@ impl Replay {
                     });
                 }
                 Event::Evaluated(c) => self.rank(*c),
+                Event::OutOfMemory(layout, need, hbm) => {
+                    self.out_of_memory(&layout, || (need, hbm));
+                }
                 Event::Uneven {
                     layout,
                     ceiling,
@@ -943,9 +975,10 @@ impl Replay {
         match verdict {
             Verdict::Full(c) => self.rank(*c),
             // The example (written once) needs the walk's memory.
-            Verdict::OutOfMemory => {
-                self.out_of_memory(&layout, || evaluated(space.job, lc, layout).estimate.memory)
-            }
+            Verdict::OutOfMemory => self.out_of_memory(&layout, || {
+                let m = evaluated(space.job, lc, layout).estimate.memory;
+                (m.total_bytes, m.hbm_bytes)
+            }),
             Verdict::Open => unreachable!("decided above"),
         }
     }
@@ -954,7 +987,7 @@ impl Replay {
     fn rank(&mut self, cand: Candidate) {
         if !cand.estimate.fits && !self.fully_pinned {
             let memory = &cand.estimate.memory;
-            self.out_of_memory(&cand.layout, || memory.clone());
+            self.out_of_memory(&cand.layout, || (memory.total_bytes, memory.hbm_bytes));
             return;
         }
         self.tally.summary.candidates += 1;
@@ -977,21 +1010,21 @@ impl Replay {
         SearchResult {
             best,
             hopefuls,
-            summary: self.tally.summary,
+            summary: self.tally.into_summary(),
         }
     }
 }
 
 impl Replay {
-    /// A candidate that does not fit, counted; `memory` (its worst rank's) is asked for
-    /// only to write the first example.
-    fn out_of_memory(&mut self, layout: &Layout, memory: impl FnOnce() -> MemoryBreakdown) {
+    /// A candidate that does not fit, counted; `memory` (its worst rank's bytes and the
+    /// HBM) is asked for only to write the first example.
+    fn out_of_memory(&mut self, layout: &Layout, memory: impl FnOnce() -> (f64, f64)) {
         self.tally.reject(Rejection::OutOfMemory, || {
-            let m = memory();
+            let (need, hbm) = memory();
             format!(
                 "{layout}: needs {:.1} GB of {:.1} GB",
-                m.total_bytes / 1e9,
-                m.hbm_bytes / 1e9
+                need / 1e9,
+                hbm / 1e9
             )
         });
     }
@@ -1012,7 +1045,11 @@ fn insert_top(best: &mut Vec<Candidate>, keep: usize, c: Candidate) {
         return;
     }
     if best.len() == keep {
-        if rank_cmp(&c, best.last().expect("non-empty")) != Ordering::Less {
+        // Below the tie floor of the keep-th it prints lower, so it ranks after it (the
+        // same answer as `rank_cmp`, without printing both goodputs).
+        if c.estimate.goodput_tokens_per_s < threshold(best, keep)
+            || rank_cmp(&c, best.last().expect("non-empty")) != Ordering::Less
+        {
             return;
         }
         best.pop();
