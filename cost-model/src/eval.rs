@@ -933,24 +933,71 @@ pub fn no_bubble_goodput_ceiling(job: &Job, lc: &LayerCosts, layout: &Layout) ->
     tokens_per_step / (m * slow) * (goodput_fraction_sup(job, layout) + 1e-9)
 }
 
-/// A stand-in for [`uneven_walk`] that costs no walk, for the memory check alone: each
-/// rank's activation peak is what it holds after its leading forwards
-/// ([`schedule::leading_forwards_peak`]), the same bits as a prefix of the walk's and so at
-/// most its peak; the makespan is 0. Memory is monotone in the peak, so a layout that does
-/// not fit with this walk (given to [`evaluate_with`]) does not fit with its own walk
-/// either; one that fits here may still not fit.
-pub fn uneven_walk_floor(job: &Job, lc: &LayerCosts, layout: &Layout) -> schedule::Walk {
-    let (_, _, act) = uneven_stages(job, lc, layout);
-    schedule::Walk {
-        makespan: 0.0,
-        peak_act: schedule::leading_forwards_peak(
-            layout.schedule,
-            layout.pp,
-            layout.vpp.max(1),
-            layout.grad_accum as u32,
-            &act,
-        ),
+/// Two stand-ins for [`uneven_walk`] that cost no timed walk: [`WalkBounds::floor`] and
+/// [`WalkBounds::exact_peak`], both with a makespan at most the walk's
+/// ([`schedule::makespan_floor`]). Memory is monotone in the peak and the step in the
+/// makespan, so given to [`evaluate_with`]: a layout that does not fit with the floor does
+/// not fit with its walk, the exact peak tells exactly whether it fits, and
+/// [`goodput_ceiling`] of either evaluation bounds the walked goodput from above.
+pub struct WalkBounds {
+    /// Each rank's activation peak at most the walk's: what the first rank (the one that
+    /// holds the most micro-batches) holds after its leading forwards
+    /// ([`schedule::leading_forwards_peak`], `O(p + v p)`), 0 for the others.
+    pub floor: schedule::Walk,
+    exact: std::cell::OnceCell<schedule::Walk>,
+    act: Vec<f64>,
+    key: (Schedule, u32, u32, u32),
+}
+
+impl WalkBounds {
+    /// The walk's own activation peak ([`schedule::peak_act`], bit for bit; `O(p v m)`
+    /// without the walk's dependencies), computed once.
+    pub fn exact_peak(&self) -> &schedule::Walk {
+        self.exact.get_or_init(|| {
+            let (sched, p, v, m) = self.key;
+            schedule::Walk {
+                makespan: self.floor.makespan,
+                peak_act: schedule::peak_act(sched, p, v, m, &self.act),
+            }
+        })
     }
+}
+
+/// The [`WalkBounds`] of `layout` (uneven interleaving under the balanced split). They do
+/// not read the ZeRO stage.
+pub fn uneven_walk_bounds(job: &Job, lc: &LayerCosts, layout: &Layout) -> WalkBounds {
+    let (fwd, bwd, act) = uneven_stages(job, lc, layout);
+    let key = (
+        layout.schedule,
+        layout.pp,
+        layout.vpp.max(1),
+        layout.grad_accum as u32,
+    );
+    let (sched, p, v, m) = key;
+    let floor = schedule::Walk {
+        makespan: schedule::makespan_floor(sched, p, v, m, &fwd, &bwd),
+        peak_act: {
+            let mut floor = vec![0.0; p as usize];
+            floor[0] = schedule::leading_forwards_peak(sched, p, v, m, &act)
+                .next()
+                .unwrap_or(0.0);
+            floor
+        },
+    };
+    WalkBounds {
+        floor,
+        exact: std::cell::OnceCell::new(),
+        act,
+        key,
+    }
+}
+
+/// An upper bound on the goodput of `layout` from `ev`, an evaluation of it whose step is
+/// at most its own (one with a walk of [`WalkBounds`]): its tokens per second
+/// times [`goodput_fraction_sup`] (plus 1e-9 for rounding).
+pub fn goodput_ceiling(job: &Job, layout: &Layout, ev: &Evaluation) -> f64 {
+    ev.estimate.tokens_per_step / ev.estimate.step.step_s
+        * (goodput_fraction_sup(job, layout) + 1e-9)
 }
 
 /// What [`evaluate_with`] reads from the ranks: the slowest (first with the largest time

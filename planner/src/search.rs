@@ -8,8 +8,9 @@
 
 use rayon::prelude::*;
 use shardwright_cost::eval::{
-    evaluate, evaluate_fitting, evaluate_with, is_uneven, no_bubble_goodput_ceiling, uneven_walk,
-    uneven_walk_floor, LayerCosts, OutOfMemory, Split, UnevenWalk,
+    evaluate, evaluate_fitting, evaluate_with, goodput_ceiling, is_uneven,
+    no_bubble_goodput_ceiling, uneven_walk, uneven_walk_bounds, LayerCosts, OutOfMemory, Split,
+    UnevenWalk, WalkBounds,
 };
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
@@ -279,9 +280,12 @@ enum Verdict {
     /// Not worked out further (its optimistic goodput is below the bound of the threshold
     /// it was prepared against: the replay most likely counts it below the top).
     Open,
-    /// It does not fit even with the activation floor of its walk ([`uneven_walk_floor`]),
-    /// so it does not fit with its walk: out of memory without walking.
+    /// It does not fit with its walk's activation peak ([`WalkBounds`]): out of memory
+    /// without timing the walk.
     OutOfMemory,
+    /// It fits with its walk's activation peak, and its goodput is at most this, below the bound of the threshold it was prepared against: feasible, below the
+    /// top (interleaved, it is no hopeful: its bound is its goodput) without walking.
+    FitsBelow(f64),
     /// Its evaluation with its walk (or with none when it needs none).
     Full(Box<Candidate>),
 }
@@ -648,12 +652,29 @@ impl<'a> Space<'a> {
         .goodput_tokens_per_s
     }
 
-    /// Whether `layout` (uneven interleaving) does not fit even with `floor`, its
-    /// [`uneven_walk_floor`]: then it does not fit with its walk either.
-    fn out_of_memory_at_floor(&self, lc: &LayerCosts, layout: &Layout, floor: &Walk) -> bool {
-        !self.fully_pinned
-            && is_uneven(self.job, layout)
-            && evaluate_fitting(self.job, lc, layout, UnevenWalk::Given(floor)).is_err()
+    /// What the bounds of `layout`'s walk ([`uneven_walk_bounds`]) decide, an uneven
+    /// interleaving whose optimistic goodput reaches `t`: out of memory, or fitting with a
+    /// goodput below `t`; `None` when only its walk can tell. (Never under a fully pinned
+    /// search, which ranks the layout whatever its memory.)
+    fn settle(
+        &self,
+        lc: &LayerCosts,
+        layout: &Layout,
+        bounds: &WalkBounds,
+        t: f64,
+    ) -> Option<Verdict> {
+        if self.fully_pinned || !is_uneven(self.job, layout) {
+            return None;
+        }
+        let fits = |w: &Walk| evaluate_fitting(self.job, lc, layout, UnevenWalk::Given(w));
+        if fits(&bounds.floor).is_err() {
+            return Some(Verdict::OutOfMemory);
+        }
+        let Ok(ev) = fits(bounds.exact_peak()) else {
+            return Some(Verdict::OutOfMemory);
+        };
+        let g = goodput_ceiling(self.job, layout, &ev);
+        (ev.estimate.fits && g < t).then_some(Verdict::FitsBelow(g))
     }
 
     /// The example text of a rejection.
@@ -828,7 +849,7 @@ impl Replay {
             .par_iter()
             .map(|&((u, _), ref is)| {
                 let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
-                let mut floor = None;
+                let mut bounds = None;
                 is.iter()
                     .map(|&(i, t)| {
                         let l = layout_of(u, i);
@@ -836,12 +857,9 @@ impl Replay {
                         if opt < t {
                             return (opt, Some(Verdict::Open));
                         }
-                        // One floor for the family: it does not read the ZeRO stage.
-                        let floor = floor.get_or_insert_with(|| uneven_walk_floor(job, lc, &l));
-                        if space.out_of_memory_at_floor(lc, &l, floor) {
-                            return (opt, Some(Verdict::OutOfMemory));
-                        }
-                        (opt, None)
+                        // One pair of bounds for the family: they do not read the ZeRO stage.
+                        let bounds = bounds.get_or_insert_with(|| uneven_walk_bounds(job, lc, &l));
+                        (opt, space.settle(lc, &l, &*bounds, t))
                     })
                     .collect()
             })
@@ -962,18 +980,21 @@ impl Replay {
             return;
         }
         let verdict = match verdict {
-            Verdict::Open => {
-                let floor = uneven_walk_floor(space.job, lc, &layout);
-                if space.out_of_memory_at_floor(lc, &layout, &floor) {
-                    Verdict::OutOfMemory
-                } else {
-                    Verdict::Full(Box::new(evaluated(space.job, lc, layout)))
-                }
+            Verdict::FitsBelow(g) if g < t => Verdict::FitsBelow(g),
+            Verdict::Open | Verdict::FitsBelow(_) => {
+                let bounds = uneven_walk_bounds(space.job, lc, &layout);
+                space
+                    .settle(lc, &layout, &bounds, t)
+                    .unwrap_or_else(|| Verdict::Full(Box::new(evaluated(space.job, lc, layout))))
             }
             v => v,
         };
         match verdict {
             Verdict::Full(c) => self.rank(*c),
+            Verdict::FitsBelow(_) => {
+                self.tally.summary.candidates += 1;
+                self.tally.summary.feasible += 1;
+            }
             // The example (written once) needs the walk's memory.
             Verdict::OutOfMemory => self.out_of_memory(&layout, || {
                 let m = evaluated(space.job, lc, layout).estimate.memory;
