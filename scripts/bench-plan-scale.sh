@@ -7,7 +7,8 @@
 #
 #   scripts/bench-plan-scale.sh [runs]     (default 5 runs per row; median reported)
 #
-# Set BIN=path to time another build (e.g. an older commit's) on the same rows.
+# Set BIN=path to time another build (e.g. an older commit's) on the same rows; set
+# BASE_BIN=path as well to time both side by side in one run (a column each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-5}
@@ -17,8 +18,24 @@ if [ -z "${BIN:-}" ]; then
 fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-echo "| GPUs | candidates | plan (ms, median of $RUNS) | us per candidate |"
-echo "|---:|---:|---:|---:|"
+median_ms() { # bin spec -> median wall ms over $RUNS runs
+    local t=()
+    for _ in $(seq "$RUNS"); do
+        local s e
+        s=$(date +%s%N)
+        "$1" plan --quiet "$2" -o /dev/null 2>/dev/null || true
+        e=$(date +%s%N)
+        t+=($(((e - s) / 1000)))
+    done
+    printf '%s\n' "${t[@]}" | sort -n | awk '{a[NR]=$1} END {printf "%.1f", a[int((NR+1)/2)]/1000}'
+}
+if [ -n "${BASE_BIN:-}" ]; then
+    echo "| GPUs | candidates | base (ms) | base us/cand | plan (ms, median of $RUNS) | us per candidate |"
+    echo "|---:|---:|---:|---:|---:|---:|"
+else
+    echo "| GPUs | candidates | plan (ms, median of $RUNS) | us per candidate |"
+    echo "|---:|---:|---:|---:|"
+fi
 for n in 64 256 1024 4096 16384 65536; do
     spec="$TMP/405b-$n.yaml"
     sed "s/^\(  num_gpus:\) 16384\$/\1 $n/" specs/llama3-405b-16k-h100.yaml >"$spec"
@@ -28,16 +45,14 @@ for n in 64 256 1024 4096 16384 65536; do
         continue
     fi
     c=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["search"]["candidates"])' "$TMP/p.json")
-    t=()
-    for _ in $(seq "$RUNS"); do
-        s=$(date +%s%N)
-        "$BIN" plan --quiet "$spec" -o /dev/null 2>/dev/null || true
-        e=$(date +%s%N)
-        t+=($(((e - s) / 1000)))
-    done
-    ms=$(printf '%s\n' "${t[@]}" | sort -n | awk '{a[NR]=$1} END {printf "%.1f", a[int((NR+1)/2)]/1000}')
+    base=""
+    if [ -n "${BASE_BIN:-}" ]; then
+        b=$(median_ms "$BASE_BIN" "$spec")
+        base="$b | $(python3 -c "print('%.2f' % ($b * 1000 / $c))") | "
+    fi
+    ms=$(median_ms "$BIN" "$spec")
     per=$(python3 -c "print('%.2f' % ($ms * 1000 / $c))")
-    echo "| $n | $c | $ms | $per |"
+    echo "| $n | $c | $base$ms | $per |"
 done
 echo
 echo "machine: $(nproc) cores; $RUNS runs per row; $(date -u +%F); $("$BIN" --version 2>/dev/null || true)"

@@ -551,16 +551,32 @@ fn group_buffer_bytes(job: &Job, layout: &Layout, mesh: &Mesh) -> f64 {
 
 /// The PP part of [`comm_buffer_bytes`] on stage `j`: sends to the previous and next stage.
 fn pp_buffer_bytes(job: &Job, layout: &Layout, mesh: &Mesh, j: u32) -> f64 {
-    use memory::{nccl_comm_bytes, CommUse};
     if layout.pp <= 1 {
         return 0.0;
     }
-    let ch = memory::nccl_channels(job.hardware.nvlink_gbps);
-    let peers = if layout.vpp > 1 {
+    pp_buffer_for_peers(job, mesh, pp_peers(layout, j))
+}
+
+/// The stages stage `j` sends to (both neighbours for every stage when interleaved).
+fn pp_peers(layout: &Layout, j: u32) -> u64 {
+    if layout.vpp > 1 {
         2
     } else {
         u64::from(j > 0) + u64::from(j + 1 < layout.pp)
-    };
+    }
+}
+
+/// [`pp_buffer_bytes`] of a stage with `peers` neighbours (pp > 1), per peer count 0..=2.
+fn pp_buffer_table(job: &Job, layout: &Layout, mesh: &Mesh) -> [f64; 3] {
+    if layout.pp <= 1 {
+        return [0.0; 3];
+    }
+    [0, 1, 2].map(|peers| pp_buffer_for_peers(job, mesh, peers))
+}
+
+fn pp_buffer_for_peers(job: &Job, mesh: &Mesh, peers: u64) -> f64 {
+    use memory::{nccl_comm_bytes, CommUse};
+    let ch = memory::nccl_channels(job.hardware.nvlink_gbps);
     let how = if mesh.fabric(GroupKind::Pp).crosses_nodes {
         CommUse::PointToPoint {
             nvlink_peers: 0,
@@ -581,8 +597,9 @@ struct MemoryCtx<'a> {
     job: &'a Job,
     lc: &'a LayerCosts,
     layout: &'a Layout,
-    mesh: &'a Mesh,
     group_comm: f64,
+    /// [`pp_buffer_bytes`] by the stage's peer count ([`pp_buffer_table`]).
+    pp_comm: [f64; 3],
 }
 
 /// Memory of pipeline rank `j` holding `l`; `act_peak`: the schedule walk's activation
@@ -592,8 +609,8 @@ fn rank_memory(cx: &MemoryCtx<'_>, l: &RankLoad, j: u32, act_peak: Option<f64>) 
         job,
         lc,
         layout,
-        mesh,
         group_comm,
+        pp_comm,
     } = *cx;
     let tr = &job.training;
     let (dense_p, expert_p) = rank_params(lc, l);
@@ -651,7 +668,12 @@ fn rank_memory(cx: &MemoryCtx<'_>, l: &RankLoad, j: u32, act_peak: Option<f64>) 
             } else {
                 0.0
             });
-    let comm = group_comm + pp_buffer_bytes(job, layout, mesh, j);
+    let comm = group_comm
+        + if layout.pp <= 1 {
+            0.0
+        } else {
+            pp_comm[pp_peers(layout, j) as usize]
+        };
     let reserve = job.cluster.framework_reserve_bytes;
     let total =
         weights + grads + master_b + opt_b + activations + logits + temp + comm + waste + reserve;
@@ -713,6 +735,38 @@ pub fn evaluate_with(
     detail: bool,
     uneven: UnevenWalk<'_>,
 ) -> Evaluation {
+    match evaluate_or_oom(job, lc, layout, split, detail, uneven, false) {
+        Ok(ev) | Err(OutOfMemory(ev)) => ev,
+    }
+}
+
+/// [`evaluate_with`] under the balanced split without per-rank detail, which stops once
+/// the memory shows that `layout` does not fit: then `Err` with an evaluation whose
+/// `estimate.memory` and `estimate.fits` (false) are [`evaluate_with`]'s and whose other
+/// fields are not costed (default). The search counts such a layout out of memory and
+/// reads nothing else.
+pub fn evaluate_fitting(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    uneven: UnevenWalk<'_>,
+) -> Result<Evaluation, OutOfMemory> {
+    evaluate_or_oom(job, lc, layout, Split::Balanced, false, uneven, true)
+}
+
+/// A layout that does not fit (see [`evaluate_fitting`]).
+#[derive(Clone, Debug)]
+pub struct OutOfMemory(pub Evaluation);
+
+fn evaluate_or_oom(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    split: Split<'_>,
+    detail: bool,
+    uneven: UnevenWalk<'_>,
+    stop_if_oom: bool,
+) -> Result<Evaluation, OutOfMemory> {
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
@@ -720,9 +774,9 @@ pub fn evaluate_with(
         job,
         lc,
         layout,
-        mesh: &mesh,
         // NCCL buffers of the groups every stage has alike (the PP sends vary by stage).
         group_comm: group_buffer_bytes(job, layout, &mesh),
+        pp_comm: pp_buffer_table(job, layout, &mesh),
     };
     // Interleaving with uneven chunks: the bubble and the in-flight activations come from a
     // walk of the schedule (the closed forms assume equal chunks).
@@ -738,6 +792,17 @@ pub fn evaluate_with(
         }
     };
     let r = rank_sums(&cx, split, detail, walk);
+    if stop_if_oom && r.worst_mem.total_bytes > r.worst_mem.hbm_bytes {
+        let mut estimate = Estimate {
+            memory: r.worst_mem,
+            ..Estimate::default()
+        };
+        estimate.fits = false;
+        return Err(OutOfMemory(Evaluation {
+            estimate,
+            ..Evaluation::default()
+        }));
+    }
     let m = layout.grad_accum as f64;
     let bubble = match walk {
         Some(w) => (w.makespan - m * r.slow_total).max(0.0),
@@ -757,7 +822,7 @@ pub fn evaluate_with(
             bubble,
         },
     );
-    assemble(job, layout, r, bubble, terms)
+    Ok(assemble(job, layout, r, bubble, terms))
 }
 
 /// Whether `layout` interleaves chunks of unequal layer counts (layers not a multiple of
@@ -778,6 +843,25 @@ pub fn uneven_walk(
     layout: &Layout,
     plan: Option<&schedule::WalkPlan>,
 ) -> schedule::Walk {
+    let (fwd, bwd, act) = uneven_stages(job, lc, layout);
+    match plan {
+        Some(plan) => plan.run(&fwd, &bwd, &act),
+        None => schedule::walk(
+            layout.schedule,
+            layout.pp,
+            layout.vpp.max(1),
+            layout.grad_accum as u32,
+            &fwd,
+            &bwd,
+            &act,
+        ),
+    }
+}
+
+/// Per virtual stage of an uneven interleaving under the balanced split: forward and
+/// backward seconds per micro-batch and the bytes saved until the backward.
+#[allow(clippy::type_complexity)]
+fn uneven_stages(job: &Job, lc: &LayerCosts, layout: &Layout) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let layers = job.model.num_layers;
@@ -805,18 +889,115 @@ pub fn uneven_walk(
         bwd[vs as usize] = t * (1.0 - fshare);
         act[vs as usize] = a;
     }
-    match plan {
-        Some(plan) => plan.run(&fwd, &bwd, &act),
-        None => schedule::walk(
-            layout.schedule,
-            p,
-            v,
-            layout.grad_accum as u32,
-            &fwd,
-            &bwd,
-            &act,
-        ),
+    (fwd, bwd, act)
+}
+
+/// Rank `j`'s load under the balanced split with `v` chunks per rank (one chunk when not
+/// interleaved), and the layers it holds.
+fn balanced_load(job: &Job, p: u32, v: u32, j: u32) -> (RankLoad, u32) {
+    let mut load = RankLoad {
+        embedding: j == 0,
+        head: j == p - 1,
+        ..RankLoad::default()
+    };
+    let mut n = 0;
+    for i in 0..v {
+        let (s0, c) = chunk_layers(job.model.num_layers, p * v, i * p + j);
+        let part = rank_load(job, s0, c, j, p);
+        load.dense_layers += part.dense_layers;
+        load.moe_layers += part.moe_layers;
+        n += c;
     }
+    (load, n)
+}
+
+/// An upper bound on the goodput of [`evaluate_with`] for `layout` under the balanced split
+/// with [`UnevenWalk::Skip`] (no pipeline bubble), without costing memory or the step's
+/// other terms: the step is at least `m` times the slowest rank's time per micro-batch
+/// (the other terms are not negative; the slowest rank's time is the same arithmetic as
+/// [`evaluate_with`]'s), and the goodput fraction at most [`goodput_fraction_sup`] (plus
+/// 1e-9 for rounding). The search skips the evaluation of an uneven interleaving whose
+/// ceiling is below its kept top. Does not read the ZeRO stage.
+pub fn no_bubble_goodput_ceiling(job: &Job, lc: &LayerCosts, layout: &Layout) -> f64 {
+    // Exposed data-parallel time is not negative while the overlap share is a share.
+    if !(0.0..=1.0).contains(&job.efficiency.dp_overlap) {
+        return f64::INFINITY;
+    }
+    let p = layout.pp;
+    let v = layout.vpp.max(1);
+    let slow = (0..p)
+        .map(|j| rank_time(lc, &balanced_load(job, p, v, j).0).total())
+        .fold(f64::NEG_INFINITY, f64::max);
+    let m = layout.grad_accum as f64;
+    let tokens_per_step = job.training.global_batch as f64 * job.model.seq_len as f64;
+    tokens_per_step / (m * slow) * (goodput_fraction_sup(job, layout) + 1e-9)
+}
+
+/// Two stand-ins for [`uneven_walk`] that cost no timed walk: [`WalkBounds::floor`] and
+/// [`WalkBounds::exact_peak`], both with a makespan at most the walk's
+/// ([`schedule::makespan_floor`]). Memory is monotone in the peak and the step in the
+/// makespan, so given to [`evaluate_with`]: a layout that does not fit with the floor does
+/// not fit with its walk, the exact peak tells exactly whether it fits, and
+/// [`goodput_ceiling`] of either evaluation bounds the walked goodput from above.
+pub struct WalkBounds {
+    /// Each rank's activation peak at most the walk's: what the first rank (the one that
+    /// holds the most micro-batches) holds after its leading forwards
+    /// ([`schedule::leading_forwards_peak`], `O(p + v p)`), 0 for the others.
+    pub floor: schedule::Walk,
+    exact: std::cell::OnceCell<schedule::Walk>,
+    act: Vec<f64>,
+    key: (Schedule, u32, u32, u32),
+}
+
+impl WalkBounds {
+    /// The walk's own activation peak ([`schedule::peak_act`], bit for bit; `O(p v m)`
+    /// without the walk's dependencies), computed once.
+    pub fn exact_peak(&self) -> &schedule::Walk {
+        self.exact.get_or_init(|| {
+            let (sched, p, v, m) = self.key;
+            schedule::Walk {
+                makespan: self.floor.makespan,
+                peak_act: schedule::peak_act(sched, p, v, m, &self.act),
+            }
+        })
+    }
+}
+
+/// The [`WalkBounds`] of `layout` (uneven interleaving under the balanced split). They do
+/// not read the ZeRO stage.
+pub fn uneven_walk_bounds(job: &Job, lc: &LayerCosts, layout: &Layout) -> WalkBounds {
+    let (fwd, bwd, act) = uneven_stages(job, lc, layout);
+    let key = (
+        layout.schedule,
+        layout.pp,
+        layout.vpp.max(1),
+        layout.grad_accum as u32,
+    );
+    let (sched, p, v, m) = key;
+    let floor = schedule::Walk {
+        makespan: schedule::makespan_floor(sched, p, v, m, &fwd, &bwd),
+        peak_act: {
+            let mut floor = vec![0.0; p as usize];
+            floor[0] = schedule::leading_forwards_peak(sched, p, v, m, &act)
+                .next()
+                .unwrap_or(0.0);
+            floor
+        },
+    };
+    WalkBounds {
+        floor,
+        exact: std::cell::OnceCell::new(),
+        act,
+        key,
+    }
+}
+
+/// An upper bound on the goodput of `layout` from `ev`, an evaluation of it whose step is
+/// at most its own (one with a walk of [`WalkBounds`]): its tokens per second
+/// times [`goodput_fraction_sup`] (plus 1e-9 for rounding).
+pub fn goodput_ceiling(job: &Job, layout: &Layout, ev: &Evaluation) -> f64 {
+    ev.estimate.tokens_per_step / ev.estimate.step.step_s
+        * (goodput_fraction_sup(job, layout) + 1e-9)
 }
 
 /// What [`evaluate_with`] reads from the ranks: the slowest (first with the largest time
@@ -853,24 +1034,10 @@ fn rank_sums(
     for j in 0..p {
         let (load, count) = match split {
             Split::Balanced => {
-                // Sum the rank's chunks (one chunk when not interleaved).
-                let mut load = RankLoad {
-                    embedding: j == 0,
-                    head: j == p - 1,
-                    ..RankLoad::default()
-                };
-                let mut n = 0;
-                for i in 0..v {
-                    let (s0, c) = chunk_layers(model.num_layers, p * v, i * p + j);
-                    let part = rank_load(job, s0, c, j, p);
-                    load.dense_layers += part.dense_layers;
-                    load.moe_layers += part.moe_layers;
-                    n += c;
-                }
                 if v == 1 {
                     start = chunk_layers(model.num_layers, p, j).0;
                 }
-                (load, n)
+                balanced_load(job, p, v, j)
             }
             Split::Explicit(c) => (rank_load(job, start, c[j as usize], j, p), c[j as usize]),
         };
@@ -942,7 +1109,8 @@ fn assemble(job: &Job, layout: &Layout, r: RankSums, bubble: f64, terms: StepTer
     let mfu = mf * tokens_per_s / (world * peak);
     let hfu = hf * tokens_per_s / (world * peak);
 
-    let rel = reliability_estimate(job, layout, step);
+    let checkpoint = checkpoint_costs(job, layout);
+    let rel = reliability_of(job, &checkpoint, step);
     // Bound for re-partitioning (v = 1): total work is fixed, the slowest rank is at least
     // the mean, and m*max + (sum - max) grows with max; DP exposure and the optimizer step
     // are at least 0; the goodput fraction is at most its supremum over every checkpoint
@@ -950,7 +1118,7 @@ fn assemble(job: &Job, layout: &Layout, r: RankSums, bubble: f64, terms: StepTer
     let goodput_bound = if p > 1 && v == 1 {
         let mean = sum_total / p as f64;
         let step_min = m * mean + (sum_total - mean) + pp_s;
-        tokens_per_step / step_min * goodput_fraction_sup(job, layout)
+        tokens_per_step / step_min * fraction_sup_of(job, &checkpoint)
     } else {
         tokens_per_step / step * rel.goodput_fraction
     };
@@ -1026,7 +1194,9 @@ pub struct SplitModel<'a> {
     layout: &'a Layout,
     mesh: Mesh,
     group_comm: f64,
+    pp_comm: [f64; 3],
     fraction_sup: f64,
+    checkpoint: CheckpointCosts,
 }
 
 impl<'a> SplitModel<'a> {
@@ -1038,13 +1208,17 @@ impl<'a> SplitModel<'a> {
         );
         let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
         let group_comm = group_buffer_bytes(job, layout, &mesh);
+        let pp_comm = pp_buffer_table(job, layout, &mesh);
+        let checkpoint = checkpoint_costs(job, layout);
         SplitModel {
             job,
             lc,
             layout,
             mesh,
             group_comm,
-            fraction_sup: goodput_fraction_sup(job, layout),
+            pp_comm,
+            fraction_sup: fraction_sup_of(job, &checkpoint),
+            checkpoint,
         }
     }
 
@@ -1057,8 +1231,8 @@ impl<'a> SplitModel<'a> {
             job: self.job,
             lc: self.lc,
             layout: self.layout,
-            mesh: &self.mesh,
             group_comm: self.group_comm,
+            pp_comm: self.pp_comm,
         };
         let mem = rank_memory(&cx, &load, j, None);
         StageTerms {
@@ -1128,7 +1302,7 @@ impl<'a> SplitModel<'a> {
         max_params: (f64, f64),
     ) -> f64 {
         let step = self.step_s(slow_total, slow_compute, sum_total, max_params);
-        self.tokens_per_s(step) * reliability_estimate(self.job, self.layout, step).goodput_fraction
+        self.tokens_per_s(step) * reliability_of(self.job, &self.checkpoint, step).goodput_fraction
     }
 }
 
@@ -1309,7 +1483,11 @@ fn step_terms(
 
 /// Checkpoint cost, interval and goodput for a layout with the given step time.
 pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64) -> ReliabilityEstimate {
-    let c = checkpoint_costs(job, layout);
+    reliability_of(job, &checkpoint_costs(job, layout), step_s)
+}
+
+/// [`reliability_estimate`] with the layout's [`checkpoint_costs`].
+fn reliability_of(job: &Job, c: &CheckpointCosts, step_s: f64) -> ReliabilityEstimate {
     let r = &job.reliability;
     let steps = ((c.target_s / step_s).round() as u64).max(1);
     let interval = steps as f64 * step_s;
@@ -1338,7 +1516,11 @@ pub fn reliability_estimate(job: &Job, layout: &Layout, step_s: f64) -> Reliabil
 /// `T = sqrt(2 C M)`; with no stall (or no failures) the supremum is `1 - (R + W)/M`.
 /// [`reliability_estimate`]'s fraction never exceeds it: an upper bound for pruning.
 pub fn goodput_fraction_sup(job: &Job, layout: &Layout) -> f64 {
-    let c = checkpoint_costs(job, layout);
+    fraction_sup_of(job, &checkpoint_costs(job, layout))
+}
+
+/// [`goodput_fraction_sup`] with the layout's [`checkpoint_costs`].
+fn fraction_sup_of(job: &Job, c: &CheckpointCosts) -> f64 {
     let r = &job.reliability;
     if c.young_s > 0.0 && c.young_s.is_finite() {
         reliability::goodput_fraction(c.young_s, c.stall_s, c.mtbf_s, r.restart_s, c.lag_s).0

@@ -44,27 +44,58 @@ fn virtual_mb(k: u32, p: u32, v: u32, m: u32, forward: bool) -> (u32, u32) {
 
 /// The slots of pipeline rank `j` of `p`, with `v` chunks per rank and `m` micro-batches.
 pub fn slots(schedule: Schedule, p: u32, v: u32, m: u32, j: u32) -> Vec<Slot> {
-    let fwd = |mb, chunk| Slot {
-        phase: Phase::Fwd,
-        mb,
-        chunk,
-    };
-    let bwd = |mb, chunk| Slot {
-        phase: Phase::Bwd,
-        mb,
-        chunk,
-    };
     let mut out = Vec::with_capacity(2 * (m * v) as usize);
+    for_each_slot(schedule, p, v, m, j, |s| out.push(s));
+    out
+}
+
+/// Slot `n` of [`slots`] (`n < 2 m v`, `v` as the walk takes it), without the others.
+fn slot_at(schedule: Schedule, p: u32, v: u32, m: u32, j: u32, n: u32) -> Slot {
+    let total = m * v;
+    let (phase, (mb, chunk)) = match schedule {
+        Schedule::Gpipe if n < total => (Phase::Fwd, (n % m, n / m)),
+        Schedule::Gpipe => {
+            let k = n - total;
+            (Phase::Bwd, (m - 1 - k % m, v - 1 - k / m))
+        }
+        Schedule::OneFOneB | Schedule::Interleaved => {
+            let v = if schedule == Schedule::OneFOneB { 1 } else { v };
+            let warm = if v == 1 {
+                (p - j - 1).min(m)
+            } else {
+                ((p - j - 1) * 2 + (v - 1) * p).min(total)
+            };
+            let steady = total - warm;
+            if n < warm {
+                (Phase::Fwd, virtual_mb(n, p, v, m, true))
+            } else if n < warm + 2 * steady {
+                let k = n - warm;
+                if k % 2 == 0 {
+                    (Phase::Fwd, virtual_mb(warm + k / 2, p, v, m, true))
+                } else {
+                    (Phase::Bwd, virtual_mb(k / 2, p, v, m, false))
+                }
+            } else {
+                (Phase::Bwd, virtual_mb(n - warm - steady, p, v, m, false))
+            }
+        }
+    };
+    Slot { phase, mb, chunk }
+}
+
+/// Each of [`slots`] in order, without collecting them.
+fn for_each_slot(schedule: Schedule, p: u32, v: u32, m: u32, j: u32, mut f: impl FnMut(Slot)) {
+    let mut emit = |phase, (mb, chunk)| f(Slot { phase, mb, chunk });
     match schedule {
         Schedule::Gpipe => {
             for c in 0..v {
                 for mb in 0..m {
-                    out.push(fwd(mb, c));
+                    emit(Phase::Fwd, (mb, c));
                 }
             }
             for c in (0..v).rev() {
                 for mb in (0..m).rev() {
-                    out.push(bwd(mb, c));
+                    emit(Phase::Bwd, (mb, c));
                 }
             }
         }
@@ -78,26 +109,21 @@ pub fn slots(schedule: Schedule, p: u32, v: u32, m: u32, j: u32) -> Vec<Slot> {
             };
             let (mut f, mut b) = (0u32, 0u32);
             for _ in 0..warm {
-                let (mb, c) = virtual_mb(f, p, v, m, true);
-                out.push(fwd(mb, c));
+                emit(Phase::Fwd, virtual_mb(f, p, v, m, true));
                 f += 1;
             }
             while f < total {
-                let (mb, c) = virtual_mb(f, p, v, m, true);
-                out.push(fwd(mb, c));
+                emit(Phase::Fwd, virtual_mb(f, p, v, m, true));
                 f += 1;
-                let (mb, c) = virtual_mb(b, p, v, m, false);
-                out.push(bwd(mb, c));
+                emit(Phase::Bwd, virtual_mb(b, p, v, m, false));
                 b += 1;
             }
             while b < total {
-                let (mb, c) = virtual_mb(b, p, v, m, false);
-                out.push(bwd(mb, c));
+                emit(Phase::Bwd, virtual_mb(b, p, v, m, false));
                 b += 1;
             }
         }
     }
-    out
 }
 
 /// Exact timing and activation peak of a pipeline schedule at chunk granularity.
@@ -166,18 +192,21 @@ impl WalkPlan {
             1
         };
         let vs_n = (p * v) as usize;
-        let lists: Vec<Vec<Slot>> = (0..p).map(|j| slots(schedule, p, v, m, j)).collect();
-        let total: usize = lists.iter().map(Vec::len).sum();
+        // Every rank runs 2 m v slots, each found by its index ([`slot_at`]).
+        let per_rank = 2 * m * v;
+        let total = p as usize * per_rank as usize;
+        let slot =
+            |j: usize, n: u32| (n < per_rank).then(|| slot_at(schedule, p, v, m, j as u32, n));
         // Index (1-based) of the step that finished each (virtual stage, micro-batch) pass;
         // 0 = not yet.
         let mut f_done = vec![0u32; vs_n * m as usize];
         let mut b_done = vec![0u32; vs_n * m as usize];
-        let mut next = vec![0usize; p as usize];
+        let mut next = vec![0u32; p as usize];
         let mut steps: Vec<Step> = Vec::with_capacity(total);
         while steps.len() < total {
             let mut progress = false;
             for j in 0..p as usize {
-                while let Some(s) = lists[j].get(next[j]) {
+                while let Some(s) = slot(j, next[j]) {
                     let vs = (s.chunk * p) as usize + j;
                     let at = |vs: usize| vs * m as usize + s.mb as usize;
                     // `Some(0)`: starts at time zero; `None`: waits for a pass not yet run.
@@ -208,8 +237,8 @@ impl WalkPlan {
                 // Only for micro-batch counts the rules reject (interleaving with m not a
                 // multiple of p can deadlock). As the sweep, time what ran; the passes that
                 // never run still count towards each rank's activation peak.
-                for (j, list) in lists.iter().enumerate() {
-                    for s in &list[next[j]..] {
+                for j in 0..p as usize {
+                    for s in (next[j]..per_rank).map(|n| slot_at(schedule, p, v, m, j as u32, n)) {
                         let vs = (s.chunk * p) as usize + j;
                         steps.push(Step {
                             rank: j as u32,
@@ -256,6 +285,144 @@ impl WalkPlan {
             peak_act,
         }
     }
+}
+
+/// Per rank, the activation peak of [`walk`] (its `peak_act`, bit for bit: the same
+/// additions and subtractions in the rank's [`slots`] order) without timing the walk: no
+/// dependencies to follow, no plan to build. In the steady state of 1F1B and interleaving
+/// the chunks of a forward/backward pair repeat with period `p v` (every group holds `p`
+/// micro-batches): once the live sum is the same, bit for bit, as one period before, every
+/// further period repeats the same values and is skipped; the drain only subtracts.
+pub fn peak_act(schedule: Schedule, p: u32, v: u32, m: u32, act: &[f64]) -> Vec<f64> {
+    let v = if schedule == Schedule::Interleaved {
+        v
+    } else {
+        1
+    };
+    (0..p)
+        .map(|j| match schedule {
+            Schedule::Gpipe => {
+                let (mut live, mut peak) = (0.0f64, 0.0f64);
+                for_each_slot(schedule, p, v, m, j, |s| {
+                    let a = act[(s.chunk * p + j) as usize];
+                    if s.phase == Phase::Fwd {
+                        live += a;
+                        peak = peak.max(live);
+                    } else {
+                        live -= a;
+                    }
+                });
+                peak
+            }
+            _ => steady_peak(p, v, m, j, act),
+        })
+        .collect()
+}
+
+/// [`peak_act`] of rank `j` under 1F1B (`v` = 1) or interleaving.
+fn steady_peak(p: u32, v: u32, m: u32, j: u32, act: &[f64]) -> f64 {
+    let total = m * v;
+    let warm = if v == 1 {
+        (p - j - 1).min(m)
+    } else {
+        ((p - j - 1) * 2 + (v - 1) * p).min(total)
+    };
+    let a = |k: u32, forward: bool| act[(virtual_mb(k, p, v, m, forward).1 * p + j) as usize];
+    let (mut live, mut peak) = (0.0f64, 0.0f64);
+    for f in 0..warm {
+        live += a(f, true);
+        peak = peak.max(live);
+    }
+    let steady = total - warm;
+    let period = p * v;
+    let mut periodic = v == 1 || m % p == 0;
+    let mut before: Option<u64> = None; // live one period earlier (bits)
+    let mut i = 0;
+    while i < steady {
+        if periodic && i % period == 0 {
+            if before == Some(live.to_bits()) {
+                i += (steady - i) / period * period;
+                periodic = false;
+                continue;
+            }
+            before = Some(live.to_bits());
+        }
+        live += a(warm + i, true);
+        peak = peak.max(live);
+        live -= a(i, false);
+        i += 1;
+    }
+    peak
+}
+
+/// Per rank: the largest sum of `act` over its leading forward passes (those before its
+/// first backward), added in its [`slots`] order as the walk adds them: prefixes of the
+/// walk's sums, bit for bit, so each at most the walk's `peak_act`, for `O(p (p + v p))`.
+pub fn leading_forwards_peak(
+    schedule: Schedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    act: &[f64],
+) -> impl ExactSizeIterator<Item = f64> + '_ {
+    let v = if schedule == Schedule::Interleaved {
+        v
+    } else {
+        1
+    };
+    let total = m * v;
+    (0..p).map(move |j| {
+        // Forwards before the first backward (see `slots`): every forward under GPipe;
+        // the warm-up and the first steady-state forward under 1F1B and interleaving.
+        let lead = match schedule {
+            Schedule::Gpipe => total,
+            _ if v == 1 => ((p - j - 1).min(m) + 1).min(total),
+            _ => (((p - j - 1) * 2 + (v - 1) * p).min(total) + 1).min(total),
+        };
+        let (mut live, mut peak) = (0.0f64, 0.0f64);
+        for f in 0..lead {
+            let chunk = match schedule {
+                Schedule::Gpipe => f / m,
+                _ => virtual_mb(f, p, v, m, true).1,
+            };
+            live += act[(chunk * p + j) as usize];
+            peak = peak.max(live);
+        }
+        peak
+    })
+}
+
+/// At most the makespan of [`walk`], for `O(p v)` instead of its `O(p v m)`: rank `j`
+/// cannot start before micro-batch 0 has gone forward through the virtual stages `0..j`
+/// (chunk 0 of the ranks before it), then runs `m` times its own chunks' forward and
+/// backward, and its last pass (the backward of its chunk 0) still has to go back through
+/// the stages `0..j`. Less a margin for the rounding of both sums (each of at most all the
+/// walk's passes, all positive); 0 where a walk could deadlock (interleaving with `m` not a
+/// multiple of `p`, which the rules reject) or a duration is negative.
+pub fn makespan_floor(schedule: Schedule, p: u32, v: u32, m: u32, fwd: &[f64], bwd: &[f64]) -> f64 {
+    let v = if schedule == Schedule::Interleaved {
+        v
+    } else {
+        1
+    };
+    let (n, pu) = ((p * v) as usize, p as usize);
+    let (fwd, bwd) = (&fwd[..n], &bwd[..n]);
+    let negative = |x: &[f64]| x.iter().any(|&d| d < 0.0 || d.is_nan());
+    if (schedule == Schedule::Interleaved && v > 1 && m % p != 0) || negative(fwd) || negative(bwd)
+    {
+        return 0.0;
+    }
+    let mut path = 0.0f64; // forward and backward through the virtual stages 0..j
+    let mut most = 0.0f64;
+    for j in 0..pu {
+        let own: f64 = (0..v as usize)
+            .map(|c| fwd[c * pu + j] + bwd[c * pu + j])
+            .sum();
+        most = most.max(path + m as f64 * own);
+        path += fwd[j] + bwd[j];
+    }
+    let passes = 2 * u64::from(m) * n as u64 + 2 * p as u64 + 1;
+    most * (1.0 - 8.0 * passes as f64 * f64::EPSILON)
 }
 
 /// The walk as a sweep over the ranks that runs every pass whose input is ready, until all
@@ -505,6 +672,148 @@ mod tests {
             }
         }
         assert_eq!(cases, 3 * 6 * 4 * 13 * 3);
+    }
+
+    /// The leading forwards' peak is, bit for bit, the activation held after those passes
+    /// in the walk's own order, and never above the walk's peak.
+    #[test]
+    fn leading_forwards_peak_is_a_prefix_of_the_walks() {
+        let mut x = 0x51_7cc1_b727_220au64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 10_000) as f64 / 997.0 + 1e-3
+        };
+        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
+            for p in 1..=6u32 {
+                for v in 1..=4u32 {
+                    for m in 1..=13u32 {
+                        let n = (p * v) as usize;
+                        let act: Vec<f64> = (0..n).map(|_| rnd()).collect();
+                        let ones = vec![1.0; n];
+                        let floor: Vec<f64> = leading_forwards_peak(sched, p, v, m, &act).collect();
+                        let w = walk_reference(sched, p, v, m, &ones, &ones, &act);
+                        let vv = if sched == Schedule::Interleaved { v } else { 1 };
+                        for j in 0..p {
+                            assert!(floor[j as usize] <= w.peak_act[j as usize]);
+                            // The same additions over the slots before the first backward.
+                            let (mut live, mut peak) = (0.0f64, 0.0f64);
+                            for s in slots(sched, p, vv, m, j) {
+                                if s.phase == Phase::Bwd {
+                                    break;
+                                }
+                                live += act[(s.chunk * p + j) as usize];
+                                peak = peak.max(live);
+                            }
+                            assert_eq!(
+                                floor[j as usize].to_bits(),
+                                peak.to_bits(),
+                                "{sched:?} p{p} v{v} m{m} j{j}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The peak without the walk is the walk's, bit for bit, and the makespan floor is at
+    /// most the walk's (and not vacuous), for every schedule over a grid of (p, v, m).
+    #[test]
+    fn peak_and_makespan_floor_without_the_walk() {
+        let mut x = 0x1d8e_4e27_c47d_124fu64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 10_000) as f64 / 997.0 + 1e-3
+        };
+        let mut tight = 0;
+        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
+            for p in 1..=6u32 {
+                for v in 1..=4u32 {
+                    for m in 1..=13u32 {
+                        let n = (p * v) as usize;
+                        let fwd: Vec<f64> = (0..n).map(|_| rnd()).collect();
+                        let bwd: Vec<f64> = (0..n).map(|_| 2.0 * rnd()).collect();
+                        let act: Vec<f64> = (0..n).map(|_| rnd()).collect();
+                        let w = walk_reference(sched, p, v, m, &fwd, &bwd, &act);
+                        let at = format!("{sched:?} p{p} v{v} m{m}");
+                        let bits = |x: &[f64]| x.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&peak_act(sched, p, v, m, &act)),
+                            bits(&w.peak_act),
+                            "{at}"
+                        );
+                        let floor = makespan_floor(sched, p, v, m, &fwd, &bwd);
+                        assert!(floor <= w.makespan, "{at}: {floor} > {}", w.makespan);
+                        tight += usize::from(floor >= 0.8 * w.makespan);
+                    }
+                }
+            }
+        }
+        // Not vacuous: most floors are within 20% of the walk.
+        assert!(tight > 3 * 6 * 4 * 13 / 2, "{tight}");
+        // Long steady states whose live sums repeat (whole-number bytes), so periods are
+        // skipped, and some that drift (fractions): the same bits as the slot-by-slot sums.
+        for (p, v, m) in [
+            (4u32, 3u32, 64u32),
+            (8, 2, 96),
+            (3, 5, 30),
+            (5, 1, 40),
+            (6, 4, 12),
+        ] {
+            for frac in [0.0, 0.1] {
+                let act: Vec<f64> = (0..p * v)
+                    .map(|i| (i % 3 + 1) as f64 + frac * i as f64)
+                    .collect();
+                for sched in [Schedule::OneFOneB, Schedule::Interleaved] {
+                    let vv = if sched == Schedule::Interleaved { v } else { 1 };
+                    let got = peak_act(sched, p, v, m, &act);
+                    for j in 0..p {
+                        let (mut live, mut peak) = (0.0f64, 0.0f64);
+                        for s in slots(sched, p, vv, m, j) {
+                            let a = act[(s.chunk * p + j) as usize];
+                            if s.phase == Phase::Fwd {
+                                live += a;
+                                peak = peak.max(live);
+                            } else {
+                                live -= a;
+                            }
+                        }
+                        assert_eq!(
+                            got[j as usize].to_bits(),
+                            peak.to_bits(),
+                            "{sched:?} p{p} v{v} m{m} j{j}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn slot_at_is_the_slots_order() {
+        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
+            for (p, v, m) in [
+                (1, 1, 3),
+                (4, 1, 8),
+                (4, 2, 8),
+                (3, 3, 7),
+                (4, 2, 5),
+                (2, 4, 1),
+            ] {
+                let v = if sched == Schedule::Interleaved { v } else { 1 };
+                for j in 0..p {
+                    let all = slots(sched, p, v, m, j);
+                    let at: Vec<Slot> = (0..2 * m * v)
+                        .map(|n| slot_at(sched, p, v, m, j, n))
+                        .collect();
+                    assert_eq!(at, all, "{sched:?} p{p} v{v} m{m} j{j}");
+                }
+            }
+        }
     }
 
     #[test]

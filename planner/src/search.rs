@@ -8,7 +8,9 @@
 
 use rayon::prelude::*;
 use shardwright_cost::eval::{
-    evaluate, evaluate_with, is_uneven, uneven_walk, LayerCosts, Split, UnevenWalk,
+    evaluate, evaluate_fitting, evaluate_with, goodput_ceiling, is_uneven,
+    no_bubble_goodput_ceiling, uneven_walk, uneven_walk_bounds, LayerCosts, OutOfMemory, Split,
+    UnevenWalk, WalkBounds,
 };
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
@@ -132,6 +134,9 @@ pub struct SearchResult {
 /// candidates.
 struct Tally {
     summary: SearchSummary,
+    /// Per reason, in the order first seen: its key, count and first example (moved into
+    /// the summary's maps by [`Tally::into_summary`]; a dozen keys, so a scan).
+    reasons: Vec<(&'static str, u64, String)>,
 }
 
 impl Tally {
@@ -140,12 +145,23 @@ impl Tally {
     }
 
     /// One candidate counted under `key` (a [`Rejection`] name or a search-only reason).
-    fn count(&mut self, key: &str, example: impl FnOnce() -> String) {
+    fn count(&mut self, key: &'static str, example: impl FnOnce() -> String) {
         self.summary.candidates += 1;
-        *self.summary.rejected.entry(key.to_string()).or_insert(0) += 1;
-        if !self.summary.examples.contains_key(key) {
-            self.summary.examples.insert(key.to_string(), example());
+        // (No allocation or map look-up per candidate: the search counts millions.)
+        let same = |k: &&'static str| std::ptr::eq(*k, key) || *k == key;
+        match self.reasons.iter_mut().find(|r| same(&r.0)) {
+            Some(r) => r.1 += 1,
+            None => self.reasons.push((key, 1, example())),
         }
+    }
+
+    fn into_summary(self) -> SearchSummary {
+        let mut summary = self.summary;
+        for (key, n, example) in self.reasons {
+            *summary.rejected.entry(key.to_string()).or_insert(0) += n;
+            summary.examples.entry(key.to_string()).or_insert(example);
+        }
+        summary
     }
 }
 
@@ -236,15 +252,42 @@ enum Event {
     SameAsLowerZero(Layout, u8),
     /// Evaluated with its walk (or none needed).
     Evaluated(Box<Candidate>),
-    /// Uneven interleaving: `optimistic` is its goodput with no pipeline bubble, an upper
-    /// bound; `full` its evaluation once walked. Candidates of one unit with the same
-    /// `family` (pp, vpp) share one walk.
+    /// Does not fit (the search is not fully pinned): the worst rank's bytes and the HBM.
+    OutOfMemory(Layout, f64, f64),
+    /// Uneven interleaving: `ceiling` bounds its goodput with no pipeline bubble (its
+    /// optimistic goodput, itself an upper bound) from above; `pre` is what
+    /// [`Replay::prepare_uneven`] worked out ahead of the replay. Candidates of one unit
+    /// with the same `family` (pp, vpp) share one walk.
     Uneven {
         layout: Layout,
-        optimistic: f64,
+        ceiling: f64,
         family: u32,
-        full: Option<Box<Candidate>>,
+        pre: Option<Box<Prepared>>,
     },
+}
+
+/// An uneven interleaving's work done ahead of the replay.
+#[derive(Clone, Debug)]
+struct Prepared {
+    /// Its goodput with no pipeline bubble ([`UnevenWalk::Skip`]).
+    optimistic: f64,
+    verdict: Verdict,
+}
+
+/// Where an uneven interleaving stands once its optimistic goodput is known.
+#[derive(Clone, Debug)]
+enum Verdict {
+    /// Not worked out further (its optimistic goodput is below the bound of the threshold
+    /// it was prepared against: the replay most likely counts it below the top).
+    Open,
+    /// It does not fit with its walk's activation peak ([`WalkBounds`]): out of memory
+    /// without timing the walk.
+    OutOfMemory,
+    /// It fits with its walk's activation peak, and its goodput is at most this, below the bound of the threshold it was prepared against: feasible, below the
+    /// top (interleaved, it is no hopeful: its bound is its goodput) without walking.
+    FitsBelow(f64),
+    /// Its evaluation with its walk (or with none when it needs none).
+    Full(Box<Candidate>),
 }
 
 /// One unit's candidates (and the per-layer costs they were evaluated with).
@@ -279,6 +322,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
                 fully_pinned: space.fully_pinned,
                 ..SearchSummary::default()
             },
+            reasons: Vec::new(),
         },
         best: Vec::with_capacity(keep + 1),
         hopefuls: Vec::new(),
@@ -286,7 +330,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
     let mut plans = WalkPlans::default();
     for window in units.chunks(WINDOW) {
         let mut expanded: Vec<Expanded> = window.par_iter().map(|u| space.expand(u)).collect();
-        run.walk_likely(&space, &mut plans, &mut expanded);
+        run.prepare_uneven(&space, &mut plans, &mut expanded);
         for (unit, ex) in window.iter().zip(expanded) {
             run.replay(&space, unit, ex);
             progress(unit.outer(), total_outer);
@@ -500,6 +544,8 @@ impl<'a> Space<'a> {
                     (None, _) => vec![Schedule::Interleaved],
                 };
                 for &sched in &schedules {
+                    // The ceiling of an uneven interleaving does not read the ZeRO stage.
+                    let mut ceiling = None;
                     for &z in &self.zeros {
                         let layout = Layout {
                             tp: tp as u32,
@@ -520,7 +566,7 @@ impl<'a> Space<'a> {
                                 tp as u32
                             }),
                         };
-                        events.push(self.candidate(&lc, layout, family));
+                        events.push(self.candidate(&lc, layout, family, &mut ceiling));
                     }
                 }
             }
@@ -532,7 +578,13 @@ impl<'a> Space<'a> {
     }
 
     /// One (pp, vpp, schedule, ZeRO) candidate of a unit.
-    fn candidate(&self, lc: &LayerCosts, layout: Layout, family: u32) -> Event {
+    fn candidate(
+        &self,
+        lc: &LayerCosts,
+        layout: Layout,
+        family: u32,
+        ceiling: &mut Option<f64>,
+    ) -> Event {
         let (pp, v, z) = (layout.pp, layout.vpp, layout.zero_stage);
         let z_axes = Axes {
             pp: Some(pp as u64),
@@ -557,29 +609,72 @@ impl<'a> Space<'a> {
             return Event::SameAsLowerZero(layout, lower);
         }
         // Uneven interleaving: walking the schedule costs O(pp m vpp); first ask for the
-        // goodput with no bubble (an upper bound) and walk only when that could reach the top.
+        // goodput with no bubble (an upper bound) and walk only when that could reach the top
+        // and the layout may fit. Cheaper still, a ceiling of that goodput (no memory, no
+        // step terms) decides most candidates; the rest are costed later, when needed.
         if v > 1 && self.job.model.num_layers % (pp * v) != 0 {
-            let opt = evaluate_with(
-                self.job,
-                lc,
-                &layout,
-                Split::Balanced,
-                false,
-                UnevenWalk::Skip,
-            );
             return Event::Uneven {
                 layout,
-                optimistic: opt.estimate.goodput_tokens_per_s,
+                ceiling: *ceiling
+                    .get_or_insert_with(|| no_bubble_goodput_ceiling(self.job, lc, &layout)),
                 family,
-                full: None,
+                pre: None,
             };
         }
-        let ev = evaluate(self.job, lc, &layout, Split::Balanced, false);
-        Event::Evaluated(Box::new(Candidate {
+        if self.fully_pinned {
+            // Ranked whether it fits or not.
+            return Event::Evaluated(Box::new(evaluated(self.job, lc, layout)));
+        }
+        match evaluate_fitting(self.job, lc, &layout, UnevenWalk::Walk) {
+            Ok(ev) => Event::Evaluated(Box::new(Candidate {
+                layout,
+                estimate: ev.estimate,
+                goodput_bound: ev.goodput_bound,
+            })),
+            Err(OutOfMemory(ev)) => {
+                let m = &ev.estimate.memory;
+                Event::OutOfMemory(layout, m.total_bytes, m.hbm_bytes)
+            }
+        }
+    }
+
+    /// An uneven interleaving's goodput with no pipeline bubble.
+    fn optimistic(&self, lc: &LayerCosts, layout: &Layout) -> f64 {
+        evaluate_with(
+            self.job,
+            lc,
             layout,
-            estimate: ev.estimate,
-            goodput_bound: ev.goodput_bound,
-        }))
+            Split::Balanced,
+            false,
+            UnevenWalk::Skip,
+        )
+        .estimate
+        .goodput_tokens_per_s
+    }
+
+    /// What the bounds of `layout`'s walk ([`uneven_walk_bounds`]) decide, an uneven
+    /// interleaving whose optimistic goodput reaches `t`: out of memory, or fitting with a
+    /// goodput below `t`; `None` when only its walk can tell. (Never under a fully pinned
+    /// search, which ranks the layout whatever its memory.)
+    fn settle(
+        &self,
+        lc: &LayerCosts,
+        layout: &Layout,
+        bounds: &WalkBounds,
+        t: f64,
+    ) -> Option<Verdict> {
+        if self.fully_pinned || !is_uneven(self.job, layout) {
+            return None;
+        }
+        let fits = |w: &Walk| evaluate_fitting(self.job, lc, layout, UnevenWalk::Given(w));
+        if fits(&bounds.floor).is_err() {
+            return Some(Verdict::OutOfMemory);
+        }
+        let Ok(ev) = fits(bounds.exact_peak()) else {
+            return Some(Verdict::OutOfMemory);
+        };
+        let g = goodput_ceiling(self.job, layout, &ev);
+        (ev.estimate.fits && g < t).then_some(Verdict::FitsBelow(g))
     }
 
     /// The example text of a rejection.
@@ -707,77 +802,119 @@ fn threshold(best: &[Candidate], keep: usize) -> f64 {
 }
 
 impl Replay {
-    /// Walk, in parallel, the uneven interleaving of `window` that the replay will likely
-    /// need: whose optimistic goodput reaches a lower bound of the threshold it will meet.
-    /// The top at the window's start plus the window's evaluated candidates before it
-    /// bound that threshold from below, up to the tie margin: a larger set's `keep`-th
-    /// prints at least as high, so its goodput is at least 1e-5 below ours, and
-    /// `tie_floor` applied twice stays under its `tie_floor`. (Only speed depends on it:
-    /// the replay walks any other candidate it needs.)
-    fn walk_likely(&self, space: &Space<'_>, plans: &mut WalkPlans, expanded: &mut [Expanded]) {
+    /// Work out, in parallel, the uneven interleaving of `window` that the replay will
+    /// likely need: the optimistic goodput of those whose ceiling reaches a lower bound of
+    /// the threshold the replay will meet, then for those whose optimistic goodput reaches
+    /// it, whether they run out of memory at their walk's activation floor, and the walk
+    /// (one per pp/vpp family, for all its ZeRO stages) of the rest. The top at the
+    /// window's start plus the window's evaluated candidates before it bound that threshold
+    /// from below, up to the tie margin: a larger set's `keep`-th prints at least as high,
+    /// so its goodput is at least 1e-5 below ours, and `tie_floor` applied twice stays
+    /// under its `tie_floor`. (Only speed depends on it: the replay works out any other
+    /// candidate it needs.)
+    fn prepare_uneven(&self, space: &Space<'_>, plans: &mut WalkPlans, expanded: &mut [Expanded]) {
         let mut lower = self.best.clone();
-        // (unit in the window, family) -> indices of the events to evaluate.
-        let mut wanted: BTreeMap<(usize, u32), Vec<usize>> = BTreeMap::new();
+        // (unit in the window, family) -> (event index, threshold bound) to prepare.
+        let mut wanted: BTreeMap<(usize, u32), Vec<(usize, f64)>> = BTreeMap::new();
         for (u, ex) in expanded.iter().enumerate() {
             for (i, e) in ex.events.iter().enumerate() {
                 match e {
-                    Event::Evaluated(c) if c.estimate.fits || self.fully_pinned => {
+                    Event::Evaluated(c)
+                        if (c.estimate.fits || self.fully_pinned)
+                            && c.estimate.goodput_tokens_per_s >= threshold(&lower, self.keep) =>
+                    {
                         insert_top(&mut lower, self.keep, (**c).clone());
                     }
                     Event::Uneven {
-                        optimistic, family, ..
+                        ceiling, family, ..
                     } => {
                         let t = threshold(&lower, self.keep);
                         let t = if t.is_finite() { tie_floor(t) } else { t };
-                        if *optimistic >= t || optimistic.is_nan() {
-                            wanted.entry((u, *family)).or_default().push(i);
+                        if *ceiling >= t || ceiling.is_nan() {
+                            wanted.entry((u, *family)).or_default().push((i, t));
                         }
                     }
                     _ => {}
                 }
             }
         }
+        let wanted: Vec<((usize, u32), Vec<(usize, f64)>)> = wanted.into_iter().collect();
         let layout_of = |u: usize, i: usize| match &expanded[u].events[i] {
             Event::Uneven { layout, .. } => *layout,
-            _ => unreachable!("only uneven candidates are walked"),
+            _ => unreachable!("only uneven candidates are prepared"),
         };
         let job = space.job;
-        plans.prepare(
-            wanted
-                .iter()
-                .map(|(&(u, _), is)| layout_of(u, is[0]))
-                .filter(|l| is_uneven(job, l)),
-        );
-        let plans = &*plans;
-        let done: Vec<Vec<Candidate>> = wanted
+        // Optimistic goodput and the memory floor; `None`: needs its walk.
+        let verdicts: Vec<Vec<(f64, Option<Verdict>)>> = wanted
             .par_iter()
-            .map(|(&(u, _), is)| {
+            .map(|&((u, _), ref is)| {
                 let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
-                let first = layout_of(u, is[0]);
-                // One walk for the family: it does not read the ZeRO stage.
-                let walk = is_uneven(job, &first).then(|| plans.walk(job, lc, &first));
+                let mut bounds = None;
                 is.iter()
-                    .map(|&i| {
+                    .map(|&(i, t)| {
                         let l = layout_of(u, i);
-                        match &walk {
-                            Some(w) => plans.candidate(job, lc, &l, w),
-                            None => {
-                                let ev = evaluate(job, lc, &l, Split::Balanced, false);
-                                Candidate {
-                                    layout: l,
-                                    estimate: ev.estimate,
-                                    goodput_bound: ev.goodput_bound,
-                                }
-                            }
+                        let opt = space.optimistic(lc, &l);
+                        if opt < t {
+                            return (opt, Some(Verdict::Open));
                         }
+                        // One pair of bounds for the family: they do not read the ZeRO stage.
+                        let bounds = bounds.get_or_insert_with(|| uneven_walk_bounds(job, lc, &l));
+                        (opt, space.settle(lc, &l, &*bounds, t))
                     })
                     .collect()
             })
             .collect();
-        for (((u, _), is), cands) in wanted.into_iter().zip(done) {
-            for (i, c) in is.into_iter().zip(cands) {
-                if let Event::Uneven { full, .. } = &mut expanded[u].events[i] {
-                    *full = Some(Box::new(c));
+        type Group = ((usize, u32), Vec<(usize, f64)>);
+        let walk_first = |&((u, _), ref is): &Group, v: &Vec<(f64, Option<Verdict>)>| {
+            is.iter()
+                .zip(v)
+                .find(|(_, (_, verdict))| verdict.is_none())
+                .map(|(&(i, _), _)| layout_of(u, i))
+        };
+        plans.prepare(
+            wanted
+                .iter()
+                .zip(&verdicts)
+                .filter_map(|(g, v)| walk_first(g, v))
+                .filter(|l| is_uneven(job, l)),
+        );
+        let plans = &*plans;
+        let walked: Vec<Vec<Option<Candidate>>> = wanted
+            .par_iter()
+            .zip(verdicts.par_iter())
+            .map(|(g, v)| {
+                let Some(first) = walk_first(g, v) else {
+                    return Vec::new();
+                };
+                let (u, is) = (g.0 .0, &g.1);
+                let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
+                // One walk for the family: it does not read the ZeRO stage.
+                let walk = is_uneven(job, &first).then(|| plans.walk(job, lc, &first));
+                is.iter()
+                    .zip(v)
+                    .map(|(&(i, _), (_, verdict))| {
+                        verdict.is_none().then(|| {
+                            let l = layout_of(u, i);
+                            match &walk {
+                                Some(w) => plans.candidate(job, lc, &l, w),
+                                None => evaluated(job, lc, l),
+                            }
+                        })
+                    })
+                    .collect()
+            })
+            .collect();
+        for ((((u, _), is), v), w) in wanted.into_iter().zip(verdicts).zip(walked) {
+            let mut w = w.into_iter();
+            for ((i, _), (optimistic, verdict)) in is.into_iter().zip(v) {
+                let walked = w.next().flatten();
+                let verdict =
+                    verdict.unwrap_or_else(|| Verdict::Full(Box::new(walked.expect("walked"))));
+                if let Event::Uneven { pre, .. } = &mut expanded[u].events[i] {
+                    *pre = Some(Box::new(Prepared {
+                        optimistic,
+                        verdict,
+                    }));
                 }
             }
         }
@@ -802,49 +939,76 @@ impl Replay {
                     });
                 }
                 Event::Evaluated(c) => self.rank(*c),
+                Event::OutOfMemory(layout, need, hbm) => {
+                    self.out_of_memory(&layout, || (need, hbm));
+                }
                 Event::Uneven {
                     layout,
-                    optimistic,
-                    full,
+                    ceiling,
+                    pre,
                     ..
                 } => {
-                    if optimistic < threshold(&self.best, self.keep) {
-                        self.tally.count("below_top_without_bubble", || {
-                            format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top")
-                        });
-                        continue;
-                    }
-                    let c = match full {
-                        Some(c) => *c,
-                        None => {
-                            let lc = ex.lc.as_ref().expect("a unit with candidates");
-                            let ev = evaluate(space.job, lc, &layout, Split::Balanced, false);
-                            Candidate {
-                                layout,
-                                estimate: ev.estimate,
-                                goodput_bound: ev.goodput_bound,
-                            }
-                        }
-                    };
-                    self.rank(c);
+                    let lc = ex.lc.as_ref().expect("a unit with candidates");
+                    self.uneven(space, lc, layout, ceiling, pre);
                 }
             }
+        }
+    }
+
+    /// An uneven interleaving, in order: below the top even without a bubble (its ceiling
+    /// or else its optimistic goodput below the threshold), out of memory (at its walk's
+    /// activation floor, or with its walk), or evaluated with its walk and ranked.
+    fn uneven(
+        &mut self,
+        space: &Space<'_>,
+        lc: &LayerCosts,
+        layout: Layout,
+        ceiling: f64,
+        pre: Option<Box<Prepared>>,
+    ) {
+        let t = threshold(&self.best, self.keep);
+        let below = |opt: f64| opt < t;
+        let (optimistic, verdict) = match pre {
+            _ if below(ceiling) => (ceiling, Verdict::Open),
+            Some(p) => (p.optimistic, p.verdict),
+            None => (space.optimistic(lc, &layout), Verdict::Open),
+        };
+        if below(optimistic) {
+            self.tally.count("below_top_without_bubble", || {
+                format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top")
+            });
+            return;
+        }
+        let verdict = match verdict {
+            Verdict::FitsBelow(g) if g < t => Verdict::FitsBelow(g),
+            Verdict::Open | Verdict::FitsBelow(_) => {
+                let bounds = uneven_walk_bounds(space.job, lc, &layout);
+                space
+                    .settle(lc, &layout, &bounds, t)
+                    .unwrap_or_else(|| Verdict::Full(Box::new(evaluated(space.job, lc, layout))))
+            }
+            v => v,
+        };
+        match verdict {
+            Verdict::Full(c) => self.rank(*c),
+            Verdict::FitsBelow(_) => {
+                self.tally.summary.candidates += 1;
+                self.tally.summary.feasible += 1;
+            }
+            // The example (written once) needs the walk's memory.
+            Verdict::OutOfMemory => self.out_of_memory(&layout, || {
+                let m = evaluated(space.job, lc, layout).estimate.memory;
+                (m.total_bytes, m.hbm_bytes)
+            }),
+            Verdict::Open => unreachable!("decided above"),
         }
     }
 
     /// An evaluated candidate: rejected for memory, or counted and offered to the top.
     fn rank(&mut self, cand: Candidate) {
         if !cand.estimate.fits && !self.fully_pinned {
-            let need = cand.estimate.memory.total_bytes;
-            let hbm = cand.estimate.memory.hbm_bytes;
-            let layout = cand.layout;
-            self.tally.reject(Rejection::OutOfMemory, || {
-                format!(
-                    "{layout}: needs {:.1} GB of {:.1} GB",
-                    need / 1e9,
-                    hbm / 1e9
-                )
-            });
+            let memory = &cand.estimate.memory;
+            self.out_of_memory(&cand.layout, || (memory.total_bytes, memory.hbm_bytes));
             return;
         }
         self.tally.summary.candidates += 1;
@@ -867,8 +1031,33 @@ impl Replay {
         SearchResult {
             best,
             hopefuls,
-            summary: self.tally.summary,
+            summary: self.tally.into_summary(),
         }
+    }
+}
+
+impl Replay {
+    /// A candidate that does not fit, counted; `memory` (its worst rank's bytes and the
+    /// HBM) is asked for only to write the first example.
+    fn out_of_memory(&mut self, layout: &Layout, memory: impl FnOnce() -> (f64, f64)) {
+        self.tally.reject(Rejection::OutOfMemory, || {
+            let (need, hbm) = memory();
+            format!(
+                "{layout}: needs {:.1} GB of {:.1} GB",
+                need / 1e9,
+                hbm / 1e9
+            )
+        });
+    }
+}
+
+/// `layout` evaluated under the balanced split (with its walk when it needs one).
+fn evaluated(job: &Job, lc: &LayerCosts, layout: Layout) -> Candidate {
+    let ev = evaluate(job, lc, &layout, Split::Balanced, false);
+    Candidate {
+        layout,
+        estimate: ev.estimate,
+        goodput_bound: ev.goodput_bound,
     }
 }
 
@@ -877,7 +1066,11 @@ fn insert_top(best: &mut Vec<Candidate>, keep: usize, c: Candidate) {
         return;
     }
     if best.len() == keep {
-        if rank_cmp(&c, best.last().expect("non-empty")) != Ordering::Less {
+        // Below the tie floor of the keep-th it prints lower, so it ranks after it (the
+        // same answer as `rank_cmp`, without printing both goodputs).
+        if c.estimate.goodput_tokens_per_s < threshold(best, keep)
+            || rank_cmp(&c, best.last().expect("non-empty")) != Ordering::Less
+        {
             return;
         }
         best.pop();

@@ -7,12 +7,20 @@ use shardwright_planner::{plan, PlanOptions};
 use shardwright_spec::parse::{parse_spec, Format};
 
 fn plan_bytes(path: &str, clear_pins: bool, threads: usize) -> String {
+    plan_bytes_on(path, clear_pins, None, threads)
+}
+
+/// The plan of `path` (parallelism pins cleared, on `gpus` GPUs if given) on `threads`.
+fn plan_bytes_on(path: &str, clear_pins: bool, gpus: Option<u64>, threads: usize) -> String {
     let full = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .join(path);
     let mut spec = parse_spec(&std::fs::read_to_string(full).unwrap(), Format::Yaml).unwrap();
     if clear_pins {
         spec.job.parallelism = Default::default();
+    }
+    if let Some(n) = gpus {
+        spec.cluster.num_gpus = Some(n);
     }
     let r = resolve(&spec, &ResolveOptions::default()).unwrap();
     let pool = rayon::ThreadPoolBuilder::new()
@@ -47,5 +55,44 @@ fn plan_bytes_do_not_depend_on_the_thread_count() {
             "{path}: {}",
             &one[..200.min(one.len())]
         );
+    }
+}
+
+/// Issue 25's two search-heavy rows (the 405B on 256 GPUs: long schedule walks, most
+/// uneven interleavings settled by the walk's bounds; DeepSeek-V3 without its pins: a
+/// million candidates) give the same bytes on 1 and 3 threads, and the chosen layout and
+/// every count of the search summary are those the exhaustive search gave before it pruned
+/// with the ceilings and the walk's bounds (commit b55d883).
+#[test]
+fn the_search_heavy_rows_do_not_depend_on_threads_or_pruning() {
+    for (path, gpus, clear, chosen, counts) in [
+        (
+            "specs/llama3-405b-16k-h100.yaml",
+            Some(256),
+            false,
+            "tp4,pp16,dp1,cp4,ep1,vpp1,mb1,ga1024,zero1,rc=none,sp=on,schedule=1f1b",
+            r#""candidates": 67686, "feasible": 479, "rejected": {"batch_not_divisible": 18, "below_top_without_bubble": 6892, "layers_vs_interleave": 2490, "microbatches_vs_interleave": 414, "out_of_memory": 26193, "pp_exceeds_layers": 75, "same_as_lower_zero_stage": 31104, "seq_len_vs_cp": 6, "tp_across_nodes": 15}"#,
+        ),
+        (
+            "specs/deepseek-v3-2048xh800.yaml",
+            None,
+            true,
+            "tp2,pp16,dp8,cp1,ep8,vpp1,mb1,ga240,zero1,rc=none,sp=on,schedule=1f1b,etp1",
+            r#""candidates": 998832, "feasible": 35762, "rejected": {"batch_not_divisible": 4344, "below_top_without_bubble": 327043, "experts_not_divisible_by_ep": 10, "layers_vs_interleave": 79920, "microbatches_vs_interleave": 36174, "out_of_memory": 92139, "pp_exceeds_layers": 8250, "same_as_lower_zero_stage": 414996, "seq_len_vs_cp": 74, "tp_across_nodes": 120}"#,
+        ),
+    ] {
+        let one = plan_bytes_on(path, clear, gpus, 1);
+        assert!(
+            one == plan_bytes_on(path, clear, gpus, 3),
+            "{path} {gpus:?}: 1 vs 3 threads"
+        );
+        let v: serde_json::Value = serde_json::from_str(&one).unwrap();
+        let want: serde_json::Value = serde_json::from_str(&format!("{{{counts}}}")).unwrap();
+        for key in ["candidates", "feasible", "rejected"] {
+            assert_eq!(v["search"][key], want[key], "{path} {gpus:?}: {key}");
+        }
+        let layout: shardwright_spec::layout::Layout =
+            serde_json::from_value(v["layout"].clone()).unwrap();
+        assert_eq!(layout.compact(), chosen, "{path} {gpus:?}");
     }
 }
