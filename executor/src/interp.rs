@@ -344,10 +344,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         layers.sort_unstable();
         layers.dedup();
         let has_embed = g.nodes.iter().any(|n| matches!(n.op, Op::Embedding { .. }));
-        let has_head = g
-            .nodes
-            .iter()
-            .any(|n| matches!(&n.op, Op::Gemm { name, .. } if name == "lm_head"));
+        let has_head = g.nodes.iter().any(|n| n.op.is_head_gemm());
         let mut buckets: Vec<(BKey, Vec<String>)> = Vec::new();
         for &l in &layers {
             buckets.push(((Some(l), false), dims.layer_params(l)));

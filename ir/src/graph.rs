@@ -479,7 +479,50 @@ pub enum Op {
     },
 }
 
+/// Which product a GEMM node computes: the forward (`qkv`), the data gradient
+/// (`qkv.dgrad`: `dy W^T`) or the weight gradient (`qkv.wgrad`: `x^T dy`, accumulated).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum GemmPass {
+    Fwd,
+    Dgrad,
+    Wgrad,
+}
+
+impl GemmPass {
+    /// The node name of GEMM `role`'s product.
+    pub fn name(self, role: &str) -> String {
+        match self {
+            GemmPass::Fwd => role.to_string(),
+            GemmPass::Dgrad => format!("{role}.dgrad"),
+            GemmPass::Wgrad => format!("{role}.wgrad"),
+        }
+    }
+}
+
+/// The LM head's GEMM (its role name).
+pub const HEAD_GEMM: &str = "lm_head";
+
 impl Op {
+    /// A GEMM's role (the forward GEMM's name: `qkv` of `qkv.dgrad`) and its product; the
+    /// one place a GEMM's name is read.
+    pub fn gemm_role(&self) -> Option<(&str, GemmPass)> {
+        let Op::Gemm { name, .. } = self else {
+            return None;
+        };
+        Some(if let Some(r) = name.strip_suffix(".dgrad") {
+            (r, GemmPass::Dgrad)
+        } else if let Some(r) = name.strip_suffix(".wgrad") {
+            (r, GemmPass::Wgrad)
+        } else {
+            (name.as_str(), GemmPass::Fwd)
+        })
+    }
+
+    /// Whether this is the LM head's forward GEMM.
+    pub fn is_head_gemm(&self) -> bool {
+        self.gemm_role() == Some((HEAD_GEMM, GemmPass::Fwd))
+    }
+
     /// The compute work, for compute nodes.
     pub fn work(&self) -> Option<Work> {
         match self {

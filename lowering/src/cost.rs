@@ -29,7 +29,9 @@ use shardwright_cost::collective::{
 };
 use shardwright_cost::eval::group_link;
 use shardwright_cost::layer::{self, layer_ops, Coll, LayerKind, LayerShape, OpKind};
-use shardwright_ir::{BufferKind, CollectiveKind, ElementwiseKind, Node, Op, Pass, Program};
+use shardwright_ir::{
+    BufferKind, CollectiveKind, ElementwiseKind, GemmPass, Node, Op, Pass, Program,
+};
 use shardwright_spec::mesh::GroupKind;
 use std::collections::BTreeMap;
 
@@ -135,16 +137,13 @@ impl<'a> PlanCost<'a> {
         let kind = self.layer_kind(node);
         let pass = node.pass;
         match &node.op {
-            Op::Gemm { name, .. } => {
-                if let Some(base) = name
-                    .strip_suffix(".dgrad")
-                    .or_else(|| name.strip_suffix(".wgrad"))
-                {
-                    self.get(kind, Pass::Bwd, base).0 / 2.0
-                } else {
-                    self.get(kind, pass, name).0
+            Op::Gemm { .. } => match node.op.gemm_role() {
+                Some((role, GemmPass::Dgrad | GemmPass::Wgrad)) => {
+                    self.get(kind, Pass::Bwd, role).0 / 2.0
                 }
-            }
+                Some((role, GemmPass::Fwd)) => self.get(kind, pass, role).0,
+                None => unreachable!("a gemm has a role"),
+            },
             Op::Attention { .. } => self.get(kind, pass, "attention_core").0,
             Op::Norm { work, .. } => {
                 if node.layer.is_some() {
@@ -281,8 +280,7 @@ impl shardwright_simulator::OpCost for PlanCost<'_> {
             (Op::Loss { .. }, None, Pass::Fwd) => {
                 let g = &program.classes[class].graph;
                 let i = node.id.index();
-                let after_head = i > 0
-                    && matches!(&g.nodes[i - 1].op, Op::Gemm { name, .. } if name == "lm_head");
+                let after_head = i > 0 && g.nodes[i - 1].op.is_head_gemm();
                 if after_head {
                     t += overhead;
                 }

@@ -46,11 +46,11 @@
 use crate::mesh::declare_groups;
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
 use shardwright_cost::schedule::{slots, Phase, Slot};
-use shardwright_ir::ValueId;
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
     Program, RankClass, ReduceOp, Stream, Work,
 };
+use shardwright_ir::{GemmPass, ValueId, HEAD_GEMM};
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
 use shardwright_spec::spec::{Norm, Recompute, RecomputeModule, Schedule};
@@ -1232,8 +1232,8 @@ impl<'a> Ctx<'a> {
         weight: Option<String>,
     ) -> (NodeId, NodeId) {
         let w = self.dims().w;
-        let dg = format!("{}.dgrad", g.name);
-        let wg = format!("{}.wgrad", g.name);
+        let dg = GemmPass::Dgrad.name(g.name);
+        let wg = GemmPass::Wgrad.name(g.name);
         let d = b.compute(
             Pass::Bwd,
             Some(mb),
@@ -1834,7 +1834,7 @@ impl<'a> Ctx<'a> {
             Pass::Fwd,
             Some(mb),
             None,
-            gemm("lm_head", d.t, d.vocab, d.h, d.w, Some(head_w.into())),
+            gemm(HEAD_GEMM, d.t, d.vocab, d.h, d.w, Some(head_w.into())),
         );
         let logits = b.act(at, "logits", DType::F32, &[d.t, d.vocab]);
         b.set(id, &[yg, wv], &[logits]);
@@ -1864,7 +1864,7 @@ impl<'a> Ctx<'a> {
         ];
         b.set(id, &ops, &[dl]);
         let g = G {
-            name: "lm_head",
+            name: HEAD_GEMM,
             m: d.t,
             n: d.vocab,
             k: d.h,

@@ -17,7 +17,7 @@
 use super::RankExec;
 use crate::backend::{Backend, Routing};
 use crate::comm::Communicator;
-use shardwright_ir::{CollectiveKind, DType, Node, Op, Pass, ValueId};
+use shardwright_ir::{CollectiveKind, DType, GemmPass, Node, Op, Pass, ValueId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 
@@ -428,13 +428,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     /// The local experts' grouped GEMM (forward, data or weight gradient) on dispatch
     /// buffers or grouped rows, one weight operand (or gradient result) per local expert.
-    pub(super) fn v_expert_gemm(&mut self, n: &Node, name: &str) -> Result<(), String> {
+    pub(super) fn v_expert_gemm(&mut self, n: &Node) -> Result<(), String> {
         let Op::Gemm { m, n: nn, k, .. } = &n.op else {
             return Err("not a gemm".into());
         };
         let (m, nn, k) = (*m as usize, *nn as usize, *k as usize);
         let (a, b) = (Self::arg(n, 0)?, Self::arg(n, 1)?);
-        if name.ends_with(".wgrad") {
+        if n.op.gemm_role().map(|r| r.1) == Some(GemmPass::Wgrad) {
             // [x, dy]: either may be the dispatch buffer, the other grouped rows.
             let (rows_in, rows_out) = (m, nn);
             let (x, gx) = self.grouped_rows(a, rows_in)?;
@@ -472,7 +472,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             return Ok(());
         }
         // Forward `[x, W..]` (in `k`, out `nn`) or data gradient `[dy, W..]` (in `nn`, out `k`).
-        let dgrad = name.ends_with(".dgrad");
+        let dgrad = n.op.gemm_role().map(|r| r.1) == Some(GemmPass::Dgrad);
         let (win, wout) = if dgrad { (nn, k) } else { (k, nn) };
         let (xin, yout) = if dgrad { (wout, win) } else { (win, wout) };
         let chunked_in = self.mv.is_chunked(a);

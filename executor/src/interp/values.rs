@@ -35,7 +35,9 @@
 use super::{all_reduce_op, err, norm_bwd, NormSaved, RankExec};
 use crate::backend::{AttnSaved, Backend, GemmShape, Operand};
 use crate::comm::Communicator;
-use shardwright_ir::{CollectiveKind, ElementwiseKind, Graph, Node, Op, Pass, ValueId, ValueKind};
+use shardwright_ir::{
+    CollectiveKind, ElementwiseKind, GemmPass, Graph, Node, Op, Pass, ValueId, ValueKind,
+};
 use std::collections::BTreeMap;
 
 /// An activation (from the value table) or a parameter (from the rank's state), borrowing
@@ -186,8 +188,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 Ok(())
             }
             Op::Norm { .. } => self.v_norm(n),
-            Op::Gemm { name, .. } if self.mv.grouped_gemm(n) => self.v_expert_gemm(n, name),
-            Op::Gemm { name, .. } => self.v_gemm(n, name),
+            Op::Gemm { .. } if self.mv.grouped_gemm(n) => self.v_expert_gemm(n),
+            Op::Gemm { .. } => self.v_gemm(n),
             Op::Elementwise { kind, .. } => self.v_elementwise(n, *kind),
             Op::Attention { .. } => self.v_attention(n),
             Op::Embedding { .. } => self.v_embedding(n, mb),
@@ -230,7 +232,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         Ok(())
     }
 
-    fn v_gemm(&mut self, n: &Node, name: &str) -> Result<(), String> {
+    fn v_gemm(&mut self, n: &Node) -> Result<(), String> {
         let Op::Gemm {
             m,
             n: nn,
@@ -246,7 +248,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         // The LM head tied to the embedding multiplies by the embedding's transpose.
         let tied = self.dims.tied && weight.as_deref() == Some("embedding");
         let (a, b) = (Self::arg(n, 0)?, Self::arg(n, 1)?);
-        if name.ends_with(".wgrad") {
+        if n.op.gemm_role().map(|r| r.1) == Some(GemmPass::Wgrad) {
             let gname = self.value_name(Self::res(n, 0)?).to_string();
             let pname = gname.strip_suffix(".grad").unwrap_or(&gname).to_string();
             let x = get(self.g, &self.pnames, &self.vals, &self.params, a)?;
@@ -269,7 +271,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             return Ok(());
         }
         let (x, w) = (self.val(a)?, self.val(b)?);
-        let dgrad = name.ends_with(".dgrad");
+        let dgrad = n.op.gemm_role().map(|r| r.1) == Some(GemmPass::Dgrad);
         let y = if dgrad {
             if tied {
                 be.linear_fwd(x, w, m, k, nn)
