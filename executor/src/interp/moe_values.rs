@@ -308,6 +308,27 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             .ok_or_else(|| format!("{v} carries no routing"))
     }
 
+    /// A combine's dispatch buffers (operand 0, in the layout of the route, operand 1)
+    /// with their route: the rows per expert must be the ones the dispatch sent.
+    fn combined(&self, n: &Node) -> Result<(Chunks, &Vec<f32>, &Route), String> {
+        let ch = self.chunks(self.dims.h)?;
+        let buf = self.val(Self::arg(n, 0)?)?;
+        let st = self.route(Self::arg(n, 1)?)?;
+        let hdr = ch.headers(buf)?;
+        if hdr != st.send {
+            return Err(format!(
+                "the {} combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
+                if n.pass == Pass::Bwd {
+                    "backward"
+                } else {
+                    "forward"
+                },
+                st.send
+            ));
+        }
+        Ok((ch, buf, st))
+    }
+
     /// The combined rows back to their tokens, weighted by the gates: each routed slot's
     /// output (`eo`) and the block's output rows (`ym`; under SP with a tp reduction after
     /// the block, the micro-batch's rows with this rank's filled in).
@@ -315,16 +336,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let m = self.moe_dims()?;
         let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
         let (off, tokens) = self.moe_rows();
-        let ch = self.chunks(h)?;
-        let buf = self.val(Self::arg(n, 0)?)?;
-        let st = self.route(Self::arg(n, 1)?)?;
-        let hdr = ch.headers(buf)?;
-        if hdr != st.send {
-            return Err(format!(
-                "the combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
-                st.send
-            ));
-        }
+        let (ch, buf, st) = self.combined(n)?;
         let mut eo = vec![0.0f32; t * k * h];
         let mut y = vec![0.0f32; tokens * h];
         for i in 0..t {
@@ -388,16 +400,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let m = self.moe_dims()?;
         let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
         let (off, tokens) = self.moe_rows();
-        let ch = self.chunks(h)?;
-        let buf = self.val(Self::arg(n, 0)?)?;
-        let st = self.route(Self::arg(n, 1)?)?;
-        let hdr = ch.headers(buf)?;
-        if hdr != st.send {
-            return Err(format!(
-                "the backward combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
-                st.send
-            ));
-        }
+        let (ch, buf, st) = self.combined(n)?;
         let mut dn = match n.operands.get(4) {
             Some(&ds) => self.val(ds)?.clone(),
             None => vec![0.0; tokens * h],

@@ -168,21 +168,14 @@ impl Builder<'_> {
         w: DType,
         g: DType,
     ) -> (ValueId, ValueId) {
-        if !self.v.on {
-            return (NONE, NONE);
-        }
-        if let Some(&p) = self.v.params.get(&key) {
+        if let Some(p) = self.known_param(key) {
             return p;
         }
-        debug_assert!(
-            !shape.is_empty(),
-            "parameter {key:?} declared without a shape"
-        );
         let name = match key.0 {
             Some(l) => format!("L{l}.{}", key.1),
             None => key.1.to_string(),
         };
-        let p = self.new_param(name, shape, w, g);
+        let p = self.named_param(name, shape, w, g);
         self.v.params.insert(key, p);
         p
     }
@@ -202,6 +195,10 @@ impl Builder<'_> {
         if let Some(&p) = self.v.named.get(&name) {
             return p;
         }
+        debug_assert!(
+            !shape.is_empty(),
+            "parameter {name} declared without a shape"
+        );
         let p = self.new_param(name.clone(), shape, w, g);
         self.v.named.insert(name, p);
         p
