@@ -793,8 +793,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn slot_at_is_the_slots_order() {
+    /// Every (schedule, p, v, m, rank j) of the small pipelines these tests walk.
+    fn each_pipeline(mut f: impl FnMut(Schedule, u32, u32, u32, u32)) {
         for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
             for (p, v, m) in [
                 (1, 1, 3),
@@ -806,52 +806,37 @@ mod tests {
             ] {
                 let v = if sched == Schedule::Interleaved { v } else { 1 };
                 for j in 0..p {
-                    let all = slots(sched, p, v, m, j);
-                    let at: Vec<Slot> = (0..2 * m * v)
-                        .map(|n| slot_at(sched, p, v, m, j, n))
-                        .collect();
-                    assert_eq!(at, all, "{sched:?} p{p} v{v} m{m} j{j}");
+                    f(sched, p, v, m, j);
                 }
             }
         }
     }
 
     #[test]
+    fn slot_at_is_the_slots_order() {
+        each_pipeline(|sched, p, v, m, j| {
+            let all = slots(sched, p, v, m, j);
+            let at: Vec<Slot> = (0..2 * m * v)
+                .map(|n| slot_at(sched, p, v, m, j, n))
+                .collect();
+            assert_eq!(at, all, "{sched:?} p{p} v{v} m{m} j{j}");
+        });
+    }
+
+    #[test]
     fn every_pass_runs_once() {
-        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
-            for (p, v, m) in [
-                (1, 1, 3),
-                (4, 1, 8),
-                (4, 2, 8),
-                (3, 3, 7),
-                (4, 2, 5),
-                (2, 4, 1),
-            ] {
-                let v = if sched == Schedule::Interleaved { v } else { 1 };
-                for j in 0..p {
-                    let s = slots(sched, p, v, m, j);
-                    assert_eq!(s.len() as u32, 2 * m * v);
-                    for mb in 0..m {
-                        for c in 0..v {
-                            let f = s.iter().position(|x| {
-                                *x == Slot {
-                                    phase: Phase::Fwd,
-                                    mb,
-                                    chunk: c,
-                                }
-                            });
-                            let b = s.iter().position(|x| {
-                                *x == Slot {
-                                    phase: Phase::Bwd,
-                                    mb,
-                                    chunk: c,
-                                }
-                            });
-                            assert!(f.unwrap() < b.unwrap(), "{sched:?} p{p} v{v} m{m} j{j}");
-                        }
-                    }
+        each_pipeline(|sched, p, v, m, j| {
+            let s = slots(sched, p, v, m, j);
+            assert_eq!(s.len() as u32, 2 * m * v);
+            for mb in 0..m {
+                for chunk in 0..v {
+                    let at = |phase| s.iter().position(|x| *x == Slot { phase, mb, chunk });
+                    assert!(
+                        at(Phase::Fwd).unwrap() < at(Phase::Bwd).unwrap(),
+                        "{sched:?} p{p} v{v} m{m} j{j}"
+                    );
                 }
             }
-        }
+        });
     }
 }
