@@ -219,8 +219,12 @@ def deepspeed_check(path, stem, plan, version):
         def get_model_parallel_rank(self):
             return 0
 
+    import deepspeed.comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    # Stub: DeepSpeedConfig reads the rank from the process group first and, with none
+    # initialised (no GPUs here), silently falls back to world size 1 and ignores the mpu.
+    deepspeed.comm.get_rank = lambda *a, **k: 0
     ds = DeepSpeedConfig(conf, mpu=Mpu())
     facts = [
         ("global batch", ds.train_batch_size, plan["inputs"]["training"]["global_batch"]),
@@ -262,7 +266,7 @@ def bridge_overrides(body):
     """KEY=VALUE overrides of the run_recipe.py command."""
     out = {}
     for w in shlex.split(body, comments=True):
-        m = re.match(r"^([a-z_]+(?:\.[a-z_]+)+)=(.*)$", w)
+        m = re.match(r"^([a-z_]+(?:\.[a-z_]+)*)=(.*)$", w)
         if m:
             out[m.group(1)] = m.group(2)
     return out
@@ -378,6 +382,30 @@ def megatron_check(path, stem, plan, version):
     return mismatch(megatron_facts(cfg, plan, world, num("--micro-batch-size"), num("--global-batch-size")))
 
 
+def bridge_mixed_precision(name):
+    """The model fields Bridge's `mixed_precision` recipe sets (MixedPrecisionConfig.setup).
+    Bridge's package imports Transformer Engine (CUDA only), so on this machine its recipes
+    are recorded from megatron/bridge/training/mixed_precision.py (0.6.2): a stub."""
+    import torch
+
+    try:
+        import dataclasses
+
+        from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+
+        mpc = get_mixed_precision_config(name)
+        return {f.name: getattr(mpc, f.name) for f in dataclasses.fields(mpc)
+                if f.name in ("bf16", "fp16", "params_dtype", "pipeline_dtype")}
+    except ImportError:
+        recorded = {
+            "bf16_mixed": dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16),
+            "fp16_mixed": dict(fp16=True, params_dtype=torch.half, pipeline_dtype=torch.half),
+        }
+        if name not in recorded:
+            raise ValueError(f"mixed_precision={name}: not a recorded Bridge recipe")
+        return recorded[name]
+
+
 def bridge_check(path, stem, plan, version):
     ov = bridge_overrides(snap_body(path))
     L = plan["layout"]
@@ -393,6 +421,10 @@ def bridge_check(path, stem, plan, version):
     kw.setdefault("num_layers", plan["inputs"]["model"]["num_layers"])
     kw.setdefault("hidden_size", plan["inputs"]["model"]["hidden_size"])
     kw.setdefault("num_attention_heads", plan["inputs"]["model"]["num_attention_heads"])
+    # Bridge applies the `mixed_precision` recipe (bf16_mixed: bf16, params_dtype and
+    # pipeline_dtype bf16) to the model provider before it is finalised; so does this.
+    if "mixed_precision" in ov:
+        kw.update(bridge_mixed_precision(val(ov["mixed_precision"])))
     cfg = transformer_config(kw, provider=True)
     mbs = int(ov.get("train.micro_batch_size", 1))
     gbs = int(ov["train.global_batch_size"])

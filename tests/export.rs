@@ -1641,3 +1641,41 @@ fn import_reads_what_the_engines_default() {
         "{e}"
     );
 }
+
+/// The Bridge export states an MoE model's shape, not only its parallelism: Bridge's
+/// TransformerConfig refuses expert parallelism without `num_moe_experts` ("num_moe_experts
+/// must be non None to use expert-parallel"), and a recipe's own MoE shape would otherwise
+/// stand in for the plan's. Each override equals the spec's figure; `moe_layer_freq` is the
+/// per-layer list (0 for the first `first_k_dense` layers).
+#[test]
+fn nemo_export_states_the_moe_shape() {
+    let mut moe = 0;
+    for stem in spec_stems() {
+        let plan = golden_plan(&stem);
+        let Some(e) = plan.inputs.model.moe.clone() else {
+            continue;
+        };
+        moe += 1;
+        let o = bridge_overrides(&export(&plan, Framework::Nemo, None).unwrap().text);
+        assert_eq!(
+            o["model.num_moe_experts"],
+            e.num_experts.to_string(),
+            "{stem}"
+        );
+        assert_eq!(o["model.moe_router_topk"], e.top_k.to_string(), "{stem}");
+        assert_eq!(
+            o["model.moe_ffn_hidden_size"],
+            e.expert_ffn_hidden_size.to_string(),
+            "{stem}"
+        );
+        let n = plan.inputs.model.num_layers as usize;
+        let dense = e.first_k_dense as usize;
+        let want: Vec<&str> = (0..n).map(|l| if l < dense { "0" } else { "1" }).collect();
+        assert_eq!(
+            o["model.moe_layer_freq"],
+            format!("[{}]", want.join(",")),
+            "{stem}"
+        );
+    }
+    assert!(moe >= 2, "the bundled MoE specs");
+}

@@ -428,6 +428,14 @@ pub fn build(
             "shared_ffn_hidden_size": e.num_shared_experts as u64 * e.shared_expert_ffn_hidden_size,
             "first_k_dense": e.first_k_dense,
             "layer_freq": moe_layer_freq(e.first_k_dense, m.num_layers),
+            // The same as a list (Megatron-Bridge's `model.moe_layer_freq` override).
+            "layer_freq_list": format!(
+                "[{}]",
+                (0..m.num_layers)
+                    .map(|l| if l < e.first_k_dense { "0" } else { "1" })
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
         })
     });
     // The layer split over (virtual) pipeline stages, when it is not the even one.
