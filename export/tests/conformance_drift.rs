@@ -103,7 +103,6 @@ fn snap_body(text: &str) -> &str {
 }
 
 #[test]
-#[ignore = "no conformance record yet: the first full scripts/conformance.sh run writes golden/export/conformance.json; then drop this ignore"]
 fn every_golden_export_has_a_current_conformance_record() {
     let record: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(golden().join("conformance.json"))
