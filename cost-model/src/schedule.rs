@@ -587,12 +587,10 @@ mod tests {
     /// can beat it, e.g. p2 v2 m4.)
     #[test]
     fn the_slowest_ranks_work_bounds_the_walk_from_below() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 1000) as f64 / 1000.0 + 0.05
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
+        let mut rnd = move || {
+            let r = next();
+            (r % 1000) as f64 / 1000.0 + 0.05
         };
         for (p, v, m) in [
             (2u32, 2u32, 4u32),
@@ -625,13 +623,7 @@ mod tests {
     /// and saved bytes (some equal, so maxima tie), and a plan reused across durations.
     #[test]
     fn walk_plan_equals_the_reference_walk_bit_for_bit() {
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rnd = xorshift(0x2545_f491_4f6c_dd1du64);
         let mut cases = 0;
         for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
             for p in 1..=6u32 {
@@ -678,12 +670,10 @@ mod tests {
     /// in the walk's own order, and never above the walk's peak.
     #[test]
     fn leading_forwards_peak_is_a_prefix_of_the_walks() {
-        let mut x = 0x51_7cc1_b727_220au64;
+        let mut next = xorshift(0x51_7cc1_b727_220au64);
         let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 10_000) as f64 / 997.0 + 1e-3
+            let r = next();
+            (r % 10_000) as f64 / 997.0 + 1e-3
         };
         for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
             for p in 1..=6u32 {
@@ -722,12 +712,10 @@ mod tests {
     /// most the walk's (and not vacuous), for every schedule over a grid of (p, v, m).
     #[test]
     fn peak_and_makespan_floor_without_the_walk() {
-        let mut x = 0x1d8e_4e27_c47d_124fu64;
+        let mut next = xorshift(0x1d8e_4e27_c47d_124fu64);
         let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 10_000) as f64 / 997.0 + 1e-3
+            let r = next();
+            (r % 10_000) as f64 / 997.0 + 1e-3
         };
         let mut tight = 0;
         for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
@@ -790,6 +778,16 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Marsaglia's xorshift64 from `seed`: the tests' reproducible random numbers.
+    fn xorshift(mut x: u64) -> impl FnMut() -> u64 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
         }
     }
 
