@@ -758,17 +758,8 @@ impl<'a> Ctx<'a> {
         out: (&'static str, u64),
     ) -> ValueId {
         let (key, rows) = out;
-        match id {
-            Some(id) => {
-                let y = b.act(at, key, self.dims().w, &[rows, self.dims().h]);
-                b.set(id, &[x], &[y]);
-                y
-            }
-            None => {
-                b.put(at, key, x);
-                x
-            }
-        }
+        let d = self.dims();
+        self.moved(b, id, at, x, (key, d.w, &[rows, d.h]))
     }
 
     /// The parameter `name` of `layer` (or of the ends) and its gradient, declared with

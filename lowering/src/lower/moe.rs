@@ -123,7 +123,7 @@ impl Ctx<'_> {
 
     /// The result of collective `id` on `x` (filed as `key`, `shape`), or `x` itself (filed
     /// as `key`) when the collective was not emitted.
-    fn moved(
+    pub(super) fn moved(
         &self,
         b: &mut Builder,
         id: Option<NodeId>,
