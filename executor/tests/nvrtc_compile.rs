@@ -9,7 +9,8 @@
 //!
 //! The tools come from NVIDIA's pip wheels, installed by `scripts/gpu/install-cuda-tools.sh`
 //! into `target/cuda-tools` (or `$SHARDWRIGHT_CUDA_TOOLS`). NVRTC is loaded by hand with
-//! `libloading` (no driver needed). Without the tools the test prints why and passes,
+//! `libloading` (no driver needed); `SHARDWRIGHT_NVRTC_LIB`, `SHARDWRIGHT_PTXAS` and
+//! `SHARDWRIGHT_CUDA_INCLUDE` name each one instead. Without the tools the test prints why and passes,
 //! except under `CI=true`, where missing tools fail it.
 //!
 //! `cargo test -p shardwright-executor --test nvrtc_compile -- --nocapture` shows the table.
@@ -38,10 +39,19 @@ struct Tools {
 
 fn find_tools() -> Result<Tools, String> {
     let d = tools_dir();
+    // Each tool can also be named on its own (scripts/gpu/check.sh does, on a machine whose
+    // CUDA is a toolkit install or CUDA 13's pip layout rather than the pinned 12.9 wheels).
+    let pick = |var: &str, default: PathBuf| std::env::var_os(var).map_or(default, PathBuf::from);
     let t = Tools {
-        nvrtc: d.join("nvidia/cuda_nvrtc/lib/libnvrtc.so.12"),
-        ptxas: d.join("nvidia/cuda_nvcc/bin/ptxas"),
-        include: d.join("nvidia/cuda_runtime/include"),
+        nvrtc: pick(
+            "SHARDWRIGHT_NVRTC_LIB",
+            d.join("nvidia/cuda_nvrtc/lib/libnvrtc.so.12"),
+        ),
+        ptxas: pick("SHARDWRIGHT_PTXAS", d.join("nvidia/cuda_nvcc/bin/ptxas")),
+        include: pick(
+            "SHARDWRIGHT_CUDA_INCLUDE",
+            d.join("nvidia/cuda_runtime/include"),
+        ),
     };
     for p in [&t.nvrtc, &t.ptxas, &t.include.join("cuda_bf16.h")] {
         if !p.exists() {

@@ -33,10 +33,10 @@
 # path syn -> serde_derive -> the workspace crates -> the executor), not yet measured on
 # a GPU machine: GPU_CHECK_LIMIT_S leaves the tests at least 40 s either way.
 #
-# Finding CUDA: libcuda from the driver; NVRTC (libnvrtc.so.12) and NCCL from the
-# LD_LIBRARY_PATH, else from the `nvidia` pip packages next to PyTorch (found with
-# python3), else from target/cuda-tools ($SHARDWRIGHT_CUDA_TOOLS,
-# scripts/gpu/install-cuda-tools.sh); the headers (cuda_bf16.h) from
+# Finding CUDA: libcuda from the driver; NVRTC, NCCL and cuBLASLt (any major version) from
+# the LD_LIBRARY_PATH, $CUDA_HOME/lib64 (/usr/local/cuda), the `nvidia` pip packages next to
+# PyTorch (found with python3; CUDA 12's and 13's layouts), else target/cuda-tools
+# ($SHARDWRIGHT_CUDA_TOOLS, scripts/gpu/install-cuda-tools.sh); the headers (cuda_bf16.h) from
 # $SHARDWRIGHT_CUDA_INCLUDE, $CUDA_HOME/include, /usr/local/cuda/include, the pip packages
 # or target/cuda-tools, in that order. The kernels are compiled to PTX by NVRTC and JIT-ed
 # by the driver, which must be at least as new as that NVRTC: the pip NVRTC that PyTorch
@@ -99,26 +99,49 @@ if [ "$mode" = "--vendor" ]; then
 fi
 
 # ---------------------------------------------------------------- CUDA libraries and headers
+# cudarc (built for CUDA 12.9) opens `libX.so`, `libX.so.12` and a few other names, not
+# `libnvrtc.so.13` or `libnccl.so.2`: whatever major version this machine has (CUDA 12 pip
+# wheels put libraries in nvidia/<lib>/lib, CUDA 13 ones in nvidia/cu13/lib, a toolkit in
+# /usr/local/cuda/lib64), each library found is linked as `libX.so` in one shim directory
+# at the front of LD_LIBRARY_PATH, and its own directory is added after it (NVRTC loads its
+# builtins library from there).
 py_nvidia=""
 if command -v python3 >/dev/null 2>&1; then
     py_nvidia="$(python3 -c 'import nvidia, os; print(os.pathsep.join(nvidia.__path__))' 2>/dev/null || true)"
 fi
 tools="${SHARDWRIGHT_CUDA_TOOLS:-$repo/target/cuda-tools}"
-lib_dirs=()
 IFS=: read -r -a nv_roots <<<"$py_nvidia"
+IFS=: read -r -a ld_dirs <<<"${LD_LIBRARY_PATH:-}"
+cuda_home="${CUDA_HOME:-/usr/local/cuda}"
+search_dirs=("${ld_dirs[@]}" "$cuda_home/lib64" "$cuda_home/targets/x86_64-linux/lib")
 for root in "${nv_roots[@]}" "$tools/nvidia"; do
     [ -n "$root" ] || continue
-    for sub in cuda_nvrtc/lib nccl/lib cuda_runtime/lib; do
-        [ -d "$root/$sub" ] && lib_dirs+=("$root/$sub")
-    done
+    for sub in "$root"/*/lib; do [ -d "$sub" ] && search_dirs+=("$sub"); done
 done
-if [ ${#lib_dirs[@]} -gt 0 ]; then
-    extra="$(IFS=:; echo "${lib_dirs[*]}")"
-    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$extra"
-fi
+search_dirs+=(/usr/lib/x86_64-linux-gnu /usr/lib64)
+shim="$work/libshim"
+rm -rf "$shim"
+mkdir -p "$shim"
+extra=""
+declare -A found_lib=()
+for name in nvrtc nccl cublasLt cublas cudart; do
+    for d in "${search_dirs[@]}"; do
+        [ -n "$d" ] && [ -d "$d" ] || continue
+        f="$(ls -1 "$d"/lib$name.so.[0-9]* 2>/dev/null | sort -V | tail -1)"
+        [ -z "$f" ] && [ -e "$d/lib$name.so" ] && f="$d/lib$name.so"
+        if [ -n "$f" ]; then
+            found_lib[$name]="$f"
+            ln -sf "$f" "$shim/lib$name.so"
+            case ":$extra:" in *":$d:"*) ;; *) extra="${extra:+$extra:}$d" ;; esac
+            break
+        fi
+    done
+    log "lib$name: ${found_lib[$name]:-not found}"
+done
+export LD_LIBRARY_PATH="$shim${extra:+:$extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 include=""
-for d in "${SHARDWRIGHT_CUDA_INCLUDE:-}" "${CUDA_HOME:+$CUDA_HOME/include}" /usr/local/cuda/include \
-    $(for r in "${nv_roots[@]}"; do [ -n "$r" ] && echo "$r/cuda_runtime/include"; done) \
+for d in "${SHARDWRIGHT_CUDA_INCLUDE:-}" "$cuda_home/include" /usr/local/cuda/include \
+    $(for r in "${nv_roots[@]}"; do [ -n "$r" ] && ls -d "$r"/*/include 2>/dev/null; done) \
     "$tools/nvidia/cuda_runtime/include"; do
     if [ -n "$d" ] && [ -f "$d/cuda_bf16.h" ]; then
         include="$d"
@@ -126,15 +149,19 @@ for d in "${SHARDWRIGHT_CUDA_INCLUDE:-}" "${CUDA_HOME:+$CUDA_HOME/include}" /usr
     fi
 done
 [ -n "$include" ] && export SHARDWRIGHT_CUDA_INCLUDE="$include"
-# nvrtc_compile wants NVRTC, ptxas and the headers in one pip-style tree.
-if [ ! -x "$tools/nvidia/cuda_nvcc/bin/ptxas" ]; then
-    for r in "${nv_roots[@]}"; do
-        if [ -n "$r" ] && [ -x "$r/cuda_nvcc/bin/ptxas" ] && [ -d "$r/cuda_nvrtc/lib" ]; then
-            tools="$(dirname "$r")"
-            break
-        fi
-    done
-fi
+log "headers: ${include:-not found}"
+# nvrtc_compile: the NVRTC found above, and a ptxas (the pinned tools, a toolkit's, pip's).
+[ -n "${found_lib[nvrtc]:-}" ] && export SHARDWRIGHT_NVRTC_LIB="${SHARDWRIGHT_NVRTC_LIB:-${found_lib[nvrtc]}}"
+ptxas=""
+for p in "$tools/nvidia/cuda_nvcc/bin/ptxas" "$cuda_home/bin/ptxas" "$(command -v ptxas 2>/dev/null)" \
+    $(for r in "${nv_roots[@]}"; do [ -n "$r" ] && ls "$r"/*/bin/ptxas 2>/dev/null; done); do
+    if [ -n "$p" ] && [ -x "$p" ]; then
+        ptxas="$p"
+        break
+    fi
+done
+[ -n "$ptxas" ] && export SHARDWRIGHT_PTXAS="${SHARDWRIGHT_PTXAS:-$ptxas}"
+log "ptxas: ${ptxas:-not found}"
 export SHARDWRIGHT_CUDA_TOOLS="$tools"
 
 # ---------------------------------------------------------------- build
