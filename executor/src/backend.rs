@@ -1,10 +1,18 @@
 //! Kernels behind a [`Backend`] trait; [`Cpu`] is the f32 reference, always compiled.
 //!
-//! Every tensor is a row-major `f32` slice; shapes are passed explicitly. Token-major
-//! activations are `[t, width]` with `t = batch * seq` (batch outer). Attention tensors are
+//! A backend owns its tensors: [`Backend::Buf`] is a flat `f32` buffer in the backend's
+//! memory (candle's `CpuStorage` / `CudaStorage` split: the interpreter is generic over the
+//! backend and holds only `B::Buf`), and the trait has, besides the kernels, the buffer
+//! primitives the interpreter needs between them (zeros, upload, download, slices, range
+//! copies, concatenation, adds). [`Cpu`]'s buffer is a host `Vec<f32>` and its primitives
+//! and kernels are plain loops, so its results are the same bits as before the split.
+//!
+//! Every tensor is row-major; shapes are passed explicitly. Token-major activations are
+//! `[t, width]` with `t = batch * seq` (batch outer). Attention tensors are
 //! `[batch, seq, heads, head_dim]`, which is the same memory as `[t, heads * head_dim]`.
 //! Kernels that produce a gradient of a weight *accumulate* into it (`+=`), so micro-batches
-//! add up without an extra buffer; data gradients are returned fresh.
+//! add up without an extra buffer; data gradients are returned fresh. Token ids and
+//! positions are host `&[u32]`; a device backend uploads them.
 
 /// Shape of one attention call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,21 +61,29 @@ pub struct Routing {
     pub gates: Vec<f32>,
 }
 
-/// A GEMM operand: a row-major matrix, stored as the operand or as its transpose.
-#[derive(Clone, Copy, Debug)]
-pub struct Operand<'a> {
-    pub data: &'a [f32],
+/// A GEMM operand: a row-major matrix, stored as the operand or as its transpose. `T` is
+/// the storage (a backend's [`Backend::Buf`]; `[f32]` for the CPU kernels in [`crate::cpu`]).
+#[derive(Debug)]
+pub struct Operand<'a, T: ?Sized = [f32]> {
+    pub data: &'a T,
     /// The stored matrix is the operand's transpose.
     pub trans: bool,
 }
 
-impl<'a> Operand<'a> {
+impl<T: ?Sized> Clone for Operand<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: ?Sized> Copy for Operand<'_, T> {}
+
+impl<'a, T: ?Sized> Operand<'a, T> {
     /// The operand as stored.
-    pub fn n(data: &'a [f32]) -> Self {
+    pub fn n(data: &'a T) -> Self {
         Operand { data, trans: false }
     }
     /// The transpose of the stored matrix.
-    pub fn t(data: &'a [f32]) -> Self {
+    pub fn t(data: &'a T) -> Self {
         Operand { data, trans: true }
     }
 }
@@ -81,31 +97,450 @@ pub struct GemmShape {
 }
 
 /// The weight and bias gradients a LayerNorm backward accumulates into.
-pub struct NormGrads<'a> {
-    pub dw: &'a mut [f32],
-    pub db: &'a mut [f32],
+pub struct NormGrads<'a, T: ?Sized = [f32]> {
+    pub dw: &'a mut T,
+    pub db: &'a mut T,
 }
 
 /// What the attention forward kept for its backward: the inputs, the output and the
 /// per-row log-sum-exp of the scores.
-#[derive(Clone, Copy, Debug)]
-pub struct AttnSaved<'a> {
-    pub q: &'a [f32],
-    pub k: &'a [f32],
-    pub v: &'a [f32],
-    pub o: &'a [f32],
-    pub lse: &'a [f32],
+#[derive(Debug)]
+pub struct AttnSaved<'a, T: ?Sized = [f32]> {
+    pub q: &'a T,
+    pub k: &'a T,
+    pub v: &'a T,
+    pub o: &'a T,
+    pub lse: &'a T,
 }
 
-/// The kernels the interpreter needs. Implementations must be deterministic.
+impl<T: ?Sized> Clone for AttnSaved<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: ?Sized> Copy for AttnSaved<'_, T> {}
+
+/// The kernels the interpreter needs, on the backend's own buffers. Implementations must
+/// be deterministic.
+///
+/// Every tensor the interpreter computes with is a [`Backend::Buf`]: a flat `f32` buffer in
+/// the backend's memory (host memory for [`Cpu`], device memory for a GPU backend). The
+/// buffer primitives (first group) are what the interpreter does between kernels: it never
+/// indexes a buffer itself, and moves data to or from the host only through
+/// [`Backend::upload`] / [`Backend::download`] (and [`Backend::write`] for small host
+/// tables). Offsets and lengths are in elements. Integer inputs (token ids, positions) and
+/// the routing decisions ([`Routing`]) stay on the host.
 pub trait Backend: Send + Sync {
+    /// A flat `f32` tensor in this backend's memory.
+    type Buf;
+
+    // ---------------------------------------------------------------- buffers
+
+    /// `n` zeros.
+    fn zeros(&self, n: usize) -> Self::Buf;
+    /// A buffer holding `x`.
+    fn upload(&self, x: &[f32]) -> Self::Buf;
+    /// The buffer's elements on the host.
+    fn download(&self, x: &Self::Buf) -> Vec<f32>;
+    /// Number of elements.
+    fn len(&self, x: &Self::Buf) -> usize;
+    /// A copy of `x`.
+    fn copy(&self, x: &Self::Buf) -> Self::Buf;
+    /// `x[lo..hi]` as a new buffer.
+    fn slice(&self, x: &Self::Buf, lo: usize, hi: usize) -> Self::Buf;
+    /// `parts` end to end.
+    fn concat(&self, parts: &[&Self::Buf]) -> Self::Buf;
+    /// The ranges `x[lo..lo + n]`, each `(lo, n)` of `ranges` in order, end to end.
+    fn gather(&self, x: &Self::Buf, ranges: &[(usize, usize)]) -> Self::Buf;
+    /// `dst[at..at + host.len()] = host`.
+    fn write(&self, dst: &mut Self::Buf, at: usize, host: &[f32]);
+    /// `dst[d..d + n] = src[s..s + n]` for each `(s, d)` of `moves`.
+    fn copy_ranges(&self, dst: &mut Self::Buf, src: &Self::Buf, n: usize, moves: &[(usize, usize)]);
+    /// `dst[d..d + n] = a * src[s..s + n]` for each `(s, d, a)` of `moves`.
+    fn scale_ranges(
+        &self,
+        dst: &mut Self::Buf,
+        src: &Self::Buf,
+        n: usize,
+        moves: &[(usize, usize, f32)],
+    );
+    /// `dst[d..d + n] += a * src[s..s + n]` for each `(s, d, a)` of `moves`, in order
+    /// (ranges of `dst` may repeat).
+    fn axpy_ranges(
+        &self,
+        dst: &mut Self::Buf,
+        src: &Self::Buf,
+        n: usize,
+        moves: &[(usize, usize, f32)],
+    );
+    /// `x + y`, element-wise.
+    fn add(&self, x: &Self::Buf, y: &Self::Buf) -> Self::Buf;
+    /// `dst[at..at + len(src)] += src`.
+    fn add_into(&self, dst: &mut Self::Buf, at: usize, src: &Self::Buf);
+    /// `a * x`, element-wise.
+    fn scale(&self, x: &Self::Buf, a: f32) -> Self::Buf;
+    /// Every element of `x` set to zero.
+    fn fill_zero(&self, x: &mut Self::Buf);
+    /// For each `(i, j)` of `pairs` the dot product `<a[i..i + n], b[j..j + n]>` (f32,
+    /// summed in order).
+    fn dots(&self, a: &Self::Buf, b: &Self::Buf, n: usize, pairs: &[(usize, usize)]) -> Self::Buf;
+    /// The largest element of each row of width `w`.
+    fn row_max(&self, x: &Self::Buf, w: usize) -> Self::Buf;
+
+    // ---------------------------------------------------------------- kernels
+
     /// LayerNorm with weight and bias over rows of `h`: `y = (x - mean) rstd w + b`;
     /// returns `y` and per token `[mean, rstd]`.
     fn layernorm_fwd(
         &self,
-        x: &[f32],
-        w: &[f32],
-        b: &[f32],
+        x: &Self::Buf,
+        w: &Self::Buf,
+        b: &Self::Buf,
+        h: usize,
+        eps: f32,
+    ) -> (Self::Buf, Self::Buf);
+    /// Returns `dx`; accumulates the weight and bias gradients `g`.
+    fn layernorm_bwd(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        stats: &Self::Buf,
+        dy: &Self::Buf,
+        h: usize,
+        g: NormGrads<'_, Self::Buf>,
+    ) -> Self::Buf;
+
+    /// GeLU, tanh approximation (GPT-2's): `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+    fn gelu_fwd(&self, x: &Self::Buf) -> Self::Buf;
+    /// Returns `dx`.
+    fn gelu_bwd(&self, x: &Self::Buf, dy: &Self::Buf) -> Self::Buf;
+
+    /// Top-k routing of `logits: [t, e]` (see [`Routing`]; on the host: the dispatch
+    /// layout is planned from it).
+    fn route(&self, logits: &Self::Buf, e: usize, k: usize) -> Routing;
+
+    /// Gradient of the router logits from the gradient of the gates (`[t, k]`) and a
+    /// direct gradient of the probabilities (`[t, e]`, the auxiliary loss's path).
+    fn route_bwd(
+        &self,
+        r: &Routing,
+        dgates: &Self::Buf,
+        dprobs: &Self::Buf,
+        e: usize,
+        k: usize,
+    ) -> Self::Buf;
+
+    /// `c = beta * c + op(a) @ op(b)` with `op(a)` of shape `m x k`, `op(b)` of `k x n`
+    /// (`s`); an operand marked `trans` is stored transposed (`a` stored `k x m`, `b`
+    /// `n x k`).
+    fn gemm(
+        &self,
+        s: GemmShape,
+        a: Operand<'_, Self::Buf>,
+        b: Operand<'_, Self::Buf>,
+        beta: f32,
+        c: &mut Self::Buf,
+    );
+
+    /// `y[t, n] = x[t, k] @ w[k, n]`.
+    fn linear_fwd(&self, x: &Self::Buf, w: &Self::Buf, t: usize, k: usize, n: usize) -> Self::Buf {
+        let mut y = self.zeros(t * n);
+        self.gemm(
+            GemmShape { m: t, k, n },
+            Operand::n(x),
+            Operand::n(w),
+            0.0,
+            &mut y,
+        );
+        y
+    }
+    /// `dx[t, k] = dy[t, n] @ w[k, n]^T`.
+    fn linear_dgrad(
+        &self,
+        dy: &Self::Buf,
+        w: &Self::Buf,
+        t: usize,
+        k: usize,
+        n: usize,
+    ) -> Self::Buf {
+        let mut dx = self.zeros(t * k);
+        self.gemm(
+            GemmShape { m: t, k: n, n: k },
+            Operand::n(dy),
+            Operand::t(w),
+            0.0,
+            &mut dx,
+        );
+        dx
+    }
+    /// `dw[k, n] += x[t, k]^T @ dy[t, n]`.
+    fn linear_wgrad(
+        &self,
+        x: &Self::Buf,
+        dy: &Self::Buf,
+        t: usize,
+        k: usize,
+        n: usize,
+        dw: &mut Self::Buf,
+    ) {
+        self.gemm(
+            GemmShape { m: k, k: t, n },
+            Operand::t(x),
+            Operand::n(dy),
+            1.0,
+            dw,
+        );
+    }
+
+    /// Rows `ids[i] - vocab_start` of `table` (`[vocab_len, h]`); zero rows for ids outside
+    /// `[vocab_start, vocab_start + vocab_len)` (vocabulary-parallel embedding).
+    fn embedding_fwd(
+        &self,
+        ids: &[u32],
+        table: &Self::Buf,
+        vocab_start: usize,
+        h: usize,
+    ) -> Self::Buf;
+    /// `dtable[ids[i] - vocab_start] += dy[i]` for the ids in this shard, in token order.
+    fn embedding_bwd(
+        &self,
+        ids: &[u32],
+        dy: &Self::Buf,
+        vocab_start: usize,
+        h: usize,
+        dtable: &mut Self::Buf,
+    );
+
+    /// RMSNorm over rows of width `h`: `y = x * rstd * w`; returns `(y, rstd)`.
+    fn rmsnorm_fwd(&self, x: &Self::Buf, w: &Self::Buf, h: usize, eps: f32)
+        -> (Self::Buf, Self::Buf);
+    /// Returns `dx`; accumulates `dw`.
+    fn rmsnorm_bwd(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rstd: &Self::Buf,
+        dy: &Self::Buf,
+        h: usize,
+        dw: &mut Self::Buf,
+    ) -> Self::Buf;
+
+    /// Rotary embedding in place on `x: [t, heads, d]` (pairs `i, i + d/2`), token `i` at
+    /// position `pos[i]`.
+    fn rope_fwd(&self, x: &mut Self::Buf, pos: &[u32], heads: usize, d: usize, theta: f32);
+    /// The transpose rotation (the gradient of [`Backend::rope_fwd`]), in place.
+    fn rope_bwd(&self, dx: &mut Self::Buf, pos: &[u32], heads: usize, d: usize, theta: f32);
+
+    /// Exact softmax attention with `1/sqrt(d)` scaling; returns `(o, lse)` with `lse`
+    /// `[batch, heads, seq_q]`. Causal masking compares key position with
+    /// `q_offset + query index`.
+    fn attention_fwd(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        s: AttnShape,
+    ) -> (Self::Buf, Self::Buf);
+    /// Returns `(dq, dk, dv)`.
+    fn attention_bwd(
+        &self,
+        saved: AttnSaved<'_, Self::Buf>,
+        dout: &Self::Buf,
+        s: AttnShape,
+    ) -> (Self::Buf, Self::Buf, Self::Buf);
+
+    /// `gu: [t, 2f]` = `[gate | up]` per row; returns `silu(gate) * up`, `[t, f]`.
+    fn swiglu_fwd(&self, gu: &Self::Buf, f: usize) -> Self::Buf;
+    /// Returns `d gu`.
+    fn swiglu_bwd(&self, gu: &Self::Buf, dy: &Self::Buf, f: usize) -> Self::Buf;
+
+    /// Local part of a (vocabulary-parallel) softmax cross-entropy over `logits: [t, v]`
+    /// holding vocabulary entries `vocab_start..vocab_start + v`: per token the
+    /// log-sum-exp of the local logits and the target's logit (0 when the target is in
+    /// another shard).
+    fn xent_local(
+        &self,
+        logits: &Self::Buf,
+        targets: &[u32],
+        v: usize,
+        vocab_start: usize,
+    ) -> (Self::Buf, Self::Buf);
+    /// `dlogits = scale * (softmax(logits) - onehot(target))`, given the global `lse`.
+    fn xent_bwd(
+        &self,
+        logits: &Self::Buf,
+        targets: &[u32],
+        lse: &Self::Buf,
+        v: usize,
+        vocab_start: usize,
+        scale: f32,
+    ) -> Self::Buf;
+
+    /// One AdamW update of `p` with gradient `g` and moments `m`, `v` (decoupled decay).
+    fn adamw(
+        &self,
+        p: &mut Self::Buf,
+        g: &Self::Buf,
+        m: &mut Self::Buf,
+        v: &mut Self::Buf,
+        h: AdamW,
+    );
+}
+
+/// The CPU reference backend (f32; GEMMs by `matrixmultiply` and the other heavy kernels in
+/// [`crate::cpu`], on its thread pool).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+/// The best of `reps` timings of one `n x n x n` f32 GEMM on the [`Cpu`] backend, seconds:
+/// this machine's GEMM rate (`2 n^3 / t`), and the executor's synthetic step.
+pub fn gemm_seconds(n: usize, reps: u32) -> f64 {
+    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
+    let mut best = f64::MAX;
+    for _ in 0..reps.max(1) {
+        let t = std::time::Instant::now();
+        let c = Cpu.linear_fwd(&a, &a, n, n, n);
+        std::hint::black_box(&c);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best.max(1e-9)
+}
+
+/// A [`Cpu`] GEMM operand as the slice the kernels in [`crate::cpu`] take.
+fn host_operand(o: Operand<'_, Vec<f32>>) -> Operand<'_> {
+    Operand {
+        data: o.data.as_slice(),
+        trans: o.trans,
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + cpu::exp::exp(-x))
+}
+
+impl Backend for Cpu {
+    type Buf = Vec<f32>;
+
+    fn zeros(&self, n: usize) -> Vec<f32> {
+        vec![0.0; n]
+    }
+
+    fn upload(&self, x: &[f32]) -> Vec<f32> {
+        x.to_vec()
+    }
+
+    fn download(&self, x: &Vec<f32>) -> Vec<f32> {
+        x.clone()
+    }
+
+    fn len(&self, x: &Vec<f32>) -> usize {
+        x.len()
+    }
+
+    fn copy(&self, x: &Vec<f32>) -> Vec<f32> {
+        x.clone()
+    }
+
+    fn slice(&self, x: &Vec<f32>, lo: usize, hi: usize) -> Vec<f32> {
+        x[lo..hi].to_vec()
+    }
+
+    fn concat(&self, parts: &[&Vec<f32>]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+        for p in parts {
+            out.extend_from_slice(p);
+        }
+        out
+    }
+
+    fn gather(&self, x: &Vec<f32>, ranges: &[(usize, usize)]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(ranges.iter().map(|r| r.1).sum());
+        for &(lo, n) in ranges {
+            out.extend_from_slice(&x[lo..lo + n]);
+        }
+        out
+    }
+
+    fn write(&self, dst: &mut Vec<f32>, at: usize, host: &[f32]) {
+        dst[at..at + host.len()].copy_from_slice(host);
+    }
+
+    fn copy_ranges(&self, dst: &mut Vec<f32>, src: &Vec<f32>, n: usize, moves: &[(usize, usize)]) {
+        for &(s, d) in moves {
+            dst[d..d + n].copy_from_slice(&src[s..s + n]);
+        }
+    }
+
+    fn scale_ranges(
+        &self,
+        dst: &mut Vec<f32>,
+        src: &Vec<f32>,
+        n: usize,
+        moves: &[(usize, usize, f32)],
+    ) {
+        for &(s, d, a) in moves {
+            for (x, y) in dst[d..d + n].iter_mut().zip(&src[s..s + n]) {
+                *x = a * y;
+            }
+        }
+    }
+
+    fn axpy_ranges(
+        &self,
+        dst: &mut Vec<f32>,
+        src: &Vec<f32>,
+        n: usize,
+        moves: &[(usize, usize, f32)],
+    ) {
+        for &(s, d, a) in moves {
+            for (x, y) in dst[d..d + n].iter_mut().zip(&src[s..s + n]) {
+                *x += a * y;
+            }
+        }
+    }
+
+    fn add(&self, x: &Vec<f32>, y: &Vec<f32>) -> Vec<f32> {
+        x.iter().zip(y).map(|(a, b)| a + b).collect()
+    }
+
+    fn add_into(&self, dst: &mut Vec<f32>, at: usize, src: &Vec<f32>) {
+        for (a, b) in dst[at..at + src.len()].iter_mut().zip(src) {
+            *a += b;
+        }
+    }
+
+    fn scale(&self, x: &Vec<f32>, a: f32) -> Vec<f32> {
+        x.iter().map(|v| v * a).collect()
+    }
+
+    fn fill_zero(&self, x: &mut Vec<f32>) {
+        x.iter_mut().for_each(|v| *v = 0.0);
+    }
+
+    fn dots(&self, a: &Vec<f32>, b: &Vec<f32>, n: usize, pairs: &[(usize, usize)]) -> Vec<f32> {
+        pairs
+            .iter()
+            .map(|&(i, j)| {
+                a[i..i + n]
+                    .iter()
+                    .zip(&b[j..j + n])
+                    .map(|(x, y)| x * y)
+                    .sum::<f32>()
+            })
+            .collect()
+    }
+
+    fn row_max(&self, x: &Vec<f32>, w: usize) -> Vec<f32> {
+        x.chunks(w)
+            .map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+            .collect()
+    }
+
+    fn layernorm_fwd(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        b: &Vec<f32>,
         h: usize,
         eps: f32,
     ) -> (Vec<f32>, Vec<f32>) {
@@ -125,15 +560,15 @@ pub trait Backend: Send + Sync {
         }
         (y, st)
     }
-    /// Returns `dx`; accumulates the weight and bias gradients `g`.
+
     fn layernorm_bwd(
         &self,
-        x: &[f32],
-        w: &[f32],
-        stats: &[f32],
-        dy: &[f32],
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        stats: &Vec<f32>,
+        dy: &Vec<f32>,
         h: usize,
-        g: NormGrads<'_>,
+        g: NormGrads<'_, Vec<f32>>,
     ) -> Vec<f32> {
         let NormGrads { dw, db } = g;
         let t = x.len() / h;
@@ -162,8 +597,7 @@ pub trait Backend: Send + Sync {
         dx
     }
 
-    /// GeLU, tanh approximation (GPT-2's): `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
-    fn gelu_fwd(&self, x: &[f32]) -> Vec<f32> {
+    fn gelu_fwd(&self, x: &Vec<f32>) -> Vec<f32> {
         x.iter()
             .map(|&v| {
                 let u = GELU_C * (v + 0.044715 * v * v * v);
@@ -171,8 +605,8 @@ pub trait Backend: Send + Sync {
             })
             .collect()
     }
-    /// Returns `dx`.
-    fn gelu_bwd(&self, x: &[f32], dy: &[f32]) -> Vec<f32> {
+
+    fn gelu_bwd(&self, x: &Vec<f32>, dy: &Vec<f32>) -> Vec<f32> {
         x.iter()
             .zip(dy)
             .map(|(&v, &d)| {
@@ -184,8 +618,7 @@ pub trait Backend: Send + Sync {
             .collect()
     }
 
-    /// Top-k routing of `logits: [t, e]` (see [`Routing`]).
-    fn route(&self, logits: &[f32], e: usize, k: usize) -> Routing {
+    fn route(&self, logits: &Vec<f32>, e: usize, k: usize) -> Routing {
         let t = logits.len() / e.max(1);
         let mut probs = vec![0.0f32; t * e];
         let mut experts = Vec::with_capacity(t * k);
@@ -214,13 +647,11 @@ pub trait Backend: Send + Sync {
         }
     }
 
-    /// Gradient of the router logits from the gradient of the gates (`[t, k]`) and a
-    /// direct gradient of the probabilities (`[t, e]`, the auxiliary loss's path).
     fn route_bwd(
         &self,
         r: &Routing,
-        dgates: &[f32],
-        dprobs: &[f32],
+        dgates: &Vec<f32>,
+        dprobs: &Vec<f32>,
         e: usize,
         k: usize,
     ) -> Vec<f32> {
@@ -247,150 +678,18 @@ pub trait Backend: Send + Sync {
         dl
     }
 
-    /// `c = beta * c + op(a) @ op(b)` with `op(a)` of shape `m x k`, `op(b)` of `k x n`
-    /// (`s`); an operand marked `trans` is stored transposed (`a` stored `k x m`, `b`
-    /// `n x k`).
-    fn gemm(&self, s: GemmShape, a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]);
-
-    /// `y[t, n] = x[t, k] @ w[k, n]`.
-    fn linear_fwd(&self, x: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
-        let mut y = vec![0.0; t * n];
-        self.gemm(
-            GemmShape { m: t, k, n },
-            Operand::n(x),
-            Operand::n(w),
-            0.0,
-            &mut y,
-        );
-        y
-    }
-    /// `dx[t, k] = dy[t, n] @ w[k, n]^T`.
-    fn linear_dgrad(&self, dy: &[f32], w: &[f32], t: usize, k: usize, n: usize) -> Vec<f32> {
-        let mut dx = vec![0.0; t * k];
-        self.gemm(
-            GemmShape { m: t, k: n, n: k },
-            Operand::n(dy),
-            Operand::t(w),
-            0.0,
-            &mut dx,
-        );
-        dx
-    }
-    /// `dw[k, n] += x[t, k]^T @ dy[t, n]`.
-    fn linear_wgrad(&self, x: &[f32], dy: &[f32], t: usize, k: usize, n: usize, dw: &mut [f32]) {
-        self.gemm(
-            GemmShape { m: k, k: t, n },
-            Operand::t(x),
-            Operand::n(dy),
-            1.0,
-            dw,
-        );
+    fn gemm(
+        &self,
+        s: GemmShape,
+        a: Operand<'_, Vec<f32>>,
+        b: Operand<'_, Vec<f32>>,
+        beta: f32,
+        c: &mut Vec<f32>,
+    ) {
+        cpu::gemm::gemm(s, host_operand(a), host_operand(b), beta, c);
     }
 
-    /// Rows `ids[i] - vocab_start` of `table` (`[vocab_len, h]`); zero rows for ids outside
-    /// `[vocab_start, vocab_start + vocab_len)` (vocabulary-parallel embedding).
-    fn embedding_fwd(&self, ids: &[u32], table: &[f32], vocab_start: usize, h: usize) -> Vec<f32>;
-    /// `dtable[ids[i] - vocab_start] += dy[i]` for the ids in this shard.
-    fn embedding_bwd(
-        &self,
-        ids: &[u32],
-        dy: &[f32],
-        vocab_start: usize,
-        h: usize,
-        dtable: &mut [f32],
-    );
-
-    /// RMSNorm over rows of width `h`: `y = x * rstd * w`; returns `(y, rstd)`.
-    fn rmsnorm_fwd(&self, x: &[f32], w: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>);
-    /// Returns `dx`; accumulates `dw`.
-    fn rmsnorm_bwd(
-        &self,
-        x: &[f32],
-        w: &[f32],
-        rstd: &[f32],
-        dy: &[f32],
-        h: usize,
-        dw: &mut [f32],
-    ) -> Vec<f32>;
-
-    /// Rotary embedding in place on `x: [t, heads, d]` (pairs `i, i + d/2`), token `i` at
-    /// position `pos[i]`.
-    fn rope_fwd(&self, x: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32);
-    /// The transpose rotation (the gradient of [`Backend::rope_fwd`]), in place.
-    fn rope_bwd(&self, dx: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32);
-
-    /// Exact softmax attention with `1/sqrt(d)` scaling; returns `(o, lse)` with `lse`
-    /// `[batch, heads, seq_q]`. Causal masking compares key position with
-    /// `q_offset + query index`.
-    fn attention_fwd(&self, q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>);
-    /// Returns `(dq, dk, dv)`.
-    fn attention_bwd(
-        &self,
-        saved: AttnSaved<'_>,
-        dout: &[f32],
-        s: AttnShape,
-    ) -> (Vec<f32>, Vec<f32>, Vec<f32>);
-
-    /// `gu: [t, 2f]` = `[gate | up]` per row; returns `silu(gate) * up`, `[t, f]`.
-    fn swiglu_fwd(&self, gu: &[f32], f: usize) -> Vec<f32>;
-    /// Returns `d gu`.
-    fn swiglu_bwd(&self, gu: &[f32], dy: &[f32], f: usize) -> Vec<f32>;
-
-    /// Local part of a (vocabulary-parallel) softmax cross-entropy over `logits: [t, v]`
-    /// holding vocabulary entries `vocab_start..vocab_start + v`: per token the
-    /// log-sum-exp of the local logits and the target's logit (0 when the target is in
-    /// another shard).
-    fn xent_local(
-        &self,
-        logits: &[f32],
-        targets: &[u32],
-        v: usize,
-        vocab_start: usize,
-    ) -> (Vec<f32>, Vec<f32>);
-    /// `dlogits = scale * (softmax(logits) - onehot(target))`, given the global `lse`.
-    fn xent_bwd(
-        &self,
-        logits: &[f32],
-        targets: &[u32],
-        lse: &[f32],
-        v: usize,
-        vocab_start: usize,
-        scale: f32,
-    ) -> Vec<f32>;
-
-    /// One AdamW update of `p` with gradient `g` and moments `m`, `v` (decoupled decay).
-    fn adamw(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamW);
-}
-
-/// The CPU reference backend (f32; GEMMs by `matrixmultiply` and the other heavy kernels in
-/// [`crate::cpu`], on its thread pool).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
-
-/// The best of `reps` timings of one `n x n x n` f32 GEMM on the [`Cpu`] backend, seconds:
-/// this machine's GEMM rate (`2 n^3 / t`), and the executor's synthetic step.
-pub fn gemm_seconds(n: usize, reps: u32) -> f64 {
-    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.1).collect();
-    let mut best = f64::MAX;
-    for _ in 0..reps.max(1) {
-        let t = std::time::Instant::now();
-        let c = Cpu.linear_fwd(&a, &a, n, n, n);
-        std::hint::black_box(&c);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    best.max(1e-9)
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + cpu::exp::exp(-x))
-}
-
-impl Backend for Cpu {
-    fn gemm(&self, s: GemmShape, a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]) {
-        cpu::gemm::gemm(s, a, b, beta, c);
-    }
-
-    fn embedding_fwd(&self, ids: &[u32], table: &[f32], vocab_start: usize, h: usize) -> Vec<f32> {
+    fn embedding_fwd(&self, ids: &[u32], table: &Vec<f32>, vocab_start: usize, h: usize) -> Vec<f32> {
         let rows = table.len() / h.max(1);
         let mut y = vec![0.0; ids.len() * h];
         for (i, &id) in ids.iter().enumerate() {
@@ -406,10 +705,10 @@ impl Backend for Cpu {
     fn embedding_bwd(
         &self,
         ids: &[u32],
-        dy: &[f32],
+        dy: &Vec<f32>,
         vocab_start: usize,
         h: usize,
-        dtable: &mut [f32],
+        dtable: &mut Vec<f32>,
     ) {
         let rows = dtable.len() / h.max(1);
         for (i, &id) in ids.iter().enumerate() {
@@ -423,7 +722,7 @@ impl Backend for Cpu {
         }
     }
 
-    fn rmsnorm_fwd(&self, x: &[f32], w: &[f32], h: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
+    fn rmsnorm_fwd(&self, x: &Vec<f32>, w: &Vec<f32>, h: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
         let t = x.len() / h;
         let mut y = vec![0.0; x.len()];
         let mut rstd = vec![0.0; t];
@@ -441,12 +740,12 @@ impl Backend for Cpu {
 
     fn rmsnorm_bwd(
         &self,
-        x: &[f32],
-        w: &[f32],
-        rstd: &[f32],
-        dy: &[f32],
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rstd: &Vec<f32>,
+        dy: &Vec<f32>,
         h: usize,
-        dw: &mut [f32],
+        dw: &mut Vec<f32>,
     ) -> Vec<f32> {
         let t = x.len() / h;
         let mut dx = vec![0.0; x.len()];
@@ -468,28 +767,36 @@ impl Backend for Cpu {
         dx
     }
 
-    fn rope_fwd(&self, x: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32) {
+    fn rope_fwd(&self, x: &mut Vec<f32>, pos: &[u32], heads: usize, d: usize, theta: f32) {
         cpu::rope::apply(x, pos, heads, d, theta, false);
     }
 
-    fn rope_bwd(&self, dx: &mut [f32], pos: &[u32], heads: usize, d: usize, theta: f32) {
+    fn rope_bwd(&self, dx: &mut Vec<f32>, pos: &[u32], heads: usize, d: usize, theta: f32) {
         cpu::rope::apply(dx, pos, heads, d, theta, true);
     }
 
-    fn attention_fwd(&self, q: &[f32], k: &[f32], v: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>) {
+    fn attention_fwd(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, s: AttnShape) -> (Vec<f32>, Vec<f32>) {
         cpu::attention::forward(q, k, v, s)
     }
 
     fn attention_bwd(
         &self,
-        saved: AttnSaved<'_>,
-        dout: &[f32],
+        saved: AttnSaved<'_, Vec<f32>>,
+        dout: &Vec<f32>,
         s: AttnShape,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        cpu::attention::backward(saved, dout, s)
+        let AttnSaved { q, k, v, o, lse } = saved;
+        let host = AttnSaved {
+            q: q.as_slice(),
+            k: k.as_slice(),
+            v: v.as_slice(),
+            o: o.as_slice(),
+            lse: lse.as_slice(),
+        };
+        cpu::attention::backward(host, dout, s)
     }
 
-    fn swiglu_fwd(&self, gu: &[f32], f: usize) -> Vec<f32> {
+    fn swiglu_fwd(&self, gu: &Vec<f32>, f: usize) -> Vec<f32> {
         let t = gu.len() / (2 * f);
         let mut y = vec![0.0; t * f];
         for i in 0..t {
@@ -500,7 +807,7 @@ impl Backend for Cpu {
         y
     }
 
-    fn swiglu_bwd(&self, gu: &[f32], dy: &[f32], f: usize) -> Vec<f32> {
+    fn swiglu_bwd(&self, gu: &Vec<f32>, dy: &Vec<f32>, f: usize) -> Vec<f32> {
         let t = gu.len() / (2 * f);
         let mut d = vec![0.0; gu.len()];
         for i in 0..t {
@@ -518,7 +825,7 @@ impl Backend for Cpu {
 
     fn xent_local(
         &self,
-        logits: &[f32],
+        logits: &Vec<f32>,
         targets: &[u32],
         v: usize,
         vocab_start: usize,
@@ -541,9 +848,9 @@ impl Backend for Cpu {
 
     fn xent_bwd(
         &self,
-        logits: &[f32],
+        logits: &Vec<f32>,
         targets: &[u32],
-        lse: &[f32],
+        lse: &Vec<f32>,
         v: usize,
         vocab_start: usize,
         scale: f32,
@@ -563,7 +870,7 @@ impl Backend for Cpu {
         d
     }
 
-    fn adamw(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: AdamW) {
+    fn adamw(&self, p: &mut Vec<f32>, g: &Vec<f32>, m: &mut Vec<f32>, v: &mut Vec<f32>, h: AdamW) {
         let bc1 = 1.0 - h.beta1.powi(h.step as i32);
         let bc2 = 1.0 - h.beta2.powi(h.step as i32);
         for i in 0..p.len() {

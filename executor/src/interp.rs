@@ -41,7 +41,7 @@ mod moe_values;
 mod run;
 mod state;
 mod values;
-use dp::{BKey, Bucket};
+use dp::{unflatten, BKey, Bucket};
 use run::check_moe_layout;
 pub use run::{
     check_model, run_info, run_program, run_program_with, run_rank, run_ranks_on, RankHooks,
@@ -186,10 +186,13 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     mb_size: usize,
     grad_accum: usize,
     global_tokens: f64,
-    params: BTreeMap<String, Vec<f32>>,
-    grads: BTreeMap<String, Vec<f32>>,
-    m: BTreeMap<String, Vec<f32>>,
-    v: BTreeMap<String, Vec<f32>>,
+    /// The weights this rank computes with, its gradients and (ZeRO-0) AdamW moments, in
+    /// the backend's memory.
+    params: BTreeMap<String, B::Buf>,
+    grads: BTreeMap<String, B::Buf>,
+    m: BTreeMap<String, B::Buf>,
+    v: BTreeMap<String, B::Buf>,
+    /// ZeRO shards, on the host (see [`dp`]).
     buckets: BTreeMap<BKey, Bucket>,
     // per-step state
     step: u32,
@@ -208,7 +211,7 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     /// This step's micro-batches, fetched once each: (inputs, targets).
     batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
     /// The activations of the value path, by value id (see [`values`]).
-    vals: Vec<Option<Vec<f32>>>,
+    vals: Vec<Option<B::Buf>>,
     /// Each state value's key in `params`/`grads` ([`values::state_names`]).
     pnames: Vec<String>,
     /// The value path's MoE side tables.
@@ -313,7 +316,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             v: BTreeMap::new(),
             buckets: BTreeMap::new(),
             step: 0,
-            vals: vec![None; g.values.len()],
+            vals: g.values.iter().map(|_| None).collect(),
             pnames: values::state_names(g, first_expert),
             mv: moe_values::MoeVals::default(),
             aux_shares: BTreeMap::new(),
@@ -384,12 +387,12 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 let (i, n) = ex.tp_shard(name);
                 let local = shard(&full, dims.shape(name), &dims.split(name), i, n);
                 sizes.push(local.len());
-                ex.grads.insert(name.clone(), vec![0.0; local.len()]);
+                ex.grads.insert(name.clone(), be.zeros(local.len()));
                 if run.zero_stage == 0 {
-                    ex.m.insert(name.clone(), vec![0.0; local.len()]);
-                    ex.v.insert(name.clone(), vec![0.0; local.len()]);
+                    ex.m.insert(name.clone(), be.zeros(local.len()));
+                    ex.v.insert(name.clone(), be.zeros(local.len()));
                 }
-                ex.params.insert(name.clone(), local);
+                ex.params.insert(name.clone(), be.upload(&local));
             }
             let total: usize = sizes.iter().sum();
             let padded = total.div_ceil(n) * n;
@@ -542,11 +545,11 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 let full = self.gather_bucket(k);
                 let b = &self.buckets[&k];
                 let mut m = BTreeMap::new();
-                Self::unflatten(&b.names, &b.sizes, &full, &mut m);
+                unflatten(&b.names, &b.sizes, &full, &mut m, <[f32]>::to_vec);
                 rep.params.extend(m);
             }
         } else if self.diagnostics {
-            rep.params = self.params.clone();
+            rep.params = self.host(&self.params);
         }
         Ok(rep)
     }
@@ -598,7 +601,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         }
     }
 
-    fn w(&self, name: &str) -> Result<&Vec<f32>, String> {
+    fn w(&self, name: &str) -> Result<&B::Buf, String> {
         self.params
             .get(name)
             .ok_or_else(|| format!("weight {name} not on this rank"))
@@ -650,9 +653,9 @@ fn moves_as_stated(len: usize, elems: usize) -> Result<(), String> {
 }
 
 /// A norm's input and per-row statistics, kept by its forward for the backward.
-struct NormSaved<'a> {
-    x: &'a [f32],
-    stats: &'a [f32],
+struct NormSaved<'a, T> {
+    x: &'a T,
+    stats: &'a T,
 }
 
 /// Backward of the norm `name` (RMSNorm, or LayerNorm with `{name}_bias`): returns `dx`,
@@ -660,12 +663,12 @@ struct NormSaved<'a> {
 fn norm_bwd<B: Backend>(
     be: &B,
     dims: &Dims,
-    params: &BTreeMap<String, Vec<f32>>,
-    grads: &mut BTreeMap<String, Vec<f32>>,
+    params: &BTreeMap<String, B::Buf>,
+    grads: &mut BTreeMap<String, B::Buf>,
     name: &str,
-    saved: NormSaved<'_>,
-    dy: &[f32],
-) -> Result<Vec<f32>, String> {
+    saved: NormSaved<'_, B::Buf>,
+    dy: &B::Buf,
+) -> Result<B::Buf, String> {
     let w = params.get(name).ok_or_else(|| format!("no {name}"))?;
     let mut dw = grads
         .remove(name)
@@ -706,7 +709,7 @@ fn norm_bwd<B: Backend>(
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// The norm `name` (RMSNorm, or LayerNorm with `{name}_bias`) of `x`: output and the
     /// statistics its backward needs.
-    fn norm_fwd(&self, x: &[f32], name: &str) -> Result<(Vec<f32>, Vec<f32>), String> {
+    fn norm_fwd(&self, x: &B::Buf, name: &str) -> Result<(B::Buf, B::Buf), String> {
         let (h, eps) = (self.dims.h, self.cfg.norm_eps);
         Ok(if self.dims.layernorm {
             let b = self.w(&format!("{name}_bias"))?;
@@ -719,51 +722,45 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// The embedding of micro-batch `mb`'s tokens (this rank's vocabulary rows), plus the
     /// learned positions once per token (on the first tp rank: the tp reduction after the
     /// vocabulary-parallel lookup sums the ranks' rows).
-    fn embed(&mut self, mb: u32) -> Result<Vec<f32>, String> {
+    fn embed(&mut self, mb: u32) -> Result<B::Buf, String> {
         let h = self.dims.h;
         let (ids, _) = self.batch(mb)?;
         let mut e = self
             .be
             .embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
         if self.dims.learned_positions && self.tp_pos == 0 {
+            // Each token's position row (a lookup in the position table), added.
             let pe = self.w("pos_embedding")?;
-            for (i, p) in self.positions().into_iter().enumerate() {
-                let p = p as usize;
-                for (a, b) in e[i * h..(i + 1) * h]
-                    .iter_mut()
-                    .zip(&pe[p * h..(p + 1) * h])
-                {
-                    *a += b;
-                }
-            }
+            let rows = self.be.embedding_fwd(&self.positions(), pe, 0, h);
+            self.be.add_into(&mut e, 0, &rows);
         }
         Ok(e)
     }
 
     /// Its backward: `g` (every token's gradient) scattered into the embedding's rows and
     /// the positions' (every tp rank holds the whole gradient here: the same on each).
-    fn embed_bwd(&mut self, mb: u32, g: &[f32]) -> Result<(), String> {
+    fn embed_bwd(&mut self, mb: u32, g: &B::Buf) -> Result<(), String> {
         let h = self.dims.h;
         let (ids, _) = self.batch(mb)?;
         let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
         self.be.embedding_bwd(&ids, g, self.vocab_start, h, dw);
         if self.dims.learned_positions {
+            // Scattered into the position table's rows, as the embedding's.
             let pos = self.positions();
             let dp = self
                 .grads
                 .get_mut("pos_embedding")
                 .ok_or("no position grad")?;
-            for (i, p) in pos.into_iter().enumerate() {
-                let p = p as usize;
-                for (a, b) in dp[p * h..(p + 1) * h]
-                    .iter_mut()
-                    .zip(&g[i * h..(i + 1) * h])
-                {
-                    *a += b;
-                }
-            }
+            self.be.embedding_bwd(&pos, g, 0, h, dp);
         }
         Ok(())
+    }
+
+    /// Tensors of the backend downloaded to the host (reports, checkpoints).
+    fn host(&self, t: &BTreeMap<String, B::Buf>) -> BTreeMap<String, Vec<f32>> {
+        t.iter()
+            .map(|(n, x)| (n.clone(), self.be.download(x)))
+            .collect()
     }
 
     /// Which tensor-parallel shard of parameter `name` this rank holds, of how many:

@@ -3,6 +3,14 @@
 //! (all-reduce, or ZeRO's reduce-scatter into this rank's shard), the ZeRO parameter
 //! gathers, the SP all-reduce of the replicated parameters' gradients, the global gradient
 //! norm and AdamW. These nodes do not name values yet: they work on the rank's buckets.
+//!
+//! The backend boundary: parameters, gradients and the ZeRO-0 moments are the backend's
+//! buffers; a bucket (flattened gradients or parameters, and the ZeRO shards with their
+//! moments) is host memory, since the [`Communicator`] moves host vectors. Flattening
+//! downloads each tensor ([`RankExec::flatten`]), unflattening into the rank's state
+//! uploads it ([`RankExec::unflatten_state`]); a ZeRO shard's AdamW uploads its runs and
+//! downloads the result ([`adamw_host`]). The gradient norm's sum of squares is taken on
+//! the host.
 
 use super::*;
 
@@ -24,32 +32,71 @@ pub(super) struct Bucket {
     pub(super) v: Vec<f32>,
 }
 
+/// `flat` cut into the tensors `names` (of `sizes`), each made by `mk`, into `into`.
+pub(super) fn unflatten<T>(
+    names: &[String],
+    sizes: &[usize],
+    flat: &[f32],
+    into: &mut BTreeMap<String, T>,
+    mk: impl Fn(&[f32]) -> T,
+) {
+    let mut o = 0;
+    for (n, &s) in names.iter().zip(sizes) {
+        into.insert(n.clone(), mk(&flat[o..o + s]));
+        o += s;
+    }
+}
+
+/// AdamW on host slices (a ZeRO shard's run of one parameter) through the backend: the
+/// run uploaded, updated, and downloaded back.
+fn adamw_host<B: Backend>(
+    be: &B,
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    h: AdamW,
+) {
+    let (mut pb, gb, mut mb, mut vb) = (be.upload(p), be.upload(g), be.upload(m), be.upload(v));
+    be.adamw(&mut pb, &gb, &mut mb, &mut vb, h);
+    p.copy_from_slice(&be.download(&pb));
+    m.copy_from_slice(&be.download(&mb));
+    v.copy_from_slice(&be.download(&vb));
+}
+
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+    /// The tensors `names` of `from` (the rank's parameters or gradients) downloaded end
+    /// to end, zero-padded to `padded`.
     pub(super) fn flatten(
         &self,
         names: &[String],
-        from: &BTreeMap<String, Vec<f32>>,
+        from: &BTreeMap<String, B::Buf>,
         padded: usize,
     ) -> Vec<f32> {
         let mut flat = Vec::with_capacity(padded);
         for n in names {
-            flat.extend_from_slice(&from[n]);
+            flat.extend_from_slice(&self.be.download(&from[n]));
         }
         flat.resize(padded, 0.0);
         flat
     }
 
-    pub(super) fn unflatten(
+    /// `flat` cut into the tensors `names` (of `sizes`), uploaded into the rank's
+    /// parameters (`grads` false) or gradients.
+    pub(super) fn unflatten_state(
+        &mut self,
         names: &[String],
         sizes: &[usize],
         flat: &[f32],
-        into: &mut BTreeMap<String, Vec<f32>>,
+        grads: bool,
     ) {
-        let mut o = 0;
-        for (n, &s) in names.iter().zip(sizes) {
-            into.insert(n.clone(), flat[o..o + s].to_vec());
-            o += s;
-        }
+        let be = self.be;
+        let into = if grads {
+            &mut self.grads
+        } else {
+            &mut self.params
+        };
+        unflatten(names, sizes, flat, into, |x| be.upload(x));
     }
 
     /// The data-parallel group of a bucket kind (dense or expert) and this rank's place.
@@ -105,7 +152,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let full = self.gather_bucket(key);
                 let b = &self.buckets[&key];
                 let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                Self::unflatten(&names, &sizes, &full, &mut self.params);
+                self.unflatten_state(&names, &sizes, &full, false);
             }
             (K::AllReduce | K::ReduceScatter, _) => {
                 let key = (n.layer, expert);
@@ -118,7 +165,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 if kind == K::AllReduce {
                     self.comm.all_reduce(group, &mut flat);
                     let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                    Self::unflatten(&names, &sizes, &flat, &mut self.grads);
+                    self.unflatten_state(&names, &sizes, &flat, true);
                 } else {
                     let s = self.comm.reduce_scatter(group, &flat);
                     let b = self.buckets.get_mut(&key).unwrap();
@@ -126,11 +173,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                         *a += x;
                     }
                     for nm in &b.names {
-                        self.grads
-                            .get_mut(nm)
-                            .unwrap()
-                            .iter_mut()
-                            .for_each(|x| *x = 0.0);
+                        self.be.fill_zero(self.grads.get_mut(nm).unwrap());
                     }
                 }
             }
@@ -144,7 +187,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let full = self.gather_bucket(key);
                 let b = &self.buckets[&key];
                 let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                Self::unflatten(&names, &sizes, &full, &mut self.params);
+                self.unflatten_state(&names, &sizes, &full, false);
             }
             (K::AllGather, Pass::Step) => {
                 // ZeRO-1/2: every bucket's updated shard (of this group's kind), concatenated
@@ -171,7 +214,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     }
                     off += c;
                     let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                    Self::unflatten(&names, &sizes, &full, &mut self.params);
+                    self.unflatten_state(&names, &sizes, &full, false);
                 }
             }
             (k, p) => return Err(format!("no rule for a dp collective {k:?} in pass {p:?}")),
@@ -211,7 +254,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             .collect();
         let mut flat = Vec::new();
         for nm in &names {
-            flat.extend_from_slice(&self.grads[nm]);
+            flat.extend_from_slice(&self.be.download(&self.grads[nm]));
         }
         if flat.len() != elems {
             return Err(format!(
@@ -223,8 +266,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let mut o = 0;
         for nm in &names {
             let g = self.grads.get_mut(nm).unwrap();
-            let k = g.len();
-            g.copy_from_slice(&flat[o..o + k]);
+            let k = self.be.len(g);
+            self.be.write(g, 0, &flat[o..o + k]);
             o += k;
         }
         Ok(())
@@ -298,11 +341,12 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     self.dense_pos == 0
                 };
                 if first_replica && (self.tp_pos == 0 || !self.is_replicated(nm)) {
+                    let gr = self.be.download(gr);
                     ss += gr.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
                 }
             }
             if self.diagnostics {
-                self.report.grads = self.grads.clone();
+                self.report.grads = self.host(&self.grads);
             }
         } else {
             let keys: Vec<_> = self.buckets.keys().copied().collect();
@@ -329,7 +373,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let full = self.comm.all_gather(&group, &b.g);
                 let b = &self.buckets[&k];
                 let mut m = BTreeMap::new();
-                Self::unflatten(&b.names, &b.sizes, &full, &mut m);
+                unflatten(&b.names, &b.sizes, &full, &mut m, <[f32]>::to_vec);
                 self.report.grads.extend(m);
             }
         }
@@ -378,7 +422,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         if zero == 0 {
             let names: Vec<String> = self.params.keys().cloned().collect();
             for nm in names {
-                let g: Vec<f32> = self.grads[&nm].iter().map(|x| x * clip).collect();
+                let g = be.scale(&self.grads[&nm], clip);
                 let p = self.params.get_mut(&nm).unwrap();
                 let m = self.m.get_mut(&nm).unwrap();
                 let v = self.v.get_mut(&nm).unwrap();
@@ -401,7 +445,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                         continue;
                     }
                     let r = s - lo..e - lo;
-                    be.adamw(
+                    adamw_host(
+                        be,
                         &mut b.p[r.clone()],
                         &g[r.clone()],
                         &mut b.m[r.clone()],
@@ -413,12 +458,12 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 if (if k.1 { ne } else { nd }) == 1 {
                     // A group of one (e.g. the experts under ep without dp): the IR has no
                     // parameter gather, the shard is the whole bucket.
-                    Self::unflatten(&b.names, &b.sizes, &b.p, &mut self.params);
+                    unflatten(&b.names, &b.sizes, &b.p, &mut self.params, |x| be.upload(x));
                 }
             }
         }
         for g in self.grads.values_mut() {
-            g.iter_mut().for_each(|x| *x = 0.0);
+            be.fill_zero(g);
         }
         Ok(())
     }

@@ -13,6 +13,15 @@
 //!
 //! Their collectives move the physical buffers (the IR states the logical bytes); a
 //! reduce-scatter of dispatch buffers keeps the headers of the rank's own part.
+//!
+//! On the backend: the rows (dispatch buffers, grouped rows, expert outputs, gradients) are
+//! `B::Buf`, moved by the backend's range copies ([`Backend::copy_ranges`],
+//! [`Backend::gather`], [`Backend::axpy_ranges`]) with offsets the host computes. On the
+//! host: the routing decisions ([`Routing`], from [`Backend::route`]) and the tables planned
+//! from them ([`Route`], [`Grouping`]), the dispatch headers (read with one download of the
+//! header ranges, written with [`Backend::write`]), the routing statistics (built on the
+//! host from the routing and uploaded; downloaded where the load-balancing loss is taken)
+//! and the collectives, which download their buffer and upload the result.
 
 use super::RankExec;
 use crate::backend::{Backend, Routing};
@@ -144,12 +153,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             if kind != CollectiveKind::AllReduce {
                 return Err(format!("routing statistics moved by a {}", kind.name()));
             }
-            let mut s = self.val(x)?.clone();
+            let mut s = self.val_host(x)?;
             self.comm.all_reduce(group, &mut s);
             if n.pass == Pass::Fwd {
                 let (aux, _) = self.aux_of(&s)?;
                 self.aux_shares.insert(at, aux);
             }
+            let s = self.be.upload(&s);
             self.def(y, s);
             self.mv.stats.insert(y, at);
             return Ok(Some(()));
@@ -158,7 +168,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             return Ok(None);
         }
         let ch = self.chunks(self.dims.h)?;
-        let buf = super::values::get(self.g, &self.pnames, &self.vals, &self.params, x)?;
+        let buf = &self.val_host(x)?;
         let out = match kind {
             CollectiveKind::AllToAll => {
                 if group != self.ep.as_slice() {
@@ -194,6 +204,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             }
             other => return Err(format!("{} of dispatch buffers", other.name())),
         };
+        let out = self.be.upload(&out);
         self.def(y, out);
         self.mv.chunked.insert(y);
         Ok(Some(()))
@@ -221,12 +232,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let m = self.moe_dims()?;
         let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
         let off = self.routed_offset();
-        let r = self.be.route(self.val(Self::arg(n, 0)?)?, e, k);
+        let be = self.be;
+        let r = be.route(self.val(Self::arg(n, 0)?)?, e, k);
         let x = self.val(Self::arg(n, 1)?)?;
-        if x.len() != t * h || r.experts.len() != t * k {
+        if be.len(x) != t * h || r.experts.len() != t * k {
             return Err(format!(
                 "dispatch of {} rows of {} logits, the rank routes {t} tokens of width {h}",
-                x.len() / h.max(1),
+                be.len(x) / h.max(1),
                 r.probs.len()
             ));
         }
@@ -247,13 +259,10 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     .collect()
             })
             .collect();
-        let mut buf = vec![0.0f32; ch.len()];
-        for (mm, c) in send.iter().enumerate() {
-            for (x, &n) in c.iter().enumerate() {
-                buf[mm * ch.chunk() + x] = n as f32;
-            }
-        }
+        let mut buf = be.zeros(ch.len());
+        ch.write_headers(be, &mut buf, &send);
         let mut slot = vec![(0, 0); t * k];
+        let mut moves = Vec::with_capacity(t * k);
         for i in 0..t {
             for j in 0..k {
                 let ex = r.experts[i * k + j] as usize;
@@ -261,10 +270,10 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let row = next[mm][le];
                 next[mm][le] += 1;
                 slot[i * k + j] = (mm, row);
-                let lo = mm * ch.chunk() + el + row * h;
-                buf[lo..lo + h].copy_from_slice(&x[i * h..(i + 1) * h]);
+                moves.push((i * h, ch.row(mm, row)));
             }
         }
+        be.copy_ranges(&mut buf, x, h, &moves);
         // Per-sequence statistics: routed-slot counts and probability sums.
         let (sl, nseq) = (self.seq_local(), self.mb_size);
         let mut stats = vec![0.0f32; nseq * 2 * e];
@@ -280,7 +289,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let (xr, route) = (Self::res(n, 0)?, Self::res(n, 1)?);
         self.def(xr, buf);
         self.mv.chunked.insert(xr);
-        self.def(route, r.experts.iter().map(|&x| x as f32).collect());
+        let ids: Vec<f32> = r.experts.iter().map(|&x| x as f32).collect();
+        self.def(route, be.upload(&ids));
         self.mv.routes.insert(
             route,
             Route {
@@ -295,7 +305,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let (aux, _) = self.aux_of(&stats)?;
                 self.aux_shares.insert((l, mb), aux);
             }
-            self.def(sv, stats);
+            self.def(sv, be.upload(&stats));
             self.mv.stats.insert(sv, (l, mb));
         }
         Ok(())
@@ -310,11 +320,11 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     /// A combine's dispatch buffers (operand 0, in the layout of the route, operand 1)
     /// with their route: the rows per expert must be the ones the dispatch sent.
-    fn combined(&self, n: &Node) -> Result<(Chunks, &Vec<f32>, &Route), String> {
+    fn combined(&self, n: &Node) -> Result<(Chunks, &B::Buf, &Route), String> {
         let ch = self.chunks(self.dims.h)?;
         let buf = self.val(Self::arg(n, 0)?)?;
         let st = self.route(Self::arg(n, 1)?)?;
-        let hdr = ch.headers(buf)?;
+        let hdr = ch.headers(self.be, buf)?;
         if hdr != st.send {
             return Err(format!(
                 "the {} combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
@@ -336,21 +346,22 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let m = self.moe_dims()?;
         let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
         let (off, tokens) = self.moe_rows();
+        let be = self.be;
         let (ch, buf, st) = self.combined(n)?;
-        let mut eo = vec![0.0f32; t * k * h];
-        let mut y = vec![0.0f32; tokens * h];
+        let mut slots = Vec::with_capacity(t * k);
+        let mut weighted = Vec::with_capacity(t * k);
         for i in 0..t {
             for j in 0..k {
                 let (mm, row) = st.slot[i * k + j];
-                let lo = mm * ch.chunk() + ch.el + row * h;
-                let src = &buf[lo..lo + h];
-                eo[(i * k + j) * h..(i * k + j + 1) * h].copy_from_slice(src);
-                let g = st.routing.gates[i * k + j];
-                for (a, b) in y[(off + i) * h..(off + i + 1) * h].iter_mut().zip(src) {
-                    *a += g * b;
-                }
+                let lo = ch.row(mm, row);
+                slots.push((lo, (i * k + j) * h));
+                weighted.push((lo, (off + i) * h, st.routing.gates[i * k + j]));
             }
         }
+        let mut eo = be.zeros(t * k * h);
+        be.copy_ranges(&mut eo, buf, h, &slots);
+        let mut y = be.zeros(tokens * h);
+        be.axpy_ranges(&mut y, buf, h, &weighted);
         self.def(Self::res(n, 0)?, eo);
         self.def(Self::res(n, 1)?, y);
         Ok(())
@@ -362,30 +373,25 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let m = self.moe_dims()?;
         let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
         let off = self.moe_rows().0;
+        let be = self.be;
         let ch = self.chunks(h)?;
         let dy = self.val(Self::arg(n, 0)?)?;
         let st = self.route(Self::arg(n, 1)?)?;
         let eo = self.val(Self::arg(n, 2)?)?;
-        let mut buf = vec![0.0f32; ch.len()];
-        for (mm, c) in st.send.iter().enumerate() {
-            for (x, &n) in c.iter().enumerate() {
-                buf[mm * ch.chunk() + x] = n as f32;
-            }
-        }
-        let mut dg = vec![0.0f32; t * k];
+        let mut buf = be.zeros(ch.len());
+        ch.write_headers(be, &mut buf, &st.send);
+        let mut scaled = Vec::with_capacity(t * k);
+        let mut pairs = Vec::with_capacity(t * k);
         for i in 0..t {
-            let d = &dy[(off + i) * h..(off + i + 1) * h];
             for j in 0..k {
                 let (mm, row) = st.slot[i * k + j];
-                let lo = mm * ch.chunk() + ch.el + row * h;
                 let g = st.routing.gates[i * k + j];
-                for (a, b) in buf[lo..lo + h].iter_mut().zip(d) {
-                    *a = g * b;
-                }
-                let o = &eo[(i * k + j) * h..(i * k + j + 1) * h];
-                dg[i * k + j] = o.iter().zip(d).map(|(a, b)| a * b).sum();
+                scaled.push(((off + i) * h, ch.row(mm, row), g));
+                pairs.push(((i * k + j) * h, (off + i) * h));
             }
         }
+        be.scale_ranges(&mut buf, dy, h, &scaled);
+        let dg = be.dots(eo, dy, h, &pairs);
         let dr = Self::res(n, 0)?;
         self.def(dr, buf);
         self.mv.chunked.insert(dr);
@@ -400,22 +406,22 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let m = self.moe_dims()?;
         let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
         let (off, tokens) = self.moe_rows();
+        let be = self.be;
         let (ch, buf, st) = self.combined(n)?;
         let mut dn = match n.operands.get(4) {
-            Some(&ds) => self.val(ds)?.clone(),
-            None => vec![0.0; tokens * h],
+            Some(&ds) => be.copy(self.val(ds)?),
+            None => be.zeros(tokens * h),
         };
+        // `+= 1 * row`: the multiplication by one is exact, so this is the plain sum.
+        let mut adds = Vec::with_capacity(t * k);
         for i in 0..t {
             for j in 0..k {
                 let (mm, row) = st.slot[i * k + j];
-                let lo = mm * ch.chunk() + ch.el + row * h;
-                let d = &mut dn[(off + i) * h..(off + i + 1) * h];
-                for (a, b) in d.iter_mut().zip(&buf[lo..lo + h]) {
-                    *a += b;
-                }
+                adds.push((ch.row(mm, row), (off + i) * h, 1.0));
             }
         }
-        let (_, daux) = self.aux_of(self.val(Self::arg(n, 3)?)?)?;
+        be.axpy_ranges(&mut dn, buf, h, &adds);
+        let (_, daux) = self.aux_of(&self.val_host(Self::arg(n, 3)?)?)?;
         let (ro, sl) = (self.routed_offset(), self.seq_local());
         let mut dprobs = vec![0.0f32; t * e];
         for i in 0..t {
@@ -423,7 +429,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             dprobs[i * e..(i + 1) * e].copy_from_slice(&daux[b * e..(b + 1) * e]);
         }
         let dg = self.val(Self::arg(n, 2)?)?;
-        let dl = self.be.route_bwd(&st.routing, dg, &dprobs, e, k);
+        let dl = be.route_bwd(&st.routing, dg, &be.upload(&dprobs), e, k);
         self.def(Self::res(n, 0)?, dn);
         self.def(Self::res(n, 1)?, dl);
         Ok(())
@@ -459,18 +465,14 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 }
                 let gname = self.value_name(n.results[le]).to_string();
                 let pname = gname.strip_suffix(".grad").unwrap_or(&gname).to_string();
+                let be = self.be;
+                let xs = be.slice(&x, lo * rows_in, hi * rows_in);
+                let dys = be.slice(&dy, lo * rows_out, hi * rows_out);
                 let dw = self
                     .grads
                     .get_mut(&pname)
                     .ok_or_else(|| format!("no gradient of {pname}"))?;
-                self.be.linear_wgrad(
-                    &x[lo * rows_in..hi * rows_in],
-                    &dy[lo * rows_out..hi * rows_out],
-                    hi - lo,
-                    rows_in,
-                    rows_out,
-                    dw,
-                );
+                be.linear_wgrad(&xs, &dys, hi - lo, rows_in, rows_out, dw);
             }
             return Ok(());
         }
@@ -487,20 +489,21 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 n.operands.len() - 1
             ));
         }
-        let mut y = vec![0.0f32; gr.off[el] * yout];
+        let be = self.be;
+        let mut y = be.zeros(gr.off[el] * yout);
         for le in 0..el {
             let (lo, hi) = (gr.off[le], gr.off[le + 1]);
             if hi == lo {
                 continue;
             }
             let w = self.val(n.operands[1 + le])?;
-            let rows = &x[lo * xin..hi * xin];
+            let rows = be.slice(&x, lo * xin, hi * xin);
             let out = if dgrad {
-                self.be.linear_dgrad(rows, w, hi - lo, win, wout)
+                be.linear_dgrad(&rows, w, hi - lo, win, wout)
             } else {
-                self.be.linear_fwd(rows, w, hi - lo, win, wout)
+                be.linear_fwd(&rows, w, hi - lo, win, wout)
             };
-            y[lo * yout..hi * yout].copy_from_slice(&out);
+            be.copy_ranges(&mut y, &out, (hi - lo) * yout, &[(0, lo * yout)]);
         }
         let r = Self::res(n, 0)?;
         if chunked_in {
@@ -510,7 +513,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         } else {
             // Grouped rows in, dispatch buffers out.
             let ch = self.expert_chunks(yout, gr.members)?;
-            self.def(r, ch.ungroup(&y, &gr.recv));
+            let buf = ch.ungroup(be, &y, &gr.recv);
+            self.def(r, buf);
             self.mv.chunked.insert(r);
         }
         Ok(())
@@ -522,18 +526,19 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         &self,
         v: ValueId,
         width: usize,
-    ) -> Result<(Vec<f32>, Rc<Grouping>), String> {
+    ) -> Result<(B::Buf, Rc<Grouping>), String> {
+        let be = self.be;
         let buf = self.val(v)?;
         if let Some(g) = self.mv.grouped.get(&v) {
-            return Ok((buf.clone(), g.clone()));
+            return Ok((be.copy(buf), g.clone()));
         }
         if !self.mv.is_chunked(v) {
             return Err(format!("{v} is neither dispatch buffers nor grouped rows"));
         }
-        let members = self.buffers_in(buf, width)?;
+        let members = self.buffers_in(be.len(buf), width)?;
         let ch: Chunks = self.expert_chunks(width, members)?;
-        let recv = ch.headers(buf)?;
-        let (x, off) = ch.group(buf, &recv);
+        let recv = ch.headers(be, buf)?;
+        let (x, off) = ch.group(be, buf, &recv);
         debug_assert_eq!(off, expert_offsets(&recv, ch.el));
         Ok((x, Rc::new(Grouping { recv, members, off })))
     }
@@ -554,18 +559,37 @@ impl Chunks {
     pub(super) fn chunk(&self) -> usize {
         self.el + self.cap * self.w
     }
-    /// The row counts of every chunk's header.
-    pub(super) fn headers(&self, buf: &[f32]) -> Result<Vec<Vec<usize>>, String> {
-        if buf.len() != self.len() {
+    /// Where row `row` of member `m`'s chunk starts (in elements).
+    pub(super) fn row(&self, m: usize, row: usize) -> usize {
+        m * self.chunk() + self.el + row * self.w
+    }
+    /// Every chunk's header: the row counts `counts` of its member's local experts.
+    pub(super) fn write_headers<B: Backend>(&self, be: &B, buf: &mut B::Buf, counts: &[Vec<usize>]) {
+        for (m, c) in counts.iter().enumerate() {
+            let hdr: Vec<f32> = c.iter().map(|&n| n as f32).collect();
+            be.write(buf, m * self.chunk(), &hdr);
+        }
+    }
+    /// The row counts of every chunk's header (one download of the header ranges).
+    pub(super) fn headers<B: Backend>(
+        &self,
+        be: &B,
+        buf: &B::Buf,
+    ) -> Result<Vec<Vec<usize>>, String> {
+        let len = be.len(buf);
+        if len != self.len() {
             return Err(format!(
-                "routed buffer of {} values, expected {}",
-                buf.len(),
+                "routed buffer of {len} values, expected {}",
                 self.len()
             ));
         }
+        let ranges: Vec<(usize, usize)> = (0..self.members)
+            .map(|m| (m * self.chunk(), self.el))
+            .collect();
+        let all = be.download(&be.gather(buf, &ranges));
         let mut out = Vec::new();
         for m in 0..self.members {
-            let h = &buf[m * self.chunk()..m * self.chunk() + self.el];
+            let h = &all[m * self.el..(m + 1) * self.el];
             let c: Vec<usize> = h.iter().map(|&x| x as usize).collect();
             if h.iter().zip(&c).any(|(&x, &n)| x != n as f32 || x < 0.0)
                 || c.iter().sum::<usize>() > self.cap
@@ -578,34 +602,40 @@ impl Chunks {
     }
     /// Rows grouped by local expert, then member (member `m`'s rows of expert `e` in chunk
     /// order), and the offset of each expert's group (in rows).
-    pub(super) fn group(&self, buf: &[f32], counts: &[Vec<usize>]) -> (Vec<f32>, Vec<usize>) {
-        let mut out = Vec::new();
+    pub(super) fn group<B: Backend>(
+        &self,
+        be: &B,
+        buf: &B::Buf,
+        counts: &[Vec<usize>],
+    ) -> (B::Buf, Vec<usize>) {
+        let mut ranges = Vec::new();
         let mut off = vec![0];
+        let mut rows = 0;
         for e in 0..self.el {
             for (m, c) in counts.iter().enumerate() {
                 let start: usize = c[..e].iter().sum();
-                let lo = m * self.chunk() + self.el + start * self.w;
-                out.extend_from_slice(&buf[lo..lo + c[e] * self.w]);
+                ranges.push((self.row(m, start), c[e] * self.w));
+                rows += c[e];
             }
-            off.push(out.len() / self.w);
+            off.push(rows);
         }
-        (out, off)
+        (be.gather(buf, &ranges), off)
     }
     /// The inverse of [`Chunks::group`], headers written.
-    pub(super) fn ungroup(&self, grouped: &[f32], counts: &[Vec<usize>]) -> Vec<f32> {
-        let mut buf = vec![0.0; self.len()];
+    pub(super) fn ungroup<B: Backend>(
+        &self,
+        be: &B,
+        grouped: &B::Buf,
+        counts: &[Vec<usize>],
+    ) -> B::Buf {
+        let mut buf = be.zeros(self.len());
+        self.write_headers(be, &mut buf, counts);
         let mut src = 0;
-        for (m, c) in counts.iter().enumerate() {
-            for (e, &n) in c.iter().enumerate() {
-                buf[m * self.chunk() + e] = n as f32;
-            }
-        }
         for e in 0..self.el {
             for (m, c) in counts.iter().enumerate() {
                 let start: usize = c[..e].iter().sum();
-                let lo = m * self.chunk() + self.el + start * self.w;
                 let n = c[e] * self.w;
-                buf[lo..lo + n].copy_from_slice(&grouped[src..src + n]);
+                be.copy_ranges(&mut buf, grouped, n, &[(src, self.row(m, start))]);
                 src += n;
             }
         }
@@ -651,16 +681,15 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         Ok(c)
     }
 
-    /// How many dispatch buffers of width `w` `buf` holds.
-    pub(super) fn buffers_in(&self, buf: &[f32], w: usize) -> Result<usize, String> {
+    /// How many dispatch buffers of width `w` a buffer of `len` elements holds.
+    pub(super) fn buffers_in(&self, len: usize, w: usize) -> Result<usize, String> {
         let c = self.chunks(w)?.chunk();
-        if c == 0 || buf.len() % c != 0 {
+        if c == 0 || len % c != 0 {
             return Err(format!(
-                "a dispatch buffer of {} elements is not whole chunks of {c}",
-                buf.len()
+                "a dispatch buffer of {len} elements is not whole chunks of {c}",
             ));
         }
-        Ok(buf.len() / c)
+        Ok(len / c)
     }
 
     /// Tokens this rank routes: its sequence shard under SP, else the micro-batch's.

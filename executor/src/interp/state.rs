@@ -13,6 +13,10 @@
 //! Gradients are not state: they are zero between steps. The data position and the
 //! learning-rate schedule follow from the step (data is addressed by step and micro-batch),
 //! so the step number is the rest of the state.
+//!
+//! The weights and ZeRO-0 moments are the backend's buffers: exporting downloads them,
+//! importing uploads them (the checkpoint writer and reader work on host vectors); the ZeRO
+//! shards are host memory already.
 
 use super::{RankExec, RankStateAccess};
 use crate::backend::Backend;
@@ -48,16 +52,17 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// Every tensor of this rank's state, by the names in the module doc.
     pub(crate) fn export_state(&self) -> BTreeMap<String, Vec<f32>> {
         let mut out = BTreeMap::new();
+        let be = self.be;
         for (n, p) in &self.params {
             if self.held_between_steps(n) {
-                out.insert(format!("param/{n}"), p.clone());
+                out.insert(format!("param/{n}"), be.download(p));
             }
         }
         for (n, m) in &self.m {
-            out.insert(format!("adam_m/{n}"), m.clone());
+            out.insert(format!("adam_m/{n}"), be.download(m));
         }
         for (n, v) in &self.v {
-            out.insert(format!("adam_v/{n}"), v.clone());
+            out.insert(format!("adam_v/{n}"), be.download(v));
         }
         if self.run.zero_stage >= 1 {
             for (k, b) in &self.buckets {
@@ -90,16 +95,17 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             .keys()
             .map(|n| self.held_between_steps(n))
             .collect();
+        let be = self.be;
         for ((n, p), held) in self.params.iter_mut().zip(held) {
             if held {
-                *p = take(format!("param/{n}"), p.len())?;
+                *p = be.upload(&take(format!("param/{n}"), be.len(p))?);
             }
         }
         for (n, m) in self.m.iter_mut() {
-            *m = take(format!("adam_m/{n}"), m.len())?;
+            *m = be.upload(&take(format!("adam_m/{n}"), be.len(m))?);
         }
         for (n, v) in self.v.iter_mut() {
-            *v = take(format!("adam_v/{n}"), v.len())?;
+            *v = be.upload(&take(format!("adam_v/{n}"), be.len(v))?);
         }
         if self.run.zero_stage >= 1 {
             for (k, b) in self.buckets.iter_mut() {
@@ -115,7 +121,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             ));
         }
         for g in self.grads.values_mut() {
-            g.iter_mut().for_each(|x| *x = 0.0);
+            be.fill_zero(g);
         }
         for b in self.buckets.values_mut() {
             b.g.iter_mut().for_each(|x| *x = 0.0);
@@ -134,10 +140,12 @@ impl<B: Backend, C: Communicator> RankStateAccess for RankExec<'_, B, C> {
             .params
             .get_mut(param)
             .ok_or_else(|| format!("no weight `{param}` on this rank"))?;
-        let x = w
+        let mut host = self.be.download(w);
+        let x = host
             .get_mut(index)
             .ok_or_else(|| format!("weight `{param}` has no element {index}"))?;
         *x = f32::from_bits(x.to_bits() ^ (1u32 << (bit % 32)));
+        *w = self.be.upload(&host);
         Ok(())
     }
 
@@ -151,7 +159,7 @@ impl<B: Backend, C: Communicator> RankStateAccess for RankExec<'_, B, C> {
         };
         for (n, w) in &self.params {
             n.bytes().for_each(&mut eat);
-            for x in w {
+            for x in self.be.download(w) {
                 x.to_bits().to_le_bytes().into_iter().for_each(&mut eat);
             }
         }

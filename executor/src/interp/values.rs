@@ -31,6 +31,15 @@
 //! Parameters and gradients are the rank's named state (`L3.qkv`, `L3.qkv.grad`); token ids
 //! and labels come from the data source by micro-batch; activations live in a table by value
 //! id from their defining node to their `release`.
+//!
+//! Generic over the backend: activations, parameters and gradients are `B::Buf`, every
+//! kernel and every data movement between kernels (slicing `qkv`, laying out K and V,
+//! residual adds, accumulating onto a sequence shard) is a [`Backend`] call. A value
+//! crosses to the host in one place each, through [`Backend::download`] /
+//! [`Backend::upload`]: collectives, sends and receives (the [`Communicator`] moves host
+//! vectors), and the loss's per-token statistics (`max`, `stats`: the loss scalar is
+//! summed on the host, and the log-sum-exp `xent_bwd` takes is computed there from them).
+//! Token ids, labels and positions are host `u32`s the kernels take as they are.
 
 use super::{all_reduce_op, err, norm_bwd, NormSaved, RankExec};
 use crate::backend::{AttnSaved, Backend, GemmShape, Operand};
@@ -42,13 +51,13 @@ use std::collections::BTreeMap;
 
 /// An activation (from the value table) or a parameter (from the rank's state), borrowing
 /// only those two fields so the caller may hold the communicator or the gradients.
-pub(super) fn get<'a>(
+pub(super) fn get<'a, T>(
     g: &Graph,
     pnames: &[String],
-    vals: &'a [Option<Vec<f32>>],
-    params: &'a BTreeMap<String, Vec<f32>>,
+    vals: &'a [Option<T>],
+    params: &'a BTreeMap<String, T>,
     v: ValueId,
-) -> Result<&'a Vec<f32>, String> {
+) -> Result<&'a T, String> {
     let val = &g.values[v.index()];
     match val.kind {
         ValueKind::Activation => vals[v.index()]
@@ -105,11 +114,16 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     }
 
     /// An activation or a parameter.
-    pub(super) fn val(&self, v: ValueId) -> Result<&Vec<f32>, String> {
+    pub(super) fn val(&self, v: ValueId) -> Result<&B::Buf, String> {
         get(self.g, &self.pnames, &self.vals, &self.params, v)
     }
 
-    pub(super) fn def(&mut self, v: ValueId, x: Vec<f32>) {
+    /// An activation or a parameter downloaded to the host (for the communicator).
+    pub(super) fn val_host(&self, v: ValueId) -> Result<Vec<f32>, String> {
+        Ok(self.be.download(self.val(v)?))
+    }
+
+    pub(super) fn def(&mut self, v: ValueId, x: B::Buf) {
         self.vals[v.index()] = Some(x);
     }
 
@@ -139,12 +153,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 Ok(())
             }
             Op::Send { peer, .. } => {
-                let x = self.val(Self::arg(n, 0)?)?.clone();
+                let x = self.val_host(Self::arg(n, 0)?)?;
                 self.comm.send(*peer, &x);
                 Ok(())
             }
             Op::Recv { peer, .. } => {
                 let x = self.comm.recv(*peer);
+                let x = self.be.upload(&x);
                 self.def(Self::res(n, 0)?, x);
                 Ok(())
             }
@@ -160,21 +175,15 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     return Ok(());
                 }
                 let elems = (*bytes / dtype.bytes()) as usize;
-                let x = get(
-                    self.g,
-                    &self.pnames,
-                    &self.vals,
-                    &self.params,
-                    Self::arg(n, 0)?,
-                )?;
+                let x = self.val_host(Self::arg(n, 0)?)?;
                 let y = match kind {
-                    CollectiveKind::AllGather => self.comm.all_gather(&group, x),
+                    CollectiveKind::AllGather => self.comm.all_gather(&group, &x),
                     CollectiveKind::ReduceScatter => {
                         super::moves_as_stated(x.len(), elems)?;
-                        self.comm.reduce_scatter(&group, x)
+                        self.comm.reduce_scatter(&group, &x)
                     }
                     CollectiveKind::AllReduce => {
-                        let mut y = x.clone();
+                        let mut y = x;
                         super::moves_as_stated(y.len(), elems)?;
                         all_reduce_op(&mut self.comm, &group, &mut y, *reduce);
                         y
@@ -184,6 +193,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 if *kind == CollectiveKind::AllGather {
                     super::moves_as_stated(y.len(), elems)?;
                 }
+                let y = self.be.upload(&y);
                 self.def(Self::res(n, 0)?, y);
                 Ok(())
             }
@@ -225,7 +235,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         };
         let dx = match n.operands.get(3 + ws) {
             // The residual branch's gradient plus the norm's.
-            Some(&r) => self.val(r)?.iter().zip(&dx).map(|(a, b)| a + b).collect(),
+            Some(&r) => self.be.add(self.val(r)?, &dx),
             None => dx,
         };
         self.def(Self::res(n, 0)?, dx);
@@ -279,7 +289,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 be.linear_dgrad(x, w, m, nn, k)
             }
         } else if tied {
-            let mut y = vec![0.0; m * nn];
+            let mut y = be.zeros(m * nn);
             be.gemm(
                 GemmShape { m, k, n: nn },
                 Operand::n(x),
@@ -311,26 +321,24 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// The GEMM output `y` accumulated onto `acc`: elementwise, or, when `acc` holds the
     /// micro-batch's rows and `y` this rank's sequence shard, onto the shard's rows. A
     /// `replicated` product counts only on tp rank 0.
-    fn accumulate(&self, acc: ValueId, y: Vec<f32>, replicated: bool) -> Result<Vec<f32>, String> {
-        let mut out = self.val(acc)?.clone();
+    fn accumulate(&self, acc: ValueId, y: B::Buf, replicated: bool) -> Result<B::Buf, String> {
+        let be = self.be;
+        let mut out = be.copy(self.val(acc)?);
         if replicated && self.tp_pos != 0 {
             return Ok(out);
         }
-        let row0 = if out.len() == y.len() {
+        let (len, ylen) = (be.len(&out), be.len(&y));
+        let row0 = if len == ylen {
             0
         } else {
             self.routed_offset() * self.dims.h
         };
-        let dst = out.get_mut(row0..row0 + y.len()).ok_or_else(|| {
-            format!(
-                "a GEMM output of {} values onto {} from {row0}",
-                y.len(),
-                self.val(acc).map_or(0, |v| v.len())
-            )
-        })?;
-        for (a, b) in dst.iter_mut().zip(&y) {
-            *a += b;
+        if row0 + ylen > len {
+            return Err(format!(
+                "a GEMM output of {ylen} values onto {len} from {row0}"
+            ));
         }
+        be.add_into(&mut out, row0, &y);
         Ok(out)
     }
 
@@ -340,10 +348,11 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         match kind {
             ElementwiseKind::Residual => {
                 let (x, y) = (self.val(Self::arg(n, 0)?)?, self.val(Self::arg(n, 1)?)?);
-                if x.len() != y.len() {
-                    return Err(format!("residual of {} elements onto {}", y.len(), x.len()));
+                let (xl, yl) = (be.len(x), be.len(y));
+                if xl != yl {
+                    return Err(format!("residual of {yl} elements onto {xl}"));
                 }
-                let z = x.iter().zip(y).map(|(a, b)| a + b).collect();
+                let z = be.add(x, y);
                 self.def(Self::res(n, 0)?, z);
             }
             ElementwiseKind::Activation => {
@@ -387,90 +396,96 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let pos = self.positions();
         let theta = self.cfg.rope_theta;
         let rotary = !self.dims.learned_positions;
+        // Per token: Q heads, K heads, V heads (widths `qw`, `kw`, `kw`).
+        let (qw, kw) = (hl * d, kvl * d);
+        let w = qw + 2 * kw;
         if !bwd {
             let qkv = self.val(Self::arg(n, 0)?)?;
-            let w = (hl + 2 * kvl) * d;
-            let mut q = Vec::with_capacity(t * hl * d);
-            let mut k = Vec::with_capacity(2 * t * kvl * d);
-            let mut v = Vec::with_capacity(t * kvl * d);
-            for i in 0..t {
-                let row = &qkv[i * w..(i + 1) * w];
-                q.extend_from_slice(&row[..hl * d]);
-                k.extend_from_slice(&row[hl * d..(hl + kvl) * d]);
-                v.extend_from_slice(&row[(hl + kvl) * d..]);
-            }
+            let cols = |lo: usize, width: usize| -> Vec<(usize, usize)> {
+                (0..t).map(|i| (i * w + lo, width)).collect()
+            };
+            let mut q = be.gather(qkv, &cols(0, qw));
+            let mut k = be.gather(qkv, &cols(qw, kw));
+            let v = be.gather(qkv, &cols(qw + kw, kw));
             if rotary {
                 be.rope_fwd(&mut q, &pos, hl, d, theta);
                 be.rope_fwd(&mut k, &pos, kvl, d, theta);
             }
-            k.extend_from_slice(&v);
+            let kv = be.concat(&[&k, &v]);
             self.def(Self::res(n, 0)?, q);
-            self.def(Self::res(n, 1)?, k);
+            self.def(Self::res(n, 1)?, kv);
             return Ok(());
         }
-        let mut dq = self.val(Self::arg(n, 0)?)?.clone();
+        let mut dq = be.copy(self.val(Self::arg(n, 0)?)?);
         let dkv = self.val(Self::arg(n, 1)?)?;
-        let half = dkv.len() / 2;
-        let mut dk = dkv[..half].to_vec();
-        let dv = &dkv[half..];
+        let half = be.len(dkv) / 2;
+        let mut dk = be.slice(dkv, 0, half);
         if rotary {
             be.rope_bwd(&mut dq, &pos, hl, d, theta);
             be.rope_bwd(&mut dk, &pos, kvl, d, theta);
         }
-        let mut dqkv = Vec::with_capacity(t * (hl + 2 * kvl) * d);
-        for i in 0..t {
-            dqkv.extend_from_slice(&dq[i * hl * d..(i + 1) * hl * d]);
-            dqkv.extend_from_slice(&dk[i * kvl * d..(i + 1) * kvl * d]);
-            dqkv.extend_from_slice(&dv[i * kvl * d..(i + 1) * kvl * d]);
-        }
+        let rows = |width: usize, src0: usize, dst0: usize| -> Vec<(usize, usize)> {
+            (0..t).map(|i| (src0 + i * width, i * w + dst0)).collect()
+        };
+        let mut dqkv = be.zeros(t * w);
+        be.copy_ranges(&mut dqkv, &dq, qw, &rows(qw, 0, 0));
+        be.copy_ranges(&mut dqkv, &dk, kw, &rows(kw, 0, qw));
+        be.copy_ranges(&mut dqkv, dkv, kw, &rows(kw, half, qw + kw));
         self.def(Self::res(n, 0)?, dqkv);
         Ok(())
     }
 
     /// Every member's K and V (each `kv` is its K rows then its V rows), laid out as the
     /// whole sequence per micro-batch sequence: (K, V).
-    pub(super) fn kv_full(&self, kv: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    pub(super) fn kv_full(&self, kv: &B::Buf) -> (B::Buf, B::Buf) {
+        let be = self.be;
         let gn = self.run.cp.max(1) as usize;
-        let part = kv.len() / gn;
+        let part = be.len(kv) / gn;
         let half = part / 2;
         if gn == 1 {
-            return (kv[..half].to_vec(), kv[half..].to_vec());
+            return (be.slice(kv, 0, half), be.slice(kv, half, part));
         }
         let (sl, row, mbs) = (self.seq_local(), self.kvl * self.dims.d, self.mb_size);
-        let mut kf = vec![0.0; half * gn];
-        let mut vf = vec![0.0; half * gn];
+        // Member `r`'s rows of sequence `b` go to that sequence's `r`-th chunk.
+        let mut kmoves = Vec::with_capacity(gn * mbs);
+        let mut vmoves = Vec::with_capacity(gn * mbs);
         for r in 0..gn {
-            let p = &kv[r * part..(r + 1) * part];
             for b in 0..mbs {
-                for j in 0..sl {
-                    let src = (b * sl + j) * row;
-                    let dst = (b * sl * gn + r * sl + j) * row;
-                    kf[dst..dst + row].copy_from_slice(&p[src..src + row]);
-                    vf[dst..dst + row].copy_from_slice(&p[half + src..half + src + row]);
-                }
+                let src = r * part + b * sl * row;
+                let dst = (b * sl * gn + r * sl) * row;
+                kmoves.push((src, dst));
+                vmoves.push((src + half, dst));
             }
         }
+        let mut kf = be.zeros(half * gn);
+        let mut vf = be.zeros(half * gn);
+        be.copy_ranges(&mut kf, kv, sl * row, &kmoves);
+        be.copy_ranges(&mut vf, kv, sl * row, &vmoves);
         (kf, vf)
     }
 
     /// The inverse layout of [`Self::kv_full`]: per member its K rows then its V rows.
-    pub(super) fn kv_parts(&self, dk: &[f32], dv: &[f32]) -> Vec<f32> {
+    pub(super) fn kv_parts(&self, dk: &B::Buf, dv: &B::Buf) -> B::Buf {
+        let be = self.be;
         let gn = self.run.cp.max(1) as usize;
         if gn == 1 {
-            let mut out = dk.to_vec();
-            out.extend_from_slice(dv);
-            return out;
+            return be.concat(&[dk, dv]);
         }
         let (sl, row, mbs) = (self.seq_local(), self.kvl * self.dims.d, self.mb_size);
-        let mut buf = Vec::with_capacity(2 * dk.len());
+        let n = be.len(dk);
+        let (mut kmoves, mut vmoves) = (Vec::new(), Vec::new());
+        let mut at = 0;
         for r in 0..gn {
-            for src in [dk, dv] {
+            for moves in [&mut kmoves, &mut vmoves] {
                 for b in 0..mbs {
-                    let lo = (b * sl * gn + r * sl) * row;
-                    buf.extend_from_slice(&src[lo..lo + sl * row]);
+                    moves.push(((b * sl * gn + r * sl) * row, at));
+                    at += sl * row;
                 }
             }
         }
+        let mut buf = be.zeros(2 * n);
+        be.copy_ranges(&mut buf, dk, sl * row, &kmoves);
+        be.copy_ranges(&mut buf, dv, sl * row, &vmoves);
         buf
     }
 
@@ -506,11 +521,11 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             self.def(Self::res(n, 0)?, e);
             return Ok(());
         }
-        let g = self.val(Self::arg(n, 0)?)?.clone();
-        if g.len() != t * h {
+        let g = self.be.copy(self.val(Self::arg(n, 0)?)?);
+        let len = self.be.len(&g);
+        if len != t * h {
             return Err(format!(
-                "the gradient at the embedding has {} values, the micro-batch's {t} tokens need {}",
-                g.len(),
+                "the gradient at the embedding has {len} values, the micro-batch's {t} tokens need {}",
                 t * h
             ));
         }
@@ -524,7 +539,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let logits = self.val(Self::arg(n, 0)?)?;
         let vocab_parallel = self.run.tp > 1;
         if n.pass == Pass::Bwd {
-            let (mx, st) = (self.val(Self::arg(n, 2)?)?, self.val(Self::arg(n, 3)?)?);
+            // The per-token statistics on the host: the loss is summed there.
+            let mx = self.val_host(Self::arg(n, 2)?)?;
+            let st = self.val_host(Self::arg(n, 3)?)?;
             let t = mx.len();
             let (tgt, second) = st.split_at(t);
             let lse: Vec<f32> = if vocab_parallel {
@@ -533,7 +550,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 second.to_vec()
             };
             let sum: f64 = lse.iter().zip(tgt).map(|(a, b)| (a - b) as f64).sum();
-            let dl = be.xent_bwd(logits, &tg, &lse, vl, vs, (1.0 / self.global_tokens) as f32);
+            let scale = (1.0 / self.global_tokens) as f32;
+            let dl = be.xent_bwd(logits, &tg, &be.upload(&lse), vl, vs, scale);
             self.loss += sum / self.global_tokens;
             self.has_loss = true;
             self.def(Self::res(n, 0)?, dl);
@@ -542,20 +560,17 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let (lse_l, tgt) = be.xent_local(logits, &tg, vl, vs);
         if n.operands.len() > 2 {
             // The vocabulary-parallel second pass: relative to the global maximum.
-            let mx = self.val(Self::arg(n, 2)?)?;
-            let mut st = tgt;
-            st.extend(lse_l.iter().zip(mx).map(|(l, m)| (l - m).exp()));
-            self.def(Self::res(n, 0)?, st);
+            let mx = self.val_host(Self::arg(n, 2)?)?;
+            let mut st = be.download(&tgt);
+            let lse_l = be.download(&lse_l);
+            st.extend(lse_l.iter().zip(&mx).map(|(l, m)| (l - m).exp()));
+            self.def(Self::res(n, 0)?, be.upload(&st));
             return Ok(());
         }
-        let mx: Vec<f32> = logits
-            .chunks(vl)
-            .map(|r| r.iter().copied().fold(f32::NEG_INFINITY, f32::max))
-            .collect();
+        let mx = be.row_max(logits, vl);
         self.def(Self::res(n, 0)?, mx);
         if !vocab_parallel {
-            let mut st = tgt;
-            st.extend_from_slice(&lse_l);
+            let st = be.concat(&[&tgt, &lse_l]);
             self.def(Self::res(n, 1)?, st);
         }
         Ok(())
