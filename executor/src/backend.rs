@@ -312,8 +312,13 @@ pub trait Backend: Send + Sync {
     );
 
     /// RMSNorm over rows of width `h`: `y = x * rstd * w`; returns `(y, rstd)`.
-    fn rmsnorm_fwd(&self, x: &Self::Buf, w: &Self::Buf, h: usize, eps: f32)
-        -> (Self::Buf, Self::Buf);
+    fn rmsnorm_fwd(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        h: usize,
+        eps: f32,
+    ) -> (Self::Buf, Self::Buf);
     /// Returns `dx`; accumulates `dw`.
     fn rmsnorm_bwd(
         &self,
@@ -689,7 +694,13 @@ impl Backend for Cpu {
         cpu::gemm::gemm(s, host_operand(a), host_operand(b), beta, c);
     }
 
-    fn embedding_fwd(&self, ids: &[u32], table: &Vec<f32>, vocab_start: usize, h: usize) -> Vec<f32> {
+    fn embedding_fwd(
+        &self,
+        ids: &[u32],
+        table: &Vec<f32>,
+        vocab_start: usize,
+        h: usize,
+    ) -> Vec<f32> {
         let rows = table.len() / h.max(1);
         let mut y = vec![0.0; ids.len() * h];
         for (i, &id) in ids.iter().enumerate() {
@@ -775,7 +786,13 @@ impl Backend for Cpu {
         cpu::rope::apply(dx, pos, heads, d, theta, true);
     }
 
-    fn attention_fwd(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, s: AttnShape) -> (Vec<f32>, Vec<f32>) {
+    fn attention_fwd(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        s: AttnShape,
+    ) -> (Vec<f32>, Vec<f32>) {
         cpu::attention::forward(q, k, v, s)
     }
 

@@ -10,7 +10,13 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Compare `analytic` with central differences of `x -> sum(r * f(x))` at every element.
-fn check_grad(name: &str, x: &[f32], r: &[f32], analytic: &[f32], f: &dyn Fn(&[f32]) -> Vec<f32>) {
+fn check_grad(
+    name: &str,
+    x: &[f32],
+    r: &[f32],
+    analytic: &[f32],
+    f: &dyn Fn(&Vec<f32>) -> Vec<f32>,
+) {
     assert_eq!(x.len(), analytic.len(), "{name}: gradient length");
     let h = 1e-2f32;
     let scale = analytic
@@ -77,8 +83,8 @@ fn embedding_gradients_and_vocab_shards() {
         cpu.embedding_fwd(&ids, tb, 0, h)
     });
     // Two vocabulary shards sum to the whole table's lookup.
-    let a = cpu.embedding_fwd(&ids, &table[..4 * h], 0, h);
-    let b = cpu.embedding_fwd(&ids, &table[4 * h..], 4, h);
+    let a = cpu.embedding_fwd(&ids, &table[..4 * h].to_vec(), 0, h);
+    let b = cpu.embedding_fwd(&ids, &table[4 * h..].to_vec(), 4, h);
     let full = cpu.embedding_fwd(&ids, &table, 0, h);
     for i in 0..full.len() {
         assert_eq!(a[i] + b[i], full[i]);
@@ -119,7 +125,7 @@ fn rope_gradient_and_norm_preservation() {
     let x = g.vec(t * heads * d, 1.0);
     let pos = [0u32, 5, 17];
     let cpu = Cpu;
-    let fwd = |x: &[f32]| {
+    let fwd = |x: &Vec<f32>| {
         let mut y = x.to_vec();
         cpu.rope_fwd(&mut y, &pos, heads, d, 10000.0);
         y
@@ -243,7 +249,9 @@ fn context_parallel_chunks_of_attention_equal_the_whole() {
             q_offset: 4 * c,
             ..s
         };
-        let part = cpu.attention_fwd(&q[c * 32..(c + 1) * 32], &k, &v, sc).0;
+        let part = cpu
+            .attention_fwd(&q[c * 32..(c + 1) * 32].to_vec(), &k, &v, sc)
+            .0;
         assert_eq!(&part[..], &whole[c * 32..(c + 1) * 32]);
     }
 }
@@ -266,7 +274,7 @@ fn cross_entropy_value_gradient_and_vocab_shards() {
     let logits = g.vec(t * v, 2.0);
     let targets = [0u32, 5, 2, 3];
     let cpu = Cpu;
-    let loss = |lg: &[f32]| -> Vec<f32> {
+    let loss = |lg: &Vec<f32>| -> Vec<f32> {
         let (lse, tg) = cpu.xent_local(lg, &targets, v, 0);
         lse.iter().zip(&tg).map(|(a, b)| a - b).collect()
     };
@@ -283,9 +291,9 @@ fn cross_entropy_value_gradient_and_vocab_shards() {
     let mut d = Vec::new();
     for i in 0..t {
         d.extend(cpu.xent_bwd(
-            &logits[i * v..(i + 1) * v],
+            &logits[i * v..(i + 1) * v].to_vec(),
             &targets[i..i + 1],
-            &lse[i..i + 1],
+            &lse[i..i + 1].to_vec(),
             v,
             0,
             r[i],
@@ -317,7 +325,7 @@ fn cross_entropy_value_gradient_and_vocab_shards() {
 fn adamw_matches_the_formula() {
     let cpu = Cpu;
     let mut p = vec![1.0f32, -2.0];
-    let g = [0.5f32, -0.25];
+    let g = vec![0.5f32, -0.25];
     let mut m = vec![0.0; 2];
     let mut v = vec![0.0; 2];
     let h = AdamW {
@@ -345,7 +353,7 @@ fn adamw_matches_the_formula() {
 fn routing_forward_and_gradients() {
     let cpu = Cpu;
     // One token, 4 experts: softmax of (0, ln 2, ln 4, ln 1) = (1, 2, 4, 1) / 8.
-    let l = [0.0f32, 2f32.ln(), 4f32.ln(), 0.0];
+    let l = vec![0.0f32, 2f32.ln(), 4f32.ln(), 0.0];
     let r = cpu.route(&l, 4, 2);
     let want = [0.125f32, 0.25, 0.5, 0.125];
     for (a, b) in r.probs.iter().zip(want) {
@@ -356,7 +364,7 @@ fn routing_forward_and_gradients() {
     // Ties: experts 0 and 3 equal, the lower index first.
     let r = cpu.route(&l, 4, 3);
     assert_eq!(r.experts, vec![2, 1, 0]);
-    let r = cpu.route(&[1.0, 1.0, 1.0, 1.0], 4, 2);
+    let r = cpu.route(&vec![1.0, 1.0, 1.0, 1.0], 4, 2);
     assert_eq!(r.experts, vec![0, 1]);
     assert_eq!(r.gates, vec![0.5, 0.5]);
 
@@ -432,7 +440,7 @@ fn layernorm_and_gelu() {
         cpu.layernorm_fwd(&x, &w, b, h, 1e-5).0
     });
     // GeLU: known values (tanh form) and the gradient.
-    let v = cpu.gelu_fwd(&[0.0, 1.0, -1.0]);
+    let v = cpu.gelu_fwd(&vec![0.0, 1.0, -1.0]);
     assert!(
         v[0] == 0.0 && (v[1] - 0.841_192).abs() < 1e-5 && (v[2] + 0.158_808).abs() < 1e-5,
         "{v:?}"

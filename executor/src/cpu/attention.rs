@@ -552,11 +552,11 @@ mod tests {
                 "forward depends on the thread count"
             );
             let sv = AttnSaved {
-                q: &q,
-                k: &k,
-                v: &v,
-                o: &o0,
-                lse: &l0,
+                q: q.as_slice(),
+                k: k.as_slice(),
+                v: v.as_slice(),
+                o: o0.as_slice(),
+                lse: l0.as_slice(),
             };
             let (dq0, dk0, dv0) = naive_backward(sv, &dout, s);
             let (dq1, dk1, dv1) = backward_on(Some(&p1), sv, &dout, s);

@@ -158,11 +158,11 @@ mod tests {
                 let s = GemmShape { m, k, n };
                 let (oa, ob) = (
                     Operand {
-                        data: &a,
+                        data: a.as_slice(),
                         trans: ta,
                     },
                     Operand {
-                        data: &b,
+                        data: b.as_slice(),
                         trans: tb,
                     },
                 );

@@ -564,7 +564,12 @@ impl Chunks {
         m * self.chunk() + self.el + row * self.w
     }
     /// Every chunk's header: the row counts `counts` of its member's local experts.
-    pub(super) fn write_headers<B: Backend>(&self, be: &B, buf: &mut B::Buf, counts: &[Vec<usize>]) {
+    pub(super) fn write_headers<B: Backend>(
+        &self,
+        be: &B,
+        buf: &mut B::Buf,
+        counts: &[Vec<usize>],
+    ) {
         for (m, c) in counts.iter().enumerate() {
             let hdr: Vec<f32> = c.iter().map(|&n| n as f32).collect();
             be.write(buf, m * self.chunk(), &hdr);
