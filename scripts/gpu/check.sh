@@ -6,6 +6,8 @@
 #   scripts/gpu/check.sh              build, run, report (exit 0 when nothing failed)
 #   scripts/gpu/check.sh --build-only build the test binaries into target/gpu-check/bin
 #                                     (stripped), to run them where there is no cargo
+#   scripts/gpu/check.sh --env        find the CUDA libraries and headers as below and print
+#                                     the `export` lines that set them up (for `eval`)
 #   scripts/gpu/check.sh --vendor     pack every crate of Cargo.lock into
 #                                     target/gpu-vendor.tar.gz (from this machine's cargo
 #                                     cache or the network), for a machine without network
@@ -66,9 +68,9 @@ repo="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$repo"
 mode="${1:-check}"
 case "$mode" in
-check | --build-only | --vendor) ;;
+check | --build-only | --vendor | --env) ;;
 *)
-    echo "usage: scripts/gpu/check.sh [--build-only | --vendor]" >&2
+    echo "usage: scripts/gpu/check.sh [--build-only | --vendor | --env]" >&2
     exit 2
     ;;
 esac
@@ -166,6 +168,12 @@ done
 [ -n "$ptxas" ] && export SHARDWRIGHT_PTXAS="${SHARDWRIGHT_PTXAS:-$ptxas}"
 log "ptxas: ${ptxas:-not found}"
 export SHARDWRIGHT_CUDA_TOOLS="$tools"
+if [ "$mode" = "--env" ]; then
+    for v in LD_LIBRARY_PATH SHARDWRIGHT_CUDA_INCLUDE SHARDWRIGHT_NVRTC_LIB SHARDWRIGHT_PTXAS SHARDWRIGHT_CUDA_TOOLS; do
+        [ -n "${!v:-}" ] && printf 'export %s=%q\n' "$v" "${!v}"
+    done
+    exit 0
+fi
 
 # ---------------------------------------------------------------- build
 build_status="skipped"

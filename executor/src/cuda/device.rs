@@ -15,6 +15,8 @@
 use crate::cuda::bootstrap::{UniqueId, NCCL_UNIQUE_ID_BYTES};
 use crate::cuda::kernels::{nvrtc_options, FILES};
 use crate::cuda::launch::{Launch, Limits};
+/// CUDA event flags (`CU_EVENT_DEFAULT` makes a timing event).
+pub use cudarc::driver::sys::CUevent_flags as EventFlags;
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 /// Re-exported for callers of [`Device::launch`] (device buffers, element types, kernel
