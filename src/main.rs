@@ -3,6 +3,7 @@
 mod baseline;
 mod compile;
 mod data_cmd;
+mod device_calibrate;
 mod execute;
 mod explain;
 mod export_cmd;
@@ -107,7 +108,7 @@ enum Cmd {
     },
     /// Fit the hardware profile's efficiency parameters to published runs.
     #[command(
-        after_help = "Examples:\n  shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json"
+        after_help = "Examples:\n  shardwright calibrate -o cost-model/profiles/calibrated.json --report validate/calibration-report.json\n  shardwright calibrate --device -o h100-device.json --table gemm.json   (build with --features cuda)"
     )]
     Calibrate {
         /// Published-runs file (default: the bundled data/published-runs.json).
@@ -122,6 +123,20 @@ enum Cmd {
         /// Version label for the profile names.
         #[arg(long, default_value = "calibrated-1")]
         version: String,
+        /// Instead of fitting to published runs, time bf16 GEMMs on this machine's GPU
+        /// (cuBLASLt, the CUDA backend's path) and write a profile with the measured GEMM
+        /// curve (needs a build with `--features cuda`).
+        #[arg(long, conflicts_with_all = ["runs", "report", "version"])]
+        device: bool,
+        /// With --device: which GPU (CUDA ordinal).
+        #[arg(long, default_value_t = 0, requires = "device")]
+        gpu: usize,
+        /// With --device: timed runs per shape (the median is used).
+        #[arg(long, default_value_t = 20, requires = "device")]
+        reps: u32,
+        /// With --device: also write the measured GEMM table (JSON) here.
+        #[arg(long, requires = "device")]
+        table: Option<PathBuf>,
     },
     /// Lower a plan to its program (every rank class's graph, the groups, each rank's
     /// coordinates, the model and the layout: what `execute` runs), or to the op graph of
@@ -488,10 +503,19 @@ fn run(cli: Cli) -> Result<(), Failure> {
             planner_report.as_deref(),
         ),
         Cmd::Calibrate {
+            device: true,
+            gpu,
+            reps,
+            output,
+            table,
+            ..
+        } => device_calibrate::run(gpu, reps, output.as_deref(), table.as_deref()),
+        Cmd::Calibrate {
             runs,
             output,
             report,
             version,
+            ..
         } => calibrate_cmd(
             runs.as_deref(),
             output.as_deref(),

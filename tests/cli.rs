@@ -407,3 +407,33 @@ fn explain_fits_one_screen() {
         assert!(full.contains("rank order"));
     }
 }
+
+/// `calibrate --device` with no usable GPU (this test's machines have none, and the default
+/// build has no CUDA backend) is an error that says why, exit 2, and writes nothing; its
+/// flags do not mix with the published-runs fit's.
+#[test]
+fn calibrate_device_without_a_gpu_is_a_named_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let prof = dir.path().join("device.json");
+    let table = dir.path().join("gemm.json");
+    let (code, _, err) = run(&[
+        "calibrate",
+        "--device",
+        "-o",
+        prof.to_str().unwrap(),
+        "--table",
+        table.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--features cuda") || err.contains("CUDA") || err.contains("libcuda"),
+        "{err}"
+    );
+    assert!(!prof.exists() && !table.exists(), "a file was written");
+    let (code, _, err) = run(&["calibrate", "--device", "--runs", "x.json"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
+    let (code, _, err) = run(&["calibrate", "--reps", "5"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--device"), "{err}");
+}

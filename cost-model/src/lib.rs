@@ -11,6 +11,7 @@ pub mod collective;
 pub mod eval;
 pub mod flops;
 pub mod framework;
+pub mod gemm_fit;
 pub mod layer;
 pub mod memory;
 pub mod pipeline;

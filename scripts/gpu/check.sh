@@ -6,12 +6,17 @@
 #   scripts/gpu/check.sh              build, run, report (exit 0 when nothing failed)
 #   scripts/gpu/check.sh --build-only build the test binaries into target/gpu-check/bin
 #                                     (stripped), to run them where there is no cargo
+#   scripts/gpu/check.sh --env        find the CUDA libraries and headers as below and print
+#                                     the `export` lines that set them up (for `eval`)
 #   scripts/gpu/check.sh --vendor     pack every crate of Cargo.lock into
 #                                     target/gpu-vendor.tar.gz (from this machine's cargo
 #                                     cache or the network), for a machine without network
 #
 # Tests (all of `-p shardwright-executor`, nothing else is built): cuda_kernels (every
-# kernel against the CPU reference), cuda_snapshot (checkpoints of device tensors through
+# kernel against the CPU reference), cuda_gemm (cuBLASLt GEMMs, every transpose and
+# precision, bias/GELU epilogues, against the CPU reference and a product by hand),
+# cuda_nccl (a one-rank NCCL communicator from the bootstrap's id: every collective),
+# cuda_snapshot (checkpoints of device tensors through
 # pinned memory, restored bit-exactly), nvrtc_compile (NVRTC + ptxas, registers and spills),
 # cuda_launch (launch configurations of the bundled specs), nccl_bootstrap (the unique-id
 # exchange). Each test runs in its own process (`--exact`), up to 8 at a time; its seconds
@@ -63,9 +68,9 @@ repo="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$repo"
 mode="${1:-check}"
 case "$mode" in
-check | --build-only | --vendor) ;;
+check | --build-only | --vendor | --env) ;;
 *)
-    echo "usage: scripts/gpu/check.sh [--build-only | --vendor]" >&2
+    echo "usage: scripts/gpu/check.sh [--build-only | --vendor | --env]" >&2
     exit 2
     ;;
 esac
@@ -78,7 +83,7 @@ bin_dir="$work/bin"
 out_dir="${OUT:-$repo/target}"
 report="$out_dir/gpu-report.json"
 logs="$out_dir/gpu-logs"
-tests=(cuda_kernels cuda_snapshot nvrtc_compile cuda_launch nccl_bootstrap)
+tests=(cuda_kernels cuda_gemm cuda_nccl cuda_snapshot nvrtc_compile cuda_launch nccl_bootstrap)
 mkdir -p "$work" "$out_dir" "$logs"
 
 left() { echo $((deadline - $(date +%s))); }
@@ -163,6 +168,12 @@ done
 [ -n "$ptxas" ] && export SHARDWRIGHT_PTXAS="${SHARDWRIGHT_PTXAS:-$ptxas}"
 log "ptxas: ${ptxas:-not found}"
 export SHARDWRIGHT_CUDA_TOOLS="$tools"
+if [ "$mode" = "--env" ]; then
+    for v in LD_LIBRARY_PATH SHARDWRIGHT_CUDA_INCLUDE SHARDWRIGHT_NVRTC_LIB SHARDWRIGHT_PTXAS SHARDWRIGHT_CUDA_TOOLS; do
+        [ -n "${!v:-}" ] && printf 'export %s=%q\n' "$v" "${!v}"
+    done
+    exit 0
+fi
 
 # ---------------------------------------------------------------- build
 build_status="skipped"

@@ -15,6 +15,8 @@
 use crate::cuda::bootstrap::{UniqueId, NCCL_UNIQUE_ID_BYTES};
 use crate::cuda::kernels::{nvrtc_options, FILES};
 use crate::cuda::launch::{Launch, Limits};
+/// CUDA event flags (`CU_EVENT_DEFAULT` makes a timing event).
+pub use cudarc::driver::sys::CUevent_flags as EventFlags;
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 /// Re-exported for callers of [`Device::launch`] (device buffers, element types, kernel
@@ -80,13 +82,8 @@ impl Device {
         if let Some(why) = unavailable() {
             return Err(why);
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
-        let sm = (major * 10 + minor) as u32;
-        let limits = if sm >= 90 { Limits::SM90 } else { Limits::SM80 };
-        let mut functions = HashMap::new();
+        let mut d = Device::open(ordinal)?;
+        let sm = d.sm;
         for f in FILES {
             let opts = CompileOptions {
                 options: nvrtc_options(sm),
@@ -96,24 +93,48 @@ impl Device {
             };
             let ptx = compile_ptx_with_opts(f.source(), opts)
                 .map_err(|e| format!("NVRTC: {} for sm_{sm}: {e:?}", f.file))?;
-            let module = ctx
+            let module = d
+                .ctx
                 .load_module(ptx)
                 .map_err(|e| format!("loading {} on device {ordinal}: {e}", f.file))?;
             for &entry in f.entries {
                 let func = module
                     .load_function(entry)
                     .map_err(|e| format!("{}: entry point {entry}: {e}", f.file))?;
-                functions.insert(entry, func);
+                d.functions.insert(entry, func);
             }
         }
+        Ok(d)
+    }
+
+    /// A context on GPU `ordinal` with no kernels loaded (NVRTC not needed): for library
+    /// calls only (cuBLASLt, NCCL), as `calibrate --device` makes them.
+    pub fn open(ordinal: usize) -> Result<Device, String> {
+        // SAFETY: only tries to open the driver library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err("the CUDA driver library (libcuda.so) is not installed".into());
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+        let sm = (major * 10 + minor) as u32;
+        let limits = if sm >= 90 { Limits::SM90 } else { Limits::SM80 };
         let stream = ctx.default_stream();
         Ok(Device {
             ctx,
             stream,
             sm,
             limits,
-            functions,
+            functions: HashMap::new(),
         })
+    }
+
+    /// The device's name as the driver reports it (`NVIDIA H100 80GB HBM3`).
+    pub fn name(&self) -> Result<String, String> {
+        self.ctx
+            .name()
+            .map_err(|e| format!("the device's name: {e}"))
     }
 
     /// The loaded entry point `entry`.

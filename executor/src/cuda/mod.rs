@@ -24,8 +24,12 @@ pub mod arena;
 pub mod bootstrap;
 #[cfg(feature = "cuda")]
 pub mod device;
+#[cfg(feature = "cuda")]
+pub mod gemm;
 pub mod kernels;
 pub mod launch;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 #[cfg(feature = "cuda")]
 pub mod snapshot;
 

@@ -1,0 +1,266 @@
+//! The CUDA backend's own kernels timed on a GPU at the shapes of a ~1.1B Llama step
+//! (issue 23's bench model: hidden 2048, 32 heads / 4 KV heads of 64, FFN 5632, seq 2048,
+//! micro-batch 8, so 16384 tokens) and one long-context attention shape (32 / 8 heads of 128,
+//! seq 4096), printed as a table of milliseconds and the rate against the ceiling that
+//! bounds each kernel (bf16 matrix FLOP/s for attention, HBM bytes for the rest), for
+//! comparison with `scripts/gpu/torch_kernels.py` (PyTorch on the same shapes) in the same
+//! device call. Correctness is `tests/cuda_kernels.rs`' job; this only times.
+//!
+//! `cargo bench -p shardwright-executor --features cuda --bench gpu_kernels` on a GPU
+//! machine; without a GPU it prints why and exits 0. Timing: CUDA events around each
+//! launch sequence, median of 20 after 3 warm-ups, random inputs (never zeros).
+
+use shardwright_executor::cuda::device::{cuda_include_dir, unavailable, CudaSlice, Device};
+use shardwright_executor::cuda::gemm::random_bf16;
+use shardwright_executor::cuda::launch::{self, Attn, Dtype, Norm};
+use shardwright_executor::cuda::{adamw_bias_corrections, device::PushKernelArg};
+use shardwright_executor::AdamW;
+
+/// Median seconds of `f` (which queues work on `d`'s stream) over 20 runs after 3.
+fn time(d: &Device, mut f: impl FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    let flags = Some(cudarc_event_flags());
+    let mut ts = Vec::new();
+    for _ in 0..20 {
+        let a = d.ctx.new_event(flags).unwrap();
+        let b = d.ctx.new_event(flags).unwrap();
+        a.record(&d.stream).unwrap();
+        f();
+        b.record(&d.stream).unwrap();
+        ts.push(a.elapsed_ms(&b).unwrap() as f64 / 1e3);
+    }
+    d.synchronize().unwrap();
+    ts.sort_by(f64::total_cmp);
+    ts[ts.len() / 2]
+}
+
+fn cudarc_event_flags() -> shardwright_executor::cuda::device::EventFlags {
+    shardwright_executor::cuda::device::EventFlags::CU_EVENT_DEFAULT
+}
+
+fn bf16(d: &Device, n: usize, seed: u64) -> CudaSlice<u16> {
+    d.upload(&random_bf16(n, seed)).unwrap()
+}
+
+struct Row {
+    kernel: String,
+    shape: String,
+    ms: f64,
+    rate: String,
+}
+
+fn attention(d: &Device, rows: &mut Vec<Row>, b: u64, s: u64, hq: u64, hk: u64, hd: u64) {
+    let a = Attn {
+        batch: b,
+        seq_q: s,
+        seq_kv: s,
+        heads: hq,
+        kv_heads: hk,
+        head_dim: hd,
+        window: 0,
+    };
+    let ls = launch::attention(Dtype::Bf16, &a).unwrap();
+    let (nq, nk) = ((b * s * hq * hd) as usize, (b * s * hk * hd) as usize);
+    let (q, k, v) = (bf16(d, nq, 1), bf16(d, nk, 2), bf16(d, nk, 3));
+    let mut o = d.zeros::<u16>(nq).unwrap();
+    let rows_n = (b * hq * s) as usize;
+    let mut lse = d.zeros::<f32>(rows_n).unwrap();
+    let (sq, skv, hq32, hk32, hd32) = (s as u32, s as u32, hq as u32, hk as u32, hd as u32);
+    let (q_off, k_off, causal, window) = (0i64, 0i64, 1u32, 0u32);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let fwd = time(d, || unsafe {
+        d.launch(&ls.fwd, |x| {
+            x.arg(&q).arg(&k).arg(&v).arg(&mut o).arg(&mut lse);
+            x.arg(&sq).arg(&skv).arg(&hq32).arg(&hk32).arg(&hd32);
+            x.arg(&q_off)
+                .arg(&k_off)
+                .arg(&causal)
+                .arg(&window)
+                .arg(&scale);
+        })
+        .unwrap()
+    });
+    let dout = bf16(d, nq, 4);
+    let mut delta = d.zeros::<f32>(rows_n).unwrap();
+    let (mut dq, mut dk, mut dv) = (
+        d.zeros::<u16>(nq).unwrap(),
+        d.zeros::<u16>(nk).unwrap(),
+        d.zeros::<u16>(nk).unwrap(),
+    );
+    let nrows = rows_n as u64;
+    let bwd = time(d, || unsafe {
+        d.launch(&ls.bwd_delta, |x| {
+            x.arg(&o)
+                .arg(&dout)
+                .arg(&mut delta)
+                .arg(&nrows)
+                .arg(&sq)
+                .arg(&hq32)
+                .arg(&hd32);
+        })
+        .unwrap();
+        d.launch(&ls.bwd_dkdv, |x| {
+            x.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&delta);
+            x.arg(&mut dk).arg(&mut dv);
+            x.arg(&sq).arg(&skv).arg(&hq32).arg(&hk32).arg(&hd32);
+            x.arg(&q_off)
+                .arg(&k_off)
+                .arg(&causal)
+                .arg(&window)
+                .arg(&scale);
+        })
+        .unwrap();
+        d.launch(&ls.bwd_dq, |x| {
+            x.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&delta);
+            x.arg(&mut dq);
+            x.arg(&sq).arg(&skv).arg(&hq32).arg(&hk32).arg(&hd32);
+            x.arg(&q_off)
+                .arg(&k_off)
+                .arg(&causal)
+                .arg(&window)
+                .arg(&scale);
+        })
+        .unwrap();
+    });
+    // Causal: QK^T and PV over the s(s+1)/2 pairs; the backward counts 2.5x the forward
+    // (the same convention as scripts/gpu/measure_kernels.py).
+    let fl = 4.0 * (s * (s + 1) / 2) as f64 * (hd * hq * b) as f64;
+    let shape = format!("b={b} s={s} h={hq}/{hk} d={hd}");
+    rows.push(Row {
+        kernel: "attention fwd".into(),
+        shape: shape.clone(),
+        ms: fwd * 1e3,
+        rate: format!("{:.1} TFLOP/s", fl / fwd / 1e12),
+    });
+    rows.push(Row {
+        kernel: "attention bwd".into(),
+        shape,
+        ms: bwd * 1e3,
+        rate: format!("{:.1} TFLOP/s", 2.5 * fl / bwd / 1e12),
+    });
+}
+
+fn elementwise(d: &Device, rows: &mut Vec<Row>, t: u64, h: u64, f: u64) {
+    let gbs = |bytes: f64, s: f64| format!("{:.0} GB/s", bytes / s / 1e9);
+    // RMSNorm forward: read x, write y (bf16), per-row rstd.
+    let (x, w) = (bf16(d, (t * h) as usize, 5), bf16(d, h as usize, 6));
+    let mut y = d.zeros::<u16>((t * h) as usize).unwrap();
+    let mut rstd = d.zeros::<f32>(t as usize).unwrap();
+    let (hh, eps) = (h as u32, 1e-5f32);
+    let l = launch::norm_fwd(Norm::Rms, Dtype::Bf16, t, h).unwrap();
+    let s = time(d, || unsafe {
+        d.launch(&l, |b| {
+            b.arg(&x)
+                .arg(&w)
+                .arg(&mut y)
+                .arg(&mut rstd)
+                .arg(&hh)
+                .arg(&eps);
+        })
+        .unwrap()
+    });
+    rows.push(Row {
+        kernel: "rmsnorm fwd".into(),
+        shape: format!("t={t} h={h}"),
+        ms: s * 1e3,
+        rate: gbs(4.0 * (t * h) as f64, s),
+    });
+    // SwiGLU forward (read [t, 2f], write [t, f]) and backward (read [t, 2f] + [t, f],
+    // write [t, 2f]).
+    let gu = bf16(d, (t * 2 * f) as usize, 7);
+    let dy = bf16(d, (t * f) as usize, 8);
+    let mut a = d.zeros::<u16>((t * f) as usize).unwrap();
+    let mut dgu = d.zeros::<u16>((t * 2 * f) as usize).unwrap();
+    let ff = f as u32;
+    let lf = launch::swiglu(Dtype::Bf16, false, t, f).unwrap();
+    let lb = launch::swiglu(Dtype::Bf16, true, t, f).unwrap();
+    let sf = time(d, || unsafe {
+        d.launch(&lf, |b| {
+            b.arg(&gu).arg(&mut a).arg(&t).arg(&ff);
+        })
+        .unwrap()
+    });
+    let sb = time(d, || unsafe {
+        d.launch(&lb, |b| {
+            b.arg(&gu).arg(&dy).arg(&mut dgu).arg(&t).arg(&ff);
+        })
+        .unwrap()
+    });
+    let n = (t * f) as f64;
+    rows.push(Row {
+        kernel: "swiglu fwd".into(),
+        shape: format!("t={t} f={f}"),
+        ms: sf * 1e3,
+        rate: gbs(6.0 * n, sf),
+    });
+    rows.push(Row {
+        kernel: "swiglu bwd".into(),
+        shape: format!("t={t} f={f}"),
+        ms: sb * 1e3,
+        rate: gbs(10.0 * n, sb),
+    });
+}
+
+fn adamw(d: &Device, rows: &mut Vec<Row>, n: u64) {
+    let h = AdamW {
+        lr: 3e-4,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 10,
+    };
+    let (bc1, bc2) = adamw_bias_corrections(&h);
+    let host: Vec<f32> = random_bf16(n as usize, 9)
+        .into_iter()
+        .map(|b| shardwright_executor::cuda::bf16_value(b) * 0.01)
+        .collect();
+    let mut p = d.upload(&host).unwrap();
+    let mut m = d.upload(&host).unwrap();
+    let vv: Vec<f32> = host.iter().map(|x| x * x).collect();
+    let mut v = d.upload(&vv).unwrap();
+    let g = bf16(d, n as usize, 10);
+    let mut pb = d.zeros::<u16>(n as usize).unwrap();
+    let l = launch::adamw(Dtype::Bf16, n).unwrap();
+    let s = time(d, || unsafe {
+        d.launch(&l, |b| {
+            b.arg(&mut p).arg(&g).arg(&mut m).arg(&mut v).arg(&mut pb);
+            b.arg(&n).arg(&h.lr).arg(&h.beta1).arg(&h.beta2).arg(&h.eps);
+            b.arg(&h.weight_decay).arg(&bc1).arg(&bc2);
+        })
+        .unwrap()
+    });
+    // Reads p, m, v (fp32) and g (bf16); writes p, m, v and the bf16 copy.
+    rows.push(Row {
+        kernel: "adamw (bf16 grads)".into(),
+        shape: format!("n={n}"),
+        ms: s * 1e3,
+        rate: format!("{:.0} GB/s", 28.0 * n as f64 / s / 1e9),
+    });
+}
+
+fn main() {
+    if let Some(why) = unavailable() {
+        println!("gpu_kernels: skipped: {why}");
+        return;
+    }
+    let d = Device::new(0, &cuda_include_dir()).expect("the kernels load");
+    println!("gpu_kernels on {}", d.name().unwrap_or_default());
+    let mut rows = Vec::new();
+    attention(&d, &mut rows, 8, 2048, 32, 4, 64);
+    attention(&d, &mut rows, 1, 4096, 32, 8, 128);
+    elementwise(&d, &mut rows, 16384, 2048, 5632);
+    adamw(&d, &mut rows, 1 << 28);
+    println!(
+        "{:<20} {:<26} {:>10} {:>16}",
+        "kernel", "shape", "ms", "rate"
+    );
+    for r in &rows {
+        println!(
+            "{:<20} {:<26} {:>10.3} {:>16}",
+            r.kernel, r.shape, r.ms, r.rate
+        );
+    }
+}
