@@ -15,7 +15,8 @@
 # Tests (all of `-p shardwright-executor`, nothing else is built): cuda_kernels (every
 # kernel against the CPU reference), cuda_gemm (cuBLASLt GEMMs, every transpose and
 # precision, bias/GELU epilogues, against the CPU reference and a product by hand),
-# cuda_nccl (a one-rank NCCL communicator from the bootstrap's id: every collective),
+# cuda_train (training steps through the interpreter on the CUDA backend against the CPU
+# backend, one-rank and multi-rank layouts sharing the GPU), cuda_nccl (a one-rank NCCL communicator from the bootstrap's id: every collective),
 # cuda_snapshot (checkpoints of device tensors through
 # pinned memory, restored bit-exactly), nvrtc_compile (NVRTC + ptxas, registers and spills),
 # cuda_launch (launch configurations of the bundled specs), nccl_bootstrap (the unique-id
@@ -83,7 +84,7 @@ bin_dir="$work/bin"
 out_dir="${OUT:-$repo/target}"
 report="$out_dir/gpu-report.json"
 logs="$out_dir/gpu-logs"
-tests=(cuda_kernels cuda_gemm cuda_nccl cuda_snapshot nvrtc_compile cuda_launch nccl_bootstrap)
+tests=(cuda_kernels cuda_gemm cuda_train cuda_nccl cuda_snapshot nvrtc_compile cuda_launch nccl_bootstrap)
 mkdir -p "$work" "$out_dir" "$logs"
 
 left() { echo $((deadline - $(date +%s))); }

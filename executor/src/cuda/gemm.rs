@@ -316,6 +316,12 @@ impl Blas {
             c.len(),
             bias.map(|x| x.len()),
         )?;
+        // cuBLASLt works in the calling thread's current context (a rank's thread may not
+        // have made one current yet).
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| format!("cuBLASLt: binding the context: {e}"))?;
         let plan = self.plan(s)?;
         let plan = plan.lock().map_err(|_| "cuBLASLt plan poisoned")?;
         let (pa, _ra) = a.device_ptr(&self.stream);

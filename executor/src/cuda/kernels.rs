@@ -170,4 +170,16 @@ pub const FILES: &[KernelFile] = &[
         entries: &["cast_f32_to_bf16", "cast_bf16_to_f32"],
         hot: false,
     },
+    KernelFile {
+        file: "buffers.cu",
+        text: include_str!("../../kernels/buffers.cu"),
+        entries: &[
+            "axpy_f32",
+            "scale_f32",
+            "add_f32",
+            "dots_f32",
+            "row_max_f32",
+        ],
+        hot: false,
+    },
 ];

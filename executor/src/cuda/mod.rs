@@ -21,6 +21,8 @@
 //! first.
 
 pub mod arena;
+#[cfg(feature = "cuda")]
+pub mod backend;
 pub mod bootstrap;
 #[cfg(feature = "cuda")]
 pub mod device;
