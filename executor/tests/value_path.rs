@@ -77,15 +77,15 @@ fn dump(layout: &str, runs: &[RankReport]) {
                     h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
                 }
             }
-            writeln!(
-                f,
-                "{layout} rank {} step {s} loss {:?} aux {:?} norm {:x} weights {h:x}",
+            // One write per line: tests run in parallel append to the same file.
+            let line = format!(
+                "{layout} rank {} step {s} loss {:?} aux {:?} norm {:x} weights {h:x}\n",
                 r.rank,
                 x.loss.map(f64::to_bits),
                 x.aux_loss.map(f64::to_bits),
                 x.grad_norm.to_bits()
-            )
-            .expect("write");
+            );
+            f.write_all(line.as_bytes()).expect("write");
         }
     }
 }
