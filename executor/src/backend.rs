@@ -411,6 +411,16 @@ pub fn gemm_seconds(n: usize, reps: u32) -> f64 {
     best.max(1e-9)
 }
 
+impl Cpu {
+    /// The reference GEMM on host slices (what [`Backend::gemm`] computes for [`Cpu`]), for
+    /// callers that hold slices rather than the backend's buffers: `c = beta * c + op(a) @
+    /// op(b)`. An inherent method, so `Cpu.gemm(..)` on slices calls it; generic code calls
+    /// the trait's.
+    pub fn gemm(&self, s: GemmShape, a: Operand<'_>, b: Operand<'_>, beta: f32, c: &mut [f32]) {
+        cpu::gemm::gemm(s, a, b, beta, c);
+    }
+}
+
 /// A [`Cpu`] GEMM operand as the slice the kernels in [`crate::cpu`] take.
 fn host_operand(o: Operand<'_, Vec<f32>>) -> Operand<'_> {
     Operand {
@@ -691,7 +701,7 @@ impl Backend for Cpu {
         beta: f32,
         c: &mut Vec<f32>,
     ) {
-        cpu::gemm::gemm(s, host_operand(a), host_operand(b), beta, c);
+        Cpu::gemm(self, s, host_operand(a), host_operand(b), beta, c);
     }
 
     fn embedding_fwd(

@@ -27,6 +27,22 @@
 //!
 //! Steps the IR does not contain and the interpreter performs itself: the GPT
 //! learned-position add rides on the embedding node.
+//!
+//! # Backend and host
+//!
+//! The interpreter is generic over `B: Backend` and holds tensors as `B::Buf`:
+//!
+//! - generic (`B::Buf`, moved and computed only through the backend): the activations of the
+//!   value table, the parameters, their gradients and the ZeRO-0 AdamW moments, and every
+//!   kernel and data movement of the value path ([`values`], [`moe_values`]);
+//! - host-side, crossing through [`Backend::download`] / [`Backend::upload`] at the one place
+//!   each is used: collectives, sends and receives (the [`Communicator`] moves host
+//!   vectors); the data-parallel stream's flattened buckets, the ZeRO shards and their
+//!   moments (AdamW on a shard uploads its runs, see [`dp`]); checkpoints and resumes
+//!   ([`state`]); the step report's weights and gradients; the loss's per-token statistics
+//!   (the loss is summed on the host); the MoE routing statistics and dispatch headers;
+//! - host-side throughout: token ids, labels and positions (`u32`, passed to the kernels as
+//!   they are) and the MoE routing decisions with the dispatch tables planned from them.
 
 use crate::backend::{AdamW, AttnShape, Backend, NormGrads};
 use crate::comm::Communicator;

@@ -1,6 +1,7 @@
 //! Running lowered per-rank op graphs.
 //!
-//! - [`backend`]: the [`Backend`] kernel trait and the f32 [`Cpu`] reference backend;
+//! - [`backend`]: the [`Backend`] trait (its own buffer type, buffer primitives and kernels)
+//!   and the f32 [`Cpu`] reference backend (`Buf = Vec<f32>`);
 //! - [`cpu`]: the [`Cpu`] backend's kernels (tiled attention, fast `exp`, cached RoPE
 //!   tables, threaded GEMM) and its compute-thread pool;
 //! - [`checkpoint`]: the asynchronous, tiered, checksummed checkpoint store of per-rank

@@ -450,3 +450,54 @@ fn layernorm_and_gelu() {
     let dx = cpu.gelu_bwd(&x, &r);
     check_grad("gelu.dx", &x, &r, &dx, &|x| cpu.gelu_fwd(x));
 }
+
+/// The buffer primitives the interpreter moves tensors with, each against its definition
+/// on host vectors, through upload and download only (so a device backend can run the
+/// same checks).
+fn buffer_primitives<B: Backend>(be: &B) {
+    let host: Vec<f32> = (0..12).map(|i| i as f32 - 3.5).collect();
+    let x = be.upload(&host);
+    assert_eq!(be.len(&x), 12);
+    assert_eq!(be.download(&x), host);
+    assert_eq!(be.download(&be.copy(&x)), host);
+    assert_eq!(be.download(&be.zeros(3)), vec![0.0; 3]);
+    assert_eq!(be.download(&be.slice(&x, 2, 5)), host[2..5].to_vec());
+    let y = be.upload(&[10.0, 20.0]);
+    let cat = [&host[..], &[10.0, 20.0]].concat();
+    assert_eq!(be.download(&be.concat(&[&x, &y])), cat);
+    // Columns 1..3 of x as a 3 x 4 matrix.
+    let cols = be.gather(&x, &[(1, 2), (5, 2), (9, 2)]);
+    assert_eq!(be.download(&cols), vec![-2.5, -1.5, 1.5, 2.5, 5.5, 6.5]);
+
+    let mut d = be.zeros(6);
+    be.write(&mut d, 4, &[7.0, 8.0]);
+    be.copy_ranges(&mut d, &x, 2, &[(10, 0), (0, 2)]);
+    assert_eq!(be.download(&d), vec![6.5, 7.5, -3.5, -2.5, 7.0, 8.0]);
+    be.scale_ranges(&mut d, &x, 2, &[(0, 0, 2.0)]);
+    assert_eq!(be.download(&d)[..2], [-7.0, -5.0]);
+    // Repeated destinations add up in order.
+    be.axpy_ranges(&mut d, &x, 2, &[(4, 2, 1.0), (4, 2, 0.5)]);
+    assert_eq!(
+        be.download(&d)[2..4],
+        [-3.5 + 0.5 + 0.25, -2.5 + 1.5 + 0.75]
+    );
+    be.add_into(&mut d, 4, &y);
+    assert_eq!(be.download(&d)[4..], [17.0, 28.0]);
+    be.fill_zero(&mut d);
+    assert_eq!(be.download(&d), vec![0.0; 6]);
+
+    let sum: Vec<f32> = host.iter().map(|v| v + v).collect();
+    assert_eq!(be.download(&be.add(&x, &x)), sum);
+    let half: Vec<f32> = host.iter().map(|v| v * 0.5).collect();
+    assert_eq!(be.download(&be.scale(&x, 0.5)), half);
+    // <x[0..3], x[3..6]> and <x[6..9], x[0..3]>.
+    let dots = be.download(&be.dots(&x, &x, 3, &[(0, 3), (6, 0)]));
+    let dot3 = |i: usize, j: usize| (0..3).map(|n| host[i + n] * host[j + n]).sum::<f32>();
+    assert_eq!(dots, vec![dot3(0, 3), dot3(6, 0)]);
+    assert_eq!(be.download(&be.row_max(&x, 4)), vec![-0.5, 3.5, 7.5]);
+}
+
+#[test]
+fn cpu_buffer_primitives() {
+    buffer_primitives(&Cpu);
+}

@@ -11,8 +11,13 @@
 //! These layouts were also checked bit for bit against the role-inferring interpreter the
 //! value path replaced, before it was deleted (`SHARDWRIGHT_BITS_OUT` dumps the bits of a
 //! build to compare two builds).
+//!
+//! The interpreter is generic over the backend's buffer type: a backend whose buffers it
+//! cannot index (`value_path/devbuf.rs`) gives the [`Cpu`] bits.
 
 mod common;
+#[path = "value_path/devbuf.rs"]
+mod devbuf;
 
 use shardwright_executor::{run_program, Cpu, RankReport};
 
@@ -77,15 +82,15 @@ fn dump(layout: &str, runs: &[RankReport]) {
                     h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
                 }
             }
-            writeln!(
-                f,
-                "{layout} rank {} step {s} loss {:?} aux {:?} norm {:x} weights {h:x}",
+            // One write per line: tests run in parallel append to the same file.
+            let line = format!(
+                "{layout} rank {} step {s} loss {:?} aux {:?} norm {:x} weights {h:x}\n",
                 r.rank,
                 x.loss.map(f64::to_bits),
                 x.aux_loss.map(f64::to_bits),
                 x.grad_norm.to_bits()
-            )
-            .expect("write");
+            );
+            f.write_all(line.as_bytes()).expect("write");
         }
     }
 }
@@ -215,5 +220,39 @@ fn moe_selective_recompute_trains_to_the_same_bits_every_run() {
             &t,
             &["ep2,tp2,ga2,rc=selective", "tp2,ga4,sp=on,rc=selective"],
         );
+    }
+}
+
+/// The interpreter on a backend whose buffers it cannot index ([`devbuf::Opaque`]: the CPU
+/// reference behind an opaque buffer type, as a GPU backend's device memory is) trains to
+/// the [`Cpu`] run's bits, over dense and MoE layouts with every kind of host crossing
+/// (tp/cp/ep collectives, pipeline sends, ZeRO shards and gathers, the loss statistics).
+#[test]
+fn an_opaque_buffer_backend_trains_to_the_cpu_bits() {
+    let cases = [
+        (
+            common::template(false, common::LAYERS),
+            "tp2,pp2,dp2,ga2,sp=on,zero1",
+        ),
+        (common::template(false, common::LAYERS), "cp2,ga4"),
+        (common::gpt_template(true, common::LAYERS), "dp2,ga2,zero3"),
+        (common::moe_template(2, 1, 1), "ep2,tp2,cp2,ga2,zero1"),
+        (common::moe_template(2, 1, 0), "ep2,tp2,sp=on,ga2"),
+    ];
+    for (tpl, layout) in cases {
+        let plan = common::plan_for(&tpl, common::layout(layout));
+        let program = shardwright_lowering::lower(&plan).expect("lowers").program;
+        let cpu = run_program(&program, Cpu, &common::cfg(), STEPS)
+            .unwrap_or_else(|e| panic!("{layout}: {e}"));
+        let be = devbuf::Opaque::default();
+        let opaque = run_program(&program, be.clone(), &common::cfg(), STEPS)
+            .unwrap_or_else(|e| panic!("{layout} opaque: {e}"));
+        same(layout, &cpu, &opaque);
+        let (up, down) = be.crossings();
+        assert!(
+            up > 0 && down > 0,
+            "{layout}: {up} uploads, {down} downloads"
+        );
+        eprintln!("{layout}: the Cpu bits through opaque buffers; {up} uploads, {down} downloads");
     }
 }
