@@ -434,13 +434,37 @@ fn load_source(path: &std::path::Path) -> Result<Source, Failure> {
     })
 }
 
-/// `shardwright execute PLAN|PROGRAM --backend cpu`.
+/// The GPU backend of `--backend cuda`: GPU 0, every rank of the run as a thread queuing on
+/// its stream (fp32 kernels and GEMMs: the CPU reference's arithmetic on the GPU).
+#[cfg(feature = "cuda")]
+type Gpu = shardwright_executor::cuda::backend::Cuda;
+#[cfg(not(feature = "cuda"))]
+type Gpu = Cpu;
+
+#[cfg(feature = "cuda")]
+fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
+    let g = Gpu::new(0).map_err(|e| usage(anyhow!("--backend cuda: {e}")))?;
+    let name = g.dev.name().unwrap_or_else(|_| "GPU 0".into());
+    let peak = shardwright_cost::catalog::find(&name)
+        .or_else(|| shardwright_cost::catalog::find(name.trim_start_matches("NVIDIA ")))
+        .map_or(0.0, |e| e.peak_bf16_flops);
+    let basis = format!("the {name}'s dense bf16 peak (this backend computes in fp32)");
+    Ok((g, peak, basis))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
+    Err(usage(anyhow!(
+        "--backend cuda: this shardwright was built without the `cuda` feature (build it with `cargo build --release --features cuda`)"
+    )))
+}
+
+/// `shardwright execute PLAN|PROGRAM [--backend cpu|cuda]`.
 pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
-    if a.backend == BackendKind::Cuda {
-        return Err(usage(anyhow!(
-            "--backend cuda: the CUDA backend is not built yet; use --backend cpu"
-        )));
-    }
+    let gpu = match a.backend {
+        BackendKind::Cuda => Some(gpu_backend()?),
+        BackendKind::Cpu => None,
+    };
     if a.steps == 0 {
         return Err(usage(anyhow!("--steps: must be at least 1")));
     }
@@ -463,6 +487,19 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     // Started as one rank of a multi-process job (launch --local, torchrun, Slurm): this
     // process runs that rank only, and only rank 0 writes metrics and outputs.
     let dist = distributed::from_env(world)?;
+    if gpu.is_some()
+        && world > 1
+        && std::env::var("SHARDWRIGHT_CUDA_MULTIRANK").as_deref() != Ok("1")
+    {
+        return Err(usage(anyhow!(
+            "--backend cuda: this plan has {world} ranks; several ranks sharing one GPU in one process gave results that differ from the CPU reference run to run on an H200 (issue 23, unresolved), so only one-rank plans run on the CUDA backend for now (SHARDWRIGHT_CUDA_MULTIRANK=1 runs it anyway, to check a fix)"
+        )));
+    }
+    if gpu.is_some() && dist.is_some() {
+        return Err(usage(anyhow!(
+            "--backend cuda runs every rank in this one process for now (the ranks share GPU 0); a multi-process job (torchrun, Slurm, launch) needs NCCL collectives on device buffers, which the executor does not route yet"
+        )));
+    }
     let writes = !matches!(&dist, Some(d) if d.rank != 0);
     let cfg = ExecConfig {
         seed: a.seed,
@@ -487,7 +524,13 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         .unwrap_or(1)
         .min(world)
         .max(1);
-    let peak = cpu_gemm_peak() * threads as f64;
+    let (peak, peak_basis) = match &gpu {
+        Some((_, p, basis)) => (*p, basis.clone()),
+        None => (
+            cpu_gemm_peak() * threads as f64,
+            format!("measured f32 GEMM of one core x {threads} core(s)"),
+        ),
+    };
     let bar = if a.quiet || !writes {
         indicatif::ProgressBar::hidden()
     } else {
@@ -546,7 +589,10 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     };
     let mut ft_report = None;
     let res = match (&dist, &resilience) {
-        (None, None) => run_program_with(program, Cpu, &cfg, &opts).map(|_| ()),
+        (None, None) => match &gpu {
+            Some((g, ..)) => run_program_with(program, g.clone(), &cfg, &opts).map(|_| ()),
+            None => run_program_with(program, Cpu, &cfg, &opts).map(|_| ()),
+        },
         (None, Some(r)) => {
             let restart = |first: u32| {
                 if let Ok(mut s) = sink.lock() {
@@ -554,8 +600,13 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
                 }
             };
             quiet_teardown(|| {
-                run_resilient(program, Cpu, &cfg, run_steps, &opts, r, &restart)
-                    .map(|rep| ft_report = Some(rep))
+                match &gpu {
+                    Some((g, ..)) => {
+                        run_resilient(program, g.clone(), &cfg, run_steps, &opts, r, &restart)
+                    }
+                    None => run_resilient(program, Cpu, &cfg, run_steps, &opts, r, &restart),
+                }
+                .map(|rep| ft_report = Some(rep))
             })
         }
         (Some(d), None) => distributed::run(d, program, &cfg, &opts).map(|_| ()),
@@ -623,7 +674,8 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             data_name,
             tokens,
             peak,
-            threads,
+            peak_basis,
+            backend: if gpu.is_some() { "cuda" } else { "cpu" },
             ft: match (&ft_report, &resilience) {
                 (Some(r), Some(res)) => Some(ft_summary(r, res)),
                 _ => None,
@@ -693,7 +745,8 @@ struct Finished {
     data_name: String,
     tokens: u64,
     peak: f64,
-    threads: u32,
+    peak_basis: String,
+    backend: &'static str,
     ft: Option<FtSummary>,
 }
 
@@ -702,7 +755,7 @@ fn write_summary(a: &ExecArgs, src: &Source, f: Finished) -> Result<(), Failure>
     let tail: Vec<&StepMetrics> = f.lines.iter().skip(1).collect();
     let summary = Summary {
         plan: a.plan.display().to_string(),
-        backend: "cpu",
+        backend: f.backend,
         world: src.program.world,
         layout: src.layout_json(),
         steps: f.run_steps,
@@ -710,7 +763,7 @@ fn write_summary(a: &ExecArgs, src: &Source, f: Finished) -> Result<(), Failure>
         tokens_per_step: f.tokens,
         model_flops_per_step: src.run().model_flops as f64,
         peak_flops: f.peak,
-        peak_basis: format!("measured f32 GEMM of one core x {} core(s)", f.threads),
+        peak_basis: f.peak_basis,
         first_loss: f.lines.first().map(|m| m.loss).unwrap_or(f64::NAN),
         last_loss: f.lines.last().map(|m| m.loss).unwrap_or(f64::NAN),
         median_tokens_per_s: median(tail.iter().map(|m| m.tokens_per_s).collect()),

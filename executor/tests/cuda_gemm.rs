@@ -77,7 +77,6 @@ fn close(what: &str, got: &[f32], want: &[f32], rel: f64) {
 
 /// The reference: `Cpu::gemm` on the values the GPU sees, then the epilogue.
 fn reference(s: &GemmSpec, a: &[f32], b: &[f32], beta: f32, c0: &[f32], bias: &[f32]) -> Vec<f32> {
-    let (a, b) = (a.to_vec(), b.to_vec());
     let mut c = c0.to_vec();
     let shape = GemmShape {
         m: s.m,
@@ -85,11 +84,11 @@ fn reference(s: &GemmSpec, a: &[f32], b: &[f32], beta: f32, c0: &[f32], bias: &[
         n: s.n,
     };
     let a = Operand {
-        data: &a,
+        data: a,
         trans: s.trans_a,
     };
     let b = Operand {
-        data: &b,
+        data: b,
         trans: s.trans_b,
     };
     Cpu.gemm(shape, a, b, beta, &mut c);

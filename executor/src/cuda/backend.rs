@@ -24,6 +24,7 @@ use crate::cuda::launch::{self, Attn, Dtype, Launch, Norm};
 use crate::cuda::{adamw_bias_corrections, embedding_segments, rope_tables};
 use cudarc::driver::CudaSlice;
 use std::collections::BTreeMap;
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex};
 
 /// One GPU as a [`Backend`]; clones share the device (every rank thread of an in-process
@@ -34,6 +35,9 @@ pub struct Cuda {
     blas: Arc<Blas>,
     /// RoPE tables by `(positions, head_dim, theta bits)`, made once.
     rope: Arc<RopeCache>,
+    /// `SHARDWRIGHT_CUDA_SYNC=1`: wait for the device after every operation (to tell an
+    /// ordering problem from an arithmetic one; slow).
+    sync: bool,
 }
 
 type RopeCache = Mutex<BTreeMap<(usize, usize, u32), Arc<(CudaSlice<f32>, CudaSlice<f32>)>>>;
@@ -41,8 +45,34 @@ type RopeCache = Mutex<BTreeMap<(usize, usize, u32), Arc<(CudaSlice<f32>, CudaSl
 /// A device buffer of `n` fp32 values. The driver refuses zero-byte allocations, so an
 /// empty buffer holds one unused element.
 pub struct DBuf {
-    s: CudaSlice<f32>,
+    s: ManuallyDrop<CudaSlice<f32>>,
     n: usize,
+}
+
+/// A temporary device buffer (token ids, offsets) freed under the API lock.
+struct Temp<T>(ManuallyDrop<CudaSlice<T>>);
+
+impl<T> Drop for Temp<T> {
+    fn drop(&mut self) {
+        let _api = api();
+        // SAFETY: dropped once, here.
+        unsafe { ManuallyDrop::drop(&mut self.0) }
+    }
+}
+
+impl<T> std::ops::Deref for Temp<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.0
+    }
+}
+
+impl Drop for DBuf {
+    fn drop(&mut self) {
+        let _api = api();
+        // SAFETY: dropped once, here; `s` is not used after.
+        unsafe { ManuallyDrop::drop(&mut self.s) }
+    }
 }
 
 impl DBuf {
@@ -64,15 +94,27 @@ impl DBuf {
 // SAFETY: pushes the pointer of the buffer's allocation, as cudarc does for a `CudaSlice`.
 unsafe impl<'a, 'b: 'a> PushKernelArg<&'b DBuf> for LaunchArgs<'a> {
     fn arg(&mut self, a: &'b DBuf) -> &mut Self {
-        <Self as PushKernelArg<&'b CudaSlice<f32>>>::arg(self, &a.s)
+        <Self as PushKernelArg<&'b CudaSlice<f32>>>::arg(self, &*a.s)
     }
 }
 
 // SAFETY: as above, for a buffer the kernel writes.
 unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut DBuf> for LaunchArgs<'a> {
     fn arg(&mut self, a: &'b mut DBuf) -> &mut Self {
-        <Self as PushKernelArg<&'b mut CudaSlice<f32>>>::arg(self, &mut a.s)
+        <Self as PushKernelArg<&'b mut CudaSlice<f32>>>::arg(self, &mut *a.s)
     }
+}
+
+/// One CUDA call at a time from this backend: the rank threads of an in-process run share
+/// the device, its stream and the cuBLASLt handle and workspace, and calls into the
+/// driver and the libraries from several threads at once were seen to corrupt results on
+/// an H200 (2026-11-27: multi-rank layouts differed from the CPU reference run to run,
+/// single-rank ones never). The GPU runs one stream in order either way, so this costs
+/// only host-side overlap of launches.
+static API: Mutex<()> = Mutex::new(());
+
+fn api() -> std::sync::MutexGuard<'static, ()> {
+    API.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn fail(what: &str, e: impl std::fmt::Display) -> ! {
@@ -88,6 +130,7 @@ impl Cuda {
             dev: Arc::new(dev),
             blas: Arc::new(blas),
             rope: Arc::new(Mutex::new(BTreeMap::new())),
+            sync: std::env::var("SHARDWRIGHT_CUDA_SYNC").is_ok_and(|v| v == "1"),
         })
     }
 
@@ -99,21 +142,36 @@ impl Cuda {
         let l = l.unwrap_or_else(|e| fail("launch configuration", e));
         // SAFETY: each caller passes the arguments of the kernel's signature in order, on
         // buffers sized for `l`'s shape (the same lists as tests/cuda_kernels.rs).
-        unsafe { self.dev.launch(&l, args) }.unwrap_or_else(|e| fail(&l.entry, e))
+        let _api = api();
+        unsafe { self.dev.launch(&l, args) }.unwrap_or_else(|e| fail(&l.entry, e));
+        self.sync_point(&l.entry);
     }
 
-    fn ids(&self, ids: &[u32]) -> CudaSlice<u32> {
-        self.dev
-            .upload(ids)
-            .unwrap_or_else(|e| fail("token ids", e))
+    fn sync_point(&self, what: &str) {
+        if self.sync {
+            self.dev.synchronize().unwrap_or_else(|e| fail(what, e));
+        }
+    }
+
+    fn ids(&self, ids: &[u32]) -> Temp<u32> {
+        let _api = api();
+        Temp(ManuallyDrop::new(
+            self.dev
+                .upload(ids)
+                .unwrap_or_else(|e| fail("token ids", e)),
+        ))
     }
 
     fn new_buf(&self, n: usize) -> DBuf {
+        let _api = api();
         let s = self
             .dev
             .zeros(n.max(1))
             .unwrap_or_else(|e| fail(&format!("allocating {n} values"), e));
-        DBuf { s, n }
+        DBuf {
+            s: ManuallyDrop::new(s),
+            n,
+        }
     }
 
     /// `dst[at..at + n] = src[lo..lo + n]` on the device.
@@ -121,10 +179,12 @@ impl Cuda {
         if n == 0 {
             return;
         }
+        let _api = api();
         self.dev
             .stream
             .memcpy_dtod(&src.s.slice(lo..lo + n), &mut dst.s.slice_mut(at..at + n))
             .unwrap_or_else(|e| fail("device copy", e));
+        self.sync_point("device copy");
     }
 
     fn rope_tables(
@@ -141,6 +201,7 @@ impl Cuda {
         }
         let (c, s) = rope_tables(key.0, d, theta);
         let up = |x: &[f32]| {
+            let _api = api();
             self.dev
                 .upload(x)
                 .unwrap_or_else(|e| fail("RoPE tables", e))
@@ -163,7 +224,7 @@ impl Cuda {
             launch::rope(Dtype::F32, bwd, t, heads as u64, d as u64),
             |b| {
                 b.arg(x)
-                    .arg(&pos_d)
+                    .arg(&*pos_d)
                     .arg(cos)
                     .arg(sin)
                     .arg(&t)
@@ -212,14 +273,19 @@ impl Backend for Cuda {
         if x.is_empty() {
             return self.new_buf(0);
         }
+        let _api = api();
         let s = self.dev.upload(x).unwrap_or_else(|e| fail("upload", e));
-        DBuf { s, n: x.len() }
+        DBuf {
+            s: ManuallyDrop::new(s),
+            n: x.len(),
+        }
     }
 
     fn download(&self, x: &Self::Buf) -> Vec<f32> {
         if x.is_empty() {
             return Vec::new();
         }
+        let _api = api();
         self.dev
             .download(&x.s)
             .unwrap_or_else(|e| fail("download", e))
@@ -265,10 +331,12 @@ impl Backend for Cuda {
         if host.is_empty() {
             return;
         }
+        let _api = api();
         self.dev
             .stream
             .memcpy_htod(host, &mut dst.s.slice_mut(at..at + host.len()))
             .unwrap_or_else(|e| fail("write", e));
+        self.sync_point("write");
     }
 
     fn copy_ranges(
@@ -333,9 +401,10 @@ impl Backend for Cuda {
 
     fn fill_zero(&self, x: &mut Self::Buf) {
         if !x.is_empty() {
+            let _api = api();
             self.dev
                 .stream
-                .memset_zeros(&mut x.s)
+                .memset_zeros(&mut *x.s)
                 .unwrap_or_else(|e| fail("fill with zeros", e));
         }
     }
@@ -347,12 +416,22 @@ impl Backend for Cuda {
         }
         let ai: Vec<u64> = pairs.iter().map(|p| p.0 as u64).collect();
         let bi: Vec<u64> = pairs.iter().map(|p| p.1 as u64).collect();
-        let (ai, bi) = (self.dev.upload(&ai).unwrap(), self.dev.upload(&bi).unwrap());
+        let (ai, bi) = {
+            let _api = api();
+            let up = |v: &[u64]| {
+                Temp(ManuallyDrop::new(
+                    self.dev
+                        .upload(v)
+                        .unwrap_or_else(|e| fail("dot offsets", e)),
+                ))
+            };
+            (up(&ai), up(&bi))
+        };
         let nn = n as u64;
         self.run(
             launch::buffer_rows("dots_f32", pairs.len() as u64, nn),
             |x| {
-                x.arg(a).arg(b).arg(&ai).arg(&bi).arg(&nn).arg(&mut out);
+                x.arg(a).arg(b).arg(&*ai).arg(&*bi).arg(&nn).arg(&mut out);
             },
         );
         out
@@ -481,9 +560,11 @@ impl Backend for Cuda {
             return;
         }
         let spec = GemmSpec::new(s, a.trans, b.trans, Elem::F32, Elem::F32);
+        let _api = api();
         self.blas
             .gemm::<F32, F32>(&spec, 1.0, &a.data.s, &b.data.s, beta, &mut c.s, None)
             .unwrap_or_else(|e| fail("GEMM", e));
+        self.sync_point("GEMM");
     }
 
     fn embedding_fwd(
@@ -502,7 +583,7 @@ impl Backend for Cuda {
         self.run(
             launch::embedding_fwd(Dtype::F32, ids.len() as u64, h as u64),
             |b| {
-                b.arg(&ids_d)
+                b.arg(&*ids_d)
                     .arg(table)
                     .arg(&mut y)
                     .arg(&hh)
@@ -532,9 +613,9 @@ impl Backend for Cuda {
         self.run(
             launch::embedding_bwd(Dtype::F32, seg.seg_row.len() as u64, h as u64),
             |b| {
-                b.arg(&order)
-                    .arg(&start)
-                    .arg(&row)
+                b.arg(&*order)
+                    .arg(&*start)
+                    .arg(&*row)
                     .arg(dy)
                     .arg(dtable)
                     .arg(&hh);
@@ -710,7 +791,7 @@ impl Backend for Cuda {
         let (vv, st) = (v as u32, vocab_start as u64);
         self.run(Ok(ls.fwd_local), |b| {
             b.arg(logits)
-                .arg(&tg_d)
+                .arg(&*tg_d)
                 .arg(&mut mx)
                 .arg(&mut se)
                 .arg(&mut lse)
@@ -741,7 +822,7 @@ impl Backend for Cuda {
         let (vv, st) = (v as u32, vocab_start as u64);
         self.run(Ok(ls.bwd), |b| {
             b.arg(logits)
-                .arg(&tg_d)
+                .arg(&*tg_d)
                 .arg(lse)
                 .arg(&mut dl)
                 .arg(&vv)
