@@ -1202,10 +1202,31 @@ fn torchtitan_current_release_is_a_python_config_function() {
     )
     .unwrap()
     .text;
+    // A bf16 plan of the 405B shape does not call llama3_405b(): it builds a float8
+    // converter whose construction imports torchao. It starts from llama3_70b (no
+    // converter, the same vocabulary) and sets llama3_405b's own recipe (torchtitan 0.3.0
+    // models/llama3/config_registry.py: Llama-3.1-405B assets, AdamW lr 8e-5, 600 warmup
+    // steps, 3000 steps).
+    for line in [
+        "config_registry import llama3_70b as BASE",
+        "FLAVOR = \"405B\"",
+        "config.model_spec = model_registry(FLAVOR)",
+        "config.hf_assets_path = \"./assets/hf/Llama-3.1-405B\"",
+        "config.optimizer = default_adamw(lr=8e-5)",
+        "config.lr_scheduler.warmup_steps = 600",
+        "config.training.steps = 3000",
+    ] {
+        assert!(text.contains(line), "missing `{line}`:\n{text}");
+    }
+    assert!(!text.contains("Float8LinearConverter"), "{text}");
+    // An FP8 plan of that shape keeps llama3_405b (it needs torchao anyway).
+    let mut fp8 = golden_plan("llama3-405b-16k-h100");
+    fp8.inputs.training.fp8_gemms = true;
+    let text = export(&fp8, Framework::Torchtitan, None).unwrap().text;
     assert!(
         text.contains("config_registry import llama3_405b as BASE")
-            && text.contains("FLAVOR = \"405B\"")
-            && text.contains("config.model_spec = model_registry(FLAVOR)"),
+            && text.contains("Float8LinearConverter.Config(")
+            && !text.contains("default_adamw"),
         "{text}"
     );
     // ZeRO-0 with tp: replicated weights in 0.3 (0.2.2 had to shard: DDP is 1-D only).

@@ -734,9 +734,27 @@ fn titan_python_context(
             m.num_layers, m.hidden_size, m.num_attention_heads, base.function, base.flavor
         ));
     }
+    // A bf16 plan does not call a registry function that builds a float8 converter: the
+    // converter's construction imports torchao, which a bf16 run need not have installed.
+    let substitute = base.bf16_base.filter(|_| !job.training.fp8_gemms);
+    let recipe: Vec<Value> = substitute
+        .map(|b| {
+            b.recipe
+                .iter()
+                .map(|(f, v)| json!({"field": f, "value": v}))
+                .collect()
+        })
+        .unwrap_or_default();
     fwctx.insert(
         "base".into(),
-        json!({"family": base.family, "function": base.function, "flavor": base.flavor, "exact": exact}),
+        json!({
+            "family": base.family,
+            "function": substitute.map_or(base.function, |b| b.function),
+            "recipe_of": substitute.map(|_| base.function),
+            "recipe": recipe,
+            "flavor": base.flavor,
+            "exact": exact,
+        }),
     );
     // Trainer.Config._validate_cuda_graphs: pipeline parallelism, and expert parallelism
     // with a dispatcher that synchronizes with the host (the registry's default), need

@@ -90,6 +90,20 @@ pub struct RegistryModel {
     pub num_layers: u32,
     pub hidden: u64,
     pub heads: u32,
+    /// For a function that builds a float8 converter (which needs torchao installed even
+    /// when the converter is then replaced): the converter-free function a bf16 plan starts
+    /// from instead, and the fields of this function's recipe to set on it.
+    pub bf16_base: Option<Bf16Base>,
+}
+
+/// A bf16 plan's substitute for a registry function that builds a float8 converter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bf16Base {
+    /// The converter-free function of the same family (same vocabulary and data).
+    pub function: &'static str,
+    /// `(field of the config, Python value)`: what the replaced function sets that its
+    /// substitute does not (torchtitan 0.3.0 `models/llama3/config_registry.py`).
+    pub recipe: &'static [(&'static str, &'static str)],
 }
 
 /// The registry's models (torchtitan 0.3.0 `models/llama3/__init__.py` `_8b`, `_70b`,
@@ -104,6 +118,7 @@ pub const REGISTRY: [RegistryModel; 7] = [
         num_layers: 32,
         hidden: 4096,
         heads: 32,
+        bf16_base: None,
     },
     RegistryModel {
         family: "llama3",
@@ -112,6 +127,7 @@ pub const REGISTRY: [RegistryModel; 7] = [
         num_layers: 80,
         hidden: 8192,
         heads: 64,
+        bf16_base: None,
     },
     RegistryModel {
         family: "llama3",
@@ -120,6 +136,18 @@ pub const REGISTRY: [RegistryModel; 7] = [
         num_layers: 126,
         hidden: 16384,
         heads: 128,
+        // llama3_405b() builds Float8LinearConverter.Config(filter_fqns=["lm_head"]), whose
+        // construction imports torchao; llama3_70b() builds none and has the same
+        // vocabulary (128256), dataset (c4) and profiler/metrics/validator settings.
+        bf16_base: Some(Bf16Base {
+            function: "llama3_70b",
+            recipe: &[
+                ("hf_assets_path", "\"./assets/hf/Llama-3.1-405B\""),
+                ("optimizer", "default_adamw(lr=8e-5)"),
+                ("lr_scheduler.warmup_steps", "600"),
+                ("training.steps", "3000"),
+            ],
+        }),
     },
     RegistryModel {
         family: "llama3",
@@ -128,6 +156,7 @@ pub const REGISTRY: [RegistryModel; 7] = [
         num_layers: 6,
         hidden: 256,
         heads: 16,
+        bf16_base: None,
     },
     RegistryModel {
         family: "deepseek_v3",
@@ -136,6 +165,7 @@ pub const REGISTRY: [RegistryModel; 7] = [
         num_layers: 27,
         hidden: 2048,
         heads: 16,
+        bf16_base: None,
     },
     RegistryModel {
         family: "deepseek_v3",
@@ -144,6 +174,7 @@ pub const REGISTRY: [RegistryModel; 7] = [
         num_layers: 61,
         hidden: 7168,
         heads: 128,
+        bf16_base: None,
     },
     RegistryModel {
         family: "deepseek_v3",
@@ -152,6 +183,7 @@ pub const REGISTRY: [RegistryModel; 7] = [
         num_layers: 6,
         hidden: 256,
         heads: 16,
+        bf16_base: None,
     },
 ];
 

@@ -416,17 +416,15 @@ impl Backend for Cuda {
         }
         let ai: Vec<u64> = pairs.iter().map(|p| p.0 as u64).collect();
         let bi: Vec<u64> = pairs.iter().map(|p| p.1 as u64).collect();
-        let (ai, bi) = {
+        let up = |v: &[u64]| {
             let _api = api();
-            let up = |v: &[u64]| {
-                Temp(ManuallyDrop::new(
-                    self.dev
-                        .upload(v)
-                        .unwrap_or_else(|e| fail("dot offsets", e)),
-                ))
-            };
-            (up(&ai), up(&bi))
+            Temp(ManuallyDrop::new(
+                self.dev
+                    .upload(v)
+                    .unwrap_or_else(|e| fail("dot offsets", e)),
+            ))
         };
+        let (ai, bi) = (up(&ai), up(&bi));
         let nn = n as u64;
         self.run(
             launch::buffer_rows("dots_f32", pairs.len() as u64, nn),
