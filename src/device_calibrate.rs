@@ -182,15 +182,9 @@ pub fn run(
         curve.max_rel_error * 100.0
     );
     if let Some(path) = table {
-        write_output(Some(path), &pretty(&t))?;
+        write_output(Some(path), &shardwright_spec::plan::to_json(&t))?;
     }
-    write_output(output, &pretty(&p))
-}
-
-fn pretty(v: &serde_json::Value) -> String {
-    let mut s = serde_json::to_string_pretty(v).unwrap_or_default();
-    s.push('\n');
-    s
+    write_output(output, &shardwright_spec::plan::to_json(&p))
 }
 
 #[cfg(feature = "cuda")]

@@ -445,9 +445,7 @@ type Gpu = Cpu;
 fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
     let g = Gpu::new(0).map_err(|e| usage(anyhow!("--backend cuda: {e}")))?;
     let name = g.dev.name().unwrap_or_else(|_| "GPU 0".into());
-    let peak = shardwright_cost::catalog::find(&name)
-        .or_else(|| shardwright_cost::catalog::find(name.trim_start_matches("NVIDIA ")))
-        .map_or(0.0, |e| e.peak_bf16_flops);
+    let peak = crate::device_calibrate::catalog_of(&name).map_or(0.0, |(_, p)| p);
     let basis = format!("the {name}'s dense bf16 peak (this backend computes in fp32)");
     Ok((g, peak, basis))
 }

@@ -134,11 +134,17 @@ pub fn group_link(job: &Job, f: Fabric) -> Link {
 
 /// GEMM efficiency at shape (m x k) @ (k x n).
 pub fn gemm_eff(e: &Efficiency, m: f64, n: f64, k: f64) -> f64 {
+    gemm_curve(e.gemm_max, e.gemm_flops0, e.gemm_exp, e.gemm_k0, m, n, k)
+}
+
+/// The GEMM curve with its parameters given one by one: `max / (1 + (flops0 / flops)^exp +
+/// k0 / k)` at shape (m x k) @ (k x n); `max` for an empty GEMM.
+pub fn gemm_curve(max: f64, flops0: f64, exp: f64, k0: f64, m: f64, n: f64, k: f64) -> f64 {
     let fl = 2.0 * m * n * k;
     if fl <= 0.0 {
-        return e.gemm_max;
+        return max;
     }
-    e.gemm_max / (1.0 + (e.gemm_flops0 / fl).powf(e.gemm_exp) + e.gemm_k0 / k.max(1.0))
+    max / (1.0 + (flops0 / fl).powf(exp) + k0 / k.max(1.0))
 }
 
 /// Per-layer quantities for fixed (tp, cp, ep, micro_batch, sp, recompute).

@@ -10,6 +10,8 @@
 //! a coarse grid, then coordinate refinement with halving steps. Deterministic: no random
 //! starts.
 
+use crate::eval::gemm_curve;
+
 /// One measured GEMM: `op(a)` is `m x k`, `op(b)` `k x n`, at `eff` of the dense peak.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GemmPoint {
@@ -33,9 +35,9 @@ pub struct GemmCurve {
 }
 
 impl GemmCurve {
-    /// The curve's efficiency at a shape (the same formula as [`crate::eval::gemm_eff`]).
+    /// The curve's efficiency at a shape ([`crate::eval::gemm_curve`]).
     pub fn eff(&self, m: f64, n: f64, k: f64) -> f64 {
-        shape_eff(
+        gemm_curve(
             self.gemm_max,
             self.gemm_flops0,
             self.gemm_exp,
@@ -47,20 +49,12 @@ impl GemmCurve {
     }
 }
 
-fn shape_eff(max: f64, f0: f64, exp: f64, k0: f64, m: f64, n: f64, k: f64) -> f64 {
-    let fl = 2.0 * m * n * k;
-    if fl <= 0.0 {
-        return max;
-    }
-    max / (1.0 + (f0 / fl).powf(exp) + k0 / k.max(1.0))
-}
-
 /// The best `ln gemm_max` for fixed `(f0, k0)` and the summed squared log error there.
 fn best_max(points: &[GemmPoint], f0: f64, exp: f64, k0: f64) -> (f64, f64) {
     // ln pred = ln max - ln(1 + ...): the optimal ln max is the mean of ln eff + ln(1 + ...).
     let shape: Vec<f64> = points
         .iter()
-        .map(|p| (1.0 / shape_eff(1.0, f0, exp, k0, p.m, p.n, p.k)).ln())
+        .map(|p| (1.0 / gemm_curve(1.0, f0, exp, k0, p.m, p.n, p.k)).ln())
         .collect();
     let n = points.len() as f64;
     let ln_max = points
@@ -169,7 +163,7 @@ mod tests {
                 m,
                 n,
                 k,
-                eff: shape_eff(max, f0, exp, k0, m, n, k),
+                eff: gemm_curve(max, f0, exp, k0, m, n, k),
             })
             .collect();
         let c = fit_gemm_curve(&pts, exp).unwrap();
@@ -208,7 +202,7 @@ mod tests {
             let s: f64 = pts
                 .iter()
                 .map(|p| {
-                    (shape_eff(max, f0, 0.8, k0, p.m, p.n, p.k) / p.eff)
+                    (gemm_curve(max, f0, 0.8, k0, p.m, p.n, p.k) / p.eff)
                         .ln()
                         .powi(2)
                 })

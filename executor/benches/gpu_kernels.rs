@@ -10,34 +10,23 @@
 //! machine; without a GPU it prints why and exits 0. Timing: CUDA events around each
 //! launch sequence, median of 20 after 3 warm-ups, random inputs (never zeros).
 
+use shardwright_executor::cuda::backend::AttnArgs;
 use shardwright_executor::cuda::device::{cuda_include_dir, unavailable, CudaSlice, Device};
 use shardwright_executor::cuda::gemm::random_bf16;
 use shardwright_executor::cuda::launch::{self, Attn, Dtype, Norm};
 use shardwright_executor::cuda::{adamw_bias_corrections, device::PushKernelArg};
-use shardwright_executor::AdamW;
+use shardwright_executor::{AdamW, AttnShape};
 
 /// Median seconds of `f` (which queues work on `d`'s stream) over 20 runs after 3.
 fn time(d: &Device, mut f: impl FnMut()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let flags = Some(cudarc_event_flags());
-    let mut ts = Vec::new();
-    for _ in 0..20 {
-        let a = d.ctx.new_event(flags).unwrap();
-        let b = d.ctx.new_event(flags).unwrap();
-        a.record(&d.stream).unwrap();
-        f();
-        b.record(&d.stream).unwrap();
-        ts.push(a.elapsed_ms(&b).unwrap() as f64 / 1e3);
-    }
-    d.synchronize().unwrap();
+    let mut ts = d
+        .time_each(3, 20, || {
+            f();
+            Ok(())
+        })
+        .unwrap();
     ts.sort_by(f64::total_cmp);
     ts[ts.len() / 2]
-}
-
-fn cudarc_event_flags() -> shardwright_executor::cuda::device::EventFlags {
-    shardwright_executor::cuda::device::EventFlags::CU_EVENT_DEFAULT
 }
 
 fn bf16(d: &Device, n: usize, seed: u64) -> CudaSlice<u16> {
@@ -52,33 +41,27 @@ struct Row {
 }
 
 fn attention(d: &Device, rows: &mut Vec<Row>, b: u64, s: u64, hq: u64, hk: u64, hd: u64) {
-    let a = Attn {
-        batch: b,
-        seq_q: s,
-        seq_kv: s,
-        heads: hq,
-        kv_heads: hk,
-        head_dim: hd,
-        window: 0,
+    let shape = AttnShape {
+        batch: b as usize,
+        seq_q: s as usize,
+        seq_kv: s as usize,
+        heads: hq as usize,
+        kv_heads: hk as usize,
+        head_dim: hd as usize,
+        q_offset: 0,
+        causal: true,
     };
-    let ls = launch::attention(Dtype::Bf16, &a).unwrap();
+    let ls = launch::attention(Dtype::Bf16, &Attn::from(&shape)).unwrap();
+    let a = AttnArgs::of(&shape);
     let (nq, nk) = ((b * s * hq * hd) as usize, (b * s * hk * hd) as usize);
     let (q, k, v) = (bf16(d, nq, 1), bf16(d, nk, 2), bf16(d, nk, 3));
     let mut o = d.zeros::<u16>(nq).unwrap();
     let rows_n = (b * hq * s) as usize;
     let mut lse = d.zeros::<f32>(rows_n).unwrap();
-    let (sq, skv, hq32, hk32, hd32) = (s as u32, s as u32, hq as u32, hk as u32, hd as u32);
-    let (q_off, k_off, causal, window) = (0i64, 0i64, 1u32, 0u32);
-    let scale = 1.0 / (hd as f32).sqrt();
     let fwd = time(d, || unsafe {
         d.launch(&ls.fwd, |x| {
             x.arg(&q).arg(&k).arg(&v).arg(&mut o).arg(&mut lse);
-            x.arg(&sq).arg(&skv).arg(&hq32).arg(&hk32).arg(&hd32);
-            x.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
+            a.push(x);
         })
         .unwrap()
     });
@@ -89,7 +72,7 @@ fn attention(d: &Device, rows: &mut Vec<Row>, b: u64, s: u64, hq: u64, hk: u64, 
         d.zeros::<u16>(nk).unwrap(),
         d.zeros::<u16>(nk).unwrap(),
     );
-    let nrows = rows_n as u64;
+    let (nrows, sq, hq32, hd32) = (rows_n as u64, s as u32, hq as u32, hd as u32);
     let bwd = time(d, || unsafe {
         d.launch(&ls.bwd_delta, |x| {
             x.arg(&o)
@@ -104,23 +87,13 @@ fn attention(d: &Device, rows: &mut Vec<Row>, b: u64, s: u64, hq: u64, hk: u64, 
         d.launch(&ls.bwd_dkdv, |x| {
             x.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&delta);
             x.arg(&mut dk).arg(&mut dv);
-            x.arg(&sq).arg(&skv).arg(&hq32).arg(&hk32).arg(&hd32);
-            x.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
+            a.push(x);
         })
         .unwrap();
         d.launch(&ls.bwd_dq, |x| {
             x.arg(&q).arg(&k).arg(&v).arg(&dout).arg(&lse).arg(&delta);
             x.arg(&mut dq);
-            x.arg(&sq).arg(&skv).arg(&hq32).arg(&hk32).arg(&hd32);
-            x.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
+            a.push(x);
         })
         .unwrap();
     });

@@ -11,6 +11,9 @@
 //! `skipped: <reason>` and passes. `scripts/gpu/check.sh` runs it on a GPU machine.
 #![cfg(feature = "cuda")]
 
+mod gpu_common;
+
+use gpu_common::close;
 use shardwright_executor::cuda::device::{cuda_include_dir, unavailable, CudaSlice, Device};
 use shardwright_executor::cuda::gemm::{Bf16, Blas, Elem, Epilogue, GemmSpec, F32};
 use shardwright_executor::cuda::{bf16_bits, bf16_value};
@@ -52,27 +55,6 @@ fn round(x: &[f32]) -> Vec<f32> {
 
 fn bits(x: &[f32]) -> Vec<u16> {
     x.iter().map(|&v| bf16_bits(v)).collect()
-}
-
-/// `|got - want| <= rel (|want| + rms(want))` element-wise; prints the worst error.
-fn close(what: &str, got: &[f32], want: &[f32], rel: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let rms = (want.iter().map(|&w| (w as f64).powi(2)).sum::<f64>() / want.len() as f64)
-        .sqrt()
-        .max(1e-30);
-    let mut worst = 0.0f64;
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let e = (g as f64 - w as f64).abs() / (w.abs() as f64 + rms);
-        assert!(
-            e <= rel,
-            "{what}[{i}]: GPU {g}, CPU {w} (error {e:.3e} of |ref| + rms > {rel:e})"
-        );
-        worst = worst.max(e);
-    }
-    println!(
-        "{what}: {} values, worst error {worst:.2e}, bound {rel:.0e}",
-        got.len()
-    );
 }
 
 /// The reference: `Cpu::gemm` on the values the GPU sees, then the epilogue.

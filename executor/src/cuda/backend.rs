@@ -84,11 +84,6 @@ impl DBuf {
     pub fn is_empty(&self) -> bool {
         self.n == 0
     }
-
-    /// The device allocation (at least one element).
-    pub fn slice(&self) -> &CudaSlice<f32> {
-        &self.s
-    }
 }
 
 // SAFETY: pushes the pointer of the buffer's allocation, as cudarc does for a `CudaSlice`.
@@ -691,7 +686,8 @@ impl Backend for Cuda {
         v: &Self::Buf,
         s: AttnShape,
     ) -> (Self::Buf, Self::Buf) {
-        let ls = launch::attention(Dtype::F32, &attn(&s)).unwrap_or_else(|e| fail("attention", e));
+        let ls =
+            launch::attention(Dtype::F32, &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
         let mut o = self.new_buf(q.len());
         let mut lse = self.new_buf(s.batch * s.heads * s.seq_q);
         let a = AttnArgs::of(&s);
@@ -708,7 +704,8 @@ impl Backend for Cuda {
         dout: &Self::Buf,
         s: AttnShape,
     ) -> (Self::Buf, Self::Buf, Self::Buf) {
-        let ls = launch::attention(Dtype::F32, &attn(&s)).unwrap_or_else(|e| fail("attention", e));
+        let ls =
+            launch::attention(Dtype::F32, &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
         let rows = (s.batch * s.heads * s.seq_q) as u64;
         let mut delta = self.new_buf(rows as usize);
         let a = AttnArgs::of(&s);
@@ -852,20 +849,9 @@ impl Backend for Cuda {
     }
 }
 
-fn attn(s: &AttnShape) -> Attn {
-    Attn {
-        batch: s.batch as u64,
-        seq_q: s.seq_q as u64,
-        seq_kv: s.seq_kv as u64,
-        heads: s.heads as u64,
-        kv_heads: s.kv_heads as u64,
-        head_dim: s.head_dim as u64,
-        window: 0,
-    }
-}
-
-/// The attention kernels' trailing arguments (ATT_ARGS in attention.cu).
-struct AttnArgs {
+/// The attention kernels' trailing arguments (ATT_ARGS in attention.cu) for a shape:
+/// keys from position 0, no sliding window, scores scaled by `1/sqrt(head_dim)`.
+pub struct AttnArgs {
     sq: u32,
     skv: u32,
     hq: u32,
@@ -879,7 +865,7 @@ struct AttnArgs {
 }
 
 impl AttnArgs {
-    fn of(s: &AttnShape) -> AttnArgs {
+    pub fn of(s: &AttnShape) -> AttnArgs {
         AttnArgs {
             sq: s.seq_q as u32,
             skv: s.seq_kv as u32,
@@ -894,7 +880,8 @@ impl AttnArgs {
         }
     }
 
-    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+    /// Pushes them after a kernel's buffer arguments.
+    pub fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
         b.arg(&self.sq)
             .arg(&self.skv)
             .arg(&self.hq)

@@ -222,6 +222,39 @@ impl Device {
         Ok(())
     }
 
+    /// Seconds of each of `reps` runs of `f` (which queues work on the stream) after
+    /// `warmup` untimed runs, each timed by CUDA events recorded around it.
+    pub fn time_each(
+        &self,
+        warmup: u32,
+        reps: u32,
+        mut f: impl FnMut() -> Result<(), String>,
+    ) -> Result<Vec<f64>, String> {
+        for _ in 0..warmup {
+            f()?;
+        }
+        let ev = || {
+            self.ctx
+                .new_event(Some(EventFlags::CU_EVENT_DEFAULT))
+                .map_err(|e| format!("creating a CUDA event: {e}"))
+        };
+        let mut out = Vec::with_capacity(reps as usize);
+        for _ in 0..reps {
+            let (t0, t1) = (ev()?, ev()?);
+            t0.record(&self.stream)
+                .map_err(|e| format!("recording: {e}"))?;
+            f()?;
+            t1.record(&self.stream)
+                .map_err(|e| format!("recording: {e}"))?;
+            let ms = t0
+                .elapsed_ms(&t1)
+                .map_err(|e| format!("reading the timing events: {e}"))?;
+            out.push(ms as f64 / 1e3);
+        }
+        self.synchronize()?;
+        Ok(out)
+    }
+
     /// Waits for everything queued on the stream.
     pub fn synchronize(&self) -> Result<(), String> {
         self.stream

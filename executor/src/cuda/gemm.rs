@@ -42,14 +42,6 @@ impl Elem {
             Elem::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
         }
     }
-
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
-        match self {
-            Elem::F32 => 4,
-            Elem::Bf16 => 2,
-        }
-    }
 }
 
 /// What the GEMM's store does besides `alpha op(a) op(b) + beta c`.
@@ -92,11 +84,6 @@ impl GemmSpec {
             c,
             epilogue: Epilogue::None,
         }
-    }
-
-    /// Floating-point operations (`2 m n k`).
-    pub fn flops(&self) -> f64 {
-        2.0 * self.m as f64 * self.n as f64 * self.k as f64
     }
 }
 
@@ -456,28 +443,7 @@ pub fn time_bf16_gemm(
     let a = d.upload(&pool[..s.m * s.k])?;
     let b = d.upload(&pool[pool.len() - s.k * s.n..])?;
     let mut c = d.upload(&pool[..s.m * s.n])?;
-    for _ in 0..warmup {
-        blas.gemm::<Bf16, Bf16>(s, 1.0, &a, &b, 0.0, &mut c, None)?;
-    }
-    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let ev = |what: &str| {
-        d.ctx
-            .new_event(timing)
-            .map_err(|e| format!("creating a CUDA event ({what}): {e}"))
-    };
-    let mut out = Vec::with_capacity(reps as usize);
-    for _ in 0..reps {
-        let (t0, t1) = (ev("start")?, ev("end")?);
-        t0.record(&d.stream)
-            .map_err(|e| format!("recording: {e}"))?;
-        blas.gemm::<Bf16, Bf16>(s, 1.0, &a, &b, 0.0, &mut c, None)?;
-        t1.record(&d.stream)
-            .map_err(|e| format!("recording: {e}"))?;
-        let ms = t0
-            .elapsed_ms(&t1)
-            .map_err(|e| format!("reading the GEMM's events: {e}"))?;
-        out.push(ms as f64 / 1e3);
-    }
-    d.synchronize()?;
-    Ok(out)
+    d.time_each(warmup, reps, || {
+        blas.gemm::<Bf16, Bf16>(s, 1.0, &a, &b, 0.0, &mut c, None)
+    })
 }

@@ -293,6 +293,21 @@ pub struct Attn {
     pub window: u64,
 }
 
+impl From<&crate::backend::AttnShape> for Attn {
+    /// The launch shape of a backend call (no sliding window).
+    fn from(s: &crate::backend::AttnShape) -> Attn {
+        Attn {
+            batch: s.batch as u64,
+            seq_q: s.seq_q as u64,
+            seq_kv: s.seq_kv as u64,
+            heads: s.heads as u64,
+            kv_heads: s.kv_heads as u64,
+            head_dim: s.head_dim as u64,
+            window: 0,
+        }
+    }
+}
+
 /// Threads per attention block (`ATT_THREADS` in attention.cu) and tile rows (`ATT_TILE`).
 pub const ATT_THREADS: u32 = 128;
 pub const ATT_TILE: u64 = 32;
