@@ -282,6 +282,57 @@ impl Value {
     }
 }
 
+/// A data-parallel gradient bucket: parameters whose gradients are reduced together over
+/// the rank's `axis` group (`dense_dp`, or `expert_dp` for routed experts), flattened in
+/// `params` order and padded with zeros to `padded` elements, a multiple of the group size
+/// by less than one element per member. Under ZeRO (stage 1 and up) each member owns the
+/// contiguous `padded / members` elements at its position in the group: its [`Shard`].
+///
+/// The bucket is how a backend maps the data-parallel stream's flat messages to tensors:
+/// a bucket's gradient all-reduce or reduce-scatter reads its parameters' gradients in this
+/// order; a parameter all-gather sends shards and writes the parameters back whole.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bucket {
+    /// `L3` (a layer's dense parameters), `L3.experts` (its local routed experts), `ends`
+    /// (embedding, final norm, head): the checkpoint's name for the bucket.
+    pub name: String,
+    pub axis: Axis,
+    /// Parameter values, in flattening order.
+    pub params: Vec<ValueId>,
+    /// Flat length in elements.
+    pub padded: u64,
+    /// This member's ZeRO shard (absent at ZeRO-0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard: Option<Shard>,
+}
+
+/// A member's ZeRO shard of a [`Bucket`]: state values of `padded / members` elements each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shard {
+    /// The working-precision parameters (what the parameter all-gather sends).
+    pub param: ValueId,
+    /// The reduced gradient (what the reduce-scatter leaves here).
+    pub grad: ValueId,
+    /// fp32 master weights.
+    pub master: ValueId,
+    /// AdamW's first and second moments.
+    pub exp_avg: ValueId,
+    pub exp_avg_sq: ValueId,
+}
+
+impl Shard {
+    /// `[param, grad, master, exp_avg, exp_avg_sq]`.
+    pub fn values(&self) -> [ValueId; 5] {
+        [
+            self.param,
+            self.grad,
+            self.master,
+            self.exp_avg,
+            self.exp_avg_sq,
+        ]
+    }
+}
+
 /// Collective operations on a process group. `bytes` is always the size of the full
 /// logical tensor (NCCL's convention for bus bandwidth): the all-gather output, the
 /// reduce-scatter input, the all-reduce buffer, the all-to-all send buffer.
@@ -351,16 +402,21 @@ pub enum ElementwiseKind {
     Permute,
     /// Gradient scaling, clipping, casts.
     Scale,
+    /// The sum of squares of its operands (the gradients a rank owns), for gradient
+    /// clipping's global norm: a `[2]` f32 result, the sum beside the rank's share of the
+    /// step's loss (reduced together for the metrics, as Megatron logs it).
+    SumSquares,
 }
 
 impl ElementwiseKind {
-    pub const ALL: [ElementwiseKind; 6] = [
+    pub const ALL: [ElementwiseKind; 7] = [
         ElementwiseKind::Activation,
         ElementwiseKind::Rope,
         ElementwiseKind::Residual,
         ElementwiseKind::Dropout,
         ElementwiseKind::Permute,
         ElementwiseKind::Scale,
+        ElementwiseKind::SumSquares,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -370,6 +426,7 @@ impl ElementwiseKind {
             ElementwiseKind::Dropout => "dropout",
             ElementwiseKind::Permute => "permute",
             ElementwiseKind::Scale => "scale",
+            ElementwiseKind::SumSquares => "sum_squares",
         }
     }
 }
@@ -596,6 +653,9 @@ pub struct Graph {
     /// Values referenced by the nodes; `values[i].id == ValueId(i)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub values: Vec<Value>,
+    /// The data-parallel buckets of the rank's parameters (the parameter-shard map).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<Bucket>,
     /// Program order; `nodes[i].id == NodeId(i)`.
     pub nodes: Vec<Node>,
 }

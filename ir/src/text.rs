@@ -10,10 +10,11 @@
 //!
 //! ```text
 //! file      := line*                      (lines separated by '\n'; a trailing '\r' is ignored)
-//! line      := blank | comment | graph | group | buffer | value | node
+//! line      := blank | comment | graph | group | buffer | value | bucket | node
 //!                                         (print writes: header comment, graph, groups,
-//!                                          buffers, values, nodes; parse accepts the last
-//!                                          four interleaved, appending each to its vector)
+//!                                          buffers, values, buckets, nodes; parse accepts
+//!                                          the last five interleaved, appending each to
+//!                                          its vector)
 //! comment   := ';' any*                   ("; shardwright-ir V" with V != 1 is rejected)
 //! graph     := 'graph' 'rank=' U32 'world=' U32          (exactly once, before all else)
 //! group     := 'group' GROUPID AXIS'.'U32 FABRIC 'ranks='[U32 (',' U32)*]
@@ -22,6 +23,11 @@
 //! buffer    := 'buffer' BUFFERID BUFKIND NAME 'bytes=' U64
 //! value     := 'value' VALUEID VALKIND DTYPE'['[U64 (',' U64)*]']' NAME
 //!                                         (e.g. `value %3 activation bf16[8,4096] L0.x`)
+//! bucket    := 'bucket' NAME AXIS 'padded=' U64 'params=' VALUEID (',' VALUEID)*
+//!              ['shard=' VALUEID ',' VALUEID ',' VALUEID ',' VALUEID ',' VALUEID]
+//!                                         (a data-parallel bucket: its parameters in
+//!                                          flattening order; the ZeRO shard's param, grad,
+//!                                          master, exp_avg, exp_avg_sq)
 //! node      := NODEID '=' op [values] ['->' values] '@'STREAM PASS ['mb='U32] ['layer='U32]
 //!              ['<-' deps]                (operands, then results)
 //! values    := VALUEID (',' VALUEID)*     (printed as "%1, %2")
@@ -67,8 +73,8 @@
 //! ```
 
 use crate::graph::{
-    Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op, Pass,
-    ProcessGroup, ReduceOp, Stream, Value, ValueKind, Work,
+    Bucket, Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op,
+    Pass, ProcessGroup, ReduceOp, Shard, Stream, Value, ValueKind, Work,
 };
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::vocab::Axis;
@@ -133,6 +139,17 @@ pub fn print(g: &Graph) -> String {
         }
         out.push_str("] ");
         write_name(&mut out, &v.name);
+        out.push('\n');
+    }
+    for b in &g.buckets {
+        out.push_str("bucket ");
+        write_name(&mut out, &b.name);
+        let _ = write!(out, " {} padded={} params=", b.axis, b.padded);
+        write_list(&mut out, &b.params);
+        if let Some(s) = &b.shard {
+            out.push_str(" shard=");
+            write_list(&mut out, &s.values());
+        }
         out.push('\n');
     }
     for n in &g.nodes {
@@ -741,10 +758,50 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
                 name,
             });
         }
+        "bucket" => {
+            c.pos += 1;
+            let name = c.name("a bucket name")?;
+            let axis = c.parse_tok("an axis (dense_dp, expert_dp, ...)", |s| {
+                s.parse::<Axis>().ok()
+            })?;
+            let padded = c.u64("padded")?;
+            let params = c.key("params", "comma-separated value ids (`%N`)", |v| {
+                if v.is_empty() {
+                    return Ok(Vec::new());
+                }
+                v.split(',').map(|x| x.parse::<ValueId>()).collect::<Result<Vec<_>, _>>()
+            })?;
+            let shard = if c.has_key("shard") {
+                let ids = c.key("shard", "five value ids (`%N`)", |v| {
+                    let ids = v
+                        .split(',')
+                        .map(|x| x.parse::<ValueId>())
+                        .collect::<Result<Vec<_>, _>>()?;
+                    <[ValueId; 5]>::try_from(ids)
+                        .map_err(|ids| format!("five value ids, not {}", ids.len()))
+                })?;
+                Some(Shard {
+                    param: ids[0],
+                    grad: ids[1],
+                    master: ids[2],
+                    exp_avg: ids[3],
+                    exp_avg_sq: ids[4],
+                })
+            } else {
+                None
+            };
+            g.buckets.push(Bucket {
+                name,
+                axis,
+                params,
+                padded,
+                shard,
+            });
+        }
         "graph" => {
             return Err(c.err_at(
                 Some(first),
-                "`group`, `buffer`, `value` or a node id (`nN`); the `graph` line comes once",
+                "`group`, `buffer`, `value`, `bucket` or a node id (`nN`); the `graph` line comes once",
             ))
         }
         _ => {

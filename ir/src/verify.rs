@@ -66,13 +66,18 @@
 //!   elements as the operands, the fused QKV in, Q and K|V out)) and, for collectives,
 //!   sends and receives, bytes and dtype (the all-gather's input and the reduce-scatter's
 //!   output are one member's share; several operands or results are flattened in order,
-//!   padded up to the op's size by less than one element per member).
+//!   padded up to the op's size by less than one element per member; a `sum_squares`
+//!   reads `elems` elements in all and writes the f32 pair `[sum, loss share]`).
+//! - `bucket`: a data-parallel bucket lists parameters only, each in one bucket; its
+//!   `padded` length is their element count rounded up to the next multiple of the rank's
+//!   `axis` group size; its ZeRO shard is a param, grad, master and two moment values of
+//!   `padded / members` elements each.
 
 use crate::graph::{
     BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, Node, Op, ReduceOp, Stream,
     ValueKind,
 };
-use crate::ids::{BufferId, GroupId, NodeId};
+use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::text::{is_bare_name, print_node};
 use std::fmt;
 
@@ -108,6 +113,7 @@ pub const RULES: &[&str] = &[
     "release-state",
     "unreleased",
     "value-shape",
+    "bucket",
 ];
 
 /// One violated invariant.
@@ -253,10 +259,74 @@ fn handles(g: &Graph, e: &mut Errors<'_>) {
             );
         }
     }
+    for b in &g.buckets {
+        let shard: Vec<ValueId> = b.shard.iter().flat_map(|s| s.values()).collect();
+        for v in b.params.iter().chain(&shard) {
+            if v.index() >= g.values.len() {
+                e.graph(
+                    "value-ref",
+                    format!("bucket `{}`: value {v} is not declared", b.name),
+                );
+            }
+        }
+    }
+}
+
+/// The `bucket` rule: a bucket's parameters, padding and ZeRO shard.
+fn buckets(g: &Graph, e: &mut Errors<'_>) {
+    let mut seen = std::collections::BTreeMap::new();
+    for b in &g.buckets {
+        let members = g
+            .groups
+            .iter()
+            .find(|pg| pg.axis == b.axis && pg.ranks.contains(&g.rank))
+            .map_or(1, |pg| pg.ranks.len().max(1)) as u64;
+        let mut err = |m: String| e.graph("bucket", format!("bucket `{}`: {m}", b.name));
+        let mut sum = 0u64;
+        for &p in &b.params {
+            let v = &g.values[p.index()];
+            if v.kind != ValueKind::Param {
+                err(format!("{p} (`{}`) is {}, not a parameter", v.name, v.kind.name()));
+            }
+            if let Some(other) = seen.insert(p, &b.name) {
+                err(format!("{p} (`{}`) is also in bucket `{other}`", v.name));
+            }
+            sum = sum.saturating_add(v.elems());
+        }
+        if b.padded % members != 0 || b.padded < sum || b.padded - sum >= members {
+            err(format!(
+                "{} elements padded to {}: not the next multiple of its {members} {} members",
+                sum, b.padded, b.axis
+            ));
+        }
+        if let Some(s) = b.shard {
+            let want = b.padded / members;
+            let kinds = [
+                ValueKind::Param,
+                ValueKind::Grad,
+                ValueKind::Master,
+                ValueKind::Moment,
+                ValueKind::Moment,
+            ];
+            for (v, k) in s.values().into_iter().zip(kinds) {
+                let val = &g.values[v.index()];
+                if val.kind != k || val.elems() != want {
+                    err(format!(
+                        "shard value {v} (`{}`) is {} with {} elements, expected {} with {want}",
+                        val.name,
+                        val.kind.name(),
+                        val.elems(),
+                        k.name()
+                    ));
+                }
+            }
+        }
+    }
 }
 
 fn semantics(g: &Graph, e: &mut Errors<'_>) {
     graph_rules(g, e);
+    buckets(g, e);
     let mut mem = Memory::new(g);
     for (i, n) in g.nodes.iter().enumerate() {
         order_and_stream(i, n, e);
@@ -868,6 +938,17 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             } else {
                 Err(format!("rope moves {i} elements in and {o} out"))
             }
+        }
+        Op::Elementwise {
+            kind: ElementwiseKind::SumSquares,
+            elems: el,
+            ..
+        } => {
+            let read: u128 = n.operands.iter().map(|v| val(v).elems() as u128).sum();
+            if read != *el as u128 {
+                return Err(format!("sum_squares of {el} elements reads {read}"));
+            }
+            bytes("result", res(0)?, DType::F32, 2 * DType::F32.bytes())
         }
         Op::Elementwise { elems: el, .. } => elems("result", res(0)?, *el as u128),
         Op::Attention {

@@ -692,27 +692,51 @@ fn check_gradient_bytes(
     }
 }
 
-/// Parameters (dense, expert) held by pipeline stage `j`, from the cost model's per-layer
-/// counts.
+/// Parameters (dense, expert) a rank of pipeline stage `j` holds, counted by hand from the
+/// model shape: weight matrices split over tp (routed experts over ep and tp, or whole
+/// experts over the folded ep x tp), the norms' weights and biases, an MoE router and
+/// learned positions whole on every tp rank (replicated). The programs train no linear
+/// biases (the models' GEMMs have none).
 fn stage_params(l: &Lowered, j: u32) -> (f64, f64) {
     let m = &l.job.model;
+    let (h, t) = (m.hidden_size as f64, l.layout.tp as f64);
+    let (qd, kvd) = (
+        (m.num_attention_heads as u64 * m.head_dim) as f64,
+        (m.num_kv_heads as u64 * m.head_dim) as f64,
+    );
+    let mats = m.ffn_activation.mlp_matrices();
+    let norm = h * if m.norm == Norm::Layernorm { 2.0 } else { 1.0 };
+    let attn = (h * (qd + 2.0 * kvd) + qd * h) / t;
     let mut dense = 0.0;
     let mut expert = 0.0;
     for &(first, count) in &l.chunks[j as usize] {
         for layer in first..first + count {
-            if m.is_moe() && layer >= m.dense_layers() {
-                dense += l.lc.moe_layer_dense_params;
-                expert += l.lc.moe_layer_expert_params;
-            } else {
-                dense += l.lc.dense_layer_params;
+            dense += 2.0 * norm + attn;
+            match m.moe.as_ref() {
+                Some(moe) if layer >= m.dense_layers() => {
+                    let e = moe.num_experts as f64;
+                    let shared =
+                        moe.num_shared_experts as f64 * moe.shared_expert_ffn_hidden_size as f64;
+                    dense += e * h + mats * h * shared / t;
+                    expert += e * mats * h * moe.expert_ffn_hidden_size as f64
+                        / (t * l.layout.ep as f64);
+                }
+                _ => dense += mats * h * m.ffn_hidden_size as f64 / t,
             }
         }
     }
+    let table = m.vocab_size as f64 * h / t;
     if j == 0 {
-        dense += l.lc.embed_params;
+        dense += table;
+        if m.learned_positions {
+            dense += m.seq_len as f64 * h;
+        }
     }
     if j == l.layout.pp - 1 {
-        dense += l.lc.head_params;
+        dense += norm;
+        if !m.tied_embeddings || j != 0 {
+            dense += table;
+        }
     }
     (dense, expert)
 }

@@ -164,7 +164,7 @@ impl<'a> PlanCost<'a> {
                     }
                 }
                 ElementwiseKind::Permute => self.get(kind, pass, "permute").0 / 2.0,
-                ElementwiseKind::Scale => 0.0,
+                ElementwiseKind::Scale | ElementwiseKind::SumSquares => 0.0,
                 // Folded into the template's calibrated `hidden_ops`.
                 ElementwiseKind::Rope | ElementwiseKind::Residual | ElementwiseKind::Dropout => 0.0,
             },

@@ -57,6 +57,7 @@ use shardwright_spec::spec::{Norm, Recompute, RecomputeModule, Schedule};
 use shardwright_spec::{Layout, Plan};
 use std::collections::BTreeMap;
 
+mod dp;
 mod moe;
 mod values;
 use moe::Mlp;
@@ -521,7 +522,7 @@ fn loss_op(d: &Dims, parts: u64) -> Op {
 }
 
 /// One GEMM of a layer: forward shape (m x k) @ (k x n).
-#[derive(Clone)]
+#[derive(Clone, Copy)]
 struct G {
     name: &'static str,
     m: u64,
@@ -773,9 +774,17 @@ impl<'a> Ctx<'a> {
         if let Some(p) = b.known_param((layer, name)) {
             return p;
         }
+        let shape = self.param_shape(layer, name);
+        let g = dtype(self.job.training.grad_dtype.bytes());
+        b.param((layer, name), &shape, self.dims().w, g)
+    }
+
+    /// The rank's shard shape of parameter `name` of `layer` (or of the ends): `[in, out]`
+    /// for GEMM weights, as the forward multiplies.
+    fn param_shape(&self, layer: Option<u32>, name: &str) -> Vec<u64> {
         let d = self.dims();
         let (h, qkv) = (d.h, (d.heads + 2 * d.kv_heads) * d.d);
-        let shape: Vec<u64> = match name {
+        match name {
             "embedding" => vec![d.vocab, h],
             "pos_embedding" => vec![d.seq, h],
             "lm_head" => vec![h, d.vocab],
@@ -792,9 +801,7 @@ impl<'a> Ctx<'a> {
                 vec![g.k, g.n]
             }
             _ => vec![h],
-        };
-        let g = dtype(self.job.training.grad_dtype.bytes());
-        b.param((layer, name), &shape, d.w, g)
+        }
     }
 
     /// The weight of `layer`'s GEMM `g` (`[k, n]`) and its gradient.
@@ -1521,145 +1528,6 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// Parameters every tp rank holds whole (norm weights and biases, an MoE router) of
-    /// `layer`, or of the ends (`None`: the final norm when the stage has the head).
-    fn replicated_params(&self, layer: Option<u32>, has_head: bool) -> u64 {
-        let m = &self.job.model;
-        let per_norm = m.hidden_size * if m.norm == Norm::Layernorm { 2 } else { 1 };
-        match layer {
-            Some(l) => {
-                let router = if self.is_moe_layer(l) {
-                    m.moe.as_ref().map_or(0, |x| x.num_experts as u64) * m.hidden_size
-                } else {
-                    0
-                };
-                2 * per_norm + router
-            }
-            None if has_head => per_norm,
-            None => 0,
-        }
-    }
-
-    /// Sequence parallelism: each tp rank's gradients of the replicated parameters cover
-    /// its token shard only; all-reduce them over tp before the data-parallel reduction
-    /// (Megatron's `_allreduce_layernorm_grads` in `finalize_model_grads`).
-    fn sp_grad_reduce(
-        &self,
-        b: &mut Builder,
-        mb: Option<u32>,
-        layer: Option<u32>,
-        has_head: bool,
-        out: &mut Vec<NodeId>,
-    ) {
-        let n = self.replicated_params(layer, has_head);
-        if !self.dims().sp || n == 0 {
-            return;
-        }
-        let g = dtype(self.job.training.grad_dtype.bytes());
-        let pass = if mb.is_some() { Pass::Bwd } else { Pass::Step };
-        let tensor = match layer {
-            Some(l) => format!("L{l}.replicated_grads"),
-            None => "ends.replicated_grads".to_string(),
-        };
-        if let Some(id) = b.collective(Coll {
-            stream: Stream::Dp,
-            pass,
-            mb,
-            layer,
-            kind: CollectiveKind::AllReduce,
-            axis: GroupKind::Tp,
-            bytes: n * g.bytes(),
-            dt: g,
-            blocking: false,
-            tensor: Some(tensor),
-            reduce: ReduceOp::Sum,
-        }) {
-            out.push(id);
-        }
-    }
-
-    /// Data-parallel gradient reduction of `params` (dense, expert) after their last
-    /// backward (per micro-batch under ZeRO-3).
-    fn grad_reduce(
-        &self,
-        b: &mut Builder,
-        mb: Option<u32>,
-        layer: Option<u32>,
-        params: (f64, f64),
-        out: &mut Vec<NodeId>,
-    ) {
-        let g = dtype(self.job.training.grad_dtype.bytes());
-        let kind = if self.layout.zero_stage == 0 {
-            CollectiveKind::AllReduce
-        } else {
-            CollectiveKind::ReduceScatter
-        };
-        let pass = if mb.is_some() { Pass::Bwd } else { Pass::Step };
-        for (p, axis) in [
-            (params.0, GroupKind::DenseDp),
-            (params.1, GroupKind::ExpertDp),
-        ] {
-            if p <= 0.0 {
-                continue;
-            }
-            let bytes = p.round() as u64 * g.bytes();
-            if let Some(id) = b.collective(Coll {
-                stream: Stream::Dp,
-                pass,
-                mb,
-                layer,
-                kind,
-                axis,
-                bytes,
-                dt: g,
-                blocking: false,
-                tensor: None,
-                reduce: ReduceOp::Sum,
-            }) {
-                out.push(id);
-            }
-        }
-    }
-
-    /// ZeRO-3 parameter all-gather before a use of `layer` (prefetched on the dp stream).
-    fn zero3_gather(
-        &self,
-        b: &mut Builder,
-        pass: Pass,
-        mb: u32,
-        layer: Option<u32>,
-        params: (f64, f64),
-    ) {
-        let w = self.dims().w;
-        for (p, axis) in [
-            (params.0, GroupKind::DenseDp),
-            (params.1, GroupKind::ExpertDp),
-        ] {
-            if p <= 0.0 {
-                continue;
-            }
-            let bytes = p.round() as u64 * w.bytes();
-            // The gather does not wait for compute: the dp stream runs ahead (prefetch).
-            let saved = b.last.take();
-            if let Some(id) = b.collective(Coll {
-                stream: Stream::Dp,
-                pass,
-                mb: Some(mb),
-                layer,
-                kind: CollectiveKind::AllGather,
-                axis,
-                bytes,
-                dt: w,
-                blocking: false,
-                tensor: None,
-                reduce: ReduceOp::Sum,
-            }) {
-                b.pending.push(id);
-            }
-            b.last = saved;
-        }
-    }
-
     fn lower_rank(&self, program: &Program, rank: u32) -> Graph {
         let coord = self.mesh.coord(rank);
         let j = coord.pp;
@@ -1731,7 +1599,7 @@ impl<'a> Ctx<'a> {
         }
 
         // ---- optimizer step, parameter all-gather, checkpoint ----
-        self.step_tail(&mut b, j, params, w.dp_nodes);
+        self.step_tail(&mut b, params, w.dp_nodes);
         for &id in step_temps.iter().rev() {
             b.mem(false, id, Pass::Step, None, None);
         }
@@ -1938,7 +1806,7 @@ impl<'a> Ctx<'a> {
         }
         for layer in first..first + count {
             if z3 {
-                self.zero3_gather(b, Pass::Fwd, s.mb, Some(layer), self.layer_params(layer));
+                self.zero3_gather(b, Pass::Fwd, s.mb, layer);
             }
             let buf = b.g.buffer(
                 format!("L{layer}.act.mb{}", s.mb),
@@ -2018,7 +1886,7 @@ impl<'a> Ctx<'a> {
         let last_of_chunk = w.last_bwd.get(&s.chunk) == Some(&si);
         for layer in (first..first + count).rev() {
             if z3 {
-                self.zero3_gather(b, Pass::Bwd, s.mb, Some(layer), self.layer_params(layer));
+                self.zero3_gather(b, Pass::Bwd, s.mb, layer);
             }
             let work = if l.recompute == Recompute::Full && self.lc.recompute_work_bytes > 0.0 {
                 let ws = b.g.buffer(
@@ -2040,23 +1908,11 @@ impl<'a> Ctx<'a> {
                 b.mem(false, buf, Pass::Bwd, mbo, Some(layer));
             }
             if z3 {
-                self.sp_grad_reduce(b, mbo, Some(layer), false, &mut w.dp_nodes);
-                self.grad_reduce(
-                    b,
-                    mbo,
-                    Some(layer),
-                    self.layer_params(layer),
-                    &mut w.dp_nodes,
-                );
+                self.sp_grad_reduce(b, mbo, Some(layer), &mut w.dp_nodes);
+                self.grad_reduce(b, mbo, Some(layer), &mut w.dp_nodes);
             } else if last_of_chunk {
-                self.sp_grad_reduce(b, None, Some(layer), false, &mut w.dp_nodes);
-                self.grad_reduce(
-                    b,
-                    None,
-                    Some(layer),
-                    self.layer_params(layer),
-                    &mut w.dp_nodes,
-                );
+                self.sp_grad_reduce(b, None, Some(layer), &mut w.dp_nodes);
+                self.grad_reduce(b, None, Some(layer), &mut w.dp_nodes);
             }
         }
         if has_embed {
@@ -2082,19 +1938,10 @@ impl<'a> Ctx<'a> {
             b.set(id, &[dx], &[]);
             b.release(Pass::Bwd, mbo, None, vec![dx], vec![id]);
         }
-        if last_of_chunk || z3 {
-            let mut ends_p = (0.0, 0.0);
-            if has_embed {
-                ends_p.0 += self.lc.embed_params;
-            }
-            if has_head {
-                ends_p.0 += self.lc.head_params;
-            }
-            if ends_p.0 > 0.0 {
-                let mb = if z3 { mbo } else { None };
-                self.sp_grad_reduce(b, mb, None, has_head, &mut w.dp_nodes);
-                self.grad_reduce(b, mb, None, ends_p, &mut w.dp_nodes);
-            }
+        if (last_of_chunk || z3) && (has_embed || has_head) {
+            let mb = if z3 { mbo } else { None };
+            self.sp_grad_reduce(b, mb, None, &mut w.dp_nodes);
+            self.grad_reduce(b, mb, None, &mut w.dp_nodes);
         }
     }
 
@@ -2169,130 +2016,5 @@ impl<'a> Ctx<'a> {
         }
 
         (step_temps, (dense_p, expert_p))
-    }
-
-    /// After the last backward: the gradient norm's all-reduce (waiting for every gradient
-    /// reduction `dp_nodes`), the optimizer step, ZeRO's parameter all-gathers and the
-    /// checkpoint.
-    fn step_tail(&self, b: &mut Builder, j: u32, params: (f64, f64), dp_nodes: Vec<NodeId>) {
-        let l = self.layout;
-        let p = l.pp;
-        let d = self.dims();
-        let z3 = l.zero_stage >= 3;
-        let round = |x: f64| x.max(0.0).round() as u64;
-        let (dense_p, expert_p) = params;
-        b.pending.extend(dp_nodes.iter().copied());
-        // Gradient clipping's global norm: every rank's sum of squares of the gradient
-        // elements it owns, summed over all ranks (with the step's loss share beside it for
-        // the metrics, as Megatron reduces the loss for logging): two f32.
-        let mut deps: Vec<NodeId> = b.pending.iter().copied().chain(b.last).collect();
-        deps.sort_unstable();
-        deps.dedup();
-        let norm = b.collective(Coll {
-            stream: Stream::Dp,
-            pass: Pass::Step,
-            mb: None,
-            layer: None,
-            kind: CollectiveKind::AllReduce,
-            axis: GroupKind::World,
-            bytes: 2 * DType::F32.bytes(),
-            dt: DType::F32,
-            blocking: true,
-            tensor: Some("grad_norm".into()),
-            reduce: ReduceOp::Sum,
-        });
-        if let Some(id) = norm {
-            // It waits for every gradient reduction and the last compute.
-            let node = &mut b.g.nodes[id.index()];
-            node.deps = deps;
-        }
-        let opt_params = {
-            let shard = |n: u32| {
-                if l.zero_stage >= 1 {
-                    n.max(1) as f64
-                } else {
-                    1.0
-                }
-            };
-            dense_p / shard(self.mesh.size(GroupKind::DenseDp))
-                + expert_p / shard(self.mesh.size(GroupKind::ExpertDp))
-        };
-        let tr = &self.job.training;
-        let per_param = 2.0 * tr.master_dtype.bytes()
-            + 2.0 * tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes()
-            + tr.grad_dtype.bytes()
-            + tr.compute_dtype.bytes();
-        let opt = b.compute(
-            Pass::Step,
-            None,
-            None,
-            Op::OptimizerStep {
-                params: round(opt_params),
-                work: Work {
-                    flops: 0,
-                    bytes: round(opt_params * per_param),
-                },
-            },
-        );
-        if l.zero_stage == 1 || l.zero_stage == 2 {
-            for (p_, axis) in [
-                (dense_p, GroupKind::DenseDp),
-                (expert_p, GroupKind::ExpertDp),
-            ] {
-                if p_ > 0.0 {
-                    b.collective(Coll {
-                        stream: Stream::Dp,
-                        pass: Pass::Step,
-                        mb: None,
-                        layer: None,
-                        kind: CollectiveKind::AllGather,
-                        axis,
-                        bytes: round(p_) * d.w.bytes(),
-                        dt: d.w,
-                        blocking: false,
-                        tensor: None,
-                        reduce: ReduceOp::Sum,
-                    });
-                }
-            }
-        }
-        if z3 {
-            // ZeRO-3: the embedding and head weights (used outside the layers' per-use
-            // gathers) re-assembled from their updated shards for the next step.
-            let mut ends_p = 0.0;
-            if j == 0 {
-                ends_p += self.lc.embed_params;
-            }
-            if j == p - 1 {
-                ends_p += self.lc.head_params;
-            }
-            if ends_p > 0.0 {
-                b.collective(Coll {
-                    stream: Stream::Dp,
-                    pass: Pass::Step,
-                    mb: None,
-                    layer: None,
-                    kind: CollectiveKind::AllGather,
-                    axis: GroupKind::DenseDp,
-                    bytes: round(ends_p) * d.w.bytes(),
-                    dt: d.w,
-                    blocking: false,
-                    tensor: Some("ends.weights".into()),
-                    reduce: ReduceOp::Sum,
-                });
-            }
-        }
-        let ck = round(self.eval.estimate.reliability.checkpoint_bytes_per_gpu);
-        b.g.push(
-            Stream::Io,
-            Pass::Step,
-            None,
-            None,
-            Op::Checkpoint {
-                every_steps: self.interval_steps.max(1),
-                bytes: ck,
-            },
-            vec![opt],
-        );
     }
 }

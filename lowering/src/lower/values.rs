@@ -55,6 +55,8 @@ pub(super) struct Vals {
     /// The hidden state, and its gradient, of each micro-batch between scopes.
     pub cur: BTreeMap<u32, ValueId>,
     pub dcur: BTreeMap<u32, ValueId>,
+    /// The graph's buckets by key (index into `Graph::buckets`).
+    pub buckets: BTreeMap<super::dp::BucketKey, usize>,
 }
 
 pub(super) const NONE: ValueId = ValueId(u32::MAX);
