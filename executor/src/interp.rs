@@ -57,7 +57,7 @@ mod moe_values;
 mod run;
 mod state;
 mod values;
-use dp::{unflatten, BKey, Bucket};
+use dp::{unflatten, Bucket};
 use run::check_moe_layout;
 pub use run::{
     check_model, run_info, run_program, run_program_with, run_rank, run_ranks_on, RankHooks,
@@ -188,8 +188,6 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     ep: Vec<u32>,
     expert_dp: Vec<u32>,
     expert_pos: usize,
-    /// The routed experts this rank holds (global indices).
-    local_experts: std::ops::Range<usize>,
     /// Whole experts (expert TP 1): expert weights are not split over tp.
     whole_experts: bool,
     // local dims
@@ -208,19 +206,19 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     grads: BTreeMap<String, B::Buf>,
     m: BTreeMap<String, B::Buf>,
     v: BTreeMap<String, B::Buf>,
-    /// ZeRO shards, on the host (see [`dp`]).
-    buckets: BTreeMap<BKey, Bucket>,
+    /// The graph's buckets (same index), with their ZeRO shards on the host (see [`dp`]).
+    buckets: Vec<Bucket>,
+    /// The bucket of each ZeRO shard value.
+    shard_of: BTreeMap<shardwright_ir::ValueId, usize>,
+    /// The bucket of each parameter (by state name).
+    bucket_of: BTreeMap<String, usize>,
     // per-step state
     step: u32,
     loss: f64,
     has_loss: bool,
     report: StepReport,
     /// Buckets whose gradients went through a dp reduction this step.
-    reduced: std::collections::BTreeSet<BKey>,
-    /// This step's `[sum of squares, loss]` after the graph's `grad_norm` all-reduce.
-    norm_stats: Option<[f32; 2]>,
-    /// Whether this step's gradient statistics were taken.
-    stats_done: bool,
+    reduced: std::collections::BTreeSet<usize>,
     /// Report full gradients and weights each step.
     diagnostics: bool,
     data: Option<Box<dyn DataSource>>,
@@ -312,7 +310,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             dp_pos: (coord.dp * run.ep + coord.ep) as usize,
             dense_pos: pos(&dense_dp),
             dense_dp,
-            local_experts: dims.local_experts(ep_pos, ep.len()),
             ep,
             expert_pos: pos(&expert_dp),
             expert_dp,
@@ -330,7 +327,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             grads: BTreeMap::new(),
             m: BTreeMap::new(),
             v: BTreeMap::new(),
-            buckets: BTreeMap::new(),
+            buckets: Vec::new(),
+            shard_of: BTreeMap::new(),
+            bucket_of: BTreeMap::new(),
             step: 0,
             vals: g.values.iter().map(|_| None).collect(),
             pnames: values::state_names(g, first_expert),
@@ -340,8 +339,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             has_loss: false,
             report: StepReport::default(),
             reduced: Default::default(),
-            norm_stats: None,
-            stats_done: false,
             diagnostics: true,
             data: None,
             batches: BTreeMap::new(),
@@ -358,79 +355,8 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
                 "micro-batch tokens not divisible by tp".into(),
             ));
         }
-        // Which parameters live here: the layers the graph names, and the ends it runs.
-        let mut layers: Vec<u32> = g.nodes.iter().filter_map(|n| n.layer).collect();
-        layers.sort_unstable();
-        layers.dedup();
-        let has_embed = g.nodes.iter().any(|n| matches!(n.op, Op::Embedding { .. }));
-        let has_head = g.nodes.iter().any(|n| n.op.is_head_gemm());
-        let mut buckets: Vec<(BKey, Vec<String>)> = Vec::new();
-        for &l in &layers {
-            buckets.push(((Some(l), false), dims.layer_params(l)));
-            let ex = dims.expert_params(l, ex.local_experts.clone());
-            if !ex.is_empty() {
-                buckets.push(((Some(l), true), ex));
-            }
-        }
-        let mut ends = Vec::new();
-        if has_embed || (has_head && dims.tied) {
-            ends.push("embedding".to_string());
-        }
-        if has_embed && dims.learned_positions {
-            ends.push("pos_embedding".to_string());
-        }
-        if has_head {
-            ends.push("final_norm".to_string());
-            if dims.layernorm {
-                ends.push("final_norm_bias".to_string());
-            }
-            if !dims.tied {
-                ends.push("lm_head".to_string());
-            }
-        }
-        if !ends.is_empty() {
-            buckets.push(((None, false), ends));
-        }
-        for (key, names) in buckets {
-            let (n, bpos) = if key.1 {
-                (ex.expert_dp.len(), ex.expert_pos)
-            } else {
-                (ex.dense_dp.len(), ex.dense_pos)
-            };
-            let mut sizes = Vec::new();
-            for name in &names {
-                let full = dims.init(cfg.seed, name);
-                let (i, n) = ex.tp_shard(name);
-                let local = shard(&full, dims.shape(name), &dims.split(name), i, n);
-                sizes.push(local.len());
-                ex.grads.insert(name.clone(), be.zeros(local.len()));
-                if run.zero_stage == 0 {
-                    ex.m.insert(name.clone(), be.zeros(local.len()));
-                    ex.v.insert(name.clone(), be.zeros(local.len()));
-                }
-                ex.params.insert(name.clone(), be.upload(&local));
-            }
-            let total: usize = sizes.iter().sum();
-            let padded = total.div_ceil(n) * n;
-            let c = padded / n;
-            let mut b = Bucket {
-                names,
-                sizes,
-                padded,
-                g: Vec::new(),
-                p: Vec::new(),
-                m: Vec::new(),
-                v: Vec::new(),
-            };
-            if run.zero_stage >= 1 {
-                let flat = ex.flatten(&b.names, &ex.params, padded);
-                b.p = flat[bpos * c..(bpos + 1) * c].to_vec();
-                b.g = vec![0.0; c];
-                b.m = vec![0.0; c];
-                b.v = vec![0.0; c];
-            }
-            ex.buckets.insert(key, b);
-        }
+        // The parameters live in the graph's buckets.
+        ex.init_buckets().map_err(ExecError::Model)?;
         Ok(ex)
     }
 
@@ -511,8 +437,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         self.has_loss = false;
         self.aux_shares.clear();
         self.reduced.clear();
-        self.norm_stats = None;
-        self.stats_done = false;
         self.batches.clear();
         for n in &self.g.nodes {
             self.node(n).map_err(|why| ExecError::Node {
@@ -556,10 +480,9 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         }
         // Weights after the step (ZeRO-3: gathered from the shards, diagnostic only).
         if self.diagnostics && self.run.zero_stage >= 3 {
-            let keys: Vec<_> = self.buckets.keys().copied().collect();
-            for k in keys {
+            for k in 0..self.buckets.len() {
                 let full = self.gather_bucket(k);
-                let b = &self.buckets[&k];
+                let b = &self.buckets[k];
                 let mut m = BTreeMap::new();
                 unflatten(&b.names, &b.sizes, &full, &mut m, <[f32]>::to_vec);
                 rep.params.extend(m);
@@ -589,24 +512,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             // Memory events are the simulator's and the verifier's; the checkpoint is the
             // run loop's (see `resilient`).
             Op::Alloc { .. } | Op::Free { .. } | Op::Release | Op::Checkpoint { .. } => Ok(()),
-            Op::Collective {
-                kind,
-                bytes,
-                dtype,
-                tensor,
-                ..
-            } if n.stream == Stream::Dp || tensor.as_deref() == Some("grad_norm") => {
-                let group = self.group_ranks(n)?;
-                let elems = (*bytes / dtype.bytes()) as usize;
-                match tensor.as_deref() {
-                    Some("grad_norm") => self.grad_norm_collective(*kind, &group, elems),
-                    Some(t) if t.ends_with(".replicated_grads") => {
-                        self.replicated_grads_collective(n, *kind, &group, elems)
-                    }
-                    _ => self.dp_collective(n, *kind, &group),
-                }
-            }
-            Op::OptimizerStep { .. } => self.optimizer_step(),
             // torchtitan's op-level selective recompute replays (not valued): this backend
             // keeps the activations they would recompute, and its forward is deterministic,
             // so the replays (skipped alike on every rank) would reproduce them bit for bit.

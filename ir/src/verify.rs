@@ -66,7 +66,8 @@
 //!   elements as the operands, the fused QKV in, Q and K|V out)) and, for collectives,
 //!   sends and receives, bytes and dtype (the all-gather's input and the reduce-scatter's
 //!   output are one member's share; several operands or results are flattened in order,
-//!   padded up to the op's size by less than one element per member; a `sum_squares`
+//!   padded up to the op's size by less than one element per member, as is one state value
+//!   (a bucket of one parameter, a shard); a `sum_squares`
 //!   reads `elems` elements in all and writes the f32 pair `[sum, loss share]`).
 //! - `bucket`: a data-parallel bucket lists parameters only, each in one bucket; its
 //!   `padded` length is their element count rounded up to the next multiple of the rank's
@@ -839,10 +840,11 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             Ok(())
         }
     };
-    // Several values flattened in order (one alone must match exactly): their bytes, padded
-    // up to the op's by less than one element per member.
+    // Several values flattened in order (one activation alone must match exactly): their
+    // bytes, padded up to the op's by less than one element per member (a data-parallel
+    // bucket of one parameter, or a shard, pads too).
     let flat = |what: &str, vs: &[crate::ids::ValueId], dt: DType, want: u64, members: u64| {
-        if vs.len() <= 1 {
+        if vs.len() <= 1 && vs.first().is_none_or(|v| !val(v).kind.is_state()) {
             let v = vs
                 .first()
                 .map(val)

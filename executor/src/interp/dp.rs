@@ -1,27 +1,41 @@
-//! The data-parallel stream and the optimizer: gradient buckets (each layer's parameters
-//! flattened in [`Dims::layer_params`] order, padded to the group size), their reduction
-//! (all-reduce, or ZeRO's reduce-scatter into this rank's shard), the ZeRO parameter
-//! gathers, the SP all-reduce of the replicated parameters' gradients, the global gradient
-//! norm and AdamW. These nodes do not name values yet: they work on the rank's buckets.
+//! The data-parallel stream and the optimizer, on the program's values.
+//!
+//! The graph's buckets ([`shardwright_ir::Bucket`]: each layer's dense parameters, its
+//! local experts, the ends) say which parameters a flat message carries and in what order;
+//! a ZeRO bucket's shard values (`L3.shard`, `.grad`, `.master`, `.exp_avg`, `.exp_avg_sq`)
+//! are this rank's contiguous `padded / members` slice of it. The rules:
+//!
+//! - an all-reduce whose operands are gradients (the bucket's, ZeRO-0; or SP's replicated
+//!   ones over tp) reduces them in place, flattened in operand order;
+//! - a reduce-scatter of a bucket's gradients adds this rank's reduced slice into the
+//!   shard's gradient and leaves the gradients zero (the IR's "consumed");
+//! - an all-gather of a shard's parameters writes the bucket's parameters whole (ZeRO-3
+//!   before a use, and after the optimizer; ZeRO-1/2 after the optimizer);
+//! - `sum_squares` defines `[sum of squares of the gradient elements this rank owns, its
+//!   loss share]` (a bucket whose group is this rank alone is moved into its shard first);
+//!   the `grad_norm` all-reduce sums it over the world;
+//! - the optimizer step reads the clipping statistics (its first operand) and runs AdamW on
+//!   the parameters (ZeRO-0) or on the shards, run by run with each parameter's decay.
 //!
 //! The backend boundary: parameters, gradients and the ZeRO-0 moments are the backend's
-//! buffers; a bucket (flattened gradients or parameters, and the ZeRO shards with their
-//! moments) is host memory, since the [`Communicator`] moves host vectors. Flattening
-//! downloads each tensor ([`RankExec::flatten`]), unflattening into the rank's state
-//! uploads it ([`RankExec::unflatten_state`]); a ZeRO shard's AdamW uploads its runs and
-//! downloads the result ([`adamw_host`]). The gradient norm's sum of squares is taken on
-//! the host.
+//! buffers; a bucket's flat message and the ZeRO shards with their moments are host memory,
+//! since the [`Communicator`] moves host vectors. Flattening downloads each tensor
+//! ([`RankExec::flatten`]), unflattening uploads it ([`RankExec::unflatten_state`]); a
+//! shard's AdamW uploads its runs and downloads the result ([`adamw_host`]). The gradient
+//! norm's sum of squares is taken on the host.
 
 use super::*;
+use shardwright_ir::{ElementwiseKind, ValueId, ValueKind};
 
-/// A gradient bucket: a layer's (or, `None`, the ends') dense parameters (`false`,
-/// reduced over `dense_dp`) or routed-expert parameters (`true`, over `expert_dp`).
-pub(crate) type BKey = (Option<u32>, bool);
-
-/// ZeRO state of one gradient bucket.
+/// This rank's part of one of the graph's buckets (same index as `Graph::buckets`).
 pub(super) struct Bucket {
+    /// The checkpoint's name of the bucket (`L3`, `L3.experts`, `ends`).
+    pub(super) name: String,
+    /// Routed-expert parameters (reduced over `expert_dp`), else dense (`dense_dp`).
+    pub(super) expert: bool,
+    /// The parameters' state names, in flattening order.
     pub(super) names: Vec<String>,
-    /// Local (TP-shard) sizes of `names`.
+    /// Their local (TP-shard) sizes.
     pub(super) sizes: Vec<usize>,
     /// Padded flat length (a multiple of the dp group size).
     pub(super) padded: usize,
@@ -65,6 +79,109 @@ fn adamw_host<B: Backend>(
 }
 
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+    /// The rank's buckets from the graph's (the parameters' initial values uploaded, the
+    /// ZeRO shards cut from them): every parameter the graph names must be in one.
+    pub(super) fn init_buckets(&mut self) -> Result<(), String> {
+        let g = self.g;
+        let mut in_bucket = vec![false; g.values.len()];
+        for (i, ib) in g.buckets.iter().enumerate() {
+            let expert = match ib.axis {
+                Axis::DenseDp => false,
+                Axis::ExpertDp => true,
+                other => {
+                    return Err(format!(
+                        "bucket `{}` is reduced over `{other}`, not dense_dp or expert_dp",
+                        ib.name
+                    ))
+                }
+            };
+            let (n, bpos) = {
+                let (grp, pos) = self.dp_group(expert);
+                (grp.len(), pos)
+            };
+            let mut names = Vec::new();
+            let mut sizes = Vec::new();
+            for &p in &ib.params {
+                in_bucket[p.index()] = true;
+                let name = self.pnames[p.index()].clone();
+                let full = self.dims.init(self.cfg.seed, &name);
+                let (ti, tn) = self.tp_shard(&name);
+                let local = shard(&full, self.dims.shape(&name), &self.dims.split(&name), ti, tn);
+                let want = g.values[p.index()].elems() as usize;
+                if local.len() != want {
+                    return Err(format!(
+                        "parameter `{name}`: the program's value has {want} elements, this \
+                         rank's shard of the model has {}",
+                        local.len()
+                    ));
+                }
+                sizes.push(local.len());
+                self.grads.insert(name.clone(), self.be.zeros(local.len()));
+                if self.run.zero_stage == 0 {
+                    self.m.insert(name.clone(), self.be.zeros(local.len()));
+                    self.v.insert(name.clone(), self.be.zeros(local.len()));
+                }
+                self.params.insert(name.clone(), self.be.upload(&local));
+                names.push(name);
+            }
+            let total: usize = sizes.iter().sum();
+            let padded = ib.padded as usize;
+            if padded != total.div_ceil(n) * n {
+                return Err(format!(
+                    "bucket `{}`: padded to {padded}, its {total} elements over {n} members \
+                     need {}",
+                    ib.name,
+                    total.div_ceil(n) * n
+                ));
+            }
+            let mut b = Bucket {
+                name: ib.name.clone(),
+                expert,
+                names,
+                sizes,
+                padded,
+                g: Vec::new(),
+                p: Vec::new(),
+                m: Vec::new(),
+                v: Vec::new(),
+            };
+            match (self.run.zero_stage, ib.shard) {
+                (0, None) => {}
+                (0, Some(_)) => {
+                    return Err(format!("bucket `{}` has a ZeRO shard at ZeRO-0", ib.name))
+                }
+                (_, None) => return Err(format!("bucket `{}` has no ZeRO shard", ib.name)),
+                (_, Some(s)) => {
+                    for v in s.values() {
+                        self.shard_of.insert(v, i);
+                    }
+                    let c = padded / n;
+                    let flat = self.flatten(&b.names, &self.params, padded);
+                    b.p = flat[bpos * c..(bpos + 1) * c].to_vec();
+                    b.g = vec![0.0; c];
+                    b.m = vec![0.0; c];
+                    b.v = vec![0.0; c];
+                }
+            }
+            for nm in &b.names {
+                self.bucket_of.insert(nm.clone(), i);
+            }
+            self.buckets.push(b);
+        }
+        let shard_vals: Vec<ValueId> = self.shard_of.keys().copied().collect();
+        for v in &g.values {
+            if v.kind == ValueKind::Param && !in_bucket[v.id.index()] && !shard_vals.contains(&v.id)
+            {
+                return Err(format!(
+                    "parameter `{}` is in no data-parallel bucket (a program from an older \
+                     lowering: lower the plan again)",
+                    v.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// The tensors `names` of `from` (the rank's parameters or gradients) downloaded end
     /// to end, zero-padded to `padded`.
     pub(super) fn flatten(
@@ -109,10 +226,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     }
 
     /// All-gather of a bucket's weight shards over its data-parallel group.
-    pub(super) fn gather_bucket(&mut self, k: BKey) -> Vec<f32> {
-        let group = self.dp_group(k.1).0;
-        let b = &self.buckets[&k];
-        self.comm.all_gather(&group, &b.p)
+    pub(super) fn gather_bucket(&mut self, i: usize) -> Vec<f32> {
+        let group = self.dp_group(self.buckets[i].expert).0;
+        self.comm.all_gather(&group, &self.buckets[i].p)
     }
 
     /// The norm weights (replicated over tp) of a bucket.
@@ -120,172 +236,175 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         self.dims.split(name) == Split::Replicated
     }
 
-    pub(super) fn dp_collective(
-        &mut self,
-        n: &Node,
-        kind: CollectiveKind,
-        group: &[u32],
-    ) -> Result<(), String> {
+    /// The state name a gradient value accumulates into (`L3.qkv.grad` -> `L3.qkv`).
+    fn grad_key(&self, v: ValueId) -> Result<String, String> {
+        let val = &self.g.values[v.index()];
+        if val.kind != ValueKind::Grad {
+            return Err(format!(
+                "{v} (`{}`) is {}, not a gradient",
+                val.name,
+                val.kind.name()
+            ));
+        }
+        let name = self.value_name(v);
+        let key = name.strip_suffix(".grad").unwrap_or(name);
+        if self.grads.contains_key(key) {
+            Ok(key.to_string())
+        } else {
+            Err(format!("gradient `{name}` is not on this rank"))
+        }
+    }
+
+    /// The bucket whose shard `v` is.
+    fn shard_bucket(&self, v: ValueId) -> Result<usize, String> {
+        self.shard_of.get(&v).copied().ok_or_else(|| {
+            format!(
+                "{v} (`{}`) is no bucket's ZeRO shard",
+                self.g.values[v.index()].name
+            )
+        })
+    }
+
+    /// The data-parallel stream's nodes and the optimizer (`None`: not one of them).
+    pub(super) fn dp_node(&mut self, n: &Node) -> Option<Result<(), String>> {
+        Some(match &n.op {
+            Op::Elementwise {
+                kind: ElementwiseKind::SumSquares,
+                ..
+            } => self.grad_stats(n),
+            Op::OptimizerStep { .. } => self.optimizer_step(n),
+            Op::Collective { tensor, .. } if tensor.as_deref() == Some("grad_norm") => {
+                self.grad_norm_collective(n)
+            }
+            Op::Collective { .. } if n.stream == Stream::Dp => self.dp_collective(n),
+            _ => return None,
+        })
+    }
+
+    fn dp_collective(&mut self, n: &Node) -> Result<(), String> {
         use CollectiveKind as K;
-        let axis = match &n.op {
-            Op::Collective { group, .. } => self.g.group(*group).map(|g| g.axis),
-            _ => None,
+        let Op::Collective {
+            kind,
+            group: gid,
+            bytes,
+            dtype,
+            ..
+        } = &n.op
+        else {
+            return Err(err("not a collective"));
         };
-        let expert = match axis {
-            Some(Axis::DenseDp) => false,
-            Some(Axis::ExpertDp) => true,
-            Some(other) => return Err(format!("dp-stream collective on a `{other}` group")),
-            None => return Err("dp-stream collective on an undeclared group".into()),
+        let group = self.group_ranks(n)?;
+        let axis = self
+            .g
+            .group(*gid)
+            .map(|g| g.axis)
+            .ok_or("dp-stream collective on an undeclared group")?;
+        let elems = (*bytes / dtype.bytes()) as usize;
+        match kind {
+            K::AllReduce => {
+                // Gradients reduced in place: a bucket's (ZeRO-0) or SP's replicated ones.
+                if n.operands != n.results {
+                    return Err("an all-reduce of gradients writes its operands".into());
+                }
+                let keys = n
+                    .operands
+                    .iter()
+                    .map(|&v| self.grad_key(v))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let mut flat = Vec::new();
+                let mut sizes = Vec::new();
+                for k in &keys {
+                    let x = self.be.download(&self.grads[k]);
+                    sizes.push(x.len());
+                    flat.extend_from_slice(&x);
+                }
+                moves_as_stated(flat.len(), elems)?;
+                if matches!(axis, Axis::DenseDp | Axis::ExpertDp) {
+                    self.check_dp_group(axis, &group)?;
+                    if let Some(&b) = keys.first().and_then(|k| self.bucket_of.get(k)) {
+                        self.reduced.insert(b);
+                    }
+                } else if axis != Axis::Tp {
+                    return Err(format!("a gradient all-reduce over `{axis}`"));
+                }
+                self.comm.all_reduce(&group, &mut flat);
+                self.unflatten_state(&keys, &sizes, &flat, true);
+            }
+            K::ReduceScatter => {
+                let bi = self.shard_bucket(Self::res(n, 0)?)?;
+                let b = &self.buckets[bi];
+                self.check_dp_group(axis, &group)?;
+                let keys = n
+                    .operands
+                    .iter()
+                    .map(|&v| self.grad_key(v))
+                    .collect::<Result<Vec<_>, _>>()?;
+                if keys != b.names {
+                    return Err(format!(
+                        "reduce-scatter into bucket `{}` reads {keys:?}, the bucket holds {:?}",
+                        b.name, b.names
+                    ));
+                }
+                moves_as_stated(b.padded, elems)?;
+                let flat = self.flatten(&b.names, &self.grads, b.padded);
+                let s = self.comm.reduce_scatter(&group, &flat);
+                self.reduced.insert(bi);
+                let b = &mut self.buckets[bi];
+                for (a, x) in b.g.iter_mut().zip(&s) {
+                    *a += x;
+                }
+                for nm in &b.names {
+                    self.be.fill_zero(self.grads.get_mut(nm).expect("bucket gradient"));
+                }
+            }
+            K::AllGather => {
+                let bi = self.shard_bucket(Self::arg(n, 0)?)?;
+                self.check_dp_group(axis, &group)?;
+                let full = self.gather_bucket(bi);
+                moves_as_stated(full.len(), elems)?;
+                let b = &self.buckets[bi];
+                if n.results.len() != b.names.len() {
+                    return Err(format!(
+                        "all-gather of bucket `{}` writes {} values, the bucket holds {}",
+                        b.name,
+                        n.results.len(),
+                        b.names.len()
+                    ));
+                }
+                let (names, sizes) = (b.names.clone(), b.sizes.clone());
+                self.unflatten_state(&names, &sizes, &full, false);
+            }
+            k => return Err(format!("no rule for a dp-stream {}", k.name())),
+        }
+        Ok(())
+    }
+
+    /// A bucket collective runs on this rank's group of its axis.
+    fn check_dp_group(&self, axis: Axis, group: &[u32]) -> Result<(), String> {
+        let mine = match axis {
+            Axis::DenseDp => &self.dense_dp,
+            Axis::ExpertDp => &self.expert_dp,
+            other => return Err(format!("dp-stream collective on a `{other}` group")),
         };
-        let axis = axis.expect("matched above");
-        let mine = self.dp_group(expert).0;
         if group != mine.as_slice() {
             return Err(format!(
                 "dp collective on {group:?}, this rank's {axis} is {mine:?}"
             ));
         }
-        let gn = group.len();
-        match (kind, n.pass) {
-            (K::AllGather, Pass::Fwd | Pass::Bwd) => {
-                // ZeRO-3 gather of the layer's weights before its use.
-                let key = (n.layer, expert);
-                let full = self.gather_bucket(key);
-                let b = &self.buckets[&key];
-                let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                self.unflatten_state(&names, &sizes, &full, false);
-            }
-            (K::AllReduce | K::ReduceScatter, _) => {
-                let key = (n.layer, expert);
-                if !self.buckets.contains_key(&key) {
-                    return Err("no such bucket".into());
-                }
-                self.reduced.insert(key);
-                let b = &self.buckets[&key];
-                let mut flat = self.flatten(&b.names, &self.grads, b.padded);
-                if kind == K::AllReduce {
-                    self.comm.all_reduce(group, &mut flat);
-                    let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                    self.unflatten_state(&names, &sizes, &flat, true);
-                } else {
-                    let s = self.comm.reduce_scatter(group, &flat);
-                    let b = self.buckets.get_mut(&key).unwrap();
-                    for (a, x) in b.g.iter_mut().zip(&s) {
-                        *a += x;
-                    }
-                    for nm in &b.names {
-                        self.be.fill_zero(self.grads.get_mut(nm).unwrap());
-                    }
-                }
-            }
-            (K::AllGather, Pass::Step) if matches!(&n.op, Op::Collective { tensor: Some(t), .. } if t == "ends.weights") =>
-            {
-                // ZeRO-3: the embedding and head weights from their updated shards.
-                let key = (None, false);
-                if !self.buckets.contains_key(&key) {
-                    return Err("ends.weights: no embedding/head bucket on this rank".into());
-                }
-                let full = self.gather_bucket(key);
-                let b = &self.buckets[&key];
-                let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                self.unflatten_state(&names, &sizes, &full, false);
-            }
-            (K::AllGather, Pass::Step) => {
-                // ZeRO-1/2: every bucket's updated shard (of this group's kind), concatenated
-                // in bucket order.
-                let keys: Vec<_> = self
-                    .buckets
-                    .keys()
-                    .copied()
-                    .filter(|k| k.1 == expert)
-                    .collect();
-                let mut mine = Vec::new();
-                for k in &keys {
-                    mine.extend_from_slice(&self.buckets[k].p);
-                }
-                let all = self.comm.all_gather(group, &mine);
-                let per = mine.len();
-                let mut off = 0;
-                for k in &keys {
-                    let b = &self.buckets[k];
-                    let c = b.p.len();
-                    let mut full = Vec::with_capacity(b.padded);
-                    for r in 0..gn {
-                        full.extend_from_slice(&all[r * per + off..r * per + off + c]);
-                    }
-                    off += c;
-                    let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                    self.unflatten_state(&names, &sizes, &full, false);
-                }
-            }
-            (k, p) => return Err(format!("no rule for a dp collective {k:?} in pass {p:?}")),
-        }
         Ok(())
     }
 
-    /// `L{l}.replicated_grads` / `ends.replicated_grads` (sequence parallelism): each tp
-    /// rank holds the gradients of the replicated parameters (norm weights and biases, an
-    /// MoE router) of its token shard; the graph's tp all-reduce sums them, flattened in
-    /// bucket order (the learned positions are excluded: every tp rank already holds their
-    /// whole gradient).
-    pub(super) fn replicated_grads_collective(
-        &mut self,
-        n: &Node,
-        kind: CollectiveKind,
-        group: &[u32],
-        elems: usize,
-    ) -> Result<(), String> {
-        if kind != CollectiveKind::AllReduce || group != self.tp.as_slice() {
-            return Err(format!(
-                "replicated gradients: a {} on {group:?}, expected an all-reduce on tp {:?}",
-                kind.name(),
-                self.tp
-            ));
-        }
-        let key = (n.layer, false);
-        let dims = self.dims;
-        let names: Vec<String> = self
-            .buckets
-            .get(&key)
-            .ok_or("no such bucket")?
-            .names
-            .iter()
-            .filter(|nm| dims.split(nm) == Split::Replicated && nm.as_str() != "pos_embedding")
-            .cloned()
-            .collect();
-        let mut flat = Vec::new();
-        for nm in &names {
-            flat.extend_from_slice(&self.be.download(&self.grads[nm]));
-        }
-        if flat.len() != elems {
-            return Err(format!(
-                "replicated gradients of {names:?}: {} values, the IR says {elems}",
-                flat.len()
-            ));
-        }
-        self.comm.all_reduce(group, &mut flat);
-        let mut o = 0;
-        for nm in &names {
-            let g = self.grads.get_mut(nm).unwrap();
-            let k = self.be.len(g);
-            self.be.write(g, 0, &flat[o..o + k]);
-            o += k;
-        }
-        Ok(())
-    }
-
-    /// `grad_norm`: the global gradient norm's all-reduce (every rank's sum of squares of
-    /// the gradient elements it owns, and its share of the step's loss for the metrics).
-    pub(super) fn grad_norm_collective(
-        &mut self,
-        kind: CollectiveKind,
-        group: &[u32],
-        elems: usize,
-    ) -> Result<(), String> {
-        if kind != CollectiveKind::AllReduce || elems != 2 {
-            return Err(format!(
-                "grad_norm: a {} of {elems} values, expected an all-reduce of 2",
-                kind.name()
-            ));
+    /// `grad_norm`: the clipping statistics summed over every rank.
+    fn grad_norm_collective(&mut self, n: &Node) -> Result<(), String> {
+        let group = self.group_ranks(n)?;
+        if !matches!(
+            n.op,
+            Op::Collective {
+                kind: CollectiveKind::AllReduce,
+                ..
+            }
+        ) {
+            return Err("grad_norm: expected an all-reduce".into());
         }
         if group.len() != self.world as usize {
             return Err(format!(
@@ -294,36 +413,33 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.world
             ));
         }
-        let mut buf = self.grad_stats()?;
-        self.comm.all_reduce(group, &mut buf);
-        self.norm_stats = Some(buf);
+        let mut x = self.val_host(Self::arg(n, 0)?)?;
+        moves_as_stated(x.len(), 2)?;
+        self.comm.all_reduce(&group, &mut x);
+        let y = self.be.upload(&x);
+        self.def(Self::res(n, 0)?, y);
         Ok(())
     }
 
-    /// Before the norm: buckets without a dp reduction (a single replica: the IR emits
-    /// none) moved into their shards; then this rank's `[sum of squares of the gradient
-    /// elements it owns, its loss share]`. Runs once per step.
-    pub(super) fn grad_stats(&mut self) -> Result<[f32; 2], String> {
-        if self.stats_done {
-            return Err("the gradient statistics were already taken this step".into());
-        }
-        self.stats_done = true;
+    /// `sum_squares`: buckets without a dp reduction (a single replica: the IR emits none)
+    /// moved into their shards; then this rank's `[sum of squares of the gradient elements
+    /// it owns, its loss share]`.
+    fn grad_stats(&mut self, n: &Node) -> Result<(), String> {
         let zero = self.run.zero_stage;
-        // Buckets without a dp reduction (a single replica: the IR emits none).
-        let keys: Vec<_> = self.buckets.keys().copied().collect();
-        for k in keys {
+        for k in 0..self.buckets.len() {
             if self.reduced.contains(&k) {
                 continue;
             }
-            if self.dp_group(k.1).0.len() > 1 {
+            if self.dp_group(self.buckets[k].expert).0.len() > 1 {
                 return Err(format!(
-                    "bucket {k:?} was never reduced over data parallelism"
+                    "bucket `{}` was never reduced over data parallelism",
+                    self.buckets[k].name
                 ));
             }
             if zero >= 1 {
-                let b = &self.buckets[&k];
+                let b = &self.buckets[k];
                 let flat = self.flatten(&b.names, &self.grads, b.padded);
-                let b = self.buckets.get_mut(&k).unwrap();
+                let b = &mut self.buckets[k];
                 for (a, x) in b.g.iter_mut().zip(&flat) {
                     *a += x;
                 }
@@ -349,10 +465,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.report.grads = self.host(&self.grads);
             }
         } else {
-            let keys: Vec<_> = self.buckets.keys().copied().collect();
-            for k in keys {
-                let (group, bpos) = self.dp_group(k.1);
-                let b = &self.buckets[&k];
+            for k in 0..self.buckets.len() {
+                let (group, bpos) = self.dp_group(self.buckets[k].expert);
+                let b = &self.buckets[k];
                 let c = b.g.len();
                 let lo = bpos * c;
                 // Which flat positions are replicated norm weights.
@@ -371,7 +486,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 }
                 // Diagnostic: the reduced gradient, gathered for the report.
                 let full = self.comm.all_gather(&group, &b.g);
-                let b = &self.buckets[&k];
+                let b = &self.buckets[k];
                 let mut m = BTreeMap::new();
                 unflatten(&b.names, &b.sizes, &full, &mut m, <[f32]>::to_vec);
                 self.report.grads.extend(m);
@@ -382,17 +497,17 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         } else {
             0.0
         };
-        Ok([ss as f32, share])
+        let y = self.be.upload(&[ss as f32, share]);
+        self.def(Self::res(n, 0)?, y);
+        Ok(())
     }
 
-    pub(super) fn optimizer_step(&mut self) -> Result<(), String> {
+    fn optimizer_step(&mut self, n: &Node) -> Result<(), String> {
         let zero = self.run.zero_stage;
         // The global figures when the graph's `grad_norm` all-reduce ran, else this rank's
         // own (a single rank's graph has none).
-        let buf = match self.norm_stats.take() {
-            Some(b) => b,
-            None => self.grad_stats()?,
-        };
+        let buf = self.val_host(Self::arg(n, 0)?)?;
+        moves_as_stated(buf.len(), 2)?;
         let norm = (buf[0] as f64).sqrt();
         self.report.grad_norm = norm;
         self.report.global_loss = buf[1] as f64;
@@ -431,12 +546,12 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         } else {
             let (nd, ne) = (self.dense_dp.len(), self.expert_dp.len());
             let (dpos, epos) = (self.dense_pos, self.expert_pos);
-            for (k, b) in self.buckets.iter_mut() {
+            for b in self.buckets.iter_mut() {
                 let g: Vec<f32> = b.g.iter().map(|x| x * clip).collect();
                 // The shard's runs of parameters, each with its own decay (the padding
                 // after the last is zero and stays so).
                 let len = b.p.len();
-                let lo = len * if k.1 { epos } else { dpos };
+                let lo = len * if b.expert { epos } else { dpos };
                 let mut at = 0;
                 for (nm, &n) in b.names.iter().zip(&b.sizes) {
                     let (s, e) = (at.max(lo), (at + n).min(lo + len));
@@ -455,7 +570,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     );
                 }
                 b.g.iter_mut().for_each(|x| *x = 0.0);
-                if (if k.1 { ne } else { nd }) == 1 {
+                if (if b.expert { ne } else { nd }) == 1 {
                     // A group of one (e.g. the experts under ep without dp): the IR has no
                     // parameter gather, the shard is the whole bucket.
                     unflatten(&b.names, &b.sizes, &b.p, &mut self.params, |x| be.upload(x));

@@ -23,18 +23,6 @@ use crate::backend::Backend;
 use crate::comm::Communicator;
 use std::collections::BTreeMap;
 
-fn bucket_name((layer, expert): super::BKey) -> String {
-    let base = match layer {
-        Some(l) => format!("L{l}"),
-        None => "ends".into(),
-    };
-    if expert {
-        format!("{base}.experts")
-    } else {
-        base
-    }
-}
-
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// Whether this rank holds parameter `name` current between steps. Under ZeRO-3 a
     /// layer's weights are gathered from their master shards before each use and are
@@ -45,8 +33,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         self.run.zero_stage < 3
             || self
                 .buckets
-                .get(&(None, false))
-                .is_some_and(|b| b.names.iter().any(|n| n == name))
+                .iter()
+                .any(|b| b.name == "ends" && b.names.iter().any(|n| n == name))
     }
 
     /// Every tensor of this rank's state, by the names in the module doc.
@@ -65,8 +53,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             out.insert(format!("adam_v/{n}"), be.download(v));
         }
         if self.run.zero_stage >= 1 {
-            for (k, b) in &self.buckets {
-                let bn = bucket_name(*k);
+            for b in &self.buckets {
+                let bn = &b.name;
                 out.insert(format!("zero/{bn}/master"), b.p.clone());
                 out.insert(format!("zero/{bn}/adam_m"), b.m.clone());
                 out.insert(format!("zero/{bn}/adam_v"), b.v.clone());
@@ -108,8 +96,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             *v = be.upload(&take(format!("adam_v/{n}"), be.len(v))?);
         }
         if self.run.zero_stage >= 1 {
-            for (k, b) in self.buckets.iter_mut() {
-                let bn = bucket_name(*k);
+            for b in self.buckets.iter_mut() {
+                let bn = b.name.clone();
                 b.p = take(format!("zero/{bn}/master"), b.p.len())?;
                 b.m = take(format!("zero/{bn}/adam_m"), b.m.len())?;
                 b.v = take(format!("zero/{bn}/adam_v"), b.v.len())?;
@@ -123,7 +111,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         for g in self.grads.values_mut() {
             be.fill_zero(g);
         }
-        for b in self.buckets.values_mut() {
+        for b in self.buckets.iter_mut() {
             b.g.iter_mut().for_each(|x| *x = 0.0);
         }
         Ok(())
@@ -212,7 +200,7 @@ pub fn logical_state(
         crate::model::unshard_into(t, local, shape, &dims.split(name), i, tp);
     };
     // ZeRO buckets: (bucket, its data-parallel group) -> every member's shard.
-    let mut buckets: BTreeMap<(super::BKey, Vec<u32>), Vec<Part>> = BTreeMap::new();
+    let mut buckets: BTreeMap<(String, Vec<u32>), Vec<Part>> = BTreeMap::new();
     let zero = super::run_info(program)
         .map_err(|e| e.to_string())?
         .zero_stage;
@@ -231,11 +219,11 @@ pub fn logical_state(
                 mine.push(("adam_v", n.clone(), rk.v[n].clone(), i, tp));
             }
         } else {
-            for (k, b) in &rk.buckets {
-                let (group, pos) = rk.dp_group(k.1);
+            for b in &rk.buckets {
+                let (group, pos) = rk.dp_group(b.expert);
                 // A bucket holds either dense or expert parameters: one sharding for all.
                 let (i, tp) = b.names.first().map_or((0, 1), |n| rk.tp_shard(n));
-                buckets.entry((*k, group)).or_default().push((
+                buckets.entry((b.name.clone(), group)).or_default().push((
                     pos,
                     [b.p.clone(), b.m.clone(), b.v.clone()],
                     b.names.clone(),
@@ -310,10 +298,9 @@ pub fn sharded_state(
             rk.m = m;
             rk.v = v;
         } else {
-            let keys: Vec<super::BKey> = rk.buckets.keys().copied().collect();
-            for k in keys {
-                let (group, pos) = rk.dp_group(k.1);
-                let b = rk.buckets.get_mut(&k).expect("bucket");
+            for k in 0..rk.buckets.len() {
+                let (group, pos) = rk.dp_group(rk.buckets[k].expert);
+                let b = &mut rk.buckets[k];
                 let c = b.padded / group.len();
                 let cut = |from: &BTreeMap<String, Vec<f32>>| -> Vec<f32> {
                     let mut flat = Vec::with_capacity(b.padded);

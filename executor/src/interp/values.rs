@@ -144,6 +144,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// Run a node on its values.
     pub(super) fn value_node(&mut self, n: &Node) -> Result<(), String> {
         let mb = n.mb.unwrap_or(0);
+        if let Some(r) = self.dp_node(n) {
+            return r;
+        }
         match &n.op {
             Op::Release => {
                 for v in &n.operands {
