@@ -8,20 +8,9 @@
 //! rank's named state. A node without values is an error, except:
 //!
 //! - memory events (`alloc`, `free`) and `checkpoint` (the run loop's, see `resilient`);
-//! - the data-parallel stream, which still works on the rank's gradient buckets rather
-//!   than on values: an all-gather with a micro-batch is the ZeRO-3 gather of the layer's
-//!   weights; an all-reduce / reduce-scatter is the gradient reduction of the layer's
-//!   parameters (no layer: embedding, final norm and head), flattened in
-//!   [`Dims::layer_params`] order and padded to the group size; a step all-gather is the
-//!   ZeRO-1/2 parameter gather of every bucket's updated shard. The group's axis says which
-//!   bucket: `dense_dp` the dense weights, `expert_dp` the layer's local routed experts
-//!   ([`Dims::expert_params`] order). Named ones: `L{l}.replicated_grads` /
-//!   `ends.replicated_grads` (SP: the tp all-reduce of the replicated parameters'
-//!   gradients, flattened in bucket order), `grad_norm` (the clipping norm's sum of squares
-//!   and the step's loss over every rank; without it each rank clips with its own norm),
-//!   `ends.weights` (ZeRO-3: the embedding/head weights from their updated shards after the
-//!   optimizer);
-//! - the optimizer step (AdamW on the rank's parameters or ZeRO shards);
+//! - (valued, but not per value) the data-parallel stream and the optimizer ([`dp`]): their
+//!   flat messages are the graph's buckets (the parameter-shard map), the ZeRO shards host
+//!   vectors of this rank's slice of each;
 //! - torchtitan's op-level selective recompute replays, which this backend skips: it keeps
 //!   the activations they would recompute, and its forward is deterministic.
 //!

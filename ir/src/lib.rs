@@ -13,8 +13,9 @@ pub mod graph;
 pub mod ids;
 
 pub use graph::{
-    Bucket, Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, GemmPass, Graph, Node, Op,
-    Pass, ProcessGroup, ReduceOp, Shape, Shard, Stream, Value, ValueIds, ValueKind, Work, HEAD_GEMM,
+    Bucket, Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, GemmPass, Graph,
+    Node, Op, Pass, ProcessGroup, ReduceOp, Shape, Shard, Stream, Value, ValueIds, ValueKind, Work,
+    HEAD_GEMM,
 };
 pub use ids::{BufferId, GroupId, NodeId, ValueId};
 pub mod program;

@@ -769,7 +769,9 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
                 if v.is_empty() {
                     return Ok(Vec::new());
                 }
-                v.split(',').map(|x| x.parse::<ValueId>()).collect::<Result<Vec<_>, _>>()
+                v.split(',')
+                    .map(|x| x.parse::<ValueId>())
+                    .collect::<Result<Vec<_>, _>>()
             })?;
             let shard = if c.has_key("shard") {
                 let ids = c.key("shard", "five value ids (`%N`)", |v| {
@@ -798,12 +800,10 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
                 shard,
             });
         }
-        "graph" => {
-            return Err(c.err_at(
-                Some(first),
-                "`group`, `buffer`, `value`, `bucket` or a node id (`nN`); the `graph` line comes once",
-            ))
-        }
+        "graph" => return Err(c.err_at(
+            Some(first),
+            "`group`, `buffer`, `value`, `bucket` or a node id (`nN`); the `graph` line comes once",
+        )),
         _ => {
             let id: NodeId = c.id("`group`, `buffer`, `value` or a node id (`nN`)")?;
             c.keyword("=")?;

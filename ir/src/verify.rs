@@ -287,7 +287,11 @@ fn buckets(g: &Graph, e: &mut Errors<'_>) {
         for &p in &b.params {
             let v = &g.values[p.index()];
             if v.kind != ValueKind::Param {
-                err(format!("{p} (`{}`) is {}, not a parameter", v.name, v.kind.name()));
+                err(format!(
+                    "{p} (`{}`) is {}, not a parameter",
+                    v.name,
+                    v.kind.name()
+                ));
             }
             if let Some(other) = seen.insert(p, &b.name) {
                 err(format!("{p} (`{}`) is also in bucket `{other}`", v.name));

@@ -91,16 +91,24 @@ fn a_zero0_bucket_has_no_shard_and_round_trips() {
 
 #[test]
 fn padding_is_the_next_multiple_of_the_group() {
-    // 8 elements over 2 members need no padding: 10 pads two elements per member's worth.
-    assert_eq!(
-        rules(&edit("padded=8 params=%0,%2", "padded=10 params=%0,%2")),
-        ["bucket", "bucket"]
-    );
+    let messages = |g: &Graph| -> Vec<String> {
+        verify_graph(g)
+            .unwrap_err()
+            .iter()
+            .map(|e| {
+                assert_eq!(e.rule, "bucket", "{e}");
+                e.to_string()
+            })
+            .collect()
+    };
+    // 8 elements over 2 members need no padding; 10 is a whole element per member more
+    // (and the shard's values no longer hold the member's share).
+    let m = messages(&edit("padded=8 params=%0,%2", "padded=10 params=%0,%2"));
+    assert!(m[0].contains("8 elements padded to 10"), "{m:?}");
+    assert_eq!(m.len(), 6, "{m:?}");
     // 5 elements over 2 members: 5 is not a multiple of 2.
-    assert_eq!(
-        rules(&edit("padded=6 params=%9", "padded=5 params=%9")),
-        ["bucket", "bucket"]
-    );
+    let m = messages(&edit("padded=6 params=%9", "padded=5 params=%9"));
+    assert!(m[0].contains("5 elements padded to 5"), "{m:?}");
 }
 
 #[test]
@@ -132,7 +140,10 @@ fn a_shard_is_state_of_the_members_share() {
 #[test]
 fn bucket_values_must_be_declared() {
     assert_eq!(
-        rules(&edit("shard=%11,%12,%13,%14,%15", "shard=%11,%12,%13,%14,%95")),
+        rules(&edit(
+            "shard=%11,%12,%13,%14,%15",
+            "shard=%11,%12,%13,%14,%95"
+        )),
         ["value-ref"]
     );
 }
@@ -144,7 +155,10 @@ fn sum_squares_reads_what_it_says_and_writes_a_pair() {
         ["value-shape"]
     );
     assert_eq!(
-        rules(&edit("value %16 activation f32[2]", "value %16 activation f32[3]")),
+        rules(&edit(
+            "value %16 activation f32[2]",
+            "value %16 activation f32[3]"
+        )),
         ["value-shape", "value-shape"]
     );
 }

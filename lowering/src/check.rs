@@ -718,8 +718,8 @@ fn stage_params(l: &Lowered, j: u32) -> (f64, f64) {
                     let shared =
                         moe.num_shared_experts as f64 * moe.shared_expert_ffn_hidden_size as f64;
                     dense += e * h + mats * h * shared / t;
-                    expert += e * mats * h * moe.expert_ffn_hidden_size as f64
-                        / (t * l.layout.ep as f64);
+                    expert +=
+                        e * mats * h * moe.expert_ffn_hidden_size as f64 / (t * l.layout.ep as f64);
                 }
                 _ => dense += mats * h * m.ffn_hidden_size as f64 / t,
             }

@@ -241,19 +241,27 @@ proptest! {
             gm.nodes[j].op = tmp;
             prop_assert!(!errors(&m).is_empty(), "{c:?}: swapped collectives n{i}, n{j} on rank {r} not caught");
         }
-        // A graph (dense or MoE) names the values of every op but the data-parallel
-        // stream's, memory events and torchtitan's op-level replays.
+        // A graph (dense or MoE) names the values of every op but memory events, the
+        // checkpoint and torchtitan's op-level replays: the data-parallel stream and the
+        // optimizer included.
         {
             for n in &g.nodes {
-                let valued = match &n.op {
-                    Op::Alloc { .. } | Op::Free { .. } | Op::Checkpoint { .. } | Op::OptimizerStep { .. } => false,
-                    Op::Collective { .. } => n.stream != shardwright_ir::Stream::Dp,
-                    _ => true,
-                };
+                let valued = !matches!(&n.op, Op::Alloc { .. } | Op::Free { .. } | Op::Checkpoint { .. });
                 if valued {
                     prop_assert!(!n.operands.is_empty() || !n.results.is_empty(),
                         "{c:?}: rank {r}: {} carries no values", shardwright_ir::text::print_node(g, n));
                 }
+            }
+            // A bucket's gradient reduction that leaves out its largest gradient.
+            let dp = idx(&|o| matches!(o, Op::Collective { kind: shardwright_ir::CollectiveKind::AllReduce | shardwright_ir::CollectiveKind::ReduceScatter, tensor: None, .. }));
+            let dp: Vec<usize> = dp.into_iter().filter(|&i| g.nodes[i].stream == shardwright_ir::Stream::Dp && g.nodes[i].operands.len() > 1).collect();
+            if !dp.is_empty() {
+                let i = choose(&dp, 7);
+                let big = (0..g.nodes[i].operands.len()).max_by_key(|&k| g.values[g.nodes[i].operands[k].index()].elems()).unwrap();
+                let mut m = base.clone();
+                m.classes[ci].graph.nodes[i].operands.remove(big);
+                let e = errors(&m);
+                prop_assert!(e.iter().any(|x| x.contains("[value-shape]")), "{c:?}: a gradient left out of n{i} on rank {r} not caught: {e:?}");
             }
             // Delete a release: its activations are never released.
             let rels = idx(&|o| matches!(o, Op::Release));

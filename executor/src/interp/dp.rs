@@ -106,7 +106,13 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 let name = self.pnames[p.index()].clone();
                 let full = self.dims.init(self.cfg.seed, &name);
                 let (ti, tn) = self.tp_shard(&name);
-                let local = shard(&full, self.dims.shape(&name), &self.dims.split(&name), ti, tn);
+                let local = shard(
+                    &full,
+                    self.dims.shape(&name),
+                    &self.dims.split(&name),
+                    ti,
+                    tn,
+                );
                 let want = g.values[p.index()].elems() as usize;
                 if local.len() != want {
                     return Err(format!(
@@ -354,7 +360,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     *a += x;
                 }
                 for nm in &b.names {
-                    self.be.fill_zero(self.grads.get_mut(nm).expect("bucket gradient"));
+                    self.be
+                        .fill_zero(self.grads.get_mut(nm).expect("bucket gradient"));
                 }
             }
             K::AllGather => {

@@ -145,8 +145,18 @@ impl Ctx<'_> {
     /// of local experts.
     fn expert_gemms(&self, b: &Builder, layer: u32) -> ([G; 2], u64) {
         let gs = self.mlp_gemms(layer, &self.dims());
-        let find = |n: &str| gs.iter().find(|g| g.name == n).copied().expect("expert GEMM");
-        let e = self.job.model.moe.as_ref().map_or(0, |m| m.num_experts as u64);
+        let find = |n: &str| {
+            gs.iter()
+                .find(|g| g.name == n)
+                .copied()
+                .expect("expert GEMM")
+        };
+        let e = self
+            .job
+            .model
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.num_experts as u64);
         (
             [find("expert_fc1"), find("expert_fc2")],
             e / self.members(b, GroupKind::Ep),
@@ -212,7 +222,11 @@ impl Ctx<'_> {
         if let Some(&i) = b.v.buckets.get(&key) {
             return Some(i);
         }
-        let params: Vec<ValueId> = self.bucket_params(b, key).into_iter().map(|p| p.0).collect();
+        let params: Vec<ValueId> = self
+            .bucket_params(b, key)
+            .into_iter()
+            .map(|p| p.0)
+            .collect();
         let elems = self.bucket_elems(b, key);
         let n = self.members(b, key.axis());
         let padded = elems.div_ceil(n) * n;
@@ -295,9 +309,7 @@ impl Ctx<'_> {
         };
         let replicated: Vec<&'static str> = roles
             .into_iter()
-            .filter(|r| {
-                r.ends_with("norm") || r.ends_with("norm_bias") || *r == "router"
-            })
+            .filter(|r| r.ends_with("norm") || r.ends_with("norm_bias") || *r == "router")
             .collect();
         let n: u64 = replicated
             .iter()
@@ -373,8 +385,11 @@ impl Ctx<'_> {
             };
             out.push(id);
             if let Some(i) = self.bucket(b, key) {
-                let grads: Vec<ValueId> =
-                    self.bucket_params(b, key).into_iter().map(|p| p.1).collect();
+                let grads: Vec<ValueId> = self
+                    .bucket_params(b, key)
+                    .into_iter()
+                    .map(|p| p.1)
+                    .collect();
                 match b.g.buckets[i].shard {
                     Some(s) => b.set(id, &grads, &[s.grad]),
                     None => b.set(id, &grads, &grads),
@@ -405,8 +420,11 @@ impl Ctx<'_> {
             reduce: ReduceOp::Sum,
         });
         if let (Some(id), Some(i)) = (id, self.bucket(b, key)) {
-            let params: Vec<ValueId> =
-                self.bucket_params(b, key).into_iter().map(|p| p.0).collect();
+            let params: Vec<ValueId> = self
+                .bucket_params(b, key)
+                .into_iter()
+                .map(|p| p.0)
+                .collect();
             let s = b.g.buckets[i].shard.expect("ZeRO has shards").param;
             b.set(id, &[s], &params);
         }
@@ -447,8 +465,14 @@ impl Ctx<'_> {
                         let v = &b.g.values[p.index()];
                         (v.shape.clone(), v.name.clone())
                     };
-                    let m = b.g.value(ValueKind::Moment, dt, shape.clone(), format!("{name}.exp_avg"));
-                    let v = b.g.value(ValueKind::Moment, dt, shape, format!("{name}.exp_avg_sq"));
+                    let m = b.g.value(
+                        ValueKind::Moment,
+                        dt,
+                        shape.clone(),
+                        format!("{name}.exp_avg"),
+                    );
+                    let v =
+                        b.g.value(ValueKind::Moment, dt, shape, format!("{name}.exp_avg_sq"));
                     state.extend([p, m, v]);
                 }
                 Held {
@@ -581,7 +605,11 @@ impl Ctx<'_> {
         let mut reads = vec![clip];
         reads.extend(&grads);
         b.set(opt, &reads, &state);
-        let done: Vec<ValueId> = if clip == stats { vec![stats] } else { vec![stats, clip] };
+        let done: Vec<ValueId> = if clip == stats {
+            vec![stats]
+        } else {
+            vec![stats, clip]
+        };
         b.release(Pass::Step, None, None, done, vec![opt]);
         b.last = Some(opt);
         if l.zero_stage == 1 || l.zero_stage == 2 {

@@ -103,7 +103,12 @@ impl Ctx<'_> {
     /// Each of this rank's experts' weight of GEMM `g` (`[k, n]`) and its gradient, by local
     /// index: `L{l}.le{i}.{name}` is the rank's `i`-th expert (global expert `p i` for its
     /// place `p` in the ep group: every ep rank of a class runs the same graph).
-    pub(super) fn expert_weights(&self, b: &mut Builder, layer: u32, g: &G) -> (Vec<ValueId>, Vec<ValueId>) {
+    pub(super) fn expert_weights(
+        &self,
+        b: &mut Builder,
+        layer: u32,
+        g: &G,
+    ) -> (Vec<ValueId>, Vec<ValueId>) {
         if !b.v.on {
             return (Vec::new(), Vec::new());
         }

@@ -22,9 +22,9 @@
 //! A layer's input belongs to its scope (released after its backward), its output to the
 //! next scope (the next layer, the head, or the send that hands it on).
 //!
-//! Not yet valued (their nodes carry no operands or results): torchtitan's op-level
-//! recompute replays, and the data-parallel stream (gradient reductions, ZeRO gathers, the
-//! optimizer and its state). The MoE block's values are listed in the `moe` module.
+//! Not valued (their nodes carry no operands or results): torchtitan's op-level recompute
+//! replays. The MoE block's values are listed in the `moe` module, the data-parallel
+//! stream's and the optimizer's in the `dp` module.
 
 use super::Builder;
 use shardwright_ir::{DType, NodeId, Pass, Stream, ValueId, ValueKind};
