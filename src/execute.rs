@@ -485,32 +485,9 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     // Started as one rank of a multi-process job (launch --local, torchrun, Slurm): this
     // process runs that rank only, and only rank 0 writes metrics and outputs.
     let dist = distributed::from_env(world)?;
-    if gpu.is_some()
-        && world > 1
-        && std::env::var("SHARDWRIGHT_CUDA_MULTIRANK").as_deref() != Ok("1")
-    {
-        return Err(usage(anyhow!(
-            "--backend cuda: this plan has {world} ranks; several ranks sharing one GPU in one process gave results that differ from the CPU reference run to run on an H200 (issue 23, unresolved), so only one-rank plans run on the CUDA backend for now (SHARDWRIGHT_CUDA_MULTIRANK=1 runs it anyway, to check a fix)"
-        )));
-    }
-    if gpu.is_some() && dist.is_some() {
-        return Err(usage(anyhow!(
-            "--backend cuda runs every rank in this one process for now (the ranks share GPU 0); a multi-process job (torchrun, Slurm, launch) needs NCCL collectives on device buffers, which the executor does not route yet"
-        )));
-    }
+    check_cuda_run(gpu.is_some(), world, dist.is_some())?;
     let writes = !matches!(&dist, Some(d) if d.rank != 0);
-    let cfg = ExecConfig {
-        seed: a.seed,
-        lr: a.optim.lr,
-        min_lr: a.optim.min_lr,
-        warmup_steps: a.optim.warmup_steps,
-        lr_decay: a.optim.lr_decay_style.decay(),
-        decay_norms: a.optim.weight_decay_norms,
-        total_steps: a.steps,
-        clip: a.optim.clip,
-        weight_decay: a.optim.weight_decay,
-        ..ExecConfig::default()
-    };
+    let cfg = exec_config(a);
     let gb = run.global_batch;
     let tokens = gb * dims.seq as u64;
 
@@ -529,18 +506,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             format!("measured f32 GEMM of one core x {threads} core(s)"),
         ),
     };
-    let bar = if a.quiet || !writes {
-        indicatif::ProgressBar::hidden()
-    } else {
-        let b = indicatif::ProgressBar::new(run_steps as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "training {bar:40} {pos}/{len} steps {elapsed} (eta {eta}) {msg}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b
-    };
+    let bar = progress_bar(a.quiet || !writes, run_steps);
     let start = Instant::now();
     let resilience = fault_tolerance(a, &src, dist.as_ref().map(|d| d.rank))?;
     let sink = Mutex::new(Sink {
@@ -681,6 +647,53 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         },
     )?;
     diverged.map_or(Ok(()), Err)
+}
+
+/// What the CUDA backend cannot run yet (issue 23): several ranks in one process sharing
+/// the GPU (unless `SHARDWRIGHT_CUDA_MULTIRANK=1`), and a multi-process job.
+fn check_cuda_run(cuda: bool, world: u32, multi_process: bool) -> Result<(), Failure> {
+    if cuda && world > 1 && std::env::var("SHARDWRIGHT_CUDA_MULTIRANK").as_deref() != Ok("1") {
+        return Err(usage(anyhow!(
+            "--backend cuda: this plan has {world} ranks; several ranks sharing one GPU in one process gave results that differ from the CPU reference run to run on an H200 (issue 23, unresolved), so only one-rank plans run on the CUDA backend for now (SHARDWRIGHT_CUDA_MULTIRANK=1 runs it anyway, to check a fix)"
+        )));
+    }
+    if cuda && multi_process {
+        return Err(usage(anyhow!(
+            "--backend cuda runs every rank in this one process for now (the ranks share GPU 0); a multi-process job (torchrun, Slurm, launch) needs NCCL collectives on device buffers, which the executor does not route yet"
+        )));
+    }
+    Ok(())
+}
+
+/// The training hyper-parameters of `a`.
+fn exec_config(a: &ExecArgs) -> ExecConfig {
+    ExecConfig {
+        seed: a.seed,
+        lr: a.optim.lr,
+        min_lr: a.optim.min_lr,
+        warmup_steps: a.optim.warmup_steps,
+        lr_decay: a.optim.lr_decay_style.decay(),
+        decay_norms: a.optim.weight_decay_norms,
+        total_steps: a.steps,
+        clip: a.optim.clip,
+        weight_decay: a.optim.weight_decay,
+        ..ExecConfig::default()
+    }
+}
+
+/// The training progress bar (hidden when `hidden`).
+fn progress_bar(hidden: bool, steps: u32) -> indicatif::ProgressBar {
+    if hidden {
+        return indicatif::ProgressBar::hidden();
+    }
+    let b = indicatif::ProgressBar::new(steps as u64);
+    b.set_style(
+        indicatif::ProgressStyle::with_template(
+            "training {bar:40} {pos}/{len} steps {elapsed} (eta {eta}) {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    b
 }
 
 /// Runs `f` with a panic hook that keeps quiet about the panics of ranks torn down after a

@@ -471,6 +471,33 @@ fn main() -> ExitCode {
     }
 }
 
+/// `calibrate`: against a GPU (`--device`) or against published runs.
+fn calibrate_dispatch(cmd: Cmd) -> Result<(), Failure> {
+    match cmd {
+        Cmd::Calibrate {
+            device: true,
+            gpu,
+            reps,
+            output,
+            table,
+            ..
+        } => device_calibrate::run(gpu, reps, output.as_deref(), table.as_deref()),
+        Cmd::Calibrate {
+            runs,
+            output,
+            report,
+            version,
+            ..
+        } => calibrate_cmd(
+            runs.as_deref(),
+            output.as_deref(),
+            report.as_deref(),
+            &version,
+        ),
+        _ => unreachable!("calibrate_dispatch is called with Cmd::Calibrate"),
+    }
+}
+
 fn run(cli: Cli) -> Result<(), Failure> {
     match cli.cmd {
         Cmd::Plan {
@@ -502,26 +529,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             output.as_deref(),
             planner_report.as_deref(),
         ),
-        Cmd::Calibrate {
-            device: true,
-            gpu,
-            reps,
-            output,
-            table,
-            ..
-        } => device_calibrate::run(gpu, reps, output.as_deref(), table.as_deref()),
-        Cmd::Calibrate {
-            runs,
-            output,
-            report,
-            version,
-            ..
-        } => calibrate_cmd(
-            runs.as_deref(),
-            output.as_deref(),
-            report.as_deref(),
-            &version,
-        ),
+        cmd @ Cmd::Calibrate { .. } => calibrate_dispatch(cmd),
         Cmd::Lower {
             plan,
             rank,

@@ -949,13 +949,7 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             kind: ElementwiseKind::SumSquares,
             elems: el,
             ..
-        } => {
-            let read: u128 = n.operands.iter().map(|v| val(v).elems() as u128).sum();
-            if read != *el as u128 {
-                return Err(format!("sum_squares of {el} elements reads {read}"));
-            }
-            bytes("result", res(0)?, DType::F32, 2 * DType::F32.bytes())
-        }
+        } => sum_squares_shape(g, n, *el),
         Op::Elementwise { elems: el, .. } => elems("result", res(0)?, *el as u128),
         Op::Attention {
             heads,
@@ -999,6 +993,24 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             bytes: b, dtype, ..
         } => bytes("result", res(0)?, *dtype, *b),
         _ => Ok(()),
+    }
+}
+
+/// A `sum_squares` reads `elems` elements in all and writes one f32 pair.
+fn sum_squares_shape(g: &Graph, n: &Node, elems: u64) -> Result<(), String> {
+    let read: u128 = n
+        .operands
+        .iter()
+        .map(|v| g.values[v.index()].elems() as u128)
+        .sum();
+    if read != elems as u128 {
+        return Err(format!("sum_squares of {elems} elements reads {read}"));
+    }
+    match n.results.as_slice() {
+        [r] if g.values[r.index()].dtype == DType::F32 && g.values[r.index()].elems() == 2 => {
+            Ok(())
+        }
+        _ => Err("sum_squares writes one f32 pair `[sum, loss share]`".into()),
     }
 }
 
