@@ -23,9 +23,8 @@ median_ms() { # bin args... -> "wall ms / CPU ms" (medians over $RUNS runs)
     shift
     local walls=() cpus=()
     for _ in $(seq "$RUNS"); do
-        local out
-        out=$( { /usr/bin/time -f '%e %U %S' "$bin" "$@" >/dev/null 2>/dev/null; } 2>&1 | tail -1)
-        read -r e u s <<<"$out"
+        /usr/bin/time -o "$TMP/time" -f '%e %U %S' "$bin" "$@" >/dev/null 2>&1
+        read -r e u s <"$TMP/time"
         walls+=("$(python3 -c "print(round($e*1000))")")
         cpus+=("$(python3 -c "print(round(($u+$s)*1000))")")
     done

@@ -130,12 +130,18 @@ pub fn print(g: &Graph) -> String {
         let _ = writeln!(out, " bytes={}", b.bytes);
     }
     for v in &g.values {
-        let _ = write!(out, "value {} {} {}[", v.id, v.kind.name(), v.dtype.name());
+        out.push_str("value %");
+        push_int(&mut out, v.id.0 as u64);
+        out.push(' ');
+        out.push_str(v.kind.name());
+        out.push(' ');
+        out.push_str(v.dtype.name());
+        out.push('[');
         for (i, d) in v.shape.iter().enumerate() {
             if i > 0 {
                 out.push(',');
             }
-            let _ = write!(out, "{d}");
+            push_int(&mut out, *d);
         }
         out.push_str("] ");
         write_name(&mut out, &v.name);
@@ -305,24 +311,45 @@ fn write_node(out: &mut String, n: &Node) {
         Op::Release => {}
     }
     for (i, v) in n.operands.iter().enumerate() {
-        out.push_str(if i == 0 { " " } else { ", " });
-        let _ = write!(out, "{v}");
+        out.push_str(if i == 0 { " %" } else { ", %" });
+        push_int(out, v.0 as u64);
     }
     for (i, v) in n.results.iter().enumerate() {
-        out.push_str(if i == 0 { " -> " } else { ", " });
-        let _ = write!(out, "{v}");
+        out.push_str(if i == 0 { " -> %" } else { ", %" });
+        push_int(out, v.0 as u64);
     }
-    let _ = write!(out, " @{} {}", n.stream.name(), n.pass.name());
+    out.push_str(" @");
+    out.push_str(n.stream.name());
+    out.push(' ');
+    out.push_str(n.pass.name());
     if let Some(mb) = n.mb {
-        let _ = write!(out, " mb={mb}");
+        out.push_str(" mb=");
+        push_int(out, mb as u64);
     }
     if let Some(l) = n.layer {
-        let _ = write!(out, " layer={l}");
+        out.push_str(" layer=");
+        push_int(out, l as u64);
     }
     for (i, d) in n.deps.iter().enumerate() {
-        out.push_str(if i == 0 { " <- " } else { ", " });
-        let _ = write!(out, "{d}");
+        out.push_str(if i == 0 { " <- n" } else { ", n" });
+        push_int(out, d.0 as u64);
     }
+}
+
+/// Append `x` in decimal (the printer's hot path: a 16,384-GPU program prints ~10^6 ids,
+/// and `write!` formats each through `core::fmt`).
+fn push_int(out: &mut String, mut x: u64) {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (x % 10) as u8;
+        x /= 10;
+        if x == 0 {
+            break;
+        }
+    }
+    out.push_str(std::str::from_utf8(&buf[i..]).expect("ascii digits"));
 }
 
 /// A syntax error: where (1-based line and column, in characters), what token was found
