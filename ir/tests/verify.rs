@@ -147,7 +147,9 @@ fn unknown_roles_do_not_parse() {
         let e = parse(&BASE.replace(from, to)).unwrap_err();
         assert_eq!(e.line, 11, "{e}");
         assert!(e.expected.contains(named), "{to}: {e}");
-        assert!(e.expected.contains("(one of "), "{to}: {e}");
+        if named.starts_with("unknown") {
+            assert!(e.expected.contains("(one of "), "{to}: {e}");
+        }
     }
     assert_eq!(rules(&edit("gemm qkv", "gemm k_proj.dgrad")), Vec::<&str>::new());
 }
