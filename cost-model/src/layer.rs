@@ -579,7 +579,14 @@ impl Ctx<'_> {
         }
         self.ep_op(e, "ep_combine", a2a);
         if moe.num_shared_experts > 0 {
-            self.gemm(e, GemmRole::SharedFc1, tokens, (mats - 1.0) * fs / t * ns, h, 1);
+            self.gemm(
+                e,
+                GemmRole::SharedFc1,
+                tokens,
+                (mats - 1.0) * fs / t * ns,
+                h,
+                1,
+            );
             self.gemm(e, GemmRole::SharedFc2, tokens, h, fs / t * ns, 1);
         }
         (mats - 1.0) * (fe * k + fs * ns) / t
@@ -853,11 +860,7 @@ impl Ctx<'_> {
                 8.0 * elems,
             );
         }
-        out.extend(
-            again
-                .into_iter()
-                .filter(|op| recomputed(op, moe, mods)),
-        );
+        out.extend(again.into_iter().filter(|op| recomputed(op, moe, mods)));
     }
 
     /// The final LM head GEMM and the cross-entropy loss, forward and backward, with their
@@ -868,7 +871,14 @@ impl Ctx<'_> {
         for pass in [Pass::Fwd, Pass::Bwd] {
             let mut em = Emit { out, pass };
             self.head_tp_collectives(&mut em);
-            self.gemm(&mut em, GemmRole::LmHead, self.tokens, v / self.t, self.h, 1);
+            self.gemm(
+                &mut em,
+                GemmRole::LmHead,
+                self.tokens,
+                v / self.t,
+                self.h,
+                1,
+            );
             // fp32: forward writes the logits and reads/writes them in the softmax
             // (12 B per logit); backward writes their gradient (4 B).
             let b = if pass == Pass::Fwd { 12.0 } else { 4.0 };

@@ -253,7 +253,10 @@ impl Dims {
         if self.learned_positions {
             roles.push(Role::PosEmbedding);
         }
-        let names: Vec<String> = roles.iter().map(|&r| ParamName::ends(r).to_string()).collect();
+        let names: Vec<String> = roles
+            .iter()
+            .map(|&r| ParamName::ends(r).to_string())
+            .collect();
         let ends: u64 = names.iter().map(el).sum();
         let layers: u64 = (0..self.layers)
             .map(|l| {

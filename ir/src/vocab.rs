@@ -512,9 +512,8 @@ impl fmt::Display for ParamName {
 
 /// A decimal index without sign or leading zeros (so a name prints back the same).
 fn index(s: &str) -> Option<u32> {
-    let ok = !s.is_empty()
-        && s.bytes().all(|b| b.is_ascii_digit())
-        && (s == "0" || !s.starts_with('0'));
+    let ok =
+        !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0'));
     ok.then(|| s.parse().ok()).flatten()
 }
 
@@ -527,7 +526,11 @@ impl FromStr for ParamName {
             [r] => (None, None, r),
             [l, r] => (Some(l), None, r),
             [l, e, r] => (Some(l), Some(e), r),
-            _ => return Err(bad("not `role`, `L<layer>.role` or `L<layer>.e<expert>.role`")),
+            _ => {
+                return Err(bad(
+                    "not `role`, `L<layer>.role` or `L<layer>.e<expert>.role`",
+                ))
+            }
         };
         let role: Role = role.parse().map_err(|e: String| bad(&e))?;
         let layer = match layer {
@@ -539,15 +542,13 @@ impl FromStr for ParamName {
             None => None,
         };
         let expert = match expert {
-            Some(e) => Some(
-                if let Some(i) = e.strip_prefix("le").and_then(index) {
-                    Expert::Local(i)
-                } else if let Some(j) = e.strip_prefix('e').and_then(index) {
-                    Expert::Global(j)
-                } else {
-                    return Err(bad("the expert is not `e<index>` or `le<index>`"));
-                },
-            ),
+            Some(e) => Some(if let Some(i) = e.strip_prefix("le").and_then(index) {
+                Expert::Local(i)
+            } else if let Some(j) = e.strip_prefix('e').and_then(index) {
+                Expert::Global(j)
+            } else {
+                return Err(bad("the expert is not `e<index>` or `le<index>`"));
+            }),
             None => None,
         };
         if layer.is_some() != role.in_layer() {

@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 /// Whole files left out: the vocabulary itself, and code another engineer is rewriting in
 /// parallel (its role strings are converted on merge; remove the entry then).
 const FILES: &[(&str, &str)] = &[
-    ("ir/src/vocab.rs", "the vocabulary: the one place role names are spelled"),
+    (
+        "ir/src/vocab.rs",
+        "the vocabulary: the one place role names are spelled",
+    ),
     (
         "executor/src/interp/dp.rs",
         "being rewritten in parallel (issue 22's data-parallel values); convert on merge",
@@ -365,6 +368,9 @@ fn the_scan_sees_what_it_should() {
     let root = workspace();
     for (file, name) in FUNCTIONS {
         let src = std::fs::read_to_string(root.join(file)).unwrap();
-        assert!(fn_span(&src, &lex(&src), name).is_some(), "{file}: fn {name}");
+        assert!(
+            fn_span(&src, &lex(&src), name).is_some(),
+            "{file}: fn {name}"
+        );
     }
 }

@@ -247,7 +247,12 @@ fn build((first, steps, delay): (u64, Vec<Step>, Vec<usize>)) -> Graph {
             Step::Gemm { read, n } => {
                 let r = read % acts.len();
                 let k = g.values[acts[r].index()].elems();
-                let w = g.value(ValueKind::Param, DType::Bf16, vec![k, *n], format!("L{i}.fc1"));
+                let w = g.value(
+                    ValueKind::Param,
+                    DType::Bf16,
+                    vec![k, *n],
+                    format!("L{i}.fc1"),
+                );
                 let out = g.value(ValueKind::Activation, DType::Bf16, vec![1, *n], name);
                 last_use[r] = i + 1;
                 let op = Op::Gemm {

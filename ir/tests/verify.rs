@@ -137,11 +137,19 @@ fn unknown_roles_do_not_parse() {
     // A gemm's role and its weight's are enums (`vocab::GemmRole`, `vocab::Role`): an
     // unknown one is a parse error naming it and the known ones, never a default.
     for (from, to, named) in [
-        ("weight=L0.qkv", "weight=L0.qkv_w", "unknown parameter role \"qkv_w\""),
+        (
+            "weight=L0.qkv",
+            "weight=L0.qkv_w",
+            "unknown parameter role \"qkv_w\"",
+        ),
         ("weight=L0.qkv", "weight=\"\"", "unknown parameter role"),
         ("weight=L0.qkv", "weight=qkv", "without its layer"),
         ("gemm qkv", "gemm q_proj", "unknown gemm role \"q_proj\""),
-        ("gemm qkv", "gemm qkv.xgrad", "unknown gemm role \"qkv.xgrad\""),
+        (
+            "gemm qkv",
+            "gemm qkv.xgrad",
+            "unknown gemm role \"qkv.xgrad\"",
+        ),
         ("gemm qkv", "gemm \"q;kv\"", "unknown gemm role"),
     ] {
         let e = parse(&BASE.replace(from, to)).unwrap_err();
@@ -151,7 +159,10 @@ fn unknown_roles_do_not_parse() {
             assert!(e.expected.contains("(one of "), "{to}: {e}");
         }
     }
-    assert_eq!(rules(&edit("gemm qkv", "gemm k_proj.dgrad")), Vec::<&str>::new());
+    assert_eq!(
+        rules(&edit("gemm qkv", "gemm k_proj.dgrad")),
+        Vec::<&str>::new()
+    );
 }
 
 #[test]
@@ -159,10 +170,19 @@ fn param_name() {
     let g = append("value %0 param bf16[16] L0.attn_norm\nvalue %1 grad f32[16] L0.attn_norm.grad");
     assert_eq!(rules(&g), Vec::<&str>::new());
     for (bad, why) in [
-        ("value %0 param bf16[16] L0.normal", "unknown parameter role \"normal\""),
+        (
+            "value %0 param bf16[16] L0.normal",
+            "unknown parameter role \"normal\"",
+        ),
         ("value %0 param bf16[16] attn_norm", "without its layer"),
-        ("value %0 grad f32[16] L0.attn_norm", "does not end in `.grad`"),
-        ("value %0 grad f32[16] L0.attn.grad", "unknown parameter role \"attn\""),
+        (
+            "value %0 grad f32[16] L0.attn_norm",
+            "does not end in `.grad`",
+        ),
+        (
+            "value %0 grad f32[16] L0.attn.grad",
+            "unknown parameter role \"attn\"",
+        ),
     ] {
         let es = verify_graph(&append(bad)).unwrap_err();
         assert_eq!(es.len(), 1, "{bad}: {es:?}");
@@ -170,7 +190,10 @@ fn param_name() {
         assert!(es[0].message.contains(why), "{bad}: {}", es[0]);
     }
     // Activations and data are named freely.
-    assert_eq!(rules(&append("value %0 activation bf16[16] L0.whatever")), Vec::<&str>::new());
+    assert_eq!(
+        rules(&append("value %0 activation bf16[16] L0.whatever")),
+        Vec::<&str>::new()
+    );
 }
 
 #[test]

@@ -29,8 +29,8 @@
 //! router's data gradient accumulates onto `dn`, its weight gradient reads `y2`.
 
 use super::{ew, Builder, Coll, Ctx, G, NONE};
-use shardwright_ir::{Expert, ParamName, ValueId};
 use shardwright_ir::{CollectiveKind, DType, ElementwiseKind, NodeId, Pass, ReduceOp, Stream};
+use shardwright_ir::{Expert, ParamName, ValueId};
 use shardwright_spec::mesh::GroupKind;
 
 /// Keys of one MLP's values in its scope.
