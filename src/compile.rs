@@ -302,7 +302,7 @@ impl OpCost for ExpertSkew<'_> {
     ) -> f64 {
         let t = self.base.seconds(program, class, node);
         match &node.op {
-            shardwright_ir::Op::Gemm { name, .. } if name.starts_with("expert_") => t * self.skew,
+            shardwright_ir::Op::Gemm { name, .. } if name.role.is_expert() => t * self.skew,
             _ => t,
         }
     }

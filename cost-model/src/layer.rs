@@ -32,6 +32,7 @@ use crate::collective::{
 };
 use crate::eval::{gemm_eff, group_link};
 use crate::flops;
+use shardwright_ir::vocab::GemmRole;
 use shardwright_spec::job::{Job, Moe};
 use shardwright_spec::mesh::{GroupKind, Mesh};
 use shardwright_spec::spec::{MoeDispatcher, Recompute, RecomputeModule};
@@ -66,7 +67,8 @@ pub enum OpKind {
         n: f64,
         k: f64,
         groups: u32,
-        weight: &'static str,
+        /// Which GEMM (its op name is the role's name).
+        role: GemmRole,
     },
     AttentionCore {
         causal: bool,
@@ -220,7 +222,7 @@ impl Ctx<'_> {
         2.0 * per * n * k / (self.gemm_peak * eff) * scale * g
     }
 
-    fn gemm(&self, e: &mut Emit, weight: &'static str, m: f64, n: f64, k: f64, groups: u32) {
+    fn gemm(&self, e: &mut Emit, role: GemmRole, m: f64, n: f64, k: f64, groups: u32) {
         if m <= 0.0 || n <= 0.0 || k <= 0.0 {
             return;
         }
@@ -235,7 +237,7 @@ impl Ctx<'_> {
             n,
             k,
             groups,
-            weight,
+            role,
         };
         // One GEMM's time times the group count (as the grouped expert GEMM is charged).
         let (flops, time) = if groups == 1 {
@@ -243,7 +245,7 @@ impl Ctx<'_> {
         } else {
             (fwd_flops * s * g, fwd_t * s * g)
         };
-        e.push(weight, kind, flops, 0.0, time);
+        e.push(role.name(), kind, flops, 0.0, time);
     }
 
     fn elementwise(&self, e: &mut Emit, what: &'static str, elems: f64, fwd_bytes: f64) {
@@ -470,9 +472,9 @@ impl Ctx<'_> {
         let qkv_s = self.gemm_time(tokens, (qd + 2.0 * kvd) / t, h, 1, sc);
         let proj_s = self.gemm_time(tokens, h, qd / t, 1, sc);
         self.tp_pair(e, "attn", (qkv_s, proj_s));
-        self.gemm(e, "qkv", tokens, (qd + 2.0 * kvd) / t, h, 1);
+        self.gemm(e, GemmRole::Qkv, tokens, (qd + 2.0 * kvd) / t, h, 1);
         self.attention_core(e);
-        self.gemm(e, "proj", tokens, h, qd / t, 1);
+        self.gemm(e, GemmRole::Proj, tokens, h, qd / t, 1);
     }
 
     /// Times of the MLP block's first and second GEMMs in a pass of `sc` times the forward
@@ -517,8 +519,8 @@ impl Ctx<'_> {
         let (t, h, tokens) = (self.t, self.h, self.tokens);
         let mats = m.ffn_activation.mlp_matrices();
         let f = m.ffn_hidden_size as f64;
-        self.gemm(e, "fc1", tokens, (mats - 1.0) * f / t, h, 1);
-        self.gemm(e, "fc2", tokens, h, f / t, 1);
+        self.gemm(e, GemmRole::Fc1, tokens, (mats - 1.0) * f / t, h, 1);
+        self.gemm(e, GemmRole::Fc2, tokens, h, f / t, 1);
         (mats - 1.0) * f / t
     }
 
@@ -545,7 +547,7 @@ impl Ctx<'_> {
         // every tp rank routes the whole micro-batch, as Megatron does).
         self.gemm(
             e,
-            "router",
+            GemmRole::Router,
             tokens / self.seq_div,
             moe.num_experts as f64,
             h,
@@ -565,20 +567,27 @@ impl Ctx<'_> {
         let fe_local = fe / expert_width_div;
         self.gemm(
             e,
-            "expert_fc1",
+            GemmRole::ExpertFc1,
             rows,
             (mats - 1.0) * fe_local,
             h,
             experts_local,
         );
-        self.gemm(e, "expert_fc2", rows, h, fe_local, experts_local);
+        self.gemm(e, GemmRole::ExpertFc2, rows, h, fe_local, experts_local);
         if !whole {
             self.expert_tp_collective(e, "tp_reduce_scatter_experts", Coll::ReduceScatter, k);
         }
         self.ep_op(e, "ep_combine", a2a);
         if moe.num_shared_experts > 0 {
-            self.gemm(e, "shared_fc1", tokens, (mats - 1.0) * fs / t * ns, h, 1);
-            self.gemm(e, "shared_fc2", tokens, h, fs / t * ns, 1);
+            self.gemm(
+                e,
+                GemmRole::SharedFc1,
+                tokens,
+                (mats - 1.0) * fs / t * ns,
+                h,
+                1,
+            );
+            self.gemm(e, GemmRole::SharedFc2, tokens, h, fs / t * ns, 1);
         }
         (mats - 1.0) * (fe * k + fs * ns) / t
     }
@@ -671,25 +680,35 @@ impl Ctx<'_> {
     }
 }
 
-/// Whether selective recompute with `mods` runs op `name` of a dense (`moe = false`) or MoE
+/// Whether selective recompute with `mods` runs `op` of a dense (`moe = false`) or MoE
 /// layer again.
-fn recomputed(name: &str, moe: bool, mods: &[RecomputeModule]) -> bool {
+fn recomputed(op: &OpCost, moe: bool, mods: &[RecomputeModule]) -> bool {
     use RecomputeModule as R;
     let has = |m: R| mods.contains(&m);
-    match name {
+    let moe_module = moe && has(R::Moe);
+    if let OpKind::Gemm { role, .. } = op.kind {
+        return match role {
+            GemmRole::Fc1 | GemmRole::Fc2 => !moe && has(R::Mlp),
+            GemmRole::Router | GemmRole::ExpertFc1 | GemmRole::ExpertFc2 => moe_module,
+            GemmRole::SharedFc1 | GemmRole::SharedFc2 => {
+                moe && (has(R::Moe) || has(R::SharedExperts))
+            }
+            GemmRole::Qkv
+            | GemmRole::KProj
+            | GemmRole::Proj
+            | GemmRole::Fc1Up
+            | GemmRole::LmHead => false,
+        };
+    }
+    match op.name {
         "attention_core" => has(R::CoreAttn),
-        "fc1" | "fc2" => !moe && has(R::Mlp),
-        "tp_all_gather_mlp" => (!moe && has(R::Mlp)) || (moe && has(R::Moe)),
+        "tp_all_gather_mlp" => (!moe && has(R::Mlp)) || moe_module,
         "act" => (!moe && has(R::Mlp)) || (moe && (has(R::Moe) || has(R::MoeAct))),
-        "router"
-        | "permute"
+        "permute"
         | "ep_dispatch"
         | "tp_all_gather_experts"
-        | "expert_fc1"
-        | "expert_fc2"
         | "tp_reduce_scatter_experts"
-        | "ep_combine" => moe && has(R::Moe),
-        "shared_fc1" | "shared_fc2" => moe && (has(R::Moe) || has(R::SharedExperts)),
+        | "ep_combine" => moe_module,
         _ => false,
     }
 }
@@ -807,12 +826,12 @@ impl Ctx<'_> {
             out,
             pass: Pass::Recompute,
         };
-        self.gemm(re, "k_proj", self.tokens, kvd / t, h, 1);
-        self.gemm(re, "proj", self.tokens, h, qd / t, 1);
+        self.gemm(re, GemmRole::KProj, self.tokens, kvd / t, h, 1);
+        self.gemm(re, GemmRole::Proj, self.tokens, h, qd / t, 1);
         if m.ffn_activation.mlp_matrices() > 2.0 {
-            self.gemm(re, "fc1_up", self.tokens, f / t, h, 1);
+            self.gemm(re, GemmRole::Fc1Up, self.tokens, f / t, h, 1);
         } else {
-            self.gemm(re, "fc2", self.tokens, h, f / t, 1);
+            self.gemm(re, GemmRole::Fc2, self.tokens, h, f / t, 1);
         }
     }
 
@@ -841,11 +860,7 @@ impl Ctx<'_> {
                 8.0 * elems,
             );
         }
-        out.extend(
-            again
-                .into_iter()
-                .filter(|op| recomputed(op.name, moe, mods)),
-        );
+        out.extend(again.into_iter().filter(|op| recomputed(op, moe, mods)));
     }
 
     /// The final LM head GEMM and the cross-entropy loss, forward and backward, with their
@@ -856,7 +871,14 @@ impl Ctx<'_> {
         for pass in [Pass::Fwd, Pass::Bwd] {
             let mut em = Emit { out, pass };
             self.head_tp_collectives(&mut em);
-            self.gemm(&mut em, "lm_head", self.tokens, v / self.t, self.h, 1);
+            self.gemm(
+                &mut em,
+                GemmRole::LmHead,
+                self.tokens,
+                v / self.t,
+                self.h,
+                1,
+            );
             // fp32: forward writes the logits and reads/writes them in the softmax
             // (12 B per logit); backward writes their gradient (4 B).
             let b = if pass == Pass::Fwd { 12.0 } else { 4.0 };

@@ -38,7 +38,9 @@ use crate::comm::Communicator;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::model::{lr_at, shard, Dims, Split};
 use shardwright_ir::run::RunInfo;
-use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, ReduceOp, Stream};
+use shardwright_ir::{
+    Axis, CollectiveKind, Graph, Node, Op, Pass, Program, ReduceOp, Role, Stream,
+};
 use std::collections::BTreeMap;
 
 mod dp;
@@ -568,32 +570,33 @@ struct NormSaved<'a, T> {
     stats: &'a T,
 }
 
-/// Backward of the norm `name` (RMSNorm, or LayerNorm with `{name}_bias`): returns `dx`,
-/// accumulates the weight (and bias) gradients.
+/// Backward of the norm with weight `names.0` (RMSNorm, or LayerNorm with the bias
+/// `names.1`): returns `dx`, accumulates the weight (and bias) gradients.
 fn norm_bwd<B: Backend>(
     be: &B,
     dims: &Dims,
     params: &BTreeMap<String, B::Buf>,
     grads: &mut BTreeMap<String, B::Buf>,
-    name: &str,
+    names: (&str, Option<&str>),
     saved: NormSaved<'_, B::Buf>,
     dy: &B::Buf,
 ) -> Result<B::Buf, String> {
+    let (name, bias) = names;
     let w = params.get(name).ok_or_else(|| format!("no {name}"))?;
     let mut dw = grads
         .remove(name)
         .ok_or_else(|| format!("no {name} gradient"))?;
     let dx = if dims.layernorm {
-        let bn = format!("{name}_bias");
+        let bn = bias.ok_or("a LayerNorm without its bias")?;
         let mut db = grads
-            .remove(&bn)
+            .remove(bn)
             .ok_or_else(|| format!("no {bn} gradient"))?;
         let g = NormGrads {
             dw: &mut dw,
             db: &mut db,
         };
         let dx = be.layernorm_bwd(saved.x, w, saved.stats, dy, dims.h, g);
-        grads.insert(bn, db);
+        grads.insert(bn.to_string(), db);
         dx
     } else {
         be.rmsnorm_bwd(saved.x, w, saved.stats, dy, dims.h, &mut dw)
@@ -617,12 +620,17 @@ fn norm_bwd<B: Backend>(
 /// graph's `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` all-reduces; the loss and its
 /// gradient are recomputed from the statistics after each.
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
-    /// The norm `name` (RMSNorm, or LayerNorm with `{name}_bias`) of `x`: output and the
-    /// statistics its backward needs.
-    fn norm_fwd(&self, x: &B::Buf, name: &str) -> Result<(B::Buf, B::Buf), String> {
+    /// The norm with weight `names.0` (RMSNorm, or LayerNorm with the bias `names.1`) of
+    /// `x`: output and the statistics its backward needs.
+    fn norm_fwd(
+        &self,
+        x: &B::Buf,
+        names: (&str, Option<&str>),
+    ) -> Result<(B::Buf, B::Buf), String> {
         let (h, eps) = (self.dims.h, self.cfg.norm_eps);
+        let (name, bias) = names;
         Ok(if self.dims.layernorm {
-            let b = self.w(&format!("{name}_bias"))?;
+            let b = self.w(bias.ok_or("a LayerNorm without its bias")?)?;
             self.be.layernorm_fwd(x, self.w(name)?, b, h, eps)
         } else {
             self.be.rmsnorm_fwd(x, self.w(name)?, h, eps)
@@ -635,12 +643,12 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     fn embed(&mut self, mb: u32) -> Result<B::Buf, String> {
         let h = self.dims.h;
         let (ids, _) = self.batch(mb)?;
-        let mut e = self
-            .be
-            .embedding_fwd(&ids, self.w("embedding")?, self.vocab_start, h);
+        let mut e =
+            self.be
+                .embedding_fwd(&ids, self.w(Role::Embedding.name())?, self.vocab_start, h);
         if self.dims.learned_positions && self.tp_pos == 0 {
             // Each token's position row (a lookup in the position table), added.
-            let pe = self.w("pos_embedding")?;
+            let pe = self.w(Role::PosEmbedding.name())?;
             let rows = self.be.embedding_fwd(&self.positions(), pe, 0, h);
             self.be.add_into(&mut e, 0, &rows);
         }
@@ -652,14 +660,17 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     fn embed_bwd(&mut self, mb: u32, g: &B::Buf) -> Result<(), String> {
         let h = self.dims.h;
         let (ids, _) = self.batch(mb)?;
-        let dw = self.grads.get_mut("embedding").ok_or("no embedding grad")?;
+        let dw = self
+            .grads
+            .get_mut(Role::Embedding.name())
+            .ok_or("no embedding grad")?;
         self.be.embedding_bwd(&ids, g, self.vocab_start, h, dw);
         if self.dims.learned_positions {
             // Scattered into the position table's rows, as the embedding's.
             let pos = self.positions();
             let dp = self
                 .grads
-                .get_mut("pos_embedding")
+                .get_mut(Role::PosEmbedding.name())
                 .ok_or("no position grad")?;
             self.be.embedding_bwd(&pos, g, 0, h, dp);
         }
@@ -677,8 +688,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// `(tp position, tp)`, or the whole tensor for an expert's weights when the experts
     /// stay whole.
     pub(crate) fn tp_shard(&self, name: &str) -> (usize, usize) {
-        let expert = name.ends_with(".expert_fc1") || name.ends_with(".expert_fc2");
-        if self.whole_experts && expert {
+        if self.whole_experts && Dims::is_expert(name) {
             (0, 1)
         } else {
             (self.tp_pos, self.tp.len())

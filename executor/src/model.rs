@@ -41,6 +41,18 @@
 
 use crate::rng::Rng;
 use shardwright_ir::run::{Activation, ModelInfo, NormKind};
+use shardwright_ir::{Expert, ParamName, Role, TpSplit};
+
+/// The role of parameter `name` (`L3.qkv`, `L3.e5.expert_fc1`, `embedding`), through the
+/// IR's one parser of parameter names. The names the executor asks about are its own
+/// (`Dims::layer_params`, ...) or a verified program's parameter values (rule
+/// `param-name`), so anything else is a bug: it panics naming the name.
+pub fn role_of(name: &str) -> Role {
+    match name.parse::<ParamName>() {
+        Ok(p) => p.role,
+        Err(e) => panic!("{e}"),
+    }
+}
 
 /// Model dimensions (full, unsharded).
 #[derive(Clone, Debug, PartialEq)]
@@ -138,10 +150,7 @@ impl Dims {
 
     /// Whether a parameter is a routed expert's (reduced over `expert_dp`).
     pub fn is_expert(name: &str) -> bool {
-        name.rsplit('.')
-            .next()
-            .unwrap_or(name)
-            .starts_with("expert_")
+        role_of(name).is_expert()
     }
 
     /// The experts held by member `i` of an `ep`-member expert-parallel group.
@@ -192,27 +201,24 @@ impl Dims {
 
     /// Dense parameter names of layer `l`, in bucket (flattening) order.
     pub fn layer_params(&self, l: u32) -> Vec<String> {
-        let mut v: Vec<&str> = if self.layernorm {
-            vec![
-                "attn_norm",
-                "attn_norm_bias",
-                "qkv",
-                "proj",
-                "mlp_norm",
-                "mlp_norm_bias",
-            ]
-        } else {
-            vec!["attn_norm", "qkv", "proj", "mlp_norm"]
+        let with_bias = |norm: Role| {
+            let bias = norm.norm_bias().filter(|_| self.layernorm);
+            std::iter::once(norm).chain(bias)
         };
+        let mut v: Vec<Role> = with_bias(Role::AttnNorm).collect();
+        v.extend([Role::Qkv, Role::Proj]);
+        v.extend(with_bias(Role::MlpNorm));
         if self.is_moe_layer(l) {
-            v.push("router");
+            v.push(Role::Router);
             if self.moe.as_ref().is_some_and(|m| m.fs > 0) {
-                v.extend(["shared_fc1", "shared_fc2"]);
+                v.extend([Role::SharedFc1, Role::SharedFc2]);
             }
         } else {
-            v.extend(["fc1", "fc2"]);
+            v.extend([Role::Fc1, Role::Fc2]);
         }
-        v.iter().map(|n| format!("L{l}.{n}")).collect()
+        v.into_iter()
+            .map(|r| ParamName::layer(l, r).to_string())
+            .collect()
     }
 
     /// Expert parameter names of layer `l` for `experts` (empty for a dense layer), in
@@ -223,10 +229,8 @@ impl Dims {
         }
         experts
             .flat_map(|e| {
-                [
-                    format!("L{l}.e{e}.expert_fc1"),
-                    format!("L{l}.e{e}.expert_fc2"),
-                ]
+                [Role::ExpertFc1, Role::ExpertFc2]
+                    .map(|r| ParamName::expert(l, Expert::Global(e as u32), r).to_string())
             })
             .collect()
     }
@@ -239,16 +243,20 @@ impl Dims {
             (s[0] * s[1]) as u64
         };
         let experts = self.moe.as_ref().map_or(0, |m| m.experts);
-        let mut names: Vec<String> = vec!["embedding".into(), "final_norm".into()];
+        let mut roles = vec![Role::Embedding, Role::FinalNorm];
         if self.layernorm {
-            names.push("final_norm_bias".into());
+            roles.push(Role::FinalNormBias);
         }
         if !self.tied {
-            names.push("lm_head".into());
+            roles.push(Role::LmHead);
         }
         if self.learned_positions {
-            names.push("pos_embedding".into());
+            roles.push(Role::PosEmbedding);
         }
+        let names: Vec<String> = roles
+            .iter()
+            .map(|&r| ParamName::ends(r).to_string())
+            .collect();
         let ends: u64 = names.iter().map(el).sum();
         let layers: u64 = (0..self.layers)
             .map(|l| {
@@ -262,42 +270,53 @@ impl Dims {
 
     /// Full shape `[rows, cols]` of a parameter (vectors are `[1, h]`).
     pub fn shape(&self, name: &str) -> [usize; 2] {
-        let short = name.rsplit('.').next().unwrap_or(name);
+        self.role_shape(role_of(name))
+    }
+
+    /// Full shape `[rows, cols]` of a parameter of `role`.
+    pub fn role_shape(&self, role: Role) -> [usize; 2] {
         let (h, d) = (self.h, self.d);
-        match short {
-            "embedding" => [self.vocab, h],
-            "lm_head" => [h, self.vocab],
-            "final_norm" | "attn_norm" | "mlp_norm" => [1, h],
-            "final_norm_bias" | "attn_norm_bias" | "mlp_norm_bias" => [1, h],
-            "pos_embedding" => [self.seq, h],
-            "qkv" => [h, (self.heads + 2 * self.kv_heads) * d],
-            "proj" => [self.heads * d, h],
-            "fc1" => [h, self.fc1_blocks() * self.f],
-            "fc2" => [self.f, h],
-            "router" => [h, self.moe_dims().experts],
-            "expert_fc1" => [h, self.fc1_blocks() * self.moe_dims().fe],
-            "expert_fc2" => [self.moe_dims().fe, h],
-            "shared_fc1" => [h, self.fc1_blocks() * self.moe_dims().fs],
-            "shared_fc2" => [self.moe_dims().fs, h],
-            _ => panic!("unknown parameter {name}"),
+        match role {
+            Role::Embedding => [self.vocab, h],
+            Role::LmHead => [h, self.vocab],
+            Role::FinalNorm | Role::AttnNorm | Role::MlpNorm => [1, h],
+            Role::FinalNormBias | Role::AttnNormBias | Role::MlpNormBias => [1, h],
+            Role::PosEmbedding => [self.seq, h],
+            Role::Qkv => [h, (self.heads + 2 * self.kv_heads) * d],
+            Role::Proj => [self.heads * d, h],
+            Role::Fc1 => [h, self.fc1_blocks() * self.f],
+            Role::Fc2 => [self.f, h],
+            Role::Router => [h, self.moe_dims().experts],
+            Role::ExpertFc1 => [h, self.fc1_blocks() * self.moe_dims().fe],
+            Role::ExpertFc2 => [self.moe_dims().fe, h],
+            Role::SharedFc1 => [h, self.fc1_blocks() * self.moe_dims().fs],
+            Role::SharedFc2 => [self.moe_dims().fs, h],
         }
     }
 
     /// How a parameter is split over tensor-parallel ranks.
     pub fn split(&self, name: &str) -> Split {
-        let short = name.rsplit('.').next().unwrap_or(name);
-        match short {
-            "embedding" | "proj" | "fc2" | "expert_fc2" | "shared_fc2" => Split::Rows,
-            "lm_head" => Split::Cols(vec![self.vocab]),
-            "qkv" => Split::Cols(vec![
-                self.heads * self.d,
-                self.kv_heads * self.d,
-                self.kv_heads * self.d,
-            ]),
-            "fc1" => Split::Cols(vec![self.f; self.fc1_blocks()]),
-            "expert_fc1" => Split::Cols(vec![self.moe_dims().fe; self.fc1_blocks()]),
-            "shared_fc1" => Split::Cols(vec![self.moe_dims().fs; self.fc1_blocks()]),
-            _ => Split::Replicated,
+        self.role_split(role_of(name))
+    }
+
+    /// How a parameter of `role` is split: the role's [`TpSplit`], a column split by the
+    /// blocks of the model's dimensions (Q, K, V; gate and up).
+    pub fn role_split(&self, role: Role) -> Split {
+        match role.tp_split() {
+            TpSplit::Replicated => Split::Replicated,
+            TpSplit::Rows => Split::Rows,
+            TpSplit::Cols => Split::Cols(match role {
+                Role::LmHead => vec![self.vocab],
+                Role::Qkv => vec![
+                    self.heads * self.d,
+                    self.kv_heads * self.d,
+                    self.kv_heads * self.d,
+                ],
+                Role::Fc1 => vec![self.f; self.fc1_blocks()],
+                Role::ExpertFc1 => vec![self.moe_dims().fe; self.fc1_blocks()],
+                Role::SharedFc1 => vec![self.moe_dims().fs; self.fc1_blocks()],
+                _ => unreachable!("{role} is not split by columns"),
+            }),
         }
     }
 
@@ -311,16 +330,11 @@ impl Dims {
     pub fn init(&self, seed: u64, name: &str) -> Vec<f32> {
         let [r, c] = self.shape(name);
         let mut g = Rng::keyed(seed, name);
-        let short = name.rsplit('.').next().unwrap_or(name);
-        match short {
-            "final_norm" | "attn_norm" | "mlp_norm" => {
-                (0..r * c).map(|_| 1.0 + g.sym(0.2)).collect()
-            }
-            "embedding" => g.vec(r * c, 1.0),
-            "pos_embedding" => g.vec(r * c, 0.5),
-            "final_norm_bias" | "attn_norm_bias" | "mlp_norm_bias" => {
-                (0..r * c).map(|_| g.sym(0.1)).collect()
-            }
+        match role_of(name) {
+            role if role.is_norm() => (0..r * c).map(|_| 1.0 + g.sym(0.2)).collect(),
+            Role::Embedding => g.vec(r * c, 1.0),
+            Role::PosEmbedding => g.vec(r * c, 0.5),
+            role if role.is_bias() => (0..r * c).map(|_| g.sym(0.1)).collect(),
             _ => g.vec(r * c, 1.0 / (r as f64).sqrt()),
         }
     }
@@ -436,10 +450,11 @@ pub fn lr_at(cfg: &crate::interp::ExecConfig, step: u32) -> f32 {
 }
 
 /// Whether AdamW's weight decay applies to parameter `name`: Megatron's default skips
-/// biases and every one-dimensional parameter (the norms' weights and biases); with
-/// `all` (torchtitan's AdamW over every parameter) it applies everywhere.
-pub fn decays(dims: &Dims, name: &str, all: bool) -> bool {
-    all || dims.shape(name)[0] != 1
+/// biases and every one-dimensional parameter (the norms' weights and biases:
+/// [`Role::is_vector`]); with `all` (torchtitan's AdamW over every parameter) it applies
+/// everywhere. (`_dims` is no longer read: the rule is the role's.)
+pub fn decays(name: &str, all: bool) -> bool {
+    all || !role_of(name).is_vector()
 }
 
 /// The synthetic tokens of global sequence `g` in step `step`: `seq + 1` ids (inputs are

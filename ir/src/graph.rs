@@ -10,7 +10,7 @@
 //! print canonically and round-trip through the text form.
 
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
-use crate::vocab::Axis;
+use crate::vocab::{Axis, GemmName, GemmPass, GemmRole, ParamName};
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
 
@@ -443,14 +443,16 @@ pub struct Work {
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Op {
     /// `(m x k) @ (k x n)`; `weight` names the parameter it reads (or whose gradient it
-    /// produces), e.g. `L3.qkv`; `name` tells the role: `qkv`, `qkv.dgrad`, `qkv.wgrad`.
+    /// produces), e.g. `L3.qkv`; `name` tells the role and product: `qkv`, `qkv.dgrad`,
+    /// `qkv.wgrad`. Both print and serialize as those strings; an unknown role does not
+    /// parse.
     Gemm {
-        name: String,
+        name: GemmName,
         m: u64,
         n: u64,
         k: u64,
         dtype: DType,
-        weight: Option<String>,
+        weight: Option<ParamName>,
         work: Work,
     },
     /// The attention core (softmax(QK^T)V) of `batch` sequences on the local heads.
@@ -536,48 +538,19 @@ pub enum Op {
     },
 }
 
-/// Which product a GEMM node computes: the forward (`qkv`), the data gradient
-/// (`qkv.dgrad`: `dy W^T`) or the weight gradient (`qkv.wgrad`: `x^T dy`, accumulated).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum GemmPass {
-    Fwd,
-    Dgrad,
-    Wgrad,
-}
-
-impl GemmPass {
-    /// The node name of GEMM `role`'s product.
-    pub fn name(self, role: &str) -> String {
-        match self {
-            GemmPass::Fwd => role.to_string(),
-            GemmPass::Dgrad => format!("{role}.dgrad"),
-            GemmPass::Wgrad => format!("{role}.wgrad"),
-        }
-    }
-}
-
-/// The LM head's GEMM (its role name).
-pub const HEAD_GEMM: &str = "lm_head";
-
 impl Op {
-    /// A GEMM's role (the forward GEMM's name: `qkv` of `qkv.dgrad`) and its product; the
-    /// one place a GEMM's name is read.
-    pub fn gemm_role(&self) -> Option<(&str, GemmPass)> {
-        let Op::Gemm { name, .. } = self else {
-            return None;
-        };
-        Some(if let Some(r) = name.strip_suffix(".dgrad") {
-            (r, GemmPass::Dgrad)
-        } else if let Some(r) = name.strip_suffix(".wgrad") {
-            (r, GemmPass::Wgrad)
-        } else {
-            (name.as_str(), GemmPass::Fwd)
-        })
+    /// A GEMM's role and its product (`qkv` and `Dgrad` of `qkv.dgrad`); the one place a
+    /// GEMM's name is read.
+    pub fn gemm_role(&self) -> Option<(GemmRole, GemmPass)> {
+        match self {
+            Op::Gemm { name, .. } => Some((name.role, name.pass)),
+            _ => None,
+        }
     }
 
     /// Whether this is the LM head's forward GEMM.
     pub fn is_head_gemm(&self) -> bool {
-        self.gemm_role() == Some((HEAD_GEMM, GemmPass::Fwd))
+        self.gemm_role() == Some((GemmRole::LmHead, GemmPass::Fwd))
     }
 
     /// The compute work, for compute nodes.

@@ -13,9 +13,8 @@ pub mod graph;
 pub mod ids;
 
 pub use graph::{
-    Bucket, Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, GemmPass, Graph,
-    Node, Op, Pass, ProcessGroup, ReduceOp, Shape, Shard, Stream, Value, ValueIds, ValueKind, Work,
-    HEAD_GEMM,
+    Bucket, Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op,
+    Pass, ProcessGroup, ReduceOp, Shape, Shard, Stream, Value, ValueIds, ValueKind, Work,
 };
 pub use ids::{BufferId, GroupId, NodeId, ValueId};
 pub mod program;
@@ -26,4 +25,4 @@ pub mod matching;
 pub mod text;
 pub mod verify;
 pub mod vocab;
-pub use vocab::{Axis, Coord};
+pub use vocab::{Axis, Coord, Expert, GemmName, GemmPass, GemmRole, ParamName, Role, TpSplit};

@@ -32,7 +32,7 @@
 //!              ['<-' deps]                (operands, then results)
 //! values    := VALUEID (',' VALUEID)*     (printed as "%1, %2")
 //! deps      := NODEID (',' NODEID)*       (printed as "n1, n2": comma then space)
-//! op        := 'gemm' NAME 'm=' U64 'n=' U64 'k=' U64 DTYPE ['weight=' NAME] work
+//! op        := 'gemm' GEMM 'm=' U64 'n=' U64 'k=' U64 DTYPE ['weight=' PARAM] work
 //!            | 'attention' ['causal'] 'heads=' U32 'kv_heads=' U32 'seq_q=' U64
 //!              'seq_kv=' U64 'head_dim=' U32 'batch=' U32 ['cp=' U32 '/' U32] ['flash'] work
 //!            | 'norm' 'tokens=' U64 'width=' U64 work
@@ -47,6 +47,13 @@
 //!            | 'alloc' BUFFERID | 'free' BUFFERID | 'release'
 //!            | 'checkpoint' 'every=' U64 'bytes=' U64
 //! work      := 'flops=' U64 'bytes=' U64
+//! GEMM      := GEMMROLE ['.dgrad' | '.wgrad']
+//!                                         (GEMMROLE: qkv k_proj proj fc1 fc1_up fc2 router
+//!                                          expert_fc1 expert_fc2 shared_fc1 shared_fc2
+//!                                          lm_head; any other name is an error)
+//! PARAM     := ['L' U32 '.' [('e' | 'le') U32 '.']] ROLE
+//!                                         (ROLE: a parameter role, `vocab::Role`; a layer's
+//!                                          roles with `L`, the ends' without)
 //! NAME      := [A-Za-z0-9_.:/-]+ | QUOTED
 //! QUOTED    := '"' (char | '\\' | '\"' | '\n' | '\r' | '\t' | '\u{' HEX+ '}')* '"'
 //! ```
@@ -59,7 +66,7 @@
 //!
 //! # Names
 //!
-//! Names (group axes, buffer names, gemm names and weights) are meant to be drawn from
+//! Names (buffer names, collective tensors; value names print the same way) are meant to be drawn from
 //! `[A-Za-z0-9_.:/-]+` and the verifier reports any other name (rule `name`). So that
 //! printing stays total and round-trips every graph, the printer *escapes* instead of
 //! rejecting: a name outside that set (including the empty name) is printed as a
@@ -207,12 +214,9 @@ fn write_node(out: &mut String, n: &Node) {
             weight,
             work,
         } => {
-            out.push(' ');
-            write_name(out, name);
-            let _ = write!(out, " m={m} n={n} k={k} {}", dtype.name());
+            let _ = write!(out, " {name} m={m} n={n} k={k} {}", dtype.name());
             if let Some(w) = weight {
-                out.push_str(" weight=");
-                write_name(out, w);
+                let _ = write!(out, " weight={w}");
             }
             write_work(out, work);
         }
@@ -606,6 +610,15 @@ impl<'a> Cursor<'a> {
         let t = self.next(what)?;
         f(t.text).ok_or_else(|| self.err_at(Some(t), what))
     }
+    /// Same, with the parser's reason in the error (an unknown role names the known ones).
+    fn parse_tok_or<T>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&str) -> Result<T, String>,
+    ) -> Result<T, ParseError> {
+        let t = self.next(what)?;
+        f(t.text).map_err(|e| self.err_at(Some(t), format!("{what}: {e}")))
+    }
     fn id<T: std::str::FromStr>(&mut self, what: &str) -> Result<T, ParseError> {
         self.parse_tok(what, |s| s.parse().ok())
     }
@@ -884,12 +897,16 @@ fn parse_op(c: &mut Cursor<'_>) -> Result<Op, ParseError> {
     let t = c.next(OPS)?;
     Ok(match t.text {
         "gemm" => {
-            let name = c.name("a gemm name")?;
+            let name = c.parse_tok_or("a gemm name (`<role>[.dgrad|.wgrad]`)", str::parse)?;
             let m = c.u64("m")?;
             let n = c.u64("n")?;
             let k = c.u64("k")?;
             let dtype = c.dtype()?;
-            let weight = c.opt_name("weight")?;
+            let weight = if c.has_key("weight") {
+                Some(c.key("weight", "parameter name", str::parse)?)
+            } else {
+                None
+            };
             Op::Gemm {
                 name,
                 m,

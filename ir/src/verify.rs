@@ -18,8 +18,13 @@
 //!
 //! **Phase 2: semantics**
 //! - `rank`: `world > 0` and `rank < world`.
-//! - `name`: group axes, buffer names, gemm names, weights and collective tensors are non-empty
-//!   `[A-Za-z0-9_.:/-]+` (so the text form prints them bare, see [`crate::text`]).
+//! - `name`: group axes, buffer names and collective tensors are non-empty
+//!   `[A-Za-z0-9_.:/-]+` (so the text form prints them bare, see [`crate::text`]); a gemm's
+//!   name and weight are typed ([`crate::vocab::GemmName`], [`crate::vocab::ParamName`]):
+//!   an unknown role does not parse.
+//! - `param-name`: a parameter value's name is a parameter name (`L3.qkv`, `embedding`,
+//!   `L3.le0.expert_fc1`: [`crate::vocab::ParamName`], a known role), a gradient's that name
+//!   and `.grad` (a bucket's ZeRO shard is named after the bucket instead).
 //! - `group-ranks`: a group's ranks are non-empty, strictly ascending and `< world`.
 //! - `dep`: every dep points to a strictly earlier node. Program order is then a
 //!   topological order, so the dep graph is acyclic.
@@ -80,6 +85,7 @@ use crate::graph::{
 };
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::text::{is_bare_name, print_node};
+use crate::vocab::ParamName;
 use std::fmt;
 
 /// Every rule name, phase 1 first, in the order of the module doc.
@@ -94,6 +100,7 @@ pub const RULES: &[&str] = &[
     "value-ref",
     "rank",
     "name",
+    "param-name",
     "group-ranks",
     "dep",
     "cycle",
@@ -337,14 +344,8 @@ fn semantics(g: &Graph, e: &mut Errors<'_>) {
         order_and_stream(i, n, e);
         match &n.op {
             Op::Gemm {
-                name,
-                m,
-                n: nn,
-                k,
-                weight,
-                work,
-                ..
-            } => gemm_rules(i, name, weight.as_deref(), [*m, *nn, *k], work.flops, e),
+                m, n: nn, k, work, ..
+            } => gemm_rules(i, [*m, *nn, *k], work.flops, e),
             Op::Collective {
                 kind,
                 group,
@@ -421,6 +422,29 @@ fn graph_rules(g: &Graph, e: &mut Errors<'_>) {
             );
         }
     }
+    // A bucket's ZeRO shard is named after its bucket (`L3.shard`, `L3.shard.grad`).
+    let shards: std::collections::BTreeSet<ValueId> = g
+        .buckets
+        .iter()
+        .filter_map(|b| b.shard)
+        .flat_map(|s| s.values())
+        .collect();
+    for v in &g.values {
+        if shards.contains(&v.id) {
+            continue;
+        }
+        let name = match v.kind {
+            ValueKind::Param => Ok(v.name.as_str()),
+            ValueKind::Grad => v
+                .name
+                .strip_suffix(".grad")
+                .ok_or_else(|| format!("gradient name {:?} does not end in `.grad`", v.name)),
+            _ => continue,
+        };
+        if let Err(why) = name.and_then(|n| n.parse::<ParamName>().map(|_| ())) {
+            e.graph("param-name", format!("{} ({}): {why}", v.id, v.kind.name()));
+        }
+    }
 }
 
 /// The `dep` and `stream` rules of `nodes[i]`.
@@ -459,29 +483,9 @@ fn order_and_stream(i: usize, n: &Node, e: &mut Errors<'_>) {
     }
 }
 
-/// A gemm's `name` and `gemm-flops` rules; `mnk` is `[m, n, k]`.
-fn gemm_rules(
-    i: usize,
-    name: &str,
-    weight: Option<&str>,
-    mnk: [u64; 3],
-    flops: u64,
-    e: &mut Errors<'_>,
-) {
-    if !is_bare_name(name) {
-        e.at(
-            i,
-            "name",
-            format!("gemm name {name:?} is not [A-Za-z0-9_.:/-]+"),
-        );
-    }
-    if let Some(w) = weight.filter(|w| !is_bare_name(w)) {
-        e.at(
-            i,
-            "name",
-            format!("gemm weight {w:?} is not [A-Za-z0-9_.:/-]+"),
-        );
-    }
+/// A gemm's `gemm-flops` rule; `mnk` is `[m, n, k]` (its name and weight are typed: a
+/// role and a parameter name, bare by construction).
+fn gemm_rules(i: usize, mnk: [u64; 3], flops: u64, e: &mut Errors<'_>) {
     let [m, nn, k] = mnk;
     let want = 2 * (m as u128) * (nn as u128) * (k as u128);
     if want != flops as u128 {

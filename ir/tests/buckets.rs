@@ -77,7 +77,7 @@ fn a_zero1_step_is_valid_and_canonical() {
 #[test]
 fn a_zero0_bucket_has_no_shard_and_round_trips() {
     let g = parse(
-        "graph rank=0 world=1\nvalue %0 param bf16[3] w\nbucket L0 dense_dp padded=3 params=%0\n",
+        "graph rank=0 world=1\nvalue %0 param bf16[3] L0.attn_norm\nbucket L0 dense_dp padded=3 params=%0\n",
     )
     .unwrap();
     assert_eq!(verify_graph(&g), Ok(()));

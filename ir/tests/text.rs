@@ -50,12 +50,12 @@ fn example() -> Graph {
         Some(0),
         Some(0),
         Op::Gemm {
-            name: "qkv".into(),
+            name: GemmName::fwd(GemmRole::Qkv),
             m: 8192,
             n: 2560,
             k: 16384,
             dtype: DType::Bf16,
-            weight: Some("L0.qkv".into()),
+            weight: Some(ParamName::layer(0, Role::Qkv)),
             work: Work {
                 flops: 687194767360,
                 bytes: 123,

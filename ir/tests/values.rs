@@ -14,14 +14,14 @@ const VALUED: &str = "\
 graph rank=0 world=2
 group g0 tp.0 nvlink ranks=0,1
 value %0 data f32[8] tokens
-value %1 param bf16[32,16] embed
+value %1 param bf16[32,16] embedding
 value %2 activation bf16[8,16] x0
-value %3 param bf16[16] L0.norm
+value %3 param bf16[16] L0.attn_norm
 value %4 activation bf16[8,16] x1
 value %5 param bf16[16,24] L0.qkv
 value %6 activation bf16[8,24] L0.qkv.out
 value %7 activation bf16[8,24] L0.qkv.sum
-value %8 param bf16[24,32] head
+value %8 param bf16[24,32] lm_head
 value %9 activation f32[8,32] logits
 value %10 activation bf16[8,48] L0.qkv.full
 n0 = embedding tokens=8 hidden=16 vocab=32 flops=0 bytes=256 %0, %1 -> %2 @compute fwd mb=0
@@ -29,7 +29,7 @@ n1 = norm tokens=8 width=16 flops=256 bytes=512 %2, %3 -> %4 @compute fwd mb=0 l
 n2 = gemm qkv m=8 n=24 k=16 bf16 weight=L0.qkv flops=6144 bytes=1152 %4, %5 -> %6 @compute fwd mb=0 layer=0 <- n1
 n3 = collective all_reduce g0 bytes=384 bf16 %6 -> %7 @comm fwd mb=0 layer=0 <- n2
 n4 = collective all_gather g0 bytes=768 bf16 %7 -> %10 @comm fwd mb=0 layer=0 <- n3
-n5 = gemm lm_head m=8 n=32 k=24 bf16 weight=head flops=12288 bytes=2048 %7, %8 -> %9 @compute fwd mb=0 <- n4
+n5 = gemm lm_head m=8 n=32 k=24 bf16 weight=lm_head flops=12288 bytes=2048 %7, %8 -> %9 @compute fwd mb=0 <- n4
 n6 = loss tokens=8 vocab=32 flops=1024 bytes=1024 %9, %0 @compute fwd mb=0 <- n5
 n7 = release %2, %4, %6, %7, %9, %10 @compute fwd mb=0 <- n6
 ";
@@ -247,11 +247,16 @@ fn build((first, steps, delay): (u64, Vec<Step>, Vec<usize>)) -> Graph {
             Step::Gemm { read, n } => {
                 let r = read % acts.len();
                 let k = g.values[acts[r].index()].elems();
-                let w = g.value(ValueKind::Param, DType::Bf16, vec![k, *n], format!("w{i}"));
+                let w = g.value(
+                    ValueKind::Param,
+                    DType::Bf16,
+                    vec![k, *n],
+                    format!("L{i}.fc1"),
+                );
                 let out = g.value(ValueKind::Activation, DType::Bf16, vec![1, *n], name);
                 last_use[r] = i + 1;
                 let op = Op::Gemm {
-                    name: "fc".into(),
+                    name: GemmName::fwd(GemmRole::Fc1),
                     m: 1,
                     n: *n,
                     k,

@@ -68,8 +68,9 @@ fn base_is_valid_and_canonical() {
 #[test]
 fn every_rule_has_a_test() {
     // Keep in sync with the tests below (and the module doc).
-    // The value rules are tested in tests/values.rs, `bucket` in tests/buckets.rs.
-    assert_eq!(RULES.len(), 31);
+    // The value rules are tested in tests/values.rs, `bucket` in tests/buckets.rs,
+    // `param-name` in tests/roles.rs.
+    assert_eq!(RULES.len(), 32);
 }
 
 #[test]
@@ -129,10 +130,72 @@ fn rank() {
 #[test]
 fn name() {
     assert_eq!(rules(&edit("attn.ws", "\"attn ws\"")), ["name"]);
-    assert_eq!(rules(&edit("weight=L0.qkv", "weight=\"\"")), ["name"]);
-    assert_eq!(rules(&edit("gemm qkv", "gemm \"q;kv\"")), ["name"]);
     // A group's axis is an enum: a name outside it does not parse (text.rs tests).
     assert!(parse(&BASE.replace("group g2 dp.0", "group g2 \"d p\".0")).is_err());
+}
+
+#[test]
+fn unknown_roles_do_not_parse() {
+    // A gemm's role and its weight's are enums (`vocab::GemmRole`, `vocab::Role`): an
+    // unknown one is a parse error naming it and the known ones, never a default.
+    for (from, to, named) in [
+        (
+            "weight=L0.qkv",
+            "weight=L0.qkv_w",
+            "unknown parameter role \"qkv_w\"",
+        ),
+        ("weight=L0.qkv", "weight=\"\"", "unknown parameter role"),
+        ("weight=L0.qkv", "weight=qkv", "without its layer"),
+        ("gemm qkv", "gemm q_proj", "unknown gemm role \"q_proj\""),
+        (
+            "gemm qkv",
+            "gemm qkv.xgrad",
+            "unknown gemm role \"qkv.xgrad\"",
+        ),
+        ("gemm qkv", "gemm \"q;kv\"", "unknown gemm role"),
+    ] {
+        let e = parse(&BASE.replace(from, to)).unwrap_err();
+        assert_eq!(e.line, 11, "{e}");
+        assert!(e.expected.contains(named), "{to}: {e}");
+        if named.starts_with("unknown") {
+            assert!(e.expected.contains("(one of "), "{to}: {e}");
+        }
+    }
+    assert_eq!(
+        rules(&edit("gemm qkv", "gemm k_proj.dgrad")),
+        Vec::<&str>::new()
+    );
+}
+
+#[test]
+fn param_name() {
+    let g = append("value %0 param bf16[16] L0.attn_norm\nvalue %1 grad f32[16] L0.attn_norm.grad");
+    assert_eq!(rules(&g), Vec::<&str>::new());
+    for (bad, why) in [
+        (
+            "value %0 param bf16[16] L0.normal",
+            "unknown parameter role \"normal\"",
+        ),
+        ("value %0 param bf16[16] attn_norm", "without its layer"),
+        (
+            "value %0 grad f32[16] L0.attn_norm",
+            "does not end in `.grad`",
+        ),
+        (
+            "value %0 grad f32[16] L0.attn.grad",
+            "unknown parameter role \"attn\"",
+        ),
+    ] {
+        let es = verify_graph(&append(bad)).unwrap_err();
+        assert_eq!(es.len(), 1, "{bad}: {es:?}");
+        assert_eq!(es[0].rule, "param-name");
+        assert!(es[0].message.contains(why), "{bad}: {}", es[0]);
+    }
+    // Activations and data are named freely.
+    assert_eq!(
+        rules(&append("value %0 activation bf16[16] L0.whatever")),
+        Vec::<&str>::new()
+    );
 }
 
 #[test]

@@ -30,13 +30,20 @@ use shardwright_cost::collective::{
 use shardwright_cost::eval::group_link;
 use shardwright_cost::layer::{self, layer_ops, Coll, LayerKind, LayerShape, OpKind};
 use shardwright_ir::{
-    BufferKind, CollectiveKind, ElementwiseKind, GemmPass, Node, Op, Pass, Program,
+    BufferKind, CollectiveKind, ElementwiseKind, GemmPass, GemmRole, Node, Op, Pass, Program,
 };
 use shardwright_spec::mesh::GroupKind;
 use std::collections::BTreeMap;
 
-/// Template ops by (layer kind, pass, name): (exposed seconds, elements for elementwise).
-type Table = BTreeMap<(u8, u8, &'static str), (f64, f64)>;
+/// A template op: a GEMM by its role, any other op by its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Key {
+    Gemm(GemmRole),
+    Op(&'static str),
+}
+
+/// Template ops by (layer kind, pass, key): (exposed seconds, elements for elementwise).
+type Table = BTreeMap<(u8, u8, Key), (f64, f64)>;
 
 fn kind_id(k: LayerKind) -> u8 {
     match k {
@@ -91,18 +98,19 @@ impl<'a> PlanCost<'a> {
                     OpKind::Elementwise { elems, .. } => elems,
                     _ => 0.0,
                 };
-                let name = match op.kind {
+                let key = match op.kind {
                     // Collectives by kind: every TP collective of a kind costs the same.
-                    OpKind::Collective { kind, group, .. } => match (group, kind) {
+                    OpKind::Collective { kind, group, .. } => Key::Op(match (group, kind) {
                         (GroupKind::Tp, Coll::AllGather) => "tp.all_gather",
                         (GroupKind::Tp, Coll::ReduceScatter) => "tp.reduce_scatter",
                         (GroupKind::Tp, _) => "tp.all_reduce",
                         (GroupKind::Cp, _) => "cp",
                         _ => "ep",
-                    },
-                    _ => op.name,
+                    }),
+                    OpKind::Gemm { role, .. } => Key::Gemm(role),
+                    _ => Key::Op(op.name),
                 };
-                table.insert((kind_id(k), pass_id(op.pass), name), (op.exposed_s, elems));
+                table.insert((kind_id(k), pass_id(op.pass), key), (op.exposed_s, elems));
             }
         }
         PlanCost { l, table }
@@ -111,9 +119,18 @@ impl<'a> PlanCost<'a> {
     /// The template's (exposed seconds, elements) of op `name`. An op the template does
     /// not list has no cost: NaN, which the simulator reports as an error naming the node
     /// (never a silent 0 s).
-    fn get(&self, kind: LayerKind, pass: Pass, name: &str) -> (f64, f64) {
+    fn get(&self, kind: LayerKind, pass: Pass, name: &'static str) -> (f64, f64) {
+        self.lookup(kind, pass, Key::Op(name))
+    }
+
+    /// The same for the GEMM of `role`.
+    fn gemm(&self, kind: LayerKind, pass: Pass, role: GemmRole) -> (f64, f64) {
+        self.lookup(kind, pass, Key::Gemm(role))
+    }
+
+    fn lookup(&self, kind: LayerKind, pass: Pass, key: Key) -> (f64, f64) {
         self.table
-            .get(&(kind_id(kind), ir_pass(pass), name))
+            .get(&(kind_id(kind), ir_pass(pass), key))
             .copied()
             .unwrap_or((f64::NAN, f64::NAN))
     }
@@ -139,9 +156,9 @@ impl<'a> PlanCost<'a> {
         match &node.op {
             Op::Gemm { .. } => match node.op.gemm_role() {
                 Some((role, GemmPass::Dgrad | GemmPass::Wgrad)) => {
-                    self.get(kind, Pass::Bwd, role).0 / 2.0
+                    self.gemm(kind, Pass::Bwd, role).0 / 2.0
                 }
-                Some((role, GemmPass::Fwd)) => self.get(kind, pass, role).0,
+                Some((role, GemmPass::Fwd)) => self.gemm(kind, pass, role).0,
                 None => unreachable!("a gemm has a role"),
             },
             Op::Attention { .. } => self.get(kind, pass, "attention_core").0,

@@ -50,7 +50,7 @@ use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
     Program, RankClass, ReduceOp, Stream, Work,
 };
-use shardwright_ir::{GemmPass, ValueId, HEAD_GEMM};
+use shardwright_ir::{GemmName, GemmPass, GemmRole, ParamName, Role, ValueId};
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
 use shardwright_spec::spec::{Norm, Recompute, RecomputeModule, Schedule};
@@ -455,10 +455,10 @@ impl Builder<'_> {
     }
 }
 
-fn gemm(name: &str, m: u64, n: u64, k: u64, dt: DType, weight: Option<String>) -> Op {
+fn gemm(name: GemmName, m: u64, n: u64, k: u64, dt: DType, weight: Option<ParamName>) -> Op {
     let b = dt.bytes();
     Op::Gemm {
-        name: name.to_string(),
+        name,
         m,
         n,
         k,
@@ -524,7 +524,7 @@ fn loss_op(d: &Dims, parts: u64) -> Op {
 /// One GEMM of a layer: forward shape (m x k) @ (k x n).
 #[derive(Clone, Copy)]
 struct G {
-    name: &'static str,
+    role: GemmRole,
     m: u64,
     n: u64,
     k: u64,
@@ -557,11 +557,11 @@ impl<'a> Ctx<'a> {
     }
 
     /// The weight the LM head multiplies by: the embedding when tied.
-    fn head_weight(&self) -> &'static str {
+    fn head_weight(&self) -> Role {
         if self.job.model.tied_embeddings {
-            "embedding"
+            Role::Embedding
         } else {
-            "lm_head"
+            Role::LmHead
         }
     }
 
@@ -586,11 +586,11 @@ impl<'a> Ctx<'a> {
     /// GEMMs of the MLP part of `layer` in forward order.
     fn mlp_gemms(&self, layer: u32, d: &Dims) -> Vec<G> {
         let t = self.layout.tp as u64;
-        let g = |name, m, n, k, _grouped: bool| G { name, m, n, k };
+        let g = |role, m, n, k, _grouped: bool| G { role, m, n, k };
         if !self.is_moe_layer(layer) {
             return vec![
-                g("fc1", d.t, (d.mats - 1) * d.f, d.h, false),
-                g("fc2", d.t, d.h, d.f, false),
+                g(GemmRole::Fc1, d.t, (d.mats - 1) * d.f, d.h, false),
+                g(GemmRole::Fc2, d.t, d.h, d.f, false),
             ];
         }
         let moe = self.job.model.moe.as_ref().expect("moe layer");
@@ -605,17 +605,17 @@ impl<'a> Ctx<'a> {
         let mut out = vec![
             // The router sees the local tokens: the sequence shard with SP; without SP every
             // TP rank routes all of them (replicated work, as in Megatron).
-            g("router", d.ts, moe.num_experts as u64, d.h, false),
-            g("expert_fc1", rows * k, (d.mats - 1) * fe, d.h, true),
-            g("expert_fc2", rows * k, d.h, fe, true),
+            g(GemmRole::Router, d.ts, moe.num_experts as u64, d.h, false),
+            g(GemmRole::ExpertFc1, rows * k, (d.mats - 1) * fe, d.h, true),
+            g(GemmRole::ExpertFc2, rows * k, d.h, fe, true),
         ];
         if moe.num_shared_experts > 0 {
             let fs = div_ceil(
                 moe.shared_expert_ffn_hidden_size * moe.num_shared_experts as u64,
                 t,
             );
-            out.push(g("shared_fc1", d.t, (d.mats - 1) * fs, d.h, false));
-            out.push(g("shared_fc2", d.t, d.h, fs, false));
+            out.push(g(GemmRole::SharedFc1, d.t, (d.mats - 1) * fs, d.h, false));
+            out.push(g(GemmRole::SharedFc2, d.t, d.h, fs, false));
         }
         out
     }
@@ -763,54 +763,58 @@ impl<'a> Ctx<'a> {
         self.moved(b, id, at, x, (key, d.w, &[rows, d.h]))
     }
 
-    /// The parameter `name` of `layer` (or of the ends) and its gradient, declared with
+    /// The parameter `role` of `layer` (or of the ends) and its gradient, declared with
     /// the rank's shard shape (`[in, out]` for GEMM weights, as the forward multiplies).
-    fn weight(
-        &self,
-        b: &mut Builder,
-        layer: Option<u32>,
-        name: &'static str,
-    ) -> (ValueId, ValueId) {
-        if let Some(p) = b.known_param((layer, name)) {
+    fn weight(&self, b: &mut Builder, layer: Option<u32>, role: Role) -> (ValueId, ValueId) {
+        if let Some(p) = b.known_param((layer, role)) {
             return p;
         }
-        let shape = self.param_shape(layer, name);
+        let shape = self.param_shape(layer, role);
         let g = dtype(self.job.training.grad_dtype.bytes());
-        b.param((layer, name), &shape, self.dims().w, g)
+        b.param((layer, role), &shape, self.dims().w, g)
     }
 
-    /// The rank's shard shape of parameter `name` of `layer` (or of the ends): `[in, out]`
+    /// The rank's shard shape of parameter `role` of `layer` (or of the ends): `[in, out]`
     /// for GEMM weights, as the forward multiplies.
-    fn param_shape(&self, layer: Option<u32>, name: &str) -> Vec<u64> {
+    fn param_shape(&self, layer: Option<u32>, role: Role) -> Vec<u64> {
         let d = self.dims();
         let (h, qkv) = (d.h, (d.heads + 2 * d.kv_heads) * d.d);
-        match name {
-            "embedding" => vec![d.vocab, h],
-            "pos_embedding" => vec![d.seq, h],
-            "lm_head" => vec![h, d.vocab],
-            "qkv" => vec![h, qkv],
-            "proj" => vec![d.heads * d.d, h],
-            "fc1" => vec![h, (d.mats - 1) * d.f],
-            "fc2" => vec![d.f, h],
-            "router" | "shared_fc1" | "shared_fc2" => {
+        match role {
+            Role::Embedding => vec![d.vocab, h],
+            Role::PosEmbedding => vec![d.seq, h],
+            Role::LmHead => vec![h, d.vocab],
+            Role::Qkv => vec![h, qkv],
+            Role::Proj => vec![d.heads * d.d, h],
+            Role::Fc1 => vec![h, (d.mats - 1) * d.f],
+            Role::Fc2 => vec![d.f, h],
+            Role::Router | Role::SharedFc1 | Role::SharedFc2 => {
                 let gs = self.mlp_gemms(layer.unwrap_or(0), &d);
                 let g = gs
                     .iter()
-                    .find(|g| g.name == name)
+                    .find(|g| g.role.weight() == role)
                     .expect("an MoE layer's GEMM");
                 vec![g.k, g.n]
             }
-            _ => vec![h],
+            Role::AttnNorm
+            | Role::AttnNormBias
+            | Role::MlpNorm
+            | Role::MlpNormBias
+            | Role::FinalNorm
+            | Role::FinalNormBias => vec![h],
+            Role::ExpertFc1 | Role::ExpertFc2 => {
+                unreachable!("lowering: experts' weights are declared per expert")
+            }
         }
     }
 
     /// The weight of `layer`'s GEMM `g` (`[k, n]`) and its gradient.
     fn weight_of(&self, b: &mut Builder, layer: u32, g: &G) -> (ValueId, ValueId) {
-        if let Some(p) = b.known_param((Some(layer), g.name)) {
+        let key = (Some(layer), g.role.weight());
+        if let Some(p) = b.known_param(key) {
             return p;
         }
         let gd = dtype(self.job.training.grad_dtype.bytes());
-        b.param((Some(layer), g.name), &[g.k, g.n], self.dims().w, gd)
+        b.param(key, &[g.k, g.n], self.dims().w, gd)
     }
 
     /// A norm's parameters (weight, and bias for LayerNorm) and their gradients.
@@ -818,17 +822,13 @@ impl<'a> Ctx<'a> {
         &self,
         b: &mut Builder,
         layer: Option<u32>,
-        which: &'static str,
+        which: Role,
     ) -> (Vec<ValueId>, Vec<ValueId>) {
-        let names: &[&'static str] = match (which, self.job.model.norm == Norm::Layernorm) {
-            ("attn_norm", true) => &["attn_norm", "attn_norm_bias"],
-            ("mlp_norm", true) => &["mlp_norm", "mlp_norm_bias"],
-            ("final_norm", true) => &["final_norm", "final_norm_bias"],
-            ("attn_norm", false) => &["attn_norm"],
-            ("mlp_norm", false) => &["mlp_norm"],
-            _ => &["final_norm"],
-        };
-        names.iter().map(|n| self.weight(b, layer, n)).unzip()
+        let mut roles = vec![which];
+        if self.job.model.norm == Norm::Layernorm {
+            roles.push(which.norm_bias().expect("a norm's weight"));
+        }
+        roles.into_iter().map(|r| self.weight(b, layer, r)).unzip()
     }
 
     /// A norm forward of `x` (`[ts, h]`) in scope `at`: the output as `y`, the fp32
@@ -839,7 +839,7 @@ impl<'a> Ctx<'a> {
         pass: Pass,
         at: (u32, u32),
         x: ValueId,
-        which: &'static str,
+        which: Role,
         keys: (&'static str, &'static str),
     ) -> ValueId {
         let d = self.dims();
@@ -859,7 +859,7 @@ impl<'a> Ctx<'a> {
         &self,
         b: &mut Builder,
         at: (u32, u32),
-        which: &'static str,
+        which: Role,
         io: [ValueId; 3],
         dres: Option<ValueId>,
     ) -> ValueId {
@@ -935,7 +935,7 @@ impl<'a> Ctx<'a> {
         let d = self.dims();
         let (mbo, lo) = (Some(mb), Some(layer));
         let at = (layer, mb);
-        let wname = |n: &str| Some(format!("L{layer}.{n}"));
+        let wname = |r: Role| Some(ParamName::layer(layer, r));
         let x = if pass == Pass::Recompute {
             b.get(at, "x")
         } else {
@@ -944,15 +944,22 @@ impl<'a> Ctx<'a> {
             x
         };
         // attention block
-        let y1 = self.norm_fwd_v(b, pass, at, x, "attn_norm", ("y1", "rstd1"));
+        let y1 = self.norm_fwd_v(b, pass, at, x, Role::AttnNorm, ("y1", "rstd1"));
         let yg1 = self.gather_v(b, pass, at, y1, "yg1");
-        let (wq, _) = self.weight(b, lo, "qkv");
+        let (wq, _) = self.weight(b, lo, Role::Qkv);
         let qkv_n = (d.heads + 2 * d.kv_heads) * d.d;
         let id = b.compute(
             pass,
             mbo,
             lo,
-            gemm("qkv", d.t, qkv_n, d.h, d.w, wname("qkv")),
+            gemm(
+                GemmName::fwd(GemmRole::Qkv),
+                d.t,
+                qkv_n,
+                d.h,
+                d.w,
+                wname(Role::Qkv),
+            ),
         );
         let qkv = b.act(at, "qkv", d.w, &[d.t, qkv_n]);
         b.set(id, &[yg1, wq], &[qkv]);
@@ -992,12 +999,19 @@ impl<'a> Ctx<'a> {
         let o = b.act(at, "o", d.w, &[d.t, d.heads * d.d]);
         let lse = b.act(at, "lse", DType::F32, &[d.t, d.heads]);
         b.set(id, &[q, kvg], &[o, lse]);
-        let (wp, _) = self.weight(b, lo, "proj");
+        let (wp, _) = self.weight(b, lo, Role::Proj);
         let id = b.compute(
             pass,
             mbo,
             lo,
-            gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")),
+            gemm(
+                GemmName::fwd(GemmRole::Proj),
+                d.t,
+                d.h,
+                d.heads * d.d,
+                d.w,
+                wname(Role::Proj),
+            ),
         );
         let p1 = b.act(at, "p1", d.w, &[d.t, d.h]);
         b.set(id, &[o, wp], &[p1]);
@@ -1005,7 +1019,7 @@ impl<'a> Ctx<'a> {
         let xm = self.residual_v(b, pass, at, x, p1r, "xm");
         // MLP block (an MoE block under SP without shared experts keeps the sequence
         // shard throughout: no hidden-state gather or reduce-scatter)
-        let y2 = self.norm_fwd_v(b, pass, at, xm, "mlp_norm", ("y2", "rstd2"));
+        let y2 = self.norm_fwd_v(b, pass, at, xm, Role::MlpNorm, ("y2", "rstd2"));
         let block_tp = self.block_tp(layer);
         let yg2 = if block_tp {
             self.gather_v(b, pass, at, y2, "yg2")
@@ -1114,15 +1128,15 @@ impl<'a> Ctx<'a> {
         keep
     }
 
-    /// A forward (or recompute) GEMM of `layer` reading weight `L{layer}.{name}`.
+    /// A forward (or recompute) GEMM of `layer` reading its role's weight `L{layer}.{role}`.
     fn gemm_fwd(&self, b: &mut Builder, pass: Pass, mb: u32, layer: u32, g: &G) -> NodeId {
         let w = self.dims().w;
-        let weight = Some(format!("L{layer}.{}", g.name));
+        let weight = Some(ParamName::layer(layer, g.role.weight()));
         b.compute(
             pass,
             Some(mb),
             Some(layer),
-            gemm(g.name, g.m, g.n, g.k, w, weight),
+            gemm(GemmName::fwd(g.role), g.m, g.n, g.k, w, weight),
         )
     }
 
@@ -1194,25 +1208,23 @@ impl<'a> Ctx<'a> {
         io: [ValueId; 2],
         key: &'static str,
     ) -> ValueId {
-        self.gemm_bwd_w(b, at, (g, g.name), io, key)
+        self.gemm_bwd_w(b, at, (g, g.role.weight()), io, key)
     }
 
-    /// Same, for GEMM `g` reading weight `wname` (the head's `lm_head` or `embedding`).
+    /// Same, for GEMM `g` reading the weight of role `wrole` (the head's `lm_head` or
+    /// `embedding`).
     fn gemm_bwd_w(
         &self,
         b: &mut Builder,
         at: (u32, u32),
-        gw: (&G, &'static str),
+        gw: (&G, Role),
         io: [ValueId; 2],
         key: &'static str,
     ) -> ValueId {
-        let ([dy, x], (g, wname)) = (io, gw);
+        let ([dy, x], (g, wrole)) = (io, gw);
         let layer = (at.0 < EMBED).then_some(at.0);
-        let (wv, gv) = self.weight(b, layer, wname);
-        let full = match layer {
-            Some(l) => format!("L{l}.{wname}"),
-            None => wname.to_string(),
-        };
+        let (wv, gv) = self.weight(b, layer, wrole);
+        let full = ParamName::at(layer, wrole);
         let (dg, wg) = self.gemm_bwd(b, layer, at.1, g, Some(full));
         let dx = b.act(at, key, self.dims().w, &[g.m, g.k]);
         b.set(dg, &[dy, wv], &[dx]);
@@ -1227,22 +1239,22 @@ impl<'a> Ctx<'a> {
         layer: Option<u32>,
         mb: u32,
         g: &G,
-        weight: Option<String>,
+        weight: Option<ParamName>,
     ) -> (NodeId, NodeId) {
         let w = self.dims().w;
-        let dg = GemmPass::Dgrad.name(g.name);
-        let wg = GemmPass::Wgrad.name(g.name);
+        let dg = GemmName::new(g.role, GemmPass::Dgrad);
+        let wg = GemmName::new(g.role, GemmPass::Wgrad);
         let d = b.compute(
             Pass::Bwd,
             Some(mb),
             layer,
-            gemm(&dg, g.m, g.k, g.n, w, weight.clone()),
+            gemm(dg, g.m, g.k, g.n, w, weight),
         );
         let wn = b.compute(
             Pass::Bwd,
             Some(mb),
             layer,
-            gemm(&wg, g.k, g.n, g.m, w, weight),
+            gemm(wg, g.k, g.n, g.m, w, weight),
         );
         (d, wn)
     }
@@ -1272,10 +1284,10 @@ impl<'a> Ctx<'a> {
     /// (Megatron's `layernorm` module, torchtitan's op-level AC).
     /// The replay defines the norm's output and statistics again (and, without SP, the
     /// GEMM input the weight gradient reads).
-    fn norm_recompute(&self, b: &mut Builder, at: (u32, u32), which: &'static str) {
+    fn norm_recompute(&self, b: &mut Builder, at: (u32, u32), which: Role) {
         let layer = at.0;
         if self.recomputes(layer, RecomputeModule::Layernorm) || self.titan_sac(layer) {
-            let (x, keys, gathered) = if which == "mlp_norm" {
+            let (x, keys, gathered) = if which == Role::MlpNorm {
                 (b.get(at, "xm"), ("y2", "rstd2"), "yg2")
             } else {
                 (b.get(at, "x"), ("y1", "rstd1"), "yg1")
@@ -1324,7 +1336,7 @@ impl<'a> Ctx<'a> {
             }
             let g = if d.mats > 2 {
                 G {
-                    name: "fc1_up",
+                    role: GemmRole::Fc1Up,
                     m: d.t,
                     n: d.f,
                     k: d.h,
@@ -1332,11 +1344,13 @@ impl<'a> Ctx<'a> {
             } else {
                 gs[1].clone()
             };
-            let weight = Some(format!(
-                "L{layer}.{}",
-                if d.mats > 2 { "fc1" } else { "fc2" }
-            ));
-            b.compute(rc, mbo, lo, gemm(g.name, g.m, g.n, g.k, d.w, weight));
+            let weight = Some(ParamName::layer(layer, g.role.weight()));
+            b.compute(
+                rc,
+                mbo,
+                lo,
+                gemm(GemmName::fwd(g.role), g.m, g.n, g.k, d.w, weight),
+            );
             b.compute(rc, mbo, lo, ew(ElementwiseKind::Activation, d.t * d.f, 6));
             return;
         }
@@ -1388,14 +1402,14 @@ impl<'a> Ctx<'a> {
         let (mbo, lo) = (Some(mb), Some(layer));
         let at = (layer, mb);
         let pass = Pass::Bwd;
-        let wname = |n: &str| Some(format!("L{layer}.{n}"));
+        let wname = |r: Role| Some(ParamName::layer(layer, r));
         let dout = b.take_dcur(mb);
         b.put(at, "dout", dout);
         // MLP block
         let dout = self.dropout_bwd_v(b, at, dout, "dout_d");
         let block_tp = self.block_tp(layer);
         let gs = self.mlp_gemms(layer, &d);
-        self.norm_recompute(b, at, "mlp_norm");
+        self.norm_recompute(b, at, Role::MlpNorm);
         self.mlp_recompute(b, layer, mb, &gs);
         let dg2 = if block_tp {
             self.gather_v(b, pass, at, dout, "dg2")
@@ -1413,18 +1427,18 @@ impl<'a> Ctx<'a> {
             dy2
         };
         let io = [dy2r, b.get(at, "xm"), b.get(at, "rstd2")];
-        let dxm = self.norm_bwd_v(b, at, "mlp_norm", io, Some(dout));
+        let dxm = self.norm_bwd_v(b, at, Role::MlpNorm, io, Some(dout));
         b.put(at, "dxm", dxm);
         // attention block
         let dxm = self.dropout_bwd_v(b, at, dxm, "dxm_d");
         let dg1 = self.gather_v(b, pass, at, dxm, "dg1");
         let proj = G {
-            name: "proj",
+            role: GemmRole::Proj,
             m: d.t,
             n: d.h,
             k: d.heads * d.d,
         };
-        self.norm_recompute(b, at, "attn_norm");
+        self.norm_recompute(b, at, Role::AttnNorm);
         if self.titan_sac(layer) {
             // torchtitan's op-level AC reruns wk (and the rotary on K) and wo; the SDPA
             // output is kept. (These replays carry no values yet.)
@@ -1434,7 +1448,14 @@ impl<'a> Ctx<'a> {
                 rc,
                 mbo,
                 lo,
-                gemm("k_proj", d.t, d.kv_heads * d.d, d.h, d.w, wname("qkv")),
+                gemm(
+                    GemmName::fwd(GemmRole::KProj),
+                    d.t,
+                    d.kv_heads * d.d,
+                    d.h,
+                    d.w,
+                    wname(GemmRole::KProj.weight()),
+                ),
             );
             b.compute(
                 rc,
@@ -1446,7 +1467,14 @@ impl<'a> Ctx<'a> {
                 rc,
                 mbo,
                 lo,
-                gemm("proj", d.t, d.h, d.heads * d.d, d.w, wname("proj")),
+                gemm(
+                    GemmName::fwd(GemmRole::Proj),
+                    d.t,
+                    d.h,
+                    d.heads * d.d,
+                    d.w,
+                    wname(Role::Proj),
+                ),
             );
         }
         let o = b.get(at, "o");
@@ -1500,7 +1528,7 @@ impl<'a> Ctx<'a> {
             ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
         );
         let qkv = G {
-            name: "qkv",
+            role: GemmRole::Qkv,
             m: d.t,
             n: (d.heads + 2 * d.kv_heads) * d.d,
             k: d.h,
@@ -1511,7 +1539,7 @@ impl<'a> Ctx<'a> {
         let dyg1 = self.gemm_bwd_v(b, at, &qkv, [dqkv, yg1], "dyg1");
         let dy1 = self.reduce_v(b, pass, at, dyg1, "dy1");
         let io = [dy1, b.get(at, "x"), b.get(at, "rstd1")];
-        let dx = self.norm_bwd_v(b, at, "attn_norm", io, Some(dxm));
+        let dx = self.norm_bwd_v(b, at, Role::AttnNorm, io, Some(dxm));
         b.hand_on(at, dx, true);
         b.release_scope_but(at, &[], Pass::Bwd, lo);
     }
@@ -1622,9 +1650,9 @@ impl<'a> Ctx<'a> {
         let d = self.dims();
         let at = (EMBED, mb);
         let (tok, _) = b.data(mb, d.t);
-        let mut ops = vec![tok, self.weight(b, None, "embedding").0];
+        let mut ops = vec![tok, self.weight(b, None, Role::Embedding).0];
         if self.job.model.learned_positions {
-            ops.push(self.weight(b, None, "pos_embedding").0);
+            ops.push(self.weight(b, None, Role::PosEmbedding).0);
         }
         let id = b.compute(Pass::Fwd, Some(mb), None, embedding_op(&d));
         let e = b.act(at, "e", d.w, &[d.t, d.h]);
@@ -1669,9 +1697,9 @@ impl<'a> Ctx<'a> {
             None => dx,
         };
         let (tok, _) = b.data(mb, d.t);
-        let mut grads = vec![self.weight(b, None, "embedding").1];
+        let mut grads = vec![self.weight(b, None, Role::Embedding).1];
         if self.job.model.learned_positions {
-            grads.push(self.weight(b, None, "pos_embedding").1);
+            grads.push(self.weight(b, None, Role::PosEmbedding).1);
         }
         let id = b.compute(Pass::Bwd, Some(mb), None, embedding_op(&d));
         b.set(id, &[dxg, tok], &grads);
@@ -1685,7 +1713,7 @@ impl<'a> Ctx<'a> {
         let at = (HEAD, mb);
         let x = b.take_cur(mb);
         b.put(at, "x", x);
-        let y = self.norm_fwd_v(b, Pass::Fwd, at, x, "final_norm", ("y", "rstd"));
+        let y = self.norm_fwd_v(b, Pass::Fwd, at, x, Role::FinalNorm, ("y", "rstd"));
         let yg = self.gather_v(b, Pass::Fwd, at, y, "yg");
         let head_w = self.head_weight();
         let (wv, _) = self.weight(b, None, head_w);
@@ -1693,7 +1721,14 @@ impl<'a> Ctx<'a> {
             Pass::Fwd,
             Some(mb),
             None,
-            gemm(HEAD_GEMM, d.t, d.vocab, d.h, d.w, Some(head_w.into())),
+            gemm(
+                GemmName::fwd(GemmRole::LmHead),
+                d.t,
+                d.vocab,
+                d.h,
+                d.w,
+                Some(ParamName::ends(head_w)),
+            ),
         );
         let logits = b.act(at, "logits", DType::F32, &[d.t, d.vocab]);
         b.set(id, &[yg, wv], &[logits]);
@@ -1723,7 +1758,7 @@ impl<'a> Ctx<'a> {
         ];
         b.set(id, &ops, &[dl]);
         let g = G {
-            name: HEAD_GEMM,
+            role: GemmRole::LmHead,
             m: d.t,
             n: d.vocab,
             k: d.h,
@@ -1759,7 +1794,7 @@ impl<'a> Ctx<'a> {
             None => dyg,
         };
         let io = [dy, b.get(at, "x"), b.get(at, "rstd")];
-        let dx = self.norm_bwd_v(b, at, "final_norm", io, None);
+        let dx = self.norm_bwd_v(b, at, Role::FinalNorm, io, None);
         b.hand_on(at, dx, true);
         b.release_scope_but(at, &[], Pass::Bwd, None);
     }

@@ -18,15 +18,15 @@ fn rank(t: u32, d: u32, s: u32) -> u32 {
     t + TP * d + TP * DP * s
 }
 
-fn gemm(name: &str, layer: u32) -> Op {
+fn gemm(name: GemmName, layer: u32) -> Op {
     let (m, n, k) = (4096u64, 2048, 8192);
     Op::Gemm {
-        name: name.into(),
+        name,
         m,
         n,
         k,
         dtype: DType::Bf16,
-        weight: Some(format!("L{layer}.{name}")),
+        weight: Some(ParamName::layer(layer, name.role.weight())),
         work: Work {
             flops: 2 * m * n * k,
             bytes: 2 * (m * k + k * n + m * n),
@@ -79,12 +79,14 @@ fn stage_graph(s: u32, tp_group: GroupId, dp_group: GroupId) -> Graph {
                 from.map(|f| g.push(Stream::P2p, pass, Some(mb), None, p2p(false, f), vec![]));
             for l in 0..LAYERS {
                 let layer = s * LAYERS + l;
-                let names: &[&str] = if pass == Pass::Fwd {
-                    &["qkv", "proj", "fc1", "fc2"]
+                let order = [GemmRole::Qkv, GemmRole::Proj, GemmRole::Fc1, GemmRole::Fc2];
+                let names: Vec<GemmName> = if pass == Pass::Fwd {
+                    order.into_iter().map(GemmName::fwd).collect()
                 } else {
-                    &["fc2.dgrad", "fc1.dgrad", "proj.dgrad", "qkv.dgrad"]
+                    let dgrad = |r| GemmName::new(r, GemmPass::Dgrad);
+                    order.into_iter().rev().map(dgrad).collect()
                 };
-                for (i, name) in names.iter().enumerate() {
+                for (i, &name) in names.iter().enumerate() {
                     let c = g.push(
                         Stream::Compute,
                         pass,

@@ -224,8 +224,7 @@ fn label(axis: Option<&str>, node: &Node) -> String {
 fn event_name(axis: Option<&str>, node: &Node) -> String {
     let mut s = label(axis, node);
     if let Op::Gemm { name, .. } = &node.op {
-        s.push(' ');
-        s.push_str(name);
+        s.push_str(&format!(" {name}"));
     }
     if let Some(l) = node.layer {
         s.push_str(&format!(" L{l}"));

@@ -532,9 +532,9 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             step: self.step + 1,
         };
         let be = self.be;
-        let (dims, all) = (self.dims, self.cfg.decay_norms);
+        let all = self.cfg.decay_norms;
         let decayed = |name: &str| AdamW {
-            weight_decay: if crate::model::decays(dims, name, all) {
+            weight_decay: if crate::model::decays(name, all) {
                 hp.weight_decay
             } else {
                 0.0

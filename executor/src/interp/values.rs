@@ -45,7 +45,8 @@ use super::{all_reduce_op, err, norm_bwd, NormSaved, RankExec};
 use crate::backend::{AttnSaved, Backend, GemmShape, Operand};
 use crate::comm::Communicator;
 use shardwright_ir::{
-    CollectiveKind, ElementwiseKind, GemmPass, Graph, Node, Op, Pass, ValueId, ValueKind,
+    CollectiveKind, ElementwiseKind, Expert, GemmPass, Graph, Node, Op, ParamName, Pass, Role,
+    ValueId, ValueKind,
 };
 use std::collections::BTreeMap;
 
@@ -85,12 +86,23 @@ pub(super) fn state_names(g: &Graph, first_expert: usize) -> Vec<String> {
             if !v.kind.is_state() {
                 return String::new();
             }
-            let mut parts = v.name.splitn(3, '.');
-            let (l, e, rest) = (parts.next(), parts.next(), parts.next());
-            match (l, e.and_then(|e| e.strip_prefix("le")), rest) {
-                (Some(l), Some(i), Some(rest)) if i.parse::<usize>().is_ok() => {
-                    let i: usize = i.parse().unwrap_or(0);
-                    format!("{l}.e{}.{rest}", first_expert + i)
+            let (param, grad) = match v.name.strip_suffix(".grad") {
+                Some(p) if v.kind == ValueKind::Grad => (p, ".grad"),
+                _ => (v.name.as_str(), ""),
+            };
+            match param.parse::<ParamName>() {
+                Ok(
+                    p @ ParamName {
+                        expert: Some(Expert::Local(i)),
+                        ..
+                    },
+                ) => {
+                    let global = Expert::Global(first_expert as u32 + i);
+                    let p = ParamName {
+                        expert: Some(global),
+                        ..p
+                    };
+                    format!("{p}{grad}")
                 }
                 _ => v.name.clone(),
             }
@@ -213,11 +225,16 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     fn v_norm(&mut self, n: &Node) -> Result<(), String> {
         let ws = if self.dims.layernorm { 2 } else { 1 };
-        let wname = self
-            .value_name(Self::arg(n, if n.pass == Pass::Bwd { 2 } else { 1 })?)
-            .to_string();
+        // The weight's operand, then (LayerNorm) the bias's.
+        let at = if n.pass == Pass::Bwd { 2 } else { 1 };
+        let wname = self.value_name(Self::arg(n, at)?).to_string();
+        let bname = match ws {
+            2 => Some(self.value_name(Self::arg(n, at + 1)?).to_string()),
+            _ => None,
+        };
+        let names = (wname.as_str(), bname.as_deref());
         if n.pass != Pass::Bwd {
-            let (y, r) = self.norm_fwd(self.val(Self::arg(n, 0)?)?, &wname)?;
+            let (y, r) = self.norm_fwd(self.val(Self::arg(n, 0)?)?, names)?;
             self.def(Self::res(n, 0)?, y);
             self.def(Self::res(n, 1)?, r);
             return Ok(());
@@ -231,7 +248,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 self.dims,
                 &self.params,
                 &mut self.grads,
-                &wname,
+                names,
                 NormSaved { x, stats: st },
                 dy,
             )?
@@ -259,7 +276,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
         let (m, nn, k) = (*m as usize, *nn as usize, *k as usize);
         let be = self.be;
         // The LM head tied to the embedding multiplies by the embedding's transpose.
-        let tied = self.dims.tied && weight.as_deref() == Some("embedding");
+        let tied = self.dims.tied && weight.is_some_and(|w| w.role == Role::Embedding);
         let (a, b) = (Self::arg(n, 0)?, Self::arg(n, 1)?);
         if n.op.gemm_role().map(|r| r.1) == Some(GemmPass::Wgrad) {
             let gname = self.value_name(Self::res(n, 0)?).to_string();

@@ -25,6 +25,41 @@ pub fn any_name() -> BoxedStrategy<String> {
     .boxed()
 }
 
+/// Any GEMM name (role and product).
+pub fn gemm_name() -> impl Strategy<Value = GemmName> {
+    (
+        prop::sample::select(GemmRole::ALL.to_vec()),
+        prop::sample::select(GemmPass::ALL.to_vec()),
+    )
+        .prop_map(|(r, p)| GemmName::new(r, p))
+}
+
+/// Any parameter name: a role of the ends, of a layer, or of an expert (global or local).
+pub fn param_name() -> impl Strategy<Value = ParamName> {
+    (
+        prop::sample::select(Role::ALL.to_vec()),
+        0u32..100,
+        proptest::option::of((any::<bool>(), 0u32..64)),
+    )
+        .prop_map(|(role, l, e)| {
+            if !role.in_layer() {
+                ParamName::ends(role)
+            } else if let (true, Some((local, i))) = (role.is_expert(), e) {
+                ParamName::expert(
+                    l,
+                    if local {
+                        Expert::Local(i)
+                    } else {
+                        Expert::Global(i)
+                    },
+                    role,
+                )
+            } else {
+                ParamName::layer(l, role)
+            }
+        })
+}
+
 fn work() -> impl Strategy<Value = Work> {
     (any::<u64>(), any::<u64>()).prop_map(|(flops, bytes)| Work { flops, bytes })
 }
@@ -37,15 +72,15 @@ fn dtype() -> impl Strategy<Value = DType> {
 /// messages a raw unit count, `peer` a raw offset), fixed up by [`build`].
 fn raw_op(names: BoxedStrategy<String>) -> impl Strategy<Value = Op> {
     let small = 0u64..1 << 20;
-    let tensor_names = names.clone();
+    let tensor_names = names;
     prop_oneof![
         (
-            names.clone(),
+            gemm_name(),
             small.clone(),
             small.clone(),
             small.clone(),
             dtype(),
-            proptest::option::of(names),
+            proptest::option::of(param_name()),
             any::<u64>()
         )
             .prop_map(|(name, m, n, k, dtype, weight, bytes)| Op::Gemm {

@@ -33,9 +33,10 @@
 //! dtype), not the cost model's per-layer parameter counts.
 
 use super::{dtype, Builder, Coll, Ctx, G};
+use shardwright_ir::vocab::TpSplit;
 use shardwright_ir::{
-    Axis, Bucket, CollectiveKind, DType, ElementwiseKind, NodeId, Op, Pass, ReduceOp, Shard,
-    Stream, ValueId, ValueKind, Work,
+    Axis, Bucket, CollectiveKind, DType, ElementwiseKind, GemmRole, NodeId, Op, Pass, ReduceOp,
+    Role, Shard, Stream, ValueId, ValueKind, Work,
 };
 use shardwright_spec::mesh::GroupKind;
 use shardwright_spec::spec::Norm;
@@ -91,18 +92,18 @@ impl Ctx<'_> {
     }
 
     /// Roles of a layer's dense parameters, in flattening order.
-    fn dense_roles(&self, layer: u32) -> Vec<&'static str> {
+    fn dense_roles(&self, layer: u32) -> Vec<Role> {
         let ln = self.job.model.norm == Norm::Layernorm;
-        let mut v = vec!["attn_norm"];
+        let mut v = vec![Role::AttnNorm];
         if ln {
-            v.push("attn_norm_bias");
+            v.push(Role::AttnNormBias);
         }
-        v.extend(["qkv", "proj", "mlp_norm"]);
+        v.extend([Role::Qkv, Role::Proj, Role::MlpNorm]);
         if ln {
-            v.push("mlp_norm_bias");
+            v.push(Role::MlpNormBias);
         }
         if self.is_moe_layer(layer) {
-            v.push("router");
+            v.push(Role::Router);
             if self
                 .job
                 .model
@@ -110,32 +111,32 @@ impl Ctx<'_> {
                 .as_ref()
                 .is_some_and(|m| m.num_shared_experts > 0)
             {
-                v.extend(["shared_fc1", "shared_fc2"]);
+                v.extend([Role::SharedFc1, Role::SharedFc2]);
             }
         } else {
-            v.extend(["fc1", "fc2"]);
+            v.extend([Role::Fc1, Role::Fc2]);
         }
         v
     }
 
     /// Roles of the ends' parameters stage `j` holds, in flattening order.
-    fn ends_roles(&self, j: u32) -> Vec<&'static str> {
+    fn ends_roles(&self, j: u32) -> Vec<Role> {
         let m = &self.job.model;
         let (embed, head) = (j == 0, j + 1 == self.layout.pp);
         let mut v = Vec::new();
         if embed || (head && m.tied_embeddings) {
-            v.push("embedding");
+            v.push(Role::Embedding);
         }
         if embed && m.learned_positions {
-            v.push("pos_embedding");
+            v.push(Role::PosEmbedding);
         }
         if head {
-            v.push("final_norm");
+            v.push(Role::FinalNorm);
             if m.norm == Norm::Layernorm {
-                v.push("final_norm_bias");
+                v.push(Role::FinalNormBias);
             }
             if !m.tied_embeddings {
-                v.push("lm_head");
+                v.push(Role::LmHead);
             }
         }
         v
@@ -145,9 +146,9 @@ impl Ctx<'_> {
     /// of local experts.
     fn expert_gemms(&self, b: &Builder, layer: u32) -> ([G; 2], u64) {
         let gs = self.mlp_gemms(layer, &self.dims());
-        let find = |n: &str| {
+        let find = |r: GemmRole| {
             gs.iter()
-                .find(|g| g.name == n)
+                .find(|g| g.role == r)
                 .copied()
                 .expect("expert GEMM")
         };
@@ -158,7 +159,7 @@ impl Ctx<'_> {
             .as_ref()
             .map_or(0, |m| m.num_experts as u64);
         (
-            [find("expert_fc1"), find("expert_fc2")],
+            [find(GemmRole::ExpertFc1), find(GemmRole::ExpertFc2)],
             e / self.members(b, GroupKind::Ep),
         )
     }
@@ -303,17 +304,19 @@ impl Ctx<'_> {
             layer,
             expert: false,
         };
-        let roles: Vec<&'static str> = match layer {
+        let roles: Vec<Role> = match layer {
             Some(l) => self.dense_roles(l),
             None => self.ends_roles(self.stage(b)),
         };
-        let replicated: Vec<&'static str> = roles
+        // Replicated over tp, but for the learned positions, whose whole gradient every tp
+        // rank computes.
+        let replicated: Vec<Role> = roles
             .into_iter()
-            .filter(|r| r.ends_with("norm") || r.ends_with("norm_bias") || *r == "router")
+            .filter(|&r| r.tp_split() == TpSplit::Replicated && r != Role::PosEmbedding)
             .collect();
         let n: u64 = replicated
             .iter()
-            .map(|r| self.param_shape(layer, r).iter().product::<u64>())
+            .map(|&r| self.param_shape(layer, r).iter().product::<u64>())
             .sum();
         if n == 0 {
             return;
@@ -342,7 +345,7 @@ impl Ctx<'_> {
             if self.bucket(b, key).is_some() {
                 let grads: Vec<ValueId> = replicated
                     .iter()
-                    .map(|r| self.weight(b, layer, r).1)
+                    .map(|&r| self.weight(b, layer, r).1)
                     .collect();
                 b.set(id, &grads, &grads);
             }

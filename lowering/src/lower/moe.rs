@@ -29,8 +29,8 @@
 //! router's data gradient accumulates onto `dn`, its weight gradient reads `y2`.
 
 use super::{ew, Builder, Coll, Ctx, G, NONE};
-use shardwright_ir::ValueId;
 use shardwright_ir::{CollectiveKind, DType, ElementwiseKind, NodeId, Pass, ReduceOp, Stream};
+use shardwright_ir::{Expert, ParamName, ValueId};
 use shardwright_spec::mesh::GroupKind;
 
 /// Keys of one MLP's values in its scope.
@@ -120,8 +120,8 @@ impl Ctx<'_> {
         let gd = super::dtype(self.job.training.grad_dtype.bytes());
         (0..e / n as u64)
             .map(|i| {
-                let name = format!("L{layer}.le{i}.{}", g.name);
-                b.named_param(name, &[g.k, g.n], self.dims().w, gd)
+                let name = ParamName::expert(layer, Expert::Local(i as u32), g.role.weight());
+                b.named_param(name.to_string(), &[g.k, g.n], self.dims().w, gd)
             })
             .unzip()
     }
@@ -248,7 +248,7 @@ impl Ctx<'_> {
             Some(layer),
             mb,
             down,
-            Some(format!("L{layer}.{}", down.name)),
+            Some(ParamName::layer(layer, down.role.weight())),
         );
         let da = b.act(at, "eda", w, &[down.m, down.k]);
         b.set(dg, &[&[dy][..], &w2].concat(), &[da]);
@@ -269,7 +269,7 @@ impl Ctx<'_> {
             Some(layer),
             mb,
             up,
-            Some(format!("L{layer}.{}", up.name)),
+            Some(ParamName::layer(layer, up.role.weight())),
         );
         let dx = b.act(at, "edx", w, &[up.m, up.k]);
         b.set(dg, &[&[du][..], &w1].concat(), &[dx]);
@@ -319,7 +319,8 @@ impl Ctx<'_> {
         ops.extend(ds);
         b.set(id, &ops, &[dn, dl]);
         let (wr, gr) = self.weight_of(b, layer, &gs[0]);
-        let (dgn, wgn) = self.gemm_bwd(b, lo, mb, &gs[0], Some(format!("L{layer}.router")));
+        let weight = ParamName::layer(layer, gs[0].role.weight());
+        let (dgn, wgn) = self.gemm_bwd(b, lo, mb, &gs[0], Some(weight));
         let dn2 = b.act(at, "dn2", d.w, &[rows, d.h]);
         b.set(dgn, &[dl, wr, dn], &[dn2]);
         let y2 = b.get(at, "y2");

@@ -27,7 +27,7 @@
 //! stream's and the optimizer's in the `dp` module.
 
 use super::Builder;
-use shardwright_ir::{DType, NodeId, Pass, Stream, ValueId, ValueKind};
+use shardwright_ir::{DType, NodeId, ParamName, Pass, Role, Stream, ValueId, ValueKind};
 use std::collections::BTreeMap;
 
 /// Scope id of the head (final norm, LM head, loss) and of the embedding.
@@ -47,7 +47,7 @@ pub(super) struct Vals {
     /// Whether this graph carries values (dense models).
     pub on: bool,
     /// By (layer, or none for the ends; role).
-    pub params: BTreeMap<(Option<u32>, &'static str), (ValueId, ValueId)>,
+    pub params: BTreeMap<(Option<u32>, Role), (ValueId, ValueId)>,
     /// Parameters named whole (the experts').
     pub named: BTreeMap<String, (ValueId, ValueId)>,
     pub data: BTreeMap<u32, (ValueId, ValueId)>,
@@ -139,10 +139,7 @@ impl Builder<'_> {
     }
 
     /// The parameter `key` if declared already.
-    pub(super) fn known_param(
-        &self,
-        key: (Option<u32>, &'static str),
-    ) -> Option<(ValueId, ValueId)> {
+    pub(super) fn known_param(&self, key: (Option<u32>, Role)) -> Option<(ValueId, ValueId)> {
         if !self.v.on {
             return Some((NONE, NONE));
         }
@@ -165,7 +162,7 @@ impl Builder<'_> {
     /// at its first use.
     pub(super) fn param(
         &mut self,
-        key: (Option<u32>, &'static str),
+        key: (Option<u32>, Role),
         shape: &[u64],
         w: DType,
         g: DType,
@@ -173,10 +170,7 @@ impl Builder<'_> {
         if let Some(p) = self.known_param(key) {
             return p;
         }
-        let name = match key.0 {
-            Some(l) => format!("L{l}.{}", key.1),
-            None => key.1.to_string(),
-        };
+        let name = ParamName::at(key.0, key.1).to_string();
         let p = self.named_param(name, shape, w, g);
         self.v.params.insert(key, p);
         p
