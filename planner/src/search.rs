@@ -8,9 +8,9 @@
 
 use rayon::prelude::*;
 use shardwright_cost::eval::{
-    evaluate, evaluate_fitting, evaluate_with, goodput_ceiling, is_uneven,
-    no_bubble_goodput_ceiling, uneven_walk, uneven_walk_bounds, LayerCosts, OutOfMemory, Split,
-    UnevenWalk, WalkBounds,
+    evaluate, evaluate_family, evaluate_fitting, evaluate_with, goodput_ceiling, is_uneven,
+    no_bubble_goodput_ceiling_in, uneven_walk, uneven_walk_bounds, BalancedLoads, Family,
+    FractionSup, LayerCosts, MeshBuffers, OutOfMemory, Split, UnevenWalk, WalkBounds,
 };
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
@@ -200,6 +200,9 @@ struct Space<'a> {
     mbs: Vec<u64>,
     recomputes: Vec<Recompute>,
     zeros: Vec<u8>,
+    /// The balanced split of every (pp, vpp) the search may evaluate.
+    loads: BTreeMap<(u32, u32), BalancedLoads>,
+    sup: FractionSup,
 }
 
 /// One unit of the search's work, in its order: a (tp, cp, ep) mesh that the mesh rules
@@ -252,6 +255,10 @@ enum Event {
     SameAsLowerZero(Layout, u8),
     /// Evaluated with its walk (or none needed).
     Evaluated(Box<Candidate>),
+    /// Fits, and its goodput and goodput bound are below the threshold the top held when
+    /// its window started ([`Family::goodput_ceiling`]): feasible, neither in the top nor a
+    /// hopeful, not costed further.
+    FitsBelow,
     /// Does not fit (the search is not fully pinned): the worst rank's bytes and the HBM.
     OutOfMemory(Layout, f64, f64),
     /// Uneven interleaving: `ceiling` bounds its goodput with no pipeline bubble (its
@@ -288,6 +295,16 @@ enum Verdict {
     FitsBelow(f64),
     /// Its evaluation with its walk (or with none when it needs none).
     Full(Box<Candidate>),
+}
+
+/// What the candidates of one (pp, vpp, schedule) of a unit share, worked out for the first
+/// that needs it (none of it reads the ZeRO stage).
+struct FamilyWork {
+    /// The family's number in its unit.
+    id: u32,
+    /// The uneven interleaving's ceiling ([`no_bubble_goodput_ceiling_in`]).
+    ceiling: Option<f64>,
+    family: Option<Family>,
 }
 
 /// One unit's candidates (and the per-layer costs they were evaluated with).
@@ -329,7 +346,13 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
     };
     let mut plans = WalkPlans::default();
     for window in units.chunks(WINDOW) {
-        let mut expanded: Vec<Expanded> = window.par_iter().map(|u| space.expand(u)).collect();
+        // The threshold only rises during the replay: below it now, below it then.
+        let cut = if space.fully_pinned {
+            f64::NEG_INFINITY
+        } else {
+            threshold(&run.best, keep)
+        };
+        let mut expanded: Vec<Expanded> = window.par_iter().map(|u| space.expand(u, cut)).collect();
         run.prepare_uneven(&space, &mut plans, &mut expanded);
         for (unit, ex) in window.iter().zip(expanded) {
             run.replay(&space, unit, ex);
@@ -360,6 +383,15 @@ impl<'a> Space<'a> {
         let mbs_all: Vec<u64> = (1..=MAX_MICRO_BATCH.min(gb))
             .filter(|b| gb % b == 0)
             .collect();
+        let layers = job.model.num_layers;
+        let max_vpp = pins.vpp.map_or(MAX_VPP, |v| v.max(1));
+        let loads = divs
+            .iter()
+            .filter(|&&p| p <= layers as u64)
+            .flat_map(|&p| (1..=max_vpp).map(move |v| (p as u32, v)))
+            .filter(|&(p, v)| !matches!(pins.vpp, Some(pv) if pv.max(1) != v) && p * v <= layers)
+            .map(|(p, v)| ((p, v), BalancedLoads::new(job, p, v)))
+            .collect();
         Space {
             job,
             ctx: rules::Ctx::of(job),
@@ -378,6 +410,20 @@ impl<'a> Space<'a> {
                 vec![Recompute::None, Recompute::Selective, Recompute::Full],
             ),
             zeros: pick(pins.zero_stage, vec![0u8, 1, 2, 3]),
+            loads,
+            sup: FractionSup::new(job, world),
+        }
+    }
+
+    /// The family of `layout` (built on `lc`).
+    fn family(&self, lc: &LayerCosts, layout: &Layout) -> Family {
+        let key = (layout.pp, layout.vpp.max(1));
+        match self.loads.get(&key) {
+            Some(loads) => Family::new(self.job, lc, layout, loads, &self.sup),
+            None => {
+                let loads = BalancedLoads::new(self.job, key.0, key.1);
+                Family::new(self.job, lc, layout, &loads, &self.sup)
+            }
         }
     }
 
@@ -465,8 +511,9 @@ impl<'a> Space<'a> {
     }
 
     /// A unit's candidates over (pp, vpp, schedule, ZeRO stage), each rejected, counted or
-    /// evaluated (uneven interleaving: only its optimistic goodput).
-    fn expand(&self, unit: &Unit) -> Expanded {
+    /// evaluated (uneven interleaving: only its optimistic goodput); one that fits with a
+    /// goodput ceiling below `cut` is not costed further.
+    fn expand(&self, unit: &Unit, cut: f64) -> Expanded {
         let Unit::Costs {
             tp,
             cp,
@@ -518,6 +565,8 @@ impl<'a> Space<'a> {
                 continue;
             }
             let ga = job.training.global_batch / (mb * dp * ep);
+            // Shared by every (vpp, schedule, ZeRO stage) of this pp.
+            let mut buffers = None;
             // Virtual stages go with the interleaved schedule only.
             let vpps: Vec<u32> = match (pins.vpp, pins.schedule) {
                 (Some(v), _) => vec![v],
@@ -544,8 +593,13 @@ impl<'a> Space<'a> {
                     (None, _) => vec![Schedule::Interleaved],
                 };
                 for &sched in &schedules {
-                    // The ceiling of an uneven interleaving does not read the ZeRO stage.
-                    let mut ceiling = None;
+                    // The ceiling of an uneven interleaving does not read the ZeRO stage,
+                    // nor does anything the family holds.
+                    let mut work = FamilyWork {
+                        id: family,
+                        ceiling: None,
+                        family: None,
+                    };
                     for &z in &self.zeros {
                         let layout = Layout {
                             tp: tp as u32,
@@ -566,7 +620,7 @@ impl<'a> Space<'a> {
                                 tp as u32
                             }),
                         };
-                        events.push(self.candidate(&lc, layout, family, &mut ceiling));
+                        events.push(self.candidate(&lc, layout, &mut work, &mut buffers, cut));
                     }
                 }
             }
@@ -582,8 +636,9 @@ impl<'a> Space<'a> {
         &self,
         lc: &LayerCosts,
         layout: Layout,
-        family: u32,
-        ceiling: &mut Option<f64>,
+        work: &mut FamilyWork,
+        buffers: &mut Option<MeshBuffers>,
+        cut: f64,
     ) -> Event {
         let (pp, v, z) = (layout.pp, layout.vpp, layout.zero_stage);
         let z_axes = Axes {
@@ -612,12 +667,14 @@ impl<'a> Space<'a> {
         // goodput with no bubble (an upper bound) and walk only when that could reach the top
         // and the layout may fit. Cheaper still, a ceiling of that goodput (no memory, no
         // step terms) decides most candidates; the rest are costed later, when needed.
+        let fam = &*work.family.get_or_insert_with(|| self.family(lc, &layout));
         if v > 1 && self.job.model.num_layers % (pp * v) != 0 {
             return Event::Uneven {
                 layout,
-                ceiling: *ceiling
-                    .get_or_insert_with(|| no_bubble_goodput_ceiling(self.job, lc, &layout)),
-                family,
+                ceiling: *work
+                    .ceiling
+                    .get_or_insert_with(|| no_bubble_goodput_ceiling_in(self.job, fam, &layout)),
+                family: work.id,
                 pre: None,
             };
         }
@@ -625,8 +682,10 @@ impl<'a> Space<'a> {
             // Ranked whether it fits or not.
             return Event::Evaluated(Box::new(evaluated(self.job, lc, layout)));
         }
-        match evaluate_fitting(self.job, lc, &layout, UnevenWalk::Walk) {
-            Ok(ev) => Event::Evaluated(Box::new(Candidate {
+        let buffers = &*buffers.get_or_insert_with(|| MeshBuffers::new(self.job, &layout));
+        match evaluate_family(self.job, lc, fam, buffers, &layout, UnevenWalk::Walk, cut) {
+            Ok(None) => Event::FitsBelow,
+            Ok(Some(ev)) => Event::Evaluated(Box::new(Candidate {
                 layout,
                 estimate: ev.estimate,
                 goodput_bound: ev.goodput_bound,
@@ -939,6 +998,10 @@ impl Replay {
                     });
                 }
                 Event::Evaluated(c) => self.rank(*c),
+                Event::FitsBelow => {
+                    self.tally.summary.candidates += 1;
+                    self.tally.summary.feasible += 1;
+                }
                 Event::OutOfMemory(layout, need, hbm) => {
                     self.out_of_memory(&layout, || (need, hbm));
                 }
