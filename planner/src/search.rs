@@ -155,6 +155,25 @@ impl Tally {
         }
     }
 
+    /// `key` seen (with this example when it is the first time), without counting.
+    fn first(&mut self, key: &'static str, example: impl FnOnce() -> String) {
+        let same = |k: &&'static str| std::ptr::eq(*k, key) || *k == key;
+        if !self.reasons.iter().any(|r| same(&r.0)) {
+            self.reasons.push((key, 0, example()));
+        }
+    }
+
+    /// `n` candidates counted under `key`, seen before ([`Tally::first`]).
+    fn add(&mut self, key: &'static str, n: u64) {
+        self.summary.candidates += n;
+        let same = |k: &&'static str| std::ptr::eq(*k, key) || *k == key;
+        self.reasons
+            .iter_mut()
+            .find(|r| same(&r.0))
+            .expect("seen first")
+            .1 += n;
+    }
+
     fn into_summary(self) -> SearchSummary {
         let mut summary = self.summary;
         for (key, n, example) in self.reasons {
@@ -307,11 +326,58 @@ struct FamilyWork {
     family: Option<Family>,
 }
 
-/// One unit's candidates (and the per-layer costs they were evaluated with).
+/// One unit's candidates (and the per-layer costs they were evaluated with): those the
+/// replay must visit in order (evaluated ones and uneven interleavings it may need to
+/// cost), and the counts of the others.
 struct Expanded {
     lc: Option<LayerCosts>,
     events: Vec<Event>,
+    counted: Counted,
 }
+
+/// A unit's candidates that the replay only counts, whatever its state: rejected by a rule,
+/// the same as a lower ZeRO stage, out of memory, fitting below the window's threshold,
+/// uneven interleavings whose ceiling is below it. Per key: the count, and the first such
+/// candidate with the number of ordered events before it, so that the replay sees each
+/// key's first example where the sequential search would.
+#[derive(Default)]
+struct Counted {
+    /// (key, count, ordered events before the first, the first).
+    keys: Vec<(&'static str, u64, usize, Event)>,
+    /// Feasible candidates below the threshold ([`Event::FitsBelow`]).
+    feasible: u64,
+}
+
+impl Counted {
+    /// `e`, the next candidate, after `ordered` events kept in order: counted here, or
+    /// handed back to be kept.
+    fn take(&mut self, e: Event, ordered: usize, cut: f64) -> Option<Event> {
+        let key = match &e {
+            Event::Rejected(r, _) => r.name(),
+            Event::SameAsLowerZero(..) => SAME_AS_LOWER_ZERO,
+            Event::OutOfMemory(..) => Rejection::OutOfMemory.name(),
+            Event::FitsBelow => {
+                self.feasible += 1;
+                return None;
+            }
+            // Below the threshold the replay will hold: counted below the top there.
+            Event::Uneven { ceiling, .. } if *ceiling < cut => BELOW_TOP,
+            Event::Uneven { .. } | Event::Evaluated(_) => return Some(e),
+        };
+        match self
+            .keys
+            .iter_mut()
+            .find(|k| std::ptr::eq(k.0, key) || k.0 == key)
+        {
+            Some(k) => k.1 += 1,
+            None => self.keys.push((key, 1, ordered, e)),
+        }
+        None
+    }
+}
+
+const SAME_AS_LOWER_ZERO: &str = "same_as_lower_zero_stage";
+const BELOW_TOP: &str = "below_top_without_bubble";
 
 /// Units expanded in parallel per window, then replayed in order: a window is a few times
 /// the thread count, so the replay's threshold is never far behind.
@@ -528,6 +594,7 @@ impl<'a> Space<'a> {
             return Expanded {
                 lc: None,
                 events: Vec::new(),
+                counted: Counted::default(),
             };
         };
         let job = self.job;
@@ -544,6 +611,12 @@ impl<'a> Space<'a> {
         let rest = self.world / (tp * cp * ep);
         let pps: Vec<u64> = pick(pins.pp.map(|v| v as u64), divisors(rest));
         let mut events = Vec::new();
+        let mut counted = Counted::default();
+        let mut push = |e: Event, events: &mut Vec<Event>| {
+            if let Some(e) = counted.take(e, events.len(), cut) {
+                events.push(e);
+            }
+        };
         let mut family = 0u32;
         for &pp in &pps {
             if rest % pp != 0 {
@@ -561,7 +634,10 @@ impl<'a> Space<'a> {
                 ..Axes::default()
             };
             if let Some(r) = rules::first_violation(&self.ctx, &pp_axes) {
-                events.push(Event::Rejected(r, Site::Pipeline { pp, dp, mb, ep }));
+                push(
+                    Event::Rejected(r, Site::Pipeline { pp, dp, mb, ep }),
+                    &mut events,
+                );
                 continue;
             }
             let ga = job.training.global_batch / (mb * dp * ep);
@@ -583,7 +659,10 @@ impl<'a> Space<'a> {
                     ..Axes::default()
                 };
                 if let Some(r) = rules::first_violation(&self.ctx, &v_axes) {
-                    events.push(Event::Rejected(r, Site::Interleave { pp, v, ga }));
+                    push(
+                        Event::Rejected(r, Site::Interleave { pp, v, ga }),
+                        &mut events,
+                    );
                     continue;
                 }
                 family += 1;
@@ -620,7 +699,8 @@ impl<'a> Space<'a> {
                                 tp as u32
                             }),
                         };
-                        events.push(self.candidate(&lc, layout, &mut work, &mut buffers, cut));
+                        let e = self.candidate(&lc, layout, &mut work, &mut buffers, cut);
+                        push(e, &mut events);
                     }
                 }
             }
@@ -628,6 +708,7 @@ impl<'a> Space<'a> {
         Expanded {
             lc: Some(lc),
             events,
+            counted,
         }
     }
 
@@ -989,32 +1070,53 @@ impl Replay {
             self.tally.reject(reason, || space.example(reason, &site));
             return;
         }
-        for e in ex.events {
+        let Expanded {
+            lc,
+            events,
+            counted,
+        } = ex;
+        // Each counted key is seen (its first example) just before the ordered event it
+        // preceded, then counted at the end: the same tally as visiting every candidate.
+        let mut firsts = counted.keys.iter().peekable();
+        for (i, e) in events.into_iter().enumerate() {
+            while let Some((key, _, _, first)) = firsts.next_if(|k| k.2 <= i) {
+                self.tally.first(key, || Self::example(space, first));
+            }
             match e {
-                Event::Rejected(r, site) => self.tally.reject(r, || space.example(r, &site)),
-                Event::SameAsLowerZero(layout, lower) => {
-                    self.tally.count("same_as_lower_zero_stage", || {
-                        format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie")
-                    });
-                }
                 Event::Evaluated(c) => self.rank(*c),
-                Event::FitsBelow => {
-                    self.tally.summary.candidates += 1;
-                    self.tally.summary.feasible += 1;
-                }
-                Event::OutOfMemory(layout, need, hbm) => {
-                    self.out_of_memory(&layout, || (need, hbm));
-                }
+                Event::Rejected(..)
+                | Event::SameAsLowerZero(..)
+                | Event::OutOfMemory(..)
+                | Event::FitsBelow => unreachable!("counted in the expansion"),
                 Event::Uneven {
                     layout,
                     ceiling,
                     pre,
                     ..
                 } => {
-                    let lc = ex.lc.as_ref().expect("a unit with candidates");
+                    let lc = lc.as_ref().expect("a unit with candidates");
                     self.uneven(space, lc, layout, ceiling, pre);
                 }
             }
+        }
+        for (key, _, _, first) in firsts {
+            self.tally.first(key, || Self::example(space, first));
+        }
+        for (key, n, _, _) in &counted.keys {
+            self.tally.add(key, *n);
+        }
+        self.tally.summary.candidates += counted.feasible;
+        self.tally.summary.feasible += counted.feasible;
+    }
+
+    /// The example text of a counted candidate.
+    fn example(space: &Space<'_>, e: &Event) -> String {
+        match e {
+            Event::Rejected(r, site) => space.example(*r, site),
+            Event::SameAsLowerZero(layout, lower) => format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie"),
+            Event::OutOfMemory(layout, need, hbm) => oom_example(layout, *need, *hbm),
+            Event::Uneven { layout, .. } => below_top_example(layout),
+            Event::Evaluated(_) | Event::FitsBelow => unreachable!("not counted under a key"),
         }
     }
 
@@ -1037,9 +1139,7 @@ impl Replay {
             None => (space.optimistic(lc, &layout), Verdict::Open),
         };
         if below(optimistic) {
-            self.tally.count("below_top_without_bubble", || {
-                format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top")
-            });
+            self.tally.count(BELOW_TOP, || below_top_example(&layout));
             return;
         }
         let verdict = match verdict {
@@ -1105,13 +1205,21 @@ impl Replay {
     fn out_of_memory(&mut self, layout: &Layout, memory: impl FnOnce() -> (f64, f64)) {
         self.tally.reject(Rejection::OutOfMemory, || {
             let (need, hbm) = memory();
-            format!(
-                "{layout}: needs {:.1} GB of {:.1} GB",
-                need / 1e9,
-                hbm / 1e9
-            )
+            oom_example(layout, need, hbm)
         });
     }
+}
+
+fn oom_example(layout: &Layout, need: f64, hbm: f64) -> String {
+    format!(
+        "{layout}: needs {:.1} GB of {:.1} GB",
+        need / 1e9,
+        hbm / 1e9
+    )
+}
+
+fn below_top_example(layout: &Layout) -> String {
+    format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top")
 }
 
 /// `layout` evaluated under the balanced split (with its walk when it needs one).
