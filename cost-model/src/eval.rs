@@ -990,10 +990,24 @@ pub fn no_bubble_goodput_ceiling(job: &Job, lc: &LayerCosts, layout: &Layout) ->
     no_bubble_ceiling_of(job, layout, slow, goodput_fraction_sup(job, layout))
 }
 
-/// [`no_bubble_goodput_ceiling`] of a layout of `family` (the same value).
-pub fn no_bubble_goodput_ceiling_in(job: &Job, family: &Family, layout: &Layout) -> f64 {
-    debug_assert!(family.is_family_of(layout));
-    no_bubble_ceiling_of(job, layout, family.no_bubble_slow, family.fraction_sup)
+/// [`no_bubble_goodput_ceiling`] with the balanced split's `loads` (of the layout's pp and
+/// vpp) and the goodput fraction's supremum `sup`: the same value, from each distinct
+/// rank load's time once.
+pub fn no_bubble_goodput_ceiling_with(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    loads: &BalancedLoads,
+    sup: &FractionSup,
+) -> f64 {
+    debug_assert_eq!((loads.p, loads.v), (layout.pp, layout.vpp.max(1)));
+    // The largest of the ranks' times is the largest of their distinct loads' times.
+    let slow = loads
+        .distinct
+        .iter()
+        .map(|l| rank_time(lc, l).total())
+        .fold(f64::NEG_INFINITY, f64::max);
+    no_bubble_ceiling_of(job, layout, slow, sup.of(job, layout))
 }
 
 /// [`no_bubble_goodput_ceiling`] given the slowest rank's time per micro-batch (folded
@@ -1229,6 +1243,8 @@ pub struct BalancedLoads {
     v: u32,
     /// (load, ranks in a row holding it), in rank order.
     runs: Vec<(RankLoad, u32)>,
+    /// The distinct loads.
+    distinct: Vec<RankLoad>,
 }
 
 impl BalancedLoads {
@@ -1242,7 +1258,18 @@ impl BalancedLoads {
                 _ => runs.push((load, 1)),
             }
         }
-        BalancedLoads { p, v, runs }
+        let mut distinct: Vec<RankLoad> = Vec::new();
+        for (l, _) in &runs {
+            if !distinct.contains(l) {
+                distinct.push(*l);
+            }
+        }
+        BalancedLoads {
+            p,
+            v,
+            runs,
+            distinct,
+        }
     }
 }
 
@@ -1286,9 +1313,6 @@ pub struct Family {
     runs: Vec<(RankWork, u32)>,
     sums: Slowest,
     ceiling: f64,
-    /// The ranks' largest time, folded with `f64::max` ([`no_bubble_goodput_ceiling`]).
-    no_bubble_slow: f64,
-    fraction_sup: f64,
 }
 
 /// The mesh of the layouts built on one [`LayerCosts`] with the same pp and dp (any vpp,
@@ -1341,7 +1365,6 @@ impl Family {
     ) -> Family {
         assert_eq!((loads.p, loads.v), (layout.pp, layout.vpp.max(1)));
         let mut sums = Slowest::default();
-        let mut no_bubble_slow = f64::NEG_INFINITY;
         let runs: Vec<(RankWork, u32)> = loads
             .runs
             .iter()
@@ -1349,7 +1372,6 @@ impl Family {
                 let w = RankWork::new(lc, load, 0);
                 for _ in 0..n {
                     sums.add(&w);
-                    no_bubble_slow = no_bubble_slow.max(w.total);
                 }
                 (w, n)
             })
@@ -1378,8 +1400,6 @@ impl Family {
             runs,
             sums,
             ceiling,
-            no_bubble_slow,
-            fraction_sup,
         }
     }
 

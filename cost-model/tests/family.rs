@@ -4,8 +4,8 @@
 //! the goodput and the goodput bound of every fitting layout.
 
 use shardwright_cost::eval::{
-    evaluate_family, evaluate_fitting, BalancedLoads, Family, FractionSup, LayerCosts,
-    MeshBuffers, UnevenWalk,
+    evaluate_family, evaluate_fitting, BalancedLoads, Family, FractionSup, LayerCosts, MeshBuffers,
+    UnevenWalk,
 };
 use shardwright_cost::rules::{self, Axes};
 use shardwright_cost::{resolve, ResolveOptions};

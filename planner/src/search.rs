@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 use shardwright_cost::eval::{
     evaluate, evaluate_family, evaluate_fitting, evaluate_with, goodput_ceiling, is_uneven,
-    no_bubble_goodput_ceiling_in, uneven_walk, uneven_walk_bounds, BalancedLoads, Family,
+    no_bubble_goodput_ceiling_with, uneven_walk, uneven_walk_bounds, BalancedLoads, Family,
     FractionSup, LayerCosts, MeshBuffers, OutOfMemory, Split, UnevenWalk, WalkBounds,
 };
 use shardwright_cost::layer::LayerShape;
@@ -321,7 +321,7 @@ enum Verdict {
 struct FamilyWork {
     /// The family's number in its unit.
     id: u32,
-    /// The uneven interleaving's ceiling ([`no_bubble_goodput_ceiling_in`]).
+    /// The uneven interleaving's ceiling ([`no_bubble_goodput_ceiling_with`]).
     ceiling: Option<f64>,
     family: Option<Family>,
 }
@@ -343,7 +343,7 @@ struct Expanded {
 #[derive(Default)]
 struct Counted {
     /// (key, count, ordered events before the first, the first).
-    keys: Vec<(&'static str, u64, usize, Event)>,
+    keys: Vec<(Key, u64, usize, Event)>,
     /// Feasible candidates below the threshold ([`Event::FitsBelow`]).
     feasible: u64,
 }
@@ -353,26 +353,40 @@ impl Counted {
     /// handed back to be kept.
     fn take(&mut self, e: Event, ordered: usize, cut: f64) -> Option<Event> {
         let key = match &e {
-            Event::Rejected(r, _) => r.name(),
-            Event::SameAsLowerZero(..) => SAME_AS_LOWER_ZERO,
-            Event::OutOfMemory(..) => Rejection::OutOfMemory.name(),
+            Event::Rejected(r, _) => Key::Rule(*r),
+            Event::SameAsLowerZero(..) => Key::SameAsLowerZero,
+            Event::OutOfMemory(..) => Key::Rule(Rejection::OutOfMemory),
             Event::FitsBelow => {
                 self.feasible += 1;
                 return None;
             }
             // Below the threshold the replay will hold: counted below the top there.
-            Event::Uneven { ceiling, .. } if *ceiling < cut => BELOW_TOP,
+            Event::Uneven { ceiling, .. } if *ceiling < cut => Key::BelowTop,
             Event::Uneven { .. } | Event::Evaluated(_) => return Some(e),
         };
-        match self
-            .keys
-            .iter_mut()
-            .find(|k| std::ptr::eq(k.0, key) || k.0 == key)
-        {
+        match self.keys.iter_mut().find(|k| k.0 == key) {
             Some(k) => k.1 += 1,
             None => self.keys.push((key, 1, ordered, e)),
         }
         None
+    }
+}
+
+/// What a candidate is counted under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Key {
+    Rule(Rejection),
+    SameAsLowerZero,
+    BelowTop,
+}
+
+impl Key {
+    fn name(self) -> &'static str {
+        match self {
+            Key::Rule(r) => r.name(),
+            Key::SameAsLowerZero => SAME_AS_LOWER_ZERO,
+            Key::BelowTop => BELOW_TOP,
+        }
     }
 }
 
@@ -481,16 +495,20 @@ impl<'a> Space<'a> {
         }
     }
 
-    /// The family of `layout` (built on `lc`).
-    fn family(&self, lc: &LayerCosts, layout: &Layout) -> Family {
+    /// `f` of the balanced loads of `layout`'s pp and vpp.
+    fn with_loads<T>(&self, layout: &Layout, f: impl FnOnce(&BalancedLoads) -> T) -> T {
         let key = (layout.pp, layout.vpp.max(1));
         match self.loads.get(&key) {
-            Some(loads) => Family::new(self.job, lc, layout, loads, &self.sup),
-            None => {
-                let loads = BalancedLoads::new(self.job, key.0, key.1);
-                Family::new(self.job, lc, layout, &loads, &self.sup)
-            }
+            Some(loads) => f(loads),
+            None => f(&BalancedLoads::new(self.job, key.0, key.1)),
         }
+    }
+
+    /// The family of `layout` (built on `lc`).
+    fn family(&self, lc: &LayerCosts, layout: &Layout) -> Family {
+        self.with_loads(layout, |loads| {
+            Family::new(self.job, lc, layout, loads, &self.sup)
+        })
     }
 
     /// Every unit, in the search's order (tp, cp, ep, micro-batch, sequence parallelism,
@@ -748,13 +766,15 @@ impl<'a> Space<'a> {
         // goodput with no bubble (an upper bound) and walk only when that could reach the top
         // and the layout may fit. Cheaper still, a ceiling of that goodput (no memory, no
         // step terms) decides most candidates; the rest are costed later, when needed.
-        let fam = &*work.family.get_or_insert_with(|| self.family(lc, &layout));
         if v > 1 && self.job.model.num_layers % (pp * v) != 0 {
+            let ceiling = *work.ceiling.get_or_insert_with(|| {
+                self.with_loads(&layout, |loads| {
+                    no_bubble_goodput_ceiling_with(self.job, lc, &layout, loads, &self.sup)
+                })
+            });
             return Event::Uneven {
                 layout,
-                ceiling: *work
-                    .ceiling
-                    .get_or_insert_with(|| no_bubble_goodput_ceiling_in(self.job, fam, &layout)),
+                ceiling,
                 family: work.id,
                 pre: None,
             };
@@ -763,6 +783,7 @@ impl<'a> Space<'a> {
             // Ranked whether it fits or not.
             return Event::Evaluated(Box::new(evaluated(self.job, lc, layout)));
         }
+        let fam = &*work.family.get_or_insert_with(|| self.family(lc, &layout));
         let buffers = &*buffers.get_or_insert_with(|| MeshBuffers::new(self.job, &layout));
         match evaluate_family(self.job, lc, fam, buffers, &layout, UnevenWalk::Walk, cut) {
             Ok(None) => Event::FitsBelow,
@@ -1080,7 +1101,7 @@ impl Replay {
         let mut firsts = counted.keys.iter().peekable();
         for (i, e) in events.into_iter().enumerate() {
             while let Some((key, _, _, first)) = firsts.next_if(|k| k.2 <= i) {
-                self.tally.first(key, || Self::example(space, first));
+                self.tally.first(key.name(), || Self::example(space, first));
             }
             match e {
                 Event::Evaluated(c) => self.rank(*c),
@@ -1100,10 +1121,10 @@ impl Replay {
             }
         }
         for (key, _, _, first) in firsts {
-            self.tally.first(key, || Self::example(space, first));
+            self.tally.first(key.name(), || Self::example(space, first));
         }
         for (key, n, _, _) in &counted.keys {
-            self.tally.add(key, *n);
+            self.tally.add(key.name(), *n);
         }
         self.tally.summary.candidates += counted.feasible;
         self.tally.summary.feasible += counted.feasible;
