@@ -20,6 +20,7 @@ use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
 use shardwright_spec::plan::{Estimate, SearchSummary};
 use shardwright_spec::spec::{Recompute, Schedule};
+use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
@@ -199,6 +200,12 @@ fn divisors(n: u64) -> Vec<u64> {
     d
 }
 
+/// A layout's expert TP: none for a dense model or tp 1; else 1 with whole experts, tp
+/// without.
+fn expert_tp(job: &Job, tp: u64, whole: bool) -> Option<u32> {
+    (job.model.is_moe() && tp > 1).then_some(if whole { 1 } else { tp as u32 })
+}
+
 fn pick<T: Copy>(pinned: Option<T>, all: Vec<T>) -> Vec<T> {
     match pinned {
         Some(v) => vec![v],
@@ -221,7 +228,42 @@ struct Space<'a> {
     zeros: Vec<u8>,
     /// The balanced split of every (pp, vpp) the search may evaluate.
     loads: BTreeMap<(u32, u32), BalancedLoads>,
+    /// What the rules and the ZeRO stages' tie say of each ZeRO stage, per (pp, vpp,
+    /// schedule) the search may reach ([`Space::zero_outcomes`]).
+    zero_outcomes: BTreeMap<(u32, u32, Schedule), Vec<ZeroOutcome>>,
     sup: FractionSup,
+    /// The mesh and NCCL buffers of every (tp, cp, ep, pp, sequence parallel, whole
+    /// experts) of the units ([`Space::mesh_buffers`]).
+    buffers: BTreeMap<BuffersKey, MeshBuffers>,
+}
+
+/// (tp, cp, ep, pp, sequence parallel, whole experts).
+type BuffersKey = (u64, u64, u64, u64, bool, bool);
+
+/// The [`MeshBuffers`] of one pp of a unit: from the search's table, or worked out here.
+struct PpBuffers<'s> {
+    table: Option<&'s MeshBuffers>,
+    own: Option<MeshBuffers>,
+}
+
+impl PpBuffers<'_> {
+    fn get(&mut self, job: &Job, layout: &Layout) -> &MeshBuffers {
+        match self.table {
+            Some(b) => b,
+            None => self
+                .own
+                .get_or_insert_with(|| MeshBuffers::new(job, layout)),
+        }
+    }
+}
+
+/// A ZeRO stage of a (pp, vpp, schedule): rejected by a rule, the same estimate as a lower
+/// stage, or to evaluate. It reads nothing else of a layout.
+#[derive(Clone, Copy, Debug)]
+enum ZeroOutcome {
+    Rejected(Rejection),
+    SameAsLower(u8),
+    Evaluate,
 }
 
 /// One unit of the search's work, in its order: a (tp, cp, ep) mesh that the mesh rules
@@ -349,6 +391,15 @@ struct Counted {
 }
 
 impl Counted {
+    /// The next candidate, after `ordered` events kept in order, counted under `key`;
+    /// `first` makes its event when it is the first of its key.
+    fn count(&mut self, key: Key, ordered: usize, first: impl FnOnce() -> Event) {
+        match self.keys.iter_mut().find(|k| k.0 == key) {
+            Some(k) => k.1 += 1,
+            None => self.keys.push((key, 1, ordered, first())),
+        }
+    }
+
     /// `e`, the next candidate, after `ordered` events kept in order: counted here, or
     /// handed back to be kept.
     fn take(&mut self, e: Event, ordered: usize, cut: f64) -> Option<Event> {
@@ -408,8 +459,9 @@ const WINDOW: usize = 64;
 /// optimistic goodput reaches a lower bound of the threshold the replay will hold; the
 /// replay walks any other it needs itself.
 pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> SearchResult {
-    let space = Space::new(job);
+    let mut space = Space::new(job);
     let units = space.units();
+    space.buffers = space.mesh_buffers(&units);
     let total_outer = (space.tps.len() * space.cps.len() * space.eps.len()) as u64;
     let mut run = Replay {
         keep,
@@ -471,8 +523,8 @@ impl<'a> Space<'a> {
             .flat_map(|&p| (1..=max_vpp).map(move |v| (p as u32, v)))
             .filter(|&(p, v)| !matches!(pins.vpp, Some(pv) if pv.max(1) != v) && p * v <= layers)
             .map(|(p, v)| ((p, v), BalancedLoads::new(job, p, v)))
-            .collect();
-        Space {
+            .collect::<BTreeMap<_, _>>();
+        let mut space = Space {
             job,
             ctx: rules::Ctx::of(job),
             world,
@@ -491,7 +543,114 @@ impl<'a> Space<'a> {
             ),
             zeros: pick(pins.zero_stage, vec![0u8, 1, 2, 3]),
             loads,
+            zero_outcomes: BTreeMap::new(),
             sup: FractionSup::new(job, world),
+            buffers: BTreeMap::new(),
+        };
+        let scheds = match pins.schedule {
+            Some(s) => vec![s],
+            None => vec![Schedule::OneFOneB, Schedule::Interleaved],
+        };
+        let keys: Vec<(u32, u32, Schedule)> = space
+            .loads
+            .keys()
+            .flat_map(|&(p, v)| scheds.iter().map(move |&s| (p, v, s)))
+            .collect();
+        space.zero_outcomes = keys
+            .into_iter()
+            .map(|(p, v, s)| ((p, v, s), space.zero_outcomes_of(p, v, s)))
+            .collect();
+        space
+    }
+
+    /// The [`MeshBuffers`] of every (pp, sequence parallel, whole experts) of the
+    /// (tp, cp, ep) meshes of `units` (in parallel): units with the same mesh share them.
+    fn mesh_buffers(&self, units: &[Unit]) -> BTreeMap<BuffersKey, MeshBuffers> {
+        let mut keys: Vec<BuffersKey> = Vec::new();
+        for u in units {
+            let Unit::Costs {
+                tp,
+                cp,
+                ep,
+                sp,
+                whole,
+                ..
+            } = *u
+            else {
+                continue;
+            };
+            let rest = self.world / (tp * cp * ep);
+            for pp in pick(self.job.pinned.pp.map(|v| v as u64), divisors(rest)) {
+                if rest % pp == 0 && pp <= self.job.model.num_layers as u64 {
+                    keys.push((tp, cp, ep, pp, sp, whole));
+                }
+            }
+        }
+        keys.sort();
+        keys.dedup();
+        let job = self.job;
+        let built: Vec<MeshBuffers> = keys
+            .par_iter()
+            .map(|&(tp, cp, ep, pp, sp, whole)| {
+                let layout = Layout {
+                    tp: tp as u32,
+                    pp: pp as u32,
+                    dp: (self.world / (tp * cp * ep * pp)) as u32,
+                    cp: cp as u32,
+                    ep: ep as u32,
+                    vpp: 1,
+                    micro_batch: 1,
+                    grad_accum: 1,
+                    zero_stage: 0,
+                    recompute: Recompute::None,
+                    sequence_parallel: sp,
+                    schedule: Schedule::OneFOneB,
+                    expert_tp: expert_tp(job, tp, whole),
+                };
+                MeshBuffers::new(job, &layout)
+            })
+            .collect();
+        keys.into_iter().zip(built).collect()
+    }
+
+    /// [`ZeroOutcome`] of each ZeRO stage of `zeros`, for (pp, vpp, schedule).
+    fn zero_outcomes_of(&self, pp: u32, v: u32, schedule: Schedule) -> Vec<ZeroOutcome> {
+        let reshard = self.job.pinned.fsdp_reshard_after_forward;
+        let sharding = |z: u8| DpSharding::new(z, pp, reshard);
+        self.zeros
+            .iter()
+            .map(|&z| {
+                let z_axes = Axes {
+                    pp: Some(pp as u64),
+                    vpp: Some(v as u64),
+                    schedule: Some(schedule),
+                    zero_stage: Some(z),
+                    ..Axes::default()
+                };
+                if let Some(r) = rules::first_violation(&self.ctx, &z_axes) {
+                    return ZeroOutcome::Rejected(r);
+                }
+                // A ZeRO stage whose sharding and traffic the cost model says are those of
+                // a lower stage in the list (ZeRO-2, and FSDP without resharding, under PP
+                // are ZeRO-1's) has the same estimate; the lower stage wins that tie, so it
+                // is counted, not evaluated.
+                match self
+                    .zeros
+                    .iter()
+                    .find(|&&z2| z2 < z && sharding(z2) == sharding(z))
+                {
+                    Some(&lower) => ZeroOutcome::SameAsLower(lower),
+                    None => ZeroOutcome::Evaluate,
+                }
+            })
+            .collect()
+    }
+
+    /// [`Space::zero_outcomes_of`], worked out once per search.
+    fn zero_outcomes(&self, pp: u32, v: u32, schedule: Schedule) -> Cow<'_, [ZeroOutcome]> {
+        match self.zero_outcomes.get(&(pp, v, schedule)) {
+            Some(o) => Cow::Borrowed(o),
+            None => Cow::Owned(self.zero_outcomes_of(pp, v, schedule)),
         }
     }
 
@@ -630,7 +789,7 @@ impl<'a> Space<'a> {
         let pps: Vec<u64> = pick(pins.pp.map(|v| v as u64), divisors(rest));
         let mut events = Vec::new();
         let mut counted = Counted::default();
-        let mut push = |e: Event, events: &mut Vec<Event>| {
+        let push = |e: Event, counted: &mut Counted, events: &mut Vec<Event>| {
             if let Some(e) = counted.take(e, events.len(), cut) {
                 events.push(e);
             }
@@ -654,13 +813,17 @@ impl<'a> Space<'a> {
             if let Some(r) = rules::first_violation(&self.ctx, &pp_axes) {
                 push(
                     Event::Rejected(r, Site::Pipeline { pp, dp, mb, ep }),
+                    &mut counted,
                     &mut events,
                 );
                 continue;
             }
             let ga = job.training.global_batch / (mb * dp * ep);
             // Shared by every (vpp, schedule, ZeRO stage) of this pp.
-            let mut buffers = None;
+            let mut buffers = PpBuffers {
+                table: self.buffers.get(&(tp, cp, ep, pp, sp, whole)),
+                own: None,
+            };
             // Virtual stages go with the interleaved schedule only.
             let vpps: Vec<u32> = match (pins.vpp, pins.schedule) {
                 (Some(v), _) => vec![v],
@@ -679,6 +842,7 @@ impl<'a> Space<'a> {
                 if let Some(r) = rules::first_violation(&self.ctx, &v_axes) {
                     push(
                         Event::Rejected(r, Site::Interleave { pp, v, ga }),
+                        &mut counted,
                         &mut events,
                     );
                     continue;
@@ -697,8 +861,9 @@ impl<'a> Space<'a> {
                         ceiling: None,
                         family: None,
                     };
-                    for &z in &self.zeros {
-                        let layout = Layout {
+                    let outcomes = self.zero_outcomes(pp as u32, v, sched);
+                    for (&z, outcome) in self.zeros.iter().zip(outcomes.iter()) {
+                        let layout = || Layout {
                             tp: tp as u32,
                             pp: pp as u32,
                             dp: dp as u32,
@@ -711,14 +876,25 @@ impl<'a> Space<'a> {
                             recompute: rc,
                             sequence_parallel: sp,
                             schedule: sched,
-                            expert_tp: (job.model.is_moe() && tp > 1).then_some(if whole {
-                                1
-                            } else {
-                                tp as u32
-                            }),
+                            expert_tp: expert_tp(job, tp, whole),
                         };
-                        let e = self.candidate(&lc, layout, &mut work, &mut buffers, cut);
-                        push(e, &mut events);
+                        let ordered = events.len();
+                        match *outcome {
+                            ZeroOutcome::Rejected(r) => {
+                                counted.count(Key::Rule(r), ordered, || {
+                                    Event::Rejected(r, Site::Layout(layout()))
+                                })
+                            }
+                            ZeroOutcome::SameAsLower(lower) => {
+                                counted.count(Key::SameAsLowerZero, ordered, || {
+                                    Event::SameAsLowerZero(layout(), lower)
+                                })
+                            }
+                            ZeroOutcome::Evaluate => {
+                                let e = self.candidate(&lc, layout(), &mut work, &mut buffers, cut);
+                                push(e, &mut counted, &mut events);
+                            }
+                        }
                     }
                 }
             }
@@ -730,38 +906,17 @@ impl<'a> Space<'a> {
         }
     }
 
-    /// One (pp, vpp, schedule, ZeRO) candidate of a unit.
+    /// One (pp, vpp, schedule, ZeRO) candidate of a unit that the rules allow and no lower
+    /// ZeRO stage ties ([`ZeroOutcome::Evaluate`]).
     fn candidate(
         &self,
         lc: &LayerCosts,
         layout: Layout,
         work: &mut FamilyWork,
-        buffers: &mut Option<MeshBuffers>,
+        buffers: &mut PpBuffers<'_>,
         cut: f64,
     ) -> Event {
-        let (pp, v, z) = (layout.pp, layout.vpp, layout.zero_stage);
-        let z_axes = Axes {
-            pp: Some(pp as u64),
-            vpp: Some(v as u64),
-            schedule: Some(layout.schedule),
-            zero_stage: Some(z),
-            ..Axes::default()
-        };
-        if let Some(r) = rules::first_violation(&self.ctx, &z_axes) {
-            return Event::Rejected(r, Site::Layout(layout));
-        }
-        // A ZeRO stage whose sharding and traffic the cost model says are those of a lower
-        // stage in the list (ZeRO-2, and FSDP without resharding, under PP are ZeRO-1's) has
-        // the same estimate; the lower stage wins that tie, so it is counted, not evaluated.
-        let reshard = self.job.pinned.fsdp_reshard_after_forward;
-        let sharding = |z: u8| DpSharding::new(z, pp, reshard);
-        if let Some(&lower) = self
-            .zeros
-            .iter()
-            .find(|&&z2| z2 < z && sharding(z2) == sharding(z))
-        {
-            return Event::SameAsLowerZero(layout, lower);
-        }
+        let (pp, v) = (layout.pp, layout.vpp);
         // Uneven interleaving: walking the schedule costs O(pp m vpp); first ask for the
         // goodput with no bubble (an upper bound) and walk only when that could reach the top
         // and the layout may fit. Cheaper still, a ceiling of that goodput (no memory, no
@@ -784,7 +939,7 @@ impl<'a> Space<'a> {
             return Event::Evaluated(Box::new(evaluated(self.job, lc, layout)));
         }
         let fam = &*work.family.get_or_insert_with(|| self.family(lc, &layout));
-        let buffers = &*buffers.get_or_insert_with(|| MeshBuffers::new(self.job, &layout));
+        let buffers = buffers.get(self.job, &layout);
         match evaluate_family(self.job, lc, fam, buffers, &layout, UnevenWalk::Walk, cut) {
             Ok(None) => Event::FitsBelow,
             Ok(Some(ev)) => Event::Evaluated(Box::new(Candidate {
