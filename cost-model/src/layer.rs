@@ -154,8 +154,11 @@ struct Ctx<'a> {
 /// A few GEMM efficiencies by shape (bits of m, n, k), in the order first asked for.
 #[derive(Default)]
 struct GemmMemo {
-    entries: std::cell::RefCell<([([u64; 3], f64); GemmMemo::SIZE], usize)>,
+    entries: std::cell::RefCell<MemoEntries>,
 }
+
+/// (shape bits and efficiency, slots used).
+type MemoEntries = ([([u64; 3], f64); GemmMemo::SIZE], usize);
 
 impl GemmMemo {
     const SIZE: usize = 32;

@@ -27,7 +27,7 @@ fn job(path: &str, gpus: Option<u64>) -> Job {
 }
 
 fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n / d * d == n).collect()
 }
 
 /// Every valid layout of `job` over a sample of the axes, grouped by family.
@@ -45,7 +45,7 @@ fn check(job: &Job) -> usize {
     for tp in [1u64, 2, 8] {
         for cp in [1u64, 2] {
             for &ep in &eps {
-                if world % (tp * cp * ep) != 0 {
+                if world / (tp * cp * ep) * (tp * cp * ep) != world {
                     continue;
                 }
                 for (mb, rc) in [(1u64, Recompute::None), (2, Recompute::Full)] {
@@ -53,7 +53,8 @@ fn check(job: &Job) -> usize {
                     let rest = world / (tp * cp * ep);
                     for pp in divisors(rest).into_iter().filter(|&p| p <= layers as u64) {
                         let dp = rest / pp;
-                        if job.training.global_batch % (mb * dp * ep) != 0 {
+                        let per = mb * dp * ep;
+                        if job.training.global_batch / per * per != job.training.global_batch {
                             continue;
                         }
                         let ga = job.training.global_batch / (mb * dp * ep);

@@ -581,7 +581,7 @@ impl<'a> Space<'a> {
             };
             let rest = self.world / (tp * cp * ep);
             for pp in pick(self.job.pinned.pp.map(|v| v as u64), divisors(rest)) {
-                if rest % pp == 0 && pp <= self.job.model.num_layers as u64 {
+                if rest / pp * pp == rest && pp <= self.job.model.num_layers as u64 {
                     keys.push((tp, cp, ep, pp, sp, whole));
                 }
             }
