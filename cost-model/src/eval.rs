@@ -773,16 +773,65 @@ fn evaluate_or_oom(
     uneven: UnevenWalk<'_>,
     stop_if_oom: bool,
 ) -> Result<Evaluation, OutOfMemory> {
-    let p = layout.pp;
-    let v = layout.vpp.max(1);
-    let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
-    let cx = MemoryCtx {
+    let r = evaluate_or_oom_in(
         job,
         lc,
         layout,
-        // NCCL buffers of the groups every stage has alike (the PP sends vary by stage).
-        group_comm: group_buffer_bytes(job, layout, &mesh),
-        pp_comm: pp_buffer_table(job, layout, &mesh),
+        split,
+        detail,
+        uneven,
+        stop_if_oom,
+        None,
+        f64::NEG_INFINITY,
+    );
+    r.map(|ev| ev.expect("no cut, so costed"))
+}
+
+/// [`evaluate_or_oom`], with what `family` holds for `layout` (its family) instead of
+/// working it out again; when the layout fits and its [`Family::goodput_ceiling`] is
+/// below `cut`, `Ok(None)` without costing the step.
+#[allow(clippy::too_many_arguments, clippy::result_large_err)]
+fn evaluate_or_oom_in(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    split: Split<'_>,
+    detail: bool,
+    uneven: UnevenWalk<'_>,
+    stop_if_oom: bool,
+    family: Option<(&Family, &MeshBuffers)>,
+    cut: f64,
+) -> Result<Option<Evaluation>, OutOfMemory> {
+    let p = layout.pp;
+    let v = layout.vpp.max(1);
+    let own_mesh;
+    let family = family.filter(|_| matches!(split, Split::Balanced) && !detail);
+    let (mesh, cx) = match family {
+        Some((f, fm)) => {
+            debug_assert!(f.is_family_of(layout));
+            debug_assert_eq!((fm.pp, fm.dp), (layout.pp, layout.dp));
+            let cx = MemoryCtx {
+                job,
+                lc,
+                layout,
+                group_comm: fm.group_comm[usize::from(layout.zero_stage != 0)],
+                pp_comm: fm.pp_comm,
+            };
+            (&fm.mesh, cx)
+        }
+        None => {
+            own_mesh = Mesh::new(layout, job.cluster.gpus_per_node);
+            let cx = MemoryCtx {
+                job,
+                lc,
+                layout,
+                // NCCL buffers of the groups every stage has alike (the PP sends vary by
+                // stage).
+                group_comm: group_buffer_bytes(job, layout, &own_mesh),
+                pp_comm: pp_buffer_table(job, layout, &own_mesh),
+            };
+            (&own_mesh, cx)
+        }
     };
     // Interleaving with uneven chunks: the bubble and the in-flight activations come from a
     // walk of the schedule (the closed forms assume equal chunks).
@@ -797,7 +846,10 @@ fn evaluate_or_oom(
             Some(&own)
         }
     };
-    let r = rank_sums(&cx, split, detail, walk);
+    let r = match family {
+        Some((f, _)) => f.rank_sums(&cx, walk),
+        None => rank_sums(&cx, split, detail, walk),
+    };
     if stop_if_oom && r.worst_mem.total_bytes > r.worst_mem.hbm_bytes {
         let mut estimate = Estimate {
             memory: r.worst_mem,
@@ -808,6 +860,11 @@ fn evaluate_or_oom(
             estimate,
             ..Evaluation::default()
         }));
+    }
+    if let Some((f, _)) = family {
+        if r.worst_mem.total_bytes <= r.worst_mem.hbm_bytes && f.goodput_ceiling() < cut {
+            return Ok(None);
+        }
     }
     let m = layout.grad_accum as f64;
     let bubble = match walk {
@@ -820,7 +877,7 @@ fn evaluate_or_oom(
         job,
         lc,
         layout,
-        &mesh,
+        mesh,
         SplitTimes {
             compute_mb: r.slow.gemm + r.slow.attn + r.slow.elementwise,
             slow_total: r.slow_total,
@@ -828,7 +885,7 @@ fn evaluate_or_oom(
             bubble,
         },
     );
-    Ok(assemble(job, layout, r, bubble, terms))
+    Ok(Some(assemble(job, layout, r, bubble, terms)))
 }
 
 /// Whether `layout` interleaves chunks of unequal layer counts (layers not a multiple of
@@ -925,18 +982,44 @@ fn balanced_load(job: &Job, p: u32, v: u32, j: u32) -> (RankLoad, u32) {
 /// 1e-9 for rounding). The search skips the evaluation of an uneven interleaving whose
 /// ceiling is below its kept top. Does not read the ZeRO stage.
 pub fn no_bubble_goodput_ceiling(job: &Job, lc: &LayerCosts, layout: &Layout) -> f64 {
-    // Exposed data-parallel time is not negative while the overlap share is a share.
-    if !(0.0..=1.0).contains(&job.efficiency.dp_overlap) {
-        return f64::INFINITY;
-    }
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let slow = (0..p)
         .map(|j| rank_time(lc, &balanced_load(job, p, v, j).0).total())
         .fold(f64::NEG_INFINITY, f64::max);
+    no_bubble_ceiling_of(job, layout, slow, goodput_fraction_sup(job, layout))
+}
+
+/// [`no_bubble_goodput_ceiling`] with the balanced split's `loads` (of the layout's pp and
+/// vpp) and the goodput fraction's supremum `sup`: the same value, from each distinct
+/// rank load's time once.
+pub fn no_bubble_goodput_ceiling_with(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    loads: &BalancedLoads,
+    sup: &FractionSup,
+) -> f64 {
+    debug_assert_eq!((loads.p, loads.v), (layout.pp, layout.vpp.max(1)));
+    // The largest of the ranks' times is the largest of their distinct loads' times.
+    let slow = loads
+        .distinct
+        .iter()
+        .map(|l| rank_time(lc, l).total())
+        .fold(f64::NEG_INFINITY, f64::max);
+    no_bubble_ceiling_of(job, layout, slow, sup.of(job, layout))
+}
+
+/// [`no_bubble_goodput_ceiling`] given the slowest rank's time per micro-batch (folded
+/// with `f64::max`) and [`goodput_fraction_sup`].
+fn no_bubble_ceiling_of(job: &Job, layout: &Layout, slow: f64, fraction_sup: f64) -> f64 {
+    // Exposed data-parallel time is not negative while the overlap share is a share.
+    if !(0.0..=1.0).contains(&job.efficiency.dp_overlap) {
+        return f64::INFINITY;
+    }
     let m = layout.grad_accum as f64;
     let tokens_per_step = job.training.global_batch as f64 * job.model.seq_len as f64;
-    tokens_per_step / (m * slow) * (goodput_fraction_sup(job, layout) + 1e-9)
+    tokens_per_step / (m * slow) * (fraction_sup + 1e-9)
 }
 
 /// Two stand-ins for [`uneven_walk`] that cost no timed walk: [`WalkBounds::floor`] and
@@ -1028,6 +1111,7 @@ fn rank_sums(
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let model = &job.model;
+    let mut acc = Slowest::default();
     let mut r = RankSums {
         ranks: Vec::new(),
         worst_mem: MemoryBreakdown::default(),
@@ -1047,32 +1131,349 @@ fn rank_sums(
             }
             Split::Explicit(c) => (rank_load(job, start, c[j as usize], j, p), c[j as usize]),
         };
-        let t = rank_time(lc, &load);
-        let total = t.total();
-        r.sum_total += total;
-        if total > r.slow_total {
-            r.slow_total = total;
-            r.slow = t;
+        let w = RankWork::new(lc, load, start);
+        acc.add(&w);
+        r.add_memory(cx, &w, j, walk, detail);
+        start += count;
+    }
+    acc.into(r)
+}
+
+/// One pipeline rank's layers and what they cost per micro-batch, before memory.
+#[derive(Clone, Copy, Debug)]
+struct RankWork {
+    load: RankLoad,
+    /// The rank's first layer, as [`RankEval::first_layer`] reports it.
+    first_layer: u32,
+    time: LayerTime,
+    total: f64,
+    params: (f64, f64),
+}
+
+impl RankWork {
+    fn new(lc: &LayerCosts, load: RankLoad, first_layer: u32) -> RankWork {
+        let time = rank_time(lc, &load);
+        RankWork {
+            load,
+            first_layer,
+            time,
+            total: time.total(),
+            params: rank_params(lc, &load),
         }
-        let mem = rank_memory(cx, &load, j, walk.map(|w| w.peak_act[j as usize]));
-        if mem.total_bytes > r.worst_mem.total_bytes {
-            r.worst_mem = mem.clone();
+    }
+}
+
+/// The ranks' times and parameters as [`RankSums`] reads them: the slowest (the first with
+/// the largest time), the sum of the times in rank order and the rank with the most
+/// parameters (the first with the largest dense + expert sum).
+#[derive(Clone, Copy, Debug)]
+struct Slowest {
+    slow: LayerTime,
+    slow_total: f64,
+    sum_total: f64,
+    max_params: (f64, f64),
+}
+
+impl Default for Slowest {
+    fn default() -> Slowest {
+        Slowest {
+            slow: LayerTime::default(),
+            slow_total: -1.0,
+            sum_total: 0.0,
+            max_params: (0.0, 0.0),
         }
-        let params = rank_params(lc, &load);
-        if params.0 + params.1 > r.max_params.0 + r.max_params.1 {
-            r.max_params = params;
+    }
+}
+
+impl Slowest {
+    /// The next rank, in rank order.
+    fn add(&mut self, w: &RankWork) {
+        self.sum_total += w.total;
+        if w.total > self.slow_total {
+            self.slow_total = w.total;
+            self.slow = w.time;
+        }
+        if w.params.0 + w.params.1 > self.max_params.0 + self.max_params.1 {
+            self.max_params = w.params;
+        }
+    }
+
+    fn into(self, r: RankSums) -> RankSums {
+        RankSums {
+            slow: self.slow,
+            slow_total: self.slow_total,
+            sum_total: self.sum_total,
+            max_params: self.max_params,
+            ..r
+        }
+    }
+}
+
+impl RankSums {
+    /// Rank `j`'s memory: the largest so far is kept (the first with the largest total).
+    fn add_memory(
+        &mut self,
+        cx: &MemoryCtx<'_>,
+        w: &RankWork,
+        j: u32,
+        walk: Option<&schedule::Walk>,
+        detail: bool,
+    ) {
+        let mem = rank_memory(cx, &w.load, j, walk.map(|w| w.peak_act[j as usize]));
+        if mem.total_bytes > self.worst_mem.total_bytes {
+            self.worst_mem = mem.clone();
         }
         if detail {
-            r.ranks.push(RankEval {
-                load,
-                first_layer: start,
-                time_per_mb_s: total,
+            self.ranks.push(RankEval {
+                load: w.load,
+                first_layer: w.first_layer,
+                time_per_mb_s: w.total,
                 memory: mem,
             });
         }
-        start += count;
     }
-    r
+}
+
+/// Every pipeline rank's layers under the balanced split for one (pp, vpp): runs of
+/// consecutive ranks with the same [`balanced_load`]. It reads only the job's layer counts,
+/// so a search builds it once per (pp, vpp).
+#[derive(Clone, Debug)]
+pub struct BalancedLoads {
+    p: u32,
+    v: u32,
+    /// (load, ranks in a row holding it), in rank order.
+    runs: Vec<(RankLoad, u32)>,
+    /// The distinct loads.
+    distinct: Vec<RankLoad>,
+}
+
+impl BalancedLoads {
+    pub fn new(job: &Job, p: u32, v: u32) -> BalancedLoads {
+        let v = v.max(1);
+        let mut runs: Vec<(RankLoad, u32)> = Vec::new();
+        for j in 0..p {
+            let load = balanced_load(job, p, v, j).0;
+            match runs.last_mut() {
+                Some((l, n)) if *l == load => *n += 1,
+                _ => runs.push((load, 1)),
+            }
+        }
+        let mut distinct: Vec<RankLoad> = Vec::new();
+        for (l, _) in &runs {
+            if !distinct.contains(l) {
+                distinct.push(*l);
+            }
+        }
+        BalancedLoads {
+            p,
+            v,
+            runs,
+            distinct,
+        }
+    }
+}
+
+/// The goodput fraction's supremum ([`goodput_fraction_sup`]) of the layouts of one world
+/// size (it reads nothing else of a layout), for a search to work out once.
+#[derive(Clone, Copy, Debug)]
+pub struct FractionSup {
+    world: u64,
+    sup: f64,
+}
+
+impl FractionSup {
+    pub fn new(job: &Job, world: u64) -> FractionSup {
+        FractionSup {
+            world,
+            sup: fraction_sup_of(job, &checkpoint_costs_of(job, world)),
+        }
+    }
+
+    /// [`goodput_fraction_sup`] of `layout`.
+    pub fn of(&self, job: &Job, layout: &Layout) -> f64 {
+        if layout.world() == self.world {
+            self.sup
+        } else {
+            goodput_fraction_sup(job, layout)
+        }
+    }
+}
+
+/// What the layouts of one family share, worked out once for all of them: the layouts
+/// built on one [`LayerCosts`] with the same pp, dp, vpp and schedule (so the same mesh and
+/// balanced split), which differ only in their ZeRO stage. [`evaluate_family`] evaluates
+/// each with it: the same numbers as [`evaluate_fitting`], without its per-rank times,
+/// mesh and buffers again, and with the step costed only when it can matter.
+#[derive(Debug)]
+pub struct Family {
+    /// The family's layout (its ZeRO stage is not read).
+    layout: Layout,
+    /// Runs of ranks with the same work, in rank order (the work's first layer is not
+    /// read).
+    runs: Vec<(RankWork, u32)>,
+    sums: Slowest,
+    ceiling: f64,
+}
+
+/// The mesh of the layouts built on one [`LayerCosts`] with the same pp and dp (any vpp,
+/// schedule and ZeRO stage) and the NCCL buffers their memory reads of it, worked out once
+/// for all of them ([`evaluate_family`]).
+#[derive(Debug)]
+pub struct MeshBuffers {
+    /// pp and dp of the layouts it serves (the rest comes from their [`LayerCosts`]).
+    pp: u32,
+    dp: u32,
+    mesh: Mesh,
+    /// [`group_buffer_bytes`] with ZeRO stage 0 and with a ZeRO stage above 0 (the only
+    /// thing of the stage it reads; nor does it read vpp or the schedule).
+    group_comm: [f64; 2],
+    /// [`pp_buffer_table`] (it reads only the mesh and pp).
+    pp_comm: [f64; 3],
+}
+
+impl MeshBuffers {
+    /// The mesh and buffers of `layout`'s pp and dp (and of its tp, cp, ep, sequence
+    /// parallelism and expert TP, which every layout it serves shares).
+    pub fn new(job: &Job, layout: &Layout) -> MeshBuffers {
+        let mesh = Mesh::new(layout, job.cluster.gpus_per_node);
+        let with_zero = |z: u8| Layout {
+            zero_stage: z,
+            ..*layout
+        };
+        MeshBuffers {
+            pp: layout.pp,
+            dp: layout.dp,
+            group_comm: [
+                group_buffer_bytes(job, &with_zero(0), &mesh),
+                group_buffer_bytes(job, &with_zero(1), &mesh),
+            ],
+            pp_comm: pp_buffer_table(job, layout, &mesh),
+            mesh,
+        }
+    }
+}
+
+impl Family {
+    /// The family of `layout` (built on `lc`); `loads` must be the [`BalancedLoads`] of its
+    /// pp and vpp.
+    pub fn new(
+        job: &Job,
+        lc: &LayerCosts,
+        layout: &Layout,
+        loads: &BalancedLoads,
+        sup: &FractionSup,
+    ) -> Family {
+        assert_eq!((loads.p, loads.v), (layout.pp, layout.vpp.max(1)));
+        let mut sums = Slowest::default();
+        let runs: Vec<(RankWork, u32)> = loads
+            .runs
+            .iter()
+            .map(|&(load, n)| {
+                let w = RankWork::new(lc, load, 0);
+                for _ in 0..n {
+                    sums.add(&w);
+                }
+                (w, n)
+            })
+            .collect();
+        // The step is at least m times the slowest rank's time (its other terms are not
+        // negative while the data-parallel overlap is a share), and the goodput bound's
+        // step (p > 1, v = 1) at least m times the mean; the goodput fraction is at most
+        // its supremum (plus 1e-9 for rounding, which also covers the mean's rounding).
+        let p = layout.pp;
+        let v = layout.vpp.max(1);
+        let m = layout.grad_accum as f64;
+        let per_mb = if p > 1 && v == 1 {
+            sums.sum_total / p as f64
+        } else {
+            sums.slow_total
+        };
+        let fraction_sup = sup.of(job, layout);
+        let ceiling = if (0.0..=1.0).contains(&job.efficiency.dp_overlap) && per_mb > 0.0 {
+            let tokens_per_step = job.training.global_batch as f64 * job.model.seq_len as f64;
+            tokens_per_step / (m * per_mb) * (fraction_sup + 1e-9).max(0.0)
+        } else {
+            f64::INFINITY
+        };
+        Family {
+            layout: *layout,
+            runs,
+            sums,
+            ceiling,
+        }
+    }
+
+    /// Whether `layout` is of this family (all but the ZeRO stage the same).
+    pub fn is_family_of(&self, layout: &Layout) -> bool {
+        Layout {
+            zero_stage: self.layout.zero_stage,
+            ..*layout
+        } == self.layout
+    }
+
+    /// An upper bound on the goodput and on the goodput bound ([`Evaluation::goodput_bound`])
+    /// of every layout of the family under the balanced split, from the ranks' times alone.
+    pub fn goodput_ceiling(&self) -> f64 {
+        self.ceiling
+    }
+
+    /// [`rank_sums`] under the balanced split, without per-rank detail. Without a walk,
+    /// only the first rank of each run is costed: the ranks of a run hold the same layers
+    /// and (the embedding and the head being on ranks of their own) the same pipeline
+    /// peers, so they differ only in their in-flight micro-batches, which do not grow with
+    /// the rank ([`inflight`]); a rank's total grows with them (every term is a sum or a
+    /// product of non-negative numbers), so no later rank of the run is larger than its
+    /// first, and the first larger total is a first rank's, as [`rank_sums`] finds it.
+    fn rank_sums(&self, cx: &MemoryCtx<'_>, walk: Option<&schedule::Walk>) -> RankSums {
+        let mut r = RankSums {
+            ranks: Vec::new(),
+            worst_mem: MemoryBreakdown::default(),
+            slow: LayerTime::default(),
+            slow_total: -1.0,
+            sum_total: 0.0,
+            max_params: (0.0, 0.0),
+        };
+        let mut j = 0u32;
+        for (w, n) in &self.runs {
+            if walk.is_some() {
+                for _ in 0..*n {
+                    r.add_memory(cx, w, j, walk, false);
+                    j += 1;
+                }
+            } else {
+                r.add_memory(cx, w, j, walk, false);
+                j += n;
+            }
+        }
+        self.sums.into(r)
+    }
+}
+
+/// [`evaluate_fitting`] of `layout`, a layout of `family` and of `mesh`, with what they hold: the
+/// same evaluation, or `Ok(None)` when the layout fits and the family's
+/// [`Family::goodput_ceiling`] is below `cut` (its step is not costed: the caller needs
+/// nothing of a layout whose goodput and goodput bound are both below `cut`).
+#[allow(clippy::result_large_err)]
+pub fn evaluate_family(
+    job: &Job,
+    lc: &LayerCosts,
+    family: &Family,
+    mesh: &MeshBuffers,
+    layout: &Layout,
+    uneven: UnevenWalk<'_>,
+    cut: f64,
+) -> Result<Option<Evaluation>, OutOfMemory> {
+    evaluate_or_oom_in(
+        job,
+        lc,
+        layout,
+        Split::Balanced,
+        false,
+        uneven,
+        true,
+        Some((family, mesh)),
+        cut,
+    )
 }
 
 /// The estimate from the ranks' sums, the bubble and the step's terms.
@@ -1549,6 +1950,11 @@ struct CheckpointCosts {
 }
 
 fn checkpoint_costs(job: &Job, layout: &Layout) -> CheckpointCosts {
+    checkpoint_costs_of(job, layout.world())
+}
+
+/// [`checkpoint_costs`] of a layout of `world` GPUs (it reads nothing else of a layout).
+fn checkpoint_costs_of(job: &Job, world: u64) -> CheckpointCosts {
     let r = &job.reliability;
     let tr = &job.training;
     let mtbf_s = r.job_mtbf_hours * 3600.0;
@@ -1558,7 +1964,7 @@ fn checkpoint_costs(job: &Job, layout: &Layout) -> CheckpointCosts {
         + tr.master_dtype.bytes()
         + tr.optimizer_states as f64 * tr.optimizer_state_dtype.bytes();
     let total = job.model.params_total * per_param;
-    let world = layout.world().max(1) as f64;
+    let world = world.max(1) as f64;
     let per_gpu = total / world;
     let gpn = job.cluster.gpus_per_node as f64;
     let nodes = (world / gpn).max(1.0);

@@ -148,6 +148,37 @@ struct Ctx<'a> {
     gemm_peak: f64,
     attn_rate: f64,
     hbm: f64,
+    /// [`Ctx::gemm_eff`] of the shapes asked for so far (the passes and the overlap
+    /// estimates ask for the same few shapes again): a cache, the same values.
+    memo: GemmMemo,
+}
+
+/// A few GEMM efficiencies by shape (bits of m, n, k), in the order first asked for.
+#[derive(Default)]
+struct GemmMemo {
+    entries: std::cell::RefCell<MemoEntries>,
+}
+
+/// (shape bits and efficiency, slots used).
+type MemoEntries = ([([u64; 3], f64); GemmMemo::SIZE], usize);
+
+impl GemmMemo {
+    const SIZE: usize = 32;
+
+    fn get_or(&self, m: f64, n: f64, k: f64, eff: impl FnOnce() -> f64) -> f64 {
+        let key = [m.to_bits(), n.to_bits(), k.to_bits()];
+        let mut memo = self.entries.borrow_mut();
+        let (entries, len) = &mut *memo;
+        if let Some(e) = entries[..*len].iter().find(|e| e.0 == key) {
+            return e.1;
+        }
+        let v = eff();
+        if *len < Self::SIZE {
+            entries[*len] = (key, v);
+            *len += 1;
+        }
+        v
+    }
 }
 
 /// Ops of one pass, appended to `out`.
@@ -201,6 +232,11 @@ impl Ctx<'_> {
     /// those costs are time, so at the FP8 rate a GEMM needs proportionally more FLOPs to
     /// amortize them: `gemm_flops0 x fp8 peak / bf16 peak`.
     fn gemm_eff(&self, m: f64, n: f64, k: f64) -> f64 {
+        self.memo
+            .get_or(m, n, k, || self.gemm_eff_uncached(m, n, k))
+    }
+
+    fn gemm_eff_uncached(&self, m: f64, n: f64, k: f64) -> f64 {
         let hw = &self.job.hardware;
         if self.job.training.fp8_gemms && hw.peak_bf16_flops > 0.0 {
             let mut e = self.job.efficiency.clone();
@@ -751,6 +787,7 @@ impl<'a> Ctx<'a> {
                 },
             attn_rate: hw.peak_bf16_flops * hw.clock_ratio * e.attn_eff,
             hbm: hw.hbm_gbps * 1e9,
+            memo: GemmMemo::default(),
         }
     }
 }

@@ -1257,10 +1257,37 @@ fn load_checkpoint(dir: &Path, m: &Manifest) -> Result<Vec<RankState>, CkptError
         .collect()
 }
 
+/// Bytes read (and hashed while still in cache) per read call of [`read_hashed`].
+const READ_CHUNK: usize = 1 << 20;
+
+/// The whole file at `path`, read in large sequential pieces, and its xxh3-64, hashed
+/// piece by piece as it arrives (one pass over the bytes instead of a read and then a
+/// second pass for the checksum).
+fn read_hashed(path: &Path) -> io::Result<(Vec<u8>, u64)> {
+    let mut f = File::open(path)?;
+    let len = f.metadata().map(|m| m.len() as usize).unwrap_or(0);
+    let mut bytes = Vec::with_capacity(len);
+    let mut hash = Xxh3::new();
+    loop {
+        // Read into the spare capacity, growing past the size the metadata gave if the
+        // file is longer (as `fs::read` does).
+        if bytes.capacity() - bytes.len() < READ_CHUNK {
+            bytes.reserve(READ_CHUNK);
+        }
+        let start = bytes.len();
+        let n = (&mut f).take(READ_CHUNK as u64).read_to_end(&mut bytes)?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&bytes[start..]);
+    }
+    Ok((bytes, hash.digest()))
+}
+
 /// Load and verify one rank file against its manifest entry.
 fn load_rank(dir: &Path, m: &Manifest, f: &FileEntry) -> Result<RankState, CkptError> {
     let path = dir.join(&f.file);
-    let bytes = fs::read(&path).map_err(io_err(&path))?;
+    let (bytes, digest) = read_hashed(&path).map_err(io_err(&path))?;
     if bytes.len() as u64 != f.bytes {
         let what = if (bytes.len() as u64) < f.bytes {
             "truncated"
@@ -1276,7 +1303,7 @@ fn load_rank(dir: &Path, m: &Manifest, f: &FileEntry) -> Result<RankState, CkptE
             ),
         ));
     }
-    let hash = hex64(xxhash_rust::xxh3::xxh3_64(&bytes));
+    let hash = hex64(digest);
     if hash != f.xxh3_64 {
         return Err(corrupt(
             &path,

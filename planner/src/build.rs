@@ -9,6 +9,7 @@
 
 use crate::search::{rank_cmp, search, tie_break_reason, tie_floor, Candidate};
 use crate::split;
+use rayon::prelude::*;
 use shardwright_cost::budget::training_budget;
 use shardwright_cost::eval::{evaluate, Evaluation, LayerCosts, RankEval, Split};
 use shardwright_cost::flops;
@@ -282,6 +283,18 @@ pub fn plan(
             .then_with(|| a.layout.cmp(&b.layout))
     });
     let mut refined: Vec<(Candidate, Evaluation)> = Vec::with_capacity(keep + 1);
+    // The first `keep` are refined whatever the others give (no cut until the top is
+    // full), so in parallel; the rest in order, each against the top before it.
+    let first: Vec<(Evaluation, Layout)> = pool[..keep.min(pool.len())]
+        .par_iter()
+        .map(|c| {
+            (
+                evaluate_refined_above(job, &c.layout, opts.refine, f64::NEG_INFINITY).0,
+                c.layout,
+            )
+        })
+        .collect();
+    let mut first = first.into_iter();
     for c in pool {
         if refined.len() == keep
             && c.goodput_bound < tie_floor(refined[keep - 1].0.estimate.goodput_tokens_per_s)
@@ -293,7 +306,13 @@ pub fn plan(
         } else {
             f64::NEG_INFINITY
         };
-        let (ev, _) = evaluate_refined_above(job, &c.layout, opts.refine, cut);
+        let ev = match first.next() {
+            Some((ev, layout)) => {
+                debug_assert!(layout == c.layout && cut == f64::NEG_INFINITY);
+                ev
+            }
+            None => evaluate_refined_above(job, &c.layout, opts.refine, cut).0,
+        };
         refined.push((
             Candidate {
                 layout: c.layout,

@@ -8,9 +8,9 @@
 
 use rayon::prelude::*;
 use shardwright_cost::eval::{
-    evaluate, evaluate_fitting, evaluate_with, goodput_ceiling, is_uneven,
-    no_bubble_goodput_ceiling, uneven_walk, uneven_walk_bounds, LayerCosts, OutOfMemory, Split,
-    UnevenWalk, WalkBounds,
+    evaluate, evaluate_family, evaluate_fitting, evaluate_with, goodput_ceiling, is_uneven,
+    no_bubble_goodput_ceiling_with, uneven_walk, uneven_walk_bounds, BalancedLoads, Family,
+    FractionSup, LayerCosts, MeshBuffers, OutOfMemory, Split, UnevenWalk, WalkBounds,
 };
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
@@ -20,6 +20,7 @@ use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
 use shardwright_spec::plan::{Estimate, SearchSummary};
 use shardwright_spec::spec::{Recompute, Schedule};
+use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
@@ -155,6 +156,25 @@ impl Tally {
         }
     }
 
+    /// `key` seen (with this example when it is the first time), without counting.
+    fn first(&mut self, key: &'static str, example: impl FnOnce() -> String) {
+        let same = |k: &&'static str| std::ptr::eq(*k, key) || *k == key;
+        if !self.reasons.iter().any(|r| same(&r.0)) {
+            self.reasons.push((key, 0, example()));
+        }
+    }
+
+    /// `n` candidates counted under `key`, seen before ([`Tally::first`]).
+    fn add(&mut self, key: &'static str, n: u64) {
+        self.summary.candidates += n;
+        let same = |k: &&'static str| std::ptr::eq(*k, key) || *k == key;
+        self.reasons
+            .iter_mut()
+            .find(|r| same(&r.0))
+            .expect("seen first")
+            .1 += n;
+    }
+
     fn into_summary(self) -> SearchSummary {
         let mut summary = self.summary;
         for (key, n, example) in self.reasons {
@@ -180,6 +200,12 @@ fn divisors(n: u64) -> Vec<u64> {
     d
 }
 
+/// A layout's expert TP: none for a dense model or tp 1; else 1 with whole experts, tp
+/// without.
+fn expert_tp(job: &Job, tp: u64, whole: bool) -> Option<u32> {
+    (job.model.is_moe() && tp > 1).then_some(if whole { 1 } else { tp as u32 })
+}
+
 fn pick<T: Copy>(pinned: Option<T>, all: Vec<T>) -> Vec<T> {
     match pinned {
         Some(v) => vec![v],
@@ -200,6 +226,44 @@ struct Space<'a> {
     mbs: Vec<u64>,
     recomputes: Vec<Recompute>,
     zeros: Vec<u8>,
+    /// The balanced split of every (pp, vpp) the search may evaluate.
+    loads: BTreeMap<(u32, u32), BalancedLoads>,
+    /// What the rules and the ZeRO stages' tie say of each ZeRO stage, per (pp, vpp,
+    /// schedule) the search may reach ([`Space::zero_outcomes`]).
+    zero_outcomes: BTreeMap<(u32, u32, Schedule), Vec<ZeroOutcome>>,
+    sup: FractionSup,
+    /// The mesh and NCCL buffers of every (tp, cp, ep, pp, sequence parallel, whole
+    /// experts) of the units ([`Space::mesh_buffers`]).
+    buffers: BTreeMap<BuffersKey, MeshBuffers>,
+}
+
+/// (tp, cp, ep, pp, sequence parallel, whole experts).
+type BuffersKey = (u64, u64, u64, u64, bool, bool);
+
+/// The [`MeshBuffers`] of one pp of a unit: from the search's table, or worked out here.
+struct PpBuffers<'s> {
+    table: Option<&'s MeshBuffers>,
+    own: Option<MeshBuffers>,
+}
+
+impl PpBuffers<'_> {
+    fn get(&mut self, job: &Job, layout: &Layout) -> &MeshBuffers {
+        match self.table {
+            Some(b) => b,
+            None => self
+                .own
+                .get_or_insert_with(|| MeshBuffers::new(job, layout)),
+        }
+    }
+}
+
+/// A ZeRO stage of a (pp, vpp, schedule): rejected by a rule, the same estimate as a lower
+/// stage, or to evaluate. It reads nothing else of a layout.
+#[derive(Clone, Copy, Debug)]
+enum ZeroOutcome {
+    Rejected(Rejection),
+    SameAsLower(u8),
+    Evaluate,
 }
 
 /// One unit of the search's work, in its order: a (tp, cp, ep) mesh that the mesh rules
@@ -252,6 +316,10 @@ enum Event {
     SameAsLowerZero(Layout, u8),
     /// Evaluated with its walk (or none needed).
     Evaluated(Box<Candidate>),
+    /// Fits, and its goodput and goodput bound are below the threshold the top held when
+    /// its window started ([`Family::goodput_ceiling`]): feasible, neither in the top nor a
+    /// hopeful, not costed further.
+    FitsBelow,
     /// Does not fit (the search is not fully pinned): the worst rank's bytes and the HBM.
     OutOfMemory(Layout, f64, f64),
     /// Uneven interleaving: `ceiling` bounds its goodput with no pipeline bubble (its
@@ -290,11 +358,91 @@ enum Verdict {
     Full(Box<Candidate>),
 }
 
-/// One unit's candidates (and the per-layer costs they were evaluated with).
+/// What the candidates of one (pp, vpp, schedule) of a unit share, worked out for the first
+/// that needs it (none of it reads the ZeRO stage).
+struct FamilyWork {
+    /// The family's number in its unit.
+    id: u32,
+    /// The uneven interleaving's ceiling ([`no_bubble_goodput_ceiling_with`]).
+    ceiling: Option<f64>,
+    family: Option<Family>,
+}
+
+/// One unit's candidates (and the per-layer costs they were evaluated with): those the
+/// replay must visit in order (evaluated ones and uneven interleavings it may need to
+/// cost), and the counts of the others.
 struct Expanded {
     lc: Option<LayerCosts>,
     events: Vec<Event>,
+    counted: Counted,
 }
+
+/// A unit's candidates that the replay only counts, whatever its state: rejected by a rule,
+/// the same as a lower ZeRO stage, out of memory, fitting below the window's threshold,
+/// uneven interleavings whose ceiling is below it. Per key: the count, and the first such
+/// candidate with the number of ordered events before it, so that the replay sees each
+/// key's first example where the sequential search would.
+#[derive(Default)]
+struct Counted {
+    /// (key, count, ordered events before the first, the first).
+    keys: Vec<(Key, u64, usize, Event)>,
+    /// Feasible candidates below the threshold ([`Event::FitsBelow`]).
+    feasible: u64,
+}
+
+impl Counted {
+    /// The next candidate, after `ordered` events kept in order, counted under `key`;
+    /// `first` makes its event when it is the first of its key.
+    fn count(&mut self, key: Key, ordered: usize, first: impl FnOnce() -> Event) {
+        match self.keys.iter_mut().find(|k| k.0 == key) {
+            Some(k) => k.1 += 1,
+            None => self.keys.push((key, 1, ordered, first())),
+        }
+    }
+
+    /// `e`, the next candidate, after `ordered` events kept in order: counted here, or
+    /// handed back to be kept.
+    fn take(&mut self, e: Event, ordered: usize, cut: f64) -> Option<Event> {
+        let key = match &e {
+            Event::Rejected(r, _) => Key::Rule(*r),
+            Event::SameAsLowerZero(..) => Key::SameAsLowerZero,
+            Event::OutOfMemory(..) => Key::Rule(Rejection::OutOfMemory),
+            Event::FitsBelow => {
+                self.feasible += 1;
+                return None;
+            }
+            // Below the threshold the replay will hold: counted below the top there.
+            Event::Uneven { ceiling, .. } if *ceiling < cut => Key::BelowTop,
+            Event::Uneven { .. } | Event::Evaluated(_) => return Some(e),
+        };
+        match self.keys.iter_mut().find(|k| k.0 == key) {
+            Some(k) => k.1 += 1,
+            None => self.keys.push((key, 1, ordered, e)),
+        }
+        None
+    }
+}
+
+/// What a candidate is counted under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Key {
+    Rule(Rejection),
+    SameAsLowerZero,
+    BelowTop,
+}
+
+impl Key {
+    fn name(self) -> &'static str {
+        match self {
+            Key::Rule(r) => r.name(),
+            Key::SameAsLowerZero => SAME_AS_LOWER_ZERO,
+            Key::BelowTop => BELOW_TOP,
+        }
+    }
+}
+
+const SAME_AS_LOWER_ZERO: &str = "same_as_lower_zero_stage";
+const BELOW_TOP: &str = "below_top_without_bubble";
 
 /// Units expanded in parallel per window, then replayed in order: a window is a few times
 /// the thread count, so the replay's threshold is never far behind.
@@ -311,8 +459,9 @@ const WINDOW: usize = 64;
 /// optimistic goodput reaches a lower bound of the threshold the replay will hold; the
 /// replay walks any other it needs itself.
 pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> SearchResult {
-    let space = Space::new(job);
+    let mut space = Space::new(job);
     let units = space.units();
+    space.buffers = space.mesh_buffers(&units);
     let total_outer = (space.tps.len() * space.cps.len() * space.eps.len()) as u64;
     let mut run = Replay {
         keep,
@@ -329,7 +478,13 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
     };
     let mut plans = WalkPlans::default();
     for window in units.chunks(WINDOW) {
-        let mut expanded: Vec<Expanded> = window.par_iter().map(|u| space.expand(u)).collect();
+        // The threshold only rises during the replay: below it now, below it then.
+        let cut = if space.fully_pinned {
+            f64::NEG_INFINITY
+        } else {
+            threshold(&run.best, keep)
+        };
+        let mut expanded: Vec<Expanded> = window.par_iter().map(|u| space.expand(u, cut)).collect();
         run.prepare_uneven(&space, &mut plans, &mut expanded);
         for (unit, ex) in window.iter().zip(expanded) {
             run.replay(&space, unit, ex);
@@ -360,7 +515,16 @@ impl<'a> Space<'a> {
         let mbs_all: Vec<u64> = (1..=MAX_MICRO_BATCH.min(gb))
             .filter(|b| gb % b == 0)
             .collect();
-        Space {
+        let layers = job.model.num_layers;
+        let max_vpp = pins.vpp.map_or(MAX_VPP, |v| v.max(1));
+        let loads = divs
+            .iter()
+            .filter(|&&p| p <= layers as u64)
+            .flat_map(|&p| (1..=max_vpp).map(move |v| (p as u32, v)))
+            .filter(|&(p, v)| !matches!(pins.vpp, Some(pv) if pv.max(1) != v) && p * v <= layers)
+            .map(|(p, v)| ((p, v), BalancedLoads::new(job, p, v)))
+            .collect::<BTreeMap<_, _>>();
+        let mut space = Space {
             job,
             ctx: rules::Ctx::of(job),
             world,
@@ -378,7 +542,132 @@ impl<'a> Space<'a> {
                 vec![Recompute::None, Recompute::Selective, Recompute::Full],
             ),
             zeros: pick(pins.zero_stage, vec![0u8, 1, 2, 3]),
+            loads,
+            zero_outcomes: BTreeMap::new(),
+            sup: FractionSup::new(job, world),
+            buffers: BTreeMap::new(),
+        };
+        let scheds = match pins.schedule {
+            Some(s) => vec![s],
+            None => vec![Schedule::OneFOneB, Schedule::Interleaved],
+        };
+        let keys: Vec<(u32, u32, Schedule)> = space
+            .loads
+            .keys()
+            .flat_map(|&(p, v)| scheds.iter().map(move |&s| (p, v, s)))
+            .collect();
+        space.zero_outcomes = keys
+            .into_iter()
+            .map(|(p, v, s)| ((p, v, s), space.zero_outcomes_of(p, v, s)))
+            .collect();
+        space
+    }
+
+    /// The [`MeshBuffers`] of every (pp, sequence parallel, whole experts) of the
+    /// (tp, cp, ep) meshes of `units` (in parallel): units with the same mesh share them.
+    fn mesh_buffers(&self, units: &[Unit]) -> BTreeMap<BuffersKey, MeshBuffers> {
+        let mut keys: Vec<BuffersKey> = Vec::new();
+        for u in units {
+            let Unit::Costs {
+                tp,
+                cp,
+                ep,
+                sp,
+                whole,
+                ..
+            } = *u
+            else {
+                continue;
+            };
+            let rest = self.world / (tp * cp * ep);
+            for pp in pick(self.job.pinned.pp.map(|v| v as u64), divisors(rest)) {
+                if rest / pp * pp == rest && pp <= self.job.model.num_layers as u64 {
+                    keys.push((tp, cp, ep, pp, sp, whole));
+                }
+            }
         }
+        keys.sort();
+        keys.dedup();
+        let job = self.job;
+        let built: Vec<MeshBuffers> = keys
+            .par_iter()
+            .map(|&(tp, cp, ep, pp, sp, whole)| {
+                let layout = Layout {
+                    tp: tp as u32,
+                    pp: pp as u32,
+                    dp: (self.world / (tp * cp * ep * pp)) as u32,
+                    cp: cp as u32,
+                    ep: ep as u32,
+                    vpp: 1,
+                    micro_batch: 1,
+                    grad_accum: 1,
+                    zero_stage: 0,
+                    recompute: Recompute::None,
+                    sequence_parallel: sp,
+                    schedule: Schedule::OneFOneB,
+                    expert_tp: expert_tp(job, tp, whole),
+                };
+                MeshBuffers::new(job, &layout)
+            })
+            .collect();
+        keys.into_iter().zip(built).collect()
+    }
+
+    /// [`ZeroOutcome`] of each ZeRO stage of `zeros`, for (pp, vpp, schedule).
+    fn zero_outcomes_of(&self, pp: u32, v: u32, schedule: Schedule) -> Vec<ZeroOutcome> {
+        let reshard = self.job.pinned.fsdp_reshard_after_forward;
+        let sharding = |z: u8| DpSharding::new(z, pp, reshard);
+        self.zeros
+            .iter()
+            .map(|&z| {
+                let z_axes = Axes {
+                    pp: Some(pp as u64),
+                    vpp: Some(v as u64),
+                    schedule: Some(schedule),
+                    zero_stage: Some(z),
+                    ..Axes::default()
+                };
+                if let Some(r) = rules::first_violation(&self.ctx, &z_axes) {
+                    return ZeroOutcome::Rejected(r);
+                }
+                // A ZeRO stage whose sharding and traffic the cost model says are those of
+                // a lower stage in the list (ZeRO-2, and FSDP without resharding, under PP
+                // are ZeRO-1's) has the same estimate; the lower stage wins that tie, so it
+                // is counted, not evaluated.
+                match self
+                    .zeros
+                    .iter()
+                    .find(|&&z2| z2 < z && sharding(z2) == sharding(z))
+                {
+                    Some(&lower) => ZeroOutcome::SameAsLower(lower),
+                    None => ZeroOutcome::Evaluate,
+                }
+            })
+            .collect()
+    }
+
+    /// [`Space::zero_outcomes_of`], worked out once per search.
+    fn zero_outcomes(&self, pp: u32, v: u32, schedule: Schedule) -> Cow<'_, [ZeroOutcome]> {
+        match self.zero_outcomes.get(&(pp, v, schedule)) {
+            Some(o) => Cow::Borrowed(o),
+            None => Cow::Owned(self.zero_outcomes_of(pp, v, schedule)),
+        }
+    }
+
+    /// `f` of the balanced loads of `layout`'s pp and vpp.
+    fn with_loads<T>(&self, layout: &Layout, f: impl FnOnce(&BalancedLoads) -> T) -> T {
+        let key = (layout.pp, layout.vpp.max(1));
+        match self.loads.get(&key) {
+            Some(loads) => f(loads),
+            None => f(&BalancedLoads::new(self.job, key.0, key.1)),
+        }
+    }
+
+    /// The family of `layout` (built on `lc`).
+    fn family(&self, lc: &LayerCosts, layout: &Layout) -> Family {
+        self.with_loads(layout, |loads| {
+            Family::new(self.job, lc, layout, loads, &self.sup)
+        })
     }
 
     /// Every unit, in the search's order (tp, cp, ep, micro-batch, sequence parallelism,
@@ -465,8 +754,9 @@ impl<'a> Space<'a> {
     }
 
     /// A unit's candidates over (pp, vpp, schedule, ZeRO stage), each rejected, counted or
-    /// evaluated (uneven interleaving: only its optimistic goodput).
-    fn expand(&self, unit: &Unit) -> Expanded {
+    /// evaluated (uneven interleaving: only its optimistic goodput); one that fits with a
+    /// goodput ceiling below `cut` is not costed further.
+    fn expand(&self, unit: &Unit, cut: f64) -> Expanded {
         let Unit::Costs {
             tp,
             cp,
@@ -481,6 +771,7 @@ impl<'a> Space<'a> {
             return Expanded {
                 lc: None,
                 events: Vec::new(),
+                counted: Counted::default(),
             };
         };
         let job = self.job;
@@ -497,6 +788,12 @@ impl<'a> Space<'a> {
         let rest = self.world / (tp * cp * ep);
         let pps: Vec<u64> = pick(pins.pp.map(|v| v as u64), divisors(rest));
         let mut events = Vec::new();
+        let mut counted = Counted::default();
+        let push = |e: Event, counted: &mut Counted, events: &mut Vec<Event>| {
+            if let Some(e) = counted.take(e, events.len(), cut) {
+                events.push(e);
+            }
+        };
         let mut family = 0u32;
         for &pp in &pps {
             if rest % pp != 0 {
@@ -514,10 +811,19 @@ impl<'a> Space<'a> {
                 ..Axes::default()
             };
             if let Some(r) = rules::first_violation(&self.ctx, &pp_axes) {
-                events.push(Event::Rejected(r, Site::Pipeline { pp, dp, mb, ep }));
+                push(
+                    Event::Rejected(r, Site::Pipeline { pp, dp, mb, ep }),
+                    &mut counted,
+                    &mut events,
+                );
                 continue;
             }
             let ga = job.training.global_batch / (mb * dp * ep);
+            // Shared by every (vpp, schedule, ZeRO stage) of this pp.
+            let mut buffers = PpBuffers {
+                table: self.buffers.get(&(tp, cp, ep, pp, sp, whole)),
+                own: None,
+            };
             // Virtual stages go with the interleaved schedule only.
             let vpps: Vec<u32> = match (pins.vpp, pins.schedule) {
                 (Some(v), _) => vec![v],
@@ -534,7 +840,11 @@ impl<'a> Space<'a> {
                     ..Axes::default()
                 };
                 if let Some(r) = rules::first_violation(&self.ctx, &v_axes) {
-                    events.push(Event::Rejected(r, Site::Interleave { pp, v, ga }));
+                    push(
+                        Event::Rejected(r, Site::Interleave { pp, v, ga }),
+                        &mut counted,
+                        &mut events,
+                    );
                     continue;
                 }
                 family += 1;
@@ -544,10 +854,16 @@ impl<'a> Space<'a> {
                     (None, _) => vec![Schedule::Interleaved],
                 };
                 for &sched in &schedules {
-                    // The ceiling of an uneven interleaving does not read the ZeRO stage.
-                    let mut ceiling = None;
-                    for &z in &self.zeros {
-                        let layout = Layout {
+                    // The ceiling of an uneven interleaving does not read the ZeRO stage,
+                    // nor does anything the family holds.
+                    let mut work = FamilyWork {
+                        id: family,
+                        ceiling: None,
+                        family: None,
+                    };
+                    let outcomes = self.zero_outcomes(pp as u32, v, sched);
+                    for (&z, outcome) in self.zeros.iter().zip(outcomes.iter()) {
+                        let layout = || Layout {
                             tp: tp as u32,
                             pp: pp as u32,
                             dp: dp as u32,
@@ -560,13 +876,25 @@ impl<'a> Space<'a> {
                             recompute: rc,
                             sequence_parallel: sp,
                             schedule: sched,
-                            expert_tp: (job.model.is_moe() && tp > 1).then_some(if whole {
-                                1
-                            } else {
-                                tp as u32
-                            }),
+                            expert_tp: expert_tp(job, tp, whole),
                         };
-                        events.push(self.candidate(&lc, layout, family, &mut ceiling));
+                        let ordered = events.len();
+                        match *outcome {
+                            ZeroOutcome::Rejected(r) => {
+                                counted.count(Key::Rule(r), ordered, || {
+                                    Event::Rejected(r, Site::Layout(layout()))
+                                })
+                            }
+                            ZeroOutcome::SameAsLower(lower) => {
+                                counted.count(Key::SameAsLowerZero, ordered, || {
+                                    Event::SameAsLowerZero(layout(), lower)
+                                })
+                            }
+                            ZeroOutcome::Evaluate => {
+                                let e = self.candidate(&lc, layout(), &mut work, &mut buffers, cut);
+                                push(e, &mut counted, &mut events);
+                            }
+                        }
                     }
                 }
             }
@@ -574,50 +902,35 @@ impl<'a> Space<'a> {
         Expanded {
             lc: Some(lc),
             events,
+            counted,
         }
     }
 
-    /// One (pp, vpp, schedule, ZeRO) candidate of a unit.
+    /// One (pp, vpp, schedule, ZeRO) candidate of a unit that the rules allow and no lower
+    /// ZeRO stage ties ([`ZeroOutcome::Evaluate`]).
     fn candidate(
         &self,
         lc: &LayerCosts,
         layout: Layout,
-        family: u32,
-        ceiling: &mut Option<f64>,
+        work: &mut FamilyWork,
+        buffers: &mut PpBuffers<'_>,
+        cut: f64,
     ) -> Event {
-        let (pp, v, z) = (layout.pp, layout.vpp, layout.zero_stage);
-        let z_axes = Axes {
-            pp: Some(pp as u64),
-            vpp: Some(v as u64),
-            schedule: Some(layout.schedule),
-            zero_stage: Some(z),
-            ..Axes::default()
-        };
-        if let Some(r) = rules::first_violation(&self.ctx, &z_axes) {
-            return Event::Rejected(r, Site::Layout(layout));
-        }
-        // A ZeRO stage whose sharding and traffic the cost model says are those of a lower
-        // stage in the list (ZeRO-2, and FSDP without resharding, under PP are ZeRO-1's) has
-        // the same estimate; the lower stage wins that tie, so it is counted, not evaluated.
-        let reshard = self.job.pinned.fsdp_reshard_after_forward;
-        let sharding = |z: u8| DpSharding::new(z, pp, reshard);
-        if let Some(&lower) = self
-            .zeros
-            .iter()
-            .find(|&&z2| z2 < z && sharding(z2) == sharding(z))
-        {
-            return Event::SameAsLowerZero(layout, lower);
-        }
+        let (pp, v) = (layout.pp, layout.vpp);
         // Uneven interleaving: walking the schedule costs O(pp m vpp); first ask for the
         // goodput with no bubble (an upper bound) and walk only when that could reach the top
         // and the layout may fit. Cheaper still, a ceiling of that goodput (no memory, no
         // step terms) decides most candidates; the rest are costed later, when needed.
         if v > 1 && self.job.model.num_layers % (pp * v) != 0 {
+            let ceiling = *work.ceiling.get_or_insert_with(|| {
+                self.with_loads(&layout, |loads| {
+                    no_bubble_goodput_ceiling_with(self.job, lc, &layout, loads, &self.sup)
+                })
+            });
             return Event::Uneven {
                 layout,
-                ceiling: *ceiling
-                    .get_or_insert_with(|| no_bubble_goodput_ceiling(self.job, lc, &layout)),
-                family,
+                ceiling,
+                family: work.id,
                 pre: None,
             };
         }
@@ -625,8 +938,11 @@ impl<'a> Space<'a> {
             // Ranked whether it fits or not.
             return Event::Evaluated(Box::new(evaluated(self.job, lc, layout)));
         }
-        match evaluate_fitting(self.job, lc, &layout, UnevenWalk::Walk) {
-            Ok(ev) => Event::Evaluated(Box::new(Candidate {
+        let fam = &*work.family.get_or_insert_with(|| self.family(lc, &layout));
+        let buffers = buffers.get(self.job, &layout);
+        match evaluate_family(self.job, lc, fam, buffers, &layout, UnevenWalk::Walk, cut) {
+            Ok(None) => Event::FitsBelow,
+            Ok(Some(ev)) => Event::Evaluated(Box::new(Candidate {
                 layout,
                 estimate: ev.estimate,
                 goodput_bound: ev.goodput_bound,
@@ -930,28 +1246,53 @@ impl Replay {
             self.tally.reject(reason, || space.example(reason, &site));
             return;
         }
-        for e in ex.events {
+        let Expanded {
+            lc,
+            events,
+            counted,
+        } = ex;
+        // Each counted key is seen (its first example) just before the ordered event it
+        // preceded, then counted at the end: the same tally as visiting every candidate.
+        let mut firsts = counted.keys.iter().peekable();
+        for (i, e) in events.into_iter().enumerate() {
+            while let Some((key, _, _, first)) = firsts.next_if(|k| k.2 <= i) {
+                self.tally.first(key.name(), || Self::example(space, first));
+            }
             match e {
-                Event::Rejected(r, site) => self.tally.reject(r, || space.example(r, &site)),
-                Event::SameAsLowerZero(layout, lower) => {
-                    self.tally.count("same_as_lower_zero_stage", || {
-                        format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie")
-                    });
-                }
                 Event::Evaluated(c) => self.rank(*c),
-                Event::OutOfMemory(layout, need, hbm) => {
-                    self.out_of_memory(&layout, || (need, hbm));
-                }
+                Event::Rejected(..)
+                | Event::SameAsLowerZero(..)
+                | Event::OutOfMemory(..)
+                | Event::FitsBelow => unreachable!("counted in the expansion"),
                 Event::Uneven {
                     layout,
                     ceiling,
                     pre,
                     ..
                 } => {
-                    let lc = ex.lc.as_ref().expect("a unit with candidates");
+                    let lc = lc.as_ref().expect("a unit with candidates");
                     self.uneven(space, lc, layout, ceiling, pre);
                 }
             }
+        }
+        for (key, _, _, first) in firsts {
+            self.tally.first(key.name(), || Self::example(space, first));
+        }
+        for (key, n, _, _) in &counted.keys {
+            self.tally.add(key.name(), *n);
+        }
+        self.tally.summary.candidates += counted.feasible;
+        self.tally.summary.feasible += counted.feasible;
+    }
+
+    /// The example text of a counted candidate.
+    fn example(space: &Space<'_>, e: &Event) -> String {
+        match e {
+            Event::Rejected(r, site) => space.example(*r, site),
+            Event::SameAsLowerZero(layout, lower) => format!("{layout}: the same sharding and data-parallel traffic as ZeRO-{lower} (memory::DpSharding), which wins the tie"),
+            Event::OutOfMemory(layout, need, hbm) => oom_example(layout, *need, *hbm),
+            Event::Uneven { layout, .. } => below_top_example(layout),
+            Event::Evaluated(_) | Event::FitsBelow => unreachable!("not counted under a key"),
         }
     }
 
@@ -974,9 +1315,7 @@ impl Replay {
             None => (space.optimistic(lc, &layout), Verdict::Open),
         };
         if below(optimistic) {
-            self.tally.count("below_top_without_bubble", || {
-                format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top")
-            });
+            self.tally.count(BELOW_TOP, || below_top_example(&layout));
             return;
         }
         let verdict = match verdict {
@@ -1042,13 +1381,21 @@ impl Replay {
     fn out_of_memory(&mut self, layout: &Layout, memory: impl FnOnce() -> (f64, f64)) {
         self.tally.reject(Rejection::OutOfMemory, || {
             let (need, hbm) = memory();
-            format!(
-                "{layout}: needs {:.1} GB of {:.1} GB",
-                need / 1e9,
-                hbm / 1e9
-            )
+            oom_example(layout, need, hbm)
         });
     }
+}
+
+fn oom_example(layout: &Layout, need: f64, hbm: f64) -> String {
+    format!(
+        "{layout}: needs {:.1} GB of {:.1} GB",
+        need / 1e9,
+        hbm / 1e9
+    )
+}
+
+fn below_top_example(layout: &Layout) -> String {
+    format!("{layout}: uneven interleaving whose goodput even without a pipeline bubble is below the kept top")
 }
 
 /// `layout` evaluated under the balanced split (with its walk when it needs one).
