@@ -1101,6 +1101,20 @@ struct RankSums {
     max_params: (f64, f64),
 }
 
+impl RankSums {
+    /// Nothing summed yet (`slow_total` below any rank's, so the first rank is the slowest).
+    fn empty() -> RankSums {
+        RankSums {
+            ranks: Vec::new(),
+            worst_mem: MemoryBreakdown::default(),
+            slow: LayerTime::default(),
+            slow_total: -1.0,
+            sum_total: 0.0,
+            max_params: (0.0, 0.0),
+        }
+    }
+}
+
 fn rank_sums(
     cx: &MemoryCtx<'_>,
     split: Split<'_>,
@@ -1112,14 +1126,7 @@ fn rank_sums(
     let v = layout.vpp.max(1);
     let model = &job.model;
     let mut acc = Slowest::default();
-    let mut r = RankSums {
-        ranks: Vec::new(),
-        worst_mem: MemoryBreakdown::default(),
-        slow: LayerTime::default(),
-        slow_total: -1.0,
-        sum_total: 0.0,
-        max_params: (0.0, 0.0),
-    };
+    let mut r = RankSums::empty();
     let mut start = 0u32;
     for j in 0..p {
         let (load, count) = match split {
@@ -1425,14 +1432,7 @@ impl Family {
     /// product of non-negative numbers), so no later rank of the run is larger than its
     /// first, and the first larger total is a first rank's, as [`rank_sums`] finds it.
     fn rank_sums(&self, cx: &MemoryCtx<'_>, walk: Option<&schedule::Walk>) -> RankSums {
-        let mut r = RankSums {
-            ranks: Vec::new(),
-            worst_mem: MemoryBreakdown::default(),
-            slow: LayerTime::default(),
-            slow_total: -1.0,
-            sum_total: 0.0,
-            max_params: (0.0, 0.0),
-        };
+        let mut r = RankSums::empty();
         let mut j = 0u32;
         for (w, n) in &self.runs {
             if walk.is_some() {

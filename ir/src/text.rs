@@ -341,8 +341,8 @@ fn write_node(out: &mut String, n: &Node) {
 }
 
 /// Append `x` in decimal (the printer's hot path: a 16,384-GPU program prints ~10^6 ids,
-/// and `write!` formats each through `core::fmt`).
-fn push_int(out: &mut String, mut x: u64) {
+/// and `write!` formats each through `core::fmt`; the lowering names its values with it).
+pub fn push_int(out: &mut String, mut x: u64) {
     let mut buf = [0u8; 20];
     let mut i = buf.len();
     loop {

@@ -455,6 +455,18 @@ impl Builder<'_> {
     }
 }
 
+/// The attention output projection's forward GEMM of `layer`.
+fn proj_gemm(d: &Dims, layer: u32) -> Op {
+    gemm(
+        GemmName::fwd(GemmRole::Proj),
+        d.t,
+        d.h,
+        d.heads * d.d,
+        d.w,
+        Some(ParamName::layer(layer, Role::Proj)),
+    )
+}
+
 fn gemm(name: GemmName, m: u64, n: u64, k: u64, dt: DType, weight: Option<ParamName>) -> Op {
     let b = dt.bytes();
     Op::Gemm {
@@ -1000,19 +1012,7 @@ impl<'a> Ctx<'a> {
         let lse = b.act(at, "lse", DType::F32, &[d.t, d.heads]);
         b.set(id, &[q, kvg], &[o, lse]);
         let (wp, _) = self.weight(b, lo, Role::Proj);
-        let id = b.compute(
-            pass,
-            mbo,
-            lo,
-            gemm(
-                GemmName::fwd(GemmRole::Proj),
-                d.t,
-                d.h,
-                d.heads * d.d,
-                d.w,
-                wname(Role::Proj),
-            ),
-        );
+        let id = b.compute(pass, mbo, lo, proj_gemm(&d, layer));
         let p1 = b.act(at, "p1", d.w, &[d.t, d.h]);
         b.set(id, &[o, wp], &[p1]);
         let p1r = self.reduce_v(b, pass, at, p1, "p1r");
@@ -1463,19 +1463,7 @@ impl<'a> Ctx<'a> {
                 lo,
                 ew(ElementwiseKind::Rope, d.t * d.kv_heads * d.d, 4),
             );
-            b.compute(
-                rc,
-                mbo,
-                lo,
-                gemm(
-                    GemmName::fwd(GemmRole::Proj),
-                    d.t,
-                    d.h,
-                    d.heads * d.d,
-                    d.w,
-                    wname(Role::Proj),
-                ),
-            );
+            b.compute(rc, mbo, lo, proj_gemm(&d, layer));
         }
         let o = b.get(at, "o");
         let d_o = self.gemm_bwd_v(b, at, &proj, [dg1, o], "do");

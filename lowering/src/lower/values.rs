@@ -27,6 +27,7 @@
 //! stream's and the optimizer's in the `dp` module.
 
 use super::Builder;
+use shardwright_ir::text::push_int;
 use shardwright_ir::{DType, NodeId, ParamName, Pass, Role, Stream, ValueId, ValueKind};
 use std::collections::BTreeMap;
 
@@ -61,22 +62,6 @@ pub(super) struct Vals {
 
 pub(super) const NONE: ValueId = ValueId(u32::MAX);
 
-/// Append `x` in decimal.
-fn push_u32(s: &mut String, x: u32) {
-    let mut buf = [0u8; 10];
-    let mut i = buf.len();
-    let mut x = x;
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (x % 10) as u8;
-        x /= 10;
-        if x == 0 {
-            break;
-        }
-    }
-    s.push_str(std::str::from_utf8(&buf[i..]).expect("ascii digits"));
-}
-
 impl Builder<'_> {
     /// A new activation of scope `(layer, mb)` under `key`.
     pub(super) fn act(
@@ -110,11 +95,11 @@ impl Builder<'_> {
             EMBED => name.push_str("embed"),
             l => {
                 name.push('L');
-                push_u32(&mut name, l);
+                push_int(&mut name, l as u64);
             }
         }
         name.push_str(".mb");
-        push_u32(&mut name, at.1);
+        push_int(&mut name, at.1 as u64);
         name.push('.');
         name.push_str(key);
         self.g.value(
