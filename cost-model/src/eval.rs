@@ -760,6 +760,20 @@ pub fn evaluate_fitting(
     evaluate_or_oom(job, lc, layout, Split::Balanced, false, uneven, true)
 }
 
+/// How [`evaluate_or_oom_in`] costs a layout.
+struct Costing<'a> {
+    split: Split<'a>,
+    /// Per-rank detail in the evaluation.
+    detail: bool,
+    uneven: UnevenWalk<'a>,
+    /// Stop at the memory check when the layout does not fit.
+    stop_if_oom: bool,
+    /// What the layout's family holds (see [`evaluate_family`]), when known.
+    family: Option<(&'a Family, &'a MeshBuffers)>,
+    /// A fitting layout whose family's goodput ceiling is below this is not costed.
+    cut: f64,
+}
+
 /// A layout that does not fit (see [`evaluate_fitting`]).
 #[derive(Clone, Debug)]
 pub struct OutOfMemory(pub Evaluation);
@@ -777,12 +791,14 @@ fn evaluate_or_oom(
         job,
         lc,
         layout,
-        split,
-        detail,
-        uneven,
-        stop_if_oom,
-        None,
-        f64::NEG_INFINITY,
+        Costing {
+            split,
+            detail,
+            uneven,
+            stop_if_oom,
+            family: None,
+            cut: f64::NEG_INFINITY,
+        },
     );
     r.map(|ev| ev.expect("no cut, so costed"))
 }
@@ -790,18 +806,21 @@ fn evaluate_or_oom(
 /// [`evaluate_or_oom`], with what `family` holds for `layout` (its family) instead of
 /// working it out again; when the layout fits and its [`Family::goodput_ceiling`] is
 /// below `cut`, `Ok(None)` without costing the step.
-#[allow(clippy::too_many_arguments, clippy::result_large_err)]
+#[allow(clippy::result_large_err)]
 fn evaluate_or_oom_in(
     job: &Job,
     lc: &LayerCosts,
     layout: &Layout,
-    split: Split<'_>,
-    detail: bool,
-    uneven: UnevenWalk<'_>,
-    stop_if_oom: bool,
-    family: Option<(&Family, &MeshBuffers)>,
-    cut: f64,
+    costing: Costing<'_>,
 ) -> Result<Option<Evaluation>, OutOfMemory> {
+    let Costing {
+        split,
+        detail,
+        uneven,
+        stop_if_oom,
+        family,
+        cut,
+    } = costing;
     let p = layout.pp;
     let v = layout.vpp.max(1);
     let own_mesh;
@@ -1467,12 +1486,14 @@ pub fn evaluate_family(
         job,
         lc,
         layout,
-        Split::Balanced,
-        false,
-        uneven,
-        true,
-        Some((family, mesh)),
-        cut,
+        Costing {
+            split: Split::Balanced,
+            detail: false,
+            uneven,
+            stop_if_oom: true,
+            family: Some((family, mesh)),
+            cut,
+        },
     )
 }
 

@@ -115,10 +115,9 @@ fn case(g: &mut Rng, d: &Device, blas: &Blas, s: GemmSpec, beta: f32, rel: f64) 
             let dbias = d.upload(&bias).unwrap();
             blas.gemm::<F32, F32>(
                 &s,
-                1.0,
+                (1.0, beta),
                 &da,
                 &db,
-                beta,
                 &mut dc,
                 with_bias.then_some(&dbias),
             )
@@ -132,10 +131,9 @@ fn case(g: &mut Rng, d: &Device, blas: &Blas, s: GemmSpec, beta: f32, rel: f64) 
                 let dbias = d.upload(&bits(&bias)).unwrap();
                 blas.gemm::<Bf16, Bf16>(
                     &s,
-                    1.0,
+                    (1.0, beta),
                     &da,
                     &db,
-                    beta,
                     &mut dc,
                     with_bias.then_some(&dbias),
                 )
@@ -150,10 +148,9 @@ fn case(g: &mut Rng, d: &Device, blas: &Blas, s: GemmSpec, beta: f32, rel: f64) 
                 let dbias = d.upload(&bias).unwrap();
                 blas.gemm::<Bf16, F32>(
                     &s,
-                    1.0,
+                    (1.0, beta),
                     &da,
                     &db,
-                    beta,
                     &mut dc,
                     with_bias.then_some(&dbias),
                 )
@@ -252,7 +249,7 @@ fn a_product_worked_by_hand() {
         Elem::F32,
         Elem::F32,
     );
-    blas.gemm::<F32, F32>(&s, 1.0, &a, &b, 0.0, &mut c, None)
+    blas.gemm::<F32, F32>(&s, (1.0, 0.0), &a, &b, &mut c, None)
         .unwrap();
     assert_eq!(d.download(&c).unwrap(), vec![58., 64., 139., 154.]);
     // The same b stored transposed ([[7, 9, 11], [8, 10, 12]]), alpha 2, beta 1 onto it.
@@ -264,7 +261,7 @@ fn a_product_worked_by_hand() {
         Elem::F32,
         Elem::F32,
     );
-    blas.gemm::<F32, F32>(&s, 2.0, &a, &bt, 1.0, &mut c, None)
+    blas.gemm::<F32, F32>(&s, (2.0, 1.0), &a, &bt, &mut c, None)
         .unwrap();
     assert_eq!(d.download(&c).unwrap(), vec![174., 192., 417., 462.]);
 }
@@ -282,23 +279,22 @@ fn bad_calls_are_named_errors() {
     let e = blas
         .gemm::<F32, F32>(
             &s,
-            1.0,
+            (1.0, 0.0),
             &d.zeros(32).unwrap(),
             &d.zeros(16).unwrap(),
-            0.0,
             &mut c,
             None,
         )
         .unwrap_err();
     assert!(e.contains("F32 operands"), "{e}");
     let e = blas
-        .gemm::<Bf16, F32>(&s, 1.0, &a, &short, 0.0, &mut c, None)
+        .gemm::<Bf16, F32>(&s, (1.0, 0.0), &a, &short, &mut c, None)
         .unwrap_err();
     assert!(e.contains("`b` has 15 elements, needs 16"), "{e}");
     let mut with_bias = s;
     with_bias.epilogue = Epilogue::Bias;
     let e = blas
-        .gemm::<Bf16, F32>(&with_bias, 1.0, &a, &a, 0.0, &mut c, None)
+        .gemm::<Bf16, F32>(&with_bias, (1.0, 0.0), &a, &a, &mut c, None)
         .unwrap_err();
     assert!(e.contains("needs a bias"), "{e}");
 }

@@ -555,7 +555,7 @@ impl Backend for Cuda {
         let spec = GemmSpec::new(s, a.trans, b.trans, Elem::F32, Elem::F32);
         let _api = api();
         self.blas
-            .gemm::<F32, F32>(&spec, 1.0, &a.data.s, &b.data.s, beta, &mut c.s, None)
+            .gemm::<F32, F32>(&spec, (1.0, beta), &a.data.s, &b.data.s, &mut c.s, None)
             .unwrap_or_else(|e| fail("GEMM", e));
         self.sync_point("GEMM");
     }

@@ -283,14 +283,12 @@ impl Blas {
     /// Queues `c = alpha op(a) op(b) + beta c` (with `s.epilogue`'s bias, of `s.n` elements
     /// of `c`'s type) on the device's stream. Checks the element types and buffer sizes
     /// against `s`.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm<A: Elemental, C: Elemental>(
         &self,
         s: &GemmSpec,
-        alpha: f32,
+        (alpha, beta): (f32, f32),
         a: &CudaSlice<A::Item>,
         b: &CudaSlice<A::Item>,
-        beta: f32,
         c: &mut CudaSlice<C::Item>,
         bias: Option<&CudaSlice<C::Item>>,
     ) -> Result<(), String> {
@@ -444,6 +442,6 @@ pub fn time_bf16_gemm(
     let b = d.upload(&pool[pool.len() - s.k * s.n..])?;
     let mut c = d.upload(&pool[..s.m * s.n])?;
     d.time_each(warmup, reps, || {
-        blas.gemm::<Bf16, Bf16>(s, 1.0, &a, &b, 0.0, &mut c, None)
+        blas.gemm::<Bf16, Bf16>(s, (1.0, 0.0), &a, &b, &mut c, None)
     })
 }
