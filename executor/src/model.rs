@@ -199,7 +199,8 @@ impl Dims {
         Ok(())
     }
 
-    /// Dense parameter names of layer `l`, in bucket (flattening) order.
+    /// Dense parameter names of layer `l`, in the order the lowering's buckets flatten them
+    /// (`lowering/src/lower/dp.rs`; the executor's buckets come from the program).
     pub fn layer_params(&self, l: u32) -> Vec<String> {
         let with_bias = |norm: Role| {
             let bias = norm.norm_bias().filter(|_| self.layernorm);
@@ -221,8 +222,8 @@ impl Dims {
             .collect()
     }
 
-    /// Expert parameter names of layer `l` for `experts` (empty for a dense layer), in
-    /// bucket order.
+    /// Expert parameter names of layer `l` for `experts` (empty for a dense layer), in the
+    /// lowering's bucket order.
     pub fn expert_params(&self, l: u32, experts: std::ops::Range<usize>) -> Vec<String> {
         if !self.is_moe_layer(l) {
             return Vec::new();

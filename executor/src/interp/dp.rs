@@ -174,9 +174,10 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             }
             self.buckets.push(b);
         }
-        let shard_vals: Vec<ValueId> = self.shard_of.keys().copied().collect();
         for v in &g.values {
-            if v.kind == ValueKind::Param && !in_bucket[v.id.index()] && !shard_vals.contains(&v.id)
+            if v.kind == ValueKind::Param
+                && !in_bucket[v.id.index()]
+                && !self.shard_of.contains_key(&v.id)
             {
                 return Err(format!(
                     "parameter `{}` is in no data-parallel bucket (a program from an older \

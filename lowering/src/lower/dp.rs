@@ -80,7 +80,7 @@ struct Held {
 
 impl Ctx<'_> {
     /// Size of the rank's group on `axis` (1 where none is declared).
-    fn members(&self, b: &Builder, axis: GroupKind) -> u64 {
+    pub(super) fn members(&self, b: &Builder, axis: GroupKind) -> u64 {
         b.program
             .group_for(b.rank, axis)
             .map_or(1, |id| b.program.group(id).ranks.len().max(1) as u64)

@@ -113,12 +113,9 @@ impl Ctx<'_> {
             return (Vec::new(), Vec::new());
         }
         let (_, e) = self.moe_ke();
-        let n = b
-            .program
-            .group_for(b.rank, GroupKind::Ep)
-            .map_or(1, |id| b.program.group(id).ranks.len());
+        let n = self.members(b, GroupKind::Ep);
         let gd = super::dtype(self.job.training.grad_dtype.bytes());
-        (0..e / n as u64)
+        (0..e / n)
             .map(|i| {
                 let name = ParamName::expert(layer, Expert::Local(i as u32), g.role.weight());
                 b.named_param(name.to_string(), &[g.k, g.n], self.dims().w, gd)
