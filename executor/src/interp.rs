@@ -36,10 +36,10 @@
 use crate::backend::{AdamW, AttnShape, Backend, NormGrads};
 use crate::comm::Communicator;
 use crate::data::{DataCtx, DataSource, Synthetic};
-use crate::model::{lr_at, shard, Dims, Split};
+use crate::model::{lr_at, Dims};
 use shardwright_ir::run::RunInfo;
 use shardwright_ir::{
-    Axis, CollectiveKind, Graph, Node, Op, Pass, Program, ReduceOp, Role, Stream,
+    Axis, CollectiveKind, Graph, Node, Op, Pass, Program, ReduceOp, Role, Slice, Stream,
 };
 use std::collections::BTreeMap;
 
@@ -179,8 +179,6 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     ep: Vec<u32>,
     expert_dp: Vec<u32>,
     expert_pos: usize,
-    /// Whole experts (expert TP 1): expert weights are not split over tp.
-    whole_experts: bool,
     // local dims
     hl: usize,
     kvl: usize,
@@ -203,6 +201,8 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     shard_of: BTreeMap<shardwright_ir::ValueId, usize>,
     /// The bucket of each parameter (by state name).
     bucket_of: BTreeMap<String, usize>,
+    /// Each parameter's part of its full tensor (by state name; the graph's slices).
+    slices: BTreeMap<String, Slice>,
     // per-step state
     step: u32,
     loss: f64,
@@ -286,7 +286,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
         let t = tp.len();
         let tp_pos = pos(&tp);
         let vl = dims.vocab / t;
-        let whole = run.whole_experts;
         let mut ex = RankExec {
             be,
             comm,
@@ -304,7 +303,6 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             ep,
             expert_pos: pos(&expert_dp),
             expert_dp,
-            whole_experts: whole,
             tp,
             hl: dims.heads / t,
             kvl: dims.kv_heads / t,
@@ -321,6 +319,7 @@ impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
             buckets: Vec::new(),
             shard_of: BTreeMap::new(),
             bucket_of: BTreeMap::new(),
+            slices: BTreeMap::new(),
             step: 0,
             vals: g.values.iter().map(|_| None).collect(),
             pnames: values::state_names(g, first_expert),
@@ -684,15 +683,26 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
             .collect()
     }
 
-    /// Which tensor-parallel shard of parameter `name` this rank holds, of how many:
-    /// `(tp position, tp)`, or the whole tensor for an expert's weights when the experts
-    /// stay whole.
-    pub(crate) fn tp_shard(&self, name: &str) -> (usize, usize) {
-        if self.whole_experts && Dims::is_expert(name) {
-            (0, 1)
-        } else {
-            (self.tp_pos, self.tp.len())
-        }
+    /// Parameter `name`'s slice of its full tensor (the program's), with this rank's part
+    /// and the number of parts: `(slice, i, n)`.
+    pub(crate) fn part_of(&self, name: &str) -> Result<(&Slice, usize, usize), String> {
+        let s = self.slices.get(name).ok_or_else(|| {
+            format!(
+                "parameter `{name}` has no slice in the program (a program from an older \
+                 lowering: lower the plan again)"
+            )
+        })?;
+        let (i, n) = match s.split.axis() {
+            None => (0, 1),
+            Some(Axis::Tp) => (self.tp_pos, self.tp.len()),
+            Some(other) => {
+                return Err(format!(
+                    "parameter `{name}` is cut over `{other}`; this executor cuts parameters \
+                     over tp only"
+                ))
+            }
+        };
+        Ok((s, i, n))
     }
 }
 

@@ -41,7 +41,7 @@
 
 use crate::rng::Rng;
 use shardwright_ir::run::{Activation, ModelInfo, NormKind};
-use shardwright_ir::{Expert, ParamName, Role, TpSplit};
+use shardwright_ir::{Expert, ParamName, Role};
 
 /// The role of parameter `name` (`L3.qkv`, `L3.e5.expert_fc1`, `embedding`), through the
 /// IR's one parser of parameter names. The names the executor asks about are its own
@@ -295,32 +295,6 @@ impl Dims {
         }
     }
 
-    /// How a parameter is split over tensor-parallel ranks.
-    pub fn split(&self, name: &str) -> Split {
-        self.role_split(role_of(name))
-    }
-
-    /// How a parameter of `role` is split: the role's [`TpSplit`], a column split by the
-    /// blocks of the model's dimensions (Q, K, V; gate and up).
-    pub fn role_split(&self, role: Role) -> Split {
-        match role.tp_split() {
-            TpSplit::Replicated => Split::Replicated,
-            TpSplit::Rows => Split::Rows,
-            TpSplit::Cols => Split::Cols(match role {
-                Role::LmHead => vec![self.vocab],
-                Role::Qkv => vec![
-                    self.heads * self.d,
-                    self.kv_heads * self.d,
-                    self.kv_heads * self.d,
-                ],
-                Role::Fc1 => vec![self.f; self.fc1_blocks()],
-                Role::ExpertFc1 => vec![self.moe_dims().fe; self.fc1_blocks()],
-                Role::SharedFc1 => vec![self.moe_dims().fs; self.fc1_blocks()],
-                _ => unreachable!("{role} is not split by columns"),
-            }),
-        }
-    }
-
     fn moe_dims(&self) -> &MoeDims {
         self.moe
             .as_ref()
@@ -337,75 +311,6 @@ impl Dims {
             Role::PosEmbedding => g.vec(r * c, 0.5),
             role if role.is_bias() => (0..r * c).map(|_| g.sym(0.1)).collect(),
             _ => g.vec(r * c, 1.0 / (r as f64).sqrt()),
-        }
-    }
-}
-
-/// Tensor-parallel split of a parameter.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Split {
-    Replicated,
-    /// Contiguous row blocks.
-    Rows,
-    /// The columns form blocks of these widths; each block is split into `tp` column chunks
-    /// and rank `i` holds chunk `i` of every block, side by side.
-    Cols(Vec<usize>),
-}
-
-/// Rank `i`'s part of a full `[r, c]` tensor.
-pub fn shard(full: &[f32], shape: [usize; 2], split: &Split, i: usize, tp: usize) -> Vec<f32> {
-    let [r, c] = shape;
-    match split {
-        Split::Replicated => full.to_vec(),
-        Split::Rows => {
-            let n = r / tp;
-            full[i * n * c..(i + 1) * n * c].to_vec()
-        }
-        Split::Cols(blocks) => {
-            let mut out = Vec::with_capacity(full.len() / tp);
-            for row in 0..r {
-                let mut start = 0;
-                for &w in blocks {
-                    let n = w / tp;
-                    let lo = row * c + start + i * n;
-                    out.extend_from_slice(&full[lo..lo + n]);
-                    start += w;
-                }
-            }
-            out
-        }
-    }
-}
-
-/// Write rank `i`'s part `local` back into the full `[r, c]` tensor (the inverse of
-/// [`shard`]; a replicated tensor is copied whole).
-pub fn unshard_into(
-    full: &mut [f32],
-    local: &[f32],
-    shape: [usize; 2],
-    split: &Split,
-    i: usize,
-    tp: usize,
-) {
-    let [r, c] = shape;
-    match split {
-        Split::Replicated => full.copy_from_slice(local),
-        Split::Rows => {
-            let n = r / tp;
-            full[i * n * c..(i + 1) * n * c].copy_from_slice(local);
-        }
-        Split::Cols(blocks) => {
-            let mut o = 0;
-            for row in 0..r {
-                let mut start = 0;
-                for &w in blocks {
-                    let n = w / tp;
-                    let lo = row * c + start + i * n;
-                    full[lo..lo + n].copy_from_slice(&local[o..o + n]);
-                    o += n;
-                    start += w;
-                }
-            }
         }
     }
 }

@@ -333,6 +333,111 @@ impl Shard {
     }
 }
 
+/// How a parameter value is its rank's part of the full (logical) tensor: the tensor-
+/// parallel half of the parameter-shard map (the [`Bucket`]s are the data-parallel half).
+/// A class's graph is shared by the ranks of a tensor-parallel group, so the part is named
+/// relative to the rank: member `i` of the rank's `axis` group (of `n` members) holds part
+/// `i` of `n`. A backend cuts a full tensor with [`Slice::cut`] (initialisation, loading a
+/// checkpoint onto a new layout) and puts parts back with [`Slice::paste`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Slice {
+    pub param: ValueId,
+    /// The full tensor's `[rows, cols]` (a vector is one row), row-major, as the lowering
+    /// lays it out: a dimension split over `n` members is a multiple of `n`.
+    pub full: [u64; 2],
+    pub split: Split,
+}
+
+/// How a [`Slice`]'s full tensor is cut over the members of a group.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Split {
+    /// Every member holds the whole tensor.
+    Whole,
+    /// `n` contiguous blocks of rows; member `i` holds block `i` (Megatron's row-parallel
+    /// down projections, the vocabulary-parallel embedding).
+    Rows { axis: Axis },
+    /// The columns form blocks of these widths (Q, K, V; gate, up), each cut in `n` equal
+    /// chunks; member `i` holds chunk `i` of every block, side by side (column-parallel
+    /// up projections and head).
+    Cols { axis: Axis, blocks: Vec<u64> },
+}
+
+impl Split {
+    /// The group the tensor is cut over (`None`: whole).
+    pub fn axis(&self) -> Option<Axis> {
+        match self {
+            Split::Whole => None,
+            Split::Rows { axis } | Split::Cols { axis, .. } => Some(*axis),
+        }
+    }
+}
+
+impl Slice {
+    /// Elements of one part when cut in `n`.
+    pub fn part_elems(&self, n: u64) -> u64 {
+        let all = self.full[0].saturating_mul(self.full[1]);
+        match self.split {
+            Split::Whole => all,
+            _ => all / n.max(1),
+        }
+    }
+
+    /// Part `i` of `n` of `full` (`full[0] * full[1]` elements, row-major).
+    pub fn cut<T: Copy>(&self, full: &[T], i: usize, n: usize) -> Vec<T> {
+        let [r, c] = [self.full[0] as usize, self.full[1] as usize];
+        debug_assert_eq!(full.len(), r * c);
+        match &self.split {
+            Split::Whole => full.to_vec(),
+            Split::Rows { .. } => {
+                let rows = r / n;
+                full[i * rows * c..(i + 1) * rows * c].to_vec()
+            }
+            Split::Cols { blocks, .. } => {
+                let mut out = Vec::with_capacity(full.len() / n);
+                for row in full.chunks_exact(c) {
+                    let mut start = 0;
+                    for &w in blocks {
+                        let (w, k) = (w as usize, w as usize / n);
+                        out.extend_from_slice(&row[start + i * k..start + (i + 1) * k]);
+                        start += w;
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// Write part `i` of `n` (`part`) into its place in `full` (the inverse of [`Slice::cut`]).
+    pub fn paste<T: Copy>(&self, full: &mut [T], part: &[T], i: usize, n: usize) {
+        let [r, c] = [self.full[0] as usize, self.full[1] as usize];
+        debug_assert_eq!(full.len(), r * c);
+        match &self.split {
+            Split::Whole => full.copy_from_slice(part),
+            Split::Rows { .. } => {
+                let rows = r / n;
+                full[i * rows * c..(i + 1) * rows * c].copy_from_slice(part);
+            }
+            Split::Cols { blocks, .. } => {
+                let mut src = part.iter().copied();
+                for row in full.chunks_exact_mut(c) {
+                    let mut start = 0;
+                    for &w in blocks {
+                        let (w, k) = (w as usize, w as usize / n);
+                        for (d, s) in row[start + i * k..start + (i + 1) * k]
+                            .iter_mut()
+                            .zip(&mut src)
+                        {
+                            *d = s;
+                        }
+                        start += w;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Collective operations on a process group. `bytes` is always the size of the full
 /// logical tensor (NCCL's convention for bus bandwidth): the all-gather output, the
 /// reduce-scatter input, the all-reduce buffer, the all-to-all send buffer.
@@ -629,6 +734,10 @@ pub struct Graph {
     /// The data-parallel buckets of the rank's parameters (the parameter-shard map).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub buckets: Vec<Bucket>,
+    /// How each parameter value is its part of the full tensor (the parameter-shard map's
+    /// tensor-parallel half; empty for a hand-built graph without it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slices: Vec<Slice>,
     /// Program order; `nodes[i].id == NodeId(i)`.
     pub nodes: Vec<Node>,
 }
@@ -640,6 +749,15 @@ impl Graph {
             world,
             ..Graph::default()
         }
+    }
+
+    /// Members of this rank's group on `axis` (1 where the graph declares none: the axis
+    /// has size 1 for the rank).
+    pub fn axis_members(&self, axis: Axis) -> u64 {
+        self.groups
+            .iter()
+            .find(|pg| pg.axis == axis && pg.ranks.contains(&self.rank))
+            .map_or(1, |pg| pg.ranks.len().max(1) as u64)
     }
 
     /// Append a node; returns its id.

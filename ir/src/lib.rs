@@ -14,7 +14,8 @@ pub mod ids;
 
 pub use graph::{
     Bucket, Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op,
-    Pass, ProcessGroup, ReduceOp, Shape, Shard, Stream, Value, ValueIds, ValueKind, Work,
+    Pass, ProcessGroup, ReduceOp, Shape, Shard, Slice, Split, Stream, Value, ValueIds, ValueKind,
+    Work,
 };
 pub use ids::{BufferId, GroupId, NodeId, ValueId};
 pub mod program;

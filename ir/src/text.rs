@@ -10,11 +10,11 @@
 //!
 //! ```text
 //! file      := line*                      (lines separated by '\n'; a trailing '\r' is ignored)
-//! line      := blank | comment | graph | group | buffer | value | bucket | node
+//! line      := blank | comment | graph | group | buffer | value | bucket | slice | node
 //!                                         (print writes: header comment, graph, groups,
-//!                                          buffers, values, buckets, nodes; parse accepts
-//!                                          the last five interleaved, appending each to
-//!                                          its vector)
+//!                                          buffers, values, buckets, slices, nodes; parse
+//!                                          accepts the last six interleaved, appending
+//!                                          each to its vector)
 //! comment   := ';' any*                   ("; shardwright-ir V" with V != 1 is rejected)
 //! graph     := 'graph' 'rank=' U32 'world=' U32          (exactly once, before all else)
 //! group     := 'group' GROUPID AXIS'.'U32 FABRIC 'ranks='[U32 (',' U32)*]
@@ -28,6 +28,11 @@
 //!                                         (a data-parallel bucket: its parameters in
 //!                                          flattening order; the ZeRO shard's param, grad,
 //!                                          master, exp_avg, exp_avg_sq)
+//! slice     := 'slice' VALUEID 'full=' U64 'x' U64 ('whole' | 'rows=' AXIS
+//!              | 'cols=' AXIS ':' U64 (',' U64)*)
+//!                                         (a parameter's part of the full tensor: whole,
+//!                                          row blocks, or column blocks of these widths,
+//!                                          cut over the rank's AXIS group)
 //! node      := NODEID '=' op [values] ['->' values] '@'STREAM PASS ['mb='U32] ['layer='U32]
 //!              ['<-' deps]                (operands, then results)
 //! values    := VALUEID (',' VALUEID)*     (printed as "%1, %2")
@@ -81,7 +86,7 @@
 
 use crate::graph::{
     Bucket, Buffer, BufferKind, CollectiveKind, DType, ElementwiseKind, Fabric, Graph, Node, Op,
-    Pass, ProcessGroup, ReduceOp, Shard, Stream, Value, ValueKind, Work,
+    Pass, ProcessGroup, ReduceOp, Shard, Slice, Split, Stream, Value, ValueKind, Work,
 };
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::vocab::Axis;
@@ -162,6 +167,24 @@ pub fn print(g: &Graph) -> String {
         if let Some(s) = &b.shard {
             out.push_str(" shard=");
             write_list(&mut out, &s.values());
+        }
+        out.push('\n');
+    }
+    for sl in &g.slices {
+        let _ = write!(
+            out,
+            "slice {} full={}x{} ",
+            sl.param, sl.full[0], sl.full[1]
+        );
+        match &sl.split {
+            Split::Whole => out.push_str("whole"),
+            Split::Rows { axis } => {
+                let _ = write!(out, "rows={axis}");
+            }
+            Split::Cols { axis, blocks } => {
+                let _ = write!(out, "cols={axis}:");
+                write_list(&mut out, blocks);
+            }
         }
         out.push('\n');
     }
@@ -840,9 +863,40 @@ fn parse_line(c: &mut Cursor<'_>, g: &mut Graph) -> Result<(), ParseError> {
                 shard,
             });
         }
+        "slice" => {
+            c.pos += 1;
+            let param: ValueId = c.id("a parameter's value id (`%N`)")?;
+            let full = c.key("full", "ROWSxCOLS", |v| {
+                let (r, k) = v.split_once('x').ok_or("ROWSxCOLS, e.g. `64x192`")?;
+                Ok::<_, String>([parse_int(r)?, parse_int(k)?])
+            })?;
+            let axis_of = |v: &str| {
+                v.parse::<Axis>()
+                    .map_err(|_| format!("an axis (tp, ep, ...), not `{v}`"))
+            };
+            let split = if c.flag("whole") {
+                Split::Whole
+            } else if c.has_key("rows") {
+                Split::Rows {
+                    axis: c.key("rows", "axis", axis_of)?,
+                }
+            } else {
+                let (axis, blocks) = c.key("cols", "AXIS:WIDTH,WIDTH,...", |v| {
+                    let (a, w) = v.split_once(':').ok_or("AXIS:WIDTH,... (`tp:128,32,32`)")?;
+                    let blocks = w
+                        .split(',')
+                        .filter(|x| !x.is_empty() || !w.is_empty())
+                        .map(parse_int)
+                        .collect::<Result<Vec<u64>, String>>()?;
+                    Ok::<_, String>((axis_of(a)?, blocks))
+                })?;
+                Split::Cols { axis, blocks }
+            };
+            g.slices.push(Slice { param, full, split });
+        }
         "graph" => return Err(c.err_at(
             Some(first),
-            "`group`, `buffer`, `value`, `bucket` or a node id (`nN`); the `graph` line comes once",
+            "`group`, `buffer`, `value`, `bucket`, `slice` or a node id (`nN`); the `graph` line comes once",
         )),
         _ => {
             let id: NodeId = c.id("`group`, `buffer`, `value` or a node id (`nN`)")?;

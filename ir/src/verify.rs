@@ -78,9 +78,14 @@
 //!   `padded` length is their element count rounded up to the next multiple of the rank's
 //!   `axis` group size; its ZeRO shard is a param, grad, master and two moment values of
 //!   `padded / members` elements each.
+//! - `slice`: a slice names a parameter (not a ZeRO shard's), each parameter at most once;
+//!   a graph with slices has one for every parameter outside the ZeRO shards; the full
+//!   shape cut as the split says (row blocks: rows a multiple of the rank's `axis` group
+//!   size; column blocks: widths summing to the columns, each a multiple of it) gives the
+//!   value's element count.
 
 use crate::graph::{
-    BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, Node, Op, ReduceOp, Stream,
+    BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, Node, Op, ReduceOp, Split, Stream,
     ValueKind,
 };
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
@@ -122,6 +127,7 @@ pub const RULES: &[&str] = &[
     "unreleased",
     "value-shape",
     "bucket",
+    "slice",
 ];
 
 /// One violated invariant.
@@ -278,6 +284,74 @@ fn handles(g: &Graph, e: &mut Errors<'_>) {
             }
         }
     }
+    for s in &g.slices {
+        if s.param.index() >= g.values.len() {
+            e.graph(
+                "value-ref",
+                format!("slice of {}: the value is not declared", s.param),
+            );
+        }
+    }
+}
+
+/// The `slice` rule: each parameter's part of its full tensor.
+fn slices(g: &Graph, e: &mut Errors<'_>) {
+    if g.slices.is_empty() {
+        return;
+    }
+    let shards: std::collections::BTreeSet<ValueId> = g
+        .buckets
+        .iter()
+        .filter_map(|b| b.shard.map(|s| s.param))
+        .collect();
+    let mut seen = std::collections::BTreeSet::new();
+    for s in &g.slices {
+        let v = &g.values[s.param.index()];
+        let mut err =
+            |m: String| e.graph("slice", format!("slice of {} (`{}`): {m}", s.param, v.name));
+        if v.kind != ValueKind::Param || shards.contains(&s.param) {
+            err(format!("{} is not a parameter tensor", v.kind.name()));
+        }
+        if !seen.insert(s.param) {
+            err("sliced twice".into());
+        }
+        let n = s.split.axis().map_or(1, |a| g.axis_members(a));
+        let [rows, cols] = s.full;
+        match &s.split {
+            Split::Whole => {}
+            Split::Rows { axis } => {
+                if rows % n != 0 {
+                    err(format!(
+                        "{rows} rows are not a multiple of its {n} {axis} members"
+                    ));
+                }
+            }
+            Split::Cols { axis, blocks } => {
+                let sum = blocks.iter().fold(0u64, |a, &b| a.saturating_add(b));
+                if sum != cols || blocks.iter().any(|&b| b % n != 0) {
+                    err(format!(
+                        "column blocks {blocks:?} do not cut {cols} columns in parts for its {n} {axis} members"
+                    ));
+                }
+            }
+        }
+        let want = s.part_elems(n);
+        if v.elems() != want {
+            err(format!(
+                "the value has {} elements, part of {rows}x{cols} over {n} has {want}",
+                v.elems()
+            ));
+        }
+    }
+    for (i, v) in g.values.iter().enumerate() {
+        let id = ValueId(i as u32);
+        if v.kind == ValueKind::Param && !shards.contains(&id) && !seen.contains(&id) {
+            e.graph(
+                "slice",
+                format!("parameter {id} (`{}`) has no slice", v.name),
+            );
+        }
+    }
 }
 
 /// The `bucket` rule: a bucket's parameters, padding and ZeRO shard.
@@ -339,6 +413,7 @@ fn buckets(g: &Graph, e: &mut Errors<'_>) {
 fn semantics(g: &Graph, e: &mut Errors<'_>) {
     graph_rules(g, e);
     buckets(g, e);
+    slices(g, e);
     let mut mem = Memory::new(g);
     for (i, n) in g.nodes.iter().enumerate() {
         order_and_stream(i, n, e);

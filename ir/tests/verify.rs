@@ -69,8 +69,8 @@ fn base_is_valid_and_canonical() {
 fn every_rule_has_a_test() {
     // Keep in sync with the tests below (and the module doc).
     // The value rules are tested in tests/values.rs, `bucket` in tests/buckets.rs,
-    // `param-name` in tests/roles.rs.
-    assert_eq!(RULES.len(), 32);
+    // `slice` in tests/slices.rs, `param-name` in tests/roles.rs.
+    assert_eq!(RULES.len(), 33);
 }
 
 #[test]

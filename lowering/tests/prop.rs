@@ -263,6 +263,16 @@ proptest! {
                 let e = errors(&m);
                 prop_assert!(e.iter().any(|x| x.contains("[value-shape]")), "{c:?}: a gradient left out of n{i} on rank {r} not caught: {e:?}");
             }
+            // Every parameter has its slice of the full tensor; one cut from a tensor of
+            // twice the rows no longer gives its value.
+            prop_assert!(!g.slices.is_empty(), "{c:?}: rank {r} has no slices");
+            {
+                let k = choose(&(0..g.slices.len()).collect::<Vec<_>>(), 8);
+                let mut m = base.clone();
+                m.classes[ci].graph.slices[k].full[0] *= 2;
+                let e = errors(&m);
+                prop_assert!(e.iter().any(|x| x.contains("[slice]")), "{c:?}: a slice of the wrong tensor on rank {r} not caught: {e:?}");
+            }
             // Delete a release: its activations are never released.
             let rels = idx(&|o| matches!(o, Op::Release));
             prop_assert!(!rels.is_empty(), "{c:?}: no release");

@@ -25,7 +25,7 @@
 //! norm's sum of squares is taken on the host.
 
 use super::*;
-use shardwright_ir::{ElementwiseKind, ValueId, ValueKind};
+use shardwright_ir::{ElementwiseKind, TpSplit, ValueId, ValueKind};
 
 /// This rank's part of one of the graph's buckets (same index as `Graph::buckets`).
 pub(super) struct Bucket {
@@ -83,6 +83,10 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     /// ZeRO shards cut from them): every parameter the graph names must be in one.
     pub(super) fn init_buckets(&mut self) -> Result<(), String> {
         let g = self.g;
+        for s in &g.slices {
+            self.slices
+                .insert(self.pnames[s.param.index()].clone(), s.clone());
+        }
         let mut in_bucket = vec![false; g.values.len()];
         for (i, ib) in g.buckets.iter().enumerate() {
             let expert = match ib.axis {
@@ -105,14 +109,16 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 in_bucket[p.index()] = true;
                 let name = self.pnames[p.index()].clone();
                 let full = self.dims.init(self.cfg.seed, &name);
-                let (ti, tn) = self.tp_shard(&name);
-                let local = shard(
-                    &full,
-                    self.dims.shape(&name),
-                    &self.dims.split(&name),
-                    ti,
-                    tn,
-                );
+                let (sl, ti, tn) = self.part_of(&name)?;
+                let [r, c] = self.dims.shape(&name);
+                if sl.full != [r as u64, c as u64] {
+                    return Err(format!(
+                        "parameter `{name}`: the program's full tensor is {}x{}, the model's \
+                         {r}x{c}",
+                        sl.full[0], sl.full[1]
+                    ));
+                }
+                let local = sl.cut(&full, ti, tn);
                 let want = g.values[p.index()].elems() as usize;
                 if local.len() != want {
                     return Err(format!(
@@ -240,7 +246,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
 
     /// The norm weights (replicated over tp) of a bucket.
     pub(super) fn is_replicated(&self, name: &str) -> bool {
-        self.dims.split(name) == Split::Replicated
+        crate::model::role_of(name).tp_split() == TpSplit::Replicated
     }
 
     /// The state name a gradient value accumulates into (`L3.qkv.grad` -> `L3.qkv`).

@@ -21,6 +21,7 @@
 use super::{RankExec, RankStateAccess};
 use crate::backend::Backend;
 use crate::comm::Communicator;
+use shardwright_ir::Slice;
 use std::collections::BTreeMap;
 
 impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
@@ -189,21 +190,27 @@ pub fn logical_state(
     cfg: &super::ExecConfig,
     states: &BTreeMap<u32, BTreeMap<String, Vec<f32>>>,
 ) -> Result<BTreeMap<String, Vec<f32>>, String> {
-    type Part = (usize, [Vec<f32>; 3], Vec<String>, Vec<usize>, usize, usize);
-    let dims = super::check_model(program).map_err(|e| e.to_string())?;
+    // A parameter's slice, this rank's part and the number of parts.
+    type Part = (Slice, usize, usize);
+    // A member's ZeRO shard of a bucket: its position, [master, m, v], its parameters
+    // (name, size, part).
+    type Member = (usize, [Vec<f32>; 3], Vec<(String, usize, Part)>);
     let mut full: BTreeMap<String, Vec<f32>> = BTreeMap::new();
-    let mut put = |kind: &str, name: &str, local: &[f32], i: usize, tp: usize| {
-        let shape = dims.shape(name);
+    let mut put = |kind: &str, name: &str, local: &[f32], (s, i, n): &Part| {
+        let len = (s.full[0] * s.full[1]) as usize;
         let t = full
             .entry(format!("{kind}/{name}"))
-            .or_insert_with(|| vec![0.0; shape[0] * shape[1]]);
-        crate::model::unshard_into(t, local, shape, &dims.split(name), i, tp);
+            .or_insert_with(|| vec![0.0; len]);
+        s.paste(t, local, *i, *n);
     };
     // ZeRO buckets: (bucket, its data-parallel group) -> every member's shard.
-    let mut buckets: BTreeMap<(String, Vec<u32>), Vec<Part>> = BTreeMap::new();
+    let mut buckets: BTreeMap<(String, Vec<u32>), Vec<Member>> = BTreeMap::new();
     let zero = super::run_info(program)
         .map_err(|e| e.to_string())?
         .zero_stage;
+    let part = |rk: &RankExec<'_, crate::backend::Cpu, crate::comm::Local>, n: &str| {
+        rk.part_of(n).map(|(s, i, k)| (s.clone(), i, k))
+    };
     let locals = with_ranks(program, cfg, |r, rk| {
         let st = states
             .get(&r)
@@ -213,44 +220,43 @@ pub fn logical_state(
         let mut mine = Vec::new();
         if zero == 0 {
             for (n, p) in &rk.params {
-                let (i, tp) = rk.tp_shard(n);
-                mine.push(("master", n.clone(), p.clone(), i, tp));
-                mine.push(("adam_m", n.clone(), rk.m[n].clone(), i, tp));
-                mine.push(("adam_v", n.clone(), rk.v[n].clone(), i, tp));
+                let pt = part(rk, n)?;
+                mine.push(("master", n.clone(), p.clone(), pt.clone()));
+                mine.push(("adam_m", n.clone(), rk.m[n].clone(), pt.clone()));
+                mine.push(("adam_v", n.clone(), rk.v[n].clone(), pt));
             }
         } else {
             for b in &rk.buckets {
                 let (group, pos) = rk.dp_group(b.expert);
-                // A bucket holds either dense or expert parameters: one sharding for all.
-                let (i, tp) = b.names.first().map_or((0, 1), |n| rk.tp_shard(n));
+                let params = b
+                    .names
+                    .iter()
+                    .zip(&b.sizes)
+                    .map(|(n, &s)| Ok((n.clone(), s, part(rk, n)?)))
+                    .collect::<Result<Vec<_>, String>>()?;
                 buckets.entry((b.name.clone(), group)).or_default().push((
                     pos,
                     [b.p.clone(), b.m.clone(), b.v.clone()],
-                    b.names.clone(),
-                    b.sizes.clone(),
-                    i,
-                    tp,
+                    params,
                 ));
             }
         }
         Ok(mine)
     })?;
-    for (kind, n, local, i, tp) in locals.into_iter().flatten() {
-        put(kind, &n, &local, i, tp);
+    for (kind, n, local, pt) in locals.into_iter().flatten() {
+        put(kind, &n, &local, &pt);
     }
-    for (_, mut parts) in buckets {
-        parts.sort_by_key(|p| p.0);
-        let (names, sizes, i, tp) = (
-            parts[0].2.clone(),
-            parts[0].3.clone(),
-            parts[0].4,
-            parts[0].5,
-        );
+    for (_, mut members) in buckets {
+        members.sort_by_key(|m| m.0);
+        let params = members[0].2.clone();
         for (j, kind) in ["master", "adam_m", "adam_v"].iter().enumerate() {
-            let flat: Vec<f32> = parts.iter().flat_map(|p| p.1[j].iter().copied()).collect();
+            let flat: Vec<f32> = members
+                .iter()
+                .flat_map(|m| m.1[j].iter().copied())
+                .collect();
             let mut o = 0;
-            for (n, &s) in names.iter().zip(&sizes) {
-                put(kind, n, &flat[o..o + s], i, tp);
+            for (n, s, pt) in &params {
+                put(kind, n, &flat[o..o + s], pt);
                 o += s;
             }
         }
@@ -265,20 +271,19 @@ pub fn sharded_state(
     cfg: &super::ExecConfig,
     logical: &BTreeMap<String, Vec<f32>>,
 ) -> Result<BTreeMap<u32, BTreeMap<String, Vec<f32>>>, String> {
-    let dims = super::check_model(program).map_err(|e| e.to_string())?;
-    let get = |kind: &str, name: &str, i: usize, tp: usize| -> Result<Vec<f32>, String> {
+    let get = |kind: &str, name: &str, (s, i, n): (&Slice, usize, usize)| {
         let full = logical
             .get(&format!("{kind}/{name}"))
             .ok_or_else(|| format!("the checkpoint has no `{kind}/{name}`"))?;
-        let shape = dims.shape(name);
-        if full.len() != shape[0] * shape[1] {
+        let [r, c] = s.full;
+        if full.len() as u64 != r * c {
             return Err(format!(
-                "`{kind}/{name}`: {} elements, the model's shape {shape:?} needs {}",
+                "`{kind}/{name}`: {} elements, the program's full shape {r}x{c} needs {}",
                 full.len(),
-                shape[0] * shape[1]
+                r * c
             ));
         }
-        Ok(crate::model::shard(full, shape, &dims.split(name), i, tp))
+        Ok(s.cut(full, i, n))
     };
     let zero = super::run_info(program)
         .map_err(|e| e.to_string())?
@@ -289,10 +294,10 @@ pub fn sharded_state(
         let mut m = BTreeMap::new();
         let mut v = BTreeMap::new();
         for n in &names {
-            let (i, tp) = rk.tp_shard(n);
-            master.insert(n.clone(), get("master", n, i, tp)?);
-            m.insert(n.clone(), get("adam_m", n, i, tp)?);
-            v.insert(n.clone(), get("adam_v", n, i, tp)?);
+            let pt = rk.part_of(n)?;
+            master.insert(n.clone(), get("master", n, pt)?);
+            m.insert(n.clone(), get("adam_m", n, pt)?);
+            v.insert(n.clone(), get("adam_v", n, pt)?);
         }
         if zero == 0 {
             rk.m = m;

@@ -335,7 +335,8 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     fn replicated_input(&self, w: ValueId) -> bool {
         self.tp.len() > 1
             && !self.sp
-            && self.dims.split(self.value_name(w)) == crate::model::Split::Replicated
+            && crate::model::role_of(self.value_name(w)).tp_split()
+                == shardwright_ir::TpSplit::Replicated
     }
 
     /// The GEMM output `y` accumulated onto `acc`: elementwise, or, when `acc` holds the

@@ -10,7 +10,7 @@
 #![allow(dead_code)]
 
 use shardwright_cost::{resolve, ResolveOptions};
-use shardwright_executor::model::{shard, Dims};
+use shardwright_executor::model::{role_of, Dims};
 use shardwright_executor::{run_program, Cpu, ExecConfig, RankReport};
 use shardwright_planner::{plan, PlanOptions};
 use shardwright_spec::parse::{parse_spec, Format};
@@ -277,7 +277,7 @@ pub fn compare(what: &str, dims: &Dims, base: &[RankReport], runs: &[RankReport]
                     let want = if v.len() == f.len() {
                         f.clone()
                     } else {
-                        shard(f, dims.shape(name), &dims.split(name), r.tp_index, r.tp)
+                        megatron_tp_part(f, dims, name, r.tp_index, r.tp)
                     };
                     let e = rel(v, &want);
                     worst = worst.max(e);
@@ -321,4 +321,47 @@ pub fn bundled_plans() -> Vec<(String, Plan)> {
             (n, p)
         })
         .collect()
+}
+
+/// Rank `i`'s part (of `tp`) of the full tensor `full` of parameter `name`, by Megatron's
+/// tensor-parallel layout, written here independently of the lowering's slices (which the
+/// executor cuts by): column-parallel QKV (Q, K and V each cut in `tp` column chunks, rank
+/// `i` holding chunk `i` of each), FC1 (gate and up each cut likewise) and LM head;
+/// row-parallel projection, FC2 and embedding (contiguous row blocks); the rest whole.
+pub fn megatron_tp_part(full: &[f32], dims: &Dims, name: &str, i: usize, tp: usize) -> Vec<f32> {
+    use shardwright_ir::{Role, TpSplit};
+    let [r, c] = dims.shape(name);
+    let role = role_of(name);
+    match role.tp_split() {
+        TpSplit::Replicated => full.to_vec(),
+        TpSplit::Rows => {
+            let n = r / tp;
+            full[i * n * c..(i + 1) * n * c].to_vec()
+        }
+        TpSplit::Cols => {
+            let blocks: Vec<usize> = match role {
+                Role::Qkv => vec![
+                    dims.heads * dims.d,
+                    dims.kv_heads * dims.d,
+                    dims.kv_heads * dims.d,
+                ],
+                Role::LmHead => vec![c],
+                // gate | up (gated activations), or one block
+                _ => {
+                    let k = if dims.gelu { 1 } else { 2 };
+                    vec![c / k; k]
+                }
+            };
+            let mut out = Vec::with_capacity(full.len() / tp);
+            for row in full.chunks_exact(c) {
+                let mut start = 0;
+                for w in &blocks {
+                    let n = w / tp;
+                    out.extend_from_slice(&row[start + i * n..start + (i + 1) * n]);
+                    start += w;
+                }
+            }
+            out
+        }
+    }
 }

@@ -35,8 +35,8 @@
 use super::{dtype, Builder, Coll, Ctx, G};
 use shardwright_ir::vocab::TpSplit;
 use shardwright_ir::{
-    Axis, Bucket, CollectiveKind, DType, ElementwiseKind, GemmRole, NodeId, Op, Pass, ReduceOp,
-    Role, Shard, Stream, ValueId, ValueKind, Work,
+    Axis, Bucket, CollectiveKind, DType, ElementwiseKind, GemmRole, NodeId, Op, ParamName, Pass,
+    ReduceOp, Role, Shard, Slice, Split, Stream, ValueId, ValueKind, Work,
 };
 use shardwright_spec::mesh::GroupKind;
 use shardwright_spec::spec::Norm;
@@ -259,6 +259,10 @@ impl Ctx<'_> {
         } else {
             Axis::DenseDp
         };
+        for &p in &params {
+            let slice = self.slice(b, p);
+            b.g.slices.push(slice);
+        }
         b.g.buckets.push(Bucket {
             name,
             axis,
@@ -269,6 +273,54 @@ impl Ctx<'_> {
         let i = b.g.buckets.len() - 1;
         b.v.buckets.insert(key, i);
         Some(i)
+    }
+
+    /// How parameter `p` (declared, with its shard shape) is this rank's part of the full
+    /// tensor: Megatron's tensor-parallel layout ([`Role::tp_split`]); the column blocks of
+    /// the fused QKV (Q, K, V) and of a gated MLP's up projection (gate, up) are each cut
+    /// over tp; routed experts stay whole where the layout folds tp into ep.
+    fn slice(&self, b: &mut Builder, p: ValueId) -> Slice {
+        let v = &b.g.values[p.index()];
+        let name: ParamName = v.name.parse().expect("lowering: a parameter's name");
+        let [rows, cols] = match v.shape[..] {
+            [c] => [1, c],
+            [r, c] => [r, c],
+            _ => unreachable!("lowering: parameter {} of shape {:?}", v.name, v.shape),
+        };
+        let whole = |full| Slice {
+            param: p,
+            full,
+            split: Split::Whole,
+        };
+        let n = self.members(b, GroupKind::Tp);
+        if n == 1 || (name.role.is_expert() && self.layout.folds_tp_into_ep()) {
+            return whole([rows, cols]);
+        }
+        b.group_named(GroupKind::Tp);
+        let d = self.dims();
+        let split = match name.role.tp_split() {
+            TpSplit::Replicated => return whole([rows, cols]),
+            TpSplit::Rows => {
+                return Slice {
+                    param: p,
+                    full: [rows * n, cols],
+                    split: Split::Rows { axis: Axis::Tp },
+                }
+            }
+            TpSplit::Cols => match name.role {
+                Role::Qkv => vec![d.heads * d.d, d.kv_heads * d.d, d.kv_heads * d.d],
+                Role::LmHead => vec![cols],
+                _ => vec![cols / (d.mats - 1); (d.mats - 1) as usize],
+            },
+        };
+        Slice {
+            param: p,
+            full: [rows, cols * n],
+            split: Split::Cols {
+                axis: Axis::Tp,
+                blocks: split.into_iter().map(|w| w * n).collect(),
+            },
+        }
     }
 
     /// The buckets of `layer` (dense, then experts where it has any), or of the ends.
