@@ -1,4 +1,5 @@
-"""The tiny-Llama training step in PyTorch on the CPU, for scripts/bench-executor.sh.
+"""A Llama training step in PyTorch: the tiny Llama on the CPU for scripts/bench-executor.sh,
+and the 1.1B step on a GPU (eager and torch.compile, bf16 autocast) for bench/gpu.sh.
 
 The model `shardwright execute` trains for specs/tiny-llama-cpu.yaml (Llama: RMSNorm,
 RoPE theta 1e4 on pairs (i, i + d/2), grouped-query causal attention, SwiGLU, untied
@@ -7,7 +8,13 @@ decay 0.1, gradient clipping at 1.0), one step = global_batch sequences as
 global_batch / micro_batch accumulated micro-batches. Prints one JSON line: the median
 step time and tokens/s over the timed steps (after warm-up steps).
 
+On a GPU (`--device cuda`) the step runs under bf16 autocast with fp32 parameters, gradients
+and AdamW state (fused AdamW), as Megatron's mixed precision keeps them; the JSON adds the
+peak memory PyTorch's allocator held (`torch.cuda.max_memory_reserved`) and, given
+`--flops-per-token` and `--peak-flops`, the MFU on the same model-FLOP count the caller uses.
+
 Usage: bench_torch.py --threads N --micro-batch M [--global-batch 16] [--steps 20]
+       [--device cuda] [--compile] [--flops-per-token F --peak-flops P] [shape flags]
 """
 
 import argparse
@@ -86,41 +93,69 @@ def main():
     ap.add_argument("--ffn", type=int, default=176)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--flops-per-token", type=float, default=0.0)
+    ap.add_argument("--peak-flops", type=float, default=0.0)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.set_num_interop_threads(1)
     torch.manual_seed(1)
-    m = Llama(a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.vocab, a.seq)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    m = Llama(a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, a.vocab, a.seq).to(dev)
+    opt = torch.optim.AdamW(
+        m.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=cuda
+    )
+    run = torch.compile(m) if a.compile else m
     ga = a.global_batch // a.micro_batch
     g = torch.Generator().manual_seed(2)
     times, losses = [], []
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
     for step in range(a.warmup + a.steps):
         batches = [
-            torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), generator=g) for _ in range(ga)
+            torch.randint(0, a.vocab, (a.micro_batch, a.seq + 1), generator=g).to(dev)
+            for _ in range(ga)
         ]
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros((), device=dev)
         for ids in batches:
-            loss = m(ids[:, :-1], ids[:, 1:]) / ga
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = run(ids[:, :-1], ids[:, 1:]) / ga
             loss.backward()
-            total += loss.item()
+            total += loss.detach()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         opt.step()
+        total = total.item()
+        sync()
         dt = time.perf_counter() - t0
         if step >= a.warmup:
             times.append(dt)
         losses.append(total)
     med = statistics.median(times)
-    print(json.dumps({
+    tps = a.global_batch * a.seq / med
+    out = {
         "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "compiled": a.compile,
         "threads": torch.get_num_threads(),
         "median_step_s": med,
-        "median_tokens_per_s": a.global_batch * a.seq / med,
+        "median_tokens_per_s": tps,
         "first_loss": losses[0],
         "last_loss": losses[-1],
-    }))
+    }
+    if a.flops_per_token > 0 and a.peak_flops > 0:
+        out["mfu"] = tps * a.flops_per_token / a.peak_flops
+    if cuda:
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

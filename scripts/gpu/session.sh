@@ -3,6 +3,9 @@
 # here (the device machines have no cargo and no network). Steps, in order (STEPS, default
 # all of them; each under its own time limit so one that hangs leaves the rest):
 #   check      scripts/gpu/check.sh: every GPU test, one JSON report (gpu-report.json);
+#   bench      bench/gpu.sh: the 1.1B training step on the CUDA backend beside PyTorch eager
+#              and torch.compile (bench-gpu.json; not in the default list: about 4 minutes,
+#              run it as STEPS=bench in a call of its own);
 #   calibrate  `shardwright calibrate --device`: bf16 GEMMs through cuBLASLt, the fitted
 #              curve and a hardware profile (device-profile.json, gemm-table.json), then
 #              scripts/gpu/torch_gemm.py: PyTorch on the same shapes (torch-gemm.json);
@@ -50,6 +53,10 @@ if has check; then
 fi
 # The CUDA libraries and headers, found as check.sh finds them.
 eval "$(bash scripts/gpu/check.sh --env 2>/dev/null)"
+if has bench; then
+    BENCH_LIMIT_S="${BENCH_LIMIT_S:-150}" SHARDWRIGHT_BIN="$sess/shardwright" bash bench/gpu.sh 2>&1 | tail -20
+    [ -d "$out/bench" ] && (cd "$out" && tar czf bench-runs.tgz bench && rm -rf bench)
+fi
 if has calibrate; then
     timeout 120 "$sess/shardwright" calibrate --device -o "$out/device-profile.json" \
         --table "$out/gemm-table.json" 2>&1 | tee "$out/calibrate.log"
