@@ -6,6 +6,8 @@
 //! computes the result itself from all contributions *in group order*, so every reduction
 //! sums in rank order and results are bit-identical on every member and every run.
 
+use crate::backend::Backend;
+use shardwright_ir::ReduceOp;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -33,6 +35,61 @@ pub trait Communicator: Send {
     /// Blocks until the next message from `peer` arrives (FIFO per pair).
     fn recv(&mut self, peer: u32) -> Vec<f32>;
 }
+
+/// Collectives on a backend's buffers: what the interpreter calls for the tensors of the
+/// value path (tensor-, sequence- and context-parallel collectives, pipeline sends and
+/// receives). The provided methods stage through the host (download, the host collective,
+/// upload), which is what a host communicator ([`Local`], [`crate::tcp::TcpComm`]) does; a
+/// device communicator (NCCL on the CUDA backend) overrides them to move the device
+/// buffers where they are. The data-parallel stream's buckets and ZeRO shards, the MoE
+/// dispatch headers and routing statistics stay host vectors ([`Communicator`]).
+pub trait Collectives<B: Backend>: Communicator {
+    /// The elementwise sum (or maximum) over the members.
+    fn all_reduce_buf(&mut self, be: &B, group: &[u32], x: &B::Buf, op: ReduceOp) -> B::Buf {
+        let mut h = be.download(x);
+        match op {
+            ReduceOp::Sum => self.all_reduce(group, &mut h),
+            ReduceOp::Max => {
+                // The host communicators sum: the maximum is a gather and a local fold.
+                let all = self.all_gather(group, &h);
+                let len = h.len().max(1);
+                for (i, v) in h.iter_mut().enumerate() {
+                    *v = all
+                        .iter()
+                        .skip(i)
+                        .step_by(len)
+                        .copied()
+                        .fold(f32::NEG_INFINITY, f32::max);
+                }
+            }
+        }
+        be.upload(&h)
+    }
+    /// The members' buffers concatenated in group order.
+    fn all_gather_buf(&mut self, be: &B, group: &[u32], x: &B::Buf) -> B::Buf {
+        be.upload(&self.all_gather(group, &be.download(x)))
+    }
+    /// This member's chunk of the elementwise sum.
+    fn reduce_scatter_buf(&mut self, be: &B, group: &[u32], x: &B::Buf) -> B::Buf {
+        be.upload(&self.reduce_scatter(group, &be.download(x)))
+    }
+    fn send_buf(&mut self, be: &B, peer: u32, x: &B::Buf) {
+        self.send(peer, &be.download(x));
+    }
+    /// The next message from `peer`, of `len` elements.
+    fn recv_buf(&mut self, be: &B, peer: u32, len: usize) -> Result<B::Buf, String> {
+        let x = self.recv(peer);
+        if x.len() != len {
+            return Err(format!(
+                "received {} values from rank {peer}, the program expects {len}",
+                x.len()
+            ));
+        }
+        Ok(be.upload(&x))
+    }
+}
+
+impl<B: Backend> Collectives<B> for Local {}
 
 #[derive(Default)]
 struct Slot {

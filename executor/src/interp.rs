@@ -34,13 +34,11 @@
 //!   they are) and the MoE routing decisions with the dispatch tables planned from them.
 
 use crate::backend::{AdamW, AttnShape, Backend, NormGrads};
-use crate::comm::Communicator;
+use crate::comm::Collectives;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::model::{lr_at, Dims};
 use shardwright_ir::run::RunInfo;
-use shardwright_ir::{
-    Axis, CollectiveKind, Graph, Node, Op, Pass, Program, ReduceOp, Role, Slice, Stream,
-};
+use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Role, Slice, Stream};
 use std::collections::BTreeMap;
 
 mod dp;
@@ -161,7 +159,7 @@ pub type DataFactory<'a> = dyn Fn(DataCtx) -> Result<Box<dyn DataSource>, String
 /// The state a rank resumes from, by rank.
 pub type InitialState<'a> = dyn Fn(u32) -> Option<BTreeMap<String, Vec<f32>>> + Sync + 'a;
 
-struct RankExec<'a, B: Backend, C: Communicator> {
+struct RankExec<'a, B: Backend, C: Collectives<B>> {
     be: &'a B,
     comm: C,
     g: &'a Graph,
@@ -225,31 +223,11 @@ struct RankExec<'a, B: Backend, C: Communicator> {
     aux_shares: BTreeMap<(u32, u32), f64>,
 }
 
-/// All-reduce with the node's reduction (`max` as an all-gather and a local maximum:
-/// the [`Communicator`] sums).
-fn all_reduce_op<C: Communicator>(comm: &mut C, group: &[u32], x: &mut [f32], reduce: ReduceOp) {
-    match reduce {
-        ReduceOp::Sum => comm.all_reduce(group, x),
-        ReduceOp::Max => {
-            let all = comm.all_gather(group, x);
-            let len = x.len().max(1);
-            for (i, v) in x.iter_mut().enumerate() {
-                *v = all
-                    .iter()
-                    .skip(i)
-                    .step_by(len)
-                    .copied()
-                    .fold(f32::NEG_INFINITY, f32::max);
-            }
-        }
-    }
-}
-
 fn err(why: impl Into<String>) -> String {
     why.into()
 }
 
-impl<'a, B: Backend, C: Communicator> RankExec<'a, B, C> {
+impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
     fn new(
         be: &'a B,
         comm: C,
@@ -618,7 +596,7 @@ fn norm_bwd<B: Backend>(
 /// Where a sequence is split over ranks (SP over tp, cp) its statistics are summed by the
 /// graph's `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` all-reduces; the loss and its
 /// gradient are recomputed from the statistics after each.
-impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// The norm with weight `names.0` (RMSNorm, or LayerNorm with the bias `names.1`) of
     /// `x`: output and the statistics its backward needs.
     fn norm_fwd(

@@ -843,6 +843,9 @@ fn add_into(acc: &mut [f32], x: &[f32]) {
     }
 }
 
+impl<B: crate::backend::Backend> crate::comm::Collectives<B> for TcpComm {}
+impl<B: crate::backend::Backend> crate::comm::Collectives<B> for &mut TcpComm {}
+
 impl Communicator for TcpComm {
     fn rank(&self) -> u32 {
         self.rank

@@ -78,7 +78,7 @@ fn adamw_host<B: Backend>(
     v.copy_from_slice(&be.download(&vb));
 }
 
-impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// The rank's buckets from the graph's (the parameters' initial values uploaded, the
     /// ZeRO shards cut from them): every parameter the graph names must be in one.
     pub(super) fn init_buckets(&mut self) -> Result<(), String> {

@@ -25,7 +25,7 @@
 
 use super::RankExec;
 use crate::backend::{Backend, Routing};
-use crate::comm::Communicator;
+use crate::comm::Collectives;
 use shardwright_ir::{CollectiveKind, DType, GemmPass, Node, Op, Pass, ValueId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
@@ -124,7 +124,7 @@ pub(super) fn aux_loss(
     (aux, daux)
 }
 
-impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// This micro-batch's share of the step's load-balancing loss from `stats`.
     pub(super) fn aux_of(&self, stats: &[f32]) -> Result<(f64, Vec<f32>), String> {
         let m = self.moe_dims()?;
@@ -658,7 +658,7 @@ pub(super) fn expert_offsets(recv: &[Vec<usize>], el: usize) -> Vec<usize> {
     off
 }
 
-impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     pub(super) fn moe_dims(&self) -> Result<crate::model::MoeDims, String> {
         self.dims
             .moe

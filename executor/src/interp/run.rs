@@ -213,7 +213,7 @@ pub fn check_model(program: &Program) -> Result<Dims, ExecError> {
 /// [`crate::Local`] of a thread, or [`crate::tcp::TcpComm`] of a process). Every rank of
 /// the program must run with the same arguments. A panic (a communicator's failure, a
 /// kernel's assertion) becomes [`ExecError::Panic`].
-pub fn run_rank<B: Backend, C: Communicator>(
+pub fn run_rank<B: Backend, C: Collectives<B>>(
     program: &Program,
     backend: &B,
     cfg: &ExecConfig,

@@ -20,11 +20,11 @@
 
 use super::{RankExec, RankStateAccess};
 use crate::backend::Backend;
-use crate::comm::Communicator;
+use crate::comm::Collectives;
 use shardwright_ir::Slice;
 use std::collections::BTreeMap;
 
-impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// Whether this rank holds parameter `name` current between steps. Under ZeRO-3 a
     /// layer's weights are gathered from their master shards before each use and are
     /// stale after the optimizer step, so a checkpoint keeps only the shards (as
@@ -119,7 +119,7 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
     }
 }
 
-impl<B: Backend, C: Communicator> RankStateAccess for RankExec<'_, B, C> {
+impl<B: Backend, C: Collectives<B>> RankStateAccess for RankExec<'_, B, C> {
     fn export(&self) -> BTreeMap<String, Vec<f32>> {
         self.export_state()
     }

@@ -41,9 +41,9 @@
 //! summed on the host, and the log-sum-exp `xent_bwd` takes is computed there from them).
 //! Token ids, labels and positions are host `u32`s the kernels take as they are.
 
-use super::{all_reduce_op, err, norm_bwd, NormSaved, RankExec};
+use super::{err, norm_bwd, NormSaved, RankExec};
 use crate::backend::{AttnSaved, Backend, GemmShape, Operand};
-use crate::comm::Communicator;
+use crate::comm::Collectives;
 use shardwright_ir::{
     CollectiveKind, ElementwiseKind, Expert, GemmPass, Graph, Node, Op, ParamName, Pass, Role,
     ValueId, ValueKind,
@@ -110,7 +110,7 @@ pub(super) fn state_names(g: &Graph, first_expert: usize) -> Vec<String> {
         .collect()
 }
 
-impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
+impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// Whether the node runs on the value path.
     pub(super) fn valued(n: &Node) -> bool {
         !n.operands.is_empty() || !n.results.is_empty()
@@ -168,14 +168,21 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                 Ok(())
             }
             Op::Send { peer, .. } => {
-                let x = self.val_host(Self::arg(n, 0)?)?;
-                self.comm.send(*peer, &x);
+                let x = get(
+                    self.g,
+                    &self.pnames,
+                    &self.vals,
+                    &self.params,
+                    Self::arg(n, 0)?,
+                )?;
+                self.comm.send_buf(self.be, *peer, x);
                 Ok(())
             }
             Op::Recv { peer, .. } => {
-                let x = self.comm.recv(*peer);
-                let x = self.be.upload(&x);
-                self.def(Self::res(n, 0)?, x);
+                let v = Self::res(n, 0)?;
+                let len = self.g.values[v.index()].elems() as usize;
+                let x = self.comm.recv_buf(self.be, *peer, len)?;
+                self.def(v, x);
                 Ok(())
             }
             Op::Collective {
@@ -190,25 +197,29 @@ impl<B: Backend, C: Communicator> RankExec<'_, B, C> {
                     return Ok(());
                 }
                 let elems = (*bytes / dtype.bytes()) as usize;
-                let x = self.val_host(Self::arg(n, 0)?)?;
+                let x = get(
+                    self.g,
+                    &self.pnames,
+                    &self.vals,
+                    &self.params,
+                    Self::arg(n, 0)?,
+                )?;
+                let len = self.be.len(x);
                 let y = match kind {
-                    CollectiveKind::AllGather => self.comm.all_gather(&group, &x),
+                    CollectiveKind::AllGather => {
+                        super::moves_as_stated(len * group.len(), elems)?;
+                        self.comm.all_gather_buf(self.be, &group, x)
+                    }
                     CollectiveKind::ReduceScatter => {
-                        super::moves_as_stated(x.len(), elems)?;
-                        self.comm.reduce_scatter(&group, &x)
+                        super::moves_as_stated(len, elems)?;
+                        self.comm.reduce_scatter_buf(self.be, &group, x)
                     }
                     CollectiveKind::AllReduce => {
-                        let mut y = x;
-                        super::moves_as_stated(y.len(), elems)?;
-                        all_reduce_op(&mut self.comm, &group, &mut y, *reduce);
-                        y
+                        super::moves_as_stated(len, elems)?;
+                        self.comm.all_reduce_buf(self.be, &group, x, *reduce)
                     }
                     other => return Err(format!("{} on values", other.name())),
                 };
-                if *kind == CollectiveKind::AllGather {
-                    super::moves_as_stated(y.len(), elems)?;
-                }
-                let y = self.be.upload(&y);
                 self.def(Self::res(n, 0)?, y);
                 Ok(())
             }
