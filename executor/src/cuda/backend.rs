@@ -525,7 +525,14 @@ impl Cuda {
 
     /// `op` (`axpy` or `scale`) of `src`'s ranges onto `dst`'s, in `dst`'s type
     /// ([`precision::into_dst`]).
-    fn ranges(&self, op: &str, dst: &mut DBuf, src: &DBuf, n: usize, moves: &[(usize, usize, f32)]) {
+    fn ranges(
+        &self,
+        op: &str,
+        dst: &mut DBuf,
+        src: &DBuf,
+        n: usize,
+        moves: &[(usize, usize, f32)],
+    ) {
         if n == 0 || moves.is_empty() {
             return;
         }
@@ -616,10 +623,7 @@ impl Backend for Cuda {
         let _api = api();
         match &*x.st {
             Store::Zero => vec![0.0; x.n],
-            Store::F32(s) => self
-                .dev
-                .download(s)
-                .unwrap_or_else(|e| fail("download", e)),
+            Store::F32(s) => self.dev.download(s).unwrap_or_else(|e| fail("download", e)),
             Store::Bf16(s) => self
                 .dev
                 .download(s)
@@ -1145,8 +1149,8 @@ impl Backend for Cuda {
         v: &Self::Buf,
         s: AttnShape,
     ) -> (Self::Buf, Self::Buf) {
-        let ls = launch::attention(self.act(), &Attn::from(&s))
-            .unwrap_or_else(|e| fail("attention", e));
+        let ls =
+            launch::attention(self.act(), &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
         let (qs, ks, vs) = (self.act_in(q), self.act_in(k), self.act_in(v));
         let mut o = self.act_buf(q.len());
         let mut lse = self.new_buf(s.batch * s.heads * s.seq_q);
@@ -1164,8 +1168,8 @@ impl Backend for Cuda {
         dout: &Self::Buf,
         s: AttnShape,
     ) -> (Self::Buf, Self::Buf, Self::Buf) {
-        let ls = launch::attention(self.act(), &Attn::from(&s))
-            .unwrap_or_else(|e| fail("attention", e));
+        let ls =
+            launch::attention(self.act(), &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
         let (q, k, v) = (
             self.act_in(saved.q),
             self.act_in(saved.k),
@@ -1188,23 +1192,13 @@ impl Backend for Cuda {
         let delta = self.stat(&delta, "the attention delta");
         let (mut dk, mut dv) = (self.act_buf(saved.k.len()), self.act_buf(saved.v.len()));
         self.run(Ok(ls.bwd_dkdv), |b| {
-            b.arg(&q)
-                .arg(&k)
-                .arg(&v)
-                .arg(&dos)
-                .arg(&*lse)
-                .arg(&*delta);
+            b.arg(&q).arg(&k).arg(&v).arg(&dos).arg(&*lse).arg(&*delta);
             b.arg(&mut dk).arg(&mut dv);
             a.push(b);
         });
         let mut dq = self.act_buf(saved.q.len());
         self.run(Ok(ls.bwd_dq), |b| {
-            b.arg(&q)
-                .arg(&k)
-                .arg(&v)
-                .arg(&dos)
-                .arg(&*lse)
-                .arg(&*delta);
+            b.arg(&q).arg(&k).arg(&v).arg(&dos).arg(&*lse).arg(&*delta);
             b.arg(&mut dq);
             a.push(b);
         });

@@ -87,9 +87,7 @@ impl Precision {
         match s.trim().to_ascii_lowercase().as_str() {
             "fp32" | "f32" => Ok(Precision::Fp32),
             "bf16" => Ok(Precision::Bf16),
-            other => Err(format!(
-                "precision `{other}`: expected `fp32` or `bf16`"
-            )),
+            other => Err(format!("precision `{other}`: expected `fp32` or `bf16`")),
         }
     }
 
