@@ -272,6 +272,14 @@ impl Cuda {
         self.precision
     }
 
+    /// This backend (the same device, kernels and cuBLASLt handle) in precision `p`.
+    pub fn with_precision(&self, p: Precision) -> Cuda {
+        Cuda {
+            precision: p,
+            ..self.clone()
+        }
+    }
+
     /// The element type of activations (and of the kernels' variants).
     fn act(&self) -> Dtype {
         self.precision.activations()
