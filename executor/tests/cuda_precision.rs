@@ -188,3 +188,38 @@ fn activation_bytes_match_the_lowering() {
         2 * precision::dtype_bytes(Precision::Bf16.activations())
     );
 }
+
+/// The bundled tiny Llama's feature layouts (`cuda_train`'s `tiny_llama_cpu_features_one_by_one`:
+/// TP + SP, PP, DP + ZeRO-1, micro-batches of 2, selective recompute, alone and together)
+/// under the bf16 rules: every path types its buffers as the rules allow, and one step
+/// stays within the bf16 bound of the reference.
+#[test]
+fn bf16_rules_run_the_tiny_llama_feature_layouts() {
+    let text = common::spec_text(false, 4)
+        .replace("hidden_size: 32", "hidden_size: 64")
+        .replace("ffn_hidden_size: 64", "ffn_hidden_size: 176")
+        .replace("vocab_size: 64", "vocab_size: 512")
+        .replace("seq_len: 16", "seq_len: 64");
+    let tpl = common::template_of(&text);
+    for layout in [
+        "ga4",
+        "mb2,ga2",
+        "tp2,ga4,sp=on",
+        "pp2,ga4",
+        "ga4,rc=selective",
+        "dp2,ga2,zero1",
+        "tp2,pp2,dp2,mb2,sp=on,zero1,rc=selective",
+        "tp2,ga4,sp=on,rc=selective",
+        "pp2,dp2,ga2,zero1",
+        "tp2,pp2,dp2,ga2",
+    ] {
+        let plan = common::plan_for(&tpl, common::layout(layout));
+        let program = shardwright_lowering::lower(&plan).expect("lowers").program;
+        let cpu = run_program(&program, Cpu, &common::cfg(), 1).expect("CPU");
+        let sim = run_program(&program, Sim(Precision::Bf16), &common::cfg(), 1)
+            .unwrap_or_else(|e| panic!("tiny llama {layout} in bf16: {e}"));
+        let (scalar, tensor) = drift(&sim, &cpu);
+        println!("tiny llama {layout}: bf16 rules vs fp32 reference: losses and gradient norms {scalar:.2e}, gradients and weights {tensor:.2e}");
+        assert!(scalar <= BF16_LOSS_TOL, "tiny llama {layout}: {scalar:.2e}");
+    }
+}
