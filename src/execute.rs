@@ -435,7 +435,9 @@ fn load_source(path: &std::path::Path) -> Result<Source, Failure> {
 }
 
 /// The GPU backend of `--backend cuda`: GPU 0, every rank of the run as a thread queuing on
-/// its stream (fp32 kernels and GEMMs: the CPU reference's arithmetic on the GPU).
+/// its stream, in the precision `SHARDWRIGHT_CUDA_PRECISION` names: `fp32` (the default:
+/// the CPU reference's arithmetic on the GPU) or `bf16` (mixed precision: bf16 activations
+/// and GEMMs, fp32 master weights, gradients and optimizer state).
 #[cfg(feature = "cuda")]
 type Gpu = shardwright_executor::cuda::backend::Cuda;
 #[cfg(not(feature = "cuda"))]
@@ -443,10 +445,13 @@ type Gpu = Cpu;
 
 #[cfg(feature = "cuda")]
 fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
-    let g = Gpu::new(0).map_err(|e| usage(anyhow!("--backend cuda: {e}")))?;
+    let g = Gpu::from_env(0).map_err(|e| usage(anyhow!("--backend cuda: {e}")))?;
     let name = g.dev.name().unwrap_or_else(|_| "GPU 0".into());
     let peak = crate::device_calibrate::catalog_of(&name).map_or(0.0, |(_, p)| p);
-    let basis = format!("the {name}'s dense bf16 peak (this backend computes in fp32)");
+    let basis = format!(
+        "the {name}'s dense bf16 peak (this backend computes in {})",
+        g.precision().name()
+    );
     Ok((g, peak, basis))
 }
 

@@ -6,15 +6,26 @@
 //! comparison with `scripts/gpu/torch_kernels.py` (PyTorch on the same shapes) in the same
 //! device call. Correctness is `tests/cuda_kernels.rs`' job; this only times.
 //!
+//! Then the backend itself (`cuda::backend::Cuda`, as the interpreter drives it) on one
+//! Llama MLP block of that step: RMSNorm, the SwiGLU up projection, SwiGLU, the down
+//! projection and the residual add, forward and backward (data and weight gradients,
+//! accumulated), then AdamW on the two weight matrices, in bf16 mode (the training mode:
+//! bf16 activations and GEMM operands, fp32 accumulation, master weights and moments) and
+//! in fp32 mode (the reference-comparison mode) for comparison, each timed with CUDA
+//! events around the whole sequence of backend calls (host work included), rated by its
+//! GEMM FLOPs.
+//!
 //! `cargo bench -p shardwright-executor --features cuda --bench gpu_kernels` on a GPU
 //! machine; without a GPU it prints why and exits 0. Timing: CUDA events around each
 //! launch sequence, median of 20 after 3 warm-ups, random inputs (never zeros).
 
-use shardwright_executor::cuda::backend::AttnArgs;
+use shardwright_executor::cuda::backend::{AttnArgs, Cuda};
 use shardwright_executor::cuda::device::{cuda_include_dir, unavailable, CudaSlice, Device};
 use shardwright_executor::cuda::gemm::random_bf16;
 use shardwright_executor::cuda::launch::{self, Attn, Dtype, Norm};
+use shardwright_executor::cuda::precision::Precision;
 use shardwright_executor::cuda::{adamw_bias_corrections, device::PushKernelArg};
+use shardwright_executor::Backend;
 use shardwright_executor::{AdamW, AttnShape};
 
 /// Median seconds of `f` (which queues work on `d`'s stream) over 20 runs after 3.
@@ -214,6 +225,62 @@ fn adamw(d: &Device, rows: &mut Vec<Row>, n: u64) {
     });
 }
 
+/// One MLP block forward + backward + AdamW through the backend in precision `p`.
+fn backend_mlp(be: &Cuda, rows: &mut Vec<Row>, t: usize, h: usize, f: usize) {
+    let up = |n: usize, seed: u64, scale: f32| {
+        let host: Vec<f32> = random_bf16(n, seed)
+            .into_iter()
+            .map(|b| shardwright_executor::cuda::bf16_value(b) * scale)
+            .collect();
+        be.upload(&host)
+    };
+    let x = up(t * h, 11, 1.0);
+    let dz = up(t * h, 12, 1e-3);
+    let wn = up(h, 13, 1.0);
+    let mut w_up = up(h * 2 * f, 14, 0.02);
+    let mut w_down = up(f * h, 15, 0.02);
+    let (mut g_up, mut g_down, mut g_n) = (be.zeros(h * 2 * f), be.zeros(f * h), be.zeros(h));
+    let mut mom: Vec<_> = (0..4)
+        .map(|i| be.zeros(if i < 2 { h * 2 * f } else { f * h }))
+        .collect();
+    let hp = AdamW {
+        lr: 3e-4,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 10,
+    };
+    let s = time(&be.dev, || {
+        let (y, r) = be.rmsnorm_fwd(&x, &wn, h, 1e-5);
+        let gu = be.linear_fwd(&y, &w_up, t, h, 2 * f);
+        let a = be.swiglu_fwd(&gu, f);
+        let o = be.linear_fwd(&a, &w_down, t, f, h);
+        let z = be.add(&x, &o);
+        let da = be.linear_dgrad(&dz, &w_down, t, f, h);
+        be.linear_wgrad(&a, &dz, t, f, h, &mut g_down);
+        let dgu = be.swiglu_bwd(&gu, &da, f);
+        let dy = be.linear_dgrad(&dgu, &w_up, t, h, 2 * f);
+        be.linear_wgrad(&y, &dgu, t, h, 2 * f, &mut g_up);
+        let dx = be.rmsnorm_bwd(&x, &wn, &r, &dy, h, &mut g_n);
+        let dres = be.add(&dz, &dx);
+        let (m0, rest) = mom.split_at_mut(1);
+        let (m1, rest) = rest.split_at_mut(1);
+        let (m2, m3) = rest.split_at_mut(1);
+        be.adamw(&mut w_up, &g_up, &mut m0[0], &mut m1[0], hp);
+        be.adamw(&mut w_down, &g_down, &mut m2[0], &mut m3[0], hp);
+        std::hint::black_box((z, dres));
+    });
+    // Three GEMM passes (forward, data and weight gradients) of the two projections.
+    let fl = 3.0 * 2.0 * (t * h * 3 * f) as f64;
+    rows.push(Row {
+        kernel: format!("mlp block ({})", be.precision().name()),
+        shape: format!("t={t} h={h} f={f}"),
+        ms: s * 1e3,
+        rate: format!("{:.0} TFLOP/s", fl / s / 1e12),
+    });
+}
+
 fn main() {
     if let Some(why) = unavailable() {
         println!("gpu_kernels: skipped: {why}");
@@ -226,6 +293,21 @@ fn main() {
     attention(&d, &mut rows, 1, 4096, 32, 8, 128);
     elementwise(&d, &mut rows, 16384, 2048, 5632);
     adamw(&d, &mut rows, 1 << 28);
+    drop(d);
+    // The backend at the step's MLP shapes: the training mode, then the reference mode.
+    match Cuda::new_with(0, Precision::Bf16) {
+        Ok(be) => {
+            backend_mlp(&be, &mut rows, 16384, 2048, 5632);
+            backend_mlp(
+                &be.with_precision(Precision::Fp32),
+                &mut rows,
+                16384,
+                2048,
+                5632,
+            );
+        }
+        Err(e) => println!("backend: not timed: {e}"),
+    }
     println!(
         "{:<20} {:<26} {:>10} {:>16}",
         "kernel", "shape", "ms", "rate"

@@ -16,7 +16,10 @@
 # kernel against the CPU reference), cuda_gemm (cuBLASLt GEMMs, every transpose and
 # precision, bias/GELU epilogues, against the CPU reference and a product by hand),
 # cuda_train (training steps through the interpreter on the CUDA backend against the CPU
-# backend, one-rank and multi-rank layouts sharing the GPU), cuda_nccl (a one-rank NCCL communicator from the bootstrap's id: every collective),
+# backend, one-rank and multi-rank layouts sharing the GPU, in fp32 at 1e-4 and in bf16
+# mixed precision at bf16 bounds), cuda_bf16 (the backend's bf16 mode method by method
+# against the CPU emulation of its precision rules, element types included), cuda_precision
+# (those rules through the interpreter on the CPU, no GPU needed), cuda_nccl (a one-rank NCCL communicator from the bootstrap's id: every collective),
 # cuda_snapshot (checkpoints of device tensors through
 # pinned memory, restored bit-exactly), nvrtc_compile (NVRTC + ptxas, registers and spills),
 # cuda_launch (launch configurations of the bundled specs), nccl_bootstrap (the unique-id
@@ -28,8 +31,12 @@
 # Report: $OUT/gpu-report.json when $OUT is set, else target/gpu-report.json; each test's
 # output in gpu-logs/ beside it. It holds per test name, status and seconds, the build's
 # status and seconds, nvidia-smi's summary (name, driver, memory, compute capability), the
-# git commit (with `-dirty` for uncommitted changes; "unknown" in a copy without .git) and
-# where the CUDA libraries and headers were found.
+# git commit (with `-dirty` for uncommitted changes; "unknown" in a copy without .git),
+# where the CUDA libraries and headers were found, and `bf16`: the bf16-mode tests (every
+# test whose name or binary says bf16: cuda_train's `*_in_bf16_*`, cuda_bf16's) with their
+# own pass/fail/skip counts and, per cuda_train bf16 layout, the drift lines it printed
+# (losses / gradient norms and gradients / weights against the fp32 CPU reference and
+# against the bf16 rules on the CPU).
 #
 # Limit: GPU_CHECK_LIMIT_S seconds in all (default 230, under 4 minutes); the build gets
 # what is left minus 40 s, each test at most 120 s or what is left. Target directory:
@@ -84,7 +91,7 @@ bin_dir="$work/bin"
 out_dir="${OUT:-$repo/target}"
 report="$out_dir/gpu-report.json"
 logs="$out_dir/gpu-logs"
-tests=(cuda_kernels cuda_gemm cuda_train cuda_nccl cuda_snapshot nvrtc_compile cuda_launch nccl_bootstrap)
+tests=(cuda_kernels cuda_gemm cuda_train cuda_bf16 cuda_precision cuda_nccl cuda_snapshot nvrtc_compile cuda_launch nccl_bootstrap)
 mkdir -p "$work" "$out_dir" "$logs"
 
 left() { echo $((deadline - $(date +%s))); }
@@ -374,6 +381,21 @@ if build["status"] == "failed":
     except OSError:
         pass
 count = {s: sum(t["status"] == s for t in tests) for s in ("pass", "fail", "skip")}
+# The bf16 mode's tests, and the drift lines cuda_train's bf16 tests print per layout.
+bf16_tests = [t for t in tests if "bf16" in t["name"] or t["binary"] == "cuda_bf16"]
+drift = []
+for t in bf16_tests:
+    try:
+        for line in open(os.path.join(os.path.dirname(report), t["log"]), errors="replace"):
+            if " bf16: " in line and "against the fp32 CPU reference" in line:
+                drift.append(line.strip())
+    except OSError:
+        pass
+bf16 = {
+    "tests": [{"binary": t["binary"], "name": t["name"], "status": t["status"]} for t in bf16_tests],
+    "summary": {s: sum(t["status"] == s for t in bf16_tests) for s in ("pass", "fail", "skip")},
+    "train_drift": drift,
+}
 out = {
     "schema": "shardwright-gpu-check/1",
     "commit": env["GC_COMMIT"],
@@ -386,6 +408,7 @@ out = {
              "tools": env.get("SHARDWRIGHT_CUDA_TOOLS"),
              "ld_library_path": env.get("LD_LIBRARY_PATH", "")},
     "summary": count,
+    "bf16": bf16,
     "tests": tests,
 }
 with open(report, "w") as f:

@@ -10,7 +10,8 @@
 #              curve and a hardware profile (device-profile.json, gemm-table.json), then
 #              scripts/gpu/torch_gemm.py: PyTorch on the same shapes (torch-gemm.json);
 #   kernels    executor/benches/gpu_kernels.rs (the backend's kernels at the 1.1B step's
-#              shapes) and scripts/gpu/torch_kernels.py (PyTorch on the same shapes):
+#              shapes, then the backend's MLP block of that step in bf16 mode and in fp32
+#              mode) and scripts/gpu/torch_kernels.py (PyTorch on the same shapes):
 #              kernels.log, torch-kernels.json;
 #   measure    scripts/gpu/measure_kernels.py: the cost model's kernel rates (kernel-rates.json),
 #              cut off at MEASURE_LIMIT_S (default 150) with what it saved so far.

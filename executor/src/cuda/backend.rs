@@ -1,13 +1,53 @@
 //! The CUDA backend (feature `cuda`): [`crate::backend::Backend`] on device buffers, so
 //! the interpreter that runs the CPU reference runs unchanged on a GPU.
 //!
-//! This first implementation keeps every buffer in fp32 (`CudaSlice<f32>`) and uses the
-//! kernels' `_f32` variants and fp32 cuBLASLt GEMMs (plain fp32 arithmetic): it computes
-//! what the CPU reference computes, in another summation order, so a training step matches
-//! the reference within fp32 rounding (`tests/cuda_train.rs`). bf16 activations with fp32
-//! master weights (the kernels' `_bf16` variants, bf16 GEMMs with fp32 accumulation) are the
-//! next step; the kernels and GEMMs for it are in place and checked (`tests/cuda_kernels.rs`,
-//! `tests/cuda_gemm.rs`).
+//! Two precisions ([`Precision`], chosen at construction: [`Cuda::new`] is fp32,
+//! [`Cuda::new_with`] takes one, [`Cuda::from_env`] reads `SHARDWRIGHT_CUDA_PRECISION`):
+//!
+//! - **fp32**, the reference-comparison mode: every buffer fp32, the kernels' `_f32`
+//!   variants and fp32 cuBLASLt GEMMs (plain fp32 arithmetic): a training step matches the
+//!   CPU reference within fp32 rounding of another summation order (`tests/cuda_train.rs`).
+//! - **bf16**, mixed precision as Megatron-LM and torchtitan train: activations and the
+//!   working copy of the weights in bf16 (the kernels' `_bf16` variants), GEMMs on bf16
+//!   operands with fp32 accumulation (`CUBLAS_COMPUTE_32F`), weight gradients accumulated in
+//!   fp32 (`main_grad`), fp32 master weights and AdamW moments, fp32 loss, softmax, norm and
+//!   reduction statistics (see [`crate::cuda::precision`] for the table by role).
+//!
+//! Each [`DBuf`] carries its element type ([`Kind`]: fp32, bf16, or untyped zeros not yet
+//! allocated), so nothing reads one type's bits as another's: an operand is read in the
+//! type its kernel computes on (converted with `cast.cu`'s kernels at the boundary where
+//! it differs), and roles that must be fp32 panic on a bf16 buffer, naming the operation.
+//! An fp32 buffer read as bf16 (a master weight read by a GEMM) keeps that bf16 copy until
+//! it is written again; AdamW refreshes it in the same kernel (`adamw_f32`'s `p_bf16`), so
+//! the working copy of a weight is made once and updated with the master.
+//!
+//! Per method in bf16 mode ("act" is bf16; in fp32 mode every entry is fp32, `zeros`
+//! included):
+//!
+//! | method | operands read as | result |
+//! |---|---|---|
+//! | `zeros` | | untyped zeros (typed by the first write) |
+//! | `upload` / `download` | host f32 | fp32 / host f32 (bf16 widened exactly) |
+//! | `copy`, `slice`, `gather` | as stored | the source's type |
+//! | `concat`, `add` | [`precision::joined`]: fp32 if all fp32, else bf16 | that type |
+//! | `copy_ranges`, `scale_ranges`, `axpy_ranges`, `add_into` | source converted to the destination's type | the destination's (untyped zeros take the source's) |
+//! | `scale` | as stored | the source's type |
+//! | `write` (MoE row-count headers) | host f32 | fp32 (a bf16 destination panics: counts would round) |
+//! | `fill_zero` | | keeps its type |
+//! | `dots`, `row_max` | as stored (bf16 pairs: the bf16 kernel; else fp32) | fp32 |
+//! | `layernorm_fwd`, `rmsnorm_fwd` | x, w, b: act | y: act; stats / rstd: fp32 |
+//! | `layernorm_bwd`, `rmsnorm_bwd` | x, w, dy: act; stats: fp32 (required) | dx: act; dw, db: fp32 accumulated (required) |
+//! | `gelu_*`, `swiglu_*` | act | act |
+//! | `route` / `route_bwd` | host (downloaded) | host / fp32 (uploaded) |
+//! | `gemm`, `linear_*` | a, b: act (bf16 operands, fp32 accumulation) | beta 0: act; beta != 0: `c`'s type, untyped zeros fp32 (weight gradients) |
+//! | `embedding_fwd` | table: act (the working copy) | act |
+//! | `embedding_bwd` | dy: act | dtable: fp32 accumulated (required) |
+//! | `rope_fwd`, `rope_bwd` | in place | keeps its type |
+//! | `attention_fwd` | q, k, v: act | o: act; lse: fp32 |
+//! | `attention_bwd` | q, k, v, o, dout: act; lse: fp32 (required) | dq, dk, dv: act |
+//! | `xent_local` | logits: act | lse, target logit: fp32 |
+//! | `xent_bwd` | logits: act; lse: fp32 (required) | dlogits: act |
+//! | `adamw` | p, m, v, g: fp32 (required) | p, m, v: fp32; p's bf16 copy refreshed |
 //!
 //! Every call queues work on the device's one stream, in order; [`Backend::download`]
 //! waits for it. The trait's methods cannot return errors: a CUDA failure here (a launch
@@ -19,13 +59,14 @@ use crate::backend::{
     AdamW, AttnSaved, AttnShape, Backend, Cpu, GemmShape, NormGrads, Operand, Routing,
 };
 use crate::cuda::device::{cuda_include_dir, Device, LaunchArgs, PushKernelArg};
-use crate::cuda::gemm::{Blas, Elem, GemmSpec, F32};
+use crate::cuda::gemm::{Bf16, Blas, Elem, GemmSpec, F32};
 use crate::cuda::launch::{self, Attn, Dtype, Launch, Norm};
-use crate::cuda::{adamw_bias_corrections, embedding_segments, rope_tables};
-use cudarc::driver::CudaSlice;
+use crate::cuda::precision::{self, require_f32, Kind, Precision};
+use crate::cuda::{adamw_bias_corrections, bf16_value, embedding_segments, rope_tables};
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use std::collections::BTreeMap;
 use std::mem::ManuallyDrop;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// One GPU as a [`Backend`]; clones share the device (every rank thread of an in-process
 /// run queues on its one stream).
@@ -38,18 +79,31 @@ pub struct Cuda {
     /// `SHARDWRIGHT_CUDA_SYNC=1`: wait for the device after every operation (to tell an
     /// ordering problem from an arithmetic one; slow).
     sync: bool,
+    precision: Precision,
 }
 
 type RopeCache = Mutex<BTreeMap<(usize, usize, u32), Arc<(CudaSlice<f32>, CudaSlice<f32>)>>>;
 
-/// A device buffer of `n` fp32 values. The driver refuses zero-byte allocations, so an
-/// empty buffer holds one unused element.
-pub struct DBuf {
-    s: ManuallyDrop<CudaSlice<f32>>,
-    n: usize,
+/// A buffer's storage.
+enum Store {
+    /// Untyped zeros: nothing allocated yet.
+    Zero,
+    F32(CudaSlice<f32>),
+    /// bf16 bits.
+    Bf16(CudaSlice<u16>),
 }
 
-/// A temporary device buffer (token ids, offsets) freed under the API lock.
+/// A device buffer of `n` values of its [`Kind`]. The driver refuses zero-byte
+/// allocations, so an allocated empty buffer holds one unused element.
+pub struct DBuf {
+    st: ManuallyDrop<Store>,
+    n: usize,
+    /// An fp32 buffer's bf16 copy, made when a kernel first reads it as bf16 (the working
+    /// copy of a master weight); dropped by every write except AdamW's, which refreshes it.
+    shadow: ManuallyDrop<OnceLock<CudaSlice<u16>>>,
+}
+
+/// A temporary device buffer (token ids, offsets, casts, zeros) freed under the API lock.
 struct Temp<T>(ManuallyDrop<CudaSlice<T>>);
 
 impl<T> Drop for Temp<T> {
@@ -67,11 +121,37 @@ impl<T> std::ops::Deref for Temp<T> {
     }
 }
 
+/// A buffer read in one element type: its own storage or bf16 copy, or a temporary (a
+/// cast, or zeros for untyped zeros).
+enum Src<'a, T> {
+    Ref(&'a CudaSlice<T>),
+    Temp(Temp<T>),
+}
+
+impl<T> std::ops::Deref for Src<'_, T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        match self {
+            Src::Ref(s) => s,
+            Src::Temp(t) => t,
+        }
+    }
+}
+
+/// A kernel operand in the element type of the kernel's variant.
+enum In<'a> {
+    F32(Src<'a, f32>),
+    Bf16(Src<'a, u16>),
+}
+
 impl Drop for DBuf {
     fn drop(&mut self) {
         let _api = api();
-        // SAFETY: dropped once, here; `s` is not used after.
-        unsafe { ManuallyDrop::drop(&mut self.s) }
+        // SAFETY: dropped once, here; neither is used after.
+        unsafe {
+            ManuallyDrop::drop(&mut self.st);
+            ManuallyDrop::drop(&mut self.shadow);
+        }
     }
 }
 
@@ -84,19 +164,58 @@ impl DBuf {
     pub fn is_empty(&self) -> bool {
         self.n == 0
     }
-}
 
-// SAFETY: pushes the pointer of the buffer's allocation, as cudarc does for a `CudaSlice`.
-unsafe impl<'a, 'b: 'a> PushKernelArg<&'b DBuf> for LaunchArgs<'a> {
-    fn arg(&mut self, a: &'b DBuf) -> &mut Self {
-        <Self as PushKernelArg<&'b CudaSlice<f32>>>::arg(self, &*a.s)
+    /// What it holds.
+    pub fn kind(&self) -> Kind {
+        match &*self.st {
+            Store::Zero => Kind::Zero,
+            Store::F32(_) => Kind::F32,
+            Store::Bf16(_) => Kind::Bf16,
+        }
+    }
+
+    /// Drops the bf16 copy (before the buffer is written).
+    fn invalidate(&mut self) {
+        if self.shadow.get().is_some() {
+            let _api = api();
+            drop(self.shadow.take());
+        }
+    }
+
+    /// The storage, to write into (the bf16 copy dropped).
+    fn store_mut(&mut self) -> &mut Store {
+        self.invalidate();
+        &mut self.st
+    }
+
+    /// Puts `st` in place of the storage (the old one and the bf16 copy freed).
+    fn replace(&mut self, st: Store) {
+        let _api = api();
+        let old = std::mem::replace(&mut *self.st, st);
+        drop(old);
+        drop(self.shadow.take());
     }
 }
 
-// SAFETY: as above, for a buffer the kernel writes.
+// SAFETY: pushes the pointer of the buffer's allocation, as cudarc does for a `CudaSlice`;
+// the caller allocated it in the type of the kernel's variant (`Cuda::alloc`).
 unsafe impl<'a, 'b: 'a> PushKernelArg<&'b mut DBuf> for LaunchArgs<'a> {
     fn arg(&mut self, a: &'b mut DBuf) -> &mut Self {
-        <Self as PushKernelArg<&'b mut CudaSlice<f32>>>::arg(self, &mut *a.s)
+        match &mut *a.st {
+            Store::F32(s) => <Self as PushKernelArg<&'b mut CudaSlice<f32>>>::arg(self, s),
+            Store::Bf16(s) => <Self as PushKernelArg<&'b mut CudaSlice<u16>>>::arg(self, s),
+            Store::Zero => panic!("CUDA backend: an unallocated buffer passed to a kernel"),
+        }
+    }
+}
+
+// SAFETY: as above, for an operand read in the kernel's type.
+unsafe impl<'a, 'b: 'a, 'c> PushKernelArg<&'b In<'c>> for LaunchArgs<'a> {
+    fn arg(&mut self, a: &'b In<'c>) -> &mut Self {
+        match a {
+            In::F32(s) => <Self as PushKernelArg<&'b CudaSlice<f32>>>::arg(self, &**s),
+            In::Bf16(s) => <Self as PushKernelArg<&'b CudaSlice<u16>>>::arg(self, &**s),
+        }
     }
 }
 
@@ -116,9 +235,22 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("CUDA backend: {what}: {e}")
 }
 
+fn suffix(k: Kind) -> &'static str {
+    match k.dtype() {
+        Some(d) => d.suffix(),
+        None => panic!("CUDA backend: untyped zeros have no kernel variant"),
+    }
+}
+
 impl Cuda {
-    /// GPU `ordinal` with every kernel loaded and a cuBLASLt handle.
+    /// GPU `ordinal` with every kernel loaded and a cuBLASLt handle, in fp32 (the
+    /// reference-comparison mode).
     pub fn new(ordinal: usize) -> Result<Cuda, String> {
+        Cuda::new_with(ordinal, Precision::Fp32)
+    }
+
+    /// GPU `ordinal` in precision `precision`.
+    pub fn new_with(ordinal: usize, precision: Precision) -> Result<Cuda, String> {
         let dev = Device::new(ordinal, &cuda_include_dir())?;
         let blas = Blas::new(&dev)?;
         Ok(Cuda {
@@ -126,7 +258,31 @@ impl Cuda {
             blas: Arc::new(blas),
             rope: Arc::new(Mutex::new(BTreeMap::new())),
             sync: std::env::var("SHARDWRIGHT_CUDA_SYNC").is_ok_and(|v| v == "1"),
+            precision,
         })
+    }
+
+    /// GPU `ordinal` in the precision `SHARDWRIGHT_CUDA_PRECISION` names (`fp32`, the
+    /// default, or `bf16`).
+    pub fn from_env(ordinal: usize) -> Result<Cuda, String> {
+        Cuda::new_with(ordinal, Precision::from_env()?)
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// This backend (the same device, kernels and cuBLASLt handle) in precision `p`.
+    pub fn with_precision(&self, p: Precision) -> Cuda {
+        Cuda {
+            precision: p,
+            ..self.clone()
+        }
+    }
+
+    /// The element type of activations (and of the kernels' variants).
+    fn act(&self) -> Dtype {
+        self.precision.activations()
     }
 
     fn run<'a>(
@@ -136,7 +292,8 @@ impl Cuda {
     ) {
         let l = l.unwrap_or_else(|e| fail("launch configuration", e));
         // SAFETY: each caller passes the arguments of the kernel's signature in order, on
-        // buffers sized for `l`'s shape (the same lists as tests/cuda_kernels.rs).
+        // buffers sized for `l`'s shape and of the element types of `l`'s variant (the same
+        // lists as tests/cuda_kernels.rs).
         let _api = api();
         unsafe { self.dev.launch(&l, args) }.unwrap_or_else(|e| fail(&l.entry, e));
         self.sync_point(&l.entry);
@@ -148,37 +305,181 @@ impl Cuda {
         }
     }
 
-    fn ids(&self, ids: &[u32]) -> Temp<u32> {
+    fn temp<T: DeviceRepr>(&self, what: &str, host: &[T]) -> Temp<T> {
         let _api = api();
         Temp(ManuallyDrop::new(
-            self.dev
-                .upload(ids)
-                .unwrap_or_else(|e| fail("token ids", e)),
+            self.dev.upload(host).unwrap_or_else(|e| fail(what, e)),
         ))
     }
 
-    fn new_buf(&self, n: usize) -> DBuf {
+    fn ids(&self, ids: &[u32]) -> Temp<u32> {
+        self.temp("token ids", ids)
+    }
+
+    fn dzeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> CudaSlice<T> {
         let _api = api();
-        let s = self
-            .dev
+        self.dev
             .zeros(n.max(1))
-            .unwrap_or_else(|e| fail(&format!("allocating {n} values"), e));
+            .unwrap_or_else(|e| fail(&format!("allocating {n} values"), e))
+    }
+
+    /// `n` zeros of kind `k` (untyped zeros allocate nothing).
+    fn alloc(&self, k: Kind, n: usize) -> DBuf {
+        let st = match k {
+            Kind::Zero => Store::Zero,
+            Kind::F32 => Store::F32(self.dzeros(n)),
+            Kind::Bf16 => Store::Bf16(self.dzeros(n)),
+        };
         DBuf {
-            s: ManuallyDrop::new(s),
+            st: ManuallyDrop::new(st),
             n,
+            shadow: ManuallyDrop::new(OnceLock::new()),
         }
     }
 
-    /// `dst[at..at + n] = src[lo..lo + n]` on the device.
+    /// `n` fp32 zeros (statistics, partial sums).
+    fn new_buf(&self, n: usize) -> DBuf {
+        self.alloc(Kind::F32, n)
+    }
+
+    /// `n` zeros in the activation type.
+    fn act_buf(&self, n: usize) -> DBuf {
+        self.alloc(Kind::of(self.act()), n)
+    }
+
+    /// Gives untyped zeros the type `k` (allocated, zeroed); other buffers keep theirs.
+    fn materialize(&self, x: &mut DBuf, k: Kind) {
+        if x.kind() != Kind::Zero {
+            return;
+        }
+        let st = match k {
+            Kind::Zero => return,
+            Kind::F32 => Store::F32(self.dzeros(x.n)),
+            Kind::Bf16 => Store::Bf16(self.dzeros(x.n)),
+        };
+        // The untyped storage replaced holds no allocation.
+        *x.st = st;
+    }
+
+    /// `x` (`n` values) converted by `cast.cu`'s kernel into `y`.
+    fn cast<A, B>(&self, to_bf16: bool, x: &CudaSlice<A>, y: &mut CudaSlice<B>, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let nn = n as u64;
+        self.run(launch::cast(to_bf16, nn), |b| {
+            b.arg(x).arg(y).arg(&nn);
+        });
+    }
+
+    /// `x` read as fp32: itself, or a temporary (bf16 widened exactly, untyped zeros).
+    fn read_f32<'a>(&self, x: &'a DBuf) -> Src<'a, f32> {
+        match &*x.st {
+            Store::F32(s) => Src::Ref(s),
+            Store::Zero => Src::Temp(Temp(ManuallyDrop::new(self.dzeros(x.n)))),
+            Store::Bf16(s) => {
+                let mut y = Temp(ManuallyDrop::new(self.dzeros::<f32>(x.n)));
+                self.cast(false, s, &mut y.0, x.n);
+                Src::Temp(y)
+            }
+        }
+    }
+
+    /// `x` read as bf16: itself, its bf16 copy (made now if need be: the working copy of
+    /// a master weight), or zeros.
+    fn read_bf16<'a>(&self, x: &'a DBuf) -> Src<'a, u16> {
+        match &*x.st {
+            Store::Bf16(s) => Src::Ref(s),
+            Store::Zero => Src::Temp(Temp(ManuallyDrop::new(self.dzeros(x.n)))),
+            Store::F32(s) => Src::Ref(x.shadow.get_or_init(|| {
+                let mut y = self.dzeros::<u16>(x.n);
+                self.cast(true, s, &mut y, x.n);
+                y
+            })),
+        }
+    }
+
+    /// `x` read in type `d`.
+    fn read<'a>(&self, x: &'a DBuf, d: Dtype) -> In<'a> {
+        match d {
+            Dtype::F32 => In::F32(self.read_f32(x)),
+            Dtype::Bf16 => In::Bf16(self.read_bf16(x)),
+        }
+    }
+
+    /// `x` read as an activation operand.
+    fn act_in<'a>(&self, x: &'a DBuf) -> In<'a> {
+        self.read(x, self.act())
+    }
+
+    /// A statistic (`what`): must be fp32.
+    fn stat<'a>(&self, x: &'a DBuf, what: &str) -> Src<'a, f32> {
+        require_f32(x.kind(), what);
+        self.read_f32(x)
+    }
+
+    /// A buffer accumulated into in fp32 (`what`: a weight gradient): fp32 required,
+    /// untyped zeros allocated as fp32; the bf16 copy dropped.
+    fn acc<'a>(&self, x: &'a mut DBuf, what: &str) -> &'a mut CudaSlice<f32> {
+        require_f32(x.kind(), what);
+        self.materialize(x, Kind::F32);
+        match x.store_mut() {
+            Store::F32(s) => s,
+            _ => unreachable!("materialized as fp32"),
+        }
+    }
+
+    /// `dst[at..at + n] = src[lo..lo + n]` on the device, converted to `dst`'s type
+    /// (`dst` allocated; untyped zeros in `src` copy as zeros).
     fn copy_into(&self, dst: &mut DBuf, at: usize, src: &DBuf, lo: usize, n: usize) {
         if n == 0 {
             return;
         }
-        let _api = api();
-        self.dev
-            .stream
-            .memcpy_dtod(&src.s.slice(lo..lo + n), &mut dst.s.slice_mut(at..at + n))
-            .unwrap_or_else(|e| fail("device copy", e));
+        let (r, w) = (lo..lo + n, at..at + n);
+        let nn = n as u64;
+        match (dst.store_mut(), &*src.st) {
+            (Store::Zero, _) => panic!("CUDA backend: a copy into an unallocated buffer"),
+            (Store::F32(d), Store::F32(s)) => {
+                let _api = api();
+                self.dev
+                    .stream
+                    .memcpy_dtod(&s.slice(r), &mut d.slice_mut(w))
+                    .unwrap_or_else(|e| fail("device copy", e));
+            }
+            (Store::Bf16(d), Store::Bf16(s)) => {
+                let _api = api();
+                self.dev
+                    .stream
+                    .memcpy_dtod(&s.slice(r), &mut d.slice_mut(w))
+                    .unwrap_or_else(|e| fail("device copy", e));
+            }
+            (Store::Bf16(d), Store::F32(s)) => {
+                let (x, mut y) = (s.slice(r), d.slice_mut(w));
+                self.run(launch::cast(true, nn), |b| {
+                    b.arg(&x).arg(&mut y).arg(&nn);
+                });
+            }
+            (Store::F32(d), Store::Bf16(s)) => {
+                let (x, mut y) = (s.slice(r), d.slice_mut(w));
+                self.run(launch::cast(false, nn), |b| {
+                    b.arg(&x).arg(&mut y).arg(&nn);
+                });
+            }
+            (Store::F32(d), Store::Zero) => {
+                let _api = api();
+                self.dev
+                    .stream
+                    .memset_zeros(&mut d.slice_mut(w))
+                    .unwrap_or_else(|e| fail("zeroing a range", e));
+            }
+            (Store::Bf16(d), Store::Zero) => {
+                let _api = api();
+                self.dev
+                    .stream
+                    .memset_zeros(&mut d.slice_mut(w))
+                    .unwrap_or_else(|e| fail("zeroing a range", e));
+            }
+        }
         self.sync_point("device copy");
     }
 
@@ -206,53 +507,99 @@ impl Cuda {
         t
     }
 
+    /// The rotation in place, in `x`'s own type (untyped zeros rotate to themselves).
     fn rope(&self, x: &mut DBuf, pos: &[u32], heads: usize, d: usize, theta: f32, bwd: bool) {
         let t = pos.len() as u64;
-        if t == 0 {
+        let k = x.kind();
+        if t == 0 || k == Kind::Zero {
             return;
         }
+        let dt = k.dtype().expect("typed");
         let tables = self.rope_tables(pos, d, theta);
         let (cos, sin) = (&tables.0, &tables.1);
         let pos_d = self.ids(pos);
         let (hh, dd) = (heads as u32, d as u32);
-        self.run(
-            launch::rope(Dtype::F32, bwd, t, heads as u64, d as u64),
-            |b| {
-                b.arg(x)
-                    .arg(&*pos_d)
-                    .arg(cos)
-                    .arg(sin)
-                    .arg(&t)
-                    .arg(&hh)
-                    .arg(&dd);
-            },
-        );
+        x.invalidate();
+        self.run(launch::rope(dt, bwd, t, heads as u64, d as u64), |b| {
+            b.arg(x)
+                .arg(&*pos_d)
+                .arg(cos)
+                .arg(sin)
+                .arg(&t)
+                .arg(&hh)
+                .arg(&dd);
+        });
     }
 
+    /// `op` (`axpy` or `scale`) of `src`'s ranges onto `dst`'s, in `dst`'s type
+    /// ([`precision::into_dst`]).
     fn ranges(
         &self,
-        entry: &str,
+        op: &str,
         dst: &mut DBuf,
         src: &DBuf,
         n: usize,
         moves: &[(usize, usize, f32)],
     ) {
-        if n == 0 {
+        if n == 0 || moves.is_empty() {
             return;
         }
+        if op == "axpy" && src.kind() == Kind::Zero {
+            return; // adding zeros
+        }
+        let k = precision::into_dst(dst.kind(), src.kind());
+        if k == Kind::Zero {
+            return; // zeros scaled into zeros
+        }
+        self.materialize(dst, k);
+        let entry = format!("{op}_{}", suffix(k));
+        match k {
+            Kind::F32 => {
+                let x = self.read_f32(src);
+                match dst.store_mut() {
+                    Store::F32(y) => self.ranges_typed(&entry, y, &x, n, moves),
+                    _ => unreachable!("an fp32 destination"),
+                }
+            }
+            _ => {
+                let x = self.read_bf16(src);
+                match dst.store_mut() {
+                    Store::Bf16(y) => self.ranges_typed(&entry, y, &x, n, moves),
+                    _ => unreachable!("a bf16 destination"),
+                }
+            }
+        }
+    }
+
+    fn ranges_typed<T>(
+        &self,
+        entry: &str,
+        y: &mut CudaSlice<T>,
+        x: &CudaSlice<T>,
+        n: usize,
+        moves: &[(usize, usize, f32)],
+    ) {
+        let nn = n as u64;
         for &(s, d, a) in moves {
-            let x = src.s.slice(s..s + n);
-            let mut y = dst.s.slice_mut(d..d + n);
-            let nn = n as u64;
+            let xv = x.slice(s..s + n);
+            let mut yv = y.slice_mut(d..d + n);
             self.run(launch::buffer_op(entry, nn), |b| {
-                b.arg(&mut y).arg(&x).arg(&nn).arg(&a);
+                b.arg(&mut yv).arg(&xv).arg(&nn).arg(&a);
             });
         }
     }
 
-    fn reduce_rows(&self, red: &Launch, partial: &DBuf, out: &mut DBuf, rows: u32, h: u32) {
+    fn reduce_rows(
+        &self,
+        red: &Launch,
+        partial: &DBuf,
+        out: &mut CudaSlice<f32>,
+        rows: u32,
+        h: u32,
+    ) {
+        let p = self.read_f32(partial);
         self.run(Ok(red.clone()), |b| {
-            b.arg(partial).arg(out).arg(&rows).arg(&h);
+            b.arg(&*p).arg(out).arg(&rows).arg(&h);
         });
     }
 }
@@ -261,7 +608,7 @@ impl Backend for Cuda {
     type Buf = DBuf;
 
     fn zeros(&self, n: usize) -> Self::Buf {
-        self.new_buf(n)
+        self.alloc(self.precision.zeros(), n)
     }
 
     fn upload(&self, x: &[f32]) -> Self::Buf {
@@ -271,8 +618,9 @@ impl Backend for Cuda {
         let _api = api();
         let s = self.dev.upload(x).unwrap_or_else(|e| fail("upload", e));
         DBuf {
-            s: ManuallyDrop::new(s),
+            st: ManuallyDrop::new(Store::F32(s)),
             n: x.len(),
+            shadow: ManuallyDrop::new(OnceLock::new()),
         }
     }
 
@@ -281,9 +629,17 @@ impl Backend for Cuda {
             return Vec::new();
         }
         let _api = api();
-        self.dev
-            .download(&x.s)
-            .unwrap_or_else(|e| fail("download", e))
+        match &*x.st {
+            Store::Zero => vec![0.0; x.n],
+            Store::F32(s) => self.dev.download(s).unwrap_or_else(|e| fail("download", e)),
+            Store::Bf16(s) => self
+                .dev
+                .download(s)
+                .unwrap_or_else(|e| fail("download", e))
+                .into_iter()
+                .map(bf16_value)
+                .collect(),
+        }
     }
 
     fn len(&self, x: &Self::Buf) -> usize {
@@ -291,29 +647,44 @@ impl Backend for Cuda {
     }
 
     fn copy(&self, x: &Self::Buf) -> Self::Buf {
-        let mut y = self.new_buf(x.len());
-        self.copy_into(&mut y, 0, x, 0, x.len());
+        let mut y = self.alloc(x.kind(), x.len());
+        if x.kind() != Kind::Zero {
+            self.copy_into(&mut y, 0, x, 0, x.len());
+        }
         y
     }
 
     fn slice(&self, x: &Self::Buf, lo: usize, hi: usize) -> Self::Buf {
-        let mut y = self.new_buf(hi - lo);
-        self.copy_into(&mut y, 0, x, lo, hi - lo);
+        let mut y = self.alloc(x.kind(), hi - lo);
+        if x.kind() != Kind::Zero {
+            self.copy_into(&mut y, 0, x, lo, hi - lo);
+        }
         y
     }
 
     fn concat(&self, parts: &[&Self::Buf]) -> Self::Buf {
-        let mut y = self.new_buf(parts.iter().map(|p| p.len()).sum());
+        let k = parts
+            .iter()
+            .fold(Kind::Zero, |k, p| precision::joined(k, p.kind()));
+        let mut y = self.alloc(k, parts.iter().map(|p| p.len()).sum());
+        if k == Kind::Zero {
+            return y;
+        }
         let mut at = 0;
         for p in parts {
-            self.copy_into(&mut y, at, p, 0, p.len());
+            if p.kind() != Kind::Zero {
+                self.copy_into(&mut y, at, p, 0, p.len());
+            }
             at += p.len();
         }
         y
     }
 
     fn gather(&self, x: &Self::Buf, ranges: &[(usize, usize)]) -> Self::Buf {
-        let mut y = self.new_buf(ranges.iter().map(|r| r.1).sum());
+        let mut y = self.alloc(x.kind(), ranges.iter().map(|r| r.1).sum());
+        if x.kind() == Kind::Zero {
+            return y;
+        }
         let mut at = 0;
         for &(lo, n) in ranges {
             self.copy_into(&mut y, at, x, lo, n);
@@ -326,10 +697,16 @@ impl Backend for Cuda {
         if host.is_empty() {
             return;
         }
+        let k = precision::write_dst(dst.kind())
+            .unwrap_or_else(|e| panic!("CUDA backend: write of {} values: {e}", host.len()));
+        self.materialize(dst, k);
+        let Store::F32(d) = dst.store_mut() else {
+            unreachable!("an fp32 destination")
+        };
         let _api = api();
         self.dev
             .stream
-            .memcpy_htod(host, &mut dst.s.slice_mut(at..at + host.len()))
+            .memcpy_htod(host, &mut d.slice_mut(at..at + host.len()))
             .unwrap_or_else(|e| fail("write", e));
         self.sync_point("write");
     }
@@ -341,6 +718,14 @@ impl Backend for Cuda {
         n: usize,
         moves: &[(usize, usize)],
     ) {
+        if n == 0 || moves.is_empty() {
+            return;
+        }
+        let k = precision::into_dst(dst.kind(), src.kind());
+        if k == Kind::Zero {
+            return; // zeros onto zeros
+        }
+        self.materialize(dst, k);
         for &(s, d) in moves {
             self.copy_into(dst, d, src, s, n);
         }
@@ -353,7 +738,7 @@ impl Backend for Cuda {
         n: usize,
         moves: &[(usize, usize, f32)],
     ) {
-        self.ranges("scale_f32", dst, src, n, moves);
+        self.ranges("scale", dst, src, n, moves);
     }
 
     fn axpy_ranges(
@@ -363,7 +748,7 @@ impl Backend for Cuda {
         n: usize,
         moves: &[(usize, usize, f32)],
     ) {
-        self.ranges("axpy_f32", dst, src, n, moves);
+        self.ranges("axpy", dst, src, n, moves);
     }
 
     fn add(&self, x: &Self::Buf, y: &Self::Buf) -> Self::Buf {
@@ -374,33 +759,50 @@ impl Backend for Cuda {
             x.len(),
             y.len()
         );
-        let mut z = self.new_buf(x.len());
+        let k = precision::joined(x.kind(), y.kind());
+        let mut z = self.alloc(k, x.len());
         let n = x.len() as u64;
-        if n > 0 {
-            self.run(launch::buffer_op("add_f32", n), |b| {
-                b.arg(&mut z).arg(x).arg(y).arg(&n);
+        if n > 0 && k != Kind::Zero {
+            let d = k.dtype().expect("typed");
+            let (xs, ys) = (self.read(x, d), self.read(y, d));
+            self.run(launch::buffer_op(&format!("add_{}", d.suffix()), n), |b| {
+                b.arg(&mut z).arg(&xs).arg(&ys).arg(&n);
             });
         }
         z
     }
 
     fn add_into(&self, dst: &mut Self::Buf, at: usize, src: &Self::Buf) {
-        self.ranges("axpy_f32", dst, src, src.len(), &[(0, at, 1.0)]);
+        self.ranges("axpy", dst, src, src.len(), &[(0, at, 1.0)]);
     }
 
     fn scale(&self, x: &Self::Buf, a: f32) -> Self::Buf {
-        let mut y = self.new_buf(x.len());
-        self.ranges("scale_f32", &mut y, x, x.len(), &[(0, 0, a)]);
+        let mut y = self.alloc(x.kind(), x.len());
+        self.ranges("scale", &mut y, x, x.len(), &[(0, 0, a)]);
         y
     }
 
     fn fill_zero(&self, x: &mut Self::Buf) {
-        if !x.is_empty() {
-            let _api = api();
-            self.dev
-                .stream
-                .memset_zeros(&mut *x.s)
-                .unwrap_or_else(|e| fail("fill with zeros", e));
+        if x.is_empty() {
+            return;
+        }
+        let _guard;
+        match x.store_mut() {
+            Store::Zero => {}
+            Store::F32(s) => {
+                _guard = api();
+                self.dev
+                    .stream
+                    .memset_zeros(s)
+                    .unwrap_or_else(|e| fail("fill with zeros", e));
+            }
+            Store::Bf16(s) => {
+                _guard = api();
+                self.dev
+                    .stream
+                    .memset_zeros(s)
+                    .unwrap_or_else(|e| fail("fill with zeros", e));
+            }
         }
     }
 
@@ -411,20 +813,19 @@ impl Backend for Cuda {
         }
         let ai: Vec<u64> = pairs.iter().map(|p| p.0 as u64).collect();
         let bi: Vec<u64> = pairs.iter().map(|p| p.1 as u64).collect();
-        let up = |v: &[u64]| {
-            let _api = api();
-            Temp(ManuallyDrop::new(
-                self.dev
-                    .upload(v)
-                    .unwrap_or_else(|e| fail("dot offsets", e)),
-            ))
+        let (ai, bi) = (self.temp("dot offsets", &ai), self.temp("dot offsets", &bi));
+        // Both bf16: the bf16 kernel; otherwise fp32 (a bf16 operand widened exactly).
+        let d = if a.kind() == Kind::Bf16 && b.kind() == Kind::Bf16 {
+            Dtype::Bf16
+        } else {
+            Dtype::F32
         };
-        let (ai, bi) = (up(&ai), up(&bi));
+        let (x, y) = (self.read(a, d), self.read(b, d));
         let nn = n as u64;
         self.run(
-            launch::buffer_rows("dots_f32", pairs.len() as u64, nn),
-            |x| {
-                x.arg(a).arg(b).arg(&*ai).arg(&*bi).arg(&nn).arg(&mut out);
+            launch::buffer_rows(&format!("dots_{}", d.suffix()), pairs.len() as u64, nn),
+            |l| {
+                l.arg(&x).arg(&y).arg(&*ai).arg(&*bi).arg(&nn).arg(&mut out);
             },
         );
         out
@@ -434,10 +835,19 @@ impl Backend for Cuda {
         let rows = x.len().checked_div(w).unwrap_or(0);
         let mut out = self.new_buf(rows);
         if rows > 0 {
+            let d = if x.kind() == Kind::Bf16 {
+                Dtype::Bf16
+            } else {
+                Dtype::F32
+            };
+            let xs = self.read(x, d);
             let ww = w as u64;
-            self.run(launch::buffer_rows("row_max_f32", rows as u64, ww), |b| {
-                b.arg(x).arg(&ww).arg(&mut out);
-            });
+            self.run(
+                launch::buffer_rows(&format!("row_max_{}", d.suffix()), rows as u64, ww),
+                |b| {
+                    b.arg(&xs).arg(&ww).arg(&mut out);
+                },
+            );
         }
         out
     }
@@ -451,14 +861,15 @@ impl Backend for Cuda {
         eps: f32,
     ) -> (Self::Buf, Self::Buf) {
         let t = x.len() / h;
-        let (mut y, mut st) = (self.new_buf(x.len()), self.new_buf(2 * t));
+        let (xs, ws, bs) = (self.act_in(x), self.act_in(w), self.act_in(b));
+        let (mut y, mut st) = (self.act_buf(x.len()), self.new_buf(2 * t));
         let hh = h as u32;
         self.run(
-            launch::norm_fwd(Norm::Layer, Dtype::F32, t as u64, h as u64),
+            launch::norm_fwd(Norm::Layer, self.act(), t as u64, h as u64),
             |a| {
-                a.arg(x)
-                    .arg(w)
-                    .arg(b)
+                a.arg(&xs)
+                    .arg(&ws)
+                    .arg(&bs)
                     .arg(&mut y)
                     .arg(&mut st)
                     .arg(&hh)
@@ -478,43 +889,49 @@ impl Backend for Cuda {
         g: NormGrads<'_, Self::Buf>,
     ) -> Self::Buf {
         let t = x.len() / h;
-        let [main, red] = launch::norm_bwd(Norm::Layer, Dtype::F32, t as u64, h as u64)
+        let [main, red] = launch::norm_bwd(Norm::Layer, self.act(), t as u64, h as u64)
             .unwrap_or_else(|e| fail("layernorm backward", e));
         let blocks = main.grid[0];
         let nb = blocks as usize;
+        let (xs, ws, dys) = (self.act_in(x), self.act_in(w), self.act_in(dy));
+        let st = self.stat(stats, "the layernorm statistics");
         let (mut pw, mut pb) = (self.new_buf(nb * h), self.new_buf(nb * h));
-        let mut dx = self.new_buf(x.len());
+        let mut dx = self.act_buf(x.len());
         let (tt, hh) = (t as u64, h as u32);
         self.run(Ok(main), |a| {
-            a.arg(x)
-                .arg(w)
-                .arg(stats)
-                .arg(dy)
+            a.arg(&xs)
+                .arg(&ws)
+                .arg(&*st)
+                .arg(&dys)
                 .arg(&mut dx)
                 .arg(&mut pw)
                 .arg(&mut pb)
                 .arg(&tt)
                 .arg(&hh);
         });
-        self.reduce_rows(&red, &pw, g.dw, blocks, hh);
-        self.reduce_rows(&red, &pb, g.db, blocks, hh);
+        let dw = self.acc(g.dw, "a layernorm weight gradient");
+        self.reduce_rows(&red, &pw, dw, blocks, hh);
+        let db = self.acc(g.db, "a layernorm bias gradient");
+        self.reduce_rows(&red, &pb, db, blocks, hh);
         dx
     }
 
     fn gelu_fwd(&self, x: &Self::Buf) -> Self::Buf {
-        let mut y = self.new_buf(x.len());
+        let xs = self.act_in(x);
+        let mut y = self.act_buf(x.len());
         let n = x.len() as u64;
-        self.run(launch::gelu(Dtype::F32, false, n), |b| {
-            b.arg(x).arg(&mut y).arg(&n);
+        self.run(launch::gelu(self.act(), false, n), |b| {
+            b.arg(&xs).arg(&mut y).arg(&n);
         });
         y
     }
 
     fn gelu_bwd(&self, x: &Self::Buf, dy: &Self::Buf) -> Self::Buf {
-        let mut dx = self.new_buf(x.len());
+        let (xs, dys) = (self.act_in(x), self.act_in(dy));
+        let mut dx = self.act_buf(x.len());
         let n = x.len() as u64;
-        self.run(launch::gelu(Dtype::F32, true, n), |b| {
-            b.arg(x).arg(dy).arg(&mut dx).arg(&n);
+        self.run(launch::gelu(self.act(), true, n), |b| {
+            b.arg(&xs).arg(&dys).arg(&mut dx).arg(&n);
         });
         dx
     }
@@ -548,15 +965,62 @@ impl Backend for Cuda {
         }
         if s.k == 0 {
             // No products: c = beta c (never on a hot path).
-            let scaled: Vec<f32> = self.download(c).iter().map(|x| beta * x).collect();
-            self.write(c, 0, &scaled);
+            if beta == 0.0 {
+                self.fill_zero(c);
+            } else {
+                *c = self.scale(c, beta);
+            }
             return;
         }
-        let spec = GemmSpec::new(s, a.trans, b.trans, Elem::F32, Elem::F32);
-        let _api = api();
-        self.blas
-            .gemm::<F32, F32>(&spec, (1.0, beta), &a.data.s, &b.data.s, &mut c.s, None)
-            .unwrap_or_else(|e| fail("GEMM", e));
+        let out = precision::gemm_out(self.precision, beta, c.kind());
+        match self.precision {
+            Precision::Fp32 => {
+                require_f32(c.kind(), "an fp32-mode GEMM's result");
+                let (x, y) = (self.read_f32(a.data), self.read_f32(b.data));
+                self.materialize(c, Kind::F32);
+                let Store::F32(cs) = c.store_mut() else {
+                    unreachable!("an fp32 result")
+                };
+                let spec = GemmSpec::new(s, a.trans, b.trans, Elem::F32, Elem::F32);
+                let _api = api();
+                self.blas
+                    .gemm::<F32, F32>(&spec, (1.0, beta), &x, &y, cs, None)
+                    .unwrap_or_else(|e| fail("GEMM", e));
+            }
+            Precision::Bf16 => {
+                let (x, y) = (self.read_bf16(a.data), self.read_bf16(b.data));
+                if out != c.kind() {
+                    if c.kind() == Kind::Zero {
+                        self.materialize(c, out);
+                    } else {
+                        // beta == 0: a fresh bf16 result in place of what `c` held.
+                        let fresh = match out {
+                            Kind::Bf16 => Store::Bf16(self.dzeros(c.n)),
+                            _ => Store::F32(self.dzeros(c.n)),
+                        };
+                        c.replace(fresh);
+                    }
+                }
+                let ab = Elem::Bf16;
+                match c.store_mut() {
+                    Store::F32(cs) => {
+                        let spec = GemmSpec::new(s, a.trans, b.trans, ab, Elem::F32);
+                        let _api = api();
+                        self.blas
+                            .gemm::<Bf16, F32>(&spec, (1.0, beta), &x, &y, cs, None)
+                            .unwrap_or_else(|e| fail("GEMM", e));
+                    }
+                    Store::Bf16(cs) => {
+                        let spec = GemmSpec::new(s, a.trans, b.trans, ab, Elem::Bf16);
+                        let _api = api();
+                        self.blas
+                            .gemm::<Bf16, Bf16>(&spec, (1.0, beta), &x, &y, cs, None)
+                            .unwrap_or_else(|e| fail("GEMM", e));
+                    }
+                    Store::Zero => unreachable!("materialized"),
+                }
+            }
+        }
         self.sync_point("GEMM");
     }
 
@@ -567,17 +1031,18 @@ impl Backend for Cuda {
         vocab_start: usize,
         h: usize,
     ) -> Self::Buf {
-        let mut y = self.new_buf(ids.len() * h);
+        let mut y = self.act_buf(ids.len() * h);
         if ids.is_empty() {
             return y;
         }
+        let tb = self.act_in(table);
         let ids_d = self.ids(ids);
         let (hh, st, rw) = (h as u32, vocab_start as u64, (table.len() / h) as u64);
         self.run(
-            launch::embedding_fwd(Dtype::F32, ids.len() as u64, h as u64),
+            launch::embedding_fwd(self.act(), ids.len() as u64, h as u64),
             |b| {
                 b.arg(&*ids_d)
-                    .arg(table)
+                    .arg(&tb)
                     .arg(&mut y)
                     .arg(&hh)
                     .arg(&st)
@@ -599,18 +1064,20 @@ impl Backend for Cuda {
         if seg.seg_row.is_empty() {
             return;
         }
+        let dys = self.act_in(dy);
         let order = self.ids(&seg.order);
         let start = self.ids(&seg.seg_start);
         let row = self.ids(&seg.seg_row);
         let hh = h as u32;
+        let dt = self.acc(dtable, "an embedding gradient");
         self.run(
-            launch::embedding_bwd(Dtype::F32, seg.seg_row.len() as u64, h as u64),
+            launch::embedding_bwd(self.act(), seg.seg_row.len() as u64, h as u64),
             |b| {
                 b.arg(&*order)
                     .arg(&*start)
                     .arg(&*row)
-                    .arg(dy)
-                    .arg(dtable)
+                    .arg(&dys)
+                    .arg(dt)
                     .arg(&hh);
             },
         );
@@ -624,13 +1091,14 @@ impl Backend for Cuda {
         eps: f32,
     ) -> (Self::Buf, Self::Buf) {
         let t = x.len() / h;
-        let (mut y, mut rstd) = (self.new_buf(x.len()), self.new_buf(t));
+        let (xs, ws) = (self.act_in(x), self.act_in(w));
+        let (mut y, mut rstd) = (self.act_buf(x.len()), self.new_buf(t));
         let hh = h as u32;
         self.run(
-            launch::norm_fwd(Norm::Rms, Dtype::F32, t as u64, h as u64),
+            launch::norm_fwd(Norm::Rms, self.act(), t as u64, h as u64),
             |b| {
-                b.arg(x)
-                    .arg(w)
+                b.arg(&xs)
+                    .arg(&ws)
                     .arg(&mut y)
                     .arg(&mut rstd)
                     .arg(&hh)
@@ -650,23 +1118,26 @@ impl Backend for Cuda {
         dw: &mut Self::Buf,
     ) -> Self::Buf {
         let t = x.len() / h;
-        let [main, red] = launch::norm_bwd(Norm::Rms, Dtype::F32, t as u64, h as u64)
+        let [main, red] = launch::norm_bwd(Norm::Rms, self.act(), t as u64, h as u64)
             .unwrap_or_else(|e| fail("rmsnorm backward", e));
         let blocks = main.grid[0];
         let nb = blocks as usize;
+        let (xs, ws, dys) = (self.act_in(x), self.act_in(w), self.act_in(dy));
+        let r = self.stat(rstd, "the rmsnorm statistics");
         let mut partial = self.new_buf(nb * h);
-        let mut dx = self.new_buf(x.len());
+        let mut dx = self.act_buf(x.len());
         let (tt, hh) = (t as u64, h as u32);
         self.run(Ok(main), |b| {
-            b.arg(x)
-                .arg(w)
-                .arg(rstd)
-                .arg(dy)
+            b.arg(&xs)
+                .arg(&ws)
+                .arg(&*r)
+                .arg(&dys)
                 .arg(&mut dx)
                 .arg(&mut partial)
                 .arg(&tt)
                 .arg(&hh);
         });
+        let dw = self.acc(dw, "an rmsnorm weight gradient");
         self.reduce_rows(&red, &partial, dw, blocks, hh);
         dx
     }
@@ -687,12 +1158,13 @@ impl Backend for Cuda {
         s: AttnShape,
     ) -> (Self::Buf, Self::Buf) {
         let ls =
-            launch::attention(Dtype::F32, &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
-        let mut o = self.new_buf(q.len());
+            launch::attention(self.act(), &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
+        let (qs, ks, vs) = (self.act_in(q), self.act_in(k), self.act_in(v));
+        let mut o = self.act_buf(q.len());
         let mut lse = self.new_buf(s.batch * s.heads * s.seq_q);
         let a = AttnArgs::of(&s);
         self.run(Ok(ls.fwd), |b| {
-            b.arg(q).arg(k).arg(v).arg(&mut o).arg(&mut lse);
+            b.arg(&qs).arg(&ks).arg(&vs).arg(&mut o).arg(&mut lse);
             a.push(b);
         });
         (o, lse)
@@ -705,38 +1177,36 @@ impl Backend for Cuda {
         s: AttnShape,
     ) -> (Self::Buf, Self::Buf, Self::Buf) {
         let ls =
-            launch::attention(Dtype::F32, &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
+            launch::attention(self.act(), &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
+        let (q, k, v) = (
+            self.act_in(saved.q),
+            self.act_in(saved.k),
+            self.act_in(saved.v),
+        );
+        let (o, dos) = (self.act_in(saved.o), self.act_in(dout));
+        let lse = self.stat(saved.lse, "the attention log-sum-exp");
         let rows = (s.batch * s.heads * s.seq_q) as u64;
         let mut delta = self.new_buf(rows as usize);
         let a = AttnArgs::of(&s);
         self.run(Ok(ls.bwd_delta), |b| {
-            b.arg(saved.o)
-                .arg(dout)
+            b.arg(&o)
+                .arg(&dos)
                 .arg(&mut delta)
                 .arg(&rows)
                 .arg(&a.sq)
                 .arg(&a.hq)
                 .arg(&a.hd);
         });
-        let (mut dk, mut dv) = (self.new_buf(saved.k.len()), self.new_buf(saved.v.len()));
+        let delta = self.stat(&delta, "the attention delta");
+        let (mut dk, mut dv) = (self.act_buf(saved.k.len()), self.act_buf(saved.v.len()));
         self.run(Ok(ls.bwd_dkdv), |b| {
-            b.arg(saved.q)
-                .arg(saved.k)
-                .arg(saved.v)
-                .arg(dout)
-                .arg(saved.lse)
-                .arg(&delta);
+            b.arg(&q).arg(&k).arg(&v).arg(&dos).arg(&*lse).arg(&*delta);
             b.arg(&mut dk).arg(&mut dv);
             a.push(b);
         });
-        let mut dq = self.new_buf(saved.q.len());
+        let mut dq = self.act_buf(saved.q.len());
         self.run(Ok(ls.bwd_dq), |b| {
-            b.arg(saved.q)
-                .arg(saved.k)
-                .arg(saved.v)
-                .arg(dout)
-                .arg(saved.lse)
-                .arg(&delta);
+            b.arg(&q).arg(&k).arg(&v).arg(&dos).arg(&*lse).arg(&*delta);
             b.arg(&mut dq);
             a.push(b);
         });
@@ -745,20 +1215,22 @@ impl Backend for Cuda {
 
     fn swiglu_fwd(&self, gu: &Self::Buf, f: usize) -> Self::Buf {
         let t = (gu.len() / (2 * f)) as u64;
-        let mut y = self.new_buf(t as usize * f);
+        let g = self.act_in(gu);
+        let mut y = self.act_buf(t as usize * f);
         let ff = f as u32;
-        self.run(launch::swiglu(Dtype::F32, false, t, f as u64), |b| {
-            b.arg(gu).arg(&mut y).arg(&t).arg(&ff);
+        self.run(launch::swiglu(self.act(), false, t, f as u64), |b| {
+            b.arg(&g).arg(&mut y).arg(&t).arg(&ff);
         });
         y
     }
 
     fn swiglu_bwd(&self, gu: &Self::Buf, dy: &Self::Buf, f: usize) -> Self::Buf {
         let t = (gu.len() / (2 * f)) as u64;
-        let mut dgu = self.new_buf(gu.len());
+        let (g, d) = (self.act_in(gu), self.act_in(dy));
+        let mut dgu = self.act_buf(gu.len());
         let ff = f as u32;
-        self.run(launch::swiglu(Dtype::F32, true, t, f as u64), |b| {
-            b.arg(gu).arg(dy).arg(&mut dgu).arg(&t).arg(&ff);
+        self.run(launch::swiglu(self.act(), true, t, f as u64), |b| {
+            b.arg(&g).arg(&d).arg(&mut dgu).arg(&t).arg(&ff);
         });
         dgu
     }
@@ -774,8 +1246,9 @@ impl Backend for Cuda {
         if t == 0 {
             return (self.new_buf(0), self.new_buf(0));
         }
-        let ls = launch::xent(Dtype::F32, t as u64, v as u64)
+        let ls = launch::xent(self.act(), t as u64, v as u64)
             .unwrap_or_else(|e| fail("cross-entropy", e));
+        let lg = self.act_in(logits);
         let tg_d = self.ids(targets);
         let (mut mx, mut se, mut lse, mut tg) = (
             self.new_buf(t),
@@ -785,7 +1258,7 @@ impl Backend for Cuda {
         );
         let (vv, st) = (v as u32, vocab_start as u64);
         self.run(Ok(ls.fwd_local), |b| {
-            b.arg(logits)
+            b.arg(&lg)
                 .arg(&*tg_d)
                 .arg(&mut mx)
                 .arg(&mut se)
@@ -808,17 +1281,19 @@ impl Backend for Cuda {
     ) -> Self::Buf {
         let t = targets.len();
         if t == 0 {
-            return self.new_buf(0);
+            return self.act_buf(0);
         }
-        let ls = launch::xent(Dtype::F32, t as u64, v as u64)
+        let ls = launch::xent(self.act(), t as u64, v as u64)
             .unwrap_or_else(|e| fail("cross-entropy", e));
+        let lg = self.act_in(logits);
+        let l = self.stat(lse, "the cross-entropy log-sum-exp");
         let tg_d = self.ids(targets);
-        let mut dl = self.new_buf(t * v);
+        let mut dl = self.act_buf(t * v);
         let (vv, st) = (v as u32, vocab_start as u64);
         self.run(Ok(ls.bwd), |b| {
-            b.arg(logits)
+            b.arg(&lg)
                 .arg(&*tg_d)
-                .arg(lse)
+                .arg(&*l)
                 .arg(&mut dl)
                 .arg(&vv)
                 .arg(&st)
@@ -839,10 +1314,27 @@ impl Backend for Cuda {
         if n == 0 {
             return;
         }
+        require_f32(p.kind(), "AdamW's master weights");
+        require_f32(g.kind(), "the gradient AdamW applies");
+        let gs = self.read_f32(g);
+        let ms = self.acc(m, "AdamW's first moment");
+        let vs = self.acc(v, "AdamW's second moment");
+        self.materialize(p, Kind::F32);
         let (bc1, bc2) = adamw_bias_corrections(&h);
         let null = 0u64;
+        // The master in place; its bf16 copy (when a kernel has read one) refreshed by the
+        // same kernel (`p_bf16`), so it stays the master rounded to bf16.
+        let DBuf { st, shadow, .. } = p;
+        let Store::F32(ps) = &mut **st else {
+            unreachable!("fp32 master weights")
+        };
+        let copy = shadow.get_mut();
         self.run(launch::adamw(Dtype::F32, n), |b| {
-            b.arg(p).arg(g).arg(m).arg(v).arg(&null);
+            b.arg(ps).arg(&*gs).arg(ms).arg(vs);
+            match copy {
+                Some(c) => b.arg(c),
+                None => b.arg(&null),
+            };
             b.arg(&n).arg(&h.lr).arg(&h.beta1).arg(&h.beta2).arg(&h.eps);
             b.arg(&h.weight_decay).arg(&bc1).arg(&bc2);
         });

@@ -433,14 +433,14 @@ pub fn cast(to_bf16: bool, n: u64) -> Result<Launch, LaunchError> {
     )
 }
 
-/// The buffer primitives' element-wise kernels (`buffers.cu`: `axpy_f32`, `scale_f32`,
-/// `add_f32`) over `n` elements.
+/// The buffer primitives' element-wise kernels (`buffers.cu`: `axpy_*`, `scale_*`, `add_*`
+/// with `*` = `f32` or `bf16`) over `n` elements.
 pub fn buffer_op(entry: &str, n: u64) -> Result<Launch, LaunchError> {
     elementwise(entry.into(), n)
 }
 
-/// `dots_f32` over `pairs` dot products of length `n` (one block per pair), or
-/// `row_max_f32` over `rows` rows of width `n`.
+/// `dots_*` over `pairs` dot products of length `n` (one block per pair), or `row_max_*`
+/// over `rows` rows of width `n` (`*` = `f32` or `bf16`: the storage read; fp32 results).
 pub fn buffer_rows(entry: &str, rows: u64, n: u64) -> Result<Launch, LaunchError> {
     per_row(entry.into(), rows, n)
 }

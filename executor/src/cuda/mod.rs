@@ -6,6 +6,9 @@
 //!   against sm_80/sm_90 limits;
 //! - [`arena`]: the device memory plan of a step: every buffer of a graph at an offset in
 //!   one arena (best fit, coalescing, 256-byte alignment), its footprint and live peak;
+//! - [`precision`]: the backend's two modes (fp32, the reference-comparison mode; bf16
+//!   mixed precision) as a table of element types by tensor role, and the rules that give a
+//!   device buffer its type;
 //! - [`bootstrap`]: handing NCCL's 128-byte unique id from rank 0 to every rank over the
 //!   rendezvous [`crate::tcp::Store`] (torchrun's and Slurm's environment);
 //! - `device` (feature `cuda`): the host side through `cudarc`, loaded at run time: a
@@ -14,7 +17,7 @@
 //! - `snapshot` (feature `cuda`): checkpoint snapshots of device tensors through reused
 //!   page-locked host buffers, handed to the asynchronous [`crate::checkpoint`] writer.
 //!
-//! The first four need no CUDA and are always compiled, so their tests run in the normal
+//! The first five need no CUDA and are always compiled, so their tests run in the normal
 //! test run; `device` and `snapshot` are what the feature adds. Kernels follow the math and the layouts of
 //! the CPU reference ([`crate::backend`]) so a GPU test can compare the two; they are not
 //! yet behind the interpreter, which needs the backend seam (buffers owned by the backend)
@@ -32,6 +35,7 @@ pub mod kernels;
 pub mod launch;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod precision;
 #[cfg(feature = "cuda")]
 pub mod snapshot;
 
