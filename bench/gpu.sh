@@ -51,6 +51,8 @@ if [ "${BENCH_CPU:-0}" = 1 ]; then
         -e 's/seq_len: 2048/seq_len: 64/' bench/llama-1.1b-1xh100.yaml >"$work/spec.yaml"
 else
     backend=cuda device=cuda
+    # bf16 compute, fp32 master weights and moments (the backend's bf16 mode), as PyTorch runs.
+    export SHARDWRIGHT_CUDA_PRECISION="${SHARDWRIGHT_CUDA_PRECISION:-bf16}"
     cp bench/llama-1.1b-1xh100.yaml "$work/spec.yaml"
     command -v nvidia-smi >/dev/null || { echo "bench/gpu.sh: no nvidia-smi: no GPU here (BENCH_CPU=1 runs the CPU dry run)" >&2; exit 2; }
     # The CUDA libraries, found as check.sh finds them.
