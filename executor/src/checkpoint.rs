@@ -374,65 +374,148 @@ pub struct RankHeader {
 /// Parse a rank file's bytes (no checksum: see [`restore_latest`]). Every length is
 /// checked against what is left, so a damaged file is an error, never a huge allocation.
 pub fn parse_rank_file(path: &Path, b: &[u8]) -> Result<(RankHeader, RankState), CkptError> {
-    let mut pos = 0usize;
-    let mut take = |n: usize, what: &str| -> Result<&[u8], CkptError> {
-        if b.len() - pos < n {
+    let mut r = HashingReader::new(b);
+    read_rank(path, &mut r, b.len() as u64)
+}
+
+/// A reader that hashes and counts what passes through.
+struct HashingReader<R> {
+    inner: R,
+    hash: Xxh3,
+    bytes: u64,
+}
+
+impl<R: Read> HashingReader<R> {
+    fn new(inner: R) -> Self {
+        HashingReader {
+            inner,
+            hash: Xxh3::new(),
+            bytes: 0,
+        }
+    }
+
+    /// Fill `buf` (hashing it) in pieces of at most [`READ_CHUNK`], hashed while still in
+    /// cache; an early end of the file is `UnexpectedEof`.
+    fn fill(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        for piece in buf.chunks_mut(READ_CHUNK) {
+            self.inner.read_exact(piece)?;
+            self.hash.update(piece);
+            self.bytes += piece.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Hash the rest (after a parse error: whether the file is damaged decides the error).
+    fn drain(&mut self) -> io::Result<()> {
+        let mut buf = vec![0u8; READ_CHUNK];
+        loop {
+            let n = self.inner.read(&mut buf)?;
+            if n == 0 {
+                return Ok(());
+            }
+            self.hash.update(&buf[..n]);
+            self.bytes += n as u64;
+        }
+    }
+}
+
+/// The bytes of `data` (f32 has no invalid bit patterns and u8 no alignment, so any bytes
+/// written through this view are some f32s).
+fn f32_bytes_mut(data: &mut [f32]) -> &mut [u8] {
+    // SAFETY: the view covers exactly `data`'s memory, borrowed mutably for its lifetime;
+    // every byte pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), data.len() * 4) }
+}
+
+/// Read one rank file of `len` bytes from `r` (hashing every byte read): the tensors are
+/// read straight into their `Vec<f32>`s (one copy from the file), and every length is
+/// checked against what is left of `len` before anything is allocated.
+fn read_rank<R: Read>(
+    path: &Path,
+    r: &mut HashingReader<R>,
+    len: u64,
+) -> Result<(RankHeader, RankState), CkptError> {
+    let io = |e: io::Error, what: &str, pos: u64| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            corrupt(
+                path,
+                format!("truncated: the file ends inside the {what} at offset {pos}"),
+            )
+        } else {
+            CkptError::Io {
+                path: path.to_path_buf(),
+                source: e,
+            }
+        }
+    };
+    // Room for `n` more bytes of `what` at the current offset.
+    let room = |r: &HashingReader<R>, n: u64, what: &str| -> Result<(), CkptError> {
+        if len - r.bytes.min(len) < n {
             return Err(corrupt(
                 path,
                 format!(
-                    "truncated: {what} needs {n} bytes at offset {pos}, the file has {}",
-                    b.len()
+                    "truncated: {what} needs {n} bytes at offset {}, the file has {len}",
+                    r.bytes
                 ),
             ));
         }
-        let s = &b[pos..pos + n];
-        pos += n;
-        Ok(s)
+        Ok(())
+    };
+    let take = |r: &mut HashingReader<R>, n: usize, what: &str| -> Result<Vec<u8>, CkptError> {
+        room(r, n as u64, what)?;
+        let mut v = vec![0u8; n];
+        let pos = r.bytes;
+        r.fill(&mut v).map_err(|e| io(e, what, pos))?;
+        Ok(v)
     };
     let u32_of = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
     let u64_of = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
-    if take(8, "magic")? != RANK_MAGIC {
+    if take(r, 8, "magic")? != RANK_MAGIC {
         return Err(corrupt(path, "not a shardwright rank file (bad magic)"));
     }
-    let version = u32_of(take(4, "format version")?);
+    let version = u32_of(&take(r, 4, "format version")?);
     if version != FORMAT_VERSION {
         return Err(corrupt(
             path,
             format!("rank file format version {version}, this build reads {FORMAT_VERSION}"),
         ));
     }
-    let rank = u32_of(take(4, "rank")?);
-    let world = u32_of(take(4, "world")?);
-    let step = u64_of(take(8, "step")?);
-    let count = u32_of(take(4, "tensor count")?);
-    let meta_len = u64_of(take(8, "metadata length")?);
+    let rank = u32_of(&take(r, 4, "rank")?);
+    let world = u32_of(&take(r, 4, "world")?);
+    let step = u64_of(&take(r, 8, "step")?);
+    let count = u32_of(&take(r, 4, "tensor count")?);
+    let meta_len = u64_of(&take(r, 8, "metadata length")?);
     let meta_len = usize::try_from(meta_len).map_err(|_| corrupt(path, "metadata length"))?;
-    let meta: serde_json::Value = serde_json::from_slice(take(meta_len, "metadata")?)
+    let meta: serde_json::Value = serde_json::from_slice(&take(r, meta_len, "metadata")?)
         .map_err(|e| corrupt(path, format!("metadata is not JSON: {e}")))?;
     let mut tensors = BTreeMap::new();
     for i in 0..count {
-        let len = u32_of(take(4, "tensor name length")?) as usize;
-        let name = std::str::from_utf8(take(len, "tensor name")?)
-            .map_err(|_| corrupt(path, format!("tensor {i}: name is not UTF-8")))?
-            .to_string();
-        let n = u64_of(take(8, "element count")?);
+        let n = u32_of(&take(r, 4, "tensor name length")?) as usize;
+        let name = String::from_utf8(take(r, n, "tensor name")?)
+            .map_err(|_| corrupt(path, format!("tensor {i}: name is not UTF-8")))?;
+        let n = u64_of(&take(r, 8, "element count")?);
         let nbytes = n
             .checked_mul(4)
-            .and_then(|v| usize::try_from(v).ok())
+            .filter(|&b| usize::try_from(b).is_ok())
             .ok_or_else(|| corrupt(path, format!("tensor `{name}`: {n} elements")))?;
-        let raw = take(nbytes, "tensor data")?;
-        let data: Vec<f32> = raw
-            .chunks_exact(4)
-            .map(|c| f32::from_bits(u32_of(c)))
-            .collect();
+        room(r, nbytes, "tensor data")?;
+        let mut data = vec![0f32; n as usize];
+        let pos = r.bytes;
+        r.fill(f32_bytes_mut(&mut data))
+            .map_err(|e| io(e, "tensor data", pos))?;
+        // The file is little-endian, as the memory of every target this runs on but one.
+        #[cfg(target_endian = "big")]
+        for x in &mut data {
+            *x = f32::from_bits(u32::from_le(x.to_bits()));
+        }
         if tensors.insert(name.clone(), data).is_some() {
             return Err(corrupt(path, format!("tensor `{name}` appears twice")));
         }
     }
-    if pos != b.len() {
+    if r.bytes != len {
         return Err(corrupt(
             path,
-            format!("{} bytes after the last tensor", b.len() - pos),
+            format!("{} bytes after the last tensor", len - r.bytes.min(len)),
         ));
     }
     Ok((
@@ -1257,53 +1340,35 @@ fn load_checkpoint(dir: &Path, m: &Manifest) -> Result<Vec<RankState>, CkptError
         .collect()
 }
 
-/// Bytes read (and hashed while still in cache) per read call of [`read_hashed`].
+/// Bytes read (and hashed while still in cache) per read call of a restore.
 const READ_CHUNK: usize = 1 << 20;
 
-/// The whole file at `path`, read in large sequential pieces, and its xxh3-64, hashed
-/// piece by piece as it arrives (one pass over the bytes instead of a read and then a
-/// second pass for the checksum).
-fn read_hashed(path: &Path) -> io::Result<(Vec<u8>, u64)> {
-    let mut f = File::open(path)?;
-    let len = f.metadata().map(|m| m.len() as usize).unwrap_or(0);
-    let mut bytes = Vec::with_capacity(len);
-    let mut hash = Xxh3::new();
-    loop {
-        // Read into the spare capacity, growing past the size the metadata gave if the
-        // file is longer (as `fs::read` does).
-        if bytes.capacity() - bytes.len() < READ_CHUNK {
-            bytes.reserve(READ_CHUNK);
-        }
-        let start = bytes.len();
-        let n = (&mut f).take(READ_CHUNK as u64).read_to_end(&mut bytes)?;
-        if n == 0 {
-            break;
-        }
-        hash.update(&bytes[start..]);
-    }
-    Ok((bytes, hash.digest()))
-}
-
-/// Load and verify one rank file against its manifest entry.
+/// Load and verify one rank file against its manifest entry: its length first, then the
+/// file is read once, straight into the tensors, and hashed as it arrives (xxh3-64); the
+/// state is returned only when the checksum matches. A file that fails to parse is
+/// reported as a checksum mismatch when its bytes are not the ones written (the parse
+/// error only when they are).
 fn load_rank(dir: &Path, m: &Manifest, f: &FileEntry) -> Result<RankState, CkptError> {
     let path = dir.join(&f.file);
-    let (bytes, digest) = read_hashed(&path).map_err(io_err(&path))?;
-    if bytes.len() as u64 != f.bytes {
-        let what = if (bytes.len() as u64) < f.bytes {
+    let file = File::open(&path).map_err(io_err(&path))?;
+    let len = file.metadata().map_err(io_err(&path))?.len();
+    if len != f.bytes {
+        let what = if len < f.bytes {
             "truncated"
         } else {
             "too long"
         };
         return Err(corrupt(
             &path,
-            format!(
-                "{what}: {} bytes, the manifest says {}",
-                bytes.len(),
-                f.bytes
-            ),
+            format!("{what}: {len} bytes, the manifest says {}", f.bytes),
         ));
     }
-    let hash = hex64(digest);
+    let mut r = HashingReader::new(std::io::BufReader::with_capacity(1 << 16, file));
+    let parsed = read_rank(&path, &mut r, len);
+    if parsed.is_err() {
+        r.drain().map_err(io_err(&path))?;
+    }
+    let hash = hex64(r.hash.digest());
     if hash != f.xxh3_64 {
         return Err(corrupt(
             &path,
@@ -1313,7 +1378,7 @@ fn load_rank(dir: &Path, m: &Manifest, f: &FileEntry) -> Result<RankState, CkptE
             ),
         ));
     }
-    let (h, state) = parse_rank_file(&path, &bytes)?;
+    let (h, state) = parsed?;
     if h.rank != f.rank || h.world != m.world || h.step != m.step {
         return Err(corrupt(
             &path,
