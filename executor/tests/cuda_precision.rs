@@ -195,12 +195,7 @@ fn activation_bytes_match_the_lowering() {
 /// stays within the bf16 bound of the reference.
 #[test]
 fn bf16_rules_run_the_tiny_llama_feature_layouts() {
-    let text = common::spec_text(false, 4)
-        .replace("hidden_size: 32", "hidden_size: 64")
-        .replace("ffn_hidden_size: 64", "ffn_hidden_size: 176")
-        .replace("vocab_size: 64", "vocab_size: 512")
-        .replace("seq_len: 16", "seq_len: 64");
-    let tpl = common::template_of(&text);
+    let tpl = common::tiny_llama_cpu_template();
     for layout in [
         "ga4",
         "mb2,ga2",

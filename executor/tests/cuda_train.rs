@@ -123,23 +123,24 @@ fn gpu_in(test: &str, p: Precision) -> Option<Cuda> {
     }
 }
 
+/// The layouts each model trains in, in fp32 and in bf16.
+const LLAMA_LAYOUTS: &[&str] = &[
+    "ga4",
+    "tp2,ga4,sp=on",
+    "pp2,ga4",
+    "cp2,ga4",
+    "dp2,ga2,zero2",
+    "ga4,rc=full",
+];
+const GPT_LAYOUTS: &[&str] = &["ga4", "tp2,ga4"];
+const MOE_LAYOUTS: &[&str] = &["ga4", "ep2,ga4"];
+
 #[test]
 fn llama_steps_on_the_gpu_match_the_cpu_reference() {
     let Some(g) = gpu("llama_steps_on_the_gpu_match_the_cpu_reference") else {
         return;
     };
-    check(
-        &common::template(false, common::LAYERS),
-        &[
-            "ga4",
-            "tp2,ga4,sp=on",
-            "pp2,ga4",
-            "cp2,ga4",
-            "dp2,ga2,zero2",
-            "ga4,rc=full",
-        ],
-        &g,
-    );
+    check(&common::template(false, common::LAYERS), LLAMA_LAYOUTS, &g);
 }
 
 #[test]
@@ -147,11 +148,7 @@ fn gpt_steps_on_the_gpu_match_the_cpu_reference() {
     let Some(g) = gpu("gpt_steps_on_the_gpu_match_the_cpu_reference") else {
         return;
     };
-    check(
-        &common::gpt_template(true, common::LAYERS),
-        &["ga4", "tp2,ga4"],
-        &g,
-    );
+    check(&common::gpt_template(true, common::LAYERS), GPT_LAYOUTS, &g);
 }
 
 /// The bundled `specs/tiny-llama-cpu.yaml` model (4 layers, hidden 64, 4 / 2 heads of 16,
@@ -164,12 +161,7 @@ fn tiny_llama_cpu_features_one_by_one() {
     let Some(g) = gpu("tiny_llama_cpu_features_one_by_one") else {
         return;
     };
-    let text = common::spec_text(false, 4)
-        .replace("hidden_size: 32", "hidden_size: 64")
-        .replace("ffn_hidden_size: 64", "ffn_hidden_size: 176")
-        .replace("vocab_size: 64", "vocab_size: 512")
-        .replace("seq_len: 16", "seq_len: 64");
-    let tpl = common::template_of(&text);
+    let tpl = common::tiny_llama_cpu_template();
     let layouts = [
         "ga4",
         "mb2,ga2",
@@ -226,11 +218,7 @@ fn moe_steps_on_the_gpu_match_the_cpu_reference() {
     let Some(g) = gpu("moe_steps_on_the_gpu_match_the_cpu_reference") else {
         return;
     };
-    check(
-        &common::moe_template(common::LAYERS, 0, 1),
-        &["ga4", "ep2,ga4"],
-        &g,
-    );
+    check(&common::moe_template(common::LAYERS, 0, 1), MOE_LAYOUTS, &g);
 }
 
 /// Worst relative differences of `got` from `want` over every rank and step: (losses,
@@ -328,14 +316,7 @@ fn llama_steps_in_bf16_stay_near_the_cpu_reference() {
     };
     check_bf16(
         &common::template(false, common::LAYERS),
-        &[
-            "ga4",
-            "tp2,ga4,sp=on",
-            "pp2,ga4",
-            "cp2,ga4",
-            "dp2,ga2,zero2",
-            "ga4,rc=full",
-        ],
+        LLAMA_LAYOUTS,
         &g,
         true,
     );
@@ -351,7 +332,7 @@ fn gpt_steps_in_bf16_stay_near_the_cpu_reference() {
     };
     check_bf16(
         &common::gpt_template(true, common::LAYERS),
-        &["ga4", "tp2,ga4"],
+        GPT_LAYOUTS,
         &g,
         true,
     );
@@ -367,7 +348,7 @@ fn moe_steps_in_bf16_stay_near_the_cpu_reference() {
     };
     check_bf16(
         &common::moe_template(common::LAYERS, 0, 1),
-        &["ga4", "ep2,ga4"],
+        MOE_LAYOUTS,
         &g,
         false,
     );

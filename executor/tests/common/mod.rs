@@ -365,3 +365,14 @@ pub fn megatron_tp_part(full: &[f32], dims: &Dims, name: &str, i: usize, tp: usi
         }
     }
 }
+
+/// The bundled `specs/tiny-llama-cpu.yaml` model (4 layers, hidden 64, 4 / 2 heads of 16,
+/// FFN 176, vocabulary 512, sequences of 64) as a plan template.
+pub fn tiny_llama_cpu_template() -> Plan {
+    let text = spec_text(false, 4)
+        .replace("hidden_size: 32", "hidden_size: 64")
+        .replace("ffn_hidden_size: 64", "ffn_hidden_size: 176")
+        .replace("vocab_size: 64", "vocab_size: 512")
+        .replace("seq_len: 16", "seq_len: 64");
+    template_of(&text)
+}
