@@ -131,8 +131,9 @@ impl<T: ?Sized> Copy for AttnSaved<'_, T> {}
 /// tables). Offsets and lengths are in elements. Integer inputs (token ids, positions) and
 /// the routing decisions ([`Routing`]) stay on the host.
 pub trait Backend: Send + Sync {
-    /// A flat `f32` tensor in this backend's memory.
-    type Buf;
+    /// A flat `f32` tensor in this backend's memory (ranks in one process hand each other
+    /// copies: [`crate::comm::Collectives`] for `Local`).
+    type Buf: Send + Sync + 'static;
 
     // ---------------------------------------------------------------- buffers
 

@@ -46,24 +46,7 @@ pub trait Communicator: Send {
 pub trait Collectives<B: Backend>: Communicator {
     /// The elementwise sum (or maximum) over the members.
     fn all_reduce_buf(&mut self, be: &B, group: &[u32], x: &B::Buf, op: ReduceOp) -> B::Buf {
-        let mut h = be.download(x);
-        match op {
-            ReduceOp::Sum => self.all_reduce(group, &mut h),
-            ReduceOp::Max => {
-                // The host communicators sum: the maximum is a gather and a local fold.
-                let all = self.all_gather(group, &h);
-                let len = h.len().max(1);
-                for (i, v) in h.iter_mut().enumerate() {
-                    *v = all
-                        .iter()
-                        .skip(i)
-                        .step_by(len)
-                        .copied()
-                        .fold(f32::NEG_INFINITY, f32::max);
-                }
-            }
-        }
-        be.upload(&h)
+        staged::all_reduce(self, be, group, x, op)
     }
     /// The members' buffers concatenated in group order.
     fn all_gather_buf(&mut self, be: &B, group: &[u32], x: &B::Buf) -> B::Buf {
@@ -79,28 +62,131 @@ pub trait Collectives<B: Backend>: Communicator {
     /// The next message from `peer`, of `len` elements.
     fn recv_buf(&mut self, be: &B, peer: u32, len: usize) -> Result<B::Buf, String> {
         let x = self.recv(peer);
-        if x.len() != len {
-            return Err(format!(
-                "received {} values from rank {peer}, the program expects {len}",
-                x.len()
-            ));
-        }
+        staged::check_len(x.len(), len, peer)?;
         Ok(be.upload(&x))
     }
 }
 
-impl<B: Backend> Collectives<B> for Local {}
+/// The host-staged collectives (download, host collective, upload).
+mod staged {
+    use super::*;
+
+    pub(super) fn all_reduce<B: Backend, C: Communicator + ?Sized>(
+        comm: &mut C,
+        be: &B,
+        group: &[u32],
+        x: &B::Buf,
+        op: ReduceOp,
+    ) -> B::Buf {
+        let mut h = be.download(x);
+        match op {
+            ReduceOp::Sum => comm.all_reduce(group, &mut h),
+            ReduceOp::Max => {
+                // The host communicators sum: the maximum is a gather and a local fold.
+                let all = comm.all_gather(group, &h);
+                let len = h.len().max(1);
+                for (i, v) in h.iter_mut().enumerate() {
+                    *v = all
+                        .iter()
+                        .skip(i)
+                        .step_by(len)
+                        .copied()
+                        .fold(f32::NEG_INFINITY, f32::max);
+                }
+            }
+        }
+        be.upload(&h)
+    }
+
+    pub(super) fn check_len(got: usize, want: usize, peer: u32) -> Result<(), String> {
+        if got != want {
+            return Err(format!(
+                "received {got} values from rank {peer}, the program expects {want}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// In process, the members hand each other copies of their buffers in the backend's memory
+/// and every member reduces them itself, in group order (the same additions, in the same
+/// order, as the host path's [`Communicator`] methods: the same bits on the CPU backend);
+/// on a GPU the ranks sharing the device never cross to the host. A maximum goes through
+/// the host (the backend has no elementwise maximum).
+impl<B: Backend> Collectives<B> for Local {
+    fn all_reduce_buf(&mut self, be: &B, group: &[u32], x: &B::Buf, op: ReduceOp) -> B::Buf {
+        if op == ReduceOp::Max {
+            return staged::all_reduce(self, be, group, x, op);
+        }
+        if group.len() <= 1 {
+            return be.copy(x);
+        }
+        let len = be.len(x);
+        let parts = self.exchange_bufs(be, group, x);
+        sum_bufs(be, &parts, 0, len)
+    }
+
+    fn all_gather_buf(&mut self, be: &B, group: &[u32], x: &B::Buf) -> B::Buf {
+        if group.len() <= 1 {
+            return be.copy(x);
+        }
+        let parts = self.exchange_bufs(be, group, x);
+        let refs: Vec<&B::Buf> = parts.iter().map(|p| &**p).collect();
+        be.concat(&refs)
+    }
+
+    fn reduce_scatter_buf(&mut self, be: &B, group: &[u32], x: &B::Buf) -> B::Buf {
+        let n = group.len();
+        let len = be.len(x);
+        assert!(len % n.max(1) == 0, "reduce-scatter of {len} over {n}");
+        if n <= 1 {
+            return be.copy(x);
+        }
+        let pos = self.pos(group);
+        let c = len / n;
+        let parts = self.exchange_bufs(be, group, x);
+        sum_bufs(be, &parts, pos * c, (pos + 1) * c)
+    }
+
+    fn send_buf(&mut self, be: &B, peer: u32, x: &B::Buf) {
+        self.post(peer, be.len(x), Arc::new(be.copy(x)));
+    }
+
+    fn recv_buf(&mut self, _be: &B, peer: u32, len: usize) -> Result<B::Buf, String> {
+        let (n, m) = self.take(peer);
+        staged::check_len(n, len, peer)?;
+        let m = m
+            .downcast::<B::Buf>()
+            .map_err(|_| format!("rank {peer} sent a host vector where a buffer was expected"))?;
+        Ok(Arc::try_unwrap(m).unwrap_or_else(|_| unreachable!("a message has one owner")))
+    }
+}
+
+/// `parts[0][lo..hi] + parts[1][lo..hi] + ...`, added in group order.
+fn sum_bufs<B: Backend>(be: &B, parts: &[Arc<B::Buf>], lo: usize, hi: usize) -> B::Buf {
+    let mut out = be.slice(&parts[0], lo, hi);
+    for p in &parts[1..] {
+        let chunk = be.slice(p, lo, hi);
+        be.add_into(&mut out, 0, &chunk);
+    }
+    out
+}
 
 #[derive(Default)]
 struct Slot {
-    parts: Vec<Option<Arc<Vec<f32>>>>,
+    /// Each member's contribution (a host vector, or a copy of a backend buffer) and its
+    /// element count.
+    parts: Vec<Option<(usize, Part)>>,
     read: usize,
 }
+
+/// A contribution or message: a host `Vec<f32>` or a backend's buffer.
+type Part = Arc<dyn std::any::Any + Send + Sync>;
 
 #[derive(Default)]
 struct State {
     slots: HashMap<(Vec<u32>, u64), Slot>,
-    mail: HashMap<(u32, u32), VecDeque<Vec<f32>>>,
+    mail: HashMap<(u32, u32), VecDeque<(usize, Part)>>,
     /// Ranks blocked right now, with the ranks they wait for.
     waiting: std::collections::BTreeMap<u32, Vec<u32>>,
     /// Set by the first timeout: the ranks others waited for that were not waiting
@@ -234,6 +320,36 @@ impl Local {
 
     /// Deposit `data`, wait for every member, return all contributions in group order.
     fn exchange(&mut self, group: &[u32], data: Vec<f32>) -> Vec<Arc<Vec<f32>>> {
+        let len = data.len();
+        self.exchange_any(group, len, Arc::new(data))
+            .into_iter()
+            .map(|p| {
+                p.downcast::<Vec<f32>>().unwrap_or_else(|_| {
+                    panic!(
+                        "rank {}: a member sent a buffer where host vectors were exchanged",
+                        self.rank
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// [`Local::exchange`] of copies of backend buffers.
+    fn exchange_bufs<B: Backend>(&mut self, be: &B, group: &[u32], x: &B::Buf) -> Vec<Arc<B::Buf>> {
+        self.exchange_any(group, be.len(x), Arc::new(be.copy(x)))
+            .into_iter()
+            .map(|p| {
+                p.downcast::<B::Buf>().unwrap_or_else(|_| {
+                    panic!(
+                        "rank {}: a member sent a host vector where buffers were exchanged",
+                        self.rank
+                    )
+                })
+            })
+            .collect()
+    }
+
+    fn exchange_any(&mut self, group: &[u32], len: usize, data: Part) -> Vec<Part> {
         let pos = self.pos(group);
         let n = group.len();
         let seq = {
@@ -249,7 +365,7 @@ impl Local {
             if slot.parts.is_empty() {
                 slot.parts = vec![None; n];
             }
-            slot.parts[pos] = Some(Arc::new(data));
+            slot.parts[pos] = Some((len, data));
         }
         hub.cv.notify_all();
         let start = std::time::Instant::now();
@@ -270,19 +386,49 @@ impl Local {
         }
         st.waiting.remove(&self.rank);
         let slot = st.slots.get_mut(&key).expect("slot");
-        let parts: Vec<Arc<Vec<f32>>> = slot.parts.iter().map(|p| p.clone().unwrap()).collect();
+        let parts: Vec<(usize, Part)> = slot.parts.iter().map(|p| p.clone().unwrap()).collect();
         slot.read += 1;
         if slot.read == n {
             st.slots.remove(&key);
         }
-        let len = parts[0].len();
         assert!(
-            parts.iter().all(|p| p.len() == len),
+            parts.iter().all(|p| p.0 == len),
             "rank {}: collective #{seq} on group {group:?}: members sent {:?} elements",
             self.rank,
-            parts.iter().map(|p| p.len()).collect::<Vec<_>>()
+            parts.iter().map(|p| p.0).collect::<Vec<_>>()
         );
-        parts
+        parts.into_iter().map(|p| p.1).collect()
+    }
+
+    /// Queue a message for `peer`.
+    fn post(&mut self, peer: u32, len: usize, m: Part) {
+        let mut st = self.hub.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.mail
+            .entry((self.rank, peer))
+            .or_default()
+            .push_back((len, m));
+        self.hub.cv.notify_all();
+    }
+
+    /// The next message from `peer` (blocks).
+    fn take(&mut self, peer: u32) -> (usize, Part) {
+        let hub = self.hub.clone();
+        let rank = self.rank;
+        let mut st = hub.state.lock().unwrap_or_else(|e| e.into_inner());
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(m) = st
+                .mail
+                .get_mut(&(peer, self.rank))
+                .and_then(|q| q.pop_front())
+            {
+                st.waiting.remove(&self.rank);
+                return m;
+            }
+            st = hub.wait(st, rank, start, vec![peer], || {
+                format!("recv from rank {peer}")
+            });
+        }
     }
 }
 
@@ -365,31 +511,17 @@ impl Communicator for Local {
     }
 
     fn send(&mut self, peer: u32, data: &[f32]) {
-        let mut st = self.hub.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.mail
-            .entry((self.rank, peer))
-            .or_default()
-            .push_back(data.to_vec());
-        self.hub.cv.notify_all();
+        self.post(peer, data.len(), Arc::new(data.to_vec()));
     }
 
     fn recv(&mut self, peer: u32) -> Vec<f32> {
-        let hub = self.hub.clone();
-        let rank = self.rank;
-        let mut st = hub.state.lock().unwrap_or_else(|e| e.into_inner());
-        let start = std::time::Instant::now();
-        loop {
-            if let Some(m) = st
-                .mail
-                .get_mut(&(peer, self.rank))
-                .and_then(|q| q.pop_front())
-            {
-                st.waiting.remove(&self.rank);
-                return m;
-            }
-            st = hub.wait(st, rank, start, vec![peer], || {
-                format!("recv from rank {peer}")
-            });
-        }
+        let (_, m) = self.take(peer);
+        let m = m.downcast::<Vec<f32>>().unwrap_or_else(|_| {
+            panic!(
+                "rank {}: rank {peer} sent a buffer where a host vector was expected",
+                self.rank
+            )
+        });
+        Arc::try_unwrap(m).unwrap_or_else(|m| (*m).clone())
     }
 }
