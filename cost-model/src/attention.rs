@@ -70,13 +70,64 @@ pub fn rate_factor(len: f64, bwd: bool) -> f64 {
     pass_level(bwd) * relative(len, bwd)
 }
 
+/// cuDNN's fused attention (Transformer Engine's choice on Hopper) at 16k, head dim 128,
+/// H100 SXM5, TFLOP/s (Shah et al. 2024, FlashAttention-3, Fig. 5): forward, backward.
+const CUDNN_16K: (f64, f64) = (595.0, 516.0);
+
+/// The attention kernel's rate relative to the level (`Efficiency::attn_eff`) for job `j`.
+///
+/// The level of a GPU kind is fitted to that kind's published runs. On Hopper (the `h100`
+/// kind: H100, H200, H800) every such run is a Transformer Engine run (Megatron-Core,
+/// NeMo), whose attention is cuDNN's fused kernel ([`crate::framework::AttnKernel`]); a
+/// framework that runs FlashAttention-2 there instead reaches the measured ratio of the two
+/// kernels, FlashAttention-2 over cuDNN at the longest measured length: forward 370 / 595,
+/// backward 322 / 516 (FlashAttention-3, Fig. 5). Below Hopper Transformer Engine picks
+/// FlashAttention too, so every framework runs the same kernel: 1.
+pub fn kernel_factor(j: &shardwright_spec::job::Job, bwd: bool) -> f64 {
+    use crate::framework::{mechanisms, AttnKernel};
+    let hopper = j.hardware.kind == "h100";
+    match mechanisms(j.framework).attn_kernel {
+        AttnKernel::FlashAttention2 if hopper => {
+            let fa2 = MEASURED[MEASURED.len() - 1];
+            if bwd {
+                fa2.2 / CUDNN_16K.1
+            } else {
+                fa2.1 / CUDNN_16K.0
+            }
+        }
+        _ => 1.0,
+    }
+}
+
+/// Keys per flash-attention call of a full-attention layer under context parallelism `cp`.
+///
+/// Without CP one call covers the sequence. Causal ring attention is load balanced: the
+/// sequence is cut into `2 cp` chunks and rank `r` holds chunks `r` and `2 cp - 1 - r`
+/// (Megatron-Core's `get_batch_on_this_cp_rank`, Transformer Engine's
+/// `AttnFuncWithCPAndKVP2P`, PyTorch's `_templated_ring_attention` note "Context
+/// parallelism load balance algorithm for causal masking"). Every ring step after the
+/// first runs half a block: the local queries against the first of the two received
+/// chunks, or the second local chunk against both; the rank holding the last chunks of
+/// the first half takes the first branch at every step, so its kernels (the ones the ring
+/// waits for) loop over `s / (2 cp)` keys. Non-causal ring attention runs whole blocks of
+/// `s / cp` keys.
+pub fn kernel_keys(m: &Model, cp: u32) -> f64 {
+    let s = m.seq_len as f64;
+    let cp = cp.max(1) as f64;
+    if cp > 1.0 && m.causal {
+        s / (2.0 * cp)
+    } else {
+        s / cp
+    }
+}
+
 /// The attention core's rate multiplier for a layer pass of `m` under context parallelism
-/// `cp`: full-attention layers run kernels of `seq_len / cp` keys (ring attention's
-/// blocks), sliding-window layers kernels of the window; the two are weighted by their
-/// share of the attention FLOPs (time adds, so the harmonic mean).
+/// `cp`: full-attention layers run kernels of [`kernel_keys`] keys, sliding-window layers
+/// kernels of the window; the two are weighted by their share of the attention FLOPs
+/// (time adds, so the harmonic mean).
 pub fn shape_factor(m: &Model, cp: u32, bwd: bool) -> f64 {
     let s = m.seq_len as f64;
-    let block = s / cp.max(1) as f64;
+    let block = kernel_keys(m, cp);
     let full_rate = rate_factor(block, bwd);
     let Some(w) = m.sliding_window.filter(|&w| w < m.seq_len) else {
         return full_rate;
@@ -102,6 +153,45 @@ mod tests {
         assert!((3.5 / (1.0 / f + 2.5 / b) - 1.0).abs() < 1e-12);
         // The measured ratio of the passes.
         assert!((b / f - 322.0 / 370.0).abs() < 1e-12);
+    }
+
+    /// Llama 3.1 405B's 8,192-token sequence over cp 2 (Megatron-Bridge's H100 recipe):
+    /// four chunks of 2,048 tokens, every ring step a kernel over 2,048 keys, so the
+    /// backward runs at the paper's 2k rate, 291 of 322 TFLOP/s at 16k (FlashAttention-3,
+    /// Fig. 5), not at its 4k rate (310).
+    #[test]
+    fn load_balanced_ring_runs_half_chunk_kernels() {
+        let mut m: Model = serde_json::from_value(serde_json::json!({
+            "arch": "dense", "num_layers": 126, "hidden_size": 16384,
+            "num_attention_heads": 128, "num_kv_heads": 8, "head_dim": 128,
+            "ffn_hidden_size": 53248, "ffn_activation": "swiglu", "norm": "rmsnorm",
+            "vocab_size": 128256, "seq_len": 8192, "tied_embeddings": false,
+            "learned_positions": false, "linear_bias": false, "dropout": false,
+            "flash_attention": true, "causal": true, "moe": null,
+            "params_total": 4.05e11, "params_active": 4.05e11, "params_stated": null
+        }))
+        .unwrap();
+        assert_eq!(kernel_keys(&m, 2), 2048.0);
+        assert_eq!(kernel_keys(&m, 1), 8192.0);
+        let r = shape_factor(&m, 2, true) / rate_factor(16384.0, true);
+        assert!((r - 291.0 / 322.0).abs() < 1e-12);
+        m.causal = false;
+        assert_eq!(kernel_keys(&m, 2), 4096.0);
+    }
+
+    /// FlashAttention-2 against cuDNN at 16k on an H100 (FlashAttention-3, Fig. 5): a
+    /// training pass (forward f, backward 2.5 f) takes 3.5 f / (1/370 + 2.5/322) =
+    /// 334.4 TFLOP/s on FlashAttention-2 and 3.5 f / (1/595 + 2.5/516) = 536.3 on cuDNN:
+    /// FlashAttention-2 runs it at 0.623 of cuDNN's rate.
+    #[test]
+    fn flash_attention_2_against_cudnn() {
+        let (f, b) = (370.0 / 595.0, 322.0 / 516.0);
+        let pass = 3.5 / (1.0 / f + 2.5 / b);
+        let fa2 = 3.5 / (1.0 / 370.0 + 2.5 / 322.0);
+        let cudnn = 3.5 / (1.0 / 595.0 + 2.5 / 516.0);
+        assert!((fa2 - 334.4).abs() < 0.1 && (cudnn - 536.3).abs() < 0.1);
+        assert!((pass - fa2 / cudnn).abs() < 1e-12);
+        assert!((pass - 0.623).abs() < 0.001);
     }
 
     #[test]

@@ -32,6 +32,11 @@
 //!   (`_templated_ring_attention`), whose defaults all-gather K/V once per pass, merge
 //!   the block outputs with separate fp32 kernels and rotate fp32 dK/dV
 //!   ([`crate::ring`] counts both).
+//! - **Attention kernel on Hopper.** Transformer Engine (Megatron-Core, NeMo) picks cuDNN's
+//!   fused attention over FlashAttention on sm90+; PyTorch SDPA (torchtitan) tries
+//!   FlashAttention-2 first and cuDNN last, and DeepSpeed's Megatron fork calls the
+//!   `flash_attn` package (FlashAttention-2). The measured ratio of the two kernels is in
+//!   [`crate::attention::kernel_factor`].
 //! - **Selective activation checkpointing.** Megatron's `--recompute-granularity selective`
 //!   recomputes the attention core (plus the `recompute_modules` a NeMo/Megatron-Core run
 //!   names); DeepSpeed's Megatron fork does the same. torchtitan's `selective` AC with its
@@ -68,6 +73,19 @@ pub enum CpRing {
     TorchAllGather,
 }
 
+/// Which flash-attention kernel a framework's attention runs on a Hopper GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// Transformer Engine's backend choice (Megatron-Core, NeMo, Megatron-Bridge): cuDNN's
+    /// fused attention on Hopper ("Disabling FlashAttention to give FusedAttention
+    /// preference on Hopper+ for performance reasons", `get_attention_backend`).
+    TeFused,
+    /// FlashAttention-2: PyTorch SDPA's first backend (`sdp_utils.cpp` `priority_order`:
+    /// flash, efficient, math, cuDNN last; torchtitan under CP restricts SDPA to the flash
+    /// and efficient backends), and the `flash_attn` package DeepSpeed's Megatron fork calls.
+    FlashAttention2,
+}
+
 /// The mechanisms of one framework, as numbers the cost model uses.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Mechanisms {
@@ -85,6 +103,8 @@ pub struct Mechanisms {
     pub selective: SelectiveAc,
     /// Context-parallel attention's implementation.
     pub cp_ring: CpRing,
+    /// The attention kernel on Hopper ([`crate::attention::kernel_factor`]).
+    pub attn_kernel: AttnKernel,
 }
 
 pub fn mechanisms(f: Framework) -> Mechanisms {
@@ -96,6 +116,7 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
             tp_overlap: true,
             selective: SelectiveAc::Modules,
             cp_ring: CpRing::P2p,
+            attn_kernel: AttnKernel::TeFused,
         },
         Framework::Deepspeed => Mechanisms {
             p2p_transfers_per_microbatch: 4.0,
@@ -104,6 +125,7 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
             tp_overlap: false,
             selective: SelectiveAc::Modules,
             cp_ring: CpRing::P2p,
+            attn_kernel: AttnKernel::FlashAttention2,
         },
         Framework::Torchtitan => Mechanisms {
             p2p_transfers_per_microbatch: 2.0,
@@ -112,6 +134,7 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
             tp_overlap: true,
             selective: SelectiveAc::EveryOtherMatmul,
             cp_ring: CpRing::TorchAllGather,
+            attn_kernel: AttnKernel::FlashAttention2,
         },
     }
 }

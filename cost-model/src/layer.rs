@@ -375,7 +375,11 @@ impl Ctx<'_> {
         let bwd = e.pass == Pass::Bwd;
         let cp = self.shape.cp;
         // The kernels' rate at their length (`crate::attention`): forward / backward.
-        let rate = |b: bool| self.attn_rate * crate::attention::shape_factor(m, cp, b);
+        let rate = |b: bool| {
+            self.attn_rate
+                * crate::attention::shape_factor(m, cp, b)
+                * crate::attention::kernel_factor(job, b)
+        };
         let torch_ring = cp > 1
             && crate::framework::mechanisms(job.framework).cp_ring
                 == crate::framework::CpRing::TorchAllGather;
