@@ -99,35 +99,13 @@ pub fn kernel_factor(j: &shardwright_spec::job::Job, bwd: bool) -> f64 {
     }
 }
 
-/// Keys per flash-attention call of a full-attention layer under context parallelism `cp`.
-///
-/// Without CP one call covers the sequence. Causal ring attention is load balanced: the
-/// sequence is cut into `2 cp` chunks and rank `r` holds chunks `r` and `2 cp - 1 - r`
-/// (Megatron-Core's `get_batch_on_this_cp_rank`, Transformer Engine's
-/// `AttnFuncWithCPAndKVP2P`, PyTorch's `_templated_ring_attention` note "Context
-/// parallelism load balance algorithm for causal masking"). Every ring step after the
-/// first runs half a block: the local queries against the first of the two received
-/// chunks, or the second local chunk against both; the rank holding the last chunks of
-/// the first half takes the first branch at every step, so its kernels (the ones the ring
-/// waits for) loop over `s / (2 cp)` keys. Non-causal ring attention runs whole blocks of
-/// `s / cp` keys.
-pub fn kernel_keys(m: &Model, cp: u32) -> f64 {
-    let s = m.seq_len as f64;
-    let cp = cp.max(1) as f64;
-    if cp > 1.0 && m.causal {
-        s / (2.0 * cp)
-    } else {
-        s / cp
-    }
-}
-
 /// The attention core's rate multiplier for a layer pass of `m` under context parallelism
-/// `cp`: full-attention layers run kernels of [`kernel_keys`] keys, sliding-window layers
-/// kernels of the window; the two are weighted by their share of the attention FLOPs
-/// (time adds, so the harmonic mean).
+/// `cp`: full-attention layers run kernels of `seq_len / cp` keys (ring attention's
+/// blocks), sliding-window layers kernels of the window; the two are weighted by their
+/// share of the attention FLOPs (time adds, so the harmonic mean).
 pub fn shape_factor(m: &Model, cp: u32, bwd: bool) -> f64 {
     let s = m.seq_len as f64;
-    let block = kernel_keys(m, cp);
+    let block = s / cp.max(1) as f64;
     let full_rate = rate_factor(block, bwd);
     let Some(w) = m.sliding_window.filter(|&w| w < m.seq_len) else {
         return full_rate;
@@ -153,30 +131,6 @@ mod tests {
         assert!((3.5 / (1.0 / f + 2.5 / b) - 1.0).abs() < 1e-12);
         // The measured ratio of the passes.
         assert!((b / f - 322.0 / 370.0).abs() < 1e-12);
-    }
-
-    /// Llama 3.1 405B's 8,192-token sequence over cp 2 (Megatron-Bridge's H100 recipe):
-    /// four chunks of 2,048 tokens, every ring step a kernel over 2,048 keys, so the
-    /// backward runs at the paper's 2k rate, 291 of 322 TFLOP/s at 16k (FlashAttention-3,
-    /// Fig. 5), not at its 4k rate (310).
-    #[test]
-    fn load_balanced_ring_runs_half_chunk_kernels() {
-        let mut m: Model = serde_json::from_value(serde_json::json!({
-            "arch": "dense", "num_layers": 126, "hidden_size": 16384,
-            "num_attention_heads": 128, "num_kv_heads": 8, "head_dim": 128,
-            "ffn_hidden_size": 53248, "ffn_activation": "swiglu", "norm": "rmsnorm",
-            "vocab_size": 128256, "seq_len": 8192, "tied_embeddings": false,
-            "learned_positions": false, "linear_bias": false, "dropout": false,
-            "flash_attention": true, "causal": true, "moe": null,
-            "params_total": 4.05e11, "params_active": 4.05e11, "params_stated": null
-        }))
-        .unwrap();
-        assert_eq!(kernel_keys(&m, 2), 2048.0);
-        assert_eq!(kernel_keys(&m, 1), 8192.0);
-        let r = shape_factor(&m, 2, true) / rate_factor(16384.0, true);
-        assert!((r - 291.0 / 322.0).abs() < 1e-12);
-        m.causal = false;
-        assert_eq!(kernel_keys(&m, 2), 4096.0);
     }
 
     /// FlashAttention-2 against cuDNN at 16k on an H100 (FlashAttention-3, Fig. 5): a
