@@ -129,7 +129,11 @@ fn a_torchtitan_interleaved_run_takes_two_stages_per_rank() {
     let f = load_runs(&std::fs::read_to_string(path).unwrap()).unwrap();
     let pins = |id: &str| {
         let r = f.runs.iter().find(|r| r.id == id).unwrap();
-        setup_run_in(r, f.hardware.as_ref()).unwrap().spec.job.parallelism
+        setup_run_in(r, f.hardware.as_ref())
+            .unwrap()
+            .spec
+            .job
+            .parallelism
     };
     let p = pins("torchtitan_405b_512gpu_interleaved");
     assert_eq!((p.vpp, p.schedule), (Some(2), Some(Schedule::Interleaved)));
