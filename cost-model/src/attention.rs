@@ -70,6 +70,35 @@ pub fn rate_factor(len: f64, bwd: bool) -> f64 {
     pass_level(bwd) * relative(len, bwd)
 }
 
+/// cuDNN's fused attention (Transformer Engine's choice on Hopper) at 16k, head dim 128,
+/// H100 SXM5, TFLOP/s (Shah et al. 2024, FlashAttention-3, Fig. 5): forward, backward.
+const CUDNN_16K: (f64, f64) = (595.0, 516.0);
+
+/// The attention kernel's rate relative to the level (`Efficiency::attn_eff`) for job `j`.
+///
+/// The level of a GPU kind is fitted to that kind's published runs. On Hopper (the `h100`
+/// kind: H100, H200, H800) every such run is a Transformer Engine run (Megatron-Core,
+/// NeMo), whose attention is cuDNN's fused kernel ([`crate::framework::AttnKernel`]); a
+/// framework that runs FlashAttention-2 there instead reaches the measured ratio of the two
+/// kernels, FlashAttention-2 over cuDNN at the longest measured length: forward 370 / 595,
+/// backward 322 / 516 (FlashAttention-3, Fig. 5). Below Hopper Transformer Engine picks
+/// FlashAttention too, so every framework runs the same kernel: 1.
+pub fn kernel_factor(j: &shardwright_spec::job::Job, bwd: bool) -> f64 {
+    use crate::framework::{mechanisms, AttnKernel};
+    let hopper = j.hardware.kind == "h100";
+    match mechanisms(j.framework).attn_kernel {
+        AttnKernel::FlashAttention2 if hopper => {
+            let fa2 = MEASURED[MEASURED.len() - 1];
+            if bwd {
+                fa2.2 / CUDNN_16K.1
+            } else {
+                fa2.1 / CUDNN_16K.0
+            }
+        }
+        _ => 1.0,
+    }
+}
+
 /// The attention core's rate multiplier for a layer pass of `m` under context parallelism
 /// `cp`: full-attention layers run kernels of `seq_len / cp` keys (ring attention's
 /// blocks), sliding-window layers kernels of the window; the two are weighted by their
@@ -102,6 +131,22 @@ mod tests {
         assert!((3.5 / (1.0 / f + 2.5 / b) - 1.0).abs() < 1e-12);
         // The measured ratio of the passes.
         assert!((b / f - 322.0 / 370.0).abs() < 1e-12);
+    }
+
+    /// FlashAttention-2 against cuDNN at 16k on an H100 (FlashAttention-3, Fig. 5): forward
+    /// 370 / 595 = 0.622, backward 322 / 516 = 0.624; a training pass (forward f, backward
+    /// 2.5 f) runs at 3.5 / (1/370 + 2.5/322) = 334.4 TFLOP/s on FlashAttention-2 and
+    /// 3.5 / (1/595 + 2.5/516) = 536.3 on cuDNN, 0.6235 of it.
+    #[test]
+    fn flash_attention_2_against_cudnn() {
+        let (f, b) = (MEASURED[5].1 / CUDNN_16K.0, MEASURED[5].2 / CUDNN_16K.1);
+        assert!((f - 0.6218).abs() < 1e-4 && (b - 0.6240).abs() < 1e-4);
+        let fa2: f64 = 3.5 / (1.0 / 370.0 + 2.5 / 322.0);
+        let cudnn: f64 = 3.5 / (1.0 / 595.0 + 2.5 / 516.0);
+        assert!((fa2 - 334.4).abs() < 0.1 && (cudnn - 536.3).abs() < 0.1);
+        // The pass's rate at the two passes' factors: the same 0.6235, to 1e-3.
+        let pass = 3.5 / (1.0 / f + 2.5 / b);
+        assert!((pass - fa2 / cudnn).abs() < 1e-3, "{pass}");
     }
 
     #[test]

@@ -314,6 +314,9 @@ pub fn initial_efficiency(kind: &str) -> Efficiency {
             fp8_gemm_rel: 0.85,
             // FlashAttention-2, the kernel of the 2024-25 frameworks, reaches about 35% of
             // the H100's BF16 peak (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608).
+            // The starting value only: the fitted level is that of the H100 runs, all
+            // Transformer Engine runs (cuDNN's fused attention on Hopper); frameworks that
+            // run FlashAttention-2 there take `attention::kernel_factor`.
             attn_eff: 0.35,
             elementwise_bytes_per_h: 12.0,
             nvlink_bus_eff: 0.8,

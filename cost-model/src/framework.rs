@@ -24,6 +24,19 @@
 //!   weight-gradient GEMM (async TP all-reduce), later the TE userbuffer overlap (the
 //!   calibrated `tp_overlap`); Megatron-DeepSpeed's transformer layers issue them
 //!   synchronously: nothing hides.
+//! - **Context-parallel attention.** Megatron-Core and NeMo run Transformer Engine's
+//!   `AttnFuncWithCPAndKVP2P`: a ring of P2P sends of 16-bit K/V chunks overlapped with
+//!   the attention of the chunk in hand, dK/dV sent back the same way, the output
+//!   correction fused into one kernel per step. torchtitan runs PyTorch's
+//!   `torch.distributed.tensor.experimental.context_parallel`
+//!   (`_templated_ring_attention`), whose defaults all-gather K/V once per pass, merge
+//!   the block outputs with separate fp32 kernels and rotate fp32 dK/dV
+//!   ([`crate::ring`] counts both).
+//! - **Attention kernel on Hopper.** Transformer Engine (Megatron-Core, NeMo) picks cuDNN's
+//!   fused attention over FlashAttention on sm90+; PyTorch SDPA (torchtitan) tries
+//!   FlashAttention-2 first and cuDNN last, and DeepSpeed's Megatron fork calls the
+//!   `flash_attn` package (FlashAttention-2). The measured ratio of the two kernels is in
+//!   [`crate::attention::kernel_factor`].
 //! - **Selective activation checkpointing.** Megatron's `--recompute-granularity selective`
 //!   recomputes the attention core (plus the `recompute_modules` a NeMo/Megatron-Core run
 //!   names); DeepSpeed's Megatron fork does the same. torchtitan's `selective` AC with its
@@ -47,6 +60,32 @@ pub enum SelectiveAc {
     EveryOtherMatmul,
 }
 
+/// How a framework runs context-parallel (ring) attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpRing {
+    /// Transformer Engine's `AttnFuncWithCPAndKVP2P` (Megatron-Core, NeMo): K/V chunks
+    /// passed to the next rank by P2P send/recv in 16 bits while the current chunk's
+    /// attention runs, dK/dV passed back the same way; output corrections fused.
+    P2p,
+    /// PyTorch's `context_parallel` (torchtitan): K/V all-gathered once per pass, block
+    /// outputs merged and gradients accumulated by separate fp32 kernels, dK/dV rotated in
+    /// fp32 ([`crate::ring`]).
+    TorchAllGather,
+}
+
+/// Which flash-attention kernel a framework's attention runs on a Hopper GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKernel {
+    /// Transformer Engine's backend choice (Megatron-Core, NeMo, Megatron-Bridge): cuDNN's
+    /// fused attention on Hopper ("Disabling FlashAttention to give FusedAttention
+    /// preference on Hopper+ for performance reasons", `get_attention_backend`).
+    TeFused,
+    /// FlashAttention-2: PyTorch SDPA's first backend (`sdp_utils.cpp` `priority_order`:
+    /// flash, efficient, math, cuDNN last; torchtitan under CP restricts SDPA to the flash
+    /// and efficient backends), and the `flash_attn` package DeepSpeed's Megatron fork calls.
+    FlashAttention2,
+}
+
 /// The mechanisms of one framework, as numbers the cost model uses.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Mechanisms {
@@ -62,6 +101,10 @@ pub struct Mechanisms {
     pub tp_overlap: bool,
     /// What selective activation recompute means.
     pub selective: SelectiveAc,
+    /// Context-parallel attention's implementation.
+    pub cp_ring: CpRing,
+    /// The attention kernel on Hopper ([`crate::attention::kernel_factor`]).
+    pub attn_kernel: AttnKernel,
 }
 
 pub fn mechanisms(f: Framework) -> Mechanisms {
@@ -72,6 +115,8 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
             dp_overlap_with_pp: true,
             tp_overlap: true,
             selective: SelectiveAc::Modules,
+            cp_ring: CpRing::P2p,
+            attn_kernel: AttnKernel::TeFused,
         },
         Framework::Deepspeed => Mechanisms {
             p2p_transfers_per_microbatch: 4.0,
@@ -79,6 +124,8 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
             dp_overlap_with_pp: false,
             tp_overlap: false,
             selective: SelectiveAc::Modules,
+            cp_ring: CpRing::P2p,
+            attn_kernel: AttnKernel::FlashAttention2,
         },
         Framework::Torchtitan => Mechanisms {
             p2p_transfers_per_microbatch: 2.0,
@@ -86,6 +133,8 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
             dp_overlap_with_pp: true,
             tp_overlap: true,
             selective: SelectiveAc::EveryOtherMatmul,
+            cp_ring: CpRing::TorchAllGather,
+            attn_kernel: AttnKernel::FlashAttention2,
         },
     }
 }

@@ -375,10 +375,35 @@ impl Ctx<'_> {
         let bwd = e.pass == Pass::Bwd;
         let cp = self.shape.cp;
         // The kernels' rate at their length (`crate::attention`): forward / backward.
-        let rate = |b: bool| self.attn_rate * crate::attention::shape_factor(m, cp, b);
+        let rate = |b: bool| {
+            self.attn_rate
+                * crate::attention::shape_factor(m, cp, b)
+                * crate::attention::kernel_factor(job, b)
+        };
+        let torch_ring = cp > 1
+            && crate::framework::mechanisms(job.framework).cp_ring
+                == crate::framework::CpRing::TorchAllGather;
+        // This rank's attention output and K/V elements (K and V together) per layer.
+        let q_elems = self.tokens * qd / t;
+        let kv_elems = 2.0 * self.tokens * (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
         if m.flash_attention {
             let f = if bwd { 2.5 * core_fwd } else { core_fwd };
-            e.push("attention_core", kind, f, 0.0, f / rate(bwd));
+            // PyTorch's ring attention merges and accumulates with eager fp32 kernels around
+            // the flash calls (`crate::ring`): their HBM traffic is part of the core's time.
+            let extra = if !torch_ring {
+                0.0
+            } else if bwd {
+                crate::ring::accumulate_bytes_bwd(cp, q_elems, kv_elems)
+            } else {
+                crate::ring::merge_bytes_fwd(cp, q_elems, kv_elems)
+            };
+            e.push(
+                "attention_core",
+                kind,
+                f,
+                extra,
+                f / rate(bwd) + extra / self.hbm,
+            );
         } else {
             // Unfused: QK^T and AV as batched GEMMs with inner dimension head_dim over the
             // full s x s square (the mask skips no work), backward twice the forward GEMM
@@ -421,7 +446,25 @@ impl Ctx<'_> {
             // One block's forward and backward times.
             let block = core_fwd / rate(false) / cp as f64;
             let block_bwd = 2.5 * core_fwd / rate(true) / cp as f64;
-            let (bytes, time, exposed) = if bwd {
+            let (bytes, time, exposed) = if torch_ring {
+                // One all-gather of every rank's K/V per pass; the backward adds `cp` sends
+                // of fp32 dK/dV (twice a 16-bit chunk's bytes).
+                let gather = all_gather_s(cp as f64 * chunk, cp as u64, link.gbps, link.latency_s);
+                let dkv = send_s(2.0 * chunk, link.gbps, link.latency_s);
+                if bwd {
+                    (
+                        steps * chunk + cp as f64 * 2.0 * chunk,
+                        gather + cp as f64 * dkv,
+                        crate::ring::exposed_s(cp, gather, dkv, block_bwd, true),
+                    )
+                } else {
+                    (
+                        steps * chunk,
+                        gather,
+                        crate::ring::exposed_s(cp, gather, dkv, block, false),
+                    )
+                }
+            } else if bwd {
                 (
                     2.0 * steps * chunk,
                     2.0 * steps * step_t,

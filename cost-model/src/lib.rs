@@ -17,6 +17,7 @@ pub mod memory;
 pub mod pipeline;
 pub mod reliability;
 pub mod resolve;
+pub mod ring;
 pub mod rules;
 pub mod schedule;
 

@@ -1293,9 +1293,17 @@ fn splittable_global_batch(run: &Run, gpus_per_node: u32, notes: &mut Vec<String
     near
 }
 
+/// Stages per pipeline rank that torchtitan's multi-stage schedules (interleaved 1F1B,
+/// looped BFS) build when the job config names no split points: `generate_split_points`
+/// (`torchtitan/parallelisms/pipeline_llama.py`, 2024; the same default in the 2025
+/// `pipeline_module_split` helpers) sets `num_stages_per_rank = 2` for any
+/// `PipelineScheduleMulti` and spreads the layers over `pp * 2` stages.
+pub const TORCHTITAN_STAGES_PER_RANK: u32 = 2;
+
 /// Virtual pipeline stages and schedule: as published when the layers split into them;
-/// 1F1B when the schedule says so or the framework interleaves only with pp > 2; else left
-/// to the planner.
+/// 1F1B when the schedule says so or the framework interleaves only with pp > 2; a
+/// torchtitan interleaved schedule with no published vpp gets torchtitan's default
+/// ([`TORCHTITAN_STAGES_PER_RANK`]); else left to the planner.
 fn pin_pipeline_schedule(
     run: &Run,
     conv: &Conventions,
@@ -1338,6 +1346,17 @@ fn pin_pipeline_schedule(
         {
             pins.vpp = Some(1);
             pins.schedule = Some(Schedule::OneFOneB);
+        }
+        None if pp > 1
+            && schedule_text.contains("interleav")
+            && conv.framework == Some(Framework::Torchtitan)
+            && m.num_layers >= pp * TORCHTITAN_STAGES_PER_RANK =>
+        {
+            pins.vpp = Some(TORCHTITAN_STAGES_PER_RANK);
+            pins.schedule = Some(Schedule::Interleaved);
+            notes.push(format!(
+                "torchtitan interleaved schedule without split points: {TORCHTITAN_STAGES_PER_RANK} stages per rank (`generate_split_points`: \"Multi-stage schedules support more than 2 stages per rank, but this is the default if no pipeline split is specified\")"
+            ));
         }
         None if pp == 2 && conv.interleave_needs_pp_over_2 => {
             pins.vpp = Some(1);

@@ -117,6 +117,30 @@ fn a_torchtitan_pipeline_run_splits_its_local_batch_by_the_schedules_default() {
     assert_eq!(s.spec.job.parallelism.micro_batch, Some(4), "{:?}", s.notes);
 }
 
+/// torchtitan's interleaved schedule without split points builds 2 stages per rank
+/// (`generate_split_points`: `num_stages_per_rank = 2` for any `PipelineScheduleMulti`,
+/// "the default if no pipeline split is specified"): the held-out 405B interleaved row
+/// (pp 8, 126 layers, no published vpp) gets vpp 2 and the interleaved schedule; its 1F1B
+/// sibling keeps one stage per rank.
+#[test]
+fn a_torchtitan_interleaved_run_takes_two_stages_per_rank() {
+    use shardwright_spec::spec::Schedule;
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("heldout/torchtitan-runs.json");
+    let f = load_runs(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let pins = |id: &str| {
+        let r = f.runs.iter().find(|r| r.id == id).unwrap();
+        setup_run_in(r, f.hardware.as_ref())
+            .unwrap()
+            .spec
+            .job
+            .parallelism
+    };
+    let p = pins("torchtitan_405b_512gpu_interleaved");
+    assert_eq!((p.vpp, p.schedule), (Some(2), Some(Schedule::Interleaved)));
+    let p = pins("torchtitan_405b_512gpu_1f1b");
+    assert_eq!((p.vpp, p.schedule), (Some(1), Some(Schedule::OneFOneB)));
+}
+
 #[test]
 fn skipped_runs_are_counted_above_the_scores_and_a_misfit_names_its_largest_term() {
     let report = Report {
