@@ -1223,7 +1223,7 @@ impl shardwright_executor::interp::RankHooks for RankCheckpoints<'_> {
         use shardwright_executor::checkpoint::{prune, write_rank_part, RankState};
         let step = idx + 1;
         let every = self.res.checkpoint_every;
-        if every == 0 || !(step % every == 0 || step == self.steps) {
+        if every == 0 || !(step.is_multiple_of(every) || step == self.steps) {
             return Ok(());
         }
         let tensors = state.export();

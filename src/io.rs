@@ -182,7 +182,7 @@ fn check_plan_values(p: &shardwright_spec::Plan) -> Result<(), String> {
             m.num_attention_heads as u64,
         ),
         ("inputs.model.num_kv_heads", m.num_kv_heads as u64),
-        ("inputs.model.head_dim", m.head_dim as u64),
+        ("inputs.model.head_dim", m.head_dim),
         // An MoE model whose every layer is MoE has no dense FFN.
         (
             "inputs.model.ffn_hidden_size",

@@ -247,7 +247,7 @@ pub fn replan(old: &Plan, resize: Resize, top: usize, show: bool) -> Result<Plan
     let per_replica_unit = mb_unit * if interleaved { l.pp as u64 } else { 1 };
     let replicas = dp * l.ep as u64;
     let unit = replicas * per_replica_unit;
-    let gb2 = if gb % unit == 0 {
+    let gb2 = if gb.is_multiple_of(unit) {
         gb
     } else {
         nearest_multiple(gb, unit)
@@ -292,7 +292,7 @@ pub fn replan(old: &Plan, resize: Resize, top: usize, show: bool) -> Result<Plan
         // The cost of keeping the batch exactly with this shape.
         let keep_dp = (1..=dp)
             .rev()
-            .find(|&d| gb % (d * l.ep as u64 * per_replica_unit) == 0);
+            .find(|&d| gb.is_multiple_of(d * l.ep as u64 * per_replica_unit));
         if let Some(d) = keep_dp {
             notes.push(format!(
                 "keeping global batch {gb} exactly with this shape needs dp dividing it: dp={d} would leave {} of {} GPUs idle",

@@ -215,8 +215,8 @@ fn round_trip(plan: &Plan) -> Result<(), String> {
             // batch is kept only when accumulation or micro-batch divides by cp.
             Err(shardwright_export::ExportError::Refused(why))
                 if fw == Framework::Deepspeed
-                    && plan.layout.grad_accum % plan.layout.cp as u64 != 0
-                    && plan.layout.micro_batch % plan.layout.cp != 0 =>
+                    && !plan.layout.grad_accum.is_multiple_of(plan.layout.cp as u64)
+                    && !plan.layout.micro_batch.is_multiple_of(plan.layout.cp) =>
             {
                 if !why.contains("no context parallelism") {
                     return Err(format!("deepspeed refused for another reason: {why}"));

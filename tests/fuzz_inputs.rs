@@ -176,7 +176,7 @@ proptest! {
     fn damaged_plans(m in mutation()) {
         let d = tempfile::tempdir().unwrap();
         let plan = d.path().join("plan.json");
-        std::fs::write(&plan, apply(&repo("golden/tiny-llama-cpu.snap")
+        std::fs::write(&plan, apply(repo("golden/tiny-llama-cpu.snap")
             .split_once("\n---\n").unwrap().1, &m)).unwrap();
         let out = d.path().join("rank0.ir");
         let p = plan.to_str().unwrap();

@@ -223,7 +223,7 @@ fn raw_layout() -> impl Strategy<Value = RawLayout> {
 }
 
 fn divisors(n: u64) -> Vec<u64> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 fn choose<T: Copy>(v: &[T], i: usize) -> T {
@@ -258,19 +258,21 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
     let tps: Vec<u64> = divisors(world)
         .into_iter()
         .filter(|&t| {
-            t <= gpn as u64 && heads as u64 % t == 0 && (kv as u64 % t == 0 || t % kv as u64 == 0)
+            t <= gpn as u64
+                && (heads as u64).is_multiple_of(t)
+                && ((kv as u64).is_multiple_of(t) || t % kv as u64 == 0)
         })
         .collect();
     let tp = choose(&tps, l.tp);
     let cps: Vec<u64> = divisors(world / tp)
         .into_iter()
-        .filter(|&c| c == 1 || (c <= 4 && seq % (2 * c) == 0 && seq / c >= 256))
+        .filter(|&c| c == 1 || (c <= 4 && seq.is_multiple_of(2 * c) && seq / c >= 256))
         .collect();
     let cp = choose(&cps, l.cp);
     let eps: Vec<u64> = match &moe {
         Some(mo) => divisors(world / (tp * cp))
             .into_iter()
-            .filter(|&e| mo.num_experts as u64 % e == 0)
+            .filter(|&e| (mo.num_experts as u64).is_multiple_of(e))
             .collect(),
         None => vec![1],
     };
@@ -287,7 +289,12 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
     let gb = mb as u64 * ga * dp * ep;
     // Interleaving that the rules allow for this (pp, layers, ga).
     let vpps: Vec<u32> = (1..=8u32)
-        .filter(|&v| v == 1 || (pp > 1 && layers as u64 % (pp * v as u64) == 0 && ga % pp == 0))
+        .filter(|&v| {
+            v == 1
+                || (pp > 1
+                    && (layers as u64).is_multiple_of(pp * v as u64)
+                    && ga.is_multiple_of(pp))
+        })
         .collect();
     let vpp = choose(&vpps, l.vpp);
     let schedule = if vpp > 1 {
@@ -1145,7 +1152,7 @@ fn break_layout(s: &mut SpecFile, r: &Layout, kind: u8, k: u32) -> (String, &'st
         18 => {
             p.pp = None;
             p.vpp = Some(2 + k % 7);
-            p.schedule = Some(if k % 2 == 0 {
+            p.schedule = Some(if k.is_multiple_of(2) {
                 Schedule::OneFOneB
             } else {
                 Schedule::Gpipe

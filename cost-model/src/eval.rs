@@ -911,7 +911,9 @@ fn evaluate_or_oom_in(
 /// `pp vpp`): its bubble and activation peak then come from [`uneven_walk`].
 pub fn is_uneven(job: &Job, layout: &Layout) -> bool {
     let v = layout.vpp.max(1);
-    layout.schedule == Schedule::Interleaved && v > 1 && job.model.num_layers % (layout.pp * v) != 0
+    layout.schedule == Schedule::Interleaved
+        && v > 1
+        && !job.model.num_layers.is_multiple_of(layout.pp * v)
 }
 
 /// The schedule walk of a layout with uneven chunks under the balanced split: each virtual

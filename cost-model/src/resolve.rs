@@ -112,7 +112,7 @@ fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) ->
     }
     let heads = ms.num_attention_heads.max(1);
     let kv_heads = ms.num_kv_heads.unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads.max(1) != 0 {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads.max(1)) {
         errs.push(
             "job.model.num_kv_heads",
             format!("{kv_heads} must divide num_attention_heads={heads}"),
@@ -120,7 +120,7 @@ fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) ->
     }
     let head_dim = resolve_head_dim(errs, ms, heads);
     let moe = resolve_moe(errs, ms);
-    let needs_dense_ffn = moe.as_ref().map_or(true, |m| m.first_k_dense > 0);
+    let needs_dense_ffn = moe.as_ref().is_none_or(|m| m.first_k_dense > 0);
     let ffn = resolve_ffn(errs, ms, needs_dense_ffn);
     if let Some(p) = ms.params {
         positive(errs, "job.model.params", p);
@@ -177,7 +177,7 @@ fn resolve_head_dim(errs: &mut Errs, ms: &ModelSpec, heads: u32) -> u64 {
         }
         Some(d) => d as u64,
         None => {
-            if ms.hidden_size % heads as u64 != 0 {
+            if !ms.hidden_size.is_multiple_of(heads as u64) {
                 errs.push(
                     "job.model.hidden_size",
                     format!(
@@ -835,7 +835,7 @@ fn check_pinned_world(errs: &mut Errs, p: &ParallelismSpec, c: &Cluster) {
                 ),
             );
         }
-    } else if world > 0 && pinned_product > 0 && world % pinned_product != 0 {
+    } else if world > 0 && pinned_product > 0 && !world.is_multiple_of(pinned_product) {
         errs.push(
             "job.parallelism",
             format!("pinned degrees multiply to {pinned_product}, which does not divide the {world} GPUs{spares}"),
@@ -930,7 +930,7 @@ fn report_shape_violations(
         );
     }
     if has(Rejection::SeqLenVsCp) {
-        if m.seq_len % (2 * cp as u64) != 0 {
+        if !m.seq_len.is_multiple_of(2 * cp as u64) {
             errs.push(
                 "job.model.seq_len",
                 format!(
@@ -975,7 +975,7 @@ fn check_expert_tp(errs: &mut Errs, p: &ParallelismSpec, m: &Model, e: u32) {
                 );
             }
             if let Some(ep) = p.ep {
-                if moe.num_experts as u64 % (tp as u64 * ep as u64) != 0 {
+                if !(moe.num_experts as u64).is_multiple_of(tp as u64 * ep as u64) {
                     errs.push(
                         path,
                         format!(

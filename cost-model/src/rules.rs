@@ -150,23 +150,26 @@ fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
             Rejection::TpAcrossNodes
         );
         rule!(
-            m.num_attention_heads as u64 % tp != 0,
+            !(m.num_attention_heads as u64).is_multiple_of(tp),
             Rejection::HeadsNotDivisibleByTp
         );
         let kv = (m.num_kv_heads as u64).max(1);
-        rule!(kv % tp != 0 && tp % kv != 0, Rejection::KvHeadsVsTp);
+        rule!(
+            !kv.is_multiple_of(tp) && tp % kv != 0,
+            Rejection::KvHeadsVsTp
+        );
     }
     if let Some(cp) = a.cp.filter(|&v| v > 1) {
         rule!(!m.flash_attention, Rejection::CpWithoutFlashAttention);
         rule!(
-            m.seq_len % (2 * cp) != 0 || m.seq_len / cp < MIN_CP_SHARD_TOKENS,
+            !m.seq_len.is_multiple_of(2 * cp) || m.seq_len / cp < MIN_CP_SHARD_TOKENS,
             Rejection::SeqLenVsCp
         );
     }
     if let Some(ep) = a.ep.filter(|&v| v > 0) {
         match &m.moe {
             Some(moe) => rule!(
-                moe.num_experts as u64 % ep != 0,
+                !(moe.num_experts as u64).is_multiple_of(ep),
                 Rejection::ExpertsNotDivisibleByEp
             ),
             None => rule!(ep > 1, Rejection::EpWithoutExperts),
@@ -179,7 +182,7 @@ fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
     if let (Some(mb), Some(dp), Some(ep)) = (a.micro_batch, a.dp, a.ep) {
         let per = mb * dp * ep;
         if per > 0 {
-            if c.global_batch % per != 0 {
+            if !c.global_batch.is_multiple_of(per) {
                 rule!(true, Rejection::BatchNotDivisible);
             } else {
                 let derived = c.global_batch / per;
@@ -203,7 +206,7 @@ fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
     }
     if let (true, Some(pp), Some(v)) = (c.even_pipeline_chunks, a.pp, a.vpp) {
         rule!(
-            pp * v > 0 && m.num_layers as u64 % (pp * v) != 0,
+            pp * v > 0 && !(m.num_layers as u64).is_multiple_of(pp * v),
             Rejection::UnevenPipelineChunks
         );
     }

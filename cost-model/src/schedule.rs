@@ -70,7 +70,7 @@ fn slot_at(schedule: Schedule, p: u32, v: u32, m: u32, j: u32, n: u32) -> Slot {
                 (Phase::Fwd, virtual_mb(n, p, v, m, true))
             } else if n < warm + 2 * steady {
                 let k = n - warm;
-                if k % 2 == 0 {
+                if k.is_multiple_of(2) {
                     (Phase::Fwd, virtual_mb(warm + k / 2, p, v, m, true))
                 } else {
                     (Phase::Bwd, virtual_mb(k / 2, p, v, m, false))
@@ -335,7 +335,7 @@ fn steady_peak(p: u32, v: u32, m: u32, j: u32, act: &[f64]) -> f64 {
     }
     let steady = total - warm;
     let period = p * v;
-    let mut periodic = v == 1 || m % p == 0;
+    let mut periodic = v == 1 || m.is_multiple_of(p);
     let mut before: Option<u64> = None; // live one period earlier (bits)
     let mut i = 0;
     while i < steady {
@@ -408,7 +408,9 @@ pub fn makespan_floor(schedule: Schedule, p: u32, v: u32, m: u32, fwd: &[f64], b
     let (n, pu) = ((p * v) as usize, p as usize);
     let (fwd, bwd) = (&fwd[..n], &bwd[..n]);
     let negative = |x: &[f64]| x.iter().any(|&d| d < 0.0 || d.is_nan());
-    if (schedule == Schedule::Interleaved && v > 1 && m % p != 0) || negative(fwd) || negative(bwd)
+    if (schedule == Schedule::Interleaved && v > 1 && !m.is_multiple_of(p))
+        || negative(fwd)
+        || negative(bwd)
     {
         return 0.0;
     }

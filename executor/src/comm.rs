@@ -466,7 +466,7 @@ impl Communicator for Local {
     fn reduce_scatter(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
         let n = group.len();
         assert!(
-            data.len() % n.max(1) == 0,
+            data.len().is_multiple_of(n.max(1)),
             "reduce-scatter of {} over {n}",
             data.len()
         );
@@ -482,7 +482,7 @@ impl Communicator for Local {
     fn all_to_all(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
         let n = group.len();
         assert!(
-            data.len() % n.max(1) == 0,
+            data.len().is_multiple_of(n.max(1)),
             "all-to-all of {} over {n}",
             data.len()
         );

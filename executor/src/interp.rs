@@ -318,7 +318,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
                 run.global_batch, run.dp, run.ep, run.grad_accum, ex.mb_size
             )));
         }
-        if ex.sp && (ex.tokens() % t != 0) {
+        if ex.sp && !ex.tokens().is_multiple_of(t) {
             return Err(ExecError::Model(
                 "micro-batch tokens not divisible by tp".into(),
             ));

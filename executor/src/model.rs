@@ -193,7 +193,7 @@ impl Dims {
                 ));
             }
         }
-        if self.d % 2 != 0 {
+        if !self.d.is_multiple_of(2) {
             return Err(format!("head_dim {} is odd (rotary needs pairs)", self.d));
         }
         Ok(())

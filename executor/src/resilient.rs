@@ -614,7 +614,7 @@ impl RankHooks for Attempt<'_> {
         // Every `every` steps, and after the last step (a run that stops early, as a
         // time-limited allocation does, can resume where it stopped).
         let every = self.cfg.checkpoint_every;
-        if every > 0 && (step % every == 0 || step == self.steps) {
+        if every > 0 && (step.is_multiple_of(every) || step == self.steps) {
             let t = Instant::now();
             let tensors = state.export();
             if let Some((name, _)) = tensors
@@ -802,7 +802,7 @@ fn diagnose(
         Err(results
             .into_iter()
             .find_map(|r| r.err())
-            .unwrap_or_else(|| ExecError::Model(first_err)))
+            .unwrap_or(ExecError::Model(first_err)))
     }
 }
 

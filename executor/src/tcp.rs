@@ -939,7 +939,7 @@ impl Communicator for TcpComm {
     fn reduce_scatter(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
         let n = group.len();
         assert!(
-            data.len() % n.max(1) == 0,
+            data.len().is_multiple_of(n.max(1)),
             "reduce-scatter of {} over {n}",
             data.len()
         );
@@ -978,7 +978,7 @@ impl Communicator for TcpComm {
     fn all_to_all(&mut self, group: &[u32], data: &[f32]) -> Vec<f32> {
         let n = group.len();
         assert!(
-            data.len() % n.max(1) == 0,
+            data.len().is_multiple_of(n.max(1)),
             "all-to-all of {} over {n}",
             data.len()
         );

@@ -125,7 +125,7 @@ fn range(r: &str) -> Option<(u32, u32)> {
 pub fn even_split(plan: &Plan) -> bool {
     let l = &plan.layout;
     let n = plan.inputs.model.num_layers;
-    n % (l.pp * l.vpp) == 0
+    n.is_multiple_of(l.pp * l.vpp)
         && plan.stages.iter().all(|s| {
             s.layers
                 .iter()
@@ -284,7 +284,7 @@ pub fn titan_split(plan: &Plan, output: &str) -> Option<TitanSplit> {
                 {
                     continue;
                 }
-                let key = ((n + first + last) % lps != 0, lps, first, last);
+                let key = (!(n + first + last).is_multiple_of(lps), lps, first, last);
                 if best.as_ref().is_none_or(|(k, _)| key < *k) {
                     let split = TitanSplit::Generated {
                         layers_per_stage: lps,
@@ -668,7 +668,7 @@ fn titan_context(
     }
     // 0.3.x (ParallelDims "efsdp"): EP borrows from dp_shard x cp x tp, which ep divides.
     let borrow = t.shard * l.cp as u64 * l.tp as u64;
-    if python && l.ep > 1 && borrow % l.ep as u64 != 0 {
+    if python && l.ep > 1 && !borrow.is_multiple_of(l.ep as u64) {
         notes.push(format!(
             "torchtitan 0.3 requires expert_parallel_degree to divide data_parallel_shard_degree x context_parallel_degree x tensor_parallel_degree ({} into {})",
             l.ep, borrow

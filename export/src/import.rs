@@ -139,7 +139,7 @@ pub fn project(fw: Framework, l: &Layout) -> ParallelismSpec {
             // The cp ranks are data-parallel ranks; the global batch is kept by dividing the
             // accumulation (else the micro-batch) by cp.
             p.dp = Some(l.dp * l.ep * l.cp);
-            if l.cp > 1 && l.grad_accum % l.cp as u64 != 0 {
+            if l.cp > 1 && !l.grad_accum.is_multiple_of(l.cp as u64) {
                 p.micro_batch = Some(l.micro_batch / l.cp);
             }
             p.cp = Some(1);
@@ -319,7 +319,7 @@ fn data_parallel(
         )));
     }
     let d = w / model_parallel;
-    if d % ep as u64 != 0 {
+    if !d.is_multiple_of(ep as u64) {
         return Err(bad(format!(
             "the data-parallel size {d} (world {w} / {what}) is not a multiple of the expert-parallel size {ep}"
         )));
@@ -424,7 +424,7 @@ fn megatron_expert_tp(
 ) -> Result<(u32, Option<u32>), ExportError> {
     match etp {
         Some(1) if tp > 1 => {
-            if ep % tp != 0 {
+            if !ep.is_multiple_of(tp) {
                 return Err(bad(format!(
                     "flag --expert-model-parallel-size {ep} with --expert-tensor-parallel-size 1: the expert-parallel group folds the {tp} tensor-parallel ranks in, so it must be a multiple of {tp}"
                 )));
@@ -450,7 +450,7 @@ fn megatron_vpp(
                 "flag --pipeline-model-parallel-layout: `{text}` is not a layout (stages split by `|`, each of E, t, t*N, m, L)"
             ))
         })?;
-        if stages.len() as u64 % pp as u64 != 0 {
+        if !(stages.len() as u64).is_multiple_of(pp as u64) {
             return Err(bad(format!(
                 "flag --pipeline-model-parallel-layout: {} stages are not a multiple of --pipeline-model-parallel-size {pp}",
                 stages.len()
@@ -478,7 +478,7 @@ fn megatron_vpp(
             return Err(bad("flag --num-layers-per-virtual-pipeline-stage: needs --num-layers (or job.model.num_layers in the cluster file) to give the virtual stages per rank".into()));
         };
         let chunk = per * pp as u64;
-        if per == 0 || n as u64 % chunk != 0 {
+        if per == 0 || !(n as u64).is_multiple_of(chunk) {
             return Err(bad(format!(
                 "flag --num-layers-per-virtual-pipeline-stage: {n} layers do not split into {per} per virtual stage x pp {pp}"
             )));
@@ -744,7 +744,7 @@ fn titan_vpp(
     notes: &mut Vec<String>,
 ) -> Result<Option<u32>, ExportError> {
     let per_rank = |chunks: u64, what: &str| -> Result<Option<u32>, ExportError> {
-        if chunks % pp != 0 {
+        if !chunks.is_multiple_of(pp) {
             return Err(bad(format!(
                 "{what}: {chunks} model chunks are not a multiple of pipeline_parallel_degree {pp} (torchtitan refuses it)"
             )));

@@ -69,7 +69,7 @@ pub fn slurm(
             mesh.shape(GroupKind::DenseDp).dims
         ));
     }
-    if c.hot_spares % gpn as u64 != 0 {
+    if !c.hot_spares.is_multiple_of(gpn as u64) {
         warnings.push(format!(
             "cluster.hot_spares = {} GPUs is not whole nodes: {} spare node(s) reserved",
             c.hot_spares, spare_nodes
@@ -77,7 +77,7 @@ pub fn slurm(
     }
     // Pipeline stages: ranks and nodes.
     let per_stage = world / l.pp as u64;
-    if l.pp > 1 && per_stage % gpn as u64 != 0 && per_stage > gpn as u64 {
+    if l.pp > 1 && !per_stage.is_multiple_of(gpn as u64) && per_stage > gpn as u64 {
         warnings.push(format!(
             "a pipeline stage is {per_stage} ranks, not whole nodes of {gpn}: some nodes hold two stages"
         ));

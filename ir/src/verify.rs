@@ -662,7 +662,7 @@ fn p2p_rules(g: &Graph, i: usize, peer: u32, bytes: u64, dtype: DType, e: &mut E
             ),
         );
     }
-    if bytes % dtype.bytes() != 0 {
+    if !bytes.is_multiple_of(dtype.bytes()) {
         e.at(
             i,
             "message-size",

@@ -57,7 +57,7 @@ pub fn run_info(job: &Job, layout: &Layout, model_flops: u128) -> RunInfo {
         pp: layout.pp,
         micro_batch: layout.micro_batch,
         grad_accum: layout.grad_accum,
-        global_batch: job.training.global_batch as u64,
+        global_batch: job.training.global_batch,
         zero_stage: layout.zero_stage,
         sequence_parallel: layout.sequence_parallel,
         selective_recompute: layout.recompute == Recompute::Selective,

@@ -1342,7 +1342,7 @@ impl<'a> Ctx<'a> {
                     k: d.h,
                 }
             } else {
-                gs[1].clone()
+                gs[1]
             };
             let weight = Some(ParamName::layer(layer, g.role.weight()));
             b.compute(

@@ -188,7 +188,7 @@ impl Tally {
 fn divisors(n: u64) -> Vec<u64> {
     let mut d: Vec<u64> = (1..=n)
         .take_while(|&i| i <= n / i)
-        .filter(|i| n % i == 0)
+        .filter(|i| n.is_multiple_of(*i))
         .collect();
     let big: Vec<u64> = d
         .iter()
@@ -513,7 +513,7 @@ impl<'a> Space<'a> {
         let divs = divisors(world);
         // micro-batch candidates: divisors of the per-replica batch, capped.
         let mbs_all: Vec<u64> = (1..=MAX_MICRO_BATCH.min(gb))
-            .filter(|b| gb % b == 0)
+            .filter(|b| gb.is_multiple_of(*b))
             .collect();
         let layers = job.model.num_layers;
         let max_vpp = pins.vpp.map_or(MAX_VPP, |v| v.max(1));
@@ -681,7 +681,7 @@ impl<'a> Space<'a> {
             for &cp in &self.cps {
                 for &ep in &self.eps {
                     outer += 1;
-                    if self.world % (tp * cp * ep) != 0 {
+                    if !self.world.is_multiple_of(tp * cp * ep) {
                         continue; // not a factorization of the world: not a candidate
                     }
                     let mesh_axes = Axes {
@@ -716,9 +716,9 @@ impl<'a> Space<'a> {
                             // experts.
                             let fold_ok = sp
                                 && tp > 1
-                                && m.moe
-                                    .as_ref()
-                                    .is_some_and(|x| x.num_experts as u64 % (tp * ep) == 0);
+                                && m.moe.as_ref().is_some_and(|x| {
+                                    (x.num_experts as u64).is_multiple_of(tp * ep)
+                                });
                             let wholes: Vec<bool> = match pins.expert_tp {
                                 Some(1) if tp > 1 => {
                                     if fold_ok {
@@ -796,7 +796,7 @@ impl<'a> Space<'a> {
         };
         let mut family = 0u32;
         for &pp in &pps {
-            if rest % pp != 0 {
+            if !rest.is_multiple_of(pp) {
                 continue;
             }
             let dp = rest / pp;
@@ -921,7 +921,7 @@ impl<'a> Space<'a> {
         // goodput with no bubble (an upper bound) and walk only when that could reach the top
         // and the layout may fit. Cheaper still, a ceiling of that goodput (no memory, no
         // step terms) decides most candidates; the rest are costed later, when needed.
-        if v > 1 && self.job.model.num_layers % (pp * v) != 0 {
+        if v > 1 && !self.job.model.num_layers.is_multiple_of(pp * v) {
             let ceiling = *work.ceiling.get_or_insert_with(|| {
                 self.with_loads(&layout, |loads| {
                     no_bubble_goodput_ceiling_with(self.job, lc, &layout, loads, &self.sup)

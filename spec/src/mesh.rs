@@ -239,7 +239,7 @@ impl Mesh {
         // group leaves its node.
         let (s_last, n_last) = d.d[d.n - 1];
         let span = s_last * n_last;
-        if span <= gpn && gpn % span == 0 {
+        if span <= gpn && gpn.is_multiple_of(span) {
             return Fabric {
                 crosses_nodes: false,
                 ranks_per_node: size,

@@ -689,7 +689,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// How many dispatch buffers of width `w` a buffer of `len` elements holds.
     pub(super) fn buffers_in(&self, len: usize, w: usize) -> Result<usize, String> {
         let c = self.chunks(w)?.chunk();
-        if c == 0 || len % c != 0 {
+        if c == 0 || !len.is_multiple_of(c) {
             return Err(format!(
                 "a dispatch buffer of {len} elements is not whole chunks of {c}",
             ));

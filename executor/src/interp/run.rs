@@ -34,6 +34,7 @@ pub struct StepEvent<'a> {
 }
 
 /// How [`run_program_with`] runs.
+#[derive(Default)]
 pub struct RunOptions<'a> {
     pub steps: u32,
     /// Report every step's full gradients and weights (diagnostic collectives gather ZeRO
@@ -51,20 +52,6 @@ pub struct RunOptions<'a> {
     pub initial_state: Option<&'a InitialState<'a>>,
     /// Fault injection, checkpointing and checks around every step.
     pub hooks: Option<&'a dyn RankHooks>,
-}
-
-impl Default for RunOptions<'_> {
-    fn default() -> Self {
-        RunOptions {
-            steps: 0,
-            diagnostics: false,
-            data: None,
-            on_step: None,
-            first_step: 0,
-            initial_state: None,
-            hooks: None,
-        }
-    }
 }
 
 /// What a rank's step can be observed and changed through (checkpoints, fault injection).
