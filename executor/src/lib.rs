@@ -31,7 +31,7 @@ pub mod rng;
 pub mod tcp;
 
 pub use backend::{AdamW, AttnSaved, AttnShape, Backend, Cpu, GemmShape, NormGrads, Operand};
-pub use comm::{Communicator, Hub, Local};
+pub use comm::{Collectives, Communicator, Hub, Local};
 pub use data::{DataCtx, DataSource, Synthetic};
 pub use interp::{
     check_model, logical_state, run_program, run_program_with, run_rank, sharded_state,
