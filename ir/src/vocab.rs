@@ -61,21 +61,29 @@ impl Axis {
     }
 }
 
-impl fmt::Display for Axis {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
+/// `Display` (its `name()`) and `FromStr` (one of its `ALL` by name, else the "unknown X
+/// (one of a, b, c)" error) of a vocabulary enum.
+macro_rules! named {
+    ($t:ty, $what:literal) => {
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl FromStr for $t {
+            type Err = String;
+            fn from_str(s: &str) -> Result<$t, String> {
+                <$t>::ALL
+                    .into_iter()
+                    .find(|x| x.name() == s)
+                    .ok_or_else(|| unknown($what, s, <$t>::ALL.iter().map(|x| x.name())))
+            }
+        }
+    };
 }
 
-impl FromStr for Axis {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Axis, String> {
-        Axis::ALL
-            .into_iter()
-            .find(|a| a.name() == s)
-            .ok_or_else(|| unknown("axis", s, Axis::ALL.iter().map(|a| a.name())))
-    }
-}
+named!(Axis, "axis");
 
 /// The "unknown X (one of a, b, c)" error of a vocabulary's `FromStr`.
 fn unknown(what: &str, s: &str, names: impl Iterator<Item = &'static str>) -> String {
@@ -253,21 +261,7 @@ impl Role {
     }
 }
 
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Role, String> {
-        Role::ALL
-            .into_iter()
-            .find(|r| r.name() == s)
-            .ok_or_else(|| unknown("parameter role", s, Role::ALL.iter().map(|r| r.name())))
-    }
-}
+named!(Role, "parameter role");
 
 /// What a GEMM node multiplies: the forward product of a weight of its role with the
 /// whole weight, or (torchtitan's op-level recompute) with a part of one.
@@ -353,21 +347,7 @@ impl GemmRole {
     }
 }
 
-impl fmt::Display for GemmRole {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for GemmRole {
-    type Err = String;
-    fn from_str(s: &str) -> Result<GemmRole, String> {
-        GemmRole::ALL
-            .into_iter()
-            .find(|r| r.name() == s)
-            .ok_or_else(|| unknown("gemm role", s, GemmRole::ALL.iter().map(|r| r.name())))
-    }
-}
+named!(GemmRole, "gemm role");
 
 /// Which product a GEMM node computes: the forward (`qkv`), the data gradient
 /// (`qkv.dgrad`: `dy W^T`) or the weight gradient (`qkv.wgrad`: `x^T dy`, accumulated).
