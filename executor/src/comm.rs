@@ -164,10 +164,14 @@ impl<B: Backend> Collectives<B> for Local {
 
 /// `parts[0][lo..hi] + parts[1][lo..hi] + ...`, added in group order.
 fn sum_bufs<B: Backend>(be: &B, parts: &[Arc<B::Buf>], lo: usize, hi: usize) -> B::Buf {
+    let whole = lo == 0 && hi == be.len(&parts[0]);
     let mut out = be.slice(&parts[0], lo, hi);
     for p in &parts[1..] {
-        let chunk = be.slice(p, lo, hi);
-        be.add_into(&mut out, 0, &chunk);
+        if whole {
+            be.add_into(&mut out, 0, p);
+        } else {
+            be.add_into(&mut out, 0, &be.slice(p, lo, hi));
+        }
     }
     out
 }

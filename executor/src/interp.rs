@@ -199,8 +199,9 @@ struct RankExec<'a, B: Backend, C: Collectives<B>> {
     shard_of: BTreeMap<shardwright_ir::ValueId, usize>,
     /// The bucket of each parameter (by state name).
     bucket_of: BTreeMap<String, usize>,
-    /// Each parameter's part of its full tensor (by state name; the graph's slices).
-    slices: BTreeMap<String, Slice>,
+    /// Each parameter's slice of its full tensor (by state name: its index in the graph's
+    /// slices).
+    slice_of: BTreeMap<String, usize>,
     // per-step state
     step: u32,
     loss: f64,
@@ -297,7 +298,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             buckets: Vec::new(),
             shard_of: BTreeMap::new(),
             bucket_of: BTreeMap::new(),
-            slices: BTreeMap::new(),
+            slice_of: BTreeMap::new(),
             step: 0,
             vals: g.values.iter().map(|_| None).collect(),
             pnames: values::state_names(g, first_expert),
@@ -664,12 +665,16 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// Parameter `name`'s slice of its full tensor (the program's), with this rank's part
     /// and the number of parts: `(slice, i, n)`.
     pub(crate) fn part_of(&self, name: &str) -> Result<(&Slice, usize, usize), String> {
-        let s = self.slices.get(name).ok_or_else(|| {
-            format!(
-                "parameter `{name}` has no slice in the program (a program from an older \
+        let s = self
+            .slice_of
+            .get(name)
+            .map(|&i| &self.g.slices[i])
+            .ok_or_else(|| {
+                format!(
+                    "parameter `{name}` has no slice in the program (a program from an older \
                  lowering: lower the plan again)"
-            )
-        })?;
+                )
+            })?;
         let (i, n) = match s.split.axis() {
             None => (0, 1),
             Some(Axis::Tp) => (self.tp_pos, self.tp.len()),

@@ -83,9 +83,9 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// ZeRO shards cut from them): every parameter the graph names must be in one.
     pub(super) fn init_buckets(&mut self) -> Result<(), String> {
         let g = self.g;
-        for s in &g.slices {
-            self.slices
-                .insert(self.pnames[s.param.index()].clone(), s.clone());
+        for (i, s) in g.slices.iter().enumerate() {
+            self.slice_of
+                .insert(self.pnames[s.param.index()].clone(), i);
         }
         let mut in_bucket = vec![false; g.values.len()];
         for (i, ib) in g.buckets.iter().enumerate() {
