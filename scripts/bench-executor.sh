@@ -32,11 +32,9 @@ done
 # at micro-batch 1, 4 and 16 on the same thread count; tokens/s, the ratio, peak RSS.
 # BENCH_THREADS (default: all cores) threads each; BENCH_BASE=REV adds the binary of an
 # older commit (built under target/bench-base) as a third column. PyTorch: the registry's
-# wheel in target/torch-venv (created on first use), run on the CPU.
+# wheel in target/torch-venv (created on first use; $PYTHON overrides), run on the CPU.
 threads="${BENCH_THREADS:-$(nproc)}"
-venv=target/torch-venv
-[ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import torch' 2>/dev/null || {
-  python3 -m venv "$venv" && "$venv/bin/python" -m pip install --quiet torch numpy; }
+py="$(scripts/torch-python.sh)"
 base=""
 if [ -n "${BENCH_BASE:-}" ]; then
   mkdir -p target/bench-base && git archive "$BENCH_BASE" | tar -x -C target/bench-base
@@ -58,7 +56,7 @@ for mb in 1 4 16; do
     bm=$(rss $base execute "$tmp/m$mb.json" --steps "$steps" --data "$tmp/data" --out "$tmp/b$mb" --overwrite --quiet)
     bcol="$(field "$tmp/b$mb/summary.json" median_tokens_per_s) ($bm) | "
   fi
-  tm=$(rss "$venv/bin/python" scripts/bench_torch.py --threads "$threads" --micro-batch "$mb" --steps "$steps")
+  tm=$(rss "$py" scripts/bench_torch.py --threads "$threads" --micro-batch "$mb" --steps "$steps")
   t=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['median_tokens_per_s'], 1))" "$tmp/out")
   echo "| $mb | $s ($m) | $bcol$t ($tm) | $(python3 -c "print(round($s / $t, 2))")x |"
 done

@@ -8,24 +8,15 @@
 #
 #   scripts/bench-restore.sh [MB ...]   (default 256)
 #
-# PyTorch comes from $PYTHON, else the virtual environment scripts/bench-executor.sh makes
-# (target/bench-torch), created here if missing (the registry's CPU wheel).
+# PyTorch comes from scripts/torch-python.sh: $PYTHON, else target/torch-venv (the one
+# scripts/bench-executor.sh uses, created on first use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 sizes=("$@")
 [ ${#sizes[@]} -gt 0 ] || sizes=(256)
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-    venv=$TARGET/bench-torch
-    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
-        python3 -m venv "$venv"
-        "$venv/bin/pip" install --quiet --index-url https://download.pytorch.org/whl/cpu torch ||
-            "$venv/bin/pip" install --quiet torch
-    fi
-    PY=$venv/bin/python
-fi
+PY="$(scripts/torch-python.sh)"
 cargo build --release --quiet -p shardwright-executor --example ckpt_bench
 DIR=$(mktemp -d "${TMPDIR:-/tmp}/bench-restore.XXXXXX")
 trap 'rm -rf "$DIR"' EXIT
