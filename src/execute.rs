@@ -1211,14 +1211,14 @@ struct RankCheckpoints<'a> {
     keep: usize,
 }
 
-impl shardwright_executor::interp::RankHooks for RankCheckpoints<'_> {
+impl shardwright_executor::run::RankHooks for RankCheckpoints<'_> {
     fn after_step(
         &self,
         rank: u32,
         idx: u32,
-        _report: &shardwright_executor::interp::StepReport,
+        _report: &shardwright_executor::run::StepReport,
         _seconds: f64,
-        state: &mut dyn shardwright_executor::interp::RankStateAccess,
+        state: &mut dyn shardwright_executor::run::RankStateAccess,
     ) -> Result<(), String> {
         use shardwright_executor::checkpoint::{prune, write_rank_part, RankState};
         let step = idx + 1;

@@ -6,6 +6,8 @@
 //! block `[mb * micro_batch, (mb + 1) * micro_batch)` of that: every layout sees the same
 //! global batch in the same order, so a run is comparable with the single-rank run.
 
+use std::collections::BTreeMap;
+
 /// One rank's source of token sequences. Calls come in order: for each step, the
 /// micro-batches this rank needs, ascending (a pipeline stage without the embedding or
 /// the loss never asks).
@@ -58,5 +60,88 @@ impl DataSource for Synthetic {
                 )
             })
             .collect())
+    }
+}
+
+/// A rank's view of its data source: each micro-batch's token ids and targets (this rank's
+/// context-parallel chunk of each sequence), fetched once per step and checked against the
+/// model's sequence length and vocabulary.
+pub(crate) struct Feed {
+    pub(crate) source: Option<Box<dyn DataSource>>,
+    pub(crate) ctx: DataCtx,
+    /// This rank's context-parallel chunk and the number of chunks.
+    cp: (usize, usize),
+    step: u32,
+    batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
+}
+
+impl Feed {
+    pub(crate) fn new(ctx: DataCtx, cp_pos: usize, cp: usize) -> Self {
+        Feed {
+            source: None,
+            ctx,
+            cp: (cp_pos, cp),
+            step: 0,
+            batches: BTreeMap::new(),
+        }
+    }
+
+    /// Forget the last step's micro-batches.
+    pub(crate) fn start(&mut self, step: u32) {
+        self.step = step;
+        self.batches.clear();
+    }
+
+    fn seq_local(&self) -> usize {
+        self.ctx.seq as usize / self.cp.1
+    }
+
+    /// Token ids and targets of micro-batch `mb` of this step.
+    pub(crate) fn batch(&mut self, mb: u32) -> Result<(Vec<u32>, Vec<u32>), String> {
+        if let Some(b) = self.batches.get(&mb) {
+            return Ok(b.clone());
+        }
+        let (sl, seq, vocab) = (self.seq_local(), self.ctx.seq as usize, self.ctx.vocab);
+        let seqs = self
+            .source
+            .as_mut()
+            .ok_or("no data source")?
+            .micro_batch(self.step, mb)?;
+        if seqs.len() != self.ctx.micro_batch as usize {
+            return Err(format!(
+                "data source gave {} sequences for a micro-batch of {}",
+                seqs.len(),
+                self.ctx.micro_batch
+            ));
+        }
+        let mut ids = Vec::new();
+        let mut tg = Vec::new();
+        for tok in &seqs {
+            if tok.len() != seq + 1 {
+                return Err(format!(
+                    "data source gave a sequence of {} tokens, expected seq_len + 1 = {}",
+                    tok.len(),
+                    seq + 1
+                ));
+            }
+            if let Some(&bad) = tok.iter().find(|&&t| t >= vocab) {
+                return Err(format!(
+                    "token id {bad} is outside the model's vocabulary of {vocab}"
+                ));
+            }
+            let lo = self.cp.0 * sl;
+            ids.extend_from_slice(&tok[lo..lo + sl]);
+            tg.extend_from_slice(&tok[lo + 1..lo + sl + 1]);
+        }
+        self.batches.insert(mb, (ids.clone(), tg.clone()));
+        Ok((ids, tg))
+    }
+
+    /// Each token's position in its sequence, for a micro-batch on this rank.
+    pub(crate) fn positions(&self) -> Vec<u32> {
+        let sl = self.seq_local();
+        (0..self.ctx.micro_batch as usize * sl)
+            .map(|i| (self.cp.0 * sl + i % sl) as u32)
+            .collect()
     }
 }

@@ -35,7 +35,7 @@
 
 use crate::backend::{AdamW, AttnShape, Backend, NormGrads};
 use crate::comm::Collectives;
-use crate::data::{DataCtx, DataSource, Synthetic};
+use crate::data::{DataCtx, Feed};
 use crate::model::{lr_at, Dims};
 use shardwright_ir::run::RunInfo;
 use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Role, Slice, Stream};
@@ -43,185 +43,70 @@ use std::collections::BTreeMap;
 
 mod dp;
 mod moe_values;
-mod run;
-mod state;
 mod values;
-use dp::{unflatten, Bucket};
-use run::check_moe_layout;
-pub use run::{
-    check_model, run_info, run_program, run_program_with, run_rank, run_ranks_on, RankHooks,
-    RankStateAccess, RunOptions, StepEvent,
-};
-pub use state::{logical_state, sharded_state};
+use crate::bucket::{unflatten, Bucket};
+use crate::run::{check_moe_layout, run_info, ExecConfig, ExecError, StepReport};
 
-/// Training hyper-parameters of a run.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ExecConfig {
-    pub seed: u64,
-    pub lr: f32,
-    pub min_lr: f32,
-    pub warmup_steps: u32,
-    pub total_steps: u32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-    /// The learning rate's decay after the warmup.
-    pub lr_decay: crate::model::LrDecay,
-    /// Weight decay on the norms' weights and biases too (torchtitan); by default they
-    /// are not decayed (Megatron).
-    pub decay_norms: bool,
-    /// Global gradient-norm clipping threshold.
-    pub clip: f32,
-    pub norm_eps: f32,
-    pub rope_theta: f32,
-    /// Coefficient of the MoE load-balancing loss (Switch Transformer's 1e-2 by default).
-    pub moe_aux_coef: f32,
-}
-
-impl Default for ExecConfig {
-    fn default() -> Self {
-        ExecConfig {
-            seed: 1,
-            lr: 1e-2,
-            min_lr: 1e-3,
-            warmup_steps: 2,
-            total_steps: 10,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            lr_decay: crate::model::LrDecay::Cosine,
-            decay_norms: false,
-            clip: 1.0,
-            norm_eps: 1e-5,
-            rope_theta: 10000.0,
-            moe_aux_coef: 1e-2,
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ExecError {
-    #[error("model: {0}")]
-    Model(String),
-    /// `step` is the 0-based index of the step; messages count steps from 1, as the
-    /// metrics and checkpoints do.
-    #[error("rank {rank}, step {}, node n{node} ({what}): {why}", .step + 1)]
-    Node {
-        rank: u32,
-        step: u32,
-        node: u32,
-        what: String,
-        why: String,
-    },
-    /// A step hook (checkpointing, fault injection, resume checks) failed between nodes.
-    #[error("rank {rank}, step {} (step hook): {why}", .step + 1)]
-    Hook { rank: u32, step: u32, why: String },
-    #[error("rank {0} failed: {1}")]
-    Panic(u32, String),
-}
-
-/// What one step left on one rank (local tensor-parallel shards, full over data
-/// parallelism).
-#[derive(Clone, Debug, Default)]
-pub struct StepReport {
-    /// This rank's share of the step's loss (mean over the global batch's tokens): set on
-    /// ranks that compute the loss and are first in their tp group.
-    pub loss: Option<f64>,
-    /// This rank's share of the MoE load-balancing loss (summed over its MoE layers; the
-    /// objective is `loss + aux_loss`): set on ranks with MoE layers that are first in
-    /// their tp and cp groups.
-    pub aux_loss: Option<f64>,
-    /// Gradients after the data-parallel reduction, before clipping (diagnostic gathers
-    /// re-assemble ZeRO shards).
-    pub grads: BTreeMap<String, Vec<f32>>,
-    /// Weights after the step.
-    pub params: BTreeMap<String, Vec<f32>>,
-    /// Global gradient norm (before clipping).
-    pub grad_norm: f64,
-    /// The step's loss over the whole global batch (every rank; f32 sum of the shares).
-    pub global_loss: f64,
-}
-
-/// Everything one rank reports.
-#[derive(Clone, Debug)]
-pub struct RankReport {
-    pub rank: u32,
-    pub tp_index: usize,
-    pub tp: usize,
-    pub steps: Vec<StepReport>,
-}
-
-/// Builds a rank's data source.
-pub type DataFactory<'a> = dyn Fn(DataCtx) -> Result<Box<dyn DataSource>, String> + Sync + 'a;
-
-/// The state a rank resumes from, by rank.
-pub type InitialState<'a> = dyn Fn(u32) -> Option<BTreeMap<String, Vec<f32>>> + Sync + 'a;
-
-struct RankExec<'a, B: Backend, C: Collectives<B>> {
-    be: &'a B,
-    comm: C,
-    g: &'a Graph,
-    dims: &'a Dims,
-    run: &'a RunInfo,
-    cfg: &'a ExecConfig,
-    rank: u32,
-    world: u32,
-    tp: Vec<u32>,
-    tp_pos: usize,
-    cp_pos: usize,
-    dp_pos: usize,
-    dense_dp: Vec<u32>,
-    dense_pos: usize,
-    ep: Vec<u32>,
-    expert_dp: Vec<u32>,
-    expert_pos: usize,
+pub(crate) struct RankExec<'a, B: Backend, C: Collectives<B>> {
+    pub(crate) be: &'a B,
+    pub(crate) comm: C,
+    pub(crate) g: &'a Graph,
+    pub(crate) dims: &'a Dims,
+    pub(crate) run: &'a RunInfo,
+    pub(crate) cfg: &'a ExecConfig,
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    pub(crate) tp: Vec<u32>,
+    pub(crate) tp_pos: usize,
+    pub(crate) cp_pos: usize,
+    pub(crate) dense_dp: Vec<u32>,
+    pub(crate) dense_pos: usize,
+    pub(crate) ep: Vec<u32>,
+    pub(crate) expert_dp: Vec<u32>,
+    pub(crate) expert_pos: usize,
     // local dims
-    hl: usize,
-    kvl: usize,
-    vl: usize,
-    vocab_start: usize,
-    sp: bool,
-    /// Sequences per micro-batch, micro-batches per step.
-    mb_size: usize,
-    grad_accum: usize,
-    global_tokens: f64,
+    pub(crate) hl: usize,
+    pub(crate) kvl: usize,
+    pub(crate) vl: usize,
+    pub(crate) vocab_start: usize,
+    pub(crate) sp: bool,
+    /// Sequences per micro-batch.
+    pub(crate) mb_size: usize,
+    pub(crate) global_tokens: f64,
     /// The weights this rank computes with, its gradients and (ZeRO-0) AdamW moments, in
     /// the backend's memory.
-    params: BTreeMap<String, B::Buf>,
-    grads: BTreeMap<String, B::Buf>,
-    m: BTreeMap<String, B::Buf>,
-    v: BTreeMap<String, B::Buf>,
+    pub(crate) params: BTreeMap<String, B::Buf>,
+    pub(crate) grads: BTreeMap<String, B::Buf>,
+    pub(crate) m: BTreeMap<String, B::Buf>,
+    pub(crate) v: BTreeMap<String, B::Buf>,
     /// The graph's buckets (same index), with their ZeRO shards on the host (see [`dp`]).
-    buckets: Vec<Bucket>,
+    pub(crate) buckets: Vec<Bucket>,
     /// The bucket of each ZeRO shard value.
-    shard_of: BTreeMap<shardwright_ir::ValueId, usize>,
+    pub(crate) shard_of: BTreeMap<shardwright_ir::ValueId, usize>,
     /// The bucket of each parameter (by state name).
-    bucket_of: BTreeMap<String, usize>,
+    pub(crate) bucket_of: BTreeMap<String, usize>,
     /// Each parameter's slice of its full tensor (by state name: its index in the graph's
     /// slices).
-    slice_of: BTreeMap<String, usize>,
+    pub(crate) slice_of: BTreeMap<String, usize>,
     // per-step state
-    step: u32,
-    loss: f64,
-    has_loss: bool,
-    report: StepReport,
+    pub(crate) step: u32,
+    pub(crate) loss: f64,
+    pub(crate) has_loss: bool,
+    pub(crate) report: StepReport,
     /// Buckets whose gradients went through a dp reduction this step.
-    reduced: std::collections::BTreeSet<usize>,
+    pub(crate) reduced: std::collections::BTreeSet<usize>,
     /// Report full gradients and weights each step.
-    diagnostics: bool,
-    data: Option<Box<dyn DataSource>>,
-    /// This step's micro-batches, fetched once each: (inputs, targets).
-    batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
+    pub(crate) diagnostics: bool,
+    /// The rank's data: this step's micro-batches.
+    pub(crate) feed: Feed,
     /// The activations of the value path, by value id (see [`values`]).
-    vals: Vec<Option<B::Buf>>,
+    pub(crate) vals: Vec<Option<B::Buf>>,
     /// Each state value's key in `params`/`grads` ([`values::state_names`]).
-    pnames: Vec<String>,
+    pub(crate) pnames: Vec<String>,
     /// The value path's MoE side tables.
-    mv: moe_values::MoeVals,
+    pub(crate) mv: crate::moe::MoeVals,
     /// Each (layer, micro-batch)'s share of the step's load-balancing loss.
-    aux_shares: BTreeMap<(u32, u32), f64>,
+    pub(crate) aux_shares: BTreeMap<(u32, u32), f64>,
 }
 
 fn err(why: impl Into<String>) -> String {
@@ -229,7 +114,7 @@ fn err(why: impl Into<String>) -> String {
 }
 
 impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
-    fn new(
+    pub(crate) fn new(
         be: &'a B,
         comm: C,
         g: &'a Graph,
@@ -276,7 +161,6 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             world: program.world,
             tp_pos,
             cp_pos: pos(&cp),
-            dp_pos: (coord.dp * run.ep + coord.ep) as usize,
             dense_pos: pos(&dense_dp),
             dense_dp,
             ep,
@@ -289,7 +173,6 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             vocab_start: tp_pos * vl,
             sp: run.sequence_parallel && t > 1,
             mb_size: run.micro_batch as usize,
-            grad_accum: run.grad_accum as usize,
             global_tokens: (run.global_batch as usize * dims.seq) as f64,
             params: BTreeMap::new(),
             grads: BTreeMap::new(),
@@ -302,15 +185,26 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             step: 0,
             vals: g.values.iter().map(|_| None).collect(),
             pnames: values::state_names(g, first_expert),
-            mv: moe_values::MoeVals::default(),
+            mv: crate::moe::MoeVals::default(),
             aux_shares: BTreeMap::new(),
             loss: 0.0,
             has_loss: false,
             report: StepReport::default(),
             reduced: Default::default(),
             diagnostics: true,
-            data: None,
-            batches: BTreeMap::new(),
+            feed: Feed::new(
+                DataCtx {
+                    rank,
+                    dp_rank: (coord.dp * run.ep + coord.ep),
+                    dp_size: run.dp * run.ep,
+                    micro_batch: run.micro_batch,
+                    grad_accum: run.grad_accum as u32,
+                    seq: dims.seq as u32,
+                    vocab: dims.vocab as u32,
+                },
+                pos(&cp),
+                run.cp as usize,
+            ),
         };
         let expect = (run.dp * run.ep) as usize * run.grad_accum as usize * ex.mb_size;
         if expect != run.global_batch as usize {
@@ -337,76 +231,14 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
         self.dims.seq / self.run.cp as usize
     }
 
-    fn data_ctx(&self) -> DataCtx {
-        DataCtx {
-            rank: self.rank,
-            dp_rank: self.dp_pos as u32,
-            dp_size: self.run.dp * self.run.ep,
-            micro_batch: self.mb_size as u32,
-            grad_accum: self.grad_accum as u32,
-            seq: self.dims.seq as u32,
-            vocab: self.dims.vocab as u32,
-        }
-    }
-
-    /// Token ids and targets of micro-batch `mb` on this rank (this rank's CP slice of
-    /// each sequence), fetched from the data source once per step.
-    fn batch(&mut self, mb: u32) -> Result<(Vec<u32>, Vec<u32>), String> {
-        if let Some(b) = self.batches.get(&mb) {
-            return Ok(b.clone());
-        }
-        let sl = self.seq_local();
-        let seqs = self
-            .data
-            .as_mut()
-            .ok_or("no data source")?
-            .micro_batch(self.step, mb)?;
-        if seqs.len() != self.mb_size {
-            return Err(format!(
-                "data source gave {} sequences for a micro-batch of {}",
-                seqs.len(),
-                self.mb_size
-            ));
-        }
-        let mut ids = Vec::new();
-        let mut tg = Vec::new();
-        for tok in &seqs {
-            if tok.len() != self.dims.seq + 1 {
-                return Err(format!(
-                    "data source gave a sequence of {} tokens, expected seq_len + 1 = {}",
-                    tok.len(),
-                    self.dims.seq + 1
-                ));
-            }
-            if let Some(&bad) = tok.iter().find(|&&t| t as usize >= self.dims.vocab) {
-                return Err(format!(
-                    "token id {bad} is outside the model's vocabulary of {}",
-                    self.dims.vocab
-                ));
-            }
-            let lo = self.cp_pos * sl;
-            ids.extend_from_slice(&tok[lo..lo + sl]);
-            tg.extend_from_slice(&tok[lo + 1..lo + sl + 1]);
-        }
-        self.batches.insert(mb, (ids.clone(), tg.clone()));
-        Ok((ids, tg))
-    }
-
-    fn positions(&self) -> Vec<u32> {
-        let sl = self.seq_local();
-        (0..self.tokens())
-            .map(|i| (self.cp_pos * sl + i % sl) as u32)
-            .collect()
-    }
-
-    fn step(&mut self, step: u32) -> Result<StepReport, ExecError> {
+    pub(crate) fn step(&mut self, step: u32) -> Result<StepReport, ExecError> {
         self.step = step;
         self.report = StepReport::default();
         self.loss = 0.0;
         self.has_loss = false;
         self.aux_shares.clear();
         self.reduced.clear();
-        self.batches.clear();
+        self.feed.start(step);
         for n in &self.g.nodes {
             self.node(n).map_err(|why| ExecError::Node {
                 rank: self.rank,
@@ -620,14 +452,14 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// vocabulary-parallel lookup sums the ranks' rows).
     fn embed(&mut self, mb: u32) -> Result<B::Buf, String> {
         let h = self.dims.h;
-        let (ids, _) = self.batch(mb)?;
+        let (ids, _) = self.feed.batch(mb)?;
         let mut e =
             self.be
                 .embedding_fwd(&ids, self.w(Role::Embedding.name())?, self.vocab_start, h);
         if self.dims.learned_positions && self.tp_pos == 0 {
             // Each token's position row (a lookup in the position table), added.
             let pe = self.w(Role::PosEmbedding.name())?;
-            let rows = self.be.embedding_fwd(&self.positions(), pe, 0, h);
+            let rows = self.be.embedding_fwd(&self.feed.positions(), pe, 0, h);
             self.be.add_into(&mut e, 0, &rows);
         }
         Ok(e)
@@ -637,7 +469,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// the positions' (every tp rank holds the whole gradient here: the same on each).
     fn embed_bwd(&mut self, mb: u32, g: &B::Buf) -> Result<(), String> {
         let h = self.dims.h;
-        let (ids, _) = self.batch(mb)?;
+        let (ids, _) = self.feed.batch(mb)?;
         let dw = self
             .grads
             .get_mut(Role::Embedding.name())
@@ -645,7 +477,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         self.be.embedding_bwd(&ids, g, self.vocab_start, h, dw);
         if self.dims.learned_positions {
             // Scattered into the position table's rows, as the embedding's.
-            let pos = self.positions();
+            let pos = self.feed.positions();
             let dp = self
                 .grads
                 .get_mut(Role::PosEmbedding.name())

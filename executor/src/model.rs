@@ -338,7 +338,7 @@ impl LrDecay {
 /// Learning rate at 0-based `step`: linear warmup over `warmup_steps` (Megatron's
 /// `(step + 1) / warmup` ramp), then `lr_decay` from `lr` to `min_lr` over the remaining
 /// steps (constant: `lr` throughout).
-pub fn lr_at(cfg: &crate::interp::ExecConfig, step: u32) -> f32 {
+pub fn lr_at(cfg: &crate::run::ExecConfig, step: u32) -> f32 {
     let s = step as f64;
     let (lr, min) = (cfg.lr as f64, cfg.min_lr as f64);
     let w = cfg.warmup_steps as f64;

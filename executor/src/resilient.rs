@@ -1,7 +1,7 @@
 //! Fault-tolerant training of a program's ranks in this process: asynchronous checkpoints,
 //! injected faults, their detection, hot spares and rollback to the last good checkpoint.
 //!
-//! Ranks run as threads ([`crate::interp::run_rank`] over the in-process communicator);
+//! Ranks run as threads ([`crate::run::run_rank`] over the in-process communicator);
 //! each logical rank runs on a *slot* (a device): slots `0..world` at start, then the hot
 //! spares `world..world + hot_spares`. A fault belongs to a rank at a step; a slow fault
 //! stays with the slot it hit (a bad device), so a spare that takes the rank is fast again.
@@ -22,7 +22,7 @@
 
 use crate::checkpoint::{Checkpointer, CkptConfig, RankState};
 use crate::comm::Hub;
-use crate::interp::{run_ranks_on, RankHooks, RankReport, RankStateAccess, RunOptions, StepReport};
+use crate::run::{run_ranks_on, RankHooks, RankReport, RankStateAccess, RunOptions, StepReport};
 use crate::{Backend, ExecConfig, ExecError};
 use shardwright_ir::Program;
 use std::collections::{BTreeMap, BTreeSet};

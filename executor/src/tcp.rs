@@ -15,7 +15,7 @@
 //! Failures: the [`crate::Communicator`] trait returns no `Result`, so a collective whose peer
 //! closed its connection, or which waits longer than the timeout (default 60 s,
 //! `SHARDWRIGHT_COLLECTIVE_TIMEOUT_S`), panics with a message naming this rank, the peer rank
-//! and the collective; [`crate::interp::run_rank`] turns the panic into
+//! and the collective; [`crate::run::run_rank`] turns the panic into
 //! [`crate::ExecError::Panic`].
 //!
 //! Wire format: every message is a frame `u64 length (LE) | body`. Store requests are

@@ -25,179 +25,13 @@
 //! norm's sum of squares is taken on the host.
 
 use super::*;
+use crate::bucket::adamw_host;
 use shardwright_ir::{ElementwiseKind, TpSplit, ValueId, ValueKind};
 
-/// This rank's part of one of the graph's buckets (same index as `Graph::buckets`).
-pub(super) struct Bucket {
-    /// The checkpoint's name of the bucket (`L3`, `L3.experts`, `ends`).
-    pub(super) name: String,
-    /// Routed-expert parameters (reduced over `expert_dp`), else dense (`dense_dp`).
-    pub(super) expert: bool,
-    /// The parameters' state names, in flattening order.
-    pub(super) names: Vec<String>,
-    /// Their local (TP-shard) sizes.
-    pub(super) sizes: Vec<usize>,
-    /// Padded flat length (a multiple of the dp group size).
-    pub(super) padded: usize,
-    /// Shard of the gradient, master weights and moments (ZeRO >= 1).
-    pub(super) g: Vec<f32>,
-    pub(super) p: Vec<f32>,
-    pub(super) m: Vec<f32>,
-    pub(super) v: Vec<f32>,
-}
-
-/// `flat` cut into the tensors `names` (of `sizes`), each made by `mk`, into `into`.
-pub(super) fn unflatten<T>(
-    names: &[String],
-    sizes: &[usize],
-    flat: &[f32],
-    into: &mut BTreeMap<String, T>,
-    mk: impl Fn(&[f32]) -> T,
-) {
-    let mut o = 0;
-    for (n, &s) in names.iter().zip(sizes) {
-        into.insert(n.clone(), mk(&flat[o..o + s]));
-        o += s;
-    }
-}
-
-/// AdamW on host slices (a ZeRO shard's run of one parameter) through the backend: the
-/// run uploaded, updated, and downloaded back.
-fn adamw_host<B: Backend>(
-    be: &B,
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    h: AdamW,
-) {
-    let (mut pb, gb, mut mb, mut vb) = (be.upload(p), be.upload(g), be.upload(m), be.upload(v));
-    be.adamw(&mut pb, &gb, &mut mb, &mut vb, h);
-    p.copy_from_slice(&be.download(&pb));
-    m.copy_from_slice(&be.download(&mb));
-    v.copy_from_slice(&be.download(&vb));
-}
-
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
-    /// The rank's buckets from the graph's (the parameters' initial values uploaded, the
-    /// ZeRO shards cut from them): every parameter the graph names must be in one.
-    pub(super) fn init_buckets(&mut self) -> Result<(), String> {
-        let g = self.g;
-        for (i, s) in g.slices.iter().enumerate() {
-            self.slice_of
-                .insert(self.pnames[s.param.index()].clone(), i);
-        }
-        let mut in_bucket = vec![false; g.values.len()];
-        for (i, ib) in g.buckets.iter().enumerate() {
-            let expert = match ib.axis {
-                Axis::DenseDp => false,
-                Axis::ExpertDp => true,
-                other => {
-                    return Err(format!(
-                        "bucket `{}` is reduced over `{other}`, not dense_dp or expert_dp",
-                        ib.name
-                    ))
-                }
-            };
-            let (n, bpos) = {
-                let (grp, pos) = self.dp_group(expert);
-                (grp.len(), pos)
-            };
-            let mut names = Vec::new();
-            let mut sizes = Vec::new();
-            for &p in &ib.params {
-                in_bucket[p.index()] = true;
-                let name = self.pnames[p.index()].clone();
-                let full = self.dims.init(self.cfg.seed, &name);
-                let (sl, ti, tn) = self.part_of(&name)?;
-                let [r, c] = self.dims.shape(&name);
-                if sl.full != [r as u64, c as u64] {
-                    return Err(format!(
-                        "parameter `{name}`: the program's full tensor is {}x{}, the model's \
-                         {r}x{c}",
-                        sl.full[0], sl.full[1]
-                    ));
-                }
-                let local = sl.cut(&full, ti, tn);
-                let want = g.values[p.index()].elems() as usize;
-                if local.len() != want {
-                    return Err(format!(
-                        "parameter `{name}`: the program's value has {want} elements, this \
-                         rank's shard of the model has {}",
-                        local.len()
-                    ));
-                }
-                sizes.push(local.len());
-                self.grads.insert(name.clone(), self.be.zeros(local.len()));
-                if self.run.zero_stage == 0 {
-                    self.m.insert(name.clone(), self.be.zeros(local.len()));
-                    self.v.insert(name.clone(), self.be.zeros(local.len()));
-                }
-                self.params.insert(name.clone(), self.be.upload(&local));
-                names.push(name);
-            }
-            let total: usize = sizes.iter().sum();
-            let padded = ib.padded as usize;
-            if padded != total.div_ceil(n) * n {
-                return Err(format!(
-                    "bucket `{}`: padded to {padded}, its {total} elements over {n} members \
-                     need {}",
-                    ib.name,
-                    total.div_ceil(n) * n
-                ));
-            }
-            let mut b = Bucket {
-                name: ib.name.clone(),
-                expert,
-                names,
-                sizes,
-                padded,
-                g: Vec::new(),
-                p: Vec::new(),
-                m: Vec::new(),
-                v: Vec::new(),
-            };
-            match (self.run.zero_stage, ib.shard) {
-                (0, None) => {}
-                (0, Some(_)) => {
-                    return Err(format!("bucket `{}` has a ZeRO shard at ZeRO-0", ib.name))
-                }
-                (_, None) => return Err(format!("bucket `{}` has no ZeRO shard", ib.name)),
-                (_, Some(s)) => {
-                    for v in s.values() {
-                        self.shard_of.insert(v, i);
-                    }
-                    let c = padded / n;
-                    let flat = self.flatten(&b.names, &self.params, padded);
-                    b.p = flat[bpos * c..(bpos + 1) * c].to_vec();
-                    b.g = vec![0.0; c];
-                    b.m = vec![0.0; c];
-                    b.v = vec![0.0; c];
-                }
-            }
-            for nm in &b.names {
-                self.bucket_of.insert(nm.clone(), i);
-            }
-            self.buckets.push(b);
-        }
-        for v in &g.values {
-            if v.kind == ValueKind::Param
-                && !in_bucket[v.id.index()]
-                && !self.shard_of.contains_key(&v.id)
-            {
-                return Err(format!(
-                    "parameter `{}` is in no data-parallel bucket (a program from an older \
-                     lowering: lower the plan again)",
-                    v.name
-                ));
-            }
-        }
-        Ok(())
-    }
-
     /// The tensors `names` of `from` (the rank's parameters or gradients) downloaded end
     /// to end, zero-padded to `padded`.
-    pub(super) fn flatten(
+    pub(crate) fn flatten(
         &self,
         names: &[String],
         from: &BTreeMap<String, B::Buf>,
@@ -230,7 +64,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     }
 
     /// The data-parallel group of a bucket kind (dense or expert) and this rank's place.
-    pub(super) fn dp_group(&self, expert: bool) -> (Vec<u32>, usize) {
+    pub(crate) fn dp_group(&self, expert: bool) -> (Vec<u32>, usize) {
         if expert {
             (self.expert_dp.clone(), self.expert_pos)
         } else {

@@ -425,7 +425,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     fn v_rope(&mut self, n: &Node, bwd: bool) -> Result<(), String> {
         let be = self.be;
         let (t, d, hl, kvl) = (self.tokens(), self.dims.d, self.hl, self.kvl);
-        let pos = self.positions();
+        let pos = self.feed.positions();
         let theta = self.cfg.rope_theta;
         let rotary = !self.dims.learned_positions;
         // Per token: Q heads, K heads, V heads (widths `qw`, `kw`, `kw`).
@@ -567,7 +567,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     fn v_loss(&mut self, n: &Node, mb: u32) -> Result<(), String> {
         let be = self.be;
         let (vl, vs) = (self.vl, self.vocab_start);
-        let (_, tg) = self.batch(mb)?;
+        let (_, tg) = self.feed.batch(mb)?;
         let logits = self.val(Self::arg(n, 0)?)?;
         let vocab_parallel = self.run.tp > 1;
         if n.pass == Pass::Bwd {

@@ -18,9 +18,10 @@
 //! importing uploads them (the checkpoint writer and reader work on host vectors); the ZeRO
 //! shards are host memory already.
 
-use super::{RankExec, RankStateAccess};
 use crate::backend::Backend;
 use crate::comm::Collectives;
+use crate::interp::RankExec;
+use crate::run::RankStateAccess;
 use shardwright_ir::Slice;
 use std::collections::BTreeMap;
 
@@ -163,10 +164,10 @@ impl<B: Backend, C: Collectives<B>> RankStateAccess for RankExec<'_, B, C> {
 /// One rank's state of `program` under `layout`, each rank built as the executor builds it.
 fn with_ranks<T>(
     program: &shardwright_ir::Program,
-    cfg: &super::ExecConfig,
+    cfg: &crate::run::ExecConfig,
     mut f: impl FnMut(u32, &mut RankExec<'_, crate::Cpu, crate::comm::Local>) -> Result<T, String>,
 ) -> Result<Vec<T>, String> {
-    let dims = super::check_model(program).map_err(|e| e.to_string())?;
+    let dims = crate::run::check_model(program).map_err(|e| e.to_string())?;
     let hub = crate::comm::Hub::new(program.world);
     let be = crate::Cpu;
     let mut out = Vec::new();
@@ -187,7 +188,7 @@ fn with_ranks<T>(
 /// state.
 pub fn logical_state(
     program: &shardwright_ir::Program,
-    cfg: &super::ExecConfig,
+    cfg: &crate::run::ExecConfig,
     states: &BTreeMap<u32, BTreeMap<String, Vec<f32>>>,
 ) -> Result<BTreeMap<String, Vec<f32>>, String> {
     // A parameter's slice, this rank's part and the number of parts.
@@ -205,7 +206,7 @@ pub fn logical_state(
     };
     // ZeRO buckets: (bucket, its data-parallel group) -> every member's shard.
     let mut buckets: BTreeMap<(String, Vec<u32>), Vec<Member>> = BTreeMap::new();
-    let zero = super::run_info(program)
+    let zero = crate::run::run_info(program)
         .map_err(|e| e.to_string())?
         .zero_stage;
     let part = |rk: &RankExec<'_, crate::backend::Cpu, crate::comm::Local>, n: &str| {
@@ -268,7 +269,7 @@ pub fn logical_state(
 /// checkpoint of one layout loaded onto another.
 pub fn sharded_state(
     program: &shardwright_ir::Program,
-    cfg: &super::ExecConfig,
+    cfg: &crate::run::ExecConfig,
     logical: &BTreeMap<String, Vec<f32>>,
 ) -> Result<BTreeMap<u32, BTreeMap<String, Vec<f32>>>, String> {
     let get = |kind: &str, name: &str, (s, i, n): (&Slice, usize, usize)| {
@@ -285,7 +286,7 @@ pub fn sharded_state(
         }
         Ok(s.cut(full, i, n))
     };
-    let zero = super::run_info(program)
+    let zero = crate::run::run_info(program)
         .map_err(|e| e.to_string())?
         .zero_stage;
     let states = with_ranks(program, cfg, |r, rk| {

@@ -1,7 +1,119 @@
 //! Running programs: every rank of a program on threads (or one rank in this process),
 //! with hooks before and after each step (checkpoints, faults, metrics).
 
-use super::*;
+use crate::backend::Backend;
+use crate::comm::Collectives;
+use crate::data::{DataCtx, DataSource, Synthetic};
+use crate::interp::RankExec;
+use crate::model::Dims;
+use shardwright_ir::run::RunInfo;
+use shardwright_ir::Program;
+use std::collections::BTreeMap;
+
+/// Training hyper-parameters of a run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExecConfig {
+    pub seed: u64,
+    pub lr: f32,
+    pub min_lr: f32,
+    pub warmup_steps: u32,
+    pub total_steps: u32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// The learning rate's decay after the warmup.
+    pub lr_decay: crate::model::LrDecay,
+    /// Weight decay on the norms' weights and biases too (torchtitan); by default they
+    /// are not decayed (Megatron).
+    pub decay_norms: bool,
+    /// Global gradient-norm clipping threshold.
+    pub clip: f32,
+    pub norm_eps: f32,
+    pub rope_theta: f32,
+    /// Coefficient of the MoE load-balancing loss (Switch Transformer's 1e-2 by default).
+    pub moe_aux_coef: f32,
+}
+
+impl Default for ExecConfig {
+    fn default() -> Self {
+        ExecConfig {
+            seed: 1,
+            lr: 1e-2,
+            min_lr: 1e-3,
+            warmup_steps: 2,
+            total_steps: 10,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            lr_decay: crate::model::LrDecay::Cosine,
+            decay_norms: false,
+            clip: 1.0,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            moe_aux_coef: 1e-2,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("model: {0}")]
+    Model(String),
+    /// `step` is the 0-based index of the step; messages count steps from 1, as the
+    /// metrics and checkpoints do.
+    #[error("rank {rank}, step {}, node n{node} ({what}): {why}", .step + 1)]
+    Node {
+        rank: u32,
+        step: u32,
+        node: u32,
+        what: String,
+        why: String,
+    },
+    /// A step hook (checkpointing, fault injection, resume checks) failed between nodes.
+    #[error("rank {rank}, step {} (step hook): {why}", .step + 1)]
+    Hook { rank: u32, step: u32, why: String },
+    #[error("rank {0} failed: {1}")]
+    Panic(u32, String),
+}
+
+/// What one step left on one rank (local tensor-parallel shards, full over data
+/// parallelism).
+#[derive(Clone, Debug, Default)]
+pub struct StepReport {
+    /// This rank's share of the step's loss (mean over the global batch's tokens): set on
+    /// ranks that compute the loss and are first in their tp group.
+    pub loss: Option<f64>,
+    /// This rank's share of the MoE load-balancing loss (summed over its MoE layers; the
+    /// objective is `loss + aux_loss`): set on ranks with MoE layers that are first in
+    /// their tp and cp groups.
+    pub aux_loss: Option<f64>,
+    /// Gradients after the data-parallel reduction, before clipping (diagnostic gathers
+    /// re-assemble ZeRO shards).
+    pub grads: BTreeMap<String, Vec<f32>>,
+    /// Weights after the step.
+    pub params: BTreeMap<String, Vec<f32>>,
+    /// Global gradient norm (before clipping).
+    pub grad_norm: f64,
+    /// The step's loss over the whole global batch (every rank; f32 sum of the shares).
+    pub global_loss: f64,
+}
+
+/// Everything one rank reports.
+#[derive(Clone, Debug)]
+pub struct RankReport {
+    pub rank: u32,
+    pub tp_index: usize,
+    pub tp: usize,
+    pub steps: Vec<StepReport>,
+}
+
+/// Builds a rank's data source.
+pub type DataFactory<'a> = dyn Fn(DataCtx) -> Result<Box<dyn DataSource>, String> + Sync + 'a;
+
+/// The state a rank resumes from, by rank.
+pub type InitialState<'a> = dyn Fn(u32) -> Option<BTreeMap<String, Vec<f32>>> + Sync + 'a;
 
 /// Run `steps` training steps of every rank of `program` (threads, in-process
 /// communicator, the given backend). Weights come from `cfg.seed`, data from `(seed, step)`;
@@ -56,7 +168,7 @@ pub struct RunOptions<'a> {
 
 /// What a rank's step can be observed and changed through (checkpoints, fault injection).
 pub trait RankStateAccess {
-    /// Every tensor of the rank's state (names in `interp::state`).
+    /// Every tensor of the rank's state (names in [`crate::state`]).
     fn export(&self) -> BTreeMap<String, Vec<f32>>;
     /// Flip bit `bit` of element `index` of weight `param` (silent data corruption).
     fn flip_bit(&mut self, param: &str, index: usize, bit: u32) -> Result<(), String>;
@@ -146,7 +258,7 @@ pub fn run_ranks_on<B: Backend + Clone>(
 }
 
 /// What the executor needs of expert parallelism and MoE layers under a layout.
-pub(super) fn check_moe_layout(dims: &Dims, run: &RunInfo) -> Result<(), String> {
+pub(crate) fn check_moe_layout(dims: &Dims, run: &RunInfo) -> Result<(), String> {
     if dims.tied && run.pp > 1 {
         // The lowering has no all-reduce of the embedding gradient between the first and
         // the last stage (Megatron's embedding group); running without it would train two
@@ -219,8 +331,8 @@ pub fn run_rank<B: Backend, C: Collectives<B>>(
         })?;
         let mut rk = RankExec::new(backend, comm, &graph, program, &dims, cfg)?;
         rk.diagnostics = opts.diagnostics;
-        let ctx = rk.data_ctx();
-        rk.data = Some(match opts.data {
+        let ctx = rk.feed.ctx;
+        rk.feed.source = Some(match opts.data {
             Some(f) => f(ctx).map_err(|e| ExecError::Model(format!("data for rank {r}: {e}")))?,
             None => Box::new(Synthetic {
                 seed: cfg.seed,
