@@ -44,7 +44,7 @@ pub(crate) fn unflatten<T>(
 
 /// AdamW on host slices (a ZeRO shard's run of one parameter) through the backend: the
 /// run uploaded, updated, and downloaded back.
-pub(crate) fn adamw_host<B: Backend>(
+fn adamw_host<B: Backend>(
     be: &B,
     p: &mut [f32],
     g: &[f32],
@@ -57,6 +57,71 @@ pub(crate) fn adamw_host<B: Backend>(
     p.copy_from_slice(&be.download(&pb));
     m.copy_from_slice(&be.download(&mb));
     v.copy_from_slice(&be.download(&vb));
+}
+
+impl Bucket {
+    /// Add this rank's slice of the reduced gradient into the shard's.
+    pub(crate) fn add_grad(&mut self, s: &[f32]) {
+        for (a, x) in self.g.iter_mut().zip(s) {
+            *a += x;
+        }
+    }
+
+    /// `ss` plus the squares of the shard's gradient elements (this rank's slice `pos` of
+    /// the bucket), in order, counting only the parameters `counts` accepts.
+    pub(crate) fn add_squares(
+        &self,
+        mut ss: f64,
+        pos: usize,
+        counts: impl Fn(&str) -> bool,
+    ) -> f64 {
+        let c = self.g.len();
+        let lo = pos * c;
+        let mut off = 0;
+        for (nm, &s) in self.names.iter().zip(&self.sizes) {
+            if counts(nm) {
+                for i in off.max(lo)..(off + s).min(lo + c) {
+                    ss += (self.g[i - lo] as f64).powi(2);
+                }
+            }
+            off += s;
+        }
+        ss
+    }
+
+    /// AdamW on the shard (this rank's slice `pos`), parameter run by parameter run, each
+    /// with its own hyper-parameters (`hp`: its weight decay), the gradient scaled by
+    /// `clip`; the shard's gradient is zero after. The padding after the last parameter is
+    /// zero and stays so.
+    pub(crate) fn adamw<B: Backend>(
+        &mut self,
+        be: &B,
+        pos: usize,
+        clip: f32,
+        hp: impl Fn(&str) -> AdamW,
+    ) {
+        let g: Vec<f32> = self.g.iter().map(|x| x * clip).collect();
+        let len = self.p.len();
+        let lo = len * pos;
+        let mut at = 0;
+        for (nm, &n) in self.names.iter().zip(&self.sizes) {
+            let (s, e) = (at.max(lo), (at + n).min(lo + len));
+            at += n;
+            if s >= e {
+                continue;
+            }
+            let r = s - lo..e - lo;
+            adamw_host(
+                be,
+                &mut self.p[r.clone()],
+                &g[r.clone()],
+                &mut self.m[r.clone()],
+                &mut self.v[r],
+                hp(nm),
+            );
+        }
+        self.g.iter_mut().for_each(|x| *x = 0.0);
+    }
 }
 
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {

@@ -33,10 +33,11 @@
 //! - host-side throughout: token ids, labels and positions (`u32`, passed to the kernels as
 //!   they are) and the MoE routing decisions with the dispatch tables planned from them.
 
-use crate::backend::{AdamW, AttnShape, Backend, NormGrads};
+use crate::backend::{AdamW, AttnShape, Backend};
 use crate::comm::Collectives;
 use crate::data::{DataCtx, Feed};
 use crate::model::{lr_at, Dims};
+use crate::ops;
 use shardwright_ir::run::RunInfo;
 use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Role, Slice, Stream};
 use std::collections::BTreeMap;
@@ -374,47 +375,6 @@ fn moves_as_stated(len: usize, elems: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// A norm's input and per-row statistics, kept by its forward for the backward.
-struct NormSaved<'a, T> {
-    x: &'a T,
-    stats: &'a T,
-}
-
-/// Backward of the norm with weight `names.0` (RMSNorm, or LayerNorm with the bias
-/// `names.1`): returns `dx`, accumulates the weight (and bias) gradients.
-fn norm_bwd<B: Backend>(
-    be: &B,
-    dims: &Dims,
-    params: &BTreeMap<String, B::Buf>,
-    grads: &mut BTreeMap<String, B::Buf>,
-    names: (&str, Option<&str>),
-    saved: NormSaved<'_, B::Buf>,
-    dy: &B::Buf,
-) -> Result<B::Buf, String> {
-    let (name, bias) = names;
-    let w = params.get(name).ok_or_else(|| format!("no {name}"))?;
-    let mut dw = grads
-        .remove(name)
-        .ok_or_else(|| format!("no {name} gradient"))?;
-    let dx = if dims.layernorm {
-        let bn = bias.ok_or("a LayerNorm without its bias")?;
-        let mut db = grads
-            .remove(bn)
-            .ok_or_else(|| format!("no {bn} gradient"))?;
-        let g = NormGrads {
-            dw: &mut dw,
-            db: &mut db,
-        };
-        let dx = be.layernorm_bwd(saved.x, w, saved.stats, dy, dims.h, g);
-        grads.insert(bn.to_string(), db);
-        dx
-    } else {
-        be.rmsnorm_bwd(saved.x, w, saved.stats, dy, dims.h, &mut dw)
-    };
-    grads.insert(name.to_string(), dw);
-    Ok(dx)
-}
-
 /// MoE layers: routing, dispatch and combine over the ep group, experts, shared experts
 /// and the load-balancing loss.
 ///
@@ -430,39 +390,18 @@ fn norm_bwd<B: Backend>(
 /// graph's `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` all-reduces; the loss and its
 /// gradient are recomputed from the statistics after each.
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
-    /// The norm with weight `names.0` (RMSNorm, or LayerNorm with the bias `names.1`) of
-    /// `x`: output and the statistics its backward needs.
-    fn norm_fwd(
-        &self,
-        x: &B::Buf,
-        names: (&str, Option<&str>),
-    ) -> Result<(B::Buf, B::Buf), String> {
-        let (h, eps) = (self.dims.h, self.cfg.norm_eps);
-        let (name, bias) = names;
-        Ok(if self.dims.layernorm {
-            let b = self.w(bias.ok_or("a LayerNorm without its bias")?)?;
-            self.be.layernorm_fwd(x, self.w(name)?, b, h, eps)
-        } else {
-            self.be.rmsnorm_fwd(x, self.w(name)?, h, eps)
-        })
-    }
-
     /// The embedding of micro-batch `mb`'s tokens (this rank's vocabulary rows), plus the
     /// learned positions once per token (on the first tp rank: the tp reduction after the
     /// vocabulary-parallel lookup sums the ranks' rows).
     fn embed(&mut self, mb: u32) -> Result<B::Buf, String> {
-        let h = self.dims.h;
         let (ids, _) = self.feed.batch(mb)?;
-        let mut e =
-            self.be
-                .embedding_fwd(&ids, self.w(Role::Embedding.name())?, self.vocab_start, h);
-        if self.dims.learned_positions && self.tp_pos == 0 {
-            // Each token's position row (a lookup in the position table), added.
-            let pe = self.w(Role::PosEmbedding.name())?;
-            let rows = self.be.embedding_fwd(&self.feed.positions(), pe, 0, h);
-            self.be.add_into(&mut e, 0, &rows);
-        }
-        Ok(e)
+        let table = (self.w(Role::Embedding.name())?, self.vocab_start);
+        let pos = self.feed.positions();
+        let positions = match self.dims.learned_positions && self.tp_pos == 0 {
+            true => Some((pos.as_slice(), self.w(Role::PosEmbedding.name())?)),
+            false => None,
+        };
+        Ok(ops::embed(self.be, &ids, table, positions, self.dims.h))
     }
 
     /// Its backward: `g` (every token's gradient) scattered into the embedding's rows and

@@ -35,6 +35,7 @@ pub mod data;
 pub mod interp;
 pub mod model;
 mod moe;
+mod ops;
 pub mod resilient;
 pub mod rng;
 pub mod run;

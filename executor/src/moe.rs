@@ -216,3 +216,229 @@ pub(crate) fn expert_offsets(recv: &[Vec<usize>], el: usize) -> Vec<usize> {
     }
     off
 }
+
+/// The rows one micro-batch's MoE block routes on this rank: `t` tokens, each to its top
+/// `k` experts, rows of width `h`; `off` is the first token's row in the block's output
+/// rows (nonzero under SP when the output holds the micro-batch's rows).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Routed {
+    pub(crate) t: usize,
+    pub(crate) k: usize,
+    pub(crate) h: usize,
+    pub(crate) off: usize,
+}
+
+/// Lay the routed rows of `x` (one row per token) out for the dispatch all-to-all: per
+/// member its header, then its rows grouped by local expert in token order. Returns the
+/// buffer and the route (where each routed slot went).
+pub(crate) fn dispatch<B: Backend>(
+    be: &B,
+    ch: &Chunks,
+    routing: Routing,
+    x: &B::Buf,
+    r: Routed,
+) -> (B::Buf, Route) {
+    let (el, k, h) = (ch.el, r.k, r.h);
+    let mut send = vec![vec![0usize; el]; ch.members];
+    for &x in &routing.experts {
+        send[x as usize / el][x as usize % el] += 1;
+    }
+    // The next free row of each (member, local expert).
+    let mut next: Vec<Vec<usize>> = send
+        .iter()
+        .map(|c| {
+            c.iter()
+                .scan(0, |o, &n| {
+                    *o += n;
+                    Some(*o - n)
+                })
+                .collect()
+        })
+        .collect();
+    let mut buf = be.zeros(ch.len());
+    ch.write_headers(be, &mut buf, &send);
+    let mut slot = vec![(0, 0); r.t * k];
+    let mut moves = Vec::with_capacity(r.t * k);
+    for i in 0..r.t {
+        for j in 0..k {
+            let ex = routing.experts[i * k + j] as usize;
+            let (mm, le) = (ex / el, ex % el);
+            let row = next[mm][le];
+            next[mm][le] += 1;
+            slot[i * k + j] = (mm, row);
+            moves.push((i * h, ch.row(mm, row)));
+        }
+    }
+    be.copy_ranges(&mut buf, x, h, &moves);
+    let route = Route {
+        routing,
+        send,
+        slot,
+    };
+    (buf, route)
+}
+
+/// Per-sequence routing statistics of `t` routed tokens over `e` experts (the first token
+/// is `first` in the micro-batch, sequences of `seq` tokens, `nseq` of them): for each
+/// sequence its routed-slot counts, then its probability sums.
+pub(crate) fn routing_stats(
+    r: &Routing,
+    t: usize,
+    e: usize,
+    first: usize,
+    seq: usize,
+    nseq: usize,
+) -> Vec<f32> {
+    let k = r.experts.len() / t.max(1);
+    let mut stats = vec![0.0f32; nseq * 2 * e];
+    for i in 0..t {
+        let b = (first + i) / seq;
+        for &x in &r.experts[i * k..(i + 1) * k] {
+            stats[b * 2 * e + x as usize] += 1.0;
+        }
+        for x in 0..e {
+            stats[b * 2 * e + e + x] += r.probs[i * e + x];
+        }
+    }
+    stats
+}
+
+/// Each token's share of its sequence's load-balancing gradient `daux` (per sequence, per
+/// expert): the router probabilities' gradient of `t` tokens from `first`.
+pub(crate) fn spread_per_token(
+    daux: &[f32],
+    t: usize,
+    e: usize,
+    first: usize,
+    seq: usize,
+) -> Vec<f32> {
+    let mut dprobs = vec![0.0f32; t * e];
+    for i in 0..t {
+        let b = (first + i) / seq;
+        dprobs[i * e..(i + 1) * e].copy_from_slice(&daux[b * e..(b + 1) * e]);
+    }
+    dprobs
+}
+
+/// The combined rows back to their tokens, weighted by the gates: each routed slot's
+/// output (`eo`, `[t k, h]`) and the block's output rows (`y`, `[rows, h]`, tokens from
+/// row `off`).
+pub(crate) fn combine<B: Backend>(
+    be: &B,
+    ch: &Chunks,
+    buf: &B::Buf,
+    st: &Route,
+    r: Routed,
+    rows: usize,
+) -> (B::Buf, B::Buf) {
+    let (k, h) = (r.k, r.h);
+    let mut slots = Vec::with_capacity(r.t * k);
+    let mut weighted = Vec::with_capacity(r.t * k);
+    for i in 0..r.t {
+        for j in 0..k {
+            let (mm, row) = st.slot[i * k + j];
+            let lo = ch.row(mm, row);
+            slots.push((lo, (i * k + j) * h));
+            weighted.push((lo, (r.off + i) * h, st.routing.gates[i * k + j]));
+        }
+    }
+    let mut eo = be.zeros(r.t * k * h);
+    be.copy_ranges(&mut eo, buf, h, &slots);
+    let mut y = be.zeros(rows * h);
+    be.axpy_ranges(&mut y, buf, h, &weighted);
+    (eo, y)
+}
+
+/// The backward of [`combine`] for the rows: the gradient of each routed row (`g dy`) laid
+/// out like the forward's dispatch, and each routed slot's gate gradient `<eo, dy>`.
+pub(crate) fn combine_rows_bwd<B: Backend>(
+    be: &B,
+    ch: &Chunks,
+    st: &Route,
+    (dy, eo): (&B::Buf, &B::Buf),
+    r: Routed,
+) -> (B::Buf, B::Buf) {
+    let (k, h) = (r.k, r.h);
+    let mut buf = be.zeros(ch.len());
+    ch.write_headers(be, &mut buf, &st.send);
+    let mut scaled = Vec::with_capacity(r.t * k);
+    let mut pairs = Vec::with_capacity(r.t * k);
+    for i in 0..r.t {
+        for j in 0..k {
+            let (mm, row) = st.slot[i * k + j];
+            let g = st.routing.gates[i * k + j];
+            scaled.push(((r.off + i) * h, ch.row(mm, row), g));
+            pairs.push(((i * k + j) * h, (r.off + i) * h));
+        }
+    }
+    be.scale_ranges(&mut buf, dy, h, &scaled);
+    (buf, be.dots(eo, dy, h, &pairs))
+}
+
+/// The backward of [`dispatch`]: each token's routed input gradients (rows of `buf`, in
+/// the route's layout) summed onto its row of `dx`.
+pub(crate) fn dispatch_rows_bwd<B: Backend>(
+    be: &B,
+    ch: &Chunks,
+    st: &Route,
+    buf: &B::Buf,
+    r: Routed,
+    dx: &mut B::Buf,
+) {
+    // `+= 1 * row`: the multiplication by one is exact, so this is the plain sum.
+    let mut adds = Vec::with_capacity(r.t * r.k);
+    for i in 0..r.t {
+        for j in 0..r.k {
+            let (mm, row) = st.slot[i * r.k + j];
+            adds.push((ch.row(mm, row), (r.off + i) * r.h, 1.0));
+        }
+    }
+    be.axpy_ranges(dx, buf, r.h, &adds);
+}
+
+/// The local experts' forward (or data-gradient) GEMMs on rows grouped by expert (`off`:
+/// each expert's first row, and the total): expert `e`'s rows times `ws[e]`, `win` wide in,
+/// `wout` out (`dgrad`: times its transpose).
+pub(crate) fn expert_gemms<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    off: &[usize],
+    ws: &[&B::Buf],
+    (win, wout): (usize, usize),
+    dgrad: bool,
+) -> B::Buf {
+    let (xin, yout) = if dgrad { (wout, win) } else { (win, wout) };
+    let el = off.len() - 1;
+    let mut y = be.zeros(off[el] * yout);
+    for (le, w) in ws.iter().enumerate() {
+        let (lo, hi) = (off[le], off[le + 1]);
+        if hi == lo {
+            continue;
+        }
+        let rows = be.slice(x, lo * xin, hi * xin);
+        let out = if dgrad {
+            be.linear_dgrad(&rows, w, hi - lo, win, wout)
+        } else {
+            be.linear_fwd(&rows, w, hi - lo, win, wout)
+        };
+        be.copy_ranges(&mut y, &out, (hi - lo) * yout, &[(0, lo * yout)]);
+    }
+    y
+}
+
+/// After a reduce-scatter of dispatch buffers (which summed the members' headers too),
+/// this rank's own headers put back from `own`, its part before the reduction.
+pub(crate) fn keep_own_headers(out: &mut [f32], own: &[f32], ch: &Chunks) -> Result<(), String> {
+    if out.len() != ch.len() || own.len() != ch.len() {
+        return Err(format!(
+            "a reduce-scatter of dispatch buffers leaves {} values, a buffer holds {}",
+            out.len(),
+            ch.len()
+        ));
+    }
+    for m in 0..ch.members {
+        let lo = m * ch.chunk();
+        out[lo..lo + ch.el].copy_from_slice(&own[lo..lo + ch.el]);
+    }
+    Ok(())
+}

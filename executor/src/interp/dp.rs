@@ -25,7 +25,6 @@
 //! norm's sum of squares is taken on the host.
 
 use super::*;
-use crate::bucket::adamw_host;
 use shardwright_ir::{ElementwiseKind, TpSplit, ValueId, ValueKind};
 
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
@@ -197,9 +196,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 let s = self.comm.reduce_scatter(&group, &flat);
                 self.reduced.insert(bi);
                 let b = &mut self.buckets[bi];
-                for (a, x) in b.g.iter_mut().zip(&s) {
-                    *a += x;
-                }
+                b.add_grad(&s);
                 for nm in &b.names {
                     self.be
                         .fill_zero(self.grads.get_mut(nm).expect("bucket gradient"));
@@ -287,10 +284,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             if zero >= 1 {
                 let b = &self.buckets[k];
                 let flat = self.flatten(&b.names, &self.grads, b.padded);
-                let b = &mut self.buckets[k];
-                for (a, x) in b.g.iter_mut().zip(&flat) {
-                    *a += x;
-                }
+                self.buckets[k].add_grad(&flat);
             }
         }
         // Sum of squares of the gradient elements this rank owns (replicated norm weights
@@ -315,20 +309,9 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         } else {
             for k in 0..self.buckets.len() {
                 let (group, bpos) = self.dp_group(self.buckets[k].expert);
+                let tp0 = self.tp_pos == 0;
                 let b = &self.buckets[k];
-                let c = b.g.len();
-                let lo = bpos * c;
-                // Which flat positions are replicated norm weights.
-                let mut off = 0;
-                for (nm, &s) in b.names.iter().zip(&b.sizes) {
-                    let rep = self.is_replicated(nm);
-                    for i in off.max(lo)..(off + s).min(lo + c) {
-                        if self.tp_pos == 0 || !rep {
-                            ss += (b.g[i - lo] as f64).powi(2);
-                        }
-                    }
-                    off += s;
-                }
+                ss = b.add_squares(ss, bpos, |nm| tp0 || !self.is_replicated(nm));
                 if !self.diagnostics {
                     continue;
                 }
@@ -395,29 +378,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             let (nd, ne) = (self.dense_dp.len(), self.expert_dp.len());
             let (dpos, epos) = (self.dense_pos, self.expert_pos);
             for b in self.buckets.iter_mut() {
-                let g: Vec<f32> = b.g.iter().map(|x| x * clip).collect();
-                // The shard's runs of parameters, each with its own decay (the padding
-                // after the last is zero and stays so).
-                let len = b.p.len();
-                let lo = len * if b.expert { epos } else { dpos };
-                let mut at = 0;
-                for (nm, &n) in b.names.iter().zip(&b.sizes) {
-                    let (s, e) = (at.max(lo), (at + n).min(lo + len));
-                    at += n;
-                    if s >= e {
-                        continue;
-                    }
-                    let r = s - lo..e - lo;
-                    adamw_host(
-                        be,
-                        &mut b.p[r.clone()],
-                        &g[r.clone()],
-                        &mut b.m[r.clone()],
-                        &mut b.v[r],
-                        decayed(nm),
-                    );
-                }
-                b.g.iter_mut().for_each(|x| *x = 0.0);
+                b.adamw(be, if b.expert { epos } else { dpos }, clip, decayed);
                 if (if b.expert { ne } else { nd }) == 1 {
                     // A group of one (e.g. the experts under ep without dp): the IR has no
                     // parameter gather, the shard is the whole bucket.

@@ -26,7 +26,7 @@
 use super::RankExec;
 use crate::backend::Backend;
 use crate::comm::Collectives;
-use crate::moe::{aux_loss, expert_offsets, Chunks, Grouping, Route};
+use crate::moe::{self, aux_loss, expert_offsets, Chunks, Grouping, Route, Routed};
 use shardwright_ir::{CollectiveKind, DType, GemmPass, Node, Op, Pass, ValueId};
 use std::rc::Rc;
 
@@ -95,17 +95,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 let own = buf[pos * part..(pos + 1) * part].to_vec();
                 let mut out = self.comm.reduce_scatter(group, buf);
                 // Summing the tp ranks' buffers summed their headers: keep this rank's.
-                if out.len() != ch.len() || own.len() != ch.len() {
-                    return Err(format!(
-                        "a reduce-scatter of dispatch buffers leaves {} values, a buffer holds {}",
-                        out.len(),
-                        ch.len()
-                    ));
-                }
-                for m in 0..ch.members {
-                    let lo = m * ch.chunk();
-                    out[lo..lo + ch.el].copy_from_slice(&own[lo..lo + ch.el]);
-                }
+                moe::keep_own_headers(&mut out, &own, &ch)?;
                 out
             }
             other => return Err(format!("{} of dispatch buffers", other.name())),
@@ -136,75 +126,28 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// for the dispatch all-to-all.
     pub(super) fn moe_dispatch_v(&mut self, n: &Node) -> Result<(), String> {
         let m = self.moe_dims()?;
-        let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
-        let off = self.routed_offset();
+        let r = self.routed(self.routed_offset())?;
         let be = self.be;
-        let r = be.route(self.val(Self::arg(n, 0)?)?, e, k);
+        let routing = be.route(self.val(Self::arg(n, 0)?)?, m.experts, r.k);
         let x = self.val(Self::arg(n, 1)?)?;
-        if be.len(x) != t * h || r.experts.len() != t * k {
+        if be.len(x) != r.t * r.h || routing.experts.len() != r.t * r.k {
             return Err(format!(
-                "dispatch of {} rows of {} logits, the rank routes {t} tokens of width {h}",
-                be.len(x) / h.max(1),
-                r.probs.len()
+                "dispatch of {} rows of {} logits, the rank routes {} tokens of width {}",
+                be.len(x) / r.h.max(1),
+                routing.probs.len(),
+                r.t,
+                r.h
             ));
         }
-        let ch = self.chunks(h)?;
-        let el = ch.el;
-        let mut send = vec![vec![0usize; el]; ch.members];
-        for &x in &r.experts {
-            send[x as usize / el][x as usize % el] += 1;
-        }
-        let mut next: Vec<Vec<usize>> = send
-            .iter()
-            .map(|c| {
-                c.iter()
-                    .scan(0, |o, &n| {
-                        *o += n;
-                        Some(*o - n)
-                    })
-                    .collect()
-            })
-            .collect();
-        let mut buf = be.zeros(ch.len());
-        ch.write_headers(be, &mut buf, &send);
-        let mut slot = vec![(0, 0); t * k];
-        let mut moves = Vec::with_capacity(t * k);
-        for i in 0..t {
-            for j in 0..k {
-                let ex = r.experts[i * k + j] as usize;
-                let (mm, le) = (ex / el, ex % el);
-                let row = next[mm][le];
-                next[mm][le] += 1;
-                slot[i * k + j] = (mm, row);
-                moves.push((i * h, ch.row(mm, row)));
-            }
-        }
-        be.copy_ranges(&mut buf, x, h, &moves);
-        // Per-sequence statistics: routed-slot counts and probability sums.
         let (sl, nseq) = (self.seq_local(), self.mb_size);
-        let mut stats = vec![0.0f32; nseq * 2 * e];
-        for i in 0..t {
-            let b = (off + i) / sl;
-            for &x in &r.experts[i * k..(i + 1) * k] {
-                stats[b * 2 * e + x as usize] += 1.0;
-            }
-            for x in 0..e {
-                stats[b * 2 * e + e + x] += r.probs[i * e + x];
-            }
-        }
-        let (xr, route) = (Self::res(n, 0)?, Self::res(n, 1)?);
+        let stats = moe::routing_stats(&routing, r.t, m.experts, r.off, sl, nseq);
+        let (buf, route) = moe::dispatch(be, &self.chunks(r.h)?, routing, x, r);
+        let (xr, rv) = (Self::res(n, 0)?, Self::res(n, 1)?);
         self.def(xr, buf);
         self.mv.chunked.insert(xr);
-        let ids: Vec<f32> = r.experts.iter().map(|&x| x as f32).collect();
-        self.def(route, be.upload(&ids));
-        self.mv.routes.insert(
-            route,
-            Route {
-                routing: r,
-                send,
-                slot,
-            },
-        );
+        let ids: Vec<f32> = route.routing.experts.iter().map(|&x| x as f32).collect();
+        self.def(rv, be.upload(&ids));
+        self.mv.routes.insert(rv, route);
         if let Some(&sv) = n.results.get(2) {
             let (l, mb) = (n.layer.unwrap_or(0), n.mb.unwrap_or(0));
             if n.pass == Pass::Fwd {
@@ -215,6 +158,16 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             self.mv.stats.insert(sv, (l, mb));
         }
         Ok(())
+    }
+
+    /// This rank's routed rows of a micro-batch, the first at row `off` of the block's rows.
+    fn routed(&self, off: usize) -> Result<Routed, String> {
+        Ok(Routed {
+            t: self.routed_tokens(),
+            k: self.moe_dims()?.top_k,
+            h: self.dims.h,
+            off,
+        })
     }
 
     pub(super) fn route(&self, v: ValueId) -> Result<&Route, String> {
@@ -249,25 +202,10 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// output (`eo`) and the block's output rows (`ym`; under SP with a tp reduction after
     /// the block, the micro-batch's rows with this rank's filled in).
     pub(super) fn moe_combine_v(&mut self, n: &Node) -> Result<(), String> {
-        let m = self.moe_dims()?;
-        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
-        let (off, tokens) = self.moe_rows();
-        let be = self.be;
+        let (off, rows) = self.moe_rows();
+        let r = self.routed(off)?;
         let (ch, buf, st) = self.combined(n)?;
-        let mut slots = Vec::with_capacity(t * k);
-        let mut weighted = Vec::with_capacity(t * k);
-        for i in 0..t {
-            for j in 0..k {
-                let (mm, row) = st.slot[i * k + j];
-                let lo = ch.row(mm, row);
-                slots.push((lo, (i * k + j) * h));
-                weighted.push((lo, (off + i) * h, st.routing.gates[i * k + j]));
-            }
-        }
-        let mut eo = be.zeros(t * k * h);
-        be.copy_ranges(&mut eo, buf, h, &slots);
-        let mut y = be.zeros(tokens * h);
-        be.axpy_ranges(&mut y, buf, h, &weighted);
+        let (eo, y) = moe::combine(self.be, &ch, buf, st, r, rows);
         self.def(Self::res(n, 0)?, eo);
         self.def(Self::res(n, 1)?, y);
         Ok(())
@@ -276,28 +214,12 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// The gradient of each routed row (`g dy`) laid out like the forward's dispatch, and
     /// each routed slot's gate gradient `<expert output, output gradient>`.
     pub(super) fn moe_dispatch_bwd_v(&mut self, n: &Node) -> Result<(), String> {
-        let m = self.moe_dims()?;
-        let (t, h, k) = (self.routed_tokens(), self.dims.h, m.top_k);
-        let off = self.moe_rows().0;
-        let be = self.be;
-        let ch = self.chunks(h)?;
+        let r = self.routed(self.moe_rows().0)?;
+        let ch = self.chunks(r.h)?;
         let dy = self.val(Self::arg(n, 0)?)?;
         let st = self.route(Self::arg(n, 1)?)?;
         let eo = self.val(Self::arg(n, 2)?)?;
-        let mut buf = be.zeros(ch.len());
-        ch.write_headers(be, &mut buf, &st.send);
-        let mut scaled = Vec::with_capacity(t * k);
-        let mut pairs = Vec::with_capacity(t * k);
-        for i in 0..t {
-            for j in 0..k {
-                let (mm, row) = st.slot[i * k + j];
-                let g = st.routing.gates[i * k + j];
-                scaled.push(((off + i) * h, ch.row(mm, row), g));
-                pairs.push(((i * k + j) * h, (off + i) * h));
-            }
-        }
-        be.scale_ranges(&mut buf, dy, h, &scaled);
-        let dg = be.dots(eo, dy, h, &pairs);
+        let (buf, dg) = moe::combine_rows_bwd(self.be, &ch, st, (dy, eo), r);
         let dr = Self::res(n, 0)?;
         self.def(dr, buf);
         self.mv.chunked.insert(dr);
@@ -310,32 +232,20 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// softmax plus the load-balancing loss's, from the statistics.
     pub(super) fn moe_combine_bwd_v(&mut self, n: &Node) -> Result<(), String> {
         let m = self.moe_dims()?;
-        let (t, h, e, k) = (self.routed_tokens(), self.dims.h, m.experts, m.top_k);
-        let (off, tokens) = self.moe_rows();
+        let (off, rows) = self.moe_rows();
+        let r = self.routed(off)?;
         let be = self.be;
         let (ch, buf, st) = self.combined(n)?;
         let mut dn = match n.operands.get(4) {
             Some(&ds) => be.copy(self.val(ds)?),
-            None => be.zeros(tokens * h),
+            None => be.zeros(rows * r.h),
         };
-        // `+= 1 * row`: the multiplication by one is exact, so this is the plain sum.
-        let mut adds = Vec::with_capacity(t * k);
-        for i in 0..t {
-            for j in 0..k {
-                let (mm, row) = st.slot[i * k + j];
-                adds.push((ch.row(mm, row), (off + i) * h, 1.0));
-            }
-        }
-        be.axpy_ranges(&mut dn, buf, h, &adds);
+        moe::dispatch_rows_bwd(be, &ch, st, buf, r, &mut dn);
         let (_, daux) = self.aux_of(&self.val_host(Self::arg(n, 3)?)?)?;
-        let (ro, sl) = (self.routed_offset(), self.seq_local());
-        let mut dprobs = vec![0.0f32; t * e];
-        for i in 0..t {
-            let b = (ro + i) / sl;
-            dprobs[i * e..(i + 1) * e].copy_from_slice(&daux[b * e..(b + 1) * e]);
-        }
+        let (first, sl) = (self.routed_offset(), self.seq_local());
+        let dprobs = moe::spread_per_token(&daux, r.t, m.experts, first, sl);
         let dg = self.val(Self::arg(n, 2)?)?;
-        let dl = be.route_bwd(&st.routing, dg, &be.upload(&dprobs), e, k);
+        let dl = be.route_bwd(&st.routing, dg, &be.upload(&dprobs), m.experts, r.k);
         self.def(Self::res(n, 0)?, dn);
         self.def(Self::res(n, 1)?, dl);
         Ok(())
@@ -395,22 +305,12 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 n.operands.len() - 1
             ));
         }
+        let ws = n.operands[1..]
+            .iter()
+            .map(|&w| self.val(w))
+            .collect::<Result<Vec<_>, _>>()?;
         let be = self.be;
-        let mut y = be.zeros(gr.off[el] * yout);
-        for le in 0..el {
-            let (lo, hi) = (gr.off[le], gr.off[le + 1]);
-            if hi == lo {
-                continue;
-            }
-            let w = self.val(n.operands[1 + le])?;
-            let rows = be.slice(&x, lo * xin, hi * xin);
-            let out = if dgrad {
-                be.linear_dgrad(&rows, w, hi - lo, win, wout)
-            } else {
-                be.linear_fwd(&rows, w, hi - lo, win, wout)
-            };
-            be.copy_ranges(&mut y, &out, (hi - lo) * yout, &[(0, lo * yout)]);
-        }
+        let y = moe::expert_gemms(be, &x, &gr.off, &ws, (win, wout), dgrad);
         let r = Self::res(n, 0)?;
         if chunked_in {
             // Dispatch buffers in, grouped rows out.

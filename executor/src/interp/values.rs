@@ -41,9 +41,10 @@
 //! summed on the host, and the log-sum-exp `xent_bwd` takes is computed there from them).
 //! Token ids, labels and positions are host `u32`s the kernels take as they are.
 
-use super::{err, norm_bwd, NormSaved, RankExec};
-use crate::backend::{AttnSaved, Backend, GemmShape, Operand};
+use super::{err, RankExec};
+use crate::backend::{AttnSaved, Backend};
 use crate::comm::Collectives;
+use crate::ops::{self, Heads, KvLayout, Mm, NormParams};
 use shardwright_ir::{
     CollectiveKind, ElementwiseKind, Expert, GemmPass, Graph, Node, Op, ParamName, Pass, Role,
     ValueId, ValueKind,
@@ -235,42 +236,53 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     }
 
     fn v_norm(&mut self, n: &Node) -> Result<(), String> {
-        let ws = if self.dims.layernorm { 2 } else { 1 };
+        let (be, h, eps) = (self.be, self.dims.h, self.cfg.norm_eps);
         // The weight's operand, then (LayerNorm) the bias's.
         let at = if n.pass == Pass::Bwd { 2 } else { 1 };
-        let wname = self.value_name(Self::arg(n, at)?).to_string();
-        let bname = match ws {
-            2 => Some(self.value_name(Self::arg(n, at + 1)?).to_string()),
-            _ => None,
+        let w = Self::arg(n, at)?;
+        let b = match self.dims.layernorm {
+            true => Some(Self::arg(n, at + 1)?),
+            false => None,
         };
-        let names = (wname.as_str(), bname.as_deref());
         if n.pass != Pass::Bwd {
-            let (y, r) = self.norm_fwd(self.val(Self::arg(n, 0)?)?, names)?;
+            let p = NormParams {
+                w: self.val(w)?,
+                b: b.map(|b| self.val(b)).transpose()?,
+            };
+            let (y, r) = ops::norm_fwd(be, self.val(Self::arg(n, 0)?)?, p, h, eps);
             self.def(Self::res(n, 0)?, y);
             self.def(Self::res(n, 1)?, r);
             return Ok(());
         }
-        let (dy, x, st) = (Self::arg(n, 0)?, Self::arg(n, 1)?, Self::arg(n, 2 + ws)?);
-        let dx = {
-            let at = |v| get(self.g, &self.pnames, &self.vals, &self.params, v);
-            let (dy, x, st) = (at(dy)?, at(x)?, at(st)?);
-            norm_bwd(
-                self.be,
-                self.dims,
-                &self.params,
-                &mut self.grads,
-                names,
-                NormSaved { x, stats: st },
-                dy,
-            )?
-        };
+        let ws = 1 + b.is_some() as usize;
+        let wname = self.value_name(w).to_string();
+        let bname = b.map(|b| self.value_name(b).to_string());
+        let mut dw = self.take_grad(&wname)?;
+        let mut db = bname.as_deref().map(|b| self.take_grad(b)).transpose()?;
+        let saved = (
+            self.val(Self::arg(n, 1)?)?,
+            self.val(Self::arg(n, 2 + ws)?)?,
+        );
+        let dy = self.val(Self::arg(n, 0)?)?;
+        let dx = ops::norm_bwd(be, saved, self.val(w)?, dy, h, &mut dw, db.as_mut());
         let dx = match n.operands.get(3 + ws) {
             // The residual branch's gradient plus the norm's.
-            Some(&r) => self.be.add(self.val(r)?, &dx),
+            Some(&r) => be.add(self.val(r)?, &dx),
             None => dx,
         };
+        self.grads.insert(wname, dw);
+        if let (Some(b), Some(db)) = (bname, db) {
+            self.grads.insert(b, db);
+        }
         self.def(Self::res(n, 0)?, dx);
         Ok(())
+    }
+
+    /// Gradient `name` taken out of the rank's state (to be put back).
+    fn take_grad(&mut self, name: &str) -> Result<B::Buf, String> {
+        self.grads
+            .remove(name)
+            .ok_or_else(|| format!("no {name} gradient"))
     }
 
     fn v_gemm(&mut self, n: &Node) -> Result<(), String> {
@@ -284,53 +296,33 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         else {
             return Err(err("not a gemm"));
         };
-        let (m, nn, k) = (*m as usize, *nn as usize, *k as usize);
+        let s = Mm {
+            m: *m as usize,
+            n: *nn as usize,
+            k: *k as usize,
+            // The LM head tied to the embedding multiplies by the embedding's transpose.
+            tied: self.dims.tied && weight.is_some_and(|w| w.role == Role::Embedding),
+        };
         let be = self.be;
-        // The LM head tied to the embedding multiplies by the embedding's transpose.
-        let tied = self.dims.tied && weight.is_some_and(|w| w.role == Role::Embedding);
         let (a, b) = (Self::arg(n, 0)?, Self::arg(n, 1)?);
-        if n.op.gemm_role().map(|r| r.1) == Some(GemmPass::Wgrad) {
-            let gname = self.value_name(Self::res(n, 0)?).to_string();
-            let pname = gname.strip_suffix(".grad").unwrap_or(&gname).to_string();
+        let pass = n.op.gemm_role().map(|r| r.1);
+        if pass == Some(GemmPass::Wgrad) {
+            let gname = self.value_name(Self::res(n, 0)?);
+            let pname = gname.strip_suffix(".grad").unwrap_or(gname).to_string();
             let x = get(self.g, &self.pnames, &self.vals, &self.params, a)?;
             let dy = get(self.g, &self.pnames, &self.vals, &self.params, b)?;
             let dw = self
                 .grads
                 .get_mut(&pname)
                 .ok_or_else(|| format!("no gradient of {pname}"))?;
-            if tied {
-                be.gemm(
-                    GemmShape { m: nn, k, n: m },
-                    Operand::t(dy),
-                    Operand::n(x),
-                    1.0,
-                    dw,
-                );
-            } else {
-                be.linear_wgrad(x, dy, k, m, nn, dw);
-            }
+            ops::gemm_wgrad(be, x, dy, s, dw);
             return Ok(());
         }
         let (x, w) = (self.val(a)?, self.val(b)?);
-        let dgrad = n.op.gemm_role().map(|r| r.1) == Some(GemmPass::Dgrad);
-        let y = if dgrad {
-            if tied {
-                be.linear_fwd(x, w, m, k, nn)
-            } else {
-                be.linear_dgrad(x, w, m, nn, k)
-            }
-        } else if tied {
-            let mut y = be.zeros(m * nn);
-            be.gemm(
-                GemmShape { m, k, n: nn },
-                Operand::n(x),
-                Operand::t(w),
-                0.0,
-                &mut y,
-            );
-            y
-        } else {
-            be.linear_fwd(x, w, m, k, nn)
+        let dgrad = pass == Some(GemmPass::Dgrad);
+        let y = match dgrad {
+            true => ops::gemm_dgrad(be, x, w, s),
+            false => ops::gemm_fwd(be, x, w, s),
         };
         let y = match n.operands.get(2) {
             Some(&acc) => self.accumulate(acc, y, dgrad && self.replicated_input(b))?,
@@ -423,108 +415,48 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     }
 
     fn v_rope(&mut self, n: &Node, bwd: bool) -> Result<(), String> {
-        let be = self.be;
-        let (t, d, hl, kvl) = (self.tokens(), self.dims.d, self.hl, self.kvl);
+        let (be, t) = (self.be, self.tokens());
         let pos = self.feed.positions();
-        let theta = self.cfg.rope_theta;
-        let rotary = !self.dims.learned_positions;
-        // Per token: Q heads, K heads, V heads (widths `qw`, `kw`, `kw`).
-        let (qw, kw) = (hl * d, kvl * d);
-        let w = qw + 2 * kw;
+        let rotary = match self.dims.learned_positions {
+            true => None,
+            false => Some((pos.as_slice(), self.cfg.rope_theta)),
+        };
+        let heads = self.heads();
+        let (a, b) = (self.val(Self::arg(n, 0)?)?, n.operands.get(1));
         if !bwd {
-            let qkv = self.val(Self::arg(n, 0)?)?;
-            let cols = |lo: usize, width: usize| -> Vec<(usize, usize)> {
-                (0..t).map(|i| (i * w + lo, width)).collect()
-            };
-            let mut q = be.gather(qkv, &cols(0, qw));
-            let mut k = be.gather(qkv, &cols(qw, kw));
-            let v = be.gather(qkv, &cols(qw + kw, kw));
-            if rotary {
-                be.rope_fwd(&mut q, &pos, hl, d, theta);
-                be.rope_fwd(&mut k, &pos, kvl, d, theta);
-            }
-            let kv = be.concat(&[&k, &v]);
+            let (q, kv) = ops::qkv_split(be, a, t, heads, rotary);
             self.def(Self::res(n, 0)?, q);
             self.def(Self::res(n, 1)?, kv);
             return Ok(());
         }
-        let mut dq = be.copy(self.val(Self::arg(n, 0)?)?);
-        let dkv = self.val(Self::arg(n, 1)?)?;
-        let half = be.len(dkv) / 2;
-        let mut dk = be.slice(dkv, 0, half);
-        if rotary {
-            be.rope_bwd(&mut dq, &pos, hl, d, theta);
-            be.rope_bwd(&mut dk, &pos, kvl, d, theta);
-        }
-        let rows = |width: usize, src0: usize, dst0: usize| -> Vec<(usize, usize)> {
-            (0..t).map(|i| (src0 + i * width, i * w + dst0)).collect()
-        };
-        let mut dqkv = be.zeros(t * w);
-        be.copy_ranges(&mut dqkv, &dq, qw, &rows(qw, 0, 0));
-        be.copy_ranges(&mut dqkv, &dk, kw, &rows(kw, 0, qw));
-        be.copy_ranges(&mut dqkv, dkv, kw, &rows(kw, half, qw + kw));
+        let dkv = self.val(*b.ok_or("rope backward needs dkv")?)?;
+        let dqkv = ops::qkv_join(be, a, dkv, t, heads, rotary);
         self.def(Self::res(n, 0)?, dqkv);
         Ok(())
     }
 
-    /// Every member's K and V (each `kv` is its K rows then its V rows), laid out as the
-    /// whole sequence per micro-batch sequence: (K, V).
-    pub(super) fn kv_full(&self, kv: &B::Buf) -> (B::Buf, B::Buf) {
-        let be = self.be;
-        let gn = self.run.cp.max(1) as usize;
-        let part = be.len(kv) / gn;
-        let half = part / 2;
-        if gn == 1 {
-            return (be.slice(kv, 0, half), be.slice(kv, half, part));
+    fn heads(&self) -> Heads {
+        Heads {
+            q: self.hl,
+            kv: self.kvl,
+            d: self.dims.d,
         }
-        let (sl, row, mbs) = (self.seq_local(), self.kvl * self.dims.d, self.mb_size);
-        // Member `r`'s rows of sequence `b` go to that sequence's `r`-th chunk.
-        let mut kmoves = Vec::with_capacity(gn * mbs);
-        let mut vmoves = Vec::with_capacity(gn * mbs);
-        for r in 0..gn {
-            for b in 0..mbs {
-                let src = r * part + b * sl * row;
-                let dst = (b * sl * gn + r * sl) * row;
-                kmoves.push((src, dst));
-                vmoves.push((src + half, dst));
-            }
-        }
-        let mut kf = be.zeros(half * gn);
-        let mut vf = be.zeros(half * gn);
-        be.copy_ranges(&mut kf, kv, sl * row, &kmoves);
-        be.copy_ranges(&mut vf, kv, sl * row, &vmoves);
-        (kf, vf)
     }
 
-    /// The inverse layout of [`Self::kv_full`]: per member its K rows then its V rows.
-    pub(super) fn kv_parts(&self, dk: &B::Buf, dv: &B::Buf) -> B::Buf {
-        let be = self.be;
-        let gn = self.run.cp.max(1) as usize;
-        if gn == 1 {
-            return be.concat(&[dk, dv]);
+    /// How the context-parallel members' `kv` values tile a sequence.
+    pub(super) fn kv_layout(&self) -> KvLayout {
+        KvLayout {
+            members: self.run.cp.max(1) as usize,
+            seq_local: self.seq_local(),
+            row: self.kvl * self.dims.d,
+            seqs: self.mb_size,
         }
-        let (sl, row, mbs) = (self.seq_local(), self.kvl * self.dims.d, self.mb_size);
-        let n = be.len(dk);
-        let (mut kmoves, mut vmoves) = (Vec::new(), Vec::new());
-        let mut at = 0;
-        for r in 0..gn {
-            for moves in [&mut kmoves, &mut vmoves] {
-                for b in 0..mbs {
-                    moves.push(((b * sl * gn + r * sl) * row, at));
-                    at += sl * row;
-                }
-            }
-        }
-        let mut buf = be.zeros(2 * n);
-        be.copy_ranges(&mut buf, dk, sl * row, &kmoves);
-        be.copy_ranges(&mut buf, dv, sl * row, &vmoves);
-        buf
     }
 
     fn v_attention(&mut self, n: &Node) -> Result<(), String> {
         let s = self.attn_shape(n)?;
         let be = self.be;
-        let (kf, vf) = self.kv_full(self.val(Self::arg(n, 1)?)?);
+        let (kf, vf) = ops::kv_full(be, self.val(Self::arg(n, 1)?)?, self.kv_layout());
         let q = self.val(Self::arg(n, 0)?)?;
         if n.pass != Pass::Bwd {
             let (o, lse) = be.attention_fwd(q, &kf, &vf, s);
@@ -540,7 +472,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             lse: self.val(Self::arg(n, 3)?)?,
         };
         let (dq, dk, dv) = be.attention_bwd(saved, self.val(Self::arg(n, 4)?)?, s);
-        let dkv = self.kv_parts(&dk, &dv);
+        let dkv = ops::kv_parts(be, &dk, &dv, self.kv_layout());
         self.def(Self::res(n, 0)?, dq);
         self.def(Self::res(n, 1)?, dkv);
         Ok(())
@@ -574,14 +506,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             // The per-token statistics on the host: the loss is summed there.
             let mx = self.val_host(Self::arg(n, 2)?)?;
             let st = self.val_host(Self::arg(n, 3)?)?;
-            let t = mx.len();
-            let (tgt, second) = st.split_at(t);
-            let lse: Vec<f32> = if vocab_parallel {
-                mx.iter().zip(second).map(|(m, s)| m + s.ln()).collect()
-            } else {
-                second.to_vec()
-            };
-            let sum: f64 = lse.iter().zip(tgt).map(|(a, b)| (a - b) as f64).sum();
+            let (lse, sum) = ops::lse_and_loss(&mx, &st, vocab_parallel);
             let scale = (1.0 / self.global_tokens) as f32;
             let dl = be.xent_bwd(logits, &tg, &be.upload(&lse), vl, vs, scale);
             self.loss += sum / self.global_tokens;
@@ -593,9 +518,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if n.operands.len() > 2 {
             // The vocabulary-parallel second pass: relative to the global maximum.
             let mx = self.val_host(Self::arg(n, 2)?)?;
-            let mut st = be.download(&tgt);
-            let lse_l = be.download(&lse_l);
-            st.extend(lse_l.iter().zip(&mx).map(|(l, m)| (l - m).exp()));
+            let st = ops::tp_loss_stats(be.download(&tgt), &be.download(&lse_l), &mx);
             self.def(Self::res(n, 0)?, be.upload(&st));
             return Ok(());
         }
