@@ -31,6 +31,7 @@ pub struct AttnShape {
 }
 
 use crate::cpu;
+use crate::cpu::pool::{self, SendPtr};
 
 /// AdamW hyper-parameters for one step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -827,27 +828,41 @@ impl Backend for Cpu {
     fn swiglu_fwd(&self, gu: &Vec<f32>, f: usize) -> Vec<f32> {
         let t = gu.len() / (2 * f);
         let mut y = vec![0.0; t * f];
-        for i in 0..t {
-            for j in 0..f {
-                y[i * f + j] = silu(gu[i * 2 * f + j]) * gu[i * 2 * f + f + j];
+        let yp = SendPtr(y.as_mut_ptr());
+        pool::row_blocks(t, 8 * f, |rows| {
+            // SAFETY: each block writes its own rows of `y`, which outlives the call.
+            let y = unsafe {
+                std::slice::from_raw_parts_mut(yp.get().add(rows.start * f), rows.len() * f)
+            };
+            for (r, i) in rows.enumerate() {
+                for j in 0..f {
+                    y[r * f + j] = silu(gu[i * 2 * f + j]) * gu[i * 2 * f + f + j];
+                }
             }
-        }
+        });
         y
     }
 
     fn swiglu_bwd(&self, gu: &Vec<f32>, dy: &Vec<f32>, f: usize) -> Vec<f32> {
         let t = gu.len() / (2 * f);
         let mut d = vec![0.0; gu.len()];
-        for i in 0..t {
-            for j in 0..f {
-                let g = gu[i * 2 * f + j];
-                let u = gu[i * 2 * f + f + j];
-                let sg = 1.0 / (1.0 + cpu::exp::exp(-g));
-                let dyv = dy[i * f + j];
-                d[i * 2 * f + j] = dyv * u * sg * (1.0 + g * (1.0 - sg));
-                d[i * 2 * f + f + j] = dyv * g * sg;
+        let dp = SendPtr(d.as_mut_ptr());
+        pool::row_blocks(t, 12 * f, |rows| {
+            // SAFETY: each block writes its own rows of `d`, which outlives the call.
+            let d = unsafe {
+                std::slice::from_raw_parts_mut(dp.get().add(rows.start * 2 * f), rows.len() * 2 * f)
+            };
+            for (r, i) in rows.enumerate() {
+                for j in 0..f {
+                    let g = gu[i * 2 * f + j];
+                    let u = gu[i * 2 * f + f + j];
+                    let sg = 1.0 / (1.0 + cpu::exp::exp(-g));
+                    let dyv = dy[i * f + j];
+                    d[r * 2 * f + j] = dyv * u * sg * (1.0 + g * (1.0 - sg));
+                    d[r * 2 * f + f + j] = dyv * g * sg;
+                }
             }
-        }
+        });
         d
     }
 
@@ -861,16 +876,23 @@ impl Backend for Cpu {
         let t = targets.len();
         let mut lse = vec![0.0; t];
         let mut tgt = vec![0.0; t];
-        for i in 0..t {
-            let row = &logits[i * v..(i + 1) * v];
-            let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = row.iter().map(|&x| cpu::exp::exp(x - mx)).sum();
-            lse[i] = mx + sum.ln();
-            let id = targets[i] as usize;
-            if id >= vocab_start && id < vocab_start + v {
-                tgt[i] = row[id - vocab_start];
+        let (lp, tp) = (SendPtr(lse.as_mut_ptr()), SendPtr(tgt.as_mut_ptr()));
+        pool::row_blocks(t, 8 * v, |rows| {
+            for i in rows {
+                let row = &logits[i * v..(i + 1) * v];
+                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let sum: f32 = row.iter().map(|&x| cpu::exp::exp(x - mx)).sum();
+                let id = targets[i] as usize;
+                let hit = id >= vocab_start && id < vocab_start + v;
+                // SAFETY: row `i` belongs to this block alone; both vectors outlive the call.
+                unsafe {
+                    *lp.get().add(i) = mx + sum.ln();
+                    if hit {
+                        *tp.get().add(i) = row[id - vocab_start];
+                    }
+                }
             }
-        }
+        });
         (lse, tgt)
     }
 
@@ -885,16 +907,20 @@ impl Backend for Cpu {
     ) -> Vec<f32> {
         let t = targets.len();
         let mut d = vec![0.0; t * v];
-        for i in 0..t {
-            let row = &mut d[i * v..(i + 1) * v];
-            row.copy_from_slice(&logits[i * v..(i + 1) * v]);
-            cpu::exp::exp_sub(row, lse[i]);
-            row.iter_mut().for_each(|x| *x *= scale);
-            let id = targets[i] as usize;
-            if id >= vocab_start && id < vocab_start + v {
-                d[i * v + id - vocab_start] -= scale;
+        let dp = SendPtr(d.as_mut_ptr());
+        pool::row_blocks(t, 4 * v, |rows| {
+            for i in rows {
+                // SAFETY: row `i` belongs to this block alone; `d` outlives the call.
+                let row = unsafe { std::slice::from_raw_parts_mut(dp.get().add(i * v), v) };
+                row.copy_from_slice(&logits[i * v..(i + 1) * v]);
+                cpu::exp::exp_sub(row, lse[i]);
+                row.iter_mut().for_each(|x| *x *= scale);
+                let id = targets[i] as usize;
+                if id >= vocab_start && id < vocab_start + v {
+                    row[id - vocab_start] -= scale;
+                }
             }
-        }
+        });
         d
     }
 

@@ -501,3 +501,67 @@ fn buffer_primitives<B: Backend>(be: &B) {
 fn cpu_buffer_primitives() {
     buffer_primitives(&Cpu);
 }
+
+/// The row kernels (SwiGLU, the loss) at a size the pool cuts into row blocks equal the
+/// textbook, row by row, written here serially in f64.
+#[test]
+fn row_blocked_kernels_equal_the_serial_textbook() {
+    let cpu = Cpu;
+    let (t, f, v) = (700, 96, 300);
+    let wave = |n: usize, a: f32| {
+        (0..n)
+            .map(|i| ((i as f32) * a).sin() * 3.0)
+            .collect::<Vec<_>>()
+    };
+    let gu = wave(t * 2 * f, 0.37);
+    let dy = wave(t * f, 0.11);
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    let y = cpu.swiglu_fwd(&gu, f);
+    let d = cpu.swiglu_bwd(&gu, &dy, f);
+    for i in (0..t).step_by(37) {
+        for j in 0..f {
+            let (g, u) = (gu[i * 2 * f + j] as f64, gu[i * 2 * f + f + j] as f64);
+            let want = g * sig(g) * u;
+            assert!(
+                (y[i * f + j] as f64 - want).abs() < 1e-5 * (1.0 + want.abs()),
+                "y[{i},{j}]"
+            );
+            let e = dy[i * f + j] as f64;
+            let dg = e * u * sig(g) * (1.0 + g * (1.0 - sig(g)));
+            let du = e * g * sig(g);
+            assert!(
+                (d[i * 2 * f + j] as f64 - dg).abs() < 1e-4 * (1.0 + dg.abs()),
+                "dg[{i},{j}]"
+            );
+            assert!(
+                (d[i * 2 * f + f + j] as f64 - du).abs() < 1e-4 * (1.0 + du.abs()),
+                "du[{i},{j}]"
+            );
+        }
+    }
+    let logits = wave(t * v, 0.013);
+    let targets: Vec<u32> = (0..t as u32).map(|i| (i * 7) % v as u32).collect();
+    let (lse, tgt) = cpu.xent_local(&logits, &targets, v, 0);
+    let scale = 0.5f32;
+    let dl = cpu.xent_bwd(&logits, &targets, &lse, v, 0, scale);
+    for i in (0..t).step_by(29) {
+        let row: Vec<f64> = logits[i * v..(i + 1) * v]
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
+        let want = row.iter().map(|x| x.exp()).sum::<f64>().ln();
+        assert!((lse[i] as f64 - want).abs() < 1e-4, "lse[{i}]");
+        assert_eq!(
+            tgt[i],
+            logits[i * v + targets[i] as usize],
+            "target logit of row {i}"
+        );
+        for j in 0..v {
+            let p = (row[j] - want).exp() - if j == targets[i] as usize { 1.0 } else { 0.0 };
+            assert!(
+                (dl[i * v + j] as f64 - scale as f64 * p).abs() < 1e-5,
+                "dlogits[{i},{j}]"
+            );
+        }
+    }
+}

@@ -72,6 +72,16 @@ pub fn run_on(
     }
 }
 
+/// Runs `f(rows)` over `n` rows, cut into blocks whose size depends on the shape only
+/// (enough rows for [`MIN_PARALLEL_WORK`] each, `work_per_row` multiply-adds a row), on the
+/// pool when it is worth it. `f` must write only its own rows' outputs.
+pub fn row_blocks(n: usize, work_per_row: usize, f: impl Fn(std::ops::Range<usize>) + Sync + Send) {
+    let per = MIN_PARALLEL_WORK.div_ceil(work_per_row.max(1)).max(1);
+    run(n.div_ceil(per), n * work_per_row, |t| {
+        f(t * per..((t + 1) * per).min(n))
+    })
+}
+
 /// A raw pointer that tasks writing disjoint parts of one buffer may share.
 #[derive(Clone, Copy)]
 pub struct SendPtr<T>(pub *mut T);
