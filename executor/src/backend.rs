@@ -431,8 +431,17 @@ fn host_operand(o: Operand<'_, Vec<f32>>) -> Operand<'_> {
     }
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + cpu::exp::exp(-x))
+/// Rows `rows` (of `width` elements) of the buffer behind `p`.
+///
+/// # Safety
+/// The rows must be in the buffer, which must outlive the slice, and no one else may touch
+/// them while it lives.
+unsafe fn rows_of<'a>(
+    p: SendPtr<f32>,
+    rows: std::ops::Range<usize>,
+    width: usize,
+) -> &'a mut [f32] {
+    std::slice::from_raw_parts_mut(p.get().add(rows.start * width), rows.len() * width)
 }
 
 impl Backend for Cpu {
@@ -831,14 +840,8 @@ impl Backend for Cpu {
         let yp = SendPtr(y.as_mut_ptr());
         pool::row_blocks(t, 8 * f, |rows| {
             // SAFETY: each block writes its own rows of `y`, which outlives the call.
-            let y = unsafe {
-                std::slice::from_raw_parts_mut(yp.get().add(rows.start * f), rows.len() * f)
-            };
-            for (r, i) in rows.enumerate() {
-                for j in 0..f {
-                    y[r * f + j] = silu(gu[i * 2 * f + j]) * gu[i * 2 * f + f + j];
-                }
-            }
+            let y = unsafe { rows_of(yp, rows.clone(), f) };
+            cpu::rows::swiglu_fwd(y, &gu[rows.start * 2 * f..rows.end * 2 * f], f);
         });
         y
     }
@@ -849,19 +852,9 @@ impl Backend for Cpu {
         let dp = SendPtr(d.as_mut_ptr());
         pool::row_blocks(t, 12 * f, |rows| {
             // SAFETY: each block writes its own rows of `d`, which outlives the call.
-            let d = unsafe {
-                std::slice::from_raw_parts_mut(dp.get().add(rows.start * 2 * f), rows.len() * 2 * f)
-            };
-            for (r, i) in rows.enumerate() {
-                for j in 0..f {
-                    let g = gu[i * 2 * f + j];
-                    let u = gu[i * 2 * f + f + j];
-                    let sg = 1.0 / (1.0 + cpu::exp::exp(-g));
-                    let dyv = dy[i * f + j];
-                    d[r * 2 * f + j] = dyv * u * sg * (1.0 + g * (1.0 - sg));
-                    d[r * 2 * f + f + j] = dyv * g * sg;
-                }
-            }
+            let d = unsafe { rows_of(dp, rows.clone(), 2 * f) };
+            let gu = &gu[rows.start * 2 * f..rows.end * 2 * f];
+            cpu::rows::swiglu_bwd(d, gu, &dy[rows.start * f..rows.end * f], f);
         });
         d
     }
@@ -878,20 +871,11 @@ impl Backend for Cpu {
         let mut tgt = vec![0.0; t];
         let (lp, tp) = (SendPtr(lse.as_mut_ptr()), SendPtr(tgt.as_mut_ptr()));
         pool::row_blocks(t, 8 * v, |rows| {
-            for i in rows {
-                let row = &logits[i * v..(i + 1) * v];
-                let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = row.iter().map(|&x| cpu::exp::exp(x - mx)).sum();
-                let id = targets[i] as usize;
-                let hit = id >= vocab_start && id < vocab_start + v;
-                // SAFETY: row `i` belongs to this block alone; both vectors outlive the call.
-                unsafe {
-                    *lp.get().add(i) = mx + sum.ln();
-                    if hit {
-                        *tp.get().add(i) = row[id - vocab_start];
-                    }
-                }
-            }
+            // SAFETY: each block writes its own rows of both, which outlive the call.
+            let (lse, tgt) =
+                unsafe { (rows_of(lp, rows.clone(), 1), rows_of(tp, rows.clone(), 1)) };
+            let logits = &logits[rows.start * v..rows.end * v];
+            cpu::rows::xent_local(lse, tgt, logits, &targets[rows], v, vocab_start);
         });
         (lse, tgt)
     }
@@ -909,17 +893,11 @@ impl Backend for Cpu {
         let mut d = vec![0.0; t * v];
         let dp = SendPtr(d.as_mut_ptr());
         pool::row_blocks(t, 4 * v, |rows| {
-            for i in rows {
-                // SAFETY: row `i` belongs to this block alone; `d` outlives the call.
-                let row = unsafe { std::slice::from_raw_parts_mut(dp.get().add(i * v), v) };
-                row.copy_from_slice(&logits[i * v..(i + 1) * v]);
-                cpu::exp::exp_sub(row, lse[i]);
-                row.iter_mut().for_each(|x| *x *= scale);
-                let id = targets[i] as usize;
-                if id >= vocab_start && id < vocab_start + v {
-                    row[id - vocab_start] -= scale;
-                }
-            }
+            // SAFETY: each block writes its own rows of `d`, which outlives the call.
+            let d = unsafe { rows_of(dp, rows.clone(), v) };
+            let logits = &logits[rows.start * v..rows.end * v];
+            let (tg, lse) = (&targets[rows.clone()], &lse[rows]);
+            cpu::rows::xent_bwd(d, logits, (tg, lse), (v, vocab_start), scale);
         });
         d
     }

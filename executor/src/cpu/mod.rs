@@ -8,6 +8,8 @@
 //! - [`rope`]: RoPE cos/sin tables computed once per `(head_dim, theta)` and shared;
 //! - [`gemm`]: matrixmultiply's kernel split over row/column blocks on [`pool`]'s threads
 //!   (every element computed by the same arithmetic as the single-threaded call);
+//! - [`rows`]: row kernels (SwiGLU, the loss) on a block of whole rows, which the backend
+//!   spreads over [`pool`]'s threads;
 //! - [`pool`]: the process's compute threads, sized so ranks sharing a machine share its
 //!   cores instead of oversubscribing them.
 
@@ -16,3 +18,4 @@ pub mod exp;
 pub mod gemm;
 pub mod pool;
 pub mod rope;
+pub mod rows;
