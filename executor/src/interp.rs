@@ -17,6 +17,13 @@
 //! Steps the IR does not contain and the interpreter performs itself: the GPT
 //! learned-position add rides on the embedding node.
 //!
+//! What the interpreter is and is not: it fetches a node's operands, makes one backend call,
+//! one collective or one composite op ([`crate::ops`], [`crate::moe`], [`crate::bucket`]:
+//! free functions of buffers and shapes) and defines the node's results. Setting a rank up
+//! from the program ([`crate::bucket`]'s `init_buckets`), its data feed ([`crate::data`]),
+//! its state as named tensors ([`crate::state`]) and running ranks with their hooks
+//! ([`crate::run`]) live outside it.
+//!
 //! # Backend and host
 //!
 //! The interpreter is generic over `B: Backend` and holds tensors as `B::Buf`:
@@ -28,7 +35,7 @@
 //!   each is used: collectives, sends and receives (the [`Communicator`] moves host
 //!   vectors); the data-parallel stream's flattened buckets, the ZeRO shards and their
 //!   moments (AdamW on a shard uploads its runs, see [`dp`]); checkpoints and resumes
-//!   ([`state`]); the step report's weights and gradients; the loss's per-token statistics
+//!   ([`crate::state`]); the step report's weights and gradients; the loss's per-token statistics
 //!   (the loss is summed on the host); the MoE routing statistics and dispatch headers;
 //! - host-side throughout: token ids, labels and positions (`u32`, passed to the kernels as
 //!   they are) and the MoE routing decisions with the dispatch tables planned from them.
