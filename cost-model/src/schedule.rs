@@ -536,45 +536,50 @@ fn steady_peak(p: u32, v: u32, m: u32, j: u32, act: &[f64]) -> f64 {
 /// instead of `O(m v)`. `None` otherwise (or when the groups are uneven: interleaving with
 /// `m` not a multiple of `p`).
 fn whole_peak(p: u32, v: u32, m: u32, j: u32, warm: u32, act: &[f64]) -> Option<f64> {
-    if v > 1 && !m.is_multiple_of(p) {
+    // (At most `MAX_V` chunks, so the sums live on the stack.)
+    const MAX_V: usize = 16;
+    if (v > 1 && !m.is_multiple_of(p)) || v as usize > MAX_V {
         return None;
     }
     const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
-    let mut a = Vec::with_capacity(v as usize);
-    for c in 0..v {
-        let x = act[(c * p + j) as usize];
+    let vu = v as usize;
+    let mut a = [0u64; MAX_V];
+    for (c, a) in a.iter_mut().enumerate().take(vu) {
+        let x = act[c * p as usize + j as usize];
         if !(x >= 0.0 && x <= EXACT && x.fract() == 0.0) {
             return None;
         }
-        a.push(x as u64 as u128);
+        *a = x as u64;
     }
-    let sum: u128 = a.iter().sum();
-    if sum * u128::from(m) > EXACT as u128 {
+    let sum: u64 = a[..vu].iter().sum();
+    if u128::from(sum) * u128::from(m) > EXACT as u128 {
         return None;
     }
-    let (p, v) = (p as u128, v as u128);
+    // Every sum below is of at most all the rank's forwards: at most 2^53, no overflow
+    // (the prefixes past them saturate and are not read).
+    let (p, v) = (u64::from(p), u64::from(v));
     let period = p * v;
     // pre[c]: the bytes of `p` forwards of each chunk before `c`; the same for backwards,
     // which visit the chunks from the last.
-    let mut fpre = vec![0u128; v as usize + 1];
-    let mut bpre = vec![0u128; v as usize + 1];
-    for c in 0..v as usize {
-        fpre[c + 1] = fpre[c] + p * a[c];
-        bpre[c + 1] = bpre[c] + p * a[v as usize - 1 - c];
+    let mut fpre = [0u64; MAX_V + 1];
+    let mut bpre = [0u64; MAX_V + 1];
+    for c in 0..vu {
+        fpre[c + 1] = fpre[c].saturating_add(p.saturating_mul(a[c]));
+        bpre[c + 1] = bpre[c].saturating_add(p.saturating_mul(a[vu - 1 - c]));
     }
     // The bytes of the first `n` forwards (backwards): whole periods of `p` micro-batches
     // of every chunk, then whole chunks, then part of one.
-    let fsum = |n: u128| {
+    let fsum = |n: u64| {
         let (q, r) = (n / period, n % period);
         let c = (r / p) as usize;
         q * p * sum + fpre[c] + (r % p) * a[c]
     };
-    let bsum = |n: u128| {
+    let bsum = |n: u64| {
         let (q, r) = (n / period, n % period);
         let c = (r / p) as usize;
-        q * p * sum + bpre[c] + (r % p) * a[v as usize - 1 - c]
+        q * p * sum + bpre[c] + (r % p) * a[vu - 1 - c]
     };
-    let (warm, total) = (u128::from(warm), u128::from(m) * v);
+    let (warm, total) = (u64::from(warm), u64::from(m) * v);
     // Warm-up: the live total only grows.
     let mut peak = fsum(warm);
     // Steady state: after its `i`-th forward the rank holds the first `warm + i + 1`
@@ -584,24 +589,18 @@ fn whole_peak(p: u32, v: u32, m: u32, j: u32, warm: u32, act: &[f64]) -> Option<
     let steady = total - warm;
     let span = steady.min(period);
     if span > 0 {
-        let live = |i: u128| fsum(warm + i + 1) - bsum(i);
+        let live = |i: u64| fsum(warm + i + 1) - bsum(i);
         peak = peak.max(live(span - 1));
         let shift = (p - (warm + 1) % p) % p; // (warm + i + 1) % p == 0 from here
-        let mut i = 0;
-        while i < span {
-            peak = peak.max(live(i));
-            if i > 0 {
-                peak = peak.max(live(i - 1));
+        for first in [0, shift] {
+            let mut i = first;
+            while i < span {
+                peak = peak.max(live(i));
+                if i > 0 {
+                    peak = peak.max(live(i - 1));
+                }
+                i += p;
             }
-            i += p;
-        }
-        let mut i = shift;
-        while i < span {
-            peak = peak.max(live(i));
-            if i > 0 {
-                peak = peak.max(live(i - 1));
-            }
-            i += p;
         }
     }
     Some(peak as f64)
