@@ -50,6 +50,7 @@ pub fn slots(schedule: Schedule, p: u32, v: u32, m: u32, j: u32) -> Vec<Slot> {
 }
 
 /// Slot `n` of [`slots`] (`n < 2 m v`, `v` as the walk takes it), without the others.
+#[cfg(test)]
 fn slot_at(schedule: Schedule, p: u32, v: u32, m: u32, j: u32, n: u32) -> Slot {
     let total = m * v;
     let (phase, (mb, chunk)) = match schedule {
@@ -126,6 +127,125 @@ fn for_each_slot(schedule: Schedule, p: u32, v: u32, m: u32, j: u32, mut f: impl
     }
 }
 
+/// The virtual micro-batches `0, 1, 2, ...` of [`virtual_mb`] one after another, by
+/// increments instead of divisions.
+#[derive(Clone, Copy, Debug)]
+struct VirtualIter {
+    /// First micro-batch of the current group, its size, the chunk (forward order) and
+    /// the index in the group.
+    start: u32,
+    size: u32,
+    chunk: u32,
+    idx: u32,
+}
+
+impl VirtualIter {
+    fn new(p: u32, m: u32) -> VirtualIter {
+        VirtualIter {
+            start: 0,
+            size: p.min(m),
+            chunk: 0,
+            idx: 0,
+        }
+    }
+
+    /// (micro-batch, chunk in forward order) of the current virtual micro-batch.
+    #[inline(always)]
+    fn get(&self) -> (u32, u32) {
+        (self.start + self.idx, self.chunk)
+    }
+
+    #[inline(always)]
+    fn advance(&mut self, p: u32, v: u32, m: u32) {
+        self.idx += 1;
+        if self.idx == self.size {
+            self.idx = 0;
+            self.chunk += 1;
+            if self.chunk == v {
+                self.chunk = 0;
+                self.start += p;
+                self.size = p.min(m.saturating_sub(self.start));
+            }
+        }
+    }
+}
+
+/// One rank's [`slots`] in order, by increments ([`slot_at`] without its divisions).
+#[derive(Clone, Copy, Debug)]
+struct SlotCursor {
+    gpipe: bool,
+    warm: u32,
+    total: u32,
+    f: u32,
+    b: u32,
+    fi: VirtualIter,
+    bi: VirtualIter,
+}
+
+impl SlotCursor {
+    fn new(schedule: Schedule, p: u32, v: u32, m: u32, j: u32) -> SlotCursor {
+        let total = m * v;
+        let gpipe = schedule == Schedule::Gpipe;
+        let warm = match schedule {
+            Schedule::Gpipe => total,
+            _ if v == 1 => (p - j - 1).min(m),
+            _ => ((p - j - 1) * 2 + (v - 1) * p).min(total),
+        };
+        // GPipe: forwards chunk by chunk over every micro-batch (a group of m).
+        let gp = if gpipe { m } else { p };
+        SlotCursor {
+            gpipe,
+            warm,
+            total,
+            f: 0,
+            b: 0,
+            fi: VirtualIter::new(gp, m),
+            bi: VirtualIter::new(gp, m),
+        }
+    }
+
+    #[inline(always)]
+    fn done(&self) -> bool {
+        self.b == self.total
+    }
+
+    /// The next slot (the cursor must not be done).
+    #[inline(always)]
+    fn peek(&self, v: u32, m: u32) -> Slot {
+        if self.f < self.total && (self.f < self.warm || self.f - self.warm == self.b) {
+            let (mb, chunk) = self.fi.get();
+            Slot {
+                phase: Phase::Fwd,
+                mb,
+                chunk,
+            }
+        } else {
+            let (mb, chunk) = self.bi.get();
+            let mb = if self.gpipe { m - 1 - mb } else { mb };
+            Slot {
+                phase: Phase::Bwd,
+                mb,
+                chunk: v - 1 - chunk,
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn advance(&mut self, phase: Phase, p: u32, v: u32, m: u32) {
+        let gp = if self.gpipe { m } else { p };
+        match phase {
+            Phase::Fwd => {
+                self.f += 1;
+                self.fi.advance(gp, v, m);
+            }
+            Phase::Bwd => {
+                self.b += 1;
+                self.bi.advance(gp, v, m);
+            }
+        }
+    }
+}
+
 /// Exact timing and activation peak of a pipeline schedule at chunk granularity.
 ///
 /// `fwd[vs]`, `bwd[vs]`: seconds of one micro-batch's forward / backward through virtual
@@ -156,15 +276,14 @@ pub fn walk(
     WalkPlan::new(schedule, p, v, m).run(fwd, bwd, act)
 }
 
-/// One pass of a compiled walk: rank `rank` runs the forward (`pass` even) or backward
-/// (`pass` odd) of virtual stage `pass / 2` once the pass at `dep` is done (index into the
-/// finish times, 0 = time zero).
 /// [`Step::dep`] of a pass that never runs (a deadlocked schedule).
 const NEVER: u32 = u32::MAX;
 
+/// One pass of a compiled walk: the rank of virtual stage `pass / 2` runs its forward
+/// (`pass` even) or backward (`pass` odd) once the step `dep` is done (1-based index of
+/// the steps, 0 = time zero).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Step {
-    rank: u32,
     pass: u32,
     dep: u32,
 }
@@ -176,11 +295,18 @@ struct Step {
 /// integers are walked with many durations (the search does, once per layout family).
 #[derive(Clone, Debug)]
 pub struct WalkPlan {
+    schedule: Schedule,
     p: u32,
+    /// Chunks per rank as the walk takes them (1 unless interleaved).
+    v: u32,
+    m: u32,
     vs_n: usize,
     /// Every pass of every rank, in an order that runs each after what it waits for and
     /// each rank's passes in its [`slots`] order.
     steps: Vec<Step>,
+    /// One less than a power of two at least the largest distance (in steps) from a pass
+    /// back to the one it waits for: [`WalkPlan::run`] keeps that many finish times.
+    mask: usize,
 }
 
 impl WalkPlan {
@@ -191,100 +317,135 @@ impl WalkPlan {
         } else {
             1
         };
-        let vs_n = (p * v) as usize;
-        // Every rank runs 2 m v slots, each found by its index ([`slot_at`]).
-        let per_rank = 2 * m * v;
-        let total = p as usize * per_rank as usize;
-        let slot =
-            |j: usize, n: u32| (n < per_rank).then(|| slot_at(schedule, p, v, m, j as u32, n));
-        // Index (1-based) of the step that finished each (virtual stage, micro-batch) pass;
-        // 0 = not yet.
-        let mut f_done = vec![0u32; vs_n * m as usize];
-        let mut b_done = vec![0u32; vs_n * m as usize];
-        let mut next = vec![0u32; p as usize];
+        let (pu, mu) = (p as usize, m as usize);
+        let vs_n = pu * v as usize;
+        let total = pu * 2 * mu * v as usize;
         let mut steps: Vec<Step> = Vec::with_capacity(total);
-        while steps.len() < total {
-            let mut progress = false;
-            for j in 0..p as usize {
-                while let Some(s) = slot(j, next[j]) {
-                    let vs = (s.chunk * p) as usize + j;
-                    let at = |vs: usize| vs * m as usize + s.mb as usize;
-                    // `Some(0)`: starts at time zero; `None`: waits for a pass not yet run.
-                    let dep = match s.phase {
-                        Phase::Fwd if vs > 0 => Some(f_done[at(vs - 1)]).filter(|&d| d > 0),
-                        Phase::Fwd => Some(0),
-                        Phase::Bwd if vs + 1 < vs_n => Some(b_done[at(vs + 1)]).filter(|&d| d > 0),
-                        Phase::Bwd => Some(f_done[at(vs)]).filter(|&d| d > 0),
-                    };
-                    let Some(dep) = dep else { break };
-                    let bwd = s.phase == Phase::Bwd;
-                    steps.push(Step {
-                        rank: j as u32,
-                        pass: 2 * vs as u32 + u32::from(bwd),
-                        dep,
-                    });
-                    let id = steps.len() as u32;
-                    if bwd {
-                        b_done[at(vs)] = id;
-                    } else {
-                        f_done[at(vs)] = id;
-                    }
-                    next[j] += 1;
-                    progress = true;
-                }
-            }
-            if !progress {
-                // Only for micro-batch counts the rules reject (interleaving with m not a
-                // multiple of p can deadlock). As the sweep, time what ran; the passes that
-                // never run still count towards each rank's activation peak.
-                for j in 0..p as usize {
-                    for s in (next[j]..per_rank).map(|n| slot_at(schedule, p, v, m, j as u32, n)) {
-                        let vs = (s.chunk * p) as usize + j;
+        // Each rank's slots one after another ([`SlotCursor`], the order of [`slot_at`]).
+        let mut cur: Vec<SlotCursor> = (0..p)
+            .map(|j| SlotCursor::new(schedule, p, v, m, j))
+            .collect();
+        let mut ring = 1usize; // the largest distance from a pass back to what it waits for
+        DONE.with(|done| {
+            let mut done = done.borrow_mut();
+            // Index (1-based) of the step that finished each forward (first half) and
+            // backward (second half) of a (virtual stage, micro-batch); 0 = not yet.
+            done.clear();
+            done.resize(2 * vs_n * mu, 0);
+            let (f_done, b_done) = done.split_at_mut(vs_n * mu);
+            let mut left = pu;
+            loop {
+                let mut progress = false;
+                for (j, c) in cur.iter_mut().enumerate() {
+                    while !c.done() {
+                        let s = c.peek(v, m);
+                        let vs = s.chunk as usize * pu + j;
+                        // By micro-batch, then virtual stage: the passes in flight are close.
+                        let at = s.mb as usize * vs_n + vs;
+                        // 0: starts at time zero.
+                        let dep = match s.phase {
+                            Phase::Fwd if vs > 0 => f_done[at - 1],
+                            Phase::Fwd => 0,
+                            Phase::Bwd if vs + 1 < vs_n => b_done[at + 1],
+                            Phase::Bwd => f_done[at],
+                        };
+                        if dep == 0 && !(s.phase == Phase::Fwd && vs == 0) {
+                            break;
+                        }
+                        let bwd = s.phase == Phase::Bwd;
                         steps.push(Step {
-                            rank: j as u32,
-                            pass: 2 * vs as u32 + u32::from(s.phase == Phase::Bwd),
-                            dep: NEVER,
+                            pass: 2 * vs as u32 + u32::from(bwd),
+                            dep,
                         });
+                        let id = steps.len() as u32;
+                        if dep > 0 {
+                            ring = ring.max((id - dep) as usize);
+                        }
+                        if bwd {
+                            b_done[at] = id;
+                        } else {
+                            f_done[at] = id;
+                        }
+                        c.advance(s.phase, p, v, m);
+                        progress = true;
+                        if c.done() {
+                            left -= 1;
+                        }
                     }
                 }
-                break;
+                if left == 0 {
+                    break;
+                }
+                if !progress {
+                    // Only for micro-batch counts the rules reject (interleaving with m not
+                    // a multiple of p can deadlock). As the sweep, time what ran; the passes
+                    // that never run still count towards each rank's activation peak.
+                    for (j, c) in cur.iter_mut().enumerate() {
+                        while !c.done() {
+                            let s = c.peek(v, m);
+                            let vs = s.chunk as usize * pu + j;
+                            steps.push(Step {
+                                pass: 2 * vs as u32 + u32::from(s.phase == Phase::Bwd),
+                                dep: NEVER,
+                            });
+                            c.advance(s.phase, p, v, m);
+                        }
+                    }
+                    break;
+                }
             }
+        });
+        WalkPlan {
+            schedule,
+            p,
+            v,
+            m,
+            vs_n,
+            steps,
+            mask: ring.next_power_of_two() - 1,
         }
-        WalkPlan { p, vs_n, steps }
     }
 
     /// The walk with these durations and saved bytes (see [`Walk`]; slices of `p v`).
     pub fn run(&self, fwd: &[f64], bwd: &[f64], act: &[f64]) -> Walk {
         let p = self.p as usize;
-        let (fwd, bwd, act) = (&fwd[..self.vs_n], &bwd[..self.vs_n], &act[..self.vs_n]);
-        let mut done = Vec::with_capacity(self.steps.len() + 1);
-        done.push(0.0f64);
+        let (fwd, bwd) = (&fwd[..self.vs_n], &bwd[..self.vs_n]);
+        // The finish times of the last `mask + 1` steps, by step index (1-based): each step
+        // waits for one at most that far back.
+        let mut done = vec![0.0f64; self.mask + 1];
         let mut clock = vec![0.0f64; p];
-        let mut live = vec![0.0f64; p];
-        let mut peak_act = vec![0.0f64; p];
+        // Rank and duration of each pass (forward, backward) of each virtual stage.
+        let passes: Vec<(usize, f64)> = (0..self.vs_n)
+            .flat_map(|vs| [(vs % p, fwd[vs]), (vs % p, bwd[vs])])
+            .collect();
+        let mut id = 0usize;
         for s in &self.steps {
-            let j = s.rank as usize;
-            let vs = (s.pass / 2) as usize;
-            let fwd_pass = s.pass % 2 == 0;
-            if fwd_pass {
-                live[j] += act[vs];
-                peak_act[j] = peak_act[j].max(live[j]);
-            } else {
-                live[j] -= act[vs];
-            }
             if s.dep == NEVER {
-                continue;
+                // Only the passes of a deadlocked walk, at its end.
+                break;
             }
-            let dep = done[s.dep as usize];
-            let t = clock[j].max(dep) + if fwd_pass { fwd[vs] } else { bwd[vs] };
+            let (j, dur) = passes[s.pass as usize];
+            let dep = if s.dep == 0 {
+                0.0
+            } else {
+                done[s.dep as usize & self.mask]
+            };
+            let t = clock[j].max(dep) + dur;
             clock[j] = t;
-            done.push(t);
+            id += 1;
+            done[id & self.mask] = t;
         }
         Walk {
             makespan: clock.iter().copied().fold(0.0, f64::max),
-            peak_act,
+            // The same sums in each rank's slot order as the walk's (never-run passes too).
+            peak_act: peak_act(self.schedule, self.p, self.v, self.m, &act[..self.vs_n]),
         }
     }
+}
+
+thread_local! {
+    /// [`WalkPlan::new`]'s scratch (which step finished each pass), kept between plans.
+    static DONE: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Per rank, the activation peak of [`walk`] (its `peak_act`, bit for bit: the same
@@ -327,11 +488,17 @@ fn steady_peak(p: u32, v: u32, m: u32, j: u32, act: &[f64]) -> f64 {
     } else {
         ((p - j - 1) * 2 + (v - 1) * p).min(total)
     };
-    let a = |k: u32, forward: bool| act[(virtual_mb(k, p, v, m, forward).1 * p + j) as usize];
+    if let Some(peak) = whole_peak(p, v, m, j, warm, act) {
+        return peak;
+    }
+    let a = |c: u32| act[(c * p + j) as usize];
     let (mut live, mut peak) = (0.0f64, 0.0f64);
-    for f in 0..warm {
-        live += a(f, true);
+    // The forward and backward virtual micro-batches, by increments ([`virtual_mb`]).
+    let (mut fi, mut bi) = (VirtualIter::new(p, m), VirtualIter::new(p, m));
+    for _ in 0..warm {
+        live += a(fi.get().1);
         peak = peak.max(live);
+        fi.advance(p, v, m);
     }
     let steady = total - warm;
     let period = p * v;
@@ -341,18 +508,102 @@ fn steady_peak(p: u32, v: u32, m: u32, j: u32, act: &[f64]) -> f64 {
     while i < steady {
         if periodic && i % period == 0 {
             if before == Some(live.to_bits()) {
-                i += (steady - i) / period * period;
+                // Whole periods: every group holds `p` micro-batches, so each skipped
+                // period moves both on by `p` micro-batches in the same chunk.
+                let periods = (steady - i) / period;
+                i += periods * period;
+                fi.start += periods * p;
+                bi.start += periods * p;
                 periodic = false;
                 continue;
             }
             before = Some(live.to_bits());
         }
-        live += a(warm + i, true);
+        live += a(fi.get().1);
         peak = peak.max(live);
-        live -= a(i, false);
+        live -= a(v - 1 - bi.get().1);
+        fi.advance(p, v, m);
+        bi.advance(p, v, m);
         i += 1;
     }
     peak
+}
+
+/// [`steady_peak`] when every saved size of rank `j` is a whole number and all its forwards
+/// together hold at most 2^53: then every sum and difference the walk forms is exact, so
+/// the peak is the largest exact live total, whatever the order of the additions, and is
+/// found from prefix sums at the few passes where the chunks change, in `O(v + m v / p)`
+/// instead of `O(m v)`. `None` otherwise (or when the groups are uneven: interleaving with
+/// `m` not a multiple of `p`).
+fn whole_peak(p: u32, v: u32, m: u32, j: u32, warm: u32, act: &[f64]) -> Option<f64> {
+    // (At most `MAX_V` chunks, so the sums live on the stack.)
+    const MAX_V: usize = 16;
+    if (v > 1 && !m.is_multiple_of(p)) || v as usize > MAX_V {
+        return None;
+    }
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    let vu = v as usize;
+    let mut a = [0u64; MAX_V];
+    for (c, a) in a.iter_mut().enumerate().take(vu) {
+        let x = act[c * p as usize + j as usize];
+        if !(x >= 0.0 && x <= EXACT && x.fract() == 0.0) {
+            return None;
+        }
+        *a = x as u64;
+    }
+    let sum: u64 = a[..vu].iter().sum();
+    if u128::from(sum) * u128::from(m) > EXACT as u128 {
+        return None;
+    }
+    // Every sum below is of at most all the rank's forwards: at most 2^53, no overflow
+    // (the prefixes past them saturate and are not read).
+    let (p, v) = (u64::from(p), u64::from(v));
+    let period = p * v;
+    // pre[c]: the bytes of `p` forwards of each chunk before `c`; the same for backwards,
+    // which visit the chunks from the last.
+    let mut fpre = [0u64; MAX_V + 1];
+    let mut bpre = [0u64; MAX_V + 1];
+    for c in 0..vu {
+        fpre[c + 1] = fpre[c].saturating_add(p.saturating_mul(a[c]));
+        bpre[c + 1] = bpre[c].saturating_add(p.saturating_mul(a[vu - 1 - c]));
+    }
+    // The bytes of the first `n` forwards (backwards): whole periods of `p` micro-batches
+    // of every chunk, then whole chunks, then part of one.
+    let fsum = |n: u64| {
+        let (q, r) = (n / period, n % period);
+        let c = (r / p) as usize;
+        q * p * sum + fpre[c] + (r % p) * a[c]
+    };
+    let bsum = |n: u64| {
+        let (q, r) = (n / period, n % period);
+        let c = (r / p) as usize;
+        q * p * sum + bpre[c] + (r % p) * a[vu - 1 - c]
+    };
+    let (warm, total) = (u64::from(warm), u64::from(m) * v);
+    // Warm-up: the live total only grows.
+    let mut peak = fsum(warm);
+    // Steady state: after its `i`-th forward the rank holds the first `warm + i + 1`
+    // forwards less the first `i` backwards; that repeats with period `p v` and is linear
+    // between the passes where the forward's or the backward's chunk changes, so its
+    // largest value is at one of those ends.
+    let steady = total - warm;
+    let span = steady.min(period);
+    if span > 0 {
+        let live = |i: u64| fsum(warm + i + 1) - bsum(i);
+        peak = peak.max(live(span - 1));
+        let shift = (p - (warm + 1) % p) % p; // (warm + i + 1) % p == 0 from here
+        for first in [0, shift] {
+            let mut i = first;
+            while i < span {
+                peak = peak.max(live(i));
+                if i > 0 {
+                    peak = peak.max(live(i - 1));
+                }
+                i += p;
+            }
+        }
+    }
+    Some(peak as f64)
 }
 
 /// Per rank: the largest sum of `act` over its leading forward passes (those before its
@@ -781,6 +1032,56 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Whole-number saved bytes (the search's are): the peak from prefix sums at the
+    /// chunk changes is the slot-by-slot sum's, bit for bit, over a grid of (p, v, m) and
+    /// ranks, with sizes from 0 to large (near the 2^53 limit of exact sums: the walk
+    /// falls back to the sums there).
+    #[test]
+    fn whole_number_peak_is_the_slot_by_slot_peak() {
+        let mut rnd = xorshift(0x0dd_b1a5_e5ca_1ab1u64);
+        let mut fast = 0;
+        for p in 1..=7u32 {
+            for v in 1..=4u32 {
+                for m in 1..=20u32 {
+                    for scale in [1u64, 1 << 20, 1 << 40, 1 << 46] {
+                        let n = (p * v) as usize;
+                        let act: Vec<f64> =
+                            (0..n).map(|_| ((rnd() % 1000) * scale) as f64).collect();
+                        for sched in [Schedule::OneFOneB, Schedule::Interleaved] {
+                            let vv = if sched == Schedule::Interleaved { v } else { 1 };
+                            let got = peak_act(sched, p, v, m, &act);
+                            for j in 0..p {
+                                let (mut live, mut peak) = (0.0f64, 0.0f64);
+                                for s in slots(sched, p, vv, m, j) {
+                                    let a = act[(s.chunk * p + j) as usize];
+                                    if s.phase == Phase::Fwd {
+                                        live += a;
+                                        peak = peak.max(live);
+                                    } else {
+                                        live -= a;
+                                    }
+                                }
+                                assert_eq!(
+                                    got[j as usize].to_bits(),
+                                    peak.to_bits(),
+                                    "{sched:?} p{p} v{v} m{m} j{j} scale {scale}"
+                                );
+                                let warm = if vv == 1 {
+                                    (p - j - 1).min(m)
+                                } else {
+                                    ((p - j - 1) * 2 + (vv - 1) * p).min(m * vv)
+                                };
+                                fast += usize::from(whole_peak(p, vv, m, j, warm, &act).is_some());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Most cases take the prefix sums (not the fallback).
+        assert!(fast > 5_000, "{fast}");
     }
 
     /// Marsaglia's xorshift64 from `seed`: the tests' reproducible random numbers.
