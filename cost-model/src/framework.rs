@@ -83,6 +83,14 @@ pub enum AttnKernel {
     /// FlashAttention-2: PyTorch SDPA's first backend (`sdp_utils.cpp` `priority_order`:
     /// flash, efficient, math, cuDNN last; torchtitan under CP restricts SDPA to the flash
     /// and efficient backends), and the `flash_attn` package DeepSpeed's Megatron fork calls.
+    ///
+    /// PyTorch 2.5.0 had put cuDNN first on H100; after its 2.5 bugs cuDNN became opt-in
+    /// again (pytorch/pytorch#138522, tracked in #138649), so the December 2024 nightlies
+    /// that torchtitan's published Grand Teton benchmarks ran on picked FlashAttention-2
+    /// there: pytorch/pytorch#142132 (closed as expected behaviour) measured native SDPA at
+    /// 329 TFLOP/s against cuDNN's 631 on an H100 with `2.6.0.dev20241204`, forward, head
+    /// dim 128. Later releases prefer cuDNN on sm90 only with a bundled cuDNN newer than
+    /// 9.15 (`check_prefer_cudnn_attention` in `sdp_utils.cpp`).
     FlashAttention2,
 }
 

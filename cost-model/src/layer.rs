@@ -21,8 +21,11 @@
 //!   backward twice the forward traffic.
 //! - Collectives: ring alpha-beta on the fabric of their group ([`Mesh::fabric`]).
 //!   `exposed_s` is what the step pays: `time_s * (1 - overlap)` with the calibrated
-//!   overlap share for TP and EP; for the CP ring each step's K/V transfer minus the
-//!   attention block it hides behind (`(cp - 1) max(0, t_step - core / cp)` per pass).
+//!   overlap share for TP and EP; for the CP ring each step's K/V transfer against the
+//!   attention block it runs beside: what outlasts the block, or the contention share
+//!   `1 - dp_overlap` of the transfer when the block outlasts it
+//!   (`(cp - 1) max(t_step - b, (1 - dp_overlap) min(t_step, b))` per pass, `b = core / cp`,
+//!   [`crate::ring::contended_s`]).
 //!
 //! Not ops (named separately in `LayerTime`): the per-layer launch overhead.
 
@@ -435,7 +438,8 @@ impl Ctx<'_> {
         // attention of a pass runs as cp blocks of about core/cp each; while block i
         // computes, the K/V chunk for block i+1 is in flight (backward: K, V and dK, dV, so
         // twice the bytes against 2.5x the work). A step's transfer hides only behind its own
-        // block: exposed = (cp - 1) * max(0, t_step - block). Selective recompute reuses the
+        // block: exposed = (cp - 1) * max(t_step - block, (1 - dp_overlap) * min(t_step,
+        // block)) (`ring::contended_s`). Selective recompute reuses the
         // forward's K/V blocks.
         if cp > 1 && (e.pass != Pass::Recompute || self.shape.recompute == Recompute::Full) {
             let link = group_link(job, self.mesh.fabric(GroupKind::Cp));
@@ -446,6 +450,10 @@ impl Ctx<'_> {
             // One block's forward and backward times.
             let block = core_fwd / rate(false) / cp as f64;
             let block_bwd = 2.5 * core_fwd / rate(true) / cp as f64;
+            // A transfer beside a block costs it the share (1 - dp_overlap) of their
+            // concurrent stretch, what outlasts the block whole (`ring::contended_s`).
+            let contention = 1.0 - eff.dp_overlap;
+            let contend = |t: f64, b: f64| crate::ring::contended_s(t, b, contention);
             let (bytes, time, exposed) = if torch_ring {
                 // One all-gather of every rank's K/V per pass; the backward adds `cp` sends
                 // of fp32 dK/dV (twice a 16-bit chunk's bytes).
@@ -455,26 +463,26 @@ impl Ctx<'_> {
                     (
                         steps * chunk + cp as f64 * 2.0 * chunk,
                         gather + cp as f64 * dkv,
-                        crate::ring::exposed_s(cp, gather, dkv, block_bwd, true),
+                        crate::ring::exposed_s(cp, gather, dkv, block_bwd, true, contention),
                     )
                 } else {
                     (
                         steps * chunk,
                         gather,
-                        crate::ring::exposed_s(cp, gather, dkv, block, false),
+                        crate::ring::exposed_s(cp, gather, dkv, block, false, contention),
                     )
                 }
             } else if bwd {
                 (
                     2.0 * steps * chunk,
                     2.0 * steps * step_t,
-                    steps * (2.0 * step_t - block_bwd).max(0.0),
+                    steps * contend(2.0 * step_t, block_bwd),
                 )
             } else {
                 (
                     steps * chunk,
                     steps * step_t,
-                    steps * (step_t - block).max(0.0),
+                    steps * contend(step_t, block),
                 )
             };
             let op = OpKind::Collective {

@@ -37,7 +37,9 @@
 //! second step, so it hides behind the first block only; in the backward the same
 //! all-gather, and `cp` sends of the fp32 dK/dV (twice the bytes of a 16-bit K/V chunk),
 //! each waited for after the next step's block (the last after the loop, with nothing to
-//! hide behind).
+//! hide behind). A transfer hidden behind a block still slows it by the contention share
+//! of their concurrent stretch ([`contended_s`]), as Transformer Engine's P2P ring does in
+//! `crate::layer`.
 
 /// HBM bytes of one forward pass's merges, for `q` output elements and `kv` K/V elements
 /// (K and V together) on this rank.
@@ -62,17 +64,34 @@ pub fn accumulate_bytes_bwd(cp: u32, q: f64, kv: f64) -> f64 {
 
 /// Exposed seconds of one pass's transfers: the K/V all-gather (`gather_s`) hides behind
 /// the first block (`block_s`); in the backward the `cp` fp32 dK/dV sends of `dkv_s` each
-/// hide behind the next block, the last behind nothing.
-pub fn exposed_s(cp: u32, gather_s: f64, dkv_s: f64, block_s: f64, bwd: bool) -> f64 {
+/// hide behind the next block, the last behind nothing. A transfer beside a block costs
+/// the block `contention` of their concurrent stretch ([`contended_s`]).
+pub fn exposed_s(
+    cp: u32,
+    gather_s: f64,
+    dkv_s: f64,
+    block_s: f64,
+    bwd: bool,
+    contention: f64,
+) -> f64 {
     if cp <= 1 {
         return 0.0;
     }
-    let gather = (gather_s - block_s).max(0.0);
+    let gather = contended_s(gather_s, block_s, contention);
     if !bwd {
         return gather;
     }
     let steps = cp as f64 - 1.0;
-    gather + steps * (dkv_s - block_s).max(0.0) + dkv_s
+    gather + steps * contended_s(dkv_s, block_s, contention) + dkv_s
+}
+
+/// What a transfer of `transfer_s` launched beside `compute_s` of compute adds to the
+/// step: the part that outlasts the compute, or, when the compute outlasts it, the share
+/// `contention` of the concurrent stretch, whichever is larger. NCCL's kernels take SMs and
+/// HBM bandwidth from the kernels beside them; the share is the one the DP collectives pay
+/// (`1 - dp_overlap`, fitted once, `crate::eval`).
+pub fn contended_s(transfer_s: f64, compute_s: f64, contention: f64) -> f64 {
+    (transfer_s - compute_s).max(contention * transfer_s.min(compute_s))
 }
 
 #[cfg(test)]
@@ -117,10 +136,16 @@ mod tests {
     #[test]
     fn exposure() {
         // Forward: only what the gather outlasts the first block by.
-        assert_eq!(exposed_s(4, 3.0, 1.0, 2.0, false), 1.0);
-        assert_eq!(exposed_s(4, 1.0, 1.0, 2.0, false), 0.0);
+        assert_eq!(exposed_s(4, 3.0, 1.0, 2.0, false, 0.0), 1.0);
+        assert_eq!(exposed_s(4, 1.0, 1.0, 2.0, false, 0.0), 0.0);
         // Backward: gather 1 s over, three dK/dV sends of 3 s each 1 s over a 2 s block,
         // the last send whole: 1 + 3 + 3 = 7 s.
-        assert_eq!(exposed_s(4, 3.0, 3.0, 2.0, true), 7.0);
+        assert_eq!(exposed_s(4, 3.0, 3.0, 2.0, true, 0.0), 7.0);
+        // With contention 0.2: a 1 s gather beside a 2 s block costs 0.2 s; a 3 s one still
+        // its 1 s overhang (more than 0.2 x 2 = 0.4 s).
+        assert!((exposed_s(4, 1.0, 1.0, 2.0, false, 0.2) - 0.2).abs() < 1e-12);
+        assert_eq!(exposed_s(4, 3.0, 1.0, 2.0, false, 0.2), 1.0);
+        // Backward, 1 s gather and 1 s sends beside 2 s blocks: 0.2 + 3 x 0.2 + 1 = 1.8 s.
+        assert!((exposed_s(4, 1.0, 1.0, 2.0, true, 0.2) - 1.8).abs() < 1e-12);
     }
 }

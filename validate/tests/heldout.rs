@@ -41,16 +41,22 @@ fn torchtitan_runs_are_scored_fit_and_stay_accurate() {
     // profile; 9.6 / 50.3 / 55.9 before). The price: the rows without CP moved from within
     // 8% to within 16%, all too slow (the H100 level comes from TE runs with CP, whose
     // ring overheads a single-kernel run does not pay: not modelled yet).
+    //
+    // Then the ring transfers' contention (`ring::contended_s`: a transfer hidden behind its
+    // attention block still slows it by the DP collectives' contention share): the NeMo CP
+    // runs no longer hold the H100 attention level down, the level rose 0.316 -> 0.343 and
+    // the rows without CP got faster: 5.9% median, 13.3% p90, every row within 21% under the
+    // committed profile (6.3 / 15.2 / 26 before).
     assert!(median <= 10.0, "held-out median |error| {median:.1}%");
     for r in &report.rows {
-        assert!(r.error_pct.abs() <= 30.0, "{}: {:+.1}%", r.id, r.error_pct);
+        assert!(r.error_pct.abs() <= 25.0, "{}: {:+.1}%", r.id, r.error_pct);
     }
-    // The single-node and 128-GPU FSDP rows (no CP, no PP) within 16% each.
+    // The single-node and 128-GPU FSDP rows (no CP, no PP) within 15% each.
     for r in report
         .rows
         .iter()
         .filter(|r| r.id.starts_with("torchtitan_8b_") && !r.id.contains("_cp"))
     {
-        assert!(r.error_pct.abs() <= 16.0, "{}: {:+.1}%", r.id, r.error_pct);
+        assert!(r.error_pct.abs() <= 15.0, "{}: {:+.1}%", r.id, r.error_pct);
     }
 }
