@@ -1013,16 +1013,7 @@ mod tests {
                     let vv = if sched == Schedule::Interleaved { v } else { 1 };
                     let got = peak_act(sched, p, v, m, &act);
                     for j in 0..p {
-                        let (mut live, mut peak) = (0.0f64, 0.0f64);
-                        for s in slots(sched, p, vv, m, j) {
-                            let a = act[(s.chunk * p + j) as usize];
-                            if s.phase == Phase::Fwd {
-                                live += a;
-                                peak = peak.max(live);
-                            } else {
-                                live -= a;
-                            }
-                        }
+                        let peak = slot_by_slot_peak(sched, (p, vv, m, j), &act);
                         assert_eq!(
                             got[j as usize].to_bits(),
                             peak.to_bits(),
@@ -1032,6 +1023,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The oracle: rank `j`'s live activation bytes summed slot by slot over its schedule,
+    /// and their peak.
+    fn slot_by_slot_peak(sched: Schedule, (p, v, m, j): (u32, u32, u32, u32), act: &[f64]) -> f64 {
+        let (mut live, mut peak) = (0.0f64, 0.0f64);
+        for s in slots(sched, p, v, m, j) {
+            let a = act[(s.chunk * p + j) as usize];
+            if s.phase == Phase::Fwd {
+                live += a;
+                peak = peak.max(live);
+            } else {
+                live -= a;
+            }
+        }
+        peak
     }
 
     /// Whole-number saved bytes (the search's are): the peak from prefix sums at the
@@ -1053,16 +1060,7 @@ mod tests {
                             let vv = if sched == Schedule::Interleaved { v } else { 1 };
                             let got = peak_act(sched, p, v, m, &act);
                             for j in 0..p {
-                                let (mut live, mut peak) = (0.0f64, 0.0f64);
-                                for s in slots(sched, p, vv, m, j) {
-                                    let a = act[(s.chunk * p + j) as usize];
-                                    if s.phase == Phase::Fwd {
-                                        live += a;
-                                        peak = peak.max(live);
-                                    } else {
-                                        live -= a;
-                                    }
-                                }
+                                let peak = slot_by_slot_peak(sched, (p, vv, m, j), &act);
                                 assert_eq!(
                                     got[j as usize].to_bits(),
                                     peak.to_bits(),
