@@ -145,3 +145,69 @@ impl Feed {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source that hands out fixed sequences.
+    struct Fixed(Vec<Vec<u32>>);
+    impl DataSource for Fixed {
+        fn micro_batch(&mut self, _step: u32, _mb: u32) -> Result<Vec<Vec<u32>>, String> {
+            Ok(self.0.clone())
+        }
+    }
+
+    fn feed(seqs: Vec<Vec<u32>>, cp_pos: usize, cp: usize) -> Feed {
+        let ctx = DataCtx {
+            rank: 0,
+            dp_rank: 0,
+            dp_size: 1,
+            micro_batch: seqs.len() as u32,
+            grad_accum: 1,
+            seq: 4,
+            vocab: 10,
+        };
+        let mut f = Feed::new(ctx, cp_pos, cp);
+        f.source = Some(Box::new(Fixed(seqs)));
+        f
+    }
+
+    /// Two sequences of 4 tokens (5 with the last target), cut over 2 context-parallel
+    /// ranks: rank 1 holds tokens 2..4 of each, its targets one further, positions 2, 3.
+    #[test]
+    fn a_context_parallel_rank_gets_its_chunk_of_every_sequence() {
+        let seqs = vec![vec![1, 2, 3, 4, 5], vec![6, 7, 8, 9, 0]];
+        let mut f = feed(seqs.clone(), 1, 2);
+        f.start(0);
+        assert_eq!(f.batch(0).unwrap(), (vec![3, 4, 8, 9], vec![4, 5, 9, 0]));
+        assert_eq!(f.positions(), vec![2, 3, 2, 3]);
+        let mut whole = feed(seqs, 0, 1);
+        whole.start(0);
+        assert_eq!(whole.batch(0).unwrap().0, vec![1, 2, 3, 4, 6, 7, 8, 9]);
+        assert_eq!(whole.positions(), vec![0, 1, 2, 3, 0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn bad_batches_are_errors_that_say_what_is_wrong() {
+        let mut short = feed(vec![vec![1, 2, 3, 4]], 0, 1);
+        let e = short.batch(0).unwrap_err();
+        assert!(
+            e.contains("sequence of 4 tokens, expected seq_len + 1 = 5"),
+            "{e}"
+        );
+        let mut big = feed(vec![vec![1, 2, 10, 4, 5]], 0, 1);
+        let e = big.batch(0).unwrap_err();
+        assert!(
+            e.contains("token id 10 is outside the model's vocabulary of 10"),
+            "{e}"
+        );
+        let mut few = feed(vec![vec![1, 2, 3, 4, 5]], 0, 1);
+        few.ctx.micro_batch = 2;
+        let e = few.batch(0).unwrap_err();
+        assert!(e.contains("gave 1 sequences for a micro-batch of 2"), "{e}");
+        let mut none = feed(vec![], 0, 1);
+        none.source = None;
+        assert_eq!(none.batch(0).unwrap_err(), "no data source");
+    }
+}
