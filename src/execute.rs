@@ -462,7 +462,6 @@ fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
     )))
 }
 
-/// `shardwright execute PLAN|PROGRAM [--backend cpu|cuda]`.
 /// The CPU backend allocates and frees its activations every step. With glibc's defaults a
 /// freed buffer over 128 KiB goes back to the kernel (`munmap`, or a trim of the heap top),
 /// so the next step faults it in and zeroes it again: a tenth of a tiny model's step went
@@ -478,6 +477,7 @@ fn keep_freed_memory() {
     }
 }
 
+/// `shardwright execute PLAN|PROGRAM [--backend cpu|cuda]`.
 pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     let gpu = match a.backend {
         BackendKind::Cuda => Some(gpu_backend()?),
