@@ -73,16 +73,23 @@ pub(crate) struct Feed {
     cp: (usize, usize),
     step: u32,
     batches: BTreeMap<u32, (Vec<u32>, Vec<u32>)>,
+    /// Each token's position in its sequence, for a micro-batch on this rank.
+    positions: Vec<u32>,
 }
 
 impl Feed {
     pub(crate) fn new(ctx: DataCtx, cp_pos: usize, cp: usize) -> Self {
+        let sl = ctx.seq as usize / cp;
+        let positions = (0..ctx.micro_batch as usize * sl)
+            .map(|i| (cp_pos * sl + i % sl) as u32)
+            .collect();
         Feed {
             source: None,
             ctx,
             cp: (cp_pos, cp),
             step: 0,
             batches: BTreeMap::new(),
+            positions,
         }
     }
 
@@ -138,11 +145,8 @@ impl Feed {
     }
 
     /// Each token's position in its sequence, for a micro-batch on this rank.
-    pub(crate) fn positions(&self) -> Vec<u32> {
-        let sl = self.seq_local();
-        (0..self.ctx.micro_batch as usize * sl)
-            .map(|i| (self.cp.0 * sl + i % sl) as u32)
-            .collect()
+    pub(crate) fn positions(&self) -> &[u32] {
+        &self.positions
     }
 }
 
@@ -181,11 +185,11 @@ mod tests {
         let mut f = feed(seqs.clone(), 1, 2);
         f.start(0);
         assert_eq!(f.batch(0).unwrap(), (vec![3, 4, 8, 9], vec![4, 5, 9, 0]));
-        assert_eq!(f.positions(), vec![2, 3, 2, 3]);
+        assert_eq!(f.positions(), [2, 3, 2, 3]);
         let mut whole = feed(seqs, 0, 1);
         whole.start(0);
         assert_eq!(whole.batch(0).unwrap().0, vec![1, 2, 3, 4, 6, 7, 8, 9]);
-        assert_eq!(whole.positions(), vec![0, 1, 2, 3, 0, 1, 2, 3]);
+        assert_eq!(whole.positions(), [0, 1, 2, 3, 0, 1, 2, 3]);
     }
 
     #[test]

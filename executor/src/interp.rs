@@ -403,9 +403,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     fn embed(&mut self, mb: u32) -> Result<B::Buf, String> {
         let (ids, _) = self.feed.batch(mb)?;
         let table = (self.w(Role::Embedding.name())?, self.vocab_start);
-        let pos = self.feed.positions();
         let positions = match self.dims.learned_positions && self.tp_pos == 0 {
-            true => Some((pos.as_slice(), self.w(Role::PosEmbedding.name())?)),
+            true => Some((self.feed.positions(), self.w(Role::PosEmbedding.name())?)),
             false => None,
         };
         Ok(ops::embed(self.be, &ids, table, positions, self.dims.h))
@@ -423,12 +422,11 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         self.be.embedding_bwd(&ids, g, self.vocab_start, h, dw);
         if self.dims.learned_positions {
             // Scattered into the position table's rows, as the embedding's.
-            let pos = self.feed.positions();
             let dp = self
                 .grads
                 .get_mut(Role::PosEmbedding.name())
                 .ok_or("no position grad")?;
-            self.be.embedding_bwd(&pos, g, 0, h, dp);
+            self.be.embedding_bwd(self.feed.positions(), g, 0, h, dp);
         }
         Ok(())
     }

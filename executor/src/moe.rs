@@ -278,26 +278,25 @@ pub(crate) fn dispatch<B: Backend>(
     (buf, route)
 }
 
-/// Per-sequence routing statistics of `t` routed tokens over `e` experts (the first token
-/// is `first` in the micro-batch, sequences of `seq` tokens, `nseq` of them): for each
-/// sequence its routed-slot counts, then its probability sums.
+/// Per-sequence routing statistics of the routed tokens `r` over `e` experts (sequences of
+/// `seq` tokens, `nseq` of them; `r.off` is the first token's index in the micro-batch): for
+/// each sequence its routed-slot counts, then its probability sums.
 pub(crate) fn routing_stats(
-    r: &Routing,
-    t: usize,
+    routing: &Routing,
+    r: Routed,
     e: usize,
-    first: usize,
     seq: usize,
     nseq: usize,
 ) -> Vec<f32> {
-    let k = r.experts.len() / t.max(1);
+    let k = r.k;
     let mut stats = vec![0.0f32; nseq * 2 * e];
-    for i in 0..t {
-        let b = (first + i) / seq;
-        for &x in &r.experts[i * k..(i + 1) * k] {
+    for i in 0..r.t {
+        let b = (r.off + i) / seq;
+        for &x in &routing.experts[i * k..(i + 1) * k] {
             stats[b * 2 * e + x as usize] += 1.0;
         }
         for x in 0..e {
-            stats[b * 2 * e + e + x] += r.probs[i * e + x];
+            stats[b * 2 * e + e + x] += routing.probs[i * e + x];
         }
     }
     stats

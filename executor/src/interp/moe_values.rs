@@ -140,7 +140,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             ));
         }
         let (sl, nseq) = (self.seq_local(), self.mb_size);
-        let stats = moe::routing_stats(&routing, r.t, m.experts, r.off, sl, nseq);
+        let stats = moe::routing_stats(&routing, r, m.experts, sl, nseq);
         let (buf, route) = moe::dispatch(be, &self.chunks(r.h)?, routing, x, r);
         let (xr, rv) = (Self::res(n, 0)?, Self::res(n, 1)?);
         self.def(xr, buf);

@@ -416,20 +416,19 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
 
     fn v_rope(&mut self, n: &Node, bwd: bool) -> Result<(), String> {
         let (be, t) = (self.be, self.tokens());
-        let pos = self.feed.positions();
         let rotary = match self.dims.learned_positions {
             true => None,
-            false => Some((pos.as_slice(), self.cfg.rope_theta)),
+            false => Some((self.feed.positions(), self.cfg.rope_theta)),
         };
         let heads = self.heads();
-        let (a, b) = (self.val(Self::arg(n, 0)?)?, n.operands.get(1));
+        let a = self.val(Self::arg(n, 0)?)?;
         if !bwd {
             let (q, kv) = ops::qkv_split(be, a, t, heads, rotary);
             self.def(Self::res(n, 0)?, q);
             self.def(Self::res(n, 1)?, kv);
             return Ok(());
         }
-        let dkv = self.val(*b.ok_or("rope backward needs dkv")?)?;
+        let dkv = self.val(Self::arg(n, 1)?)?;
         let dqkv = ops::qkv_join(be, a, dkv, t, heads, rotary);
         self.def(Self::res(n, 0)?, dqkv);
         Ok(())
