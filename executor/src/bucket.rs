@@ -146,7 +146,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 }
             };
             let (n, bpos) = {
-                let (grp, pos) = self.dp_group(expert);
+                let (grp, pos) = self.me.dp_group(expert);
                 (grp.len(), pos)
             };
             let mut names = Vec::new();

@@ -53,7 +53,8 @@ mod dp;
 mod moe_values;
 mod values;
 use crate::bucket::{unflatten, Bucket};
-use crate::run::{check_moe_layout, run_info, ExecConfig, ExecError, StepReport};
+use crate::place::Place;
+use crate::run::{ExecConfig, ExecError, StepReport};
 
 pub(crate) struct RankExec<'a, B: Backend, C: Collectives<B>> {
     pub(crate) be: &'a B,
@@ -62,25 +63,8 @@ pub(crate) struct RankExec<'a, B: Backend, C: Collectives<B>> {
     pub(crate) dims: &'a Dims,
     pub(crate) run: &'a RunInfo,
     pub(crate) cfg: &'a ExecConfig,
-    pub(crate) rank: u32,
-    pub(crate) world: u32,
-    pub(crate) tp: Vec<u32>,
-    pub(crate) tp_pos: usize,
-    pub(crate) cp_pos: usize,
-    pub(crate) dense_dp: Vec<u32>,
-    pub(crate) dense_pos: usize,
-    pub(crate) ep: Vec<u32>,
-    pub(crate) expert_dp: Vec<u32>,
-    pub(crate) expert_pos: usize,
-    // local dims
-    pub(crate) hl: usize,
-    pub(crate) kvl: usize,
-    pub(crate) vl: usize,
-    pub(crate) vocab_start: usize,
-    pub(crate) sp: bool,
-    /// Sequences per micro-batch.
-    pub(crate) mb_size: usize,
-    pub(crate) global_tokens: f64,
+    /// The rank's groups and local shapes.
+    pub(crate) me: Place<'a>,
     /// The weights this rank computes with, its gradients and (ZeRO-0) AdamW moments, in
     /// the backend's memory.
     pub(crate) params: BTreeMap<String, B::Buf>,
@@ -130,34 +114,14 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
         dims: &'a Dims,
         cfg: &'a ExecConfig,
     ) -> Result<Self, ExecError> {
-        let rank = g.rank;
-        let run = run_info(program)?;
-        check_moe_layout(dims, run).map_err(ExecError::Model)?;
-        // A group of one rank is not declared: the axis has size 1 here.
-        let group = |axis: Axis| -> Vec<u32> {
-            program
-                .group_for(rank, axis)
-                .map(|id| program.group(id).ranks.clone())
-                .unwrap_or_else(|| vec![rank])
-        };
-        let pos = |v: &[u32]| v.iter().position(|&x| x == rank).unwrap_or(0);
-        let tp = group(Axis::Tp);
-        let cp = group(Axis::Cp);
-        // The data replica index: the program declares no `dp` group (only dense_dp), so
-        // it comes from the mesh convention.
-        let coord = program.coord(rank).ok_or_else(|| {
+        let me = Place::new(program, g.rank, dims)?;
+        let run = me.run;
+        let coord = program.coord(me.rank).ok_or_else(|| {
             ExecError::Model(format!(
-                "the program carries no mesh coordinates for rank {rank}"
+                "the program carries no mesh coordinates for rank {}",
+                me.rank
             ))
         })?;
-        let dense_dp = group(Axis::DenseDp);
-        let ep = group(Axis::Ep);
-        let expert_dp = group(Axis::ExpertDp);
-        let ep_pos = pos(&ep);
-        let first_expert = dims.local_experts(ep_pos, ep.len()).start;
-        let t = tp.len();
-        let tp_pos = pos(&tp);
-        let vl = dims.vocab / t;
         let mut ex = RankExec {
             be,
             comm,
@@ -165,23 +129,6 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             dims,
             run,
             cfg,
-            rank,
-            world: program.world,
-            tp_pos,
-            cp_pos: pos(&cp),
-            dense_pos: pos(&dense_dp),
-            dense_dp,
-            ep,
-            expert_pos: pos(&expert_dp),
-            expert_dp,
-            tp,
-            hl: dims.heads / t,
-            kvl: dims.kv_heads / t,
-            vl,
-            vocab_start: tp_pos * vl,
-            sp: run.sequence_parallel && t > 1,
-            mb_size: run.micro_batch as usize,
-            global_tokens: (run.global_batch as usize * dims.seq) as f64,
             params: BTreeMap::new(),
             grads: BTreeMap::new(),
             m: BTreeMap::new(),
@@ -192,7 +139,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             slice_of: BTreeMap::new(),
             step: 0,
             vals: g.values.iter().map(|_| None).collect(),
-            pnames: values::state_names(g, first_expert),
+            pnames: values::state_names(g, me.first_expert),
             mv: crate::moe::MoeVals::default(),
             aux_shares: BTreeMap::new(),
             loss: 0.0,
@@ -200,9 +147,11 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             report: StepReport::default(),
             reduced: Default::default(),
             diagnostics: true,
+            // The data replica index: the program declares no `dp` group (only
+            // dense_dp), so it comes from the mesh coordinates.
             feed: Feed::new(
                 DataCtx {
-                    rank,
+                    rank: me.rank,
                     dp_rank: (coord.dp * run.ep + coord.ep),
                     dp_size: run.dp * run.ep,
                     micro_batch: run.micro_batch,
@@ -210,33 +159,14 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
                     seq: dims.seq as u32,
                     vocab: dims.vocab as u32,
                 },
-                pos(&cp),
+                me.cp_pos,
                 run.cp as usize,
             ),
+            me,
         };
-        let expect = (run.dp * run.ep) as usize * run.grad_accum as usize * ex.mb_size;
-        if expect != run.global_batch as usize {
-            return Err(ExecError::Model(format!(
-                "global batch {} != dp {} x ep {} x grad_accum {} x micro_batch {}",
-                run.global_batch, run.dp, run.ep, run.grad_accum, ex.mb_size
-            )));
-        }
-        if ex.sp && !ex.tokens().is_multiple_of(t) {
-            return Err(ExecError::Model(
-                "micro-batch tokens not divisible by tp".into(),
-            ));
-        }
         // The parameters live in the graph's buckets.
         ex.init_buckets().map_err(ExecError::Model)?;
         Ok(ex)
-    }
-
-    /// Tokens per micro-batch on this rank (b s / cp).
-    fn tokens(&self) -> usize {
-        self.mb_size * self.dims.seq / self.run.cp as usize
-    }
-    fn seq_local(&self) -> usize {
-        self.dims.seq / self.run.cp as usize
     }
 
     pub(crate) fn step(&mut self, step: u32) -> Result<StepReport, ExecError> {
@@ -249,7 +179,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
         self.feed.start(step);
         for n in &self.g.nodes {
             self.node(n).map_err(|why| ExecError::Node {
-                rank: self.rank,
+                rank: self.me.rank,
                 step,
                 node: n.id.0,
                 what: format!(
@@ -273,7 +203,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             .collect();
         if !left.is_empty() || !self.mv.is_empty() {
             return Err(ExecError::Node {
-                rank: self.rank,
+                rank: self.me.rank,
                 step,
                 node: self.g.nodes.len() as u32,
                 what: "end of step".into(),
@@ -281,10 +211,10 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             });
         }
         let mut rep = std::mem::take(&mut self.report);
-        if self.has_loss && self.tp_pos == 0 {
+        if self.has_loss && self.me.tp_pos == 0 {
             rep.loss = Some(self.loss);
         }
-        if !self.aux_shares.is_empty() && self.tp_pos == 0 && self.cp_pos == 0 {
+        if !self.aux_shares.is_empty() && self.me.tp_pos == 0 && self.me.cp_pos == 0 {
             rep.aux_loss = Some(self.aux_shares.values().sum());
         }
         // Weights after the step (ZeRO-3: gathered from the shards, diagnostic only).
@@ -360,10 +290,10 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
                     q_offset: cp_chunk.map_or(0, |(i, _)| i as usize * seq_q as usize),
                     causal,
                 };
-                if s.heads != self.hl || s.kv_heads != self.kvl || s.head_dim != self.dims.d {
+                if s.heads != self.me.hl || s.kv_heads != self.me.kvl || s.head_dim != self.dims.d {
                     return Err(format!(
                         "attention shape {s:?} disagrees with the model's local heads {}/{}",
-                        self.hl, self.kvl
+                        self.me.hl, self.me.kvl
                     ));
                 }
                 Ok(s)
@@ -402,8 +332,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// vocabulary-parallel lookup sums the ranks' rows).
     fn embed(&mut self, mb: u32) -> Result<B::Buf, String> {
         let (ids, _) = self.feed.batch(mb)?;
-        let table = (self.w(Role::Embedding.name())?, self.vocab_start);
-        let positions = match self.dims.learned_positions && self.tp_pos == 0 {
+        let table = (self.w(Role::Embedding.name())?, self.me.vocab_start);
+        let positions = match self.dims.learned_positions && self.me.tp_pos == 0 {
             true => Some((self.feed.positions(), self.w(Role::PosEmbedding.name())?)),
             false => None,
         };
@@ -419,7 +349,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             .grads
             .get_mut(Role::Embedding.name())
             .ok_or("no embedding grad")?;
-        self.be.embedding_bwd(&ids, g, self.vocab_start, h, dw);
+        self.be.embedding_bwd(&ids, g, self.me.vocab_start, h, dw);
         if self.dims.learned_positions {
             // Scattered into the position table's rows, as the embedding's.
             let dp = self
@@ -453,7 +383,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             })?;
         let (i, n) = match s.split.axis() {
             None => (0, 1),
-            Some(Axis::Tp) => (self.tp_pos, self.tp.len()),
+            Some(Axis::Tp) => (self.me.tp_pos, self.me.tp.len()),
             Some(other) => {
                 return Err(format!(
                     "parameter `{name}` is cut over `{other}`; this executor cuts parameters \

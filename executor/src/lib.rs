@@ -36,6 +36,7 @@ pub mod interp;
 pub mod model;
 mod moe;
 mod ops;
+mod place;
 pub mod resilient;
 pub mod rng;
 pub mod run;

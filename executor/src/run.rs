@@ -372,8 +372,8 @@ pub fn run_rank<B: Backend, C: Collectives<B>>(
         }
         Ok(RankReport {
             rank: r,
-            tp_index: rk.tp_pos,
-            tp: rk.tp.len(),
+            tp_index: rk.me.tp_pos,
+            tp: rk.me.tp.len(),
             steps: reps,
         })
     }));

@@ -228,18 +228,17 @@ pub fn logical_state(
             }
         } else {
             for b in &rk.buckets {
-                let (group, pos) = rk.dp_group(b.expert);
+                let (group, pos) = rk.me.dp_group(b.expert);
                 let params = b
                     .names
                     .iter()
                     .zip(&b.sizes)
                     .map(|(n, &s)| Ok((n.clone(), s, part(rk, n)?)))
                     .collect::<Result<Vec<_>, String>>()?;
-                buckets.entry((b.name.clone(), group)).or_default().push((
-                    pos,
-                    [b.p.clone(), b.m.clone(), b.v.clone()],
-                    params,
-                ));
+                buckets
+                    .entry((b.name.clone(), group.to_vec()))
+                    .or_default()
+                    .push((pos, [b.p.clone(), b.m.clone(), b.v.clone()], params));
             }
         }
         Ok(mine)
@@ -305,7 +304,7 @@ pub fn sharded_state(
             rk.v = v;
         } else {
             for k in 0..rk.buckets.len() {
-                let (group, pos) = rk.dp_group(rk.buckets[k].expert);
+                let (group, pos) = rk.me.dp_group(rk.buckets[k].expert);
                 let b = &mut rk.buckets[k];
                 let c = b.padded / group.len();
                 let cut = |from: &BTreeMap<String, Vec<f32>>| -> Vec<f32> {

@@ -62,18 +62,9 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         unflatten(names, sizes, flat, into, |x| be.upload(x));
     }
 
-    /// The data-parallel group of a bucket kind (dense or expert) and this rank's place.
-    pub(crate) fn dp_group(&self, expert: bool) -> (Vec<u32>, usize) {
-        if expert {
-            (self.expert_dp.clone(), self.expert_pos)
-        } else {
-            (self.dense_dp.clone(), self.dense_pos)
-        }
-    }
-
     /// All-gather of a bucket's weight shards over its data-parallel group.
     pub(super) fn gather_bucket(&mut self, i: usize) -> Vec<f32> {
-        let group = self.dp_group(self.buckets[i].expert).0;
+        let group = self.me.dp_group(self.buckets[i].expert).0;
         self.comm.all_gather(&group, &self.buckets[i].p)
     }
 
@@ -166,7 +157,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 }
                 moves_as_stated(flat.len(), elems)?;
                 if matches!(axis, Axis::DenseDp | Axis::ExpertDp) {
-                    self.check_dp_group(axis, &group)?;
+                    self.me.check_dp_group(axis, &group)?;
                     if let Some(&b) = keys.first().and_then(|k| self.bucket_of.get(k)) {
                         self.reduced.insert(b);
                     }
@@ -179,7 +170,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             K::ReduceScatter => {
                 let bi = self.shard_bucket(Self::res(n, 0)?)?;
                 let b = &self.buckets[bi];
-                self.check_dp_group(axis, &group)?;
+                self.me.check_dp_group(axis, &group)?;
                 let keys = n
                     .operands
                     .iter()
@@ -204,7 +195,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             }
             K::AllGather => {
                 let bi = self.shard_bucket(Self::arg(n, 0)?)?;
-                self.check_dp_group(axis, &group)?;
+                self.me.check_dp_group(axis, &group)?;
                 let full = self.gather_bucket(bi);
                 moves_as_stated(full.len(), elems)?;
                 let b = &self.buckets[bi];
@@ -224,21 +215,6 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         Ok(())
     }
 
-    /// A bucket collective runs on this rank's group of its axis.
-    fn check_dp_group(&self, axis: Axis, group: &[u32]) -> Result<(), String> {
-        let mine = match axis {
-            Axis::DenseDp => &self.dense_dp,
-            Axis::ExpertDp => &self.expert_dp,
-            other => return Err(format!("dp-stream collective on a `{other}` group")),
-        };
-        if group != mine.as_slice() {
-            return Err(format!(
-                "dp collective on {group:?}, this rank's {axis} is {mine:?}"
-            ));
-        }
-        Ok(())
-    }
-
     /// `grad_norm`: the clipping statistics summed over every rank.
     fn grad_norm_collective(&mut self, n: &Node) -> Result<(), String> {
         let group = self.group_ranks(n)?;
@@ -251,11 +227,11 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         ) {
             return Err("grad_norm: expected an all-reduce".into());
         }
-        if group.len() != self.world as usize {
+        if group.len() != self.me.world as usize {
             return Err(format!(
                 "grad_norm on {} ranks, the world is {}",
                 group.len(),
-                self.world
+                self.me.world
             ));
         }
         let mut x = self.val_host(Self::arg(n, 0)?)?;
@@ -275,7 +251,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             if self.reduced.contains(&k) {
                 continue;
             }
-            if self.dp_group(self.buckets[k].expert).0.len() > 1 {
+            if self.me.dp_group(self.buckets[k].expert).0.len() > 1 {
                 return Err(format!(
                     "bucket `{}` was never reduced over data parallelism",
                     self.buckets[k].name
@@ -294,11 +270,11 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if zero == 0 {
             for (nm, gr) in &self.grads {
                 let first_replica = if Dims::is_expert(nm) {
-                    self.expert_pos == 0
+                    self.me.expert_pos == 0
                 } else {
-                    self.dense_pos == 0
+                    self.me.dense_pos == 0
                 };
-                if first_replica && (self.tp_pos == 0 || !self.is_replicated(nm)) {
+                if first_replica && (self.me.tp_pos == 0 || !self.is_replicated(nm)) {
                     let gr = self.be.download(gr);
                     ss += gr.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
                 }
@@ -308,8 +284,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             }
         } else {
             for k in 0..self.buckets.len() {
-                let (group, bpos) = self.dp_group(self.buckets[k].expert);
-                let tp0 = self.tp_pos == 0;
+                let (group, bpos) = self.me.dp_group(self.buckets[k].expert);
+                let tp0 = self.me.tp_pos == 0;
                 let b = &self.buckets[k];
                 ss = b.add_squares(ss, bpos, |nm| tp0 || !self.is_replicated(nm));
                 if !self.diagnostics {
@@ -323,7 +299,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 self.report.grads.extend(m);
             }
         }
-        let share = if self.has_loss && self.tp_pos == 0 {
+        let share = if self.has_loss && self.me.tp_pos == 0 {
             self.loss as f32
         } else {
             0.0
@@ -375,8 +351,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 be.adamw(p, &g, m, v, decayed(&nm));
             }
         } else {
-            let (nd, ne) = (self.dense_dp.len(), self.expert_dp.len());
-            let (dpos, epos) = (self.dense_pos, self.expert_pos);
+            let (nd, ne) = (self.me.dense_dp.len(), self.me.expert_dp.len());
+            let (dpos, epos) = (self.me.dense_pos, self.me.expert_pos);
             for b in self.buckets.iter_mut() {
                 b.adamw(be, if b.expert { epos } else { dpos }, clip, decayed);
                 if (if b.expert { ne } else { nd }) == 1 {

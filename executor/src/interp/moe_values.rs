@@ -33,7 +33,7 @@ use std::rc::Rc;
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// This micro-batch's share of the step's load-balancing loss from `stats`.
     pub(super) fn aux_of(&self, stats: &[f32]) -> Result<(f64, Vec<f32>), String> {
-        let m = self.moe_dims()?;
+        let m = self.me.moe_dims()?;
         let tf = self.dims.seq as f64;
         Ok(aux_loss(
             stats,
@@ -41,7 +41,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             m.top_k,
             tf,
             self.cfg.moe_aux_coef as f64,
-            self.global_tokens / tf,
+            self.me.global_tokens / tf,
         ))
     }
 
@@ -73,14 +73,14 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if !self.mv.is_chunked(x) {
             return Ok(None);
         }
-        let ch = self.chunks(self.dims.h)?;
+        let ch = self.me.chunks(self.dims.h)?;
         let buf = &self.val_host(x)?;
         let out = match kind {
             CollectiveKind::AllToAll => {
-                if group != self.ep.as_slice() {
+                if group != self.me.ep.as_slice() {
                     return Err(format!(
                         "all-to-all on {group:?}, this rank's ep group is {:?}",
-                        self.ep
+                        self.me.ep
                     ));
                 }
                 self.comm.all_to_all(group, buf)
@@ -89,7 +89,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             CollectiveKind::ReduceScatter => {
                 let pos = group
                     .iter()
-                    .position(|&r| r == self.rank)
+                    .position(|&r| r == self.me.rank)
                     .ok_or("this rank is not in the group")?;
                 let part = buf.len() / group.len().max(1);
                 let own = buf[pos * part..(pos + 1) * part].to_vec();
@@ -125,8 +125,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// Route the local tokens, count the routing statistics, and lay the routed rows out
     /// for the dispatch all-to-all.
     pub(super) fn moe_dispatch_v(&mut self, n: &Node) -> Result<(), String> {
-        let m = self.moe_dims()?;
-        let r = self.routed(self.routed_offset())?;
+        let m = self.me.moe_dims()?;
+        let r = self.routed(self.me.routed_offset())?;
         let be = self.be;
         let routing = be.route(self.val(Self::arg(n, 0)?)?, m.experts, r.k);
         let x = self.val(Self::arg(n, 1)?)?;
@@ -139,9 +139,9 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 r.h
             ));
         }
-        let (sl, nseq) = (self.seq_local(), self.mb_size);
+        let (sl, nseq) = (self.me.seq_local(), self.me.mb_size);
         let stats = moe::routing_stats(&routing, r, m.experts, sl, nseq);
-        let (buf, route) = moe::dispatch(be, &self.chunks(r.h)?, routing, x, r);
+        let (buf, route) = moe::dispatch(be, &self.me.chunks(r.h)?, routing, x, r);
         let (xr, rv) = (Self::res(n, 0)?, Self::res(n, 1)?);
         self.def(xr, buf);
         self.mv.chunked.insert(xr);
@@ -163,8 +163,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// This rank's routed rows of a micro-batch, the first at row `off` of the block's rows.
     fn routed(&self, off: usize) -> Result<Routed, String> {
         Ok(Routed {
-            t: self.routed_tokens(),
-            k: self.moe_dims()?.top_k,
+            t: self.me.routed_tokens(),
+            k: self.me.moe_dims()?.top_k,
             h: self.dims.h,
             off,
         })
@@ -180,7 +180,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// A combine's dispatch buffers (operand 0, in the layout of the route, operand 1)
     /// with their route: the rows per expert must be the ones the dispatch sent.
     fn combined(&self, n: &Node) -> Result<(Chunks, &B::Buf, &Route), String> {
-        let ch = self.chunks(self.dims.h)?;
+        let ch = self.me.chunks(self.dims.h)?;
         let buf = self.val(Self::arg(n, 0)?)?;
         let st = self.route(Self::arg(n, 1)?)?;
         let hdr = ch.headers(self.be, buf)?;
@@ -202,7 +202,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// output (`eo`) and the block's output rows (`ym`; under SP with a tp reduction after
     /// the block, the micro-batch's rows with this rank's filled in).
     pub(super) fn moe_combine_v(&mut self, n: &Node) -> Result<(), String> {
-        let (off, rows) = self.moe_rows();
+        let (off, rows) = self.me.moe_rows();
         let r = self.routed(off)?;
         let (ch, buf, st) = self.combined(n)?;
         let (eo, y) = moe::combine(self.be, &ch, buf, st, r, rows);
@@ -214,8 +214,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// The gradient of each routed row (`g dy`) laid out like the forward's dispatch, and
     /// each routed slot's gate gradient `<expert output, output gradient>`.
     pub(super) fn moe_dispatch_bwd_v(&mut self, n: &Node) -> Result<(), String> {
-        let r = self.routed(self.moe_rows().0)?;
-        let ch = self.chunks(r.h)?;
+        let r = self.routed(self.me.moe_rows().0)?;
+        let ch = self.me.chunks(r.h)?;
         let dy = self.val(Self::arg(n, 0)?)?;
         let st = self.route(Self::arg(n, 1)?)?;
         let eo = self.val(Self::arg(n, 2)?)?;
@@ -231,8 +231,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// given), and the router logits' gradient: the gates' gradients through the top-k
     /// softmax plus the load-balancing loss's, from the statistics.
     pub(super) fn moe_combine_bwd_v(&mut self, n: &Node) -> Result<(), String> {
-        let m = self.moe_dims()?;
-        let (off, rows) = self.moe_rows();
+        let m = self.me.moe_dims()?;
+        let (off, rows) = self.me.moe_rows();
         let r = self.routed(off)?;
         let be = self.be;
         let (ch, buf, st) = self.combined(n)?;
@@ -242,7 +242,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         };
         moe::dispatch_rows_bwd(be, &ch, st, buf, r, &mut dn);
         let (_, daux) = self.aux_of(&self.val_host(Self::arg(n, 3)?)?)?;
-        let (first, sl) = (self.routed_offset(), self.seq_local());
+        let (first, sl) = (self.me.routed_offset(), self.me.seq_local());
         let dprobs = moe::spread_per_token(&daux, r.t, m.experts, first, sl);
         let dg = self.val(Self::arg(n, 2)?)?;
         let dl = be.route_bwd(&st.routing, dg, &be.upload(&dprobs), m.experts, r.k);
@@ -318,7 +318,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             self.mv.grouped.insert(r, gr);
         } else {
             // Grouped rows in, dispatch buffers out.
-            let ch = self.expert_chunks(yout, gr.members)?;
+            let ch = self.me.expert_chunks(yout, gr.members)?;
             let buf = ch.ungroup(be, &y, &gr.recv);
             self.def(r, buf);
             self.mv.chunked.insert(r);
@@ -341,88 +341,11 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if !self.mv.is_chunked(v) {
             return Err(format!("{v} is neither dispatch buffers nor grouped rows"));
         }
-        let members = self.buffers_in(be.len(buf), width)?;
-        let ch: Chunks = self.expert_chunks(width, members)?;
+        let members = self.me.buffers_in(be.len(buf), width)?;
+        let ch: Chunks = self.me.expert_chunks(width, members)?;
         let recv = ch.headers(be, buf)?;
         let (x, off) = ch.group(be, buf, &recv);
         debug_assert_eq!(off, expert_offsets(&recv, ch.el));
         Ok((x, Rc::new(Grouping { recv, members, off })))
-    }
-}
-
-impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
-    pub(super) fn moe_dims(&self) -> Result<crate::model::MoeDims, String> {
-        self.dims
-            .moe
-            .clone()
-            .ok_or_else(|| "an MoE op in a dense model".to_string())
-    }
-
-    /// The dispatch-buffer layout for rows of width `w`: one chunk per ep member (the
-    /// source side).
-    pub(super) fn chunks(&self, w: usize) -> Result<Chunks, String> {
-        let m = self.moe_dims()?;
-        Ok(Chunks {
-            members: self.ep.len(),
-            el: m.experts / self.ep.len(),
-            cap: self.routed_tokens() * m.top_k,
-            w,
-        })
-    }
-
-    /// The layout the local experts see: `members` dispatch buffers (under sequence
-    /// parallelism those of every tp rank, tp-major, when the graph gathered them).
-    pub(super) fn expert_chunks(&self, w: usize, members: usize) -> Result<Chunks, String> {
-        let mut c = self.chunks(w)?;
-        c.members = members;
-        Ok(c)
-    }
-
-    /// How many dispatch buffers of width `w` a buffer of `len` elements holds.
-    pub(super) fn buffers_in(&self, len: usize, w: usize) -> Result<usize, String> {
-        let c = self.chunks(w)?.chunk();
-        if c == 0 || !len.is_multiple_of(c) {
-            return Err(format!(
-                "a dispatch buffer of {len} elements is not whole chunks of {c}",
-            ));
-        }
-        Ok(len / c)
-    }
-
-    /// Tokens this rank routes: its sequence shard under SP, else the micro-batch's.
-    pub(super) fn routed_tokens(&self) -> usize {
-        if self.sp {
-            self.tokens() / self.tp.len()
-        } else {
-            self.tokens()
-        }
-    }
-
-    /// Index of this rank's first routed token among the micro-batch's tokens.
-    pub(super) fn routed_offset(&self) -> usize {
-        if self.sp {
-            self.tp_pos * self.routed_tokens()
-        } else {
-            0
-        }
-    }
-
-    /// Whether an MoE layer's MLP block runs without the hidden-state tp gather and
-    /// reduce-scatter: under SP without a shared expert (the router and the dispatch see
-    /// the rank's shard; split experts gather their routed rows themselves).
-    pub(super) fn moe_block_local(&self) -> bool {
-        self.sp && self.dims.moe.as_ref().is_some_and(|m| m.fs == 0)
-    }
-
-    /// Where the MoE block's output (and its gradient) keeps this rank's routed tokens:
-    /// `(first row, rows)`. Under SP with a shared expert the block ends with a tp
-    /// reduce-scatter of the micro-batch's rows, this rank's filled in and zero elsewhere;
-    /// without one the block keeps only its own shard.
-    pub(super) fn moe_rows(&self) -> (usize, usize) {
-        if self.moe_block_local() {
-            (0, self.routed_tokens())
-        } else {
-            (self.routed_offset(), self.tokens())
-        }
     }
 }

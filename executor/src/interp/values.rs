@@ -44,7 +44,7 @@
 use super::{err, RankExec};
 use crate::backend::{AttnSaved, Backend};
 use crate::comm::Collectives;
-use crate::ops::{self, Heads, KvLayout, Mm, NormParams};
+use crate::ops::{self, Mm, NormParams};
 use shardwright_ir::{
     CollectiveKind, ElementwiseKind, Expert, GemmPass, Graph, Node, Op, ParamName, Pass, Role,
     ValueId, ValueKind,
@@ -336,8 +336,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// rank (the router without SP): its data gradient counts once, on tp rank 0, so the
     /// tp reduction of the input gradient that follows adds it once.
     fn replicated_input(&self, w: ValueId) -> bool {
-        self.tp.len() > 1
-            && !self.sp
+        self.me.tp.len() > 1
+            && !self.me.sp
             && crate::model::role_of(self.value_name(w)).tp_split()
                 == shardwright_ir::TpSplit::Replicated
     }
@@ -348,14 +348,14 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     fn accumulate(&self, acc: ValueId, y: B::Buf, replicated: bool) -> Result<B::Buf, String> {
         let be = self.be;
         let mut out = be.copy(self.val(acc)?);
-        if replicated && self.tp_pos != 0 {
+        if replicated && self.me.tp_pos != 0 {
             return Ok(out);
         }
         let (len, ylen) = (be.len(&out), be.len(&y));
         let row0 = if len == ylen {
             0
         } else {
-            self.routed_offset() * self.dims.h
+            self.me.routed_offset() * self.dims.h
         };
         if row0 + ylen > len {
             return Err(format!(
@@ -415,12 +415,12 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     }
 
     fn v_rope(&mut self, n: &Node, bwd: bool) -> Result<(), String> {
-        let (be, t) = (self.be, self.tokens());
+        let (be, t) = (self.be, self.me.tokens());
         let rotary = match self.dims.learned_positions {
             true => None,
             false => Some((self.feed.positions(), self.cfg.rope_theta)),
         };
-        let heads = self.heads();
+        let heads = self.me.heads();
         let a = self.val(Self::arg(n, 0)?)?;
         if !bwd {
             let (q, kv) = ops::qkv_split(be, a, t, heads, rotary);
@@ -434,28 +434,10 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         Ok(())
     }
 
-    fn heads(&self) -> Heads {
-        Heads {
-            q: self.hl,
-            kv: self.kvl,
-            d: self.dims.d,
-        }
-    }
-
-    /// How the context-parallel members' `kv` values tile a sequence.
-    pub(super) fn kv_layout(&self) -> KvLayout {
-        KvLayout {
-            members: self.run.cp.max(1) as usize,
-            seq_local: self.seq_local(),
-            row: self.kvl * self.dims.d,
-            seqs: self.mb_size,
-        }
-    }
-
     fn v_attention(&mut self, n: &Node) -> Result<(), String> {
         let s = self.attn_shape(n)?;
         let be = self.be;
-        let (kf, vf) = ops::kv_full(be, self.val(Self::arg(n, 1)?)?, self.kv_layout());
+        let (kf, vf) = ops::kv_full(be, self.val(Self::arg(n, 1)?)?, self.me.kv_layout());
         let q = self.val(Self::arg(n, 0)?)?;
         if n.pass != Pass::Bwd {
             let (o, lse) = be.attention_fwd(q, &kf, &vf, s);
@@ -471,14 +453,14 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             lse: self.val(Self::arg(n, 3)?)?,
         };
         let (dq, dk, dv) = be.attention_bwd(saved, self.val(Self::arg(n, 4)?)?, s);
-        let dkv = ops::kv_parts(be, &dk, &dv, self.kv_layout());
+        let dkv = ops::kv_parts(be, &dk, &dv, self.me.kv_layout());
         self.def(Self::res(n, 0)?, dq);
         self.def(Self::res(n, 1)?, dkv);
         Ok(())
     }
 
     fn v_embedding(&mut self, n: &Node, mb: u32) -> Result<(), String> {
-        let (t, h) = (self.tokens(), self.dims.h);
+        let (t, h) = (self.me.tokens(), self.dims.h);
         if n.pass != Pass::Bwd {
             let e = self.embed(mb)?;
             self.def(Self::res(n, 0)?, e);
@@ -497,7 +479,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
 
     fn v_loss(&mut self, n: &Node, mb: u32) -> Result<(), String> {
         let be = self.be;
-        let (vl, vs) = (self.vl, self.vocab_start);
+        let (vl, vs) = (self.me.vl, self.me.vocab_start);
         let (_, tg) = self.feed.batch(mb)?;
         let logits = self.val(Self::arg(n, 0)?)?;
         let vocab_parallel = self.run.tp > 1;
@@ -506,9 +488,9 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             let mx = self.val_host(Self::arg(n, 2)?)?;
             let st = self.val_host(Self::arg(n, 3)?)?;
             let (lse, sum) = ops::lse_and_loss(&mx, &st, vocab_parallel);
-            let scale = (1.0 / self.global_tokens) as f32;
+            let scale = (1.0 / self.me.global_tokens) as f32;
             let dl = be.xent_bwd(logits, &tg, &be.upload(&lse), vl, vs, scale);
-            self.loss += sum / self.global_tokens;
+            self.loss += sum / self.me.global_tokens;
             self.has_loss = true;
             self.def(Self::res(n, 0)?, dl);
             return Ok(());
