@@ -3,10 +3,11 @@
 //! the data-parallel stream uses on it.
 
 use crate::backend::{AdamW, Backend};
-use crate::comm::Collectives;
-use crate::interp::RankExec;
-use shardwright_ir::{Axis, ValueKind};
-use std::collections::BTreeMap;
+use crate::model::Dims;
+use crate::place::Place;
+use crate::state::RankState;
+use shardwright_ir::{Axis, Graph, Slice, TpSplit, ValueKind};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// This rank's part of one of the graph's buckets (same index as `Graph::buckets`).
 pub(crate) struct Bucket {
@@ -124,14 +125,20 @@ impl Bucket {
     }
 }
 
-impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
-    /// The rank's buckets from the graph's (the parameters' initial values uploaded, the
-    /// ZeRO shards cut from them): every parameter the graph names must be in one.
-    pub(crate) fn init_buckets(&mut self) -> Result<(), String> {
-        let g = self.g;
+impl<B: Backend> RankState<B> {
+    /// A rank's state from its graph: the graph's buckets, the parameters' initial values
+    /// (from `seed`) uploaded and the ZeRO shards cut from them; every parameter the graph
+    /// names must be in one. `keys` are the values' state names.
+    pub(crate) fn new(
+        be: &B,
+        g: &Graph,
+        me: &Place,
+        seed: u64,
+        keys: &[String],
+    ) -> Result<Self, String> {
+        let mut st = RankState::default();
         for (i, s) in g.slices.iter().enumerate() {
-            self.slice_of
-                .insert(self.pnames[s.param.index()].clone(), i);
+            st.slice_of.insert(keys[s.param.index()].clone(), i);
         }
         let mut in_bucket = vec![false; g.values.len()];
         for (i, ib) in g.buckets.iter().enumerate() {
@@ -146,17 +153,17 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 }
             };
             let (n, bpos) = {
-                let (grp, pos) = self.me.dp_group(expert);
+                let (grp, pos) = me.dp_group(expert);
                 (grp.len(), pos)
             };
             let mut names = Vec::new();
             let mut sizes = Vec::new();
             for &p in &ib.params {
                 in_bucket[p.index()] = true;
-                let name = self.pnames[p.index()].clone();
-                let full = self.dims.init(self.cfg.seed, &name);
-                let (sl, ti, tn) = self.part_of(&name)?;
-                let [r, c] = self.dims.shape(&name);
+                let name = keys[p.index()].clone();
+                let full = me.dims.init(seed, &name);
+                let (sl, ti, tn) = st.part_of(g, me, &name)?;
+                let [r, c] = me.dims.shape(&name);
                 if sl.full != [r as u64, c as u64] {
                     return Err(format!(
                         "parameter `{name}`: the program's full tensor is {}x{}, the model's \
@@ -174,12 +181,12 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                     ));
                 }
                 sizes.push(local.len());
-                self.grads.insert(name.clone(), self.be.zeros(local.len()));
-                if self.run.zero_stage == 0 {
-                    self.m.insert(name.clone(), self.be.zeros(local.len()));
-                    self.v.insert(name.clone(), self.be.zeros(local.len()));
+                st.grads.insert(name.clone(), be.zeros(local.len()));
+                if me.run.zero_stage == 0 {
+                    st.m.insert(name.clone(), be.zeros(local.len()));
+                    st.v.insert(name.clone(), be.zeros(local.len()));
                 }
-                self.params.insert(name.clone(), self.be.upload(&local));
+                st.params.insert(name.clone(), be.upload(&local));
                 names.push(name);
             }
             let total: usize = sizes.iter().sum();
@@ -203,7 +210,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 m: Vec::new(),
                 v: Vec::new(),
             };
-            match (self.run.zero_stage, ib.shard) {
+            match (me.run.zero_stage, ib.shard) {
                 (0, None) => {}
                 (0, Some(_)) => {
                     return Err(format!("bucket `{}` has a ZeRO shard at ZeRO-0", ib.name))
@@ -211,10 +218,10 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 (_, None) => return Err(format!("bucket `{}` has no ZeRO shard", ib.name)),
                 (_, Some(s)) => {
                     for v in s.values() {
-                        self.shard_of.insert(v, i);
+                        st.shard_of.insert(v, i);
                     }
                     let c = padded / n;
-                    let flat = self.flatten(&b.names, &self.params, padded);
+                    let flat = st.flatten(be, &b.names, false, padded);
                     b.p = flat[bpos * c..(bpos + 1) * c].to_vec();
                     b.g = vec![0.0; c];
                     b.m = vec![0.0; c];
@@ -222,14 +229,14 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 }
             }
             for nm in &b.names {
-                self.bucket_of.insert(nm.clone(), i);
+                st.bucket_of.insert(nm.clone(), i);
             }
-            self.buckets.push(b);
+            st.buckets.push(b);
         }
         for v in &g.values {
             if v.kind == ValueKind::Param
                 && !in_bucket[v.id.index()]
-                && !self.shard_of.contains_key(&v.id)
+                && !st.shard_of.contains_key(&v.id)
             {
                 return Err(format!(
                     "parameter `{}` is in no data-parallel bucket (a program from an older \
@@ -238,6 +245,149 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 ));
             }
         }
-        Ok(())
+        Ok(st)
     }
+
+    /// Parameter `name`'s slice of its full tensor (the program's), with this rank's part
+    /// and the number of parts: `(slice, i, n)`.
+    pub(crate) fn part_of<'g>(
+        &self,
+        g: &'g Graph,
+        me: &Place,
+        name: &str,
+    ) -> Result<(&'g Slice, usize, usize), String> {
+        let s = self
+            .slice_of
+            .get(name)
+            .map(|&i| &g.slices[i])
+            .ok_or_else(|| {
+                format!(
+                    "parameter `{name}` has no slice in the program (a program from an older \
+                 lowering: lower the plan again)"
+                )
+            })?;
+        let (i, n) = match s.split.axis() {
+            None => (0, 1),
+            Some(Axis::Tp) => (me.tp_pos, me.tp.len()),
+            Some(other) => {
+                return Err(format!(
+                    "parameter `{name}` is cut over `{other}`; this executor cuts parameters \
+                     over tp only"
+                ))
+            }
+        };
+        Ok((s, i, n))
+    }
+
+    /// The parameters (`grads` false) or gradients `names` downloaded end to end,
+    /// zero-padded to `padded`.
+    pub(crate) fn flatten(&self, be: &B, names: &[String], grads: bool, padded: usize) -> Vec<f32> {
+        let from = if grads { &self.grads } else { &self.params };
+        let mut flat = Vec::with_capacity(padded);
+        for n in names {
+            flat.extend_from_slice(&be.download(&from[n]));
+        }
+        flat.resize(padded, 0.0);
+        flat
+    }
+
+    /// `flat` cut into the tensors `names` (of `sizes`), uploaded into the parameters
+    /// (`grads` false) or gradients.
+    pub(crate) fn unflatten(
+        &mut self,
+        be: &B,
+        names: &[String],
+        sizes: &[usize],
+        flat: &[f32],
+        grads: bool,
+    ) {
+        let into = if grads {
+            &mut self.grads
+        } else {
+            &mut self.params
+        };
+        unflatten(names, sizes, flat, into, |x| be.upload(x));
+    }
+
+    /// Before the clipping statistics: buckets without a dp reduction (a single replica:
+    /// the IR emits none) moved into their shards; then the sum of squares of the gradient
+    /// elements this rank owns. Replicated norm weights count on tp rank 0 only; ZeRO-0
+    /// gradients on the first replica only (of dense_dp for dense weights, of expert_dp for
+    /// the experts); a ZeRO shard's on its owner.
+    pub(crate) fn owned_squares(
+        &mut self,
+        be: &B,
+        me: &Place,
+        reduced: &BTreeSet<usize>,
+    ) -> Result<f64, String> {
+        let zero = me.run.zero_stage;
+        for k in 0..self.buckets.len() {
+            if reduced.contains(&k) {
+                continue;
+            }
+            if me.dp_group(self.buckets[k].expert).0.len() > 1 {
+                return Err(format!(
+                    "bucket `{}` was never reduced over data parallelism",
+                    self.buckets[k].name
+                ));
+            }
+            if zero >= 1 {
+                let b = &self.buckets[k];
+                let flat = self.flatten(be, &b.names, true, b.padded);
+                self.buckets[k].add_grad(&flat);
+            }
+        }
+        let counts = |nm: &str| me.tp_pos == 0 || role_split(nm) != TpSplit::Replicated;
+        let mut ss = 0.0f64;
+        if zero == 0 {
+            for (nm, gr) in &self.grads {
+                let first_replica = if Dims::is_expert(nm) {
+                    me.expert_pos == 0
+                } else {
+                    me.dense_pos == 0
+                };
+                if first_replica && counts(nm) {
+                    let gr = be.download(gr);
+                    ss += gr.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
+                }
+            }
+        } else {
+            for b in &self.buckets {
+                ss = b.add_squares(ss, me.dp_group(b.expert).1, counts);
+            }
+        }
+        Ok(ss)
+    }
+
+    /// AdamW on every parameter (ZeRO-0) or on this rank's shards, the gradients scaled by
+    /// `clip`, each parameter with its own hyper-parameters (`hp`: its weight decay); the
+    /// gradients are zero after.
+    pub(crate) fn adamw(&mut self, be: &B, me: &Place, clip: f32, hp: impl Fn(&str) -> AdamW) {
+        if me.run.zero_stage == 0 {
+            for (nm, p) in self.params.iter_mut() {
+                let g = be.scale(&self.grads[nm], clip);
+                let m = self.m.get_mut(nm).expect("ZeRO-0 moment");
+                let v = self.v.get_mut(nm).expect("ZeRO-0 moment");
+                be.adamw(p, &g, m, v, hp(nm));
+            }
+        } else {
+            for b in self.buckets.iter_mut() {
+                let (group, pos) = me.dp_group(b.expert);
+                b.adamw(be, pos, clip, &hp);
+                if group.len() == 1 {
+                    // A group of one (e.g. the experts under ep without dp): the IR has no
+                    // parameter gather, the shard is the whole bucket.
+                    unflatten(&b.names, &b.sizes, &b.p, &mut self.params, |x| be.upload(x));
+                }
+            }
+        }
+        for g in self.grads.values_mut() {
+            be.fill_zero(g);
+        }
+    }
+}
+
+/// How a parameter is split over tp, by its state name.
+fn role_split(name: &str) -> TpSplit {
+    crate::model::role_of(name).tp_split()
 }

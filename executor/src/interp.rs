@@ -46,15 +46,16 @@ use crate::data::{DataCtx, Feed};
 use crate::model::{lr_at, Dims};
 use crate::ops;
 use shardwright_ir::run::RunInfo;
-use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Role, Slice, Stream};
+use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Role, Stream};
 use std::collections::BTreeMap;
 
 mod dp;
 mod moe_values;
 mod values;
-use crate::bucket::{unflatten, Bucket};
+use crate::bucket::unflatten;
 use crate::place::Place;
 use crate::run::{ExecConfig, ExecError, StepReport};
+use crate::state::RankState;
 
 pub(crate) struct RankExec<'a, B: Backend, C: Collectives<B>> {
     pub(crate) be: &'a B,
@@ -65,21 +66,8 @@ pub(crate) struct RankExec<'a, B: Backend, C: Collectives<B>> {
     pub(crate) cfg: &'a ExecConfig,
     /// The rank's groups and local shapes.
     pub(crate) me: Place<'a>,
-    /// The weights this rank computes with, its gradients and (ZeRO-0) AdamW moments, in
-    /// the backend's memory.
-    pub(crate) params: BTreeMap<String, B::Buf>,
-    pub(crate) grads: BTreeMap<String, B::Buf>,
-    pub(crate) m: BTreeMap<String, B::Buf>,
-    pub(crate) v: BTreeMap<String, B::Buf>,
-    /// The graph's buckets (same index), with their ZeRO shards on the host (see [`dp`]).
-    pub(crate) buckets: Vec<Bucket>,
-    /// The bucket of each ZeRO shard value.
-    pub(crate) shard_of: BTreeMap<shardwright_ir::ValueId, usize>,
-    /// The bucket of each parameter (by state name).
-    pub(crate) bucket_of: BTreeMap<String, usize>,
-    /// Each parameter's slice of its full tensor (by state name: its index in the graph's
-    /// slices).
-    pub(crate) slice_of: BTreeMap<String, usize>,
+    /// The rank's parameters, gradients and optimizer state.
+    pub(crate) st: RankState<B>,
     // per-step state
     pub(crate) step: u32,
     pub(crate) loss: f64,
@@ -129,14 +117,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             dims,
             run,
             cfg,
-            params: BTreeMap::new(),
-            grads: BTreeMap::new(),
-            m: BTreeMap::new(),
-            v: BTreeMap::new(),
-            buckets: Vec::new(),
-            shard_of: BTreeMap::new(),
-            bucket_of: BTreeMap::new(),
-            slice_of: BTreeMap::new(),
+            st: RankState::default(),
             step: 0,
             vals: g.values.iter().map(|_| None).collect(),
             pnames: values::state_names(g, me.first_expert),
@@ -165,7 +146,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             me,
         };
         // The parameters live in the graph's buckets.
-        ex.init_buckets().map_err(ExecError::Model)?;
+        ex.st = RankState::new(be, g, &ex.me, cfg.seed, &ex.pnames).map_err(ExecError::Model)?;
         Ok(ex)
     }
 
@@ -219,15 +200,15 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
         }
         // Weights after the step (ZeRO-3: gathered from the shards, diagnostic only).
         if self.diagnostics && self.run.zero_stage >= 3 {
-            for k in 0..self.buckets.len() {
+            for k in 0..self.st.buckets.len() {
                 let full = self.gather_bucket(k);
-                let b = &self.buckets[k];
+                let b = &self.st.buckets[k];
                 let mut m = BTreeMap::new();
                 unflatten(&b.names, &b.sizes, &full, &mut m, <[f32]>::to_vec);
                 rep.params.extend(m);
             }
         } else if self.diagnostics {
-            rep.params = self.host(&self.params);
+            rep.params = self.host(&self.st.params);
         }
         Ok(rep)
     }
@@ -262,7 +243,8 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
     }
 
     fn w(&self, name: &str) -> Result<&B::Buf, String> {
-        self.params
+        self.st
+            .params
             .get(name)
             .ok_or_else(|| format!("weight {name} not on this rank"))
     }
@@ -346,6 +328,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         let h = self.dims.h;
         let (ids, _) = self.feed.batch(mb)?;
         let dw = self
+            .st
             .grads
             .get_mut(Role::Embedding.name())
             .ok_or("no embedding grad")?;
@@ -353,6 +336,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if self.dims.learned_positions {
             // Scattered into the position table's rows, as the embedding's.
             let dp = self
+                .st
                 .grads
                 .get_mut(Role::PosEmbedding.name())
                 .ok_or("no position grad")?;
@@ -366,32 +350,6 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         t.iter()
             .map(|(n, x)| (n.clone(), self.be.download(x)))
             .collect()
-    }
-
-    /// Parameter `name`'s slice of its full tensor (the program's), with this rank's part
-    /// and the number of parts: `(slice, i, n)`.
-    pub(crate) fn part_of(&self, name: &str) -> Result<(&Slice, usize, usize), String> {
-        let s = self
-            .slice_of
-            .get(name)
-            .map(|&i| &self.g.slices[i])
-            .ok_or_else(|| {
-                format!(
-                    "parameter `{name}` has no slice in the program (a program from an older \
-                 lowering: lower the plan again)"
-                )
-            })?;
-        let (i, n) = match s.split.axis() {
-            None => (0, 1),
-            Some(Axis::Tp) => (self.me.tp_pos, self.me.tp.len()),
-            Some(other) => {
-                return Err(format!(
-                    "parameter `{name}` is cut over `{other}`; this executor cuts parameters \
-                     over tp only"
-                ))
-            }
-        };
-        Ok((s, i, n))
     }
 }
 

@@ -19,20 +19,55 @@
 //! shards are host memory already.
 
 use crate::backend::Backend;
+use crate::bucket::Bucket;
 use crate::comm::Collectives;
 use crate::interp::RankExec;
 use crate::run::RankStateAccess;
-use shardwright_ir::Slice;
+use shardwright_ir::{Slice, ValueId};
 use std::collections::BTreeMap;
 
-impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
+/// A rank's parameters, gradients and optimizer state: the weights it computes with (its
+/// tensor-parallel shards), their gradients and (ZeRO-0) AdamW moments in the backend's
+/// memory by state name, and the graph's data-parallel buckets with their ZeRO shards.
+pub(crate) struct RankState<B: Backend> {
+    pub(crate) params: BTreeMap<String, B::Buf>,
+    pub(crate) grads: BTreeMap<String, B::Buf>,
+    pub(crate) m: BTreeMap<String, B::Buf>,
+    pub(crate) v: BTreeMap<String, B::Buf>,
+    /// The graph's buckets (same index), with their ZeRO shards on the host.
+    pub(crate) buckets: Vec<Bucket>,
+    /// The bucket of each ZeRO shard value.
+    pub(crate) shard_of: BTreeMap<ValueId, usize>,
+    /// The bucket of each parameter (by state name).
+    pub(crate) bucket_of: BTreeMap<String, usize>,
+    /// Each parameter's slice of its full tensor (by state name: its index in the graph's
+    /// slices).
+    pub(crate) slice_of: BTreeMap<String, usize>,
+}
+
+impl<B: Backend> Default for RankState<B> {
+    fn default() -> Self {
+        RankState {
+            params: BTreeMap::new(),
+            grads: BTreeMap::new(),
+            m: BTreeMap::new(),
+            v: BTreeMap::new(),
+            buckets: Vec::new(),
+            shard_of: BTreeMap::new(),
+            bucket_of: BTreeMap::new(),
+            slice_of: BTreeMap::new(),
+        }
+    }
+}
+
+impl<B: Backend> RankState<B> {
     /// Whether this rank holds parameter `name` current between steps. Under ZeRO-3 a
     /// layer's weights are gathered from their master shards before each use and are
     /// stale after the optimizer step, so a checkpoint keeps only the shards (as
     /// DeepSpeed's ZeRO-3 checkpoints do); the embedding and head weights, gathered again
     /// right after the optimizer (`ends.weights`), are current and kept.
-    fn held_between_steps(&self, name: &str) -> bool {
-        self.run.zero_stage < 3
+    fn held_between_steps(&self, zero: u8, name: &str) -> bool {
+        zero < 3
             || self
                 .buckets
                 .iter()
@@ -40,11 +75,10 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     }
 
     /// Every tensor of this rank's state, by the names in the module doc.
-    pub(crate) fn export_state(&self) -> BTreeMap<String, Vec<f32>> {
+    pub(crate) fn export(&self, be: &B, zero: u8) -> BTreeMap<String, Vec<f32>> {
         let mut out = BTreeMap::new();
-        let be = self.be;
         for (n, p) in &self.params {
-            if self.held_between_steps(n) {
+            if self.held_between_steps(zero, n) {
                 out.insert(format!("param/{n}"), be.download(p));
             }
         }
@@ -54,7 +88,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         for (n, v) in &self.v {
             out.insert(format!("adam_v/{n}"), be.download(v));
         }
-        if self.run.zero_stage >= 1 {
+        if zero >= 1 {
             for b in &self.buckets {
                 let bn = &b.name;
                 out.insert(format!("zero/{bn}/master"), b.p.clone());
@@ -65,9 +99,14 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         out
     }
 
-    /// Restore what [`export_state`](Self::export_state) wrote: every tensor this rank
+    /// Restore what [`export`](Self::export) wrote: every tensor this rank
     /// holds must be there with its exact length, and nothing else.
-    pub(crate) fn import_state(&mut self, mut t: BTreeMap<String, Vec<f32>>) -> Result<(), String> {
+    pub(crate) fn import(
+        &mut self,
+        be: &B,
+        zero: u8,
+        mut t: BTreeMap<String, Vec<f32>>,
+    ) -> Result<(), String> {
         let mut take = |name: String, len: usize| -> Result<Vec<f32>, String> {
             let v = t
                 .remove(&name)
@@ -83,9 +122,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         let held: Vec<bool> = self
             .params
             .keys()
-            .map(|n| self.held_between_steps(n))
+            .map(|n| self.held_between_steps(zero, n))
             .collect();
-        let be = self.be;
         for ((n, p), held) in self.params.iter_mut().zip(held) {
             if held {
                 *p = be.upload(&take(format!("param/{n}"), be.len(p))?);
@@ -97,7 +135,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         for (n, v) in self.v.iter_mut() {
             *v = be.upload(&take(format!("adam_v/{n}"), be.len(v))?);
         }
-        if self.run.zero_stage >= 1 {
+        if zero >= 1 {
             for b in self.buckets.iter_mut() {
                 let bn = b.name.clone();
                 b.p = take(format!("zero/{bn}/master"), b.p.len())?;
@@ -120,6 +158,16 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     }
 }
 
+impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
+    pub(crate) fn export_state(&self) -> BTreeMap<String, Vec<f32>> {
+        self.st.export(self.be, self.run.zero_stage)
+    }
+
+    pub(crate) fn import_state(&mut self, t: BTreeMap<String, Vec<f32>>) -> Result<(), String> {
+        self.st.import(self.be, self.run.zero_stage, t)
+    }
+}
+
 impl<B: Backend, C: Collectives<B>> RankStateAccess for RankExec<'_, B, C> {
     fn export(&self) -> BTreeMap<String, Vec<f32>> {
         self.export_state()
@@ -127,6 +175,7 @@ impl<B: Backend, C: Collectives<B>> RankStateAccess for RankExec<'_, B, C> {
 
     fn flip_bit(&mut self, param: &str, index: usize, bit: u32) -> Result<(), String> {
         let w = self
+            .st
             .params
             .get_mut(param)
             .ok_or_else(|| format!("no weight `{param}` on this rank"))?;
@@ -147,7 +196,7 @@ impl<B: Backend, C: Collectives<B>> RankStateAccess for RankExec<'_, B, C> {
             h ^= b as u64;
             h = h.wrapping_mul(0x0100_0000_01b3);
         };
-        for (n, w) in &self.params {
+        for (n, w) in &self.st.params {
             n.bytes().for_each(&mut eat);
             for x in self.be.download(w) {
                 x.to_bits().to_le_bytes().into_iter().for_each(&mut eat);
@@ -157,7 +206,7 @@ impl<B: Backend, C: Collectives<B>> RankStateAccess for RankExec<'_, B, C> {
     }
 
     fn weight_names(&self) -> Vec<String> {
-        self.params.keys().cloned().collect()
+        self.st.params.keys().cloned().collect()
     }
 }
 
@@ -210,7 +259,9 @@ pub fn logical_state(
         .map_err(|e| e.to_string())?
         .zero_stage;
     let part = |rk: &RankExec<'_, crate::backend::Cpu, crate::comm::Local>, n: &str| {
-        rk.part_of(n).map(|(s, i, k)| (s.clone(), i, k))
+        rk.st
+            .part_of(rk.g, &rk.me, n)
+            .map(|(s, i, k)| (s.clone(), i, k))
     };
     let locals = with_ranks(program, cfg, |r, rk| {
         let st = states
@@ -220,14 +271,14 @@ pub fn logical_state(
             .map_err(|e| format!("rank {r}: {e}"))?;
         let mut mine = Vec::new();
         if zero == 0 {
-            for (n, p) in &rk.params {
+            for (n, p) in &rk.st.params {
                 let pt = part(rk, n)?;
                 mine.push(("master", n.clone(), p.clone(), pt.clone()));
-                mine.push(("adam_m", n.clone(), rk.m[n].clone(), pt.clone()));
-                mine.push(("adam_v", n.clone(), rk.v[n].clone(), pt));
+                mine.push(("adam_m", n.clone(), rk.st.m[n].clone(), pt.clone()));
+                mine.push(("adam_v", n.clone(), rk.st.v[n].clone(), pt));
             }
         } else {
-            for b in &rk.buckets {
+            for b in &rk.st.buckets {
                 let (group, pos) = rk.me.dp_group(b.expert);
                 let params = b
                     .names
@@ -289,23 +340,23 @@ pub fn sharded_state(
         .map_err(|e| e.to_string())?
         .zero_stage;
     let states = with_ranks(program, cfg, |r, rk| {
-        let names: Vec<String> = rk.params.keys().cloned().collect();
+        let names: Vec<String> = rk.st.params.keys().cloned().collect();
         let mut master = BTreeMap::new();
         let mut m = BTreeMap::new();
         let mut v = BTreeMap::new();
         for n in &names {
-            let pt = rk.part_of(n)?;
+            let pt = rk.st.part_of(rk.g, &rk.me, n)?;
             master.insert(n.clone(), get("master", n, pt)?);
             m.insert(n.clone(), get("adam_m", n, pt)?);
             v.insert(n.clone(), get("adam_v", n, pt)?);
         }
         if zero == 0 {
-            rk.m = m;
-            rk.v = v;
+            rk.st.m = m;
+            rk.st.v = v;
         } else {
-            for k in 0..rk.buckets.len() {
-                let (group, pos) = rk.me.dp_group(rk.buckets[k].expert);
-                let b = &mut rk.buckets[k];
+            for k in 0..rk.st.buckets.len() {
+                let (group, pos) = rk.me.dp_group(rk.st.buckets[k].expert);
+                let b = &mut rk.st.buckets[k];
                 let c = b.padded / group.len();
                 let cut = |from: &BTreeMap<String, Vec<f32>>| -> Vec<f32> {
                     let mut flat = Vec::with_capacity(b.padded);
@@ -320,7 +371,7 @@ pub fn sharded_state(
                 b.v = cut(&v);
             }
         }
-        rk.params = master;
+        rk.st.params = master;
         Ok((r, rk.export_state()))
     })?;
     Ok(states.into_iter().collect())

@@ -8,6 +8,37 @@
 //!
 //! Everything is an integer: FLOPs, bytes, shapes. No floats, so graphs compare exactly,
 //! print canonically and round-trip through the text form.
+//!
+//! # Operands and results
+//!
+//! A node's [`Node::operands`] and [`Node::results`] are values, in this order per op kind
+//! (the contract between a lowering and a backend; the verifier checks the shapes):
+//!
+//! | op | operands | results |
+//! |---|---|---|
+//! | `norm` (forward, replay) | `x, w[, b]` | `y, stats` |
+//! | `norm` (backward) | `dy, x, w[, b], stats[, dres]` | `dx (+ dres), dw[, db]` |
+//! | `gemm` / `.dgrad` / `.wgrad` | `x, W` / `dy, W` / `x, dy` | `y` / `dx` / `dW` (accumulated) |
+//! | `rope` (forward) | `qkv` (per token: Q, K, V heads) | `q`, `kv` (all K rows, then all V rows) |
+//! | `rope` (backward) | `dq, dkv` | `dqkv` |
+//! | `attention` (forward, replay) | `q, kv` (context parallel: every member's `kv`, in group order) | `o, lse` |
+//! | `attention` (backward) | `q, kv, o, lse, do` | `dq, dkv` (per member, as `kv`) |
+//! | `activation` | `u` / `u, da` | `a` / `du` |
+//! | `residual` | `x, y` | `x + y` |
+//! | `embedding` | `tokens, E[, P]` / `dx, tokens` | `e` / `dE[, dP]` (accumulated) |
+//! | `loss` | `logits, labels[, max]` / `logits, labels, max, stats` | see below / `dlogits` |
+//! | `gemm` with a third, activation operand | `x, W, acc` / `dy, W, acc` | `acc +` the product (onto the rank's sequence-shard rows when `acc` holds the micro-batch's) |
+//! | `permute`, grouped expert GEMMs, MoE collectives | see the lowering's `moe` module | |
+//! | collective, send, recv | the tensor in | the tensor out |
+//! | `release` | values whose lifetime ends | |
+//! | data-parallel collectives, `sum_squares`, optimizer step | see the lowering's `dp` module | |
+//!
+//! The loss without TP is one node: `max` (each token's largest logit) and `stats` (its
+//! target logit and log-sum-exp, `[2, t]`). Under TP the first node leaves the local
+//! maximum (reduced by `loss.max`), the second the target logit (0 outside its shard) and
+//! `sum exp(logit - max)` over the local vocabulary (summed by `loss.target_sumexp`); the
+//! backward takes `max + ln(sumexp)` as the log-sum-exp. The backward adds the micro-batch's
+//! share of the step's loss.
 
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::vocab::{Axis, GemmName, GemmPass, GemmRole, ParamName};

@@ -25,52 +25,13 @@
 //! norm's sum of squares is taken on the host.
 
 use super::*;
-use shardwright_ir::{ElementwiseKind, TpSplit, ValueId, ValueKind};
+use shardwright_ir::{ElementwiseKind, ValueId, ValueKind};
 
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
-    /// The tensors `names` of `from` (the rank's parameters or gradients) downloaded end
-    /// to end, zero-padded to `padded`.
-    pub(crate) fn flatten(
-        &self,
-        names: &[String],
-        from: &BTreeMap<String, B::Buf>,
-        padded: usize,
-    ) -> Vec<f32> {
-        let mut flat = Vec::with_capacity(padded);
-        for n in names {
-            flat.extend_from_slice(&self.be.download(&from[n]));
-        }
-        flat.resize(padded, 0.0);
-        flat
-    }
-
-    /// `flat` cut into the tensors `names` (of `sizes`), uploaded into the rank's
-    /// parameters (`grads` false) or gradients.
-    pub(super) fn unflatten_state(
-        &mut self,
-        names: &[String],
-        sizes: &[usize],
-        flat: &[f32],
-        grads: bool,
-    ) {
-        let be = self.be;
-        let into = if grads {
-            &mut self.grads
-        } else {
-            &mut self.params
-        };
-        unflatten(names, sizes, flat, into, |x| be.upload(x));
-    }
-
     /// All-gather of a bucket's weight shards over its data-parallel group.
     pub(super) fn gather_bucket(&mut self, i: usize) -> Vec<f32> {
-        let group = self.me.dp_group(self.buckets[i].expert).0;
-        self.comm.all_gather(&group, &self.buckets[i].p)
-    }
-
-    /// The norm weights (replicated over tp) of a bucket.
-    pub(super) fn is_replicated(&self, name: &str) -> bool {
-        crate::model::role_of(name).tp_split() == TpSplit::Replicated
+        let group = self.me.dp_group(self.st.buckets[i].expert).0;
+        self.comm.all_gather(&group, &self.st.buckets[i].p)
     }
 
     /// The state name a gradient value accumulates into (`L3.qkv.grad` -> `L3.qkv`).
@@ -85,7 +46,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         }
         let name = self.value_name(v);
         let key = name.strip_suffix(".grad").unwrap_or(name);
-        if self.grads.contains_key(key) {
+        if self.st.grads.contains_key(key) {
             Ok(key.to_string())
         } else {
             Err(format!("gradient `{name}` is not on this rank"))
@@ -94,7 +55,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
 
     /// The bucket whose shard `v` is.
     fn shard_bucket(&self, v: ValueId) -> Result<usize, String> {
-        self.shard_of.get(&v).copied().ok_or_else(|| {
+        self.st.shard_of.get(&v).copied().ok_or_else(|| {
             format!(
                 "{v} (`{}`) is no bucket's ZeRO shard",
                 self.g.values[v.index()].name
@@ -151,25 +112,25 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 let mut flat = Vec::new();
                 let mut sizes = Vec::new();
                 for k in &keys {
-                    let x = self.be.download(&self.grads[k]);
+                    let x = self.be.download(&self.st.grads[k]);
                     sizes.push(x.len());
                     flat.extend_from_slice(&x);
                 }
                 moves_as_stated(flat.len(), elems)?;
                 if matches!(axis, Axis::DenseDp | Axis::ExpertDp) {
                     self.me.check_dp_group(axis, &group)?;
-                    if let Some(&b) = keys.first().and_then(|k| self.bucket_of.get(k)) {
+                    if let Some(&b) = keys.first().and_then(|k| self.st.bucket_of.get(k)) {
                         self.reduced.insert(b);
                     }
                 } else if axis != Axis::Tp {
                     return Err(format!("a gradient all-reduce over `{axis}`"));
                 }
                 self.comm.all_reduce(&group, &mut flat);
-                self.unflatten_state(&keys, &sizes, &flat, true);
+                self.st.unflatten(self.be, &keys, &sizes, &flat, true);
             }
             K::ReduceScatter => {
                 let bi = self.shard_bucket(Self::res(n, 0)?)?;
-                let b = &self.buckets[bi];
+                let b = &self.st.buckets[bi];
                 self.me.check_dp_group(axis, &group)?;
                 let keys = n
                     .operands
@@ -183,14 +144,14 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                     ));
                 }
                 moves_as_stated(b.padded, elems)?;
-                let flat = self.flatten(&b.names, &self.grads, b.padded);
+                let flat = self.st.flatten(self.be, &b.names, true, b.padded);
                 let s = self.comm.reduce_scatter(&group, &flat);
                 self.reduced.insert(bi);
-                let b = &mut self.buckets[bi];
+                let b = &mut self.st.buckets[bi];
                 b.add_grad(&s);
                 for nm in &b.names {
                     self.be
-                        .fill_zero(self.grads.get_mut(nm).expect("bucket gradient"));
+                        .fill_zero(self.st.grads.get_mut(nm).expect("bucket gradient"));
                 }
             }
             K::AllGather => {
@@ -198,7 +159,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 self.me.check_dp_group(axis, &group)?;
                 let full = self.gather_bucket(bi);
                 moves_as_stated(full.len(), elems)?;
-                let b = &self.buckets[bi];
+                let b = &self.st.buckets[bi];
                 if n.results.len() != b.names.len() {
                     return Err(format!(
                         "all-gather of bucket `{}` writes {} values, the bucket holds {}",
@@ -208,7 +169,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                     ));
                 }
                 let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                self.unflatten_state(&names, &sizes, &full, false);
+                self.st.unflatten(self.be, &names, &sizes, &full, false);
             }
             k => return Err(format!("no rule for a dp-stream {}", k.name())),
         }
@@ -246,54 +207,14 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// moved into their shards; then this rank's `[sum of squares of the gradient elements
     /// it owns, its loss share]`.
     fn grad_stats(&mut self, n: &Node) -> Result<(), String> {
-        let zero = self.run.zero_stage;
-        for k in 0..self.buckets.len() {
-            if self.reduced.contains(&k) {
-                continue;
-            }
-            if self.me.dp_group(self.buckets[k].expert).0.len() > 1 {
-                return Err(format!(
-                    "bucket `{}` was never reduced over data parallelism",
-                    self.buckets[k].name
-                ));
-            }
-            if zero >= 1 {
-                let b = &self.buckets[k];
-                let flat = self.flatten(&b.names, &self.grads, b.padded);
-                self.buckets[k].add_grad(&flat);
-            }
-        }
-        // Sum of squares of the gradient elements this rank owns (replicated norm weights
-        // count on tp rank 0 only; ZeRO-0 gradients on the first replica only: of
-        // dense_dp for dense weights, of expert_dp for the experts).
-        let mut ss = 0.0f64;
-        if zero == 0 {
-            for (nm, gr) in &self.grads {
-                let first_replica = if Dims::is_expert(nm) {
-                    self.me.expert_pos == 0
-                } else {
-                    self.me.dense_pos == 0
-                };
-                if first_replica && (self.me.tp_pos == 0 || !self.is_replicated(nm)) {
-                    let gr = self.be.download(gr);
-                    ss += gr.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
-                }
-            }
-            if self.diagnostics {
-                self.report.grads = self.host(&self.grads);
-            }
-        } else {
-            for k in 0..self.buckets.len() {
-                let (group, bpos) = self.me.dp_group(self.buckets[k].expert);
-                let tp0 = self.me.tp_pos == 0;
-                let b = &self.buckets[k];
-                ss = b.add_squares(ss, bpos, |nm| tp0 || !self.is_replicated(nm));
-                if !self.diagnostics {
-                    continue;
-                }
-                // Diagnostic: the reduced gradient, gathered for the report.
-                let full = self.comm.all_gather(&group, &b.g);
-                let b = &self.buckets[k];
+        let ss = self.st.owned_squares(self.be, &self.me, &self.reduced)?;
+        if self.diagnostics && self.run.zero_stage == 0 {
+            self.report.grads = self.host(&self.st.grads);
+        } else if self.diagnostics {
+            // The reduced gradients, gathered from the shards for the report.
+            for k in 0..self.st.buckets.len() {
+                let b = &self.st.buckets[k];
+                let full = self.comm.all_gather(self.me.dp_group(b.expert).0, &b.g);
                 let mut m = BTreeMap::new();
                 unflatten(&b.names, &b.sizes, &full, &mut m, <[f32]>::to_vec);
                 self.report.grads.extend(m);
@@ -310,7 +231,6 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     }
 
     fn optimizer_step(&mut self, n: &Node) -> Result<(), String> {
-        let zero = self.run.zero_stage;
         // The global figures when the graph's `grad_norm` all-reduce ran, else this rank's
         // own (a single rank's graph has none).
         let buf = self.val_host(Self::arg(n, 0)?)?;
@@ -341,30 +261,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             },
             ..hp
         };
-        if zero == 0 {
-            let names: Vec<String> = self.params.keys().cloned().collect();
-            for nm in names {
-                let g = be.scale(&self.grads[&nm], clip);
-                let p = self.params.get_mut(&nm).unwrap();
-                let m = self.m.get_mut(&nm).unwrap();
-                let v = self.v.get_mut(&nm).unwrap();
-                be.adamw(p, &g, m, v, decayed(&nm));
-            }
-        } else {
-            let (nd, ne) = (self.me.dense_dp.len(), self.me.expert_dp.len());
-            let (dpos, epos) = (self.me.dense_pos, self.me.expert_pos);
-            for b in self.buckets.iter_mut() {
-                b.adamw(be, if b.expert { epos } else { dpos }, clip, decayed);
-                if (if b.expert { ne } else { nd }) == 1 {
-                    // A group of one (e.g. the experts under ep without dp): the IR has no
-                    // parameter gather, the shard is the whole bucket.
-                    unflatten(&b.names, &b.sizes, &b.p, &mut self.params, |x| be.upload(x));
-                }
-            }
-        }
-        for g in self.grads.values_mut() {
-            be.fill_zero(g);
-        }
+        self.st.adamw(be, &self.me, clip, decayed);
         Ok(())
     }
 }

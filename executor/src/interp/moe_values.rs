@@ -285,6 +285,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 let xs = be.slice(&x, lo * rows_in, hi * rows_in);
                 let dys = be.slice(&dy, lo * rows_out, hi * rows_out);
                 let dw = self
+                    .st
                     .grads
                     .get_mut(&pname)
                     .ok_or_else(|| format!("no gradient of {pname}"))?;

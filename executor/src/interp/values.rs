@@ -1,32 +1,7 @@
 //! The value path: a node that names its operands and results runs on them, whatever its
 //! place in the graph. Each op kind is one backend call (or a collective) on the values
-//! the node lists, in the operand order the lowering documents
-//! (`shardwright_lowering::lower`'s `values` module):
-//!
-//! | op | operands | results |
-//! |---|---|---|
-//! | `norm` (forward, replay) | `x, w[, b]` | `y, stats` |
-//! | `norm` (backward) | `dy, x, w[, b], stats[, dres]` | `dx (+ dres), dw[, db]` |
-//! | `gemm` / `.dgrad` / `.wgrad` | `x, W` / `dy, W` / `x, dy` | `y` / `dx` / `dW` (accumulated) |
-//! | `rope` (forward) | `qkv` (per token: Q, K, V heads) | `q`, `kv` (all K rows, then all V rows) |
-//! | `rope` (backward) | `dq, dkv` | `dqkv` |
-//! | `attention` (forward, replay) | `q, kv` (context parallel: every member's `kv`, in group order) | `o, lse` |
-//! | `attention` (backward) | `q, kv, o, lse, do` | `dq, dkv` (per member, as `kv`) |
-//! | `activation` | `u` / `u, da` | `a` / `du` |
-//! | `residual` | `x, y` | `x + y` |
-//! | `embedding` | `tokens, E[, P]` / `dx, tokens` | `e` / `dE[, dP]` (accumulated) |
-//! | `loss` | `logits, labels[, max]` / `logits, labels, max, stats` | see below / `dlogits` |
-//! | `gemm` with a third, activation operand | `x, W, acc` / `dy, W, acc` | `acc +` the product (onto the rank's sequence-shard rows when `acc` holds the micro-batch's) |
-//! | `permute`, grouped expert GEMMs, MoE collectives | see `moe_values` | |
-//! | collective, send, recv | the tensor in | the tensor out |
-//! | `release` | values whose lifetime ends | |
-//!
-//! The loss without TP is one node: `max` (each token's largest logit) and `stats` (its
-//! target logit and log-sum-exp, `[2, t]`). Under TP the first node leaves the local
-//! maximum (reduced by `loss.max`), the second the target logit (0 outside its shard) and
-//! `sum exp(logit - max)` over the local vocabulary (summed by `loss.target_sumexp`); the
-//! backward takes `max + ln(sumexp)` as the log-sum-exp. The backward adds the micro-batch's
-//! share of the step's loss.
+//! the node lists, in the operand order the IR states ([`shardwright_ir::graph`]'s
+//! "Operands and results").
 //!
 //! Parameters and gradients are the rank's named state (`L3.qkv`, `L3.qkv.grad`); token ids
 //! and labels come from the data source by micro-batch; activations live in a table by value
@@ -128,7 +103,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
 
     /// An activation or a parameter.
     pub(super) fn val(&self, v: ValueId) -> Result<&B::Buf, String> {
-        get(self.g, &self.pnames, &self.vals, &self.params, v)
+        get(self.g, &self.pnames, &self.vals, &self.st.params, v)
     }
 
     /// An activation or a parameter downloaded to the host (for the communicator).
@@ -173,7 +148,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                     self.g,
                     &self.pnames,
                     &self.vals,
-                    &self.params,
+                    &self.st.params,
                     Self::arg(n, 0)?,
                 )?;
                 self.comm.send_buf(self.be, *peer, x);
@@ -202,7 +177,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                     self.g,
                     &self.pnames,
                     &self.vals,
-                    &self.params,
+                    &self.st.params,
                     Self::arg(n, 0)?,
                 )?;
                 let len = self.be.len(x);
@@ -270,9 +245,9 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             Some(&r) => be.add(self.val(r)?, &dx),
             None => dx,
         };
-        self.grads.insert(wname, dw);
+        self.st.grads.insert(wname, dw);
         if let (Some(b), Some(db)) = (bname, db) {
-            self.grads.insert(b, db);
+            self.st.grads.insert(b, db);
         }
         self.def(Self::res(n, 0)?, dx);
         Ok(())
@@ -280,7 +255,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
 
     /// Gradient `name` taken out of the rank's state (to be put back).
     fn take_grad(&mut self, name: &str) -> Result<B::Buf, String> {
-        self.grads
+        self.st
+            .grads
             .remove(name)
             .ok_or_else(|| format!("no {name} gradient"))
     }
@@ -309,9 +285,10 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if pass == Some(GemmPass::Wgrad) {
             let gname = self.value_name(Self::res(n, 0)?);
             let pname = gname.strip_suffix(".grad").unwrap_or(gname).to_string();
-            let x = get(self.g, &self.pnames, &self.vals, &self.params, a)?;
-            let dy = get(self.g, &self.pnames, &self.vals, &self.params, b)?;
+            let x = get(self.g, &self.pnames, &self.vals, &self.st.params, a)?;
+            let dy = get(self.g, &self.pnames, &self.vals, &self.st.params, b)?;
             let dw = self
+                .st
                 .grads
                 .get_mut(&pname)
                 .ok_or_else(|| format!("no gradient of {pname}"))?;
