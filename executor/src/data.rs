@@ -93,6 +93,29 @@ impl Feed {
         }
     }
 
+    /// The feed of the rank at `me` in `program`: its data replica (the program declares no
+    /// `dp` group, only dense_dp, so the replica index comes from the mesh coordinates)
+    /// and its context-parallel chunk.
+    pub(crate) fn for_rank(
+        program: &shardwright_ir::Program,
+        me: &crate::place::Place,
+    ) -> Result<Self, String> {
+        let (run, rank) = (me.run, me.rank);
+        let coord = program
+            .coord(rank)
+            .ok_or_else(|| format!("the program carries no mesh coordinates for rank {rank}"))?;
+        let ctx = DataCtx {
+            rank,
+            dp_rank: (coord.dp * run.ep + coord.ep),
+            dp_size: run.dp * run.ep,
+            micro_batch: run.micro_batch,
+            grad_accum: run.grad_accum as u32,
+            seq: me.dims.seq as u32,
+            vocab: me.dims.vocab as u32,
+        };
+        Ok(Feed::new(ctx, me.cp_pos, run.cp as usize))
+    }
+
     /// Forget the last step's micro-batches.
     pub(crate) fn start(&mut self, step: u32) {
         self.step = step;

@@ -19,10 +19,10 @@
 //!
 //! What the interpreter is and is not: it fetches a node's operands, makes one backend call,
 //! one collective or one composite op ([`crate::ops`], [`crate::moe`], [`crate::bucket`]:
-//! free functions of buffers and shapes) and defines the node's results. Setting a rank up
-//! from the program ([`crate::bucket`]'s `init_buckets`), its data feed ([`crate::data`]),
-//! its state as named tensors ([`crate::state`]) and running ranks with their hooks
-//! ([`crate::run`]) live outside it.
+//! free functions of buffers and shapes) and defines the node's results. Outside it: the
+//! rank's groups and local shapes read from the program (`crate::place`), its parameters,
+//! gradients, buckets and checkpointed state ([`crate::state`]), its data feed
+//! ([`crate::data`]) and running ranks with their hooks ([`crate::run`]).
 //!
 //! # Backend and host
 //!
@@ -40,19 +40,17 @@
 //! - host-side throughout: token ids, labels and positions (`u32`, passed to the kernels as
 //!   they are) and the MoE routing decisions with the dispatch tables planned from them.
 
-use crate::backend::{AdamW, AttnShape, Backend};
+use crate::backend::{AdamW, Backend};
 use crate::comm::Collectives;
-use crate::data::{DataCtx, Feed};
+use crate::data::Feed;
 use crate::model::{lr_at, Dims};
-use crate::ops;
 use shardwright_ir::run::RunInfo;
-use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Role, Stream};
+use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Stream};
 use std::collections::BTreeMap;
 
 mod dp;
 mod moe_values;
 mod values;
-use crate::bucket::unflatten;
 use crate::place::Place;
 use crate::run::{ExecConfig, ExecError, StepReport};
 use crate::state::RankState;
@@ -81,7 +79,7 @@ pub(crate) struct RankExec<'a, B: Backend, C: Collectives<B>> {
     pub(crate) feed: Feed,
     /// The activations of the value path, by value id (see [`values`]).
     pub(crate) vals: Vec<Option<B::Buf>>,
-    /// Each state value's key in `params`/`grads` ([`values::state_names`]).
+    /// Each state value's key in `params`/`grads` ([`crate::state::state_names`]).
     pub(crate) pnames: Vec<String>,
     /// The value path's MoE side tables.
     pub(crate) mv: crate::moe::MoeVals,
@@ -103,24 +101,22 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
         cfg: &'a ExecConfig,
     ) -> Result<Self, ExecError> {
         let me = Place::new(program, g.rank, dims)?;
-        let run = me.run;
-        let coord = program.coord(me.rank).ok_or_else(|| {
-            ExecError::Model(format!(
-                "the program carries no mesh coordinates for rank {}",
-                me.rank
-            ))
-        })?;
-        let mut ex = RankExec {
+        let feed = Feed::for_rank(program, &me).map_err(ExecError::Model)?;
+        let pnames = crate::state::state_names(g, me.first_expert);
+        let st = RankState::new(be, g, &me, cfg.seed, &pnames).map_err(ExecError::Model)?;
+        Ok(RankExec {
             be,
             comm,
             g,
             dims,
-            run,
+            run: me.run,
             cfg,
-            st: RankState::default(),
+            me,
+            st,
+            feed,
+            pnames,
             step: 0,
             vals: g.values.iter().map(|_| None).collect(),
-            pnames: values::state_names(g, me.first_expert),
             mv: crate::moe::MoeVals::default(),
             aux_shares: BTreeMap::new(),
             loss: 0.0,
@@ -128,26 +124,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             report: StepReport::default(),
             reduced: Default::default(),
             diagnostics: true,
-            // The data replica index: the program declares no `dp` group (only
-            // dense_dp), so it comes from the mesh coordinates.
-            feed: Feed::new(
-                DataCtx {
-                    rank: me.rank,
-                    dp_rank: (coord.dp * run.ep + coord.ep),
-                    dp_size: run.dp * run.ep,
-                    micro_batch: run.micro_batch,
-                    grad_accum: run.grad_accum as u32,
-                    seq: dims.seq as u32,
-                    vocab: dims.vocab as u32,
-                },
-                me.cp_pos,
-                run.cp as usize,
-            ),
-            me,
-        };
-        // The parameters live in the graph's buckets.
-        ex.st = RankState::new(be, g, &ex.me, cfg.seed, &ex.pnames).map_err(ExecError::Model)?;
-        Ok(ex)
+        })
     }
 
     pub(crate) fn step(&mut self, step: u32) -> Result<StepReport, ExecError> {
@@ -200,13 +177,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
         }
         // Weights after the step (ZeRO-3: gathered from the shards, diagnostic only).
         if self.diagnostics && self.run.zero_stage >= 3 {
-            for k in 0..self.st.buckets.len() {
-                let full = self.gather_bucket(k);
-                let b = &self.st.buckets[k];
-                let mut m = BTreeMap::new();
-                unflatten(&b.names, &b.sizes, &full, &mut m, <[f32]>::to_vec);
-                rep.params.extend(m);
-            }
+            rep.params = self.gathered(|b| &b.p);
         } else if self.diagnostics {
             rep.params = self.host(&self.st.params);
         }
@@ -248,41 +219,6 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             .get(name)
             .ok_or_else(|| format!("weight {name} not on this rank"))
     }
-
-    fn attn_shape(&self, n: &Node) -> Result<AttnShape, String> {
-        match n.op {
-            Op::Attention {
-                causal,
-                heads,
-                kv_heads,
-                seq_q,
-                seq_kv,
-                head_dim,
-                batch,
-                cp_chunk,
-                ..
-            } => {
-                let s = AttnShape {
-                    batch: batch as usize,
-                    seq_q: seq_q as usize,
-                    seq_kv: seq_kv as usize,
-                    heads: heads as usize,
-                    kv_heads: kv_heads as usize,
-                    head_dim: head_dim as usize,
-                    q_offset: cp_chunk.map_or(0, |(i, _)| i as usize * seq_q as usize),
-                    causal,
-                };
-                if s.heads != self.me.hl || s.kv_heads != self.me.kvl || s.head_dim != self.dims.d {
-                    return Err(format!(
-                        "attention shape {s:?} disagrees with the model's local heads {}/{}",
-                        self.me.hl, self.me.kvl
-                    ));
-                }
-                Ok(s)
-            }
-            _ => Err(err("not attention")),
-        }
-    }
 }
 
 /// A collective moves the element count its IR node states (the all-gather output, the
@@ -309,42 +245,6 @@ fn moves_as_stated(len: usize, elems: usize) -> Result<(), String> {
 /// graph's `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` all-reduces; the loss and its
 /// gradient are recomputed from the statistics after each.
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
-    /// The embedding of micro-batch `mb`'s tokens (this rank's vocabulary rows), plus the
-    /// learned positions once per token (on the first tp rank: the tp reduction after the
-    /// vocabulary-parallel lookup sums the ranks' rows).
-    fn embed(&mut self, mb: u32) -> Result<B::Buf, String> {
-        let (ids, _) = self.feed.batch(mb)?;
-        let table = (self.w(Role::Embedding.name())?, self.me.vocab_start);
-        let positions = match self.dims.learned_positions && self.me.tp_pos == 0 {
-            true => Some((self.feed.positions(), self.w(Role::PosEmbedding.name())?)),
-            false => None,
-        };
-        Ok(ops::embed(self.be, &ids, table, positions, self.dims.h))
-    }
-
-    /// Its backward: `g` (every token's gradient) scattered into the embedding's rows and
-    /// the positions' (every tp rank holds the whole gradient here: the same on each).
-    fn embed_bwd(&mut self, mb: u32, g: &B::Buf) -> Result<(), String> {
-        let h = self.dims.h;
-        let (ids, _) = self.feed.batch(mb)?;
-        let dw = self
-            .st
-            .grads
-            .get_mut(Role::Embedding.name())
-            .ok_or("no embedding grad")?;
-        self.be.embedding_bwd(&ids, g, self.me.vocab_start, h, dw);
-        if self.dims.learned_positions {
-            // Scattered into the position table's rows, as the embedding's.
-            let dp = self
-                .st
-                .grads
-                .get_mut(Role::PosEmbedding.name())
-                .ok_or("no position grad")?;
-            self.be.embedding_bwd(self.feed.positions(), g, 0, h, dp);
-        }
-        Ok(())
-    }
-
     /// Tensors of the backend downloaded to the host (reports, checkpoints).
     fn host(&self, t: &BTreeMap<String, B::Buf>) -> BTreeMap<String, Vec<f32>> {
         t.iter()

@@ -425,6 +425,32 @@ pub(crate) fn expert_gemms<B: Backend>(
     y
 }
 
+/// The local experts' weight gradients from rows grouped by expert (`off`): expert `e`'s
+/// rows of `x` (`win` wide) and of `dy` (`wout` wide) accumulated into gradient
+/// `names[e]` of `grads`.
+pub(crate) fn expert_wgrads<B: Backend>(
+    be: &B,
+    (x, dy): (&B::Buf, &B::Buf),
+    off: &[usize],
+    (win, wout): (usize, usize),
+    grads: &mut BTreeMap<String, B::Buf>,
+    names: &[&str],
+) -> Result<(), String> {
+    for (le, name) in names.iter().enumerate() {
+        let (lo, hi) = (off[le], off[le + 1]);
+        if hi == lo {
+            continue;
+        }
+        let xs = be.slice(x, lo * win, hi * win);
+        let dys = be.slice(dy, lo * wout, hi * wout);
+        let dw = grads
+            .get_mut(*name)
+            .ok_or_else(|| format!("no gradient of {name}"))?;
+        be.linear_wgrad(&xs, &dys, hi - lo, win, wout, dw);
+    }
+    Ok(())
+}
+
 /// After a reduce-scatter of dispatch buffers (which summed the members' headers too),
 /// this rank's own headers put back from `own`, its part before the reduction.
 pub(crate) fn keep_own_headers(out: &mut [f32], own: &[f32], ch: &Chunks) -> Result<(), String> {

@@ -2,12 +2,13 @@
 //! declares), its place in each, and the local shapes that follow (heads, vocabulary rows,
 //! tokens per micro-batch, the MoE dispatch layout). Nothing here holds tensors.
 
+use crate::backend::AttnShape;
 use crate::model::{Dims, MoeDims};
 use crate::moe::Chunks;
 use crate::ops::{Heads, KvLayout};
 use crate::run::{check_moe_layout, run_info, ExecError};
 use shardwright_ir::run::RunInfo;
-use shardwright_ir::{Axis, Program};
+use shardwright_ir::{Axis, Op, Program};
 
 pub(crate) struct Place<'a> {
     pub(crate) dims: &'a Dims,
@@ -215,6 +216,42 @@ impl<'a> Place<'a> {
             (0, self.routed_tokens())
         } else {
             (self.routed_offset(), self.tokens())
+        }
+    }
+
+    /// The shape of an attention op, checked against this rank's local heads.
+    pub(crate) fn attn_shape(&self, op: &Op) -> Result<AttnShape, String> {
+        match *op {
+            Op::Attention {
+                causal,
+                heads,
+                kv_heads,
+                seq_q,
+                seq_kv,
+                head_dim,
+                batch,
+                cp_chunk,
+                ..
+            } => {
+                let s = AttnShape {
+                    batch: batch as usize,
+                    seq_q: seq_q as usize,
+                    seq_kv: seq_kv as usize,
+                    heads: heads as usize,
+                    kv_heads: kv_heads as usize,
+                    head_dim: head_dim as usize,
+                    q_offset: cp_chunk.map_or(0, |(i, _)| i as usize * seq_q as usize),
+                    causal,
+                };
+                if s.heads != self.hl || s.kv_heads != self.kvl || s.head_dim != self.dims.d {
+                    return Err(format!(
+                        "attention shape {s:?} disagrees with the model's local heads {}/{}",
+                        self.hl, self.kvl
+                    ));
+                }
+                Ok(s)
+            }
+            _ => Err("not attention".into()),
         }
     }
 }

@@ -23,7 +23,7 @@ use crate::bucket::Bucket;
 use crate::comm::Collectives;
 use crate::interp::RankExec;
 use crate::run::RankStateAccess;
-use shardwright_ir::{Slice, ValueId};
+use shardwright_ir::{Expert, Graph, ParamName, Slice, ValueId, ValueKind};
 use std::collections::BTreeMap;
 
 /// A rank's parameters, gradients and optimizer state: the weights it computes with (its
@@ -43,6 +43,41 @@ pub(crate) struct RankState<B: Backend> {
     /// Each parameter's slice of its full tensor (by state name: its index in the graph's
     /// slices).
     pub(crate) slice_of: BTreeMap<String, usize>,
+}
+
+/// The state key of each value (empty for activations and data): its name, except that a
+/// local expert's parameter `L{l}.le{i}.{w}` (and its gradient) is this rank's expert
+/// `first + i`, `L{l}.e{first + i}.{w}`: the program names a rank class's experts by local
+/// index, since every ep rank of the class runs the same graph on its own experts.
+pub(crate) fn state_names(g: &Graph, first_expert: usize) -> Vec<String> {
+    g.values
+        .iter()
+        .map(|v| {
+            if !v.kind.is_state() {
+                return String::new();
+            }
+            let (param, grad) = match v.name.strip_suffix(".grad") {
+                Some(p) if v.kind == ValueKind::Grad => (p, ".grad"),
+                _ => (v.name.as_str(), ""),
+            };
+            match param.parse::<ParamName>() {
+                Ok(
+                    p @ ParamName {
+                        expert: Some(Expert::Local(i)),
+                        ..
+                    },
+                ) => {
+                    let global = Expert::Global(first_expert as u32 + i);
+                    let p = ParamName {
+                        expert: Some(global),
+                        ..p
+                    };
+                    format!("{p}{grad}")
+                }
+                _ => v.name.clone(),
+            }
+        })
+        .collect()
 }
 
 impl<B: Backend> Default for RankState<B> {

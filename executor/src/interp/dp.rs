@@ -1,37 +1,35 @@
-//! The data-parallel stream and the optimizer, on the program's values.
-//!
-//! The graph's buckets ([`shardwright_ir::Bucket`]: each layer's dense parameters, its
-//! local experts, the ends) say which parameters a flat message carries and in what order;
-//! a ZeRO bucket's shard values (`L3.shard`, `.grad`, `.master`, `.exp_avg`, `.exp_avg_sq`)
-//! are this rank's contiguous `padded / members` slice of it. The rules:
-//!
-//! - an all-reduce whose operands are gradients (the bucket's, ZeRO-0; or SP's replicated
-//!   ones over tp) reduces them in place, flattened in operand order;
-//! - a reduce-scatter of a bucket's gradients adds this rank's reduced slice into the
-//!   shard's gradient and leaves the gradients zero (the IR's "consumed");
-//! - an all-gather of a shard's parameters writes the bucket's parameters whole (ZeRO-3
-//!   before a use, and after the optimizer; ZeRO-1/2 after the optimizer);
-//! - `sum_squares` defines `[sum of squares of the gradient elements this rank owns, its
-//!   loss share]` (a bucket whose group is this rank alone is moved into its shard first);
-//!   the `grad_norm` all-reduce sums it over the world;
-//! - the optimizer step reads the clipping statistics (its first operand) and runs AdamW on
-//!   the parameters (ZeRO-0) or on the shards, run by run with each parameter's decay.
+//! The data-parallel stream and the optimizer, on the program's values, as the lowering
+//! emits them (`shardwright_lowering`'s `dp` module: the buckets, their order, and what each
+//! node reads and writes). The rank's side of it (flattening, shards, AdamW) is
+//! [`crate::state::RankState`]'s (in `crate::bucket`).
 //!
 //! The backend boundary: parameters, gradients and the ZeRO-0 moments are the backend's
 //! buffers; a bucket's flat message and the ZeRO shards with their moments are host memory,
 //! since the [`Communicator`] moves host vectors. Flattening downloads each tensor
-//! ([`RankExec::flatten`]), unflattening uploads it ([`RankExec::unflatten_state`]); a
-//! shard's AdamW uploads its runs and downloads the result ([`adamw_host`]). The gradient
-//! norm's sum of squares is taken on the host.
+//! (`RankState::flatten`), unflattening uploads it (`RankState::unflatten`); a shard's
+//! AdamW uploads its runs and downloads the result. The gradient norm's sum of squares is
+//! taken on the host.
 
 use super::*;
+use crate::bucket::{unflatten, Bucket};
 use shardwright_ir::{ElementwiseKind, ValueId, ValueKind};
 
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// All-gather of a bucket's weight shards over its data-parallel group.
     pub(super) fn gather_bucket(&mut self, i: usize) -> Vec<f32> {
-        let group = self.me.dp_group(self.st.buckets[i].expert).0;
-        self.comm.all_gather(&group, &self.st.buckets[i].p)
+        let b = &self.st.buckets[i];
+        self.comm.all_gather(self.me.dp_group(b.expert).0, &b.p)
+    }
+
+    /// Every bucket's shards (`of`: the weights or the gradient) gathered over its
+    /// data-parallel group and cut into full tensors, for the report.
+    pub(super) fn gathered(&mut self, of: fn(&Bucket) -> &[f32]) -> BTreeMap<String, Vec<f32>> {
+        let mut out = BTreeMap::new();
+        for b in &self.st.buckets {
+            let full = self.comm.all_gather(self.me.dp_group(b.expert).0, of(b));
+            unflatten(&b.names, &b.sizes, &full, &mut out, <[f32]>::to_vec);
+        }
+        out
     }
 
     /// The state name a gradient value accumulates into (`L3.qkv.grad` -> `L3.qkv`).
@@ -211,14 +209,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if self.diagnostics && self.run.zero_stage == 0 {
             self.report.grads = self.host(&self.st.grads);
         } else if self.diagnostics {
-            // The reduced gradients, gathered from the shards for the report.
-            for k in 0..self.st.buckets.len() {
-                let b = &self.st.buckets[k];
-                let full = self.comm.all_gather(self.me.dp_group(b.expert).0, &b.g);
-                let mut m = BTreeMap::new();
-                unflatten(&b.names, &b.sizes, &full, &mut m, <[f32]>::to_vec);
-                self.report.grads.extend(m);
-            }
+            self.report.grads = self.gathered(|b| &b.g);
         }
         let share = if self.has_loss && self.me.tp_pos == 0 {
             self.loss as f32

@@ -274,23 +274,26 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             if n.results.len() != el {
                 return Err(format!("{el} local experts, {} gradients", n.results.len()));
             }
-            for le in 0..el {
-                let (lo, hi) = (gx.off[le], gx.off[le + 1]);
-                if hi == lo {
-                    continue;
-                }
-                let gname = self.value_name(n.results[le]).to_string();
-                let pname = gname.strip_suffix(".grad").unwrap_or(&gname).to_string();
-                let be = self.be;
-                let xs = be.slice(&x, lo * rows_in, hi * rows_in);
-                let dys = be.slice(&dy, lo * rows_out, hi * rows_out);
-                let dw = self
-                    .st
-                    .grads
-                    .get_mut(&pname)
-                    .ok_or_else(|| format!("no gradient of {pname}"))?;
-                be.linear_wgrad(&xs, &dys, hi - lo, rows_in, rows_out, dw);
-            }
+            // The gradients' state names (a local expert's as its global expert).
+            let pn = &self.pnames;
+            let names = n
+                .results
+                .iter()
+                .map(|&r| {
+                    pn[r.index()]
+                        .strip_suffix(".grad")
+                        .unwrap_or(&pn[r.index()])
+                })
+                .collect::<Vec<_>>();
+            let widths = (rows_in, rows_out);
+            moe::expert_wgrads(
+                self.be,
+                (&x, &dy),
+                &gx.off,
+                widths,
+                &mut self.st.grads,
+                &names,
+            )?;
             return Ok(());
         }
         // Forward `[x, W..]` (in `k`, out `nn`) or data gradient `[dy, W..]` (in `nn`, out `k`).

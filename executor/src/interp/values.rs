@@ -21,8 +21,7 @@ use crate::backend::{AttnSaved, Backend};
 use crate::comm::Collectives;
 use crate::ops::{self, Mm, NormParams};
 use shardwright_ir::{
-    CollectiveKind, ElementwiseKind, Expert, GemmPass, Graph, Node, Op, ParamName, Pass, Role,
-    ValueId, ValueKind,
+    CollectiveKind, ElementwiseKind, GemmPass, Graph, Node, Op, Pass, Role, ValueId, ValueKind,
 };
 use std::collections::BTreeMap;
 
@@ -49,41 +48,6 @@ pub(super) fn get<'a, T>(
             other.name()
         )),
     }
-}
-
-/// The state key of each value (empty for activations and data): its name, except that a
-/// local expert's parameter `L{l}.le{i}.{w}` (and its gradient) is this rank's expert
-/// `first + i`, `L{l}.e{first + i}.{w}`: the program names a rank class's experts by local
-/// index, since every ep rank of the class runs the same graph on its own experts.
-pub(super) fn state_names(g: &Graph, first_expert: usize) -> Vec<String> {
-    g.values
-        .iter()
-        .map(|v| {
-            if !v.kind.is_state() {
-                return String::new();
-            }
-            let (param, grad) = match v.name.strip_suffix(".grad") {
-                Some(p) if v.kind == ValueKind::Grad => (p, ".grad"),
-                _ => (v.name.as_str(), ""),
-            };
-            match param.parse::<ParamName>() {
-                Ok(
-                    p @ ParamName {
-                        expert: Some(Expert::Local(i)),
-                        ..
-                    },
-                ) => {
-                    let global = Expert::Global(first_expert as u32 + i);
-                    let p = ParamName {
-                        expert: Some(global),
-                        ..p
-                    };
-                    format!("{p}{grad}")
-                }
-                _ => v.name.clone(),
-            }
-        })
-        .collect()
 }
 
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
@@ -357,32 +321,19 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 self.def(Self::res(n, 0)?, z);
             }
             ElementwiseKind::Activation => {
-                let u = self.val(Self::arg(n, 0)?)?;
-                let out = if bwd {
-                    let da = self.val(Self::arg(n, 1)?)?;
-                    let width = *self.g.values[Self::arg(n, 1)?.index()]
-                        .shape
-                        .last()
-                        .unwrap_or(&1) as usize;
-                    if self.dims.gelu {
-                        be.gelu_bwd(u, da)
-                    } else {
-                        be.swiglu_bwd(u, da, width)
-                    }
-                } else {
-                    let width = *self.g.values[Self::res(n, 0)?.index()]
-                        .shape
-                        .last()
-                        .unwrap_or(&1) as usize;
-                    if self.dims.gelu {
-                        be.gelu_fwd(u)
-                    } else {
-                        be.swiglu_fwd(u, width)
-                    }
+                let (u, r) = (Self::arg(n, 0)?, Self::res(n, 0)?);
+                // The output's width: the forward's result's, the backward's `da`'s.
+                let a = if bwd { Self::arg(n, 1)? } else { r };
+                let width = *self.g.values[a.index()].shape.last().unwrap_or(&1) as usize;
+                let x = self.val(u)?;
+                let out = match (bwd, self.dims.gelu) {
+                    (false, true) => be.gelu_fwd(x),
+                    (false, false) => be.swiglu_fwd(x, width),
+                    (true, true) => be.gelu_bwd(x, self.val(a)?),
+                    (true, false) => be.swiglu_bwd(x, self.val(a)?, width),
                 };
-                let r = Self::res(n, 0)?;
                 self.def(r, out);
-                self.mv.inherit(Self::arg(n, 0)?, r);
+                self.mv.inherit(u, r);
             }
             ElementwiseKind::Rope => self.v_rope(n, bwd)?,
             ElementwiseKind::Permute => self.v_permute(n)?,
@@ -412,7 +363,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     }
 
     fn v_attention(&mut self, n: &Node) -> Result<(), String> {
-        let s = self.attn_shape(n)?;
+        let s = self.me.attn_shape(&n.op)?;
         let be = self.be;
         let (kf, vf) = ops::kv_full(be, self.val(Self::arg(n, 1)?)?, self.me.kv_layout());
         let q = self.val(Self::arg(n, 0)?)?;
@@ -436,22 +387,57 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         Ok(())
     }
 
+    /// The embedding of micro-batch `mb`'s tokens (this rank's vocabulary rows), plus the
+    /// learned positions once per token (on the first tp rank: the tp reduction after the
+    /// vocabulary-parallel lookup sums the ranks' rows). Its backward scatters every
+    /// token's gradient (every tp rank holds the whole of it here) into the embedding's
+    /// rows and the positions'.
     fn v_embedding(&mut self, n: &Node, mb: u32) -> Result<(), String> {
-        let (t, h) = (self.me.tokens(), self.dims.h);
+        let (be, t, h) = (self.be, self.me.tokens(), self.dims.h);
+        let (ids, _) = self.feed.batch(mb)?;
+        let (learned, vs) = (self.dims.learned_positions, self.me.vocab_start);
         if n.pass != Pass::Bwd {
-            let e = self.embed(mb)?;
+            let positions = match learned && self.me.tp_pos == 0 {
+                true => Some((self.feed.positions(), self.w(Role::PosEmbedding.name())?)),
+                false => None,
+            };
+            let e = ops::embed(
+                be,
+                &ids,
+                (self.w(Role::Embedding.name())?, vs),
+                positions,
+                h,
+            );
             self.def(Self::res(n, 0)?, e);
             return Ok(());
         }
-        let g = self.be.copy(self.val(Self::arg(n, 0)?)?);
-        let len = self.be.len(&g);
-        if len != t * h {
+        let g = get(
+            self.g,
+            &self.pnames,
+            &self.vals,
+            &self.st.params,
+            Self::arg(n, 0)?,
+        )?;
+        if be.len(g) != t * h {
             return Err(format!(
-                "the gradient at the embedding has {len} values, the micro-batch's {t} tokens need {}",
+                "the gradient at the embedding has {} values, the micro-batch's {t} tokens \
+                 need {}",
+                be.len(g),
                 t * h
             ));
         }
-        self.embed_bwd(mb, &g)
+        let grads = &mut self.st.grads;
+        let dw = grads
+            .get_mut(Role::Embedding.name())
+            .ok_or("no embedding grad")?;
+        be.embedding_bwd(&ids, g, vs, h, dw);
+        if learned {
+            let dp = grads
+                .get_mut(Role::PosEmbedding.name())
+                .ok_or("no position grad")?;
+            be.embedding_bwd(self.feed.positions(), g, 0, h, dp);
+        }
+        Ok(())
     }
 
     fn v_loss(&mut self, n: &Node, mb: u32) -> Result<(), String> {
