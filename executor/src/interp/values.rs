@@ -50,6 +50,13 @@ pub(super) fn get<'a, T>(
     }
 }
 
+/// [`get`] on the rank's value table and parameters only.
+macro_rules! val_of {
+    ($s:ident, $v:expr) => {
+        get($s.g, &$s.pnames, &$s.vals, &$s.st.params, $v)
+    };
+}
+
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// Whether the node runs on the value path.
     pub(super) fn valued(n: &Node) -> bool {
@@ -67,7 +74,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
 
     /// An activation or a parameter.
     pub(super) fn val(&self, v: ValueId) -> Result<&B::Buf, String> {
-        get(self.g, &self.pnames, &self.vals, &self.st.params, v)
+        val_of!(self, v)
     }
 
     /// An activation or a parameter downloaded to the host (for the communicator).
@@ -108,13 +115,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 Ok(())
             }
             Op::Send { peer, .. } => {
-                let x = get(
-                    self.g,
-                    &self.pnames,
-                    &self.vals,
-                    &self.st.params,
-                    Self::arg(n, 0)?,
-                )?;
+                let x = val_of!(self, Self::arg(n, 0)?)?;
                 self.comm.send_buf(self.be, *peer, x);
                 Ok(())
             }
@@ -137,13 +138,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                     return Ok(());
                 }
                 let elems = (*bytes / dtype.bytes()) as usize;
-                let x = get(
-                    self.g,
-                    &self.pnames,
-                    &self.vals,
-                    &self.st.params,
-                    Self::arg(n, 0)?,
-                )?;
+                let x = val_of!(self, Self::arg(n, 0)?)?;
                 let len = self.be.len(x);
                 let y = match kind {
                     CollectiveKind::AllGather => {
@@ -249,8 +244,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if pass == Some(GemmPass::Wgrad) {
             let gname = self.value_name(Self::res(n, 0)?);
             let pname = gname.strip_suffix(".grad").unwrap_or(gname).to_string();
-            let x = get(self.g, &self.pnames, &self.vals, &self.st.params, a)?;
-            let dy = get(self.g, &self.pnames, &self.vals, &self.st.params, b)?;
+            let x = val_of!(self, a)?;
+            let dy = val_of!(self, b)?;
             let dw = self
                 .st
                 .grads
@@ -411,13 +406,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             self.def(Self::res(n, 0)?, e);
             return Ok(());
         }
-        let g = get(
-            self.g,
-            &self.pnames,
-            &self.vals,
-            &self.st.params,
-            Self::arg(n, 0)?,
-        )?;
+        let g = val_of!(self, Self::arg(n, 0)?)?;
         if be.len(g) != t * h {
             return Err(format!(
                 "the gradient at the embedding has {} values, the micro-batch's {t} tokens \
