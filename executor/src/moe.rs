@@ -3,6 +3,28 @@
 //! ([`Chunks`]), the received rows grouped by local expert ([`Grouping`]), the side tables
 //! the interpreter keeps per value ([`MoeVals`]) and the load-balancing loss
 //! ([`aux_loss`]). Host-side tables; the rows they describe are the backend's buffers.
+//!
+//! Three kinds of value here have a physical layout besides their logical IR shape:
+//! - a `route` (`[ts, k]` i32: each routed slot's expert) carries the routing (probabilities,
+//!   gates) and where each slot sits in the dispatch buffer ([`Route`]);
+//! - dispatch buffers (`xr`, `yr`, `dr`, ... logically `[rows, h]`) hold one chunk per ep
+//!   member: a header with the row count of each of the member's local experts, then the
+//!   rows grouped by local expert, zero-padded to the largest possible chunk, so a dropless
+//!   dispatch fits the fixed-size all-to-all ([`Chunks`]);
+//! - grouped rows (the experts' up projection and activation, and their gradients) are the
+//!   received rows ordered by local expert, then by source buffer ([`Grouping`]).
+//!
+//! Their collectives move the physical buffers (the IR states the logical bytes); a
+//! reduce-scatter of dispatch buffers keeps the headers of the rank's own part.
+//!
+//! On the backend: the rows (dispatch buffers, grouped rows, expert outputs, gradients) are
+//! `B::Buf`, moved by the backend's range copies (`Backend::copy_ranges`,
+//! `gather`, `axpy_ranges`) with offsets the host computes. On the
+//! host: the routing decisions ([`Routing`], from `Backend::route`) and the tables planned
+//! from them ([`Route`], [`Grouping`]), the dispatch headers (read with one download of the
+//! header ranges, written with `Backend::write`), the routing statistics (built on the
+//! host from the routing and uploaded; downloaded where the load-balancing loss is taken)
+//! and the collectives, which download their buffer and upload the result.
 
 use crate::backend::{Backend, Routing};
 use shardwright_ir::{Node, ValueId};

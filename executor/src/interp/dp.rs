@@ -2,13 +2,6 @@
 //! emits them (`shardwright_lowering`'s `dp` module: the buckets, their order, and what each
 //! node reads and writes). The rank's side of it (flattening, shards, AdamW) is
 //! [`crate::state::RankState`]'s (in `crate::bucket`).
-//!
-//! The backend boundary: parameters, gradients and the ZeRO-0 moments are the backend's
-//! buffers; a bucket's flat message and the ZeRO shards with their moments are host memory,
-//! since the [`Communicator`] moves host vectors. Flattening downloads each tensor
-//! (`RankState::flatten`), unflattening uploads it (`RankState::unflatten`); a shard's
-//! AdamW uploads its runs and downloads the result. The gradient norm's sum of squares is
-//! taken on the host.
 
 use super::*;
 use crate::bucket::{unflatten, Bucket};

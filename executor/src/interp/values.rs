@@ -7,14 +7,7 @@
 //! and labels come from the data source by micro-batch; activations live in a table by value
 //! id from their defining node to their `release`.
 //!
-//! Generic over the backend: activations, parameters and gradients are `B::Buf`, every
-//! kernel and every data movement between kernels (slicing `qkv`, laying out K and V,
-//! residual adds, accumulating onto a sequence shard) is a [`Backend`] call. A value
-//! crosses to the host in one place each, through [`Backend::download`] /
-//! [`Backend::upload`]: collectives, sends and receives (the [`Communicator`] moves host
-//! vectors), and the loss's per-token statistics (`max`, `stats`: the loss scalar is
-//! summed on the host, and the log-sum-exp `xent_bwd` takes is computed there from them).
-//! Token ids, labels and positions are host `u32`s the kernels take as they are.
+//! What crosses to the host, and where: see the interpreter's "Backend and host".
 
 use super::{err, RankExec};
 use crate::backend::{AttnSaved, Backend};
