@@ -107,6 +107,69 @@ fn every_plan_lowers_verifies_and_simulates_within_5_percent() {
     }
 }
 
+/// The cost model and the lowering list the same ops: every op of the layer template that
+/// the analytical model charges time for is emitted, for every spec's plan, by at least one
+/// node of the program (the other direction, a node the template does not list, is the
+/// simulator's error: NaN seconds).
+#[test]
+fn every_charged_template_op_is_emitted() {
+    // Besides the bundled plans, the tiny specs pinned to the layouts they do not use: CP
+    // with TP but no SP (the head's all-reduce), full and selective recompute, MoE with
+    // tp, sp and ep.
+    let tiny = |spec: &str, par: &str| -> (String, Plan) {
+        let text = std::fs::read_to_string(root().join("specs").join(spec)).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("parallelism:"))
+            .unwrap();
+        let mut text = text.replace(line, &format!("  parallelism: {{{par}}}"));
+        if par.contains("cp: 2") {
+            // Shards of at least 256 tokens.
+            text = text.replace("seq_len: 64", "seq_len: 512");
+        }
+        let p: Plan = serde_json::from_str(&common::plan_json_of(&text, spec)).unwrap();
+        let pinned = format!(
+            "tp: {}, pp: {}, dp: {}, cp: {}",
+            p.layout.tp, p.layout.pp, p.layout.dp, p.layout.cp
+        );
+        assert!(
+            par.starts_with(&pinned),
+            "{spec}: planned {pinned}, pinned {par}"
+        );
+        (format!("{spec} {{{par}}}"), p)
+    };
+    let mut plans: Vec<(String, Plan)> = spec_names()
+        .into_iter()
+        .map(|n| (n.clone(), plan_of(&n)))
+        .collect();
+    plans.extend([
+        tiny(
+            "tiny-llama-cpu.yaml",
+            "tp: 2, pp: 1, dp: 2, cp: 2, ep: 1, micro_batch: 1, zero_stage: 0, \
+             recompute: full, sequence_parallel: false, schedule: 1f1b",
+        ),
+        tiny(
+            "tiny-llama-cpu.yaml",
+            "tp: 2, pp: 2, dp: 1, cp: 2, ep: 1, micro_batch: 1, zero_stage: 3, \
+             recompute: selective, sequence_parallel: true, schedule: 1f1b",
+        ),
+        tiny(
+            "tiny-moe-8xh100.yaml",
+            "tp: 2, pp: 1, dp: 2, cp: 1, ep: 2, micro_batch: 1, zero_stage: 1, \
+             recompute: selective, sequence_parallel: true, schedule: 1f1b",
+        ),
+    ]);
+    for (name, p) in plans {
+        let l = shardwright_lowering::lower(&p).unwrap();
+        let cost = shardwright_lowering::cost::PlanCost::recording(&l);
+        let unused = cost.unused_template_ops(&l.program);
+        assert!(
+            unused.is_empty(),
+            "{name}: the cost model charges ops the program never runs: {unused:?}"
+        );
+    }
+}
+
 /// Any rank's graph built directly equals its class graph relabeled (the class invariant
 /// the whole-program checks rely on).
 #[test]

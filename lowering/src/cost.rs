@@ -12,15 +12,15 @@
 //!   the attention core does not hide); the template's `hidden_ops` (norms, residuals,
 //!   rotary: one calibrated figure) is split over the pass's two norms, its `permute` over
 //!   the two permutations, the activation over the activation nodes by element count;
-//! - the LM head and the loss cost the template's head ops; the embedding the template's
-//!   (zero).
+//! - the LM head, the loss and the head's TP collectives (the SP gather before the LM head,
+//!   the input gradient's reduction, the vocabulary-parallel loss's two reductions) cost
+//!   the template's head ops; the embedding the template's (zero).
 //!
 //! What the template does not hold, the lowering adds with the cost model's formulas:
 //! data-parallel collectives and ZeRO gathers (ring formulas on the group's fabric, charged
 //! in full: their overlap with compute is the simulator's to find), pipeline sends
 //! (`send_s` on the pipeline fabric), the optimizer step (its bytes at HBM bandwidth), the
-//! TP collectives around the embedding and the LM head and the final norm (not modelled
-//! analytically; their physical cost). The per-layer launch overhead is charged on each
+//! TP collectives around the embedding (not modelled analytically; their physical cost). The per-layer launch overhead is charged on each
 //! layer's first forward norm and the head's on its forward loss.
 
 use crate::lower::Lowered;
@@ -33,7 +33,8 @@ use shardwright_ir::{
     BufferKind, CollectiveKind, ElementwiseKind, GemmPass, GemmRole, Node, Op, Pass, Program,
 };
 use shardwright_spec::mesh::GroupKind;
-use std::collections::BTreeMap;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A template op: a GEMM by its role, any other op by its name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -43,7 +44,7 @@ enum Key {
 }
 
 /// Template ops by (layer kind, pass, key): (exposed seconds, elements for elementwise).
-type Table = BTreeMap<(u8, u8, Key), (f64, f64)>;
+type Table = BTreeMap<TableKey, (f64, f64)>;
 
 fn kind_id(k: LayerKind) -> u8 {
     match k {
@@ -74,7 +75,11 @@ fn ir_pass(p: Pass) -> u8 {
 pub struct PlanCost<'a> {
     l: &'a Lowered,
     table: Table,
+    /// The template ops looked up so far, when recording ([`PlanCost::recording`]).
+    hits: Option<RefCell<BTreeSet<TableKey>>>,
 }
+
+type TableKey = (u8, u8, Key);
 
 impl<'a> PlanCost<'a> {
     pub fn new(l: &'a Lowered) -> PlanCost<'a> {
@@ -99,7 +104,9 @@ impl<'a> PlanCost<'a> {
                     _ => 0.0,
                 };
                 let key = match op.kind {
-                    // Collectives by kind: every TP collective of a kind costs the same.
+                    // The head's collectives by name (see `head_collective`).
+                    OpKind::Collective { .. } if k == LayerKind::Head => Key::Op(op.name),
+                    // A layer's by kind: every TP collective of a kind costs the same.
                     OpKind::Collective { kind, group, .. } => Key::Op(match (group, kind) {
                         (GroupKind::Tp, Coll::AllGather) => "tp.all_gather",
                         (GroupKind::Tp, Coll::ReduceScatter) => "tp.reduce_scatter",
@@ -113,7 +120,49 @@ impl<'a> PlanCost<'a> {
                 table.insert((kind_id(k), pass_id(op.pass), key), (op.exposed_s, elems));
             }
         }
-        PlanCost { l, table }
+        PlanCost {
+            l,
+            table,
+            hits: None,
+        }
+    }
+
+    /// A cost function that records which template ops the nodes it costs look up, for
+    /// [`PlanCost::unused_template_ops`].
+    pub fn recording(l: &'a Lowered) -> PlanCost<'a> {
+        PlanCost {
+            hits: Some(RefCell::new(BTreeSet::new())),
+            ..PlanCost::new(l)
+        }
+    }
+
+    /// The template ops with a cost (`layer_ops`' entries the analytical model sums, as
+    /// `kind pass op`) that no node of `program` was charged for: ops the cost model
+    /// counts and the lowering does not emit. Every node of every class is costed first.
+    pub fn unused_template_ops(&self, program: &Program) -> Vec<String> {
+        for c in &program.classes {
+            for n in &c.graph.nodes {
+                self.node_seconds(program, n);
+            }
+        }
+        let hits = self
+            .hits
+            .as_ref()
+            .map(|h| h.borrow().clone())
+            .unwrap_or_default();
+        let kinds = ["dense", "moe", "head", "embedding"];
+        let passes = ["fwd", "bwd", "recompute"];
+        self.table
+            .iter()
+            .filter(|(k, (t, _))| *t > 0.0 && !hits.contains(k))
+            .map(|((kind, pass, key), _)| {
+                let op = match key {
+                    Key::Gemm(r) => r.name().to_string(),
+                    Key::Op(n) => n.to_string(),
+                };
+                format!("{} {} {op}", kinds[*kind as usize], passes[*pass as usize])
+            })
+            .collect()
     }
 
     /// The template's (exposed seconds, elements) of op `name`. An op the template does
@@ -129,10 +178,11 @@ impl<'a> PlanCost<'a> {
     }
 
     fn lookup(&self, kind: LayerKind, pass: Pass, key: Key) -> (f64, f64) {
-        self.table
-            .get(&(kind_id(kind), ir_pass(pass), key))
-            .copied()
-            .unwrap_or((f64::NAN, f64::NAN))
+        let k = (kind_id(kind), ir_pass(pass), key);
+        if let Some(h) = &self.hits {
+            h.borrow_mut().insert(k);
+        }
+        self.table.get(&k).copied().unwrap_or((f64::NAN, f64::NAN))
     }
 
     fn layer_kind(&self, node: &Node) -> LayerKind {
@@ -225,6 +275,11 @@ impl<'a> PlanCost<'a> {
                         return self.get(kind, pass, name).0;
                     }
                 }
+                if node.layer.is_none() && g.axis == GroupKind::Tp {
+                    if let Some(name) = head_collective(pass, *ck, tensor.as_deref()) {
+                        return self.get(LayerKind::Head, pass, name).0;
+                    }
+                }
                 // The link of the group's own axis (the world group's norm all-reduce,
                 // the MoE statistics over cp, ...), never a stand-in group's.
                 let link = group_link(job, l.mesh.fabric(g.axis));
@@ -272,6 +327,23 @@ impl<'a> PlanCost<'a> {
             Op::Alloc { .. } | Op::Free { .. } | Op::Release | Op::Checkpoint { .. } => 0.0,
         }
     }
+}
+
+/// The head's tensor-parallel collectives by the template's names
+/// (`shardwright_cost::layer`'s `head_tp_collectives`): with SP the gather of the final
+/// norm's output before the LM head, the head's input gradient reduce-scattered (SP) or
+/// all-reduced, and the vocabulary-parallel loss's two reductions. `None` for any other
+/// collective outside the layers (the embedding's, charged by their bytes).
+fn head_collective(pass: Pass, kind: CollectiveKind, tensor: Option<&str>) -> Option<&'static str> {
+    use CollectiveKind::{AllGather, AllReduce, ReduceScatter};
+    Some(match (pass, kind, tensor) {
+        (Pass::Fwd, AllGather, None) => "tp_all_gather_head",
+        (Pass::Bwd, ReduceScatter, Some("head.dgrad")) => "tp_reduce_scatter_head",
+        (Pass::Bwd, AllReduce, Some("head.dgrad")) => "tp_all_reduce_head",
+        (Pass::Fwd, AllReduce, Some("loss.max")) => "tp_loss_max",
+        (Pass::Fwd, AllReduce, Some("loss.target_sumexp")) => "tp_loss_sum",
+        _ => return None,
+    })
 }
 
 impl shardwright_simulator::OpCost for PlanCost<'_> {

@@ -43,11 +43,16 @@ pub fn stem(name: &str) -> String {
 
 /// The plan JSON of a bundled spec, as `shardwright plan` writes it.
 pub fn plan_json(name: &str) -> String {
+    let text = std::fs::read_to_string(root().join("specs").join(name)).unwrap();
+    plan_json_of(&text, name)
+}
+
+/// The plan JSON of spec text (`name`: its file name, for the format).
+pub fn plan_json_of(text: &str, name: &str) -> String {
     use shardwright_cost::{resolve, ResolveOptions};
     use shardwright_planner::{plan, PlanOptions};
     use shardwright_spec::parse::{parse_spec, Format};
-    let text = std::fs::read_to_string(root().join("specs").join(name)).unwrap();
-    let spec = parse_spec(&text, Format::from_path(name)).unwrap();
+    let spec = parse_spec(text, Format::from_path(name)).unwrap();
     let r = resolve(&spec, &ResolveOptions::default()).unwrap();
     let p = plan(&r.job, &r.warnings, &PlanOptions::default(), &mut |_, _| {}).unwrap();
     shardwright_spec::plan::to_json(&p)
