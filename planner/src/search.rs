@@ -15,7 +15,7 @@ use shardwright_cost::eval::{
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
 use shardwright_cost::rules::{self, Axes, Rejection};
-use shardwright_cost::schedule::{Walk, WalkPlan};
+use shardwright_cost::schedule::Walk;
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
 use shardwright_spec::plan::{Estimate, SearchSummary};
@@ -476,7 +476,6 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
         best: Vec::with_capacity(keep + 1),
         hopefuls: Vec::new(),
     };
-    let mut plans = WalkPlans::default();
     for window in units.chunks(WINDOW) {
         // The threshold only rises during the replay: below it now, below it then.
         let cut = if space.fully_pinned {
@@ -485,7 +484,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
             threshold(&run.best, keep)
         };
         let mut expanded: Vec<Expanded> = window.par_iter().map(|u| space.expand(u, cut)).collect();
-        run.prepare_uneven(&space, &mut plans, &mut expanded);
+        run.prepare_uneven(&space, &mut expanded);
         for (unit, ex) in window.iter().zip(expanded) {
             run.replay(&space, unit, ex);
             progress(unit.outer(), total_outer);
@@ -1051,51 +1050,20 @@ impl<'a> Space<'a> {
     }
 }
 
-/// [`WalkPlan`]s by (schedule, pp, vpp, micro-batches), built once per search.
-#[derive(Default)]
-struct WalkPlans {
-    plans: BTreeMap<(Schedule, u32, u32, u32), WalkPlan>,
-}
-
-impl WalkPlans {
-    fn key(l: &Layout) -> (Schedule, u32, u32, u32) {
-        (l.schedule, l.pp, l.vpp, l.grad_accum as u32)
-    }
-
-    /// Build the plans of `layouts` not built yet (in parallel).
-    fn prepare(&mut self, layouts: impl Iterator<Item = Layout>) {
-        let mut missing: Vec<_> = layouts
-            .map(|l| Self::key(&l))
-            .filter(|k| !self.plans.contains_key(k))
-            .collect();
-        missing.sort();
-        missing.dedup();
-        let built: Vec<WalkPlan> = missing
-            .par_iter()
-            .map(|&(s, p, v, m)| WalkPlan::new(s, p, v, m))
-            .collect();
-        self.plans.extend(missing.into_iter().zip(built));
-    }
-
-    /// `layout`'s evaluation with its walk (the plan must have been prepared).
-    fn candidate(&self, job: &Job, lc: &LayerCosts, layout: &Layout, walk: &Walk) -> Candidate {
-        let ev = evaluate_with(
-            job,
-            lc,
-            layout,
-            Split::Balanced,
-            false,
-            UnevenWalk::Given(walk),
-        );
-        Candidate {
-            layout: *layout,
-            estimate: ev.estimate,
-            goodput_bound: ev.goodput_bound,
-        }
-    }
-
-    fn walk(&self, job: &Job, lc: &LayerCosts, layout: &Layout) -> Walk {
-        uneven_walk(job, lc, layout, self.plans.get(&Self::key(layout)))
+/// `layout`'s evaluation with its walk ([`uneven_walk`] of the same layout family).
+fn walked_candidate(job: &Job, lc: &LayerCosts, layout: &Layout, walk: &Walk) -> Candidate {
+    let ev = evaluate_with(
+        job,
+        lc,
+        layout,
+        Split::Balanced,
+        false,
+        UnevenWalk::Given(walk),
+    );
+    Candidate {
+        layout: *layout,
+        estimate: ev.estimate,
+        goodput_bound: ev.goodput_bound,
     }
 }
 
@@ -1128,7 +1096,7 @@ impl Replay {
     /// so its goodput is at least 1e-5 below ours, and `tie_floor` applied twice stays
     /// under its `tie_floor`. (Only speed depends on it: the replay works out any other
     /// candidate it needs.)
-    fn prepare_uneven(&self, space: &Space<'_>, plans: &mut WalkPlans, expanded: &mut [Expanded]) {
+    fn prepare_uneven(&self, space: &Space<'_>, expanded: &mut [Expanded]) {
         let mut lower = self.best.clone();
         // (unit in the window, family) -> (event index, threshold bound) to prepare.
         let mut wanted: BTreeMap<(usize, u32), Vec<(usize, f64)>> = BTreeMap::new();
@@ -1187,14 +1155,6 @@ impl Replay {
                 .find(|(_, (_, verdict))| verdict.is_none())
                 .map(|(&(i, _), _)| layout_of(u, i))
         };
-        plans.prepare(
-            wanted
-                .iter()
-                .zip(&verdicts)
-                .filter_map(|(g, v)| walk_first(g, v))
-                .filter(|l| is_uneven(job, l)),
-        );
-        let plans = &*plans;
         let walked: Vec<Vec<Option<Candidate>>> = wanted
             .par_iter()
             .zip(verdicts.par_iter())
@@ -1205,14 +1165,14 @@ impl Replay {
                 let (u, is) = (g.0 .0, &g.1);
                 let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
                 // One walk for the family: it does not read the ZeRO stage.
-                let walk = is_uneven(job, &first).then(|| plans.walk(job, lc, &first));
+                let walk = is_uneven(job, &first).then(|| uneven_walk(job, lc, &first));
                 is.iter()
                     .zip(v)
                     .map(|(&(i, _), (_, verdict))| {
                         verdict.is_none().then(|| {
                             let l = layout_of(u, i);
                             match &walk {
-                                Some(w) => plans.candidate(job, lc, &l, w),
+                                Some(w) => walked_candidate(job, lc, &l, w),
                                 None => evaluated(job, lc, l),
                             }
                         })
