@@ -861,7 +861,7 @@ fn evaluate_or_oom_in(
         UnevenWalk::Skip => None,
         UnevenWalk::Given(w) => Some(w),
         UnevenWalk::Walk => {
-            own = uneven_walk(job, lc, layout);
+            own = uneven_walk(job, lc, layout, None);
             Some(&own)
         }
     };
@@ -917,19 +917,29 @@ pub fn is_uneven(job: &Job, layout: &Layout) -> bool {
 }
 
 /// The schedule walk of a layout with uneven chunks under the balanced split: each virtual
-/// stage's forward and backward time per micro-batch and saved bytes, walked by
-/// [`schedule::walk`]. Reads neither dp nor the ZeRO stage beyond the micro-batch count.
-pub fn uneven_walk(job: &Job, lc: &LayerCosts, layout: &Layout) -> schedule::Walk {
+/// stage's forward and backward time per micro-batch and saved bytes, walked by `plan`
+/// (which must be [`schedule::WalkPlan::new`] of the layout's schedule, pp, vpp and
+/// micro-batches) or by [`schedule::walk`] (the same values). Reads neither dp nor the ZeRO
+/// stage beyond the micro-batch count.
+pub fn uneven_walk(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    plan: Option<&schedule::WalkPlan>,
+) -> schedule::Walk {
     let (fwd, bwd, act) = uneven_stages(job, lc, layout);
-    schedule::walk(
-        layout.schedule,
-        layout.pp,
-        layout.vpp.max(1),
-        layout.grad_accum as u32,
-        &fwd,
-        &bwd,
-        &act,
-    )
+    match plan {
+        Some(plan) => plan.run(&fwd, &bwd, &act),
+        None => schedule::walk(
+            layout.schedule,
+            layout.pp,
+            layout.vpp.max(1),
+            layout.grad_accum as u32,
+            &fwd,
+            &bwd,
+            &act,
+        ),
+    }
 }
 
 /// Per virtual stage of an uneven interleaving under the balanced split: forward and

@@ -15,14 +15,14 @@ use shardwright_cost::eval::{
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
 use shardwright_cost::rules::{self, Axes, Rejection};
-use shardwright_cost::schedule::Walk;
+use shardwright_cost::schedule::{Walk, WalkPlan};
 use shardwright_spec::job::Job;
 use shardwright_spec::layout::Layout;
 use shardwright_spec::plan::{Estimate, SearchSummary};
 use shardwright_spec::spec::{Recompute, Schedule};
 use std::borrow::Cow;
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Largest micro-batch considered (sequences).
 pub const MAX_MICRO_BATCH: u64 = 16;
@@ -463,6 +463,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
     let units = space.units();
     space.buffers = space.mesh_buffers(&units);
     let total_outer = (space.tps.len() * space.cps.len() * space.eps.len()) as u64;
+    let mut plans = WalkPlans::default();
     let mut run = Replay {
         keep,
         fully_pinned: space.fully_pinned,
@@ -484,7 +485,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
             threshold(&run.best, keep)
         };
         let mut expanded: Vec<Expanded> = window.par_iter().map(|u| space.expand(u, cut)).collect();
-        run.prepare_uneven(&space, &mut expanded);
+        run.prepare_uneven(&space, &mut plans, &mut expanded);
         for (unit, ex) in window.iter().zip(expanded) {
             run.replay(&space, unit, ex);
             progress(unit.outer(), total_outer);
@@ -1050,6 +1051,51 @@ impl<'a> Space<'a> {
     }
 }
 
+/// The walks of each (schedule, pp, vpp, micro-batches): a [`WalkPlan`] pays for itself
+/// from the second walk on (it costs about one walk in slot order to build, then about a
+/// third of one per walk), so a key walked once is walked in slot order
+/// ([`shardwright_cost::schedule::walk`]) and its plan built when it comes again (or when
+/// one window walks it more than once). The same values either way, bit for bit.
+#[derive(Default)]
+struct WalkPlans {
+    plans: BTreeMap<WalkKey, WalkPlan>,
+    /// Keys walked once, without a plan.
+    once: BTreeSet<WalkKey>,
+}
+
+type WalkKey = (Schedule, u32, u32, u32);
+
+impl WalkPlans {
+    fn key(l: &Layout) -> WalkKey {
+        (l.schedule, l.pp, l.vpp, l.grad_accum as u32)
+    }
+
+    /// Before walking `layouts`: build (in parallel) the plans of the keys walked a second
+    /// time (more than once among them, or once before), note the others as walked once.
+    fn prepare(&mut self, layouts: impl Iterator<Item = Layout>) {
+        let mut keys: Vec<WalkKey> = layouts
+            .map(|l| Self::key(&l))
+            .filter(|k| !self.plans.contains_key(k))
+            .collect();
+        keys.sort();
+        let mut missing = Vec::new();
+        for run in keys.chunk_by(|a, b| a == b) {
+            if run.len() > 1 || !self.once.insert(run[0]) {
+                missing.push(run[0]);
+            }
+        }
+        let built: Vec<WalkPlan> = missing
+            .par_iter()
+            .map(|&(s, p, v, m)| WalkPlan::new(s, p, v, m))
+            .collect();
+        self.plans.extend(missing.into_iter().zip(built));
+    }
+
+    fn walk(&self, job: &Job, lc: &LayerCosts, layout: &Layout) -> Walk {
+        uneven_walk(job, lc, layout, self.plans.get(&Self::key(layout)))
+    }
+}
+
 /// `layout`'s evaluation with its walk ([`uneven_walk`] of the same layout family).
 fn walked_candidate(job: &Job, lc: &LayerCosts, layout: &Layout, walk: &Walk) -> Candidate {
     let ev = evaluate_with(
@@ -1096,7 +1142,7 @@ impl Replay {
     /// so its goodput is at least 1e-5 below ours, and `tie_floor` applied twice stays
     /// under its `tie_floor`. (Only speed depends on it: the replay works out any other
     /// candidate it needs.)
-    fn prepare_uneven(&self, space: &Space<'_>, expanded: &mut [Expanded]) {
+    fn prepare_uneven(&self, space: &Space<'_>, plans: &mut WalkPlans, expanded: &mut [Expanded]) {
         let mut lower = self.best.clone();
         // (unit in the window, family) -> (event index, threshold bound) to prepare.
         let mut wanted: BTreeMap<(usize, u32), Vec<(usize, f64)>> = BTreeMap::new();
@@ -1155,6 +1201,14 @@ impl Replay {
                 .find(|(_, (_, verdict))| verdict.is_none())
                 .map(|(&(i, _), _)| layout_of(u, i))
         };
+        plans.prepare(
+            wanted
+                .iter()
+                .zip(&verdicts)
+                .filter_map(|(g, v)| walk_first(g, v))
+                .filter(|l| is_uneven(job, l)),
+        );
+        let plans = &*plans;
         let walked: Vec<Vec<Option<Candidate>>> = wanted
             .par_iter()
             .zip(verdicts.par_iter())
@@ -1165,7 +1219,7 @@ impl Replay {
                 let (u, is) = (g.0 .0, &g.1);
                 let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
                 // One walk for the family: it does not read the ZeRO stage.
-                let walk = is_uneven(job, &first).then(|| uneven_walk(job, lc, &first));
+                let walk = is_uneven(job, &first).then(|| plans.walk(job, lc, &first));
                 is.iter()
                     .zip(v)
                     .map(|(&(i, _), (_, verdict))| {
