@@ -919,8 +919,8 @@ pub fn is_uneven(job: &Job, layout: &Layout) -> bool {
 /// The schedule walk of a layout with uneven chunks under the balanced split: each virtual
 /// stage's forward and backward time per micro-batch and saved bytes, walked by `plan`
 /// (which must be [`schedule::WalkPlan::new`] of the layout's schedule, pp, vpp and
-/// micro-batches) or by [`schedule::walk`]. Reads neither dp nor the ZeRO stage beyond the
-/// micro-batch count.
+/// micro-batches) or by [`schedule::walk`] (the same values). Reads neither dp nor the ZeRO
+/// stage beyond the micro-batch count.
 pub fn uneven_walk(
     job: &Job,
     lc: &LayerCosts,

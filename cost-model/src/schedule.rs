@@ -262,8 +262,9 @@ pub struct Walk {
 }
 
 /// The walk of `schedule` over `p` ranks, `v` chunks and `m` micro-batches: equal, bit for
-/// bit, to [`walk_reference`] (same additions and maxima in the same order per rank), by
-/// way of a [`WalkPlan`]. Callers that walk the same integers many times keep the plan.
+/// bit, to [`walk_reference`] (same additions and maxima in the same order per rank). In
+/// slot order ([`slot_order_makespan`]) when that order runs every pass after its input,
+/// else by way of a [`WalkPlan`].
 pub fn walk(
     schedule: Schedule,
     p: u32,
@@ -273,7 +274,115 @@ pub fn walk(
     bwd: &[f64],
     act: &[f64],
 ) -> Walk {
-    WalkPlan::new(schedule, p, v, m).run(fwd, bwd, act)
+    match slot_order_makespan(schedule, p, v, m, fwd, bwd) {
+        Some(makespan) => {
+            let v = if schedule == Schedule::Interleaved {
+                v
+            } else {
+                1
+            };
+            Walk {
+                makespan,
+                peak_act: peak_act(schedule, p, v, m, &act[..(p * v) as usize]),
+            }
+        }
+        None => WalkPlan::new(schedule, p, v, m).run(fwd, bwd, act),
+    }
+}
+
+/// The makespan of [`walk`] with no [`WalkPlan`] and no search for a ready pass: slot
+/// index `n = 0, 1, ...` of every rank in turn, the ranks upwards in the first half of the
+/// slots (`n < m v`) and downwards in the second. Every pass takes the same maximum and
+/// addition as in [`walk_reference`] (`max(the rank's clock, its input's finish) + its
+/// duration`); those values do not depend on the order the passes are visited in, as long
+/// as each comes after its input and after the rank's previous pass, so the result is the
+/// reference's bit for bit.
+///
+/// Why that order runs each pass after its input (GPipe, 1F1B, and interleaving with every
+/// group full, `m` a multiple of `p`): a forward's input is on the rank before (or, for
+/// chunk `c > 0` on rank 0, on the last rank in chunk `c - 1`), at the same slot index only
+/// while both are in their warm-up, in the first half, visited upwards, else at an earlier
+/// one; a backward's input is on the rank after (or the next chunk's on rank 0, or the
+/// rank's own forward), at the same slot index only while both drain, in the second half,
+/// visited downwards, else at an earlier one.
+///
+/// That is not assumed but checked as each input is read: finish times are kept for a
+/// window of `w` micro-batches (a power of two: all `m` under GPipe, whose forwards are all
+/// in flight; else `2 p`, more than the micro-batches in flight), each with the
+/// micro-batch that wrote it, and an input whose entry was not written by its own pass
+/// (not run yet, or overwritten by a later micro-batch) gives `None`: [`walk`] then takes
+/// the plan (uneven interleaving groups, which can deadlock and which the rules reject).
+pub fn slot_order_makespan(
+    schedule: Schedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    fwd: &[f64],
+    bwd: &[f64],
+) -> Option<f64> {
+    let v = if schedule == Schedule::Interleaved {
+        v
+    } else {
+        1
+    };
+    let pu = p as usize;
+    let vs_n = pu * v as usize;
+    let (fwd, bwd) = (&fwd[..vs_n], &bwd[..vs_n]);
+    let total = m * v;
+    let w = match schedule {
+        Schedule::Gpipe => m.next_power_of_two(),
+        _ => (2 * p).next_power_of_two().min(m.next_power_of_two()),
+    } as usize;
+    let wrap = w - 1;
+    let mut cur: Vec<SlotCursor> = (0..p)
+        .map(|j| SlotCursor::new(schedule, p, v, m, j))
+        .collect();
+    let mut clock = vec![0.0f64; pu];
+    FINISH.with(|finish| {
+        let mut finish = finish.borrow_mut();
+        // Finish time of each forward (first half) and backward (second half) of a
+        // (micro-batch mod w, virtual stage), with the micro-batch (`u32::MAX`: none yet).
+        finish.clear();
+        finish.resize(2 * vs_n * w, (0.0, u32::MAX));
+        let (f_done, b_done) = finish.split_at_mut(vs_n * w);
+        for n in 0..2 * total {
+            for k in 0..pu {
+                let j = if n < total { k } else { pu - 1 - k };
+                let c = &mut cur[j];
+                let s = c.peek(v, m);
+                let vs = s.chunk as usize * pu + j;
+                let at = (s.mb as usize & wrap) * vs_n + vs;
+                let t = match s.phase {
+                    Phase::Fwd => {
+                        let dep = if vs > 0 { f_done[at - 1] } else { (0.0, s.mb) };
+                        if dep.1 != s.mb {
+                            return None;
+                        }
+                        let t = clock[j].max(dep.0) + fwd[vs];
+                        f_done[at] = (t, s.mb);
+                        t
+                    }
+                    Phase::Bwd => {
+                        let dep = if vs + 1 < vs_n {
+                            b_done[at + 1]
+                        } else {
+                            f_done[at]
+                        };
+                        if dep.1 != s.mb {
+                            return None;
+                        }
+                        let t = clock[j].max(dep.0) + bwd[vs];
+                        b_done[at] = (t, s.mb);
+                        t
+                    }
+                };
+                clock[j] = t;
+                c.advance(s.phase, p, v, m);
+            }
+        }
+        Some(())
+    })?;
+    Some(clock.iter().copied().fold(0.0, f64::max))
 }
 
 /// [`Step::dep`] of a pass that never runs (a deadlocked schedule).
@@ -446,6 +555,9 @@ impl WalkPlan {
 thread_local! {
     /// [`WalkPlan::new`]'s scratch (which step finished each pass), kept between plans.
     static DONE: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// [`slot_order_makespan`]'s scratch (finish times in flight), kept between walks.
+    static FINISH: std::cell::RefCell<Vec<(f64, u32)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Per rank, the activation peak of [`walk`] (its `peak_act`, bit for bit: the same
@@ -917,6 +1029,70 @@ mod tests {
             }
         }
         assert_eq!(cases, 3 * 6 * 4 * 13 * 3);
+    }
+
+    /// The walk in slot order ([`slot_order_makespan`]) against the compiled plan and the
+    /// sweep, bit for bit, over every schedule and a grid of (p, v, m) (m below, at and off
+    /// multiples of p, and the search's sizes: p up to 32, v up to 7, up to 8 groups), with
+    /// random durations and ties: it takes the slot order for GPipe, 1F1B and interleaving
+    /// with full groups (m a multiple of p), and equals both wherever it does.
+    #[test]
+    fn slot_order_walk_equals_the_plan_and_the_sweep_bit_for_bit() {
+        let mut rnd = xorshift(0x9e37_79b9_7f4a_7c15u64);
+        let mut shapes: Vec<(u32, u32, u32)> = Vec::new();
+        for p in 1..=8u32 {
+            for v in 1..=5u32 {
+                for m in 1..=3 * p + 2 {
+                    shapes.push((p, v, m));
+                }
+            }
+        }
+        for (p, v) in [(16, 7), (16, 3), (32, 3), (32, 2), (12, 5), (9, 4)] {
+            for groups in [1, 2, 3, 8] {
+                shapes.push((p, v, p * groups));
+            }
+            shapes.push((p, v, 2 * p + 1));
+        }
+        let (mut taken, mut cases) = (0, 0);
+        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
+            for &(p, v, m) in &shapes {
+                let vv = if sched == Schedule::Interleaved { v } else { 1 };
+                let n = (p * vv) as usize;
+                let plan = WalkPlan::new(sched, p, v, m);
+                for trial in 0..3 {
+                    let mut val = |_| match trial {
+                        0 => 0.1,
+                        // A few distinct values: many maxima tie.
+                        1 => (rnd() % 4) as f64 * 0.25 + 0.5,
+                        _ => (rnd() % 10_000) as f64 / 997.0 + 1e-3,
+                    };
+                    let fwd: Vec<f64> = (0..n).map(&mut val).collect();
+                    let bwd: Vec<f64> = (0..n).map(&mut val).collect();
+                    let act: Vec<f64> = (0..n).map(&mut val).collect();
+                    let got = slot_order_makespan(sched, p, v, m, &fwd, &bwd);
+                    let full = sched != Schedule::Interleaved || v == 1 || m.is_multiple_of(p);
+                    assert!(!full || got.is_some(), "{sched:?} p{p} v{v} m{m}");
+                    let Some(got) = got else { continue };
+                    let want = plan.run(&fwd, &bwd, &act);
+                    assert_eq!(
+                        got.to_bits(),
+                        want.makespan.to_bits(),
+                        "{sched:?} p{p} v{v} m{m}: {got} vs {}",
+                        want.makespan
+                    );
+                    if m <= 3 * p + 2 {
+                        let reference = walk_reference(sched, p, v, m, &fwd, &bwd, &act);
+                        assert_eq!(got.to_bits(), reference.makespan.to_bits());
+                    }
+                    let w = walk(sched, p, v, m, &fwd, &bwd, &act);
+                    assert_eq!(w, want, "{sched:?} p{p} v{v} m{m}");
+                    taken += 1;
+                }
+                cases += 3;
+            }
+        }
+        assert_eq!(cases, 3 * 3 * shapes.len());
+        assert!(taken > cases / 2, "{taken} of {cases}");
     }
 
     /// The leading forwards' peak is, bit for bit, the activation held after those passes

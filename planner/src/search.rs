@@ -22,7 +22,7 @@ use shardwright_spec::plan::{Estimate, SearchSummary};
 use shardwright_spec::spec::{Recompute, Schedule};
 use std::borrow::Cow;
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Largest micro-batch considered (sequences).
 pub const MAX_MICRO_BATCH: u64 = 16;
@@ -463,6 +463,7 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
     let units = space.units();
     space.buffers = space.mesh_buffers(&units);
     let total_outer = (space.tps.len() * space.cps.len() * space.eps.len()) as u64;
+    let mut plans = WalkPlans::default();
     let mut run = Replay {
         keep,
         fully_pinned: space.fully_pinned,
@@ -476,7 +477,6 @@ pub fn search(job: &Job, keep: usize, progress: &mut dyn FnMut(u64, u64)) -> Sea
         best: Vec::with_capacity(keep + 1),
         hopefuls: Vec::new(),
     };
-    let mut plans = WalkPlans::default();
     for window in units.chunks(WINDOW) {
         // The threshold only rises during the replay: below it now, below it then.
         let cut = if space.fully_pinned {
@@ -1051,25 +1051,39 @@ impl<'a> Space<'a> {
     }
 }
 
-/// [`WalkPlan`]s by (schedule, pp, vpp, micro-batches), built once per search.
+/// The walks of each (schedule, pp, vpp, micro-batches): a [`WalkPlan`] pays for itself
+/// from the second walk on (it costs about one walk in slot order to build, then about a
+/// third of one per walk), so a key walked once is walked in slot order
+/// ([`shardwright_cost::schedule::walk`]) and its plan built when it comes again (or when
+/// one window walks it more than once). The same values either way, bit for bit.
 #[derive(Default)]
 struct WalkPlans {
-    plans: BTreeMap<(Schedule, u32, u32, u32), WalkPlan>,
+    plans: BTreeMap<WalkKey, WalkPlan>,
+    /// Keys walked once, without a plan.
+    once: BTreeSet<WalkKey>,
 }
 
+type WalkKey = (Schedule, u32, u32, u32);
+
 impl WalkPlans {
-    fn key(l: &Layout) -> (Schedule, u32, u32, u32) {
+    fn key(l: &Layout) -> WalkKey {
         (l.schedule, l.pp, l.vpp, l.grad_accum as u32)
     }
 
-    /// Build the plans of `layouts` not built yet (in parallel).
+    /// Before walking `layouts`: build (in parallel) the plans of the keys walked a second
+    /// time (more than once among them, or once before), note the others as walked once.
     fn prepare(&mut self, layouts: impl Iterator<Item = Layout>) {
-        let mut missing: Vec<_> = layouts
+        let mut keys: Vec<WalkKey> = layouts
             .map(|l| Self::key(&l))
             .filter(|k| !self.plans.contains_key(k))
             .collect();
-        missing.sort();
-        missing.dedup();
+        keys.sort();
+        let mut missing = Vec::new();
+        for run in keys.chunk_by(|a, b| a == b) {
+            if run.len() > 1 || !self.once.insert(run[0]) {
+                missing.push(run[0]);
+            }
+        }
         let built: Vec<WalkPlan> = missing
             .par_iter()
             .map(|&(s, p, v, m)| WalkPlan::new(s, p, v, m))
@@ -1077,25 +1091,25 @@ impl WalkPlans {
         self.plans.extend(missing.into_iter().zip(built));
     }
 
-    /// `layout`'s evaluation with its walk (the plan must have been prepared).
-    fn candidate(&self, job: &Job, lc: &LayerCosts, layout: &Layout, walk: &Walk) -> Candidate {
-        let ev = evaluate_with(
-            job,
-            lc,
-            layout,
-            Split::Balanced,
-            false,
-            UnevenWalk::Given(walk),
-        );
-        Candidate {
-            layout: *layout,
-            estimate: ev.estimate,
-            goodput_bound: ev.goodput_bound,
-        }
-    }
-
     fn walk(&self, job: &Job, lc: &LayerCosts, layout: &Layout) -> Walk {
         uneven_walk(job, lc, layout, self.plans.get(&Self::key(layout)))
+    }
+}
+
+/// `layout`'s evaluation with its walk ([`uneven_walk`] of the same layout family).
+fn walked_candidate(job: &Job, lc: &LayerCosts, layout: &Layout, walk: &Walk) -> Candidate {
+    let ev = evaluate_with(
+        job,
+        lc,
+        layout,
+        Split::Balanced,
+        false,
+        UnevenWalk::Given(walk),
+    );
+    Candidate {
+        layout: *layout,
+        estimate: ev.estimate,
+        goodput_bound: ev.goodput_bound,
     }
 }
 
@@ -1212,7 +1226,7 @@ impl Replay {
                         verdict.is_none().then(|| {
                             let l = layout_of(u, i);
                             match &walk {
-                                Some(w) => plans.candidate(job, lc, &l, w),
+                                Some(w) => walked_candidate(job, lc, &l, w),
                                 None => evaluated(job, lc, l),
                             }
                         })

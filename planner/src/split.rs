@@ -50,6 +50,9 @@ struct Table {
     layers: usize,
     /// Indexed [j][start * (layers + 1) + count].
     terms: Vec<Vec<u32>>,
+    /// Indexed [j][start]: the counts from the first to the last that is not NONE (every
+    /// count outside is NONE), so the loops over a row skip its empty ends.
+    spans: Vec<Vec<(u32, u32)>>,
     distinct: Vec<StageTerms>,
 }
 
@@ -63,8 +66,9 @@ impl Table {
         let hbm = job.hardware.hbm_bytes;
         let w = layers + 1;
         let mut terms = vec![vec![NONE; w * w]; p];
+        let mut spans = vec![vec![(0u32, 0u32); w]; p];
         let mut distinct = Vec::new();
-        for (j, row) in terms.iter_mut().enumerate() {
+        for ((j, row), span) in terms.iter_mut().enumerate().zip(&mut spans) {
             // A stage's terms depend on its dense and MoE layer counts (and j): ask the cost
             // model once per pair.
             let moe = (job.model.num_layers - job.model.dense_layers()) as usize;
@@ -103,6 +107,11 @@ impl Table {
                         break;
                     }
                     row[start * w + count] = id;
+                    let s = &mut span[start];
+                    if s.0 == s.1 {
+                        s.0 = count as u32;
+                    }
+                    s.1 = count as u32 + 1;
                 }
             }
         }
@@ -110,8 +119,15 @@ impl Table {
             p,
             layers,
             terms,
+            spans,
             distinct,
         }
+    }
+
+    /// The counts of stage `j` from layer `start` that may hold terms (see `spans`).
+    fn counts(&self, j: usize, start: usize) -> std::ops::Range<usize> {
+        let (first, end) = self.spans[j][start];
+        first as usize..end as usize
     }
 
     fn get(&self, j: usize, start: usize, count: usize) -> Option<&StageTerms> {
@@ -164,7 +180,7 @@ fn realize(tab: &Table, t: (f64, f64), q: (f64, f64)) -> Option<(f64, Vec<u32>)>
         for start in 0..=n {
             for f in 0..4 {
                 let mut b = f64::INFINITY;
-                for count in 0..=n - start {
+                for count in tab.counts(j, start) {
                     let Some(s) = tab.get(j, start, count) else {
                         continue;
                     };
@@ -188,7 +204,7 @@ fn realize(tab: &Table, t: (f64, f64), q: (f64, f64)) -> Option<(f64, Vec<u32>)>
     let (mut start, mut f) = (0usize, 0usize);
     for j in 0..p {
         let mut chosen = None;
-        for count in 0..=n - start {
+        for count in tab.counts(j, start) {
             let Some(s) = tab.get(j, start, count) else {
                 continue;
             };
@@ -217,7 +233,7 @@ fn least_max_params(tab: &Table, t_max: f64) -> f64 {
     for j in (0..p).rev() {
         let mut cur = vec![f64::INFINITY; n + 1];
         for (start, c) in cur.iter_mut().enumerate() {
-            for count in 0..=n - start {
+            for count in tab.counts(j, start) {
                 let Some(s) = tab.get(j, start, count) else {
                     continue;
                 };
