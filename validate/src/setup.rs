@@ -797,7 +797,7 @@ pub fn setup_run_in(
             // Megatron (2021-22) all-reduced after the last backward, but exposing it puts
             // narayanan21's data-parallel-only rows (dp32, pp1) 15% too slow: those runs say
             // the reduction was hidden.
-            dp_comm_overlap: recipe.map_or(true, |r| r.dp_comm_overlap),
+            dp_comm_overlap: recipe.filter(|r| !r.dp_comm_overlap).is_none(),
             framework: ctx.framework.unwrap_or_default(),
             moe_dispatcher: conv.moe_dispatcher,
         },
