@@ -27,6 +27,7 @@ pub const BUNDLED_RUNS: &str = include_str!("../../data/published-runs.json");
 pub mod calibrate;
 pub mod convert;
 pub mod predict;
+pub mod recipes;
 pub mod report;
 pub mod runs;
 pub mod setup;

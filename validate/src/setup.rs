@@ -28,7 +28,11 @@
 //!   the parallelism notes sets `job.tp_comm_overlap`; a window size in the model notes
 //!   ("128-token sliding", "sliding_window 4096"; "alternating": one layer in two full) sets
 //!   `job.model.sliding_window` ([`sliding_window`]).
+//! - **Megatron-Bridge recipes** ([`crate::recipes`]): a run that cites a Megatron-Bridge
+//!   benchmark table gets its performance recipe's recompute (when it states none), TP
+//!   overlap and DP overlap, by container release, model recipe and GPU kind.
 
+use crate::recipes::{apply_recipe_conventions, apply_recipe_recompute, run_recipe};
 use crate::report::Skip;
 use crate::runs::{Run, RunModel};
 use shardwright_cost::catalog;
@@ -92,7 +96,7 @@ pub struct RunContext {
 /// verification), the pipeline schedule, the FLOP definition and the tags. The ZeRO
 /// wording is left out on purpose: a Megatron paper measuring DeepSpeed's ZeRO-3 is still
 /// a Megatron paper's setup.
-fn provenance_text(run: &Run) -> String {
+pub(crate) fn provenance_text(run: &Run) -> String {
     let mut parts: Vec<String> = Vec::new();
     if let Some(src) = run.source.as_ref() {
         match src {
@@ -208,8 +212,9 @@ pub struct Conventions {
 /// - **Gradients**: fp32 main gradients (Megatron, DeepSpeed, FSDP2's fp32 reduce).
 /// - **TP communication overlap**: the parallelism notes name `--tp-comm-overlap`, or the
 ///   run used NeMo / Megatron-Bridge, whose performance recipes attach Transformer Engine's
-///   userbuffer overlap (`CommOverlapConfig(tp_comm_overlap=True)`) to every TP > 1 layout
-///   with sequence parallelism (the cost model applies it only with SP).
+///   userbuffer overlap (`CommOverlapConfig(tp_comm_overlap=True)`) to most TP > 1 layouts
+///   with sequence parallelism (the cost model applies it only with SP); a Megatron-Bridge
+///   recipe that turns it off (Qwen3-235B on H100) wins ([`crate::recipes`]).
 /// - **MoE dispatcher**: `deepep` when the run's fields name DeepEP, HybridEP or the flex
 ///   dispatcher, or when it used Megatron-Bridge or a Megatron-based framework from 2025 on
 ///   (Megatron-Core 0.12, May 2025, added the flex dispatcher; Megatron-Bridge's MoE
@@ -762,9 +767,15 @@ pub fn setup_run_in(
     let mut notes = Vec::new();
     let gpu = run_gpu(run, file_hardware, &mut notes).map_err(skip)?;
     let ctx = RunContext::of(run);
-    let conv = conventions(run, &ctx);
+    let mut conv = conventions(run, &ctx);
+    let recipe = run_recipe(run, &gpu.kind);
+    if let Some(r) = recipe {
+        apply_recipe_conventions(run, r, &mut conv, &mut notes);
+    }
     let model = run_model(run, &conv, &mut notes).map_err(skip)?;
-    let (pins, global_batch) = run_pins(run, &conv, gpu.gpus_per_node, &mut notes).map_err(skip)?;
+    let (mut pins, global_batch) =
+        run_pins(run, &conv, gpu.gpus_per_node, &mut notes).map_err(skip)?;
+    let recompute_modules = recipe.and_then(|r| apply_recipe_recompute(r, &mut pins, &mut notes));
     let precision = run_precision(run, &conv, &mut notes);
     let mut spec = SpecFile {
         job: JobSpec {
@@ -779,13 +790,14 @@ pub fn setup_run_in(
             },
             optimizer: OptimizerSpec::default(),
             checkpoint: CheckpointSpec::default(),
-            recompute_modules: None,
+            recompute_modules,
             tp_comm_overlap: conv.tp_comm_overlap,
             torch_compile: conv.torch_compile,
-            // Overlapped for every run. Legacy Megatron (2021-22) all-reduced after the last
-            // backward, but exposing it puts narayanan21's data-parallel-only rows (dp32,
-            // pp1) 15% too slow: those runs say the reduction was hidden.
-            dp_comm_overlap: true,
+            // Overlapped unless the run's recipe turns it off ([`crate::recipes`]). Legacy
+            // Megatron (2021-22) all-reduced after the last backward, but exposing it puts
+            // narayanan21's data-parallel-only rows (dp32, pp1) 15% too slow: those runs say
+            // the reduction was hidden.
+            dp_comm_overlap: recipe.filter(|r| !r.dp_comm_overlap).is_none(),
             framework: ctx.framework.unwrap_or_default(),
             moe_dispatcher: conv.moe_dispatcher,
         },

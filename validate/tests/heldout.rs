@@ -46,7 +46,8 @@ fn torchtitan_runs_are_scored_fit_and_stay_accurate() {
     // attention block still slows it by the DP collectives' contention share): the NeMo CP
     // runs no longer hold the H100 attention level down, the level rose 0.316 -> 0.343 and
     // the rows without CP got faster: 5.9% median, 13.3% p90, every row within 21% under the
-    // committed profile (6.3 / 15.2 / 26 before).
+    // committed profile (6.3 / 15.2 / 26 before). The Megatron-Bridge recipe defaults
+    // (`recipes`) refit the profile: 6.0 / 13.5 / 20.6.
     assert!(median <= 10.0, "held-out median |error| {median:.1}%");
     for r in &report.rows {
         assert!(r.error_pct.abs() <= 25.0, "{}: {:+.1}%", r.id, r.error_pct);

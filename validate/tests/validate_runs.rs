@@ -235,6 +235,67 @@ fn measurements_agree_with_the_files_derived_numbers() {
     }
 }
 
+/// A Megatron-Bridge run that leaves recompute and the overlaps out gets its recipe's
+/// settings, each checked against the recipe file (NVIDIA-NeMo/Megatron-Bridge), not
+/// against this crate's table:
+/// - `scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py`,
+///   `GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1`: `recompute_modules=["layernorm",
+///   "moe_act"]` (selective);
+/// - `scripts/performance/configs/qwen/qwen3_llm_pretrain.py`,
+///   `qwen3_235b_a22b_pretrain_config_h100`: `CommOverlapConfig(tp_comm_overlap=False)`;
+///   `set_qwen3_common_configs`: `recompute_granularity = None`;
+/// - `scripts/performance/configs/llama/llama3_llm_pretrain.py`,
+///   `llama3_70b_pretrain_config_h100`: TP overlap with
+///   `userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192`, no recompute;
+/// - `scripts/performance/run_script.py` at cac49dcd7 (25.09), DeepSeek-V3 on H100:
+///   `recompute_modules = ["mla_up_proj", "mlp"]`, `overlap_grad_reduce = False`.
+#[test]
+fn megatron_bridge_recipe_defaults() {
+    use shardwright_spec::spec::{Recompute, RecomputeModule as M};
+    let f = load();
+    let s = setup_run(run(&f, "mbridge_2602_gptoss_120b_bf16_h100_64gpu")).unwrap();
+    assert_eq!(s.spec.job.parallelism.recompute, Some(Recompute::Selective));
+    assert_eq!(
+        s.spec.job.recompute_modules,
+        Some(vec![M::Layernorm, M::MoeAct])
+    );
+    assert!(s.notes.iter().any(|n| n.contains("gpt_oss_120b")));
+
+    let s = setup_run(run(&f, "mbridge_2602_qwen3_235b_fp8_h100_256gpu")).unwrap();
+    assert_eq!(s.spec.job.parallelism.recompute, Some(Recompute::None));
+    assert!(!s.spec.job.tp_comm_overlap);
+    assert!(s.spec.job.recompute_modules.is_none());
+    // The recipe's alltoall dispatcher is said, not applied (its EP overlap is not modelled).
+    assert!(s
+        .notes
+        .iter()
+        .any(|n| n.contains("sets the alltoall dispatcher")));
+
+    let s = setup_run(run(&f, "mbridge_2602_llama3_70b_fp8_h100_64gpu")).unwrap();
+    assert_eq!(s.spec.job.parallelism.recompute, Some(Recompute::None));
+    assert!(s.spec.job.tp_comm_overlap);
+    assert!(s.spec.job.dp_comm_overlap);
+
+    let s = setup_run(run(&f, "mbridge_2509_deepseekv3_h100_1024gpu")).unwrap();
+    assert_eq!(s.spec.job.parallelism.recompute, Some(Recompute::Selective));
+    // mla_up_proj is not a module the cost model has; Megatron applies `mlp` to the
+    // dense layers.
+    assert_eq!(s.spec.job.recompute_modules, Some(vec![M::Mlp]));
+    assert!(!s.spec.job.dp_comm_overlap);
+    assert!(!s.spec.job.tp_comm_overlap);
+
+    // A run that states its recompute keeps it; runs of other frameworks get no recipe.
+    for r in f.runs.iter().filter(|r| !r.id.starts_with("mbridge")) {
+        if let Ok(s) = setup_run(r) {
+            assert!(
+                !s.notes.iter().any(|n| n.contains("Megatron-Bridge recipe")),
+                "{}",
+                r.id
+            );
+        }
+    }
+}
+
 #[test]
 fn conversions_follow_conventions() {
     let f = load();
