@@ -1456,7 +1456,7 @@ mod distributed {
             return Ok(None);
         };
         let bad = || {
-            ExecError::Model(format!(
+            ExecError::Run(format!(
                 "{TEST_EXIT}=`{v}`: expected RANK:STEP[:kill|:hang]"
             ))
         };

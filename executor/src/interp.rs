@@ -40,10 +40,10 @@
 //! - host-side throughout: token ids, labels and positions (`u32`, passed to the kernels as
 //!   they are) and the MoE routing decisions with the dispatch tables planned from them.
 
-use crate::backend::{AdamW, Backend};
+use crate::backend::Backend;
 use crate::comm::Collectives;
 use crate::data::Feed;
-use crate::model::{lr_at, Dims};
+use crate::model::Dims;
 use shardwright_ir::run::RunInfo;
 use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Stream};
 use std::collections::BTreeMap;

@@ -802,7 +802,7 @@ fn diagnose(
         Err(results
             .into_iter()
             .find_map(|r| r.err())
-            .unwrap_or(ExecError::Model(first_err)))
+            .unwrap_or(ExecError::Run(first_err)))
     }
 }
 
@@ -820,7 +820,7 @@ fn record_fault(
     if detected.replace {
         if let Some(r) = detected.rank {
             if *next_spare >= world + hot_spares {
-                return Err(ExecError::Model(format!(
+                return Err(ExecError::Run(format!(
                     "{} of rank {r} at step {} ({}) and no hot spare is left \
                      (cluster.hot_spares = {})",
                     detected.kind, detected.step, detected.message, hot_spares
@@ -861,7 +861,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
     let world = program.world;
     for f in &res.faults {
         if f.rank >= world {
-            return Err(ExecError::Model(format!(
+            return Err(ExecError::Run(format!(
                 "fault rank={}: the plan has {world} ranks",
                 f.rank
             )));
@@ -885,7 +885,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         }
         crate::checkpoint::restore_latest_setting_aside(&dirs, world, &mut |w| warnings.push(w))
             .map(|got| got.map(|(step, states)| (steps_done(step, &states[0].meta), states)))
-            .map_err(|e| ExecError::Model(format!("restoring a checkpoint: {e}")))
+            .map_err(|e| ExecError::Run(format!("restoring a checkpoint: {e}")))
     };
     let mut state: Option<(u64, Vec<RankState>)> = res.start_from.clone();
     if state.is_none() && res.resume {
@@ -902,7 +902,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
         // Steps completed so far: the 0-based index of the first step to run.
         let first = state.as_ref().map(|s| s.0 as u32).unwrap_or(0);
         let ckpt = Checkpointer::new(res.ckpt.clone())
-            .map_err(|e| ExecError::Model(format!("checkpoint directory: {e}")))?;
+            .map_err(|e| ExecError::Run(format!("checkpoint directory: {e}")))?;
         let hub = Hub::with_timeout(world, res.collective_timeout);
         let attempt = Attempt {
             cfg: res,
@@ -988,7 +988,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                 .unwrap_or_else(|e| e.into_inner())
                 .is_some();
         if !failed {
-            ckpt_result.map_err(|e| ExecError::Model(format!("checkpoint: {e}")))?;
+            ckpt_result.map_err(|e| ExecError::Run(format!("checkpoint: {e}")))?;
             report.final_state = attempt
                 .final_state
                 .into_inner()
@@ -1006,7 +1006,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
             None => diagnose(&attempt, &hub, results, &losses, first)?,
         };
         if detected.kind == "non-finite" && !non_finite.insert(detected.step) {
-            return Err(ExecError::Model(format!(
+            return Err(ExecError::Run(format!(
                 "non-finite training state at step {} again after rolling back ({}): the run \
                  diverges; stopping (lower --lr, raise --warmup-steps, or check the data)",
                 detected.step, detected.message

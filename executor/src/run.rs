@@ -1,7 +1,7 @@
 //! Running programs: every rank of a program on threads (or one rank in this process),
 //! with hooks before and after each step (checkpoints, faults, metrics).
 
-use crate::backend::Backend;
+use crate::backend::{AdamW, Backend};
 use crate::comm::Collectives;
 use crate::data::{DataCtx, DataSource, Synthetic};
 use crate::interp::RankExec;
@@ -35,6 +35,35 @@ pub struct ExecConfig {
     pub moe_aux_coef: f32,
 }
 
+impl ExecConfig {
+    /// The gradients' scale for clipping at global norm `norm` (Megatron's `clip_grad`:
+    /// `clip / (norm + 1e-6)` above the threshold, else 1).
+    pub(crate) fn clip_scale(&self, norm: f64) -> f32 {
+        if norm > self.clip as f64 {
+            (self.clip as f64 / (norm + 1e-6)) as f32
+        } else {
+            1.0
+        }
+    }
+
+    /// AdamW's hyper-parameters for parameter `name` at step `step` (from 0): the
+    /// scheduled learning rate, and weight decay unless the parameter is exempt
+    /// ([`crate::model::decays`]).
+    pub(crate) fn adamw(&self, step: u32, name: &str) -> AdamW {
+        AdamW {
+            lr: crate::model::lr_at(self, step),
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: match crate::model::decays(name, self.decay_norms) {
+                true => self.weight_decay,
+                false => 0.0,
+            },
+            step: step + 1,
+        }
+    }
+}
+
 impl Default for ExecConfig {
     fn default() -> Self {
         ExecConfig {
@@ -59,8 +88,13 @@ impl Default for ExecConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
+    /// The program's model or layout cannot run here.
     #[error("model: {0}")]
     Model(String),
+    /// The run itself failed: its data, checkpoints, injected or detected faults, a
+    /// diverging state.
+    #[error("{0}")]
+    Run(String),
     /// `step` is the 0-based index of the step; messages count steps from 1, as the
     /// metrics and checkpoints do.
     #[error("rank {rank}, step {}, node n{node} ({what}): {why}", .step + 1)]
@@ -333,7 +367,7 @@ pub fn run_rank<B: Backend, C: Collectives<B>>(
         rk.diagnostics = opts.diagnostics;
         let ctx = rk.feed.ctx;
         rk.feed.source = Some(match opts.data {
-            Some(f) => f(ctx).map_err(|e| ExecError::Model(format!("data for rank {r}: {e}")))?,
+            Some(f) => f(ctx).map_err(|e| ExecError::Run(format!("data for rank {r}: {e}")))?,
             None => Box::new(Synthetic {
                 seed: cfg.seed,
                 ctx,
@@ -341,7 +375,7 @@ pub fn run_rank<B: Backend, C: Collectives<B>>(
         });
         if let Some(init) = opts.initial_state.and_then(|f| f(r)) {
             rk.import_state(init).map_err(|e| {
-                ExecError::Model(format!(
+                ExecError::Run(format!(
                     "rank {r}: resuming at step {}: {e}",
                     opts.first_step
                 ))

@@ -44,6 +44,11 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         }
     }
 
+    /// The state names of the gradients node `n` reads.
+    fn grad_keys(&self, n: &Node) -> Result<Vec<String>, String> {
+        n.operands.iter().map(|&v| self.grad_key(v)).collect()
+    }
+
     /// The bucket whose shard `v` is.
     fn shard_bucket(&self, v: ValueId) -> Result<usize, String> {
         self.st.shard_of.get(&v).copied().ok_or_else(|| {
@@ -95,18 +100,12 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 if n.operands != n.results {
                     return Err("an all-reduce of gradients writes its operands".into());
                 }
-                let keys = n
-                    .operands
+                let keys = self.grad_keys(n)?;
+                let sizes: Vec<usize> = keys
                     .iter()
-                    .map(|&v| self.grad_key(v))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let mut flat = Vec::new();
-                let mut sizes = Vec::new();
-                for k in &keys {
-                    let x = self.be.download(&self.st.grads[k]);
-                    sizes.push(x.len());
-                    flat.extend_from_slice(&x);
-                }
+                    .map(|k| self.be.len(&self.st.grads[k]))
+                    .collect();
+                let mut flat = self.st.flatten(self.be, &keys, true, sizes.iter().sum());
                 moves_as_stated(flat.len(), elems)?;
                 if matches!(axis, Axis::DenseDp | Axis::ExpertDp) {
                     self.me.check_dp_group(axis, &group)?;
@@ -123,11 +122,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 let bi = self.shard_bucket(Self::res(n, 0)?)?;
                 let b = &self.st.buckets[bi];
                 self.me.check_dp_group(axis, &group)?;
-                let keys = n
-                    .operands
-                    .iter()
-                    .map(|&v| self.grad_key(v))
-                    .collect::<Result<Vec<_>, _>>()?;
+                let keys = self.grad_keys(n)?;
                 if keys != b.names {
                     return Err(format!(
                         "reduce-scatter into bucket `{}` reads {keys:?}, the bucket holds {:?}",
@@ -222,30 +217,10 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         let norm = (buf[0] as f64).sqrt();
         self.report.grad_norm = norm;
         self.report.global_loss = buf[1] as f64;
-        let clip = if norm > self.cfg.clip as f64 {
-            (self.cfg.clip as f64 / (norm + 1e-6)) as f32
-        } else {
-            1.0
-        };
-        let hp = AdamW {
-            lr: lr_at(self.cfg, self.step),
-            beta1: self.cfg.beta1,
-            beta2: self.cfg.beta2,
-            eps: self.cfg.eps,
-            weight_decay: self.cfg.weight_decay,
-            step: self.step + 1,
-        };
-        let be = self.be;
-        let all = self.cfg.decay_norms;
-        let decayed = |name: &str| AdamW {
-            weight_decay: if crate::model::decays(name, all) {
-                hp.weight_decay
-            } else {
-                0.0
-            },
-            ..hp
-        };
-        self.st.adamw(be, &self.me, clip, decayed);
+        let (cfg, step) = (self.cfg, self.step);
+        let clip = cfg.clip_scale(norm);
+        self.st
+            .adamw(self.be, &self.me, clip, |name| cfg.adamw(step, name));
         Ok(())
     }
 }
