@@ -87,10 +87,6 @@ pub(crate) struct RankExec<'a, B: Backend, C: Collectives<B>> {
     pub(crate) aux_shares: BTreeMap<(u32, u32), f64>,
 }
 
-fn err(why: impl Into<String>) -> String {
-    why.into()
-}
-
 impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
     pub(crate) fn new(
         be: &'a B,
@@ -190,8 +186,8 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
                 .g
                 .group(*group)
                 .map(|g| g.ranks.clone())
-                .ok_or_else(|| err(format!("group {group:?} not declared"))),
-            _ => Err(err("not a collective")),
+                .ok_or_else(|| format!("group {group:?} not declared")),
+            _ => Err("not a collective".into()),
         }
     }
 
@@ -207,9 +203,11 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             // keeps the activations they would recompute, and its forward is deterministic,
             // so the replays (skipped alike on every rank) would reproduce them bit for bit.
             _ if n.pass == Pass::Recompute && self.run.selective_recompute => Ok(()),
-            _ => Err(err(
-                "this node names no values (a program from an older lowering: lower the plan again)",
-            )),
+            _ => Err(
+                "this node names no values (a program from an older lowering: lower the \
+                      plan again)"
+                    .into(),
+            ),
         }
     }
 
@@ -230,52 +228,11 @@ fn moves_as_stated(len: usize, elems: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// MoE layers: routing, dispatch and combine over the ep group, experts, shared experts
-/// and the load-balancing loss.
-///
-/// The layer's MLP output is `sum_j g_j E_{e_j}(x) + S(x)` (see [`crate::model`]); tokens
-/// are never dropped (capacity unlimited), so every layout routes exactly the same rows.
-/// The load-balancing loss is Switch/GShard's `coef E sum_e f_e P_e` per sequence (`f_e`:
-/// the fraction of the sequence's `T k` routed slots that chose expert `e`, not
-/// differentiated; `P_e`: the mean router probability of `e` over the sequence's `T`
-/// tokens), averaged over the global batch's sequences and summed over MoE layers: the
-/// per-sequence form of DeepSeek-V3's sequence-wise balance loss, chosen because a
-/// sequence is the one token set every layout sees whole (micro-batch sizes differ).
-/// Where a sequence is split over ranks (SP over tp, cp) its statistics are summed by the
-/// graph's `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` all-reduces; the loss and its
-/// gradient are recomputed from the statistics after each.
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// Tensors of the backend downloaded to the host (reports, checkpoints).
     fn host(&self, t: &BTreeMap<String, B::Buf>) -> BTreeMap<String, Vec<f32>> {
         t.iter()
             .map(|(n, x)| (n.clone(), self.be.download(x)))
             .collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::ExecError;
-
-    #[test]
-    fn errors_count_steps_from_one_and_name_no_fake_node() {
-        let hook = ExecError::Hook {
-            rank: 3,
-            step: 0,
-            why: "injected".into(),
-        };
-        assert_eq!(hook.to_string(), "rank 3, step 1 (step hook): injected");
-        let node = ExecError::Node {
-            rank: 1,
-            step: 4,
-            node: 12,
-            what: "compute gemm".into(),
-            why: "shape".into(),
-        };
-        assert_eq!(
-            node.to_string(),
-            "rank 1, step 5, node n12 (compute gemm): shape"
-        );
-        assert!(!hook.to_string().contains(&u32::MAX.to_string()));
     }
 }

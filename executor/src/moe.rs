@@ -25,6 +25,19 @@
 //! header ranges, written with `Backend::write`), the routing statistics (built on the
 //! host from the routing and uploaded; downloaded where the load-balancing loss is taken)
 //! and the collectives, which download their buffer and upload the result.
+//!
+//! What an MoE layer computes, on every layout alike: the MLP output is
+//! `sum_j g_j E_{e_j}(x) + S(x)` (see [`crate::model`]); tokens are never dropped (capacity
+//! unlimited), so every layout routes exactly the same rows.
+//! The load-balancing loss is Switch/GShard's `coef E sum_e f_e P_e` per sequence (`f_e`:
+//! the fraction of the sequence's `T k` routed slots that chose expert `e`, not
+//! differentiated; `P_e`: the mean router probability of `e` over the sequence's `T`
+//! tokens), averaged over the global batch's sequences and summed over MoE layers: the
+//! per-sequence form of DeepSeek-V3's sequence-wise balance loss, chosen because a
+//! sequence is the one token set every layout sees whole (micro-batch sizes differ).
+//! Where a sequence is split over ranks (SP over tp, cp) its statistics are summed by the
+//! graph's `L{l}.moe.stats.tp` / `L{l}.moe.stats.cp` all-reduces; the loss and its
+//! gradient are recomputed from the statistics after each.
 
 use crate::backend::{Backend, Routing};
 use shardwright_ir::{Node, ValueId};

@@ -432,3 +432,30 @@ pub fn run_rank<B: Backend, C: Collectives<B>>(
 fn is_abort(e: Option<&ExecError>) -> bool {
     matches!(e, Some(ExecError::Panic(_, m)) if m.contains("aborted"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ExecError;
+
+    #[test]
+    fn errors_count_steps_from_one_and_name_no_fake_node() {
+        let hook = ExecError::Hook {
+            rank: 3,
+            step: 0,
+            why: "injected".into(),
+        };
+        assert_eq!(hook.to_string(), "rank 3, step 1 (step hook): injected");
+        let node = ExecError::Node {
+            rank: 1,
+            step: 4,
+            node: 12,
+            what: "compute gemm".into(),
+            why: "shape".into(),
+        };
+        assert_eq!(
+            node.to_string(),
+            "rank 1, step 5, node n12 (compute gemm): shape"
+        );
+        assert!(!hook.to_string().contains(&u32::MAX.to_string()));
+    }
+}

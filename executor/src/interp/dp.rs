@@ -85,7 +85,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             ..
         } = &n.op
         else {
-            return Err(err("not a collective"));
+            return Err("not a collective".into());
         };
         let group = self.group_ranks(n)?;
         let axis = self

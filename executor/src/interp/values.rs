@@ -9,7 +9,7 @@
 //!
 //! What crosses to the host, and where: see the interpreter's "Backend and host".
 
-use super::{err, RankExec};
+use super::RankExec;
 use crate::backend::{AttnSaved, Backend};
 use crate::comm::Collectives;
 use crate::ops::{self, Mm, NormParams};
@@ -158,7 +158,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             Op::Attention { .. } => self.v_attention(n),
             Op::Embedding { .. } => self.v_embedding(n, mb),
             Op::Loss { .. } => self.v_loss(n, mb),
-            _ => Err(err("no value rule for this op")),
+            _ => Err("no value rule for this op".into()),
         }
     }
 
@@ -222,7 +222,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             ..
         } = &n.op
         else {
-            return Err(err("not a gemm"));
+            return Err("not a gemm".into());
         };
         let s = Mm {
             m: *m as usize,
