@@ -114,9 +114,9 @@ fn every_plan_lowers_verifies_and_simulates_within_5_percent() {
 #[test]
 fn every_charged_template_op_is_emitted() {
     // Besides the bundled plans, the tiny specs pinned to the layouts they do not use: CP
-    // with TP but no SP (the head's all-reduce), full and selective recompute, MoE with
-    // tp, sp and ep.
-    let tiny = |spec: &str, par: &str| -> (String, Plan) {
+    // with TP but no SP (the head's all-reduce), full and selective recompute, torchtitan's
+    // op-level selective recompute, MoE with tp, sp and ep.
+    let tiny = |spec: &str, par: &str, extra: &str| -> (String, Plan) {
         let text = std::fs::read_to_string(root().join("specs").join(spec)).unwrap();
         let line = text
             .lines()
@@ -127,6 +127,7 @@ fn every_charged_template_op_is_emitted() {
             // Shards of at least 256 tokens.
             text = text.replace("seq_len: 64", "seq_len: 512");
         }
+        text = text.replace("\ncluster:", &format!("\n{extra}cluster:"));
         let p: Plan = serde_json::from_str(&common::plan_json_of(&text, spec)).unwrap();
         let pinned = format!(
             "tp: {}, pp: {}, dp: {}, cp: {}",
@@ -136,7 +137,7 @@ fn every_charged_template_op_is_emitted() {
             par.starts_with(&pinned),
             "{spec}: planned {pinned}, pinned {par}"
         );
-        (format!("{spec} {{{par}}}"), p)
+        (format!("{spec} {{{par}}} {extra}"), p)
     };
     let mut plans: Vec<(String, Plan)> = spec_names()
         .into_iter()
@@ -147,16 +148,25 @@ fn every_charged_template_op_is_emitted() {
             "tiny-llama-cpu.yaml",
             "tp: 2, pp: 1, dp: 2, cp: 2, ep: 1, micro_batch: 1, zero_stage: 0, \
              recompute: full, sequence_parallel: false, schedule: 1f1b",
+            "",
         ),
         tiny(
             "tiny-llama-cpu.yaml",
             "tp: 2, pp: 2, dp: 1, cp: 2, ep: 1, micro_batch: 1, zero_stage: 3, \
              recompute: selective, sequence_parallel: true, schedule: 1f1b",
+            "",
+        ),
+        tiny(
+            "tiny-llama-cpu.yaml",
+            "tp: 2, pp: 2, dp: 2, cp: 1, ep: 1, micro_batch: 2, zero_stage: 1, \
+             recompute: selective, sequence_parallel: true, schedule: 1f1b",
+            "  framework: torchtitan\n",
         ),
         tiny(
             "tiny-moe-8xh100.yaml",
             "tp: 2, pp: 1, dp: 2, cp: 1, ep: 2, micro_batch: 1, zero_stage: 1, \
              recompute: selective, sequence_parallel: true, schedule: 1f1b",
+            "",
         ),
     ]);
     for (name, p) in plans {
