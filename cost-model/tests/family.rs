@@ -212,10 +212,21 @@ fn check_given_walks(job: &Job, lc: &LayerCosts, fam: &Family, mb: &MeshBuffers,
     }
     let bounds = uneven_walk_bounds(job, lc, l);
     let walked = uneven_walk(job, lc, l, None);
-    let walks: [(&str, &Walk); 3] = [
+    // Also peaks no walk has (memory reads only a rank's peak): later ranks above earlier
+    // ones, and pairs of ranks with equal peaks growing with the rank, so that a rank
+    // skipped for its predecessor's peak would show.
+    let peaks = |f: &dyn Fn(usize) -> f64| Walk {
+        makespan: walked.makespan,
+        peak_act: (0..l.pp as usize).map(f).collect(),
+    };
+    let reversed = peaks(&|j| walked.peak_act[l.pp as usize - 1 - j]);
+    let pairs = peaks(&|j| walked.peak_act[0] * (1 + j / 2) as f64);
+    let walks: [(&str, &Walk); 5] = [
         ("floor", &bounds.floor),
         ("exact peak", bounds.exact_peak()),
         ("walk", &walked),
+        ("reversed peaks", &reversed),
+        ("pairs of peaks", &pairs),
     ];
     for (what, w) in walks {
         let what = format!("{l} {what}");
