@@ -3,7 +3,9 @@
 # (specs/llama3-405b-16k-h100.yaml) planned on 64 to 65,536 GPUs, release build; per row
 # the candidates searched, the median wall time and the time per candidate. The search
 # scales when the time per candidate does not grow as the GPU count shrinks (fewer GPUs:
-# more micro-batches per pipeline, so longer schedule walks per candidate).
+# more micro-batches per pipeline, so longer schedule walks per candidate). A row where no
+# layout fits (64 GPUs: the plan exits 3) is still timed, with the candidate count from the
+# error message.
 #
 #   scripts/bench-plan-scale.sh [runs]     (default 5 runs per row; median reported)
 #
@@ -40,11 +42,19 @@ for n in 64 256 1024 4096 16384 65536; do
     spec="$TMP/405b-$n.yaml"
     sed "s/^\(  num_gpus:\) 16384\$/\1 $n/" specs/llama3-405b-16k-h100.yaml >"$spec"
     grep -q "^  num_gpus: $n\$" "$spec"
-    if ! "$BIN" plan --quiet "$spec" -o "$TMP/p.json" 2>"$TMP/err"; then
-        echo "| $n | - | no feasible plan: $(head -c 120 "$TMP/err" | tr '\n' ' ') | - |"
-        continue
+    note=""
+    if "$BIN" plan --quiet "$spec" -o "$TMP/p.json" 2>"$TMP/err"; then
+        c=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["search"]["candidates"])' "$TMP/p.json")
+    else
+        # No layout fits (exit 3): the search still ran over every candidate, and the
+        # error names their count ("no feasible layout among N candidates; ...").
+        c=$(sed -n 's/.*no feasible layout among \([0-9]*\) candidates.*/\1/p' "$TMP/err" | head -n 1)
+        if [ -z "$c" ]; then
+            echo "| $n | - | plan failed: $(head -c 120 "$TMP/err" | tr '\n' ' ') | - |"
+            continue
+        fi
+        note=" (no feasible plan)"
     fi
-    c=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["search"]["candidates"])' "$TMP/p.json")
     base=""
     if [ -n "${BASE_BIN:-}" ]; then
         b=$(median_ms "$BASE_BIN" "$spec")
@@ -52,7 +62,7 @@ for n in 64 256 1024 4096 16384 65536; do
     fi
     ms=$(median_ms "$BIN" "$spec")
     per=$(python3 -c "print('%.2f' % ($ms * 1000 / $c))")
-    echo "| $n | $c | $base$ms | $per |"
+    echo "| $n | $c$note | $base$ms | $per |"
 done
 echo
 echo "machine: $(nproc) cores; $RUNS runs per row; $(date -u +%F); $("$BIN" --version 2>/dev/null || true)"

@@ -956,24 +956,39 @@ fn uneven_stages(job: &Job, lc: &LayerCosts, layout: &Layout) -> (Vec<f64>, Vec<
     } else {
         1.0 / 3.0
     };
+    // Most virtual stages hold what the one before holds: its time and bytes are reused.
+    let mut last: Option<(RankLoad, f64, f64)> = None;
     for vs in 0..p * v {
         let (s0, c) = chunk_layers(layers, p * v, vs);
         let mut part = rank_load(job, s0, c, vs % p, p);
         part.head = vs == p * v - 1;
         part.embedding = vs == 0;
-        let t = rank_time(lc, &part).total();
-        let a = part.dense_layers as f64 * lc.dense_act_bytes
-            + part.moe_layers as f64 * lc.moe_act_bytes
-            + if part.embedding {
-                lc.embed_act_bytes
-            } else {
-                0.0
-            };
+        let (t, a) = match last {
+            Some((l, t, a)) if l == part => (t, a),
+            _ => {
+                let (t, a) = stage_time_and_act(lc, &part);
+                last = Some((part, t, a));
+                (t, a)
+            }
+        };
         fwd[vs as usize] = t * fshare;
         bwd[vs as usize] = t * (1.0 - fshare);
         act[vs as usize] = a;
     }
     (fwd, bwd, act)
+}
+
+/// A virtual stage's time per micro-batch and the bytes it saves per micro-batch.
+fn stage_time_and_act(lc: &LayerCosts, part: &RankLoad) -> (f64, f64) {
+    let t = rank_time(lc, part).total();
+    let a = part.dense_layers as f64 * lc.dense_act_bytes
+        + part.moe_layers as f64 * lc.moe_act_bytes
+        + if part.embedding {
+            lc.embed_act_bytes
+        } else {
+            0.0
+        };
+    (t, a)
 }
 
 /// Rank `j`'s load under the balanced split with `v` chunks per rank (one chunk when not
@@ -1445,6 +1460,46 @@ impl Family {
         self.ceiling
     }
 
+    /// The goodput of [`evaluate_with`] of `layout` (a layout of the family and of `mesh`)
+    /// under the balanced split with [`UnevenWalk::Skip`], bit for bit, without its memory
+    /// or the rest of its estimate (which the goodput does not read): the step from the
+    /// family's rank sums, times the goodput fraction of that step.
+    pub fn skip_walk_goodput(
+        &self,
+        job: &Job,
+        lc: &LayerCosts,
+        mesh: &MeshBuffers,
+        layout: &Layout,
+    ) -> f64 {
+        debug_assert!(self.is_family_of(layout));
+        debug_assert_eq!((mesh.pp, mesh.dp), (layout.pp, layout.dp));
+        let s = &self.sums;
+        let (p, v) = (layout.pp, layout.vpp.max(1));
+        // As [`evaluate_or_oom_in`] charges the bubble without a walk.
+        let bubble = if is_uneven(job, layout) || p <= 1 {
+            0.0
+        } else {
+            (s.sum_total - s.slow_total) / v as f64
+        };
+        let terms = step_terms(
+            job,
+            lc,
+            layout,
+            &mesh.mesh,
+            SplitTimes {
+                compute_mb: s.slow.gemm + s.slow.attn + s.slow.elementwise,
+                slow_total: s.slow_total,
+                max_params: s.max_params,
+                bubble,
+            },
+        );
+        // As [`assemble`] works out the goodput.
+        let tokens_per_step = job.training.global_batch as f64 * job.model.seq_len as f64;
+        let tokens_per_s = tokens_per_step / terms.step;
+        tokens_per_s
+            * reliability_of(job, &checkpoint_costs(job, layout), terms.step).goodput_fraction
+    }
+
     /// [`rank_sums`] under the balanced split, without per-rank detail. Without a walk,
     /// only the first rank of each run is costed: the ranks of a run hold the same layers
     /// and (the embedding and the head being on ranks of their own) the same pipeline
@@ -1456,9 +1511,15 @@ impl Family {
         let mut r = RankSums::empty();
         let mut j = 0u32;
         for (w, n) in &self.runs {
-            if walk.is_some() {
-                for _ in 0..*n {
-                    r.add_memory(cx, w, j, walk, false);
+            if let Some(wk) = walk {
+                // A rank whose walk peak and pipeline peers are its predecessor's in the
+                // run has its memory, bit for bit (see [`same_memory_as_previous`]): the
+                // first of them is the one [`rank_sums`] keeps.
+                let overrides = peak_overrides(cx.lc, &w.load);
+                for i in 0..*n {
+                    if !(i > 0 && overrides && same_memory_as_previous(cx.layout, wk, j)) {
+                        r.add_memory(cx, w, j, walk, false);
+                    }
                     j += 1;
                 }
             } else {
@@ -1467,6 +1528,59 @@ impl Family {
             }
         }
         self.sums.into(r)
+    }
+}
+
+/// Whether [`rank_memory`] of a rank holding `load` takes a walk's activation peak as its
+/// own (it holds activations), and then reads its rank `j` only through the pipeline peers
+/// ([`pp_peers`]) and the breakdown's `stage`.
+fn peak_overrides(lc: &LayerCosts, load: &RankLoad) -> bool {
+    let act_layer =
+        load.dense_layers as f64 * lc.dense_act_bytes + load.moe_layers as f64 * lc.moe_act_bytes;
+    let embed_act = if load.embedding {
+        lc.embed_act_bytes
+    } else {
+        0.0
+    };
+    act_layer + embed_act > 0.0
+}
+
+/// Whether rank `j` (> 0, holding the same load as rank `j - 1`, which
+/// [`peak_overrides`]) has rank `j - 1`'s memory total under `walk`: the same activation
+/// peak (bit for bit) and the same pipeline peers. Then it never replaces the worst rank
+/// (the first with the largest total).
+fn same_memory_as_previous(layout: &Layout, walk: &schedule::Walk, j: u32) -> bool {
+    let (a, b) = (walk.peak_act[j as usize - 1], walk.peak_act[j as usize]);
+    a.to_bits() == b.to_bits() && pp_peers(layout, j - 1) == pp_peers(layout, j)
+}
+
+/// [`evaluate_with`] of `layout` under the balanced split without per-rank detail, for a
+/// layout of `family` and of `mesh`, with what they hold: the same evaluation, whether
+/// the layout fits or not.
+pub fn evaluate_family_with(
+    job: &Job,
+    lc: &LayerCosts,
+    family: &Family,
+    mesh: &MeshBuffers,
+    layout: &Layout,
+    uneven: UnevenWalk<'_>,
+) -> Evaluation {
+    let r = evaluate_or_oom_in(
+        job,
+        lc,
+        layout,
+        Costing {
+            split: Split::Balanced,
+            detail: false,
+            uneven,
+            stop_if_oom: false,
+            family: Some((family, mesh)),
+            cut: f64::NEG_INFINITY,
+        },
+    );
+    match r {
+        Ok(ev) => ev.expect("no cut, so costed"),
+        Err(OutOfMemory(ev)) => ev,
     }
 }
 
@@ -2022,5 +2136,98 @@ fn checkpoint_costs_of(job: &Job, world: u64) -> CheckpointCosts {
         young_s: young,
         daly_s: daly,
         target_s: target,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardwright_spec::parse::{parse_spec, Format};
+
+    fn job(path: &str, gpus: u64) -> Job {
+        let full = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(path);
+        let mut spec = parse_spec(&std::fs::read_to_string(full).unwrap(), Format::Yaml).unwrap();
+        spec.job.parallelism = Default::default();
+        spec.cluster.num_gpus = Some(gpus);
+        crate::resolve(&spec, &crate::ResolveOptions::default())
+            .unwrap()
+            .job
+    }
+
+    /// [`uneven_stages`] (a virtual stage holding what the one before holds reuses its
+    /// time and bytes) against every virtual stage costed on its own: the same bits.
+    #[test]
+    fn uneven_stages_are_each_stage_costed_alone() {
+        let mut checked = 0;
+        for (path, gpus, tp, ep) in [
+            ("specs/llama3-405b-16k-h100.yaml", 64u64, 8u32, 1u32),
+            ("specs/deepseek-v3-2048xh800.yaml", 2048, 1, 8),
+        ] {
+            let job = job(path, gpus);
+            let layers = job.model.num_layers;
+            for (pp, v) in [
+                (2u32, 4u32),
+                (4, 4),
+                (8, 3),
+                (16, 2),
+                (32, 3),
+                (64, 2),
+                (5, 7),
+            ] {
+                if pp * v > layers || layers.is_multiple_of(pp * v) {
+                    continue;
+                }
+                for rc in [Recompute::None, Recompute::Full] {
+                    let layout = Layout {
+                        tp,
+                        pp,
+                        dp: 1,
+                        cp: 1,
+                        ep,
+                        vpp: v,
+                        micro_batch: 1,
+                        grad_accum: 2 * pp as u64,
+                        zero_stage: 1,
+                        recompute: rc,
+                        sequence_parallel: tp > 1,
+                        schedule: Schedule::Interleaved,
+                        expert_tp: job.model.is_moe().then_some(1),
+                    };
+                    let lc = LayerCosts::for_layout(&job, &layout);
+                    let (fwd, bwd, act) = uneven_stages(&job, &lc, &layout);
+                    let fshare = if rc == Recompute::Full {
+                        0.25
+                    } else {
+                        1.0 / 3.0
+                    };
+                    for vs in 0..pp * v {
+                        let (s0, c) = chunk_layers(layers, pp * v, vs);
+                        let mut part = rank_load(&job, s0, c, vs % pp, pp);
+                        part.head = vs == pp * v - 1;
+                        part.embedding = vs == 0;
+                        let t = rank_time(&lc, &part).total();
+                        let a = part.dense_layers as f64 * lc.dense_act_bytes
+                            + part.moe_layers as f64 * lc.moe_act_bytes
+                            + if part.embedding {
+                                lc.embed_act_bytes
+                            } else {
+                                0.0
+                            };
+                        let i = vs as usize;
+                        assert_eq!(fwd[i].to_bits(), (t * fshare).to_bits(), "{layout} {vs}");
+                        assert_eq!(
+                            bwd[i].to_bits(),
+                            (t * (1.0 - fshare)).to_bits(),
+                            "{layout} {vs}"
+                        );
+                        assert_eq!(act[i].to_bits(), a.to_bits(), "{layout} {vs}");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked > 500, "only {checked} stages checked");
     }
 }

@@ -1,13 +1,17 @@
 //! The search's family path ([`evaluate_family`]: per-rank times once per family, the mesh
 //! and buffers once per pp, memory of the first rank of each run of equal ranks) against
 //! [`evaluate_fitting`], layout by layout: the same bits, and a goodput ceiling that bounds
-//! the goodput and the goodput bound of every fitting layout.
+//! the goodput and the goodput bound of every fitting layout. Also the family path of
+//! uneven interleaving ([`evaluate_family_with`], [`Family::skip_walk_goodput`], the walk
+//! and its bounds given) against [`evaluate_with`] and [`evaluate_fitting`].
 
 use shardwright_cost::eval::{
-    evaluate_family, evaluate_fitting, BalancedLoads, Family, FractionSup, LayerCosts, MeshBuffers,
-    UnevenWalk,
+    evaluate_family, evaluate_family_with, evaluate_fitting, evaluate_with, is_uneven, uneven_walk,
+    uneven_walk_bounds, BalancedLoads, Evaluation, Family, FractionSup, LayerCosts, MeshBuffers,
+    OutOfMemory, Split, UnevenWalk,
 };
 use shardwright_cost::rules::{self, Axes};
+use shardwright_cost::schedule::Walk;
 use shardwright_cost::{resolve, ResolveOptions};
 use shardwright_spec::layout::Layout;
 use shardwright_spec::parse::{parse_spec, Format};
@@ -95,6 +99,7 @@ fn check(job: &Job) -> usize {
                                     zero_stage: z,
                                     ..base
                                 };
+                                check_given_walks(job, &lc, &fam, mb_, &l);
                                 let want = evaluate_fitting(job, &lc, &l, UnevenWalk::Walk);
                                 let got = evaluate_family(
                                     job,
@@ -159,10 +164,91 @@ fn check(job: &Job) -> usize {
     checked
 }
 
+fn same(a: &Evaluation, b: &Evaluation, what: &str) {
+    assert_eq!(
+        format!("{:?}", a.estimate),
+        format!("{:?}", b.estimate),
+        "{what}"
+    );
+    assert_eq!(
+        a.goodput_bound.to_bits(),
+        b.goodput_bound.to_bits(),
+        "{what}"
+    );
+}
+
+fn same_fitting(
+    a: Result<Evaluation, OutOfMemory>,
+    b: Result<Option<Evaluation>, OutOfMemory>,
+    what: &str,
+) {
+    match (a, b) {
+        (Ok(a), Ok(Some(b))) => same(&a, &b, what),
+        (Err(a), Err(b)) => same(&a.0, &b.0, what),
+        (a, b) => panic!(
+            "{what}: fits {:?} vs {:?}",
+            a.is_ok(),
+            b.map(|e| e.is_some())
+        ),
+    }
+}
+
+/// The family path with the walk skipped, and (uneven interleaving) with its walk and the
+/// walk's bounds given, against the unshared evaluation: the same bits.
+fn check_given_walks(job: &Job, lc: &LayerCosts, fam: &Family, mb: &MeshBuffers, l: &Layout) {
+    let skip = evaluate_with(job, lc, l, Split::Balanced, false, UnevenWalk::Skip);
+    same(
+        &skip,
+        &evaluate_family_with(job, lc, fam, mb, l, UnevenWalk::Skip),
+        &format!("{l} skip"),
+    );
+    assert_eq!(
+        fam.skip_walk_goodput(job, lc, mb, l).to_bits(),
+        skip.estimate.goodput_tokens_per_s.to_bits(),
+        "{l}"
+    );
+    if !is_uneven(job, l) {
+        return;
+    }
+    let bounds = uneven_walk_bounds(job, lc, l);
+    let walked = uneven_walk(job, lc, l, None);
+    // Also peaks no walk has (memory reads only a rank's peak): later ranks above earlier
+    // ones, and pairs of ranks with equal peaks growing with the rank, so that a rank
+    // skipped for its predecessor's peak would show.
+    let peaks = |f: &dyn Fn(usize) -> f64| Walk {
+        makespan: walked.makespan,
+        peak_act: (0..l.pp as usize).map(f).collect(),
+    };
+    let reversed = peaks(&|j| walked.peak_act[l.pp as usize - 1 - j]);
+    let pairs = peaks(&|j| walked.peak_act[0] * (1 + j / 2) as f64);
+    let walks: [(&str, &Walk); 5] = [
+        ("floor", &bounds.floor),
+        ("exact peak", bounds.exact_peak()),
+        ("walk", &walked),
+        ("reversed peaks", &reversed),
+        ("pairs of peaks", &pairs),
+    ];
+    for (what, w) in walks {
+        let what = format!("{l} {what}");
+        let given = UnevenWalk::Given(w);
+        same(
+            &evaluate_with(job, lc, l, Split::Balanced, false, given),
+            &evaluate_family_with(job, lc, fam, mb, l, given),
+            &what,
+        );
+        same_fitting(
+            evaluate_fitting(job, lc, l, given),
+            evaluate_family(job, lc, fam, mb, l, given, f64::NEG_INFINITY),
+            &what,
+        );
+    }
+}
+
 #[test]
 fn family_evaluation_is_evaluate_fitting() {
     for (path, gpus) in [
         ("specs/deepseek-v3-2048xh800.yaml", None),
+        ("specs/llama3-405b-16k-h100.yaml", Some(64)),
         ("specs/llama3-405b-16k-h100.yaml", Some(256)),
         ("specs/llama2-70b-128xa100.yaml", None),
         ("specs/tiny-moe-8xh100.yaml", None),

@@ -8,9 +8,10 @@
 
 use rayon::prelude::*;
 use shardwright_cost::eval::{
-    evaluate, evaluate_family, evaluate_fitting, evaluate_with, goodput_ceiling, is_uneven,
-    no_bubble_goodput_ceiling_with, uneven_walk, uneven_walk_bounds, BalancedLoads, Family,
-    FractionSup, LayerCosts, MeshBuffers, OutOfMemory, Split, UnevenWalk, WalkBounds,
+    evaluate, evaluate_family, evaluate_family_with, evaluate_fitting, evaluate_with,
+    goodput_ceiling, is_uneven, no_bubble_goodput_ceiling_with, uneven_walk, uneven_walk_bounds,
+    BalancedLoads, Evaluation, Family, FractionSup, LayerCosts, MeshBuffers, OutOfMemory, Split,
+    UnevenWalk, WalkBounds,
 };
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
@@ -337,8 +338,10 @@ enum Event {
 /// An uneven interleaving's work done ahead of the replay.
 #[derive(Clone, Debug)]
 struct Prepared {
-    /// Its goodput with no pipeline bubble ([`UnevenWalk::Skip`]).
-    optimistic: f64,
+    /// Its goodput with no pipeline bubble ([`UnevenWalk::Skip`]); `None` when it was
+    /// prepared against a threshold of `-inf` (nothing is below it), for the replay to work
+    /// out if its threshold is higher.
+    optimistic: Option<f64>,
     verdict: Verdict,
 }
 
@@ -366,6 +369,33 @@ struct FamilyWork {
     /// The uneven interleaving's ceiling ([`no_bubble_goodput_ceiling_with`]).
     ceiling: Option<f64>,
     family: Option<Family>,
+}
+
+/// What the layouts of one family ([`Family`]: all but the ZeRO stage the same) share with
+/// their mesh's buffers, for [`evaluate_family_with`] and [`evaluate_family`].
+struct FamilyCtx<'s> {
+    family: Family,
+    table: Option<&'s MeshBuffers>,
+    own: Option<MeshBuffers>,
+}
+
+impl FamilyCtx<'_> {
+    fn buffers(&self) -> &MeshBuffers {
+        self.table
+            .or(self.own.as_ref())
+            .expect("from the table or worked out")
+    }
+
+    /// [`evaluate_with`] of `layout` (of the family) under the balanced split.
+    fn evaluate(
+        &self,
+        job: &Job,
+        lc: &LayerCosts,
+        layout: &Layout,
+        uneven: UnevenWalk<'_>,
+    ) -> Evaluation {
+        evaluate_family_with(job, lc, &self.family, self.buffers(), layout, uneven)
+    }
 }
 
 /// One unit's candidates (and the per-layer costs they were evaluated with): those the
@@ -670,6 +700,28 @@ impl<'a> Space<'a> {
         })
     }
 
+    /// The [`FamilyCtx`] of `layout` (built on `lc`).
+    fn family_ctx(&self, lc: &LayerCosts, layout: &Layout) -> FamilyCtx<'_> {
+        let whole = layout.tp > 1 && layout.expert_tp == Some(1);
+        let key = (
+            layout.tp as u64,
+            layout.cp as u64,
+            layout.ep as u64,
+            layout.pp as u64,
+            layout.sequence_parallel,
+            whole,
+        );
+        let table = self
+            .buffers
+            .get(&key)
+            .filter(|_| expert_tp(self.job, key.0, whole) == layout.expert_tp);
+        FamilyCtx {
+            family: self.family(lc, layout),
+            table,
+            own: table.is_none().then(|| MeshBuffers::new(self.job, layout)),
+        }
+    }
+
     /// Every unit, in the search's order (tp, cp, ep, micro-batch, sequence parallelism,
     /// recompute, whole experts).
     fn units(&self) -> Vec<Unit> {
@@ -954,18 +1006,26 @@ impl<'a> Space<'a> {
         }
     }
 
-    /// An uneven interleaving's goodput with no pipeline bubble.
-    fn optimistic(&self, lc: &LayerCosts, layout: &Layout) -> f64 {
-        evaluate_with(
-            self.job,
-            lc,
-            layout,
-            Split::Balanced,
-            false,
-            UnevenWalk::Skip,
-        )
-        .estimate
-        .goodput_tokens_per_s
+    /// An uneven interleaving's goodput with no pipeline bubble (with what its family
+    /// holds, when given: the same value).
+    fn optimistic(&self, lc: &LayerCosts, layout: &Layout, fam: Option<&FamilyCtx<'_>>) -> f64 {
+        match fam {
+            Some(f) => f
+                .family
+                .skip_walk_goodput(self.job, lc, f.buffers(), layout),
+            None => {
+                evaluate_with(
+                    self.job,
+                    lc,
+                    layout,
+                    Split::Balanced,
+                    false,
+                    UnevenWalk::Skip,
+                )
+                .estimate
+                .goodput_tokens_per_s
+            }
+        }
     }
 
     /// What the bounds of `layout`'s walk ([`uneven_walk_bounds`]) decide, an uneven
@@ -978,15 +1038,31 @@ impl<'a> Space<'a> {
         layout: &Layout,
         bounds: &WalkBounds,
         t: f64,
+        fam: Option<&FamilyCtx<'_>>,
     ) -> Option<Verdict> {
         if self.fully_pinned || !is_uneven(self.job, layout) {
             return None;
         }
-        let fits = |w: &Walk| evaluate_fitting(self.job, lc, layout, UnevenWalk::Given(w));
-        if fits(&bounds.floor).is_err() {
+        // The evaluation when the layout fits with `w`; with the family, the same one
+        // ([`evaluate_family`] with no cut).
+        let fits = |w: &Walk| match fam {
+            Some(f) => evaluate_family(
+                self.job,
+                lc,
+                &f.family,
+                f.buffers(),
+                layout,
+                UnevenWalk::Given(w),
+                f64::NEG_INFINITY,
+            )
+            .ok()
+            .map(|ev| ev.expect("no cut, so costed")),
+            None => evaluate_fitting(self.job, lc, layout, UnevenWalk::Given(w)).ok(),
+        };
+        if fits(&bounds.floor).is_none() {
             return Some(Verdict::OutOfMemory);
         }
-        let Ok(ev) = fits(bounds.exact_peak()) else {
+        let Some(ev) = fits(bounds.exact_peak()) else {
             return Some(Verdict::OutOfMemory);
         };
         let g = goodput_ceiling(self.job, layout, &ev);
@@ -1096,16 +1172,16 @@ impl WalkPlans {
     }
 }
 
-/// `layout`'s evaluation with its walk ([`uneven_walk`] of the same layout family).
-fn walked_candidate(job: &Job, lc: &LayerCosts, layout: &Layout, walk: &Walk) -> Candidate {
-    let ev = evaluate_with(
-        job,
-        lc,
-        layout,
-        Split::Balanced,
-        false,
-        UnevenWalk::Given(walk),
-    );
+/// `layout`'s evaluation with its walk ([`uneven_walk`] of the same layout family), with
+/// what the family holds.
+fn walked_candidate(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    walk: &Walk,
+    fam: &FamilyCtx<'_>,
+) -> Candidate {
+    let ev = fam.evaluate(job, lc, layout, UnevenWalk::Given(walk));
     Candidate {
         layout: *layout,
         estimate: ev.estimate,
@@ -1174,28 +1250,37 @@ impl Replay {
             _ => unreachable!("only uneven candidates are prepared"),
         };
         let job = space.job;
-        // Optimistic goodput and the memory floor; `None`: needs its walk.
-        let verdicts: Vec<Vec<(f64, Option<Verdict>)>> = wanted
+        // Optimistic goodput and the memory floor; `None`: needs its walk. With them, what
+        // the group's family holds (for all its ZeRO stages).
+        type Verdicts<'s> = (Vec<(Option<f64>, Option<Verdict>)>, Option<FamilyCtx<'s>>);
+        let verdicts: Vec<Verdicts<'_>> = wanted
             .par_iter()
             .map(|&((u, _), ref is)| {
                 let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
                 let mut bounds = None;
-                is.iter()
+                let mut fam: Option<FamilyCtx<'_>> = None;
+                let v = is
+                    .iter()
                     .map(|&(i, t)| {
                         let l = layout_of(u, i);
-                        let opt = space.optimistic(lc, &l);
-                        if opt < t {
+                        let fam = &*fam.get_or_insert_with(|| space.family_ctx(lc, &l));
+                        // Nothing is below a threshold of -inf: the optimistic goodput then
+                        // waits until the replay needs it.
+                        let opt =
+                            (t != f64::NEG_INFINITY).then(|| space.optimistic(lc, &l, Some(fam)));
+                        if opt.is_some_and(|o| o < t) {
                             return (opt, Some(Verdict::Open));
                         }
                         // One pair of bounds for the family: they do not read the ZeRO stage.
                         let bounds = bounds.get_or_insert_with(|| uneven_walk_bounds(job, lc, &l));
-                        (opt, space.settle(lc, &l, &*bounds, t))
+                        (opt, space.settle(lc, &l, &*bounds, t, Some(fam)))
                     })
-                    .collect()
+                    .collect();
+                (v, fam)
             })
             .collect();
         type Group = ((usize, u32), Vec<(usize, f64)>);
-        let walk_first = |&((u, _), ref is): &Group, v: &Vec<(f64, Option<Verdict>)>| {
+        let walk_first = |&((u, _), ref is): &Group, (v, _): &Verdicts<'_>| {
             is.iter()
                 .zip(v)
                 .find(|(_, (_, verdict))| verdict.is_none())
@@ -1216,6 +1301,7 @@ impl Replay {
                 let Some(first) = walk_first(g, v) else {
                     return Vec::new();
                 };
+                let (v, fam) = (&v.0, v.1.as_ref().expect("worked out with its verdicts"));
                 let (u, is) = (g.0 .0, &g.1);
                 let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
                 // One walk for the family: it does not read the ZeRO stage.
@@ -1226,7 +1312,7 @@ impl Replay {
                         verdict.is_none().then(|| {
                             let l = layout_of(u, i);
                             match &walk {
-                                Some(w) => walked_candidate(job, lc, &l, w),
+                                Some(w) => walked_candidate(job, lc, &l, w, fam),
                                 None => evaluated(job, lc, l),
                             }
                         })
@@ -1234,7 +1320,7 @@ impl Replay {
                     .collect()
             })
             .collect();
-        for ((((u, _), is), v), w) in wanted.into_iter().zip(verdicts).zip(walked) {
+        for ((((u, _), is), (v, _)), w) in wanted.into_iter().zip(verdicts).zip(walked) {
             let mut w = w.into_iter();
             for ((i, _), (optimistic, verdict)) in is.into_iter().zip(v) {
                 let walked = w.next().flatten();
@@ -1324,11 +1410,15 @@ impl Replay {
         let t = threshold(&self.best, self.keep);
         let below = |opt: f64| opt < t;
         let (optimistic, verdict) = match pre {
-            _ if below(ceiling) => (ceiling, Verdict::Open),
+            _ if below(ceiling) => (Some(ceiling), Verdict::Open),
             Some(p) => (p.optimistic, p.verdict),
-            None => (space.optimistic(lc, &layout), Verdict::Open),
+            None => (None, Verdict::Open),
         };
-        if below(optimistic) {
+        // Nothing is below a threshold of -inf: the optimistic goodput is worked out (if it
+        // was not prepared) only against a higher one.
+        if t != f64::NEG_INFINITY
+            && below(optimistic.unwrap_or_else(|| space.optimistic(lc, &layout, None)))
+        {
             self.tally.count(BELOW_TOP, || below_top_example(&layout));
             return;
         }
@@ -1337,7 +1427,7 @@ impl Replay {
             Verdict::Open | Verdict::FitsBelow(_) => {
                 let bounds = uneven_walk_bounds(space.job, lc, &layout);
                 space
-                    .settle(lc, &layout, &bounds, t)
+                    .settle(lc, &layout, &bounds, t, None)
                     .unwrap_or_else(|| Verdict::Full(Box::new(evaluated(space.job, lc, layout))))
             }
             v => v,
