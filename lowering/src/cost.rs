@@ -150,7 +150,12 @@ impl<'a> PlanCost<'a> {
             .as_ref()
             .map(|h| h.borrow().clone())
             .unwrap_or_default();
-        let kinds = ["dense", "moe", "head", "embedding"];
+        let kinds = [
+            LayerKind::Dense,
+            LayerKind::Moe,
+            LayerKind::Head,
+            LayerKind::Embedding,
+        ];
         let passes = ["fwd", "bwd", "recompute"];
         self.table
             .iter()
@@ -160,7 +165,10 @@ impl<'a> PlanCost<'a> {
                     Key::Gemm(r) => r.name().to_string(),
                     Key::Op(n) => n.to_string(),
                 };
-                format!("{} {} {op}", kinds[*kind as usize], passes[*pass as usize])
+                format!(
+                    "{:?} {} {op}",
+                    kinds[*kind as usize], passes[*pass as usize]
+                )
             })
             .collect()
     }
