@@ -231,7 +231,13 @@ pub fn apply_recipe_conventions(
     // with the other micro-batch's compute (`moe_a2a_overlap`), which the cost model does
     // not represent. The dispatcher alone, without that overlap, put Qwen3-235B's row at
     // -23% (from +14% with the flex-dispatcher convention of [`crate::setup::conventions`]),
-    // so the convention stays until the overlap is modelled.
+    // so the convention stays until the overlap is modelled. (Errors are predicted over
+    // published tokens/s: +14% is too fast.) Modelled from Megatron-Core's paired 1F1B
+    // layer schedule (`TransformerLayerSchedulePlan.run`; branch h26b-exp) with the
+    // recipes' dispatchers, the overlap hides most of the all-to-all and both MoE rows
+    // overshoot, fitted without the Megatron-Bridge rows: Qwen3-235B +23.5%, DeepSeek-V3
+    // +49% (from -9%); the model's MoE compute alone is 12.1 s of DeepSeek-V3's measured
+    // 25.3 s step, so the exposed all-to-all stands in for MoE costs the model lacks.
     if let Some(d) = r.moe_dispatcher.filter(|_| run.model.moe.is_some()) {
         if d != conv.moe_dispatcher {
             notes.push(format!(
