@@ -6,7 +6,7 @@ use crate::backend::{AdamW, Backend};
 use crate::model::Dims;
 use crate::place::Place;
 use crate::state::RankState;
-use shardwright_ir::{Axis, Graph, Slice, TpSplit, ValueKind};
+use shardwright_ir::{Axis, Graph, Slice, ValueKind};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// This rank's part of one of the graph's buckets (same index as `Graph::buckets`).
@@ -337,7 +337,7 @@ impl<B: Backend> RankState<B> {
                 self.buckets[k].add_grad(&flat);
             }
         }
-        let counts = |nm: &str| me.tp_pos == 0 || role_split(nm) != TpSplit::Replicated;
+        let counts = |nm: &str| me.tp_pos == 0 || !crate::model::replicated_over_tp(nm);
         let mut ss = 0.0f64;
         if zero == 0 {
             for (nm, gr) in &self.grads {
@@ -385,9 +385,4 @@ impl<B: Backend> RankState<B> {
             be.fill_zero(g);
         }
     }
-}
-
-/// How a parameter is split over tp, by its state name.
-fn role_split(name: &str) -> TpSplit {
-    crate::model::role_of(name).tp_split()
 }

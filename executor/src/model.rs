@@ -54,6 +54,12 @@ pub fn role_of(name: &str) -> Role {
     }
 }
 
+/// Whether parameter `name` is replicated over tp (norm weights and biases, an MoE
+/// router): every tp rank holds all of it.
+pub fn replicated_over_tp(name: &str) -> bool {
+    role_of(name).tp_split() == shardwright_ir::TpSplit::Replicated
+}
+
 /// Model dimensions (full, unsharded).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dims {

@@ -265,10 +265,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// rank (the router without SP): its data gradient counts once, on tp rank 0, so the
     /// tp reduction of the input gradient that follows adds it once.
     fn replicated_input(&self, w: ValueId) -> bool {
-        self.me.tp.len() > 1
-            && !self.me.sp
-            && crate::model::role_of(self.value_name(w)).tp_split()
-                == shardwright_ir::TpSplit::Replicated
+        self.me.tp.len() > 1 && !self.me.sp && crate::model::replicated_over_tp(self.value_name(w))
     }
 
     /// The GEMM output `y` accumulated onto `acc`: elementwise, or, when `acc` holds the
