@@ -112,16 +112,7 @@ fn check(job: &Job) -> usize {
                                 );
                                 match (want, got) {
                                     (Ok(a), Ok(Some(b))) => {
-                                        assert_eq!(
-                                            format!("{:?}", a.estimate),
-                                            format!("{:?}", b.estimate),
-                                            "{l}"
-                                        );
-                                        assert_eq!(
-                                            a.goodput_bound.to_bits(),
-                                            b.goodput_bound.to_bits(),
-                                            "{l}"
-                                        );
+                                        same(&a, &b, &l.to_string());
                                         let c = fam.goodput_ceiling();
                                         assert!(
                                             c >= a.estimate.goodput_tokens_per_s

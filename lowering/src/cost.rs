@@ -20,8 +20,9 @@
 //! data-parallel collectives and ZeRO gathers (ring formulas on the group's fabric, charged
 //! in full: their overlap with compute is the simulator's to find), pipeline sends
 //! (`send_s` on the pipeline fabric), the optimizer step (its bytes at HBM bandwidth), the
-//! TP collectives around the embedding (not modelled analytically; their physical cost). The per-layer launch overhead is charged on each
-//! layer's first forward norm and the head's on its forward loss.
+//! TP collectives around the embedding (not modelled analytically; their physical cost).
+//! The per-layer launch overhead is charged on each layer's first forward norm and the
+//! head's on its forward loss.
 
 use crate::lower::Lowered;
 use shardwright_cost::collective::{
