@@ -13,6 +13,24 @@
 //! Kernels that produce a gradient of a weight *accumulate* into it (`+=`), so micro-batches
 //! add up without an extra buffer; data gradients are returned fresh. Token ids and
 //! positions are host `&[u32]`; a device backend uploads them.
+//!
+//! # Backend and host
+//!
+//! The interpreter ([`crate::interp`]) is generic over `B: Backend` and holds tensors as
+//! `B::Buf`:
+//!
+//! - generic (`B::Buf`, moved and computed only through the backend): the activations of the
+//!   value table, the parameters, their gradients and the ZeRO-0 AdamW moments, and every
+//!   kernel and data movement of the value path;
+//! - host-side, crossing through [`Backend::download`] / [`Backend::upload`] at the one place
+//!   each is used: collectives, sends and receives (a host [`crate::comm::Communicator`]
+//!   moves host vectors; a device one overrides [`crate::comm::Collectives`]); the
+//!   data-parallel stream's flattened buckets, the ZeRO shards and their moments (AdamW on a
+//!   shard uploads its runs); checkpoints and resumes ([`crate::state`]); the step report's
+//!   weights and gradients; the loss's per-token statistics (the loss is summed on the
+//!   host); the MoE routing statistics and dispatch headers;
+//! - host-side throughout: token ids, labels and positions (`u32`, passed to the kernels as
+//!   they are) and the MoE routing decisions with the dispatch tables planned from them.
 
 /// Shape of one attention call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

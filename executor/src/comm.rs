@@ -7,7 +7,7 @@
 //! sums in rank order and results are bit-identical on every member and every run.
 
 use crate::backend::Backend;
-use shardwright_ir::ReduceOp;
+use shardwright_ir::{CollectiveKind, ReduceOp};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -65,6 +65,37 @@ pub trait Collectives<B: Backend>: Communicator {
         staged::check_len(x.len(), len, peer)?;
         Ok(be.upload(&x))
     }
+    /// An IR collective of `kind` on `x`, which must move the `elems` elements its node
+    /// states ([`moves_as_stated`]).
+    fn collective_buf(
+        &mut self,
+        be: &B,
+        (kind, op): (CollectiveKind, ReduceOp),
+        group: &[u32],
+        x: &B::Buf,
+        elems: usize,
+    ) -> Result<B::Buf, String> {
+        let moved = match kind {
+            CollectiveKind::AllGather => be.len(x) * group.len(),
+            _ => be.len(x),
+        };
+        moves_as_stated(moved, elems)?;
+        Ok(match kind {
+            CollectiveKind::AllGather => self.all_gather_buf(be, group, x),
+            CollectiveKind::ReduceScatter => self.reduce_scatter_buf(be, group, x),
+            CollectiveKind::AllReduce => self.all_reduce_buf(be, group, x, op),
+            other => return Err(format!("{} on values", other.name())),
+        })
+    }
+}
+
+/// A collective moves the element count its IR node states (the all-gather output, the
+/// reduce-scatter input, the all-reduce buffer).
+pub(crate) fn moves_as_stated(len: usize, elems: usize) -> Result<(), String> {
+    if len != elems {
+        return Err(format!("moves {len} elements, the IR says {elems}"));
+    }
+    Ok(())
 }
 
 /// The host-staged collectives (download, host collective, upload).

@@ -22,23 +22,8 @@
 //! free functions of buffers and shapes) and defines the node's results. Outside it: the
 //! rank's groups and local shapes read from the program (`crate::place`), its parameters,
 //! gradients, buckets and checkpointed state ([`crate::state`]), its data feed
-//! ([`crate::data`]) and running ranks with their hooks ([`crate::run`]).
-//!
-//! # Backend and host
-//!
-//! The interpreter is generic over `B: Backend` and holds tensors as `B::Buf`:
-//!
-//! - generic (`B::Buf`, moved and computed only through the backend): the activations of the
-//!   value table, the parameters, their gradients and the ZeRO-0 AdamW moments, and every
-//!   kernel and data movement of the value path ([`values`], [`moe_values`]);
-//! - host-side, crossing through [`Backend::download`] / [`Backend::upload`] at the one place
-//!   each is used: collectives, sends and receives (the [`Communicator`] moves host
-//!   vectors); the data-parallel stream's flattened buckets, the ZeRO shards and their
-//!   moments (AdamW on a shard uploads its runs, see [`dp`]); checkpoints and resumes
-//!   ([`crate::state`]); the step report's weights and gradients; the loss's per-token statistics
-//!   (the loss is summed on the host); the MoE routing statistics and dispatch headers;
-//! - host-side throughout: token ids, labels and positions (`u32`, passed to the kernels as
-//!   they are) and the MoE routing decisions with the dispatch tables planned from them.
+//! ([`crate::data`]) and running ranks with their hooks ([`crate::run`]). What crosses
+//! between the backend and the host, and where: [`crate::backend`].
 
 use crate::backend::Backend;
 use crate::comm::Collectives;
@@ -136,14 +121,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
                 rank: self.me.rank,
                 step,
                 node: n.id.0,
-                what: format!(
-                    "{} {} {:?} layer {:?} mb {:?}",
-                    n.stream.name(),
-                    n.op.keyword(),
-                    n.pass,
-                    n.layer,
-                    n.mb
-                ),
+                what: shardwright_ir::text::print_node(self.g, n),
                 why,
             })?;
         }
@@ -217,15 +195,6 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             .get(name)
             .ok_or_else(|| format!("weight {name} not on this rank"))
     }
-}
-
-/// A collective moves the element count its IR node states (the all-gather output, the
-/// reduce-scatter input, the all-reduce buffer).
-fn moves_as_stated(len: usize, elems: usize) -> Result<(), String> {
-    if len != elems {
-        return Err(format!("moves {len} elements, the IR says {elems}"));
-    }
-    Ok(())
 }
 
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {

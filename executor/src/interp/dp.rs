@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::bucket::{unflatten, Bucket};
+use crate::comm::moves_as_stated;
 use shardwright_ir::{ElementwiseKind, ValueId, ValueKind};
 
 impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
@@ -35,12 +36,10 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 val.kind.name()
             ));
         }
-        let name = self.value_name(v);
-        let key = name.strip_suffix(".grad").unwrap_or(name);
-        if self.st.grads.contains_key(key) {
-            Ok(key.to_string())
-        } else {
-            Err(format!("gradient `{name}` is not on this rank"))
+        let key = super::values::grad_key(&self.pnames, v);
+        match self.st.grads.contains_key(key) {
+            true => Ok(key.to_string()),
+            false => Err(format!("gradient `{key}` is not on this rank")),
         }
     }
 
@@ -165,15 +164,13 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
     /// `grad_norm`: the clipping statistics summed over every rank.
     fn grad_norm_collective(&mut self, n: &Node) -> Result<(), String> {
         let group = self.group_ranks(n)?;
-        if !matches!(
-            n.op,
-            Op::Collective {
-                kind: CollectiveKind::AllReduce,
-                ..
-            }
-        ) {
+        let Op::Collective {
+            kind: CollectiveKind::AllReduce,
+            ..
+        } = n.op
+        else {
             return Err("grad_norm: expected an all-reduce".into());
-        }
+        };
         if group.len() != self.me.world as usize {
             return Err(format!(
                 "grad_norm on {} ranks, the world is {}",

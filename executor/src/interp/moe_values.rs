@@ -4,6 +4,7 @@
 //! The values' physical layouts (routes, dispatch buffers, grouped rows) and where their
 //! rows and tables live are described in `crate::moe`.
 
+use super::values::grad_key;
 use super::RankExec;
 use crate::backend::Backend;
 use crate::comm::Collectives;
@@ -168,11 +169,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         if hdr != st.send {
             return Err(format!(
                 "the {} combine returned {hdr:?} rows per expert, the dispatch sent {:?}",
-                if n.pass == Pass::Bwd {
-                    "backward"
-                } else {
-                    "forward"
-                },
+                n.pass.name(),
                 st.send
             ));
         }
@@ -255,27 +252,13 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             if n.results.len() != el {
                 return Err(format!("{el} local experts, {} gradients", n.results.len()));
             }
-            // The gradients' state names (a local expert's as its global expert).
-            let pn = &self.pnames;
-            let names = n
+            let names: Vec<&str> = n
                 .results
                 .iter()
-                .map(|&r| {
-                    pn[r.index()]
-                        .strip_suffix(".grad")
-                        .unwrap_or(&pn[r.index()])
-                })
-                .collect::<Vec<_>>();
-            let widths = (rows_in, rows_out);
-            moe::expert_wgrads(
-                self.be,
-                (&x, &dy),
-                &gx.off,
-                widths,
-                &mut self.st.grads,
-                &names,
-            )?;
-            return Ok(());
+                .map(|&r| grad_key(&self.pnames, r))
+                .collect();
+            let (widths, grads) = ((rows_in, rows_out), &mut self.st.grads);
+            return moe::expert_wgrads(self.be, (&x, &dy), &gx.off, widths, grads, &names);
         }
         // Forward `[x, W..]` (in `k`, out `nn`) or data gradient `[dy, W..]` (in `nn`, out `k`).
         let dgrad = n.op.gemm_role().map(|r| r.1) == Some(GemmPass::Dgrad);

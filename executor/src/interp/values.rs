@@ -7,15 +7,13 @@
 //! and labels come from the data source by micro-batch; activations live in a table by value
 //! id from their defining node to their `release`.
 //!
-//! What crosses to the host, and where: see the interpreter's "Backend and host".
+//! What crosses to the host, and where: see [`crate::backend`].
 
 use super::RankExec;
 use crate::backend::{AttnSaved, Backend};
 use crate::comm::Collectives;
 use crate::ops::{self, Mm, NormParams};
-use shardwright_ir::{
-    CollectiveKind, ElementwiseKind, GemmPass, Graph, Node, Op, Pass, Role, ValueId, ValueKind,
-};
+use shardwright_ir::{ElementwiseKind, GemmPass, Graph, Node, Op, Pass, Role, ValueId, ValueKind};
 use std::collections::BTreeMap;
 
 /// An activation (from the value table) or a parameter (from the rank's state), borrowing
@@ -41,6 +39,13 @@ pub(super) fn get<'a, T>(
             other.name()
         )),
     }
+}
+
+/// The state key a gradient value accumulates into (`L3.qkv.grad` -> `L3.qkv`; a local
+/// expert's as the global expert it is, see [`crate::state::state_names`]).
+pub(super) fn grad_key(pnames: &[String], v: ValueId) -> &str {
+    let name = &pnames[v.index()];
+    name.strip_suffix(".grad").unwrap_or(name)
 }
 
 /// [`get`] on the rank's value table and parameters only.
@@ -130,24 +135,9 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 if self.moe_collective_v(n, *kind, &group)?.is_some() {
                     return Ok(());
                 }
-                let elems = (*bytes / dtype.bytes()) as usize;
                 let x = val_of!(self, Self::arg(n, 0)?)?;
-                let len = self.be.len(x);
-                let y = match kind {
-                    CollectiveKind::AllGather => {
-                        super::moves_as_stated(len * group.len(), elems)?;
-                        self.comm.all_gather_buf(self.be, &group, x)
-                    }
-                    CollectiveKind::ReduceScatter => {
-                        super::moves_as_stated(len, elems)?;
-                        self.comm.reduce_scatter_buf(self.be, &group, x)
-                    }
-                    CollectiveKind::AllReduce => {
-                        super::moves_as_stated(len, elems)?;
-                        self.comm.all_reduce_buf(self.be, &group, x, *reduce)
-                    }
-                    other => return Err(format!("{} on values", other.name())),
-                };
+                let elems = (*bytes / dtype.bytes()) as usize;
+                let y = (self.comm).collective_buf(self.be, (*kind, *reduce), &group, x, elems)?;
                 self.def(Self::res(n, 0)?, y);
                 Ok(())
             }
@@ -235,15 +225,9 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         let (a, b) = (Self::arg(n, 0)?, Self::arg(n, 1)?);
         let pass = n.op.gemm_role().map(|r| r.1);
         if pass == Some(GemmPass::Wgrad) {
-            let gname = self.value_name(Self::res(n, 0)?);
-            let pname = gname.strip_suffix(".grad").unwrap_or(gname).to_string();
-            let x = val_of!(self, a)?;
-            let dy = val_of!(self, b)?;
-            let dw = self
-                .st
-                .grads
-                .get_mut(&pname)
-                .ok_or_else(|| format!("no gradient of {pname}"))?;
+            let key = grad_key(&self.pnames, Self::res(n, 0)?);
+            let (x, dy) = (val_of!(self, a)?, val_of!(self, b)?);
+            let dw = (self.st.grads.get_mut(key)).ok_or_else(|| format!("no gradient of {key}"))?;
             ops::gemm_wgrad(be, x, dy, s, dw);
             return Ok(());
         }
