@@ -160,6 +160,8 @@ pub struct LayerCosts {
     pub moe: LayerTime,
     /// LM head + loss, per micro-batch.
     pub head: LayerTime,
+    /// The embedding (its tensor-parallel collectives), per micro-batch.
+    pub embed: LayerTime,
     pub dense_act_bytes: f64,
     pub moe_act_bytes: f64,
     /// Bytes the caching allocator loses on one layer's saved tensors per micro-batch
@@ -246,6 +248,7 @@ impl LayerCosts {
         };
         let dense = time(LayerKind::Dense);
         let head = time(LayerKind::Head);
+        let embed = LayerTime::from_ops(&layer_ops(job, &mesh, shape, LayerKind::Embedding), 0.0);
         let (moe_t, moe_expert_params, moe_dense_params) = if m.is_moe() {
             let (_, routed_total, _, _) = flops::moe_mlp_params(m);
             (
@@ -316,6 +319,7 @@ impl LayerCosts {
             dense,
             moe: moe_t,
             head,
+            embed,
             dense_act_bytes: dense_act,
             moe_act_bytes: moe_act,
             dense_waste_bytes: memory::saved_tensors_per_layer(m, false, rc)
@@ -481,6 +485,9 @@ fn rank_time(lc: &LayerCosts, l: &RankLoad) -> LayerTime {
     t.add_scaled(&lc.moe, l.moe_layers as f64);
     if l.head {
         t.add_scaled(&lc.head, 1.0);
+    }
+    if l.embedding {
+        t.add_scaled(&lc.embed, 1.0);
     }
     t
 }

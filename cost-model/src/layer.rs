@@ -990,83 +990,69 @@ impl Ctx<'_> {
     /// target logit with the sum of exponentials (8 B) over tp (Megatron's
     /// _VocabParallelCrossEntropy).
     fn head_tp_collectives(&self, em: &mut Emit) {
-        let tp = self.shape.tp as u64;
-        if tp <= 1 {
+        if self.shape.tp <= 1 {
             return;
         }
-        let pass = em.pass;
+        match (em.pass, self.shape.sp) {
+            (Pass::Fwd, true) => self.tp_activation(em, "tp_all_gather_head", Coll::AllGather),
+            (Pass::Bwd, true) => {
+                self.tp_activation(em, "tp_reduce_scatter_head", Coll::ReduceScatter)
+            }
+            (Pass::Bwd, false) => self.tp_activation(em, "tp_all_reduce_head", Coll::AllReduce),
+            _ => {}
+        }
+        if em.pass == Pass::Fwd {
+            let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
+            let tp = self.shape.tp as u64;
+            for (name, bytes) in [("tp_loss_max", 4.0), ("tp_loss_sum", 8.0)] {
+                let bytes = bytes * self.tokens;
+                let op = OpKind::Collective {
+                    kind: Coll::AllReduce,
+                    group: GroupKind::Tp,
+                    bytes,
+                };
+                let t_s = all_reduce_s(bytes, tp, link.gbps, link.latency_s);
+                em.comm(name, op, bytes, t_s, t_s);
+            }
+        }
+    }
+
+    /// A tensor-parallel collective of one micro-batch's hidden states (16-bit, the full
+    /// `tokens x h` tensor) outside the layers, hidden as the layers' TP collectives are
+    /// (`tp_pair`).
+    fn tp_activation(&self, em: &mut Emit, name: &'static str, kind: Coll) {
         let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
-        let (gbps, lat) = (link.gbps, link.latency_s);
-        let act = self.tokens * self.h * 2.0;
-        // The activation collectives overlap as the layers' TP collectives do
-        // (`tp_pair`); the loss's tiny reductions cannot.
+        let (gbps, lat, tp) = (link.gbps, link.latency_s, self.shape.tp as u64);
+        let bytes = self.tokens * self.h * 2.0;
+        let t_s = match kind {
+            Coll::AllGather => all_gather_s(bytes, tp, gbps, lat),
+            Coll::ReduceScatter => reduce_scatter_s(bytes, tp, gbps, lat),
+            _ => all_reduce_s(bytes, tp, gbps, lat),
+        };
         let hide = if crate::framework::mechanisms(self.job.framework).tp_overlap {
             self.job.efficiency.tp_overlap
         } else {
             0.0
         };
-        let mut put = |name: &'static str, kind: Coll, bytes: f64, t_s: f64| {
-            let exposed = if name.starts_with("tp_loss") {
-                t_s
-            } else {
-                t_s * (1.0 - hide)
-            };
-            em.comm(
-                name,
-                OpKind::Collective {
-                    kind,
-                    group: GroupKind::Tp,
-                    bytes,
-                },
-                bytes,
-                t_s,
-                exposed,
-            );
+        let op = OpKind::Collective {
+            kind,
+            group: GroupKind::Tp,
+            bytes,
         };
-        match (pass, self.shape.sp) {
-            (Pass::Fwd, true) => put(
-                "tp_all_gather_head",
-                Coll::AllGather,
-                act,
-                all_gather_s(act, tp, gbps, lat),
-            ),
-            (Pass::Bwd, true) => put(
-                "tp_reduce_scatter_head",
-                Coll::ReduceScatter,
-                act,
-                reduce_scatter_s(act, tp, gbps, lat),
-            ),
-            (Pass::Bwd, false) => put(
-                "tp_all_reduce_head",
-                Coll::AllReduce,
-                act,
-                all_reduce_s(act, tp, gbps, lat),
-            ),
-            _ => {}
-        }
-        if pass == Pass::Fwd {
-            let toks = self.tokens;
-            put(
-                "tp_loss_max",
-                Coll::AllReduce,
-                4.0 * toks,
-                all_reduce_s(4.0 * toks, tp, gbps, lat),
-            );
-            put(
-                "tp_loss_sum",
-                Coll::AllReduce,
-                8.0 * toks,
-                all_reduce_s(8.0 * toks, tp, gbps, lat),
-            );
-        }
+        em.comm(name, op, bytes, t_s, t_s * (1.0 - hide));
     }
 
     /// A gather (forward) and a scatter-add into the embedding gradient (backward): not
-    /// charged by the analytical model (its traffic is one row per token).
+    /// charged by the analytical model (its traffic is one row per token). With tp > 1 the
+    /// embedding is vocabulary-parallel (Megatron's `VocabParallelEmbedding`): each rank's
+    /// partial rows are summed over tp in the forward (all-reduce, or with SP a
+    /// reduce-scatter into the sequence shards), and with SP the backward all-gathers the
+    /// output gradient's shards so every rank scatters every token's row.
     fn embedding(&self, out: &mut Vec<OpCost>) {
         for pass in [Pass::Fwd, Pass::Bwd] {
             let elems = self.tokens * self.h / self.seq_div;
-            Emit { out, pass }.push(
+            let mut em = Emit { out, pass };
+            em.push(
                 "embedding_lookup",
                 OpKind::Elementwise {
                     what: "embedding_lookup",
@@ -1076,6 +1062,21 @@ impl Ctx<'_> {
                 0.0,
                 0.0,
             );
+            if self.shape.tp <= 1 {
+                continue;
+            }
+            match (pass, self.shape.sp) {
+                (Pass::Fwd, false) => {
+                    self.tp_activation(&mut em, "tp_all_reduce_embed", Coll::AllReduce)
+                }
+                (Pass::Fwd, true) => {
+                    self.tp_activation(&mut em, "tp_reduce_scatter_embed", Coll::ReduceScatter)
+                }
+                (Pass::Bwd, true) => {
+                    self.tp_activation(&mut em, "tp_all_gather_embed", Coll::AllGather)
+                }
+                _ => {}
+            }
         }
     }
 }

@@ -250,3 +250,43 @@ fn whole_experts_reshape_the_expert_gemms_and_the_dispatch_group() {
         assert_eq!(experts_coll(&ops).len(), if whole { 0 } else { 2 });
     }
 }
+
+/// The vocabulary-parallel embedding's tensor-parallel collectives, against Megatron-LM's
+/// mappings (`core/tensor_parallel/layers.py` `VocabParallelEmbedding.forward`: each rank
+/// looks up its vocabulary rows and zeroes the rest, then
+/// `reduce_from_tensor_model_parallel_region` (an all-reduce whose backward is the
+/// identity) or with sequence parallelism `reduce_scatter_to_sequence_parallel_region`
+/// (whose backward is an all-gather, `mappings.py`)). Bytes by hand: micro-batch 2 x 512
+/// tokens x h 256 x 2 B = 524,288, whichever the collective. One micro-batch on the first
+/// stage pays them, and [`LayerCosts`] carries them as the embedding's time.
+#[test]
+fn the_embedding_reduces_its_vocabulary_shards_over_tp_as_megatron_does() {
+    let j = job(DENSE);
+    let embed = |tp: u32, sp: bool| {
+        let s = shape(tp, 1, 1, sp, Recompute::None);
+        ops(&j, &s, LayerKind::Embedding)
+    };
+    let colls = |tp: u32, sp: bool| -> Vec<(Pass, &'static str, f64)> {
+        embed(tp, sp)
+            .iter()
+            .filter(|o| matches!(o.kind, OpKind::Collective { .. }))
+            .map(|o| (o.pass, o.name, o.bytes))
+            .collect()
+    };
+    let m = 2.0 * 512.0 * 256.0 * 2.0;
+    assert_eq!(colls(1, false), vec![]);
+    assert_eq!(colls(2, false), vec![(Pass::Fwd, "tp_all_reduce_embed", m)]);
+    assert_eq!(
+        colls(2, true),
+        vec![
+            (Pass::Fwd, "tp_reduce_scatter_embed", m),
+            (Pass::Bwd, "tp_all_gather_embed", m)
+        ]
+    );
+    for (tp, sp) in [(1, false), (2, false), (2, true)] {
+        let lc = LayerCosts::new(&j, tp, 1, 1, 2, sp, Recompute::None);
+        let exposed: f64 = embed(tp, sp).iter().map(|x| x.exposed_s).sum();
+        assert_eq!(lc.embed.total(), exposed, "tp{tp} sp {sp}");
+        assert_eq!(lc.embed.total() > 0.0, tp > 1, "tp{tp} sp {sp}");
+    }
+}

@@ -105,8 +105,13 @@ impl<'a> PlanCost<'a> {
                     _ => 0.0,
                 };
                 let key = match op.kind {
-                    // The head's collectives by name (see `head_collective`).
-                    OpKind::Collective { .. } if k == LayerKind::Head => Key::Op(op.name),
+                    // The head's and the embedding's collectives by name (see
+                    // `outer_collective`).
+                    OpKind::Collective { .. }
+                        if matches!(k, LayerKind::Head | LayerKind::Embedding) =>
+                    {
+                        Key::Op(op.name)
+                    }
                     // A layer's by kind: every TP collective of a kind costs the same.
                     OpKind::Collective { kind, group, .. } => Key::Op(match (group, kind) {
                         (GroupKind::Tp, Coll::AllGather) => "tp.all_gather",
@@ -285,8 +290,8 @@ impl<'a> PlanCost<'a> {
                     }
                 }
                 if node.layer.is_none() && g.axis == GroupKind::Tp {
-                    if let Some(name) = head_collective(pass, *ck, tensor.as_deref()) {
-                        return self.get(LayerKind::Head, pass, name).0;
+                    if let Some((k, name)) = outer_collective(pass, *ck, tensor.as_deref()) {
+                        return self.get(k, pass, name).0;
                     }
                 }
                 // The link of the group's own axis (the world group's norm all-reduce,
@@ -338,19 +343,28 @@ impl<'a> PlanCost<'a> {
     }
 }
 
-/// The head's tensor-parallel collectives by the template's names
-/// (`shardwright_cost::layer`'s `head_tp_collectives`): with SP the gather of the final
-/// norm's output before the LM head, the head's input gradient reduce-scattered (SP) or
-/// all-reduced, and the vocabulary-parallel loss's two reductions. `None` for any other
-/// collective outside the layers (the embedding's, charged by their bytes).
-fn head_collective(pass: Pass, kind: CollectiveKind, tensor: Option<&str>) -> Option<&'static str> {
+/// The tensor-parallel collectives outside the layers, by the template's names
+/// (`shardwright_cost::layer`'s `head_tp_collectives` and `embedding`): the
+/// vocabulary-parallel embedding's reduction of its partial rows (all-reduce, or with SP a
+/// reduce-scatter) and (SP) the gather of its output gradient; with SP the gather of the
+/// final norm's output before the LM head, the head's input gradient reduce-scattered (SP)
+/// or all-reduced, and the vocabulary-parallel loss's two reductions. `None` for any other.
+fn outer_collective(
+    pass: Pass,
+    kind: CollectiveKind,
+    tensor: Option<&str>,
+) -> Option<(LayerKind, &'static str)> {
     use CollectiveKind::{AllGather, AllReduce, ReduceScatter};
+    use LayerKind::{Embedding, Head};
     Some(match (pass, kind, tensor) {
-        (Pass::Fwd, AllGather, None) => "tp_all_gather_head",
-        (Pass::Bwd, ReduceScatter, Some("head.dgrad")) => "tp_reduce_scatter_head",
-        (Pass::Bwd, AllReduce, Some("head.dgrad")) => "tp_all_reduce_head",
-        (Pass::Fwd, AllReduce, Some("loss.max")) => "tp_loss_max",
-        (Pass::Fwd, AllReduce, Some("loss.target_sumexp")) => "tp_loss_sum",
+        (Pass::Fwd, AllReduce, None) => (Embedding, "tp_all_reduce_embed"),
+        (Pass::Fwd, ReduceScatter, None) => (Embedding, "tp_reduce_scatter_embed"),
+        (Pass::Bwd, AllGather, Some("embed.dgrad.gather")) => (Embedding, "tp_all_gather_embed"),
+        (Pass::Fwd, AllGather, None) => (Head, "tp_all_gather_head"),
+        (Pass::Bwd, ReduceScatter, Some("head.dgrad")) => (Head, "tp_reduce_scatter_head"),
+        (Pass::Bwd, AllReduce, Some("head.dgrad")) => (Head, "tp_all_reduce_head"),
+        (Pass::Fwd, AllReduce, Some("loss.max")) => (Head, "tp_loss_max"),
+        (Pass::Fwd, AllReduce, Some("loss.target_sumexp")) => (Head, "tp_loss_sum"),
         _ => return None,
     })
 }
