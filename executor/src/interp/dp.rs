@@ -153,8 +153,8 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                         b.names.len()
                     ));
                 }
-                let (names, sizes) = (b.names.clone(), b.sizes.clone());
-                self.st.unflatten(self.be, &names, &sizes, &full, false);
+                let (be, into) = (self.be, &mut self.st.params);
+                unflatten(&b.names, &b.sizes, &full, into, |x| be.upload(x));
             }
             k => return Err(format!("no rule for a dp-stream {}", k.name())),
         }
