@@ -438,8 +438,8 @@ impl Ctx<'_> {
         // attention of a pass runs as cp blocks of about core/cp each; while block i
         // computes, the K/V chunk for block i+1 is in flight (backward: K, V and dK, dV, so
         // twice the bytes against 2.5x the work). A step's transfer hides only behind its own
-        // block: exposed = (cp - 1) * max(t_step - block, (1 - dp_overlap) * min(t_step,
-        // block)) (`ring::contended_s`). Selective recompute reuses the
+        // block: exposed = (cp - 1) * (max(t_step - block, 0) + (1 - dp_overlap) *
+        // min(t_step, block)) (`ring::contended_s`). Selective recompute reuses the
         // forward's K/V blocks.
         if cp > 1 && (e.pass != Pass::Recompute || self.shape.recompute == Recompute::Full) {
             let link = group_link(job, self.mesh.fabric(GroupKind::Cp));

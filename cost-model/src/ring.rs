@@ -86,12 +86,13 @@ pub fn exposed_s(
 }
 
 /// What a transfer of `transfer_s` launched beside `compute_s` of compute adds to the
-/// step: the part that outlasts the compute, or, when the compute outlasts it, the share
-/// `contention` of the concurrent stretch, whichever is larger. NCCL's kernels take SMs and
-/// HBM bandwidth from the kernels beside them; the share is the one the DP collectives pay
-/// (`1 - dp_overlap`, fitted once, `crate::eval`).
+/// step: the part that outlasts the compute, plus the share `contention` of the concurrent
+/// stretch `min(transfer, compute)`. NCCL's kernels take SMs and HBM bandwidth from the
+/// kernels beside them; the share is the one the DP collectives pay (`1 - dp_overlap`,
+/// fitted once, `crate::eval`). The two bounds: contention 0 leaves the overhang only,
+/// contention 1 (nothing overlaps) the whole transfer, `(t - c) + c = t` for `t > c`.
 pub fn contended_s(transfer_s: f64, compute_s: f64, contention: f64) -> f64 {
-    (transfer_s - compute_s).max(contention * transfer_s.min(compute_s))
+    (transfer_s - compute_s).max(0.0) + contention * transfer_s.min(compute_s)
 }
 
 #[cfg(test)]
@@ -141,11 +142,25 @@ mod tests {
         // Backward: gather 1 s over, three dK/dV sends of 3 s each 1 s over a 2 s block,
         // the last send whole: 1 + 3 + 3 = 7 s.
         assert_eq!(exposed_s(4, 3.0, 3.0, 2.0, true, 0.0), 7.0);
-        // With contention 0.2: a 1 s gather beside a 2 s block costs 0.2 s; a 3 s one still
-        // its 1 s overhang (more than 0.2 x 2 = 0.4 s).
+        // With contention 0.2: a 1 s gather beside a 2 s block costs 0.2 s; a 3 s one its
+        // 1 s overhang plus 0.2 of the 2 s it shares with the block: 1.4 s.
         assert!((exposed_s(4, 1.0, 1.0, 2.0, false, 0.2) - 0.2).abs() < 1e-12);
-        assert_eq!(exposed_s(4, 3.0, 1.0, 2.0, false, 0.2), 1.0);
+        assert!((exposed_s(4, 3.0, 1.0, 2.0, false, 0.2) - 1.4).abs() < 1e-12);
         // Backward, 1 s gather and 1 s sends beside 2 s blocks: 0.2 + 3 x 0.2 + 1 = 1.8 s.
         assert!((exposed_s(4, 1.0, 1.0, 2.0, true, 0.2) - 1.8).abs() < 1e-12);
+    }
+
+    /// The two ends of the contention share, by hand: nothing overlapping (contention 1)
+    /// costs the whole transfer whichever is longer (5 s beside 2 s: 3 s overhang + 2 s
+    /// shared = 5 s; 1 s beside 2 s: 1 s); perfect overlap (contention 0) only the overhang
+    /// (3 s, and 0 s). The earlier `max(overhang, share)` gave 3 s for the first case at
+    /// contention 1, less than the transfer itself.
+    #[test]
+    fn contention_bounds() {
+        assert_eq!(contended_s(5.0, 2.0, 1.0), 5.0);
+        assert_eq!(contended_s(1.0, 2.0, 1.0), 1.0);
+        assert_eq!(contended_s(5.0, 2.0, 0.0), 3.0);
+        assert_eq!(contended_s(1.0, 2.0, 0.0), 0.0);
+        assert!((contended_s(5.0, 2.0, 0.25) - 3.5).abs() < 1e-12);
     }
 }
