@@ -382,6 +382,7 @@ impl Ctx<'_> {
             self.attn_rate
                 * crate::attention::shape_factor(m, cp, b)
                 * crate::attention::kernel_factor(job, b)
+                * crate::attention::head_dim_factor(job, m.head_dim, b)
         };
         let torch_ring = cp > 1
             && crate::framework::mechanisms(job.framework).cp_ring
