@@ -68,11 +68,11 @@ fn plan_bytes_do_not_depend_on_the_thread_count() {
 /// (405B: feasible 479 -> 478), and again after the refit that came with the
 /// Megatron-Bridge recipe defaults (405B: one feasible and 19 `out_of_memory` candidates
 /// now `below_top_without_bubble`, feasible 478 -> 477; DeepSeek-V3: 34 from
-/// `out_of_memory` to `below_top_without_bubble`), and after the ring contention's sum
-/// (`ring::contended_s`: overhang plus the shared stretch's share; 405B: 148 candidates
-/// from `out_of_memory` to `below_top_without_bubble`; DeepSeek-V3: 78 the other way), and
-/// after the attention's head-dim factor (`attention::head_dim_factor`; DeepSeek-V3: 17
-/// back from `out_of_memory`); the exhaustive comparison was not rerun.
+/// `out_of_memory` to `below_top_without_bubble`), and after the ring transfers'
+/// contention became `max(t - c, k t)` (`ring::contended_s`) and the attention rate got
+/// its head-dim factor (`attention::head_dim_factor`): 405B: 11 candidates from
+/// `out_of_memory` to `below_top_without_bubble`; DeepSeek-V3: 104 the other way; the
+/// exhaustive comparison was not rerun.
 #[test]
 fn the_search_heavy_rows_do_not_depend_on_threads_or_pruning() {
     for (path, gpus, clear, chosen, counts) in [
@@ -81,14 +81,14 @@ fn the_search_heavy_rows_do_not_depend_on_threads_or_pruning() {
             Some(256),
             false,
             "tp4,pp16,dp1,cp4,ep1,vpp1,mb1,ga1024,zero1,rc=none,sp=on,schedule=1f1b",
-            r#""candidates": 67686, "feasible": 477, "rejected": {"batch_not_divisible": 18, "below_top_without_bubble": 7184, "layers_vs_interleave": 2490, "microbatches_vs_interleave": 414, "out_of_memory": 25903, "pp_exceeds_layers": 75, "same_as_lower_zero_stage": 31104, "seq_len_vs_cp": 6, "tp_across_nodes": 15}"#,
+            r#""candidates": 67686, "feasible": 477, "rejected": {"batch_not_divisible": 18, "below_top_without_bubble": 7047, "layers_vs_interleave": 2490, "microbatches_vs_interleave": 414, "out_of_memory": 26040, "pp_exceeds_layers": 75, "same_as_lower_zero_stage": 31104, "seq_len_vs_cp": 6, "tp_across_nodes": 15}"#,
         ),
         (
             "specs/deepseek-v3-2048xh800.yaml",
             None,
             true,
             "tp2,pp16,dp8,cp1,ep8,vpp1,mb1,ga240,zero1,rc=none,sp=on,schedule=1f1b,etp1",
-            r#""candidates": 998832, "feasible": 35762, "rejected": {"batch_not_divisible": 4344, "below_top_without_bubble": 327045, "experts_not_divisible_by_ep": 10, "layers_vs_interleave": 79920, "microbatches_vs_interleave": 36174, "out_of_memory": 92137, "pp_exceeds_layers": 8250, "same_as_lower_zero_stage": 414996, "seq_len_vs_cp": 74, "tp_across_nodes": 120}"#,
+            r#""candidates": 998832, "feasible": 35762, "rejected": {"batch_not_divisible": 4344, "below_top_without_bubble": 327002, "experts_not_divisible_by_ep": 10, "layers_vs_interleave": 79920, "microbatches_vs_interleave": 36174, "out_of_memory": 92180, "pp_exceeds_layers": 8250, "same_as_lower_zero_stage": 414996, "seq_len_vs_cp": 74, "tp_across_nodes": 120}"#,
         ),
     ] {
         let one = plan_bytes_on(path, clear, gpus, 1);
