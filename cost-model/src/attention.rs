@@ -99,6 +99,43 @@ pub fn kernel_factor(j: &shardwright_spec::job::Job, bwd: bool) -> f64 {
     }
 }
 
+/// The two Hopper kernels at 16k keys, non-causal, head dim 64, H100 SXM5, TFLOP/s (Shah et
+/// al. 2024, FlashAttention-3, arXiv 2407.08608, Fig. 5 "Attention forward speed, head dim
+/// 64" and Fig. 6 "Attention backward speed, head dim 64"): (forward, backward). The head
+/// dim 128 points of the same figures are [`CUDNN_16K`] and the last row of [`MEASURED`].
+const CUDNN_HD64_16K: (f64, f64) = (413.0, 433.0);
+const FA2_HD64_16K: (f64, f64) = (324.0, 291.0);
+
+/// The attention kernel's rate at head dimension `head_dim` relative to head dim 128 (where
+/// the level and the sequence-length curve are measured), for job `j`'s kernel on Hopper.
+///
+/// A head of 64 halves each tile's GEMM inner dimension (QK^T) and width (PV) while the
+/// per-tile softmax and its bookkeeping stay: cuDNN's fused attention runs at 413 / 595 of
+/// its head-128 rate forward and 433 / 516 backward, FlashAttention-2 at 324 / 370 and
+/// 291 / 322 (FlashAttention-3, Figs. 5 and 6, 16k keys). Between 64 and 128 the ratio is
+/// interpolated in log2 of the head dim; below 64 it is held at 64's, above 128 at 1 (no
+/// measurement read for larger heads). Off Hopper, and for kernels not measured there, 1:
+/// every A100 run the level is fitted to has heads of 96 to 160 on FlashAttention-2, not
+/// measured here.
+pub fn head_dim_factor(j: &shardwright_spec::job::Job, head_dim: u64, bwd: bool) -> f64 {
+    use crate::framework::{mechanisms, AttnKernel};
+    if j.hardware.kind != "h100" || head_dim >= 128 {
+        return 1.0;
+    }
+    let fa2 = MEASURED[MEASURED.len() - 1];
+    let (at64, at128) = match mechanisms(j.framework).attn_kernel {
+        AttnKernel::TeFused => (CUDNN_HD64_16K, CUDNN_16K),
+        AttnKernel::FlashAttention2 => (FA2_HD64_16K, (fa2.1, fa2.2)),
+    };
+    let r64 = if bwd {
+        at64.1 / at128.1
+    } else {
+        at64.0 / at128.0
+    };
+    let t = ((head_dim.max(64) as f64).log2() - 6.0).clamp(0.0, 1.0);
+    r64 + t * (1.0 - r64)
+}
+
 /// The attention core's rate multiplier for a layer pass of `m` under context parallelism
 /// `cp`: full-attention layers run kernels of `seq_len / cp` keys (ring attention's
 /// blocks), sliding-window layers kernels of the window; the two are weighted by their
@@ -147,6 +184,55 @@ mod tests {
         // The pass's rate at the two passes' factors: the same 0.6235, to 1e-3.
         let pass = 3.5 / (1.0 / f + 2.5 / b);
         assert!((pass - fa2 / cudnn).abs() < 1e-3, "{pass}");
+    }
+
+    /// Head dim 64 against 128 on an H100 (FlashAttention-3, Figs. 5 and 6, 16k keys):
+    /// cuDNN forward 413 / 595 = 0.6941, backward 433 / 516 = 0.8391, a training pass
+    /// 3.5 / (1/413 + 2.5/433) = 427.1 TFLOP/s against 536.3 (0.7964); FlashAttention-2
+    /// 324 / 370 = 0.8757 and 291 / 322 = 0.9037. Heads of 128 and more, and other GPU
+    /// kinds, keep 1; a head of sqrt(64 x 128) sits halfway (in log2) between the ratios.
+    #[test]
+    fn head_dim_64_against_128() {
+        use shardwright_spec::parse::{parse_spec, Format};
+        use shardwright_spec::spec::Framework;
+        let spec = parse_spec(
+            "
+job:
+  model: {arch: dense, num_layers: 2, hidden_size: 1024, num_attention_heads: 16,
+          ffn_hidden_size: 4096, vocab_size: 32000, seq_len: 4096}
+  batch: {global_batch: 8}
+cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 8}
+",
+            Format::Yaml,
+        )
+        .unwrap();
+        let mut j = crate::resolve(&spec, &crate::ResolveOptions::default())
+            .unwrap()
+            .job;
+        j.framework = Framework::Megatron;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-4;
+        let (f, b) = (
+            head_dim_factor(&j, 64, false),
+            head_dim_factor(&j, 64, true),
+        );
+        assert!(close(f, 0.6941) && close(b, 0.8391), "{f} {b}");
+        let pass: f64 = 3.5 / (1.0 / (595.0 * f) + 2.5 / (516.0 * b));
+        assert!((pass - 427.1).abs() < 0.1, "{pass}");
+        assert!((pass / 536.3 - 0.7964).abs() < 1e-3);
+        assert_eq!(head_dim_factor(&j, 128, false), 1.0);
+        assert_eq!(head_dim_factor(&j, 192, true), 1.0);
+        assert_eq!(head_dim_factor(&j, 32, false), f);
+        let mid = head_dim_factor(&j, 91, false);
+        let want = f + (91f64.log2() - 6.0) * (1.0 - f);
+        assert!((mid - want).abs() < 1e-12);
+        j.framework = Framework::Torchtitan;
+        let (f, b) = (
+            head_dim_factor(&j, 64, false),
+            head_dim_factor(&j, 64, true),
+        );
+        assert!(close(f, 0.8757) && close(b, 0.9037), "{f} {b}");
+        j.hardware.kind = "a100".into();
+        assert_eq!(head_dim_factor(&j, 64, false), 1.0);
     }
 
     #[test]

@@ -382,6 +382,7 @@ impl Ctx<'_> {
             self.attn_rate
                 * crate::attention::shape_factor(m, cp, b)
                 * crate::attention::kernel_factor(job, b)
+                * crate::attention::head_dim_factor(job, m.head_dim, b)
         };
         let torch_ring = cp > 1
             && crate::framework::mechanisms(job.framework).cp_ring
@@ -438,9 +439,8 @@ impl Ctx<'_> {
         // attention of a pass runs as cp blocks of about core/cp each; while block i
         // computes, the K/V chunk for block i+1 is in flight (backward: K, V and dK, dV, so
         // twice the bytes against 2.5x the work). A step's transfer hides only behind its own
-        // block: exposed = (cp - 1) * max(t_step - block, (1 - dp_overlap) * min(t_step,
-        // block)) (`ring::contended_s`). Selective recompute reuses the
-        // forward's K/V blocks.
+        // block: exposed = (cp - 1) * max(t_step - block, (1 - dp_overlap) * t_step)
+        // (`ring::contended_s`). Selective recompute reuses the forward's K/V blocks.
         if cp > 1 && (e.pass != Pass::Recompute || self.shape.recompute == Recompute::Full) {
             let link = group_link(job, self.mesh.fabric(GroupKind::Cp));
             let kv_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
@@ -450,8 +450,8 @@ impl Ctx<'_> {
             // One block's forward and backward times.
             let block = core_fwd / rate(false) / cp as f64;
             let block_bwd = 2.5 * core_fwd / rate(true) / cp as f64;
-            // A transfer beside a block costs it the share (1 - dp_overlap) of their
-            // concurrent stretch, what outlasts the block whole (`ring::contended_s`).
+            // A transfer beside a block slows it to dp_overlap of its rate while in flight;
+            // what outlasts the block is paid whole (`ring::contended_s`).
             let contention = 1.0 - eff.dp_overlap;
             let contend = |t: f64, b: f64| crate::ring::contended_s(t, b, contention);
             let (bytes, time, exposed) = if torch_ring {

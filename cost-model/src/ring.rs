@@ -38,7 +38,7 @@
 //! all-gather, and `cp` sends of the fp32 dK/dV (twice the bytes of a 16-bit K/V chunk),
 //! each waited for after the next step's block (the last after the loop, with nothing to
 //! hide behind). A transfer hidden behind a block still slows it by the contention share
-//! of their concurrent stretch ([`contended_s`]), as Transformer Engine's P2P ring does in
+//! while in flight ([`contended_s`]), as Transformer Engine's P2P ring does in
 //! `crate::layer`.
 
 /// HBM bytes of one forward pass's merges, for `q` output elements and `kv` K/V elements
@@ -64,8 +64,8 @@ pub fn accumulate_bytes_bwd(cp: u32, q: f64, kv: f64) -> f64 {
 
 /// Exposed seconds of one pass's transfers: the K/V all-gather (`gather_s`) hides behind
 /// the first block (`block_s`); in the backward the `cp` fp32 dK/dV sends of `dkv_s` each
-/// hide behind the next block, the last behind nothing. A transfer beside a block costs
-/// the block `contention` of their concurrent stretch ([`contended_s`]).
+/// hide behind the next block, the last behind nothing. A transfer beside a block slows it
+/// by `contention` while in flight ([`contended_s`]).
 pub fn exposed_s(
     cp: u32,
     gather_s: f64,
@@ -86,12 +86,16 @@ pub fn exposed_s(
 }
 
 /// What a transfer of `transfer_s` launched beside `compute_s` of compute adds to the
-/// step: the part that outlasts the compute, or, when the compute outlasts it, the share
-/// `contention` of the concurrent stretch, whichever is larger. NCCL's kernels take SMs and
-/// HBM bandwidth from the kernels beside them; the share is the one the DP collectives pay
-/// (`1 - dp_overlap`, fitted once, `crate::eval`).
+/// step, when the compute runs at `1 - contention` of its rate while the transfer is in
+/// flight (NCCL's kernels take SMs and HBM bandwidth from the kernels beside them; the
+/// share is the one the DP collectives pay, `1 - dp_overlap`, fitted once, `crate::eval`)
+/// and the transfer is not slowed. If the compute still finishes inside the transfer,
+/// `(1 - contention) t >= c`, the step pays the overhang `t - c`; otherwise the compute
+/// ends at `t + (c - (1 - contention) t)`, `contention x t` late. Hence
+/// `max(t - c, contention x t)`: contention 0 leaves the overhang, contention 1 (nothing
+/// overlaps) the whole transfer.
 pub fn contended_s(transfer_s: f64, compute_s: f64, contention: f64) -> f64 {
-    (transfer_s - compute_s).max(contention * transfer_s.min(compute_s))
+    (transfer_s - compute_s).max(contention * transfer_s)
 }
 
 #[cfg(test)]
@@ -141,11 +145,27 @@ mod tests {
         // Backward: gather 1 s over, three dK/dV sends of 3 s each 1 s over a 2 s block,
         // the last send whole: 1 + 3 + 3 = 7 s.
         assert_eq!(exposed_s(4, 3.0, 3.0, 2.0, true, 0.0), 7.0);
-        // With contention 0.2: a 1 s gather beside a 2 s block costs 0.2 s; a 3 s one still
-        // its 1 s overhang (more than 0.2 x 2 = 0.4 s).
+        // With contention 0.2: a 1 s gather beside a 2 s block costs 0.2 s; a 3 s one its
+        // 1 s overhang (the block, at 0.8 of its rate, still ends inside it: 2.5 s < 3 s).
         assert!((exposed_s(4, 1.0, 1.0, 2.0, false, 0.2) - 0.2).abs() < 1e-12);
         assert_eq!(exposed_s(4, 3.0, 1.0, 2.0, false, 0.2), 1.0);
         // Backward, 1 s gather and 1 s sends beside 2 s blocks: 0.2 + 3 x 0.2 + 1 = 1.8 s.
         assert!((exposed_s(4, 1.0, 1.0, 2.0, true, 0.2) - 1.8).abs() < 1e-12);
+    }
+
+    /// By hand, compute slowed to (1 - k) of its rate while the transfer runs: k = 1
+    /// (nothing overlaps) costs the whole transfer, 5 s beside 2 s of compute: 5 s (the
+    /// earlier `max(t - c, k min(t, c))` gave 3 s, less than the transfer); 1 s beside 2 s:
+    /// 1 s. k = 0: the overhang only (3 s, 0 s). k = 0.25: 5 s beside 2 s, the compute
+    /// needs 2 / 0.75 = 2.67 s < 5 s, so 3 s; 2 s beside 2 s: the compute does 1.5 s of work
+    /// in the transfer's 2 s and ends at 2.5 s, 0.5 s = 0.25 x 2 late.
+    #[test]
+    fn contention_bounds() {
+        assert_eq!(contended_s(5.0, 2.0, 1.0), 5.0);
+        assert_eq!(contended_s(1.0, 2.0, 1.0), 1.0);
+        assert_eq!(contended_s(5.0, 2.0, 0.0), 3.0);
+        assert_eq!(contended_s(1.0, 2.0, 0.0), 0.0);
+        assert_eq!(contended_s(5.0, 2.0, 0.25), 3.0);
+        assert!((contended_s(2.0, 2.0, 0.25) - 0.5).abs() < 1e-12);
     }
 }

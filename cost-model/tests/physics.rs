@@ -199,7 +199,8 @@ fn item_memory_adds_up_to_the_rank_memory() {
 /// Ring attention across nodes with a short sequence: each of the cp - 1 steps moves one
 /// K/V chunk (2 x tokens x kv_dim x 2 bytes) over the NIC while one attention block
 /// (core / cp) computes; what the block does not hide is exposed, step by step. Hand
-/// numbers from the catalog's H100 figures and the profile's rates, not from the code. The
+/// numbers from the catalog's H100 figures and the profile's rates, not from the code; a
+/// transfer beside a block slows it by the DP contention share. The
 /// blocks are 8192 / 16 = 512 keys long: the FlashAttention-2 measurement at 512 (309
 /// TFLOP/s forward, 214 backward, against 370 and 322 at 16k; FlashAttention-3 paper,
 /// Fig. 5), on a level that keeps long sequences' forward + 2.5x backward rate at
@@ -241,8 +242,12 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}
     let core = core_flops / (level * at_512_fwd);
     let block = core / cp;
     let block_bwd = 2.5 * core_flops / (level * at_512_bwd) / cp;
-    let fwd_want = (cp - 1.0) * (step - block).max(0.0);
-    let bwd_want = (cp - 1.0) * (2.0 * step - block_bwd).max(0.0);
+    // Each step pays what outlasts its block, or, when the block (slowed to dp_overlap of
+    // its rate while the transfer is in flight) outlasts the transfer, the share
+    // (1 - dp_overlap) of the transfer.
+    let k = 1.0 - e.dp_overlap;
+    let fwd_want = (cp - 1.0) * (step - block).max(k * step);
+    let bwd_want = (cp - 1.0) * (2.0 * step - block_bwd).max(k * 2.0 * step);
     let cp_op = |pass| {
         ops.iter()
             .find(|o| {
