@@ -107,68 +107,98 @@ fn every_plan_lowers_verifies_and_simulates_within_5_percent() {
     }
 }
 
-/// The cost model and the lowering list the same ops: every op of the layer template that
-/// the analytical model charges time for is emitted, for every spec's plan, by at least one
-/// node of the program (the other direction, a node the template does not list, is the
-/// simulator's error: NaN seconds).
-#[test]
-fn every_charged_template_op_is_emitted() {
-    // Besides the bundled plans, the tiny specs pinned to the layouts they do not use: CP
-    // with TP but no SP (the head's all-reduce), full and selective recompute, torchtitan's
-    // op-level selective recompute, MoE with tp, sp and ep.
-    let tiny = |spec: &str, par: &str, extra: &str| -> (String, Plan) {
-        let text = std::fs::read_to_string(root().join("specs").join(spec)).unwrap();
-        let line = text
-            .lines()
-            .find(|l| l.trim_start().starts_with("parallelism:"))
-            .unwrap();
-        let mut text = text.replace(line, &format!("  parallelism: {{{par}}}"));
-        if par.contains("cp: 2") {
-            // Shards of at least 256 tokens.
-            text = text.replace("seq_len: 64", "seq_len: 512");
-        }
-        text = text.replace("\ncluster:", &format!("\n{extra}cluster:"));
-        let p: Plan = serde_json::from_str(&common::plan_json_of(&text, spec)).unwrap();
-        let pinned = format!(
-            "tp: {}, pp: {}, dp: {}, cp: {}",
-            p.layout.tp, p.layout.pp, p.layout.dp, p.layout.cp
-        );
-        assert!(
-            par.starts_with(&pinned),
-            "{spec}: planned {pinned}, pinned {par}"
-        );
-        (format!("{spec} {{{par}}} {extra}"), p)
-    };
+/// A tiny spec pinned to `par` (with `extra` lines in its job), as a plan.
+fn pinned_plan(spec: &str, par: &str, extra: &str) -> (String, Plan) {
+    let text = std::fs::read_to_string(root().join("specs").join(spec)).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("parallelism:"))
+        .unwrap();
+    let mut text = text.replace(line, &format!("  parallelism: {{{par}}}"));
+    if par.contains("cp: 2") {
+        // Shards of at least 256 tokens.
+        text = text.replace("seq_len: 64", "seq_len: 512");
+    }
+    text = text.replace("\ncluster:", &format!("\n{extra}cluster:"));
+    let p: Plan = serde_json::from_str(&common::plan_json_of(&text, spec)).unwrap();
+    let pinned = format!(
+        "tp: {}, pp: {}, dp: {}, cp: {}",
+        p.layout.tp, p.layout.pp, p.layout.dp, p.layout.cp
+    );
+    assert!(
+        par.starts_with(&pinned),
+        "{spec}: planned {pinned}, pinned {par}"
+    );
+    (format!("{spec} {{{par}}} {}", extra.trim()), p)
+}
+
+/// Every bundled plan, and the tiny specs pinned to layouts they do not use: CP with TP but
+/// no SP (the head's all-reduce), full and selective recompute, torchtitan's op-level
+/// selective recompute; MoE with tp, sp and ep, experts split over tp with SP (their tp
+/// gather and reduce-scatter), tp without SP (the gates' gradient all-reduce), cp with tp
+/// and SP (the routing statistics over both), the `moe` and `layernorm` modules.
+fn plans_and_variants() -> Vec<(String, Plan)> {
     let mut plans: Vec<(String, Plan)> = spec_names()
         .into_iter()
         .map(|n| (n.clone(), plan_of(&n)))
         .collect();
-    plans.extend([
-        tiny(
-            "tiny-llama-cpu.yaml",
+    let (dense, moe) = ("tiny-llama-cpu.yaml", "tiny-moe-8xh100.yaml");
+    for (spec, par, extra) in [
+        (
+            dense,
             "tp: 2, pp: 1, dp: 2, cp: 2, ep: 1, micro_batch: 1, zero_stage: 0, \
              recompute: full, sequence_parallel: false, schedule: 1f1b",
             "",
         ),
-        tiny(
-            "tiny-llama-cpu.yaml",
+        (
+            dense,
             "tp: 2, pp: 2, dp: 1, cp: 2, ep: 1, micro_batch: 1, zero_stage: 3, \
              recompute: selective, sequence_parallel: true, schedule: 1f1b",
             "",
         ),
-        tiny(
-            "tiny-llama-cpu.yaml",
+        (
+            dense,
             "tp: 2, pp: 2, dp: 2, cp: 1, ep: 1, micro_batch: 2, zero_stage: 1, \
              recompute: selective, sequence_parallel: true, schedule: 1f1b",
             "  framework: torchtitan\n",
         ),
-        tiny(
-            "tiny-moe-8xh100.yaml",
+        (
+            moe,
             "tp: 2, pp: 1, dp: 2, cp: 1, ep: 2, micro_batch: 1, zero_stage: 1, \
              recompute: selective, sequence_parallel: true, schedule: 1f1b",
             "",
         ),
-    ]);
+        (
+            moe,
+            "tp: 2, pp: 1, dp: 2, cp: 1, ep: 2, micro_batch: 1, zero_stage: 1, \
+             recompute: full, sequence_parallel: true, schedule: 1f1b, expert_tp: 2",
+            "",
+        ),
+        (
+            moe,
+            "tp: 2, pp: 1, dp: 2, cp: 1, ep: 2, micro_batch: 1, zero_stage: 0, \
+             recompute: none, sequence_parallel: false, schedule: 1f1b",
+            "",
+        ),
+        (
+            moe,
+            "tp: 2, pp: 1, dp: 1, cp: 2, ep: 2, micro_batch: 1, zero_stage: 1, \
+             recompute: selective, sequence_parallel: true, schedule: 1f1b, expert_tp: 2",
+            "  recompute_modules: [moe, layernorm]\n",
+        ),
+    ] {
+        plans.push(pinned_plan(spec, par, extra));
+    }
+    plans
+}
+
+/// The cost model and the lowering list the same ops: every op of the layer template that
+/// the analytical model charges time for is emitted, for every plan of
+/// [`plans_and_variants`], by at least one node of the program (the other direction, a
+/// node the template does not list, is the simulator's error: NaN seconds).
+#[test]
+fn every_charged_template_op_is_emitted() {
+    let plans = plans_and_variants();
     for (name, p) in plans {
         let l = shardwright_lowering::lower(&p).unwrap();
         let cost = shardwright_lowering::cost::PlanCost::recording(&l);
@@ -219,4 +249,73 @@ fn the_405b_rank0_has_pipeline_transfers_reductions_and_memory_events() {
     let allocs = count(&|o| matches!(o, Op::Alloc { .. }));
     let frees = count(&|o| matches!(o, Op::Free { .. }));
     assert!(allocs > m && frees > m, "{allocs} allocs, {frees} frees");
+}
+
+/// The lowering emits the template, op for op: on every rank class, the simulator's
+/// charges for one layer's nodes in one pass of one micro-batch (each node costed from the
+/// template op it runs) add up to the template's time for that layer kind and pass. A node
+/// emitted twice, an op not emitted, or a collective charged as another, breaks the sum;
+/// `every_charged_template_op_is_emitted` only sees an op missing everywhere.
+#[test]
+fn each_layer_pass_charges_exactly_the_template() {
+    use shardwright_cost::layer::{layer_ops, LayerKind, LayerShape, Pass as TPass};
+    use shardwright_ir::{Pass, Stream};
+    use std::collections::BTreeMap;
+    for (name, p) in plans_and_variants() {
+        let l = shardwright_lowering::lower(&p).unwrap();
+        let lay = &l.layout;
+        let shape = LayerShape {
+            tp: lay.tp,
+            cp: lay.cp,
+            ep: lay.ep,
+            micro_batch: lay.micro_batch,
+            sp: lay.sequence_parallel,
+            recompute: lay.recompute,
+        };
+        let template = |k: LayerKind, pass: TPass| -> (f64, Vec<(&'static str, f64)>) {
+            let ops = layer_ops(&l.job, &l.mesh, &shape, k);
+            let ops: Vec<_> = ops.iter().filter(|o| o.pass == pass).collect();
+            let sum = ops.iter().map(|o| o.exposed_s).sum();
+            (sum, ops.iter().map(|o| (o.name, o.exposed_s)).collect())
+        };
+        let cost = shardwright_lowering::cost::PlanCost::new(&l);
+        let m = &l.job.model;
+        for c in &l.program.classes {
+            let mut sums: BTreeMap<(u32, u32, u8), (f64, Vec<String>)> = BTreeMap::new();
+            for n in &c.graph.nodes {
+                // A layer's own nodes: not its ZeRO-3 weight traffic (dp stream), not the
+                // pipeline's sends and receives (charged per step by the model).
+                let (Some(layer), Some(mb)) = (n.layer, n.mb) else {
+                    continue;
+                };
+                if n.stream == Stream::Dp || matches!(n.op, Op::Send { .. } | Op::Recv { .. }) {
+                    continue;
+                }
+                let pass = match n.pass {
+                    Pass::Fwd => 0,
+                    Pass::Bwd => 1,
+                    Pass::Recompute => 2,
+                    Pass::Step => continue,
+                };
+                let t = cost.node_seconds(&l.program, n);
+                let e = sums.entry((layer, mb, pass)).or_default();
+                e.0 += t;
+                e.1.push(format!("{} {t:e}", n.op.keyword()));
+            }
+            assert!(!sums.is_empty(), "{name}: no layer nodes");
+            for ((layer, mb, pass), (got, nodes)) in sums {
+                let kind = match m.is_moe() && layer >= m.dense_layers() {
+                    true => LayerKind::Moe,
+                    false => LayerKind::Dense,
+                };
+                let tpass = [TPass::Fwd, TPass::Bwd, TPass::Recompute][pass as usize];
+                let (want, ops) = template(kind, tpass);
+                assert!(
+                    (got - want).abs() <= 1e-9 * want,
+                    "{name}: layer {layer} mb {mb} {tpass:?}: the nodes charge {got:e} s, \
+                     the template {want:e} s\nnodes: {nodes:?}\ntemplate: {ops:?}"
+                );
+            }
+        }
+    }
 }

@@ -31,7 +31,7 @@
 
 use crate::collective::{
     all_gather_s, all_reduce_s, all_to_all_s, moe_dispatch_dedup_s, reduce_scatter_s, send_s,
-    MoeDispatch,
+    small_all_reduce_s, MoeDispatch,
 };
 use crate::eval::{gemm_eff, group_link};
 use crate::flops;
@@ -645,6 +645,7 @@ impl Ctx<'_> {
         // tokens*k*h 16-bit values.
         let routed = tokens * k * h / self.seq_div;
         self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
+        self.moe_reductions(e, moe);
         let a2a = self.ep_all_to_all(moe);
         self.ep_op(e, "ep_dispatch", a2a);
         if !whole {
@@ -677,6 +678,50 @@ impl Ctx<'_> {
             self.gemm(e, GemmRole::SharedFc2, tokens, h, fs / t * ns, 1);
         }
         (mats - 1.0) * (fe * k + fs * ns) / t
+    }
+
+    /// The MoE block's small reductions, on the critical path (a blocking all-reduce of a
+    /// few bytes, the two-level ring-or-tree time of [`small_all_reduce_s`]):
+    /// - forward (and a full recompute's replay): the load-balancing loss's per-sequence
+    ///   routing statistics (slot counts and probability sums, `2 E` f32 per sequence of
+    ///   the micro-batch) summed over the ranks holding parts of a sequence, its SP shards
+    ///   over tp (`moe_stats_tp`) and its cp shards (`moe_stats_cp`): Megatron-Core's
+    ///   sequence-wise aux loss all-reduces them over its tp-cp group
+    ///   (`moe_utils.switch_load_balancing_loss_func` under `sequence_partition_group`);
+    /// - backward, tp > 1 without SP: each tp rank's expert outputs are partial sums, so the
+    ///   gates' gradients (one f32 per routed slot) are all-reduced over tp
+    ///   (`moe_gate_grad`).
+    fn moe_reductions(&self, e: &mut Emit, moe: &Moe) {
+        let bwd = e.pass == Pass::Bwd;
+        let mut put = |name: &'static str, group: GroupKind, bytes: f64| {
+            let n = self.mesh.size(group) as u64;
+            let link = group_link(self.job, self.mesh.fabric(group));
+            let t_s = small_all_reduce_s(bytes, n, link.gbps, link.latency_s);
+            let op = OpKind::Collective {
+                kind: Coll::AllReduce,
+                group,
+                bytes,
+            };
+            e.comm(name, op, bytes, t_s, t_s);
+        };
+        let (tp_gt1, sp, cp) = (self.shape.tp > 1, self.shape.sp, self.shape.cp);
+        if bwd {
+            if tp_gt1 && !sp {
+                put(
+                    "moe_gate_grad",
+                    GroupKind::Tp,
+                    self.tokens * moe.top_k as f64 * 4.0,
+                );
+            }
+            return;
+        }
+        let stats = self.shape.micro_batch as f64 * 2.0 * moe.num_experts as f64 * 4.0;
+        if sp && tp_gt1 {
+            put("moe_stats_tp", GroupKind::Tp, stats);
+        }
+        if cp > 1 {
+            put("moe_stats_cp", GroupKind::Cp, stats);
+        }
     }
 
     /// EP all-to-all: dispatch and combine, each rank sending tokens*k*h*2 bytes (its

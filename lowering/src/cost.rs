@@ -105,8 +105,9 @@ impl<'a> PlanCost<'a> {
                     _ => 0.0,
                 };
                 let key = match op.kind {
-                    // The head's and the embedding's collectives by name (see
-                    // `outer_collective`).
+                    // The named ones by name: the head's and the embedding's (see
+                    // `outer_collective`) and the MoE block's (`moe_collective`).
+                    OpKind::Collective { .. } if MOE_NAMED.contains(&op.name) => Key::Op(op.name),
                     OpKind::Collective { .. }
                         if matches!(k, LayerKind::Head | LayerKind::Embedding) =>
                     {
@@ -228,7 +229,19 @@ impl<'a> PlanCost<'a> {
             Op::Attention { .. } => self.get(kind, pass, "attention_core").0,
             Op::Norm { work, .. } => {
                 if node.layer.is_some() {
-                    self.get(kind, pass, "hidden_ops").0 / 2.0
+                    // A layer's two norms; a selective replay of them (the `layernorm`
+                    // module) is the template's `norm_recompute`, a full or op-level
+                    // replay's part of the forward's `hidden_ops`.
+                    let replay = Key::Op("norm_recompute");
+                    let name =
+                        match self
+                            .table
+                            .contains_key(&(kind_id(kind), ir_pass(pass), replay))
+                        {
+                            true => "norm_recompute",
+                            false => "hidden_ops",
+                        };
+                    self.get(kind, pass, name).0 / 2.0
                 } else {
                     work.bytes as f64 / hbm
                 }
@@ -289,6 +302,11 @@ impl<'a> PlanCost<'a> {
                         return self.get(kind, pass, name).0;
                     }
                 }
+                if let (Some(_), Some(name)) =
+                    (node.layer, tensor.as_deref().and_then(moe_collective))
+                {
+                    return self.get(kind, pass, name).0;
+                }
                 if node.layer.is_none() && g.axis == GroupKind::Tp {
                     if let Some((k, name)) = outer_collective(pass, *ck, tensor.as_deref()) {
                         return self.get(k, pass, name).0;
@@ -341,6 +359,31 @@ impl<'a> PlanCost<'a> {
             Op::Alloc { .. } | Op::Free { .. } | Op::Release | Op::Checkpoint { .. } => 0.0,
         }
     }
+}
+
+/// The template's names of the MoE block's collectives that the lowering names by tensor
+/// ([`moe_collective`]); every other in-layer collective is charged by its kind.
+const MOE_NAMED: [&str; 5] = [
+    "tp_all_gather_experts",
+    "tp_reduce_scatter_experts",
+    "moe_stats_tp",
+    "moe_stats_cp",
+    "moe_gate_grad",
+];
+
+/// The template op of an MoE block's named collective (`L{l}.moe.*`, the lowering's `moe`
+/// module): the experts' SP gather and reduce-scatter, the routing statistics' all-reduces
+/// and the gates' gradient all-reduce.
+fn moe_collective(tensor: &str) -> Option<&'static str> {
+    let (_, what) = tensor.split_once(".moe.")?;
+    Some(match what {
+        "experts_gather" => MOE_NAMED[0],
+        "experts_scatter" => MOE_NAMED[1],
+        "stats.tp" => MOE_NAMED[2],
+        "stats.cp" => MOE_NAMED[3],
+        "gate_grad" => MOE_NAMED[4],
+        _ => return None,
+    })
 }
 
 /// The tensor-parallel collectives outside the layers, by the template's names

@@ -1351,7 +1351,9 @@ impl<'a> Ctx<'a> {
                 lo,
                 gemm(GemmName::fwd(g.role), g.m, g.n, g.k, d.w, weight),
             );
-            b.compute(rc, mbo, lo, ew(ElementwiseKind::Activation, d.t * d.f, 6));
+            // The activation reads what FC1's forward wrote (gate and up halves).
+            let act = ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6);
+            b.compute(rc, mbo, lo, act);
             return;
         }
         if !self.is_moe_layer(layer) {
