@@ -290,3 +290,42 @@ fn the_embedding_reduces_its_vocabulary_shards_over_tp_as_megatron_does() {
         assert_eq!(lc.embed.total() > 0.0, tp > 1, "tp{tp} sp {sp}");
     }
 }
+
+/// The MoE block's small reductions by hand, MOE spec (E = 4, top-2), micro-batch 2 x 512:
+/// the sequence-wise load-balancing loss needs each sequence's routed-slot counts and
+/// probability sums per expert (2 E f32 = 32 B per sequence, 64 B for the micro-batch)
+/// summed over whichever ranks hold parts of the sequence (Megatron-Core all-reduces them
+/// over its tp-cp group): the SP shards over tp, the cp shards over cp; forward only (the
+/// backward reuses them). Without SP each tp rank's expert outputs are partial sums, so the
+/// gates' gradients, one f32 per routed slot (1024 tokens / cp x 2 slots), are all-reduced
+/// over tp in the backward.
+#[test]
+fn moe_reductions_by_hand() {
+    let j = job(MOE);
+    let reductions = |tp: u32, cp: u32, sp: bool| -> Vec<(Pass, &'static str, f64)> {
+        ops(&j, &shape(tp, cp, 1, sp, Recompute::None), LayerKind::Moe)
+            .iter()
+            .filter(|o| o.name.starts_with("moe_"))
+            .map(|o| (o.pass, o.name, o.bytes))
+            .collect()
+    };
+    assert_eq!(reductions(1, 1, false), vec![]);
+    assert_eq!(
+        reductions(2, 2, true),
+        vec![
+            (Pass::Fwd, "moe_stats_tp", 64.0),
+            (Pass::Fwd, "moe_stats_cp", 64.0)
+        ]
+    );
+    assert_eq!(
+        reductions(1, 2, false),
+        vec![(Pass::Fwd, "moe_stats_cp", 64.0)]
+    );
+    assert_eq!(
+        reductions(2, 2, false),
+        vec![
+            (Pass::Fwd, "moe_stats_cp", 64.0),
+            (Pass::Bwd, "moe_gate_grad", 512.0 * 2.0 * 4.0)
+        ]
+    );
+}
