@@ -258,6 +258,7 @@ fn the_405b_rank0_has_pipeline_transfers_reductions_and_memory_events() {
 /// `every_charged_template_op_is_emitted` only sees an op missing everywhere.
 #[test]
 fn each_layer_pass_charges_exactly_the_template() {
+    const OUTER: u32 = u32::MAX;
     use shardwright_cost::layer::{layer_ops, LayerKind, LayerShape, Pass as TPass};
     use shardwright_ir::{Pass, Stream};
     use std::collections::BTreeMap;
@@ -280,14 +281,16 @@ fn each_layer_pass_charges_exactly_the_template() {
         };
         let cost = shardwright_lowering::cost::PlanCost::new(&l);
         let m = &l.job.model;
-        for c in &l.program.classes {
+        for (ci, c) in l.program.classes.iter().enumerate() {
             let mut sums: BTreeMap<(u32, u32, u8), (f64, Vec<String>)> = BTreeMap::new();
             for n in &c.graph.nodes {
-                // A layer's own nodes: not its ZeRO-3 weight traffic (dp stream), not the
-                // pipeline's sends and receives (charged per step by the model).
-                let (Some(layer), Some(mb)) = (n.layer, n.mb) else {
+                // A layer's own nodes, or (layer `OUTER`) the embedding's and the head's: not
+                // ZeRO-3 weight traffic (dp stream), not the pipeline's sends and receives
+                // (charged per step by the model).
+                let Some(mb) = n.mb else {
                     continue;
                 };
+                let layer = n.layer.unwrap_or(OUTER);
                 if n.stream == Stream::Dp || matches!(n.op, Op::Send { .. } | Op::Recv { .. }) {
                     continue;
                 }
@@ -303,13 +306,23 @@ fn each_layer_pass_charges_exactly_the_template() {
                 e.1.push(format!("{} {t:e}", n.op.keyword()));
             }
             assert!(!sums.is_empty(), "{name}: no layer nodes");
+            let stage = l.class_coords[ci].0;
             for ((layer, mb, pass), (got, nodes)) in sums {
-                let kind = match m.is_moe() && layer >= m.dense_layers() {
-                    true => LayerKind::Moe,
-                    false => LayerKind::Dense,
-                };
                 let tpass = [TPass::Fwd, TPass::Bwd, TPass::Recompute][pass as usize];
-                let (want, ops) = template(kind, tpass);
+                let kinds = match layer {
+                    OUTER => [
+                        (stage == 0).then_some(LayerKind::Embedding),
+                        (stage == lay.pp - 1).then_some(LayerKind::Head),
+                    ],
+                    _ if m.is_moe() && layer >= m.dense_layers() => [Some(LayerKind::Moe), None],
+                    _ => [Some(LayerKind::Dense), None],
+                };
+                let (mut want, mut ops) = (0.0, vec![]);
+                for k in kinds.into_iter().flatten() {
+                    let (w, o) = template(k, tpass);
+                    want += w;
+                    ops.extend(o);
+                }
                 assert!(
                     (got - want).abs() <= 1e-9 * want,
                     "{name}: layer {layer} mb {mb} {tpass:?}: the nodes charge {got:e} s, \

@@ -996,13 +996,22 @@ impl Ctx<'_> {
         out.extend(again.into_iter().filter(|op| recomputed(op, moe, mods)));
     }
 
-    /// The final LM head GEMM and the cross-entropy loss, forward and backward, with their
-    /// tensor-parallel collectives.
+    /// The final norm, the LM head GEMM and the cross-entropy loss, forward and backward,
+    /// with their tensor-parallel collectives.
     fn head(&self, out: &mut Vec<OpCost>) {
         let v = self.job.model.vocab_size as f64;
         let logits = self.tokens * v / self.t;
         for pass in [Pass::Fwd, Pass::Bwd] {
             let mut em = Emit { out, pass };
+            // The final norm on the rank's tokens (its sequence shard under SP): reads x and
+            // writes y (16-bit) and reads its weight; the backward twice that.
+            let rows = self.tokens / self.seq_div;
+            self.elementwise(
+                &mut em,
+                "final_norm",
+                rows * self.h,
+                4.0 * rows * self.h + 2.0 * self.h,
+            );
             self.head_tp_collectives(&mut em);
             self.gemm(
                 &mut em,

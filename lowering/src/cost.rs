@@ -227,7 +227,7 @@ impl<'a> PlanCost<'a> {
                 None => unreachable!("a gemm has a role"),
             },
             Op::Attention { .. } => self.get(kind, pass, "attention_core").0,
-            Op::Norm { work, .. } => {
+            Op::Norm { .. } => {
                 if node.layer.is_some() {
                     // A layer's two norms; a selective replay of them (the `layernorm`
                     // module) is the template's `norm_recompute`, a full or op-level
@@ -243,7 +243,7 @@ impl<'a> PlanCost<'a> {
                         };
                     self.get(kind, pass, name).0 / 2.0
                 } else {
-                    work.bytes as f64 / hbm
+                    self.get(LayerKind::Head, pass, "final_norm").0
                 }
             }
             Op::Elementwise {
