@@ -1008,7 +1008,7 @@ impl Ctx<'_> {
             let rows = self.tokens / self.seq_div;
             self.elementwise(
                 &mut em,
-                "final_norm",
+                "head_norm",
                 rows * self.h,
                 4.0 * rows * self.h + 2.0 * self.h,
             );

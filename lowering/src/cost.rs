@@ -243,7 +243,7 @@ impl<'a> PlanCost<'a> {
                         };
                     self.get(kind, pass, name).0 / 2.0
                 } else {
-                    self.get(LayerKind::Head, pass, "final_norm").0
+                    self.get(LayerKind::Head, pass, "head_norm").0
                 }
             }
             Op::Elementwise {
