@@ -265,14 +265,7 @@ fn each_layer_pass_charges_exactly_the_template() {
     for (name, p) in plans_and_variants() {
         let l = shardwright_lowering::lower(&p).unwrap();
         let lay = &l.layout;
-        let shape = LayerShape {
-            tp: lay.tp,
-            cp: lay.cp,
-            ep: lay.ep,
-            micro_batch: lay.micro_batch,
-            sp: lay.sequence_parallel,
-            recompute: lay.recompute,
-        };
+        let shape = LayerShape::of(lay);
         let template = |k: LayerKind, pass: TPass| -> (f64, Vec<(&'static str, f64)>) {
             let ops = layer_ops(&l.job, &l.mesh, &shape, k);
             let ops: Vec<_> = ops.iter().filter(|o| o.pass == pass).collect();

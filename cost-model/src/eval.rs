@@ -209,15 +209,7 @@ impl LayerCosts {
 
     /// The per-layer costs `layout` needs.
     pub fn for_layout(job: &Job, l: &Layout) -> LayerCosts {
-        let shape = LayerShape {
-            tp: l.tp,
-            cp: l.cp,
-            ep: l.ep,
-            micro_batch: l.micro_batch,
-            sp: l.sequence_parallel,
-            recompute: l.recompute,
-        };
-        LayerCosts::with_experts(job, &shape, l.folds_tp_into_ep())
+        LayerCosts::with_experts(job, &LayerShape::of(l), l.folds_tp_into_ep())
     }
 
     /// `whole_experts`: expert tensor parallelism 1 (experts whole on each rank, the

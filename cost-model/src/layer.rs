@@ -37,6 +37,7 @@ use crate::eval::{gemm_eff, group_link};
 use crate::flops;
 use shardwright_ir::vocab::GemmRole;
 use shardwright_spec::job::{Job, Moe};
+use shardwright_spec::layout::Layout;
 use shardwright_spec::mesh::{GroupKind, Mesh};
 use shardwright_spec::spec::{MoeDispatcher, Recompute, RecomputeModule};
 
@@ -127,6 +128,20 @@ pub struct LayerShape {
     pub micro_batch: u32,
     pub sp: bool,
     pub recompute: Recompute,
+}
+
+impl LayerShape {
+    /// The shape a layer has under `layout`.
+    pub fn of(layout: &Layout) -> LayerShape {
+        LayerShape {
+            tp: layout.tp,
+            cp: layout.cp,
+            ep: layout.ep,
+            micro_batch: layout.micro_batch,
+            sp: layout.sequence_parallel,
+            recompute: layout.recompute,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -84,15 +84,7 @@ type TableKey = (u8, u8, Key);
 
 impl<'a> PlanCost<'a> {
     pub fn new(l: &'a Lowered) -> PlanCost<'a> {
-        let lay = &l.layout;
-        let shape = LayerShape {
-            tp: lay.tp,
-            cp: lay.cp,
-            ep: lay.ep,
-            micro_batch: lay.micro_batch,
-            sp: lay.sequence_parallel,
-            recompute: lay.recompute,
-        };
+        let shape = LayerShape::of(&l.layout);
         let mut table = Table::new();
         let mut kinds = vec![LayerKind::Dense, LayerKind::Head, LayerKind::Embedding];
         if l.job.model.is_moe() {

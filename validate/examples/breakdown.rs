@@ -18,14 +18,7 @@ fn read(path: &str) -> String {
 
 fn print_ops(pred: &shardwright_validate::Prediction) {
     let (job, l) = (&pred.job, &pred.layout);
-    let shape = LayerShape {
-        tp: l.tp,
-        cp: l.cp,
-        ep: l.ep,
-        micro_batch: l.micro_batch,
-        sp: l.sequence_parallel,
-        recompute: l.recompute,
-    };
+    let shape = LayerShape::of(l);
     let mesh = Mesh::from_degrees(l.tp, l.cp, l.ep, 1, 1, job.cluster.gpus_per_node)
         .with_whole_experts(l.folds_tp_into_ep());
     for kind in [LayerKind::Dense, LayerKind::Moe, LayerKind::Head] {
