@@ -180,7 +180,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             // torchtitan's op-level selective recompute replays (not valued): this backend
             // keeps the activations they would recompute, and its forward is deterministic,
             // so the replays (skipped alike on every rank) would reproduce them bit for bit.
-            _ if n.pass == Pass::Recompute && self.run.selective_recompute => Ok(()),
+            _ if n.pass == Pass::Recompute && self.run.op_level_recompute => Ok(()),
             _ => Err(
                 "this node names no values (a program from an older lowering: lower the \
                       plan again)"

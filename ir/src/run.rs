@@ -116,9 +116,12 @@ pub struct RunInfo {
     /// ZeRO stage (0: replicated optimizer state; 1, 2, 3: sharded over data parallelism).
     pub zero_stage: u8,
     pub sequence_parallel: bool,
-    /// Selective recompute (the recompute pass replays the attention core only; the other
-    /// replayed ops are the same values again).
-    pub selective_recompute: bool,
+    /// torchtitan's op-level selective activation checkpointing: its replays (the
+    /// recompute pass's nodes that name no values: every other matmul with the pointwise
+    /// ops and the TP gather before it) rerun ops whose outputs the forward's values
+    /// still hold, so a backend that keeps those activations skips them. Any other node
+    /// without values is an error.
+    pub op_level_recompute: bool,
     /// Experts are whole on each rank (expert TP 1): the tp ranks join the expert-parallel
     /// group.
     pub whole_experts: bool,

@@ -107,7 +107,7 @@ fn arb_run() -> impl Strategy<Value = RunInfo> {
                 global_batch,
                 zero_stage,
                 sequence_parallel: f[0],
-                selective_recompute: f[1],
+                op_level_recompute: f[1],
                 whole_experts: f[2],
                 model_flops,
             },
@@ -265,7 +265,7 @@ fn a_hand_written_program_reads_as_written() {
         global_batch: 8,
         zero_stage: 1,
         sequence_parallel: true,
-        selective_recompute: false,
+        op_level_recompute: false,
         whole_experts: false,
         model_flops: 123456789012345678901234,
     });

@@ -13,7 +13,7 @@
 //!            'first_k_dense=' U32
 //! run     := 'run' 'tp=' U32 'cp=' U32 'ep=' U32 'dp=' U32 'pp=' U32 'micro_batch=' U32
 //!            'grad_accum=' U64 'global_batch=' U64 'zero=' U8 'model_flops=' U64
-//!            ['sequence_parallel'] ['selective_recompute'] ['whole_experts']
+//!            ['sequence_parallel'] ['op_level_recompute'] ['whole_experts']
 //! group   := as in a graph (every group of the program)
 //! rank    := 'rank' U32 'class=' U32 'groups=' [GROUPID (',' GROUPID)*]
 //!            ['coord=' U32 ',' U32 ',' U32 ',' U32 ',' U32]   (tp, cp, ep, dp, pp)
@@ -127,7 +127,7 @@ fn write_run(out: &mut String, r: &RunInfo) {
     );
     for (on, flag) in [
         (r.sequence_parallel, "sequence_parallel"),
-        (r.selective_recompute, "selective_recompute"),
+        (r.op_level_recompute, "op_level_recompute"),
         (r.whole_experts, "whole_experts"),
     ] {
         if on {
@@ -332,7 +332,7 @@ fn parse_run(c: &mut Cursor<'_>) -> Result<RunInfo, ParseError> {
         zero_stage: c.key("zero", "integer", parse_int)?,
         model_flops: c.key("model_flops", "integer", parse_int)?,
         sequence_parallel: c.flag("sequence_parallel"),
-        selective_recompute: c.flag("selective_recompute"),
+        op_level_recompute: c.flag("op_level_recompute"),
         whole_experts: c.flag("whole_experts"),
     })
 }
