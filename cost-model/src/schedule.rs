@@ -13,6 +13,8 @@
 //!   virtual forwards, capped at `m v`.
 
 use shardwright_spec::spec::Schedule;
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Phase {
@@ -601,8 +603,8 @@ pub struct WalkPlan {
     vs_n: usize,
     /// Every pass of every rank (with `repeat`, once each repeated stretch), in an order
     /// that runs each after what it waits for and each rank's passes in its [`slots`]
-    /// order.
-    steps: Vec<Step>,
+    /// order. Shared with the plans of other `m` when repeated.
+    steps: Arc<Vec<Step>>,
     /// Stretches of `steps` that the walk runs more than once.
     repeat: Option<Repeat>,
     /// Whether `steps` are in slot order ([`slot_order_makespan`]): after `n p` steps every
@@ -612,6 +614,9 @@ pub struct WalkPlan {
     /// back to the one it waits for: [`WalkPlan::run`] keeps that many finish times.
     mask: usize,
 }
+
+/// A smaller plan's steps and where they repeat ([`WalkPlan::base`]).
+type Base = Option<(Arc<Vec<Step>>, Repeat)>;
 
 /// Interleaving with every group full, in slot order: once every rank is in its steady
 /// state, the slots of one more group (`2 p v` slot indices) on every rank repeat those of
@@ -644,8 +649,8 @@ impl WalkPlan {
         let (steps, repeat, slot_order) = match Self::repeating(schedule, p, v, m) {
             Some((steps, repeat)) => (steps, Some(repeat), true),
             None => match slot_order_steps(schedule, p, v, m) {
-                Some(steps) => (steps, None, true),
-                None => (sweep_steps(schedule, p, v, m), None, false),
+                Some(steps) => (Arc::new(steps), None, true),
+                None => (Arc::new(sweep_steps(schedule, p, v, m)), None, false),
             },
         };
         let ring = steps
@@ -671,13 +676,27 @@ impl WalkPlan {
     /// as [`REPEAT_FROM`] or one more) with its repeating stretches ([`Repeat`]); `None`
     /// for other walks, or if the stretches do not repeat (never seen; the caller then
     /// builds every step).
-    fn repeating(schedule: Schedule, p: u32, v: u32, m: u32) -> Option<(Vec<Step>, Repeat)> {
+    fn repeating(schedule: Schedule, p: u32, v: u32, m: u32) -> Option<(Arc<Vec<Step>>, Repeat)> {
         if !Self::repeats(schedule, p, v, m) {
             return None;
         }
         let groups = m / p;
         let base = REPEAT_FROM + (groups - REPEAT_FROM) % 2;
-        let steps = slot_order_steps(schedule, p, v, base * p)?;
+        let (steps, repeat) = BASES.with(|bases| {
+            bases
+                .borrow_mut()
+                .entry((p, v, base))
+                .or_insert_with(|| Self::base(p, v, base))
+                .clone()
+        })?;
+        let times = ((groups - base) / 2) as usize;
+        Some((steps, Repeat { times, ..repeat }))
+    }
+
+    /// The plan of interleaving over `groups` full groups, and where a group's steps repeat
+    /// in it (`times` 0); `None` if they do not (see [`WalkPlan::repeating`]).
+    fn base(p: u32, v: u32, groups: u32) -> Base {
+        let steps = slot_order_steps(Schedule::Interleaved, p, v, groups * p)?;
         let (pu, vu) = (p as usize, v as usize);
         let len = 2 * pu * vu * pu;
         // The first half of the slot indices, every rank; the stretches keep a group's
@@ -689,16 +708,13 @@ impl WalkPlan {
         if !(same(first) && same(second)) {
             return None;
         }
-        let times = ((groups - base) / 2) as usize;
-        Some((
-            steps,
-            Repeat {
-                len,
-                first,
-                second,
-                times,
-            },
-        ))
+        let repeat = Repeat {
+            len,
+            first,
+            second,
+            times: 0,
+        };
+        Some((Arc::new(steps), repeat))
     }
 
     /// Whether [`WalkPlan::new`] builds the plan of this walk from a smaller one
@@ -960,6 +976,10 @@ fn sweep_steps(schedule: Schedule, p: u32, v: u32, m: u32) -> Vec<Step> {
 }
 
 thread_local! {
+    /// [`WalkPlan::repeating`]'s smaller plans by (p, v, groups): they do not depend on `m`,
+    /// so each thread builds each once.
+    static BASES: std::cell::RefCell<BTreeMap<(u32, u32, u32), Base>> =
+        const { std::cell::RefCell::new(BTreeMap::new()) };
     /// [`WalkPlan::new`]'s scratch (which step finished each pass), kept between plans.
     static DONE: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// [`slot_order_makespan`]'s scratch (finish times in flight), kept between walks.
@@ -1150,13 +1170,13 @@ pub fn leading_forwards_peak(
             _ => (((p - j - 1) * 2 + (v - 1) * p).min(total) + 1).min(total),
         };
         let (mut live, mut peak) = (0.0f64, 0.0f64);
-        for f in 0..lead {
-            let chunk = match schedule {
-                Schedule::Gpipe => f / m,
-                _ => virtual_mb(f, p, v, m, true).1,
-            };
-            live += act[(chunk * p + j) as usize];
+        // The forwards' chunks by increments ([`virtual_mb`]; GPipe: one group of `m`).
+        let gp = if schedule == Schedule::Gpipe { m } else { p };
+        let mut fi = VirtualIter::new(gp, m);
+        for _ in 0..lead {
+            live += act[(fi.get().1 * p + j) as usize];
             peak = peak.max(live);
+            fi.advance(gp, v, m);
         }
         peak
     })
