@@ -14,7 +14,7 @@
 
 use shardwright_spec::spec::Schedule;
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Phase {
@@ -618,6 +618,10 @@ pub struct WalkPlan {
 /// A smaller plan's steps and where they repeat ([`WalkPlan::base`]).
 type Base = Option<(Arc<Vec<Step>>, Repeat)>;
 
+/// [`WalkPlan::repeating`]'s smaller plans by (p, v, groups): they do not depend on `m`, so
+/// each is built once per process and shared by the plans built from it.
+static BASES: Mutex<BTreeMap<(u32, u32, u32), Base>> = Mutex::new(BTreeMap::new());
+
 /// Interleaving with every group full, in slot order: once every rank is in its steady
 /// state, the slots of one more group (`2 p v` slot indices) on every rank repeat those of
 /// the group before with the micro-batches `p` higher, and each pass waits for the pass as
@@ -682,13 +686,19 @@ impl WalkPlan {
         }
         let groups = m / p;
         let base = REPEAT_FROM + (groups - REPEAT_FROM) % 2;
-        let (steps, repeat) = BASES.with(|bases| {
-            bases
-                .borrow_mut()
-                .entry((p, v, base))
-                .or_insert_with(|| Self::base(p, v, base))
-                .clone()
-        })?;
+        let key = (p, v, base);
+        let known = BASES.lock().map_or(None, |bases| bases.get(&key).cloned());
+        let (steps, repeat) = match known {
+            Some(known) => known,
+            None => {
+                // Built without the lock (another thread may build the same, equal plan).
+                let built = Self::base(p, v, base);
+                if let Ok(mut bases) = BASES.lock() {
+                    bases.entry(key).or_insert_with(|| built.clone());
+                }
+                built
+            }
+        }?;
         let times = ((groups - base) / 2) as usize;
         Some((steps, Repeat { times, ..repeat }))
     }
@@ -976,10 +986,6 @@ fn sweep_steps(schedule: Schedule, p: u32, v: u32, m: u32) -> Vec<Step> {
 }
 
 thread_local! {
-    /// [`WalkPlan::repeating`]'s smaller plans by (p, v, groups): they do not depend on `m`,
-    /// so each thread builds each once.
-    static BASES: std::cell::RefCell<BTreeMap<(u32, u32, u32), Base>> =
-        const { std::cell::RefCell::new(BTreeMap::new()) };
     /// [`WalkPlan::new`]'s scratch (which step finished each pass), kept between plans.
     static DONE: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// [`slot_order_makespan`]'s scratch (finish times in flight), kept between walks.
