@@ -335,7 +335,11 @@ pub fn walk_unless(
         makespan: 0.0,
         peak_act: peak_act(schedule, p, v, m, &act[..(p * v) as usize]),
     };
-    let floor = ProgressFloor::new(schedule, p, v, m, fwd, bwd);
+    // A walk too short to be shown a floor does not work one out.
+    let passes = 2 * (m * v) as usize * p as usize;
+    let floor = (passes > check_every(passes))
+        .then(|| ProgressFloor::new(schedule, p, v, m, fwd, bwd))
+        .flatten();
     let mut check = |at: f64| {
         shown.makespan = at;
         give_up(&shown)
@@ -774,10 +778,13 @@ impl WalkPlan {
             // The same sums in each rank's slot order as the walk's (never-run passes too).
             peak_act: peak_act(sched, self.p, v, m, &costs.act[..self.vs_n]),
         };
-        let floor = ProgressFloor::new(sched, self.p, v, m, fwd, bwd).filter(|_| self.slot_order);
         let total = 2 * (m * v) as usize * p;
-        // Steps after which the floor is shown: whole slot indices of every rank.
+        // Steps after which the floor is shown: whole slot indices of every rank. A walk too
+        // short to be shown one does not work it out.
         let every = check_every(total).div_ceil(p) * p;
+        let floor = (self.slot_order && total > every)
+            .then(|| ProgressFloor::new(sched, self.p, v, m, fwd, bwd))
+            .flatten();
         let mut next_check = if floor.is_some() { every } else { usize::MAX };
         // The finish times of the last `mask + 1` steps, by step index (1-based): each step
         // waits for one at most that far back.
