@@ -926,17 +926,34 @@ pub fn uneven_walk(
     layout: &Layout,
     plan: Option<&schedule::WalkPlan>,
 ) -> schedule::Walk {
+    uneven_walk_unless(job, lc, layout, plan, &mut |_| false).expect("never given up")
+}
+
+/// [`uneven_walk`], unless `give_up` says to stop on one of the floors it is shown along
+/// the way ([`schedule::walk_unless`]: the walk's activation peak with a makespan at most
+/// the walk's).
+pub fn uneven_walk_unless(
+    job: &Job,
+    lc: &LayerCosts,
+    layout: &Layout,
+    plan: Option<&schedule::WalkPlan>,
+    give_up: &mut dyn FnMut(&schedule::Walk) -> bool,
+) -> Option<schedule::Walk> {
     let (fwd, bwd, act) = uneven_stages(job, lc, layout);
+    let costs = schedule::StageCosts {
+        fwd: &fwd,
+        bwd: &bwd,
+        act: &act,
+    };
     match plan {
-        Some(plan) => plan.run(&fwd, &bwd, &act),
-        None => schedule::walk(
+        Some(plan) => plan.run_unless(costs, give_up),
+        None => schedule::walk_unless(
             layout.schedule,
             layout.pp,
             layout.vpp.max(1),
             layout.grad_accum as u32,
-            &fwd,
-            &bwd,
-            &act,
+            costs,
+            give_up,
         ),
     }
 }

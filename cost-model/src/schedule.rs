@@ -13,6 +13,8 @@
 //!   virtual forwards, capped at `m v`.
 
 use shardwright_spec::spec::Schedule;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Phase {
@@ -262,9 +264,10 @@ pub struct Walk {
 }
 
 /// The walk of `schedule` over `p` ranks, `v` chunks and `m` micro-batches: equal, bit for
-/// bit, to [`walk_reference`] (same additions and maxima in the same order per rank). In
-/// slot order ([`slot_order_makespan`]) when that order runs every pass after its input,
-/// else by way of a [`WalkPlan`].
+/// bit, to [`walk_reference`] (same additions and maxima in the same order per rank). By
+/// way of a [`WalkPlan`] built from a few groups' ([`Repeat`]) for interleaving with many
+/// groups; else in slot order ([`slot_order_makespan`]) when that order runs every pass
+/// after its input, else by way of a [`WalkPlan`] built pass by pass.
 pub fn walk(
     schedule: Schedule,
     p: u32,
@@ -274,19 +277,166 @@ pub fn walk(
     bwd: &[f64],
     act: &[f64],
 ) -> Walk {
-    match slot_order_makespan(schedule, p, v, m, fwd, bwd) {
-        Some(makespan) => {
-            let v = if schedule == Schedule::Interleaved {
-                v
-            } else {
-                1
-            };
-            Walk {
-                makespan,
-                peak_act: peak_act(schedule, p, v, m, &act[..(p * v) as usize]),
-            }
+    let costs = StageCosts { fwd, bwd, act };
+    walk_unless(schedule, p, v, m, costs, &mut |_| false).expect("never given up")
+}
+
+/// Per virtual stage (`p v` of each, as [`walk`] takes them): forward and backward seconds
+/// of one micro-batch and the bytes its forward saves until its backward.
+#[derive(Clone, Copy, Debug)]
+pub struct StageCosts<'a> {
+    pub fwd: &'a [f64],
+    pub bwd: &'a [f64],
+    pub act: &'a [f64],
+}
+
+/// How many [`ProgressFloor`]s a walk that may give up offers its caller (evenly spaced),
+/// at most: never more often than every [`CHECK_PASSES`] passes.
+const CHECKS: usize = 8;
+
+/// The fewest passes between two floors a walk shows its caller: a caller's test costs
+/// about an evaluation of each layout waiting on the walk, some thousands of passes, so a
+/// short walk is not interrupted at all.
+const CHECK_PASSES: usize = 1 << 13;
+
+/// Every how many passes (of `passes`) a walk that may give up shows its floor.
+fn check_every(passes: usize) -> usize {
+    passes.div_ceil(CHECKS).max(CHECK_PASSES)
+}
+
+/// [`walk`], unless `give_up` says to stop: it is shown, a few times along the walk
+/// (1F1B, and interleaving with every group full), a [`Walk`] with the walk's own
+/// `peak_act` and a makespan at most the walk's ([`ProgressFloor`], which rises towards
+/// the makespan as the walk goes on, and is never below [`makespan_floor`]); `None` once
+/// it returns true. A
+/// caller that only needs to know whether the makespan reaches some value (the search:
+/// whether a layout's goodput stays below the kept top) stops as soon as the floor does,
+/// instead of walking every pass. The walk itself is [`walk`]'s, so a walk that is not
+/// given up equals it bit for bit.
+pub fn walk_unless(
+    schedule: Schedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    costs: StageCosts<'_>,
+    give_up: &mut dyn FnMut(&Walk) -> bool,
+) -> Option<Walk> {
+    let v = if schedule == Schedule::Interleaved {
+        v
+    } else {
+        1
+    };
+    if WalkPlan::repeats(schedule, p, v, m) {
+        // Cheap to build, and a third of a walk in slot order to run.
+        return WalkPlan::new(schedule, p, v, m).run_unless(costs, give_up);
+    }
+    let StageCosts { fwd, bwd, act } = costs;
+    let mut shown = Walk {
+        makespan: 0.0,
+        peak_act: peak_act(schedule, p, v, m, &act[..(p * v) as usize]),
+    };
+    // A walk too short to be shown a floor does not work one out.
+    let passes = 2 * (m * v) as usize * p as usize;
+    let floor = (passes > check_every(passes))
+        .then(|| ProgressFloor::new(schedule, p, v, m, fwd, bwd))
+        .flatten();
+    let mut check = |at: f64| {
+        shown.makespan = at;
+        give_up(&shown)
+    };
+    let stop = floor
+        .as_ref()
+        .map(|f| (f, &mut check as &mut dyn FnMut(f64) -> bool));
+    let makespan = match slot_order_walk(schedule, p, v, m, fwd, bwd, stop) {
+        SlotOrder::Done(makespan) => makespan,
+        SlotOrder::GaveUp => return None,
+        SlotOrder::OutOfOrder => {
+            let plan = WalkPlan::new(schedule, p, v, m);
+            return plan.run_unless(costs, give_up);
         }
-        None => WalkPlan::new(schedule, p, v, m).run(fwd, bwd, act),
+    };
+    shown.makespan = makespan;
+    Some(shown)
+}
+
+/// A floor under the makespan of a walk in progress ([`walk_unless`],
+/// [`WalkPlan::run_unless`]). Rank `j`, its clock at `clock[j]` after `f` forwards and `b`
+/// backwards, runs each of its remaining passes after the one before, so it ends no
+/// earlier than `clock[j]` plus their durations; its last pass is the backward of chunk 0
+/// (the last micro-batch), which then still goes back through the stages `0..j`. The
+/// remaining passes are known by counting where every group holds `p` micro-batches (1F1B,
+/// interleaving with `m` a multiple of `p`); the idle time a walk accumulates as it goes
+/// (stages of unequal chunks waiting on each other) is in the clocks, so the floor rises
+/// towards the makespan as the walk proceeds, which [`makespan_floor`] cannot see.
+struct ProgressFloor<'a> {
+    p: u32,
+    v: u32,
+    m: u32,
+    fwd: &'a [f64],
+    bwd: &'a [f64],
+    /// [`makespan_floor`], which the floor never goes under.
+    start: f64,
+    /// One less the relative rounding of both the walk's sums and ours (each of at most
+    /// every pass, all positive), as in [`makespan_floor`].
+    margin: f64,
+}
+
+impl<'a> ProgressFloor<'a> {
+    /// `None` where the remaining passes are not counted (GPipe; interleaving with a last,
+    /// smaller group, which the rules reject) or a duration is negative or NaN.
+    fn new(
+        schedule: Schedule,
+        p: u32,
+        v: u32,
+        m: u32,
+        fwd: &'a [f64],
+        bwd: &'a [f64],
+    ) -> Option<ProgressFloor<'a>> {
+        let n = (p * v) as usize;
+        let (fwd, bwd) = (&fwd[..n], &bwd[..n]);
+        let negative = |x: &[f64]| x.iter().any(|&d| d < 0.0 || d.is_nan());
+        if schedule == Schedule::Gpipe
+            || (v > 1 && !m.is_multiple_of(p))
+            || negative(fwd)
+            || negative(bwd)
+        {
+            return None;
+        }
+        let passes = 2 * u64::from(m) * n as u64 + 2 * u64::from(p) + 1;
+        Some(ProgressFloor {
+            p,
+            v,
+            m,
+            fwd,
+            bwd,
+            start: makespan_floor(schedule, p, v, m, fwd, bwd),
+            margin: 1.0 - 8.0 * passes as f64 * f64::EPSILON,
+        })
+    }
+
+    /// The floor once each rank `j` has run `done(j)` = (forwards, backwards) of its
+    /// slots and its clock reads `clock[j]`.
+    fn at(&self, clock: &[f64], done: impl Fn(usize) -> (u32, u32)) -> f64 {
+        let (p, v, m) = (self.p, self.v, self.m);
+        // Of the first `n` virtual micro-batches, those of chunk `c` (forward order): `p`
+        // of each chunk per whole group of `p v`, then the chunks `p` at a time.
+        let ran = |n: u32, c: u32| n / (p * v) * p + (n % (p * v)).saturating_sub(c * p).min(p);
+        let mut tail = 0.0f64; // backward of chunk 0 through the stages 0..j
+        let mut most = 0.0f64;
+        for (j, &clock) in clock.iter().enumerate() {
+            let (f, b) = done(j);
+            let left: f64 = (0..v)
+                .map(|c| {
+                    let vs = c as usize * p as usize + j;
+                    // Backwards visit the chunks from the last.
+                    let (fl, bl) = (m - ran(f, c), m - ran(b, v - 1 - c));
+                    f64::from(fl) * self.fwd[vs] + f64::from(bl) * self.bwd[vs]
+                })
+                .sum();
+            most = most.max(clock + left + tail);
+            tail += self.bwd[j];
+        }
+        (most * self.margin).max(self.start)
     }
 }
 
@@ -320,6 +470,33 @@ pub fn slot_order_makespan(
     fwd: &[f64],
     bwd: &[f64],
 ) -> Option<f64> {
+    match slot_order_walk(schedule, p, v, m, fwd, bwd, None) {
+        SlotOrder::Done(makespan) => Some(makespan),
+        SlotOrder::GaveUp | SlotOrder::OutOfOrder => None,
+    }
+}
+
+/// How [`slot_order_walk`] ended.
+enum SlotOrder {
+    Done(f64),
+    /// The caller's test said to stop.
+    GaveUp,
+    /// A pass came before its input: the slot order does not serve.
+    OutOfOrder,
+}
+
+/// [`slot_order_makespan`]; with `stop`, its floor is shown to its test at most
+/// [`CHECKS`] - 1 times along the way (after the same slot index of every rank), and the
+/// walk ends when the test says so.
+fn slot_order_walk(
+    schedule: Schedule,
+    p: u32,
+    v: u32,
+    m: u32,
+    fwd: &[f64],
+    bwd: &[f64],
+    mut stop: Option<(&ProgressFloor<'_>, &mut dyn FnMut(f64) -> bool)>,
+) -> SlotOrder {
     let v = if schedule == Schedule::Interleaved {
         v
     } else {
@@ -338,7 +515,10 @@ pub fn slot_order_makespan(
         .map(|j| SlotCursor::new(schedule, p, v, m, j))
         .collect();
     let mut clock = vec![0.0f64; pu];
-    FINISH.with(|finish| {
+    // Slot indices after which the floor is shown (every rank has run as many).
+    let every = (check_every(2 * total as usize * pu) / pu) as u32;
+    let mut next_check = every;
+    let ended = FINISH.with(|finish| {
         let mut finish = finish.borrow_mut();
         // Finish time of each forward (first half) and backward (second half) of a
         // (micro-batch mod w, virtual stage), with the micro-batch (`u32::MAX`: none yet).
@@ -356,7 +536,7 @@ pub fn slot_order_makespan(
                     Phase::Fwd => {
                         let dep = if vs > 0 { f_done[at - 1] } else { (0.0, s.mb) };
                         if dep.1 != s.mb {
-                            return None;
+                            return SlotOrder::OutOfOrder;
                         }
                         let t = clock[j].max(dep.0) + fwd[vs];
                         f_done[at] = (t, s.mb);
@@ -369,7 +549,7 @@ pub fn slot_order_makespan(
                             f_done[at]
                         };
                         if dep.1 != s.mb {
-                            return None;
+                            return SlotOrder::OutOfOrder;
                         }
                         let t = clock[j].max(dep.0) + bwd[vs];
                         b_done[at] = (t, s.mb);
@@ -379,22 +559,35 @@ pub fn slot_order_makespan(
                 clock[j] = t;
                 c.advance(s.phase, p, v, m);
             }
+            if n + 1 == next_check && n + 1 < 2 * total {
+                next_check += every;
+                if let Some((floor, test)) = stop.as_mut() {
+                    let at = floor.at(&clock, |j| (cur[j].f, cur[j].b));
+                    if test(at) {
+                        return SlotOrder::GaveUp;
+                    }
+                }
+            }
         }
-        Some(())
-    })?;
-    Some(clock.iter().copied().fold(0.0, f64::max))
+        SlotOrder::Done(0.0)
+    });
+    match ended {
+        SlotOrder::Done(_) => SlotOrder::Done(clock.iter().copied().fold(0.0, f64::max)),
+        other => other,
+    }
 }
 
-/// [`Step::dep`] of a pass that never runs (a deadlocked schedule).
+/// [`Step::back`] of a pass that never runs (a deadlocked schedule).
 const NEVER: u32 = u32::MAX;
 
 /// One pass of a compiled walk: the rank of virtual stage `pass / 2` runs its forward
-/// (`pass` even) or backward (`pass` odd) once the step `dep` is done (1-based index of
-/// the steps, 0 = time zero).
+/// (`pass` even) or backward (`pass` odd) once the step `back` steps before it is done (0:
+/// it waits for nothing but its rank). Relative, so that a stretch of steps that repeats
+/// in the walk is stored once ([`Repeat`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Step {
     pass: u32,
-    dep: u32,
+    back: u32,
 }
 
 /// What a schedule walk depends on besides the durations: the order of every rank's passes
@@ -402,6 +595,8 @@ struct Step {
 /// costs one maximum and one addition per pass, with no search for the next ready pass;
 /// the walk is linear in the micro-batches, so a plan pays for itself when the same
 /// integers are walked with many durations (the search does, once per layout family).
+/// Interleaving with many full groups is built from a few groups and costs little to build
+/// ([`Repeat`]).
 #[derive(Clone, Debug)]
 pub struct WalkPlan {
     schedule: Schedule,
@@ -410,115 +605,187 @@ pub struct WalkPlan {
     v: u32,
     m: u32,
     vs_n: usize,
-    /// Every pass of every rank, in an order that runs each after what it waits for and
-    /// each rank's passes in its [`slots`] order.
-    steps: Vec<Step>,
+    /// Every pass of every rank (with `repeat`, once each repeated stretch), in an order
+    /// that runs each after what it waits for and each rank's passes in its [`slots`]
+    /// order. Shared with the plans of other `m` when repeated.
+    steps: Arc<Vec<Step>>,
+    /// Stretches of `steps` that the walk runs more than once.
+    repeat: Option<Repeat>,
+    /// Whether `steps` are in slot order ([`slot_order_makespan`]): after `n p` steps every
+    /// rank has run its first `n` slots, which [`WalkPlan::run_unless`] reads its floors at.
+    slot_order: bool,
     /// One less than a power of two at least the largest distance (in steps) from a pass
     /// back to the one it waits for: [`WalkPlan::run`] keeps that many finish times.
     mask: usize,
 }
 
+/// A smaller plan's steps and where they repeat ([`WalkPlan::base`]).
+type Base = Option<(Arc<Vec<Step>>, Repeat)>;
+
+/// [`WalkPlan::repeating`]'s smaller plans by (p, v, groups): they do not depend on `m`, so
+/// each is built once per process and shared by the plans built from it.
+static BASES: Mutex<BTreeMap<(u32, u32, u32), Base>> = Mutex::new(BTreeMap::new());
+
+/// Interleaving with every group full, in slot order: once every rank is in its steady
+/// state, the slots of one more group (`2 p v` slot indices) on every rank repeat those of
+/// the group before with the micro-batches `p` higher, and each pass waits for the pass as
+/// many steps back, in the first half of the slot order (ranks visited upwards) and in the
+/// second (downwards) alike. So the plan of `m` micro-batches is that of `m - 2 k p` with
+/// `k` more copies of one group's steps in each half: [`WalkPlan::new`] builds the smaller
+/// plan and finds the repeating stretches in it (each checked equal to the stretch after
+/// it), for a build cost that does not grow with `m`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Repeat {
+    /// The steps of one group (`2 p v p`).
+    len: usize,
+    /// Where each half's stretch ends in `steps`: `steps[at - len..at]` runs `times` more
+    /// times after it.
+    first: usize,
+    second: usize,
+    times: usize,
+}
+
 impl WalkPlan {
-    /// The passes of [`walk_reference`] in the order its sweep runs them.
+    /// The passes of [`walk_reference`], in slot order ([`slot_order_makespan`]) where that
+    /// order runs every pass after its input, else in the order its sweep runs them.
     pub fn new(schedule: Schedule, p: u32, v: u32, m: u32) -> WalkPlan {
         let v = if schedule == Schedule::Interleaved {
             v
         } else {
             1
         };
-        let (pu, mu) = (p as usize, m as usize);
-        let vs_n = pu * v as usize;
-        let total = pu * 2 * mu * v as usize;
-        let mut steps: Vec<Step> = Vec::with_capacity(total);
-        // Each rank's slots one after another ([`SlotCursor`], the order of [`slot_at`]).
-        let mut cur: Vec<SlotCursor> = (0..p)
-            .map(|j| SlotCursor::new(schedule, p, v, m, j))
-            .collect();
-        let mut ring = 1usize; // the largest distance from a pass back to what it waits for
-        DONE.with(|done| {
-            let mut done = done.borrow_mut();
-            // Index (1-based) of the step that finished each forward (first half) and
-            // backward (second half) of a (virtual stage, micro-batch); 0 = not yet.
-            done.clear();
-            done.resize(2 * vs_n * mu, 0);
-            let (f_done, b_done) = done.split_at_mut(vs_n * mu);
-            let mut left = pu;
-            loop {
-                let mut progress = false;
-                for (j, c) in cur.iter_mut().enumerate() {
-                    while !c.done() {
-                        let s = c.peek(v, m);
-                        let vs = s.chunk as usize * pu + j;
-                        // By micro-batch, then virtual stage: the passes in flight are close.
-                        let at = s.mb as usize * vs_n + vs;
-                        // 0: starts at time zero.
-                        let dep = match s.phase {
-                            Phase::Fwd if vs > 0 => f_done[at - 1],
-                            Phase::Fwd => 0,
-                            Phase::Bwd if vs + 1 < vs_n => b_done[at + 1],
-                            Phase::Bwd => f_done[at],
-                        };
-                        if dep == 0 && !(s.phase == Phase::Fwd && vs == 0) {
-                            break;
-                        }
-                        let bwd = s.phase == Phase::Bwd;
-                        steps.push(Step {
-                            pass: 2 * vs as u32 + u32::from(bwd),
-                            dep,
-                        });
-                        let id = steps.len() as u32;
-                        if dep > 0 {
-                            ring = ring.max((id - dep) as usize);
-                        }
-                        if bwd {
-                            b_done[at] = id;
-                        } else {
-                            f_done[at] = id;
-                        }
-                        c.advance(s.phase, p, v, m);
-                        progress = true;
-                        if c.done() {
-                            left -= 1;
-                        }
-                    }
-                }
-                if left == 0 {
-                    break;
-                }
-                if !progress {
-                    // Only for micro-batch counts the rules reject (interleaving with m not
-                    // a multiple of p can deadlock). As the sweep, time what ran; the passes
-                    // that never run still count towards each rank's activation peak.
-                    for (j, c) in cur.iter_mut().enumerate() {
-                        while !c.done() {
-                            let s = c.peek(v, m);
-                            let vs = s.chunk as usize * pu + j;
-                            steps.push(Step {
-                                pass: 2 * vs as u32 + u32::from(s.phase == Phase::Bwd),
-                                dep: NEVER,
-                            });
-                            c.advance(s.phase, p, v, m);
-                        }
-                    }
-                    break;
-                }
-            }
-        });
+        let (steps, repeat, slot_order) = match Self::repeating(schedule, p, v, m) {
+            Some((steps, repeat)) => (steps, Some(repeat), true),
+            None => match slot_order_steps(schedule, p, v, m) {
+                Some(steps) => (Arc::new(steps), None, true),
+                None => (Arc::new(sweep_steps(schedule, p, v, m)), None, false),
+            },
+        };
+        let ring = steps
+            .iter()
+            .filter(|s| s.back != NEVER)
+            .map(|s| s.back as usize)
+            .fold(1, usize::max);
         WalkPlan {
             schedule,
             p,
             v,
             m,
-            vs_n,
+            vs_n: (p * v) as usize,
             steps,
+            repeat,
+            slot_order,
             mask: ring.next_power_of_two() - 1,
         }
     }
 
+    /// The steps of interleaving with `m` a multiple of `p` and at least [`REPEAT_FROM`]
+    /// groups, from the plan of `m0` micro-batches (as many groups, less an even number,
+    /// as [`REPEAT_FROM`] or one more) with its repeating stretches ([`Repeat`]); `None`
+    /// for other walks, or if the stretches do not repeat (never seen; the caller then
+    /// builds every step).
+    fn repeating(schedule: Schedule, p: u32, v: u32, m: u32) -> Option<(Arc<Vec<Step>>, Repeat)> {
+        if !Self::repeats(schedule, p, v, m) {
+            return None;
+        }
+        let groups = m / p;
+        let base = REPEAT_FROM + (groups - REPEAT_FROM) % 2;
+        let key = (p, v, base);
+        let known = BASES.lock().map_or(None, |bases| bases.get(&key).cloned());
+        let (steps, repeat) = match known {
+            Some(known) => known,
+            None => {
+                // Built without the lock (another thread may build the same, equal plan).
+                let built = Self::base(p, v, base);
+                if let Ok(mut bases) = BASES.lock() {
+                    bases.entry(key).or_insert_with(|| built.clone());
+                }
+                built
+            }
+        }?;
+        let times = ((groups - base) / 2) as usize;
+        Some((steps, Repeat { times, ..repeat }))
+    }
+
+    /// The plan of interleaving over `groups` full groups, and where a group's steps repeat
+    /// in it (`times` 0); `None` if they do not (see [`WalkPlan::repeating`]).
+    fn base(p: u32, v: u32, groups: u32) -> Base {
+        let steps = slot_order_steps(Schedule::Interleaved, p, v, groups * p)?;
+        let (pu, vu) = (p as usize, v as usize);
+        let len = 2 * pu * vu * pu;
+        // The first half of the slot indices, every rank; the stretches keep a group's
+        // steps away from the turn (where the second half's first steps wait for the first
+        // half's last) and from the warm-up and the drain.
+        let half = steps.len() / 2;
+        let (first, second) = (half - len, half + 2 * len);
+        let same = |at: usize| steps[at - len..at] == steps[at..at + len];
+        if !(same(first) && same(second)) {
+            return None;
+        }
+        let repeat = Repeat {
+            len,
+            first,
+            second,
+            times: 0,
+        };
+        Some((Arc::new(steps), repeat))
+    }
+
+    /// Whether [`WalkPlan::new`] builds the plan of this walk from a smaller one
+    /// ([`Repeat`]): interleaving (`v` as the walk takes it) with `m` a multiple of `p` and
+    /// more than [`REPEAT_FROM`] + 1 groups.
+    fn repeats(schedule: Schedule, p: u32, v: u32, m: u32) -> bool {
+        schedule == Schedule::Interleaved
+            && v >= 2
+            && m.is_multiple_of(p)
+            && m / p > REPEAT_FROM + 1
+    }
+
+    /// The steps in the order the walk runs them, as slices of `steps`.
+    fn stretches(&self) -> impl Iterator<Item = &[Step]> + '_ {
+        let all = &self.steps[..];
+        let (a, b, len, times) = match self.repeat {
+            Some(r) => (r.first, r.second, r.len, r.times),
+            None => (all.len(), all.len(), 0, 0),
+        };
+        let again = |at: usize| std::iter::repeat_n(&all[at - len..at], times);
+        std::iter::once(&all[..a])
+            .chain(again(a))
+            .chain(std::iter::once(&all[a..b]))
+            .chain(again(b))
+            .chain(std::iter::once(&all[b..]))
+    }
+
     /// The walk with these durations and saved bytes (see [`Walk`]; slices of `p v`).
     pub fn run(&self, fwd: &[f64], bwd: &[f64], act: &[f64]) -> Walk {
+        let costs = StageCosts { fwd, bwd, act };
+        self.run_unless(costs, &mut |_| false)
+            .expect("never given up")
+    }
+
+    /// [`WalkPlan::run`], unless `give_up` says to stop (as [`walk_unless`], which shows it
+    /// the same floors at about the same points).
+    pub fn run_unless(
+        &self,
+        costs: StageCosts<'_>,
+        give_up: &mut dyn FnMut(&Walk) -> bool,
+    ) -> Option<Walk> {
         let p = self.p as usize;
-        let (fwd, bwd) = (&fwd[..self.vs_n], &bwd[..self.vs_n]);
+        let (fwd, bwd) = (&costs.fwd[..self.vs_n], &costs.bwd[..self.vs_n]);
+        let (sched, v, m) = (self.schedule, self.v, self.m);
+        let mut shown = Walk {
+            makespan: 0.0,
+            // The same sums in each rank's slot order as the walk's (never-run passes too).
+            peak_act: peak_act(sched, self.p, v, m, &costs.act[..self.vs_n]),
+        };
+        let total = 2 * (m * v) as usize * p;
+        // Steps after which the floor is shown: whole slot indices of every rank. A walk too
+        // short to be shown one does not work it out.
+        let every = check_every(total).div_ceil(p) * p;
+        let floor = (self.slot_order && total > every)
+            .then(|| ProgressFloor::new(sched, self.p, v, m, fwd, bwd))
+            .flatten();
+        let mut next_check = if floor.is_some() { every } else { usize::MAX };
         // The finish times of the last `mask + 1` steps, by step index (1-based): each step
         // waits for one at most that far back.
         let mut done = vec![0.0f64; self.mask + 1];
@@ -528,28 +795,201 @@ impl WalkPlan {
             .flat_map(|vs| [(vs % p, fwd[vs]), (vs % p, bwd[vs])])
             .collect();
         let mut id = 0usize;
-        for s in &self.steps {
-            if s.dep == NEVER {
-                // Only the passes of a deadlocked walk, at its end.
-                break;
+        'walk: for mut stretch in self.stretches() {
+            while !stretch.is_empty() {
+                let (now, rest) = stretch.split_at(stretch.len().min(next_check - id));
+                for s in now {
+                    if s.back == NEVER {
+                        // Only the passes of a deadlocked walk, at its end.
+                        break 'walk;
+                    }
+                    let (j, dur) = passes[s.pass as usize];
+                    let dep = if s.back == 0 {
+                        0.0
+                    } else {
+                        done[(id + 1 - s.back as usize) & self.mask]
+                    };
+                    let t = clock[j].max(dep) + dur;
+                    clock[j] = t;
+                    id += 1;
+                    done[id & self.mask] = t;
+                }
+                stretch = rest;
+                if id == next_check {
+                    next_check += every;
+                    if let (Some(floor), true) = (&floor, id < total) {
+                        let n = (id / p) as u32;
+                        shown.makespan = floor.at(&clock, |j| slots_run(sched, self.p, v, m, j, n));
+                        if give_up(&shown) {
+                            return None;
+                        }
+                    }
+                }
             }
-            let (j, dur) = passes[s.pass as usize];
-            let dep = if s.dep == 0 {
-                0.0
-            } else {
-                done[s.dep as usize & self.mask]
-            };
-            let t = clock[j].max(dep) + dur;
-            clock[j] = t;
-            id += 1;
-            done[id & self.mask] = t;
         }
-        Walk {
-            makespan: clock.iter().copied().fold(0.0, f64::max),
-            // The same sums in each rank's slot order as the walk's (never-run passes too).
-            peak_act: peak_act(self.schedule, self.p, self.v, self.m, &act[..self.vs_n]),
+        shown.makespan = clock.iter().copied().fold(0.0, f64::max);
+        Some(shown)
+    }
+}
+
+/// The fewest groups of interleaving that [`WalkPlan::new`] builds from a smaller plan
+/// ([`Repeat`]): the smaller plan (`REPEAT_FROM` or one more groups) must have, in each
+/// half of the slot order, two groups' slots of every rank (`2 p v` each) in its steady
+/// state, clear of the turn between the halves, of the warm-up and of the drain. 8 is the
+/// fewest with which every p up to 32 and v up to 8 repeats (the tests build both ways);
+/// [`WalkPlan::repeating`] checks the stretches wherever it is used.
+const REPEAT_FROM: u32 = 8;
+
+/// (forwards, backwards) among the first `n` of rank `j`'s [`slots`] under 1F1B or
+/// interleaving: its warm-up forwards, then a forward and a backward in turn, then its
+/// remaining backwards.
+fn slots_run(schedule: Schedule, p: u32, v: u32, m: u32, j: usize, n: u32) -> (u32, u32) {
+    let total = m * v;
+    let j = j as u32;
+    let warm = if v == 1 || schedule != Schedule::Interleaved {
+        (p - j - 1).min(m)
+    } else {
+        ((p - j - 1) * 2 + (v - 1) * p).min(total)
+    };
+    if n <= warm {
+        (n, 0)
+    } else if n <= 2 * total - warm {
+        (warm + (n - warm).div_ceil(2), (n - warm) / 2)
+    } else {
+        (total, n - total)
+    }
+}
+
+/// The steps of [`WalkPlan::new`] in slot order, each waiting for the step that ran its
+/// input: [`slot_order_walk`]'s order and window (a step index instead of a finish time
+/// per entry), `None` where some input has not run by then. As fast to build as one walk
+/// in slot order, where the sweep looks up every input in a table of all the passes.
+fn slot_order_steps(schedule: Schedule, p: u32, v: u32, m: u32) -> Option<Vec<Step>> {
+    let pu = p as usize;
+    let vs_n = pu * v as usize;
+    let total = m * v;
+    let w = match schedule {
+        Schedule::Gpipe => m.next_power_of_two(),
+        _ => (2 * p).next_power_of_two().min(m.next_power_of_two()),
+    } as usize;
+    let wrap = w - 1;
+    let mut cur: Vec<SlotCursor> = (0..p)
+        .map(|j| SlotCursor::new(schedule, p, v, m, j))
+        .collect();
+    let mut steps: Vec<Step> = Vec::with_capacity(2 * total as usize * pu);
+    // Step (1-based) that ran each forward (first half) and backward (second half) of a
+    // (micro-batch mod w, virtual stage), with the micro-batch (`u32::MAX`: none yet).
+    let mut ran = vec![(0u32, u32::MAX); 2 * vs_n * w];
+    let (f_done, b_done) = ran.split_at_mut(vs_n * w);
+    for n in 0..2 * total {
+        for k in 0..pu {
+            let j = if n < total { k } else { pu - 1 - k };
+            let c = &mut cur[j];
+            let s = c.peek(v, m);
+            let vs = s.chunk as usize * pu + j;
+            let at = (s.mb as usize & wrap) * vs_n + vs;
+            let dep = match s.phase {
+                Phase::Fwd if vs > 0 => f_done[at - 1],
+                Phase::Fwd => (0, s.mb),
+                Phase::Bwd if vs + 1 < vs_n => b_done[at + 1],
+                Phase::Bwd => f_done[at],
+            };
+            if dep.1 != s.mb {
+                return None;
+            }
+            let bwd = s.phase == Phase::Bwd;
+            let id = steps.len() as u32 + 1;
+            steps.push(Step {
+                pass: 2 * vs as u32 + u32::from(bwd),
+                back: if dep.0 == 0 { 0 } else { id - dep.0 },
+            });
+            if bwd {
+                b_done[at] = (id, s.mb);
+            } else {
+                f_done[at] = (id, s.mb);
+            }
+            c.advance(s.phase, p, v, m);
         }
     }
+    Some(steps)
+}
+
+fn sweep_steps(schedule: Schedule, p: u32, v: u32, m: u32) -> Vec<Step> {
+    let (pu, mu) = (p as usize, m as usize);
+    let vs_n = pu * v as usize;
+    let total = pu * 2 * mu * v as usize;
+    let mut steps: Vec<Step> = Vec::with_capacity(total);
+    // Each rank's slots one after another ([`SlotCursor`], the order of [`slot_at`]).
+    let mut cur: Vec<SlotCursor> = (0..p)
+        .map(|j| SlotCursor::new(schedule, p, v, m, j))
+        .collect();
+    DONE.with(|done| {
+        let mut done = done.borrow_mut();
+        // Index (1-based) of the step that finished each forward (first half) and
+        // backward (second half) of a (virtual stage, micro-batch); 0 = not yet.
+        done.clear();
+        done.resize(2 * vs_n * mu, 0);
+        let (f_done, b_done) = done.split_at_mut(vs_n * mu);
+        let mut left = pu;
+        loop {
+            let mut progress = false;
+            for (j, c) in cur.iter_mut().enumerate() {
+                while !c.done() {
+                    let s = c.peek(v, m);
+                    let vs = s.chunk as usize * pu + j;
+                    // By micro-batch, then virtual stage: the passes in flight are close.
+                    let at = s.mb as usize * vs_n + vs;
+                    // 0: starts at time zero.
+                    let dep = match s.phase {
+                        Phase::Fwd if vs > 0 => f_done[at - 1],
+                        Phase::Fwd => 0,
+                        Phase::Bwd if vs + 1 < vs_n => b_done[at + 1],
+                        Phase::Bwd => f_done[at],
+                    };
+                    if dep == 0 && !(s.phase == Phase::Fwd && vs == 0) {
+                        break;
+                    }
+                    let bwd = s.phase == Phase::Bwd;
+                    let id = steps.len() as u32 + 1;
+                    steps.push(Step {
+                        pass: 2 * vs as u32 + u32::from(bwd),
+                        back: if dep == 0 { 0 } else { id - dep },
+                    });
+                    if bwd {
+                        b_done[at] = id;
+                    } else {
+                        f_done[at] = id;
+                    }
+                    c.advance(s.phase, p, v, m);
+                    progress = true;
+                    if c.done() {
+                        left -= 1;
+                    }
+                }
+            }
+            if left == 0 {
+                break;
+            }
+            if !progress {
+                // Only for micro-batch counts the rules reject (interleaving with m not
+                // a multiple of p can deadlock). As the sweep, time what ran; the passes
+                // that never run still count towards each rank's activation peak.
+                for (j, c) in cur.iter_mut().enumerate() {
+                    while !c.done() {
+                        let s = c.peek(v, m);
+                        let vs = s.chunk as usize * pu + j;
+                        steps.push(Step {
+                            pass: 2 * vs as u32 + u32::from(s.phase == Phase::Bwd),
+                            back: NEVER,
+                        });
+                        c.advance(s.phase, p, v, m);
+                    }
+                }
+                break;
+            }
+        }
+    });
+    steps
 }
 
 thread_local! {
@@ -743,13 +1183,13 @@ pub fn leading_forwards_peak(
             _ => (((p - j - 1) * 2 + (v - 1) * p).min(total) + 1).min(total),
         };
         let (mut live, mut peak) = (0.0f64, 0.0f64);
-        for f in 0..lead {
-            let chunk = match schedule {
-                Schedule::Gpipe => f / m,
-                _ => virtual_mb(f, p, v, m, true).1,
-            };
-            live += act[(chunk * p + j) as usize];
+        // The forwards' chunks by increments ([`virtual_mb`]; GPipe: one group of `m`).
+        let gp = if schedule == Schedule::Gpipe { m } else { p };
+        let mut fi = VirtualIter::new(gp, m);
+        for _ in 0..lead {
+            live += act[(fi.get().1 * p + j) as usize];
             peak = peak.max(live);
+            fi.advance(gp, v, m);
         }
         peak
     })
@@ -1313,5 +1753,171 @@ mod tests {
                 }
             }
         });
+    }
+
+    /// The floor of a walk in progress ([`ProgressFloor`]) against the finished walk (the
+    /// sweep's makespan): at most it before every step of the plan and after the last,
+    /// over 1F1B and interleaving (full groups), a grid of (p, v, m) and random durations
+    /// (some zero, some equal). After the last step every rank has nothing left, so the
+    /// floor is the largest clock plus a backward path: the path term is checked there too.
+    /// GPipe and interleaving with a smaller last group have none.
+    #[test]
+    fn progress_floor_stays_under_the_walk_all_along() {
+        let mut rnd = xorshift(0x51af_d7ed_558c_cd65u64);
+        let mut cases = 0;
+        for sched in [Schedule::Gpipe, Schedule::OneFOneB, Schedule::Interleaved] {
+            for p in 1..=6u32 {
+                for v in 1..=4u32 {
+                    for m in 1..=3 * p + 1 {
+                        let vv = if sched == Schedule::Interleaved { v } else { 1 };
+                        let n = (p * vv) as usize;
+                        let mut val = |_| match rnd() % 8 {
+                            0 => 0.0,
+                            1 => 0.25,
+                            r => (r * 1000 + rnd() % 1000) as f64 / 997.0,
+                        };
+                        let fwd: Vec<f64> = (0..n).map(&mut val).collect();
+                        let bwd: Vec<f64> = (0..n).map(&mut val).collect();
+                        let Some(floor) = ProgressFloor::new(sched, p, vv, m, &fwd, &bwd) else {
+                            assert!(
+                                sched == Schedule::Gpipe || !m.is_multiple_of(p),
+                                "{sched:?} p{p} v{v} m{m}"
+                            );
+                            continue;
+                        };
+                        let want = walk_reference(sched, p, vv, m, &fwd, &bwd, &fwd).makespan;
+                        let plan = WalkPlan::new(sched, p, vv, m);
+                        let pu = p as usize;
+                        let (mut clock, mut ran) = (vec![0.0f64; pu], vec![(0u32, 0u32); pu]);
+                        let mut finish = vec![0.0f64; plan.steps.len() + 1];
+                        for (i, s) in plan.steps.iter().enumerate() {
+                            let at = floor.at(&clock, |j| ran[j]);
+                            assert!(
+                                at <= want,
+                                "{sched:?} p{p} v{v} m{m} step {i}: {at} > {want}"
+                            );
+                            let vs = (s.pass / 2) as usize;
+                            let j = vs % pu;
+                            let bwd_pass = s.pass % 2 == 1;
+                            let dur = if bwd_pass { bwd[vs] } else { fwd[vs] };
+                            let dep = if s.back == 0 {
+                                0.0
+                            } else {
+                                finish[i + 1 - s.back as usize]
+                            };
+                            clock[j] = clock[j].max(dep) + dur;
+                            finish[i + 1] = clock[j];
+                            if bwd_pass {
+                                ran[j].1 += 1;
+                            } else {
+                                ran[j].0 += 1;
+                            }
+                        }
+                        let at = floor.at(&clock, |j| ran[j]);
+                        assert!(
+                            at <= want,
+                            "{sched:?} p{p} v{v} m{m} at the end: {at} > {want}"
+                        );
+                        cases += 1;
+                    }
+                }
+            }
+        }
+        assert!(cases > 300, "{cases}");
+    }
+
+    /// A walk that may give up ([`walk_unless`], [`WalkPlan::run_unless`]), over long
+    /// pipelines (the search's sizes, long enough to be shown floors): the floors it shows
+    /// stay at most its makespan; not given up, it equals [`walk`] bit for bit;
+    /// given up at its first floor, it returns `None`.
+    #[test]
+    fn a_walk_that_may_give_up_is_the_walk() {
+        let mut rnd = xorshift(0x2f69_3a0b_c4de_5a17u64);
+        for (sched, p, v, m) in [
+            (Schedule::Interleaved, 16, 3, 256),
+            (Schedule::Interleaved, 32, 2, 512),
+            (Schedule::Interleaved, 16, 7, 64),
+            (Schedule::Interleaved, 8, 5, 320),
+            (Schedule::OneFOneB, 16, 1, 1024),
+        ] {
+            let n = (p * v) as usize;
+            // Chunks of two sizes, as an uneven split makes them.
+            let mut val = |_| if rnd().is_multiple_of(3) { 0.03 } else { 0.02 };
+            let fwd: Vec<f64> = (0..n).map(&mut val).collect();
+            let bwd: Vec<f64> = fwd.iter().map(|x| 2.0 * x).collect();
+            let act: Vec<f64> = (0..n).map(|_| (rnd() % 1000) as f64).collect();
+            let want = walk(sched, p, v, m, &fwd, &bwd, &act);
+            let costs = StageCosts {
+                fwd: &fwd,
+                bwd: &bwd,
+                act: &act,
+            };
+            let plan = WalkPlan::new(sched, p, v, m);
+            for by_plan in [false, true] {
+                let mut shown: Vec<f64> = Vec::new();
+                let mut note = |w: &Walk| {
+                    assert_eq!(w.peak_act, want.peak_act);
+                    shown.push(w.makespan);
+                    false
+                };
+                let got = if by_plan {
+                    plan.run_unless(costs, &mut note)
+                } else {
+                    walk_unless(sched, p, v, m, costs, &mut note)
+                };
+                let got = got.expect("not given up");
+                assert_eq!(got.makespan.to_bits(), want.makespan.to_bits());
+                assert_eq!(got.peak_act, want.peak_act);
+                assert!(!shown.is_empty(), "{sched:?} p{p} v{v} m{m}");
+                assert!(shown.iter().all(|&x| x <= want.makespan), "{shown:?}");
+                let none = if by_plan {
+                    plan.run_unless(costs, &mut |_| true)
+                } else {
+                    walk_unless(sched, p, v, m, costs, &mut |_| true)
+                };
+                assert!(none.is_none());
+            }
+        }
+    }
+
+    /// A plan built from a smaller one ([`Repeat`]) runs exactly the steps of the plan
+    /// built pass by pass in slot order, over interleaving with p up to 32, v up to 8 and
+    /// 8 to 40 groups; and its walk equals the sweep's bit for bit on the search's sizes.
+    #[test]
+    fn a_repeating_plan_is_the_whole_plan() {
+        for p in (1u32..=9).chain([12, 16, 24, 32]) {
+            for v in 2..=8u32 {
+                for groups in (REPEAT_FROM..=REPEAT_FROM + 8).chain([31, 40]) {
+                    let m = groups * p;
+                    let plan = WalkPlan::new(Schedule::Interleaved, p, v, m);
+                    assert_eq!(
+                        plan.repeat.is_some(),
+                        groups > REPEAT_FROM + 1,
+                        "p{p} v{v} m{m}"
+                    );
+                    let got: Vec<Step> = plan.stretches().flatten().copied().collect();
+                    let want = slot_order_steps(Schedule::Interleaved, p, v, m).expect("in order");
+                    assert!(got == want, "p{p} v{v} m{m}");
+                }
+            }
+        }
+        let mut rnd = xorshift(0x7a3c_91e4_0bd2_66f1u64);
+        for (p, v, m) in [(16u32, 3u32, 256u32), (8, 7, 200), (32, 2, 384), (4, 5, 88)] {
+            let n = (p * v) as usize;
+            let mut val = |_| (rnd() % 10_000) as f64 / 997.0 + 1e-3;
+            let fwd: Vec<f64> = (0..n).map(&mut val).collect();
+            let bwd: Vec<f64> = (0..n).map(&mut val).collect();
+            let act: Vec<f64> = (0..n).map(&mut val).collect();
+            let want = walk_reference(Schedule::Interleaved, p, v, m, &fwd, &bwd, &act);
+            let plan = WalkPlan::new(Schedule::Interleaved, p, v, m);
+            assert!(plan.repeat.is_some());
+            let got = plan.run(&fwd, &bwd, &act);
+            assert_eq!(
+                got.makespan.to_bits(),
+                want.makespan.to_bits(),
+                "p{p} v{v} m{m}"
+            );
+            assert_eq!(got.peak_act, want.peak_act);
+        }
     }
 }

@@ -9,9 +9,9 @@
 use rayon::prelude::*;
 use shardwright_cost::eval::{
     evaluate, evaluate_family, evaluate_family_with, evaluate_fitting, evaluate_with,
-    goodput_ceiling, is_uneven, no_bubble_goodput_ceiling_with, uneven_walk, uneven_walk_bounds,
-    BalancedLoads, Evaluation, Family, FractionSup, LayerCosts, MeshBuffers, OutOfMemory, Split,
-    UnevenWalk, WalkBounds,
+    goodput_ceiling, is_uneven, no_bubble_goodput_ceiling_with, uneven_walk_bounds,
+    uneven_walk_unless, BalancedLoads, Evaluation, Family, FractionSup, LayerCosts, MeshBuffers,
+    OutOfMemory, Split, UnevenWalk, WalkBounds,
 };
 use shardwright_cost::layer::LayerShape;
 use shardwright_cost::memory::DpSharding;
@@ -1043,9 +1043,25 @@ impl<'a> Space<'a> {
         if self.fully_pinned || !is_uneven(self.job, layout) {
             return None;
         }
-        // The evaluation when the layout fits with `w`; with the family, the same one
-        // ([`evaluate_family`] with no cut).
-        let fits = |w: &Walk| match fam {
+        if self.fitting(lc, layout, &bounds.floor, fam).is_none() {
+            return Some(Verdict::OutOfMemory);
+        }
+        match self.fitting(lc, layout, bounds.exact_peak(), fam) {
+            None => Some(Verdict::OutOfMemory),
+            Some(ev) => self.below(layout, &ev, t).map(Verdict::FitsBelow),
+        }
+    }
+
+    /// `layout`'s evaluation with the walk `w` when it fits; with the family, the same one
+    /// ([`evaluate_family`] with no cut).
+    fn fitting(
+        &self,
+        lc: &LayerCosts,
+        layout: &Layout,
+        w: &Walk,
+        fam: Option<&FamilyCtx<'_>>,
+    ) -> Option<Evaluation> {
+        match fam {
             Some(f) => evaluate_family(
                 self.job,
                 lc,
@@ -1058,15 +1074,50 @@ impl<'a> Space<'a> {
             .ok()
             .map(|ev| ev.expect("no cut, so costed")),
             None => evaluate_fitting(self.job, lc, layout, UnevenWalk::Given(w)).ok(),
-        };
-        if fits(&bounds.floor).is_none() {
-            return Some(Verdict::OutOfMemory);
         }
-        let Some(ev) = fits(bounds.exact_peak()) else {
-            return Some(Verdict::OutOfMemory);
-        };
-        let g = goodput_ceiling(self.job, layout, &ev);
-        (ev.estimate.fits && g < t).then_some(Verdict::FitsBelow(g))
+    }
+
+    /// The goodput ceiling of `ev` (`layout` evaluated with a walk whose makespan is at most
+    /// its own walk's) when it fits and that ceiling is below `t`: then so is its goodput.
+    fn below(&self, layout: &Layout, ev: &Evaluation, t: f64) -> Option<f64> {
+        let g = goodput_ceiling(self.job, layout, ev);
+        (ev.estimate.fits && g < t).then_some(g)
+    }
+
+    /// The verdict of an uneven interleaving that fits with its walk's activation peak and
+    /// that [`Space::settle`] left open: walk its schedule, giving up once the walk's
+    /// floor shows its goodput below `t` (its ceiling there is below `t`: it fits below the
+    /// top, the verdict a full walk would lead to), else evaluate it with the walk.
+    fn walk_or_below(&self, lc: &LayerCosts, layout: Layout, t: f64) -> Verdict {
+        if self.fully_pinned || !is_uneven(self.job, &layout) {
+            return Verdict::Full(Box::new(evaluated(self.job, lc, layout)));
+        }
+        let mut below = None;
+        let walk = uneven_walk_unless(self.job, lc, &layout, None, &mut |w| {
+            below = self
+                .fitting(lc, &layout, w, None)
+                .and_then(|ev| self.below(&layout, &ev, t));
+            below.is_some()
+        });
+        match (walk, below) {
+            (Some(w), _) => {
+                let ev = evaluate_with(
+                    self.job,
+                    lc,
+                    &layout,
+                    Split::Balanced,
+                    false,
+                    UnevenWalk::Given(&w),
+                );
+                Verdict::Full(Box::new(Candidate {
+                    layout,
+                    estimate: ev.estimate,
+                    goodput_bound: ev.goodput_bound,
+                }))
+            }
+            (None, Some(g)) => Verdict::FitsBelow(g),
+            (None, None) => unreachable!("given up only below t"),
+        }
     }
 
     /// The example text of a rejection.
@@ -1131,7 +1182,8 @@ impl<'a> Space<'a> {
 /// from the second walk on (it costs about one walk in slot order to build, then about a
 /// third of one per walk), so a key walked once is walked in slot order
 /// ([`shardwright_cost::schedule::walk`]) and its plan built when it comes again (or when
-/// one window walks it more than once). The same values either way, bit for bit.
+/// one window walks it more than once). The same values either way, bit for bit. (A walk
+/// of many interleaving groups builds its plan from a few groups' and runs that itself.)
 #[derive(Default)]
 struct WalkPlans {
     plans: BTreeMap<WalkKey, WalkPlan>,
@@ -1167,8 +1219,15 @@ impl WalkPlans {
         self.plans.extend(missing.into_iter().zip(built));
     }
 
-    fn walk(&self, job: &Job, lc: &LayerCosts, layout: &Layout) -> Walk {
-        uneven_walk(job, lc, layout, self.plans.get(&Self::key(layout)))
+    /// [`uneven_walk_unless`] of `layout`, with its plan when there is one.
+    fn walk_unless(
+        &self,
+        job: &Job,
+        lc: &LayerCosts,
+        layout: &Layout,
+        give_up: &mut dyn FnMut(&Walk) -> bool,
+    ) -> Option<Walk> {
+        uneven_walk_unless(job, lc, layout, self.plans.get(&Self::key(layout)), give_up)
     }
 }
 
@@ -1294,7 +1353,7 @@ impl Replay {
                 .filter(|l| is_uneven(job, l)),
         );
         let plans = &*plans;
-        let walked: Vec<Vec<Option<Candidate>>> = wanted
+        let walked: Vec<Vec<Option<Verdict>>> = wanted
             .par_iter()
             .zip(verdicts.par_iter())
             .map(|(g, v)| {
@@ -1304,17 +1363,46 @@ impl Replay {
                 let (v, fam) = (&v.0, v.1.as_ref().expect("worked out with its verdicts"));
                 let (u, is) = (g.0 .0, &g.1);
                 let lc = expanded[u].lc.as_ref().expect("a unit with candidates");
-                // One walk for the family: it does not read the ZeRO stage.
-                let walk = is_uneven(job, &first).then(|| plans.walk(job, lc, &first));
+                if !is_uneven(job, &first) {
+                    let full = |l| Verdict::Full(Box::new(evaluated(job, lc, l)));
+                    return is
+                        .iter()
+                        .zip(v)
+                        .map(|(&(i, _), (_, verdict))| {
+                            verdict.is_none().then(|| full(layout_of(u, i)))
+                        })
+                        .collect();
+                }
+                // One walk for the family: it does not read the ZeRO stage. It stops once
+                // its floor puts each of them below the threshold it was prepared against.
+                let mut below: Vec<Option<f64>> = vec![None; is.len()];
+                let walk = plans.walk_unless(job, lc, &first, &mut |w| {
+                    let mut all = !space.fully_pinned;
+                    for (k, (&(i, t), (_, verdict))) in is.iter().zip(v).enumerate() {
+                        if verdict.is_none() && below[k].is_none() && all {
+                            let l = layout_of(u, i);
+                            below[k] = space
+                                .fitting(lc, &l, w, Some(fam))
+                                .and_then(|ev| space.below(&l, &ev, t));
+                            all = below[k].is_some();
+                        }
+                    }
+                    all
+                });
                 is.iter()
                     .zip(v)
-                    .map(|(&(i, _), (_, verdict))| {
-                        verdict.is_none().then(|| {
-                            let l = layout_of(u, i);
-                            match &walk {
-                                Some(w) => walked_candidate(job, lc, &l, w, fam),
-                                None => evaluated(job, lc, l),
-                            }
+                    .zip(below)
+                    .map(|((&(i, _), (_, verdict)), below)| {
+                        verdict.is_none().then(|| match (&walk, below) {
+                            (_, Some(g)) => Verdict::FitsBelow(g),
+                            (Some(w), None) => Verdict::Full(Box::new(walked_candidate(
+                                job,
+                                lc,
+                                &layout_of(u, i),
+                                w,
+                                fam,
+                            ))),
+                            (None, None) => unreachable!("given up only when all are below"),
                         })
                     })
                     .collect()
@@ -1324,8 +1412,7 @@ impl Replay {
             let mut w = w.into_iter();
             for ((i, _), (optimistic, verdict)) in is.into_iter().zip(v) {
                 let walked = w.next().flatten();
-                let verdict =
-                    verdict.unwrap_or_else(|| Verdict::Full(Box::new(walked.expect("walked"))));
+                let verdict = verdict.unwrap_or_else(|| walked.expect("walked"));
                 if let Event::Uneven { pre, .. } = &mut expanded[u].events[i] {
                     *pre = Some(Box::new(Prepared {
                         optimistic,
@@ -1428,7 +1515,7 @@ impl Replay {
                 let bounds = uneven_walk_bounds(space.job, lc, &layout);
                 space
                     .settle(lc, &layout, &bounds, t, None)
-                    .unwrap_or_else(|| Verdict::Full(Box::new(evaluated(space.job, lc, layout))))
+                    .unwrap_or_else(|| space.walk_or_below(lc, layout, t))
             }
             v => v,
         };
