@@ -506,10 +506,7 @@ fn slot_order_walk(
     let vs_n = pu * v as usize;
     let (fwd, bwd) = (&fwd[..vs_n], &bwd[..vs_n]);
     let total = m * v;
-    let w = match schedule {
-        Schedule::Gpipe => m.next_power_of_two(),
-        _ => (2 * p).next_power_of_two().min(m.next_power_of_two()),
-    } as usize;
+    let w = slot_window(schedule, p, m);
     let wrap = w - 1;
     let mut cur: Vec<SlotCursor> = (0..p)
         .map(|j| SlotCursor::new(schedule, p, v, m, j))
@@ -860,6 +857,15 @@ fn slots_run(schedule: Schedule, p: u32, v: u32, m: u32, j: usize, n: u32) -> (u
     }
 }
 
+/// Micro-batches a slot-order walk keeps in flight per virtual stage (a power of two, so a
+/// micro-batch's entry is its index masked): all of them for GPipe, else at most `2 p`.
+fn slot_window(schedule: Schedule, p: u32, m: u32) -> usize {
+    (match schedule {
+        Schedule::Gpipe => m.next_power_of_two(),
+        _ => (2 * p).next_power_of_two().min(m.next_power_of_two()),
+    }) as usize
+}
+
 /// The steps of [`WalkPlan::new`] in slot order, each waiting for the step that ran its
 /// input: [`slot_order_walk`]'s order and window (a step index instead of a finish time
 /// per entry), `None` where some input has not run by then. As fast to build as one walk
@@ -868,10 +874,7 @@ fn slot_order_steps(schedule: Schedule, p: u32, v: u32, m: u32) -> Option<Vec<St
     let pu = p as usize;
     let vs_n = pu * v as usize;
     let total = m * v;
-    let w = match schedule {
-        Schedule::Gpipe => m.next_power_of_two(),
-        _ => (2 * p).next_power_of_two().min(m.next_power_of_two()),
-    } as usize;
+    let w = slot_window(schedule, p, m);
     let wrap = w - 1;
     let mut cur: Vec<SlotCursor> = (0..p)
         .map(|j| SlotCursor::new(schedule, p, v, m, j))
