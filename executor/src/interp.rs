@@ -11,8 +11,9 @@
 //! - (valued, but not per value) the data-parallel stream and the optimizer ([`dp`]): their
 //!   flat messages are the graph's buckets (the parameter-shard map), the ZeRO shards host
 //!   vectors of this rank's slice of each;
-//! - torchtitan's op-level selective recompute replays, which this backend skips: it keeps
-//!   the activations they would recompute, and its forward is deterministic.
+//! - torchtitan's op-level selective recompute replays (a program whose `RunInfo` says
+//!   `op_level_recompute`), which this backend skips: it keeps the activations they would
+//!   recompute, and its forward is deterministic.
 //!
 //! Steps the IR does not contain and the interpreter performs itself: the GPT
 //! learned-position add rides on the embedding node.
