@@ -184,6 +184,12 @@ impl<'a> PlanCost<'a> {
         self.lookup(kind, pass, Key::Gemm(role))
     }
 
+    /// Whether the template lists op `name` in `pass` of `kind`.
+    fn lists(&self, kind: LayerKind, pass: Pass, name: &'static str) -> bool {
+        let k = (kind_id(kind), ir_pass(pass), Key::Op(name));
+        self.table.contains_key(&k)
+    }
+
     fn lookup(&self, kind: LayerKind, pass: Pass, key: Key) -> (f64, f64) {
         let k = (kind_id(kind), ir_pass(pass), key);
         if let Some(h) = &self.hits {
@@ -224,15 +230,10 @@ impl<'a> PlanCost<'a> {
                     // A layer's two norms; a selective replay of them (the `layernorm`
                     // module) is the template's `norm_recompute`, a full or op-level
                     // replay's part of the forward's `hidden_ops`.
-                    let replay = Key::Op("norm_recompute");
-                    let name =
-                        match self
-                            .table
-                            .contains_key(&(kind_id(kind), ir_pass(pass), replay))
-                        {
-                            true => "norm_recompute",
-                            false => "hidden_ops",
-                        };
+                    let name = match self.lists(kind, pass, "norm_recompute") {
+                        true => "norm_recompute",
+                        false => "hidden_ops",
+                    };
                     self.get(kind, pass, name).0 / 2.0
                 } else {
                     self.get(LayerKind::Head, pass, "head_norm").0
