@@ -64,6 +64,39 @@ pub const KNOWN_HEAD_DIM: &[(&str, u32, &str)] = &[
     ("gpt-oss", 64, "gpt-oss config: head_dim = 64"),
 ];
 
+/// Model families with multi-head latent attention (MLA): (name substring, query/key head
+/// dim, value head dim, where the config says so). The spec has one head dim, so such a
+/// model is read as multi-head attention and [`latent_attention_note`] says by how much
+/// that undercounts the attention core.
+pub const KNOWN_MLA: &[(&str, u32, u32, &str)] = &[
+    (
+        "deepseek-v3",
+        192,
+        128,
+        "DeepSeek-V3 config: qk_nope_head_dim 128 + qk_rope_head_dim 64, v_head_dim 128",
+    ),
+    (
+        "deepseek-v2",
+        192,
+        128,
+        "DeepSeek-V2 config: qk_nope_head_dim 128 + qk_rope_head_dim 64, v_head_dim 128",
+    ),
+];
+
+/// For an MLA model (by family, [`KNOWN_MLA`]) read as multi-head attention at head dim
+/// `modelled`: a note that its attention core (QK^T over `qk` dims, PV over `v` per head)
+/// has `(qk + v) / (2 modelled)` times the FLOPs the model charges.
+fn latent_attention_note(m: &RunModel, modelled: u32) -> Option<String> {
+    let name = m.name.as_deref().unwrap_or("").to_ascii_lowercase();
+    let (_, qk, v, why) = KNOWN_MLA.iter().find(|(k, ..)| name.contains(k))?;
+    let ratio = (qk + v) as f64 / (2.0 * modelled.max(1) as f64);
+    Some(format!(
+        "multi-head latent attention (q/k head dim {qk}, v {v}: {why}) is modelled as \
+         multi-head attention at head dim {modelled}: its attention core has {ratio:.1}x the \
+         FLOPs charged (not modelled)"
+    ))
+}
+
 /// The training framework a run names (the run's `framework` field, else its wording):
 /// most specific first: "Megatron-DeepSpeed" is DeepSpeed's pipeline engine,
 /// "NeMo/Megatron-Bridge" runs Megatron-Core under NeMo's recipes.
@@ -896,6 +929,10 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
     if head_dim.is_none() && m.hidden_size % m.num_attention_heads.max(1) as u64 != 0 {
         return Err("hidden_size not divisible by heads and no head_dim known".into());
     }
+    let modelled = head_dim.unwrap_or((m.hidden_size / m.num_attention_heads.max(1) as u64) as u32);
+    if let Some(note) = latent_attention_note(m, modelled) {
+        notes.push(note);
+    }
     let moe = match (&m.moe, arch) {
         (Some(x), _) => Some(MoeSpec {
             num_experts: x.num_routed_experts,
@@ -1528,6 +1565,25 @@ mod tests {
             Some((64, 1, false))
         );
         assert_eq!(mesh_from_published(1, 3, 8, true), None);
+    }
+
+    /// DeepSeek-V3 as the run file states it (hidden 7168, 128 heads: 56 per head, no
+    /// head_dim): its MLA core runs QK^T over 192 dims and PV over 128 per head (the
+    /// model's `config.json`), (192 + 128) / (2 x 56) = 2.86 times the FLOPs of the
+    /// multi-head attention the spec can state.
+    #[test]
+    fn latent_attention_is_flagged_with_its_undercount() {
+        let mut m: RunModel = serde_json::from_str(
+            r#"{"name": "DeepSeek-V3 (no MTP)", "arch": "moe", "num_layers": 61,
+                "hidden_size": 7168, "num_attention_heads": 128, "vocab_size": 129280,
+                "seq_len": 4096}"#,
+        )
+        .unwrap();
+        let note = latent_attention_note(&m, 56).unwrap();
+        assert!(note.contains("2.9x"), "{note}");
+        assert!(note.contains("q/k head dim 192, v 128"), "{note}");
+        m.name = Some("Llama 3 70B".into());
+        assert_eq!(latent_attention_note(&m, 128), None);
     }
 
     #[test]
