@@ -1101,7 +1101,7 @@ fn whole_peak(p: u32, v: u32, m: u32, j: u32, warm: u32, act: &[f64]) -> Option<
     let mut a = [0u64; MAX_V];
     for (c, a) in a.iter_mut().enumerate().take(vu) {
         let x = act[c * p as usize + j as usize];
-        if !(x >= 0.0 && x <= EXACT && x.fract() == 0.0) {
+        if !((0.0..=EXACT).contains(&x) && x.fract() == 0.0) {
             return None;
         }
         *a = x as u64;
