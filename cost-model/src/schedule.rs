@@ -506,72 +506,105 @@ fn slot_order_walk(
     let vs_n = pu * v as usize;
     let (fwd, bwd) = (&fwd[..vs_n], &bwd[..vs_n]);
     let total = m * v;
-    let w = slot_window(schedule, p, m);
-    let wrap = w - 1;
-    let mut cur: Vec<SlotCursor> = (0..p)
-        .map(|j| SlotCursor::new(schedule, p, v, m, j))
-        .collect();
     let mut clock = vec![0.0f64; pu];
     // Slot indices after which the floor is shown (every rank has run as many).
     let every = (check_every(2 * total as usize * pu) / pu) as u32;
     let mut next_check = every;
     let ended = FINISH.with(|finish| {
         let mut finish = finish.borrow_mut();
-        // Finish time of each forward (first half) and backward (second half) of a
-        // (micro-batch mod w, virtual stage), with the micro-batch (`u32::MAX`: none yet).
-        finish.clear();
-        finish.resize(2 * vs_n * w, (0.0, u32::MAX));
-        let (f_done, b_done) = finish.split_at_mut(vs_n * w);
-        for n in 0..2 * total {
-            for k in 0..pu {
-                let j = if n < total { k } else { pu - 1 - k };
-                let c = &mut cur[j];
-                let s = c.peek(v, m);
-                let vs = s.chunk as usize * pu + j;
-                let at = (s.mb as usize & wrap) * vs_n + vs;
-                let t = match s.phase {
-                    Phase::Fwd => {
-                        let dep = if vs > 0 { f_done[at - 1] } else { (0.0, s.mb) };
-                        if dep.1 != s.mb {
-                            return SlotOrder::OutOfOrder;
-                        }
-                        let t = clock[j].max(dep.0) + fwd[vs];
-                        f_done[at] = (t, s.mb);
-                        t
-                    }
-                    Phase::Bwd => {
-                        let dep = if vs + 1 < vs_n {
-                            b_done[at + 1]
-                        } else {
-                            f_done[at]
-                        };
-                        if dep.1 != s.mb {
-                            return SlotOrder::OutOfOrder;
-                        }
-                        let t = clock[j].max(dep.0) + bwd[vs];
-                        b_done[at] = (t, s.mb);
-                        t
-                    }
-                };
-                clock[j] = t;
-                c.advance(s.phase, p, v, m);
+        let run = |clock: &mut Vec<f64>, j: usize, vs: usize, phase: Phase, dep: f64| {
+            let d = if phase == Phase::Fwd {
+                fwd[vs]
+            } else {
+                bwd[vs]
+            };
+            clock[j] = clock[j].max(dep) + d;
+            clock[j]
+        };
+        let stop = |clock: &mut Vec<f64>, n: u32, cur: &[SlotCursor]| {
+            if n + 1 != next_check || n + 1 >= 2 * total {
+                return false;
             }
-            if n + 1 == next_check && n + 1 < 2 * total {
-                next_check += every;
-                if let Some((floor, test)) = stop.as_mut() {
-                    let at = floor.at(&clock, |j| (cur[j].f, cur[j].b));
-                    if test(at) {
-                        return SlotOrder::GaveUp;
-                    }
-                }
-            }
-        }
-        SlotOrder::Done(0.0)
+            next_check += every;
+            let Some((floor, test)) = stop.as_mut() else {
+                return false;
+            };
+            test(floor.at(clock, |j| (cur[j].f, cur[j].b)))
+        };
+        slot_order(
+            schedule,
+            (p, v, m),
+            &mut finish,
+            0.0,
+            (&mut clock, run, stop),
+        )
     });
     match ended {
         SlotOrder::Done(_) => SlotOrder::Done(clock.iter().copied().fold(0.0, f64::max)),
         other => other,
     }
+}
+
+/// Every pass of `(schedule, p, v, m)` in slot order: slot `n` of every rank in turn (ranks
+/// upwards for the first half, downwards for the second), which runs each pass after its
+/// input for GPipe, 1F1B and full interleaving groups. `visit(state, rank, virtual stage,
+/// phase, x)` gets the value it returned for the pass's input (`zero` for a first forward)
+/// and returns the pass's own; the table keeps them for a window of [`slot_window`]
+/// micro-batches, tagged with the micro-batch that wrote them. `after(state, n, cursors)`
+/// runs after each slot index and ends the walk (`GaveUp`) when it says so; `OutOfOrder`
+/// when a pass comes before its input.
+fn slot_order<T: Copy, S>(
+    schedule: Schedule,
+    (p, v, m): (u32, u32, u32),
+    table: &mut Vec<(T, u32)>,
+    zero: T,
+    (state, mut visit, mut after): (
+        &mut S,
+        impl FnMut(&mut S, usize, usize, Phase, T) -> T,
+        impl FnMut(&mut S, u32, &[SlotCursor]) -> bool,
+    ),
+) -> SlotOrder {
+    let pu = p as usize;
+    let vs_n = pu * v as usize;
+    let total = m * v;
+    let w = slot_window(schedule, p, m);
+    let wrap = w - 1;
+    let mut cur: Vec<SlotCursor> = (0..p)
+        .map(|j| SlotCursor::new(schedule, p, v, m, j))
+        .collect();
+    // Each forward (first half) and backward (second half) of a (micro-batch mod w,
+    // virtual stage): its value, with the micro-batch (`u32::MAX`: none yet).
+    table.clear();
+    table.resize(2 * vs_n * w, (zero, u32::MAX));
+    let (f_done, b_done) = table.split_at_mut(vs_n * w);
+    for n in 0..2 * total {
+        for k in 0..pu {
+            let j = if n < total { k } else { pu - 1 - k };
+            let c = &mut cur[j];
+            let s = c.peek(v, m);
+            let vs = s.chunk as usize * pu + j;
+            let at = (s.mb as usize & wrap) * vs_n + vs;
+            let dep = match s.phase {
+                Phase::Fwd if vs > 0 => f_done[at - 1],
+                Phase::Fwd => (zero, s.mb),
+                Phase::Bwd if vs + 1 < vs_n => b_done[at + 1],
+                Phase::Bwd => f_done[at],
+            };
+            if dep.1 != s.mb {
+                return SlotOrder::OutOfOrder;
+            }
+            let x = visit(state, j, vs, s.phase, dep.0);
+            match s.phase {
+                Phase::Fwd => f_done[at] = (x, s.mb),
+                Phase::Bwd => b_done[at] = (x, s.mb),
+            }
+            c.advance(s.phase, p, v, m);
+        }
+        if after(state, n, &cur) {
+            return SlotOrder::GaveUp;
+        }
+    }
+    SlotOrder::Done(0.0)
 }
 
 /// [`Step::back`] of a pass that never runs (a deadlocked schedule).
@@ -871,50 +904,21 @@ fn slot_window(schedule: Schedule, p: u32, m: u32) -> usize {
 /// per entry), `None` where some input has not run by then. As fast to build as one walk
 /// in slot order, where the sweep looks up every input in a table of all the passes.
 fn slot_order_steps(schedule: Schedule, p: u32, v: u32, m: u32) -> Option<Vec<Step>> {
-    let pu = p as usize;
-    let vs_n = pu * v as usize;
-    let total = m * v;
-    let w = slot_window(schedule, p, m);
-    let wrap = w - 1;
-    let mut cur: Vec<SlotCursor> = (0..p)
-        .map(|j| SlotCursor::new(schedule, p, v, m, j))
-        .collect();
-    let mut steps: Vec<Step> = Vec::with_capacity(2 * total as usize * pu);
-    // Step (1-based) that ran each forward (first half) and backward (second half) of a
-    // (micro-batch mod w, virtual stage), with the micro-batch (`u32::MAX`: none yet).
-    let mut ran = vec![(0u32, u32::MAX); 2 * vs_n * w];
-    let (f_done, b_done) = ran.split_at_mut(vs_n * w);
-    for n in 0..2 * total {
-        for k in 0..pu {
-            let j = if n < total { k } else { pu - 1 - k };
-            let c = &mut cur[j];
-            let s = c.peek(v, m);
-            let vs = s.chunk as usize * pu + j;
-            let at = (s.mb as usize & wrap) * vs_n + vs;
-            let dep = match s.phase {
-                Phase::Fwd if vs > 0 => f_done[at - 1],
-                Phase::Fwd => (0, s.mb),
-                Phase::Bwd if vs + 1 < vs_n => b_done[at + 1],
-                Phase::Bwd => f_done[at],
-            };
-            if dep.1 != s.mb {
-                return None;
-            }
-            let bwd = s.phase == Phase::Bwd;
-            let id = steps.len() as u32 + 1;
-            steps.push(Step {
-                pass: 2 * vs as u32 + u32::from(bwd),
-                back: if dep.0 == 0 { 0 } else { id - dep.0 },
-            });
-            if bwd {
-                b_done[at] = (id, s.mb);
-            } else {
-                f_done[at] = (id, s.mb);
-            }
-            c.advance(s.phase, p, v, m);
-        }
+    let mut steps: Vec<Step> = Vec::with_capacity(2 * (m * v) as usize * p as usize);
+    // The step (1-based) that ran each pass; 0 for a first forward's input.
+    let run = |steps: &mut Vec<Step>, _: usize, vs: usize, phase: Phase, dep: u32| {
+        let id = steps.len() as u32 + 1;
+        steps.push(Step {
+            pass: 2 * vs as u32 + u32::from(phase == Phase::Bwd),
+            back: if dep == 0 { 0 } else { id - dep },
+        });
+        id
+    };
+    let walk = (&mut steps, run, |_: &mut _, _, _: &[SlotCursor]| false);
+    match slot_order(schedule, (p, v, m), &mut Vec::new(), 0, walk) {
+        SlotOrder::Done(_) => Some(steps),
+        SlotOrder::GaveUp | SlotOrder::OutOfOrder => None,
     }
-    Some(steps)
 }
 
 fn sweep_steps(schedule: Schedule, p: u32, v: u32, m: u32) -> Vec<Step> {
