@@ -227,6 +227,9 @@ struct State {
     /// Set by the first timeout: the ranks others waited for that were not waiting
     /// themselves (hung or gone), in rank order.
     blamed: Option<Vec<u32>>,
+    /// The first rank whose timeout waited for a blamed rank: its error is the evidence
+    /// of the hang (a rank blocked behind the hung one may time out before it).
+    witness: Option<u32>,
 }
 
 impl State {
@@ -291,7 +294,10 @@ impl Hub {
         let left = self.timeout.saturating_sub(start.elapsed());
         if left.is_zero() {
             let culprits = st.culprits();
-            st.blamed.get_or_insert(culprits);
+            let blamed = st.blamed.get_or_insert(culprits);
+            if missing.iter().any(|r| blamed.contains(r)) {
+                st.witness.get_or_insert(rank);
+            }
             st.waiting.remove(&rank);
             drop(st);
             panic!(
@@ -311,6 +317,11 @@ impl Hub {
     pub fn blamed(&self) -> Vec<u32> {
         let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.blamed.clone().unwrap_or_default()
+    }
+    /// After a timeout: the first rank that timed out waiting for a blamed rank, if any.
+    pub fn witness(&self) -> Option<u32> {
+        let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.witness
     }
     /// Wake every waiting rank and make it panic with "aborted" (a rank failed).
     pub fn abort(&self) {
@@ -558,5 +569,32 @@ impl Communicator for Local {
             )
         });
         Arc::try_unwrap(m).unwrap_or_else(|m| (*m).clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chain behind a hung rank: rank 2 never joins; rank 1 waits for it on group [1, 2];
+    /// rank 0 waits for rank 1 on group [0, 1] and, having started first, times out first.
+    /// The blame goes to rank 2 (waited for, waiting for no one); the witness is rank 1,
+    /// the first whose timeout waited for rank 2, not rank 0, whose timeout came first.
+    #[test]
+    fn the_witness_is_the_first_timeout_that_waited_for_the_blamed_rank() {
+        let hub = Hub::with_timeout(3, Duration::from_millis(300));
+        let mut comms = hub.comms().into_iter();
+        let (mut c0, mut c1) = (comms.next().unwrap(), comms.next().unwrap());
+        let t0 = std::thread::spawn(move || {
+            std::panic::catch_unwind(move || c0.all_reduce(&[0, 1], &mut [1.0])).is_err()
+        });
+        std::thread::sleep(Duration::from_millis(150));
+        let t1 = std::thread::spawn(move || {
+            std::panic::catch_unwind(move || c1.all_reduce(&[1, 2], &mut [1.0])).is_err()
+        });
+        assert!(t0.join().unwrap(), "rank 0 timed out");
+        assert!(t1.join().unwrap(), "rank 1 timed out");
+        assert_eq!(hub.blamed(), vec![2]);
+        assert_eq!(hub.witness(), Some(1));
     }
 }

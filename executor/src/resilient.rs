@@ -724,19 +724,6 @@ fn replica_groups(program: &Program) -> Result<Vec<(u32, u32)>, ExecError> {
     Ok(replica)
 }
 
-/// The ranks a collective timeout says it waited for (`... waiting for rank(s) [2, 5]`, as
-/// the communicator words it); empty for any other error.
-fn waited_for(err: &str) -> Vec<u32> {
-    err.split_once("waiting for rank(s) [")
-        .and_then(|(_, rest)| rest.split_once(']'))
-        .map(|(list, _)| {
-            list.split(',')
-                .filter_map(|r| r.trim().parse().ok())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// What failed when no hook detected it: a hang (one rank blamed by the collective
 /// timeouts: its evidence, the oldest heartbeat among the ranks that did not wait) or else
 /// the error itself, which ends the run.
@@ -749,17 +736,13 @@ fn diagnose(
 ) -> Result<Detected, ExecError> {
     let blamed = hub.blamed();
     // The evidence: a rank that timed out waiting (it names the collective and whom it
-    // waited for), the one that waited for the blamed rank first (under load a rank
-    // blocked behind the hung one may time out before the hung rank's own peers do),
-    // else the first error not caused by the abort.
-    let waits_for_blamed = |e: &ExecError| {
-        let e = e.to_string();
-        blamed.len() == 1 && waited_for(&e).contains(&blamed[0])
-    };
-    let first_err = results
-        .iter()
-        .filter_map(|r| r.as_ref().err())
-        .find(|e| waits_for_blamed(e))
+    // waited for), the hub's witness first (the first to time out waiting for the blamed
+    // rank: under load a rank blocked behind the hung one may time out before the hung
+    // rank's own peers do), else the first error not caused by the abort.
+    let witness = hub
+        .witness()
+        .and_then(|r| results.get(r as usize)?.as_ref().err());
+    let first_err = witness
         .or_else(|| {
             results
                 .iter()
@@ -1066,23 +1049,4 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
     report.slots = slots;
     report.warnings = warnings;
     Ok(report)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::waited_for;
-
-    /// The communicator's wording (`comm.rs`, a `{:?}` of the missing ranks) read back.
-    #[test]
-    fn waited_for_reads_the_timeout_message() {
-        let one =
-            "rank 1: collective #19 on group [1, 3] timed out after 1.0 s waiting for rank(s) [3]";
-        assert_eq!(waited_for(one), vec![3]);
-        let two = format!(
-            "rank 0: send timed out after 2.0 s waiting for rank(s) {:?}",
-            [2u32, 5]
-        );
-        assert_eq!(waited_for(&two), vec![2, 5]);
-        assert_eq!(waited_for("rank 2: aborted"), Vec::<u32>::new());
-    }
 }
