@@ -266,9 +266,23 @@ fn each_layer_pass_charges_exactly_the_template() {
         let l = shardwright_lowering::lower(&p).unwrap();
         let lay = &l.layout;
         let shape = LayerShape::of(lay);
+        // Each layer kind's template, built once per plan.
+        let kinds = [
+            LayerKind::Dense,
+            LayerKind::Moe,
+            LayerKind::Head,
+            LayerKind::Embedding,
+        ];
+        let all: Vec<_> = kinds
+            .iter()
+            .map(|&k| match k == LayerKind::Moe && !l.job.model.is_moe() {
+                true => vec![],
+                false => layer_ops(&l.job, &l.mesh, &shape, k),
+            })
+            .collect();
         let template = |k: LayerKind, pass: TPass| -> (f64, Vec<(&'static str, f64)>) {
-            let ops = layer_ops(&l.job, &l.mesh, &shape, k);
-            let ops: Vec<_> = ops.iter().filter(|o| o.pass == pass).collect();
+            let at = kinds.iter().position(|&x| x == k).expect("a layer kind");
+            let ops: Vec<_> = all[at].iter().filter(|o| o.pass == pass).collect();
             let sum = ops.iter().map(|o| o.exposed_s).sum();
             (sum, ops.iter().map(|o| (o.name, o.exposed_s)).collect())
         };
