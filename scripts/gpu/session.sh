@@ -13,6 +13,11 @@
 #              shapes, then the backend's MLP block of that step in bf16 mode and in fp32
 #              mode) and scripts/gpu/torch_kernels.py (PyTorch on the same shapes):
 #              kernels.log, torch-kernels.json;
+#   race       the multi-rank training tests of cuda_train RACE_REPEATS times (default 4),
+#              twice with SHARDWRIGHT_CUDA_SYNC=1, then once under compute-sanitizer's
+#              memcheck (race/ in logs.tgz);
+#   program    `shardwright lower` then `execute PROG.ir` (no plan) on the CPU and on the GPU,
+#              the tiny Llama on one rank and on eight, losses side by side (program/);
 #   measure    scripts/gpu/measure_kernels.py: the cost model's kernel rates (kernel-rates.json),
 #              cut off at MEASURE_LIMIT_S (default 150) with what it saved so far.
 # Outputs go to $OUT (at most 8 files come back from the device tool: logs are packed).
@@ -76,6 +81,72 @@ if has measure; then
     timeout "${MEASURE_LIMIT_S:-150}" python3 scripts/gpu/measure_kernels.py "$out/kernel-rates.json" >"$out/measure.log" 2>&1
     echo "measure_kernels: exit $? ($(grep -c '^\[' "$out/measure.log") sections)"
     logs+=(measure.log)
+fi
+if has race; then
+    # Several ranks sharing the GPU in one process (issue 23's open race): the multi-rank
+    # training tests again and again (each layout against the CPU reference), then with a
+    # wait after every operation, then under compute-sanitizer's memcheck.
+    bin="$repo/target/gpu-check/bin"
+    r="$out/race"
+    mkdir -p "$r"
+    for i in $(seq "${RACE_REPEATS:-4}"); do
+        for t in tiny_llama_cpu_features_one_by_one moe_steps_on_the_gpu_match_the_cpu_reference llama_steps_on_the_gpu_match_the_cpu_reference; do
+            timeout 90 "$bin/cuda_train" --exact "$t" --nocapture --test-threads=1 >"$r/$t.$i.log" 2>&1
+            echo "race: $t run $i: exit $? $(grep -c 'worst relative' "$r/$t.$i.log") layouts"
+        done
+    done
+    for i in 1 2; do
+        SHARDWRIGHT_CUDA_SYNC=1 timeout 90 "$bin/cuda_train" --exact tiny_llama_cpu_features_one_by_one --nocapture >"$r/sync.$i.log" 2>&1
+        echo "race: SHARDWRIGHT_CUDA_SYNC=1 run $i: exit $?"
+    done
+    grep -h "worst relative\|panicked\|layouts that differ" "$r"/*.log | sort | uniq -c | sort -rn | head -60
+    if command -v compute-sanitizer >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+        cs="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+        timeout "${SANITIZER_LIMIT_S:-100}" "$cs" --tool memcheck --leak-check no --print-limit 20 \
+            "$bin/cuda_train" --exact tiny_llama_cpu_features_one_by_one --nocapture >"$r/memcheck.log" 2>&1
+        echo "race: memcheck exit $?: $(grep -c 'Invalid\|ERROR' "$r/memcheck.log") error lines"
+        tail -5 "$r/memcheck.log"
+    fi
+    logs+=(race)
+fi
+if has program; then
+    # A lowered program file run by `execute` alone (no spec, no plan), on the CPU and on
+    # the GPU, one rank and eight: the losses side by side.
+    p="$out/program"
+    mkdir -p "$p"
+    x="$sess/shardwright"
+    sed -e 's/num_gpus: 8/num_gpus: 1/' -e 's/gpus_per_node: 8/gpus_per_node: 1/' \
+        -e 's/{tp: 2, pp: 2, dp: 2,/{tp: 1, pp: 1, dp: 1,/' -e 's/zero_stage: 1/zero_stage: 0/' \
+        -e 's/sequence_parallel: true/sequence_parallel: false/' specs/tiny-llama-cpu.yaml >"$p/one.yaml"
+    for name in one eight; do
+        spec="$p/one.yaml"
+        [ "$name" = eight ] && spec=specs/tiny-llama-cpu.yaml
+        "$x" plan "$spec" -o "$p/$name.json" >/dev/null && "$x" lower "$p/$name.json" -o "$p/$name.ir" >/dev/null
+        for be in cpu cuda; do
+            SHARDWRIGHT_CUDA_MULTIRANK=1 timeout 90 "$x" execute "$p/$name.ir" --backend "$be" --steps 5 --quiet \
+                >"$p/$name.$be.jsonl" 2>"$p/$name.$be.err"
+            echo "program $name on $be: exit $?"
+        done
+        python3 - "$p/$name.cpu.jsonl" "$p/$name.cuda.jsonl" <<'PY'
+import json, sys
+def losses(f):
+    out = []
+    for l in open(f):
+        l = l.strip()
+        if l.startswith("{"):
+            m = json.loads(l)
+            out.append((m.get("step"), m.get("loss"), m.get("grad_norm")))
+    return out
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+for x, y in zip(a, b):
+    rel = abs(x[1] - y[1]) / max(abs(x[1]), 1e-30) if x[1] is not None and y[1] is not None else None
+    print(f"  step {x[0]}: loss cpu {x[1]} cuda {y[1]} rel {rel}; grad norm cpu {x[2]} cuda {y[2]}")
+if len(a) != len(b) or not a:
+    print(f"  steps: cpu {len(a)}, cuda {len(b)}")
+PY
+    done
+    rm -f "$p"/*.ir "$p"/*.json
+    logs+=(program)
 fi
 [ -d "$out/gpu-logs" ] && ! has check && rmdir "$out/gpu-logs" 2>/dev/null
 (cd "$out" && tar czf logs.tgz "${logs[@]}" && rm -rf "${logs[@]}")
