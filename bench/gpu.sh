@@ -21,7 +21,8 @@
 #
 # Environment: OUT (default target/gpu-out), SHARDWRIGHT_BIN, PYTHON (default python3),
 # BENCH_STEPS (timed shardwright steps, default 8; the first is warm-up), BENCH_TORCH_STEPS
-# (default 8), BENCH_LIMIT_S (per run, default 150).
+# (default 8), BENCH_LIMIT_S (per run, default 150), BENCH_PROFILE=1 (then a 3-step
+# `execute --profile` run after the timed one prints where the step's time goes).
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -95,6 +96,15 @@ timeout "$limit" "$bin" execute "$work/plan.json" --backend "$backend" --steps "
 sw_rc=$?
 sample_stop shardwright
 tail -3 "$work/shardwright.log"
+if [ "${BENCH_PROFILE:-0}" = 1 ]; then
+    # Where the step's time goes: `execute --profile` (the device synchronized after every
+    # node, so this run is a little slower than the timed one above).
+    echo "== shardwright execute --backend $backend --profile (3 steps)"
+    timeout "$limit" "$bin" execute "$work/plan.json" --backend "$backend" --steps 3 \
+        --quiet --profile >/dev/null 2>"$work/shardwright-profile.log"
+    echo "exit $?"
+    sed -n '/^profile of rank/,/between nodes/p' "$work/shardwright-profile.log" | head -70
+fi
 peak_flops="$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["peak_flops"])' "$work/run/summary.json" 2>/dev/null || echo 0)"
 
 torch_rc=()

@@ -100,6 +100,8 @@ pub struct ExecArgs {
     pub exit_after: Option<u32>,
     /// Replace the run already in `--out` (without it, a fresh run there is refused).
     pub overwrite: bool,
+    /// Time every node of the first rank's steps and print the table at the end.
+    pub profile: bool,
     pub ft: FaultArgs,
 }
 
@@ -272,10 +274,17 @@ struct Sink {
     error: Option<String>,
     /// The first step (1-based) whose loss or gradient norm was NaN or infinite.
     non_finite: Option<u32>,
+    /// `--profile`: the rank whose nodes are timed, and their times.
+    profile: Option<(u32, crate::profile::Profile)>,
 }
 
 impl Sink {
     fn on_step(&mut self, e: &StepEvent) {
+        if let Some((rank, p)) = self.profile.as_mut() {
+            if *rank == e.rank {
+                p.add(&e.report.profile, e.seconds);
+            }
+        }
         let v = self.pending.entry(e.step).or_default();
         v.push((
             e.rank,
@@ -551,6 +560,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         bar: bar.clone(),
         error: None,
         non_finite: None,
+        profile: a.profile.then(|| (dist.as_ref().map_or(0, |d| d.rank), Default::default())),
     });
     let on_step = |e: StepEvent| {
         if let Ok(mut s) = sink.lock() {
@@ -572,6 +582,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         diagnostics: false,
         data: Some(&factory),
         on_step: Some(&on_step),
+        profile: a.profile,
         ..Default::default()
     };
     let mut ft_report = None;
@@ -635,6 +646,9 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         .map_err(|_| anyhow!("metrics lock poisoned"))?;
     if let Some(e) = sink.error {
         return Err(anyhow!(e).into());
+    }
+    if let Some((rank, p)) = &sink.profile {
+        eprint!("{}", p.table(*rank));
     }
     let diverged = sink.non_finite.map(|s| {
         Failure::from(anyhow!(
@@ -1510,6 +1524,7 @@ mod distributed {
             first_step: opts.first_step,
             initial_state: opts.initial_state,
             hooks: opts.hooks,
+            profile: opts.profile,
         };
         // A communicator failure is a panic that run_rank turns into the error printed at
         // the end (naming the rank, the collective and the peer): no backtrace for it.

@@ -10,6 +10,7 @@ mod export_cmd;
 mod io;
 mod launch;
 mod plot;
+mod profile;
 mod replan;
 
 use anyhow::Context;
@@ -322,6 +323,11 @@ enum Cmd {
         /// without it a fresh run into a used --out is refused (--resume appends).
         #[arg(long)]
         overwrite: bool,
+        /// Print, at the end, the first rank's wall time per kind of node (GEMMs by role,
+        /// attention, norms, collectives, the optimizer...), the backend synchronized after
+        /// every node; the steps after the first are averaged
+        #[arg(long)]
+        profile: bool,
         /// Checkpoint into this (fast, local) directory; turns on fault tolerance.
         #[arg(long, help_heading = "Fault tolerance")]
         checkpoint_dir: Option<PathBuf>,
@@ -633,6 +639,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             quiet,
             exit_after,
             overwrite,
+            profile,
             checkpoint_dir,
             durable_dir,
             keep,
@@ -654,6 +661,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             quiet,
             exit_after,
             overwrite,
+            profile,
             ft: execute::FaultArgs {
                 checkpoint_dir,
                 durable_dir,

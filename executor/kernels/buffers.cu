@@ -1,6 +1,7 @@
 // The buffer primitives of the Backend trait (backend.rs: `axpy_ranges`, `scale_ranges`,
-// `add`, `add_into`, `scale`, `dots`, `row_max`) on device buffers: what the interpreter
-// does between kernels (residual adds, gradient accumulation, the MoE gates' scaling).
+// `add`, `add_into`, `scale`, `dots`, `row_max`, `sum_squares`, `checksum`) on device
+// buffers: what the interpreter does between kernels (residual adds, gradient accumulation,
+// the MoE gates' scaling, the gradient norm, the replicas' weight hashes).
 // Ranges are passed as pointer offsets by the host (views of a buffer). Each exists for
 // fp32 (`_f32`) and bf16 (`_bf16`) storage; arithmetic is fp32, and `dots` and `row_max`
 // (statistics) write fp32 whatever they read.
@@ -52,6 +53,54 @@ __device__ void row_max(const T* __restrict__ x, u64 w, float* __restrict__ out)
     if (threadIdx.x == 0) out[blockIdx.x] = m;
 }
 
+// Sum over the block in f64, as block_sum; `scratch` holds 32 doubles.
+__device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nwarps ? scratch[lane] : 0.0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// out[b] = the f64 sum of squares of the elements block b visits (grid-stride); the host
+// adds the gridDim.x partials in order. A fixed launch shape fixes the order.
+template <typename T>
+__device__ void sum_squares(const T* __restrict__ x, u64 n, double* __restrict__ out) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (u64)gridDim.x * blockDim.x) {
+        const double v = (double)to_f32(x[e]);
+        s += v * v;
+    }
+    s = block_sum_f64(s, scratch);
+    if (threadIdx.x == 0) out[blockIdx.x] = s;
+}
+
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// *out += the wrapping sum over e of mix64(bits(x[e]) + e * 0x9E3779B97F4A7C15) (backend.rs
+// `weights_hash`; bits of the value as fp32). Integer addition modulo 2^64 is commutative,
+// so the per-warp atomic adds give the same bits in any order.
+template <typename T>
+__device__ void checksum(const T* __restrict__ x, u64 n, u64* out) {
+    u64 h = 0;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (u64)gridDim.x * blockDim.x)
+        h += mix64((u64)__float_as_uint(to_f32(x[e])) + e * 0x9E3779B97F4A7C15ull);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) h += __shfl_xor_sync(0xffffffffu, h, o);
+    if ((threadIdx.x & 31) == 0) atomicAdd(out, h);
+}
+
 #define X(S, T)                                                                                  \
     extern "C" __global__ void __launch_bounds__(1024) axpy_##S(T* y, const T* x, u64 n, float a) { \
         axpy<T>(y, x, n, a);                                                                     \
@@ -68,6 +117,13 @@ __device__ void row_max(const T* __restrict__ x, u64 w, float* __restrict__ out)
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024) row_max_##S(const T* x, u64 w, float* out) { \
         row_max<T>(x, w, out);                                                                   \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024)                                           \
+        sum_squares_##S(const T* x, u64 n, double* out) {                                        \
+        sum_squares<T>(x, n, out);                                                               \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024) checksum_##S(const T* x, u64 n, u64* out) { \
+        checksum<T>(x, n, out);                                                                  \
     }
 SW_FOR_TYPES(X)
 #undef X

@@ -206,6 +206,21 @@ pub trait Backend: Send + Sync {
     fn dots(&self, a: &Self::Buf, b: &Self::Buf, n: usize, pairs: &[(usize, usize)]) -> Self::Buf;
     /// The largest element of each row of width `w`.
     fn row_max(&self, x: &Self::Buf, w: usize) -> Self::Buf;
+    /// The sum of the squares of `x`'s elements in f64 (the gradient norm). This default
+    /// sums on the host in element order; a device backend sums where the buffer lives
+    /// (its own fixed order, deterministic run to run).
+    fn sum_squares(&self, x: &Self::Buf) -> f64 {
+        self.download(x).iter().map(|&v| (v as f64).powi(2)).sum()
+    }
+    /// [`weights_hash`] of `x`'s elements (replicas' weights compared every step). A
+    /// device backend computes the same sum where the buffer lives.
+    fn checksum(&self, x: &Self::Buf) -> u64 {
+        weights_hash(&self.download(x))
+    }
+    /// Waits until everything queued on the backend has finished (a device's stream); the
+    /// CPU backend computes as it is called and has nothing to wait for. Profiling calls it
+    /// after each node, so a node's wall time is its own work.
+    fn synchronize(&self) {}
 
     // ---------------------------------------------------------------- kernels
 
@@ -410,6 +425,20 @@ pub trait Backend: Send + Sync {
         v: &mut Self::Buf,
         h: AdamW,
     );
+}
+
+/// A hash of a tensor's values, equal on two tensors exactly when they are bit-identical
+/// (up to collisions of a 64-bit hash): the wrapping sum over elements `i` of
+/// `mix(bits(x[i]) + i * 0x9E37_79B9_7F4A_7C15)`, with `mix` the SplitMix64 finaliser
+/// (a bijection of u64, so one changed element always changes the sum). A wrapping sum is
+/// commutative, so a device computes it in any order (an atomic add per thread) and
+/// gets these bits.
+pub fn weights_hash(x: &[f32]) -> u64 {
+    x.iter().enumerate().fold(0u64, |h, (i, v)| {
+        h.wrapping_add(crate::rng::mix64(
+            (v.to_bits() as u64).wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+        ))
+    })
 }
 
 /// The CPU reference backend (f32; GEMMs by `matrixmultiply` and the other heavy kernels in

@@ -347,8 +347,7 @@ impl<B: Backend> RankState<B> {
                     me.dense_pos == 0
                 };
                 if first_replica && counts(nm) {
-                    let gr = be.download(gr);
-                    ss += gr.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
+                    ss += be.sum_squares(gr);
                 }
             }
         } else {

@@ -281,11 +281,17 @@ impl Attempt<'_> {
 
     /// Silent data corruption: data-parallel replicas hold bit-identical weights. The last
     /// replica of a group to report compares the group's checksums; a disagreement fails
-    /// the attempt, naming the odd rank when a majority agrees.
-    fn check_replicas(&self, rank: u32, step: u32, checksum: u64) -> Result<(), String> {
+    /// the attempt, naming the odd rank when a majority agrees. The checksum reads every
+    /// weight, so it is computed only on ranks that have replicas.
+    fn check_replicas(
+        &self,
+        rank: u32,
+        step: u32,
+        checksum: impl FnOnce() -> u64,
+    ) -> Result<(), String> {
         let (group, size) = self.replica[rank as usize];
         if size > 1 {
-            let sum = checksum;
+            let sum = checksum();
             let complete = {
                 let mut sums = self.sums.lock().unwrap_or_else(|e| e.into_inner());
                 let v = sums.entry((step, group)).or_default();
@@ -581,7 +587,7 @@ impl RankHooks for Attempt<'_> {
             });
             return Err("non-finite loss or gradient norm".into());
         }
-        self.check_replicas(rank, step, state.weights_checksum())?;
+        self.check_replicas(rank, step, || state.weights_checksum())?;
         {
             let mut st = self.step_s.lock().unwrap_or_else(|e| e.into_inner());
             let e = st.entry(idx).or_insert(0.0);
@@ -979,6 +985,7 @@ pub fn run_resilient<B: Backend + Clone + Sync + 'static>(
                 first_step: first,
                 initial_state: Some(&take_init),
                 hooks: Some(&attempt),
+                profile: base.profile,
             };
             run_ranks_on(&hub, program, &backend, cfg, &opts)
         };

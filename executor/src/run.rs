@@ -132,6 +132,10 @@ pub struct StepReport {
     pub grad_norm: f64,
     /// The step's loss over the whole global batch (every rank; f32 sum of the shares).
     pub global_loss: f64,
+    /// With [`RunOptions::profile`]: wall seconds and node count per kind of node
+    /// ([`crate::interp::profile_label`]), each node timed to the end of its work on the
+    /// device (the backend synchronized after it).
+    pub profile: BTreeMap<String, (u64, f64)>,
 }
 
 /// Everything one rank reports.
@@ -198,6 +202,8 @@ pub struct RunOptions<'a> {
     pub initial_state: Option<&'a InitialState<'a>>,
     /// Fault injection, checkpointing and checks around every step.
     pub hooks: Option<&'a dyn RankHooks>,
+    /// Time every node (the backend synchronized after each) into the step's report.
+    pub profile: bool,
 }
 
 /// What a rank's step can be observed and changed through (checkpoints, fault injection).
@@ -365,6 +371,7 @@ pub fn run_rank<B: Backend, C: Collectives<B>>(
         })?;
         let mut rk = RankExec::new(backend, comm, &graph, program, &dims, cfg)?;
         rk.diagnostics = opts.diagnostics;
+        rk.profile = opts.profile.then(BTreeMap::new);
         let ctx = rk.feed.ctx;
         rk.feed.source = Some(match opts.data {
             Some(f) => f(ctx).map_err(|e| ExecError::Run(format!("data for rank {r}: {e}")))?,

@@ -224,20 +224,12 @@ impl<B: Backend, C: Collectives<B>> RankStateAccess for RankExec<'_, B, C> {
     }
 
     fn weights_checksum(&self) -> u64 {
-        // FNV-1a over names and bit patterns: cheap, and equal exactly when the weights
-        // are bit-identical.
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let mut eat = |b: u8| {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        };
-        for (n, w) in &self.st.params {
-            n.bytes().for_each(&mut eat);
-            for x in self.be.download(w) {
-                x.to_bits().to_le_bytes().into_iter().for_each(&mut eat);
-            }
-        }
-        h
+        // Each weight's hash computed where it lives (`Backend::checksum`), chained in name
+        // order with a hash of its name: equal exactly when the weights are bit-identical.
+        self.st.params.iter().fold(0, |h, (n, w)| {
+            let named = crate::rng::Rng::keyed(h, n).next_u64();
+            crate::rng::mix64(named ^ self.be.checksum(w))
+        })
     }
 
     fn weight_names(&self) -> Vec<String> {

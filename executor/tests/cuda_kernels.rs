@@ -1333,3 +1333,59 @@ fn casts_round_to_nearest_even() {
     }
     println!("cast_f32_to_bf16, cast_bf16_to_f32: {n} values, bit-exact");
 }
+
+/// `sum_squares_*` and `checksum_*` (the gradient norm's and the replicas' weight hashes
+/// on the device) against the host: the f64 sum of squares of the values the kernel reads
+/// (within f64 rounding of another order), and `weights_hash` of them bit for bit (a
+/// wrapping sum, so any order gives the same bits); a single flipped bit changes the
+/// hash. Sizes below one block, across the grid cap, and ragged.
+fn reductions<T: Elem>(d: &Device) {
+    let mut g = Rng::new(77);
+    for n in [1usize, 255, 257, 70_001, 300_000] {
+        let x = g.vec(n, 3.0);
+        let want_ss: f64 = seen::<T>(&x).iter().map(|&v| (v as f64).powi(2)).sum();
+        let x_d = up::<T>(d, &x);
+        let nn = n as u64;
+        let l = launch::buffer_reduce(&format!("sum_squares_{}", T::DT.suffix()), nn).unwrap();
+        let mut part = d.zeros::<f64>(l.grid[0] as usize).unwrap();
+        unsafe {
+            d.launch(&l, |b| {
+                b.arg(&x_d).arg(&nn).arg(&mut part);
+            })
+        }
+        .unwrap();
+        let got_ss: f64 = d.download(&part).unwrap().iter().sum();
+        assert!(
+            (got_ss - want_ss).abs() <= 1e-12 * want_ss,
+            "sum_squares_{} n={n}: GPU {got_ss}, host {want_ss}",
+            T::DT.suffix()
+        );
+        let hash = |x_d: &CudaSlice<T>| {
+            let l = launch::buffer_reduce(&format!("checksum_{}", T::DT.suffix()), nn).unwrap();
+            let mut out = d.zeros::<u64>(1).unwrap();
+            unsafe {
+                d.launch(&l, |b| {
+                    b.arg(x_d).arg(&nn).arg(&mut out);
+                })
+            }
+            .unwrap();
+            d.download(&out).unwrap()[0]
+        };
+        let want = shardwright_executor::backend::weights_hash(&seen::<T>(&x));
+        assert_eq!(hash(&x_d), want, "checksum_{} n={n}", T::DT.suffix());
+        let mut y = enc::<T>(&x);
+        let i = n / 2;
+        y[i] = T::enc(-x[i]);
+        let y_d = d.upload(&y).unwrap();
+        assert_ne!(hash(&y_d), want, "checksum_{} n={n}: a sign flip", T::DT.suffix());
+    }
+}
+
+#[test]
+fn sum_squares_and_checksums_match_the_host() {
+    let Some(d) = device("sum_squares_and_checksums_match_the_host") else {
+        return;
+    };
+    reductions::<f32>(d);
+    reductions::<u16>(d);
+}

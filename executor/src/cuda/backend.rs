@@ -852,6 +852,56 @@ impl Backend for Cuda {
         out
     }
 
+    fn sum_squares(&self, x: &Self::Buf) -> f64 {
+        let Some(d) = x.kind().dtype().filter(|_| !x.is_empty()) else {
+            return 0.0; // empty, or untyped zeros
+        };
+        let n = x.len() as u64;
+        let l = launch::buffer_reduce(&format!("sum_squares_{}", d.suffix()), n);
+        let blocks = l.as_ref().map_or(1, |l| l.grid[0] as usize);
+        let mut part = self.dzeros::<f64>(blocks);
+        let xs = self.read(x, d);
+        self.run(l, |b| {
+            b.arg(&xs).arg(&n).arg(&mut part);
+        });
+        let _api = api();
+        let host = self
+            .dev
+            .download(&part)
+            .unwrap_or_else(|e| fail("sum of squares", e));
+        drop(part);
+        host.iter().sum()
+    }
+
+    fn checksum(&self, x: &Self::Buf) -> u64 {
+        let Some(d) = x.kind().dtype().filter(|_| !x.is_empty()) else {
+            return crate::backend::weights_hash(&self.download(x));
+        };
+        let n = x.len() as u64;
+        let mut out = self.dzeros::<u64>(1);
+        let xs = self.read(x, d);
+        self.run(
+            launch::buffer_reduce(&format!("checksum_{}", d.suffix()), n),
+            |b| {
+                b.arg(&xs).arg(&n).arg(&mut out);
+            },
+        );
+        let _api = api();
+        let host = self
+            .dev
+            .download(&out)
+            .unwrap_or_else(|e| fail("checksum", e));
+        drop(out);
+        host[0]
+    }
+
+    fn synchronize(&self) {
+        let _api = api();
+        self.dev
+            .synchronize()
+            .unwrap_or_else(|e| fail("waiting for the device", e));
+    }
+
     fn layernorm_fwd(
         &self,
         x: &Self::Buf,

@@ -65,6 +65,42 @@ pub fn cuda_include_dir() -> String {
         .unwrap_or_else(|_| "/usr/local/cuda/include".into())
 }
 
+/// The stream-ordered allocator's pool keeps what is freed instead of handing it back to
+/// the driver at every synchronization (the default release threshold is 0 bytes): a
+/// training step frees and allocates the same activation sizes again and again, and
+/// mapping them afresh after each `download` (which waits for the stream) costs
+/// milliseconds per buffer. As PyTorch's caching allocator, the memory stays reserved
+/// for the process (freed with it). Devices without memory pools allocate synchronously
+/// and are left as they are.
+fn keep_freed_memory(ctx: &CudaContext, ordinal: usize) -> Result<(), String> {
+    use cudarc::driver::{result, sys};
+    let dev = ctx.cu_device();
+    let what = |e: cudarc::driver::DriverError| format!("CUDA device {ordinal}: memory pool: {e}");
+    // SAFETY: `dev` is the context's device; the attribute is an int.
+    let pools = unsafe {
+        result::device::get_attribute(
+            dev,
+            sys::CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED,
+        )
+    }
+    .map_err(what)?;
+    if pools == 0 {
+        return Ok(());
+    }
+    let mut keep = u64::MAX;
+    // SAFETY: the device's current pool; the release threshold is a u64 (cuuint64_t) that
+    // outlives the call.
+    unsafe {
+        let pool = result::device::get_mem_pool(dev).map_err(what)?;
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut keep as *mut u64 as *mut std::ffi::c_void,
+        )
+        .map_err(what)
+    }
+}
+
 /// One GPU with every kernel loaded.
 pub struct Device {
     pub ctx: Arc<CudaContext>,
@@ -120,6 +156,12 @@ impl Device {
             .map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
         let sm = (major * 10 + minor) as u32;
         let limits = if sm >= 90 { Limits::SM90 } else { Limits::SM80 };
+        keep_freed_memory(&ctx, ordinal)?;
+        // SAFETY: every buffer is allocated, used and freed on the one stream below (the
+        // kernels, cuBLASLt, NCCL and the copies all queue on it), so no cross-stream
+        // events are needed; without this cudarc creates two events per allocation and
+        // records them at every use.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         Ok(Device {
             ctx,

@@ -439,6 +439,21 @@ pub fn buffer_op(entry: &str, n: u64) -> Result<Launch, LaunchError> {
     elementwise(entry.into(), n)
 }
 
+/// Blocks of a whole-buffer reduction (`sum_squares_*`: one f64 partial per block, added
+/// on the host in order; `checksum_*`): the grid depends on `n` alone, so the order of
+/// the sums does too.
+pub const REDUCE_BLOCK: u32 = 256;
+pub const REDUCE_MAX_GRID: u64 = 1024;
+
+/// `sum_squares_*` or `checksum_*` over `n` elements (`*` = `f32` or `bf16`).
+pub fn buffer_reduce(entry: &str, n: u64) -> Result<Launch, LaunchError> {
+    if n == 0 {
+        return err(format!("{entry}: no elements"));
+    }
+    let grid = n.div_ceil(REDUCE_BLOCK as u64).clamp(1, REDUCE_MAX_GRID);
+    Launch::new(entry.into(), [grid, 1, 1], REDUCE_BLOCK, 0)
+}
+
 /// `dots_*` over `pairs` dot products of length `n` (one block per pair), or `row_max_*`
 /// over `rows` rows of width `n` (`*` = `f32` or `bf16`: the storage read; fp32 results).
 pub fn buffer_rows(entry: &str, rows: u64, n: u64) -> Result<Launch, LaunchError> {
