@@ -22,7 +22,8 @@
 # Environment: OUT (default target/gpu-out), SHARDWRIGHT_BIN, PYTHON (default python3),
 # BENCH_STEPS (timed shardwright steps, default 8; the first is warm-up), BENCH_TORCH_STEPS
 # (default 8), BENCH_LIMIT_S (per run, default 150), BENCH_PROFILE=1 (then a 3-step
-# `execute --profile` run after the timed one prints where the step's time goes).
+# `execute --profile` run after the timed one prints where the step's time goes),
+# BENCH_TORCH_VARIANTS (default "eager compile").
 set -uo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
@@ -108,7 +109,7 @@ fi
 peak_flops="$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["peak_flops"])' "$work/run/summary.json" 2>/dev/null || echo 0)"
 
 torch_rc=()
-for variant in eager compile; do
+for variant in ${BENCH_TORCH_VARIANTS:-eager compile}; do
     flag=""
     [ "$variant" = compile ] && flag="--compile"
     echo "== PyTorch $variant ($tsteps steps)"
@@ -122,6 +123,8 @@ for variant in eager compile; do
     tail -2 "$work/torch-$variant.log"
 done
 
+# A variant left out of BENCH_TORCH_VARIANTS reports "no result; exit -1".
+while [ "${#torch_rc[@]}" -lt 2 ]; do torch_rc+=(-1); done
 "$py" - "$work" "$out/bench-gpu.json" "$sw_rc" "${torch_rc[@]}" <<'EOF'
 import json, os, sys
 work, dest, sw_rc, eager_rc, compile_rc = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])

@@ -82,6 +82,27 @@ __device__ void sum_squares(const T* __restrict__ x, u64 n, double* __restrict__
     if (threadIdx.x == 0) out[blockIdx.x] = s;
 }
 
+// Many ranges of `n` elements at once (the host's views: the QKV split's per-token rows,
+// the MoE gates' scaling): y[dst[r] + j] = x[src[r] + j] (mode 0, bits as they are),
+// = a[r] * x[..] (mode 1), += a[r] * x[..] (mode 2), for r < count, j < n. The
+// destination ranges are disjoint (the host checks), so each element is written once and
+// the order does not matter: the same results as one `axpy_*` / `scale_*` launch or one
+// copy per range.
+template <typename T>
+__device__ void moves(T* __restrict__ y, const T* __restrict__ x, const u64* __restrict__ src,
+                      const u64* __restrict__ dst, const float* __restrict__ a, u64 count, u64 n,
+                      u32 mode) {
+    const u64 total = count * n;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (u64)gridDim.x * blockDim.x) {
+        const u64 r = e / n, j = e - r * n;
+        const T v = x[src[r] + j];
+        T* out = y + dst[r] + j;
+        if (mode == 0) *out = v;
+        else if (mode == 1) *out = from_f32<T>(a[r] * to_f32(v));
+        else *out = from_f32<T>(to_f32(*out) + a[r] * to_f32(v));
+    }
+}
+
 __device__ __forceinline__ u64 mix64(u64 z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -124,6 +145,11 @@ __device__ void checksum(const T* __restrict__ x, u64 n, u64* out) {
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024) checksum_##S(const T* x, u64 n, u64* out) { \
         checksum<T>(x, n, out);                                                                  \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024)                                           \
+        moves_##S(T* y, const T* x, const u64* src, const u64* dst, const float* a, u64 count,   \
+                  u64 n, u32 mode) {                                                             \
+        moves<T>(y, x, src, dst, a, count, n, mode);                                             \
     }
 SW_FOR_TYPES(X)
 #undef X

@@ -235,6 +235,18 @@ fn fail(what: &str, e: impl std::fmt::Display) -> ! {
     panic!("CUDA backend: {what}: {e}")
 }
 
+/// Whether `moves` (source, destination, factor) of `n` elements can run as one `moves_*`
+/// launch: more than one, with pairwise disjoint destination ranges (so no element is
+/// written twice and the order of the ranges does not matter).
+fn batchable(moves: &[(usize, usize, f32)], n: usize) -> bool {
+    if moves.len() < 2 || n == 0 {
+        return false;
+    }
+    let mut d: Vec<usize> = moves.iter().map(|m| m.1).collect();
+    d.sort_unstable();
+    d.windows(2).all(|w| w[1] - w[0] >= n)
+}
+
 fn suffix(k: Kind) -> &'static str {
     match k.dtype() {
         Some(d) => d.suffix(),
@@ -553,19 +565,27 @@ impl Cuda {
         }
         self.materialize(dst, k);
         let entry = format!("{op}_{}", suffix(k));
+        // One launch for many disjoint ranges (moves_*: mode 1 scales, 2 adds scaled).
+        let batch = batchable(moves, n).then_some(if op == "axpy" { 2 } else { 1 });
         match k {
             Kind::F32 => {
                 let x = self.read_f32(src);
-                match dst.store_mut() {
-                    Store::F32(y) => self.ranges_typed(&entry, y, &x, n, moves),
-                    _ => unreachable!("an fp32 destination"),
+                let Store::F32(y) = dst.store_mut() else {
+                    unreachable!("an fp32 destination")
+                };
+                match batch {
+                    Some(mode) => self.moves(Dtype::F32, mode, y, &x, n, moves),
+                    None => self.ranges_typed(&entry, y, &x, n, moves),
                 }
             }
             _ => {
                 let x = self.read_bf16(src);
-                match dst.store_mut() {
-                    Store::Bf16(y) => self.ranges_typed(&entry, y, &x, n, moves),
-                    _ => unreachable!("a bf16 destination"),
+                let Store::Bf16(y) = dst.store_mut() else {
+                    unreachable!("a bf16 destination")
+                };
+                match batch {
+                    Some(mode) => self.moves(Dtype::Bf16, mode, y, &x, n, moves),
+                    None => self.ranges_typed(&entry, y, &x, n, moves),
                 }
             }
         }
@@ -586,6 +606,66 @@ impl Cuda {
             self.run(launch::buffer_op(entry, nn), |b| {
                 b.arg(&mut yv).arg(&xv).arg(&nn).arg(&a);
             });
+        }
+    }
+
+    /// One `moves_*` launch for `moves` (disjoint destination ranges of `n` elements):
+    /// mode 0 copies, 1 scales, 2 adds scaled (see buffers.cu).
+    fn moves<T: DeviceRepr>(
+        &self,
+        dt: Dtype,
+        mode: u32,
+        y: &mut CudaSlice<T>,
+        x: &CudaSlice<T>,
+        n: usize,
+        moves: &[(usize, usize, f32)],
+    ) {
+        let src: Vec<u64> = moves.iter().map(|m| m.0 as u64).collect();
+        let dst: Vec<u64> = moves.iter().map(|m| m.1 as u64).collect();
+        let a: Vec<f32> = moves.iter().map(|m| m.2).collect();
+        let (src, dst, a) = (
+            self.temp("range offsets", &src),
+            self.temp("range offsets", &dst),
+            self.temp("range factors", &a),
+        );
+        let (count, nn) = (moves.len() as u64, n as u64);
+        self.run(launch::buffer_moves(dt, count, nn), |b| {
+            b.arg(y)
+                .arg(x)
+                .arg(&*src)
+                .arg(&*dst)
+                .arg(&*a)
+                .arg(&count)
+                .arg(&nn)
+                .arg(&mode);
+        });
+    }
+
+    /// `dst[d..d + n] = src[s..s + n]` for each move, in one launch when the moves allow
+    /// it ([`batchable`], and neither buffer is untyped zeros); else one copy per move.
+    fn copy_moves(&self, dst: &mut DBuf, src: &DBuf, n: usize, moves: &[(usize, usize)]) {
+        let m: Vec<(usize, usize, f32)> = moves.iter().map(|&(s, d)| (s, d, 1.0)).collect();
+        let typed = dst.kind().dtype().filter(|_| src.kind() != Kind::Zero);
+        match typed.filter(|_| batchable(&m, n)) {
+            Some(Dtype::F32) => {
+                let x = self.read_f32(src);
+                let Store::F32(y) = dst.store_mut() else {
+                    unreachable!("an fp32 destination")
+                };
+                self.moves(Dtype::F32, 0, y, &x, n, &m);
+            }
+            Some(Dtype::Bf16) => {
+                let x = self.read_bf16(src);
+                let Store::Bf16(y) = dst.store_mut() else {
+                    unreachable!("a bf16 destination")
+                };
+                self.moves(Dtype::Bf16, 0, y, &x, n, &m);
+            }
+            None => {
+                for &(s, d) in moves {
+                    self.copy_into(dst, d, src, s, n);
+                }
+            }
         }
     }
 
@@ -685,6 +765,14 @@ impl Backend for Cuda {
         if x.kind() == Kind::Zero {
             return y;
         }
+        let n = ranges.first().map_or(0, |r| r.1);
+        if ranges.iter().all(|r| r.1 == n) {
+            // Ranges of one length (a tensor's columns, row by row): one launch.
+            let moves: Vec<(usize, usize)> =
+                ranges.iter().enumerate().map(|(i, r)| (r.0, i * n)).collect();
+            self.copy_moves(&mut y, x, n, &moves);
+            return y;
+        }
         let mut at = 0;
         for &(lo, n) in ranges {
             self.copy_into(&mut y, at, x, lo, n);
@@ -726,9 +814,7 @@ impl Backend for Cuda {
             return; // zeros onto zeros
         }
         self.materialize(dst, k);
-        for &(s, d) in moves {
-            self.copy_into(dst, d, src, s, n);
-        }
+        self.copy_moves(dst, src, n, moves);
     }
 
     fn scale_ranges(

@@ -439,6 +439,11 @@ pub fn buffer_op(entry: &str, n: u64) -> Result<Launch, LaunchError> {
     elementwise(entry.into(), n)
 }
 
+/// `moves_*` over `count` ranges of `n` elements (`*` = `f32` or `bf16`).
+pub fn buffer_moves(dt: Dtype, count: u64, n: u64) -> Result<Launch, LaunchError> {
+    elementwise(format!("moves_{}", dt.suffix()), count * n)
+}
+
 /// Blocks of a whole-buffer reduction (`sum_squares_*`: one f64 partial per block, added
 /// on the host in order; `checksum_*`): the grid depends on `n` alone, so the order of
 /// the sums does too.
