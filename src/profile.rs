@@ -39,7 +39,12 @@ impl Profile {
     /// The table: milliseconds per step, share of the step, nodes per step, kind.
     pub fn table(&self, rank: u32) -> String {
         let (times, step_s, steps, which) = if self.rest_steps > 0 {
-            (&self.rest, self.rest_s, self.rest_steps, "steps after the first")
+            (
+                &self.rest,
+                self.rest_s,
+                self.rest_steps,
+                "steps after the first",
+            )
         } else {
             match &self.first {
                 Some((t, s)) => (t, *s, 1, "the only step"),
@@ -85,7 +90,9 @@ mod tests {
     use super::*;
 
     fn times(rows: &[(&str, u64, f64)]) -> Times {
-        rows.iter().map(|&(k, n, s)| (k.to_string(), (n, s))).collect()
+        rows.iter()
+            .map(|&(k, n, s)| (k.to_string(), (n, s)))
+            .collect()
     }
 
     /// Hand-worked: the first step is left out, the later two averaged; rows by time,
@@ -94,17 +101,35 @@ mod tests {
     fn later_steps_averaged_largest_first() {
         let mut p = Profile::default();
         p.add(&times(&[("fwd gemm qkv", 2, 9.0)]), 10.0);
-        p.add(&times(&[("fwd gemm qkv", 2, 0.010), ("bwd attention", 1, 0.030)]), 0.050);
-        p.add(&times(&[("fwd gemm qkv", 2, 0.014), ("bwd attention", 1, 0.030)]), 0.050);
+        p.add(
+            &times(&[("fwd gemm qkv", 2, 0.010), ("bwd attention", 1, 0.030)]),
+            0.050,
+        );
+        p.add(
+            &times(&[("fwd gemm qkv", 2, 0.014), ("bwd attention", 1, 0.030)]),
+            0.050,
+        );
         let t = p.table(0);
         let lines: Vec<&str> = t.lines().collect();
-        assert!(lines[0].contains("mean of 2 step(s)") && lines[0].contains("50.0 ms"), "{t}");
-        assert!(lines[2].ends_with("bwd attention") && lines[2].contains("30.000"), "{t}");
+        assert!(
+            lines[0].contains("mean of 2 step(s)") && lines[0].contains("50.0 ms"),
+            "{t}"
+        );
+        assert!(
+            lines[2].ends_with("bwd attention") && lines[2].contains("30.000"),
+            "{t}"
+        );
         assert!(lines[2].contains("60.0%"), "{t}");
-        assert!(lines[3].ends_with("fwd gemm qkv") && lines[3].contains("12.000"), "{t}");
+        assert!(
+            lines[3].ends_with("fwd gemm qkv") && lines[3].contains("12.000"),
+            "{t}"
+        );
         assert!(lines[3].contains(" 2  "), "{t}");
         // 50 - 30 - 12 = 8 ms between nodes.
-        assert!(lines[4].contains("8.000") && lines[4].contains("between nodes"), "{t}");
+        assert!(
+            lines[4].contains("8.000") && lines[4].contains("between nodes"),
+            "{t}"
+        );
     }
 
     #[test]
@@ -113,6 +138,9 @@ mod tests {
         assert!(p.table(0).contains("no step finished"));
         p.add(&times(&[("step optimizer_step", 1, 0.5)]), 1.0);
         let t = p.table(3);
-        assert!(t.contains("rank 3") && t.contains("the only step") && t.contains("500.000"), "{t}");
+        assert!(
+            t.contains("rank 3") && t.contains("the only step") && t.contains("500.000"),
+            "{t}"
+        );
     }
 }

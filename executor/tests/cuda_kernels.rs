@@ -1377,7 +1377,12 @@ fn reductions<T: Elem>(d: &Device) {
         let i = n / 2;
         y[i] = T::enc(-x[i]);
         let y_d = d.upload(&y).unwrap();
-        assert_ne!(hash(&y_d), want, "checksum_{} n={n}: a sign flip", T::DT.suffix());
+        assert_ne!(
+            hash(&y_d),
+            want,
+            "checksum_{} n={n}: a sign flip",
+            T::DT.suffix()
+        );
     }
 }
 
@@ -1407,10 +1412,18 @@ fn batched_ranges_match_the_cpu_reference() {
     let base = g.vec(rows * n, 1.0);
     let xg = gpu.upload(&x);
     let ranges: Vec<(usize, usize)> = (0..rows).map(|r| (r * w + lo, n)).collect();
-    assert_eq!(gpu.download(&gpu.gather(&xg, &ranges)), Cpu.gather(&x, &ranges));
-    let moves: Vec<(usize, usize)> = (0..rows).map(|r| (r * w + lo, (rows - 1 - r) * n)).collect();
-    let scaled: Vec<(usize, usize, f32)> =
-        moves.iter().enumerate().map(|(i, &(s, d))| (s, d, 0.5 + i as f32 * 1e-3)).collect();
+    assert_eq!(
+        gpu.download(&gpu.gather(&xg, &ranges)),
+        Cpu.gather(&x, &ranges)
+    );
+    let moves: Vec<(usize, usize)> = (0..rows)
+        .map(|r| (r * w + lo, (rows - 1 - r) * n))
+        .collect();
+    let scaled: Vec<(usize, usize, f32)> = moves
+        .iter()
+        .enumerate()
+        .map(|(i, &(s, d))| (s, d, 0.5 + i as f32 * 1e-3))
+        .collect();
     let mut want = base.clone();
     Cpu.copy_ranges(&mut want, &x, n, &moves);
     let mut got = gpu.upload(&base);
@@ -1428,6 +1441,11 @@ fn batched_ranges_match_the_cpu_reference() {
         Cpu.axpy_ranges(&mut want, &x, n, m);
         let mut got = gpu.upload(&base);
         gpu.axpy_ranges(&mut got, &xg, n, m);
-        close(&format!("axpy_ranges ({what})"), &gpu.download(&got), &want, 1e-5);
+        close(
+            &format!("axpy_ranges ({what})"),
+            &gpu.download(&got),
+            &want,
+            1e-5,
+        );
     }
 }

@@ -123,7 +123,7 @@ if has program; then
         [ "$name" = eight ] && spec=specs/tiny-llama-cpu.yaml
         "$x" plan "$spec" -o "$p/$name.json" >/dev/null && "$x" lower "$p/$name.json" -o "$p/$name.ir" >/dev/null
         for be in cpu cuda; do
-            SHARDWRIGHT_CUDA_MULTIRANK=1 timeout 90 "$x" execute "$p/$name.ir" --backend "$be" --steps 5 --quiet \
+            timeout 90 "$x" execute "$p/$name.ir" --backend "$be" --steps 5 --quiet \
                 >"$p/$name.$be.jsonl" 2>"$p/$name.$be.err"
             echo "program $name on $be: exit $?"
         done

@@ -768,8 +768,11 @@ impl Backend for Cuda {
         let n = ranges.first().map_or(0, |r| r.1);
         if ranges.iter().all(|r| r.1 == n) {
             // Ranges of one length (a tensor's columns, row by row): one launch.
-            let moves: Vec<(usize, usize)> =
-                ranges.iter().enumerate().map(|(i, r)| (r.0, i * n)).collect();
+            let moves: Vec<(usize, usize)> = ranges
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (r.0, i * n))
+                .collect();
             self.copy_moves(&mut y, x, n, &moves);
             return y;
         }
