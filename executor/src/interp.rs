@@ -61,8 +61,8 @@ pub(crate) struct RankExec<'a, B: Backend, C: Collectives<B>> {
     pub(crate) reduced: std::collections::BTreeSet<usize>,
     /// Report full gradients and weights each step.
     pub(crate) diagnostics: bool,
-    /// This step's time per kind of node, when profiling.
-    pub(crate) profile: Option<BTreeMap<String, (u64, f64)>>,
+    /// Time every node into the report (the backend synchronized after each).
+    pub(crate) profile: bool,
     /// The rank's data: this step's micro-batches.
     pub(crate) feed: Feed,
     /// The activations of the value path, by value id (see [`values`]).
@@ -108,7 +108,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             report: StepReport::default(),
             reduced: Default::default(),
             diagnostics: true,
-            profile: None,
+            profile: false,
         })
     }
 
@@ -121,7 +121,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
         self.reduced.clear();
         self.feed.start(step);
         for n in &self.g.nodes {
-            let t0 = self.profile.is_some().then(std::time::Instant::now);
+            let t0 = self.profile.then(std::time::Instant::now);
             self.node(n).map_err(|why| ExecError::Node {
                 rank: self.me.rank,
                 step,
@@ -129,15 +129,7 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
                 what: shardwright_ir::text::print_node(self.g, n),
                 why,
             })?;
-            if let Some(t0) = t0 {
-                self.be.synchronize();
-                let s = t0.elapsed().as_secs_f64();
-                if let Some(p) = self.profile.as_mut() {
-                    let e = p.entry(profile_label(n)).or_default();
-                    e.0 += 1;
-                    e.1 += s;
-                }
-            }
+            crate::run::record_node(self.be, &mut self.report.profile, n, t0);
         }
         let left: Vec<String> = self
             .vals
@@ -157,9 +149,6 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             });
         }
         let mut rep = std::mem::take(&mut self.report);
-        if let Some(p) = self.profile.as_mut() {
-            rep.profile = std::mem::take(p);
-        }
         if self.has_loss && self.me.tp_pos == 0 {
             rep.loss = Some(self.loss);
         }
@@ -221,16 +210,4 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
             .map(|(n, x)| (n.clone(), self.be.download(x)))
             .collect()
     }
-}
-
-/// A node's kind for profiles: its pass and op keyword, with a GEMM's role and product
-/// (`bwd gemm fc1.dgrad`), an element-wise op's kind and a collective's kind.
-pub fn profile_label(n: &Node) -> String {
-    let what = match &n.op {
-        Op::Gemm { name, .. } => format!("gemm {name}"),
-        Op::Elementwise { kind, .. } => format!("elementwise {}", kind.name()),
-        Op::Collective { kind, .. } => format!("collective {}", kind.name()),
-        op => op.keyword().to_string(),
-    };
-    format!("{} {what}", n.pass.name())
 }

@@ -133,7 +133,7 @@ pub struct StepReport {
     /// The step's loss over the whole global batch (every rank; f32 sum of the shares).
     pub global_loss: f64,
     /// With [`RunOptions::profile`]: wall seconds and node count per kind of node
-    /// ([`crate::interp::profile_label`]), each node timed to the end of its work on the
+    /// ([`profile_label`]), each node timed to the end of its work on the
     /// device (the backend synchronized after it).
     pub profile: BTreeMap<String, (u64, f64)>,
 }
@@ -371,7 +371,7 @@ pub fn run_rank<B: Backend, C: Collectives<B>>(
         })?;
         let mut rk = RankExec::new(backend, comm, &graph, program, &dims, cfg)?;
         rk.diagnostics = opts.diagnostics;
-        rk.profile = opts.profile.then(BTreeMap::new);
+        rk.profile = opts.profile;
         let ctx = rk.feed.ctx;
         rk.feed.source = Some(match opts.data {
             Some(f) => f(ctx).map_err(|e| ExecError::Run(format!("data for rank {r}: {e}")))?,
@@ -438,6 +438,34 @@ pub fn run_rank<B: Backend, C: Collectives<B>>(
 
 fn is_abort(e: Option<&ExecError>) -> bool {
     matches!(e, Some(ExecError::Panic(_, m)) if m.contains("aborted"))
+}
+
+/// When profiling (`t0` set when the node started): waits for the backend, then adds node
+/// `n`'s time to the profile (its kind's count and seconds).
+pub(crate) fn record_node<B: Backend>(
+    be: &B,
+    p: &mut BTreeMap<String, (u64, f64)>,
+    n: &shardwright_ir::Node,
+    t0: Option<std::time::Instant>,
+) {
+    if let Some(t0) = t0 {
+        be.synchronize();
+        let e = p.entry(profile_label(n)).or_default();
+        e.0 += 1;
+        e.1 += t0.elapsed().as_secs_f64();
+    }
+}
+
+/// A node's kind for profiles: its pass and op keyword, with a GEMM's role and product
+/// (`bwd gemm fc1.dgrad`), an element-wise op's kind and a collective's kind.
+pub fn profile_label(n: &shardwright_ir::Node) -> String {
+    let what = match &n.op {
+        shardwright_ir::Op::Gemm { name, .. } => format!("gemm {name}"),
+        shardwright_ir::Op::Elementwise { kind, .. } => format!("elementwise {}", kind.name()),
+        shardwright_ir::Op::Collective { kind, .. } => format!("collective {}", kind.name()),
+        op => op.keyword().to_string(),
+    };
+    format!("{} {what}", n.pass.name())
 }
 
 #[cfg(test)]
