@@ -769,3 +769,57 @@ fn moe_metrics_report_the_load_balancing_loss() {
     assert_eq!(code, 0, "{err}");
     assert!(metrics(&out).iter().all(|l| l.get("aux_loss").is_none()));
 }
+
+/// `execute --profile`: the table accounts for every node of the first rank's graph once
+/// per step (the node counts against the lowered program's text, counted here), each row's
+/// share is its time over the step's, and the rows with the time between nodes add up to
+/// the step (to rounding); the metrics stay on stdout, the table goes to stderr.
+#[test]
+fn the_profile_counts_every_node_of_the_program() {
+    let dir = tempfile::tempdir().unwrap();
+    let plan = plan_on(dir.path(), "p", None);
+    let prog = dir.path().join("p.ir");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (code, _, err) = run(&["lower", &s(&plan), "-o", &s(&prog)]);
+    assert_eq!(code, 0, "{err}");
+    let text = std::fs::read_to_string(&prog).unwrap();
+    let graph = text.split("graph rank=0 ").nth(1).unwrap();
+    let graph = graph.split("\ngraph rank=").next().unwrap();
+    let nodes = graph.lines().filter(|l| l.starts_with('n')).count();
+    assert!(nodes > 100, "rank 0's graph: {nodes} nodes");
+    let (code, out, err) = run(&["execute", &s(&prog), "--steps", "3", "--quiet", "--profile"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 3, "metrics on stdout: {out}");
+    let table: Vec<&str> = err
+        .lines()
+        .skip_while(|l| !l.starts_with("profile of rank 0, mean of 2 step(s)"))
+        .collect();
+    assert!(!table.is_empty(), "no profile table: {err}");
+    let step_ms: f64 = table[0]
+        .split(": ")
+        .nth(1)
+        .and_then(|x| x.strip_suffix(" ms per step"))
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("{}", table[0]));
+    let (mut counted, mut ms, mut share) = (0usize, 0.0f64, 0.0f64);
+    for row in table[2..].iter().take_while(|l| !l.contains("rank(s) in")) {
+        let f: Vec<&str> = row.split_whitespace().collect();
+        ms += f[0].parse::<f64>().unwrap();
+        share += f[1].trim_end_matches('%').parse::<f64>().unwrap();
+        if !row.contains("between nodes") {
+            counted += f[2].parse::<usize>().unwrap();
+        }
+    }
+    assert_eq!(
+        counted, nodes,
+        "nodes per step in the table vs the program\n{err}"
+    );
+    assert!(
+        (ms - step_ms).abs() <= 0.01 * step_ms + 0.05,
+        "{ms} vs {step_ms}\n{err}"
+    );
+    assert!(
+        (share - 100.0).abs() <= 1.0,
+        "shares add to {share}%\n{err}"
+    );
+}
