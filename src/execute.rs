@@ -452,10 +452,22 @@ type Gpu = shardwright_executor::cuda::backend::Cuda;
 #[cfg(not(feature = "cuda"))]
 type Gpu = Cpu;
 
+/// The GPU of this process: `LOCAL_RANK` in a multi-process job (torchrun's variable; a
+/// job's ranks on one node take one GPU each), else GPU 0 (every rank of the job in this
+/// process shares it).
+fn local_gpu() -> Result<usize, Failure> {
+    let get = |k: &str| std::env::var(k).ok();
+    match shardwright_executor::tcp::env_rank(&get) {
+        Ok(e) => Ok(e.and_then(|e| e.local_rank).unwrap_or(0) as usize),
+        Err(e) => Err(usage(anyhow!("environment: {e}"))),
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
-    let g = Gpu::from_env(0).map_err(|e| usage(anyhow!("--backend cuda: {e}")))?;
-    let name = g.dev.name().unwrap_or_else(|_| "GPU 0".into());
+    let ordinal = local_gpu()?;
+    let g = Gpu::from_env(ordinal).map_err(|e| usage(anyhow!("--backend cuda: {e}")))?;
+    let name = g.dev.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
     let peak = crate::device_calibrate::catalog_of(&name).map_or(0.0, |(_, p)| p);
     let basis = format!(
         "the {name}'s dense bf16 peak (this backend computes in {})",
@@ -466,6 +478,7 @@ fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
 
 #[cfg(not(feature = "cuda"))]
 fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
+    local_gpu()?;
     Err(usage(anyhow!(
         "--backend cuda: this shardwright was built without the `cuda` feature (build it with `cargo build --release --features cuda`)"
     )))
@@ -517,7 +530,6 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     // Started as one rank of a multi-process job (launch --local, torchrun, Slurm): this
     // process runs that rank only, and only rank 0 writes metrics and outputs.
     let dist = distributed::from_env(world)?;
-    check_cuda_run(gpu.is_some(), dist.is_some())?;
     let writes = !matches!(&dist, Some(d) if d.rank != 0);
     let cfg = exec_config(a);
     let gb = run.global_batch;
@@ -609,7 +621,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
                 .map(|rep| ft_report = Some(rep))
             })
         }
-        (Some(d), None) => distributed::run(d, program, &cfg, &opts).map(|_| ()),
+        (Some(d), None) => distributed::run(d, program, &cfg, &opts, gpu_of(&gpu)).map(|_| ()),
         (Some(d), Some(r)) => {
             // One rank of a multi-process job: its own rank file of each checkpoint, and
             // its own state of the checkpoint it resumes from.
@@ -638,7 +650,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
                 hooks: Some(&hooks),
                 ..opts
             };
-            distributed::run(d, program, &cfg, &opts).map(|_| ())
+            distributed::run(d, program, &cfg, &opts, gpu_of(&gpu)).map(|_| ())
         }
     };
     bar.finish_and_clear();
@@ -688,17 +700,10 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     diverged.map_or(Ok(()), Err)
 }
 
-/// What the CUDA backend cannot run yet: a multi-process job. (Several ranks in one
-/// process share GPU 0; on an H200 they matched the CPU reference on every layout of
-/// `cuda_train`, three runs in a row, and under compute-sanitizer's memcheck, after every
-/// CUDA call was put under the backend's one lock: `scripts/gpu/runs/`.)
-fn check_cuda_run(cuda: bool, multi_process: bool) -> Result<(), Failure> {
-    if cuda && multi_process {
-        return Err(usage(anyhow!(
-            "--backend cuda runs every rank in this one process for now (the ranks share GPU 0); a multi-process job (torchrun, Slurm, launch) needs NCCL collectives on device buffers, which the executor does not route yet"
-        )));
-    }
-    Ok(())
+/// The CUDA backend of `gpu` (the backend, its peak, its basis), for a rank of a
+/// multi-process job.
+fn gpu_of(gpu: &Option<(Gpu, f64, String)>) -> Option<&Gpu> {
+    gpu.as_ref().map(|g| &g.0)
 }
 
 /// The training hyper-parameters of `a`.
@@ -1490,6 +1495,7 @@ mod distributed {
         program: &shardwright_ir::Program,
         cfg: &ExecConfig,
         opts: &RunOptions,
+        gpu: Option<&super::Gpu>,
     ) -> Result<Vec<RankReport>, ExecError> {
         let fault = fault(d.rank)?;
         let mut comm = rendezvous(&d.master, d.rank, d.world, d.rendezvous_timeout, d.timeout)
@@ -1536,7 +1542,17 @@ mod distributed {
                 prev(info)
             }
         }));
-        let rep = run_rank(program, &Cpu, cfg, &mut comm, d.rank, &opts)?;
+        let rep = match gpu {
+            // This rank's GPU (LOCAL_RANK): the value path's collectives on NCCL.
+            #[cfg(feature = "cuda")]
+            Some(g) => {
+                use shardwright_executor::cuda::collectives::NcclCollectives;
+                let nccl = NcclCollectives::join(&mut comm, g, program)
+                    .map_err(|e| ExecError::Panic(d.rank, e))?;
+                run_rank(program, g, cfg, nccl, d.rank, &opts)?
+            }
+            _ => run_rank(program, &Cpu, cfg, &mut comm, d.rank, &opts)?,
+        };
         comm.finish().map_err(|e| ExecError::Panic(d.rank, e))?;
         Ok(vec![rep])
     }

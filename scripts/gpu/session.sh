@@ -17,7 +17,8 @@
 #              twice with SHARDWRIGHT_CUDA_SYNC=1, then once under compute-sanitizer's
 #              memcheck (race/ in logs.tgz);
 #   program    `shardwright lower` then `execute PROG.ir` (no plan) on the CPU and on the GPU,
-#              the tiny Llama on one rank and on eight, losses side by side (program/);
+#              the tiny Llama on one rank and on eight, and the one-rank program as a
+#              one-process job on NCCL; losses side by side (program/);
 #   measure    scripts/gpu/measure_kernels.py: the cost model's kernel rates (kernel-rates.json),
 #              cut off at MEASURE_LIMIT_S (default 150) with what it saved so far.
 # Outputs go to $OUT (at most 8 files come back from the device tool: logs are packed).
@@ -127,6 +128,23 @@ if has program; then
                 >"$p/$name.$be.jsonl" 2>"$p/$name.$be.err"
             echo "program $name on $be: exit $?"
         done
+        if [ "$name" = one ]; then
+            # The same program as a one-process job (torchrun's variables): NCCL
+            # communicators joined per group, the value path's collectives on them.
+            RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout 90 \
+                "$x" execute "$p/$name.ir" --backend cuda --steps 5 --quiet \
+                >"$p/$name.nccl.jsonl" 2>"$p/$name.nccl.err"
+            echo "program $name as a one-process job on cuda (NCCL): exit $?"
+            python3 - "$p/$name.cpu.jsonl" "$p/$name.nccl.jsonl" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+b = [json.loads(l) for l in open(sys.argv[2]) if l.startswith("{")]
+for x, y in zip(a, b):
+    print(f"  step {x['step']}: loss cpu {x['loss']} nccl job {y['loss']}")
+if len(a) != len(b) or not a:
+    print(f"  steps: cpu {len(a)}, nccl job {len(b)}")
+PY
+        fi
         python3 - "$p/$name.cpu.jsonl" "$p/$name.cuda.jsonl" <<'PY'
 import json, sys
 def losses(f):

@@ -284,6 +284,37 @@ impl Cuda {
         self.precision
     }
 
+    /// The device this backend runs on.
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    /// A library call that reads `x` as fp32 (bf16 widened, untyped zeros materialized)
+    /// and writes a fresh fp32 buffer of `n` elements (NCCL's collectives), under the
+    /// backend's lock, on its stream; returns that buffer.
+    pub(crate) fn f32_call(
+        &self,
+        x: &DBuf,
+        n: usize,
+        f: impl FnOnce(&CudaSlice<f32>, &mut CudaSlice<f32>) -> Result<(), String>,
+    ) -> Result<DBuf, String> {
+        let mut out = self.alloc(Kind::F32, n);
+        if n == 0 || x.is_empty() {
+            return Ok(out);
+        }
+        let xs = self.read_f32(x);
+        let Store::F32(o) = out.store_mut() else {
+            unreachable!("an fp32 buffer")
+        };
+        {
+            let _api = api();
+            f(&xs, o)?;
+        }
+        drop(xs);
+        self.sync_point("collective");
+        Ok(out)
+    }
+
     /// This backend (the same device, kernels and cuBLASLt handle) in precision `p`.
     pub fn with_precision(&self, p: Precision) -> Cuda {
         Cuda {

@@ -13,6 +13,7 @@
 //! first three (`MASTER_ADDR`/`MASTER_PORT` are still needed).
 
 use crate::tcp::{env_rank, EnvRank, Store};
+use shardwright_ir::Program;
 
 /// Bytes of `ncclUniqueId` (`NCCL_UNIQUE_ID_BYTES` in nccl.h).
 pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
@@ -112,4 +113,69 @@ pub fn bootstrap_from(
         id,
         store,
     }))
+}
+
+/// This rank's groups of `program`, ascending by id: (store name, ranks). A multi-process
+/// job on GPUs joins one NCCL communicator per group in this order (`cuda::collectives`),
+/// the group's first member making the id published under [`id_key`] of the name.
+pub fn groups_of(program: &Program, rank: u32) -> Vec<(String, Vec<u32>)> {
+    let mut ids = program
+        .membership
+        .get(rank as usize)
+        .cloned()
+        .unwrap_or_default();
+    ids.sort_unstable();
+    ids.into_iter()
+        .map(|g| {
+            let pg = program.group(g);
+            (format!("g{}", g.index()), pg.ranks.clone())
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shardwright_ir::{Axis, Fabric, GroupId, ProcessGroup};
+
+    fn group(id: u32, axis: Axis, ranks: &[u32]) -> ProcessGroup {
+        ProcessGroup {
+            id: GroupId(id),
+            axis,
+            index: id,
+            ranks: ranks.to_vec(),
+            fabric: Fabric::Nvlink,
+        }
+    }
+
+    /// A rank's groups come out in ascending id whatever order its membership lists them
+    /// in, named by id (the store key every member uses), with their ranks.
+    #[test]
+    fn a_ranks_groups_in_global_id_order() {
+        let program = Program {
+            world: 4,
+            groups: vec![
+                group(0, Axis::Tp, &[0, 1]),
+                group(1, Axis::Tp, &[2, 3]),
+                group(2, Axis::DenseDp, &[0, 2]),
+                group(3, Axis::DenseDp, &[1, 3]),
+            ],
+            membership: vec![
+                vec![GroupId(2), GroupId(0)],
+                vec![GroupId(0), GroupId(3)],
+                vec![GroupId(1), GroupId(2)],
+                vec![GroupId(1), GroupId(3)],
+            ],
+            ..Program::default()
+        };
+        assert_eq!(
+            groups_of(&program, 0),
+            vec![("g0".into(), vec![0, 1]), ("g2".into(), vec![0, 2])]
+        );
+        assert_eq!(
+            groups_of(&program, 3),
+            vec![("g1".into(), vec![2, 3]), ("g3".into(), vec![1, 3])]
+        );
+        assert!(groups_of(&program, 9).is_empty());
+    }
 }

@@ -9,24 +9,31 @@
 //! - [`precision`]: the backend's two modes (fp32, the reference-comparison mode; bf16
 //!   mixed precision) as a table of element types by tensor role, and the rules that give a
 //!   device buffer its type;
-//! - [`bootstrap`]: handing NCCL's 128-byte unique id from rank 0 to every rank over the
-//!   rendezvous [`crate::tcp::Store`] (torchrun's and Slurm's environment);
+//! - [`bootstrap`]: handing NCCL's 128-byte unique ids to the ranks over the rendezvous
+//!   [`crate::tcp::Store`] (torchrun's and Slurm's environment), and a rank's groups in
+//!   the order it joins their communicators;
 //! - `device` (feature `cuda`): the host side through `cudarc`, loaded at run time: a
 //!   context, the kernels compiled by NVRTC and loaded as modules, launches, and NCCL's
 //!   unique id;
 //! - `snapshot` (feature `cuda`): checkpoint snapshots of device tensors through reused
-//!   page-locked host buffers, handed to the asynchronous [`crate::checkpoint`] writer.
+//!   page-locked host buffers, handed to the asynchronous [`crate::checkpoint`] writer;
+//! - `gemm`, `nccl`, `backend`, `collectives` (feature `cuda`): cuBLASLt GEMMs, NCCL
+//!   communicators on device buffers, the `Cuda` backend, and a multi-process job's
+//!   value-path collectives on NCCL (one communicator per process group, joined in group
+//!   id order: [`bootstrap::groups_of`]).
 //!
 //! The first five need no CUDA and are always compiled, so their tests run in the normal
-//! test run; `device` and `snapshot` are what the feature adds. Kernels follow the math and the layouts of
-//! the CPU reference ([`crate::backend`]) so a GPU test can compare the two; they are not
-//! yet behind the interpreter, which needs the backend seam (buffers owned by the backend)
-//! first.
+//! test run; the rest is what the feature adds. Kernels follow the math and the layouts of
+//! the CPU reference ([`crate::backend`]) so a GPU test can compare the two; `backend`'s
+//! `Cuda` runs them behind the interpreter, and `collectives` puts a multi-process job's
+//! value-path collectives on NCCL.
 
 pub mod arena;
 #[cfg(feature = "cuda")]
 pub mod backend;
 pub mod bootstrap;
+#[cfg(feature = "cuda")]
+pub mod collectives;
 #[cfg(feature = "cuda")]
 pub mod device;
 #[cfg(feature = "cuda")]

@@ -27,6 +27,8 @@ pub enum Reduce {
     Sum,
     /// The sum over the members divided by their number (`ncclAvg`).
     Avg,
+    /// The elementwise maximum (`ncclMax`: the vocabulary-parallel loss's logit maximum).
+    Max,
 }
 
 /// A communicator of `world` ranks, this process being `rank`.
@@ -62,6 +64,7 @@ fn op(r: Reduce) -> sys::ncclRedOp_t {
     match r {
         Reduce::Sum => sys::ncclRedOp_t::ncclSum,
         Reduce::Avg => sys::ncclRedOp_t::ncclAvg,
+        Reduce::Max => sys::ncclRedOp_t::ncclMax,
     }
 }
 
