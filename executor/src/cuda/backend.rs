@@ -700,6 +700,33 @@ impl Cuda {
         }
     }
 
+    /// The whole-buffer reduction `kernel_*` (buffers.cu: `sum_squares`, `checksum`) over
+    /// `x` read as `d`, into one zeroed output per block (`per_block`) or one in all, on
+    /// the host.
+    fn reduce_buf<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        kernel: &str,
+        x: &DBuf,
+        d: Dtype,
+        per_block: bool,
+    ) -> Vec<T> {
+        let n = x.len() as u64;
+        let l = launch::buffer_reduce(&format!("{kernel}_{}", d.suffix()), n);
+        let outs = match (&l, per_block) {
+            (Ok(l), true) => l.grid[0] as usize,
+            _ => 1,
+        };
+        let mut out = self.dzeros::<T>(outs);
+        let xs = self.read(x, d);
+        self.run(l, |b| {
+            b.arg(&xs).arg(&n).arg(&mut out);
+        });
+        let _api = api();
+        let host = self.dev.download(&out).unwrap_or_else(|e| fail(kernel, e));
+        drop(out);
+        host
+    }
+
     fn reduce_rows(
         &self,
         red: &Launch,
@@ -973,46 +1000,21 @@ impl Backend for Cuda {
     }
 
     fn sum_squares(&self, x: &Self::Buf) -> f64 {
-        let Some(d) = x.kind().dtype().filter(|_| !x.is_empty()) else {
-            return 0.0; // empty, or untyped zeros
-        };
-        let n = x.len() as u64;
-        let l = launch::buffer_reduce(&format!("sum_squares_{}", d.suffix()), n);
-        let blocks = l.as_ref().map_or(1, |l| l.grid[0] as usize);
-        let mut part = self.dzeros::<f64>(blocks);
-        let xs = self.read(x, d);
-        self.run(l, |b| {
-            b.arg(&xs).arg(&n).arg(&mut part);
-        });
-        let _api = api();
-        let host = self
-            .dev
-            .download(&part)
-            .unwrap_or_else(|e| fail("sum of squares", e));
-        drop(part);
-        host.iter().sum()
+        match x.kind().dtype().filter(|_| !x.is_empty()) {
+            // One f64 partial per block, added here in block order.
+            Some(d) => self
+                .reduce_buf::<f64>("sum_squares", x, d, true)
+                .iter()
+                .sum(),
+            None => 0.0, // empty, or untyped zeros
+        }
     }
 
     fn checksum(&self, x: &Self::Buf) -> u64 {
-        let Some(d) = x.kind().dtype().filter(|_| !x.is_empty()) else {
-            return crate::backend::weights_hash(&self.download(x));
-        };
-        let n = x.len() as u64;
-        let mut out = self.dzeros::<u64>(1);
-        let xs = self.read(x, d);
-        self.run(
-            launch::buffer_reduce(&format!("checksum_{}", d.suffix()), n),
-            |b| {
-                b.arg(&xs).arg(&n).arg(&mut out);
-            },
-        );
-        let _api = api();
-        let host = self
-            .dev
-            .download(&out)
-            .unwrap_or_else(|e| fail("checksum", e));
-        drop(out);
-        host[0]
+        match x.kind().dtype().filter(|_| !x.is_empty()) {
+            Some(d) => self.reduce_buf::<u64>("checksum", x, d, false)[0],
+            None => crate::backend::weights_hash(&self.download(x)),
+        }
     }
 
     fn synchronize(&self) {
