@@ -381,6 +381,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
                 sliding_window: None,
                 sliding_window_pattern: None,
                 attention_sink_tokens: 0,
+                mla: None,
             },
             parallelism,
             precision: PrecisionSpec::default(),

@@ -378,7 +378,7 @@ impl Ctx<'_> {
         let hw = &job.hardware;
         let t = self.t;
         let s = m.seq_len as f64;
-        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+        let (qd, od) = (m.q_width(), m.o_width());
         let core_fwd = self.tokens * flops::attention_fwd_flops_per_token(m) / t;
         let kind = OpKind::AttentionCore {
             causal: m.causal,
@@ -403,8 +403,10 @@ impl Ctx<'_> {
             && crate::framework::mechanisms(job.framework).cp_ring
                 == crate::framework::CpRing::TorchAllGather;
         // This rank's attention output and K/V elements (K and V together) per layer.
-        let q_elems = self.tokens * qd / t;
-        let kv_elems = 2.0 * self.tokens * (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
+        // KV heads on this rank times the key plus value head dims (MLA: 192 + 128).
+        let kv_local = (m.num_kv_heads as f64 / t).max(1.0) * (m.head_dim + m.v_head_dim()) as f64;
+        let q_elems = self.tokens * od / t;
+        let kv_elems = self.tokens * kv_local;
         if m.flash_attention {
             let f = if bwd { 2.5 * core_fwd } else { core_fwd };
             // PyTorch's ring attention merges and accumulates with eager fp32 kernels around
@@ -433,7 +435,7 @@ impl Ctx<'_> {
             // dropout backward reads the grad and the mask and writes (5 B). The batched
             // GEMMs' rate carries only the size term of the GEMM curve.
             let heads_local = m.num_attention_heads as f64 / t;
-            let full = 4.0 * self.tokens * s * qd / t;
+            let full = 2.0 * self.tokens * s * (qd + od) / t;
             let qk_flops = 2.0 * self.tokens * heads_local * s * m.head_dim as f64;
             let ge =
                 eff.gemm_max / (1.0 + (eff.gemm_flops0 / qk_flops.max(1.0)).powf(eff.gemm_exp));
@@ -458,8 +460,7 @@ impl Ctx<'_> {
         // (`ring::contended_s`). Selective recompute reuses the forward's K/V blocks.
         if cp > 1 && (e.pass != Pass::Recompute || self.shape.recompute == Recompute::Full) {
             let link = group_link(job, self.mesh.fabric(GroupKind::Cp));
-            let kv_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
-            let chunk = 2.0 * self.tokens * kv_local * 2.0;
+            let chunk = self.tokens * kv_local * 2.0;
             let steps = cp as f64 - 1.0;
             let step_t = send_s(chunk, link.gbps, link.latency_s);
             // One block's forward and backward times.
@@ -568,15 +569,35 @@ impl Ctx<'_> {
     fn attention_block(&self, e: &mut Emit) {
         let m = &self.job.model;
         let (t, h, tokens) = (self.t, self.h, self.tokens);
-        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+        let od = m.o_width();
         let sc = e.scale();
-        let qkv_s = self.gemm_time(tokens, (qd + 2.0 * kvd) / t, h, 1, sc);
-        let proj_s = self.gemm_time(tokens, h, qd / t, 1, sc);
+        // Input projections ([`flops::attention_projections`]): column-parallel ones split
+        // their output over tp; MLA's duplicated down projections run whole on every rank,
+        // over the rank's sequence shard under SP (Megatron-Core gathers the latents after
+        // them), over every token without it.
+        let proj = flops::attention_projections(m);
+        let shape = |p: &flops::AttnProjection| {
+            if p.split {
+                (tokens, p.out_width / t)
+            } else {
+                (tokens / self.seq_div, p.out_width)
+            }
+        };
+        let qkv_s: f64 = proj
+            .iter()
+            .map(|p| {
+                let (rows, n) = shape(p);
+                self.gemm_time(rows, n, p.in_width, 1, sc)
+            })
+            .sum();
+        let proj_s = self.gemm_time(tokens, h, od / t, 1, sc);
         self.tp_pair(e, "attn", (qkv_s, proj_s));
-        self.gemm(e, GemmRole::Qkv, tokens, (qd + 2.0 * kvd) / t, h, 1);
+        for p in &proj {
+            let (rows, n) = shape(p);
+            self.gemm(e, GemmRole::Qkv, rows, n, p.in_width, 1);
+        }
         self.attention_core(e);
-        self.gemm(e, GemmRole::Proj, tokens, h, qd / t, 1);
+        self.gemm(e, GemmRole::Proj, tokens, h, od / t, 1);
     }
 
     /// Times of the MLP block's first and second GEMMs in a pass of `sc` times the forward
@@ -967,15 +988,14 @@ impl Ctx<'_> {
             )
         }));
         let (t, h) = (self.t, self.h);
-        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+        let (od, kvd) = (m.o_width(), m.k_width());
         let f = m.ffn_hidden_size as f64;
         let re = &mut Emit {
             out,
             pass: Pass::Recompute,
         };
         self.gemm(re, GemmRole::KProj, self.tokens, kvd / t, h, 1);
-        self.gemm(re, GemmRole::Proj, self.tokens, h, qd / t, 1);
+        self.gemm(re, GemmRole::Proj, self.tokens, h, od / t, 1);
         if m.ffn_activation.mlp_matrices() > 2.0 {
             self.gemm(re, GemmRole::Fc1Up, self.tokens, f / t, h, 1);
         } else {

@@ -180,12 +180,18 @@ pub fn attention_activation_bytes(
     rc: Recompute,
     fp8: bool,
 ) -> f64 {
-    let d = m.head_dim as f64;
     let a = m.num_attention_heads as f64;
-    let qd = a * d;
-    let kvd = m.num_kv_heads as f64 * d;
-    let proj_in = if fp8 { tokens * qd } else { 0.0 };
-    let mut bytes = (4.0 * tokens * qd + 4.0 * tokens * kvd + 4.0 * tokens * a + proj_in) / tp;
+    let (qd, kd, vd, od) = (m.q_width(), m.k_width(), m.v_width(), m.o_width());
+    let proj_in = if fp8 { tokens * od } else { 0.0 };
+    // Q, K, V and the output O (16-bit), the log-sum-exp (fp32 per head); MLA adds its two
+    // latents as the up projections read them, after their RMSNorms, and the norms' inputs
+    // (16-bit each, whole on every TP rank: Megatron-Core gathers them before the
+    // column-parallel up projections).
+    let latents = m.mla.map_or(0.0, |l| {
+        2.0 * 2.0 * tokens * (l.q_lora_rank + l.kv_lora_rank) as f64
+    });
+    let mut bytes =
+        (2.0 * tokens * (qd + kd + vd + od) + 4.0 * tokens * a + proj_in) / tp + latents;
     if !m.flash_attention && rc == Recompute::None {
         let per_score = if m.dropout { 5.0 } else { 2.0 };
         bytes += per_score * a * m.seq_len as f64 * tokens / tp;
