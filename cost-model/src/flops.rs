@@ -62,6 +62,22 @@ pub fn attention_projections(m: &Model) -> Vec<AttnProjection> {
     }
 }
 
+/// Weights of MLA's up projections (`W_UQ` and `W_UKV`, the column-parallel projections
+/// that read a latent), which `mla_up_proj` recompute runs again; 0 without MLA.
+pub fn mla_up_proj_params(m: &Model) -> f64 {
+    match &m.mla {
+        None => 0.0,
+        Some(a) => attention_projections(m)
+            .iter()
+            .filter(|p| {
+                p.split
+                    && (p.in_width == a.q_lora_rank as f64 || p.in_width == a.kv_lora_rank as f64)
+            })
+            .map(|p| p.out_width * p.in_width)
+            .sum(),
+    }
+}
+
 /// Parameters of one attention block: its projections ([`attention_projections`]) and the
 /// output projection `o_width x hidden`; biases when the model has them; MLA adds the
 /// RMSNorms on its two latents (`q_lora_rank + kv_lora_rank`).
@@ -225,6 +241,9 @@ fn module_recompute_flops(
     let mut extra = 0.0;
     if has(R::CoreAttn) {
         extra += (dense + moe_layers) * attention_fwd_flops_per_token(m);
+    }
+    if has(R::MlaUpProj) {
+        extra += (dense + moe_layers) * 2.0 * mla_up_proj_params(m);
     }
     let mats = m.ffn_activation.mlp_matrices();
     let h = m.hidden_size as f64;

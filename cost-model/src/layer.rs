@@ -1029,6 +1029,29 @@ impl Ctx<'_> {
             );
         }
         out.extend(again.into_iter().filter(|op| recomputed(op, moe, mods)));
+        if mods.contains(&RecomputeModule::MlaUpProj) {
+            // MLA's up projections (`flops::mla_up_proj_params`): the column-parallel ones
+            // that read a latent, on every token.
+            if let Some(a) = self.job.model.mla {
+                let re = &mut Emit {
+                    out,
+                    pass: Pass::Recompute,
+                };
+                let latent = |w: f64| w == a.q_lora_rank as f64 || w == a.kv_lora_rank as f64;
+                for p in flops::attention_projections(&self.job.model) {
+                    if p.split && latent(p.in_width) {
+                        self.gemm(
+                            re,
+                            GemmRole::Qkv,
+                            self.tokens,
+                            p.out_width / self.t,
+                            p.in_width,
+                            1,
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// The final norm, the LM head GEMM and the cross-entropy loss, forward and backward,

@@ -264,7 +264,9 @@ pub fn moe_layer_activation_bytes(
 /// - `moe_act`: the experts' (and shared experts') activation outputs;
 /// - `shared_experts`: the shared experts' FC1 and activation outputs;
 /// - `moe`: everything the MoE MLP keeps (router logits, permuted tokens and expert outputs,
-///   expert and shared-expert intermediates).
+///   expert and shared-expert intermediates);
+/// - `mla_up_proj`: the attention core's Q, K and V (16-bit, split over tp), which the
+///   backward rebuilds from the latents the up projections read (kept).
 pub fn recompute_module_savings(
     m: &Model,
     tokens: f64,
@@ -282,6 +284,9 @@ pub fn recompute_module_savings(
     let mut saved = 0.0;
     if has(R::Layernorm) {
         saved += 2.0 * act_out * tokens * h / seq_div;
+    }
+    if has(R::MlaUpProj) && m.mla.is_some() {
+        saved += 2.0 * tokens * (m.q_width() + m.k_width() + m.v_width()) / tp;
     }
     match (moe_layer, m.moe.as_ref()) {
         (true, Some(moe)) => {

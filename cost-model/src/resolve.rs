@@ -598,6 +598,12 @@ fn check_recompute_modules(errs: &mut Errs, js: &JobSpec) {
                 format!("{} needs an MoE model (job.model.moe)", m.name()),
             );
         }
+        if *m == R::MlaUpProj && js.model.mla.is_none() {
+            errs.push(
+                "job.recompute_modules",
+                "mla_up_proj needs multi-head latent attention (job.model.mla)",
+            );
+        }
     }
     if matches!(
         js.parallelism.recompute,

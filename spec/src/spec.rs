@@ -354,6 +354,10 @@ pub enum RecomputeModule {
     Moe,
     /// The shared experts of an MoE layer: frees their FC1 and activation outputs.
     SharedExperts,
+    /// Multi-head latent attention's up projections and rotary (Megatron-Core
+    /// `--recompute-modules mla_up_proj`): frees the attention core's Q, K and V, rebuilt
+    /// from the kept latents in the backward.
+    MlaUpProj,
 }
 
 impl RecomputeModule {
@@ -366,6 +370,7 @@ impl RecomputeModule {
             RecomputeModule::MoeAct => "moe_act",
             RecomputeModule::Moe => "moe",
             RecomputeModule::SharedExperts => "shared_experts",
+            RecomputeModule::MlaUpProj => "mla_up_proj",
         }
     }
 }

@@ -134,11 +134,11 @@ pub const BRIDGE_RECIPES: &[BridgeRecipe] = &[
         gpu_kind: "h100",
         releases: (2509, 2509),
         recompute: Recompute::Selective,
-        recompute_modules: &[RecomputeModule::Mlp],
+        recompute_modules: &[RecomputeModule::MlaUpProj, RecomputeModule::Mlp],
         tp_comm_overlap: false,
         moe_dispatcher: Some(MoeDispatcher::Deepep),
         dp_comm_overlap: false,
-        not_modelled: "mla_up_proj recompute; A2A_1F1B (EP all-to-all overlapped with the other micro-batch's compute)",
+        not_modelled: "A2A_1F1B (EP all-to-all overlapped with the other micro-batch's compute)",
         source: "scripts/performance/run_script.py @cac49dcd7 (deepseek v3, h100); src/megatron/bridge/recipes/deepseek/deepseek_v3.py",
     },
 ];
