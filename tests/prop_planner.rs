@@ -399,6 +399,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             recompute_modules: None,
             tp_comm_overlap: false,
             torch_compile: false,
+            moe_a2a_overlap: false,
             dp_comm_overlap: true,
             moe_dispatcher: Default::default(),
             framework: Default::default(),

@@ -928,6 +928,7 @@ impl Ctx<'_> {
     /// A transformer layer (dense or MoE): forward, the recompute its shape asks for, and
     /// backward.
     fn transformer_layer(&self, out: &mut Vec<OpCost>, moe: bool) {
+        let start = out.len();
         self.layer_pass(
             &mut Emit {
                 out,
@@ -960,6 +961,63 @@ impl Ctx<'_> {
             },
             moe,
         );
+        if moe && self.job.moe_a2a_overlap {
+            self.paired_a2a_overlap(&mut out[start..]);
+        }
+    }
+
+    /// The compute slowdown while an EP all-to-all runs beside it: the share of the SMs its
+    /// kernels take. DeepEP runs on [`crate::catalog::DEEPEP_NUM_SMS`] of the GPU's SMs
+    /// ([`crate::catalog::sm_count`]); NCCL's all-to-all (and a GPU of unknown SM count)
+    /// takes what the DP collectives take, `1 - dp_overlap` (as the CP ring,
+    /// [`crate::ring::contended_s`]).
+    fn a2a_contention(&self) -> f64 {
+        let job = self.job;
+        let nccl = 1.0 - job.efficiency.dp_overlap;
+        match (
+            job.moe_dispatcher,
+            crate::catalog::sm_count(&job.hardware.kind),
+        ) {
+            (MoeDispatcher::Deepep, Some(sms)) => crate::catalog::DEEPEP_NUM_SMS / sms,
+            _ => nccl,
+        }
+        .clamp(0.0, 1.0)
+    }
+
+    /// Megatron-Core's EP all-to-all overlap (`--overlap-moe-expert-parallel-comm`,
+    /// `megatron/core/pipeline_parallel/combined_1f1b.py` and
+    /// `models/gpt/fine_grained_callables.py`, after DeepSeek-V3's DualPipe, arXiv
+    /// 2412.19437 §3.2.1): in the steady phase the forward of one micro-batch and the
+    /// backward of another run through an MoE layer together, each one's dispatch and
+    /// combine on a communication stream beside the other's attention and MLP compute. Per
+    /// pair of passes the layer's all-to-alls (`t`: forward, recompute and backward
+    /// dispatch and combine) run beside its compute (`c`: every GEMM, attention core and
+    /// elementwise op of the three passes), which the transfer slows by the communication
+    /// kernels' SM share `k` ([`Self::a2a_contention`]): exposed `max(t - c, k t)`
+    /// ([`crate::ring::contended_s`]), never more than without the overlap. The warm-up
+    /// and cool-down passes of the pipeline schedule, unpaired, are counted as paired.
+    fn paired_a2a_overlap(&self, ops: &mut [OpCost]) {
+        let is_a2a = |o: &OpCost| matches!(o.name, "ep_dispatch" | "ep_combine");
+        let t: f64 = ops.iter().filter(|o| is_a2a(o)).map(|o| o.time_s).sum();
+        let before: f64 = ops.iter().filter(|o| is_a2a(o)).map(|o| o.exposed_s).sum();
+        let c: f64 = ops
+            .iter()
+            .filter(|o| !matches!(o.kind, OpKind::Collective { .. }))
+            .map(|o| o.exposed_s)
+            .sum();
+        if before <= 0.0 {
+            return;
+        }
+        let after = crate::ring::contended_s(t, c, self.a2a_contention()).min(before);
+        let scale = after / before;
+        for o in ops.iter_mut().filter(|o| is_a2a(o)) {
+            o.exposed_s *= scale;
+            o.overlap = if o.time_s > 0.0 {
+                1.0 - o.exposed_s / o.time_s
+            } else {
+                0.0
+            };
+        }
     }
 
     /// torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense block: the

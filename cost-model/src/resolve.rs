@@ -89,6 +89,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         torch_compile: js.torch_compile,
         dp_comm_overlap: js.dp_comm_overlap,
         moe_dispatcher: js.moe_dispatcher,
+        moe_a2a_overlap: js.moe_a2a_overlap,
     };
     Ok(Resolved { job, warnings })
 }

@@ -41,6 +41,9 @@ pub struct Job {
     #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
     #[schemars(with = "String")]
     pub moe_dispatcher: MoeDispatcher,
+    /// MoE all-to-all overlapped with the other micro-batch's compute; see the spec's field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub moe_a2a_overlap: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]

@@ -66,6 +66,13 @@ pub struct JobSpec {
     /// `--moe-token-dispatcher-type`); see [`MoeDispatcher`]. Default `alltoall`.
     #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
     pub moe_dispatcher: MoeDispatcher,
+    /// MoE all-to-all overlapped with the other micro-batch's compute (Megatron-Core
+    /// `--overlap-moe-expert-parallel-comm`, its paired 1F1B schedule: the forward of one
+    /// micro-batch and the backward of another run layer by layer together, each one's
+    /// dispatch and combine beside the other's compute). Default false (Megatron-Core's
+    /// default).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub moe_a2a_overlap: bool,
 }
 
 /// MoE token dispatcher: what crosses the network when expert parallelism spans nodes.
