@@ -236,8 +236,9 @@ pub fn apply_recipe_conventions(
     }
     // The recipe's dispatcher is recorded, not applied: on H100 the Qwen3 and GPT-OSS
     // recipes run Megatron-Core's `alltoall` dispatcher with the EP all-to-all overlapped
-    // with the other micro-batch's compute (`moe_a2a_overlap`), which the cost model does
-    // not represent. The dispatcher alone, without that overlap, put Qwen3-235B's row at
+    // with the other micro-batch's compute (`moe_a2a_overlap`), which the cost model has
+    // (`job.moe_a2a_overlap`) but this reader leaves off by default
+    // ([`crate::setup::reader_experiment`]). The dispatcher alone, without that overlap, put Qwen3-235B's row at
     // -23% (from +14% with the flex-dispatcher convention of [`crate::setup::conventions`]),
     // so the convention stays until the overlap is modelled. (Errors are predicted over
     // published tokens/s: +14% is too fast.) Modelled from Megatron-Core's paired 1F1B
