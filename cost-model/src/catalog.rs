@@ -24,6 +24,23 @@ pub struct CatalogEntry {
 
 const MIB: f64 = 1024.0 * 1024.0;
 
+/// Streaming multiprocessors of a GPU kind's part (the share of them a communication
+/// kernel occupies decides how much it slows the compute beside it): GH100 in the SXM5
+/// form, 132 (NVIDIA H100 Tensor Core GPU Architecture whitepaper, 2022); GA100 in the
+/// A100, 108 (NVIDIA A100 Tensor Core GPU Architecture whitepaper, 2020). `None` for other
+/// kinds.
+pub fn sm_count(kind: &str) -> Option<f64> {
+    match kind {
+        "h100" => Some(132.0),
+        "a100" => Some(108.0),
+        _ => None,
+    }
+}
+
+/// SMs DeepEP's dispatch and combine kernels run on: Megatron-Core's
+/// `TransformerConfig.moe_deepep_num_sms` default (20), passed to `deep_ep.Buffer.set_num_sms`.
+pub const DEEPEP_NUM_SMS: f64 = 20.0;
+
 pub const CATALOG: &[CatalogEntry] = &[
     CatalogEntry {
         names: &["A100-40GB", "A100-SXM4-40GB", "a100-40gb"],

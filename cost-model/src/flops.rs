@@ -15,18 +15,85 @@
 use shardwright_spec::job::Model;
 use shardwright_spec::spec::{Norm, Recompute};
 
-/// Parameters of one attention block.
+/// One input projection of the attention block: `in_width -> out_width` per token; `split`
+/// when tensor parallelism splits its output columns (`false`: every TP rank holds it whole).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnProjection {
+    pub out_width: f64,
+    pub in_width: f64,
+    pub split: bool,
+}
+
+/// The attention block's input projections (the output projection is `o_width -> hidden`,
+/// split over its input rows). Multi-head / grouped-query attention: one fused QKV GEMM
+/// `hidden -> qd + 2 kvd`. Multi-head latent attention (DeepSeek-V2 arXiv 2405.04434 eqs.
+/// 9-10 and 12-14; Megatron-Core `MLASelfAttention`, whose down projections are
+/// `parallel_mode="duplicated"` and whose up projections are column-parallel): `W_DQ`
+/// (`hidden -> q_lora_rank`), `W_UQ` (`q_lora_rank -> heads (nope + rope)`; `hidden -> ...`
+/// when `q_lora_rank` is 0), `W_DKV` (`hidden -> kv_lora_rank + rope`) and `W_UKV`
+/// (`kv_lora_rank -> heads (nope + v)`).
+pub fn attention_projections(m: &Model) -> Vec<AttnProjection> {
+    let h = m.hidden_size as f64;
+    let p = |out_width: f64, in_width: f64, split: bool| AttnProjection {
+        out_width,
+        in_width,
+        split,
+    };
+    match &m.mla {
+        None => vec![p(m.q_width() + m.k_width() + m.v_width(), h, true)],
+        Some(a) => {
+            let heads = m.num_attention_heads as f64;
+            let (ql, kvl) = (a.q_lora_rank as f64, a.kv_lora_rank as f64);
+            let mut v = Vec::with_capacity(4);
+            if a.q_lora_rank > 0 {
+                v.push(p(ql, h, false));
+                v.push(p(m.q_width(), ql, true));
+            } else {
+                v.push(p(m.q_width(), h, true));
+            }
+            v.push(p(kvl + a.qk_rope_head_dim as f64, h, false));
+            v.push(p(
+                heads * (a.qk_nope_head_dim + a.v_head_dim) as f64,
+                kvl,
+                true,
+            ));
+            v
+        }
+    }
+}
+
+/// Weights of MLA's up projections (`W_UQ` and `W_UKV`, the column-parallel projections
+/// that read a latent), which `mla_up_proj` recompute runs again; 0 without MLA.
+pub fn mla_up_proj_params(m: &Model) -> f64 {
+    match &m.mla {
+        None => 0.0,
+        Some(a) => attention_projections(m)
+            .iter()
+            .filter(|p| {
+                p.split
+                    && (p.in_width == a.q_lora_rank as f64 || p.in_width == a.kv_lora_rank as f64)
+            })
+            .map(|p| p.out_width * p.in_width)
+            .sum(),
+    }
+}
+
+/// Parameters of one attention block: its projections ([`attention_projections`]) and the
+/// output projection `o_width x hidden`; biases when the model has them; MLA adds the
+/// RMSNorms on its two latents (`q_lora_rank + kv_lora_rank`).
 pub fn attention_params(m: &Model) -> f64 {
     let h = m.hidden_size as f64;
-    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-    let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
-    let w = h * qd + 2.0 * h * kvd + qd * h;
+    let proj = attention_projections(m);
+    let w = proj.iter().map(|p| p.out_width * p.in_width).sum::<f64>() + m.o_width() * h;
     let b = if m.linear_bias {
-        qd + 2.0 * kvd + h
+        proj.iter().map(|p| p.out_width).sum::<f64>() + h
     } else {
         0.0
     };
-    w + b
+    let latent_norms = m
+        .mla
+        .map_or(0.0, |a| (a.q_lora_rank + a.kv_lora_rank) as f64);
+    w + b + latent_norms
 }
 
 fn norm_params(m: &Model) -> f64 {
@@ -118,13 +185,14 @@ pub fn matmul_params_active(m: &Model) -> f64 {
     dense + moe + m.vocab_size as f64 * m.hidden_size as f64
 }
 
-/// Forward attention-core FLOPs per token per layer (QK^T and AV): `4 x keys x qd`, with
+/// Forward attention-core FLOPs per token per layer: QK^T `2 x keys x heads x qk_dim` and
+/// AV `2 x keys x heads x v_dim` (`4 x keys x qd` when the two head dims are equal), with
 /// the keys a query attends to averaged over positions and layers
 /// ([`Model::attended_keys_per_query`]: `s/2` causal, `s` non-causal; sliding windows and
-/// sinks as the model states them).
+/// sinks as the model states them). Under MLA the q/k head dim is `nope + rope` and the
+/// value head dim `v_head_dim` (DeepSeek-V3: 192 and 128).
 pub fn attention_fwd_flops_per_token(m: &Model) -> f64 {
-    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-    4.0 * m.attended_keys_per_query() * qd
+    2.0 * m.attended_keys_per_query() * (m.q_width() + m.o_width())
 }
 
 /// Model FLOPs per token for training (forward + backward, no recompute).
@@ -174,6 +242,9 @@ fn module_recompute_flops(
     if has(R::CoreAttn) {
         extra += (dense + moe_layers) * attention_fwd_flops_per_token(m);
     }
+    if has(R::MlaUpProj) {
+        extra += (dense + moe_layers) * 2.0 * mla_up_proj_params(m);
+    }
     let mats = m.ffn_activation.mlp_matrices();
     let h = m.hidden_size as f64;
     if has(R::Mlp) {
@@ -213,10 +284,9 @@ pub fn hardware_flops_per_token_framework(
         return hardware_flops_per_token_modules(m, recompute, mods);
     }
     let h = m.hidden_size as f64;
-    let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-    let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+    let (kvd, od) = (m.v_width(), m.o_width());
     let f = m.ffn_hidden_size as f64;
-    let dense = 2.0 * (h * kvd + qd * h + h * f) * m.dense_layers() as f64;
+    let dense = 2.0 * (h * kvd + od * h + h * f) * m.dense_layers() as f64;
     // MoE layers: as the module semantics recompute them.
     model_flops_per_token(m) + dense + module_recompute_flops(m, mods, 0.0, m.moe_layers() as f64)
 }

@@ -378,7 +378,7 @@ impl Ctx<'_> {
         let hw = &job.hardware;
         let t = self.t;
         let s = m.seq_len as f64;
-        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
+        let (qd, od) = (m.q_width(), m.o_width());
         let core_fwd = self.tokens * flops::attention_fwd_flops_per_token(m) / t;
         let kind = OpKind::AttentionCore {
             causal: m.causal,
@@ -403,8 +403,10 @@ impl Ctx<'_> {
             && crate::framework::mechanisms(job.framework).cp_ring
                 == crate::framework::CpRing::TorchAllGather;
         // This rank's attention output and K/V elements (K and V together) per layer.
-        let q_elems = self.tokens * qd / t;
-        let kv_elems = 2.0 * self.tokens * (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
+        // KV heads on this rank times the key plus value head dims (MLA: 192 + 128).
+        let kv_local = (m.num_kv_heads as f64 / t).max(1.0) * (m.head_dim + m.v_head_dim()) as f64;
+        let q_elems = self.tokens * od / t;
+        let kv_elems = self.tokens * kv_local;
         if m.flash_attention {
             let f = if bwd { 2.5 * core_fwd } else { core_fwd };
             // PyTorch's ring attention merges and accumulates with eager fp32 kernels around
@@ -433,7 +435,7 @@ impl Ctx<'_> {
             // dropout backward reads the grad and the mask and writes (5 B). The batched
             // GEMMs' rate carries only the size term of the GEMM curve.
             let heads_local = m.num_attention_heads as f64 / t;
-            let full = 4.0 * self.tokens * s * qd / t;
+            let full = 2.0 * self.tokens * s * (qd + od) / t;
             let qk_flops = 2.0 * self.tokens * heads_local * s * m.head_dim as f64;
             let ge =
                 eff.gemm_max / (1.0 + (eff.gemm_flops0 / qk_flops.max(1.0)).powf(eff.gemm_exp));
@@ -458,8 +460,7 @@ impl Ctx<'_> {
         // (`ring::contended_s`). Selective recompute reuses the forward's K/V blocks.
         if cp > 1 && (e.pass != Pass::Recompute || self.shape.recompute == Recompute::Full) {
             let link = group_link(job, self.mesh.fabric(GroupKind::Cp));
-            let kv_local = (m.num_kv_heads as f64 / t).max(1.0) * m.head_dim as f64;
-            let chunk = 2.0 * self.tokens * kv_local * 2.0;
+            let chunk = self.tokens * kv_local * 2.0;
             let steps = cp as f64 - 1.0;
             let step_t = send_s(chunk, link.gbps, link.latency_s);
             // One block's forward and backward times.
@@ -568,15 +569,35 @@ impl Ctx<'_> {
     fn attention_block(&self, e: &mut Emit) {
         let m = &self.job.model;
         let (t, h, tokens) = (self.t, self.h, self.tokens);
-        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+        let od = m.o_width();
         let sc = e.scale();
-        let qkv_s = self.gemm_time(tokens, (qd + 2.0 * kvd) / t, h, 1, sc);
-        let proj_s = self.gemm_time(tokens, h, qd / t, 1, sc);
+        // Input projections ([`flops::attention_projections`]): column-parallel ones split
+        // their output over tp; MLA's duplicated down projections run whole on every rank,
+        // over the rank's sequence shard under SP (Megatron-Core gathers the latents after
+        // them), over every token without it.
+        let proj = flops::attention_projections(m);
+        let shape = |p: &flops::AttnProjection| {
+            if p.split {
+                (tokens, p.out_width / t)
+            } else {
+                (tokens / self.seq_div, p.out_width)
+            }
+        };
+        let qkv_s: f64 = proj
+            .iter()
+            .map(|p| {
+                let (rows, n) = shape(p);
+                self.gemm_time(rows, n, p.in_width, 1, sc)
+            })
+            .sum();
+        let proj_s = self.gemm_time(tokens, h, od / t, 1, sc);
         self.tp_pair(e, "attn", (qkv_s, proj_s));
-        self.gemm(e, GemmRole::Qkv, tokens, (qd + 2.0 * kvd) / t, h, 1);
+        for p in &proj {
+            let (rows, n) = shape(p);
+            self.gemm(e, GemmRole::Qkv, rows, n, p.in_width, 1);
+        }
         self.attention_core(e);
-        self.gemm(e, GemmRole::Proj, tokens, h, qd / t, 1);
+        self.gemm(e, GemmRole::Proj, tokens, h, od / t, 1);
     }
 
     /// Times of the MLP block's first and second GEMMs in a pass of `sc` times the forward
@@ -907,6 +928,7 @@ impl Ctx<'_> {
     /// A transformer layer (dense or MoE): forward, the recompute its shape asks for, and
     /// backward.
     fn transformer_layer(&self, out: &mut Vec<OpCost>, moe: bool) {
+        let start = out.len();
         self.layer_pass(
             &mut Emit {
                 out,
@@ -939,6 +961,63 @@ impl Ctx<'_> {
             },
             moe,
         );
+        if moe && self.job.moe_a2a_overlap {
+            self.paired_a2a_overlap(&mut out[start..]);
+        }
+    }
+
+    /// The compute slowdown while an EP all-to-all runs beside it: the share of the SMs its
+    /// kernels take. DeepEP runs on [`crate::catalog::DEEPEP_NUM_SMS`] of the GPU's SMs
+    /// ([`crate::catalog::sm_count`]); NCCL's all-to-all (and a GPU of unknown SM count)
+    /// takes what the DP collectives take, `1 - dp_overlap` (as the CP ring,
+    /// [`crate::ring::contended_s`]).
+    fn a2a_contention(&self) -> f64 {
+        let job = self.job;
+        let nccl = 1.0 - job.efficiency.dp_overlap;
+        match (
+            job.moe_dispatcher,
+            crate::catalog::sm_count(&job.hardware.kind),
+        ) {
+            (MoeDispatcher::Deepep, Some(sms)) => crate::catalog::DEEPEP_NUM_SMS / sms,
+            _ => nccl,
+        }
+        .clamp(0.0, 1.0)
+    }
+
+    /// Megatron-Core's EP all-to-all overlap (`--overlap-moe-expert-parallel-comm`,
+    /// `megatron/core/pipeline_parallel/combined_1f1b.py` and
+    /// `models/gpt/fine_grained_callables.py`, after DeepSeek-V3's DualPipe, arXiv
+    /// 2412.19437 §3.2.1): in the steady phase the forward of one micro-batch and the
+    /// backward of another run through an MoE layer together, each one's dispatch and
+    /// combine on a communication stream beside the other's attention and MLP compute. Per
+    /// pair of passes the layer's all-to-alls (`t`: forward, recompute and backward
+    /// dispatch and combine) run beside its compute (`c`: every GEMM, attention core and
+    /// elementwise op of the three passes), which the transfer slows by the communication
+    /// kernels' SM share `k` ([`Self::a2a_contention`]): exposed `max(t - c, k t)`
+    /// ([`crate::ring::contended_s`]), never more than without the overlap. The warm-up
+    /// and cool-down passes of the pipeline schedule, unpaired, are counted as paired.
+    fn paired_a2a_overlap(&self, ops: &mut [OpCost]) {
+        let is_a2a = |o: &OpCost| matches!(o.name, "ep_dispatch" | "ep_combine");
+        let t: f64 = ops.iter().filter(|o| is_a2a(o)).map(|o| o.time_s).sum();
+        let before: f64 = ops.iter().filter(|o| is_a2a(o)).map(|o| o.exposed_s).sum();
+        let c: f64 = ops
+            .iter()
+            .filter(|o| !matches!(o.kind, OpKind::Collective { .. }))
+            .map(|o| o.exposed_s)
+            .sum();
+        if before <= 0.0 {
+            return;
+        }
+        let after = crate::ring::contended_s(t, c, self.a2a_contention()).min(before);
+        let scale = after / before;
+        for o in ops.iter_mut().filter(|o| is_a2a(o)) {
+            o.exposed_s *= scale;
+            o.overlap = if o.time_s > 0.0 {
+                1.0 - o.exposed_s / o.time_s
+            } else {
+                0.0
+            };
+        }
     }
 
     /// torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense block: the
@@ -967,15 +1046,14 @@ impl Ctx<'_> {
             )
         }));
         let (t, h) = (self.t, self.h);
-        let qd = m.num_attention_heads as f64 * m.head_dim as f64;
-        let kvd = m.num_kv_heads as f64 * m.head_dim as f64;
+        let (od, kvd) = (m.o_width(), m.k_width());
         let f = m.ffn_hidden_size as f64;
         let re = &mut Emit {
             out,
             pass: Pass::Recompute,
         };
         self.gemm(re, GemmRole::KProj, self.tokens, kvd / t, h, 1);
-        self.gemm(re, GemmRole::Proj, self.tokens, h, qd / t, 1);
+        self.gemm(re, GemmRole::Proj, self.tokens, h, od / t, 1);
         if m.ffn_activation.mlp_matrices() > 2.0 {
             self.gemm(re, GemmRole::Fc1Up, self.tokens, f / t, h, 1);
         } else {
@@ -1009,6 +1087,29 @@ impl Ctx<'_> {
             );
         }
         out.extend(again.into_iter().filter(|op| recomputed(op, moe, mods)));
+        if mods.contains(&RecomputeModule::MlaUpProj) {
+            // MLA's up projections (`flops::mla_up_proj_params`): the column-parallel ones
+            // that read a latent, on every token.
+            if let Some(a) = self.job.model.mla {
+                let re = &mut Emit {
+                    out,
+                    pass: Pass::Recompute,
+                };
+                let latent = |w: f64| w == a.q_lora_rank as f64 || w == a.kv_lora_rank as f64;
+                for p in flops::attention_projections(&self.job.model) {
+                    if p.split && latent(p.in_width) {
+                        self.gemm(
+                            re,
+                            GemmRole::Qkv,
+                            self.tokens,
+                            p.out_width / self.t,
+                            p.in_width,
+                            1,
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// The final norm, the LM head GEMM and the cross-entropy loss, forward and backward,

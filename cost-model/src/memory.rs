@@ -180,12 +180,18 @@ pub fn attention_activation_bytes(
     rc: Recompute,
     fp8: bool,
 ) -> f64 {
-    let d = m.head_dim as f64;
     let a = m.num_attention_heads as f64;
-    let qd = a * d;
-    let kvd = m.num_kv_heads as f64 * d;
-    let proj_in = if fp8 { tokens * qd } else { 0.0 };
-    let mut bytes = (4.0 * tokens * qd + 4.0 * tokens * kvd + 4.0 * tokens * a + proj_in) / tp;
+    let (qd, kd, vd, od) = (m.q_width(), m.k_width(), m.v_width(), m.o_width());
+    let proj_in = if fp8 { tokens * od } else { 0.0 };
+    // Q, K, V and the output O (16-bit), the log-sum-exp (fp32 per head); MLA adds its two
+    // latents as the up projections read them, after their RMSNorms, and the norms' inputs
+    // (16-bit each, whole on every TP rank: Megatron-Core gathers them before the
+    // column-parallel up projections).
+    let latents = m.mla.map_or(0.0, |l| {
+        2.0 * 2.0 * tokens * (l.q_lora_rank + l.kv_lora_rank) as f64
+    });
+    let mut bytes =
+        (2.0 * tokens * (qd + kd + vd + od) + 4.0 * tokens * a + proj_in) / tp + latents;
     if !m.flash_attention && rc == Recompute::None {
         let per_score = if m.dropout { 5.0 } else { 2.0 };
         bytes += per_score * a * m.seq_len as f64 * tokens / tp;
@@ -258,7 +264,9 @@ pub fn moe_layer_activation_bytes(
 /// - `moe_act`: the experts' (and shared experts') activation outputs;
 /// - `shared_experts`: the shared experts' FC1 and activation outputs;
 /// - `moe`: everything the MoE MLP keeps (router logits, permuted tokens and expert outputs,
-///   expert and shared-expert intermediates).
+///   expert and shared-expert intermediates);
+/// - `mla_up_proj`: the attention core's Q, K and V (16-bit, split over tp), which the
+///   backward rebuilds from the latents the up projections read (kept).
 pub fn recompute_module_savings(
     m: &Model,
     tokens: f64,
@@ -276,6 +284,9 @@ pub fn recompute_module_savings(
     let mut saved = 0.0;
     if has(R::Layernorm) {
         saved += 2.0 * act_out * tokens * h / seq_div;
+    }
+    if has(R::MlaUpProj) && m.mla.is_some() {
+        saved += 2.0 * tokens * (m.q_width() + m.k_width() + m.v_width()) / tp;
     }
     match (moe_layer, m.moe.as_ref()) {
         (true, Some(moe)) => {

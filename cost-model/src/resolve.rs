@@ -89,6 +89,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         torch_compile: js.torch_compile,
         dp_comm_overlap: js.dp_comm_overlap,
         moe_dispatcher: js.moe_dispatcher,
+        moe_a2a_overlap: js.moe_a2a_overlap,
     };
     Ok(Resolved { job, warnings })
 }
@@ -111,7 +112,18 @@ fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) ->
         }
     }
     let heads = ms.num_attention_heads.max(1);
-    let kv_heads = ms.num_kv_heads.unwrap_or(heads);
+    // Multi-head latent attention gives every head its own keys and values (decompressed
+    // from the shared latent).
+    let kv_heads = match (&ms.mla, ms.num_kv_heads) {
+        (Some(_), Some(k)) if k != heads => {
+            errs.push(
+                "job.model.num_kv_heads",
+                format!("{k}: multi-head latent attention has one KV head per head ({heads})"),
+            );
+            heads
+        }
+        _ => ms.num_kv_heads.unwrap_or(heads),
+    };
     if kv_heads == 0 || !heads.is_multiple_of(kv_heads.max(1)) {
         errs.push(
             "job.model.num_kv_heads",
@@ -119,6 +131,7 @@ fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) ->
         );
     }
     let head_dim = resolve_head_dim(errs, ms, heads);
+    check_mla(errs, ms, head_dim);
     let moe = resolve_moe(errs, ms);
     let needs_dense_ffn = moe.as_ref().is_none_or(|m| m.first_k_dense > 0);
     let ffn = resolve_ffn(errs, ms, needs_dense_ffn);
@@ -148,6 +161,7 @@ fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) ->
         sliding_window: ms.sliding_window,
         sliding_window_pattern: ms.sliding_window_pattern.unwrap_or(1).max(1),
         attention_sink_tokens: ms.attention_sink_tokens,
+        mla: ms.mla,
         params_total: 0.0,
         params_active: 0.0,
         params_stated: ms.params,
@@ -168,8 +182,36 @@ fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) ->
     model
 }
 
-/// The head width: `job.model.head_dim`, or hidden_size / heads when not given.
+/// `job.model.mla`: every width at least 1 (the query rank may be 0), and a stated
+/// `head_dim` equal to its q/k head dim.
+fn check_mla(errs: &mut Errs, ms: &ModelSpec, head_dim: u64) {
+    let Some(a) = &ms.mla else { return };
+    for (path, v) in [
+        ("job.model.mla.kv_lora_rank", a.kv_lora_rank),
+        ("job.model.mla.qk_nope_head_dim", a.qk_nope_head_dim),
+        ("job.model.mla.v_head_dim", a.v_head_dim),
+    ] {
+        if v == 0 {
+            errs.push(path, "must be at least 1");
+        }
+    }
+    if ms.head_dim.is_some() && head_dim != a.qk_head_dim() {
+        errs.push(
+            "job.model.head_dim",
+            format!(
+                "{head_dim} but mla gives q/k head dim {} (qk_nope_head_dim + qk_rope_head_dim); leave head_dim out",
+                a.qk_head_dim()
+            ),
+        );
+    }
+}
+
+/// The head width: `job.model.head_dim`; under MLA its q/k head dim (`nope + rope`); else
+/// hidden_size / heads.
 fn resolve_head_dim(errs: &mut Errs, ms: &ModelSpec, heads: u32) -> u64 {
+    if let (None, Some(a)) = (ms.head_dim, &ms.mla) {
+        return a.qk_head_dim().max(1);
+    }
     match ms.head_dim {
         Some(0) => {
             errs.push("job.model.head_dim", "must be at least 1");
@@ -555,6 +597,12 @@ fn check_recompute_modules(errs: &mut Errs, js: &JobSpec) {
             errs.push(
                 "job.recompute_modules",
                 format!("{} needs an MoE model (job.model.moe)", m.name()),
+            );
+        }
+        if *m == R::MlaUpProj && js.model.mla.is_none() {
+            errs.push(
+                "job.recompute_modules",
+                "mla_up_proj needs multi-head latent attention (job.model.mla)",
             );
         }
     }

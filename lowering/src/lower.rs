@@ -148,6 +148,19 @@ fn prepare(plan: &Plan) -> Result<Prepared, LowerError> {
             layout.grad_accum
         )));
     }
+    // Costed by the planner, not lowered: the IR's attention has one head dim and its
+    // schedule no paired forward/backward passes.
+    if job.model.mla.is_some() {
+        return Err(LowerError::Plan(
+            "multi-head latent attention (job.model.mla) is costed, not lowered".into(),
+        ));
+    }
+    if job.moe_a2a_overlap {
+        return Err(LowerError::Plan(
+            "the paired-1F1B EP all-to-all overlap (job.moe_a2a_overlap) is costed, not lowered"
+                .into(),
+        ));
+    }
     let chunks = stage_chunks(plan, &job)?;
     let lc = LayerCosts::for_layout(&job, &layout);
     let counts: Vec<u32> = chunks.iter().map(|c| c.iter().map(|x| x.1).sum()).collect();

@@ -4,7 +4,7 @@
 //! plan verbatim as its `inputs`, so every estimate traces back to a number here.
 
 use crate::spec::{
-    Activation, Arch, Dtype, Framework, MoeDispatcher, Norm, OptimizerKind, ParallelismSpec,
+    Activation, Arch, Dtype, Framework, Mla, MoeDispatcher, Norm, OptimizerKind, ParallelismSpec,
     RecomputeModule, TierKind,
 };
 use schemars::JsonSchema;
@@ -41,6 +41,9 @@ pub struct Job {
     #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
     #[schemars(with = "String")]
     pub moe_dispatcher: MoeDispatcher,
+    /// MoE all-to-all overlapped with the other micro-batch's compute; see the spec's field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub moe_a2a_overlap: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
@@ -76,6 +79,9 @@ pub struct Model {
     /// Sink tokens every windowed query also attends to.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub attention_sink_tokens: u64,
+    /// Multi-head latent attention ([`Mla`]); `head_dim` is then its q/k head dim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<Mla>,
     /// Derived from the shape.
     pub params_total: f64,
     /// Parameters touched per token (MoE: k routed + shared experts).
@@ -114,6 +120,39 @@ fn is_zero(x: &u64) -> bool {
 }
 
 impl Model {
+    /// Query (and key) width of all heads: `heads x head_dim`, under MLA `heads x (nope +
+    /// rope)`.
+    pub fn q_width(&self) -> f64 {
+        self.num_attention_heads as f64 * self.head_dim as f64
+    }
+
+    /// Key width of the KV heads (`kv_heads x head_dim`; MLA: `heads x (nope + rope)`).
+    pub fn k_width(&self) -> f64 {
+        self.num_kv_heads as f64 * self.head_dim as f64
+    }
+
+    /// Per-head value dims (`head_dim`; MLA: `v_head_dim`).
+    pub fn v_head_dim(&self) -> u64 {
+        self.mla.map_or(self.head_dim, |a| a.v_head_dim)
+    }
+
+    /// Value width of the KV heads (`kv_heads x head_dim`; MLA: `heads x v_head_dim`).
+    pub fn v_width(&self) -> f64 {
+        match &self.mla {
+            Some(a) => self.num_kv_heads as f64 * a.v_head_dim as f64,
+            None => self.k_width(),
+        }
+    }
+
+    /// Attention output width before the output projection (`heads x head_dim`; MLA: `heads
+    /// x v_head_dim`).
+    pub fn o_width(&self) -> f64 {
+        match &self.mla {
+            Some(a) => self.num_attention_heads as f64 * a.v_head_dim as f64,
+            None => self.q_width(),
+        }
+    }
+
     /// Keys one query attends to, averaged over the layers and over the query positions of
     /// a sequence of `seq_len` tokens (causal: position `i` sees `i + 1` keys, at most the
     /// window; the sinks add keys only where the window no longer covers them). The

@@ -66,6 +66,13 @@ pub struct JobSpec {
     /// `--moe-token-dispatcher-type`); see [`MoeDispatcher`]. Default `alltoall`.
     #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
     pub moe_dispatcher: MoeDispatcher,
+    /// MoE all-to-all overlapped with the other micro-batch's compute (Megatron-Core
+    /// `--overlap-moe-expert-parallel-comm`, its paired 1F1B schedule: the forward of one
+    /// micro-batch and the backward of another run layer by layer together, each one's
+    /// dispatch and combine beside the other's compute). Default false (Megatron-Core's
+    /// default).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub moe_a2a_overlap: bool,
 }
 
 /// MoE token dispatcher: what crosses the network when expert parallelism spans nodes.
@@ -249,6 +256,42 @@ pub struct ModelSpec {
     /// logit per head (gpt-oss) adds no keys: leave this at 0.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub attention_sink_tokens: u64,
+    /// Multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value
+    /// projections and separate query/key and value head dims. Absent: multi-head (or
+    /// grouped-query) attention at `head_dim`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<Mla>,
+}
+
+/// Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 §2.1; DeepSeek-V3, arXiv
+/// 2412.19437 §2.1.1), with the Hugging Face config's field names. Per layer and token:
+/// `c_q = W_DQ h` (`q_lora_rank`), `q = W_UQ c_q` (heads x (nope + rope)); `[c_kv, k_rope] =
+/// W_DKV h` (`kv_lora_rank + qk_rope_head_dim`, the rotary key shared by the heads);
+/// `[k_nope, v] = W_UKV c_kv` (heads x (nope + v)); `o = W_O [v]` (heads x v -> hidden).
+/// In training the attention core runs over q/k head dim `nope + rope` and value head dim
+/// `v_head_dim` (Megatron-Core `MLASelfAttention`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Mla {
+    /// Query compression width (DeepSeek-V3: 1536). 0: the queries are projected directly
+    /// from the hidden state (DeepSeek-V2-Lite).
+    #[serde(default)]
+    pub q_lora_rank: u64,
+    /// Key/value compression width (DeepSeek-V2/V3: 512).
+    pub kv_lora_rank: u64,
+    /// Per-head query/key dims without rotary (DeepSeek-V3: 128).
+    pub qk_nope_head_dim: u64,
+    /// Per-head rotary query/key dims, the key part shared by the heads (DeepSeek-V3: 64).
+    pub qk_rope_head_dim: u64,
+    /// Per-head value dims (DeepSeek-V3: 128).
+    pub v_head_dim: u64,
+}
+
+impl Mla {
+    /// The query/key head dim the attention core runs over: `nope + rope`.
+    pub fn qk_head_dim(&self) -> u64 {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
 }
 
 fn is_zero(x: &u64) -> bool {
@@ -318,6 +361,10 @@ pub enum RecomputeModule {
     Moe,
     /// The shared experts of an MoE layer: frees their FC1 and activation outputs.
     SharedExperts,
+    /// Multi-head latent attention's up projections and rotary (Megatron-Core
+    /// `--recompute-modules mla_up_proj`): frees the attention core's Q, K and V, rebuilt
+    /// from the kept latents in the backward.
+    MlaUpProj,
 }
 
 impl RecomputeModule {
@@ -330,6 +377,7 @@ impl RecomputeModule {
             RecomputeModule::MoeAct => "moe_act",
             RecomputeModule::Moe => "moe",
             RecomputeModule::SharedExperts => "shared_experts",
+            RecomputeModule::MlaUpProj => "mla_up_proj",
         }
     }
 }
