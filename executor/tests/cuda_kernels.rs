@@ -795,9 +795,7 @@ fn attn_ref(
                         None => orow[x] / l,
                     })
                     .collect();
-                let delta: f64 = (0..d)
-                    .map(|x| dout[qi(b, i, h) + x] as f64 * orow[x])
-                    .sum();
+                let delta: f64 = (0..d).map(|x| dout[qi(b, i, h) + x] as f64 * orow[x]).sum();
                 for (jj, &j) in js.iter().enumerate() {
                     // The backward's P from lse (as the kernels recompute it).
                     let pj = p[jj] / l;
@@ -898,11 +896,20 @@ fn mma_bound_holds_for_bf16_rounding() {
             close(&format!("{label} ref dv"), &exact.4, &dv, 1e-4);
         }
         // Stored outputs are rounded to bf16 too.
-        let out = |x: &[f32]| seen::<u16>(x);
-        close(&format!("{label} rounded o"), &out(&rounded.0), &exact.0, MMA_TOL / 2.0);
-        close(&format!("{label} rounded dq"), &out(&rounded.2), &exact.2, MMA_TOL / 2.0);
-        close(&format!("{label} rounded dk"), &out(&rounded.3), &exact.3, MMA_TOL / 2.0);
-        close(&format!("{label} rounded dv"), &out(&rounded.4), &exact.4, MMA_TOL / 2.0);
+        for (what, got, want) in [
+            ("o", &rounded.0, &exact.0),
+            ("dq", &rounded.2, &exact.2),
+            ("dk", &rounded.3, &exact.3),
+            ("dv", &rounded.4, &exact.4),
+        ] {
+            let got = seen::<u16>(got);
+            close(
+                &format!("{label} rounded {what}"),
+                &got,
+                want,
+                MMA_TOL / 2.0,
+            );
+        }
     }
 }
 
@@ -954,7 +961,12 @@ fn attention_case(d: &Device, c: &MmaCase, ls: &launch::AttnLaunches, tol: f64) 
     }
     .unwrap();
     close(&format!("{label} o"), &down(d, &o_d), &o_ref, tol);
-    close(&format!("{label} lse"), &down_f32(d, &lse_d), &lse_ref, 1e-4);
+    close(
+        &format!("{label} lse"),
+        &down_f32(d, &lse_d),
+        &lse_ref,
+        1e-4,
+    );
 
     let (o_in, dout_d, lse_in) = (
         up::<u16>(d, &o),
