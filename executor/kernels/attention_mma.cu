@@ -73,6 +73,15 @@ __device__ __forceinline__ bool mma_visible(i64 qpos, i64 kpos, u32 causal, u32 
     return (!causal || kpos <= qpos) && (window == 0 || qpos - kpos < (i64)window);
 }
 
+// Whether the 16 queries [qw, qw + 16) (of seq_q) see every key of the tile [k0, k0 + bk)
+// (keys below kend exist): then the tile needs no mask.
+__device__ __forceinline__ bool mma_whole(i64 qw, u32 seq_q, i64 k0, int bk, i64 kend,
+                                          i64 q_offset, i64 k_offset, u32 causal, u32 window) {
+    return qw + 16 <= (i64)seq_q && k0 + bk <= kend &&
+           (!causal || k_offset + k0 + bk - 1 <= q_offset + qw) &&
+           (window == 0 || q_offset + qw + 15 - (k_offset + k0) < (i64)window);
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
@@ -200,8 +209,8 @@ __device__ void attn_mma_fwd(const bf16* __restrict__ q, const bf16* __restrict_
     const u64 qbase = ((u64)b * seq_q * heads + h) * D, qstride = (u64)heads * D;
     mma_load_rows<MMA_ROWS, D>(Qs, q, qbase, qstride, qblock, seq_q);
 
-    // This thread's rows: r = 0 (query qi0) and r = 1 (qi0 + 8).
-    const i64 qi0 = qblock + warp * 16 + g;
+    // This thread's rows: r = 0 (query qi0) and r = 1 (qi0 + 8); the warp's start at qw.
+    const i64 qw = qblock + warp * 16, qi0 = qw + g;
     const bool qv[2] = {qi0 < seq_q, qi0 + 8 < seq_q};
     const i64 qp[2] = {q_offset + qi0, q_offset + qi0 + 8};
 
@@ -228,16 +237,21 @@ __device__ void attn_mma_fwd(const bf16* __restrict__ q, const bf16* __restrict_
         for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
         mma_abt<D, BK>(s, Qs, warp * 16, Ks, lane);
 
-        // Scale and mask; the tile's row maxima (over the quad: the 4 lanes of a row).
+        // Scale and mask (not needed where the warp's 16 queries see every key of the
+        // tile); the tile's row maxima (over the quad: the 4 lanes of a row).
+        const bool whole = mma_whole(qw, seq_q, k0, BK, kend, q_offset, k_offset, causal, window);
         float mt[2] = {m[0], m[1]};
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1;
-                const i64 kj = k0 + n * 8 + 2 * t + (e & 1);
-                const bool ok = qv[r] && kj < kend && mma_visible(qp[r], k_offset + kj, causal, window);
-                s[n][e] = ok ? s[n][e] * scale : -SW_INF;
+                s[n][e] *= scale;
+                if (!whole) {
+                    const i64 kj = k0 + n * 8 + 2 * t + (e & 1);
+                    const bool ok = qv[r] && kj < kend && mma_visible(qp[r], k_offset + kj, causal, window);
+                    if (!ok) s[n][e] = -SW_INF;
+                }
                 mt[r] = fmaxf(mt[r], s[n][e]);
             }
         }
@@ -308,7 +322,7 @@ __device__ void attn_mma_dq(const bf16* __restrict__ q, const bf16* __restrict__
     mma_load_rows<MMA_ROWS, D>(Qs, q, qbase, qstride, qblock, seq_q);
     mma_load_rows<MMA_ROWS, D>(Os, dout, qbase, qstride, qblock, seq_q);
 
-    const i64 qi0 = qblock + warp * 16 + g;
+    const i64 qw = qblock + warp * 16, qi0 = qw + g;
     const bool qv[2] = {qi0 < seq_q, qi0 + 8 < seq_q};
     const i64 qp[2] = {q_offset + qi0, q_offset + qi0 + 8};
     const u64 rowbase = ((u64)b * heads + h) * seq_q;
@@ -343,14 +357,17 @@ __device__ void attn_mma_dq(const bf16* __restrict__ q, const bf16* __restrict__
         }
         mma_abt<D, BK>(s, Qs, warp * 16, Ks, lane);
         mma_abt<D, BK>(dp, Os, warp * 16, Vs, lane);
+        const bool whole = mma_whole(qw, seq_q, k0, BK, kend, q_offset, k_offset, causal, window);
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1;
-                const i64 kj = k0 + n * 8 + 2 * t + (e & 1);
-                const bool ok = qv[r] && kj < kend && L[r] > -SW_INF &&
-                                mma_visible(qp[r], k_offset + kj, causal, window);
+                bool ok = L[r] > -SW_INF;
+                if (!whole) {
+                    const i64 kj = k0 + n * 8 + 2 * t + (e & 1);
+                    ok = ok && qv[r] && kj < kend && mma_visible(qp[r], k_offset + kj, causal, window);
+                }
                 const float p = ok ? mma_exp(s[n][e] * scale - L[r]) : 0.0f;
                 s[n][e] = p * (dp[n][e] - E[r]) * scale;  // dS
             }
@@ -385,7 +402,7 @@ __device__ void attn_mma_dkdv(const bf16* __restrict__ q, const bf16* __restrict
     mma_load_rows<MMA_ROWS, D>(Ks, k, kvbase, kvstride, kblock, seq_kv);
     mma_load_rows<MMA_ROWS, D>(Vs, v, kvbase, kvstride, kblock, seq_kv);
 
-    const i64 kj0 = kblock + warp * 16 + g;
+    const i64 kw = kblock + warp * 16, kj0 = kw + g;
     const bool kv[2] = {kj0 < seq_kv, kj0 + 8 < seq_kv};
     const i64 kp[2] = {k_offset + kj0, k_offset + kj0 + 8};
 
@@ -424,14 +441,20 @@ __device__ void attn_mma_dkdv(const bf16* __restrict__ q, const bf16* __restrict
             }
             mma_abt<D, BQ>(s, Ks, warp * 16, Qs, lane);   // S^T: rows keys, columns queries
             mma_abt<D, BQ>(dp, Vs, warp * 16, Os, lane);  // dP^T
+            // Every (key, query) pair of the warp's 16 keys and the tile visible: no mask.
+            const bool whole = kw + 16 <= seq_kv && q0 + BQ <= qend &&
+                               (!causal || k_offset + kw + 15 <= q_offset + q0) &&
+                               (window == 0 || q_offset + q0 + BQ - 1 - (k_offset + kw) < (i64)window);
 #pragma unroll
             for (int n = 0; n < BQ / 8; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int r = e >> 1, i = n * 8 + 2 * t + (e & 1);
                     const float l = Ls[i];
-                    const bool ok = kv[r] && q0 + i < qend && l > -SW_INF &&
-                                    mma_visible(q_offset + q0 + i, kp[r], causal, window);
+                    bool ok = l > -SW_INF;
+                    if (!whole)
+                        ok = ok && kv[r] && q0 + i < qend &&
+                             mma_visible(q_offset + q0 + i, kp[r], causal, window);
                     const float p = ok ? mma_exp(s[n][e] * scale - l) : 0.0f;
                     s[n][e] = p;                                // P^T
                     dp[n][e] = p * (dp[n][e] - Es[i]) * scale;  // dS^T
