@@ -48,6 +48,9 @@
 //   - the C fragments of n-tiles 2s and 2s+1 of a 16 x N product are, packed to bf16, the A
 //     fragment of its k-step s: a0 = pack(C[2s].c0, c1), a1 = pack(C[2s].c2, c3),
 //     a2 = pack(C[2s+1].c0, c1), a3 = pack(C[2s+1].c2, c3).
+// Without a GPU, scripts/emu/run.sh runs this file on the host (each CUDA thread a thread;
+// ldmatrix, mma.sync and shuffles emulated with the layouts above) against a reference.
+//
 // Grid: forward and dQ: x = ceil(seq_q / 64), y = heads, z = batch; dK/dV: x =
 // ceil(seq_kv / 64), y = kv_heads, z = batch. Dynamic shared memory: see launch.rs
 // `attention_mma` (MMA_SMEM_* below).
