@@ -856,6 +856,9 @@ fn mma_cases() -> Vec<MmaCase> {
         c(sh(1, 64, 64, 4, 1, 64, 128, true), 64, 0),
         c(sh(1, 40, 100, 4, 1, 64, 100, true), 0, 16),
         c(sh(1, 130, 130, 8, 2, 128, 0, true), 0, 33),
+        // Warps without a valid row; a few queries at the end of a long sequence.
+        c(sh(2, 5, 5, 2, 1, 64, 0, true), 0, 0),
+        c(sh(1, 3, 200, 4, 2, 128, 197, true), 0, 0),
     ]
 }
 
