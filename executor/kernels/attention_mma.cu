@@ -10,9 +10,9 @@
 // Algorithm: FlashAttention-2 (Tri Dao, 2023) on `mma.sync.aligned.m16n8k16.row.col.f32.
 // bf16.bf16.f32` with `ldmatrix` (sm_80+). Each warp owns 16 rows (queries in the forward
 // and dQ kernels, keys in the dK/dV kernel); 4 warps, 128 threads, 64 rows per block.
-// Tiles of the other side (keys, or queries) are loaded into shared memory as bf16 (rows
-// padded by 8 elements against ldmatrix bank conflicts); outside rows are zeros and are
-// masked. Statistics and accumulators are fp32: the forward keeps the online softmax
+// Tiles of the other side (keys, or queries) are copied into shared memory as bf16 (rows
+// padded by 8 elements against ldmatrix bank conflicts) with cp.async, double-buffered: the
+// next tile's copy runs while this one is used; outside rows are zeros and are masked. Statistics and accumulators are fp32: the forward keeps the online softmax
 // (running max m, partial row sums l) per row and never forms a seq x seq matrix; the
 // backward recomputes P from lse. No floating-point atomics: dK/dV loops over the query
 // tiles (of every query head of its kv head, in order) per KV tile, dQ over the KV tiles per
@@ -52,8 +52,8 @@
 // ldmatrix, mma.sync and shuffles emulated with the layouts above) against a reference.
 //
 // Grid: forward and dQ: x = ceil(seq_q / 64), y = heads, z = batch; dK/dV: x =
-// ceil(seq_kv / 64), y = kv_heads, z = batch. Dynamic shared memory: see launch.rs
-// `attention_mma` (MMA_SMEM_* below).
+// ceil(seq_kv / 64), y = kv_heads, z = batch. Dynamic shared memory: launch.rs
+// `attention_mma` computes it from the layouts at the top of each kernel.
 #include "common.cuh"
 
 #define MMA_THREADS 128
@@ -119,9 +119,28 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 __device__ __forceinline__ float mma_exp(float x) { return exp2f(x * 1.4426950408889634f); }
 
-// Rows [r0, r0 + ROWS) of a bf16 tensor (row r at src + base + r * stride, D values) into
-// dst [ROWS][D + MMA_PAD]; rows outside [0, rend) are zeros. 16-byte vectors: the host
-// passes d == D, so every row starts 16-byte aligned.
+// Asynchronous copies (sm_80 cp.async, PTX ISA "cp.async"): 16 bytes global -> shared, or
+// with `valid` false 16 zero bytes (src-size 0: nothing is read; `gmem` is still a valid
+// address). Copies complete in commit groups; wait<N> waits for all but the newest N.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :
+                 : "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Starts copying rows [r0, r0 + ROWS) of a bf16 tensor (row r at src + base + r * stride, D
+// values) into dst [ROWS][D + MMA_PAD] (cp.async; the caller commits and waits); rows
+// outside [0, rend) become zeros. 16-byte vectors: the host passes d == D, so every row
+// starts 16-byte aligned.
 template <int ROWS, int D>
 __device__ __forceinline__ void mma_load_rows(bf16* dst, const bf16* __restrict__ src, u64 base,
                                               u64 stride, i64 r0, i64 rend) {
@@ -129,9 +148,8 @@ __device__ __forceinline__ void mma_load_rows(bf16* dst, const bf16* __restrict_
     for (int e = threadIdx.x; e < ROWS * VPR; e += MMA_THREADS) {
         const int r = e / VPR, c = (e % VPR) * 8;
         const i64 gr = r0 + r;
-        uint4 x = make_uint4(0u, 0u, 0u, 0u);
-        if (gr >= 0 && gr < rend) x = *reinterpret_cast<const uint4*>(src + base + (u64)gr * stride + c);
-        *reinterpret_cast<uint4*>(dst + r * (D + MMA_PAD) + c) = x;
+        const bool ok = gr >= 0 && gr < rend;
+        cp_async16(dst + r * (D + MMA_PAD) + c, ok ? src + base + (u64)gr * stride + c : src, ok);
     }
 }
 
@@ -204,8 +222,7 @@ __device__ void attn_mma_fwd(const bf16* __restrict__ q, const bf16* __restrict_
     constexpr int BK = MmaTiles<D>::FWD_KEYS, LD = D + MMA_PAD;
     extern __shared__ __align__(16) unsigned char mma_smem[];
     bf16* Qs = reinterpret_cast<bf16*>(mma_smem);  // [MMA_ROWS][LD]
-    bf16* Ks = Qs + MMA_ROWS * LD;                  // [BK][LD]
-    bf16* Vs = Ks + BK * LD;                        // [BK][LD]
+    bf16* KVs = Qs + MMA_ROWS * LD;  // two buffers, each K [BK][LD] then V [BK][LD]
     const u32 h = blockIdx.y, b = blockIdx.z, kh = h / (heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const i64 qblock = (i64)blockIdx.x * MMA_ROWS;
@@ -229,12 +246,25 @@ __device__ void attn_mma_fwd(const bf16* __restrict__ q, const bf16* __restrict_
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     float m[2] = {-SW_INF, -SW_INF}, l[2] = {0.0f, 0.0f};  // l: this thread's columns only
 
+    // Key tile i in buffer i % 2: the copy of the next tile runs while this one is used.
     const u64 kvbase = ((u64)b * seq_kv * kv_heads + kh) * D, kvstride = (u64)kv_heads * D;
-    for (i64 k0 = kbeg; k0 < kend; k0 += BK) {
-        __syncthreads();  // the previous tile is read (and, first time, Q is written)
-        mma_load_rows<BK, D>(Ks, k, kvbase, kvstride, k0, kend);
-        mma_load_rows<BK, D>(Vs, v, kvbase, kvstride, k0, kend);
-        __syncthreads();
+    if (kbeg < kend) {
+        mma_load_rows<BK, D>(KVs, k, kvbase, kvstride, kbeg, kend);
+        mma_load_rows<BK, D>(KVs + BK * LD, v, kvbase, kvstride, kbeg, kend);
+    }
+    cp_async_commit();  // Q and the first tile
+    int buf = 0;
+    for (i64 k0 = kbeg; k0 < kend; k0 += BK, buf ^= 1) {
+        if (k0 + BK < kend) {
+            bf16* nx = KVs + (buf ^ 1) * 2 * BK * LD;
+            mma_load_rows<BK, D>(nx, k, kvbase, kvstride, k0 + BK, kend);
+            mma_load_rows<BK, D>(nx + BK * LD, v, kvbase, kvstride, k0 + BK, kend);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // all but the group just committed: this tile (and Q) landed
+        __syncthreads();     // ... for every thread's copies
+        const bf16* Ks = KVs + buf * 2 * BK * LD;
+        const bf16* Vs = Ks + BK * LD;
         float s[BK / 8][4];
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -286,7 +316,9 @@ __device__ void attn_mma_fwd(const bf16* __restrict__ q, const bf16* __restrict_
             }
         }
         mma_py<D, BK>(acc, s, Vs, lane);
+        __syncthreads();  // this buffer is read before the next iteration refills it
     }
+    cp_async_wait<0>();
     float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -316,8 +348,7 @@ __device__ void attn_mma_dq(const bf16* __restrict__ q, const bf16* __restrict__
     extern __shared__ __align__(16) unsigned char mma_smem[];
     bf16* Qs = reinterpret_cast<bf16*>(mma_smem);  // [MMA_ROWS][LD]
     bf16* Os = Qs + MMA_ROWS * LD;                  // dO, [MMA_ROWS][LD]
-    bf16* Ks = Os + MMA_ROWS * LD;                  // [BK][LD]
-    bf16* Vs = Ks + BK * LD;                        // [BK][LD]
+    bf16* KVs = Os + MMA_ROWS * LD;  // two buffers, each K [BK][LD] then V [BK][LD]
     const u32 h = blockIdx.y, b = blockIdx.z, kh = h / (heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const i64 qblock = (i64)blockIdx.x * MMA_ROWS;
@@ -346,12 +377,25 @@ __device__ void attn_mma_dq(const bf16* __restrict__ q, const bf16* __restrict__
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
+    // Key tile i in buffer i % 2, as in the forward.
     const u64 kvbase = ((u64)b * seq_kv * kv_heads + kh) * D, kvstride = (u64)kv_heads * D;
-    for (i64 k0 = kbeg; k0 < kend; k0 += BK) {
+    if (kbeg < kend) {
+        mma_load_rows<BK, D>(KVs, k, kvbase, kvstride, kbeg, kend);
+        mma_load_rows<BK, D>(KVs + BK * LD, v, kvbase, kvstride, kbeg, kend);
+    }
+    cp_async_commit();  // Q, dO and the first tile
+    int buf = 0;
+    for (i64 k0 = kbeg; k0 < kend; k0 += BK, buf ^= 1) {
+        if (k0 + BK < kend) {
+            bf16* nx = KVs + (buf ^ 1) * 2 * BK * LD;
+            mma_load_rows<BK, D>(nx, k, kvbase, kvstride, k0 + BK, kend);
+            mma_load_rows<BK, D>(nx + BK * LD, v, kvbase, kvstride, k0 + BK, kend);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
-        mma_load_rows<BK, D>(Ks, k, kvbase, kvstride, k0, kend);
-        mma_load_rows<BK, D>(Vs, v, kvbase, kvstride, k0, kend);
-        __syncthreads();
+        const bf16* Ks = KVs + buf * 2 * BK * LD;
+        const bf16* Vs = Ks + BK * LD;
         float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n) {
@@ -376,7 +420,9 @@ __device__ void attn_mma_dq(const bf16* __restrict__ q, const bf16* __restrict__
             }
         }
         mma_py<D, BK>(acc, s, Ks, lane);
+        __syncthreads();  // this buffer is read before the next iteration refills it
     }
+    cp_async_wait<0>();
     mma_store<D>(dq, acc, qbase, qstride, qi0, qv[0], qv[1], 1.0f, 1.0f, lane);
 }
 
@@ -394,10 +440,9 @@ __device__ void attn_mma_dkdv(const bf16* __restrict__ q, const bf16* __restrict
     extern __shared__ __align__(16) unsigned char mma_smem[];
     bf16* Ks = reinterpret_cast<bf16*>(mma_smem);  // [MMA_ROWS][LD]
     bf16* Vs = Ks + MMA_ROWS * LD;                  // [MMA_ROWS][LD]
-    bf16* Qs = Vs + MMA_ROWS * LD;                  // [BQ][LD]
-    bf16* Os = Qs + BQ * LD;                        // dO, [BQ][LD]
-    float* Ls = reinterpret_cast<float*>(Os + BQ * LD);  // lse of the tile's queries
-    float* Es = Ls + BQ;                                 // delta of the tile's queries
+    bf16* QOs = Vs + MMA_ROWS * LD;  // two buffers, each Q [BQ][LD] then dO [BQ][LD]
+    // Two buffers, each the lse [BQ] then the delta [BQ] of the tile's queries.
+    float* LEs = reinterpret_cast<float*>(QOs + 2 * 2 * BQ * LD);
     const u32 kh = blockIdx.y, b = blockIdx.z, group = heads / kv_heads;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const i64 kblock = (i64)blockIdx.x * MMA_ROWS;
@@ -423,19 +468,40 @@ __device__ void attn_mma_dkdv(const bf16* __restrict__ q, const bf16* __restrict
         dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.0f;
     }
 
-    for (u32 h = kh * group; h < (kh + 1) * group; ++h) {
-        const u64 qbase = ((u64)b * seq_q * heads + h) * D, qstride = (u64)heads * D;
+    // Tile i (in order: the group's query heads, each over its query tiles from qbeg) in
+    // buffer i % 2: the copy of the next tile runs while this one is used. lse and delta
+    // are stored directly (into the buffer no thread reads until the next barrier).
+    const i64 ntiles = qend > qbeg ? (qend - qbeg + BQ - 1) / BQ : 0, total = ntiles * group;
+    const u64 qstride = (u64)heads * D;
+    auto issue = [&](i64 it, int nb) {
+        const u32 h = kh * group + (u32)(it / ntiles);
+        const i64 q0 = qbeg + (it % ntiles) * BQ;
+        const u64 qbase = ((u64)b * seq_q * heads + h) * D;
         const u64 rowbase = ((u64)b * heads + h) * seq_q;
-        for (i64 q0 = qbeg; q0 < qend; q0 += BQ) {
-            __syncthreads();  // the previous tile is read (and, first time, K, V written)
-            mma_load_rows<BQ, D>(Qs, q, qbase, qstride, q0, qend);
-            mma_load_rows<BQ, D>(Os, dout, qbase, qstride, q0, qend);
-            if (threadIdx.x < BQ) {
-                const i64 qi = q0 + threadIdx.x;
-                Ls[threadIdx.x] = qi < qend ? lse[rowbase + qi] : -SW_INF;
-                Es[threadIdx.x] = qi < qend ? delta[rowbase + qi] : 0.0f;
-            }
-            __syncthreads();
+        bf16* Qn = QOs + nb * 2 * BQ * LD;
+        mma_load_rows<BQ, D>(Qn, q, qbase, qstride, q0, qend);
+        mma_load_rows<BQ, D>(Qn + BQ * LD, dout, qbase, qstride, q0, qend);
+        float* Ln = LEs + nb * 2 * BQ;
+        if (threadIdx.x < BQ) {
+            const i64 qi = q0 + threadIdx.x;
+            Ln[threadIdx.x] = qi < qend ? lse[rowbase + qi] : -SW_INF;
+            Ln[BQ + threadIdx.x] = qi < qend ? delta[rowbase + qi] : 0.0f;
+        }
+    };
+    if (total > 0) issue(0, 0);
+    cp_async_commit();  // K, V and the first tile
+    int buf = 0;
+    for (i64 it = 0; it < total; ++it, buf ^= 1) {
+        if (it + 1 < total) issue(it + 1, buf ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // all but the group just committed: this tile (and K, V) landed
+        __syncthreads();     // ... for every thread's copies and stores
+        {
+            const i64 q0 = qbeg + (it % ntiles) * BQ;
+            const bf16* Qs = QOs + buf * 2 * BQ * LD;
+            const bf16* Os = Qs + BQ * LD;
+            const float* Ls = LEs + buf * 2 * BQ;
+            const float* Es = Ls + BQ;
             float s[BQ / 8][4], dp[BQ / 8][4];
 #pragma unroll
             for (int n = 0; n < BQ / 8; ++n) {
@@ -466,7 +532,9 @@ __device__ void attn_mma_dkdv(const bf16* __restrict__ q, const bf16* __restrict
             mma_py<D, BQ>(dva, s, Os, lane);
             mma_py<D, BQ>(dka, dp, Qs, lane);
         }
+        __syncthreads();  // this buffer is read before the next iteration refills it
     }
+    cp_async_wait<0>();
     mma_store<D>(dk, dka, kvbase, kvstride, kj0, kv[0], kv[1], 1.0f, 1.0f, lane);
     mma_store<D>(dv, dva, kvbase, kvstride, kj0, kv[0], kv[1], 1.0f, 1.0f, lane);
 }

@@ -357,20 +357,20 @@ fn attention_kernel_dispatch() {
         .0
         .contains("head_dim 80"));
     // The bench's shapes: 64 rows a block of 128 threads; shared memory as attention_mma.cu
-    // lays it out (rows of d + 8 bf16).
+    // lays it out (rows of d + 8 bf16; the streamed tiles twice).
     let x = launch::attention_mma(&a(8, 2048, 32, 4, 64)).unwrap();
     assert_eq!(x.fwd.entry, "attn_mma_fwd_bf16_d64");
     assert_eq!(x.fwd.grid, [32, 32, 8]);
     assert_eq!(x.fwd.block, [128, 1, 1]);
-    assert_eq!(x.fwd.smem, 192 * 72 * 2);
-    assert_eq!(x.bwd_dq.smem, 256 * 72 * 2);
-    assert_eq!(x.bwd_dkdv.smem, 256 * 72 * 2 + 2 * 64 * 4);
+    assert_eq!(x.fwd.smem, (64 + 4 * 64) * 72 * 2);
+    assert_eq!(x.bwd_dq.smem, (128 + 4 * 64) * 72 * 2);
+    assert_eq!(x.bwd_dkdv.smem, (128 + 4 * 64) * 72 * 2 + 4 * 64 * 4);
     assert_eq!(x.bwd_dkdv.grid, [32, 4, 8]);
     let y = launch::attention_mma(&a(1, 4096, 32, 8, 128)).unwrap();
     assert_eq!(y.fwd.entry, "attn_mma_fwd_bf16_d128");
-    assert_eq!(y.fwd.smem, 192 * 136 * 2);
-    assert_eq!(y.bwd_dq.smem, 192 * 136 * 2);
-    assert_eq!(y.bwd_dkdv.smem, 192 * 136 * 2 + 2 * 32 * 4);
+    assert_eq!(y.fwd.smem, (64 + 4 * 64) * 136 * 2);
+    assert_eq!(y.bwd_dq.smem, (128 + 4 * 32) * 136 * 2);
+    assert_eq!(y.bwd_dkdv.smem, (128 + 4 * 32) * 136 * 2 + 4 * 32 * 4);
     assert!(y.fwd.needs_smem_optin(&Limits::SM80));
     for lc in [x.fwd, x.bwd_dkdv, x.bwd_dq, y.fwd, y.bwd_dkdv, y.bwd_dq] {
         for lim in [Limits::SM90, Limits::SM80] {

@@ -7,6 +7,8 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <thread>
@@ -57,8 +59,15 @@ struct uint4 {
     u32 x, y, z, w;
 };
 inline uint4 make_uint4(u32 a, u32 b, u32 c, u32 d) { return {a, b, c, d}; }
+// The launch's dynamic shared memory (launch.rs); an access past it aborts.
+inline size_t emu_smem_bytes = sizeof(mma_smem);
 inline size_t __cvta_generic_to_shared(const void* p) {
-    return (size_t)((const unsigned char*)p - mma_smem);
+    const size_t a = (size_t)((const unsigned char*)p - mma_smem);
+    if (a + 16 > emu_smem_bytes) {
+        fprintf(stderr, "shared memory access at %zu past the launch's %zu bytes\n", a, emu_smem_bytes);
+        std::abort();
+    }
+    return a;
 }
 
 inline std::barrier<>* emu_block_bar;
@@ -162,9 +171,40 @@ inline void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     wsync();
 }
 
+// cp.async: the 16 source bytes are read at issue (inputs do not change during a kernel)
+// but written to shared memory only when a wait_group covers their group, by the issuing
+// thread, so a read before the wait (or, often, before the barrier after it) sees stale
+// bytes.
+struct EmuCopy {
+    u32 dst;
+    unsigned char bytes[16];
+};
+inline thread_local std::vector<std::vector<EmuCopy>> emu_groups;  // committed groups
+inline thread_local std::vector<EmuCopy> emu_open;                 // not yet committed
+inline void cp_async16(void* smem, const void* gmem, bool valid) {
+    EmuCopy c;
+    c.dst = (u32)__cvta_generic_to_shared(smem);
+    if (valid)
+        std::memcpy(c.bytes, gmem, 16);
+    else
+        std::memset(c.bytes, 0, 16);
+    emu_open.push_back(c);
+}
+inline void cp_async_commit() {
+    emu_groups.push_back(emu_open);
+    emu_open.clear();
+}
+template <int N> inline void cp_async_wait() {
+    while (emu_groups.size() > (size_t)N) {
+        for (const EmuCopy& c : emu_groups.front()) std::memcpy(mma_smem + c.dst, c.bytes, 16);
+        emu_groups.erase(emu_groups.begin());
+    }
+}
+
 // Runs `f` as a grid of blocks of `threads` threads, one block at a time; shared memory
 // starts as NaN bytes so a read of something never written shows.
-inline void emu_launch(Dim3 grid, int threads, const std::function<void()>& f) {
+inline void emu_launch(Dim3 grid, int threads, size_t smem, const std::function<void()>& f) {
+    emu_smem_bytes = smem;
     std::barrier<> block(threads);
     std::vector<std::barrier<>*> warps;
     for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
@@ -179,7 +219,13 @@ inline void emu_launch(Dim3 grid, int threads, const std::function<void()>& f) {
                 for (int i = 0; i < threads; ++i)
                     ts.emplace_back([i, &f] {
                         threadIdx = {(u32)i, 0, 0};
+                        emu_groups.clear();
+                        emu_open.clear();
                         f();
+                        if (!emu_groups.empty() || !emu_open.empty()) {
+                            fprintf(stderr, "cp.async copies outstanding at the end of a block\n");
+                            std::abort();
+                        }
                     });
                 for (auto& t : ts) t.join();
             }

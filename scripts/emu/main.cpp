@@ -133,9 +133,13 @@ static void run(const Case& c, unsigned seed) {
     const i64 qoff = c.qoff, koff = c.koff;
     const float scale = 1.0f / std::sqrt((float)c.d);
 
+    // Dynamic shared memory as launch.rs attention_mma computes it.
+    const size_t row = (c.d + 8) * 2, t2 = c.d == 64 ? 64 : 32;  // dQ keys, dK/dV queries
+    const size_t smem_fwd = (64 + 4 * 64) * row, smem_dq = (128 + 4 * t2) * row;
+    const size_t smem_dkdv = (128 + 4 * t2) * row + 4 * t2 * 4;
     std::vector<uint16_t> o(nq, 0x7fc0);
     std::vector<float> lse((size_t)c.b * c.hq * c.sq, NAN);
-    emu_launch({(u32)(c.sq + 63) / 64, hq, (u32)c.b}, 128, [&] {
+    emu_launch({(u32)(c.sq + 63) / 64, hq, (u32)c.b}, 128, smem_fwd, [&] {
         if (c.d == 64)
             attn_mma_fwd_bf16_d64(B(qb), B(kb), B(vb), B(o), lse.data(), sq, skv, hq, hk, d, qoff, koff, causal,
                                   window, scale);
@@ -165,7 +169,7 @@ static void run(const Case& c, unsigned seed) {
             }
     std::vector<float> lse_in = exact.lse;
     std::vector<uint16_t> dq(nq, 0x7fc0), dk(nk, 0x7fc0), dv(nk, 0x7fc0);
-    emu_launch({(u32)(c.skv + 63) / 64, hk, (u32)c.b}, 128, [&] {
+    emu_launch({(u32)(c.skv + 63) / 64, hk, (u32)c.b}, 128, smem_dkdv, [&] {
         if (c.d == 64)
             attn_mma_bwd_dkdv_bf16_d64(B(qb), B(kb), B(vb), B(db), lse_in.data(), delta.data(), B(dk), B(dv), sq,
                                        skv, hq, hk, d, qoff, koff, causal, window, scale);
@@ -173,7 +177,7 @@ static void run(const Case& c, unsigned seed) {
             attn_mma_bwd_dkdv_bf16_d128(B(qb), B(kb), B(vb), B(db), lse_in.data(), delta.data(), B(dk), B(dv),
                                         sq, skv, hq, hk, d, qoff, koff, causal, window, scale);
     });
-    emu_launch({(u32)(c.sq + 63) / 64, hq, (u32)c.b}, 128, [&] {
+    emu_launch({(u32)(c.sq + 63) / 64, hq, (u32)c.b}, 128, smem_dq, [&] {
         if (c.d == 64)
             attn_mma_bwd_dq_bf16_d64(B(qb), B(kb), B(vb), B(db), lse_in.data(), delta.data(), B(dq), sq, skv, hq,
                                      hk, d, qoff, koff, causal, window, scale);

@@ -16,8 +16,8 @@ python3 - "$root/executor/kernels/attention_mma.cu" "$out/kernel_emu.inc" <<'PY'
 import re, sys
 s = open(sys.argv[1]).read()
 s = s.replace('#include "common.cuh"', '')
-for name in ("ldsm_x4", "ldsm_x4_t", "mma_bf16"):
-    pat = re.compile(r'__device__ __forceinline__ void ' + name + r'\(.*?\n}\n', re.S)
+for name in ("ldsm_x4", "ldsm_x4_t", "mma_bf16", "cp_async16", "cp_async_commit", "cp_async_wait"):
+    pat = re.compile(r'(template <int N> )?__device__ __forceinline__ void ' + name + r'\(.*?\n}\n', re.S)
     s, n = pat.subn('', s, count=1)
     assert n == 1, name
 open(sys.argv[2], 'w').write(s)

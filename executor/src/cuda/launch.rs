@@ -467,9 +467,10 @@ pub fn attn_mma_tiles(d: u64) -> Option<(u64, u64, u64)> {
 }
 
 /// The tensor-core attention launches (bf16, head_dim 64 or 128); the backward's delta is
-/// attention.cu's. Dynamic shared memory, bf16 rows of `d + MMA_PAD`: forward Q (64 rows),
-/// K and V tiles; dQ Q and dO (64 rows each), K and V tiles; dK/dV K and V (64 rows each),
-/// Q and dO tiles, and the Q tile's lse and delta (fp32).
+/// attention.cu's. Dynamic shared memory, bf16 rows of `d + MMA_PAD`, the streamed tiles
+/// double-buffered: forward Q (64 rows) and two K and V tiles; dQ Q and dO (64 rows each)
+/// and two K and V tiles; dK/dV K and V (64 rows each) and two Q and dO tiles with their
+/// lse and delta (fp32).
 pub fn attention_mma(a: &Attn) -> Result<AttnLaunches, LaunchError> {
     // The shape checks and the delta launch are the scalar path's.
     let scalar = attention(Dtype::Bf16, a)?;
@@ -480,9 +481,9 @@ pub fn attention_mma(a: &Attn) -> Result<AttnLaunches, LaunchError> {
         ));
     };
     let row = (d + MMA_PAD) * 2;
-    let smem_fwd = (MMA_ROWS + 2 * fwd_keys) * row;
-    let smem_dq = (2 * MMA_ROWS + 2 * dq_keys) * row;
-    let smem_dkdv = (2 * MMA_ROWS + 2 * dkdv_queries) * row + 2 * dkdv_queries * 4;
+    let smem_fwd = (MMA_ROWS + 2 * 2 * fwd_keys) * row;
+    let smem_dq = (2 * MMA_ROWS + 2 * 2 * dq_keys) * row;
+    let smem_dkdv = (2 * MMA_ROWS + 2 * 2 * dkdv_queries) * row + 2 * 2 * dkdv_queries * 4;
     let q_blocks = a.seq_q.div_ceil(MMA_ROWS);
     Ok(AttnLaunches {
         fwd: Launch::new(
