@@ -89,26 +89,40 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
 
+// The instructions below need sm_80; on older devices (where the backend refuses
+// SHARDWRIGHT_CUDA_ATTENTION=mma) the file still compiles and loads, and these trap.
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+#if __CUDA_ARCH__ >= 800
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
                  : "memory");
+#else
+    __trap();
+#endif
 }
 
 __device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+#if __CUDA_ARCH__ >= 800
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
                  : "memory");
+#else
+    __trap();
+#endif
 }
 
 // c += A B for one 16 x 8 x 16 step.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
 }
 
 // Two floats as bf16x2: `lo` in the low 16 bits.
@@ -123,18 +137,30 @@ __device__ __forceinline__ float mma_exp(float x) { return exp2f(x * 1.442695040
 // with `valid` false 16 zero bytes (src-size 0: nothing is read; `gmem` is still a valid
 // address). Copies complete in commit groups; wait<N> waits for all but the newest N.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :
                  : "r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0)
                  : "memory");
+#else
+    __trap();
+#endif
 }
 
 __device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+#else
+    __trap();
+#endif
 }
 
 template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#else
+    __trap();
+#endif
 }
 
 // Starts copying rows [r0, r0 + ROWS) of a bf16 tensor (row r at src + base + r * stride, D

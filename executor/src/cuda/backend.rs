@@ -268,6 +268,13 @@ impl Cuda {
     pub fn new_with(ordinal: usize, precision: Precision) -> Result<Cuda, String> {
         let attn = AttnImpl::from_env()?;
         let dev = Device::new(ordinal, &cuda_include_dir())?;
+        if attn == AttnImpl::Mma && dev.sm < 80 {
+            return Err(format!(
+                "{}=mma: the tensor-core attention kernels need sm_80 or newer (GPU {ordinal} is sm_{})",
+                launch::ATTENTION_ENV,
+                dev.sm
+            ));
+        }
         let blas = Blas::new(&dev)?;
         Ok(Cuda {
             dev: Arc::new(dev),
@@ -294,7 +301,8 @@ impl Cuda {
         self.attn
     }
 
-    /// This backend with the attention kernels' switch set to `a` (tests and benches).
+    /// This backend with the attention kernels' switch set to `a` (tests and benches; `mma`
+    /// needs an sm_80 or newer GPU, as `new_with` checks).
     pub fn with_attention_impl(&self, a: AttnImpl) -> Cuda {
         Cuda {
             attn: a,
