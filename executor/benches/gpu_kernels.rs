@@ -4,7 +4,9 @@
 //! seq 4096), printed as a table of milliseconds and the rate against the ceiling that
 //! bounds each kernel (bf16 matrix FLOP/s for attention, HBM bytes for the rest), for
 //! comparison with `scripts/gpu/torch_kernels.py` (PyTorch on the same shapes) in the same
-//! device call. Correctness is `tests/cuda_kernels.rs`' job; this only times.
+//! device call. Attention runs twice: the scalar kernels (attention.cu) and the tensor-core
+//! ones (attention_mma.cu, rows `mma`). Correctness is `tests/cuda_kernels.rs`' job; this
+//! only times.
 //!
 //! Then the backend itself (`cuda::backend::Cuda`, as the interpreter drives it) on one
 //! Llama MLP block of that step: RMSNorm, the SwiGLU up projection, SwiGLU, the down
@@ -22,7 +24,7 @@
 use shardwright_executor::cuda::backend::{AttnArgs, Cuda};
 use shardwright_executor::cuda::device::{cuda_include_dir, unavailable, CudaSlice, Device};
 use shardwright_executor::cuda::gemm::random_bf16;
-use shardwright_executor::cuda::launch::{self, Attn, Dtype, Norm};
+use shardwright_executor::cuda::launch::{self, Attn, AttnImpl, Dtype, Norm};
 use shardwright_executor::cuda::precision::Precision;
 use shardwright_executor::cuda::{adamw_bias_corrections, device::PushKernelArg};
 use shardwright_executor::Backend;
@@ -51,7 +53,19 @@ struct Row {
     rate: String,
 }
 
-fn attention(d: &Device, rows: &mut Vec<Row>, b: u64, s: u64, hq: u64, hk: u64, hd: u64) {
+/// The attention kernels of `imp` (the scalar ones, or the tensor-core ones of
+/// attention_mma.cu, whose rows are labelled `mma`) at one causal shape.
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    d: &Device,
+    rows: &mut Vec<Row>,
+    imp: AttnImpl,
+    b: u64,
+    s: u64,
+    hq: u64,
+    hk: u64,
+    hd: u64,
+) {
     let shape = AttnShape {
         batch: b as usize,
         seq_q: s as usize,
@@ -62,7 +76,11 @@ fn attention(d: &Device, rows: &mut Vec<Row>, b: u64, s: u64, hq: u64, hk: u64, 
         q_offset: 0,
         causal: true,
     };
-    let ls = launch::attention(Dtype::Bf16, &Attn::from(&shape)).unwrap();
+    let ls = launch::attention_for(imp, Dtype::Bf16, &Attn::from(&shape)).unwrap();
+    let tag = match imp {
+        AttnImpl::Scalar => "",
+        AttnImpl::Mma => " mma",
+    };
     let a = AttnArgs::of(&shape);
     let (nq, nk) = ((b * s * hq * hd) as usize, (b * s * hk * hd) as usize);
     let (q, k, v) = (bf16(d, nq, 1), bf16(d, nk, 2), bf16(d, nk, 3));
@@ -113,13 +131,13 @@ fn attention(d: &Device, rows: &mut Vec<Row>, b: u64, s: u64, hq: u64, hk: u64, 
     let fl = 4.0 * (s * (s + 1) / 2) as f64 * (hd * hq * b) as f64;
     let shape = format!("b={b} s={s} h={hq}/{hk} d={hd}");
     rows.push(Row {
-        kernel: "attention fwd".into(),
+        kernel: format!("attention fwd{tag}"),
         shape: shape.clone(),
         ms: fwd * 1e3,
         rate: format!("{:.1} TFLOP/s", fl / fwd / 1e12),
     });
     rows.push(Row {
-        kernel: "attention bwd".into(),
+        kernel: format!("attention bwd{tag}"),
         shape,
         ms: bwd * 1e3,
         rate: format!("{:.1} TFLOP/s", 2.5 * fl / bwd / 1e12),
@@ -289,8 +307,10 @@ fn main() {
     let d = Device::new(0, &cuda_include_dir()).expect("the kernels load");
     println!("gpu_kernels on {}", d.name().unwrap_or_default());
     let mut rows = Vec::new();
-    attention(&d, &mut rows, 8, 2048, 32, 4, 64);
-    attention(&d, &mut rows, 1, 4096, 32, 8, 128);
+    for imp in [AttnImpl::Scalar, AttnImpl::Mma] {
+        attention(&d, &mut rows, imp, 8, 2048, 32, 4, 64);
+        attention(&d, &mut rows, imp, 1, 4096, 32, 8, 128);
+    }
     elementwise(&d, &mut rows, 16384, 2048, 5632);
     adamw(&d, &mut rows, 1 << 28);
     drop(d);

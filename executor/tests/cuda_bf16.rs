@@ -20,6 +20,7 @@ use bf16_sim::{SBuf, Sim};
 use gpu_common::close;
 use shardwright_executor::cuda::backend::{Cuda, DBuf};
 use shardwright_executor::cuda::device::unavailable;
+use shardwright_executor::cuda::launch::AttnImpl;
 use shardwright_executor::cuda::precision::{Kind, Precision};
 use shardwright_executor::rng::Rng;
 use shardwright_executor::{AdamW, AttnSaved, AttnShape, Backend, GemmShape, NormGrads, Operand};
@@ -386,6 +387,62 @@ fn kernels_in_bf16_follow_the_rules() {
         &s.xent_bwd(&ls, &tgt, &lss, v, 50, 0.01),
         BF16,
     );
+}
+
+/// The attention switch through the backend (`SHARDWRIGHT_CUDA_ATTENTION`, which
+/// `Cuda::new_with` reads; set here with `with_attention_impl`): bf16 attention of
+/// head_dim 64 on the scalar kernels and on the tensor-core ones (attention_mma.cu), both
+/// against `Sim`; the tensor-core kernels within 5e-2 (they round P and dS to bf16, which
+/// `Sim` does not: tests/cuda_kernels.rs `MMA_TOL`).
+#[test]
+fn attention_switch_picks_the_tensor_core_kernels() {
+    let Some(be) = gpu("attention_switch_picks_the_tensor_core_kernels") else {
+        return;
+    };
+    let s = Sim(Precision::Bf16);
+    let sh = AttnShape {
+        batch: 2,
+        seq_q: 80,
+        seq_kv: 80,
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 64,
+        q_offset: 0,
+        causal: true,
+    };
+    let t = sh.batch * sh.seq_q;
+    let (wq, wk) = (sh.heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+    let (qg, qs) = act(&be, &rand(t * wq, 41), wq);
+    let (kg, ks) = act(&be, &rand(t * wk, 42), wk);
+    let (vg, vs) = act(&be, &rand(t * wk, 43), wk);
+    let (dyg, dys) = act(&be, &rand(t * wq, 44), wq);
+    let (os, lses) = s.attention_fwd(&qs, &ks, &vs, sh);
+    let saved_s = AttnSaved {
+        q: &qs,
+        k: &ks,
+        v: &vs,
+        o: &os,
+        lse: &lses,
+    };
+    let (dqs, dks, dvs) = s.attention_bwd(saved_s, &dys, sh);
+    for (imp, rel) in [(AttnImpl::Scalar, BF16), (AttnImpl::Mma, 5e-2)] {
+        let b = be.with_attention_impl(imp);
+        assert_eq!(b.attention_impl(), imp);
+        let (o, lse) = b.attention_fwd(&qg, &kg, &vg, sh);
+        same(&format!("{imp:?} attention o"), &b, &o, &os, rel);
+        same(&format!("{imp:?} attention lse"), &b, &lse, &lses, F32);
+        let saved = AttnSaved {
+            q: &qg,
+            k: &kg,
+            v: &vg,
+            o: &o,
+            lse: &lse,
+        };
+        let (dq, dk, dv) = b.attention_bwd(saved, &dyg, sh);
+        same(&format!("{imp:?} attention dq"), &b, &dq, &dqs, rel);
+        same(&format!("{imp:?} attention dk"), &b, &dk, &dks, rel);
+        same(&format!("{imp:?} attention dv"), &b, &dv, &dvs, rel);
+    }
 }
 
 /// AdamW updates the fp32 master and refreshes the bf16 copy GEMMs read: a GEMM after

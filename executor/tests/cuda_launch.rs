@@ -97,6 +97,18 @@ fn launches(p: &Plan) -> Vec<(String, Result<Launch, launch::LaunchError>)> {
                 }
                 Err(e) => add(format!("attention {what} {s}"), Err(e)),
             }
+            // With SHARDWRIGHT_CUDA_ATTENTION=mma, bf16 calls of head_dim 64 or 128 run the
+            // tensor-core kernels.
+            if launch::attn_uses_mma(launch::AttnImpl::Mma, dt, d) {
+                match launch::attention_mma(&a) {
+                    Ok(x) => {
+                        for (k, lc) in [("fwd", x.fwd), ("dkdv", x.bwd_dkdv), ("dq", x.bwd_dq)] {
+                            add(format!("attention mma {what} {k}"), Ok(lc));
+                        }
+                    }
+                    Err(e) => add(format!("attention mma {what}"), Err(e)),
+                }
+            }
         }
         match launch::xent(dt, t, vocab) {
             Ok(x) => {
@@ -288,6 +300,81 @@ fn limits_are_enforced() {
         .unwrap();
         for lc in [x.fwd, x.bwd_delta, x.bwd_dkdv, x.bwd_dq] {
             assert!(file_of(&lc.entry).is_some(), "{}", lc.entry);
+        }
+    }
+}
+
+/// Which attention kernels a call runs: the tensor-core ones only when the switch says
+/// `mma`, storage is bf16 and head_dim is exactly 64 or 128; their launches at the GPU
+/// bench's shapes, within both devices' limits.
+#[test]
+fn attention_kernel_dispatch() {
+    use launch::{attention_for, attn_uses_mma, AttnImpl};
+    assert_eq!(AttnImpl::default(), AttnImpl::Scalar);
+    assert_eq!(AttnImpl::parse("mma"), Ok(AttnImpl::Mma));
+    assert_eq!(AttnImpl::parse(" Scalar "), Ok(AttnImpl::Scalar));
+    assert!(AttnImpl::parse("flash")
+        .unwrap_err()
+        .contains("`scalar` or `mma`"));
+    for (sw, dt, d, want) in [
+        (AttnImpl::Mma, Dtype::Bf16, 64, true),
+        (AttnImpl::Mma, Dtype::Bf16, 128, true),
+        (AttnImpl::Mma, Dtype::Bf16, 80, false),
+        (AttnImpl::Mma, Dtype::Bf16, 32, false),
+        (AttnImpl::Mma, Dtype::F32, 64, false),
+        (AttnImpl::Mma, Dtype::F32, 128, false),
+        (AttnImpl::Scalar, Dtype::Bf16, 64, false),
+        (AttnImpl::Scalar, Dtype::Bf16, 128, false),
+    ] {
+        assert_eq!(attn_uses_mma(sw, dt, d), want, "{sw:?} {dt:?} d={d}");
+        let a = Attn {
+            batch: 2,
+            seq_q: 100,
+            seq_kv: 100,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: d,
+            window: 0,
+        };
+        let x = attention_for(sw, dt, &a).unwrap();
+        let prefix = if want { "attn_mma_" } else { "attn_" };
+        assert!(x.fwd.entry.starts_with(prefix), "{}", x.fwd.entry);
+        assert_eq!(x.fwd.entry.starts_with("attn_mma_"), want);
+        assert_eq!(x.bwd_delta.entry, format!("attn_bwd_delta_{}", dt.suffix()));
+    }
+    // head_dim 80 under the scalar kernels is padded to 128; the tensor-core ones refuse it.
+    let a = |b, s, hq, hk, d| Attn {
+        batch: b,
+        seq_q: s,
+        seq_kv: s,
+        heads: hq,
+        kv_heads: hk,
+        head_dim: d,
+        window: 0,
+    };
+    assert!(launch::attention_mma(&a(1, 8, 4, 2, 80))
+        .unwrap_err()
+        .0
+        .contains("head_dim 80"));
+    // The bench's shapes: 64 rows a block of 128 threads; shared memory as attention_mma.cu
+    // lays it out (rows of d + 8 bf16; the streamed tiles twice).
+    let x = launch::attention_mma(&a(8, 2048, 32, 4, 64)).unwrap();
+    assert_eq!(x.fwd.entry, "attn_mma_fwd_bf16_d64");
+    assert_eq!(x.fwd.grid, [32, 32, 8]);
+    assert_eq!(x.fwd.block, [128, 1, 1]);
+    assert_eq!(x.fwd.smem, (64 + 4 * 64) * 72 * 2);
+    assert_eq!(x.bwd_dq.smem, (128 + 4 * 64) * 72 * 2);
+    assert_eq!(x.bwd_dkdv.smem, (128 + 4 * 64) * 72 * 2 + 4 * 64 * 4);
+    assert_eq!(x.bwd_dkdv.grid, [32, 4, 8]);
+    let y = launch::attention_mma(&a(1, 4096, 32, 8, 128)).unwrap();
+    assert_eq!(y.fwd.entry, "attn_mma_fwd_bf16_d128");
+    assert_eq!(y.fwd.smem, (64 + 4 * 64) * 136 * 2);
+    assert_eq!(y.bwd_dq.smem, (128 + 4 * 32) * 136 * 2);
+    assert_eq!(y.bwd_dkdv.smem, (128 + 4 * 32) * 136 * 2 + 4 * 32 * 4);
+    assert!(y.fwd.needs_smem_optin(&Limits::SM80));
+    for lc in [x.fwd, x.bwd_dkdv, x.bwd_dq, y.fwd, y.bwd_dkdv, y.bwd_dq] {
+        for lim in [Limits::SM90, Limits::SM80] {
+            lc.check(&lim).unwrap();
         }
     }
 }

@@ -60,7 +60,7 @@ use crate::backend::{
 };
 use crate::cuda::device::{cuda_include_dir, Device, LaunchArgs, PushKernelArg};
 use crate::cuda::gemm::{Bf16, Blas, Elem, GemmSpec, F32};
-use crate::cuda::launch::{self, Attn, Dtype, Launch, Norm};
+use crate::cuda::launch::{self, Attn, AttnImpl, Dtype, Launch, Norm};
 use crate::cuda::precision::{self, require_f32, Kind, Precision};
 use crate::cuda::{adamw_bias_corrections, bf16_value, embedding_segments, rope_tables};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
@@ -80,6 +80,9 @@ pub struct Cuda {
     /// ordering problem from an arithmetic one; slow).
     sync: bool,
     precision: Precision,
+    /// `SHARDWRIGHT_CUDA_ATTENTION` (`scalar`, the default, or `mma`): which attention
+    /// kernels bf16 calls with head_dim 64 or 128 run ([`launch::attn_uses_mma`]).
+    attn: AttnImpl,
 }
 
 type RopeCache = Mutex<BTreeMap<(usize, usize, u32), Arc<(CudaSlice<f32>, CudaSlice<f32>)>>>;
@@ -263,7 +266,15 @@ impl Cuda {
 
     /// GPU `ordinal` in precision `precision`.
     pub fn new_with(ordinal: usize, precision: Precision) -> Result<Cuda, String> {
+        let attn = AttnImpl::from_env()?;
         let dev = Device::new(ordinal, &cuda_include_dir())?;
+        if attn == AttnImpl::Mma && dev.sm < 80 {
+            return Err(format!(
+                "{}=mma: the tensor-core attention kernels need sm_80 or newer (GPU {ordinal} is sm_{})",
+                launch::ATTENTION_ENV,
+                dev.sm
+            ));
+        }
         let blas = Blas::new(&dev)?;
         Ok(Cuda {
             dev: Arc::new(dev),
@@ -271,6 +282,7 @@ impl Cuda {
             rope: Arc::new(Mutex::new(BTreeMap::new())),
             sync: std::env::var("SHARDWRIGHT_CUDA_SYNC").is_ok_and(|v| v == "1"),
             precision,
+            attn,
         })
     }
 
@@ -313,6 +325,27 @@ impl Cuda {
         drop(xs);
         self.sync_point("collective");
         Ok(out)
+    }
+
+    /// The attention kernels' switch this backend read from `SHARDWRIGHT_CUDA_ATTENTION`.
+    pub fn attention_impl(&self) -> AttnImpl {
+        self.attn
+    }
+
+    /// This backend with the attention kernels' switch set to `a` (tests and benches; `mma`
+    /// needs an sm_80 or newer GPU, as `new_with` checks).
+    pub fn with_attention_impl(&self, a: AttnImpl) -> Cuda {
+        Cuda {
+            attn: a,
+            ..self.clone()
+        }
+    }
+
+    /// The launches of an attention call of shape `s` (the switch, the precision and the
+    /// head dimension pick the kernels).
+    fn attention_launches(&self, s: &AttnShape) -> launch::AttnLaunches {
+        launch::attention_for(self.attn, self.act(), &Attn::from(s))
+            .unwrap_or_else(|e| fail("attention", e))
     }
 
     /// This backend (the same device, kernels and cuBLASLt handle) in precision `p`.
@@ -1329,8 +1362,7 @@ impl Backend for Cuda {
         v: &Self::Buf,
         s: AttnShape,
     ) -> (Self::Buf, Self::Buf) {
-        let ls =
-            launch::attention(self.act(), &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
+        let ls = self.attention_launches(&s);
         let (qs, ks, vs) = (self.act_in(q), self.act_in(k), self.act_in(v));
         let mut o = self.act_buf(q.len());
         let mut lse = self.new_buf(s.batch * s.heads * s.seq_q);
@@ -1348,8 +1380,7 @@ impl Backend for Cuda {
         dout: &Self::Buf,
         s: AttnShape,
     ) -> (Self::Buf, Self::Buf, Self::Buf) {
-        let ls =
-            launch::attention(self.act(), &Attn::from(&s)).unwrap_or_else(|e| fail("attention", e));
+        let ls = self.attention_launches(&s);
         let (q, k, v) = (
             self.act_in(saved.q),
             self.act_in(saved.k),

@@ -129,6 +129,19 @@ pub const FILES: &[KernelFile] = &[
         hot: true,
     },
     KernelFile {
+        file: "attention_mma.cu",
+        text: include_str!("../../kernels/attention_mma.cu"),
+        entries: &[
+            "attn_mma_fwd_bf16_d64",
+            "attn_mma_bwd_dkdv_bf16_d64",
+            "attn_mma_bwd_dq_bf16_d64",
+            "attn_mma_fwd_bf16_d128",
+            "attn_mma_bwd_dkdv_bf16_d128",
+            "attn_mma_bwd_dq_bf16_d128",
+        ],
+        hot: true,
+    },
+    KernelFile {
         file: "xent.cu",
         text: include_str!("../../kernels/xent.cu"),
         entries: &[

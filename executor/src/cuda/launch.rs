@@ -396,6 +396,118 @@ pub fn attention(dt: Dtype, a: &Attn) -> Result<AttnLaunches, LaunchError> {
     })
 }
 
+/// Which attention kernels the CUDA backend runs (`SHARDWRIGHT_CUDA_ATTENTION`): the scalar
+/// fp32-arithmetic kernels of attention.cu (the default), or, where they apply (see
+/// [`attn_uses_mma`]), the tensor-core kernels of attention_mma.cu.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttnImpl {
+    #[default]
+    Scalar,
+    Mma,
+}
+
+/// The environment variable naming the [`AttnImpl`].
+pub const ATTENTION_ENV: &str = "SHARDWRIGHT_CUDA_ATTENTION";
+
+impl AttnImpl {
+    /// `scalar` or `mma`, case-insensitive.
+    pub fn parse(s: &str) -> Result<AttnImpl, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "scalar" => Ok(AttnImpl::Scalar),
+            "mma" => Ok(AttnImpl::Mma),
+            other => Err(format!(
+                "attention kernels `{other}`: expected `scalar` or `mma`"
+            )),
+        }
+    }
+
+    /// From [`ATTENTION_ENV`]; unset or empty is [`AttnImpl::Scalar`].
+    pub fn from_env() -> Result<AttnImpl, String> {
+        match std::env::var(ATTENTION_ENV) {
+            Ok(s) if !s.trim().is_empty() => {
+                AttnImpl::parse(&s).map_err(|e| format!("{ATTENTION_ENV}: {e}"))
+            }
+            _ => Ok(AttnImpl::Scalar),
+        }
+    }
+}
+
+/// Whether an attention call runs the tensor-core kernels: the switch says `mma`, storage
+/// is bf16, and the head dimension is exactly 64 or 128 (no padding: the kernels load rows
+/// as 16-byte vectors). Every other call runs the scalar kernels.
+pub fn attn_uses_mma(switch: AttnImpl, dt: Dtype, head_dim: u64) -> bool {
+    switch == AttnImpl::Mma && dt == Dtype::Bf16 && matches!(head_dim, 64 | 128)
+}
+
+/// The launches of an attention call under `switch`: [`attention_mma`] where
+/// [`attn_uses_mma`], else [`attention`].
+pub fn attention_for(switch: AttnImpl, dt: Dtype, a: &Attn) -> Result<AttnLaunches, LaunchError> {
+    if attn_uses_mma(switch, dt, a.head_dim) {
+        attention_mma(a)
+    } else {
+        attention(dt, a)
+    }
+}
+
+/// Threads per tensor-core attention block (`MMA_THREADS` in attention_mma.cu: 4 warps),
+/// rows per block (`MMA_ROWS`: 16 per warp; queries in the forward and dQ, keys in dK/dV),
+/// and the padding of a shared-memory row (`MMA_PAD`, bf16 elements).
+pub const MMA_THREADS: u32 = 128;
+pub const MMA_ROWS: u64 = 64;
+pub const MMA_PAD: u64 = 8;
+
+/// attention_mma.cu's `MmaTiles<d>`: rows of the other side's tiles, `(keys per forward
+/// tile, keys per dQ tile, queries per dK/dV tile)`.
+pub fn attn_mma_tiles(d: u64) -> Option<(u64, u64, u64)> {
+    match d {
+        64 => Some((64, 64, 64)),
+        128 => Some((64, 32, 32)),
+        _ => None,
+    }
+}
+
+/// The tensor-core attention launches (bf16, head_dim 64 or 128); the backward's delta is
+/// attention.cu's. Dynamic shared memory, bf16 rows of `d + MMA_PAD`, the streamed tiles
+/// double-buffered: forward Q (64 rows) and two K and V tiles; dQ Q and dO (64 rows each)
+/// and two K and V tiles; dK/dV K and V (64 rows each) and two Q and dO tiles with their
+/// lse and delta (fp32).
+pub fn attention_mma(a: &Attn) -> Result<AttnLaunches, LaunchError> {
+    // The shape checks and the delta launch are the scalar path's.
+    let scalar = attention(Dtype::Bf16, a)?;
+    let d = a.head_dim;
+    let Some((fwd_keys, dq_keys, dkdv_queries)) = attn_mma_tiles(d) else {
+        return err(format!(
+            "attention (tensor cores): head_dim {d} has no kernel (64 or 128)"
+        ));
+    };
+    let row = (d + MMA_PAD) * 2;
+    let smem_fwd = (MMA_ROWS + 2 * 2 * fwd_keys) * row;
+    let smem_dq = (2 * MMA_ROWS + 2 * 2 * dq_keys) * row;
+    let smem_dkdv = (2 * MMA_ROWS + 2 * 2 * dkdv_queries) * row + 2 * 2 * dkdv_queries * 4;
+    let q_blocks = a.seq_q.div_ceil(MMA_ROWS);
+    Ok(AttnLaunches {
+        fwd: Launch::new(
+            format!("attn_mma_fwd_bf16_d{d}"),
+            [q_blocks, a.heads, a.batch],
+            MMA_THREADS,
+            smem_fwd as u32,
+        )?,
+        bwd_delta: scalar.bwd_delta,
+        bwd_dkdv: Launch::new(
+            format!("attn_mma_bwd_dkdv_bf16_d{d}"),
+            [a.seq_kv.div_ceil(MMA_ROWS), a.kv_heads, a.batch],
+            MMA_THREADS,
+            smem_dkdv as u32,
+        )?,
+        bwd_dq: Launch::new(
+            format!("attn_mma_bwd_dq_bf16_d{d}"),
+            [q_blocks, a.heads, a.batch],
+            MMA_THREADS,
+            smem_dq as u32,
+        )?,
+    })
+}
+
 /// The cross-entropy launches on `t` tokens of a `v`-entry vocabulary shard.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct XentLaunches {
