@@ -13,6 +13,9 @@
 #              shapes, then the backend's MLP block of that step in bf16 mode and in fp32
 #              mode) and scripts/gpu/torch_kernels.py (PyTorch on the same shapes):
 #              kernels.log, torch-kernels.json;
+#   mma        the tensor-core attention kernels (SHARDWRIGHT_CUDA_ATTENTION=mma) in the bf16
+#              training tests and the 1.1B bench with its profile (mma/); not in the default
+#              list: STEPS="check mma kernels" is the next device session's call;
 #   race       the multi-rank training tests of cuda_train RACE_REPEATS times (default 4),
 #              twice with SHARDWRIGHT_CUDA_SYNC=1, then once under compute-sanitizer's
 #              memcheck (race/ in logs.tgz);
@@ -82,6 +85,22 @@ if has measure; then
     timeout "${MEASURE_LIMIT_S:-150}" python3 scripts/gpu/measure_kernels.py "$out/kernel-rates.json" >"$out/measure.log" 2>&1
     echo "measure_kernels: exit $? ($(grep -c '^\[' "$out/measure.log") sections)"
     logs+=(measure.log)
+fi
+if has mma; then
+    # The tensor-core attention kernels (SHARDWRIGHT_CUDA_ATTENTION=mma) in training: the
+    # bf16 training tests against the fp32 CPU reference, then the 1.1B bench with them
+    # (profile included), beside PyTorch eager. `check` runs their kernel tests.
+    bin="$repo/target/gpu-check/bin"
+    mkdir -p "$out/mma"
+    for t in llama_steps_in_bf16_stay_near_the_cpu_reference gpt_steps_in_bf16_stay_near_the_cpu_reference moe_steps_in_bf16_stay_near_the_cpu_reference; do
+        SHARDWRIGHT_CUDA_ATTENTION=mma timeout 120 "$bin/cuda_train" --exact "$t" --nocapture >"$out/mma/$t.log" 2>&1
+        echo "mma: $t: exit $?"
+        grep -h "bf16:" "$out/mma/$t.log" | head -8
+    done
+    SHARDWRIGHT_CUDA_ATTENTION=mma OUT="$out/mma" BENCH_PROFILE=1 BENCH_TORCH_VARIANTS=eager \
+        BENCH_LIMIT_S="${BENCH_LIMIT_S:-120}" SHARDWRIGHT_BIN="$sess/shardwright" bash bench/gpu.sh 2>&1 | tail -50
+    [ -d "$out/mma/bench" ] && (cd "$out/mma" && tar czf bench-runs.tgz bench && rm -rf bench)
+    logs+=(mma)
 fi
 if has race; then
     # Several ranks sharing the GPU in one process (issue 23's open race): the multi-rank
