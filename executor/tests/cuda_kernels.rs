@@ -20,7 +20,8 @@ mod gpu_common;
 use gpu_common::close;
 use shardwright_executor::backend::Routing;
 use shardwright_executor::cuda::device::{
-    cuda_include_dir, unavailable, CudaSlice, Device, DeviceRepr, PushKernelArg, ValidAsZeroBits,
+    cuda_include_dir, unavailable, CudaSlice, Device, DeviceRepr, LaunchArgs, PushKernelArg,
+    ValidAsZeroBits,
 };
 use shardwright_executor::cuda::launch::{self, Attn, Dtype, Launch, MoeLaunches, Norm};
 use shardwright_executor::cuda::{
@@ -492,6 +493,114 @@ fn swiglu_and_gelu_fwd_bwd() {
 
 // ---------------------------------------------------------------- attention
 
+/// One attention call on the device: its inputs and the kernels' trailing arguments
+/// (ATT_ARGS in attention.cu and attention_mma.cu, which share the argument lists), so a
+/// test runs any set of launches (`AttnLaunches`) on it.
+struct AttnCall<T: Elem> {
+    q: CudaSlice<T>,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    dims: [u32; 5],
+    offsets: [i64; 2],
+    mask: [u32; 2],
+    scale: f32,
+    nq: usize,
+    nk: usize,
+    rows: usize,
+}
+
+impl<T: Elem> AttnCall<T> {
+    /// Shape `s`, keys from `k_offset`, sliding `window` (0: none).
+    fn new(d: &Device, s: &AttnShape, k_offset: usize, window: usize, qkv: [&[f32]; 3]) -> Self {
+        AttnCall {
+            q: up::<T>(d, qkv[0]),
+            k: up::<T>(d, qkv[1]),
+            v: up::<T>(d, qkv[2]),
+            dims: [s.seq_q, s.seq_kv, s.heads, s.kv_heads, s.head_dim].map(|x| x as u32),
+            offsets: [s.q_offset as i64, k_offset as i64],
+            mask: [s.causal as u32, window as u32],
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+            nq: s.batch * s.seq_q * s.heads * s.head_dim,
+            nk: s.batch * s.seq_kv * s.kv_heads * s.head_dim,
+            rows: s.batch * s.heads * s.seq_q,
+        }
+    }
+
+    /// The trailing arguments, in ATT_ARGS order.
+    fn tail<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        for x in &self.dims {
+            b.arg(x);
+        }
+        b.arg(&self.offsets[0]).arg(&self.offsets[1]);
+        b.arg(&self.mask[0]).arg(&self.mask[1]).arg(&self.scale);
+    }
+
+    /// The forward: (o, lse) on the host.
+    fn fwd(&self, d: &Device, ls: &launch::AttnLaunches) -> (Vec<f32>, Vec<f32>) {
+        let mut o = d.zeros::<T>(self.nq).unwrap();
+        let mut lse = d.zeros::<f32>(self.rows).unwrap();
+        unsafe {
+            d.launch(&ls.fwd, |b| {
+                b.arg(&self.q).arg(&self.k).arg(&self.v);
+                b.arg(&mut o).arg(&mut lse);
+                self.tail(b);
+            })
+        }
+        .unwrap();
+        (down(d, &o), down_f32(d, &lse))
+    }
+
+    /// The backward from a given forward (`o` in the storage type, `lse`) and `dout`:
+    /// (delta, dq, dk, dv) on the host.
+    fn bwd(
+        &self,
+        d: &Device,
+        ls: &launch::AttnLaunches,
+        o: &[f32],
+        lse: &[f32],
+        dout: &[f32],
+    ) -> [Vec<f32>; 4] {
+        let (o_d, dout_d, lse_d) = (up::<T>(d, o), up::<T>(d, dout), d.upload(lse).unwrap());
+        let mut delta = d.zeros::<f32>(self.rows).unwrap();
+        let rows = self.rows as u64;
+        let [sq, _, hq, _, hd] = self.dims;
+        unsafe {
+            d.launch(&ls.bwd_delta, |b| {
+                b.arg(&o_d).arg(&dout_d).arg(&mut delta);
+                b.arg(&rows).arg(&sq).arg(&hq).arg(&hd);
+            })
+        }
+        .unwrap();
+        let mut dk = d.zeros::<T>(self.nk).unwrap();
+        let mut dv = d.zeros::<T>(self.nk).unwrap();
+        unsafe {
+            d.launch(&ls.bwd_dkdv, |b| {
+                b.arg(&self.q).arg(&self.k).arg(&self.v);
+                b.arg(&dout_d).arg(&lse_d).arg(&delta);
+                b.arg(&mut dk).arg(&mut dv);
+                self.tail(b);
+            })
+        }
+        .unwrap();
+        let mut dq = d.zeros::<T>(self.nq).unwrap();
+        unsafe {
+            d.launch(&ls.bwd_dq, |b| {
+                b.arg(&self.q).arg(&self.k).arg(&self.v);
+                b.arg(&dout_d).arg(&lse_d).arg(&delta);
+                b.arg(&mut dq);
+                self.tail(b);
+            })
+        }
+        .unwrap();
+        [
+            down_f32(d, &delta),
+            down(d, &dq),
+            down(d, &dk),
+            down(d, &dv),
+        ]
+    }
+}
+
 fn attention<T: Elem>(d: &Device, s: AttnShape) {
     let label = format!(
         "attention_{}[b={} sq={} skv={} h={}/{} d={} q_offset={} causal={}]",
@@ -512,62 +621,11 @@ fn attention<T: Elem>(d: &Device, s: AttnShape) {
     let k = seen::<T>(&g.vec(nk, 1.5));
     let v = seen::<T>(&g.vec(nk, 1.0));
     let (o_ref, lse_ref) = Cpu.attention_fwd(&q, &k, &v, s);
-    let ls = launch::attention(
-        T::DT,
-        &Attn {
-            batch: s.batch as u64,
-            seq_q: s.seq_q as u64,
-            seq_kv: s.seq_kv as u64,
-            heads: s.heads as u64,
-            kv_heads: s.kv_heads as u64,
-            head_dim: s.head_dim as u64,
-            window: 0,
-        },
-    )
-    .unwrap();
-    let (q_d, k_d, v_d) = (up::<T>(d, &q), up::<T>(d, &k), up::<T>(d, &v));
-    let mut o_d = d.zeros::<T>(nq).unwrap();
-    let nrows = s.batch * s.heads * s.seq_q;
-    let mut lse_d = d.zeros::<f32>(nrows).unwrap();
-    // The kernels' trailing arguments (ATT_ARGS in attention.cu).
-    let (sq, skv, hq, hk, hd) = (
-        s.seq_q as u32,
-        s.seq_kv as u32,
-        s.heads as u32,
-        s.kv_heads as u32,
-        s.head_dim as u32,
-    );
-    let (q_off, k_off) = (s.q_offset as i64, 0i64);
-    let (causal, window) = (s.causal as u32, 0u32);
-    let scale = 1.0 / (s.head_dim as f32).sqrt();
-    unsafe {
-        d.launch(&ls.fwd, |b| {
-            b.arg(&q_d)
-                .arg(&k_d)
-                .arg(&v_d)
-                .arg(&mut o_d)
-                .arg(&mut lse_d);
-            b.arg(&sq).arg(&skv).arg(&hq).arg(&hk).arg(&hd);
-            b.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
-        })
-    }
-    .unwrap();
-    close(
-        &format!("{label} o"),
-        &down(d, &o_d),
-        &o_ref,
-        T::TOL.max(1e-4),
-    );
-    close(
-        &format!("{label} lse"),
-        &down_f32(d, &lse_d),
-        &lse_ref,
-        1e-5,
-    );
+    let ls = launch::attention(T::DT, &Attn::from(&s)).unwrap();
+    let call = AttnCall::<T>::new(d, &s, 0, 0, [&q, &k, &v]);
+    let (o_got, lse_got) = call.fwd(d, &ls);
+    close(&format!("{label} o"), &o_got, &o_ref, T::TOL.max(1e-4));
+    close(&format!("{label} lse"), &lse_got, &lse_ref, 1e-5);
 
     // Backward from the reference's forward (o in the storage type), so only it is compared.
     let o = seen::<T>(&o_ref);
@@ -583,25 +641,8 @@ fn attention<T: Elem>(d: &Device, s: AttnShape) {
         &dout,
         s,
     );
-    let (o_in, dout_d, lse_in) = (
-        up::<T>(d, &o),
-        up::<T>(d, &dout),
-        d.upload(&lse_ref).unwrap(),
-    );
-    let mut delta = d.zeros::<f32>(nrows).unwrap();
-    let rows = nrows as u64;
-    unsafe {
-        d.launch(&ls.bwd_delta, |b| {
-            b.arg(&o_in)
-                .arg(&dout_d)
-                .arg(&mut delta)
-                .arg(&rows)
-                .arg(&sq)
-                .arg(&hq)
-                .arg(&hd);
-        })
-    }
-    .unwrap();
+    let [delta, dq, dk, dv] = call.bwd(d, &ls, &o, &lse_ref, &dout);
+    let nrows = call.rows;
     // delta = <dout, o> per (batch, head, query), in the lse layout.
     let mut delta_ref = vec![0.0f32; nrows];
     for bi in 0..s.batch {
@@ -613,56 +654,11 @@ fn attention<T: Elem>(d: &Device, s: AttnShape) {
             }
         }
     }
-    close(
-        &format!("{label} delta"),
-        &down_f32(d, &delta),
-        &delta_ref,
-        1e-5,
-    );
-
-    let mut dk_d = d.zeros::<T>(nk).unwrap();
-    let mut dv_d = d.zeros::<T>(nk).unwrap();
-    unsafe {
-        d.launch(&ls.bwd_dkdv, |b| {
-            b.arg(&q_d)
-                .arg(&k_d)
-                .arg(&v_d)
-                .arg(&dout_d)
-                .arg(&lse_in)
-                .arg(&delta);
-            b.arg(&mut dk_d).arg(&mut dv_d);
-            b.arg(&sq).arg(&skv).arg(&hq).arg(&hk).arg(&hd);
-            b.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
-        })
-    }
-    .unwrap();
-    let mut dq_d = d.zeros::<T>(nq).unwrap();
-    unsafe {
-        d.launch(&ls.bwd_dq, |b| {
-            b.arg(&q_d)
-                .arg(&k_d)
-                .arg(&v_d)
-                .arg(&dout_d)
-                .arg(&lse_in)
-                .arg(&delta);
-            b.arg(&mut dq_d);
-            b.arg(&sq).arg(&skv).arg(&hq).arg(&hk).arg(&hd);
-            b.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
-        })
-    }
-    .unwrap();
+    close(&format!("{label} delta"), &delta, &delta_ref, 1e-5);
     let tol = T::TOL.max(1e-4);
-    close(&format!("{label} dq"), &down(d, &dq_d), &dq_ref, tol);
-    close(&format!("{label} dk"), &down(d, &dk_d), &dk_ref, tol);
-    close(&format!("{label} dv"), &down(d, &dv_d), &dv_ref, tol);
+    close(&format!("{label} dq"), &dq, &dq_ref, tol);
+    close(&format!("{label} dk"), &dk, &dk_ref, tol);
+    close(&format!("{label} dv"), &dv, &dv_ref, tol);
 }
 
 /// Both head-dimension instantiations (64; 80 padded to 128; 128), grouped-query heads,
@@ -937,105 +933,14 @@ fn attention_case(d: &Device, c: &MmaCase, ls: &launch::AttnLaunches, tol: f64) 
     let o = seen::<u16>(&o_ref);
     let (_, _, dq_ref, dk_ref, dv_ref) = attn_ref(c, &q, &k, &v, &dout, Some(&o), false);
 
-    let (q_d, k_d, v_d) = (up::<u16>(d, &q), up::<u16>(d, &k), up::<u16>(d, &v));
-    let mut o_d = d.zeros::<u16>(nq).unwrap();
-    let nrows = s.batch * s.heads * s.seq_q;
-    let mut lse_d = d.zeros::<f32>(nrows).unwrap();
-    let (sq, skv, hq, hk, hd) = (
-        s.seq_q as u32,
-        s.seq_kv as u32,
-        s.heads as u32,
-        s.kv_heads as u32,
-        s.head_dim as u32,
-    );
-    let (q_off, k_off) = (s.q_offset as i64, c.k_offset as i64);
-    let (causal, window) = (s.causal as u32, c.window as u32);
-    let scale = 1.0 / (s.head_dim as f32).sqrt();
-    unsafe {
-        d.launch(&ls.fwd, |b| {
-            b.arg(&q_d)
-                .arg(&k_d)
-                .arg(&v_d)
-                .arg(&mut o_d)
-                .arg(&mut lse_d);
-            b.arg(&sq).arg(&skv).arg(&hq).arg(&hk).arg(&hd);
-            b.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
-        })
-    }
-    .unwrap();
-    close(&format!("{label} o"), &down(d, &o_d), &o_ref, tol);
-    close(
-        &format!("{label} lse"),
-        &down_f32(d, &lse_d),
-        &lse_ref,
-        1e-4,
-    );
-
-    let (o_in, dout_d, lse_in) = (
-        up::<u16>(d, &o),
-        up::<u16>(d, &dout),
-        d.upload(&lse_ref).unwrap(),
-    );
-    let mut delta = d.zeros::<f32>(nrows).unwrap();
-    let rows = nrows as u64;
-    unsafe {
-        d.launch(&ls.bwd_delta, |b| {
-            b.arg(&o_in)
-                .arg(&dout_d)
-                .arg(&mut delta)
-                .arg(&rows)
-                .arg(&sq)
-                .arg(&hq)
-                .arg(&hd);
-        })
-    }
-    .unwrap();
-    let mut dk_d = d.zeros::<u16>(nk).unwrap();
-    let mut dv_d = d.zeros::<u16>(nk).unwrap();
-    unsafe {
-        d.launch(&ls.bwd_dkdv, |b| {
-            b.arg(&q_d)
-                .arg(&k_d)
-                .arg(&v_d)
-                .arg(&dout_d)
-                .arg(&lse_in)
-                .arg(&delta);
-            b.arg(&mut dk_d).arg(&mut dv_d);
-            b.arg(&sq).arg(&skv).arg(&hq).arg(&hk).arg(&hd);
-            b.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
-        })
-    }
-    .unwrap();
-    let mut dq_d = d.zeros::<u16>(nq).unwrap();
-    unsafe {
-        d.launch(&ls.bwd_dq, |b| {
-            b.arg(&q_d)
-                .arg(&k_d)
-                .arg(&v_d)
-                .arg(&dout_d)
-                .arg(&lse_in)
-                .arg(&delta);
-            b.arg(&mut dq_d);
-            b.arg(&sq).arg(&skv).arg(&hq).arg(&hk).arg(&hd);
-            b.arg(&q_off)
-                .arg(&k_off)
-                .arg(&causal)
-                .arg(&window)
-                .arg(&scale);
-        })
-    }
-    .unwrap();
-    close(&format!("{label} dq"), &down(d, &dq_d), &dq_ref, tol);
-    close(&format!("{label} dk"), &down(d, &dk_d), &dk_ref, tol);
-    close(&format!("{label} dv"), &down(d, &dv_d), &dv_ref, tol);
+    let call = AttnCall::<u16>::new(d, &s, c.k_offset, c.window, [&q, &k, &v]);
+    let (o_got, lse_got) = call.fwd(d, ls);
+    close(&format!("{label} o"), &o_got, &o_ref, tol);
+    close(&format!("{label} lse"), &lse_got, &lse_ref, 1e-4);
+    let [_, dq, dk, dv] = call.bwd(d, ls, &o, &lse_ref, &dout);
+    close(&format!("{label} dq"), &dq, &dq_ref, tol);
+    close(&format!("{label} dk"), &dk, &dk_ref, tol);
+    close(&format!("{label} dv"), &dv, &dv_ref, tol);
 }
 
 fn attn_launch_shape(c: &MmaCase) -> Attn {
