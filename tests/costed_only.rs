@@ -1,9 +1,11 @@
-//! Mechanisms the cost model charges but the exporters have no flags for are refused with a
-//! message, not written as something else: multi-head latent attention (`job.model.mla`)
-//! and the paired-1F1B EP all-to-all overlap (`job.moe_a2a_overlap`).
+//! Mechanisms the cost model charges but neither the lowering builds nor the exporters
+//! have flags for are refused with a message naming the field, not lowered or written as
+//! something else: multi-head latent attention (`job.model.mla`) and the paired-1F1B EP
+//! all-to-all overlap (`job.moe_a2a_overlap`).
 
 use shardwright_cost::{resolve, ResolveOptions};
 use shardwright_export::{export, Framework};
+use shardwright_lowering::lower;
 use shardwright_planner::{plan, PlanOptions};
 use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_spec::Plan;
@@ -36,21 +38,33 @@ cluster:
     serde_json::from_str(&shardwright_spec::plan::to_json(&p)).unwrap()
 }
 
-fn refusal(p: &Plan) -> String {
-    match export(p, Framework::Megatron, None) {
+/// What `lower` and the Megatron export say of `p` (each must refuse it).
+fn refusals(p: &Plan) -> [String; 2] {
+    let lowered = match lower(p) {
+        Ok(_) => panic!("lowered"),
+        Err(e) => e.to_string(),
+    };
+    let exported = match export(p, Framework::Megatron, None) {
         Ok(_) => panic!("exported"),
         Err(e) => e.to_string(),
-    }
+    };
+    [lowered, exported]
 }
 
 #[test]
-fn costed_only_mechanisms_are_not_exported() {
-    assert!(export(&plan_of("", ""), Framework::Megatron, None).is_ok());
+fn costed_only_mechanisms_are_refused() {
+    let plain = plan_of("", "");
+    assert!(lower(&plain).is_ok());
+    assert!(export(&plain, Framework::Megatron, None).is_ok());
     let mla = plan_of(
         "    mla: {kv_lora_rank: 64, qk_nope_head_dim: 32, qk_rope_head_dim: 16, v_head_dim: 32}",
         "",
     );
-    assert!(refusal(&mla).contains("job.model.mla"));
+    for why in refusals(&mla) {
+        assert!(why.contains("job.model.mla"), "{why}");
+    }
     let a2a = plan_of("", "  moe_a2a_overlap: true");
-    assert!(refusal(&a2a).contains("job.moe_a2a_overlap"));
+    for why in refusals(&a2a) {
+        assert!(why.contains("job.moe_a2a_overlap"), "{why}");
+    }
 }
