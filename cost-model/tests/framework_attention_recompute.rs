@@ -1,6 +1,9 @@
 //! The framework mechanisms, sliding-window attention and fine-grained selective recompute,
 //! each checked against a hand derivation or a brute-force count written here.
 
+mod common;
+
+use common::{job, spec_error};
 use shardwright_cost::collective::{all_gather_s, send_s};
 use shardwright_cost::eval::{evaluate, LayerCosts, Split};
 use shardwright_cost::{flops, memory, resolve, ResolveOptions};
@@ -8,19 +11,6 @@ use shardwright_spec::layout::Layout;
 use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_spec::spec::{Recompute, RecomputeModule, Schedule};
 use shardwright_spec::Job;
-
-fn job(yaml: &str) -> Job {
-    let spec = parse_spec(yaml, Format::Yaml).unwrap();
-    resolve(&spec, &ResolveOptions::default()).unwrap().job
-}
-
-fn spec_error(yaml: &str) -> String {
-    let spec = parse_spec(yaml, Format::Yaml).unwrap();
-    match resolve(&spec, &ResolveOptions::default()) {
-        Ok(_) => panic!("spec resolved, expected an error"),
-        Err(e) => e.to_string(),
-    }
-}
 
 /// A GPT layer shape on 64 H100 (8 nodes), with `extra` appended under `job:`.
 fn gpt(extra: &str) -> String {

@@ -2,27 +2,16 @@
 //! counts and a hand count of its attention FLOPs, and the paired-1F1B EP all-to-all overlap
 //! (`job.moe_a2a_overlap`) against DeepEP's SM share.
 
+mod common;
+
+use common::{job, spec_error};
 use shardwright_cost::catalog;
 use shardwright_cost::flops;
 use shardwright_cost::layer::{layer_ops, LayerKind, LayerShape, OpCost, OpKind, Pass};
-use shardwright_cost::{memory, resolve, ResolveOptions};
+use shardwright_cost::memory;
 use shardwright_spec::mesh::Mesh;
-use shardwright_spec::parse::{parse_spec, Format};
 use shardwright_spec::spec::Recompute;
 use shardwright_spec::Job;
-
-fn job(yaml: &str) -> Job {
-    let spec = parse_spec(yaml, Format::Yaml).unwrap();
-    resolve(&spec, &ResolveOptions::default()).unwrap().job
-}
-
-fn spec_error(yaml: &str) -> String {
-    let spec = parse_spec(yaml, Format::Yaml).unwrap();
-    match resolve(&spec, &ResolveOptions::default()) {
-        Ok(_) => panic!("spec resolved, expected an error"),
-        Err(e) => e.to_string(),
-    }
-}
 
 /// DeepSeek-V3 without its multi-token-prediction module, as its `config.json` states it
 /// (hidden 7168, 61 layers of which the first 3 dense with FFN 18432, 128 heads, MLA ranks
