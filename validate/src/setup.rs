@@ -120,6 +120,9 @@ pub const KNOWN_MLA: &[(&str, Mla, &str)] = &[
 ///   DeepSeek-V3 (with `mla`) -17.7% -> +34.6%: with the all-to-all hidden, the model's
 ///   MoE layer is far faster than measured; the exposed all-to-all stands in for MoE
 ///   costs the model lacks.
+/// - `dispatcher`: the recipe's MoE token dispatcher
+///   ([`crate::recipes::BridgeRecipe::moe_dispatcher`]: `alltoall` for the Qwen3 and
+///   GPT-OSS recipes) instead of the flex (DeepEP) convention.
 pub fn reader_experiment(name: &str) -> bool {
     std::env::var("SHARDWRIGHT_VALIDATE_EXPERIMENTS")
         .is_ok_and(|v| v.split(',').any(|x| x.trim() == name))
