@@ -713,7 +713,8 @@ impl Ctx<'_> {
         let straggler = crate::moe_balance::ep_straggler_factor(
             self.mesh.size(GroupKind::Ep) as u64,
             expert_rows * k,
-        );
+        )
+        .max(job.moe_rank_imbalance.unwrap_or(1.0));
         for op in &mut e.out[first_routed..] {
             op.time_s *= straggler;
             op.exposed_s *= straggler;

@@ -407,6 +407,16 @@ cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 64}}
         "{} vs {dedup_want}",
         dedup_t - lat
     );
+    // A measured rank imbalance above the multinomial floor replaces it: at UltraEP's
+    // least unbalanced figure (max/mean 1.30 tokens per EP rank, arXiv 2606.04101) the
+    // flat dispatch takes 1.30 x the balanced transfer.
+    let skewed = dispatch(&job(&yaml("  moe_rank_imbalance: 1.30")));
+    assert!(
+        (skewed.time_s - 1.30 * (flat_want + lat)).abs() < 1e-6 * flat_want,
+        "{} vs {}",
+        skewed.time_s,
+        1.30 * (flat_want + lat)
+    );
     // The spec name Megatron-Bridge uses for the backend is accepted too.
     let hybrid = job(&yaml("  moe_dispatcher: hybridep"));
     assert_eq!(hybrid.moe_dispatcher, dedup_job.moe_dispatcher);
