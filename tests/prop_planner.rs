@@ -400,6 +400,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             tp_comm_overlap: false,
             torch_compile: false,
             moe_a2a_overlap: false,
+            moe_rank_imbalance: None,
             dp_comm_overlap: true,
             moe_dispatcher: Default::default(),
             framework: Default::default(),

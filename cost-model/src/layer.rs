@@ -27,6 +27,10 @@
 //!   (`(cp - 1) max(t_step - b, (1 - dp_overlap) min(t_step, b))` per pass, `b = core / cp`,
 //!   [`crate::ring::contended_s`]).
 //!
+//! - MoE: the ops from the EP dispatch to the combine (the all-to-alls, the expert GEMMs and
+//!   their tp collectives) at the pace of the most loaded EP rank,
+//!   [`crate::moe_balance::ep_straggler_factor`] times their balanced time.
+//!
 //! Not ops (named separately in `LayerTime`): the per-layer launch overhead.
 
 use crate::collective::{
@@ -683,6 +687,10 @@ impl Ctx<'_> {
         self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
         self.moe_reductions(e, moe);
         let a2a = self.ep_all_to_all(moe);
+        // From the dispatch to the combine every op moves or multiplies the rank's routed
+        // rows, and the most loaded EP rank finishes last
+        // ([`crate::moe_balance::ep_straggler_factor`]).
+        let first_routed = e.out.len();
         self.ep_op(e, "ep_dispatch", a2a);
         if !whole {
             self.expert_tp_collective(e, "tp_all_gather_experts", Coll::AllGather, k);
@@ -702,6 +710,15 @@ impl Ctx<'_> {
             self.expert_tp_collective(e, "tp_reduce_scatter_experts", Coll::ReduceScatter, k);
         }
         self.ep_op(e, "ep_combine", a2a);
+        let straggler = crate::moe_balance::ep_straggler_factor(
+            self.mesh.size(GroupKind::Ep) as u64,
+            expert_rows * k,
+        )
+        .max(job.moe_rank_imbalance.unwrap_or(1.0));
+        for op in &mut e.out[first_routed..] {
+            op.time_s *= straggler;
+            op.exposed_s *= straggler;
+        }
         if moe.num_shared_experts > 0 {
             self.gemm(
                 e,

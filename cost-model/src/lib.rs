@@ -14,6 +14,7 @@ pub mod framework;
 pub mod gemm_fit;
 pub mod layer;
 pub mod memory;
+pub mod moe_balance;
 pub mod pipeline;
 pub mod reliability;
 pub mod resolve;

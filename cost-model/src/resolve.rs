@@ -90,6 +90,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         dp_comm_overlap: js.dp_comm_overlap,
         moe_dispatcher: js.moe_dispatcher,
         moe_a2a_overlap: js.moe_a2a_overlap,
+        moe_rank_imbalance: js.moe_rank_imbalance,
     };
     Ok(Resolved { job, warnings })
 }

@@ -44,6 +44,9 @@ pub struct Job {
     /// MoE all-to-all overlapped with the other micro-batch's compute; see the spec's field.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub moe_a2a_overlap: bool,
+    /// Measured max/mean routed load over EP ranks; see the spec's field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_rank_imbalance: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]

@@ -73,6 +73,14 @@ pub struct JobSpec {
     /// default).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub moe_a2a_overlap: bool,
+    /// Routed-token load of the most loaded EP rank over the mean, as measured for the
+    /// model's router (learned routing concentrates tokens beyond independent draws; e.g.
+    /// 1.30 to 4.01 across MoE models of 106B to 671B without a system-level balancer,
+    /// Wei et al. 2026, UltraEP, arXiv 2606.04101). The MoE layer's EP-side ops run at the
+    /// larger of this and the multinomial floor
+    /// (`shardwright_cost::moe_balance::ep_straggler_factor`). Default: the floor only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_rank_imbalance: Option<f64>,
 }
 
 /// MoE token dispatcher: what crosses the network when expert parallelism spans nodes.

@@ -248,7 +248,14 @@ pub fn apply_recipe_conventions(
     // +49% (from -9%); the model's MoE compute alone is 12.1 s of DeepSeek-V3's measured
     // 25.3 s step, so the exposed all-to-all stands in for MoE costs the model lacks.
     if let Some(d) = r.moe_dispatcher.filter(|_| run.model.moe.is_some()) {
-        if d != conv.moe_dispatcher {
+        if d != conv.moe_dispatcher && crate::setup::reader_experiment("dispatcher") {
+            notes.push(format!(
+                "MoE dispatcher {} from Megatron-Bridge recipe {} (SHARDWRIGHT_VALIDATE_EXPERIMENTS=dispatcher)",
+                dispatcher_name(d),
+                r.recipe
+            ));
+            conv.moe_dispatcher = d;
+        } else if d != conv.moe_dispatcher {
             notes.push(format!(
                 "Megatron-Bridge recipe {} sets the {} dispatcher; kept {} (the recipe's EP all-to-all overlap is off in this reader)",
                 r.recipe,

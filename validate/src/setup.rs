@@ -120,6 +120,16 @@ pub const KNOWN_MLA: &[(&str, Mla, &str)] = &[
 ///   DeepSeek-V3 (with `mla`) -17.7% -> +34.6%: with the all-to-all hidden, the model's
 ///   MoE layer is far faster than measured; the exposed all-to-all stands in for MoE
 ///   costs the model lacks.
+/// - `rank_imbalance`: the routed load of the most loaded EP rank at
+///   [`UNBALANCED_EP_RANK_LOAD`] times the mean (`job.moe_rank_imbalance`).
+/// - `dispatcher`: the recipe's MoE token dispatcher
+///   ([`crate::recipes::BridgeRecipe::moe_dispatcher`]: `alltoall` for the Qwen3 and
+///   GPT-OSS recipes) instead of the flex (DeepEP) convention.
+/// Max over mean routed tokens per EP rank without a system-level balancer: the least of
+/// the range UltraEP measured on MoE models of 106B to 671B, training and prefill (Wei et
+/// al. 2026, arXiv 2606.04101, abstract: "inter-rank imbalance from 1.30-4.01").
+pub const UNBALANCED_EP_RANK_LOAD: f64 = 1.30;
+
 pub fn reader_experiment(name: &str) -> bool {
     std::env::var("SHARDWRIGHT_VALIDATE_EXPERIMENTS")
         .is_ok_and(|v| v.split(',').any(|x| x.trim() == name))
@@ -912,6 +922,8 @@ pub fn setup_run_in(
             moe_a2a_overlap: recipe.is_some_and(|r| r.moe_a2a_overlap)
                 && run.model.moe.is_some()
                 && reader_experiment("a2a_overlap"),
+            moe_rank_imbalance: (run.model.moe.is_some() && reader_experiment("rank_imbalance"))
+                .then_some(UNBALANCED_EP_RANK_LOAD),
         },
         cluster: ClusterSpec {
             gpu: Some(gpu.catalog_name),
