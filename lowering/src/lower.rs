@@ -1100,9 +1100,9 @@ impl<'a> Ctx<'a> {
         let sp = self.dims().sp;
         if self.titan_sac(layer) {
             // torchtitan's op-level AC: the SDPA outputs and every other matmul's (wq, wv,
-            // w1: FC1's gate half under a gated MLP, its whole output otherwise) and, under
-            // SP, the reduce-scatter's (`p1r`); the replay defines the rest again. Under CP
-            // the gathered K/V stays (the replay's K is not exchanged again).
+            // w1: FC1's gate half under a gated MLP, its whole output otherwise; w2) and,
+            // under SP, the reduce-scatter's (`p1r`); the replay defines the rest again.
+            // Under CP the gathered K/V stays (the replay's K is not exchanged again).
             let mut keep = vec!["x", "q", "v", "o", "lse"];
             keep.push(if self.dims().mats > 2 { "gate" } else { "u" });
             if self.layout.cp > 1 {
@@ -1110,6 +1110,9 @@ impl<'a> Ctx<'a> {
             }
             if sp {
                 keep.push("p1r");
+            } else if self.layout.tp > 1 && self.dims().mats > 2 {
+                // w2's output, whose TP all-reduce the replay reruns.
+                keep.push("p2");
             }
             return keep;
         }
@@ -1415,6 +1418,13 @@ impl<'a> Ctx<'a> {
                 let id = self.gemm_fwd(b, rc, mb, layer, &gs[1]);
                 let p2 = b.act(at, "p2", d.w, &[gs[1].m, gs[1].n]);
                 b.set(id, &[a, w2], &[p2]);
+            }
+            if !d.sp && self.layout.tp > 1 {
+                // Without SP torchtitan reruns the TP all-reduce of w2's output too (its
+                // result, the layer's output, is not read; under SP the reduce-scatter's
+                // output is saved).
+                let p2 = b.get(at, "p2");
+                self.reduce_v(b, rc, at, p2, "p2r");
             }
             return;
         }
