@@ -965,7 +965,7 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
                 Some((GemmRole::KProj | GemmRole::Fc1Up, GemmPass::Fwd))
             );
             let wt = arg(1)?.elems() as u128;
-            if !(block && wt > w(*k, *nn) && wt % (*k as u128).max(1) == 0) {
+            if !(block && wt > w(*k, *nn) && wt.is_multiple_of((*k as u128).max(1))) {
                 elems("operand", arg(1)?, w(*k, *nn))?;
             }
             // A third operand that is an activation is accumulated onto: the result is
