@@ -163,6 +163,12 @@ fn plans_and_variants() -> Vec<(String, Plan)> {
             "  framework: torchtitan\n",
         ),
         (
+            dense,
+            "tp: 2, pp: 1, dp: 2, cp: 2, ep: 1, micro_batch: 1, zero_stage: 0, \
+             recompute: selective, sequence_parallel: false, schedule: 1f1b",
+            "  framework: torchtitan\n",
+        ),
+        (
             moe,
             "tp: 2, pp: 1, dp: 2, cp: 1, ep: 2, micro_batch: 1, zero_stage: 1, \
              recompute: selective, sequence_parallel: true, schedule: 1f1b",

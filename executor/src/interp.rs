@@ -10,10 +10,7 @@
 //! - memory events (`alloc`, `free`) and `checkpoint` (the run loop's, see `resilient`);
 //! - (valued, but not per value) the data-parallel stream and the optimizer ([`dp`]): their
 //!   flat messages are the graph's buckets (the parameter-shard map), the ZeRO shards host
-//!   vectors of this rank's slice of each;
-//! - torchtitan's op-level selective recompute replays (a program whose `RunInfo` says
-//!   `op_level_recompute`), which this backend skips: it keeps the activations they would
-//!   recompute, and its forward is deterministic.
+//!   vectors of this rank's slice of each.
 //!
 //! Steps the IR does not contain and the interpreter performs itself: the GPT
 //! learned-position add rides on the embedding node.
@@ -31,7 +28,7 @@ use crate::comm::Collectives;
 use crate::data::Feed;
 use crate::model::Dims;
 use shardwright_ir::run::RunInfo;
-use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Pass, Program, Stream};
+use shardwright_ir::{Axis, CollectiveKind, Graph, Node, Op, Program, Stream};
 use std::collections::BTreeMap;
 
 mod dp;
@@ -183,10 +180,6 @@ impl<'a, B: Backend, C: Collectives<B>> RankExec<'a, B, C> {
             // Memory events are the simulator's and the verifier's; the checkpoint is the
             // run loop's (see `resilient`).
             Op::Alloc { .. } | Op::Free { .. } | Op::Release | Op::Checkpoint { .. } => Ok(()),
-            // torchtitan's op-level selective recompute replays (not valued): this backend
-            // keeps the activations they would recompute, and its forward is deterministic,
-            // so the replays (skipped alike on every rank) would reproduce them bit for bit.
-            _ if n.pass == Pass::Recompute && self.run.op_level_recompute => Ok(()),
             _ => Err(
                 "this node names no values (a program from an older lowering: lower the \
                       plan again)"

@@ -5,6 +5,7 @@
 //! [`Backend`] method) and defines the results.
 
 use crate::backend::{Backend, GemmShape, NormGrads, Operand};
+use shardwright_ir::GemmRole;
 
 /// A rank's attention heads: query heads, key/value heads, head dimension.
 #[derive(Clone, Copy, Debug)]
@@ -189,6 +190,93 @@ pub(crate) fn gemm_fwd<B: Backend>(be: &B, x: &B::Buf, w: &B::Buf, s: Mm) -> B::
     };
     be.gemm(shape, Operand::n(x), Operand::t(w), 0.0, &mut y);
     y
+}
+
+/// The forward product against a column block of a fused weight (`w` wider than the
+/// node's `n`): torchtitan's op-level AC replays wk (`KProj`: the K columns of the QKV
+/// weight) and w3 (`Fc1Up`: FC1's up half). The fused product, as the forward computed it,
+/// then the block's columns: the replay is bit for bit the forward's.
+pub(crate) fn gemm_fwd_block<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    w: &B::Buf,
+    s: Mm,
+    role: Option<GemmRole>,
+) -> B::Buf {
+    let wide = be.len(w) / s.k.max(1);
+    let lo = match role {
+        _ if s.tied || wide <= s.n => return gemm_fwd(be, x, w, s),
+        Some(GemmRole::KProj) => wide - 2 * s.n,
+        Some(GemmRole::Fc1Up) => wide - s.n,
+        _ => return gemm_fwd(be, x, w, s),
+    };
+    let y = be.linear_fwd(x, w, s.m, s.k, wide);
+    let cols: Vec<_> = (0..s.m).map(|i| (i * wide + lo, s.n)).collect();
+    be.gather(&y, &cols)
+}
+
+/// A forward activation node's results: `a` from FC1's output `u` (SwiGLU: gate then up
+/// half per row, `f` wide each), plus with `gate` its gate half alone (torchtitan's
+/// op-level AC keeps w1's output apart from w3's); from the halves `(gate, Some(up))` (that
+/// replay), `a` and the joined `u`, bit for bit the forward's.
+pub(crate) fn activation<B: Backend>(
+    be: &B,
+    ins: (&B::Buf, Option<&B::Buf>),
+    gelu: bool,
+    f: usize,
+    gate: bool,
+) -> Vec<B::Buf> {
+    let (x, up) = ins;
+    let joined = up.map(|up| {
+        let rows = be.len(x) / f.max(1);
+        let mut u = be.zeros(2 * rows * f);
+        let half = |at: usize| -> Vec<_> { (0..rows).map(|i| (i * f, 2 * i * f + at)).collect() };
+        be.copy_ranges(&mut u, x, f, &half(0));
+        be.copy_ranges(&mut u, up, f, &half(f));
+        u
+    });
+    let u = joined.as_ref().unwrap_or(x);
+    let a = if gelu {
+        be.gelu_fwd(u)
+    } else {
+        be.swiglu_fwd(u, f)
+    };
+    match joined {
+        Some(u) => vec![a, u],
+        None if gate => {
+            let rows = be.len(x) / (2 * f).max(1);
+            let cols: Vec<_> = (0..rows).map(|i| (2 * i * f, f)).collect();
+            vec![a, be.gather(x, &cols)]
+        }
+        None => vec![a],
+    }
+}
+
+/// A forward rotary node's results: from `qkv`, [`qkv_split`]'s `q` and `kv`, plus with
+/// `v` the V rows alone (torchtitan's op-level AC keeps V apart from K); from `(k, Some(v))`
+/// (that replay's K, from the QKV weight's K columns) `kv` with the rotary applied to K,
+/// bit for bit the forward's.
+pub(crate) fn rope_values<B: Backend>(
+    be: &B,
+    ins: (&B::Buf, Option<&B::Buf>),
+    t: usize,
+    h: Heads,
+    rotary: Rotary,
+    v: bool,
+) -> Vec<B::Buf> {
+    if let (k, Some(vv)) = ins {
+        let mut k = be.copy(k);
+        if let Some((pos, theta)) = rotary {
+            be.rope_fwd(&mut k, pos, h.kv, h.d, theta);
+        }
+        return vec![be.concat(&[&k, vv])];
+    }
+    let (q, kv) = qkv_split(be, ins.0, t, h, rotary);
+    let n = be.len(&kv);
+    let vv = v.then(|| be.slice(&kv, n / 2, n));
+    let mut out = vec![q, kv];
+    out.extend(vv);
+    out
 }
 
 /// The data gradient `dy W^T` (the node's `m x k` with `n` the contracted width).

@@ -19,11 +19,14 @@
 //! | `norm` (forward, replay) | `x, w[, b]` | `y, stats` |
 //! | `norm` (backward) | `dy, x, w[, b], stats[, dres]` | `dx (+ dres), dw[, db]` |
 //! | `gemm` / `.dgrad` / `.wgrad` | `x, W` / `dy, W` / `x, dy` | `y` / `dx` / `dW` (accumulated) |
-//! | `rope` (forward) | `qkv` (per token: Q, K, V heads) | `q`, `kv` (all K rows, then all V rows) |
+//! | `gemm` `k_proj` / `fc1_up` (torchtitan's op-level replay) | `x, W` (the fused QKV / FC1 weight) | `y`: the K columns / the up half of `x W` |
+//! | `rope` (forward) | `qkv` (per token: Q, K, V heads) | `q`, `kv` (all K rows, then all V rows)[, `v` (the V rows)] |
+//! | `rope` (torchtitan's op-level replay) | `k` (unrotated), `v` | `kv` |
 //! | `rope` (backward) | `dq, dkv` | `dqkv` |
 //! | `attention` (forward, replay) | `q, kv` (context parallel: every member's `kv`, in group order) | `o, lse` |
 //! | `attention` (backward) | `q, kv, o, lse, do` | `dq, dkv` (per member, as `kv`) |
-//! | `activation` | `u` / `u, da` | `a` / `du` |
+//! | `activation` | `u` / `u, da` | `a[, gate]` (SwiGLU's gate half of `u`) / `du` |
+//! | `activation` (torchtitan's op-level replay) | `gate, up` (`u`'s halves) | `a, u` |
 //! | `residual` | `x, y` | `x + y` |
 //! | `embedding` | `tokens, E[, P]` / `dx, tokens` | `e` / `dE[, dP]` (accumulated) |
 //! | `loss` | `logits, labels[, max]` / `logits, labels, max, stats` | see below / `dlogits` |

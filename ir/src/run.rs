@@ -116,11 +116,11 @@ pub struct RunInfo {
     /// ZeRO stage (0: replicated optimizer state; 1, 2, 3: sharded over data parallelism).
     pub zero_stage: u8,
     pub sequence_parallel: bool,
-    /// torchtitan's op-level selective activation checkpointing: its replays (the
-    /// recompute pass's nodes that name no values: every other matmul with the pointwise
-    /// ops and the TP gather before it) rerun ops whose outputs the forward's values
-    /// still hold, so a backend that keeps those activations skips them. Any other node
-    /// without values is an error.
+    /// torchtitan's op-level selective activation checkpointing on the dense layers: the
+    /// forward keeps the SDPA outputs and every other matmul's, the recompute pass replays
+    /// the rest (wk, wo, FC1's up half or FC2, the pointwise ops and the TP gathers). A
+    /// description of the plan: the replays name their values like every other node, and
+    /// no backend treats them apart.
     pub op_level_recompute: bool,
     /// Experts are whole on each rank (expert TP 1): the tp ranks join the expert-parallel
     /// group.

@@ -90,7 +90,7 @@ use crate::graph::{
 };
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::text::{is_bare_name, print_node};
-use crate::vocab::ParamName;
+use crate::vocab::{GemmPass, GemmRole, ParamName};
 use std::fmt;
 
 /// Every rule name, phase 1 first, in the order of the module doc.
@@ -959,7 +959,15 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
     match &n.op {
         Op::Gemm { m, n: nn, k, .. } => {
             elems("operand", arg(0)?, w(*m, *k))?;
-            elems("operand", arg(1)?, w(*k, *nn))?;
+            // torchtitan's op-level replay of wk / w3: a column block of the fused weight.
+            let block = matches!(
+                n.op.gemm_role(),
+                Some((GemmRole::KProj | GemmRole::Fc1Up, GemmPass::Fwd))
+            );
+            let wt = arg(1)?.elems() as u128;
+            if !(block && wt > w(*k, *nn) && wt.is_multiple_of((*k as u128).max(1))) {
+                elems("operand", arg(1)?, w(*k, *nn))?;
+            }
             // A third operand that is an activation is accumulated onto: the result is
             // its shape (at least the product's rows); further parameters are a grouped
             // GEMM's other experts.
@@ -1009,7 +1017,19 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             kind: ElementwiseKind::Activation,
             elems: el,
             ..
-        } => elems("operand", arg(0)?, *el as u128),
+        } => match n.operands.get(1).map(val) {
+            // torchtitan's op-level replay: `u`'s gate and up halves.
+            Some(up) if n.pass != crate::graph::Pass::Bwd => {
+                let g = arg(0)?;
+                elems(
+                    "operand",
+                    g,
+                    (*el as u128).saturating_sub(up.elems() as u128),
+                )?;
+                elems("operand", up, *el as u128 / 2)
+            }
+            _ => elems("operand", arg(0)?, *el as u128),
+        },
         Op::Elementwise {
             kind: ElementwiseKind::Rope,
             ..
@@ -1017,7 +1037,11 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
             let total = |vs: &[crate::ids::ValueId]| -> u128 {
                 vs.iter().map(|v| val(v).elems() as u128).sum()
             };
-            let (i, o) = (total(&n.operands), total(&n.results));
+            let (i, mut o) = (total(&n.operands), total(&n.results));
+            if n.results.len() == 3 {
+                // The forward's `v` besides `kv` (torchtitan's op-level AC).
+                o -= total(&n.results[2..]);
+            }
             if i == o && i > 0 {
                 Ok(())
             } else {

@@ -60,7 +60,7 @@ pub fn run_info(job: &Job, layout: &Layout, model_flops: u128) -> RunInfo {
         global_batch: job.training.global_batch,
         zero_stage: layout.zero_stage,
         sequence_parallel: layout.sequence_parallel,
-        // torchtitan's op-level policy (its replays carry no values; see the field).
+        // torchtitan's op-level policy (see the field).
         op_level_recompute: layout.recompute == Recompute::Selective
             && shardwright_cost::framework::op_level_ac(job.framework),
         whole_experts: layout.folds_tp_into_ep(),

@@ -996,7 +996,13 @@ impl<'a> Ctx<'a> {
         );
         let q = b.act(at, "q", d.w, &[d.t, d.heads * d.d]);
         let kv = b.act(at, "kv", d.w, &[2, d.t, d.kv_heads * d.d]);
-        b.set(id, &[qkv], &[q, kv]);
+        if self.titan_sac(layer) && pass == Pass::Fwd {
+            // torchtitan's op-level AC keeps V (wv's output) apart from K (wk's, replayed).
+            let v = b.act(at, "v", d.w, &[d.t, d.kv_heads * d.d]);
+            b.set(id, &[qkv], &[q, kv, v]);
+        } else {
+            b.set(id, &[qkv], &[q, kv]);
+        }
         let kvg = if self.layout.cp > 1 {
             let c = self.layout.cp as u64;
             let kvb = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
@@ -1092,6 +1098,24 @@ impl<'a> Ctx<'a> {
             return vec!["x"];
         }
         let sp = self.dims().sp;
+        if self.titan_sac(layer) {
+            // torchtitan's op-level AC: the SDPA outputs and every other matmul's (wq, wv,
+            // w1: FC1's gate half under a gated MLP, its whole output otherwise; w2) and,
+            // under SP, the reduce-scatter's (`p1r`); the replay defines the rest again.
+            // Under CP the gathered K/V stays (the replay's K is not exchanged again).
+            let mut keep = vec!["x", "q", "v", "o", "lse"];
+            keep.push(if self.dims().mats > 2 { "gate" } else { "u" });
+            if self.layout.cp > 1 {
+                keep.push("kvg");
+            }
+            if sp {
+                keep.push("p1r");
+            } else if self.layout.tp > 1 && self.dims().mats > 2 {
+                // w2's output, whose TP all-reduce the replay reruns.
+                keep.push("p2");
+            }
+            return keep;
+        }
         let mut keep = vec![
             "x", "rstd1", "yg1", "q", "kvg", "o", "lse", "xm", "rstd2", "yg2", "u", "a",
         ];
@@ -1179,7 +1203,13 @@ impl<'a> Ctx<'a> {
             ew(ElementwiseKind::Activation, up.m * up.n, 6),
         );
         let a = b.act(at, k.a, w, &[down.m, down.k]);
-        b.set(id, &[u], &[a]);
+        if k.u == "u" && pass == Pass::Fwd && self.titan_sac(layer) && self.dims().mats > 2 {
+            // torchtitan's op-level AC keeps w1's output (the gate half) apart from w3's.
+            let gate = b.act(at, "gate", w, &[down.m, down.k]);
+            b.set(id, &[u], &[a, gate]);
+        } else {
+            b.set(id, &[u], &[a]);
+        }
         let (w2, _) = self.weight_of(b, layer, down);
         let id = self.gemm_fwd(b, pass, mb, layer, down);
         let p = b.act(at, k.p, w, &[down.m, down.n]);
@@ -1344,29 +1374,58 @@ impl<'a> Ctx<'a> {
         let rc = Pass::Recompute;
         let block_tp = self.block_tp(layer);
         if self.titan_sac(layer) {
-            if block_tp {
-                self.tp_gather(b, rc, mbo, lo);
-            }
-            let g = if d.mats > 2 {
-                G {
+            let at = (layer, mb);
+            let y2 = b.get(at, "y2");
+            let yg2 = if block_tp {
+                self.gather_v(b, rc, at, y2, "yg2")
+            } else {
+                y2
+            };
+            let act = ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6);
+            let a_shape = [gs[1].m, gs[1].k];
+            if d.mats > 2 {
+                // w3: the up half of FC1's weight; the activation joins it to the kept gate
+                // half, defining FC1's output again for the activation's backward.
+                let g = G {
                     role: GemmRole::Fc1Up,
                     m: d.t,
                     n: d.f,
                     k: d.h,
-                }
+                };
+                let (w1, _) = self.weight(b, lo, g.role.weight());
+                let weight = Some(ParamName::layer(layer, g.role.weight()));
+                let id = b.compute(
+                    rc,
+                    mbo,
+                    lo,
+                    gemm(GemmName::fwd(g.role), g.m, g.n, g.k, d.w, weight),
+                );
+                let up = b.act(at, "up", d.w, &[g.m, g.n]);
+                b.set(id, &[yg2, w1], &[up]);
+                let id = b.compute(rc, mbo, lo, act);
+                let gate = b.get(at, "gate");
+                let a = b.act(at, "a", d.w, &a_shape);
+                let u = b.act(at, "u", d.w, &[gs[0].m, gs[0].n]);
+                b.set(id, &[gate, up], &[a, u]);
             } else {
-                gs[1]
-            };
-            let weight = Some(ParamName::layer(layer, g.role.weight()));
-            b.compute(
-                rc,
-                mbo,
-                lo,
-                gemm(GemmName::fwd(g.role), g.m, g.n, g.k, d.w, weight),
-            );
-            // The activation reads what FC1's forward wrote (gate and up halves).
-            let act = ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6);
-            b.compute(rc, mbo, lo, act);
+                // The activation from the kept FC1 output, then FC2 (w2), whose output
+                // the backward does not read.
+                let id = b.compute(rc, mbo, lo, act);
+                let u = b.get(at, "u");
+                let a = b.act(at, "a", d.w, &a_shape);
+                b.set(id, &[u], &[a]);
+                let (w2, _) = self.weight_of(b, layer, &gs[1]);
+                let id = self.gemm_fwd(b, rc, mb, layer, &gs[1]);
+                let p2 = b.act(at, "p2", d.w, &[gs[1].m, gs[1].n]);
+                b.set(id, &[a, w2], &[p2]);
+            }
+            if !d.sp && self.layout.tp > 1 {
+                // Without SP torchtitan reruns the TP all-reduce of w2's output too (its
+                // result, the layer's output, is not read; under SP the reduce-scatter's
+                // output is saved).
+                let p2 = b.get(at, "p2");
+                self.reduce_v(b, rc, at, p2, "p2r");
+            }
             return;
         }
         if !self.is_moe_layer(layer) {
@@ -1410,6 +1469,51 @@ impl<'a> Ctx<'a> {
         }
     }
 
+    /// torchtitan's op-level AC before a layer's backward: the attention block's forward
+    /// again from what its policy keeps (see [`Self::kept`]), in forward order: the norm,
+    /// the TP gather, wk (the K columns of the fused QKV weight) and the rotary on K (joined
+    /// to the kept V), wo, and the residual `xm` the MLP block's replay starts from. Under
+    /// SP the reduce-scatter's output is kept (torchtitan saves it), so wo's replayed
+    /// product is not read; under CP the kept gathered K/V is read, not the replayed K.
+    fn titan_attn_replay(&self, b: &mut Builder, at: (u32, u32)) {
+        let d = self.dims();
+        let (layer, mb) = at;
+        let (mbo, lo, rc) = (Some(mb), Some(layer), Pass::Recompute);
+        self.norm_recompute(b, at, Role::AttnNorm);
+        let y1 = b.get(at, "y1");
+        let yg1 = self.gather_v(b, rc, at, y1, "yg1");
+        let kw = d.kv_heads * d.d;
+        let role = GemmRole::KProj;
+        let (wqkv, _) = self.weight(b, lo, role.weight());
+        let weight = Some(ParamName::layer(layer, role.weight()));
+        let id = b.compute(
+            rc,
+            mbo,
+            lo,
+            gemm(GemmName::fwd(role), d.t, kw, d.h, d.w, weight),
+        );
+        let k = b.act(at, "k", d.w, &[d.t, kw]);
+        b.set(id, &[yg1, wqkv], &[k]);
+        let id = b.compute(rc, mbo, lo, ew(ElementwiseKind::Rope, d.t * kw, 4));
+        let kv = b.act(at, "kv", d.w, &[2, d.t, kw]);
+        let v = b.get(at, "v");
+        b.set(id, &[k, v], &[kv]);
+        if self.layout.cp <= 1 {
+            b.put(at, "kvg", kv);
+        }
+        let (wp, _) = self.weight(b, lo, Role::Proj);
+        let o = b.get(at, "o");
+        let id = b.compute(rc, mbo, lo, proj_gemm(&d, layer));
+        let p1 = b.act(at, "p1", d.w, &[d.t, d.h]);
+        b.set(id, &[o, wp], &[p1]);
+        let p1r = match d.sp {
+            true => b.get(at, "p1r"),
+            false => self.reduce_v(b, rc, at, p1, "p1r"),
+        };
+        let x = b.get(at, "x");
+        self.residual_v(b, rc, at, x, p1r, "xm");
+    }
+
     /// Emit the backward of one layer: it takes the micro-batch's incoming gradient and
     /// hands the input gradient on, then releases the whole scope.
     fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
@@ -1417,13 +1521,16 @@ impl<'a> Ctx<'a> {
         let (mbo, lo) = (Some(mb), Some(layer));
         let at = (layer, mb);
         let pass = Pass::Bwd;
-        let wname = |r: Role| Some(ParamName::layer(layer, r));
         let dout = b.take_dcur(mb);
         b.put(at, "dout", dout);
         // MLP block
         let dout = self.dropout_bwd_v(b, at, dout, "dout_d");
         let block_tp = self.block_tp(layer);
         let gs = self.mlp_gemms(layer, &d);
+        let titan = self.titan_sac(layer);
+        if titan {
+            self.titan_attn_replay(b, at);
+        }
         self.norm_recompute(b, at, Role::MlpNorm);
         self.mlp_recompute(b, layer, mb, &gs);
         let dg2 = if block_tp {
@@ -1453,32 +1560,8 @@ impl<'a> Ctx<'a> {
             n: d.h,
             k: d.heads * d.d,
         };
-        self.norm_recompute(b, at, Role::AttnNorm);
-        if self.titan_sac(layer) {
-            // torchtitan's op-level AC reruns wk (and the rotary on K) and wo; the SDPA
-            // output is kept. (These replays carry no values yet.)
-            let rc = Pass::Recompute;
-            self.tp_gather(b, rc, mbo, lo);
-            b.compute(
-                rc,
-                mbo,
-                lo,
-                gemm(
-                    GemmName::fwd(GemmRole::KProj),
-                    d.t,
-                    d.kv_heads * d.d,
-                    d.h,
-                    d.w,
-                    wname(GemmRole::KProj.weight()),
-                ),
-            );
-            b.compute(
-                rc,
-                mbo,
-                lo,
-                ew(ElementwiseKind::Rope, d.t * d.kv_heads * d.d, 4),
-            );
-            b.compute(rc, mbo, lo, proj_gemm(&d, layer));
+        if !titan {
+            self.norm_recompute(b, at, Role::AttnNorm);
         }
         let o = b.get(at, "o");
         let d_o = self.gemm_bwd_v(b, at, &proj, [dg1, o], "do");

@@ -235,7 +235,7 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         let dgrad = pass == Some(GemmPass::Dgrad);
         let y = match dgrad {
             true => ops::gemm_dgrad(be, x, w, s),
-            false => ops::gemm_fwd(be, x, w, s),
+            false => ops::gemm_fwd_block(be, x, w, s, n.op.gemm_role().map(|r| r.0)),
         };
         let y = match n.operands.get(2) {
             Some(&acc) => self.accumulate(acc, y, dgrad && self.replicated_input(b))?,
@@ -295,13 +295,17 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
                 let a = if bwd { Self::arg(n, 1)? } else { r };
                 let width = *self.g.values[a.index()].shape.last().unwrap_or(&1) as usize;
                 let x = self.val(u)?;
-                let out = match (bwd, self.dims.gelu) {
-                    (false, true) => be.gelu_fwd(x),
-                    (false, false) => be.swiglu_fwd(x, width),
-                    (true, true) => be.gelu_bwd(x, self.val(a)?),
-                    (true, false) => be.swiglu_bwd(x, self.val(a)?, width),
+                let outs = match (bwd, self.dims.gelu) {
+                    (false, gelu) => {
+                        let up = n.operands.get(1).map(|&v| self.val(v)).transpose()?;
+                        ops::activation(be, (x, up), gelu, width, n.results.len() > 1)
+                    }
+                    (true, true) => vec![be.gelu_bwd(x, self.val(a)?)],
+                    (true, false) => vec![be.swiglu_bwd(x, self.val(a)?, width)],
                 };
-                self.def(r, out);
+                for (&v, y) in n.results.iter().zip(outs) {
+                    self.def(v, y);
+                }
                 self.mv.inherit(u, r);
             }
             ElementwiseKind::Rope => self.v_rope(n, bwd)?,
@@ -320,9 +324,11 @@ impl<B: Backend, C: Collectives<B>> RankExec<'_, B, C> {
         let heads = self.me.heads();
         let a = self.val(Self::arg(n, 0)?)?;
         if !bwd {
-            let (q, kv) = ops::qkv_split(be, a, t, heads, rotary);
-            self.def(Self::res(n, 0)?, q);
-            self.def(Self::res(n, 1)?, kv);
+            let v = n.operands.get(1).map(|&v| self.val(v)).transpose()?;
+            let outs = ops::rope_values(be, (a, v), t, heads, rotary, n.results.len() > 2);
+            for (&r, y) in n.results.iter().zip(outs) {
+                self.def(r, y);
+            }
             return Ok(());
         }
         let dkv = self.val(Self::arg(n, 1)?)?;

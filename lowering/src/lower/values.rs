@@ -22,8 +22,10 @@
 //! A layer's input belongs to its scope (released after its backward), its output to the
 //! next scope (the next layer, the head, or the send that hands it on).
 //!
-//! Not valued (their nodes carry no operands or results): torchtitan's op-level recompute
-//! replays. The MoE block's values are listed in the `moe` module, the data-parallel
+//! torchtitan's op-level selective AC keeps the SDPA outputs and every other matmul's (wq,
+//! wv: `v` apart from K; w1: FC1's `gate` half apart from the up half) and under SP the
+//! reduce-scatter's; its replay defines K, wo's residual `xm`, the norms, the gathers, FC1's
+//! up half and the activation again. The MoE block's values are listed in the `moe` module, the data-parallel
 //! stream's and the optimizer's in the `dp` module.
 
 use super::Builder;
