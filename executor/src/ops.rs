@@ -194,8 +194,10 @@ pub(crate) fn gemm_fwd<B: Backend>(be: &B, x: &B::Buf, w: &B::Buf, s: Mm) -> B::
 
 /// The forward product against a column block of a fused weight (`w` wider than the
 /// node's `n`): torchtitan's op-level AC replays wk (`KProj`: the K columns of the QKV
-/// weight) and w3 (`Fc1Up`: FC1's up half). The fused product, as the forward computed it,
-/// then the block's columns: the replay is bit for bit the forward's.
+/// weight) and w3 (`Fc1Up`: FC1's up half). The block's columns of the weight, gathered,
+/// times `x`: each output element is the same dot product, summed in the same order, as
+/// the fused forward's (`equivalence.rs::op_level_ac_replays_bit_for_bit` holds the
+/// replay to the forward's bits), at the block's cost rather than the whole product's.
 pub(crate) fn gemm_fwd_block<B: Backend>(
     be: &B,
     x: &B::Buf,
@@ -210,9 +212,8 @@ pub(crate) fn gemm_fwd_block<B: Backend>(
         Some(GemmRole::Fc1Up) => wide - s.n,
         _ => return gemm_fwd(be, x, w, s),
     };
-    let y = be.linear_fwd(x, w, s.m, s.k, wide);
-    let cols: Vec<_> = (0..s.m).map(|i| (i * wide + lo, s.n)).collect();
-    be.gather(&y, &cols)
+    let cols: Vec<_> = (0..s.k).map(|r| (r * wide + lo, s.n)).collect();
+    be.linear_fwd(x, &be.gather(w, &cols), s.m, s.k, s.n)
 }
 
 /// A forward activation node's results: `a` from FC1's output `u` (SwiGLU: gate then up
