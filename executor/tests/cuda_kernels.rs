@@ -718,6 +718,18 @@ struct MmaCase {
     window: usize,
 }
 
+impl MmaCase {
+    /// The case's random inputs `[q, k, v, dout]`, as bf16 holds them (the same for the
+    /// host-only bound check and the GPU test).
+    fn inputs(&self) -> [Vec<f32>; 4] {
+        let s = self.s;
+        let mut g = Rng::new(91 + s.head_dim as u64);
+        let nq = s.batch * s.seq_q * s.heads * s.head_dim;
+        let nk = s.batch * s.seq_kv * s.kv_heads * s.head_dim;
+        [(nq, 1.5), (nk, 1.5), (nk, 1.0), (nq, 1.0)].map(|(n, a)| seen::<u16>(&g.vec(n, a)))
+    }
+}
+
 /// Host attention in f64 with a key offset and a window (the kernels' visibility rule):
 /// `(o, lse, dq, dk, dv)`; `dout` and `o` give the backward (delta = rowsum(dout o)).
 /// With `round` the probabilities and dS are rounded to bf16 where attention_mma.cu rounds
@@ -869,13 +881,7 @@ fn mma_cases() -> Vec<MmaCase> {
 fn mma_bound_holds_for_bf16_rounding() {
     for c in mma_cases() {
         let s = c.s;
-        let mut g = Rng::new(91 + s.head_dim as u64);
-        let nq = s.batch * s.seq_q * s.heads * s.head_dim;
-        let nk = s.batch * s.seq_kv * s.kv_heads * s.head_dim;
-        let q = seen::<u16>(&g.vec(nq, 1.5));
-        let k = seen::<u16>(&g.vec(nk, 1.5));
-        let v = seen::<u16>(&g.vec(nk, 1.0));
-        let dout = seen::<u16>(&g.vec(nq, 1.0));
+        let [q, k, v, dout] = c.inputs();
         let exact = attn_ref(&c, &q, &k, &v, &dout, None, false);
         let rounded = attn_ref(&c, &q, &k, &v, &dout, None, true);
         let label = format!("{c:?}");
@@ -921,13 +927,7 @@ fn mma_bound_holds_for_bf16_rounding() {
 fn attention_case(d: &Device, c: &MmaCase, ls: &launch::AttnLaunches, tol: f64) {
     let s = c.s;
     let label = format!("{} {c:?}", ls.fwd.entry);
-    let mut g = Rng::new(91 + s.head_dim as u64);
-    let nq = s.batch * s.seq_q * s.heads * s.head_dim;
-    let nk = s.batch * s.seq_kv * s.kv_heads * s.head_dim;
-    let q = seen::<u16>(&g.vec(nq, 1.5));
-    let k = seen::<u16>(&g.vec(nk, 1.5));
-    let v = seen::<u16>(&g.vec(nk, 1.0));
-    let dout = seen::<u16>(&g.vec(nq, 1.0));
+    let [q, k, v, dout] = c.inputs();
     let (o_ref, lse_ref, ..) = attn_ref(c, &q, &k, &v, &dout, None, false);
     // The backward from the reference's forward (o stored as bf16), as attention_fwd_bwd.
     let o = seen::<u16>(&o_ref);
