@@ -455,6 +455,7 @@ type Gpu = Cpu;
 /// The GPU of this process: `LOCAL_RANK` in a multi-process job (torchrun's variable; a
 /// job's ranks on one node take one GPU each), else GPU 0 (every rank of the job in this
 /// process shares it).
+#[cfg(feature = "cuda")]
 fn local_gpu() -> Result<usize, Failure> {
     let get = |k: &str| std::env::var(k).ok();
     match shardwright_executor::tcp::env_rank(&get) {
@@ -478,7 +479,6 @@ fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
 
 #[cfg(not(feature = "cuda"))]
 fn gpu_backend() -> Result<(Gpu, f64, String), Failure> {
-    local_gpu()?;
     Err(usage(anyhow!(
         "--backend cuda: this shardwright was built without the `cuda` feature (build it with `cargo build --release --features cuda`)"
     )))
