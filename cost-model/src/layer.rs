@@ -710,11 +710,9 @@ impl Ctx<'_> {
             self.expert_tp_collective(e, "tp_reduce_scatter_experts", Coll::ReduceScatter, k);
         }
         self.ep_op(e, "ep_combine", a2a);
-        let straggler = crate::moe_balance::ep_straggler_factor(
-            self.mesh.size(GroupKind::Ep) as u64,
-            expert_rows * k,
-        )
-        .max(job.moe_rank_imbalance.unwrap_or(1.0));
+        let straggler =
+            crate::moe_balance::ep_straggler_factor(self.mesh.size(GroupKind::Ep) as u64, rows)
+                .max(job.moe_rank_imbalance.unwrap_or(1.0));
         for op in &mut e.out[first_routed..] {
             op.time_s *= straggler;
             op.exposed_s *= straggler;

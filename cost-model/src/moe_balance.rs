@@ -43,9 +43,24 @@ fn big_phi(x: f64) -> f64 {
     }
 }
 
+/// EP sizes whose [`expected_max_std_normal`] is kept once computed: the layer template
+/// asks for it for every candidate layout the search costs, and the integral takes tens
+/// of microseconds, while it depends on the rank count alone.
+const CACHED_RANKS: usize = 4096;
+
 /// `E[max of r independent standard normals]`: `integral x r phi(x) Phi(x)^(r-1) dx`
-/// (Simpson's rule on [-8, 8]); 0 for `r <= 1`.
+/// (Simpson's rule on [-8, 8]); 0 for `r <= 1`. Computed once per `r` (up to
+/// [`CACHED_RANKS`]) in the process.
 pub fn expected_max_std_normal(r: u64) -> f64 {
+    static CACHE: [std::sync::OnceLock<f64>; CACHED_RANKS + 1] =
+        [const { std::sync::OnceLock::new() }; CACHED_RANKS + 1];
+    match CACHE.get(r as usize) {
+        Some(c) => *c.get_or_init(|| max_std_normal_integral(r)),
+        None => max_std_normal_integral(r),
+    }
+}
+
+fn max_std_normal_integral(r: u64) -> f64 {
     if r <= 1 {
         return 0.0;
     }
