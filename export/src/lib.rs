@@ -254,16 +254,10 @@ pub fn export_for(
     template: Option<(&str, &str)>,
 ) -> Result<Rendered, ExportError> {
     let engine = Engine::resolve(fw, version)?;
-    // Costed by the planner, not written: the templates have no flags for them yet.
-    if plan.inputs.model.mla.is_some() {
-        return Err(ExportError::Refused(
-            "multi-head latent attention (job.model.mla) is costed, not exported".into(),
-        ));
-    }
-    if plan.inputs.moe_a2a_overlap {
-        return Err(ExportError::Refused(
-            "the EP all-to-all overlap (job.moe_a2a_overlap) is costed, not exported".into(),
-        ));
+    if let Some(what) = plan.inputs.costed_only() {
+        return Err(ExportError::Refused(format!(
+            "{what} is costed, not exported"
+        )));
     }
     let (ctx, mut warnings) = context::build(plan, fw, &engine)?;
     let (name, text) = template.unwrap_or((engine.template_file(), engine.default_template()));

@@ -148,18 +148,8 @@ fn prepare(plan: &Plan) -> Result<Prepared, LowerError> {
             layout.grad_accum
         )));
     }
-    // Costed by the planner, not lowered: the IR's attention has one head dim and its
-    // schedule no paired forward/backward passes.
-    if job.model.mla.is_some() {
-        return Err(LowerError::Plan(
-            "multi-head latent attention (job.model.mla) is costed, not lowered".into(),
-        ));
-    }
-    if job.moe_a2a_overlap {
-        return Err(LowerError::Plan(
-            "the paired-1F1B EP all-to-all overlap (job.moe_a2a_overlap) is costed, not lowered"
-                .into(),
-        ));
+    if let Some(what) = job.costed_only() {
+        return Err(LowerError::Plan(format!("{what} is costed, not lowered")));
     }
     let chunks = stage_chunks(plan, &job)?;
     let lc = LayerCosts::for_layout(&job, &layout);

@@ -49,6 +49,22 @@ pub struct Job {
     pub moe_rank_imbalance: Option<f64>,
 }
 
+impl Job {
+    /// A mechanism of this job that the cost model charges but neither the lowering nor the
+    /// exporters build yet (what it is, naming its field), which both refuse rather than
+    /// build something else: the IR's attention has one head dim and its schedule no paired
+    /// forward/backward passes, and the engines' templates no flags for them.
+    pub fn costed_only(&self) -> Option<&'static str> {
+        if self.model.mla.is_some() {
+            return Some("multi-head latent attention (job.model.mla)");
+        }
+        if self.moe_a2a_overlap {
+            return Some("the paired-1F1B EP all-to-all overlap (job.moe_a2a_overlap)");
+        }
+        None
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, JsonSchema)]
 pub struct Model {
     #[schemars(with = "String")]
