@@ -105,6 +105,11 @@ pub const KNOWN_MLA: &[(&str, Mla, &str)] = &[
     ),
 ];
 
+/// Max over mean routed tokens per EP rank without a system-level balancer: the least of
+/// the range UltraEP measured on MoE models of 106B to 671B, training and prefill (Wei et
+/// al. 2026, arXiv 2606.04101, abstract: "inter-rank imbalance from 1.30-4.01").
+pub const UNBALANCED_EP_RANK_LOAD: f64 = 1.30;
+
 /// Reader switches that are off unless named in `SHARDWRIGHT_VALIDATE_EXPERIMENTS` (a comma
 /// list): mechanisms the cost model has, whose reading from the runs' model family or
 /// recipe moves the leave-one-out figures over their bar (issue 26), so the default reader
@@ -125,11 +130,6 @@ pub const KNOWN_MLA: &[(&str, Mla, &str)] = &[
 /// - `dispatcher`: the recipe's MoE token dispatcher
 ///   ([`crate::recipes::BridgeRecipe::moe_dispatcher`]: `alltoall` for the Qwen3 and
 ///   GPT-OSS recipes) instead of the flex (DeepEP) convention.
-/// Max over mean routed tokens per EP rank without a system-level balancer: the least of
-/// the range UltraEP measured on MoE models of 106B to 671B, training and prefill (Wei et
-/// al. 2026, arXiv 2606.04101, abstract: "inter-rank imbalance from 1.30-4.01").
-pub const UNBALANCED_EP_RANK_LOAD: f64 = 1.30;
-
 pub fn reader_experiment(name: &str) -> bool {
     std::env::var("SHARDWRIGHT_VALIDATE_EXPERIMENTS")
         .is_ok_and(|v| v.split(',').any(|x| x.trim() == name))
