@@ -86,7 +86,7 @@
 
 use crate::graph::{
     BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, Node, Op, ReduceOp, Split, Stream,
-    ValueKind,
+    Value, ValueKind,
 };
 use crate::ids::{BufferId, GroupId, NodeId, ValueId};
 use crate::text::{is_bare_name, print_node};
@@ -877,21 +877,104 @@ fn values(g: &Graph, e: &mut Errors<'_>) {
 }
 
 /// Whether a node's operands and results agree with its op (see `value-shape`).
-fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
-    let val = |v: &crate::ids::ValueId| &g.values[v.index()];
-    let arg = |i: usize| {
+fn shapes(g: &Graph, n: &Node) -> Result<(), String> {
+    let c = ShapeCheck { g, n };
+    let w = |a: u64, b: u64| a as u128 * b as u128;
+    match &n.op {
+        Op::Gemm { m, n: nn, k, .. } => c.gemm(*m, *nn, *k),
+        Op::Elementwise {
+            kind: ElementwiseKind::Permute,
+            elems: el,
+            ..
+        } => c.permute(*el),
+        Op::Norm { tokens, width, .. } => {
+            c.elems("operand", c.arg(0)?, w(*tokens, *width))?;
+            c.elems("result", c.res(0)?, w(*tokens, *width))
+        }
+        Op::Elementwise {
+            kind: ElementwiseKind::Activation,
+            elems: el,
+            ..
+        } => match n.operands.get(1).map(|v| c.val(v)) {
+            // torchtitan's op-level replay: `u`'s gate and up halves.
+            Some(up) if n.pass != crate::graph::Pass::Bwd => {
+                let gate = (*el as u128).saturating_sub(up.elems() as u128);
+                c.elems("operand", c.arg(0)?, gate)?;
+                c.elems("operand", up, *el as u128 / 2)
+            }
+            _ => c.elems("operand", c.arg(0)?, *el as u128),
+        },
+        Op::Elementwise {
+            kind: ElementwiseKind::Rope,
+            ..
+        } => c.rope(),
+        Op::Elementwise {
+            kind: ElementwiseKind::SumSquares,
+            elems: el,
+            ..
+        } => sum_squares_shape(g, n, *el),
+        Op::Elementwise { elems: el, .. } => c.elems("result", c.res(0)?, *el as u128),
+        Op::Attention {
+            heads,
+            seq_q,
+            head_dim,
+            batch,
+            ..
+        } => {
+            let q = w(*batch as u64, *seq_q) * w(*heads as u64, *head_dim as u64);
+            c.elems("operand", c.arg(0)?, q)?;
+            c.elems("result", c.res(0)?, q)
+        }
+        Op::Embedding { tokens, hidden, .. } if n.pass == crate::graph::Pass::Bwd => {
+            c.elems("operand", c.arg(0)?, w(*tokens, *hidden))
+        }
+        Op::Embedding { tokens, hidden, .. } => c.elems("result", c.res(0)?, w(*tokens, *hidden)),
+        Op::Loss { tokens, vocab, .. } => c.elems("operand", c.arg(0)?, w(*tokens, *vocab)),
+        Op::Collective {
+            kind,
+            group,
+            bytes: b,
+            dtype,
+            ..
+        } => c.collective(*kind, *group, *b, *dtype),
+        Op::Send {
+            bytes: b, dtype, ..
+        } => c.bytes("operand", c.arg(0)?, *dtype, *b),
+        Op::Recv {
+            bytes: b, dtype, ..
+        } => c.bytes("result", c.res(0)?, *dtype, *b),
+        _ => Ok(()),
+    }
+}
+
+/// One node's operands and results against its op ([`shapes`]).
+struct ShapeCheck<'a> {
+    g: &'a Graph,
+    n: &'a Node,
+}
+
+impl<'a> ShapeCheck<'a> {
+    fn val(&self, v: &ValueId) -> &'a Value {
+        &self.g.values[v.index()]
+    }
+
+    fn arg(&self, i: usize) -> Result<&'a Value, String> {
+        let n = self.n;
         n.operands
             .get(i)
-            .map(val)
+            .map(|v| self.val(v))
             .ok_or_else(|| format!("{} needs operand {}", n.op.keyword(), i + 1))
-    };
-    let res = |i: usize| {
+    }
+
+    fn res(&self, i: usize) -> Result<&'a Value, String> {
+        let n = self.n;
         n.results
             .get(i)
-            .map(val)
+            .map(|v| self.val(v))
             .ok_or_else(|| format!("{} needs result {}", n.op.keyword(), i + 1))
-    };
-    let elems = |what: &str, v: &crate::graph::Value, want: u128| {
+    }
+
+    fn elems(&self, what: &str, v: &Value, want: u128) -> Result<(), String> {
         if v.elems() as u128 == want {
             Ok(())
         } else {
@@ -902,8 +985,9 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
                 v.elems()
             ))
         }
-    };
-    let bytes = |what: &str, v: &crate::graph::Value, dt: crate::graph::DType, want: u64| {
+    }
+
+    fn bytes(&self, what: &str, v: &Value, dt: DType, want: u64) -> Result<(), String> {
         if v.dtype != dt {
             Err(format!(
                 "{what} {} (`{}`) is {}, the op moves {}",
@@ -922,19 +1006,27 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
         } else {
             Ok(())
         }
-    };
-    // Several values flattened in order (one activation alone must match exactly): their
-    // bytes, padded up to the op's by less than one element per member (a data-parallel
-    // bucket of one parameter, or a shard, pads too).
-    let flat = |what: &str, vs: &[crate::ids::ValueId], dt: DType, want: u64, members: u64| {
-        if vs.len() <= 1 && vs.first().is_none_or(|v| !val(v).kind.is_state()) {
+    }
+
+    /// Several values flattened in order (one activation alone must match exactly): their
+    /// bytes, padded up to the op's by less than one element per member (a data-parallel
+    /// bucket of one parameter, or a shard, pads too).
+    fn flat(
+        &self,
+        what: &str,
+        vs: &[ValueId],
+        dt: DType,
+        want: u64,
+        members: u64,
+    ) -> Result<(), String> {
+        if vs.len() <= 1 && vs.first().is_none_or(|v| !self.val(v).kind.is_state()) {
             let v = vs
                 .first()
-                .map(val)
-                .ok_or_else(|| format!("{} needs {what}", n.op.keyword()))?;
-            return bytes(&what[..what.len() - 1], v, dt, want);
+                .map(|v| self.val(v))
+                .ok_or_else(|| format!("{} needs {what}", self.n.op.keyword()))?;
+            return self.bytes(&what[..what.len() - 1], v, dt, want);
         }
-        if let Some(v) = vs.iter().map(val).find(|v| v.dtype != dt) {
+        if let Some(v) = vs.iter().map(|v| self.val(v)).find(|v| v.dtype != dt) {
             return Err(format!(
                 "{} (`{}`) is {}, the op moves {}",
                 v.id,
@@ -945,7 +1037,7 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
         }
         let sum: u64 = vs
             .iter()
-            .map(|v| val(v).bytes())
+            .map(|v| self.val(v).bytes())
             .fold(0, u64::saturating_add);
         if sum <= want && want - sum < members.max(1) * dt.bytes() {
             Ok(())
@@ -954,148 +1046,93 @@ fn shapes(g: &Graph, n: &crate::graph::Node) -> Result<(), String> {
                 "{what} hold {sum} bytes, the op moves {want} (padding under one element per member)"
             ))
         }
-    };
-    let w = |a: u64, b: u64| a as u128 * b as u128;
-    match &n.op {
-        Op::Gemm { m, n: nn, k, .. } => {
-            elems("operand", arg(0)?, w(*m, *k))?;
-            // torchtitan's op-level replay of wk / w3: a column block of the fused weight.
-            let block = matches!(
-                n.op.gemm_role(),
-                Some((GemmRole::KProj | GemmRole::Fc1Up, GemmPass::Fwd))
-            );
-            let wt = arg(1)?.elems() as u128;
-            if !(block && wt > w(*k, *nn) && wt.is_multiple_of((*k as u128).max(1))) {
-                elems("operand", arg(1)?, w(*k, *nn))?;
-            }
-            // A third operand that is an activation is accumulated onto: the result is
-            // its shape (at least the product's rows); further parameters are a grouped
-            // GEMM's other experts.
-            match n.operands.get(2).map(val) {
-                Some(acc) if acc.kind == ValueKind::Activation => {
-                    if acc.elems() as u128 >= w(*m, *nn) {
-                        elems("result", res(0)?, acc.elems() as u128)
-                    } else {
-                        Err(format!(
-                            "accumulator {} (`{}`) has {} elements, under the product's {}",
-                            acc.id,
-                            acc.name,
-                            acc.elems(),
-                            w(*m, *nn)
-                        ))
-                    }
+    }
+
+    fn gemm(&self, m: u64, nn: u64, k: u64) -> Result<(), String> {
+        let w = |a: u64, b: u64| a as u128 * b as u128;
+        self.elems("operand", self.arg(0)?, w(m, k))?;
+        // torchtitan's op-level replay of wk / w3: a column block of the fused weight.
+        let block = matches!(
+            self.n.op.gemm_role(),
+            Some((GemmRole::KProj | GemmRole::Fc1Up, GemmPass::Fwd))
+        );
+        let wt = self.arg(1)?.elems() as u128;
+        if !(block && wt > w(k, nn) && wt.is_multiple_of((k as u128).max(1))) {
+            self.elems("operand", self.arg(1)?, w(k, nn))?;
+        }
+        // A third operand that is an activation is accumulated onto: the result is its
+        // shape (at least the product's rows); further parameters are a grouped GEMM's
+        // other experts.
+        match self.n.operands.get(2).map(|v| self.val(v)) {
+            Some(acc) if acc.kind == ValueKind::Activation => {
+                if acc.elems() as u128 >= w(m, nn) {
+                    self.elems("result", self.res(0)?, acc.elems() as u128)
+                } else {
+                    Err(format!(
+                        "accumulator {} (`{}`) has {} elements, under the product's {}",
+                        acc.id,
+                        acc.name,
+                        acc.elems(),
+                        w(m, nn)
+                    ))
                 }
-                _ => elems("result", res(0)?, w(*m, *nn)),
             }
+            _ => self.elems("result", self.res(0)?, w(m, nn)),
         }
-        Op::Elementwise {
-            kind: ElementwiseKind::Permute,
-            elems: el,
-            ..
-        } => {
-            // The routed rows: the dispatch's first result, the combine's first operand.
-            let (i, o) = (arg(0)?, res(0)?);
-            if i.elems() as u128 == *el as u128 || o.elems() as u128 == *el as u128 {
-                Ok(())
-            } else {
-                Err(format!(
-                    "permute of {el} routed elements reads {} (`{}`, {}) into {} (`{}`, {})",
-                    i.id,
-                    i.name,
-                    i.elems(),
-                    o.id,
-                    o.name,
-                    o.elems()
-                ))
-            }
+    }
+
+    /// The routed rows: the dispatch's first result, the combine's first operand.
+    fn permute(&self, el: u64) -> Result<(), String> {
+        let (i, o) = (self.arg(0)?, self.res(0)?);
+        if i.elems() as u128 == el as u128 || o.elems() as u128 == el as u128 {
+            Ok(())
+        } else {
+            Err(format!(
+                "permute of {el} routed elements reads {} (`{}`, {}) into {} (`{}`, {})",
+                i.id,
+                i.name,
+                i.elems(),
+                o.id,
+                o.name,
+                o.elems()
+            ))
         }
-        Op::Norm { tokens, width, .. } => {
-            elems("operand", arg(0)?, w(*tokens, *width))?;
-            elems("result", res(0)?, w(*tokens, *width))
+    }
+
+    fn rope(&self) -> Result<(), String> {
+        let total =
+            |vs: &[ValueId]| -> u128 { vs.iter().map(|v| self.val(v).elems() as u128).sum() };
+        let n = self.n;
+        let (i, mut o) = (total(&n.operands), total(&n.results));
+        if n.results.len() == 3 {
+            // The forward's `v` besides `kv` (torchtitan's op-level AC).
+            o -= total(&n.results[2..]);
         }
-        Op::Elementwise {
-            kind: ElementwiseKind::Activation,
-            elems: el,
-            ..
-        } => match n.operands.get(1).map(val) {
-            // torchtitan's op-level replay: `u`'s gate and up halves.
-            Some(up) if n.pass != crate::graph::Pass::Bwd => {
-                let g = arg(0)?;
-                elems(
-                    "operand",
-                    g,
-                    (*el as u128).saturating_sub(up.elems() as u128),
-                )?;
-                elems("operand", up, *el as u128 / 2)
-            }
-            _ => elems("operand", arg(0)?, *el as u128),
-        },
-        Op::Elementwise {
-            kind: ElementwiseKind::Rope,
-            ..
-        } => {
-            let total = |vs: &[crate::ids::ValueId]| -> u128 {
-                vs.iter().map(|v| val(v).elems() as u128).sum()
-            };
-            let (i, mut o) = (total(&n.operands), total(&n.results));
-            if n.results.len() == 3 {
-                // The forward's `v` besides `kv` (torchtitan's op-level AC).
-                o -= total(&n.results[2..]);
-            }
-            if i == o && i > 0 {
-                Ok(())
-            } else {
-                Err(format!("rope moves {i} elements in and {o} out"))
-            }
+        if i == o && i > 0 {
+            Ok(())
+        } else {
+            Err(format!("rope moves {i} elements in and {o} out"))
         }
-        Op::Elementwise {
-            kind: ElementwiseKind::SumSquares,
-            elems: el,
-            ..
-        } => sum_squares_shape(g, n, *el),
-        Op::Elementwise { elems: el, .. } => elems("result", res(0)?, *el as u128),
-        Op::Attention {
-            heads,
-            seq_q,
-            head_dim,
-            batch,
-            ..
-        } => {
-            let q = w(*batch as u64, *seq_q) * w(*heads as u64, *head_dim as u64);
-            elems("operand", arg(0)?, q)?;
-            elems("result", res(0)?, q)
+    }
+
+    fn collective(
+        &self,
+        kind: CollectiveKind,
+        group: GroupId,
+        b: u64,
+        dtype: DType,
+    ) -> Result<(), String> {
+        let members = self.g.group(group).map_or(1, |pg| pg.ranks.len().max(1)) as u64;
+        let share = b / members;
+        let (input, output) = match kind {
+            CollectiveKind::AllGather => (share, b),
+            CollectiveKind::ReduceScatter => (b, share),
+            _ => (b, b),
+        };
+        if kind != CollectiveKind::Broadcast || !self.n.operands.is_empty() {
+            self.flat("operands", &self.n.operands, dtype, input, members)?;
         }
-        Op::Embedding { tokens, hidden, .. } if n.pass == crate::graph::Pass::Bwd => {
-            elems("operand", arg(0)?, w(*tokens, *hidden))
-        }
-        Op::Embedding { tokens, hidden, .. } => elems("result", res(0)?, w(*tokens, *hidden)),
-        Op::Loss { tokens, vocab, .. } => elems("operand", arg(0)?, w(*tokens, *vocab)),
-        Op::Collective {
-            kind,
-            group,
-            bytes: b,
-            dtype,
-            ..
-        } => {
-            let members = g.group(*group).map_or(1, |pg| pg.ranks.len().max(1)) as u64;
-            let share = b / members;
-            let (input, output) = match kind {
-                CollectiveKind::AllGather => (share, *b),
-                CollectiveKind::ReduceScatter => (*b, share),
-                _ => (*b, *b),
-            };
-            if *kind != CollectiveKind::Broadcast || !n.operands.is_empty() {
-                flat("operands", &n.operands, *dtype, input, members)?;
-            }
-            flat("results", &n.results, *dtype, output, members)
-        }
-        Op::Send {
-            bytes: b, dtype, ..
-        } => bytes("operand", arg(0)?, *dtype, *b),
-        Op::Recv {
-            bytes: b, dtype, ..
-        } => bytes("result", res(0)?, *dtype, *b),
-        _ => Ok(()),
+        self.flat("results", &self.n.results, dtype, output, members)
     }
 }
 
