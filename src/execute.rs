@@ -263,7 +263,8 @@ struct Sink {
     peak: f64,
     cfg: ExecConfig,
     last_end: Instant,
-    pending: BTreeMap<u32, Vec<(u32, f64, f64, f64, Option<f64>)>>,
+    /// Per step, what each rank reported so far: (rank, seconds, loss, grad norm, aux loss).
+    pending: BTreeMap<u32, Vec<RankStep>>,
     lines: Vec<StepMetrics>,
     /// The last step `metrics.jsonl` held before this run (a resume appends to it).
     logged_upto: u32,
@@ -277,6 +278,9 @@ struct Sink {
     /// `--profile`: the rank whose nodes are timed, and their times.
     profile: Option<(u32, crate::profile::Profile)>,
 }
+
+/// One rank's report of one step: (rank, seconds, loss, grad norm, aux loss).
+type RankStep = (u32, f64, f64, f64, Option<f64>);
 
 impl Sink {
     fn on_step(&mut self, e: &StepEvent) {
@@ -602,7 +606,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     let mut ft_report = None;
     let res = match (&dist, &resilience) {
         (None, None) => match &gpu {
-            Some((g, ..)) => run_program_with(program, g.clone(), &cfg, &opts).map(|_| ()),
+            Some((g, ..)) => run_program_with(program, *g, &cfg, &opts).map(|_| ()),
             None => run_program_with(program, Cpu, &cfg, &opts).map(|_| ()),
         },
         (None, Some(r)) => {
@@ -614,7 +618,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             quiet_teardown(|| {
                 match &gpu {
                     Some((g, ..)) => {
-                        run_resilient(program, g.clone(), &cfg, run_steps, &opts, r, &restart)
+                        run_resilient(program, *g, &cfg, run_steps, &opts, r, &restart)
                     }
                     None => run_resilient(program, Cpu, &cfg, run_steps, &opts, r, &restart),
                 }

@@ -812,7 +812,7 @@ proptest! {
 /// One known defect.
 #[derive(Clone, Debug)]
 enum Input {
-    Struct(SpecFile),
+    Struct(Box<SpecFile>),
     /// Spec text with its format.
     Text(String, bool),
 }
@@ -901,7 +901,7 @@ fn mutate(case: &Case, kind: u8, k: u32, bad: f64, yaml: bool) -> Invalid {
         _ => unreachable!("mutation {kind}"),
     };
     Invalid {
-        input: Input::Struct(s),
+        input: Input::Struct(Box::new(s)),
         path,
         what,
     }
@@ -1238,7 +1238,7 @@ fn check_invalid(inv: &Invalid) -> Result<(), TestCaseError> {
                 Ok(s) => s,
             }
         }
-        Input::Struct(s) => s.clone(),
+        Input::Struct(s) => (**s).clone(),
     };
     match no_panic("resolve", inv, || {
         resolve(&spec, &ResolveOptions::default())

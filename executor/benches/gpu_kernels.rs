@@ -53,19 +53,20 @@ struct Row {
     rate: String,
 }
 
-/// The attention kernels of `imp` (the scalar ones, or the tensor-core ones of
-/// attention_mma.cu, whose rows are labelled `mma`) at one causal shape.
-#[allow(clippy::too_many_arguments)]
-fn attention(
-    d: &Device,
-    rows: &mut Vec<Row>,
-    imp: AttnImpl,
+/// A causal attention shape: batch, sequence, query heads, KV heads, head dim.
+#[derive(Clone, Copy)]
+struct AttnCase {
     b: u64,
     s: u64,
     hq: u64,
     hk: u64,
     hd: u64,
-) {
+}
+
+/// The attention kernels of `imp` (the scalar ones, or the tensor-core ones of
+/// attention_mma.cu, whose rows are labelled `mma`) at one causal shape.
+fn attention(d: &Device, rows: &mut Vec<Row>, imp: AttnImpl, case: AttnCase) {
+    let AttnCase { b, s, hq, hk, hd } = case;
     let shape = AttnShape {
         batch: b as usize,
         seq_q: s as usize,
@@ -308,8 +309,24 @@ fn main() {
     println!("gpu_kernels on {}", d.name().unwrap_or_default());
     let mut rows = Vec::new();
     for imp in [AttnImpl::Scalar, AttnImpl::Mma] {
-        attention(&d, &mut rows, imp, 8, 2048, 32, 4, 64);
-        attention(&d, &mut rows, imp, 1, 4096, 32, 8, 128);
+        for case in [
+            AttnCase {
+                b: 8,
+                s: 2048,
+                hq: 32,
+                hk: 4,
+                hd: 64,
+            },
+            AttnCase {
+                b: 1,
+                s: 4096,
+                hq: 32,
+                hk: 8,
+                hd: 128,
+            },
+        ] {
+            attention(&d, &mut rows, imp, case);
+        }
     }
     elementwise(&d, &mut rows, 16384, 2048, 5632);
     adamw(&d, &mut rows, 1 << 28);

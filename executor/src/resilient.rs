@@ -206,6 +206,9 @@ impl ResilientReport {
     }
 }
 
+/// Per (step, replica group): each reporting rank's weight checksum.
+type ReplicaSums = BTreeMap<(u32, u32), Vec<(u32, u64)>>;
+
 #[derive(Clone, Debug)]
 struct Detected {
     kind: &'static str,
@@ -231,7 +234,7 @@ struct Attempt<'a> {
     replica: Vec<(u32, u32)>,
     fired: &'a Mutex<BTreeSet<usize>>,
     slow: &'a Mutex<BTreeMap<u32, f64>>,
-    sums: Mutex<BTreeMap<(u32, u32), Vec<(u32, u64)>>>,
+    sums: Mutex<ReplicaSums>,
     step_s: Mutex<BTreeMap<u32, f64>>,
     losses: Mutex<BTreeMap<u32, (f64, f64)>>,
     final_state: Mutex<BTreeMap<u32, BTreeMap<String, Vec<f32>>>>,

@@ -100,7 +100,8 @@ fn weight_decay_skips_norms_unless_asked() {
 }
 
 /// Every rank's state after each step, as a checkpoint would take it.
-struct Snapshots(std::sync::Mutex<std::collections::BTreeMap<(u32, u32), Vec<(String, Vec<f32>)>>>);
+type StepStates = std::collections::BTreeMap<(u32, u32), Vec<(String, Vec<f32>)>>;
+struct Snapshots(std::sync::Mutex<StepStates>);
 
 impl shardwright_executor::RankHooks for Snapshots {
     fn after_step(
