@@ -504,6 +504,8 @@ fn keep_freed_memory() {
 }
 
 /// `shardwright execute PLAN|PROGRAM [--backend cpu|cuda]`.
+// `Gpu` is `Cpu` (a Copy type) only in a build without CUDA: the clones are needed with it.
+#[cfg_attr(not(feature = "cuda"), allow(clippy::clone_on_copy))]
 pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     let gpu = match a.backend {
         BackendKind::Cuda => Some(gpu_backend()?),
@@ -606,7 +608,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
     let mut ft_report = None;
     let res = match (&dist, &resilience) {
         (None, None) => match &gpu {
-            Some((g, ..)) => run_program_with(program, *g, &cfg, &opts).map(|_| ()),
+            Some((g, ..)) => run_program_with(program, g.clone(), &cfg, &opts).map(|_| ()),
             None => run_program_with(program, Cpu, &cfg, &opts).map(|_| ()),
         },
         (None, Some(r)) => {
@@ -618,7 +620,7 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
             quiet_teardown(|| {
                 match &gpu {
                     Some((g, ..)) => {
-                        run_resilient(program, *g, &cfg, run_steps, &opts, r, &restart)
+                        run_resilient(program, g.clone(), &cfg, run_steps, &opts, r, &restart)
                     }
                     None => run_resilient(program, Cpu, &cfg, run_steps, &opts, r, &restart),
                 }
