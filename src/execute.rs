@@ -255,6 +255,9 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// One rank's report of a step: (rank, seconds, global loss, grad norm, aux loss).
+type PendingMetric = (u32, f64, f64, f64, Option<f64>);
+
 /// Collects each rank's step reports; when every rank has finished a step, emits its line.
 struct Sink {
     world: u32,
@@ -263,7 +266,7 @@ struct Sink {
     peak: f64,
     cfg: ExecConfig,
     last_end: Instant,
-    pending: BTreeMap<u32, Vec<(u32, f64, f64, f64, Option<f64>)>>,
+    pending: BTreeMap<u32, Vec<PendingMetric>>,
     lines: Vec<StepMetrics>,
     /// The last step `metrics.jsonl` held before this run (a resume appends to it).
     logged_upto: u32,
@@ -600,6 +603,8 @@ pub fn execute(a: &ExecArgs) -> Result<(), Failure> {
         ..Default::default()
     };
     let mut ft_report = None;
+    // `Gpu` is `Cpu` (Copy) in the build without CUDA; the CUDA build's is not Copy.
+    #[allow(clippy::clone_on_copy)]
     let res = match (&dist, &resilience) {
         (None, None) => match &gpu {
             Some((g, ..)) => run_program_with(program, g.clone(), &cfg, &opts).map(|_| ()),

@@ -33,7 +33,7 @@ const CP_TOTAL: &str = "CP comm (total)";
 /// `parts` of `total` in tenths of a percent. When the parts add up to the total, the
 /// rounding is by largest remainder, so the shares sum to exactly 100.0%.
 fn tenths_of_percent(parts: &[f64], total: f64) -> Vec<i64> {
-    if !(total > 0.0) {
+    if total.is_nan() || total <= 0.0 {
         return vec![0; parts.len()];
     }
     let raw: Vec<f64> = parts.iter().map(|v| v / total * 1000.0).collect();

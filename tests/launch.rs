@@ -336,7 +336,9 @@ fn killing_the_launcher_kills_its_ranks() {
 }
 
 /// A 4-rank launch whose rank 0 hangs after step 1, returned once it hangs (every rank is
-/// then blocked in a collective): the launcher, its stderr and what it printed so far.
+/// then blocked in a collective): the launcher, its stderr and what it printed so far. The
+/// caller waits on the child (the early-end assert panics the test either way).
+#[allow(clippy::zombie_processes)]
 fn hung_launch(dir: &Path) -> (Child, BufReader<ChildStderr>, String) {
     let p = plan4(dir);
     let mut child = cmd(&[

@@ -219,6 +219,9 @@ struct Detected {
     at: Instant,
 }
 
+/// (step, replica group) -> the (rank, weight checksum) pairs reported so far.
+type ChecksumsByStepGroup = BTreeMap<(u32, u32), Vec<(u32, u64)>>;
+
 /// The shared state of one attempt (from a start or a restore until it ends).
 struct Attempt<'a> {
     cfg: &'a Resilience,
@@ -231,7 +234,7 @@ struct Attempt<'a> {
     replica: Vec<(u32, u32)>,
     fired: &'a Mutex<BTreeSet<usize>>,
     slow: &'a Mutex<BTreeMap<u32, f64>>,
-    sums: Mutex<BTreeMap<(u32, u32), Vec<(u32, u64)>>>,
+    sums: Mutex<ChecksumsByStepGroup>,
     step_s: Mutex<BTreeMap<u32, f64>>,
     losses: Mutex<BTreeMap<u32, (f64, f64)>>,
     final_state: Mutex<BTreeMap<u32, BTreeMap<String, Vec<f32>>>>,

@@ -99,8 +99,11 @@ fn weight_decay_skips_norms_unless_asked() {
     }
 }
 
+/// (step, rank) -> the rank's named tensors.
+type StateByStepRank = std::collections::BTreeMap<(u32, u32), Vec<(String, Vec<f32>)>>;
+
 /// Every rank's state after each step, as a checkpoint would take it.
-struct Snapshots(std::sync::Mutex<std::collections::BTreeMap<(u32, u32), Vec<(String, Vec<f32>)>>>);
+struct Snapshots(std::sync::Mutex<StateByStepRank>);
 
 impl shardwright_executor::RankHooks for Snapshots {
     fn after_step(

@@ -1167,7 +1167,8 @@ pub fn pins_value(p: &ParallelismSpec) -> Map<String, Value> {
     let mut out = Map::new();
     if let Value::Object(m) = serde_json::to_value(p).expect("pins serialize") {
         for (k, v) in m {
-            if !v.is_null() && !(k == "allow_tp_across_nodes" && v == json!(false)) {
+            let default_false = k == "allow_tp_across_nodes" && v == json!(false);
+            if !v.is_null() && !default_false {
                 out.insert(k, v);
             }
         }

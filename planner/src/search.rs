@@ -1303,7 +1303,9 @@ impl Replay {
                 }
             }
         }
-        let wanted: Vec<((usize, u32), Vec<(usize, f64)>)> = wanted.into_iter().collect();
+        // ((expanded unit, family), [(event index, threshold)]).
+        type Wanted = ((usize, u32), Vec<(usize, f64)>);
+        let wanted: Vec<Wanted> = wanted.into_iter().collect();
         let layout_of = |u: usize, i: usize| match &expanded[u].events[i] {
             Event::Uneven { layout, .. } => *layout,
             _ => unreachable!("only uneven candidates are prepared"),

@@ -292,8 +292,10 @@ pub fn best_split(
         .map(|(i, &t)| (model.goodput_ceiling(t.0, t.1, sum_total, q_min), i))
         .collect();
     t_order.sort_by(desc);
-    let mut best: Option<(f64, (f64, f64), (f64, f64))> = None;
-    let beats = |x: f64, best: &Option<(f64, (f64, f64), (f64, f64))>| match best {
+    // (goodput, time designation, parameter designation).
+    type Best = Option<(f64, (f64, f64), (f64, f64))>;
+    let mut best: Best = None;
+    let beats = |x: f64, best: &Best| match best {
         Some((b, _, _)) => x > *b,
         None => x > floor,
     };
