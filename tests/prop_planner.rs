@@ -382,6 +382,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
                 sliding_window_pattern: None,
                 attention_sink_tokens: 0,
                 mla: None,
+                mtp_layers: 0,
             },
             parallelism,
             precision: PrecisionSpec::default(),
@@ -811,6 +812,8 @@ proptest! {
 
 /// One known defect.
 #[derive(Clone, Debug)]
+// A test input, built once per case: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Input {
     Struct(SpecFile),
     /// Spec text with its format.

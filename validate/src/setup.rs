@@ -105,6 +105,46 @@ pub const KNOWN_MLA: &[(&str, Mla, &str)] = &[
     ),
 ];
 
+/// Model families with multi-token prediction modules by default: (name substring, depth,
+/// where the config says so). A run whose name or notes say "no MTP" has none; a depth in
+/// the notes (`num_nextn_predict_layers N`, `mtp_num_layers N`, `MTP depth N`) wins.
+pub const KNOWN_MTP: &[(&str, u32, &str)] = &[(
+    "deepseek-v3",
+    1,
+    "DeepSeek-V3 config.json: num_nextn_predict_layers 1; its report (arXiv 2412.19437 §2.2) trains with D = 1",
+)];
+
+/// Multi-token prediction depth of `m` (the spec's `model.mtp_layers`), with a note where it
+/// is not 0: stated in the notes, "no MTP" in the name or notes, else the model family's
+/// ([`KNOWN_MTP`]), else 0.
+fn mtp_layers(m: &RunModel, notes: &mut Vec<String>) -> u32 {
+    let name = m.name.as_deref().unwrap_or("");
+    let text = format!("{name} {}", m.notes.as_deref().unwrap_or(""));
+    let lower = text.to_ascii_lowercase();
+    for key in ["num_nextn_predict_layers", "mtp_num_layers", "mtp depth"] {
+        if let Some(d) = number_after(&text, key) {
+            if d > 0 {
+                notes.push(format!(
+                    "{d} multi-token prediction module(s) from the model's `{key}`"
+                ));
+            }
+            return d;
+        }
+    }
+    if lower.contains("no mtp") {
+        return 0;
+    }
+    match KNOWN_MTP.iter().find(|(k, ..)| lower.contains(k)) {
+        Some((_, d, why)) => {
+            notes.push(format!(
+                "{d} multi-token prediction module(s) from the model family ({why}), on the last pipeline stage"
+            ));
+            *d
+        }
+        None => 0,
+    }
+}
+
 /// Max over mean routed tokens per EP rank without a system-level balancer: the least of
 /// the range UltraEP measured on MoE models of 106B to 671B, training and prefill (Wei et
 /// al. 2026, arXiv 2606.04101, abstract: "inter-rank imbalance from 1.30-4.01").
@@ -127,6 +167,15 @@ pub const UNBALANCED_EP_RANK_LOAD: f64 = 1.30;
 ///   costs the model lacks.
 /// - `rank_imbalance`: the routed load of the most loaded EP rank at
 ///   [`UNBALANCED_EP_RANK_LOAD`] times the mean (`job.moe_rank_imbalance`).
+/// - `fp8_costs`: an FP8 run's recipe costs (`precision.fp8_recipe_costs`,
+///   `shardwright_cost::fp8`): the casts of each FP8 GEMM's input and output gradient
+///   through HBM and the LM head at the BF16 rate. Measured with the h100 profile fitted
+///   without `mbridge`: Llama-3-70B -12.1% -> -17.8%, 405B -1.6 -> -3.6, Qwen3-235B
+///   +12.4 -> +7.6, DeepSeek-V3 -11.4 -> -13.2 (mbridge p90 16.6 -> 18.7), torchtitan
+///   median / p90 5.3 / 13.6 -> 8.0 / 14.7, leave-one-source-out p90 13.16 -> 14.41: the
+///   FP8 GEMM rate (`fp8_gemm_rel`) stays at its hand-set 0.85, which the training runs
+///   (four FP8 runs, a sequence-length sweep) do not move, so whatever FP8 adds makes FP8 runs
+///   slower than measured.
 /// - `dispatcher`: the recipe's MoE token dispatcher
 ///   ([`crate::recipes::BridgeRecipe::moe_dispatcher`]: `alltoall` for the Qwen3 and
 ///   GPT-OSS recipes) instead of the flex (DeepEP) convention.
@@ -1079,6 +1128,7 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
         sliding_window_pattern: window.and_then(|w| w.1),
         attention_sink_tokens: 0,
         mla,
+        mtp_layers: mtp_layers(m, notes),
     })
 }
 
@@ -1568,6 +1618,7 @@ fn run_precision(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Prec
     PrecisionSpec {
         compute: Dtype::Bf16,
         fp8_gemms: fp8,
+        fp8_recipe_costs: fp8 && reader_experiment("fp8_costs"),
         grads: if conv.fp32_grads {
             Dtype::Fp32
         } else {
@@ -1690,6 +1741,30 @@ mod tests {
         assert_eq!(lite.q_lora_rank, 0);
         m.name = Some("Llama 3 70B".into());
         assert_eq!(latent_attention(&m, None, true, &mut notes), None);
+    }
+
+    /// Multi-token prediction: a DeepSeek-V3 its name marks "(no MTP)" has none (the
+    /// Megatron-Bridge table's row), an unmarked one its config's one module
+    /// (`num_nextn_predict_layers: 1`), a depth in the notes wins, other models none.
+    #[test]
+    fn mtp_depth_from_name_notes_or_family() {
+        let mut m: RunModel = serde_json::from_str(
+            r#"{"name": "DeepSeek-V3 (no MTP)", "arch": "moe", "num_layers": 61,
+                "hidden_size": 7168, "num_attention_heads": 128, "vocab_size": 129280,
+                "seq_len": 4096}"#,
+        )
+        .unwrap();
+        let mut notes = Vec::new();
+        assert_eq!(mtp_layers(&m, &mut notes), 0);
+        assert!(notes.is_empty());
+        m.name = Some("DeepSeek-V3".into());
+        assert_eq!(mtp_layers(&m, &mut notes), 1);
+        assert!(notes[0].contains("num_nextn_predict_layers 1"), "{notes:?}");
+        m.notes = Some("trained with mtp_num_layers 2".into());
+        assert_eq!(mtp_layers(&m, &mut notes), 2);
+        m.name = Some("Llama 3 70B".into());
+        m.notes = None;
+        assert_eq!(mtp_layers(&m, &mut notes), 0);
     }
 
     #[test]
