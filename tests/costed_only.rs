@@ -1,7 +1,8 @@
 //! Mechanisms the cost model charges but neither the lowering builds nor the exporters
 //! have flags for are refused with a message naming the field, not lowered or written as
-//! something else: multi-head latent attention (`job.model.mla`) and the paired-1F1B EP
-//! all-to-all overlap (`job.moe_a2a_overlap`).
+//! something else: multi-head latent attention (`job.model.mla`), multi-token prediction
+//! (`job.model.mtp_layers`) and the paired-1F1B EP all-to-all overlap
+//! (`job.moe_a2a_overlap`).
 
 use shardwright_cost::{resolve, ResolveOptions};
 use shardwright_export::{export, Framework};
@@ -62,6 +63,10 @@ fn costed_only_mechanisms_are_refused() {
     );
     for why in refusals(&mla) {
         assert!(why.contains("job.model.mla"), "{why}");
+    }
+    let mtp = plan_of("    mtp_layers: 1", "");
+    for why in refusals(&mtp) {
+        assert!(why.contains("job.model.mtp_layers"), "{why}");
     }
     let a2a = plan_of("", "  moe_a2a_overlap: true");
     for why in refusals(&a2a) {

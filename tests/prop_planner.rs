@@ -382,6 +382,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
                 sliding_window_pattern: None,
                 attention_sink_tokens: 0,
                 mla: None,
+                mtp_layers: 0,
             },
             parallelism,
             precision: PrecisionSpec::default(),

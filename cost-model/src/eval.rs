@@ -177,6 +177,16 @@ pub struct LayerCosts {
     pub moe_layer_expert_params: f64,
     pub embed_params: f64,
     pub head_params: f64,
+    /// Multi-token prediction modules (`job.model.mtp_layers`, on the head's rank): their
+    /// parameters per GPU outside the experts (the block's, `eh_proj`, three norms) and in
+    /// them, the embedding they share when the head's rank does not hold it (pp > 1, untied
+    /// embeddings: Megatron-Core builds the embedding on the last stage for them), and
+    /// the activations one micro-batch keeps through them (the block's, the norms' and
+    /// the projection's inputs, and their own fp32 logits and gradient).
+    pub mtp_dense_params: f64,
+    pub mtp_expert_params: f64,
+    pub mtp_embed_params: f64,
+    pub mtp_act_bytes: f64,
     /// One pipeline send per micro-batch boundary.
     pub p2p_bytes: f64,
     /// Activations the embedding keeps per in-flight micro-batch: token ids, dropout mask.
@@ -239,7 +249,12 @@ impl LayerCosts {
             LayerTime::from_ops(&layer_ops(job, &mesh, shape, kind), e.layer_overhead_s)
         };
         let dense = time(LayerKind::Dense);
-        let head = time(LayerKind::Head);
+        // The head's rank runs each multi-token prediction module's block too: one more
+        // layer's overhead per module.
+        let head = LayerTime::from_ops(
+            &layer_ops(job, &mesh, shape, LayerKind::Head),
+            e.layer_overhead_s * (1 + m.mtp_layers) as f64,
+        );
         let embed = LayerTime::from_ops(&layer_ops(job, &mesh, shape, LayerKind::Embedding), 0.0);
         let (moe_t, moe_expert_params, moe_dense_params) = if m.is_moe() {
             let (_, routed_total, _, _) = flops::moe_mlp_params(m);
@@ -301,6 +316,20 @@ impl LayerCosts {
         };
         let head_params =
             flops::head_params(m) / t + if m.tied_embeddings { v * h / t } else { 0.0 };
+        let mtp = m.mtp_layers as f64;
+        let mtp_moe = m.moe_layers() > 0;
+        let (mtp_dense_params, mtp_expert_params, mtp_block_act) = if mtp_moe {
+            (moe_dense_params, moe_expert_params, moe_act)
+        } else {
+            (flops::dense_layer_params(m) / t, 0.0, dense_act)
+        };
+        // eh_proj (2h x h, column-parallel) and three RMSNorm weights per module.
+        let mtp_dense_params = mtp * (mtp_dense_params + 2.0 * h * h / t + 3.0 * h);
+        // The two norms' inputs and the projection's (the two normed halves), 16-bit.
+        let mtp_act_bytes = mtp
+            * (mtp_block_act
+                + (2.0 * 2.0 + 2.0 * 2.0) * tokens * h / seq_div
+                + 8.0 * tokens * v / t);
         LayerCosts {
             tp,
             cp,
@@ -329,6 +358,14 @@ impl LayerCosts {
             moe_layer_expert_params: moe_expert_params,
             embed_params: flops::embedding_params(m) / t,
             head_params,
+            mtp_dense_params,
+            mtp_expert_params: mtp * mtp_expert_params,
+            mtp_embed_params: if mtp > 0.0 && !m.tied_embeddings {
+                flops::embedding_params(m) / t
+            } else {
+                0.0
+            },
+            mtp_act_bytes,
             p2p_bytes: tokens * h * 2.0 / seq_div,
             // The lookup's backward needs only the token ids (int64); its output is the
             // first layer's input, counted there. Dropout keeps a 1-byte mask, scattered
@@ -444,8 +481,15 @@ pub fn item_memory(job: &Job, lc: &LayerCosts, layout: &Layout) -> ItemsMemory {
                 + lc.moe_layer_expert_params * per_param(edp),
             act_bytes: lc.moe_act_bytes + lc.moe_waste_bytes,
         },
+        // (Multi-token prediction: its parameters, the embedding copy it shares when the
+        // head's rank lacks the embedding (pp > 1), and one micro-batch's activations, as
+        // the logits.)
         head: ItemMemory {
-            static_bytes: lc.head_params * per_param(ddp) + lc.logits_bytes,
+            static_bytes: (lc.head_params + lc.mtp_dense_params + lc.mtp_embed_params)
+                * per_param(ddp)
+                + lc.mtp_expert_params * per_param(edp)
+                + lc.logits_bytes
+                + lc.mtp_act_bytes,
             act_bytes: 0.0,
         },
     }
@@ -488,8 +532,19 @@ fn rank_params(lc: &LayerCosts, l: &RankLoad) -> (f64, f64) {
     let dense = l.dense_layers as f64 * lc.dense_layer_params
         + l.moe_layers as f64 * lc.moe_layer_dense_params
         + if l.embedding { lc.embed_params } else { 0.0 }
-        + if l.head { lc.head_params } else { 0.0 };
-    let expert = l.moe_layers as f64 * lc.moe_layer_expert_params;
+        + if l.head {
+            lc.head_params
+                + lc.mtp_dense_params
+                + if l.embedding {
+                    0.0
+                } else {
+                    lc.mtp_embed_params
+                }
+        } else {
+            0.0
+        };
+    let expert = l.moe_layers as f64 * lc.moe_layer_expert_params
+        + if l.head { lc.mtp_expert_params } else { 0.0 };
     (dense, expert)
 }
 
@@ -647,11 +702,12 @@ fn rank_memory(cx: &MemoryCtx<'_>, l: &RankLoad, j: u32, act_peak: Option<f64>) 
     };
     // fp32 logits live from a micro-batch's forward to its backward on the last stage: one
     // micro-batch's worth when each backward follows its forward (1F1B, interleaved), every
-    // micro-batch's under GPipe (all forwards first).
+    // micro-batch's under GPipe (all forwards first). The multi-token prediction modules'
+    // activations (their logits among them) live as long, and are counted with them.
     let logits = match (l.head, layout.schedule) {
         (false, _) => 0.0,
-        (true, Schedule::Gpipe) => lc.logits_bytes * layout.grad_accum as f64,
-        (true, _) => lc.logits_bytes,
+        (true, Schedule::Gpipe) => (lc.logits_bytes + lc.mtp_act_bytes) * layout.grad_accum as f64,
+        (true, _) => lc.logits_bytes + lc.mtp_act_bytes,
     };
     // Gradient buckets (40M elements, double-buffered), ZeRO-3 prefetch of two layers'
     // full weights, and the recompute working set.
@@ -750,6 +806,7 @@ pub fn evaluate_with(
 /// `estimate.memory` and `estimate.fits` (false) are [`evaluate_with`]'s and whose other
 /// fields are not costed (default). The search counts such a layout out of memory and
 /// reads nothing else.
+#[allow(clippy::result_large_err)]
 pub fn evaluate_fitting(
     job: &Job,
     lc: &LayerCosts,
@@ -777,6 +834,7 @@ struct Costing<'a> {
 #[derive(Clone, Debug)]
 pub struct OutOfMemory(pub Evaluation);
 
+#[allow(clippy::result_large_err)]
 fn evaluate_or_oom(
     job: &Job,
     lc: &LayerCosts,

@@ -168,6 +168,12 @@ struct Ctx<'a> {
     tokens: f64,
     seq_div: f64,
     gemm_peak: f64,
+    /// The BF16 tensor-core rate at the sustained clock: the LM head's under FP8 training
+    /// (FP8 recipes keep the output head in BF16, [`crate::fp8`]).
+    bf16_peak: f64,
+    /// FP8 GEMMs with the recipe's costs (`job.training.fp8_recipe_costs`): each GEMM pays
+    /// its casts, the LM head runs at the BF16 rate ([`crate::fp8`]).
+    fp8_costs: bool,
     attn_rate: f64,
     hbm: f64,
     /// [`Ctx::gemm_eff`] of the shapes asked for so far (the passes and the overlap
@@ -269,7 +275,11 @@ impl Ctx<'_> {
         }
     }
 
-    /// Time of [`Ctx::gemm`]'s op in a pass whose work is `scale` times the forward.
+    /// Time of [`Ctx::gemm`]'s op (a layer's GEMM, not the LM head) in a pass whose work is
+    /// `scale` times the forward (2: the backward): the math and, with FP8 GEMMs in the
+    /// backward, the output gradient's cast ([`crate::fp8::cast_bytes`]) at HBM bandwidth
+    /// (the forward's cast depends on the GEMM's producer, which this estimate of the
+    /// overlaps does not know; it leaves it out).
     fn gemm_time(&self, m: f64, n: f64, k: f64, groups: u32, scale: f64) -> f64 {
         if m <= 0.0 || n <= 0.0 || k <= 0.0 {
             return 0.0;
@@ -277,19 +287,39 @@ impl Ctx<'_> {
         let g = groups as f64;
         let per = m / g;
         let eff = self.gemm_eff(per, n, k);
-        2.0 * per * n * k / (self.gemm_peak * eff) * scale * g
+        let cast = if self.fp8_costs && scale > 1.0 {
+            crate::fp8::cast_bytes(m, n, k, true) / self.hbm
+        } else {
+            0.0
+        };
+        2.0 * per * n * k / (self.gemm_peak * eff) * scale * g + cast
     }
 
+    /// One GEMM op: `2 m n k` FLOPs per forward at the shape's efficiency, the backward
+    /// twice that; with FP8 GEMMs at the FP8 rate, and with the recipe's costs
+    /// (`job.training.fp8_recipe_costs`) plus the HBM time of the pass's casts
+    /// ([`crate::fp8::gemm_cast_bytes`], the op's `bytes`), except the LM head, which FP8
+    /// recipes keep in BF16 ([`crate::fp8`]): the BF16 rate and curve, no casts.
     fn gemm(&self, e: &mut Emit, role: GemmRole, m: f64, n: f64, k: f64, groups: u32) {
         if m <= 0.0 || n <= 0.0 || k <= 0.0 {
             return;
         }
         let g = groups as f64;
         let per = m / g;
-        let eff = self.gemm_eff(per, n, k);
+        let bf16_head = self.fp8_costs && role == GemmRole::LmHead;
+        let (peak, eff) = if bf16_head {
+            (self.bf16_peak, gemm_eff(&self.job.efficiency, per, n, k))
+        } else {
+            (self.gemm_peak, self.gemm_eff(per, n, k))
+        };
         let fwd_flops = 2.0 * per * n * k;
-        let fwd_t = fwd_flops / (self.gemm_peak * eff);
+        let fwd_t = fwd_flops / (peak * eff);
         let s = e.scale();
+        let cast = if self.fp8_costs {
+            crate::fp8::gemm_cast_bytes(role, m, n, k, e.pass == Pass::Bwd)
+        } else {
+            0.0
+        };
         let kind = OpKind::Gemm {
             m,
             n,
@@ -303,7 +333,7 @@ impl Ctx<'_> {
         } else {
             (fwd_flops * s * g, fwd_t * s * g)
         };
-        e.push(role.name(), kind, flops, 0.0, time);
+        e.push(role.name(), kind, flops, cast, time + cast / self.hbm);
     }
 
     fn elementwise(&self, e: &mut Emit, what: &'static str, elems: f64, fwd_bytes: f64) {
@@ -932,6 +962,8 @@ impl<'a> Ctx<'a> {
                 } else {
                     hw.peak_bf16_flops
                 },
+            bf16_peak: hw.clock_ratio * hw.peak_bf16_flops,
+            fp8_costs: job.training.fp8_gemms && job.training.fp8_recipe_costs,
             attn_rate: hw.peak_bf16_flops * hw.clock_ratio * e.attn_eff,
             hbm: hw.hbm_gbps * 1e9,
             memo: GemmMemo::default(),
@@ -1128,43 +1160,88 @@ impl Ctx<'_> {
     }
 
     /// The final norm, the LM head GEMM and the cross-entropy loss, forward and backward,
-    /// with their tensor-parallel collectives.
+    /// with their tensor-parallel collectives; then each multi-token prediction module
+    /// (`job.model.mtp_layers`) on the same stage.
+    ///
+    /// A module (DeepSeek-V3, arXiv 2412.19437 §2.2 and its Figure 3; Megatron-Core
+    /// `transformer/multi_token_prediction.py`, `MultiTokenPredictionLayer`): RMSNorms of
+    /// the previous depth's hidden state and of the shared embedding of the tokens one
+    /// further ahead (`mtp_norms`), their concatenation projected `2h -> h` (`eh_proj`,
+    /// column-parallel: its output gathered over tp, under SP its input too), one
+    /// transformer block (an MoE block when the model's last layer is one, as Megatron
+    /// builds it from the decoder's last layer spec), then the shared output head and a
+    /// cross-entropy loss of its own: the ops of the main head again.
     fn head(&self, out: &mut Vec<OpCost>) {
         let v = self.job.model.vocab_size as f64;
         let logits = self.tokens * v / self.t;
-        for pass in [Pass::Fwd, Pass::Bwd] {
-            let mut em = Emit { out, pass };
-            // The final norm on the rank's tokens (its sequence shard under SP): reads x and
-            // writes y (16-bit) and reads its weight; the backward twice that.
-            let rows = self.tokens / self.seq_div;
-            self.elementwise(
-                &mut em,
-                "head_norm",
-                rows * self.h,
-                4.0 * rows * self.h + 2.0 * self.h,
-            );
-            self.head_tp_collectives(&mut em);
-            self.gemm(
-                &mut em,
-                GemmRole::LmHead,
-                self.tokens,
-                v / self.t,
-                self.h,
-                1,
-            );
-            // fp32: forward writes the logits and reads/writes them in the softmax
-            // (12 B per logit); backward writes their gradient (4 B).
-            let b = if pass == Pass::Fwd { 12.0 } else { 4.0 };
-            em.push(
-                "softmax_ce",
-                OpKind::Elementwise {
-                    what: "softmax_ce",
-                    elems: logits,
-                },
-                0.0,
-                b * logits,
-                b * logits / self.hbm,
-            );
+        for depth in 0..=self.job.model.mtp_layers {
+            if depth > 0 {
+                for pass in [Pass::Fwd, Pass::Bwd] {
+                    let mut em = Emit { out, pass };
+                    let rows = self.tokens / self.seq_div;
+                    // Two norms as the head's: read x, write y, read the weight.
+                    self.elementwise(
+                        &mut em,
+                        "mtp_norms",
+                        2.0 * rows * self.h,
+                        2.0 * (4.0 * rows * self.h + 2.0 * self.h),
+                    );
+                    if self.shape.tp > 1 {
+                        let (name, kind) = match (pass, self.shape.sp) {
+                            (Pass::Fwd, _) => ("tp_all_gather_mtp", Coll::AllGather),
+                            (_, true) => ("tp_reduce_scatter_mtp", Coll::ReduceScatter),
+                            _ => ("tp_all_reduce_mtp", Coll::AllReduce),
+                        };
+                        // The h-wide output's gather; under SP the 2h-wide input's too.
+                        for _ in 0..if self.shape.sp { 3 } else { 1 } {
+                            self.tp_activation(&mut em, name, kind);
+                        }
+                    }
+                    self.gemm(
+                        &mut em,
+                        GemmRole::Proj,
+                        self.tokens,
+                        self.h / self.t,
+                        2.0 * self.h,
+                        1,
+                    );
+                }
+                self.transformer_layer(out, self.job.model.moe_layers() > 0);
+            }
+            for pass in [Pass::Fwd, Pass::Bwd] {
+                let mut em = Emit { out, pass };
+                // The final norm on the rank's tokens (its sequence shard under SP): reads x
+                // and writes y (16-bit) and reads its weight; the backward twice that.
+                let rows = self.tokens / self.seq_div;
+                self.elementwise(
+                    &mut em,
+                    "head_norm",
+                    rows * self.h,
+                    4.0 * rows * self.h + 2.0 * self.h,
+                );
+                self.head_tp_collectives(&mut em);
+                self.gemm(
+                    &mut em,
+                    GemmRole::LmHead,
+                    self.tokens,
+                    v / self.t,
+                    self.h,
+                    1,
+                );
+                // fp32: forward writes the logits and reads/writes them in the softmax
+                // (12 B per logit); backward writes their gradient (4 B).
+                let b = if pass == Pass::Fwd { 12.0 } else { 4.0 };
+                em.push(
+                    "softmax_ce",
+                    OpKind::Elementwise {
+                        what: "softmax_ce",
+                        elems: logits,
+                    },
+                    0.0,
+                    b * logits,
+                    b * logits / self.hbm,
+                );
+            }
         }
     }
 

@@ -10,6 +10,7 @@ pub mod catalog;
 pub mod collective;
 pub mod eval;
 pub mod flops;
+pub mod fp8;
 pub mod framework;
 pub mod gemm_fit;
 pub mod layer;

@@ -58,6 +58,9 @@ impl Job {
         if self.model.mla.is_some() {
             return Some("multi-head latent attention (job.model.mla)");
         }
+        if self.model.mtp_layers > 0 {
+            return Some("multi-token prediction (job.model.mtp_layers)");
+        }
         if self.moe_a2a_overlap {
             return Some("the paired-1F1B EP all-to-all overlap (job.moe_a2a_overlap)");
         }
@@ -101,6 +104,10 @@ pub struct Model {
     /// Multi-head latent attention ([`Mla`]); `head_dim` is then its q/k head dim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mla: Option<Mla>,
+    /// Multi-token prediction modules on the last pipeline stage (the spec's
+    /// `model.mtp_layers`; DeepSeek-V3: 1). Not counted in `params_total`.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub mtp_layers: u32,
     /// Derived from the shape.
     pub params_total: f64,
     /// Parameters touched per token (MoE: k routed + shared experts).
@@ -133,6 +140,9 @@ fn one_u32() -> u32 {
 }
 fn is_one(x: &u32) -> bool {
     *x == 1
+}
+fn is_zero_u32(x: &u32) -> bool {
+    *x == 0
 }
 fn is_zero(x: &u64) -> bool {
     *x == 0
@@ -282,6 +292,9 @@ pub struct Training {
     #[schemars(with = "String")]
     pub compute_dtype: Dtype,
     pub fp8_gemms: bool,
+    /// The FP8 recipe's casts and BF16 LM head are charged; see the spec's field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fp8_recipe_costs: bool,
     #[schemars(with = "String")]
     pub grad_dtype: Dtype,
     #[schemars(with = "String")]

@@ -13,7 +13,9 @@
 
 use crate::runs::Run;
 use crate::setup::{provenance_text, Conventions};
-use shardwright_spec::spec::{MoeDispatcher, ParallelismSpec, Recompute, RecomputeModule};
+use shardwright_spec::spec::{
+    ModelSpec, MoeDispatcher, ParallelismSpec, Recompute, RecomputeModule,
+};
 
 /// What one Megatron-Bridge performance recipe sets, as far as the cost model reads it.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -40,6 +42,8 @@ pub struct BridgeRecipe {
     /// `moe_a2a_overlap` / `A2A_1F1B` (Megatron-Core `overlap_moe_expert_parallel_comm`):
     /// the spec's `moe_a2a_overlap`.
     pub moe_a2a_overlap: bool,
+    /// `mtp_num_layers`: multi-token prediction modules (the spec's `model.mtp_layers`).
+    pub mtp_layers: u32,
     /// Settings of the recipe the cost model does not represent (said in the row's notes).
     pub not_modelled: &'static str,
     /// Where the settings are written (repository NVIDIA-NeMo/Megatron-Bridge).
@@ -77,7 +81,10 @@ pub struct BridgeRecipe {
 /// (`src/megatron/bridge/recipes/deepseek/deepseek_v3.py`), `overlap_grad_reduce = False`,
 /// and the recipe's `CommOverlapConfig(tp_comm_overlap=False)`. Megatron-Core applies
 /// `mlp` recompute to dense MLPs only (an MoE layer's experts are not an `MLP`), so it
-/// covers DeepSeek-V3's leading dense layers.
+/// covers DeepSeek-V3's leading dense layers. The model recipe's `model_config` defaults to
+/// `mtp_num_layers = 1`, which `run_script.py` leaves, and its H100 pipeline layout
+/// `"Et|(tt|)*30mL"` places the MTP module (`m`) with the loss on the last virtual stage.
+/// The other recipes' models have no MTP module.
 pub const BRIDGE_RECIPES: &[BridgeRecipe] = &[
     BridgeRecipe {
         recipe: "gpt_oss_120b",
@@ -90,6 +97,7 @@ pub const BRIDGE_RECIPES: &[BridgeRecipe] = &[
         moe_dispatcher: Some(MoeDispatcher::Alltoall),
         dp_comm_overlap: true,
         moe_a2a_overlap: false,
+        mtp_layers: 0,
         not_modelled: "",
         source: "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py (GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V1); src/megatron/bridge/recipes/gpt_oss/gpt_oss.py",
     },
@@ -104,6 +112,7 @@ pub const BRIDGE_RECIPES: &[BridgeRecipe] = &[
         moe_dispatcher: Some(MoeDispatcher::Alltoall),
         dp_comm_overlap: true,
         moe_a2a_overlap: true,
+        mtp_layers: 0,
         not_modelled: "",
         source: "scripts/performance/configs/qwen/qwen3_llm_pretrain.py (qwen3_235b_a22b_pretrain_config_h100); qwen3_workload_base_configs.py",
     },
@@ -118,6 +127,7 @@ pub const BRIDGE_RECIPES: &[BridgeRecipe] = &[
         moe_dispatcher: None,
         dp_comm_overlap: true,
         moe_a2a_overlap: false,
+        mtp_layers: 0,
         not_modelled: "",
         source: "scripts/performance/configs/llama/llama3_llm_pretrain.py (llama3_70b_pretrain_config_h100); src/megatron/bridge/recipes/llama/llama3.py",
     },
@@ -132,6 +142,7 @@ pub const BRIDGE_RECIPES: &[BridgeRecipe] = &[
         moe_dispatcher: None,
         dp_comm_overlap: true,
         moe_a2a_overlap: false,
+        mtp_layers: 0,
         not_modelled: "",
         source: "scripts/performance/configs/llama/llama31_llm_pretrain.py; src/megatron/bridge/recipes/llama/llama3.py (llama31_405b_pretrain_config)",
     },
@@ -146,10 +157,40 @@ pub const BRIDGE_RECIPES: &[BridgeRecipe] = &[
         moe_dispatcher: Some(MoeDispatcher::Deepep),
         dp_comm_overlap: false,
         moe_a2a_overlap: true,
+        mtp_layers: 1,
         not_modelled: "",
         source: "scripts/performance/run_script.py @cac49dcd7 (deepseek v3, h100); src/megatron/bridge/recipes/deepseek/deepseek_v3.py",
     },
 ];
+
+/// The recipe's multi-token prediction depth (`r.mtp_layers`) on `model`, whose depth the
+/// reader took from the run (`stated`: the run's name or notes give it) or the model
+/// family: where they differ the recipe's wins over the family's, with a note; a depth the
+/// run states wins over the recipe's (a field the run states wins), with a note of the
+/// contradiction, unless `SHARDWRIGHT_VALIDATE_EXPERIMENTS=recipe_mtp`.
+pub fn apply_recipe_mtp(
+    r: &BridgeRecipe,
+    stated: Option<u32>,
+    model: &mut ModelSpec,
+    notes: &mut Vec<String>,
+) {
+    if r.mtp_layers == model.mtp_layers {
+        return;
+    }
+    match stated {
+        Some(d) if !crate::setup::reader_experiment("recipe_mtp") => notes.push(format!(
+            "the run states {d} multi-token prediction module(s); Megatron-Bridge recipe {} sets mtp_num_layers {} ({}): kept the run's (the recipe's with SHARDWRIGHT_VALIDATE_EXPERIMENTS=recipe_mtp)",
+            r.recipe, r.mtp_layers, r.source
+        )),
+        _ => {
+            notes.push(format!(
+                "{} multi-token prediction module(s) from Megatron-Bridge recipe {} (mtp_num_layers; {})",
+                r.mtp_layers, r.recipe, r.source
+            ));
+            model.mtp_layers = r.mtp_layers;
+        }
+    }
+}
 
 /// The NeMo container release a Megatron-Bridge table names ("'26.02 NeMo Container'"),
 /// as `YYMM`.
@@ -355,6 +396,48 @@ mod tests {
         );
         assert_eq!(pins.recompute, Some(Recompute::Selective));
         assert!(notes[0].contains("selective [layernorm, moe_act]"));
+    }
+
+    /// The 25.09 DeepSeek-V3 H100 recipe keeps `model_config`'s `mtp_num_layers = 1`
+    /// (`run_script.py` at cac49dcd7 passes no depth; its layout `"Et|(tt|)*30mL"` has the
+    /// `m`): it sets the depth where the run states none, and where the run states another
+    /// the run's stays, with a note naming both.
+    #[test]
+    fn the_recipe_mtp_depth_unless_the_run_states_one() {
+        let r = BRIDGE_RECIPES
+            .iter()
+            .find(|r| r.recipe == "deepseek_v3")
+            .unwrap();
+        assert_eq!(r.mtp_layers, 1);
+        let model = |mtp: u32| -> ModelSpec {
+            serde_json::from_value(serde_json::json!({
+                "arch": "moe", "num_layers": 61, "hidden_size": 7168,
+                "num_attention_heads": 128, "vocab_size": 129280, "seq_len": 4096,
+                "mtp_layers": mtp,
+            }))
+            .unwrap()
+        };
+        let mut notes = Vec::new();
+        let mut m = model(0);
+        apply_recipe_mtp(r, None, &mut m, &mut notes);
+        assert_eq!(m.mtp_layers, 1);
+        assert!(notes[0].contains("from Megatron-Bridge recipe deepseek_v3"));
+        let mut m = model(0);
+        notes.clear();
+        apply_recipe_mtp(r, Some(0), &mut m, &mut notes);
+        if !crate::setup::reader_experiment("recipe_mtp") {
+            assert_eq!(m.mtp_layers, 0);
+            assert!(notes[0].contains("kept the run's"), "{notes:?}");
+        }
+        let mut m = model(1);
+        notes.clear();
+        apply_recipe_mtp(r, None, &mut m, &mut notes);
+        assert!(notes.is_empty());
+        let llama = BRIDGE_RECIPES
+            .iter()
+            .find(|r| r.recipe == "llama3_70b")
+            .unwrap();
+        assert_eq!(llama.mtp_layers, 0);
     }
 
     #[test]

@@ -33,7 +33,9 @@
 //!   benchmark table gets its performance recipe's recompute (when it states none), TP
 //!   overlap and DP overlap, by container release, model recipe and GPU kind.
 
-use crate::recipes::{apply_recipe_conventions, apply_recipe_recompute, run_recipe};
+use crate::recipes::{
+    apply_recipe_conventions, apply_recipe_mtp, apply_recipe_recompute, run_recipe,
+};
 use crate::report::Skip;
 use crate::runs::{Run, RunModel};
 use shardwright_cost::catalog;
@@ -105,6 +107,61 @@ pub const KNOWN_MLA: &[(&str, Mla, &str)] = &[
     ),
 ];
 
+/// Model families with multi-token prediction modules by default: (name substring, depth,
+/// where the config says so). A run whose name or notes say "no MTP" has none; a depth in
+/// the notes (`num_nextn_predict_layers N`, `mtp_num_layers N`, `MTP depth N`) wins.
+pub const KNOWN_MTP: &[(&str, u32, &str)] = &[(
+    "deepseek-v3",
+    1,
+    "DeepSeek-V3 config.json: num_nextn_predict_layers 1; its report (arXiv 2412.19437 §2.2) trains with D = 1",
+)];
+
+/// The multi-token prediction depth the run's model name or notes state, if they do: a
+/// depth after `num_nextn_predict_layers`, `mtp_num_layers` or `MTP depth`, or 0 for "no
+/// MTP" / "w/o MTP".
+pub fn stated_mtp(m: &RunModel) -> Option<u32> {
+    let text = format!(
+        "{} {}",
+        m.name.as_deref().unwrap_or(""),
+        m.notes.as_deref().unwrap_or("")
+    );
+    let lower = text.to_ascii_lowercase();
+    ["num_nextn_predict_layers", "mtp_num_layers", "mtp depth"]
+        .iter()
+        .find_map(|key| number_after(&text, key))
+        .or_else(|| {
+            ["no mtp", "w/o mtp"]
+                .iter()
+                .any(|w| lower.contains(w))
+                .then_some(0)
+        })
+}
+
+/// Multi-token prediction depth of `m` (the spec's `model.mtp_layers`), with a note where it
+/// is not 0: as the name or notes state it ([`stated_mtp`]), else the model family's
+/// ([`KNOWN_MTP`]), else 0. A Megatron-Bridge recipe may set another
+/// ([`crate::recipes::apply_recipe_mtp`]).
+fn mtp_layers(m: &RunModel, notes: &mut Vec<String>) -> u32 {
+    if let Some(d) = stated_mtp(m) {
+        if d > 0 {
+            notes.push(format!(
+                "{d} multi-token prediction module(s) as the model's name or notes state"
+            ));
+        }
+        return d;
+    }
+    let lower = m.name.as_deref().unwrap_or("").to_ascii_lowercase();
+    match KNOWN_MTP.iter().find(|(k, ..)| lower.contains(k)) {
+        Some((_, d, why)) => {
+            notes.push(format!(
+                "{d} multi-token prediction module(s) from the model family ({why}), on the last pipeline stage"
+            ));
+            *d
+        }
+        None => 0,
+    }
+}
+
 /// Max over mean routed tokens per EP rank without a system-level balancer: the least of
 /// the range UltraEP measured on MoE models of 106B to 671B, training and prefill (Wei et
 /// al. 2026, arXiv 2606.04101, abstract: "inter-rank imbalance from 1.30-4.01").
@@ -127,6 +184,23 @@ pub const UNBALANCED_EP_RANK_LOAD: f64 = 1.30;
 ///   costs the model lacks.
 /// - `rank_imbalance`: the routed load of the most loaded EP rank at
 ///   [`UNBALANCED_EP_RANK_LOAD`] times the mean (`job.moe_rank_imbalance`).
+/// - `fp8_costs`: an FP8 run's recipe costs (`precision.fp8_recipe_costs`,
+///   `shardwright_cost::fp8`): the casts of each FP8 GEMM's input and output gradient
+///   through HBM and the LM head at the BF16 rate. Measured with the h100 profile fitted
+///   without `mbridge`: Llama-3-70B -12.1% -> -17.8%, 405B -1.6 -> -3.6, Qwen3-235B
+///   +12.4 -> +7.6, DeepSeek-V3 -11.4 -> -13.2 (mbridge p90 16.6 -> 18.7), torchtitan
+///   median / p90 5.3 / 13.6 -> 8.0 / 14.7, leave-one-source-out p90 13.16 -> 14.41: the
+///   FP8 GEMM rate (`fp8_gemm_rel`) stays at its hand-set 0.85, which the training runs
+///   (four FP8 runs, a sequence-length sweep) do not move, so whatever FP8 adds makes FP8 runs
+///   slower than measured.
+/// - `recipe_mtp`: a Megatron-Bridge recipe's multi-token prediction depth
+///   ([`crate::recipes::BridgeRecipe::mtp_layers`]) over the one the run's name or notes
+///   state. The DeepSeek-V3 row is named "DeepSeek-V3 (no MTP)", but the table it cites
+///   (25.09, DGX-H100) names it "DeepSeekV3 (dropless)" and its recipe trains one MTP
+///   module. Measured with the h100 profile fitted without `mbridge`: DeepSeek-V3 -11.4%
+///   -> -21.3%; with `mla,a2a_overlap,rank_imbalance,dispatcher` too, +20.5% -> +3.0%,
+///   mbridge median / p90 / max 4.3 / 9.1 / 12.1, leave-one-source / framework / GPU-kind
+///   out p90 11.94 / 13.45 / 12.94 (torchtitan unchanged; no trained run OOM).
 /// - `dispatcher`: the recipe's MoE token dispatcher
 ///   ([`crate::recipes::BridgeRecipe::moe_dispatcher`]: `alltoall` for the Qwen3 and
 ///   GPT-OSS recipes) instead of the flex (DeepEP) convention.
@@ -879,7 +953,10 @@ pub fn setup_run_in(
     if let Some(r) = recipe {
         apply_recipe_conventions(run, r, &mut conv, &mut notes);
     }
-    let model = run_model(run, &conv, &mut notes).map_err(skip)?;
+    let mut model = run_model(run, &conv, &mut notes).map_err(skip)?;
+    if let Some(r) = recipe {
+        apply_recipe_mtp(r, stated_mtp(&run.model), &mut model, &mut notes);
+    }
     let (mut pins, global_batch) =
         run_pins(run, &conv, gpu.gpus_per_node, &mut notes).map_err(skip)?;
     let recompute_modules = recipe
@@ -1079,6 +1156,7 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
         sliding_window_pattern: window.and_then(|w| w.1),
         attention_sink_tokens: 0,
         mla,
+        mtp_layers: mtp_layers(m, notes),
     })
 }
 
@@ -1568,6 +1646,7 @@ fn run_precision(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Prec
     PrecisionSpec {
         compute: Dtype::Bf16,
         fp8_gemms: fp8,
+        fp8_recipe_costs: fp8 && reader_experiment("fp8_costs"),
         grads: if conv.fp32_grads {
             Dtype::Fp32
         } else {
@@ -1690,6 +1769,30 @@ mod tests {
         assert_eq!(lite.q_lora_rank, 0);
         m.name = Some("Llama 3 70B".into());
         assert_eq!(latent_attention(&m, None, true, &mut notes), None);
+    }
+
+    /// Multi-token prediction: a DeepSeek-V3 its name marks "(no MTP)" has none (the
+    /// Megatron-Bridge table's row), an unmarked one its config's one module
+    /// (`num_nextn_predict_layers: 1`), a depth in the notes wins, other models none.
+    #[test]
+    fn mtp_depth_from_name_notes_or_family() {
+        let mut m: RunModel = serde_json::from_str(
+            r#"{"name": "DeepSeek-V3 (no MTP)", "arch": "moe", "num_layers": 61,
+                "hidden_size": 7168, "num_attention_heads": 128, "vocab_size": 129280,
+                "seq_len": 4096}"#,
+        )
+        .unwrap();
+        let mut notes = Vec::new();
+        assert_eq!(mtp_layers(&m, &mut notes), 0);
+        assert!(notes.is_empty());
+        m.name = Some("DeepSeek-V3".into());
+        assert_eq!(mtp_layers(&m, &mut notes), 1);
+        assert!(notes[0].contains("num_nextn_predict_layers 1"), "{notes:?}");
+        m.notes = Some("trained with mtp_num_layers 2".into());
+        assert_eq!(mtp_layers(&m, &mut notes), 2);
+        m.name = Some("Llama 3 70B".into());
+        m.notes = None;
+        assert_eq!(mtp_layers(&m, &mut notes), 0);
     }
 
     #[test]
