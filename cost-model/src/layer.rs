@@ -37,6 +37,8 @@ use crate::collective::{
     all_gather_s, all_reduce_s, all_to_all_s, moe_dispatch_dedup_s, reduce_scatter_s, send_s,
     small_all_reduce_s, MoeDispatch,
 };
+
+pub mod def;
 use crate::eval::{gemm_eff, group_link};
 use crate::flops;
 use shardwright_ir::vocab::GemmRole;
@@ -317,19 +319,27 @@ impl Ctx<'_> {
         );
     }
 
-    /// The TP collectives of one block (attention or MLP) in one pass: with sequence
-    /// parallelism an all-gather before and a reduce-scatter after (the backward mirrors
-    /// them at the same cost); otherwise one all-reduce (of the block's output in the
-    /// forward, of its input gradient in the backward), as Megatron does.
+    /// One of the TP collectives of a block (attention or MLP) in one pass: the
+    /// [`def::StepKind::TpGather`] (`gather`) or [`def::StepKind::TpReduce`] step. With
+    /// sequence parallelism an all-gather before the block and a reduce-scatter after (the
+    /// backward mirrors them at the same cost); otherwise one all-reduce after (of the
+    /// block's output in the forward, of its input gradient in the backward), as Megatron
+    /// does.
     ///
     /// With `job.tp_comm_overlap` (Megatron/TE userbuffers, sequence parallel only) each
     /// collective is split into `tp` chunks pipelined with the GEMM it feeds (all-gather:
-    /// the block's first GEMM) or drains (reduce-scatter: the second): exposed is what
-    /// outlasts that GEMM, and at least the one chunk that cannot overlap,
-    /// `max(t - gemm, t / tp)`.
-    fn tp_pair(&self, e: &mut Emit, block: &'static str, gemms_s: (f64, f64)) {
+    /// the block's first GEMM) or drains (reduce-scatter: the second), `gemms_s` their
+    /// times: exposed is what outlasts that GEMM, and at least the one chunk that cannot
+    /// overlap, `max(t - gemm, t / tp)`.
+    fn tp_step(
+        &self,
+        e: &mut Emit,
+        block: def::Block,
+        gather: bool,
+        gemms_s: impl FnOnce() -> (f64, f64),
+    ) {
         let tp = self.shape.tp as u64;
-        if tp <= 1 {
+        if tp <= 1 || (gather && !self.shape.sp) {
             return;
         }
         let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
@@ -342,36 +352,43 @@ impl Ctx<'_> {
         let ub = self.job.tp_comm_overlap
             && self.shape.sp
             && crate::framework::mechanisms(self.job.framework).tp_overlap;
-        let mut put = |name: &'static str, kind: Coll, t: f64, gemm: f64| {
-            let op = OpKind::Collective {
-                kind,
-                group: GroupKind::Tp,
-                bytes: msg,
-            };
-            let exposed = if ub {
-                (t - gemm).max(t / tp as f64)
-            } else {
-                t * (1.0 - hide)
-            };
-            e.comm(name, op, msg, t, exposed);
-        };
-        if self.shape.sp {
-            let ag = all_gather_s(msg, tp, link.gbps, link.latency_s);
-            let rs = reduce_scatter_s(msg, tp, link.gbps, link.latency_s);
-            let (n1, n2) = match block {
-                "attn" => ("tp_all_gather_attn", "tp_reduce_scatter_attn"),
-                _ => ("tp_all_gather_mlp", "tp_reduce_scatter_mlp"),
-            };
-            put(n1, Coll::AllGather, ag, gemms_s.0);
-            put(n2, Coll::ReduceScatter, rs, gemms_s.1);
-        } else {
+        let attn = block == def::Block::Attn;
+        let (name, kind, t, gemm) = if !self.shape.sp {
             let ar = all_reduce_s(msg, tp, link.gbps, link.latency_s);
-            let name = match block {
-                "attn" => "tp_all_reduce_attn",
-                _ => "tp_all_reduce_mlp",
+            let name = match attn {
+                true => "tp_all_reduce_attn",
+                false => "tp_all_reduce_mlp",
             };
-            put(name, Coll::AllReduce, ar, 0.0);
-        }
+            (name, Coll::AllReduce, ar, 0.0)
+        } else {
+            let gemm = if ub { gemms_s() } else { (0.0, 0.0) };
+            if gather {
+                let ag = all_gather_s(msg, tp, link.gbps, link.latency_s);
+                let name = match attn {
+                    true => "tp_all_gather_attn",
+                    false => "tp_all_gather_mlp",
+                };
+                (name, Coll::AllGather, ag, gemm.0)
+            } else {
+                let rs = reduce_scatter_s(msg, tp, link.gbps, link.latency_s);
+                let name = match attn {
+                    true => "tp_reduce_scatter_attn",
+                    false => "tp_reduce_scatter_mlp",
+                };
+                (name, Coll::ReduceScatter, rs, gemm.1)
+            }
+        };
+        let op = OpKind::Collective {
+            kind,
+            group: GroupKind::Tp,
+            bytes: msg,
+        };
+        let exposed = if ub {
+            (t - gemm).max(t / tp as f64)
+        } else {
+            t * (1.0 - hide)
+        };
+        e.comm(name, op, msg, t, exposed);
     }
 
     /// Attention core of one pass, with the CP ring exchange it hides.
@@ -514,94 +531,131 @@ impl Ctx<'_> {
         }
     }
 
-    /// One pass of a transformer layer (dense or MoE MLP).
+    /// One pass of a transformer layer (dense or MoE MLP): the layer's steps
+    /// ([`def::forward`]) in forward order, each costed by [`Ctx::step`].
     fn layer_pass(&self, e: &mut Emit, moe_layer: bool) {
+        let d = def::forward(self.job, &self.shape, moe_layer);
+        for s in d.steps() {
+            self.step(e, s.kind, moe_layer);
+        }
+    }
+
+    /// The ops of one step of a layer in one pass. The norms, residual adds and rotary
+    /// are one calibrated figure, `hidden_ops`, charged on the attention block's norm; the
+    /// CP ring's K/V exchange is charged with the attention core it hides behind; the MoE
+    /// block's ops are [`Ctx::moe_mlp`]'s.
+    fn step(&self, e: &mut Emit, kind: def::StepKind, moe_layer: bool) {
+        use def::{Block, StepKind as K};
+        let m = &self.job.model;
+        let (t, h, tokens) = (self.t, self.h, self.tokens);
+        // Whole experts (expert tensor parallelism 1): each rank feeds its own sequence
+        // shard (tokens / tp) to full-width experts spread over the tp x ep ranks of the
+        // folded expert-parallel group; only the shared experts stay split over tp.
+        let whole = moe_layer && self.mesh.whole_experts();
+        let sc = e.scale();
+        match kind {
+            K::Norm(Block::Attn) => self.hidden_ops(e),
+            K::TpGather(Block::Attn) => {
+                self.tp_step(e, Block::Attn, true, || self.attn_gemm_times(sc))
+            }
+            K::TpReduce(Block::Attn) => {
+                self.tp_step(e, Block::Attn, false, || self.attn_gemm_times(sc))
+            }
+            // The GEMMs the MLP block's TP collectives pipeline with (dense FC1/FC2; MoE:
+            // the shared experts, and the experts when they are split over tp).
+            K::TpGather(Block::Mlp) => self.tp_step(e, Block::Mlp, true, || {
+                self.mlp_gemm_times(moe_layer, whole, sc)
+            }),
+            K::TpReduce(Block::Mlp) => self.tp_step(e, Block::Mlp, false, || {
+                self.mlp_gemm_times(moe_layer, whole, sc)
+            }),
+            K::Gemm(GemmRole::Qkv) => {
+                for p in &flops::attention_projections(m) {
+                    let (rows, n) = self.projection_shape(p);
+                    self.gemm(e, GemmRole::Qkv, rows, n, p.in_width, 1);
+                }
+            }
+            K::Gemm(GemmRole::Proj) => self.gemm(e, GemmRole::Proj, tokens, h, m.o_width() / t, 1),
+            K::Gemm(role) => {
+                let (n, k) = self.dense_mlp_gemm(role);
+                self.gemm(e, role, tokens, n, k, 1);
+            }
+            K::Attention => self.attention_core(e),
+            K::Activation => {
+                let f = m.ffn_hidden_size as f64;
+                self.act(e, (m.ffn_activation.mlp_matrices() - 1.0) * f / t);
+            }
+            K::MoeBlock => {
+                let width = self.moe_mlp(e, whole);
+                self.act(e, width);
+            }
+            K::Norm(Block::Mlp) | K::Rope | K::CpGather | K::Residual | K::Dropout => {}
+        }
+    }
+
+    /// Norms, residual adds and rotary on the hidden size (sharded with SP): one
+    /// calibrated figure per layer and pass.
+    fn hidden_ops(&self, e: &mut Emit) {
         let job = self.job;
-        let m = &job.model;
-        let eff = &job.efficiency;
-        let (tokens, h) = (self.tokens, self.h);
-        // Norms, residual adds and rotary on the hidden size (sharded with SP).
-        let hidden_elems = tokens * h / self.seq_div;
+        let hidden_elems = self.tokens * self.h / self.seq_div;
         let eager = crate::framework::eager_elementwise(job.framework, job.torch_compile);
-        let (hidden_x, act_x) = if eager {
-            (
-                crate::framework::eager_hidden_traffic(m),
-                crate::framework::eager_act_traffic(m),
-            )
+        let hidden_x = if eager {
+            crate::framework::eager_hidden_traffic(&job.model)
         } else {
-            (1.0, 1.0)
+            1.0
         };
         self.elementwise(
             e,
             "hidden_ops",
             hidden_elems,
-            eff.elementwise_bytes_per_h * 2.0 * hidden_elems * hidden_x,
+            job.efficiency.elementwise_bytes_per_h * 2.0 * hidden_elems * hidden_x,
         );
-        self.attention_block(e);
-        // Whole experts (expert tensor parallelism 1): each rank feeds its own sequence
-        // shard (tokens / tp) to full-width experts spread over the tp x ep ranks of the
-        // folded expert-parallel group; only the shared experts stay split over tp.
-        let whole = moe_layer && self.mesh.whole_experts();
-        // The GEMMs the MLP block's TP collectives pipeline with (dense FC1/FC2; MoE: the
-        // shared experts, and the experts when they are split over tp).
-        let mlp_gemms = self.mlp_gemm_times(moe_layer, whole, e.scale());
-        // Under sequence parallelism an MoE block without shared experts has no hidden-state
-        // tp collective: the router and the dispatch work on the rank's sequence shard
-        // (split experts gather their routed rows below).
-        let shared_experts = m.moe.as_ref().is_some_and(|x| x.num_shared_experts > 0);
-        if !(moe_layer && self.shape.sp && !shared_experts) {
-            self.tp_pair(e, "mlp", mlp_gemms);
-        }
-        let width = if moe_layer {
-            self.moe_mlp(e, whole)
+    }
+
+    /// The activation function on the MLP width (`width` per token): half the per-element
+    /// bytes of the hidden-size ops (16-bit values).
+    fn act(&self, e: &mut Emit, width: f64) {
+        let job = self.job;
+        let eager = crate::framework::eager_elementwise(job.framework, job.torch_compile);
+        let act_x = if eager {
+            crate::framework::eager_act_traffic(&job.model)
         } else {
-            self.dense_mlp(e)
+            1.0
         };
-        // Activation function on the MLP width: half the per-element bytes of the
-        // hidden-size ops (16-bit values).
-        let act_elems = tokens * width;
+        let act_elems = self.tokens * width;
         self.elementwise(
             e,
             "act",
             act_elems,
-            eff.elementwise_bytes_per_h * act_elems * act_x,
+            job.efficiency.elementwise_bytes_per_h * act_elems * act_x,
         );
     }
 
-    /// The attention block of one pass: QKV projection, attention core and output
-    /// projection, with the TP collectives that pipeline with the two GEMMs.
-    fn attention_block(&self, e: &mut Emit) {
+    /// Input projections ([`flops::attention_projections`]): (rows, output width) of one
+    /// on this rank. Column-parallel ones split their output over tp; MLA's duplicated down
+    /// projections run whole on every rank, over the rank's sequence shard under SP
+    /// (Megatron-Core gathers the latents after them), over every token without it.
+    fn projection_shape(&self, p: &flops::AttnProjection) -> (f64, f64) {
+        if p.split {
+            (self.tokens, p.out_width / self.t)
+        } else {
+            (self.tokens / self.seq_div, p.out_width)
+        }
+    }
+
+    /// Times of the attention block's input projections and output projection in a pass of
+    /// `sc` times the forward work (the GEMMs its TP collectives pipeline with).
+    fn attn_gemm_times(&self, sc: f64) -> (f64, f64) {
         let m = &self.job.model;
-        let (t, h, tokens) = (self.t, self.h, self.tokens);
-        let od = m.o_width();
-        let sc = e.scale();
-        // Input projections ([`flops::attention_projections`]): column-parallel ones split
-        // their output over tp; MLA's duplicated down projections run whole on every rank,
-        // over the rank's sequence shard under SP (Megatron-Core gathers the latents after
-        // them), over every token without it.
-        let proj = flops::attention_projections(m);
-        let shape = |p: &flops::AttnProjection| {
-            if p.split {
-                (tokens, p.out_width / t)
-            } else {
-                (tokens / self.seq_div, p.out_width)
-            }
-        };
-        let qkv_s: f64 = proj
+        let qkv_s: f64 = flops::attention_projections(m)
             .iter()
             .map(|p| {
-                let (rows, n) = shape(p);
+                let (rows, n) = self.projection_shape(p);
                 self.gemm_time(rows, n, p.in_width, 1, sc)
             })
             .sum();
-        let proj_s = self.gemm_time(tokens, h, od / t, 1, sc);
-        self.tp_pair(e, "attn", (qkv_s, proj_s));
-        for p in &proj {
-            let (rows, n) = shape(p);
-            self.gemm(e, GemmRole::Qkv, rows, n, p.in_width, 1);
-        }
-        self.attention_core(e);
-        self.gemm(e, GemmRole::Proj, tokens, h, od / t, 1);
+        let proj_s = self.gemm_time(self.tokens, self.h, m.o_width() / self.t, 1, sc);
+        (qkv_s, proj_s)
     }
 
     /// Times of the MLP block's first and second GEMMs in a pass of `sc` times the forward
@@ -640,15 +694,16 @@ impl Ctx<'_> {
         }
     }
 
-    /// The dense MLP's GEMMs; returns the width of its activation per token.
-    fn dense_mlp(&self, e: &mut Emit) -> f64 {
+    /// The dense MLP's GEMM `role` (FC1, FC2): its (n, k) on this rank.
+    fn dense_mlp_gemm(&self, role: GemmRole) -> (f64, f64) {
         let m = &self.job.model;
-        let (t, h, tokens) = (self.t, self.h, self.tokens);
         let mats = m.ffn_activation.mlp_matrices();
         let f = m.ffn_hidden_size as f64;
-        self.gemm(e, GemmRole::Fc1, tokens, (mats - 1.0) * f / t, h, 1);
-        self.gemm(e, GemmRole::Fc2, tokens, h, f / t, 1);
-        (mats - 1.0) * f / t
+        match role {
+            GemmRole::Fc1 => ((mats - 1.0) * f / self.t, self.h),
+            GemmRole::Fc2 => (self.h, f / self.t),
+            _ => unreachable!("a dense layer's step GEMM is FC1 or FC2"),
+        }
     }
 
     /// The MoE block: router, permutation, EP dispatch, the local experts (with their tp
@@ -1204,7 +1259,7 @@ impl Ctx<'_> {
 
     /// A tensor-parallel collective of one micro-batch's hidden states (16-bit, the full
     /// `tokens x h` tensor) outside the layers, hidden as the layers' TP collectives are
-    /// (`tp_pair`).
+    /// (`tp_step`).
     fn tp_activation(&self, em: &mut Emit, name: &'static str, kind: Coll) {
         let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
         let (gbps, lat, tp) = (link.gbps, link.latency_s, self.shape.tp as u64);

@@ -45,6 +45,7 @@
 
 use crate::mesh::declare_groups;
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
+use shardwright_cost::layer::def::Val;
 use shardwright_cost::schedule::{slots, Phase, Slot};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
@@ -59,6 +60,7 @@ use std::collections::BTreeMap;
 
 mod dp;
 mod moe;
+mod steps;
 mod values;
 use moe::Mlp;
 use values::{Vals, EMBED, HEAD, NONE};
@@ -943,117 +945,36 @@ impl<'a> Ctx<'a> {
         b.set_opt(id, &[lst], &[st]);
     }
 
-    /// Emit the forward (or recompute) of one layer. The forward takes the micro-batch's
-    /// hidden state and hands its output on; the replay (full recompute) starts again from
-    /// the kept input and files its output in the scope.
+    /// Emit the forward (or recompute) of one layer: its definition's steps
+    /// ([`Ctx::layer_def`], the list the cost model's template costs), each by
+    /// [`Ctx::step_fwd`]. The forward takes the micro-batch's hidden state and hands its
+    /// output on; the replay (full recompute) starts again from the kept input and files
+    /// its output in the scope.
     fn layer_fwd(&self, b: &mut Builder, layer: u32, mb: u32, pass: Pass, cp_idx: u32) {
-        let d = self.dims();
-        let (mbo, lo) = (Some(mb), Some(layer));
         let at = (layer, mb);
-        let wname = |r: Role| Some(ParamName::layer(layer, r));
-        let x = if pass == Pass::Recompute {
-            b.get(at, "x")
-        } else {
+        if pass != Pass::Recompute {
             let x = b.take_cur(mb);
-            b.put(at, "x", x);
-            x
-        };
-        // attention block
-        let y1 = self.norm_fwd_v(b, pass, at, x, Role::AttnNorm, ("y1", "rstd1"));
-        let yg1 = self.gather_v(b, pass, at, y1, "yg1");
-        let (wq, _) = self.weight(b, lo, Role::Qkv);
-        let qkv_n = (d.heads + 2 * d.kv_heads) * d.d;
-        let id = b.compute(
-            pass,
-            mbo,
-            lo,
-            gemm(
-                GemmName::fwd(GemmRole::Qkv),
-                d.t,
-                qkv_n,
-                d.h,
-                d.w,
-                wname(Role::Qkv),
-            ),
-        );
-        let qkv = b.act(at, "qkv", d.w, &[d.t, qkv_n]);
-        b.set(id, &[yg1, wq], &[qkv]);
-        let id = b.compute(
-            pass,
-            mbo,
-            lo,
-            ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
-        );
-        let q = b.act(at, "q", d.w, &[d.t, d.heads * d.d]);
-        let kv = b.act(at, "kv", d.w, &[2, d.t, d.kv_heads * d.d]);
-        if self.titan_sac(layer) && pass == Pass::Fwd {
-            // torchtitan's op-level AC keeps V (wv's output) apart from K (wk's, replayed).
-            let v = b.act(at, "v", d.w, &[d.t, d.kv_heads * d.d]);
-            b.set(id, &[qkv], &[q, kv, v]);
-        } else {
-            b.set(id, &[qkv], &[q, kv]);
+            b.put(at, Val::X.name(), x);
         }
-        let kvg = if self.layout.cp > 1 {
-            let c = self.layout.cp as u64;
-            let kvb = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
-            let id = b.collective(Coll {
-                stream: Stream::Comm,
-                pass,
-                mb: mbo,
-                layer: lo,
-                kind: CollectiveKind::AllGather,
-                axis: GroupKind::Cp,
-                bytes: kvb,
-                dt: d.w,
-                blocking: true,
-                tensor: None,
-                reduce: ReduceOp::Sum,
-            });
-            let kvg = b.act(at, "kvg", d.w, &[c, 2, d.t, d.kv_heads * d.d]);
-            b.set_opt(id, &[kv], &[kvg]);
-            kvg
-        } else {
-            b.put(at, "kvg", kv);
-            kv
+        let gs = self.mlp_gemms(layer, &self.dims());
+        let w = steps::At {
+            pass,
+            at,
+            cp_idx,
+            gs: &gs,
         };
-        let id = b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, false));
-        let o = b.act(at, "o", d.w, &[d.t, d.heads * d.d]);
-        let lse = b.act(at, "lse", DType::F32, &[d.t, d.heads]);
-        b.set(id, &[q, kvg], &[o, lse]);
-        let (wp, _) = self.weight(b, lo, Role::Proj);
-        let id = b.compute(pass, mbo, lo, proj_gemm(&d, layer));
-        let p1 = b.act(at, "p1", d.w, &[d.t, d.h]);
-        b.set(id, &[o, wp], &[p1]);
-        let p1r = self.reduce_v(b, pass, at, p1, "p1r");
-        let xm = self.residual_v(b, pass, at, x, p1r, "xm");
-        // MLP block (an MoE block under SP without shared experts keeps the sequence
-        // shard throughout: no hidden-state gather or reduce-scatter)
-        let y2 = self.norm_fwd_v(b, pass, at, xm, Role::MlpNorm, ("y2", "rstd2"));
-        let block_tp = self.block_tp(layer);
-        let yg2 = if block_tp {
-            self.gather_v(b, pass, at, y2, "yg2")
-        } else {
-            y2
-        };
-        let gs = self.mlp_gemms(layer, &d);
-        let p2 = if self.is_moe_layer(layer) {
-            self.moe_block_fwd(b, pass, at, &gs, (true, [y2, yg2]))
-        } else {
-            self.mlp_fwd(b, pass, at, Mlp::dense(&gs[0], &gs[1]), yg2, None)
-        };
-        let p2r = if block_tp {
-            self.reduce_v(b, pass, at, p2, "p2r")
-        } else {
-            p2
-        };
-        let out = self.residual_v(b, pass, at, xm, p2r, "out");
+        let def = self.layer_def(layer);
+        for s in def.steps() {
+            self.step_fwd(b, &w, s);
+        }
         if pass == Pass::Recompute {
             return;
         }
         // The output is the next scope's; the forward keeps what the backward reads.
+        let out = b.get(at, Val::Out.name());
         b.hand_on(at, out, false);
         let keep = self.kept(layer);
-        b.release_scope_but(at, &keep, Pass::Fwd, lo);
+        b.release_scope_but(at, &keep, Pass::Fwd, Some(layer));
     }
 
     /// The residual add `x + y` in scope `at` filed as `key` (then dropout, when the model

@@ -1,0 +1,155 @@
+//! A layer's forward from its definition: the cost model's step list
+//! ([`shardwright_cost::layer::def::forward`], the one list the template costs) emitted
+//! step by step, one emit rule per step kind. Each step reads its operands from the
+//! layer's scope by key and files its results under theirs.
+
+use super::{ew, gemm, proj_gemm, Builder, Coll, Ctx, G};
+use shardwright_cost::layer::def::{self, Block, LayerDef, Step, StepKind, Val};
+use shardwright_cost::layer::LayerShape;
+use shardwright_ir::{CollectiveKind, DType, ElementwiseKind, Pass, ReduceOp, Stream};
+use shardwright_ir::{GemmName, GemmRole, ParamName, Role, ValueId};
+use shardwright_spec::mesh::GroupKind;
+
+/// Where a layer's forward steps are emitted: the pass (forward, or a full recompute's
+/// replay), the scope `(layer, mb)`, the rank's cp index and the layer's MLP GEMMs.
+pub(super) struct At<'g> {
+    pub pass: Pass,
+    pub at: (u32, u32),
+    pub cp_idx: u32,
+    pub gs: &'g [G],
+}
+
+impl Ctx<'_> {
+    /// The definition of `layer` (dense or MoE) under this plan's job and layout.
+    pub(super) fn layer_def(&self, layer: u32) -> LayerDef {
+        let shape = LayerShape::of(self.layout);
+        def::forward(self.job, &shape, self.is_moe_layer(layer))
+    }
+
+    /// Emit one forward step of a layer.
+    pub(super) fn step_fwd(&self, b: &mut Builder, w: &At<'_>, s: &Step) {
+        let d = self.dims();
+        let (pass, at) = (w.pass, w.at);
+        let (layer, mb) = at;
+        let (mbo, lo) = (Some(mb), Some(layer));
+        let x = b.get(at, s.ins[0].name());
+        let out = s.outs[0].name();
+        match s.kind {
+            StepKind::Norm(blk) => {
+                let role = match blk {
+                    Block::Attn => Role::AttnNorm,
+                    Block::Mlp => Role::MlpNorm,
+                };
+                self.norm_fwd_v(b, pass, at, x, role, (out, s.outs[1].name()));
+            }
+            StepKind::TpGather(_) => {
+                self.gather_v(b, pass, at, x, out);
+            }
+            StepKind::TpReduce(_) => {
+                self.reduce_v(b, pass, at, x, out);
+            }
+            StepKind::Gemm(GemmRole::Qkv) => {
+                let (wq, _) = self.weight(b, lo, Role::Qkv);
+                let qkv_n = (d.heads + 2 * d.kv_heads) * d.d;
+                let weight = Some(ParamName::layer(layer, Role::Qkv));
+                let op = gemm(GemmName::fwd(GemmRole::Qkv), d.t, qkv_n, d.h, d.w, weight);
+                let id = b.compute(pass, mbo, lo, op);
+                let y = b.act(at, out, d.w, &[d.t, qkv_n]);
+                b.set(id, &[x, wq], &[y]);
+            }
+            StepKind::Gemm(GemmRole::Proj) => {
+                let (wp, _) = self.weight(b, lo, Role::Proj);
+                let id = b.compute(pass, mbo, lo, proj_gemm(&d, layer));
+                let y = b.act(at, out, d.w, &[d.t, d.h]);
+                b.set(id, &[x, wp], &[y]);
+            }
+            StepKind::Gemm(role) => {
+                let g =
+                    w.gs.iter()
+                        .find(|g| g.role == role)
+                        .expect("a step GEMM of the layer");
+                let (wt, _) = self.weight_of(b, layer, g);
+                let id = self.gemm_fwd(b, pass, mb, layer, g);
+                let y = b.act(at, out, d.w, &[g.m, g.n]);
+                b.set(id, &[x, wt], &[y]);
+            }
+            StepKind::Rope => {
+                let op = ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4);
+                let id = b.compute(pass, mbo, lo, op);
+                let res: Vec<ValueId> = s
+                    .outs
+                    .iter()
+                    .map(|v| match v {
+                        Val::Q => b.act(at, v.name(), d.w, &[d.t, d.heads * d.d]),
+                        Val::Kv => b.act(at, v.name(), d.w, &[2, d.t, d.kv_heads * d.d]),
+                        _ => b.act(at, v.name(), d.w, &[d.t, d.kv_heads * d.d]),
+                    })
+                    .collect();
+                b.set(id, &[x], &res);
+            }
+            StepKind::CpGather => self.cp_gather(b, w, x, out),
+            StepKind::Attention => {
+                let kvg = b.get(at, s.ins[1].name());
+                let id = b.compute(pass, mbo, lo, self.attention_op(&d, w.cp_idx, false));
+                let o = b.act(at, out, d.w, &[d.t, d.heads * d.d]);
+                let lse = b.act(at, s.outs[1].name(), DType::F32, &[d.t, d.heads]);
+                b.set(id, &[x, kvg], &[o, lse]);
+            }
+            StepKind::Residual => {
+                let y = b.get(at, s.ins[1].name());
+                let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
+                let z = b.act(at, out, d.w, &[d.ts, d.h]);
+                b.set(id, &[x, y], &[z]);
+            }
+            StepKind::Dropout => {
+                let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
+                let z = b.act(at, out, d.w, &[d.ts, d.h]);
+                b.set(id, &[x], &[z]);
+            }
+            StepKind::Activation => {
+                let (up, down) = (&w.gs[0], &w.gs[1]);
+                let op = ew(ElementwiseKind::Activation, up.m * up.n, 6);
+                let id = b.compute(pass, mbo, lo, op);
+                let res: Vec<ValueId> = s
+                    .outs
+                    .iter()
+                    .map(|v| b.act(at, v.name(), d.w, &[down.m, down.k]))
+                    .collect();
+                b.set(id, &[x], &res);
+            }
+            StepKind::MoeBlock => {
+                let xg = b.get(at, s.ins[1].name());
+                // Files its output under `ym` (`sp2` with shared experts) itself.
+                self.moe_block_fwd(b, pass, at, w.gs, (true, [x, xg]));
+            }
+        }
+    }
+
+    /// Context parallelism's all-gather of this rank's K and V (`kv` -> `out`); without
+    /// CP `kv` itself, filed as `out`.
+    fn cp_gather(&self, b: &mut Builder, w: &At<'_>, kv: ValueId, out: &'static str) {
+        let d = self.dims();
+        let (layer, mb) = w.at;
+        if self.layout.cp <= 1 {
+            b.put(w.at, out, kv);
+            return;
+        }
+        let c = self.layout.cp as u64;
+        let kvb = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
+        let id = b.collective(Coll {
+            stream: Stream::Comm,
+            pass: w.pass,
+            mb: Some(mb),
+            layer: Some(layer),
+            kind: CollectiveKind::AllGather,
+            axis: GroupKind::Cp,
+            bytes: kvb,
+            dt: d.w,
+            blocking: true,
+            tensor: None,
+            reduce: ReduceOp::Sum,
+        });
+        let kvg = b.act(w.at, out, d.w, &[c, 2, d.t, d.kv_heads * d.d]);
+        b.set_opt(id, &[kv], &[kvg]);
+    }
+}
