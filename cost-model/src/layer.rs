@@ -577,11 +577,11 @@ impl Ctx<'_> {
             }
             K::Gemm(GemmRole::Proj) => self.gemm(e, GemmRole::Proj, tokens, h, m.o_width() / t, 1),
             K::Gemm(role) => {
-                let (n, k) = self.dense_mlp_gemm(role);
+                let (n, k) = self.step_gemm(role);
                 self.gemm(e, role, tokens, n, k, 1);
             }
             K::Attention => self.attention_core(e),
-            K::Activation => {
+            K::Activation | K::ActivationJoin => {
                 let f = m.ffn_hidden_size as f64;
                 self.act(e, (m.ffn_activation.mlp_matrices() - 1.0) * f / t);
             }
@@ -589,7 +589,7 @@ impl Ctx<'_> {
                 let width = self.moe_mlp(e, whole);
                 self.act(e, width);
             }
-            K::Norm(Block::Mlp) | K::Rope | K::CpGather | K::Residual | K::Dropout => {}
+            K::Norm(Block::Mlp) | K::Rope | K::RopeK | K::CpGather | K::Residual | K::Dropout => {}
         }
     }
 
@@ -694,15 +694,19 @@ impl Ctx<'_> {
         }
     }
 
-    /// The dense MLP's GEMM `role` (FC1, FC2): its (n, k) on this rank.
-    fn dense_mlp_gemm(&self, role: GemmRole) -> (f64, f64) {
+    /// A dense layer's step GEMM `role` over the micro-batch's tokens: its (n, k) on this
+    /// rank (FC1, FC2; torchtitan's replayed wk, the K columns of the QKV weight, and w3,
+    /// the up half of a gated FC1).
+    fn step_gemm(&self, role: GemmRole) -> (f64, f64) {
         let m = &self.job.model;
         let mats = m.ffn_activation.mlp_matrices();
         let f = m.ffn_hidden_size as f64;
         match role {
             GemmRole::Fc1 => ((mats - 1.0) * f / self.t, self.h),
             GemmRole::Fc2 => (self.h, f / self.t),
-            _ => unreachable!("a dense layer's step GEMM is FC1 or FC2"),
+            GemmRole::KProj => (m.k_width() / self.t, self.h),
+            GemmRole::Fc1Up => (f / self.t, self.h),
+            _ => unreachable!("not a dense layer's step GEMM: {role:?}"),
         }
     }
 
@@ -918,35 +922,26 @@ impl Ctx<'_> {
     }
 }
 
-/// Whether selective recompute with `mods` runs `op` of a dense (`moe = false`) or MoE
-/// layer again.
-fn recomputed(op: &OpCost, moe: bool, mods: &[RecomputeModule]) -> bool {
+/// Whether Megatron's selective recompute with `mods` runs `op`, one of the MoE block's
+/// ops ([`def::StepKind::MoeBlock`], which [`def::recomputed`] replays when any of its
+/// modules is chosen): all of them but the routing statistics with `moe`, the shared
+/// experts with `shared_experts`, the activation with `moe_act`.
+fn moe_recomputed(op: &OpCost, mods: &[RecomputeModule]) -> bool {
     use RecomputeModule as R;
     let has = |m: R| mods.contains(&m);
-    let moe_module = moe && has(R::Moe);
     if let OpKind::Gemm { role, .. } = op.kind {
         return match role {
-            GemmRole::Fc1 | GemmRole::Fc2 => !moe && has(R::Mlp),
-            GemmRole::Router | GemmRole::ExpertFc1 | GemmRole::ExpertFc2 => moe_module,
-            GemmRole::SharedFc1 | GemmRole::SharedFc2 => {
-                moe && (has(R::Moe) || has(R::SharedExperts))
-            }
-            GemmRole::Qkv
-            | GemmRole::KProj
-            | GemmRole::Proj
-            | GemmRole::Fc1Up
-            | GemmRole::LmHead => false,
+            GemmRole::SharedFc1 | GemmRole::SharedFc2 => has(R::Moe) || has(R::SharedExperts),
+            _ => has(R::Moe),
         };
     }
     match op.name {
-        "attention_core" => has(R::CoreAttn),
-        "tp_all_gather_mlp" => (!moe && has(R::Mlp)) || moe_module,
-        "act" => (!moe && has(R::Mlp)) || (moe && (has(R::Moe) || has(R::MoeAct))),
+        "act" => has(R::Moe) || has(R::MoeAct),
         "permute"
         | "ep_dispatch"
         | "tp_all_gather_experts"
         | "tp_reduce_scatter_experts"
-        | "ep_combine" => moe_module,
+        | "ep_combine" => has(R::Moe),
         _ => false,
     }
 }
@@ -1090,59 +1085,28 @@ impl Ctx<'_> {
         }
     }
 
-    /// torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense block: the
-    /// replay from the block input reruns every elementwise op and the TP all-gathers
-    /// (their outputs are not kept) and every other matmul in forward order: wk, wo, and
-    /// the MLP's second (gated: w3, the up half of FC1; else FC2).
+    /// torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense layer: the
+    /// steps of its replay ([`def::op_level_replay`], the list the lowering emits): every
+    /// elementwise op and the TP all-gathers (their outputs are not kept; without SP the
+    /// all-reduces) and every other matmul in forward order: wk, wo, and the MLP's second
+    /// (gated: w3, the up half of FC1; else FC2).
     fn op_level_recompute(&self, out: &mut Vec<OpCost>) {
-        let m = &self.job.model;
-        let mut again = Vec::with_capacity(32);
-        self.layer_pass(
-            &mut Emit {
-                out: &mut again,
-                pass: Pass::Recompute,
-            },
-            false,
-        );
-        out.extend(again.into_iter().filter(|op| {
-            matches!(
-                op.name,
-                "hidden_ops"
-                    | "act"
-                    | "tp_all_gather_attn"
-                    | "tp_all_gather_mlp"
-                    | "tp_all_reduce_attn"
-                    | "tp_all_reduce_mlp"
-            )
-        }));
-        let (t, h) = (self.t, self.h);
-        let (od, kvd) = (m.o_width(), m.k_width());
-        let f = m.ffn_hidden_size as f64;
+        let d = def::op_level_replay(self.job, &self.shape);
         let re = &mut Emit {
             out,
             pass: Pass::Recompute,
         };
-        self.gemm(re, GemmRole::KProj, self.tokens, kvd / t, h, 1);
-        self.gemm(re, GemmRole::Proj, self.tokens, h, od / t, 1);
-        if m.ffn_activation.mlp_matrices() > 2.0 {
-            self.gemm(re, GemmRole::Fc1Up, self.tokens, f / t, h, 1);
-        } else {
-            self.gemm(re, GemmRole::Fc2, self.tokens, h, f / t, 1);
+        for s in d.steps() {
+            self.step(re, s.kind, false);
         }
     }
 
-    /// Fine-grained selective recompute: the forward ops of the chosen modules
-    /// (`job.training.recompute_modules`), in forward order.
+    /// Fine-grained selective recompute: the forward steps of the chosen modules
+    /// (`job.training.recompute_modules`, [`def::recomputed`]), in forward order, after
+    /// the norms' replay (`layernorm`, one figure); of the MoE block the ops of its chosen
+    /// modules ([`moe_recomputed`]).
     fn module_recompute(&self, out: &mut Vec<OpCost>, moe: bool) {
         let mods = &self.job.training.recompute_modules;
-        let mut again = Vec::with_capacity(32);
-        self.layer_pass(
-            &mut Emit {
-                out: &mut again,
-                pass: Pass::Recompute,
-            },
-            moe,
-        );
         if mods.contains(&RecomputeModule::Layernorm) {
             // Two norms: read the input, write the output (16-bit).
             let elems = self.tokens * self.h / self.seq_div;
@@ -1156,7 +1120,25 @@ impl Ctx<'_> {
                 8.0 * elems,
             );
         }
-        out.extend(again.into_iter().filter(|op| recomputed(op, moe, mods)));
+        let d = def::forward(self.job, &self.shape, moe);
+        for s in d.steps() {
+            if !def::recomputed(s.kind, moe, mods) {
+                continue;
+            }
+            let start = out.len();
+            self.step(
+                &mut Emit {
+                    out,
+                    pass: Pass::Recompute,
+                },
+                s.kind,
+                moe,
+            );
+            if s.kind == def::StepKind::MoeBlock {
+                let block = out.split_off(start);
+                out.extend(block.into_iter().filter(|op| moe_recomputed(op, mods)));
+            }
+        }
         if mods.contains(&RecomputeModule::MlaUpProj) {
             // MLA's up projections (`flops::mla_up_proj_params`): the column-parallel ones
             // that read a latent, on every token.

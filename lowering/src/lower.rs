@@ -45,7 +45,8 @@
 
 use crate::mesh::declare_groups;
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
-use shardwright_cost::layer::def::Val;
+use shardwright_cost::layer::def::{self, Val};
+use shardwright_cost::layer::LayerShape;
 use shardwright_cost::schedule::{slots, Phase, Slot};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
@@ -962,11 +963,9 @@ impl<'a> Ctx<'a> {
             at,
             cp_idx,
             gs: &gs,
+            stats: true,
         };
-        let def = self.layer_def(layer);
-        for s in def.steps() {
-            self.step_fwd(b, &w, s);
-        }
+        self.steps_fwd(b, &w, &self.layer_def(layer));
         if pass == Pass::Recompute {
             return;
         }
@@ -975,31 +974,6 @@ impl<'a> Ctx<'a> {
         b.hand_on(at, out, false);
         let keep = self.kept(layer);
         b.release_scope_but(at, &keep, Pass::Fwd, Some(layer));
-    }
-
-    /// The residual add `x + y` in scope `at` filed as `key` (then dropout, when the model
-    /// has it).
-    fn residual_v(
-        &self,
-        b: &mut Builder,
-        pass: Pass,
-        at: (u32, u32),
-        x: ValueId,
-        y: ValueId,
-        key: &'static str,
-    ) -> ValueId {
-        let d = self.dims();
-        let (mbo, lo) = (Some(at.1), Some(at.0));
-        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
-        let z = b.act(at, key, d.w, &[d.ts, d.h]);
-        b.set(id, &[x, y], &[z]);
-        if !self.job.model.dropout {
-            return z;
-        }
-        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
-        let zd = b.act(at, key, d.w, &[d.ts, d.h]);
-        b.set(id, &[z], &[zd]);
-        zd
     }
 
     /// What a layer's forward keeps for its backward (the rest is released at its end):
@@ -1234,25 +1208,6 @@ impl<'a> Ctx<'a> {
         matches!(self.selective_policy(layer), Some((true, _)))
     }
 
-    /// Before the backward of a block: the norm again when its output was not kept
-    /// (Megatron's `layernorm` module, torchtitan's op-level AC).
-    /// The replay defines the norm's output and statistics again (and, without SP, the
-    /// GEMM input the weight gradient reads).
-    fn norm_recompute(&self, b: &mut Builder, at: (u32, u32), which: Role) {
-        let layer = at.0;
-        if self.recomputes(layer, RecomputeModule::Layernorm) || self.titan_sac(layer) {
-            let (x, keys, gathered) = if which == Role::MlpNorm {
-                (b.get(at, "xm"), ("y2", "rstd2"), "yg2")
-            } else {
-                (b.get(at, "x"), ("y1", "rstd1"), "yg1")
-            };
-            let y = self.norm_fwd_v(b, Pass::Recompute, at, x, which, keys);
-            if !self.dims().sp {
-                b.put(at, gathered, y);
-            }
-        }
-    }
-
     /// A dropout's backward on `dy` (when the model has dropout), filed as `key`.
     fn dropout_bwd_v(
         &self,
@@ -1276,93 +1231,33 @@ impl<'a> Ctx<'a> {
         z
     }
 
-    /// Before the MLP block's backward: the forward ops of the recomputed modules, in
-    /// forward order (the cost model's `recomputed` list, and torchtitan's every other
-    /// matmul: w3 for a gated MLP, else FC2, with the activation and the TP gather).
-    fn mlp_recompute(&self, b: &mut Builder, layer: u32, mb: u32, gs: &[G]) {
-        let d = self.dims();
-        let (mbo, lo) = (Some(mb), Some(layer));
-        let rc = Pass::Recompute;
-        let block_tp = self.block_tp(layer);
+    /// Before the MLP block's backward: what the layer's recompute policy runs again, in
+    /// forward order, from the layer definition's replay lists (torchtitan's
+    /// [`def::op_level_replay`]; Megatron's [`def::mlp_replay`]: the MLP norm, the dense
+    /// MLP or the whole MoE block), then the parts of an MoE block that Megatron's
+    /// `moe_act` and `shared_experts` modules replay (not in the lists: the experts'
+    /// activation, the shared experts).
+    fn mlp_replay(&self, b: &mut Builder, at: (u32, u32), gs: &[G], cp_idx: u32) {
+        let (layer, mb) = at;
+        let w = steps::At {
+            pass: Pass::Recompute,
+            at,
+            cp_idx,
+            gs,
+            stats: false,
+        };
+        let shape = LayerShape::of(self.layout);
+        let moe = self.is_moe_layer(layer);
         if self.titan_sac(layer) {
-            let at = (layer, mb);
-            let y2 = b.get(at, "y2");
-            let yg2 = if block_tp {
-                self.gather_v(b, rc, at, y2, "yg2")
-            } else {
-                y2
-            };
-            let act = ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6);
-            let a_shape = [gs[1].m, gs[1].k];
-            if d.mats > 2 {
-                // w3: the up half of FC1's weight; the activation joins it to the kept gate
-                // half, defining FC1's output again for the activation's backward.
-                let g = G {
-                    role: GemmRole::Fc1Up,
-                    m: d.t,
-                    n: d.f,
-                    k: d.h,
-                };
-                let (w1, _) = self.weight(b, lo, g.role.weight());
-                let weight = Some(ParamName::layer(layer, g.role.weight()));
-                let id = b.compute(
-                    rc,
-                    mbo,
-                    lo,
-                    gemm(GemmName::fwd(g.role), g.m, g.n, g.k, d.w, weight),
-                );
-                let up = b.act(at, "up", d.w, &[g.m, g.n]);
-                b.set(id, &[yg2, w1], &[up]);
-                let id = b.compute(rc, mbo, lo, act);
-                let gate = b.get(at, "gate");
-                let a = b.act(at, "a", d.w, &a_shape);
-                let u = b.act(at, "u", d.w, &[gs[0].m, gs[0].n]);
-                b.set(id, &[gate, up], &[a, u]);
-            } else {
-                // The activation from the kept FC1 output, then FC2 (w2), whose output
-                // the backward does not read.
-                let id = b.compute(rc, mbo, lo, act);
-                let u = b.get(at, "u");
-                let a = b.act(at, "a", d.w, &a_shape);
-                b.set(id, &[u], &[a]);
-                let (w2, _) = self.weight_of(b, layer, &gs[1]);
-                let id = self.gemm_fwd(b, rc, mb, layer, &gs[1]);
-                let p2 = b.act(at, "p2", d.w, &[gs[1].m, gs[1].n]);
-                b.set(id, &[a, w2], &[p2]);
-            }
-            if !d.sp && self.layout.tp > 1 {
-                // Without SP torchtitan reruns the TP all-reduce of w2's output too (its
-                // result, the layer's output, is not read; under SP the reduce-scatter's
-                // output is saved).
-                let p2 = b.get(at, "p2");
-                self.reduce_v(b, rc, at, p2, "p2r");
-            }
+            self.steps_fwd(b, &w, &def::op_level_replay(self.job, &shape));
             return;
         }
-        if !self.is_moe_layer(layer) {
-            if self.recomputes(layer, RecomputeModule::Mlp) {
-                let at = (layer, mb);
-                let y2 = b.get(at, "y2");
-                let yg2 = if block_tp {
-                    self.gather_v(b, rc, at, y2, "yg2")
-                } else {
-                    y2
-                };
-                self.mlp_fwd(b, rc, at, Mlp::dense(&gs[0], &gs[1]), yg2, None);
-            }
+        self.steps_fwd(b, &w, &def::mlp_replay(self.job, &shape, moe));
+        if !moe || self.recomputes(layer, RecomputeModule::Moe) {
             return;
         }
-        let at = (layer, mb);
-        if self.recomputes(layer, RecomputeModule::Moe) {
-            let y2 = b.get(at, "y2");
-            let yg2 = if block_tp {
-                self.gather_v(b, rc, at, y2, "yg2")
-            } else {
-                y2
-            };
-            self.moe_block_fwd(b, rc, at, gs, (false, [y2, yg2]));
-            return;
-        }
+        let d = self.dims();
+        let (mbo, lo, rc) = (Some(mb), Some(layer), Pass::Recompute);
         if self.recomputes(layer, RecomputeModule::MoeAct) {
             let id = b.compute(
                 rc,
@@ -1380,51 +1275,6 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// torchtitan's op-level AC before a layer's backward: the attention block's forward
-    /// again from what its policy keeps (see [`Self::kept`]), in forward order: the norm,
-    /// the TP gather, wk (the K columns of the fused QKV weight) and the rotary on K (joined
-    /// to the kept V), wo, and the residual `xm` the MLP block's replay starts from. Under
-    /// SP the reduce-scatter's output is kept (torchtitan saves it), so wo's replayed
-    /// product is not read; under CP the kept gathered K/V is read, not the replayed K.
-    fn titan_attn_replay(&self, b: &mut Builder, at: (u32, u32)) {
-        let d = self.dims();
-        let (layer, mb) = at;
-        let (mbo, lo, rc) = (Some(mb), Some(layer), Pass::Recompute);
-        self.norm_recompute(b, at, Role::AttnNorm);
-        let y1 = b.get(at, "y1");
-        let yg1 = self.gather_v(b, rc, at, y1, "yg1");
-        let kw = d.kv_heads * d.d;
-        let role = GemmRole::KProj;
-        let (wqkv, _) = self.weight(b, lo, role.weight());
-        let weight = Some(ParamName::layer(layer, role.weight()));
-        let id = b.compute(
-            rc,
-            mbo,
-            lo,
-            gemm(GemmName::fwd(role), d.t, kw, d.h, d.w, weight),
-        );
-        let k = b.act(at, "k", d.w, &[d.t, kw]);
-        b.set(id, &[yg1, wqkv], &[k]);
-        let id = b.compute(rc, mbo, lo, ew(ElementwiseKind::Rope, d.t * kw, 4));
-        let kv = b.act(at, "kv", d.w, &[2, d.t, kw]);
-        let v = b.get(at, "v");
-        b.set(id, &[k, v], &[kv]);
-        if self.layout.cp <= 1 {
-            b.put(at, "kvg", kv);
-        }
-        let (wp, _) = self.weight(b, lo, Role::Proj);
-        let o = b.get(at, "o");
-        let id = b.compute(rc, mbo, lo, proj_gemm(&d, layer));
-        let p1 = b.act(at, "p1", d.w, &[d.t, d.h]);
-        b.set(id, &[o, wp], &[p1]);
-        let p1r = match d.sp {
-            true => b.get(at, "p1r"),
-            false => self.reduce_v(b, rc, at, p1, "p1r"),
-        };
-        let x = b.get(at, "x");
-        self.residual_v(b, rc, at, x, p1r, "xm");
-    }
-
     /// Emit the backward of one layer: it takes the micro-batch's incoming gradient and
     /// hands the input gradient on, then releases the whole scope.
     fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
@@ -1438,12 +1288,7 @@ impl<'a> Ctx<'a> {
         let dout = self.dropout_bwd_v(b, at, dout, "dout_d");
         let block_tp = self.block_tp(layer);
         let gs = self.mlp_gemms(layer, &d);
-        let titan = self.titan_sac(layer);
-        if titan {
-            self.titan_attn_replay(b, at);
-        }
-        self.norm_recompute(b, at, Role::MlpNorm);
-        self.mlp_recompute(b, layer, mb, &gs);
+        self.mlp_replay(b, at, &gs, cp_idx);
         let dg2 = if block_tp {
             self.gather_v(b, pass, at, dout, "dg2")
         } else {
@@ -1471,8 +1316,18 @@ impl<'a> Ctx<'a> {
             n: d.h,
             k: d.heads * d.d,
         };
-        if !titan {
-            self.norm_recompute(b, at, Role::AttnNorm);
+        if self.recomputes(layer, RecomputeModule::Layernorm) {
+            // Megatron's `layernorm` module: the attention norm again.
+            let w = steps::At {
+                pass: Pass::Recompute,
+                at,
+                cp_idx,
+                gs: &gs,
+                stats: false,
+            };
+            let shape = LayerShape::of(self.layout);
+            let norm = def::norm_replay(&shape, self.is_moe_layer(layer), def::Block::Attn);
+            self.steps_fwd(b, &w, &norm);
         }
         let o = b.get(at, "o");
         let d_o = self.gemm_bwd_v(b, at, &proj, [dg1, o], "do");

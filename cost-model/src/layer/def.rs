@@ -17,7 +17,7 @@
 
 use shardwright_ir::vocab::GemmRole;
 use shardwright_spec::job::Job;
-use shardwright_spec::spec::Recompute;
+use shardwright_spec::spec::{Recompute, RecomputeModule};
 
 use super::LayerShape;
 
@@ -39,8 +39,9 @@ pub enum Val {
     Qkv,
     Q,
     Kv,
-    /// torchtitan's op-level AC: V kept apart from K.
+    /// torchtitan's op-level AC: V kept apart from K, and K replayed alone.
     V,
+    K,
     Kvg,
     O,
     Lse,
@@ -52,8 +53,10 @@ pub enum Val {
     Yg2,
     U,
     A,
-    /// torchtitan's op-level AC under a gated MLP: FC1's gate half kept apart.
+    /// torchtitan's op-level AC under a gated MLP: FC1's gate half kept apart, and the
+    /// up half replayed alone.
     Gate,
+    Up,
     P2,
     /// The MoE block's output: the routed experts' gate-weighted sum, or with shared
     /// experts their output accumulated onto it.
@@ -76,6 +79,7 @@ impl Val {
             Val::Q => "q",
             Val::Kv => "kv",
             Val::V => "v",
+            Val::K => "k",
             Val::Kvg => "kvg",
             Val::O => "o",
             Val::Lse => "lse",
@@ -88,6 +92,7 @@ impl Val {
             Val::U => "u",
             Val::A => "a",
             Val::Gate => "gate",
+            Val::Up => "up",
             Val::P2 => "p2",
             Val::Ym => "ym",
             Val::Sp2 => "sp2",
@@ -124,6 +129,12 @@ pub enum StepKind {
     Dropout,
     /// The MLP activation: `[u] -> [a(, gate)]`.
     Activation,
+    /// torchtitan's replay of the rotary on K alone, joined to the kept V: `[k, v] -> [kv]`.
+    RopeK,
+    /// torchtitan's replay of a gated activation from the kept gate half and the replayed
+    /// up half, defining FC1's output again for the activation's backward:
+    /// `[gate, up] -> [a, u]`.
+    ActivationJoin,
     /// The MoE block (router to combine, with the shared experts): `[y2, yg2] -> [ym]`
     /// (with shared experts `[sp2]`).
     MoeBlock,
@@ -141,7 +152,7 @@ const fn step(kind: StepKind, ins: &'static [Val], outs: &'static [Val]) -> Step
     Step { kind, ins, outs }
 }
 
-/// The most steps a layer has.
+/// The most steps a layer (or a replay) has.
 const CAP: usize = 24;
 
 /// The ordered forward steps of one layer ([`forward`]).
@@ -157,6 +168,15 @@ pub struct LayerDef {
 }
 
 impl LayerDef {
+    fn empty(moe: bool, mlp_tp: bool) -> LayerDef {
+        LayerDef {
+            steps: [step(StepKind::Residual, &[], &[]); CAP],
+            len: 0,
+            moe,
+            mlp_tp,
+        }
+    }
+
     fn push(&mut self, s: Step) {
         self.steps[self.len] = s;
         self.len += 1;
@@ -189,13 +209,7 @@ pub fn forward(job: &Job, shape: &LayerShape, moe: bool) -> LayerDef {
     let shared = m.moe.as_ref().is_some_and(|x| x.num_shared_experts > 0);
     let titan = op_level_ac(job, shape, moe);
     let mlp_tp = !(moe && sp && !shared);
-    let filler = step(K::Residual, &[], &[]);
-    let mut d = LayerDef {
-        steps: [filler; CAP],
-        len: 0,
-        moe,
-        mlp_tp,
-    };
+    let mut d = LayerDef::empty(moe, mlp_tp);
     d.push(step(K::Norm(Block::Attn), &[X], &[Y1, Rstd1]));
     d.push(step(K::TpGather(Block::Attn), &[Y1], &[Yg1]));
     d.push(step(K::Gemm(GemmRole::Qkv), &[Yg1], &[Qkv]));
@@ -247,6 +261,133 @@ pub fn forward(job: &Job, shape: &LayerShape, moe: bool) -> LayerDef {
     d.push(step(K::Residual, res_in, &[Out]));
     if m.dropout {
         d.push(step(K::Dropout, &[Out], &[Out]));
+    }
+    d
+}
+
+/// Whether Megatron's fine-grained selective recompute with `mods` replays forward step
+/// `kind` of a dense (`moe = false`) or MoE layer: the attention core (`core_attn`); the
+/// dense MLP's gather, GEMMs and activation (`mlp`); the MoE block when any of its modules
+/// is chosen (`moe`: all of it, with the MLP gather; `moe_act`, `shared_experts`: a part,
+/// see the template's `moe_recomputed`). The norms (`layernorm`) are replayed by
+/// [`norm_replay`].
+pub fn recomputed(kind: StepKind, moe: bool, mods: &[RecomputeModule]) -> bool {
+    use RecomputeModule as R;
+    let has = |m: R| mods.contains(&m);
+    match kind {
+        StepKind::Attention => has(R::CoreAttn),
+        StepKind::TpGather(Block::Mlp) => {
+            if moe {
+                has(R::Moe)
+            } else {
+                has(R::Mlp)
+            }
+        }
+        StepKind::Gemm(GemmRole::Fc1 | GemmRole::Fc2) | StepKind::Activation => !moe && has(R::Mlp),
+        StepKind::MoeBlock => moe && (has(R::Moe) || has(R::MoeAct) || has(R::SharedExperts)),
+        _ => false,
+    }
+}
+
+/// Megatron's `layernorm` module before a block's backward: the block's norm again and,
+/// without SP, its output filed as the gathered input the weight gradient reads (the
+/// [`StepKind::TpGather`] step, which moves nothing then). Under SP the gathered input
+/// was kept.
+pub fn norm_replay(shape: &LayerShape, moe: bool, block: Block) -> LayerDef {
+    use Val::*;
+    let sp = shape.sp && shape.tp > 1;
+    let mut d = LayerDef::empty(moe, true);
+    match block {
+        Block::Attn => {
+            d.push(step(StepKind::Norm(Block::Attn), &[X], &[Y1, Rstd1]));
+            if !sp {
+                d.push(step(StepKind::TpGather(Block::Attn), &[Y1], &[Yg1]));
+            }
+        }
+        Block::Mlp => {
+            d.push(step(StepKind::Norm(Block::Mlp), &[Xm], &[Y2, Rstd2]));
+            if !sp {
+                d.push(step(StepKind::TpGather(Block::Mlp), &[Y2], &[Yg2]));
+            }
+        }
+    }
+    d
+}
+
+/// What runs again before a layer's MLP backward under Megatron's selective recompute
+/// (nothing under another policy):
+/// the MLP norm (`layernorm`), then the forward steps [`recomputed`] picks from the MLP
+/// block (the gather once), the MoE block only when it is replayed whole (`moe`; the
+/// `moe_act` and `shared_experts` parts are the lowering's own).
+pub fn mlp_replay(job: &Job, shape: &LayerShape, moe: bool) -> LayerDef {
+    use RecomputeModule as R;
+    let mods = &job.training.recompute_modules;
+    let fwd = forward(job, shape, moe);
+    let mut d = LayerDef::empty(moe, fwd.mlp_tp);
+    if shape.recompute != Recompute::Selective || op_level_ac(job, shape, moe) {
+        return d;
+    }
+    if mods.contains(&R::Layernorm) {
+        for s in norm_replay(shape, moe, Block::Mlp).steps() {
+            d.push(*s);
+        }
+    }
+    let mlp = fwd
+        .steps()
+        .iter()
+        .skip_while(|s| s.kind != StepKind::Norm(Block::Mlp))
+        .skip(1);
+    for s in mlp {
+        let whole_moe = s.kind != StepKind::MoeBlock || mods.contains(&R::Moe);
+        let again = s.kind == StepKind::TpGather(Block::Mlp) && d.steps().contains(s);
+        if recomputed(s.kind, moe, mods) && whole_moe && !again {
+            d.push(*s);
+        }
+    }
+    d
+}
+
+/// torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense layer: what
+/// runs again before the layer's backward, from what its forward keeps (the SDPA outputs,
+/// V apart from K, every other matmul's output and under SP the attention block's
+/// reduce-scatter output). The attention block: the norm, the TP gather, wk (the K columns
+/// of the fused QKV weight), the rotary on K joined to the kept V (without CP filed as the
+/// gathered K/V; under CP the kept gathered K/V is read, not the replayed K), wo, without
+/// SP its all-reduce, and the residual. The MLP block: the norm, the TP gather, then gated
+/// w3 (FC1's up half) and the activation joining it to the kept gate half, else the
+/// activation and FC2; without SP the all-reduce of FC2's output.
+pub fn op_level_replay(job: &Job, shape: &LayerShape) -> LayerDef {
+    use StepKind as K;
+    use Val::*;
+    let m = &job.model;
+    let sp = shape.sp && shape.tp > 1;
+    let mut d = LayerDef::empty(false, true);
+    d.push(step(K::Norm(Block::Attn), &[X], &[Y1, Rstd1]));
+    d.push(step(K::TpGather(Block::Attn), &[Y1], &[Yg1]));
+    d.push(step(K::Gemm(GemmRole::KProj), &[Yg1], &[K]));
+    d.push(step(K::RopeK, &[K, V], &[Kv]));
+    if shape.cp <= 1 {
+        d.push(step(K::CpGather, &[Kv], &[Kvg]));
+    }
+    d.push(step(K::Gemm(GemmRole::Proj), &[O], &[P1]));
+    if !sp {
+        d.push(step(K::TpReduce(Block::Attn), &[P1], &[P1r]));
+    }
+    d.push(step(K::Residual, &[X, P1r], &[Xm]));
+    if m.dropout {
+        d.push(step(K::Dropout, &[Xm], &[Xm]));
+    }
+    d.push(step(K::Norm(Block::Mlp), &[Xm], &[Y2, Rstd2]));
+    d.push(step(K::TpGather(Block::Mlp), &[Y2], &[Yg2]));
+    if m.ffn_activation.mlp_matrices() > 2.0 {
+        d.push(step(K::Gemm(GemmRole::Fc1Up), &[Yg2], &[Up]));
+        d.push(step(K::ActivationJoin, &[Gate, Up], &[A, U]));
+    } else {
+        d.push(step(K::Activation, &[U], &[A]));
+        d.push(step(K::Gemm(GemmRole::Fc2), &[A], &[P2]));
+    }
+    if !sp && shape.tp > 1 {
+        d.push(step(K::TpReduce(Block::Mlp), &[P2], &[P2r]));
     }
     d
 }

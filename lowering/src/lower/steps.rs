@@ -17,6 +17,9 @@ pub(super) struct At<'g> {
     pub at: (u32, u32),
     pub cp_idx: u32,
     pub gs: &'g [G],
+    /// Whether the MoE block reduces its routing statistics (the forward and a full
+    /// recompute's replay; not a selective replay).
+    pub stats: bool,
 }
 
 impl Ctx<'_> {
@@ -24,6 +27,13 @@ impl Ctx<'_> {
     pub(super) fn layer_def(&self, layer: u32) -> LayerDef {
         let shape = LayerShape::of(self.layout);
         def::forward(self.job, &shape, self.is_moe_layer(layer))
+    }
+
+    /// Emit the steps of `d` (a layer's forward, or a replay) in order.
+    pub(super) fn steps_fwd(&self, b: &mut Builder, w: &At<'_>, d: &LayerDef) {
+        for s in d.steps() {
+            self.step_fwd(b, w, s);
+        }
     }
 
     /// Emit one forward step of a layer.
@@ -63,11 +73,24 @@ impl Ctx<'_> {
                 let y = b.act(at, out, d.w, &[d.t, d.h]);
                 b.set(id, &[x, wp], &[y]);
             }
+            StepKind::Gemm(role @ (GemmRole::KProj | GemmRole::Fc1Up)) => {
+                // torchtitan's replayed slices of the QKV and FC1 weights.
+                let n = match role {
+                    GemmRole::KProj => d.kv_heads * d.d,
+                    _ => d.f,
+                };
+                let (wt, _) = self.weight(b, lo, role.weight());
+                let weight = Some(ParamName::layer(layer, role.weight()));
+                let op = gemm(GemmName::fwd(role), d.t, n, d.h, d.w, weight);
+                let id = b.compute(pass, mbo, lo, op);
+                let y = b.act(at, out, d.w, &[d.t, n]);
+                b.set(id, &[x, wt], &[y]);
+            }
             StepKind::Gemm(role) => {
                 let g =
                     w.gs.iter()
                         .find(|g| g.role == role)
-                        .expect("a step GEMM of the layer");
+                        .unwrap_or_else(|| panic!("no GEMM {role:?} in layer {layer}"));
                 let (wt, _) = self.weight_of(b, layer, g);
                 let id = self.gemm_fwd(b, pass, mb, layer, g);
                 let y = b.act(at, out, d.w, &[g.m, g.n]);
@@ -86,6 +109,26 @@ impl Ctx<'_> {
                     })
                     .collect();
                 b.set(id, &[x], &res);
+            }
+            StepKind::RopeK => {
+                let kw = d.kv_heads * d.d;
+                let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Rope, d.t * kw, 4));
+                let kv = b.act(at, out, d.w, &[2, d.t, kw]);
+                let v = b.get(at, s.ins[1].name());
+                b.set(id, &[x, v], &[kv]);
+            }
+            StepKind::ActivationJoin => {
+                let (up, down) = (&w.gs[0], &w.gs[1]);
+                let id = b.compute(
+                    pass,
+                    mbo,
+                    lo,
+                    ew(ElementwiseKind::Activation, up.m * up.n, 6),
+                );
+                let a = b.act(at, out, d.w, &[down.m, down.k]);
+                let u = b.act(at, s.outs[1].name(), d.w, &[up.m, up.n]);
+                let half = b.get(at, s.ins[1].name());
+                b.set(id, &[x, half], &[a, u]);
             }
             StepKind::CpGather => self.cp_gather(b, w, x, out),
             StepKind::Attention => {
@@ -120,7 +163,7 @@ impl Ctx<'_> {
             StepKind::MoeBlock => {
                 let xg = b.get(at, s.ins[1].name());
                 // Files its output under `ym` (`sp2` with shared experts) itself.
-                self.moe_block_fwd(b, pass, at, w.gs, (true, [x, xg]));
+                self.moe_block_fwd(b, pass, at, w.gs, (w.stats, [x, xg]));
             }
         }
     }
