@@ -1276,124 +1276,44 @@ impl<'a> Ctx<'a> {
     }
 
     /// Emit the backward of one layer: it takes the micro-batch's incoming gradient and
-    /// hands the input gradient on, then releases the whole scope.
+    /// hands the input gradient on, then releases the whole scope. The layer definition's
+    /// steps in reverse, each by [`Ctx::step_bwd`]; the replays where they run: the MLP
+    /// block's ([`Ctx::mlp_replay`]) after the backward of the residual that ends the
+    /// layer, the attention norm's (Megatron's `layernorm`) before the output
+    /// projection's backward.
     fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
-        let d = self.dims();
-        let (mbo, lo) = (Some(mb), Some(layer));
         let at = (layer, mb);
-        let pass = Pass::Bwd;
         let dout = b.take_dcur(mb);
-        b.put(at, "dout", dout);
-        // MLP block
-        let dout = self.dropout_bwd_v(b, at, dout, "dout_d");
-        let block_tp = self.block_tp(layer);
-        let gs = self.mlp_gemms(layer, &d);
-        self.mlp_replay(b, at, &gs, cp_idx);
-        let dg2 = if block_tp {
-            self.gather_v(b, pass, at, dout, "dg2")
-        } else {
-            dout
+        b.put(at, Val::Out.grad_name(), dout);
+        let gs = self.mlp_gemms(layer, &self.dims());
+        let w = steps::At {
+            pass: Pass::Bwd,
+            at,
+            cp_idx,
+            gs: &gs,
+            stats: false,
         };
-        let dy2 = if self.is_moe_layer(layer) {
-            self.moe_block_bwd(b, at, &gs, dg2)
-        } else {
-            self.mlp_bwd(b, at, Mlp::dense(&gs[0], &gs[1]), dg2)
-        };
-        let dy2r = if block_tp {
-            self.reduce_v(b, pass, at, dy2, "dy2r")
-        } else {
-            dy2
-        };
-        let io = [dy2r, b.get(at, "xm"), b.get(at, "rstd2")];
-        let dxm = self.norm_bwd_v(b, at, Role::MlpNorm, io, Some(dout));
-        b.put(at, "dxm", dxm);
-        // attention block
-        let dxm = self.dropout_bwd_v(b, at, dxm, "dxm_d");
-        let dg1 = self.gather_v(b, pass, at, dxm, "dg1");
-        let proj = G {
-            role: GemmRole::Proj,
-            m: d.t,
-            n: d.h,
-            k: d.heads * d.d,
-        };
-        if self.recomputes(layer, RecomputeModule::Layernorm) {
-            // Megatron's `layernorm` module: the attention norm again.
-            let w = steps::At {
-                pass: Pass::Recompute,
-                at,
-                cp_idx,
-                gs: &gs,
-                stats: false,
-            };
-            let shape = LayerShape::of(self.layout);
-            let norm = def::norm_replay(&shape, self.is_moe_layer(layer), def::Block::Attn);
-            self.steps_fwd(b, &w, &norm);
+        let mut grads = steps::Grads::default();
+        grads.set(Val::Out, dout);
+        let shape = LayerShape::of(self.layout);
+        let moe = self.is_moe_layer(layer);
+        for s in self.layer_def(layer).steps().iter().rev() {
+            let proj = s.kind == def::StepKind::Gemm(GemmRole::Proj);
+            if proj && self.recomputes(layer, RecomputeModule::Layernorm) {
+                let norm = def::norm_replay(&shape, moe, def::Block::Attn);
+                let rw = steps::At {
+                    pass: Pass::Recompute,
+                    ..w
+                };
+                self.steps_fwd(b, &rw, &norm);
+            }
+            self.step_bwd(b, &w, s, &mut grads);
+            if s.kind == def::StepKind::Residual && s.outs[0] == Val::Out {
+                self.mlp_replay(b, at, &gs, cp_idx);
+            }
         }
-        let o = b.get(at, "o");
-        let d_o = self.gemm_bwd_v(b, at, &proj, [dg1, o], "do");
-        let (q, kvg) = (b.get(at, "q"), b.get(at, "kvg"));
-        let o = if self.recomputes(layer, RecomputeModule::CoreAttn) {
-            let id = b.compute(
-                Pass::Recompute,
-                mbo,
-                lo,
-                self.attention_op(&d, cp_idx, false),
-            );
-            let o2 = b.act(at, "o_rc", d.w, &[d.t, d.heads * d.d]);
-            let lse = b.act(at, "lse", DType::F32, &[d.t, d.heads]);
-            b.set(id, &[q, kvg], &[o2, lse]);
-            o2
-        } else {
-            o
-        };
-        let id = b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, true));
-        let dq = b.act(at, "dq", d.w, &[d.t, d.heads * d.d]);
-        let c = self.layout.cp as u64;
-        let dkvg = b.act(at, "dkvg", d.w, &[c, 2, d.t, d.kv_heads * d.d]);
-        let lse = b.get(at, "lse");
-        b.set(id, &[q, kvg, o, lse, d_o], &[dq, dkvg]);
-        let dkv = if self.layout.cp > 1 {
-            let kv = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
-            let id = b.collective(Coll {
-                stream: Stream::Comm,
-                pass,
-                mb: mbo,
-                layer: lo,
-                kind: CollectiveKind::ReduceScatter,
-                axis: GroupKind::Cp,
-                bytes: kv,
-                dt: d.w,
-                blocking: true,
-                tensor: None,
-                reduce: ReduceOp::Sum,
-            });
-            let dkv = b.act(at, "dkv", d.w, &[2, d.t, d.kv_heads * d.d]);
-            b.set_opt(id, &[dkvg], &[dkv]);
-            dkv
-        } else {
-            dkvg
-        };
-        let id = b.compute(
-            pass,
-            mbo,
-            lo,
-            ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
-        );
-        let qkv = G {
-            role: GemmRole::Qkv,
-            m: d.t,
-            n: (d.heads + 2 * d.kv_heads) * d.d,
-            k: d.h,
-        };
-        let dqkv = b.act(at, "dqkv", d.w, &[d.t, qkv.n]);
-        b.set(id, &[dq, dkv], &[dqkv]);
-        let yg1 = b.get(at, "yg1");
-        let dyg1 = self.gemm_bwd_v(b, at, &qkv, [dqkv, yg1], "dyg1");
-        let dy1 = self.reduce_v(b, pass, at, dyg1, "dy1");
-        let io = [dy1, b.get(at, "x"), b.get(at, "rstd1")];
-        let dx = self.norm_bwd_v(b, at, Role::AttnNorm, io, Some(dxm));
-        b.hand_on(at, dx, true);
-        b.release_scope_but(at, &[], Pass::Bwd, lo);
+        b.hand_on(at, grads.get(Val::X), true);
+        b.release_scope_but(at, &[], Pass::Bwd, Some(layer));
     }
 
     /// Parameters of one layer on this rank: (dense, expert), from the cost model.

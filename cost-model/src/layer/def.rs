@@ -102,6 +102,44 @@ impl Val {
     }
 }
 
+impl Val {
+    /// The key of the value's gradient in the backward (`L{l}.mb{m}.{name}`), for the
+    /// values whose gradient a backward step defines: the gathered ones (`dg1`, `dg2`: the
+    /// reductions' outputs gathered back), `dy1`/`dy2r` (the norms' outputs, reduced),
+    /// `dxm`, `dx`, and the gradients of the GEMMs' and the attention's operands.
+    pub const fn grad_name(self) -> &'static str {
+        match self {
+            Val::X => "dx",
+            Val::Y1 => "dy1",
+            Val::Yg1 => "dyg1",
+            Val::Qkv => "dqkv",
+            Val::Q => "dq",
+            Val::Kv => "dkv",
+            Val::Kvg => "dkvg",
+            Val::O => "do",
+            Val::P1 => "dg1",
+            Val::Xm => "dxm",
+            Val::Y2 => "dy2r",
+            Val::Yg2 => "dyg2",
+            Val::U => "du",
+            Val::A => "da",
+            Val::P2 | Val::Ym | Val::Sp2 => "dg2",
+            Val::Out => "dout",
+            // No backward step defines these: the residual branches' gradients are the
+            // residual's, the rest have none of their own.
+            _ => "",
+        }
+    }
+
+    /// The key of the gradient through a dropout that wrote this value.
+    pub const fn dropout_grad_name(self) -> &'static str {
+        match self {
+            Val::Xm => "dxm_d",
+            _ => "dout_d",
+        }
+    }
+}
+
 /// What a step does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum StepKind {

@@ -45,16 +45,6 @@ pub(super) struct MlpKeys {
     pub dx: &'static str,
 }
 
-const DENSE: MlpKeys = MlpKeys {
-    u: "u",
-    a: "a",
-    p: "p2",
-    x: "yg2",
-    da: "da",
-    du: "du",
-    dx: "dyg2",
-};
-
 const SHARED: MlpKeys = MlpKeys {
     u: "su",
     a: "sa",
@@ -74,13 +64,6 @@ pub(super) struct Mlp<'a> {
 }
 
 impl<'a> Mlp<'a> {
-    pub fn dense(up: &'a G, down: &'a G) -> Self {
-        Mlp {
-            up,
-            down,
-            keys: &DENSE,
-        }
-    }
     pub fn shared(up: &'a G, down: &'a G) -> Self {
         Mlp {
             up,

@@ -1,7 +1,11 @@
-//! A layer's forward from its definition: the cost model's step list
+//! A layer from its definition: the cost model's step list
 //! ([`shardwright_cost::layer::def::forward`], the one list the template costs) emitted
-//! step by step, one emit rule per step kind. Each step reads its operands from the
-//! layer's scope by key and files its results under theirs.
+//! step by step, one emit rule per step kind. Each forward step reads its operands from
+//! the layer's scope by key and files its results under theirs; the replays are lists of
+//! the same steps. The backward walks the list in reverse, one backward rule per step
+//! kind (GEMM: data and weight gradients; TP gather <-> reduction; the norm's backward
+//! adding the residual's gradient; rotary, attention, the CP gather's reduce-scatter;
+//! the MoE block's own backward), the gradients by value ([`Grads`]).
 
 use super::{ew, gemm, proj_gemm, Builder, Coll, Ctx, G};
 use shardwright_cost::layer::def::{self, Block, LayerDef, Step, StepKind, Val};
@@ -9,6 +13,7 @@ use shardwright_cost::layer::LayerShape;
 use shardwright_ir::{CollectiveKind, DType, ElementwiseKind, Pass, ReduceOp, Stream};
 use shardwright_ir::{GemmName, GemmRole, ParamName, Role, ValueId};
 use shardwright_spec::mesh::GroupKind;
+use shardwright_spec::spec::RecomputeModule;
 
 /// Where a layer's forward steps are emitted: the pass (forward, or a full recompute's
 /// replay), the scope `(layer, mb)`, the rank's cp index and the layer's MLP GEMMs.
@@ -20,6 +25,34 @@ pub(super) struct At<'g> {
     /// Whether the MoE block reduces its routing statistics (the forward and a full
     /// recompute's replay; not a selective replay).
     pub stats: bool,
+}
+
+/// The gradients of a layer's values during its backward walk: by value, and the
+/// residual carries (the gradient a residual add passes to its input, added in the
+/// backward of the norm that reads that input).
+#[derive(Default)]
+pub(super) struct Grads {
+    vals: Vec<(Val, ValueId)>,
+    res: Vec<(Val, ValueId)>,
+}
+
+impl Grads {
+    pub fn set(&mut self, v: Val, id: ValueId) {
+        self.vals.retain(|x| x.0 != v);
+        self.vals.push((v, id));
+    }
+
+    pub fn get(&self, v: Val) -> ValueId {
+        self.vals
+            .iter()
+            .find(|x| x.0 == v)
+            .map(|x| x.1)
+            .unwrap_or_else(|| panic!("lowering: no gradient of `{}`", v.name()))
+    }
+
+    fn residual(&self, v: Val) -> Option<ValueId> {
+        self.res.iter().find(|x| x.0 == v).map(|x| x.1)
+    }
 }
 
 impl Ctx<'_> {
@@ -166,6 +199,154 @@ impl Ctx<'_> {
                 self.moe_block_fwd(b, pass, at, w.gs, (w.stats, [x, xg]));
             }
         }
+    }
+
+    /// The forward GEMM of step `role` (its `(m x k) @ (k x n)` on this rank).
+    fn step_g(&self, role: GemmRole, gs: &[G]) -> G {
+        let d = self.dims();
+        let g = |m, n, k| G { role, m, n, k };
+        match role {
+            GemmRole::Qkv => g(d.t, (d.heads + 2 * d.kv_heads) * d.d, d.h),
+            GemmRole::Proj => g(d.t, d.h, d.heads * d.d),
+            _ => *gs
+                .iter()
+                .find(|g| g.role == role)
+                .unwrap_or_else(|| panic!("no GEMM {role:?} in the layer")),
+        }
+    }
+
+    /// Emit the backward of one step from the gradients of its results, defining those
+    /// of its operands.
+    pub(super) fn step_bwd(&self, b: &mut Builder, w: &At<'_>, s: &Step, g: &mut Grads) {
+        let d = self.dims();
+        let (at, pass) = (w.at, Pass::Bwd);
+        let (layer, mb) = at;
+        let (mbo, lo) = (Some(mb), Some(layer));
+        let (x, y) = (s.ins[0], s.outs[0]);
+        match s.kind {
+            StepKind::Dropout => {
+                let dz = self.dropout_bwd_v(b, at, g.get(y), y.dropout_grad_name());
+                g.set(x, dz);
+            }
+            StepKind::Residual => {
+                let dz = g.get(y);
+                g.res.push((x, dz));
+                g.set(s.ins[1], dz);
+            }
+            // The mirror of a TP collective: a gather's gradient is reduced, a reduction's
+            // gathered.
+            StepKind::TpReduce(_) => {
+                let dx = self.gather_v(b, pass, at, g.get(y), x.grad_name());
+                g.set(x, dx);
+            }
+            StepKind::TpGather(_) => {
+                let dx = self.reduce_v(b, pass, at, g.get(y), x.grad_name());
+                g.set(x, dx);
+            }
+            StepKind::Gemm(role) => {
+                let gm = self.step_g(role, w.gs);
+                let xv = b.get(at, x.name());
+                let dx = self.gemm_bwd_v(b, at, &gm, [g.get(y), xv], x.grad_name());
+                g.set(x, dx);
+            }
+            StepKind::Activation => {
+                let up = &w.gs[0];
+                let op = ew(ElementwiseKind::Activation, up.m * up.n, 8);
+                let id = b.compute(pass, mbo, lo, op);
+                let du = b.act(at, x.grad_name(), d.w, &[up.m, up.n]);
+                let u = b.get(at, x.name());
+                b.set(id, &[u, g.get(y)], &[du]);
+                g.set(x, du);
+            }
+            StepKind::Attention => self.attention_bwd(b, w, s, g),
+            StepKind::CpGather => {
+                let dkvg = g.get(y);
+                let dkv = if self.layout.cp > 1 {
+                    let c = self.layout.cp as u64;
+                    let kv = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
+                    let id = b.collective(Coll {
+                        stream: Stream::Comm,
+                        pass,
+                        mb: mbo,
+                        layer: lo,
+                        kind: CollectiveKind::ReduceScatter,
+                        axis: GroupKind::Cp,
+                        bytes: kv,
+                        dt: d.w,
+                        blocking: true,
+                        tensor: None,
+                        reduce: ReduceOp::Sum,
+                    });
+                    let dkv = b.act(at, x.grad_name(), d.w, &[2, d.t, d.kv_heads * d.d]);
+                    b.set_opt(id, &[dkvg], &[dkv]);
+                    dkv
+                } else {
+                    dkvg
+                };
+                g.set(x, dkv);
+            }
+            StepKind::Rope => {
+                let op = ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4);
+                let id = b.compute(pass, mbo, lo, op);
+                let n = (d.heads + 2 * d.kv_heads) * d.d;
+                let dqkv = b.act(at, x.grad_name(), d.w, &[d.t, n]);
+                b.set(id, &[g.get(Val::Q), g.get(Val::Kv)], &[dqkv]);
+                g.set(x, dqkv);
+            }
+            StepKind::Norm(blk) => {
+                let role = match blk {
+                    Block::Attn => Role::AttnNorm,
+                    Block::Mlp => Role::MlpNorm,
+                };
+                let io = [g.get(y), b.get(at, x.name()), b.get(at, s.outs[1].name())];
+                let dx = self.norm_bwd_v(b, at, role, io, g.residual(x));
+                if x != Val::X {
+                    b.put(at, x.grad_name(), dx);
+                }
+                g.set(x, dx);
+            }
+            StepKind::MoeBlock => {
+                let dx = self.moe_block_bwd(b, at, w.gs, g.get(y));
+                g.set(s.ins[1], dx);
+            }
+            StepKind::RopeK | StepKind::ActivationJoin => {
+                unreachable!("a replay's step has no backward of its own")
+            }
+        }
+    }
+
+    /// The attention core's backward (after, with Megatron's `core_attn` module, its
+    /// forward again from the kept Q and K/V, defining `o_rc` and the log-sum-exp).
+    fn attention_bwd(&self, b: &mut Builder, w: &At<'_>, s: &Step, g: &mut Grads) {
+        let d = self.dims();
+        let at = w.at;
+        let (layer, mb) = at;
+        let (mbo, lo) = (Some(mb), Some(layer));
+        let o = b.get(at, s.outs[0].name());
+        let (q, kvg) = (b.get(at, s.ins[0].name()), b.get(at, s.ins[1].name()));
+        let o = if self.recomputes(layer, RecomputeModule::CoreAttn) {
+            let op = self.attention_op(&d, w.cp_idx, false);
+            let id = b.compute(Pass::Recompute, mbo, lo, op);
+            let o2 = b.act(at, "o_rc", d.w, &[d.t, d.heads * d.d]);
+            let lse = b.act(at, s.outs[1].name(), DType::F32, &[d.t, d.heads]);
+            b.set(id, &[q, kvg], &[o2, lse]);
+            o2
+        } else {
+            o
+        };
+        let id = b.compute(Pass::Bwd, mbo, lo, self.attention_op(&d, w.cp_idx, true));
+        let dq = b.act(at, s.ins[0].grad_name(), d.w, &[d.t, d.heads * d.d]);
+        let c = self.layout.cp as u64;
+        let dkvg = b.act(
+            at,
+            s.ins[1].grad_name(),
+            d.w,
+            &[c, 2, d.t, d.kv_heads * d.d],
+        );
+        let lse = b.get(at, s.outs[1].name());
+        b.set(id, &[q, kvg, o, lse, g.get(s.outs[0])], &[dq, dkvg]);
+        g.set(s.ins[0], dq);
+        g.set(s.ins[1], dkvg);
     }
 
     /// Context parallelism's all-gather of this rank's K and V (`kv` -> `out`); without
