@@ -543,7 +543,7 @@ impl Ctx<'_> {
     /// The ops of one step of a layer in one pass. The norms, residual adds and rotary
     /// are one calibrated figure, `hidden_ops`, charged on the attention block's norm; the
     /// CP ring's K/V exchange is charged with the attention core it hides behind; the MoE
-    /// block's ops are [`Ctx::moe_mlp`]'s.
+    /// block's steps are costed by [`Ctx::moe_step`].
     fn step(&self, e: &mut Emit, kind: def::StepKind, moe_layer: bool) {
         use def::{Block, StepKind as K};
         let m = &self.job.model;
@@ -576,19 +576,21 @@ impl Ctx<'_> {
                 }
             }
             K::Gemm(GemmRole::Proj) => self.gemm(e, GemmRole::Proj, tokens, h, m.o_width() / t, 1),
-            K::Gemm(role) => {
+            K::Gemm(role @ (GemmRole::Fc1 | GemmRole::Fc2 | GemmRole::KProj | GemmRole::Fc1Up)) => {
                 let (n, k) = self.step_gemm(role);
                 self.gemm(e, role, tokens, n, k, 1);
             }
             K::Attention => self.attention_core(e),
-            K::Activation | K::ActivationJoin => {
+            K::Activation(def::Ffn::Dense) | K::ActivationJoin => {
                 let f = m.ffn_hidden_size as f64;
                 self.act(e, (m.ffn_activation.mlp_matrices() - 1.0) * f / t);
             }
-            K::MoeBlock => {
-                let width = self.moe_mlp(e, whole);
-                self.act(e, width);
-            }
+            K::Gemm(_)
+            | K::Activation(_)
+            | K::Permute(_)
+            | K::MoeStats
+            | K::EpA2a(_)
+            | K::ExpertTp(_) => self.moe_step(e, kind, whole),
             K::Norm(Block::Mlp) | K::Rope | K::RopeK | K::CpGather | K::Residual | K::Dropout => {}
         }
     }
@@ -710,10 +712,17 @@ impl Ctx<'_> {
         }
     }
 
-    /// The MoE block: router, permutation, EP dispatch, the local experts (with their tp
-    /// collectives when split over tp), EP combine and the shared experts. `whole`: each
-    /// expert whole on one rank. Returns the width of the activation per token.
-    fn moe_mlp(&self, e: &mut Emit, whole: bool) -> f64 {
+    /// One step of the MoE block ([`def::StepKind`]): the router, the permutation (both
+    /// directions charged on the dispatch: the routed copies gathered into expert order and
+    /// scattered back, each a read and a write of tokens*k*h 16-bit values), the routing
+    /// statistics' reductions, the EP all-to-alls, the experts' tp collectives (split
+    /// experts under SP), the local experts' grouped GEMMs, the activation (the block's,
+    /// experts and shared experts, charged on the experts'), the shared experts. `whole`:
+    /// each expert whole on one rank. From the dispatch to the combine every op moves or
+    /// multiplies the rank's routed rows, and the most loaded EP rank finishes last
+    /// ([`crate::moe_balance::ep_straggler_factor`]).
+    fn moe_step(&self, e: &mut Emit, kind: def::StepKind, whole: bool) {
+        use def::{Dir, Ffn, StepKind as K};
         let job = self.job;
         let m = &job.model;
         let (t, h, tokens) = (self.t, self.h, self.tokens);
@@ -729,65 +738,83 @@ impl Ctx<'_> {
         let fs = moe.shared_expert_ffn_hidden_size as f64;
         let ns = moe.num_shared_experts as f64;
         let experts_local = moe.num_experts / self.mesh.size(GroupKind::Ep);
-        // The router sees the rank's tokens: its sequence shard under SP (without SP
-        // every tp rank routes the whole micro-batch, as Megatron does).
-        self.gemm(
-            e,
-            GemmRole::Router,
-            tokens / self.seq_div,
-            moe.num_experts as f64,
-            h,
-            1,
-        );
-        // Token permutation around the experts (memory bound): the routed copies are
-        // gathered into expert order and scattered back, each a read and a write of
-        // tokens*k*h 16-bit values.
-        let routed = tokens * k * h / self.seq_div;
-        self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
-        self.moe_reductions(e, moe);
-        let a2a = self.ep_all_to_all(moe);
-        // From the dispatch to the combine every op moves or multiplies the rank's routed
-        // rows, and the most loaded EP rank finishes last
-        // ([`crate::moe_balance::ep_straggler_factor`]).
-        let first_routed = e.out.len();
-        self.ep_op(e, "ep_dispatch", a2a);
-        if !whole {
-            self.expert_tp_collective(e, "tp_all_gather_experts", Coll::AllGather, k);
-        }
         let rows = expert_rows * k; // routed copies over the local experts
         let fe_local = fe / expert_width_div;
-        self.gemm(
-            e,
-            GemmRole::ExpertFc1,
-            rows,
-            (mats - 1.0) * fe_local,
-            h,
-            experts_local,
-        );
-        self.gemm(e, GemmRole::ExpertFc2, rows, h, fe_local, experts_local);
-        if !whole {
-            self.expert_tp_collective(e, "tp_reduce_scatter_experts", Coll::ReduceScatter, k);
-        }
-        self.ep_op(e, "ep_combine", a2a);
-        let straggler =
-            crate::moe_balance::ep_straggler_factor(self.mesh.size(GroupKind::Ep) as u64, rows)
-                .max(job.moe_rank_imbalance.unwrap_or(1.0));
-        for op in &mut e.out[first_routed..] {
-            op.time_s *= straggler;
-            op.exposed_s *= straggler;
-        }
-        if moe.num_shared_experts > 0 {
-            self.gemm(
+        let start = e.out.len();
+        match kind {
+            // The router sees the rank's tokens: its sequence shard under SP (without SP
+            // every tp rank routes the whole micro-batch, as Megatron does).
+            K::Gemm(GemmRole::Router) => self.gemm(
+                e,
+                GemmRole::Router,
+                tokens / self.seq_div,
+                moe.num_experts as f64,
+                h,
+                1,
+            ),
+            K::Permute(Dir::Dispatch) => {
+                let routed = tokens * k * h / self.seq_div;
+                self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
+            }
+            K::MoeStats => self.moe_reductions(e, moe),
+            K::EpA2a(dir) => {
+                let name = match dir {
+                    Dir::Dispatch => "ep_dispatch",
+                    Dir::Combine => "ep_combine",
+                };
+                self.ep_op(e, name, self.ep_all_to_all(moe));
+            }
+            K::ExpertTp(dir) if !whole => match dir {
+                Dir::Dispatch => {
+                    self.expert_tp_collective(e, "tp_all_gather_experts", Coll::AllGather, k)
+                }
+                Dir::Combine => self.expert_tp_collective(
+                    e,
+                    "tp_reduce_scatter_experts",
+                    Coll::ReduceScatter,
+                    k,
+                ),
+            },
+            K::Gemm(GemmRole::ExpertFc1) => self.gemm(
+                e,
+                GemmRole::ExpertFc1,
+                rows,
+                (mats - 1.0) * fe_local,
+                h,
+                experts_local,
+            ),
+            K::Gemm(GemmRole::ExpertFc2) => {
+                self.gemm(e, GemmRole::ExpertFc2, rows, h, fe_local, experts_local)
+            }
+            // Activation function on the MLP width: half the per-element bytes of the
+            // hidden-size ops (16-bit values).
+            K::Activation(Ffn::Experts) => self.act(e, (mats - 1.0) * (fe * k + fs * ns) / t),
+            K::Gemm(GemmRole::SharedFc1) => self.gemm(
                 e,
                 GemmRole::SharedFc1,
                 tokens,
                 (mats - 1.0) * fs / t * ns,
                 h,
                 1,
-            );
-            self.gemm(e, GemmRole::SharedFc2, tokens, h, fs / t * ns, 1);
+            ),
+            K::Gemm(GemmRole::SharedFc2) => {
+                self.gemm(e, GemmRole::SharedFc2, tokens, h, fs / t * ns, 1)
+            }
+            _ => {}
         }
-        (mats - 1.0) * (fe * k + fs * ns) / t
+        let routed = matches!(
+            kind,
+            K::EpA2a(_) | K::ExpertTp(_) | K::Gemm(GemmRole::ExpertFc1 | GemmRole::ExpertFc2)
+        );
+        if routed && e.out.len() > start {
+            let straggler =
+                crate::moe_balance::ep_straggler_factor(self.mesh.size(GroupKind::Ep) as u64, rows)
+                    .max(job.moe_rank_imbalance.unwrap_or(1.0));
+            for op in &mut e.out[start..] {
+                op.time_s *= straggler;
+                op.exposed_s *= straggler;
+            }
+        }
     }
 
     /// The MoE block's small reductions, on the critical path (a blocking all-reduce of a
@@ -919,30 +946,6 @@ impl Ctx<'_> {
             bytes: msg,
         };
         e.comm(name, op, msg, time, time * (1.0 - hide));
-    }
-}
-
-/// Whether Megatron's selective recompute with `mods` runs `op`, one of the MoE block's
-/// ops ([`def::StepKind::MoeBlock`], which [`def::recomputed`] replays when any of its
-/// modules is chosen): all of them but the routing statistics with `moe`, the shared
-/// experts with `shared_experts`, the activation with `moe_act`.
-fn moe_recomputed(op: &OpCost, mods: &[RecomputeModule]) -> bool {
-    use RecomputeModule as R;
-    let has = |m: R| mods.contains(&m);
-    if let OpKind::Gemm { role, .. } = op.kind {
-        return match role {
-            GemmRole::SharedFc1 | GemmRole::SharedFc2 => has(R::Moe) || has(R::SharedExperts),
-            _ => has(R::Moe),
-        };
-    }
-    match op.name {
-        "act" => has(R::Moe) || has(R::MoeAct),
-        "permute"
-        | "ep_dispatch"
-        | "tp_all_gather_experts"
-        | "tp_reduce_scatter_experts"
-        | "ep_combine" => has(R::Moe),
-        _ => false,
     }
 }
 
@@ -1103,8 +1106,7 @@ impl Ctx<'_> {
 
     /// Fine-grained selective recompute: the forward steps of the chosen modules
     /// (`job.training.recompute_modules`, [`def::recomputed`]), in forward order, after
-    /// the norms' replay (`layernorm`, one figure); of the MoE block the ops of its chosen
-    /// modules ([`moe_recomputed`]).
+    /// the norms' replay (`layernorm`, one figure).
     fn module_recompute(&self, out: &mut Vec<OpCost>, moe: bool) {
         let mods = &self.job.training.recompute_modules;
         if mods.contains(&RecomputeModule::Layernorm) {
@@ -1125,7 +1127,6 @@ impl Ctx<'_> {
             if !def::recomputed(s.kind, moe, mods) {
                 continue;
             }
-            let start = out.len();
             self.step(
                 &mut Emit {
                     out,
@@ -1134,10 +1135,6 @@ impl Ctx<'_> {
                 s.kind,
                 moe,
             );
-            if s.kind == def::StepKind::MoeBlock {
-                let block = out.split_off(start);
-                out.extend(block.into_iter().filter(|op| moe_recomputed(op, mods)));
-            }
         }
         if mods.contains(&RecomputeModule::MlaUpProj) {
             // MLA's up projections (`flops::mla_up_proj_params`): the column-parallel ones

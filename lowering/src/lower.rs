@@ -63,7 +63,6 @@ mod dp;
 mod moe;
 mod steps;
 mod values;
-use moe::Mlp;
 use values::{Vals, EMBED, HEAD, NONE};
 
 #[derive(Debug, thiserror::Error)]
@@ -963,7 +962,6 @@ impl<'a> Ctx<'a> {
             at,
             cp_idx,
             gs: &gs,
-            stats: true,
         };
         self.steps_fwd(b, &w, &self.layer_def(layer));
         if pass == Pass::Recompute {
@@ -1060,69 +1058,6 @@ impl<'a> Ctx<'a> {
             Some(layer),
             gemm(GemmName::fwd(g.role), g.m, g.n, g.k, w, weight),
         )
-    }
-
-    /// An MLP forward of `x` in scope `at`: up projection, activation, down projection
-    /// (returned: the partial output under TP; plus `acc` when given, the down projection
-    /// accumulating onto it). Its values are filed under `mlp.keys`.
-    fn mlp_fwd(
-        &self,
-        b: &mut Builder,
-        pass: Pass,
-        at: (u32, u32),
-        mlp: Mlp<'_>,
-        x: ValueId,
-        acc: Option<ValueId>,
-    ) -> ValueId {
-        let (layer, mb) = at;
-        let (up, down, k) = (mlp.up, mlp.down, mlp.keys);
-        let w = self.dims().w;
-        let (w1, _) = self.weight_of(b, layer, up);
-        let id = self.gemm_fwd(b, pass, mb, layer, up);
-        let u = b.act(at, k.u, w, &[up.m, up.n]);
-        b.set(id, &[x, w1], &[u]);
-        let id = b.compute(
-            pass,
-            Some(mb),
-            Some(layer),
-            ew(ElementwiseKind::Activation, up.m * up.n, 6),
-        );
-        let a = b.act(at, k.a, w, &[down.m, down.k]);
-        if k.u == "u" && pass == Pass::Fwd && self.titan_sac(layer) && self.dims().mats > 2 {
-            // torchtitan's op-level AC keeps w1's output (the gate half) apart from w3's.
-            let gate = b.act(at, "gate", w, &[down.m, down.k]);
-            b.set(id, &[u], &[a, gate]);
-        } else {
-            b.set(id, &[u], &[a]);
-        }
-        let (w2, _) = self.weight_of(b, layer, down);
-        let id = self.gemm_fwd(b, pass, mb, layer, down);
-        let p = b.act(at, k.p, w, &[down.m, down.n]);
-        let mut ops = vec![a, w2];
-        ops.extend(acc);
-        b.set(id, &ops, &[p]);
-        p
-    }
-
-    /// Its backward from the output gradient `dy`: down projection, activation, up
-    /// projection; returns the input gradient (partial under TP).
-    fn mlp_bwd(&self, b: &mut Builder, at: (u32, u32), mlp: Mlp<'_>, dy: ValueId) -> ValueId {
-        let (layer, mb) = at;
-        let (up, down, k) = (mlp.up, mlp.down, mlp.keys);
-        let w = self.dims().w;
-        let a = b.get(at, k.a);
-        let da = self.gemm_bwd_v(b, at, down, [dy, a], k.da);
-        let id = b.compute(
-            Pass::Bwd,
-            Some(mb),
-            Some(layer),
-            ew(ElementwiseKind::Activation, up.m * up.n, 8),
-        );
-        let du = b.act(at, k.du, w, &[up.m, up.n]);
-        let u = b.get(at, k.u);
-        b.set(id, &[u, da], &[du]);
-        let x = b.get(at, k.x);
-        self.gemm_bwd_v(b, at, up, [du, x], k.dx)
     }
 
     /// [`Self::gemm_bwd`] of `layer`'s GEMM `g` with values: `[dy, x]` are the output
@@ -1234,45 +1169,20 @@ impl<'a> Ctx<'a> {
     /// Before the MLP block's backward: what the layer's recompute policy runs again, in
     /// forward order, from the layer definition's replay lists (torchtitan's
     /// [`def::op_level_replay`]; Megatron's [`def::mlp_replay`]: the MLP norm, the dense
-    /// MLP or the whole MoE block), then the parts of an MoE block that Megatron's
-    /// `moe_act` and `shared_experts` modules replay (not in the lists: the experts'
-    /// activation, the shared experts).
+    /// MLP, the MoE block or its chosen parts).
     fn mlp_replay(&self, b: &mut Builder, at: (u32, u32), gs: &[G], cp_idx: u32) {
-        let (layer, mb) = at;
         let w = steps::At {
             pass: Pass::Recompute,
             at,
             cp_idx,
             gs,
-            stats: false,
         };
         let shape = LayerShape::of(self.layout);
-        let moe = self.is_moe_layer(layer);
-        if self.titan_sac(layer) {
-            self.steps_fwd(b, &w, &def::op_level_replay(self.job, &shape));
-            return;
-        }
-        self.steps_fwd(b, &w, &def::mlp_replay(self.job, &shape, moe));
-        if !moe || self.recomputes(layer, RecomputeModule::Moe) {
-            return;
-        }
-        let d = self.dims();
-        let (mbo, lo, rc) = (Some(mb), Some(layer), Pass::Recompute);
-        if self.recomputes(layer, RecomputeModule::MoeAct) {
-            let id = b.compute(
-                rc,
-                mbo,
-                lo,
-                ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 6),
-            );
-            let eu = b.get(at, "eu");
-            let ea = b.act(at, "ea", d.w, &[gs[2].m, gs[2].k]);
-            b.set(id, &[eu], &[ea]);
-        }
-        if gs.len() > 3 && self.recomputes(layer, RecomputeModule::SharedExperts) {
-            let yg2 = b.get(at, "yg2");
-            self.mlp_fwd(b, rc, at, Mlp::shared(&gs[3], &gs[4]), yg2, None);
-        }
+        let replay = match self.titan_sac(at.0) {
+            true => def::op_level_replay(self.job, &shape),
+            false => def::mlp_replay(self.job, &shape, self.is_moe_layer(at.0)),
+        };
+        self.steps_fwd(b, &w, &replay);
     }
 
     /// Emit the backward of one layer: it takes the micro-batch's incoming gradient and
@@ -1291,7 +1201,6 @@ impl<'a> Ctx<'a> {
             at,
             cp_idx,
             gs: &gs,
-            stats: false,
         };
         let mut grads = steps::Grads::default();
         grads.set(Val::Out, dout);

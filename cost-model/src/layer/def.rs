@@ -28,6 +28,22 @@ pub enum Block {
     Mlp,
 }
 
+/// Which MLP an activation belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ffn {
+    Dense,
+    /// The routed experts (grouped).
+    Experts,
+    Shared,
+}
+
+/// The two directions of the MoE block's token movements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dir {
+    Dispatch,
+    Combine,
+}
+
 /// The key of one of a layer's values in its scope (`L{l}.mb{m}.{name}` in the IR).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Val {
@@ -58,9 +74,27 @@ pub enum Val {
     Gate,
     Up,
     P2,
+    /// The MoE block's values: router logits, the routed rows (by destination expert),
+    /// the routing (top-k indices and gates) and the load-balancing statistics, the rows
+    /// dispatched, gathered over tp (split experts), the experts' FC1 output, activation
+    /// and FC2 output, scattered back, combined, each slot's output `eo`.
+    Logits,
+    Xr,
+    Route,
+    Stats,
+    Xd,
+    Xe,
+    Eu,
+    Ea,
+    Yr,
+    Ys,
+    Yc,
+    Eo,
     /// The MoE block's output: the routed experts' gate-weighted sum, or with shared
     /// experts their output accumulated onto it.
     Ym,
+    Su,
+    Sa,
     Sp2,
     P2r,
     /// The layer's output.
@@ -94,7 +128,21 @@ impl Val {
             Val::Gate => "gate",
             Val::Up => "up",
             Val::P2 => "p2",
+            Val::Logits => "logits",
+            Val::Xr => "xr",
+            Val::Route => "route",
+            Val::Stats => "stats",
+            Val::Xd => "xd",
+            Val::Xe => "xe",
+            Val::Eu => "eu",
+            Val::Ea => "ea",
+            Val::Yr => "yr",
+            Val::Ys => "ys",
+            Val::Yc => "yc",
+            Val::Eo => "eo",
             Val::Ym => "ym",
+            Val::Su => "su",
+            Val::Sa => "sa",
             Val::Sp2 => "sp2",
             Val::P2r => "p2r",
             Val::Out => "out",
@@ -125,6 +173,19 @@ impl Val {
             Val::A => "da",
             Val::P2 | Val::Ym | Val::Sp2 => "dg2",
             Val::Out => "dout",
+            Val::Logits => "dlogits",
+            Val::Xr => "dxc",
+            // The gates' gradient.
+            Val::Route => "dg",
+            Val::Xd => "dxs",
+            Val::Xe => "edx",
+            Val::Eu => "edu",
+            Val::Ea => "eda",
+            Val::Yr => "dre",
+            Val::Ys => "drd",
+            Val::Yc => "dr",
+            Val::Su => "sdu",
+            Val::Sa => "sda",
             // No backward step defines these: the residual branches' gradients are the
             // residual's, the rest have none of their own.
             _ => "",
@@ -165,17 +226,26 @@ pub enum StepKind {
     Residual,
     /// Dropout after a residual, in place of its key: `[z] -> [z]`.
     Dropout,
-    /// The MLP activation: `[u] -> [a(, gate)]`.
-    Activation,
+    /// An MLP's activation: `[u] -> [a(, gate)]`.
+    Activation(Ffn),
     /// torchtitan's replay of the rotary on K alone, joined to the kept V: `[k, v] -> [kv]`.
     RopeK,
     /// torchtitan's replay of a gated activation from the kept gate half and the replayed
     /// up half, defining FC1's output again for the activation's backward:
     /// `[gate, up] -> [a, u]`.
     ActivationJoin,
-    /// The MoE block (router to combine, with the shared experts): `[y2, yg2] -> [ym]`
-    /// (with shared experts `[sp2]`).
-    MoeBlock,
+    /// The MoE block's token permutation: `dispatch`, `[logits, x] -> [xr, route(,
+    /// stats)]` (the routing statistics in the forward and a full replay); combine,
+    /// `[yc, route] -> [eo, ym]` (each slot's output and their gate-weighted sum).
+    Permute(Dir),
+    /// The load-balancing statistics summed over the ranks holding parts of a sequence
+    /// (tp under SP, cp): `[stats] -> [stats]`.
+    MoeStats,
+    /// The EP all-to-all of the routed rows (dispatch or combine): `[x] -> [y]`.
+    EpA2a(Dir),
+    /// Experts split over tp under SP: the tp all-gather of the dispatched rows
+    /// (`dispatch`) and the reduce-scatter of the experts' partial outputs (`combine`).
+    ExpertTp(Dir),
 }
 
 /// One step: its kind, the keys of its operands and of its results.
@@ -191,7 +261,7 @@ const fn step(kind: StepKind, ins: &'static [Val], outs: &'static [Val]) -> Step
 }
 
 /// The most steps a layer (or a replay) has.
-const CAP: usize = 24;
+const CAP: usize = 32;
 
 /// The ordered forward steps of one layer ([`forward`]).
 #[derive(Clone, Copy, Debug)]
@@ -273,15 +343,13 @@ pub fn forward(job: &Job, shape: &LayerShape, moe: bool) -> LayerDef {
         Ym
     };
     if moe {
-        let ins: &'static [Val] = if mlp_tp { &[Y2, Yg2] } else { &[Y2, Y2] };
-        let outs: &'static [Val] = if shared { &[Sp2] } else { &[Ym] };
-        d.push(step(K::MoeBlock, ins, outs));
+        moe_block(&mut d, job, mlp_tp, true);
     } else {
         let gated = m.ffn_activation.mlp_matrices() > 2.0;
         let act_outs: &'static [Val] = if titan && gated { &[A, Gate] } else { &[A] };
         // A dense MLP block always gathers (only an MoE block may not).
         d.push(step(K::Gemm(GemmRole::Fc1), &[Yg2], &[U]));
-        d.push(step(K::Activation, &[U], act_outs));
+        d.push(step(K::Activation(Ffn::Dense), &[U], act_outs));
         d.push(step(K::Gemm(GemmRole::Fc2), &[A], &[P2]));
     }
     let res_in: &'static [Val] = if mlp_tp {
@@ -303,26 +371,70 @@ pub fn forward(job: &Job, shape: &LayerShape, moe: bool) -> LayerDef {
     d
 }
 
+/// The MoE block's steps, from the MLP norm's output `y2` (and its tp-gathered `yg2`,
+/// which the shared experts read): router, permutation, [the routing statistics'
+/// reductions], EP dispatch, [tp gather of the dispatched rows], the local experts,
+/// [their reduce-scatter], EP combine, un-permutation, the shared experts (their second
+/// GEMM accumulating onto the routed output). `stats`: the routing statistics are
+/// computed and reduced (the forward and a full replay; not a selective replay).
+fn moe_block(d: &mut LayerDef, job: &Job, mlp_tp: bool, stats: bool) {
+    use StepKind as K;
+    use Val::*;
+    let shared = job
+        .model
+        .moe
+        .as_ref()
+        .is_some_and(|x| x.num_shared_experts > 0);
+    d.push(step(K::Gemm(GemmRole::Router), &[Y2], &[Logits]));
+    if stats {
+        d.push(step(
+            K::Permute(Dir::Dispatch),
+            &[Logits, Y2],
+            &[Xr, Route, Stats],
+        ));
+        d.push(step(K::MoeStats, &[Stats], &[Stats]));
+    } else {
+        d.push(step(K::Permute(Dir::Dispatch), &[Logits, Y2], &[Xr, Route]));
+    }
+    d.push(step(K::EpA2a(Dir::Dispatch), &[Xr], &[Xd]));
+    d.push(step(K::ExpertTp(Dir::Dispatch), &[Xd], &[Xe]));
+    d.push(step(K::Gemm(GemmRole::ExpertFc1), &[Xe], &[Eu]));
+    d.push(step(K::Activation(Ffn::Experts), &[Eu], &[Ea]));
+    d.push(step(K::Gemm(GemmRole::ExpertFc2), &[Ea], &[Yr]));
+    d.push(step(K::ExpertTp(Dir::Combine), &[Yr], &[Ys]));
+    d.push(step(K::EpA2a(Dir::Combine), &[Ys], &[Yc]));
+    d.push(step(K::Permute(Dir::Combine), &[Yc, Route], &[Eo, Ym]));
+    if shared {
+        let x: &'static [Val] = if mlp_tp { &[Yg2] } else { &[Y2] };
+        d.push(step(K::Gemm(GemmRole::SharedFc1), x, &[Su]));
+        d.push(step(K::Activation(Ffn::Shared), &[Su], &[Sa]));
+        d.push(step(K::Gemm(GemmRole::SharedFc2), &[Sa, Ym], &[Sp2]));
+    }
+}
+
 /// Whether Megatron's fine-grained selective recompute with `mods` replays forward step
 /// `kind` of a dense (`moe = false`) or MoE layer: the attention core (`core_attn`); the
-/// dense MLP's gather, GEMMs and activation (`mlp`); the MoE block when any of its modules
-/// is chosen (`moe`: all of it, with the MLP gather; `moe_act`, `shared_experts`: a part,
-/// see the template's `moe_recomputed`). The norms (`layernorm`) are replayed by
-/// [`norm_replay`].
+/// dense MLP's gather, GEMMs and activation (`mlp`); the MoE block's steps but the
+/// routing statistics' reductions, with the MLP gather (`moe`); the experts' activation
+/// (`moe_act`); the shared experts (`shared_experts`). The norms (`layernorm`) are
+/// replayed by [`norm_replay`].
 pub fn recomputed(kind: StepKind, moe: bool, mods: &[RecomputeModule]) -> bool {
     use RecomputeModule as R;
     let has = |m: R| mods.contains(&m);
+    let moe_module = moe && has(R::Moe);
     match kind {
         StepKind::Attention => has(R::CoreAttn),
-        StepKind::TpGather(Block::Mlp) => {
-            if moe {
-                has(R::Moe)
-            } else {
-                has(R::Mlp)
-            }
+        StepKind::TpGather(Block::Mlp) => (!moe && has(R::Mlp)) || moe_module,
+        StepKind::Gemm(GemmRole::Fc1 | GemmRole::Fc2) | StepKind::Activation(Ffn::Dense) => {
+            !moe && has(R::Mlp)
         }
-        StepKind::Gemm(GemmRole::Fc1 | GemmRole::Fc2) | StepKind::Activation => !moe && has(R::Mlp),
-        StepKind::MoeBlock => moe && (has(R::Moe) || has(R::MoeAct) || has(R::SharedExperts)),
+        StepKind::Gemm(GemmRole::Router | GemmRole::ExpertFc1 | GemmRole::ExpertFc2)
+        | StepKind::Permute(_)
+        | StepKind::EpA2a(_)
+        | StepKind::ExpertTp(_) => moe_module,
+        StepKind::Activation(Ffn::Experts) => moe && (has(R::Moe) || has(R::MoeAct)),
+        StepKind::Gemm(GemmRole::SharedFc1 | GemmRole::SharedFc2)
+        | StepKind::Activation(Ffn::Shared) => moe && (has(R::Moe) || has(R::SharedExperts)),
         _ => false,
     }
 }
@@ -355,8 +467,7 @@ pub fn norm_replay(shape: &LayerShape, moe: bool, block: Block) -> LayerDef {
 /// What runs again before a layer's MLP backward under Megatron's selective recompute
 /// (nothing under another policy):
 /// the MLP norm (`layernorm`), then the forward steps [`recomputed`] picks from the MLP
-/// block (the gather once), the MoE block only when it is replayed whole (`moe`; the
-/// `moe_act` and `shared_experts` parts are the lowering's own).
+/// block (the gather once; the MoE block without its routing statistics).
 pub fn mlp_replay(job: &Job, shape: &LayerShape, moe: bool) -> LayerDef {
     use RecomputeModule as R;
     let mods = &job.training.recompute_modules;
@@ -370,15 +481,39 @@ pub fn mlp_replay(job: &Job, shape: &LayerShape, moe: bool) -> LayerDef {
             d.push(*s);
         }
     }
-    let mlp = fwd
+    // The MLP block's forward steps; the MoE block's without the routing statistics.
+    let mut block = LayerDef::empty(moe, fwd.mlp_tp);
+    for s in fwd
         .steps()
         .iter()
         .skip_while(|s| s.kind != StepKind::Norm(Block::Mlp))
-        .skip(1);
-    for s in mlp {
-        let whole_moe = s.kind != StepKind::MoeBlock || mods.contains(&R::Moe);
+        .skip(1)
+        .take_while(|s| s.kind == StepKind::TpGather(Block::Mlp))
+    {
+        block.push(*s);
+    }
+    if moe {
+        moe_block(&mut block, job, fwd.mlp_tp, false);
+    } else {
+        let mlp = fwd
+            .steps()
+            .iter()
+            .skip_while(|s| s.kind != StepKind::TpGather(Block::Mlp))
+            .skip(1);
+        for s in mlp {
+            block.push(*s);
+        }
+    }
+    for s in block.steps() {
         let again = s.kind == StepKind::TpGather(Block::Mlp) && d.steps().contains(s);
-        if recomputed(s.kind, moe, mods) && whole_moe && !again {
+        if !recomputed(s.kind, moe, mods) || again {
+            continue;
+        }
+        if s.kind == StepKind::Gemm(GemmRole::SharedFc2) && !mods.contains(&R::Moe) {
+            // The shared experts alone: their output is not accumulated onto the routed
+            // output again.
+            d.push(step(s.kind, &s.ins[..1], s.outs));
+        } else {
             d.push(*s);
         }
     }
@@ -421,7 +556,7 @@ pub fn op_level_replay(job: &Job, shape: &LayerShape) -> LayerDef {
         d.push(step(K::Gemm(GemmRole::Fc1Up), &[Yg2], &[Up]));
         d.push(step(K::ActivationJoin, &[Gate, Up], &[A, U]));
     } else {
-        d.push(step(K::Activation, &[U], &[A]));
+        d.push(step(K::Activation(Ffn::Dense), &[U], &[A]));
         d.push(step(K::Gemm(GemmRole::Fc2), &[A], &[P2]));
     }
     if !sp && shape.tp > 1 {

@@ -8,7 +8,7 @@
 //! the MoE block's own backward), the gradients by value ([`Grads`]).
 
 use super::{ew, gemm, proj_gemm, Builder, Coll, Ctx, G};
-use shardwright_cost::layer::def::{self, Block, LayerDef, Step, StepKind, Val};
+use shardwright_cost::layer::def::{self, Block, Ffn, LayerDef, Step, StepKind, Val};
 use shardwright_cost::layer::LayerShape;
 use shardwright_ir::{CollectiveKind, DType, ElementwiseKind, Pass, ReduceOp, Stream};
 use shardwright_ir::{GemmName, GemmRole, ParamName, Role, ValueId};
@@ -22,9 +22,6 @@ pub(super) struct At<'g> {
     pub at: (u32, u32),
     pub cp_idx: u32,
     pub gs: &'g [G],
-    /// Whether the MoE block reduces its routing statistics (the forward and a full
-    /// recompute's replay; not a selective replay).
-    pub stats: bool,
 }
 
 /// The gradients of a layer's values during its backward walk: by value, and the
@@ -34,6 +31,9 @@ pub(super) struct At<'g> {
 pub(super) struct Grads {
     vals: Vec<(Val, ValueId)>,
     res: Vec<(Val, ValueId)>,
+    /// The MoE block's input gradient so far: the shared experts' (`ds`), then with the
+    /// routed rows' (`dn`), completed by the router's data gradient.
+    pub moe_acc: Option<ValueId>,
 }
 
 impl Grads {
@@ -52,6 +52,16 @@ impl Grads {
 
     fn residual(&self, v: Val) -> Option<ValueId> {
         self.res.iter().find(|x| x.0 == v).map(|x| x.1)
+    }
+}
+
+/// An MLP's up and down GEMMs among a layer's ([`Ctx::mlp_gemms`]: dense FC1, FC2; MoE:
+/// the router, the experts' two, the shared experts' two).
+pub(super) fn ffn_gemms(ffn: Ffn, gs: &[G]) -> (&G, &G) {
+    match ffn {
+        Ffn::Dense => (&gs[0], &gs[1]),
+        Ffn::Experts => (&gs[1], &gs[2]),
+        Ffn::Shared => (&gs[3], &gs[4]),
     }
 }
 
@@ -120,14 +130,20 @@ impl Ctx<'_> {
                 b.set(id, &[x, wt], &[y]);
             }
             StepKind::Gemm(role) => {
-                let g =
-                    w.gs.iter()
-                        .find(|g| g.role == role)
-                        .unwrap_or_else(|| panic!("no GEMM {role:?} in layer {layer}"));
-                let (wt, _) = self.weight_of(b, layer, g);
-                let id = self.gemm_fwd(b, pass, mb, layer, g);
+                let g = self.step_g(role, w.gs);
+                let expert = matches!(role, GemmRole::ExpertFc1 | GemmRole::ExpertFc2);
+                let ws = match expert {
+                    true => self.expert_weights(b, layer, &g).0,
+                    false => vec![self.weight_of(b, layer, &g).0],
+                };
+                let id = self.gemm_fwd(b, pass, mb, layer, &g);
                 let y = b.act(at, out, d.w, &[g.m, g.n]);
-                b.set(id, &[x, wt], &[y]);
+                // The operand, the weights, and what the GEMM accumulates onto (the shared
+                // experts' output onto the routed experts').
+                let mut ops = vec![x];
+                ops.extend(ws);
+                ops.extend(s.ins[1..].iter().map(|v| b.get(at, v.name())));
+                b.set(id, &ops, &[y]);
             }
             StepKind::Rope => {
                 let op = ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4);
@@ -182,8 +198,8 @@ impl Ctx<'_> {
                 let z = b.act(at, out, d.w, &[d.ts, d.h]);
                 b.set(id, &[x], &[z]);
             }
-            StepKind::Activation => {
-                let (up, down) = (&w.gs[0], &w.gs[1]);
+            StepKind::Activation(ffn) => {
+                let (up, down) = ffn_gemms(ffn, w.gs);
                 let op = ew(ElementwiseKind::Activation, up.m * up.n, 6);
                 let id = b.compute(pass, mbo, lo, op);
                 let res: Vec<ValueId> = s
@@ -193,16 +209,15 @@ impl Ctx<'_> {
                     .collect();
                 b.set(id, &[x], &res);
             }
-            StepKind::MoeBlock => {
-                let xg = b.get(at, s.ins[1].name());
-                // Files its output under `ym` (`sp2` with shared experts) itself.
-                self.moe_block_fwd(b, pass, at, w.gs, (w.stats, [x, xg]));
-            }
+            StepKind::Permute(_)
+            | StepKind::MoeStats
+            | StepKind::EpA2a(_)
+            | StepKind::ExpertTp(_) => self.moe_step_fwd(b, w, s, x),
         }
     }
 
     /// The forward GEMM of step `role` (its `(m x k) @ (k x n)` on this rank).
-    fn step_g(&self, role: GemmRole, gs: &[G]) -> G {
+    pub(super) fn step_g(&self, role: GemmRole, gs: &[G]) -> G {
         let d = self.dims();
         let g = |m, n, k| G { role, m, n, k };
         match role {
@@ -243,14 +258,32 @@ impl Ctx<'_> {
                 let dx = self.reduce_v(b, pass, at, g.get(y), x.grad_name());
                 g.set(x, dx);
             }
+            StepKind::Gemm(GemmRole::Router) => self.router_bwd(b, w, g),
+            StepKind::Gemm(role @ (GemmRole::ExpertFc1 | GemmRole::ExpertFc2)) => {
+                let dx = self.expert_gemm_bwd(b, w, role, [g.get(y), b.get(at, x.name())]);
+                g.set(x, dx);
+            }
             StepKind::Gemm(role) => {
                 let gm = self.step_g(role, w.gs);
                 let xv = b.get(at, x.name());
-                let dx = self.gemm_bwd_v(b, at, &gm, [g.get(y), xv], x.grad_name());
-                g.set(x, dx);
+                let dy = g.get(y);
+                let key = match role {
+                    GemmRole::SharedFc1 => "ds",
+                    _ => x.grad_name(),
+                };
+                let dx = self.gemm_bwd_v(b, at, &gm, [dy, xv], key);
+                match role {
+                    // The shared experts' input gradient, summed into the MoE block's.
+                    GemmRole::SharedFc1 => g.moe_acc = Some(dx),
+                    _ => g.set(x, dx),
+                }
+                // What the GEMM accumulated onto has the output's gradient.
+                for v in &s.ins[1..] {
+                    g.set(*v, dy);
+                }
             }
-            StepKind::Activation => {
-                let up = &w.gs[0];
+            StepKind::Activation(ffn) => {
+                let (up, _) = ffn_gemms(ffn, w.gs);
                 let op = ew(ElementwiseKind::Activation, up.m * up.n, 8);
                 let id = b.compute(pass, mbo, lo, op);
                 let du = b.act(at, x.grad_name(), d.w, &[up.m, up.n]);
@@ -305,10 +338,10 @@ impl Ctx<'_> {
                 }
                 g.set(x, dx);
             }
-            StepKind::MoeBlock => {
-                let dx = self.moe_block_bwd(b, at, w.gs, g.get(y));
-                g.set(s.ins[1], dx);
-            }
+            StepKind::Permute(_)
+            | StepKind::MoeStats
+            | StepKind::EpA2a(_)
+            | StepKind::ExpertTp(_) => self.moe_step_bwd(b, w, s, g),
             StepKind::RopeK | StepKind::ActivationJoin => {
                 unreachable!("a replay's step has no backward of its own")
             }
