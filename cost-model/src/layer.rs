@@ -2,11 +2,28 @@
 //!
 //! [`layer_ops`] lists, for one micro-batch on one GPU, every op of a dense layer, an MoE
 //! layer, the head (LM head + loss) or the embedding, in each pass: forward, recompute
-//! (full recompute: the whole forward again; selective: the attention core) and backward.
-//! Each op carries its shape, FLOPs, bytes and the time the analytical model charges for
-//! it; [`crate::eval::LayerCosts`] sums these (so the cost model cannot drift from the
-//! template) and a lowering emits one graph node per op (so a simulator that replays the
-//! ops agrees with the model by construction, up to overlap).
+//! (full recompute: the whole forward again; selective: the chosen modules, or
+//! torchtitan's op-level replay) and backward. Each op carries its shape, FLOPs, bytes and
+//! the time the analytical model charges for it; [`crate::eval::LayerCosts`] sums these
+//! (so the cost model cannot drift from the template).
+//!
+//! A dense or MoE layer is defined once, as data: [`def::forward`] lists its forward steps
+//! in dataflow order (norm, TP gather, QKV GEMM, rotary, CP gather, attention, output
+//! projection, TP reduction, residual, ..., the MoE block's router, permutations,
+//! all-to-alls and expert GEMMs) with the value keys each reads and writes, and the
+//! replays are lists and filters of the same steps ([`def::recomputed`],
+//! [`def::mlp_replay`], [`def::op_level_replay`]). Each pass here costs the steps of
+//! those lists (`Ctx::step`: one cost rule per step kind; the backward pass the forward's
+//! steps at the backward's work). The lowering (`shardwright_lowering`) emits the same
+//! lists, one emit rule per step kind, and walks them in reverse for the backward, so
+//! the graph's nodes are the template's ops (`lowering/src/cost.rs` charges each node the
+//! template op of its step).
+//!
+//! A step may carry no op of its own: the norms, residual adds and rotary are one
+//! calibrated figure, `hidden_ops`, charged on the attention norm's step (the lowering's
+//! cost splits it over the two norm nodes); the CP ring's exposed K/V exchange is charged
+//! with the attention core; the MoE permutation's both directions on the dispatch, the
+//! block's activations (experts and shared experts) on the experts' activation.
 //!
 //! What each op costs:
 //! - GEMM `(m x k) @ (k x n)` (`groups` equal GEMMs of `m/groups` rows for the experts):
@@ -205,6 +222,49 @@ impl GemmMemo {
     }
 }
 
+/// A layer's steps ([`def::LayerDef`]) and what they share in every pass.
+struct LayerCx {
+    def: def::LayerDef,
+    moe: bool,
+    /// Each expert whole on one rank ([`Mesh::whole_experts`]).
+    whole: bool,
+    moe_cx: Option<MoeCx>,
+    tp: Option<TpCx>,
+    /// The attention block's input projections ([`flops::attention_projections`]): rows,
+    /// output and input width on this rank, `nqkv` of them.
+    qkv: [(f64, f64, f64); 4],
+    nqkv: usize,
+}
+
+/// The terms every TP collective of a layer's blocks shares, in every pass: the message
+/// (the micro-batch's hidden states, 16-bit), the ring times (SP: all-gather and
+/// reduce-scatter; else the all-reduce), the calibrated overlap share, and whether
+/// userbuffers pipeline them with their GEMMs ([`Ctx::tp_step`]).
+struct TpCx {
+    msg: f64,
+    times: (f64, f64),
+    hide: f64,
+    ub: bool,
+}
+
+/// The MoE block's sizes and rates, the same in every pass: top-k, the expert and shared
+/// expert widths and the shared experts' count, the local experts, their routed rows and
+/// width on this rank, the EP all-to-all (message, time) and the most loaded EP rank's
+/// factor over the balanced time.
+#[derive(Clone, Copy)]
+struct MoeCx {
+    whole: bool,
+    k: f64,
+    fe: f64,
+    fs: f64,
+    ns: f64,
+    experts_local: u32,
+    rows: f64,
+    fe_local: f64,
+    a2a: Option<(f64, f64)>,
+    straggler: f64,
+}
+
 /// Ops of one pass, appended to `out`.
 struct Emit<'a> {
     out: &'a mut Vec<OpCost>,
@@ -334,27 +394,21 @@ impl Ctx<'_> {
     fn tp_step(
         &self,
         e: &mut Emit,
-        block: def::Block,
-        gather: bool,
+        (block, gather): (def::Block, bool),
+        tc: Option<&TpCx>,
         gemms_s: impl FnOnce() -> (f64, f64),
     ) {
-        let tp = self.shape.tp as u64;
-        if tp <= 1 || (gather && !self.shape.sp) {
+        let Some(tc) = tc else {
+            return;
+        };
+        if gather && !self.shape.sp {
             return;
         }
-        let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
-        let msg = self.tokens * self.h * 2.0;
-        let hide = if crate::framework::mechanisms(self.job.framework).tp_overlap {
-            self.job.efficiency.tp_overlap
-        } else {
-            0.0
-        };
-        let ub = self.job.tp_comm_overlap
-            && self.shape.sp
-            && crate::framework::mechanisms(self.job.framework).tp_overlap;
+        let tp = self.shape.tp as u64;
+        let (msg, hide, ub) = (tc.msg, tc.hide, tc.ub);
         let attn = block == def::Block::Attn;
         let (name, kind, t, gemm) = if !self.shape.sp {
-            let ar = all_reduce_s(msg, tp, link.gbps, link.latency_s);
+            let ar = tc.times.0;
             let name = match attn {
                 true => "tp_all_reduce_attn",
                 false => "tp_all_reduce_mlp",
@@ -363,14 +417,14 @@ impl Ctx<'_> {
         } else {
             let gemm = if ub { gemms_s() } else { (0.0, 0.0) };
             if gather {
-                let ag = all_gather_s(msg, tp, link.gbps, link.latency_s);
+                let ag = tc.times.0;
                 let name = match attn {
                     true => "tp_all_gather_attn",
                     false => "tp_all_gather_mlp",
                 };
                 (name, Coll::AllGather, ag, gemm.0)
             } else {
-                let rs = reduce_scatter_s(msg, tp, link.gbps, link.latency_s);
+                let rs = tc.times.1;
                 let name = match attn {
                     true => "tp_reduce_scatter_attn",
                     false => "tp_reduce_scatter_mlp",
@@ -531,12 +585,64 @@ impl Ctx<'_> {
         }
     }
 
-    /// One pass of a transformer layer (dense or MoE MLP): the layer's steps
-    /// ([`def::forward`]) in forward order, each costed by [`Ctx::step`].
-    fn layer_pass(&self, e: &mut Emit, moe_layer: bool) {
-        let d = def::forward(self.job, &self.shape, moe_layer);
-        for s in d.steps() {
-            self.step(e, s.kind, moe_layer);
+    /// The TP collectives' shared terms ([`TpCx`]); `None` without tensor parallelism.
+    fn tp_cx(&self) -> Option<TpCx> {
+        let tp = self.shape.tp as u64;
+        if tp <= 1 {
+            return None;
+        }
+        let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
+        let msg = self.tokens * self.h * 2.0;
+        let overlap = crate::framework::mechanisms(self.job.framework).tp_overlap;
+        let (gbps, lat) = (link.gbps, link.latency_s);
+        Some(TpCx {
+            msg,
+            times: if self.shape.sp {
+                (
+                    all_gather_s(msg, tp, gbps, lat),
+                    reduce_scatter_s(msg, tp, gbps, lat),
+                )
+            } else {
+                (all_reduce_s(msg, tp, gbps, lat), 0.0)
+            },
+            hide: if overlap {
+                self.job.efficiency.tp_overlap
+            } else {
+                0.0
+            },
+            ub: self.job.tp_comm_overlap && self.shape.sp && overlap,
+        })
+    }
+
+    /// A dense or MoE layer's definition ([`def::forward`]) and what its steps share in
+    /// every pass.
+    fn layer_cx(&self, moe: bool) -> LayerCx {
+        let mut qkv = [(0.0, 0.0, 0.0); 4];
+        let proj = flops::attention_projections(&self.job.model);
+        debug_assert!(proj.len() <= qkv.len(), "at most four input projections");
+        for (q, p) in qkv.iter_mut().zip(&proj) {
+            let (rows, n) = self.projection_shape(p);
+            *q = (rows, n, p.in_width);
+        }
+        LayerCx {
+            tp: self.tp_cx(),
+            qkv,
+            nqkv: proj.len().min(4),
+            def: def::forward(self.job, &self.shape, moe),
+            moe,
+            // Whole experts (expert tensor parallelism 1): each rank feeds its own sequence
+            // shard (tokens / tp) to full-width experts spread over the tp x ep ranks of
+            // the folded expert-parallel group; only the shared experts stay split over tp.
+            whole: moe && self.mesh.whole_experts(),
+            moe_cx: moe.then(|| self.moe_cx()),
+        }
+    }
+
+    /// One pass of a transformer layer (dense or MoE MLP): the layer's steps in forward
+    /// order, each costed by [`Ctx::step`].
+    fn layer_pass(&self, e: &mut Emit, lc: &LayerCx) {
+        for s in lc.def.steps() {
+            self.step(e, s.kind, lc);
         }
     }
 
@@ -544,35 +650,31 @@ impl Ctx<'_> {
     /// are one calibrated figure, `hidden_ops`, charged on the attention block's norm; the
     /// CP ring's K/V exchange is charged with the attention core it hides behind; the MoE
     /// block's steps are costed by [`Ctx::moe_step`].
-    fn step(&self, e: &mut Emit, kind: def::StepKind, moe_layer: bool) {
+    fn step(&self, e: &mut Emit, kind: def::StepKind, lc: &LayerCx) {
         use def::{Block, StepKind as K};
         let m = &self.job.model;
         let (t, h, tokens) = (self.t, self.h, self.tokens);
-        // Whole experts (expert tensor parallelism 1): each rank feeds its own sequence
-        // shard (tokens / tp) to full-width experts spread over the tp x ep ranks of the
-        // folded expert-parallel group; only the shared experts stay split over tp.
-        let whole = moe_layer && self.mesh.whole_experts();
+        let (moe_layer, whole, tp) = (lc.moe, lc.whole, lc.tp.as_ref());
         let sc = e.scale();
         match kind {
             K::Norm(Block::Attn) => self.hidden_ops(e),
             K::TpGather(Block::Attn) => {
-                self.tp_step(e, Block::Attn, true, || self.attn_gemm_times(sc))
+                self.tp_step(e, (Block::Attn, true), tp, || self.attn_gemm_times(sc))
             }
             K::TpReduce(Block::Attn) => {
-                self.tp_step(e, Block::Attn, false, || self.attn_gemm_times(sc))
+                self.tp_step(e, (Block::Attn, false), tp, || self.attn_gemm_times(sc))
             }
             // The GEMMs the MLP block's TP collectives pipeline with (dense FC1/FC2; MoE:
             // the shared experts, and the experts when they are split over tp).
-            K::TpGather(Block::Mlp) => self.tp_step(e, Block::Mlp, true, || {
+            K::TpGather(Block::Mlp) => self.tp_step(e, (Block::Mlp, true), tp, || {
                 self.mlp_gemm_times(moe_layer, whole, sc)
             }),
-            K::TpReduce(Block::Mlp) => self.tp_step(e, Block::Mlp, false, || {
+            K::TpReduce(Block::Mlp) => self.tp_step(e, (Block::Mlp, false), tp, || {
                 self.mlp_gemm_times(moe_layer, whole, sc)
             }),
             K::Gemm(GemmRole::Qkv) => {
-                for p in &flops::attention_projections(m) {
-                    let (rows, n) = self.projection_shape(p);
-                    self.gemm(e, GemmRole::Qkv, rows, n, p.in_width, 1);
+                for &(rows, n, k) in lc.qkv.iter().take(lc.nqkv) {
+                    self.gemm(e, GemmRole::Qkv, rows, n, k, 1);
                 }
             }
             K::Gemm(GemmRole::Proj) => self.gemm(e, GemmRole::Proj, tokens, h, m.o_width() / t, 1),
@@ -590,7 +692,10 @@ impl Ctx<'_> {
             | K::Permute(_)
             | K::MoeStats
             | K::EpA2a(_)
-            | K::ExpertTp(_) => self.moe_step(e, kind, whole),
+            | K::ExpertTp(_) => {
+                let mc = lc.moe_cx.as_ref().expect("an MoE step of an MoE layer");
+                self.moe_step(e, kind, mc)
+            }
             K::Norm(Block::Mlp) | K::Rope | K::RopeK | K::CpGather | K::Residual | K::Dropout => {}
         }
     }
@@ -721,25 +826,14 @@ impl Ctx<'_> {
     /// each expert whole on one rank. From the dispatch to the combine every op moves or
     /// multiplies the rank's routed rows, and the most loaded EP rank finishes last
     /// ([`crate::moe_balance::ep_straggler_factor`]).
-    fn moe_step(&self, e: &mut Emit, kind: def::StepKind, whole: bool) {
+    fn moe_step(&self, e: &mut Emit, kind: def::StepKind, mc: &MoeCx) {
         use def::{Dir, Ffn, StepKind as K};
-        let job = self.job;
-        let m = &job.model;
+        let m = &self.job.model;
         let (t, h, tokens) = (self.t, self.h, self.tokens);
         let mats = m.ffn_activation.mlp_matrices();
-        let (expert_rows, expert_width_div) = if whole {
-            (tokens / t, 1.0)
-        } else {
-            (tokens, t)
-        };
         let moe = m.moe.as_ref().expect("MoE layer of a model with experts");
-        let k = moe.top_k as f64;
-        let fe = moe.expert_ffn_hidden_size as f64;
-        let fs = moe.shared_expert_ffn_hidden_size as f64;
-        let ns = moe.num_shared_experts as f64;
-        let experts_local = moe.num_experts / self.mesh.size(GroupKind::Ep);
-        let rows = expert_rows * k; // routed copies over the local experts
-        let fe_local = fe / expert_width_div;
+        let (k, fe, fs, ns) = (mc.k, mc.fe, mc.fs, mc.ns);
+        let (rows, fe_local, experts_local) = (mc.rows, mc.fe_local, mc.experts_local);
         let start = e.out.len();
         match kind {
             // The router sees the rank's tokens: its sequence shard under SP (without SP
@@ -762,9 +856,9 @@ impl Ctx<'_> {
                     Dir::Dispatch => "ep_dispatch",
                     Dir::Combine => "ep_combine",
                 };
-                self.ep_op(e, name, self.ep_all_to_all(moe));
+                self.ep_op(e, name, mc.a2a);
             }
-            K::ExpertTp(dir) if !whole => match dir {
+            K::ExpertTp(dir) if !mc.whole => match dir {
                 Dir::Dispatch => {
                     self.expert_tp_collective(e, "tp_all_gather_experts", Coll::AllGather, k)
                 }
@@ -806,14 +900,44 @@ impl Ctx<'_> {
             kind,
             K::EpA2a(_) | K::ExpertTp(_) | K::Gemm(GemmRole::ExpertFc1 | GemmRole::ExpertFc2)
         );
-        if routed && e.out.len() > start {
-            let straggler =
-                crate::moe_balance::ep_straggler_factor(self.mesh.size(GroupKind::Ep) as u64, rows)
-                    .max(job.moe_rank_imbalance.unwrap_or(1.0));
+        if routed {
             for op in &mut e.out[start..] {
-                op.time_s *= straggler;
-                op.exposed_s *= straggler;
+                op.time_s *= mc.straggler;
+                op.exposed_s *= mc.straggler;
             }
+        }
+    }
+
+    /// The MoE block's sizes and rates ([`MoeCx`]).
+    fn moe_cx(&self) -> MoeCx {
+        let job = self.job;
+        let moe = job
+            .model
+            .moe
+            .as_ref()
+            .expect("MoE layer of a model with experts");
+        let whole = self.mesh.whole_experts();
+        let (expert_rows, expert_width_div) = if whole {
+            (self.tokens / self.t, 1.0)
+        } else {
+            (self.tokens, self.t)
+        };
+        let k = moe.top_k as f64;
+        let fe = moe.expert_ffn_hidden_size as f64;
+        let ep = self.mesh.size(GroupKind::Ep);
+        let rows = expert_rows * k; // routed copies over the local experts
+        MoeCx {
+            whole,
+            k,
+            fe,
+            fs: moe.shared_expert_ffn_hidden_size as f64,
+            ns: moe.num_shared_experts as f64,
+            experts_local: moe.num_experts / ep,
+            rows,
+            fe_local: fe / expert_width_div,
+            a2a: self.ep_all_to_all(moe),
+            straggler: crate::moe_balance::ep_straggler_factor(ep as u64, rows)
+                .max(job.moe_rank_imbalance.unwrap_or(1.0)),
         }
     }
 
@@ -997,12 +1121,13 @@ impl Ctx<'_> {
     /// backward.
     fn transformer_layer(&self, out: &mut Vec<OpCost>, moe: bool) {
         let start = out.len();
+        let lc = self.layer_cx(moe);
         self.layer_pass(
             &mut Emit {
                 out,
                 pass: Pass::Fwd,
             },
-            moe,
+            &lc,
         );
         match self.shape.recompute {
             // The forward again: the same ops, copied rather than recomputed (the
@@ -1019,7 +1144,7 @@ impl Ctx<'_> {
             Recompute::Selective if !moe && crate::framework::op_level_ac(self.job.framework) => {
                 self.op_level_recompute(out)
             }
-            Recompute::Selective => self.module_recompute(out, moe),
+            Recompute::Selective => self.module_recompute(out, &lc),
             Recompute::None => {}
         }
         self.layer_pass(
@@ -1027,7 +1152,7 @@ impl Ctx<'_> {
                 out,
                 pass: Pass::Bwd,
             },
-            moe,
+            &lc,
         );
         if moe && self.job.moe_a2a_overlap {
             self.paired_a2a_overlap(&mut out[start..]);
@@ -1094,20 +1219,21 @@ impl Ctx<'_> {
     /// all-reduces) and every other matmul in forward order: wk, wo, and the MLP's second
     /// (gated: w3, the up half of FC1; else FC2).
     fn op_level_recompute(&self, out: &mut Vec<OpCost>) {
-        let d = def::op_level_replay(self.job, &self.shape);
+        let lc = LayerCx {
+            def: def::op_level_replay(self.job, &self.shape),
+            ..self.layer_cx(false)
+        };
         let re = &mut Emit {
             out,
             pass: Pass::Recompute,
         };
-        for s in d.steps() {
-            self.step(re, s.kind, false);
-        }
+        self.layer_pass(re, &lc);
     }
 
     /// Fine-grained selective recompute: the forward steps of the chosen modules
     /// (`job.training.recompute_modules`, [`def::recomputed`]), in forward order, after
     /// the norms' replay (`layernorm`, one figure).
-    fn module_recompute(&self, out: &mut Vec<OpCost>, moe: bool) {
+    fn module_recompute(&self, out: &mut Vec<OpCost>, lc: &LayerCx) {
         let mods = &self.job.training.recompute_modules;
         if mods.contains(&RecomputeModule::Layernorm) {
             // Two norms: read the input, write the output (16-bit).
@@ -1122,9 +1248,8 @@ impl Ctx<'_> {
                 8.0 * elems,
             );
         }
-        let d = def::forward(self.job, &self.shape, moe);
-        for s in d.steps() {
-            if !def::recomputed(s.kind, moe, mods) {
+        for s in lc.def.steps() {
+            if !def::recomputed(s.kind, lc.moe, mods) {
                 continue;
             }
             self.step(
@@ -1133,7 +1258,7 @@ impl Ctx<'_> {
                     pass: Pass::Recompute,
                 },
                 s.kind,
-                moe,
+                lc,
             );
         }
         if mods.contains(&RecomputeModule::MlaUpProj) {

@@ -11,7 +11,9 @@
 //!    ZeRO-3 prefetch buffers and the framework reserve;
 //! 2. the pipeline schedule of the plan ([`shardwright_cost::schedule`]); a forward slot receives its
 //!    input from the previous virtual stage, runs the chunk's layers and sends the output
-//!    on; a backward slot mirrors it. Per layer (Megatron-LM layout):
+//!    on; a backward slot mirrors it. Per layer (Megatron-LM layout), the steps of the
+//!    cost model's layer definition ([`shardwright_cost::layer::def`], the list its
+//!    template costs), emitted by `lower/steps.rs`, the backward walking them in reverse:
 //!    - attention block: norm, [SP all-gather], QKV GEMM (column-parallel), rotary,
 //!      [CP all-gather of K and V], attention core, output GEMM (row-parallel), TP
 //!      all-reduce (SP: reduce-scatter), residual;

@@ -252,12 +252,46 @@ pub enum StepKind {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Step {
     pub kind: StepKind,
-    pub ins: &'static [Val],
-    pub outs: &'static [Val],
+    pub ins: Vals,
+    pub outs: Vals,
 }
 
-const fn step(kind: StepKind, ins: &'static [Val], outs: &'static [Val]) -> Step {
-    Step { kind, ins, outs }
+/// Up to three value keys, inline (a layer's list is copied for every candidate of the
+/// search: no pointers, a few bytes a step); reads as a slice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Vals {
+    v: [Val; 3],
+    n: u8,
+}
+
+impl Vals {
+    const fn of(keys: &[Val]) -> Vals {
+        let mut v = [Val::X; 3];
+        let mut i = 0;
+        while i < keys.len() {
+            v[i] = keys[i];
+            i += 1;
+        }
+        Vals {
+            v,
+            n: keys.len() as u8,
+        }
+    }
+}
+
+impl std::ops::Deref for Vals {
+    type Target = [Val];
+    fn deref(&self) -> &[Val] {
+        &self.v[..self.n as usize]
+    }
+}
+
+const fn step(kind: StepKind, ins: &[Val], outs: &[Val]) -> Step {
+    Step {
+        kind,
+        ins: Vals::of(ins),
+        outs: Vals::of(outs),
+    }
 }
 
 /// The most steps a layer (or a replay) has.
@@ -512,7 +546,7 @@ pub fn mlp_replay(job: &Job, shape: &LayerShape, moe: bool) -> LayerDef {
         if s.kind == StepKind::Gemm(GemmRole::SharedFc2) && !mods.contains(&R::Moe) {
             // The shared experts alone: their output is not accumulated onto the routed
             // output again.
-            d.push(step(s.kind, &s.ins[..1], s.outs));
+            d.push(step(s.kind, &s.ins[..1], &s.outs));
         } else {
             d.push(*s);
         }
