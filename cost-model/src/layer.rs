@@ -2,11 +2,28 @@
 //!
 //! [`layer_ops`] lists, for one micro-batch on one GPU, every op of a dense layer, an MoE
 //! layer, the head (LM head + loss) or the embedding, in each pass: forward, recompute
-//! (full recompute: the whole forward again; selective: the attention core) and backward.
-//! Each op carries its shape, FLOPs, bytes and the time the analytical model charges for
-//! it; [`crate::eval::LayerCosts`] sums these (so the cost model cannot drift from the
-//! template) and a lowering emits one graph node per op (so a simulator that replays the
-//! ops agrees with the model by construction, up to overlap).
+//! (full recompute: the whole forward again; selective: the chosen modules, or
+//! torchtitan's op-level replay) and backward. Each op carries its shape, FLOPs, bytes and
+//! the time the analytical model charges for it; [`crate::eval::LayerCosts`] sums these
+//! (so the cost model cannot drift from the template).
+//!
+//! A dense or MoE layer is defined once, as data: [`def::forward`] lists its forward steps
+//! in dataflow order (norm, TP gather, QKV GEMM, rotary, CP gather, attention, output
+//! projection, TP reduction, residual, ..., the MoE block's router, permutations,
+//! all-to-alls and expert GEMMs) with the value keys each reads and writes, and the
+//! replays are lists and filters of the same steps ([`def::recomputed`],
+//! [`def::mlp_replay`], [`def::op_level_replay`]). Each pass here costs the steps of
+//! those lists (`Ctx::step`: one cost rule per step kind; the backward pass the forward's
+//! steps at the backward's work). The lowering (`shardwright_lowering`) emits the same
+//! lists, one emit rule per step kind, and walks them in reverse for the backward, so
+//! the graph's nodes are the template's ops (`lowering/src/cost.rs` charges each node the
+//! template op of its step).
+//!
+//! A step may carry no op of its own: the norms, residual adds and rotary are one
+//! calibrated figure, `hidden_ops`, charged on the attention norm's step (the lowering's
+//! cost splits it over the two norm nodes); the CP ring's exposed K/V exchange is charged
+//! with the attention core; the MoE permutation's both directions on the dispatch, the
+//! block's activations (experts and shared experts) on the experts' activation.
 //!
 //! What each op costs:
 //! - GEMM `(m x k) @ (k x n)` (`groups` equal GEMMs of `m/groups` rows for the experts):
@@ -37,6 +54,8 @@ use crate::collective::{
     all_gather_s, all_reduce_s, all_to_all_s, moe_dispatch_dedup_s, reduce_scatter_s, send_s,
     small_all_reduce_s, MoeDispatch,
 };
+
+pub mod def;
 use crate::eval::{gemm_eff, group_link};
 use crate::flops;
 use shardwright_ir::vocab::GemmRole;
@@ -209,6 +228,49 @@ impl GemmMemo {
     }
 }
 
+/// A layer's steps ([`def::LayerDef`]) and what they share in every pass.
+struct LayerCx {
+    def: def::LayerDef,
+    moe: bool,
+    /// Each expert whole on one rank ([`Mesh::whole_experts`]).
+    whole: bool,
+    moe_cx: Option<MoeCx>,
+    tp: Option<TpCx>,
+    /// The attention block's input projections ([`flops::attention_projections`]): rows,
+    /// output and input width on this rank, `nqkv` of them.
+    qkv: [(f64, f64, f64); 4],
+    nqkv: usize,
+}
+
+/// The terms every TP collective of a layer's blocks shares, in every pass: the message
+/// (the micro-batch's hidden states, 16-bit), the ring times (SP: all-gather and
+/// reduce-scatter; else the all-reduce), the calibrated overlap share, and whether
+/// userbuffers pipeline them with their GEMMs ([`Ctx::tp_step`]).
+struct TpCx {
+    msg: f64,
+    times: (f64, f64),
+    hide: f64,
+    ub: bool,
+}
+
+/// The MoE block's sizes and rates, the same in every pass: top-k, the expert and shared
+/// expert widths and the shared experts' count, the local experts, their routed rows and
+/// width on this rank, the EP all-to-all (message, time) and the most loaded EP rank's
+/// factor over the balanced time.
+#[derive(Clone, Copy)]
+struct MoeCx {
+    whole: bool,
+    k: f64,
+    fe: f64,
+    fs: f64,
+    ns: f64,
+    experts_local: u32,
+    rows: f64,
+    fe_local: f64,
+    a2a: Option<(f64, f64)>,
+    straggler: f64,
+}
+
 /// Ops of one pass, appended to `out`.
 struct Emit<'a> {
     out: &'a mut Vec<OpCost>,
@@ -347,61 +409,70 @@ impl Ctx<'_> {
         );
     }
 
-    /// The TP collectives of one block (attention or MLP) in one pass: with sequence
-    /// parallelism an all-gather before and a reduce-scatter after (the backward mirrors
-    /// them at the same cost); otherwise one all-reduce (of the block's output in the
-    /// forward, of its input gradient in the backward), as Megatron does.
+    /// One of the TP collectives of a block (attention or MLP) in one pass: the
+    /// [`def::StepKind::TpGather`] (`gather`) or [`def::StepKind::TpReduce`] step. With
+    /// sequence parallelism an all-gather before the block and a reduce-scatter after (the
+    /// backward mirrors them at the same cost); otherwise one all-reduce after (of the
+    /// block's output in the forward, of its input gradient in the backward), as Megatron
+    /// does.
     ///
     /// With `job.tp_comm_overlap` (Megatron/TE userbuffers, sequence parallel only) each
     /// collective is split into `tp` chunks pipelined with the GEMM it feeds (all-gather:
-    /// the block's first GEMM) or drains (reduce-scatter: the second): exposed is what
-    /// outlasts that GEMM, and at least the one chunk that cannot overlap,
-    /// `max(t - gemm, t / tp)`.
-    fn tp_pair(&self, e: &mut Emit, block: &'static str, gemms_s: (f64, f64)) {
-        let tp = self.shape.tp as u64;
-        if tp <= 1 {
+    /// the block's first GEMM) or drains (reduce-scatter: the second), `gemms_s` their
+    /// times: exposed is what outlasts that GEMM, and at least the one chunk that cannot
+    /// overlap, `max(t - gemm, t / tp)`.
+    fn tp_step(
+        &self,
+        e: &mut Emit,
+        (block, gather): (def::Block, bool),
+        tc: Option<&TpCx>,
+        gemms_s: impl FnOnce() -> (f64, f64),
+    ) {
+        let Some(tc) = tc else {
+            return;
+        };
+        if gather && !self.shape.sp {
             return;
         }
-        let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
-        let msg = self.tokens * self.h * 2.0;
-        let hide = if crate::framework::mechanisms(self.job.framework).tp_overlap {
-            self.job.efficiency.tp_overlap
-        } else {
-            0.0
-        };
-        let ub = self.job.tp_comm_overlap
-            && self.shape.sp
-            && crate::framework::mechanisms(self.job.framework).tp_overlap;
-        let mut put = |name: &'static str, kind: Coll, t: f64, gemm: f64| {
-            let op = OpKind::Collective {
-                kind,
-                group: GroupKind::Tp,
-                bytes: msg,
+        let tp = self.shape.tp as u64;
+        let (msg, hide, ub) = (tc.msg, tc.hide, tc.ub);
+        let attn = block == def::Block::Attn;
+        let (name, kind, t, gemm) = if !self.shape.sp {
+            let ar = tc.times.0;
+            let name = match attn {
+                true => "tp_all_reduce_attn",
+                false => "tp_all_reduce_mlp",
             };
-            let exposed = if ub {
-                (t - gemm).max(t / tp as f64)
+            (name, Coll::AllReduce, ar, 0.0)
+        } else {
+            let gemm = if ub { gemms_s() } else { (0.0, 0.0) };
+            if gather {
+                let ag = tc.times.0;
+                let name = match attn {
+                    true => "tp_all_gather_attn",
+                    false => "tp_all_gather_mlp",
+                };
+                (name, Coll::AllGather, ag, gemm.0)
             } else {
-                t * (1.0 - hide)
-            };
-            e.comm(name, op, msg, t, exposed);
+                let rs = tc.times.1;
+                let name = match attn {
+                    true => "tp_reduce_scatter_attn",
+                    false => "tp_reduce_scatter_mlp",
+                };
+                (name, Coll::ReduceScatter, rs, gemm.1)
+            }
         };
-        if self.shape.sp {
-            let ag = all_gather_s(msg, tp, link.gbps, link.latency_s);
-            let rs = reduce_scatter_s(msg, tp, link.gbps, link.latency_s);
-            let (n1, n2) = match block {
-                "attn" => ("tp_all_gather_attn", "tp_reduce_scatter_attn"),
-                _ => ("tp_all_gather_mlp", "tp_reduce_scatter_mlp"),
-            };
-            put(n1, Coll::AllGather, ag, gemms_s.0);
-            put(n2, Coll::ReduceScatter, rs, gemms_s.1);
+        let op = OpKind::Collective {
+            kind,
+            group: GroupKind::Tp,
+            bytes: msg,
+        };
+        let exposed = if ub {
+            (t - gemm).max(t / tp as f64)
         } else {
-            let ar = all_reduce_s(msg, tp, link.gbps, link.latency_s);
-            let name = match block {
-                "attn" => "tp_all_reduce_attn",
-                _ => "tp_all_reduce_mlp",
-            };
-            put(name, Coll::AllReduce, ar, 0.0);
-        }
+            t * (1.0 - hide)
+        };
+        e.comm(name, op, msg, t, exposed);
     }
 
     /// Attention core of one pass, with the CP ring exchange it hides.
@@ -544,94 +615,184 @@ impl Ctx<'_> {
         }
     }
 
-    /// One pass of a transformer layer (dense or MoE MLP).
-    fn layer_pass(&self, e: &mut Emit, moe_layer: bool) {
+    /// The TP collectives' shared terms ([`TpCx`]); `None` without tensor parallelism.
+    fn tp_cx(&self) -> Option<TpCx> {
+        let tp = self.shape.tp as u64;
+        if tp <= 1 {
+            return None;
+        }
+        let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
+        let msg = self.tokens * self.h * 2.0;
+        let overlap = crate::framework::mechanisms(self.job.framework).tp_overlap;
+        let (gbps, lat) = (link.gbps, link.latency_s);
+        Some(TpCx {
+            msg,
+            times: if self.shape.sp {
+                (
+                    all_gather_s(msg, tp, gbps, lat),
+                    reduce_scatter_s(msg, tp, gbps, lat),
+                )
+            } else {
+                (all_reduce_s(msg, tp, gbps, lat), 0.0)
+            },
+            hide: if overlap {
+                self.job.efficiency.tp_overlap
+            } else {
+                0.0
+            },
+            ub: self.job.tp_comm_overlap && self.shape.sp && overlap,
+        })
+    }
+
+    /// A dense or MoE layer's definition ([`def::forward`]) and what its steps share in
+    /// every pass.
+    fn layer_cx(&self, moe: bool) -> LayerCx {
+        let mut qkv = [(0.0, 0.0, 0.0); 4];
+        let proj = flops::attention_projections(&self.job.model);
+        debug_assert!(proj.len() <= qkv.len(), "at most four input projections");
+        for (q, p) in qkv.iter_mut().zip(&proj) {
+            let (rows, n) = self.projection_shape(p);
+            *q = (rows, n, p.in_width);
+        }
+        LayerCx {
+            tp: self.tp_cx(),
+            qkv,
+            nqkv: proj.len().min(4),
+            def: def::forward(self.job, &self.shape, moe),
+            moe,
+            // Whole experts (expert tensor parallelism 1): each rank feeds its own sequence
+            // shard (tokens / tp) to full-width experts spread over the tp x ep ranks of
+            // the folded expert-parallel group; only the shared experts stay split over tp.
+            whole: moe && self.mesh.whole_experts(),
+            moe_cx: moe.then(|| self.moe_cx()),
+        }
+    }
+
+    /// One pass of a transformer layer (dense or MoE MLP): the layer's steps in forward
+    /// order, each costed by [`Ctx::step`].
+    fn layer_pass(&self, e: &mut Emit, lc: &LayerCx) {
+        for s in lc.def.steps() {
+            self.step(e, s.kind, lc);
+        }
+    }
+
+    /// The ops of one step of a layer in one pass. The norms, residual adds and rotary
+    /// are one calibrated figure, `hidden_ops`, charged on the attention block's norm; the
+    /// CP ring's K/V exchange is charged with the attention core it hides behind; the MoE
+    /// block's steps are costed by [`Ctx::moe_step`].
+    fn step(&self, e: &mut Emit, kind: def::StepKind, lc: &LayerCx) {
+        use def::{Block, StepKind as K};
+        let m = &self.job.model;
+        let (t, h, tokens) = (self.t, self.h, self.tokens);
+        let (moe_layer, whole, tp) = (lc.moe, lc.whole, lc.tp.as_ref());
+        let sc = e.scale();
+        match kind {
+            K::Norm(Block::Attn) => self.hidden_ops(e),
+            K::TpGather(Block::Attn) => {
+                self.tp_step(e, (Block::Attn, true), tp, || self.attn_gemm_times(sc))
+            }
+            K::TpReduce(Block::Attn) => {
+                self.tp_step(e, (Block::Attn, false), tp, || self.attn_gemm_times(sc))
+            }
+            // The GEMMs the MLP block's TP collectives pipeline with (dense FC1/FC2; MoE:
+            // the shared experts, and the experts when they are split over tp).
+            K::TpGather(Block::Mlp) => self.tp_step(e, (Block::Mlp, true), tp, || {
+                self.mlp_gemm_times(moe_layer, whole, sc)
+            }),
+            K::TpReduce(Block::Mlp) => self.tp_step(e, (Block::Mlp, false), tp, || {
+                self.mlp_gemm_times(moe_layer, whole, sc)
+            }),
+            K::Gemm(GemmRole::Qkv) => {
+                for &(rows, n, k) in lc.qkv.iter().take(lc.nqkv) {
+                    self.gemm(e, GemmRole::Qkv, rows, n, k, 1);
+                }
+            }
+            K::Gemm(GemmRole::Proj) => self.gemm(e, GemmRole::Proj, tokens, h, m.o_width() / t, 1),
+            K::Gemm(role @ (GemmRole::Fc1 | GemmRole::Fc2 | GemmRole::KProj | GemmRole::Fc1Up)) => {
+                let (n, k) = self.step_gemm(role);
+                self.gemm(e, role, tokens, n, k, 1);
+            }
+            K::Attention => self.attention_core(e),
+            K::Activation(def::Ffn::Dense) | K::ActivationJoin => {
+                let f = m.ffn_hidden_size as f64;
+                self.act(e, (m.ffn_activation.mlp_matrices() - 1.0) * f / t);
+            }
+            K::Gemm(_)
+            | K::Activation(_)
+            | K::Permute(_)
+            | K::MoeStats
+            | K::EpA2a(_)
+            | K::ExpertTp(_) => {
+                let mc = lc.moe_cx.as_ref().expect("an MoE step of an MoE layer");
+                self.moe_step(e, kind, mc)
+            }
+            K::Norm(Block::Mlp) | K::Rope | K::RopeK | K::CpGather | K::Residual | K::Dropout => {}
+        }
+    }
+
+    /// Norms, residual adds and rotary on the hidden size (sharded with SP): one
+    /// calibrated figure per layer and pass.
+    fn hidden_ops(&self, e: &mut Emit) {
         let job = self.job;
-        let m = &job.model;
-        let eff = &job.efficiency;
-        let (tokens, h) = (self.tokens, self.h);
-        // Norms, residual adds and rotary on the hidden size (sharded with SP).
-        let hidden_elems = tokens * h / self.seq_div;
+        let hidden_elems = self.tokens * self.h / self.seq_div;
         let eager = crate::framework::eager_elementwise(job.framework, job.torch_compile);
-        let (hidden_x, act_x) = if eager {
-            (
-                crate::framework::eager_hidden_traffic(m),
-                crate::framework::eager_act_traffic(m),
-            )
+        let hidden_x = if eager {
+            crate::framework::eager_hidden_traffic(&job.model)
         } else {
-            (1.0, 1.0)
+            1.0
         };
         self.elementwise(
             e,
             "hidden_ops",
             hidden_elems,
-            eff.elementwise_bytes_per_h * 2.0 * hidden_elems * hidden_x,
+            job.efficiency.elementwise_bytes_per_h * 2.0 * hidden_elems * hidden_x,
         );
-        self.attention_block(e);
-        // Whole experts (expert tensor parallelism 1): each rank feeds its own sequence
-        // shard (tokens / tp) to full-width experts spread over the tp x ep ranks of the
-        // folded expert-parallel group; only the shared experts stay split over tp.
-        let whole = moe_layer && self.mesh.whole_experts();
-        // The GEMMs the MLP block's TP collectives pipeline with (dense FC1/FC2; MoE: the
-        // shared experts, and the experts when they are split over tp).
-        let mlp_gemms = self.mlp_gemm_times(moe_layer, whole, e.scale());
-        // Under sequence parallelism an MoE block without shared experts has no hidden-state
-        // tp collective: the router and the dispatch work on the rank's sequence shard
-        // (split experts gather their routed rows below).
-        let shared_experts = m.moe.as_ref().is_some_and(|x| x.num_shared_experts > 0);
-        if !(moe_layer && self.shape.sp && !shared_experts) {
-            self.tp_pair(e, "mlp", mlp_gemms);
-        }
-        let width = if moe_layer {
-            self.moe_mlp(e, whole)
+    }
+
+    /// The activation function on the MLP width (`width` per token): half the per-element
+    /// bytes of the hidden-size ops (16-bit values).
+    fn act(&self, e: &mut Emit, width: f64) {
+        let job = self.job;
+        let eager = crate::framework::eager_elementwise(job.framework, job.torch_compile);
+        let act_x = if eager {
+            crate::framework::eager_act_traffic(&job.model)
         } else {
-            self.dense_mlp(e)
+            1.0
         };
-        // Activation function on the MLP width: half the per-element bytes of the
-        // hidden-size ops (16-bit values).
-        let act_elems = tokens * width;
+        let act_elems = self.tokens * width;
         self.elementwise(
             e,
             "act",
             act_elems,
-            eff.elementwise_bytes_per_h * act_elems * act_x,
+            job.efficiency.elementwise_bytes_per_h * act_elems * act_x,
         );
     }
 
-    /// The attention block of one pass: QKV projection, attention core and output
-    /// projection, with the TP collectives that pipeline with the two GEMMs.
-    fn attention_block(&self, e: &mut Emit) {
+    /// Input projections ([`flops::attention_projections`]): (rows, output width) of one
+    /// on this rank. Column-parallel ones split their output over tp; MLA's duplicated down
+    /// projections run whole on every rank, over the rank's sequence shard under SP
+    /// (Megatron-Core gathers the latents after them), over every token without it.
+    fn projection_shape(&self, p: &flops::AttnProjection) -> (f64, f64) {
+        if p.split {
+            (self.tokens, p.out_width / self.t)
+        } else {
+            (self.tokens / self.seq_div, p.out_width)
+        }
+    }
+
+    /// Times of the attention block's input projections and output projection in a pass of
+    /// `sc` times the forward work (the GEMMs its TP collectives pipeline with).
+    fn attn_gemm_times(&self, sc: f64) -> (f64, f64) {
         let m = &self.job.model;
-        let (t, h, tokens) = (self.t, self.h, self.tokens);
-        let od = m.o_width();
-        let sc = e.scale();
-        // Input projections ([`flops::attention_projections`]): column-parallel ones split
-        // their output over tp; MLA's duplicated down projections run whole on every rank,
-        // over the rank's sequence shard under SP (Megatron-Core gathers the latents after
-        // them), over every token without it.
-        let proj = flops::attention_projections(m);
-        let shape = |p: &flops::AttnProjection| {
-            if p.split {
-                (tokens, p.out_width / t)
-            } else {
-                (tokens / self.seq_div, p.out_width)
-            }
-        };
-        let qkv_s: f64 = proj
+        let qkv_s: f64 = flops::attention_projections(m)
             .iter()
             .map(|p| {
-                let (rows, n) = shape(p);
+                let (rows, n) = self.projection_shape(p);
                 self.gemm_time(rows, n, p.in_width, 1, sc)
             })
             .sum();
-        let proj_s = self.gemm_time(tokens, h, od / t, 1, sc);
-        self.tp_pair(e, "attn", (qkv_s, proj_s));
-        for p in &proj {
-            let (rows, n) = shape(p);
-            self.gemm(e, GemmRole::Qkv, rows, n, p.in_width, 1);
-        }
-        self.attention_core(e);
-        self.gemm(e, GemmRole::Proj, tokens, h, od / t, 1);
+        let proj_s = self.gemm_time(self.tokens, self.h, m.o_width() / self.t, 1, sc);
+        (qkv_s, proj_s)
     }
 
     /// Times of the MLP block's first and second GEMMs in a pass of `sc` times the forward
@@ -670,95 +831,144 @@ impl Ctx<'_> {
         }
     }
 
-    /// The dense MLP's GEMMs; returns the width of its activation per token.
-    fn dense_mlp(&self, e: &mut Emit) -> f64 {
+    /// A dense layer's step GEMM `role` over the micro-batch's tokens: its (n, k) on this
+    /// rank (FC1, FC2; torchtitan's replayed wk, the K columns of the QKV weight, and w3,
+    /// the up half of a gated FC1).
+    fn step_gemm(&self, role: GemmRole) -> (f64, f64) {
+        let m = &self.job.model;
+        let mats = m.ffn_activation.mlp_matrices();
+        let f = m.ffn_hidden_size as f64;
+        match role {
+            GemmRole::Fc1 => ((mats - 1.0) * f / self.t, self.h),
+            GemmRole::Fc2 => (self.h, f / self.t),
+            GemmRole::KProj => (m.k_width() / self.t, self.h),
+            GemmRole::Fc1Up => (f / self.t, self.h),
+            _ => unreachable!("not a dense layer's step GEMM: {role:?}"),
+        }
+    }
+
+    /// One step of the MoE block ([`def::StepKind`]): the router, the permutation (both
+    /// directions charged on the dispatch: the routed copies gathered into expert order and
+    /// scattered back, each a read and a write of tokens*k*h 16-bit values), the routing
+    /// statistics' reductions, the EP all-to-alls, the experts' tp collectives (split
+    /// experts under SP), the local experts' grouped GEMMs, the activation (the block's,
+    /// experts and shared experts, charged on the experts'), the shared experts. `whole`:
+    /// each expert whole on one rank. From the dispatch to the combine every op moves or
+    /// multiplies the rank's routed rows, and the most loaded EP rank finishes last
+    /// ([`crate::moe_balance::ep_straggler_factor`]).
+    fn moe_step(&self, e: &mut Emit, kind: def::StepKind, mc: &MoeCx) {
+        use def::{Dir, Ffn, StepKind as K};
         let m = &self.job.model;
         let (t, h, tokens) = (self.t, self.h, self.tokens);
         let mats = m.ffn_activation.mlp_matrices();
-        let f = m.ffn_hidden_size as f64;
-        self.gemm(e, GemmRole::Fc1, tokens, (mats - 1.0) * f / t, h, 1);
-        self.gemm(e, GemmRole::Fc2, tokens, h, f / t, 1);
-        (mats - 1.0) * f / t
-    }
-
-    /// The MoE block: router, permutation, EP dispatch, the local experts (with their tp
-    /// collectives when split over tp), EP combine and the shared experts. `whole`: each
-    /// expert whole on one rank. Returns the width of the activation per token.
-    fn moe_mlp(&self, e: &mut Emit, whole: bool) -> f64 {
-        let job = self.job;
-        let m = &job.model;
-        let (t, h, tokens) = (self.t, self.h, self.tokens);
-        let mats = m.ffn_activation.mlp_matrices();
-        let (expert_rows, expert_width_div) = if whole {
-            (tokens / t, 1.0)
-        } else {
-            (tokens, t)
-        };
         let moe = m.moe.as_ref().expect("MoE layer of a model with experts");
-        let k = moe.top_k as f64;
-        let fe = moe.expert_ffn_hidden_size as f64;
-        let fs = moe.shared_expert_ffn_hidden_size as f64;
-        let ns = moe.num_shared_experts as f64;
-        let experts_local = moe.num_experts / self.mesh.size(GroupKind::Ep);
-        // The router sees the rank's tokens: its sequence shard under SP (without SP
-        // every tp rank routes the whole micro-batch, as Megatron does).
-        self.gemm(
-            e,
-            GemmRole::Router,
-            tokens / self.seq_div,
-            moe.num_experts as f64,
-            h,
-            1,
-        );
-        // Token permutation around the experts (memory bound): the routed copies are
-        // gathered into expert order and scattered back, each a read and a write of
-        // tokens*k*h 16-bit values.
-        let routed = tokens * k * h / self.seq_div;
-        self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
-        self.moe_reductions(e, moe);
-        let a2a = self.ep_all_to_all(moe);
-        // From the dispatch to the combine every op moves or multiplies the rank's routed
-        // rows, and the most loaded EP rank finishes last
-        // ([`crate::moe_balance::ep_straggler_factor`]).
-        let first_routed = e.out.len();
-        self.ep_op(e, "ep_dispatch", a2a);
-        if !whole {
-            self.expert_tp_collective(e, "tp_all_gather_experts", Coll::AllGather, k);
-        }
-        let rows = expert_rows * k; // routed copies over the local experts
-        let fe_local = fe / expert_width_div;
-        self.gemm(
-            e,
-            GemmRole::ExpertFc1,
-            rows,
-            (mats - 1.0) * fe_local,
-            h,
-            experts_local,
-        );
-        self.gemm(e, GemmRole::ExpertFc2, rows, h, fe_local, experts_local);
-        if !whole {
-            self.expert_tp_collective(e, "tp_reduce_scatter_experts", Coll::ReduceScatter, k);
-        }
-        self.ep_op(e, "ep_combine", a2a);
-        let straggler =
-            crate::moe_balance::ep_straggler_factor(self.mesh.size(GroupKind::Ep) as u64, rows)
-                .max(job.moe_rank_imbalance.unwrap_or(1.0));
-        for op in &mut e.out[first_routed..] {
-            op.time_s *= straggler;
-            op.exposed_s *= straggler;
-        }
-        if moe.num_shared_experts > 0 {
-            self.gemm(
+        let (k, fe, fs, ns) = (mc.k, mc.fe, mc.fs, mc.ns);
+        let (rows, fe_local, experts_local) = (mc.rows, mc.fe_local, mc.experts_local);
+        let start = e.out.len();
+        match kind {
+            // The router sees the rank's tokens: its sequence shard under SP (without SP
+            // every tp rank routes the whole micro-batch, as Megatron does).
+            K::Gemm(GemmRole::Router) => self.gemm(
+                e,
+                GemmRole::Router,
+                tokens / self.seq_div,
+                moe.num_experts as f64,
+                h,
+                1,
+            ),
+            K::Permute(Dir::Dispatch) => {
+                let routed = tokens * k * h / self.seq_div;
+                self.elementwise(e, "permute", routed, 4.0 * routed * 2.0);
+            }
+            K::MoeStats => self.moe_reductions(e, moe),
+            K::EpA2a(dir) => {
+                let name = match dir {
+                    Dir::Dispatch => "ep_dispatch",
+                    Dir::Combine => "ep_combine",
+                };
+                self.ep_op(e, name, mc.a2a);
+            }
+            K::ExpertTp(dir) if !mc.whole => match dir {
+                Dir::Dispatch => {
+                    self.expert_tp_collective(e, "tp_all_gather_experts", Coll::AllGather, k)
+                }
+                Dir::Combine => self.expert_tp_collective(
+                    e,
+                    "tp_reduce_scatter_experts",
+                    Coll::ReduceScatter,
+                    k,
+                ),
+            },
+            K::Gemm(GemmRole::ExpertFc1) => self.gemm(
+                e,
+                GemmRole::ExpertFc1,
+                rows,
+                (mats - 1.0) * fe_local,
+                h,
+                experts_local,
+            ),
+            K::Gemm(GemmRole::ExpertFc2) => {
+                self.gemm(e, GemmRole::ExpertFc2, rows, h, fe_local, experts_local)
+            }
+            // Activation function on the MLP width: half the per-element bytes of the
+            // hidden-size ops (16-bit values).
+            K::Activation(Ffn::Experts) => self.act(e, (mats - 1.0) * (fe * k + fs * ns) / t),
+            K::Gemm(GemmRole::SharedFc1) => self.gemm(
                 e,
                 GemmRole::SharedFc1,
                 tokens,
                 (mats - 1.0) * fs / t * ns,
                 h,
                 1,
-            );
-            self.gemm(e, GemmRole::SharedFc2, tokens, h, fs / t * ns, 1);
+            ),
+            K::Gemm(GemmRole::SharedFc2) => {
+                self.gemm(e, GemmRole::SharedFc2, tokens, h, fs / t * ns, 1)
+            }
+            _ => {}
         }
-        (mats - 1.0) * (fe * k + fs * ns) / t
+        let routed = matches!(
+            kind,
+            K::EpA2a(_) | K::ExpertTp(_) | K::Gemm(GemmRole::ExpertFc1 | GemmRole::ExpertFc2)
+        );
+        if routed {
+            for op in &mut e.out[start..] {
+                op.time_s *= mc.straggler;
+                op.exposed_s *= mc.straggler;
+            }
+        }
+    }
+
+    /// The MoE block's sizes and rates ([`MoeCx`]).
+    fn moe_cx(&self) -> MoeCx {
+        let job = self.job;
+        let moe = job
+            .model
+            .moe
+            .as_ref()
+            .expect("MoE layer of a model with experts");
+        let whole = self.mesh.whole_experts();
+        let (expert_rows, expert_width_div) = if whole {
+            (self.tokens / self.t, 1.0)
+        } else {
+            (self.tokens, self.t)
+        };
+        let k = moe.top_k as f64;
+        let fe = moe.expert_ffn_hidden_size as f64;
+        let ep = self.mesh.size(GroupKind::Ep);
+        let rows = expert_rows * k; // routed copies over the local experts
+        MoeCx {
+            whole,
+            k,
+            fe,
+            fs: moe.shared_expert_ffn_hidden_size as f64,
+            ns: moe.num_shared_experts as f64,
+            experts_local: moe.num_experts / ep,
+            rows,
+            fe_local: fe / expert_width_div,
+            a2a: self.ep_all_to_all(moe),
+            straggler: crate::moe_balance::ep_straggler_factor(ep as u64, rows)
+                .max(job.moe_rank_imbalance.unwrap_or(1.0)),
+        }
     }
 
     /// The MoE block's small reductions, on the critical path (a blocking all-reduce of a
@@ -893,39 +1103,6 @@ impl Ctx<'_> {
     }
 }
 
-/// Whether selective recompute with `mods` runs `op` of a dense (`moe = false`) or MoE
-/// layer again.
-fn recomputed(op: &OpCost, moe: bool, mods: &[RecomputeModule]) -> bool {
-    use RecomputeModule as R;
-    let has = |m: R| mods.contains(&m);
-    let moe_module = moe && has(R::Moe);
-    if let OpKind::Gemm { role, .. } = op.kind {
-        return match role {
-            GemmRole::Fc1 | GemmRole::Fc2 => !moe && has(R::Mlp),
-            GemmRole::Router | GemmRole::ExpertFc1 | GemmRole::ExpertFc2 => moe_module,
-            GemmRole::SharedFc1 | GemmRole::SharedFc2 => {
-                moe && (has(R::Moe) || has(R::SharedExperts))
-            }
-            GemmRole::Qkv
-            | GemmRole::KProj
-            | GemmRole::Proj
-            | GemmRole::Fc1Up
-            | GemmRole::LmHead => false,
-        };
-    }
-    match op.name {
-        "attention_core" => has(R::CoreAttn),
-        "tp_all_gather_mlp" => (!moe && has(R::Mlp)) || moe_module,
-        "act" => (!moe && has(R::Mlp)) || (moe && (has(R::Moe) || has(R::MoeAct))),
-        "permute"
-        | "ep_dispatch"
-        | "tp_all_gather_experts"
-        | "tp_reduce_scatter_experts"
-        | "ep_combine" => moe_module,
-        _ => false,
-    }
-}
-
 /// The ops of one layer kind for one micro-batch on one GPU, in pass order (forward,
 /// recompute, backward). `mesh` gives the groups' fabrics (only tp, cp and ep are read).
 pub fn layer_ops(job: &Job, mesh: &Mesh, shape: &LayerShape, which: LayerKind) -> Vec<OpCost> {
@@ -976,12 +1153,13 @@ impl Ctx<'_> {
     /// backward.
     fn transformer_layer(&self, out: &mut Vec<OpCost>, moe: bool) {
         let start = out.len();
+        let lc = self.layer_cx(moe);
         self.layer_pass(
             &mut Emit {
                 out,
                 pass: Pass::Fwd,
             },
-            moe,
+            &lc,
         );
         match self.shape.recompute {
             // The forward again: the same ops, copied rather than recomputed (the
@@ -998,7 +1176,7 @@ impl Ctx<'_> {
             Recompute::Selective if !moe && crate::framework::op_level_ac(self.job.framework) => {
                 self.op_level_recompute(out)
             }
-            Recompute::Selective => self.module_recompute(out, moe),
+            Recompute::Selective => self.module_recompute(out, &lc),
             Recompute::None => {}
         }
         self.layer_pass(
@@ -1006,7 +1184,7 @@ impl Ctx<'_> {
                 out,
                 pass: Pass::Bwd,
             },
-            moe,
+            &lc,
         );
         if moe && self.job.moe_a2a_overlap {
             self.paired_a2a_overlap(&mut out[start..]);
@@ -1067,59 +1245,28 @@ impl Ctx<'_> {
         }
     }
 
-    /// torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense block: the
-    /// replay from the block input reruns every elementwise op and the TP all-gathers
-    /// (their outputs are not kept) and every other matmul in forward order: wk, wo, and
-    /// the MLP's second (gated: w3, the up half of FC1; else FC2).
+    /// torchtitan's op-level selective AC (`framework::SelectiveAc`) on a dense layer: the
+    /// steps of its replay ([`def::op_level_replay`], the list the lowering emits): every
+    /// elementwise op and the TP all-gathers (their outputs are not kept; without SP the
+    /// all-reduces) and every other matmul in forward order: wk, wo, and the MLP's second
+    /// (gated: w3, the up half of FC1; else FC2).
     fn op_level_recompute(&self, out: &mut Vec<OpCost>) {
-        let m = &self.job.model;
-        let mut again = Vec::with_capacity(32);
-        self.layer_pass(
-            &mut Emit {
-                out: &mut again,
-                pass: Pass::Recompute,
-            },
-            false,
-        );
-        out.extend(again.into_iter().filter(|op| {
-            matches!(
-                op.name,
-                "hidden_ops"
-                    | "act"
-                    | "tp_all_gather_attn"
-                    | "tp_all_gather_mlp"
-                    | "tp_all_reduce_attn"
-                    | "tp_all_reduce_mlp"
-            )
-        }));
-        let (t, h) = (self.t, self.h);
-        let (od, kvd) = (m.o_width(), m.k_width());
-        let f = m.ffn_hidden_size as f64;
+        let lc = LayerCx {
+            def: def::op_level_replay(self.job, &self.shape),
+            ..self.layer_cx(false)
+        };
         let re = &mut Emit {
             out,
             pass: Pass::Recompute,
         };
-        self.gemm(re, GemmRole::KProj, self.tokens, kvd / t, h, 1);
-        self.gemm(re, GemmRole::Proj, self.tokens, h, od / t, 1);
-        if m.ffn_activation.mlp_matrices() > 2.0 {
-            self.gemm(re, GemmRole::Fc1Up, self.tokens, f / t, h, 1);
-        } else {
-            self.gemm(re, GemmRole::Fc2, self.tokens, h, f / t, 1);
-        }
+        self.layer_pass(re, &lc);
     }
 
-    /// Fine-grained selective recompute: the forward ops of the chosen modules
-    /// (`job.training.recompute_modules`), in forward order.
-    fn module_recompute(&self, out: &mut Vec<OpCost>, moe: bool) {
+    /// Fine-grained selective recompute: the forward steps of the chosen modules
+    /// (`job.training.recompute_modules`, [`def::recomputed`]), in forward order, after
+    /// the norms' replay (`layernorm`, one figure).
+    fn module_recompute(&self, out: &mut Vec<OpCost>, lc: &LayerCx) {
         let mods = &self.job.training.recompute_modules;
-        let mut again = Vec::with_capacity(32);
-        self.layer_pass(
-            &mut Emit {
-                out: &mut again,
-                pass: Pass::Recompute,
-            },
-            moe,
-        );
         if mods.contains(&RecomputeModule::Layernorm) {
             // Two norms: read the input, write the output (16-bit).
             let elems = self.tokens * self.h / self.seq_div;
@@ -1133,7 +1280,19 @@ impl Ctx<'_> {
                 8.0 * elems,
             );
         }
-        out.extend(again.into_iter().filter(|op| recomputed(op, moe, mods)));
+        for s in lc.def.steps() {
+            if !def::recomputed(s.kind, lc.moe, mods) {
+                continue;
+            }
+            self.step(
+                &mut Emit {
+                    out,
+                    pass: Pass::Recompute,
+                },
+                s.kind,
+                lc,
+            );
+        }
         if mods.contains(&RecomputeModule::MlaUpProj) {
             // MLA's up projections (`flops::mla_up_proj_params`): the column-parallel ones
             // that read a latent, on every token.
@@ -1281,7 +1440,7 @@ impl Ctx<'_> {
 
     /// A tensor-parallel collective of one micro-batch's hidden states (16-bit, the full
     /// `tokens x h` tensor) outside the layers, hidden as the layers' TP collectives are
-    /// (`tp_pair`).
+    /// (`tp_step`).
     fn tp_activation(&self, em: &mut Emit, name: &'static str, kind: Coll) {
         let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
         let (gbps, lat, tp) = (link.gbps, link.latency_s, self.shape.tp as u64);

@@ -329,3 +329,52 @@ fn moe_reductions_by_hand() {
         ]
     );
 }
+
+/// The layer definition is a dataflow: every step reads the layer's input or a value an
+/// earlier step defined, in every variant (SP or not, tp, cp, dropout, dense or MoE, with
+/// and without shared experts); Megatron's replays are steps of the forward (up to the MoE
+/// block's statistics-free permutation and the shared experts' unaccumulated FC2), and
+/// each replay reads only what the forward defined.
+#[test]
+fn the_layer_definition_is_a_closed_dataflow() {
+    use shardwright_cost::layer::def::{self, StepKind, Val};
+    use shardwright_spec::spec::RecomputeModule as R;
+    let no_shared = MOE.replace("num_shared_experts: 1", "num_shared_experts: 0");
+    let dropout = DENSE.replace("seq_len: 512}", "seq_len: 512, dropout: true}");
+    for (yaml, moe) in [
+        (DENSE, false),
+        (&dropout[..], false),
+        (MOE, true),
+        (&no_shared[..], true),
+    ] {
+        let mut j = job(yaml);
+        j.training.recompute_modules = vec![R::Layernorm, R::Mlp, R::MoeAct, R::SharedExperts];
+        for (tp, cp, sp) in [(1, 1, false), (2, 1, false), (2, 1, true), (2, 2, true)] {
+            let s = shape(tp, cp, 1, sp, Recompute::Selective);
+            let fwd = def::forward(&j, &s, moe);
+            let mut defined = vec![Val::X];
+            for st in fwd.steps() {
+                for v in st.ins.iter() {
+                    assert!(
+                        defined.contains(v),
+                        "{:?} reads {v:?} before it is defined",
+                        st.kind
+                    );
+                }
+                defined.extend(st.outs.iter());
+            }
+            assert!(defined.contains(&Val::Out));
+            assert_eq!(
+                fwd.steps().iter().any(|st| st.kind == StepKind::Dropout),
+                j.model.dropout
+            );
+            for st in def::mlp_replay(&j, &s, moe).steps() {
+                for v in st.ins.iter() {
+                    assert!(defined.contains(v), "replay {:?} reads {v:?}", st.kind);
+                }
+                let in_fwd = fwd.steps().iter().any(|f| f.kind == st.kind);
+                assert!(in_fwd, "replay step {:?} is not a forward step", st.kind);
+            }
+        }
+    }
+}

@@ -30,7 +30,7 @@ const OTHER_MEANINGS: &[(&str, &str, &str)] = &[
         "the op keyword of `Op::Embedding` in the parser",
     ),
     (
-        "lowering/src/lower.rs",
+        "cost-model/src/layer/def.rs",
         "qkv",
         "the scope key of the QKV GEMM's output activation (`L0.mb0.qkv`), not the weight",
     ),

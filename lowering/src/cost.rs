@@ -2,7 +2,11 @@
 //!
 //! Layer ops are looked up in the cost model's layer template
 //! ([`shardwright_cost::layer::layer_ops`], the ops `LayerCosts` sums into the analytical
-//! step time), so the simulator and the analytical model cannot disagree about an op:
+//! step time), so the simulator and the analytical model cannot disagree about an op.
+//! Both sides come from one definition: the template costs the steps of
+//! [`shardwright_cost::layer::def`]'s lists and the lowering emits the same steps
+//! (`lower/steps.rs`), so each node is one step's op; the lookup by name below only
+//! finds which template op a node is:
 //! - a forward (or recompute) GEMM costs the template GEMM of the same name and pass; the
 //!   template's backward GEMM (data + weight gradient, twice the forward) is split evenly
 //!   over the IR's `.dgrad` and `.wgrad` nodes;

@@ -11,7 +11,9 @@
 //!    ZeRO-3 prefetch buffers and the framework reserve;
 //! 2. the pipeline schedule of the plan ([`shardwright_cost::schedule`]); a forward slot receives its
 //!    input from the previous virtual stage, runs the chunk's layers and sends the output
-//!    on; a backward slot mirrors it. Per layer (Megatron-LM layout):
+//!    on; a backward slot mirrors it. Per layer (Megatron-LM layout), the steps of the
+//!    cost model's layer definition ([`shardwright_cost::layer::def`], the list its
+//!    template costs), emitted by `lower/steps.rs`, the backward walking them in reverse:
 //!    - attention block: norm, [SP all-gather], QKV GEMM (column-parallel), rotary,
 //!      [CP all-gather of K and V], attention core, output GEMM (row-parallel), TP
 //!      all-reduce (SP: reduce-scatter), residual;
@@ -45,6 +47,8 @@
 
 use crate::mesh::declare_groups;
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
+use shardwright_cost::layer::def::{self, Val};
+use shardwright_cost::layer::LayerShape;
 use shardwright_cost::schedule::{slots, Phase, Slot};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
@@ -59,8 +63,8 @@ use std::collections::BTreeMap;
 
 mod dp;
 mod moe;
+mod steps;
 mod values;
-use moe::Mlp;
 use values::{Vals, EMBED, HEAD, NONE};
 
 #[derive(Debug, thiserror::Error)]
@@ -943,142 +947,33 @@ impl<'a> Ctx<'a> {
         b.set_opt(id, &[lst], &[st]);
     }
 
-    /// Emit the forward (or recompute) of one layer. The forward takes the micro-batch's
-    /// hidden state and hands its output on; the replay (full recompute) starts again from
-    /// the kept input and files its output in the scope.
+    /// Emit the forward (or recompute) of one layer: its definition's steps
+    /// ([`Ctx::layer_def`], the list the cost model's template costs), each by
+    /// [`Ctx::step_fwd`]. The forward takes the micro-batch's hidden state and hands its
+    /// output on; the replay (full recompute) starts again from the kept input and files
+    /// its output in the scope.
     fn layer_fwd(&self, b: &mut Builder, layer: u32, mb: u32, pass: Pass, cp_idx: u32) {
-        let d = self.dims();
-        let (mbo, lo) = (Some(mb), Some(layer));
         let at = (layer, mb);
-        let wname = |r: Role| Some(ParamName::layer(layer, r));
-        let x = if pass == Pass::Recompute {
-            b.get(at, "x")
-        } else {
+        if pass != Pass::Recompute {
             let x = b.take_cur(mb);
-            b.put(at, "x", x);
-            x
-        };
-        // attention block
-        let y1 = self.norm_fwd_v(b, pass, at, x, Role::AttnNorm, ("y1", "rstd1"));
-        let yg1 = self.gather_v(b, pass, at, y1, "yg1");
-        let (wq, _) = self.weight(b, lo, Role::Qkv);
-        let qkv_n = (d.heads + 2 * d.kv_heads) * d.d;
-        let id = b.compute(
-            pass,
-            mbo,
-            lo,
-            gemm(
-                GemmName::fwd(GemmRole::Qkv),
-                d.t,
-                qkv_n,
-                d.h,
-                d.w,
-                wname(Role::Qkv),
-            ),
-        );
-        let qkv = b.act(at, "qkv", d.w, &[d.t, qkv_n]);
-        b.set(id, &[yg1, wq], &[qkv]);
-        let id = b.compute(
-            pass,
-            mbo,
-            lo,
-            ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
-        );
-        let q = b.act(at, "q", d.w, &[d.t, d.heads * d.d]);
-        let kv = b.act(at, "kv", d.w, &[2, d.t, d.kv_heads * d.d]);
-        if self.titan_sac(layer) && pass == Pass::Fwd {
-            // torchtitan's op-level AC keeps V (wv's output) apart from K (wk's, replayed).
-            let v = b.act(at, "v", d.w, &[d.t, d.kv_heads * d.d]);
-            b.set(id, &[qkv], &[q, kv, v]);
-        } else {
-            b.set(id, &[qkv], &[q, kv]);
+            b.put(at, Val::X.name(), x);
         }
-        let kvg = if self.layout.cp > 1 {
-            let c = self.layout.cp as u64;
-            let kvb = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
-            let id = b.collective(Coll {
-                stream: Stream::Comm,
-                pass,
-                mb: mbo,
-                layer: lo,
-                kind: CollectiveKind::AllGather,
-                axis: GroupKind::Cp,
-                bytes: kvb,
-                dt: d.w,
-                blocking: true,
-                tensor: None,
-                reduce: ReduceOp::Sum,
-            });
-            let kvg = b.act(at, "kvg", d.w, &[c, 2, d.t, d.kv_heads * d.d]);
-            b.set_opt(id, &[kv], &[kvg]);
-            kvg
-        } else {
-            b.put(at, "kvg", kv);
-            kv
+        let gs = self.mlp_gemms(layer, &self.dims());
+        let w = steps::At {
+            pass,
+            at,
+            cp_idx,
+            gs: &gs,
         };
-        let id = b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, false));
-        let o = b.act(at, "o", d.w, &[d.t, d.heads * d.d]);
-        let lse = b.act(at, "lse", DType::F32, &[d.t, d.heads]);
-        b.set(id, &[q, kvg], &[o, lse]);
-        let (wp, _) = self.weight(b, lo, Role::Proj);
-        let id = b.compute(pass, mbo, lo, proj_gemm(&d, layer));
-        let p1 = b.act(at, "p1", d.w, &[d.t, d.h]);
-        b.set(id, &[o, wp], &[p1]);
-        let p1r = self.reduce_v(b, pass, at, p1, "p1r");
-        let xm = self.residual_v(b, pass, at, x, p1r, "xm");
-        // MLP block (an MoE block under SP without shared experts keeps the sequence
-        // shard throughout: no hidden-state gather or reduce-scatter)
-        let y2 = self.norm_fwd_v(b, pass, at, xm, Role::MlpNorm, ("y2", "rstd2"));
-        let block_tp = self.block_tp(layer);
-        let yg2 = if block_tp {
-            self.gather_v(b, pass, at, y2, "yg2")
-        } else {
-            y2
-        };
-        let gs = self.mlp_gemms(layer, &d);
-        let p2 = if self.is_moe_layer(layer) {
-            self.moe_block_fwd(b, pass, at, &gs, (true, [y2, yg2]))
-        } else {
-            self.mlp_fwd(b, pass, at, Mlp::dense(&gs[0], &gs[1]), yg2, None)
-        };
-        let p2r = if block_tp {
-            self.reduce_v(b, pass, at, p2, "p2r")
-        } else {
-            p2
-        };
-        let out = self.residual_v(b, pass, at, xm, p2r, "out");
+        self.steps_fwd(b, &w, &self.layer_def(layer));
         if pass == Pass::Recompute {
             return;
         }
         // The output is the next scope's; the forward keeps what the backward reads.
+        let out = b.get(at, Val::Out.name());
         b.hand_on(at, out, false);
         let keep = self.kept(layer);
-        b.release_scope_but(at, &keep, Pass::Fwd, lo);
-    }
-
-    /// The residual add `x + y` in scope `at` filed as `key` (then dropout, when the model
-    /// has it).
-    fn residual_v(
-        &self,
-        b: &mut Builder,
-        pass: Pass,
-        at: (u32, u32),
-        x: ValueId,
-        y: ValueId,
-        key: &'static str,
-    ) -> ValueId {
-        let d = self.dims();
-        let (mbo, lo) = (Some(at.1), Some(at.0));
-        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Residual, d.ts * d.h, 6));
-        let z = b.act(at, key, d.w, &[d.ts, d.h]);
-        b.set(id, &[x, y], &[z]);
-        if !self.job.model.dropout {
-            return z;
-        }
-        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Dropout, d.ts * d.h, 5));
-        let zd = b.act(at, key, d.w, &[d.ts, d.h]);
-        b.set(id, &[z], &[zd]);
-        zd
+        b.release_scope_but(at, &keep, Pass::Fwd, Some(layer));
     }
 
     /// What a layer's forward keeps for its backward (the rest is released at its end):
@@ -1167,69 +1062,6 @@ impl<'a> Ctx<'a> {
         )
     }
 
-    /// An MLP forward of `x` in scope `at`: up projection, activation, down projection
-    /// (returned: the partial output under TP; plus `acc` when given, the down projection
-    /// accumulating onto it). Its values are filed under `mlp.keys`.
-    fn mlp_fwd(
-        &self,
-        b: &mut Builder,
-        pass: Pass,
-        at: (u32, u32),
-        mlp: Mlp<'_>,
-        x: ValueId,
-        acc: Option<ValueId>,
-    ) -> ValueId {
-        let (layer, mb) = at;
-        let (up, down, k) = (mlp.up, mlp.down, mlp.keys);
-        let w = self.dims().w;
-        let (w1, _) = self.weight_of(b, layer, up);
-        let id = self.gemm_fwd(b, pass, mb, layer, up);
-        let u = b.act(at, k.u, w, &[up.m, up.n]);
-        b.set(id, &[x, w1], &[u]);
-        let id = b.compute(
-            pass,
-            Some(mb),
-            Some(layer),
-            ew(ElementwiseKind::Activation, up.m * up.n, 6),
-        );
-        let a = b.act(at, k.a, w, &[down.m, down.k]);
-        if k.u == "u" && pass == Pass::Fwd && self.titan_sac(layer) && self.dims().mats > 2 {
-            // torchtitan's op-level AC keeps w1's output (the gate half) apart from w3's.
-            let gate = b.act(at, "gate", w, &[down.m, down.k]);
-            b.set(id, &[u], &[a, gate]);
-        } else {
-            b.set(id, &[u], &[a]);
-        }
-        let (w2, _) = self.weight_of(b, layer, down);
-        let id = self.gemm_fwd(b, pass, mb, layer, down);
-        let p = b.act(at, k.p, w, &[down.m, down.n]);
-        let mut ops = vec![a, w2];
-        ops.extend(acc);
-        b.set(id, &ops, &[p]);
-        p
-    }
-
-    /// Its backward from the output gradient `dy`: down projection, activation, up
-    /// projection; returns the input gradient (partial under TP).
-    fn mlp_bwd(&self, b: &mut Builder, at: (u32, u32), mlp: Mlp<'_>, dy: ValueId) -> ValueId {
-        let (layer, mb) = at;
-        let (up, down, k) = (mlp.up, mlp.down, mlp.keys);
-        let w = self.dims().w;
-        let a = b.get(at, k.a);
-        let da = self.gemm_bwd_v(b, at, down, [dy, a], k.da);
-        let id = b.compute(
-            Pass::Bwd,
-            Some(mb),
-            Some(layer),
-            ew(ElementwiseKind::Activation, up.m * up.n, 8),
-        );
-        let du = b.act(at, k.du, w, &[up.m, up.n]);
-        let u = b.get(at, k.u);
-        b.set(id, &[u, da], &[du]);
-        let x = b.get(at, k.x);
-        self.gemm_bwd_v(b, at, up, [du, x], k.dx)
-    }
-
     /// [`Self::gemm_bwd`] of `layer`'s GEMM `g` with values: `[dy, x]` are the output
     /// gradient and the forward's input; the data gradient (returned, as `key`) and the
     /// weight's gradient, accumulated.
@@ -1313,25 +1145,6 @@ impl<'a> Ctx<'a> {
         matches!(self.selective_policy(layer), Some((true, _)))
     }
 
-    /// Before the backward of a block: the norm again when its output was not kept
-    /// (Megatron's `layernorm` module, torchtitan's op-level AC).
-    /// The replay defines the norm's output and statistics again (and, without SP, the
-    /// GEMM input the weight gradient reads).
-    fn norm_recompute(&self, b: &mut Builder, at: (u32, u32), which: Role) {
-        let layer = at.0;
-        if self.recomputes(layer, RecomputeModule::Layernorm) || self.titan_sac(layer) {
-            let (x, keys, gathered) = if which == Role::MlpNorm {
-                (b.get(at, "xm"), ("y2", "rstd2"), "yg2")
-            } else {
-                (b.get(at, "x"), ("y1", "rstd1"), "yg1")
-            };
-            let y = self.norm_fwd_v(b, Pass::Recompute, at, x, which, keys);
-            if !self.dims().sp {
-                b.put(at, gathered, y);
-            }
-        }
-    }
-
     /// A dropout's backward on `dy` (when the model has dropout), filed as `key`.
     fn dropout_bwd_v(
         &self,
@@ -1355,269 +1168,63 @@ impl<'a> Ctx<'a> {
         z
     }
 
-    /// Before the MLP block's backward: the forward ops of the recomputed modules, in
-    /// forward order (the cost model's `recomputed` list, and torchtitan's every other
-    /// matmul: w3 for a gated MLP, else FC2, with the activation and the TP gather).
-    fn mlp_recompute(&self, b: &mut Builder, layer: u32, mb: u32, gs: &[G]) {
-        let d = self.dims();
-        let (mbo, lo) = (Some(mb), Some(layer));
-        let rc = Pass::Recompute;
-        let block_tp = self.block_tp(layer);
-        if self.titan_sac(layer) {
-            let at = (layer, mb);
-            let y2 = b.get(at, "y2");
-            let yg2 = if block_tp {
-                self.gather_v(b, rc, at, y2, "yg2")
-            } else {
-                y2
-            };
-            let act = ew(ElementwiseKind::Activation, gs[0].m * gs[0].n, 6);
-            let a_shape = [gs[1].m, gs[1].k];
-            if d.mats > 2 {
-                // w3: the up half of FC1's weight; the activation joins it to the kept gate
-                // half, defining FC1's output again for the activation's backward.
-                let g = G {
-                    role: GemmRole::Fc1Up,
-                    m: d.t,
-                    n: d.f,
-                    k: d.h,
-                };
-                let (w1, _) = self.weight(b, lo, g.role.weight());
-                let weight = Some(ParamName::layer(layer, g.role.weight()));
-                let id = b.compute(
-                    rc,
-                    mbo,
-                    lo,
-                    gemm(GemmName::fwd(g.role), g.m, g.n, g.k, d.w, weight),
-                );
-                let up = b.act(at, "up", d.w, &[g.m, g.n]);
-                b.set(id, &[yg2, w1], &[up]);
-                let id = b.compute(rc, mbo, lo, act);
-                let gate = b.get(at, "gate");
-                let a = b.act(at, "a", d.w, &a_shape);
-                let u = b.act(at, "u", d.w, &[gs[0].m, gs[0].n]);
-                b.set(id, &[gate, up], &[a, u]);
-            } else {
-                // The activation from the kept FC1 output, then FC2 (w2), whose output
-                // the backward does not read.
-                let id = b.compute(rc, mbo, lo, act);
-                let u = b.get(at, "u");
-                let a = b.act(at, "a", d.w, &a_shape);
-                b.set(id, &[u], &[a]);
-                let (w2, _) = self.weight_of(b, layer, &gs[1]);
-                let id = self.gemm_fwd(b, rc, mb, layer, &gs[1]);
-                let p2 = b.act(at, "p2", d.w, &[gs[1].m, gs[1].n]);
-                b.set(id, &[a, w2], &[p2]);
-            }
-            if !d.sp && self.layout.tp > 1 {
-                // Without SP torchtitan reruns the TP all-reduce of w2's output too (its
-                // result, the layer's output, is not read; under SP the reduce-scatter's
-                // output is saved).
-                let p2 = b.get(at, "p2");
-                self.reduce_v(b, rc, at, p2, "p2r");
-            }
-            return;
-        }
-        if !self.is_moe_layer(layer) {
-            if self.recomputes(layer, RecomputeModule::Mlp) {
-                let at = (layer, mb);
-                let y2 = b.get(at, "y2");
-                let yg2 = if block_tp {
-                    self.gather_v(b, rc, at, y2, "yg2")
-                } else {
-                    y2
-                };
-                self.mlp_fwd(b, rc, at, Mlp::dense(&gs[0], &gs[1]), yg2, None);
-            }
-            return;
-        }
-        let at = (layer, mb);
-        if self.recomputes(layer, RecomputeModule::Moe) {
-            let y2 = b.get(at, "y2");
-            let yg2 = if block_tp {
-                self.gather_v(b, rc, at, y2, "yg2")
-            } else {
-                y2
-            };
-            self.moe_block_fwd(b, rc, at, gs, (false, [y2, yg2]));
-            return;
-        }
-        if self.recomputes(layer, RecomputeModule::MoeAct) {
-            let id = b.compute(
-                rc,
-                mbo,
-                lo,
-                ew(ElementwiseKind::Activation, gs[1].m * gs[1].n, 6),
-            );
-            let eu = b.get(at, "eu");
-            let ea = b.act(at, "ea", d.w, &[gs[2].m, gs[2].k]);
-            b.set(id, &[eu], &[ea]);
-        }
-        if gs.len() > 3 && self.recomputes(layer, RecomputeModule::SharedExperts) {
-            let yg2 = b.get(at, "yg2");
-            self.mlp_fwd(b, rc, at, Mlp::shared(&gs[3], &gs[4]), yg2, None);
-        }
-    }
-
-    /// torchtitan's op-level AC before a layer's backward: the attention block's forward
-    /// again from what its policy keeps (see [`Self::kept`]), in forward order: the norm,
-    /// the TP gather, wk (the K columns of the fused QKV weight) and the rotary on K (joined
-    /// to the kept V), wo, and the residual `xm` the MLP block's replay starts from. Under
-    /// SP the reduce-scatter's output is kept (torchtitan saves it), so wo's replayed
-    /// product is not read; under CP the kept gathered K/V is read, not the replayed K.
-    fn titan_attn_replay(&self, b: &mut Builder, at: (u32, u32)) {
-        let d = self.dims();
-        let (layer, mb) = at;
-        let (mbo, lo, rc) = (Some(mb), Some(layer), Pass::Recompute);
-        self.norm_recompute(b, at, Role::AttnNorm);
-        let y1 = b.get(at, "y1");
-        let yg1 = self.gather_v(b, rc, at, y1, "yg1");
-        let kw = d.kv_heads * d.d;
-        let role = GemmRole::KProj;
-        let (wqkv, _) = self.weight(b, lo, role.weight());
-        let weight = Some(ParamName::layer(layer, role.weight()));
-        let id = b.compute(
-            rc,
-            mbo,
-            lo,
-            gemm(GemmName::fwd(role), d.t, kw, d.h, d.w, weight),
-        );
-        let k = b.act(at, "k", d.w, &[d.t, kw]);
-        b.set(id, &[yg1, wqkv], &[k]);
-        let id = b.compute(rc, mbo, lo, ew(ElementwiseKind::Rope, d.t * kw, 4));
-        let kv = b.act(at, "kv", d.w, &[2, d.t, kw]);
-        let v = b.get(at, "v");
-        b.set(id, &[k, v], &[kv]);
-        if self.layout.cp <= 1 {
-            b.put(at, "kvg", kv);
-        }
-        let (wp, _) = self.weight(b, lo, Role::Proj);
-        let o = b.get(at, "o");
-        let id = b.compute(rc, mbo, lo, proj_gemm(&d, layer));
-        let p1 = b.act(at, "p1", d.w, &[d.t, d.h]);
-        b.set(id, &[o, wp], &[p1]);
-        let p1r = match d.sp {
-            true => b.get(at, "p1r"),
-            false => self.reduce_v(b, rc, at, p1, "p1r"),
+    /// Before the MLP block's backward: what the layer's recompute policy runs again, in
+    /// forward order, from the layer definition's replay lists (torchtitan's
+    /// [`def::op_level_replay`]; Megatron's [`def::mlp_replay`]: the MLP norm, the dense
+    /// MLP, the MoE block or its chosen parts).
+    fn mlp_replay(&self, b: &mut Builder, at: (u32, u32), gs: &[G], cp_idx: u32) {
+        let w = steps::At {
+            pass: Pass::Recompute,
+            at,
+            cp_idx,
+            gs,
         };
-        let x = b.get(at, "x");
-        self.residual_v(b, rc, at, x, p1r, "xm");
+        let shape = LayerShape::of(self.layout);
+        let replay = match self.titan_sac(at.0) {
+            true => def::op_level_replay(self.job, &shape),
+            false => def::mlp_replay(self.job, &shape, self.is_moe_layer(at.0)),
+        };
+        self.steps_fwd(b, &w, &replay);
     }
 
     /// Emit the backward of one layer: it takes the micro-batch's incoming gradient and
-    /// hands the input gradient on, then releases the whole scope.
+    /// hands the input gradient on, then releases the whole scope. The layer definition's
+    /// steps in reverse, each by [`Ctx::step_bwd`]; the replays where they run: the MLP
+    /// block's ([`Ctx::mlp_replay`]) after the backward of the residual that ends the
+    /// layer, the attention norm's (Megatron's `layernorm`) before the output
+    /// projection's backward.
     fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
-        let d = self.dims();
-        let (mbo, lo) = (Some(mb), Some(layer));
         let at = (layer, mb);
-        let pass = Pass::Bwd;
         let dout = b.take_dcur(mb);
-        b.put(at, "dout", dout);
-        // MLP block
-        let dout = self.dropout_bwd_v(b, at, dout, "dout_d");
-        let block_tp = self.block_tp(layer);
-        let gs = self.mlp_gemms(layer, &d);
-        let titan = self.titan_sac(layer);
-        if titan {
-            self.titan_attn_replay(b, at);
+        b.put(at, Val::Out.grad_name(), dout);
+        let gs = self.mlp_gemms(layer, &self.dims());
+        let w = steps::At {
+            pass: Pass::Bwd,
+            at,
+            cp_idx,
+            gs: &gs,
+        };
+        let mut grads = steps::Grads::default();
+        grads.set(Val::Out, dout);
+        let shape = LayerShape::of(self.layout);
+        let moe = self.is_moe_layer(layer);
+        for s in self.layer_def(layer).steps().iter().rev() {
+            let proj = s.kind == def::StepKind::Gemm(GemmRole::Proj);
+            if proj && self.recomputes(layer, RecomputeModule::Layernorm) {
+                let norm = def::norm_replay(&shape, moe, def::Block::Attn);
+                let rw = steps::At {
+                    pass: Pass::Recompute,
+                    ..w
+                };
+                self.steps_fwd(b, &rw, &norm);
+            }
+            self.step_bwd(b, &w, s, &mut grads);
+            if s.kind == def::StepKind::Residual && s.outs[0] == Val::Out {
+                self.mlp_replay(b, at, &gs, cp_idx);
+            }
         }
-        self.norm_recompute(b, at, Role::MlpNorm);
-        self.mlp_recompute(b, layer, mb, &gs);
-        let dg2 = if block_tp {
-            self.gather_v(b, pass, at, dout, "dg2")
-        } else {
-            dout
-        };
-        let dy2 = if self.is_moe_layer(layer) {
-            self.moe_block_bwd(b, at, &gs, dg2)
-        } else {
-            self.mlp_bwd(b, at, Mlp::dense(&gs[0], &gs[1]), dg2)
-        };
-        let dy2r = if block_tp {
-            self.reduce_v(b, pass, at, dy2, "dy2r")
-        } else {
-            dy2
-        };
-        let io = [dy2r, b.get(at, "xm"), b.get(at, "rstd2")];
-        let dxm = self.norm_bwd_v(b, at, Role::MlpNorm, io, Some(dout));
-        b.put(at, "dxm", dxm);
-        // attention block
-        let dxm = self.dropout_bwd_v(b, at, dxm, "dxm_d");
-        let dg1 = self.gather_v(b, pass, at, dxm, "dg1");
-        let proj = G {
-            role: GemmRole::Proj,
-            m: d.t,
-            n: d.h,
-            k: d.heads * d.d,
-        };
-        if !titan {
-            self.norm_recompute(b, at, Role::AttnNorm);
-        }
-        let o = b.get(at, "o");
-        let d_o = self.gemm_bwd_v(b, at, &proj, [dg1, o], "do");
-        let (q, kvg) = (b.get(at, "q"), b.get(at, "kvg"));
-        let o = if self.recomputes(layer, RecomputeModule::CoreAttn) {
-            let id = b.compute(
-                Pass::Recompute,
-                mbo,
-                lo,
-                self.attention_op(&d, cp_idx, false),
-            );
-            let o2 = b.act(at, "o_rc", d.w, &[d.t, d.heads * d.d]);
-            let lse = b.act(at, "lse", DType::F32, &[d.t, d.heads]);
-            b.set(id, &[q, kvg], &[o2, lse]);
-            o2
-        } else {
-            o
-        };
-        let id = b.compute(pass, mbo, lo, self.attention_op(&d, cp_idx, true));
-        let dq = b.act(at, "dq", d.w, &[d.t, d.heads * d.d]);
-        let c = self.layout.cp as u64;
-        let dkvg = b.act(at, "dkvg", d.w, &[c, 2, d.t, d.kv_heads * d.d]);
-        let lse = b.get(at, "lse");
-        b.set(id, &[q, kvg, o, lse, d_o], &[dq, dkvg]);
-        let dkv = if self.layout.cp > 1 {
-            let kv = 2 * d.t * c * d.kv_heads * d.d * d.w.bytes();
-            let id = b.collective(Coll {
-                stream: Stream::Comm,
-                pass,
-                mb: mbo,
-                layer: lo,
-                kind: CollectiveKind::ReduceScatter,
-                axis: GroupKind::Cp,
-                bytes: kv,
-                dt: d.w,
-                blocking: true,
-                tensor: None,
-                reduce: ReduceOp::Sum,
-            });
-            let dkv = b.act(at, "dkv", d.w, &[2, d.t, d.kv_heads * d.d]);
-            b.set_opt(id, &[dkvg], &[dkv]);
-            dkv
-        } else {
-            dkvg
-        };
-        let id = b.compute(
-            pass,
-            mbo,
-            lo,
-            ew(ElementwiseKind::Rope, d.t * (d.heads + d.kv_heads) * d.d, 4),
-        );
-        let qkv = G {
-            role: GemmRole::Qkv,
-            m: d.t,
-            n: (d.heads + 2 * d.kv_heads) * d.d,
-            k: d.h,
-        };
-        let dqkv = b.act(at, "dqkv", d.w, &[d.t, qkv.n]);
-        b.set(id, &[dq, dkv], &[dqkv]);
-        let yg1 = b.get(at, "yg1");
-        let dyg1 = self.gemm_bwd_v(b, at, &qkv, [dqkv, yg1], "dyg1");
-        let dy1 = self.reduce_v(b, pass, at, dyg1, "dy1");
-        let io = [dy1, b.get(at, "x"), b.get(at, "rstd1")];
-        let dx = self.norm_bwd_v(b, at, Role::AttnNorm, io, Some(dxm));
-        b.hand_on(at, dx, true);
-        b.release_scope_but(at, &[], Pass::Bwd, lo);
+        b.hand_on(at, grads.get(Val::X), true);
+        b.release_scope_but(at, &[], Pass::Bwd, Some(layer));
     }
 
     /// Parameters of one layer on this rank: (dense, expert), from the cost model.

@@ -28,67 +28,13 @@
 //! (through the top-k softmax, plus the load-balancing loss's gradient from `stats`); the
 //! router's data gradient accumulates onto `dn`, its weight gradient reads `y2`.
 
+use super::steps::{At, Grads};
 use super::{ew, Builder, Coll, Ctx, G, NONE};
+use shardwright_cost::layer::def::{Dir, Step, StepKind, Val};
+use shardwright_ir::GemmRole;
 use shardwright_ir::{CollectiveKind, DType, ElementwiseKind, NodeId, Pass, ReduceOp, Stream};
 use shardwright_ir::{Expert, ParamName, ValueId};
 use shardwright_spec::mesh::GroupKind;
-
-/// Keys of one MLP's values in its scope.
-pub(super) struct MlpKeys {
-    pub u: &'static str,
-    pub a: &'static str,
-    pub p: &'static str,
-    /// The input the up projection's weight gradient reads.
-    pub x: &'static str,
-    pub da: &'static str,
-    pub du: &'static str,
-    pub dx: &'static str,
-}
-
-const DENSE: MlpKeys = MlpKeys {
-    u: "u",
-    a: "a",
-    p: "p2",
-    x: "yg2",
-    da: "da",
-    du: "du",
-    dx: "dyg2",
-};
-
-const SHARED: MlpKeys = MlpKeys {
-    u: "su",
-    a: "sa",
-    p: "sp2",
-    x: "yg2",
-    da: "sda",
-    du: "sdu",
-    dx: "ds",
-};
-
-/// An MLP's two GEMMs and its value keys.
-#[derive(Clone, Copy)]
-pub(super) struct Mlp<'a> {
-    pub up: &'a G,
-    pub down: &'a G,
-    pub keys: &'static MlpKeys,
-}
-
-impl<'a> Mlp<'a> {
-    pub fn dense(up: &'a G, down: &'a G) -> Self {
-        Mlp {
-            up,
-            down,
-            keys: &DENSE,
-        }
-    }
-    pub fn shared(up: &'a G, down: &'a G) -> Self {
-        Mlp {
-            up,
-            down,
-            keys: &SHARED,
-        }
-    }
-}
 
 /// What an MoE layer's forward keeps for its backward, besides the attention block's.
 pub(super) const KEPT: &[&str] = &["y2", "route", "stats", "xe", "eu", "ea", "eo", "su", "sa"];
@@ -147,182 +93,166 @@ impl Ctx<'_> {
         }
     }
 
-    /// The MoE block's forward (or replay) on the routed tokens' input `x` (`[ts, h]`) and,
-    /// for the shared experts, its tp-gathered `xg`: router, permutation, dispatch, experts,
-    /// combine, shared experts; the routing statistics only when `io.0` (the forward).
-    /// Returns the block's output.
-    pub(super) fn moe_block_fwd(
-        &self,
-        b: &mut Builder,
-        pass: Pass,
-        at: (u32, u32),
-        gs: &[G],
-        io: (bool, [ValueId; 2]),
-    ) -> ValueId {
-        let (stats, [x, xg]) = io;
+    /// The forward of one of the MoE block's own steps (the permutations, the routing
+    /// statistics' reductions, the EP all-to-alls, the split experts' tp collectives; its
+    /// GEMMs and activations are the layer's), `x` its first operand.
+    pub(super) fn moe_step_fwd(&self, b: &mut Builder, w: &At<'_>, s: &Step, x: ValueId) {
         let d = self.dims();
+        let (pass, at) = (w.pass, w.at);
         let (layer, mb) = at;
         let (mbo, lo) = (Some(mb), Some(layer));
         let (k, e) = self.moe_ke();
         let routed = d.ts * k * d.h;
-        let (wr, _) = self.weight_of(b, layer, &gs[0]);
-        let id = self.gemm_fwd(b, pass, mb, layer, &gs[0]);
-        let logits = b.act(at, "logits", d.w, &[d.ts, e]);
-        b.set(id, &[x, wr], &[logits]);
-        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-        let xr = b.act(at, "xr", d.w, &[d.ts * k, d.h]);
-        let route = b.act(at, "route", DType::I32, &[d.ts, k]);
-        let mut res = vec![xr, route];
-        if stats {
-            let mbs = self.layout.micro_batch as u64;
-            res.push(b.act(at, "stats", DType::F32, &[mbs, 2 * e]));
-        }
-        b.set(id, &[logits, x], &res);
-        if stats {
-            self.moe_stats(b, pass, at);
-        }
-        let id = self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-        let xd = self.moved(b, id, at, xr, ("xd", d.w, &[d.ts * k, d.h]));
-        let id = self.moe_expert_tp(b, pass, at, CollectiveKind::AllGather);
-        let xe = self.moved(b, id, at, xd, ("xe", d.w, &[gs[1].m, d.h]));
-        let yr = self.experts_fwd(b, pass, at, [&gs[1], &gs[2]], xe);
-        let id = self.moe_expert_tp(b, pass, at, CollectiveKind::ReduceScatter);
-        let ys = self.moved(b, id, at, yr, ("ys", d.w, &[d.ts * k, d.h]));
-        let id = self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-        let yc = self.moved(b, id, at, ys, ("yc", d.w, &[d.ts * k, d.h]));
-        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-        let eo = b.act(at, "eo", d.w, &[d.ts * k, d.h]);
-        let rows = if self.block_tp(layer) { d.t } else { d.ts };
-        let ym = b.act(at, "ym", d.w, &[rows, d.h]);
-        b.set(id, &[yc, route], &[eo, ym]);
-        if gs.len() > 3 {
-            self.mlp_fwd(b, pass, at, Mlp::shared(&gs[3], &gs[4]), xg, Some(ym))
-        } else {
-            ym
+        let out = s.outs[0].name();
+        match s.kind {
+            StepKind::Permute(Dir::Dispatch) => {
+                let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+                let mut res = vec![
+                    b.act(at, out, d.w, &[d.ts * k, d.h]),
+                    b.act(at, s.outs[1].name(), DType::I32, &[d.ts, k]),
+                ];
+                if let Some(st) = s.outs.get(2) {
+                    let mbs = self.layout.micro_batch as u64;
+                    res.push(b.act(at, st.name(), DType::F32, &[mbs, 2 * e]));
+                }
+                let y = b.get(at, s.ins[1].name());
+                b.set(id, &[x, y], &res);
+            }
+            StepKind::Permute(Dir::Combine) => {
+                let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+                let eo = b.act(at, out, d.w, &[d.ts * k, d.h]);
+                let rows = if self.block_tp(layer) { d.t } else { d.ts };
+                let ym = b.act(at, s.outs[1].name(), d.w, &[rows, d.h]);
+                let route = b.get(at, s.ins[1].name());
+                b.set(id, &[x, route], &[eo, ym]);
+            }
+            StepKind::MoeStats => self.moe_stats(b, pass, at),
+            StepKind::EpA2a(_) => {
+                let id = self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+                self.moved(b, id, at, x, (out, d.w, &[d.ts * k, d.h]));
+            }
+            StepKind::ExpertTp(dir) => {
+                let (kind, rows) = match dir {
+                    Dir::Dispatch => (CollectiveKind::AllGather, w.gs[1].m),
+                    Dir::Combine => (CollectiveKind::ReduceScatter, d.ts * k),
+                };
+                let id = self.moe_expert_tp(b, pass, at, kind);
+                self.moved(b, id, at, x, (out, d.w, &[rows, d.h]));
+            }
+            _ => unreachable!("not an MoE step: {:?}", s.kind),
         }
     }
 
-    /// The local experts' forward on the dispatched rows `x`: grouped up projection,
-    /// activation, grouped down projection (returned).
-    fn experts_fwd(
+    /// The backward of one of the MoE block's own steps: the combine's un-permutation
+    /// gives the routed rows' gradients and each slot's gate gradient (`<eo, dy>`,
+    /// all-reduced over tp without SP); the EP all-to-alls and the experts' tp collectives
+    /// mirror theirs; the dispatch's permutation sums the routed rows' gradients per token
+    /// (onto the shared experts' input gradient) and takes the gates' gradient through
+    /// the top-k softmax, plus the load-balancing loss's from the statistics.
+    pub(super) fn moe_step_bwd(&self, b: &mut Builder, w: &At<'_>, s: &Step, g: &mut Grads) {
+        let d = self.dims();
+        let at = w.at;
+        let (layer, mb) = at;
+        let (mbo, lo, pass) = (Some(mb), Some(layer), Pass::Bwd);
+        let (k, e) = self.moe_ke();
+        let routed = d.ts * k * d.h;
+        let (x, y) = (s.ins[0], s.outs[0]);
+        match s.kind {
+            StepKind::Permute(Dir::Combine) => {
+                let route_v = s.ins[1];
+                let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+                let dr = b.act(at, x.grad_name(), d.w, &[d.ts * k, d.h]);
+                let dgk = route_v.grad_name();
+                let dg = b.act(at, dgk, DType::F32, &[d.ts * k]);
+                let (route, eo) = (b.get(at, route_v.name()), b.get(at, y.name()));
+                b.set(id, &[g.get(s.outs[1]), route, eo], &[dr, dg]);
+                let id = self.moe_gate_grad(b, mb, layer);
+                let dg = self.moved(b, id, at, dg, (dgk, DType::F32, &[d.ts * k]));
+                g.set(x, dr);
+                g.set(route_v, dg);
+            }
+            StepKind::Permute(Dir::Dispatch) => {
+                let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
+                let rows = if self.block_tp(layer) { d.t } else { d.ts };
+                let dn = b.act(at, "dn", d.w, &[rows, d.h]);
+                let dl = b.act(at, x.grad_name(), d.w, &[d.ts, e]);
+                let route = s.outs[1];
+                let mut ops = vec![g.get(y), b.get(at, route.name()), g.get(route)];
+                ops.push(b.get(at, Val::Stats.name()));
+                ops.extend(g.moe_acc);
+                b.set(id, &ops, &[dn, dl]);
+                g.set(x, dl);
+                g.moe_acc = Some(dn);
+            }
+            StepKind::MoeStats => {}
+            StepKind::EpA2a(_) => {
+                let id = self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
+                let shape = [d.ts * k, d.h];
+                let dx = self.moved(b, id, at, g.get(y), (x.grad_name(), d.w, &shape));
+                g.set(x, dx);
+            }
+            StepKind::ExpertTp(dir) => {
+                // The mirror: the gather's gradient is reduce-scattered, the scatter's
+                // gathered.
+                let (kind, rows) = match dir {
+                    Dir::Dispatch => (CollectiveKind::ReduceScatter, d.ts * k),
+                    Dir::Combine => (CollectiveKind::AllGather, w.gs[1].m),
+                };
+                let id = self.moe_expert_tp(b, pass, at, kind);
+                let shape = [rows, d.h];
+                let dx = self.moved(b, id, at, g.get(y), (x.grad_name(), d.w, &shape));
+                g.set(x, dx);
+            }
+            _ => unreachable!("not an MoE step: {:?}", s.kind),
+        }
+    }
+
+    /// The backward of the local experts' grouped GEMM `role` from `[dy, x]`: the data
+    /// gradient onto the routed rows (returned) and each local expert's weight gradient.
+    pub(super) fn expert_gemm_bwd(
         &self,
         b: &mut Builder,
-        pass: Pass,
-        at: (u32, u32),
-        gs: [&G; 2],
-        x: ValueId,
+        w: &At<'_>,
+        role: GemmRole,
+        io: [ValueId; 2],
     ) -> ValueId {
-        let [up, down] = gs;
+        let [dy, x] = io;
+        let at = w.at;
         let (layer, mb) = at;
-        let w = self.dims().w;
-        let (w1, _) = self.expert_weights(b, layer, up);
-        let id = self.gemm_fwd(b, pass, mb, layer, up);
-        let u = b.act(at, "eu", w, &[up.m, up.n]);
-        b.set(id, &[&[x][..], &w1].concat(), &[u]);
-        let id = b.compute(
-            pass,
-            Some(mb),
-            Some(layer),
-            ew(ElementwiseKind::Activation, up.m * up.n, 6),
-        );
-        let a = b.act(at, "ea", w, &[down.m, down.k]);
-        b.set(id, &[u], &[a]);
-        let (w2, _) = self.expert_weights(b, layer, down);
-        let id = self.gemm_fwd(b, pass, mb, layer, down);
-        let y = b.act(at, "yr", w, &[down.m, down.n]);
-        b.set(id, &[&[a][..], &w2].concat(), &[y]);
-        y
-    }
-
-    /// Their backward from the routed rows' gradient `dy`; returns the rows' input gradient.
-    fn experts_bwd(&self, b: &mut Builder, at: (u32, u32), gs: [&G; 2], dy: ValueId) -> ValueId {
-        let [up, down] = gs;
-        let (layer, mb) = at;
-        let w = self.dims().w;
-        let (w2, g2) = self.expert_weights(b, layer, down);
-        let (dg, wg) = self.gemm_bwd(
-            b,
-            Some(layer),
-            mb,
-            down,
-            Some(ParamName::layer(layer, down.role.weight())),
-        );
-        let da = b.act(at, "eda", w, &[down.m, down.k]);
-        b.set(dg, &[&[dy][..], &w2].concat(), &[da]);
-        let a = b.get(at, "ea");
-        b.set(wg, &[a, dy], &g2);
-        let id = b.compute(
-            Pass::Bwd,
-            Some(mb),
-            Some(layer),
-            ew(ElementwiseKind::Activation, up.m * up.n, 8),
-        );
-        let du = b.act(at, "edu", w, &[up.m, up.n]);
-        let u = b.get(at, "eu");
-        b.set(id, &[u, da], &[du]);
-        let (w1, g1) = self.expert_weights(b, layer, up);
-        let (dg, wg) = self.gemm_bwd(
-            b,
-            Some(layer),
-            mb,
-            up,
-            Some(ParamName::layer(layer, up.role.weight())),
-        );
-        let dx = b.act(at, "edx", w, &[up.m, up.k]);
-        b.set(dg, &[&[du][..], &w1].concat(), &[dx]);
-        let x = b.get(at, "xe");
-        b.set(wg, &[x, du], &g1);
+        let g = self.step_g(role, w.gs);
+        let key = match role {
+            GemmRole::ExpertFc1 => Val::Xe.grad_name(),
+            _ => Val::Ea.grad_name(),
+        };
+        let (ws, gs) = self.expert_weights(b, layer, &g);
+        let weight = Some(ParamName::layer(layer, g.role.weight()));
+        let (dg, wg) = self.gemm_bwd(b, Some(layer), mb, &g, weight);
+        let dx = b.act(at, key, self.dims().w, &[g.m, g.k]);
+        b.set(dg, &[&[dy][..], &ws].concat(), &[dx]);
+        b.set(wg, &[x, dy], &gs);
         dx
     }
 
-    /// The MoE block's backward from its output gradient `dy`: shared experts,
-    /// permutation, dispatch, experts, combine, un-permutation, router. Returns the block
-    /// input's gradient.
-    pub(super) fn moe_block_bwd(
-        &self,
-        b: &mut Builder,
-        at: (u32, u32),
-        gs: &[G],
-        dy: ValueId,
-    ) -> ValueId {
+    /// The router's backward: its data gradient from the logits' gradient, accumulated
+    /// onto the MoE block's input gradient so far, defines that of the block's input (the
+    /// MLP norm's output, or its gather); its weight gradient reads `y2`.
+    pub(super) fn router_bwd(&self, b: &mut Builder, w: &At<'_>, g: &mut Grads) {
         let d = self.dims();
+        let at = w.at;
         let (layer, mb) = at;
-        let (mbo, lo) = (Some(mb), Some(layer));
-        let pass = Pass::Bwd;
-        let (k, e) = self.moe_ke();
-        let routed = d.ts * k * d.h;
-        let ds = (gs.len() > 3).then(|| self.mlp_bwd(b, at, Mlp::shared(&gs[3], &gs[4]), dy));
-        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-        let dr = b.act(at, "dr", d.w, &[d.ts * k, d.h]);
-        let dg = b.act(at, "dg", DType::F32, &[d.ts * k]);
-        let (route, eo) = (b.get(at, "route"), b.get(at, "eo"));
-        b.set(id, &[dy, route, eo], &[dr, dg]);
-        let id = self.moe_gate_grad(b, mb, layer);
-        let dg = self.moved(b, id, at, dg, ("dg", DType::F32, &[d.ts * k]));
-        let id = self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-        let drd = self.moved(b, id, at, dr, ("drd", d.w, &[d.ts * k, d.h]));
-        let id = self.moe_expert_tp(b, pass, at, CollectiveKind::AllGather);
-        let dre = self.moved(b, id, at, drd, ("dre", d.w, &[gs[1].m, d.h]));
-        let dxe = self.experts_bwd(b, at, [&gs[1], &gs[2]], dre);
-        let id = self.moe_expert_tp(b, pass, at, CollectiveKind::ReduceScatter);
-        let dxs = self.moved(b, id, at, dxe, ("dxs", d.w, &[d.ts * k, d.h]));
-        let id = self.ep_a2a(b, pass, mbo, lo, routed * d.w.bytes());
-        let dxc = self.moved(b, id, at, dxs, ("dxc", d.w, &[d.ts * k, d.h]));
-        let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-        let rows = if self.block_tp(layer) { d.t } else { d.ts };
-        let dn = b.act(at, "dn", d.w, &[rows, d.h]);
-        let dl = b.act(at, "dlogits", d.w, &[d.ts, e]);
-        let mut ops = vec![dxc, route, dg, b.get(at, "stats")];
-        ops.extend(ds);
-        b.set(id, &ops, &[dn, dl]);
-        let (wr, gr) = self.weight_of(b, layer, &gs[0]);
-        let weight = ParamName::layer(layer, gs[0].role.weight());
-        let (dgn, wgn) = self.gemm_bwd(b, lo, mb, &gs[0], Some(weight));
+        let r = &w.gs[0];
+        let (wr, gr) = self.weight_of(b, layer, r);
+        let weight = ParamName::layer(layer, r.role.weight());
+        let (dgn, wgn) = self.gemm_bwd(b, Some(layer), mb, r, Some(weight));
+        let block_tp = self.block_tp(layer);
+        let rows = if block_tp { d.t } else { d.ts };
         let dn2 = b.act(at, "dn2", d.w, &[rows, d.h]);
+        let dl = g.get(Val::Logits);
+        let dn = g.moe_acc.take().unwrap_or(NONE);
         b.set(dgn, &[dl, wr, dn], &[dn2]);
-        let y2 = b.get(at, "y2");
+        let y2 = b.get(at, Val::Y2.name());
         b.set(wgn, &[y2, dl], &[gr]);
-        dn2
+        g.set(if block_tp { Val::Yg2 } else { Val::Y2 }, dn2);
     }
 
     /// The load-balancing loss's per-sequence routing statistics (routed-slot counts and
