@@ -364,6 +364,11 @@ fn the_layer_definition_is_a_closed_dataflow() {
                 defined.extend(st.outs.iter());
             }
             assert!(defined.contains(&Val::Out));
+            for st in fwd.steps() {
+                for v in def::bwd_reads(st).iter() {
+                    assert!(defined.contains(v), "{:?}'s backward reads {v:?}", st.kind);
+                }
+            }
             assert_eq!(
                 fwd.steps().iter().any(|st| st.kind == StepKind::Dropout),
                 j.model.dropout
@@ -376,5 +381,201 @@ fn the_layer_definition_is_a_closed_dataflow() {
                 assert!(in_fwd, "replay step {:?} is not a forward step", st.kind);
             }
         }
+    }
+}
+
+/// What a layer's forward keeps for its backward ([`def::kept`], derived from the
+/// definition's backward reads and replays) against an independent table of what the
+/// frameworks save:
+/// - no recompute (Megatron-core, flash attention): each norm's input and statistics, each
+///   GEMM's input (the QKV and FC1 inputs as the GEMMs read them, gathered under SP), the
+///   attention kernel's Q, K/V, output and log-sum-exp, FC1's output and the activation's
+///   output; an MoE block the router input, the routing and the load-balancing statistics,
+///   the experts' input, FC1 and activation outputs, each routed slot's output (the
+///   combine's gate gradient) and the shared experts' like a dense MLP's;
+/// - full recompute: the layer input only;
+/// - Megatron's modules (`transformer_layer.py`): `core_attn` drops the log-sum-exp (the
+///   core re-runs from Q, K/V; its output is also the projection's input, kept);
+///   `layernorm` the norm statistics and, without SP, the norm outputs (under SP the
+///   gathered GEMM input is kept, the norm re-runs on the shard); `mlp` FC1's and the
+///   activation's outputs and the gathered input (the checkpoint saves the norm output it
+///   gathers from), and with `layernorm` that too (`discard_output_and_register_recompute`);
+///   `moe` the whole MoE block but the norm output it starts from and the statistics
+///   (reduced in the forward only); `moe_act` the routed experts' activation outputs
+///   (`TEGroupedMLP`'s `activation_recompute`; the shared experts' stays);
+/// - torchtitan's op-level AC (`_save_list`: every other matmul, SDPA): the layer input, wq's
+///   output (Q), wv's (V), the SDPA output and log-sum-exp, w1's (FC1's gate half, or all
+///   of FC1 ungated), under SP the attention block's reduce-scatter output (the replay
+///   stops at it), under TP without SP w2's output (its all-reduce re-runs), under CP the
+///   gathered K/V (the replayed K is not exchanged again).
+#[test]
+fn the_kept_values_are_what_the_frameworks_save() {
+    use shardwright_cost::layer::def::{self, Val, Val::*};
+    use shardwright_spec::spec::{Framework, RecomputeModule as R};
+    let dense_all = [X, Rstd1, Yg1, Q, Kvg, O, Lse, Xm, Rstd2, Yg2, U, A];
+    let moe_all = [
+        X, Rstd1, Yg1, Q, Kvg, O, Lse, Xm, Rstd2, Y2, Yg2, Route, Stats, Xe, Eu, Ea, Eo, Su, Sa,
+    ];
+    let gelu = DENSE.replace("swiglu", "gelu");
+    // (model, MoE layer, framework, policy, modules, (tp, cp, sp), kept)
+    type Case<'a> = (
+        &'a str,
+        bool,
+        Framework,
+        Recompute,
+        &'a [R],
+        (u32, u32, bool),
+        &'a [Val],
+    );
+    let cases: &[Case] = &[
+        (
+            DENSE,
+            false,
+            Framework::Megatron,
+            Recompute::None,
+            &[],
+            (2, 1, true),
+            &dense_all,
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Megatron,
+            Recompute::Full,
+            &[],
+            (2, 1, true),
+            &[X],
+        ),
+        (
+            MOE,
+            true,
+            Framework::Megatron,
+            Recompute::Full,
+            &[],
+            (2, 1, true),
+            &[X],
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Megatron,
+            Recompute::Selective,
+            &[R::CoreAttn],
+            (2, 1, true),
+            &[X, Rstd1, Yg1, Q, Kvg, O, Xm, Rstd2, Yg2, U, A],
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Megatron,
+            Recompute::Selective,
+            &[R::Layernorm],
+            (2, 1, true),
+            &[X, Yg1, Q, Kvg, O, Lse, Xm, Yg2, U, A],
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Megatron,
+            Recompute::Selective,
+            &[R::Layernorm],
+            (2, 1, false),
+            &[X, Q, Kvg, O, Lse, Xm, U, A],
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Megatron,
+            Recompute::Selective,
+            &[R::Mlp],
+            (2, 1, true),
+            &[X, Rstd1, Yg1, Q, Kvg, O, Lse, Xm, Rstd2, Y2],
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Megatron,
+            Recompute::Selective,
+            &[R::CoreAttn, R::Mlp, R::Layernorm],
+            (2, 1, true),
+            &[X, Yg1, Q, Kvg, O, Xm],
+        ),
+        (
+            MOE,
+            true,
+            Framework::Megatron,
+            Recompute::None,
+            &[],
+            (2, 1, true),
+            &moe_all,
+        ),
+        (
+            MOE,
+            true,
+            Framework::Megatron,
+            Recompute::Selective,
+            &[R::Moe],
+            (2, 1, true),
+            &[X, Rstd1, Yg1, Q, Kvg, O, Lse, Xm, Rstd2, Y2, Stats],
+        ),
+        (
+            MOE,
+            true,
+            Framework::Megatron,
+            Recompute::Selective,
+            &[R::MoeAct],
+            (2, 1, true),
+            &[
+                X, Rstd1, Yg1, Q, Kvg, O, Lse, Xm, Rstd2, Y2, Yg2, Route, Stats, Xe, Eu, Eo, Su, Sa,
+            ],
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Torchtitan,
+            Recompute::Selective,
+            &[],
+            (2, 1, true),
+            &[X, Q, V, O, Lse, Gate, P1r],
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Torchtitan,
+            Recompute::Selective,
+            &[],
+            (2, 1, false),
+            &[X, Q, V, O, Lse, Gate, P2],
+        ),
+        (
+            DENSE,
+            false,
+            Framework::Torchtitan,
+            Recompute::Selective,
+            &[],
+            (1, 2, false),
+            &[X, Q, V, O, Lse, Gate, Kvg],
+        ),
+        (
+            &gelu,
+            false,
+            Framework::Torchtitan,
+            Recompute::Selective,
+            &[],
+            (2, 1, false),
+            &[X, Q, V, O, Lse, U],
+        ),
+    ];
+    for (yaml, moe, fw, rc, mods, (tp, cp, sp), want) in cases {
+        let mut j = job(yaml);
+        j.framework = *fw;
+        j.training.recompute_modules = mods.to_vec();
+        let s = shape(*tp, *cp, 1, *sp, *rc);
+        let mut got: Vec<&str> = def::kept(&j, &s, *moe).iter().map(|v| v.name()).collect();
+        let mut want: Vec<&str> = want.iter().map(|v| v.name()).collect();
+        got.sort();
+        want.sort();
+        let what = (fw, rc, mods, tp, cp, sp, moe);
+        assert_eq!(got, want, "{what:?}");
     }
 }

@@ -972,82 +972,10 @@ impl<'a> Ctx<'a> {
         // The output is the next scope's; the forward keeps what the backward reads.
         let out = b.get(at, Val::Out.name());
         b.hand_on(at, out, false);
-        let keep = self.kept(layer);
+        let shape = LayerShape::of(self.layout);
+        let keep = def::kept(self.job, &shape, self.is_moe_layer(layer));
+        let keep: Vec<&'static str> = keep.iter().map(|v| v.name()).collect();
         b.release_scope_but(at, &keep, Pass::Fwd, Some(layer));
-    }
-
-    /// What a layer's forward keeps for its backward (the rest is released at its end):
-    /// the recompute policy drops what its replay defines again.
-    fn kept(&self, layer: u32) -> Vec<&'static str> {
-        if self.layout.recompute == Recompute::Full {
-            return vec!["x"];
-        }
-        let sp = self.dims().sp;
-        if self.titan_sac(layer) {
-            // torchtitan's op-level AC: the SDPA outputs and every other matmul's (wq, wv,
-            // w1: FC1's gate half under a gated MLP, its whole output otherwise; w2) and,
-            // under SP, the reduce-scatter's (`p1r`); the replay defines the rest again.
-            // Under CP the gathered K/V stays (the replay's K is not exchanged again).
-            let mut keep = vec!["x", "q", "v", "o", "lse"];
-            keep.push(if self.dims().mats > 2 { "gate" } else { "u" });
-            if self.layout.cp > 1 {
-                keep.push("kvg");
-            }
-            if sp {
-                keep.push("p1r");
-            } else if self.layout.tp > 1 && self.dims().mats > 2 {
-                // w2's output, whose TP all-reduce the replay reruns.
-                keep.push("p2");
-            }
-            return keep;
-        }
-        let mut keep = vec![
-            "x", "rstd1", "yg1", "q", "kvg", "o", "lse", "xm", "rstd2", "yg2", "u", "a",
-        ];
-        let mut drop = |k: &str| keep.retain(|x| *x != k);
-        if self.recomputes(layer, RecomputeModule::CoreAttn) {
-            drop("lse");
-        }
-        if self.recomputes(layer, RecomputeModule::Layernorm) {
-            drop("rstd1");
-            drop("rstd2");
-            if !sp {
-                drop("yg1");
-                drop("yg2");
-            }
-        }
-        if self.recomputes(layer, RecomputeModule::Mlp) && !self.is_moe_layer(layer) {
-            drop("u");
-            drop("a");
-            if sp {
-                drop("yg2");
-                keep.push("y2");
-            }
-        }
-        if self.is_moe_layer(layer) {
-            keep.extend(moe::KEPT);
-            let mut drop = |k: &str| keep.retain(|x| *x != k);
-            if self.recomputes(layer, RecomputeModule::Layernorm) {
-                drop("y2");
-            }
-            if self.recomputes(layer, RecomputeModule::Moe) {
-                // The replay defines the block again from `y2`; the statistics (reduced
-                // in the forward only) stay.
-                for k in moe::KEPT {
-                    if !matches!(*k, "y2" | "stats") {
-                        drop(k);
-                    }
-                }
-            }
-            if self.recomputes(layer, RecomputeModule::MoeAct) {
-                drop("ea");
-            }
-            if self.recomputes(layer, RecomputeModule::SharedExperts) {
-                drop("su");
-                drop("sa");
-            }
-        }
-        keep
     }
 
     /// A forward (or recompute) GEMM of `layer` reading its role's weight `L{layer}.{role}`.
@@ -1140,11 +1068,6 @@ impl<'a> Ctx<'a> {
         matches!(self.selective_policy(layer), Some((false, mods)) if mods.contains(&m))
     }
 
-    /// torchtitan's op-level selective AC on `layer`.
-    fn titan_sac(&self, layer: u32) -> bool {
-        matches!(self.selective_policy(layer), Some((true, _)))
-    }
-
     /// A dropout's backward on `dy` (when the model has dropout), filed as `key`.
     fn dropout_bwd_v(
         &self,
@@ -1168,31 +1091,12 @@ impl<'a> Ctx<'a> {
         z
     }
 
-    /// Before the MLP block's backward: what the layer's recompute policy runs again, in
-    /// forward order, from the layer definition's replay lists (torchtitan's
-    /// [`def::op_level_replay`]; Megatron's [`def::mlp_replay`]: the MLP norm, the dense
-    /// MLP, the MoE block or its chosen parts).
-    fn mlp_replay(&self, b: &mut Builder, at: (u32, u32), gs: &[G], cp_idx: u32) {
-        let w = steps::At {
-            pass: Pass::Recompute,
-            at,
-            cp_idx,
-            gs,
-        };
-        let shape = LayerShape::of(self.layout);
-        let replay = match self.titan_sac(at.0) {
-            true => def::op_level_replay(self.job, &shape),
-            false => def::mlp_replay(self.job, &shape, self.is_moe_layer(at.0)),
-        };
-        self.steps_fwd(b, &w, &replay);
-    }
-
     /// Emit the backward of one layer: it takes the micro-batch's incoming gradient and
     /// hands the input gradient on, then releases the whole scope. The layer definition's
-    /// steps in reverse, each by [`Ctx::step_bwd`]; the replays where they run: the MLP
-    /// block's ([`Ctx::mlp_replay`]) after the backward of the residual that ends the
-    /// layer, the attention norm's (Megatron's `layernorm`) before the output
-    /// projection's backward.
+    /// backward pass ([`def::backward`], the order [`def::kept`] derives the forward's
+    /// kept values from): its steps in reverse, each by [`Ctx::step_bwd`], and the
+    /// selective replays where they run (the MLP block's, the attention core's, the
+    /// attention norm's), each step by [`Ctx::step_fwd`].
     fn layer_bwd(&self, b: &mut Builder, layer: u32, mb: u32, cp_idx: u32) {
         let at = (layer, mb);
         let dout = b.take_dcur(mb);
@@ -1204,23 +1108,17 @@ impl<'a> Ctx<'a> {
             cp_idx,
             gs: &gs,
         };
+        let rw = steps::At {
+            pass: Pass::Recompute,
+            ..w
+        };
         let mut grads = steps::Grads::default();
         grads.set(Val::Out, dout);
         let shape = LayerShape::of(self.layout);
-        let moe = self.is_moe_layer(layer);
-        for s in self.layer_def(layer).steps().iter().rev() {
-            let proj = s.kind == def::StepKind::Gemm(GemmRole::Proj);
-            if proj && self.recomputes(layer, RecomputeModule::Layernorm) {
-                let norm = def::norm_replay(&shape, moe, def::Block::Attn);
-                let rw = steps::At {
-                    pass: Pass::Recompute,
-                    ..w
-                };
-                self.steps_fwd(b, &rw, &norm);
-            }
-            self.step_bwd(b, &w, s, &mut grads);
-            if s.kind == def::StepKind::Residual && s.outs[0] == Val::Out {
-                self.mlp_replay(b, at, &gs, cp_idx);
+        for item in def::backward(self.job, &shape, self.is_moe_layer(layer)).items() {
+            match item {
+                def::BwdItem::Replay(s) => self.step_fwd(b, &rw, s),
+                def::BwdItem::Bwd(s) => self.step_bwd(b, &w, s, &mut grads),
             }
         }
         b.hand_on(at, grads.get(Val::X), true);

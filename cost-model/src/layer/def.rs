@@ -9,7 +9,10 @@
 //!   of a pass (forward, the replays, backward) with the template's cost functions;
 //! - the lowering (`shardwright_lowering`'s `layer_fwd`): one emit rule per step kind
 //!   writes the step's IR nodes, its operands looked up in the layer's scope by key and
-//!   its results filed under theirs.
+//!   its results filed under theirs; its backward walks [`backward`] (the steps in
+//!   reverse, each by one backward rule, with the replays where they run) and releases at
+//!   the forward's end all but [`kept`]: what the backward rules ([`bwd_reads`]) and the
+//!   replays read of the forward's values before a replay defines them again.
 //!
 //! The list holds no shapes: each consumer sizes a step from its own dimensions (the
 //! template in the model's float averages, the lowering in the rank's integer shards).
@@ -61,6 +64,9 @@ pub enum Val {
     Kvg,
     O,
     Lse,
+    /// Megatron's `core_attn` module: the attention core's output again, from its re-run
+    /// before its backward (apart from `o`, which the output projection's backward reads).
+    ORc,
     P1,
     P1r,
     Xm,
@@ -117,6 +123,7 @@ impl Val {
             Val::Kvg => "kvg",
             Val::O => "o",
             Val::Lse => "lse",
+            Val::ORc => "o_rc",
             Val::P1 => "p1",
             Val::P1r => "p1r",
             Val::Xm => "xm",
@@ -256,17 +263,17 @@ pub struct Step {
     pub outs: Vals,
 }
 
-/// Up to three value keys, inline (a layer's list is copied for every candidate of the
+/// Up to `N` value keys, inline (a layer's list is copied for every candidate of the
 /// search: no pointers, a few bytes a step); reads as a slice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Vals {
-    v: [Val; 3],
+pub struct Vals<const N: usize = 3> {
+    v: [Val; N],
     n: u8,
 }
 
-impl Vals {
-    const fn of(keys: &[Val]) -> Vals {
-        let mut v = [Val::X; 3];
+impl<const N: usize> Vals<N> {
+    const fn of(keys: &[Val]) -> Vals<N> {
+        let mut v = [Val::X; N];
         let mut i = 0;
         while i < keys.len() {
             v[i] = keys[i];
@@ -279,7 +286,7 @@ impl Vals {
     }
 }
 
-impl std::ops::Deref for Vals {
+impl<const N: usize> std::ops::Deref for Vals<N> {
     type Target = [Val];
     fn deref(&self) -> &[Val] {
         &self.v[..self.n as usize]
@@ -597,4 +604,212 @@ pub fn op_level_replay(job: &Job, shape: &LayerShape) -> LayerDef {
         d.push(step(K::TpReduce(Block::Mlp), &[P2], &[P2r]));
     }
     d
+}
+
+/// What the backward rule of forward step `s` reads of the layer's forward values (besides
+/// the gradients of its results): a norm's backward its input and statistics; a GEMM's
+/// weight gradient its operand (not what it accumulates onto: the shared experts' FC2 adds
+/// onto the routed output, whose gradient is its own); an activation's backward its input;
+/// the attention core's backward Q, the gathered K/V, its output and the log-sum-exp
+/// (after Megatron's `core_attn` re-run, that run's output `o_rc` in place of `o`, which
+/// the output projection's backward reads anyway, and its log-sum-exp); the
+/// MoE combine's backward the routing and each routed slot's output (the gates' gradient
+/// `<eo, dy>`); the dispatch's the routing and the routing statistics (the load-balancing
+/// loss's gradient). Collectives, the rotary, the residual adds, dropout and the
+/// statistics' reductions read none (a linear map's backward needs only the gradient;
+/// dropout's mask is its own). The lowering's backward rules read these keys, and
+/// [`kept`] derives what the forward keeps from them.
+pub fn bwd_reads(s: &Step) -> Vals<4> {
+    use StepKind as K;
+    match s.kind {
+        K::Norm(_) => Vals::of(&[s.ins[0], s.outs[1]]),
+        K::Gemm(_) | K::Activation(_) => Vals::of(&s.ins[..1]),
+        K::Attention => Vals::of(&[s.ins[0], s.ins[1], s.outs[0], s.outs[1]]),
+        K::Permute(Dir::Combine) => Vals::of(&[s.ins[1], s.outs[0]]),
+        K::Permute(Dir::Dispatch) => Vals::of(&[s.outs[1], Val::Stats]),
+        K::TpGather(_)
+        | K::TpReduce(_)
+        | K::CpGather
+        | K::Rope
+        | K::Residual
+        | K::Dropout
+        | K::MoeStats
+        | K::EpA2a(_)
+        | K::ExpertTp(_)
+        | K::RopeK
+        | K::ActivationJoin => Vals::of(&[]),
+    }
+}
+
+/// One item of a layer's backward pass ([`backward`]): a forward step run again (it reads
+/// its operands and defines its results anew), or a forward step's backward rule (it reads
+/// [`bwd_reads`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BwdItem {
+    Replay(Step),
+    Bwd(Step),
+}
+
+/// The most items a layer's backward pass has: its steps and the replays.
+const BWD_CAP: usize = 3 * CAP;
+
+/// A layer's backward pass, in order ([`backward`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Backward {
+    items: [BwdItem; BWD_CAP],
+    len: usize,
+}
+
+impl Backward {
+    fn push(&mut self, i: BwdItem) {
+        self.items[self.len] = i;
+        self.len += 1;
+    }
+
+    fn replay(&mut self, d: &LayerDef) {
+        for s in d.steps() {
+            self.push(BwdItem::Replay(*s));
+        }
+    }
+
+    /// The items in order.
+    pub fn items(&self) -> &[BwdItem] {
+        &self.items[..self.len]
+    }
+}
+
+/// Megatron's selective recompute modules on a layer of this kind (none under another
+/// policy, or under torchtitan's op-level AC).
+fn megatron_modules<'j>(job: &'j Job, shape: &LayerShape, moe: bool) -> &'j [RecomputeModule] {
+    if shape.recompute != Recompute::Selective || op_level_ac(job, shape, moe) {
+        return &[];
+    }
+    &job.training.recompute_modules
+}
+
+/// A layer's backward pass after its forward: the forward steps in reverse, each its
+/// backward rule, with the selective replays where they run (a full recompute's replay
+/// of the whole forward runs before, see [`kept`]):
+/// - after the backward of the residual that ends the layer: the MLP block's replay
+///   (torchtitan's [`op_level_replay`], Megatron's [`mlp_replay`]);
+/// - before the attention core's backward, Megatron's `core_attn`: the core again from
+///   its operands, defining its output apart (`o_rc`) and the log-sum-exp anew;
+/// - before the output projection's backward, Megatron's `layernorm`: the attention
+///   norm's replay ([`norm_replay`]).
+pub fn backward(job: &Job, shape: &LayerShape, moe: bool) -> Backward {
+    use RecomputeModule as R;
+    let fwd = forward(job, shape, moe);
+    let mods = megatron_modules(job, shape, moe);
+    let mut b = Backward {
+        items: [BwdItem::Bwd(step(StepKind::Residual, &[], &[])); BWD_CAP],
+        len: 0,
+    };
+    for s in fwd.steps().iter().rev() {
+        match s.kind {
+            StepKind::Gemm(GemmRole::Proj) if mods.contains(&R::Layernorm) => {
+                b.replay(&norm_replay(shape, moe, Block::Attn));
+            }
+            StepKind::Attention if mods.contains(&R::CoreAttn) => {
+                b.push(BwdItem::Replay(step(
+                    StepKind::Attention,
+                    &s.ins,
+                    &[Val::ORc, s.outs[1]],
+                )));
+            }
+            _ => {}
+        }
+        b.push(BwdItem::Bwd(*s));
+        if s.kind == StepKind::Residual && s.outs[0] == Val::Out {
+            if op_level_ac(job, shape, moe) {
+                b.replay(&op_level_replay(job, shape));
+            } else {
+                b.replay(&mlp_replay(job, shape, moe));
+            }
+        }
+    }
+    b
+}
+
+/// The most keys a [`ValSet`] holds (more than [`Val`] has).
+const SET_CAP: usize = 48;
+
+/// A set of value keys, inline; reads as a slice, in the order added.
+#[derive(Clone, Copy, Debug)]
+pub struct ValSet {
+    v: [Val; SET_CAP],
+    n: u8,
+}
+
+impl ValSet {
+    pub const fn new() -> ValSet {
+        ValSet {
+            v: [Val::X; SET_CAP],
+            n: 0,
+        }
+    }
+
+    /// Add `v` (once).
+    pub fn insert(&mut self, v: Val) {
+        if !self.contains(&v) {
+            self.v[self.n as usize] = v;
+            self.n += 1;
+        }
+    }
+}
+
+impl Default for ValSet {
+    fn default() -> ValSet {
+        ValSet::new()
+    }
+}
+
+impl std::ops::Deref for ValSet {
+    type Target = [Val];
+    fn deref(&self) -> &[Val] {
+        &self.v[..self.n as usize]
+    }
+}
+
+/// What a layer's forward keeps for its backward, derived from the definition: the values
+/// the forward defines (its input and its steps' results) that the backward pass
+/// ([`backward`]: the backward rules' [`bwd_reads`], the replays' operands) reads before
+/// a replay defines them again. Under full recompute the whole forward runs again first,
+/// from the layer's input. Everything else the forward defines is released at its end.
+/// (Two values the lowering's former hand-written lists kept are not: the MLP norm's
+/// output under Megatron's `layernorm` and `mlp` with SP, and the MoE block's gathered
+/// input under `moe` with SP and shared experts; a replay defines each again before any
+/// read, as Megatron's `discard_output_and_register_recompute` and MoE checkpoint do.)
+pub fn kept(job: &Job, shape: &LayerShape, moe: bool) -> ValSet {
+    let fwd = forward(job, shape, moe);
+    let mut defined = ValSet::new();
+    defined.insert(Val::X);
+    for s in fwd.steps() {
+        for v in s.outs.iter() {
+            defined.insert(*v);
+        }
+    }
+    let mut kept = ValSet::new();
+    let mut again = ValSet::new();
+    let mut visit = |reads: &[Val], defines: &[Val]| {
+        for v in reads {
+            if defined.contains(v) && !again.contains(v) {
+                kept.insert(*v);
+            }
+        }
+        for v in defines {
+            again.insert(*v);
+        }
+    };
+    if shape.recompute == Recompute::Full {
+        for s in fwd.steps() {
+            visit(&s.ins, &s.outs);
+        }
+    }
+    for item in backward(job, shape, moe).items() {
+        match item {
+            BwdItem::Replay(s) => visit(&s.ins, &s.outs),
+            BwdItem::Bwd(s) => visit(&bwd_reads(s), &[]),
+        }
+    }
+    kept
 }

@@ -36,9 +36,6 @@ use shardwright_ir::{CollectiveKind, DType, ElementwiseKind, NodeId, Pass, Reduc
 use shardwright_ir::{Expert, ParamName, ValueId};
 use shardwright_spec::mesh::GroupKind;
 
-/// What an MoE layer's forward keeps for its backward, besides the attention block's.
-pub(super) const KEPT: &[&str] = &["y2", "route", "stats", "xe", "eu", "ea", "eo", "su", "sa"];
-
 impl Ctx<'_> {
     /// `(top_k, experts)`.
     fn moe_ke(&self) -> (u64, u64) {
@@ -149,7 +146,15 @@ impl Ctx<'_> {
     /// mirror theirs; the dispatch's permutation sums the routed rows' gradients per token
     /// (onto the shared experts' input gradient) and takes the gates' gradient through
     /// the top-k softmax, plus the load-balancing loss's from the statistics.
-    pub(super) fn moe_step_bwd(&self, b: &mut Builder, w: &At<'_>, s: &Step, g: &mut Grads) {
+    /// `r`: what it reads of the forward's values ([`shardwright_cost::layer::def::bwd_reads`]).
+    pub(super) fn moe_step_bwd(
+        &self,
+        b: &mut Builder,
+        w: &At<'_>,
+        s: &Step,
+        g: &mut Grads,
+        r: &[Val],
+    ) {
         let d = self.dims();
         let at = w.at;
         let (layer, mb) = at;
@@ -164,7 +169,7 @@ impl Ctx<'_> {
                 let dr = b.act(at, x.grad_name(), d.w, &[d.ts * k, d.h]);
                 let dgk = route_v.grad_name();
                 let dg = b.act(at, dgk, DType::F32, &[d.ts * k]);
-                let (route, eo) = (b.get(at, route_v.name()), b.get(at, y.name()));
+                let (route, eo) = (b.get(at, r[0].name()), b.get(at, r[1].name()));
                 b.set(id, &[g.get(s.outs[1]), route, eo], &[dr, dg]);
                 let id = self.moe_gate_grad(b, mb, layer);
                 let dg = self.moved(b, id, at, dg, (dgk, DType::F32, &[d.ts * k]));
@@ -177,8 +182,8 @@ impl Ctx<'_> {
                 let dn = b.act(at, "dn", d.w, &[rows, d.h]);
                 let dl = b.act(at, x.grad_name(), d.w, &[d.ts, e]);
                 let route = s.outs[1];
-                let mut ops = vec![g.get(y), b.get(at, route.name()), g.get(route)];
-                ops.push(b.get(at, Val::Stats.name()));
+                let mut ops = vec![g.get(y), b.get(at, r[0].name()), g.get(route)];
+                ops.push(b.get(at, r[1].name()));
                 ops.extend(g.moe_acc);
                 b.set(id, &ops, &[dn, dl]);
                 g.set(x, dl);
@@ -235,8 +240,8 @@ impl Ctx<'_> {
 
     /// The router's backward: its data gradient from the logits' gradient, accumulated
     /// onto the MoE block's input gradient so far, defines that of the block's input (the
-    /// MLP norm's output, or its gather); its weight gradient reads `y2`.
-    pub(super) fn router_bwd(&self, b: &mut Builder, w: &At<'_>, g: &mut Grads) {
+    /// MLP norm's output, or its gather); its weight gradient reads its operand `x` (`y2`).
+    pub(super) fn router_bwd(&self, b: &mut Builder, w: &At<'_>, g: &mut Grads, x: Val) {
         let d = self.dims();
         let at = w.at;
         let (layer, mb) = at;
@@ -250,7 +255,7 @@ impl Ctx<'_> {
         let dl = g.get(Val::Logits);
         let dn = g.moe_acc.take().unwrap_or(NONE);
         b.set(dgn, &[dl, wr, dn], &[dn2]);
-        let y2 = b.get(at, Val::Y2.name());
+        let y2 = b.get(at, x.name());
         b.set(wgn, &[y2, dl], &[gr]);
         g.set(if block_tp { Val::Yg2 } else { Val::Y2 }, dn2);
     }

@@ -238,6 +238,8 @@ impl Ctx<'_> {
         let (layer, mb) = at;
         let (mbo, lo) = (Some(mb), Some(layer));
         let (x, y) = (s.ins[0], s.outs[0]);
+        // What the step's backward reads of the forward's values.
+        let r = def::bwd_reads(s);
         match s.kind {
             StepKind::Dropout => {
                 let dz = self.dropout_bwd_v(b, at, g.get(y), y.dropout_grad_name());
@@ -258,14 +260,14 @@ impl Ctx<'_> {
                 let dx = self.reduce_v(b, pass, at, g.get(y), x.grad_name());
                 g.set(x, dx);
             }
-            StepKind::Gemm(GemmRole::Router) => self.router_bwd(b, w, g),
+            StepKind::Gemm(GemmRole::Router) => self.router_bwd(b, w, g, r[0]),
             StepKind::Gemm(role @ (GemmRole::ExpertFc1 | GemmRole::ExpertFc2)) => {
-                let dx = self.expert_gemm_bwd(b, w, role, [g.get(y), b.get(at, x.name())]);
+                let dx = self.expert_gemm_bwd(b, w, role, [g.get(y), b.get(at, r[0].name())]);
                 g.set(x, dx);
             }
             StepKind::Gemm(role) => {
                 let gm = self.step_g(role, w.gs);
-                let xv = b.get(at, x.name());
+                let xv = b.get(at, r[0].name());
                 let dy = g.get(y);
                 let key = match role {
                     GemmRole::SharedFc1 => "ds",
@@ -287,7 +289,7 @@ impl Ctx<'_> {
                 let op = ew(ElementwiseKind::Activation, up.m * up.n, 8);
                 let id = b.compute(pass, mbo, lo, op);
                 let du = b.act(at, x.grad_name(), d.w, &[up.m, up.n]);
-                let u = b.get(at, x.name());
+                let u = b.get(at, r[0].name());
                 b.set(id, &[u, g.get(y)], &[du]);
                 g.set(x, du);
             }
@@ -331,7 +333,7 @@ impl Ctx<'_> {
                     Block::Attn => Role::AttnNorm,
                     Block::Mlp => Role::MlpNorm,
                 };
-                let io = [g.get(y), b.get(at, x.name()), b.get(at, s.outs[1].name())];
+                let io = [g.get(y), b.get(at, r[0].name()), b.get(at, r[1].name())];
                 let dx = self.norm_bwd_v(b, at, role, io, g.residual(x));
                 if x != Val::X {
                     b.put(at, x.grad_name(), dx);
@@ -341,29 +343,25 @@ impl Ctx<'_> {
             StepKind::Permute(_)
             | StepKind::MoeStats
             | StepKind::EpA2a(_)
-            | StepKind::ExpertTp(_) => self.moe_step_bwd(b, w, s, g),
+            | StepKind::ExpertTp(_) => self.moe_step_bwd(b, w, s, g, &r),
             StepKind::RopeK | StepKind::ActivationJoin => {
                 unreachable!("a replay's step has no backward of its own")
             }
         }
     }
 
-    /// The attention core's backward (after, with Megatron's `core_attn` module, its
-    /// forward again from the kept Q and K/V, defining `o_rc` and the log-sum-exp).
+    /// The attention core's backward from Q, the gathered K/V, the output and the
+    /// log-sum-exp ([`def::bwd_reads`]); with Megatron's `core_attn` module the output of
+    /// the core's re-run before it ([`def::backward`]: `o_rc`, and the log-sum-exp anew).
     fn attention_bwd(&self, b: &mut Builder, w: &At<'_>, s: &Step, g: &mut Grads) {
         let d = self.dims();
         let at = w.at;
         let (layer, mb) = at;
         let (mbo, lo) = (Some(mb), Some(layer));
-        let o = b.get(at, s.outs[0].name());
-        let (q, kvg) = (b.get(at, s.ins[0].name()), b.get(at, s.ins[1].name()));
+        let r = def::bwd_reads(s);
+        let [q, kvg, o, lse] = [0, 1, 2, 3].map(|i| b.get(at, r[i].name()));
         let o = if self.recomputes(layer, RecomputeModule::CoreAttn) {
-            let op = self.attention_op(&d, w.cp_idx, false);
-            let id = b.compute(Pass::Recompute, mbo, lo, op);
-            let o2 = b.act(at, "o_rc", d.w, &[d.t, d.heads * d.d]);
-            let lse = b.act(at, s.outs[1].name(), DType::F32, &[d.t, d.heads]);
-            b.set(id, &[q, kvg], &[o2, lse]);
-            o2
+            b.get(at, Val::ORc.name())
         } else {
             o
         };
@@ -376,7 +374,6 @@ impl Ctx<'_> {
             d.w,
             &[c, 2, d.t, d.kv_heads * d.d],
         );
-        let lse = b.get(at, s.outs[1].name());
         b.set(id, &[q, kvg, o, lse, g.get(s.outs[0])], &[dq, dkvg]);
         g.set(s.ins[0], dq);
         g.set(s.ins[1], dkvg);

@@ -16,17 +16,14 @@
 //! reads are kept, the rest are released by one `release` node at the end of the layer's
 //! forward; the backward releases everything else of the scope (the kept values, the
 //! recomputed ones, its own gradients) by one `release` node at its end. What is kept is
-//! the recompute policy's choice: full recompute keeps the layer input only (the replay
-//! defines fresh values), Megatron's selective modules drop what they rerun (core attention:
-//! the log-sum-exp; layernorm: the norm statistics; MLP: the up projection and activation).
+//! derived from the layer definition (`shardwright_cost::layer::def::kept`): the values
+//! the backward pass reads (each backward rule's `bwd_reads`, each replayed step's
+//! operands) before a replay defines them again, so the recompute policy's replays
+//! decide it (full recompute keeps the layer input only; Megatron's selective modules drop
+//! what they rerun; torchtitan's op-level AC keeps what its replay does not define).
 //! A layer's input belongs to its scope (released after its backward), its output to the
-//! next scope (the next layer, the head, or the send that hands it on).
-//!
-//! torchtitan's op-level selective AC keeps the SDPA outputs and every other matmul's (wq,
-//! wv: `v` apart from K; w1: FC1's `gate` half apart from the up half) and under SP the
-//! reduce-scatter's; its replay defines K, wo's residual `xm`, the norms, the gathers, FC1's
-//! up half and the activation again. The MoE block's values are listed in the `moe` module, the data-parallel
-//! stream's and the optimizer's in the `dp` module.
+//! next scope (the next layer, the head, or the send that hands it on). The
+//! data-parallel stream's and the optimizer's values are listed in the `dp` module.
 
 use super::Builder;
 use shardwright_ir::text::push_int;
