@@ -48,7 +48,6 @@
 use crate::mesh::declare_groups;
 use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
 use shardwright_cost::layer::def::{self, Val};
-use shardwright_cost::layer::LayerShape;
 use shardwright_cost::schedule::{slots, Phase, Slot};
 use shardwright_ir::{
     BufferId, BufferKind, CollectiveKind, DType, ElementwiseKind, Graph, GroupId, NodeId, Op, Pass,
@@ -199,6 +198,9 @@ impl Prepared {
             chunks: &self.chunks,
             interval_steps: self.interval_steps,
             dims: Ctx::local_dims(&self.job, &self.layout),
+            // A dense model's second entry is never read (no layer is an MoE layer).
+            defs: [false, self.job.model.is_moe()]
+                .map(|moe| steps::Defs::new(&self.job, &self.layout, moe)),
             values,
         }
     }
@@ -307,6 +309,10 @@ struct Ctx<'a> {
     interval_steps: u64,
     /// [`Ctx::local_dims`], computed once.
     dims: Dims,
+    /// The layer definitions (dense, then MoE) under this plan's job and layout, each
+    /// with its backward pass and the forward values it keeps: built once per lowering,
+    /// read by every layer of every micro-batch ([`Ctx::layer_def`]).
+    defs: [steps::Defs; 2],
     /// Whether the graphs name their values (dense models, unless the caller needs only
     /// the ops: the simulator).
     values: bool,
@@ -965,16 +971,19 @@ impl<'a> Ctx<'a> {
             cp_idx,
             gs: &gs,
         };
-        self.steps_fwd(b, &w, &self.layer_def(layer));
+        self.steps_fwd(b, &w, &self.layer_def(layer).fwd);
         if pass == Pass::Recompute {
             return;
         }
         // The output is the next scope's; the forward keeps what the backward reads.
         let out = b.get(at, Val::Out.name());
         b.hand_on(at, out, false);
-        let shape = LayerShape::of(self.layout);
-        let keep = def::kept(self.job, &shape, self.is_moe_layer(layer));
-        let keep: Vec<&'static str> = keep.iter().map(|v| v.name()).collect();
+        let keep: Vec<&'static str> = self
+            .layer_def(layer)
+            .kept
+            .iter()
+            .map(|v| v.name())
+            .collect();
         b.release_scope_but(at, &keep, Pass::Fwd, Some(layer));
     }
 
@@ -1114,8 +1123,7 @@ impl<'a> Ctx<'a> {
         };
         let mut grads = steps::Grads::default();
         grads.set(Val::Out, dout);
-        let shape = LayerShape::of(self.layout);
-        for item in def::backward(self.job, &shape, self.is_moe_layer(layer)).items() {
+        for item in self.layer_def(layer).bwd.items() {
             match item {
                 def::BwdItem::Replay(s) => self.step_fwd(b, &rw, s),
                 def::BwdItem::Bwd(s) => self.step_bwd(b, &w, s, &mut grads),

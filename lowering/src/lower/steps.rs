@@ -12,6 +12,8 @@ use shardwright_cost::layer::def::{self, Block, Ffn, LayerDef, Step, StepKind, V
 use shardwright_cost::layer::LayerShape;
 use shardwright_ir::{CollectiveKind, DType, ElementwiseKind, Pass, ReduceOp, Stream};
 use shardwright_ir::{GemmName, GemmRole, ParamName, Role, ValueId};
+use shardwright_spec::job::Job;
+use shardwright_spec::layout::Layout;
 use shardwright_spec::mesh::GroupKind;
 use shardwright_spec::spec::RecomputeModule;
 
@@ -65,11 +67,29 @@ pub(super) fn ffn_gemms(ffn: Ffn, gs: &[G]) -> (&G, &G) {
     }
 }
 
+/// One layer kind's definition under a plan: its forward steps ([`def::forward`]), its
+/// backward pass ([`def::backward`]) and what the forward keeps for it ([`def::kept`]).
+pub(super) struct Defs {
+    pub fwd: LayerDef,
+    pub bwd: def::Backward,
+    pub kept: def::ValSet,
+}
+
+impl Defs {
+    pub fn new(job: &Job, layout: &Layout, moe: bool) -> Defs {
+        let shape = LayerShape::of(layout);
+        Defs {
+            fwd: def::forward(job, &shape, moe),
+            bwd: def::backward(job, &shape, moe),
+            kept: def::kept(job, &shape, moe),
+        }
+    }
+}
+
 impl Ctx<'_> {
     /// The definition of `layer` (dense or MoE) under this plan's job and layout.
-    pub(super) fn layer_def(&self, layer: u32) -> LayerDef {
-        let shape = LayerShape::of(self.layout);
-        def::forward(self.job, &shape, self.is_moe_layer(layer))
+    pub(super) fn layer_def(&self, layer: u32) -> &Defs {
+        &self.defs[self.is_moe_layer(layer) as usize]
     }
 
     /// Emit the steps of `d` (a layer's forward, or a replay) in order.
