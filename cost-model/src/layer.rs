@@ -741,8 +741,7 @@ impl Ctx<'_> {
         }
         self.ep_op(e, "ep_combine", a2a);
         let straggler =
-            crate::moe_balance::ep_straggler_factor(self.mesh.size(GroupKind::Ep) as u64, rows)
-                .max(job.moe_rank_imbalance.unwrap_or(1.0));
+            crate::moe_balance::ep_straggler(job, self.mesh.size(GroupKind::Ep) as u64, rows);
         for op in &mut e.out[first_routed..] {
             op.time_s *= straggler;
             op.exposed_s *= straggler;
