@@ -402,6 +402,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             torch_compile: false,
             moe_a2a_overlap: false,
             moe_rank_imbalance: None,
+            moe_force_balance: false,
             dp_comm_overlap: true,
             moe_dispatcher: Default::default(),
             framework: Default::default(),

@@ -46,7 +46,7 @@
 //!
 //! - MoE: the ops from the EP dispatch to the combine (the all-to-alls, the expert GEMMs and
 //!   their tp collectives) at the pace of the most loaded EP rank,
-//!   [`crate::moe_balance::ep_straggler_factor`] times their balanced time.
+//!   [`crate::moe_balance::ep_straggler`] times their balanced time.
 //!
 //! Not ops (named separately in `LayerTime`): the per-layer launch overhead.
 
@@ -855,7 +855,7 @@ impl Ctx<'_> {
     /// experts and shared experts, charged on the experts'), the shared experts. `whole`:
     /// each expert whole on one rank. From the dispatch to the combine every op moves or
     /// multiplies the rank's routed rows, and the most loaded EP rank finishes last
-    /// ([`crate::moe_balance::ep_straggler_factor`]).
+    /// ([`crate::moe_balance::ep_straggler`]).
     fn moe_step(&self, e: &mut Emit, kind: def::StepKind, mc: &MoeCx) {
         use def::{Dir, Ffn, StepKind as K};
         let m = &self.job.model;
@@ -966,8 +966,7 @@ impl Ctx<'_> {
             rows,
             fe_local: fe / expert_width_div,
             a2a: self.ep_all_to_all(moe),
-            straggler: crate::moe_balance::ep_straggler_factor(ep as u64, rows)
-                .max(job.moe_rank_imbalance.unwrap_or(1.0)),
+            straggler: crate::moe_balance::ep_straggler(job, ep as u64, rows),
         }
     }
 

@@ -86,9 +86,56 @@ pub fn ep_straggler_factor(ranks: u64, mean_rows: f64) -> f64 {
     1.0 + expected_max_std_normal(ranks) / mean_rows.sqrt()
 }
 
+/// The pace of a job's MoE layer over its balanced time, for `ranks` EP ranks holding
+/// `mean_rows` routed rows each on average ([`straggler_of`] on the job's routing).
+pub fn ep_straggler(job: &shardwright_spec::job::Job, ranks: u64, mean_rows: f64) -> f64 {
+    straggler_of(
+        job.moe_force_balance,
+        job.moe_rank_imbalance,
+        ranks,
+        mean_rows,
+    )
+}
+
+/// The straggler factor of an MoE layer's EP-side ops:
+///
+/// - `force_balance` (Megatron-Core `--moe-router-force-load-balancing`, which the
+///   Megatron-Bridge benchmarks set: "we force-balance the token distribution among
+///   experts"): the router hands every expert the same number of rows, so every EP rank
+///   holds the mean and the factor is exactly 1, whatever a measured imbalance says
+///   (`rank_imbalance` describes a learned router, which this run does not use);
+/// - otherwise the larger of the multinomial floor ([`ep_straggler_factor`]) and the
+///   measured max/mean routed load `rank_imbalance`, if any.
+pub fn straggler_of(
+    force_balance: bool,
+    rank_imbalance: Option<f64>,
+    ranks: u64,
+    mean_rows: f64,
+) -> f64 {
+    if force_balance {
+        return 1.0;
+    }
+    ep_straggler_factor(ranks, mean_rows).max(rank_imbalance.unwrap_or(1.0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Forced balance: 64 ranks, 32,768 rows each, every rank holds exactly 32,768 rows,
+    /// factor 1 even with a measured 1.30 stated. Not forced: the multinomial floor, 1 +
+    /// 2.34373 / sqrt(32768) = 1.012947 (E[max of 64 normals] = 2.34373, Harter 1961), or
+    /// the stated 1.30 where that is larger.
+    #[test]
+    fn forced_balance_has_no_straggler() {
+        assert_eq!(straggler_of(true, None, 64, 32768.0), 1.0);
+        assert_eq!(straggler_of(true, Some(1.30), 64, 32768.0), 1.0);
+        let floor = straggler_of(false, None, 64, 32768.0);
+        assert!((floor - 1.012_947).abs() < 1e-5, "{floor}");
+        assert_eq!(floor, ep_straggler_factor(64, 32768.0));
+        assert_eq!(straggler_of(false, Some(1.30), 64, 32768.0), 1.30);
+        assert_eq!(straggler_of(false, Some(1.001), 64, 32768.0), floor);
+    }
 
     /// Expected values of the largest of n standard normal draws, from the published
     /// order-statistics tables (Harter 1961, "Expected values of normal order statistics",

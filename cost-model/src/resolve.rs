@@ -91,6 +91,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         moe_dispatcher: js.moe_dispatcher,
         moe_a2a_overlap: js.moe_a2a_overlap,
         moe_rank_imbalance: js.moe_rank_imbalance,
+        moe_force_balance: js.moe_force_balance,
     };
     Ok(Resolved { job, warnings })
 }

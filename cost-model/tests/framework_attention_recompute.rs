@@ -407,6 +407,18 @@ cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 64}}
         skewed.time_s,
         1.30 * (flat_want + lat)
     );
+    // Routing forced to an even load (Megatron-Core `--moe-router-force-load-balancing`):
+    // every rank holds its 32,768 rows, so the dispatch is the balanced transfer exactly,
+    // and a stated imbalance does not apply.
+    let forced = dispatch(&job(&yaml(
+        "  moe_force_balance: true\n  moe_rank_imbalance: 1.30",
+    )));
+    assert!(
+        (forced.time_s - (flat_want + lat)).abs() < 1e-9 * flat_want,
+        "{} vs {}",
+        forced.time_s,
+        flat_want + lat
+    );
     // The spec name Megatron-Bridge uses for the backend is accepted too.
     let hybrid = job(&yaml("  moe_dispatcher: hybridep"));
     assert_eq!(hybrid.moe_dispatcher, dedup_job.moe_dispatcher);

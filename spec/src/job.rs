@@ -47,6 +47,9 @@ pub struct Job {
     /// Measured max/mean routed load over EP ranks; see the spec's field.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe_rank_imbalance: Option<f64>,
+    /// Routing forced to an even load over the experts; see the spec's field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub moe_force_balance: bool,
 }
 
 impl Job {

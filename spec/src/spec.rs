@@ -81,6 +81,13 @@ pub struct JobSpec {
     /// (`shardwright_cost::moe_balance::ep_straggler_factor`). Default: the floor only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe_rank_imbalance: Option<f64>,
+    /// The router forces an even token distribution over the experts (Megatron-Core
+    /// `--moe-router-force-load-balancing`, "for benchmark only": each token's experts are
+    /// drawn so that every expert gets the same number of rows). Every EP rank then holds
+    /// the mean load: the MoE layer's EP-side ops run at no straggler factor, and
+    /// `moe_rank_imbalance` does not apply. Default false.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub moe_force_balance: bool,
 }
 
 /// MoE token dispatcher: what crosses the network when expert parallelism spans nodes.

@@ -167,6 +167,40 @@ fn mtp_layers(m: &RunModel, notes: &mut Vec<String>) -> u32 {
 /// al. 2026, arXiv 2606.04101, abstract: "inter-rank imbalance from 1.30-4.01").
 pub const UNBALANCED_EP_RANK_LOAD: f64 = 1.30;
 
+/// Wordings by which a run's text states that its router forced an even token load over
+/// the experts (Megatron-Core `--moe-router-force-load-balancing`; the Megatron-Bridge
+/// benchmark tables: "we force-balance the token distribution among experts").
+const FORCE_BALANCE_WORDS: &[&str] = &[
+    "force-balance",
+    "force balance",
+    "force_load_balancing",
+    "force-load-balancing",
+    "forced balance",
+];
+
+/// The wording by which one of the run's free-text fields (any string in its record:
+/// source, notes, tags, ...) states forced-balance routing ([`FORCE_BALANCE_WORDS`],
+/// case-insensitive), if one does.
+pub fn stated_force_balance(run: &Run) -> Option<&'static str> {
+    fn strings(v: &serde_json::Value, out: &mut String) {
+        match v {
+            serde_json::Value::String(s) => {
+                out.push_str(&s.to_ascii_lowercase());
+                out.push('\n');
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|x| strings(x, out)),
+            serde_json::Value::Object(o) => o.values().for_each(|x| strings(x, out)),
+            _ => {}
+        }
+    }
+    let mut text = String::new();
+    strings(&serde_json::to_value(run).ok()?, &mut text);
+    FORCE_BALANCE_WORDS
+        .iter()
+        .copied()
+        .find(|w| text.contains(w))
+}
+
 /// Reader switches that are off unless named in `SHARDWRIGHT_VALIDATE_EXPERIMENTS` (a comma
 /// list): mechanisms the cost model has, whose reading from the runs' model family or
 /// recipe moves the leave-one-out figures over their bar (issue 26), so the default reader
@@ -183,7 +217,9 @@ pub const UNBALANCED_EP_RANK_LOAD: f64 = 1.30;
 ///   MoE layer is far faster than measured; the exposed all-to-all stands in for MoE
 ///   costs the model lacks.
 /// - `rank_imbalance`: the routed load of the most loaded EP rank at
-///   [`UNBALANCED_EP_RANK_LOAD`] times the mean (`job.moe_rank_imbalance`).
+///   [`UNBALANCED_EP_RANK_LOAD`] times the mean (`job.moe_rank_imbalance`); never for a
+///   run whose record states forced-balance routing ([`stated_force_balance`]), whose
+///   ranks all hold the mean (`job.moe_force_balance`).
 /// - `fp8_costs`: an FP8 run's recipe costs (`precision.fp8_recipe_costs`,
 ///   `shardwright_cost::fp8`): the casts of each FP8 GEMM's input and output gradient
 ///   through HBM and the LM head at the BF16 rate. Measured with the h100 profile fitted
@@ -195,12 +231,11 @@ pub const UNBALANCED_EP_RANK_LOAD: f64 = 1.30;
 ///   slower than measured.
 /// - `recipe_mtp`: a Megatron-Bridge recipe's multi-token prediction depth
 ///   ([`crate::recipes::BridgeRecipe::mtp_layers`]) over the one the run's name or notes
-///   state. The DeepSeek-V3 row is named "DeepSeek-V3 (no MTP)", but the table it cites
-///   (25.09, DGX-H100) names it "DeepSeekV3 (dropless)" and its recipe trains one MTP
-///   module. Measured with the h100 profile fitted without `mbridge`: DeepSeek-V3 -11.4%
-///   -> -21.3%; with `mla,a2a_overlap,rank_imbalance,dispatcher` too, +20.5% -> +3.0%,
-///   mbridge median / p90 / max 4.3 / 9.1 / 12.1, leave-one-source / framework / GPU-kind
-///   out p90 11.94 / 13.45 / 12.94 (torchtitan unchanged; no trained run OOM).
+///   state. The DeepSeek-V3 row was named "DeepSeek-V3 (no MTP)", which its cited table
+///   (25.09, DGX-H100: "DeepSeekV3 (dropless)") does not say; the record is corrected (its
+///   `corrections` field), so the family's and the recipe's one MTP module apply by
+///   default and this switch no longer changes any bundled run. Figures of the reader
+///   switches after that correction and forced balance: README.md, accuracy section.
 /// - `dispatcher`: the recipe's MoE token dispatcher
 ///   ([`crate::recipes::BridgeRecipe::moe_dispatcher`]: `alltoall` for the Qwen3 and
 ///   GPT-OSS recipes) instead of the flex (DeepEP) convention.
@@ -973,6 +1008,16 @@ pub fn setup_run_in(
                 .collect::<Vec<_>>()
         });
     let precision = run_precision(run, &conv, &mut notes);
+    let force_balance = run
+        .model
+        .moe
+        .as_ref()
+        .and_then(|_| stated_force_balance(run));
+    if let Some(w) = force_balance {
+        notes.push(format!(
+            "routing forced to an even load over the experts (the record says \"{w}\"; Megatron-Core --moe-router-force-load-balancing): job.moe_force_balance, no EP straggler"
+        ));
+    }
     let mut spec = SpecFile {
         job: JobSpec {
             name: Some(run.id.clone()),
@@ -999,8 +1044,11 @@ pub fn setup_run_in(
             moe_a2a_overlap: recipe.is_some_and(|r| r.moe_a2a_overlap)
                 && run.model.moe.is_some()
                 && reader_experiment("a2a_overlap"),
-            moe_rank_imbalance: (run.model.moe.is_some() && reader_experiment("rank_imbalance"))
-                .then_some(UNBALANCED_EP_RANK_LOAD),
+            moe_rank_imbalance: (run.model.moe.is_some()
+                && force_balance.is_none()
+                && reader_experiment("rank_imbalance"))
+            .then_some(UNBALANCED_EP_RANK_LOAD),
+            moe_force_balance: force_balance.is_some(),
         },
         cluster: ClusterSpec {
             gpu: Some(gpu.catalog_name),
@@ -1771,8 +1819,8 @@ mod tests {
         assert_eq!(latent_attention(&m, None, true, &mut notes), None);
     }
 
-    /// Multi-token prediction: a DeepSeek-V3 its name marks "(no MTP)" has none (the
-    /// Megatron-Bridge table's row), an unmarked one its config's one module
+    /// Multi-token prediction: a DeepSeek-V3 its name marks "(no MTP)" has none (as the
+    /// Megatron-Bridge 25.11 tables label their GB300/GB200 rows), an unmarked one its config's one module
     /// (`num_nextn_predict_layers: 1`), a depth in the notes wins, other models none.
     #[test]
     fn mtp_depth_from_name_notes_or_family() {
@@ -1793,6 +1841,62 @@ mod tests {
         m.name = Some("Llama 3 70B".into());
         m.notes = None;
         assert_eq!(mtp_layers(&m, &mut notes), 0);
+    }
+
+    /// Forced-balance routing is read from whatever free-text field states it (here the
+    /// source's verification, as the Megatron-Bridge records have it), for MoE runs only:
+    /// the spec gets `moe_force_balance` and no rank imbalance; without the wording, not.
+    #[test]
+    fn forced_balance_from_the_record_text() {
+        let run = |verification: &str, moe: bool| -> Run {
+            let moe = if moe {
+                r#", "moe": {"num_routed_experts": 128, "top_k": 8, "expert_ffn_hidden": 1536}"#
+            } else {
+                ""
+            };
+            serde_json::from_str(&format!(
+                r#"{{"id": "x_1", "source": {{"title": "t", "verification": "{verification}"}},
+                    "model": {{"name": "M", "arch": "{}", "num_layers": 8, "hidden_size": 4096,
+                              "num_attention_heads": 32, "ffn_hidden_size": 1536, "ffn_activation": "swiglu",
+                              "vocab_size": 32000, "seq_len": 4096{moe}}},
+                    "hardware": {{"gpu_type": "H100-SXM5-80GB", "num_gpus": 64}},
+                    "parallelism": {{"tp": 1, "pp": 1, "ep": 8, "micro_batch_size": 1,
+                                    "global_batch_size_seqs": 512}},
+                    "result": {{"tokens_per_sec_per_gpu": 1000}}}}"#,
+                if moe.is_empty() { "dense" } else { "moe" }
+            ))
+            .unwrap()
+        };
+        let forced = run(
+            "MoE benchmarks Force-Balance token routing (dropless).",
+            true,
+        );
+        assert_eq!(stated_force_balance(&forced), Some("force-balance"));
+        let s = setup_run_in(&forced, None).unwrap();
+        assert!(s.spec.job.moe_force_balance);
+        assert_eq!(s.spec.job.moe_rank_imbalance, None);
+        assert!(
+            s.notes.iter().any(|n| n.contains("no EP straggler")),
+            "{:?}",
+            s.notes
+        );
+        let other = run("read from the paper's table 3", true);
+        assert_eq!(stated_force_balance(&other), None);
+        assert!(
+            !setup_run_in(&other, None)
+                .unwrap()
+                .spec
+                .job
+                .moe_force_balance
+        );
+        let dense = run("MoE benchmarks force-balance token routing", false);
+        assert!(
+            !setup_run_in(&dense, None)
+                .unwrap()
+                .spec
+                .job
+                .moe_force_balance
+        );
     }
 
     #[test]
