@@ -11,7 +11,10 @@
 //!    ZeRO-3 prefetch buffers and the framework reserve;
 //! 2. the pipeline schedule of the plan ([`shardwright_cost::schedule`]); a forward slot receives its
 //!    input from the previous virtual stage, runs the chunk's layers and sends the output
-//!    on; a backward slot mirrors it. Per layer (Megatron-LM layout), the steps of the
+//!    on; a backward slot mirrors it. The first virtual stage embeds instead of receiving
+//!    and the last runs the head and the loss instead of sending: the steps of
+//!    `def::embedding` and `def::head`, emitted (and walked in reverse) by
+//!    `lower/ends.rs`. Per layer (Megatron-LM layout), the steps of the
 //!    cost model's layer definition ([`shardwright_cost::layer::def`], the list its
 //!    template costs), emitted by `lower/steps.rs`, the backward walking them in reverse:
 //!    - attention block: norm, [SP all-gather], QKV GEMM (column-parallel), rotary,
