@@ -48,6 +48,10 @@
 //!   their tp collectives) at the pace of the most loaded EP rank,
 //!   [`crate::moe_balance::ep_straggler`] times their balanced time.
 //!
+//! The embedding and the head are defined the same way ([`def::embedding`], [`def::head`]);
+//! `Ctx::embedding` and `Ctx::head` cost their steps (`Ctx::end_step`). The head's
+//! multi-token prediction modules (`job.model.mtp_layers`, costed only) stay written here.
+//!
 //! Not ops (named separately in `LayerTime`): the per-layer launch overhead.
 
 use crate::collective::{
@@ -717,6 +721,13 @@ impl Ctx<'_> {
                 let f = m.ffn_hidden_size as f64;
                 self.act(e, (m.ffn_activation.mlp_matrices() - 1.0) * f / t);
             }
+            K::Gemm(GemmRole::LmHead)
+            | K::Embed
+            | K::EmbedReduce
+            | K::FinalNorm
+            | K::HeadGather
+            | K::Loss(_)
+            | K::LossReduce(_) => self.end_step(e, kind),
             K::Gemm(_)
             | K::Activation(_)
             | K::Permute(_)
@@ -1317,8 +1328,9 @@ impl Ctx<'_> {
         }
     }
 
-    /// The final norm, the LM head GEMM and the cross-entropy loss, forward and backward,
-    /// with their tensor-parallel collectives; then each multi-token prediction module
+    /// The head's steps ([`def::head`]: the final norm, the SP gather, the LM head GEMM and
+    /// the cross-entropy loss with their tensor-parallel collectives, [`Ctx::end_step`]),
+    /// forward and backward; then each multi-token prediction module
     /// (`job.model.mtp_layers`) on the same stage.
     ///
     /// A module (DeepSeek-V3, arXiv 2412.19437 §2.2 and its Figure 3; Megatron-Core
@@ -1330,8 +1342,7 @@ impl Ctx<'_> {
     /// builds it from the decoder's last layer spec), then the shared output head and a
     /// cross-entropy loss of its own: the ops of the main head again.
     fn head(&self, out: &mut Vec<OpCost>) {
-        let v = self.job.model.vocab_size as f64;
-        let logits = self.tokens * v / self.t;
+        let hd = def::head(&self.shape);
         for depth in 0..=self.job.model.mtp_layers {
             if depth > 0 {
                 for pass in [Pass::Fwd, Pass::Bwd] {
@@ -1368,27 +1379,68 @@ impl Ctx<'_> {
             }
             for pass in [Pass::Fwd, Pass::Bwd] {
                 let mut em = Emit { out, pass };
-                // The final norm on the rank's tokens (its sequence shard under SP): reads x
-                // and writes y (16-bit) and reads its weight; the backward twice that.
-                let rows = self.tokens / self.seq_div;
-                self.elementwise(
-                    &mut em,
-                    "head_norm",
-                    rows * self.h,
-                    4.0 * rows * self.h + 2.0 * self.h,
-                );
-                self.head_tp_collectives(&mut em);
-                self.gemm(
-                    &mut em,
-                    GemmRole::LmHead,
-                    self.tokens,
-                    v / self.t,
-                    self.h,
-                    1,
-                );
-                // fp32: forward writes the logits and reads/writes them in the softmax
-                // (12 B per logit); backward writes their gradient (4 B).
-                let b = if pass == Pass::Fwd { 12.0 } else { 4.0 };
+                for s in hd.steps() {
+                    self.end_step(&mut em, s.kind);
+                }
+            }
+        }
+    }
+
+    /// The ops of one step of the embedding or the head ([`def::embedding`],
+    /// [`def::head`]) in one pass:
+    /// - the token lookup: charged nothing (its traffic is one row per token);
+    /// - the embedding's reduction over tp: with tp > 1 the embedding is
+    ///   vocabulary-parallel (Megatron's `VocabParallelEmbedding`): each rank's partial
+    ///   rows are summed over tp in the forward (all-reduce, or with SP a reduce-scatter
+    ///   into the sequence shards), and with SP the backward all-gathers the output
+    ///   gradient's shards so every rank scatters every token's row;
+    /// - the final norm on the rank's tokens (its sequence shard under SP): reads x and
+    ///   writes y (16-bit) and reads its weight; the backward twice that;
+    /// - the head's gather: [`Ctx::head_tp_collectives`], with the vocabulary-parallel
+    ///   loss's two reductions (charged here, before the LM head, as the template lists
+    ///   them; their own steps carry no op);
+    /// - the LM head GEMM;
+    /// - the loss, on its first (or only) part: fp32, the forward writes the logits and
+    ///   reads/writes them in the softmax (12 B per logit), the backward writes their
+    ///   gradient (4 B); the lowering's cost splits it over the two parts by bytes.
+    fn end_step(&self, em: &mut Emit, kind: def::StepKind) {
+        use def::{LossPart, StepKind as K};
+        let v = self.job.model.vocab_size as f64;
+        let rows = self.tokens / self.seq_div;
+        match kind {
+            K::Embed => em.push(
+                "embedding_lookup",
+                OpKind::Elementwise {
+                    what: "embedding_lookup",
+                    elems: self.tokens * self.h / self.seq_div,
+                },
+                0.0,
+                0.0,
+                0.0,
+            ),
+            K::EmbedReduce if self.shape.tp > 1 => match (em.pass, self.shape.sp) {
+                (Pass::Fwd, false) => {
+                    self.tp_activation(em, "tp_all_reduce_embed", Coll::AllReduce)
+                }
+                (Pass::Fwd, true) => {
+                    self.tp_activation(em, "tp_reduce_scatter_embed", Coll::ReduceScatter)
+                }
+                (Pass::Bwd, true) => self.tp_activation(em, "tp_all_gather_embed", Coll::AllGather),
+                _ => {}
+            },
+            K::FinalNorm => self.elementwise(
+                em,
+                "head_norm",
+                rows * self.h,
+                4.0 * rows * self.h + 2.0 * self.h,
+            ),
+            K::HeadGather => self.head_tp_collectives(em),
+            K::Gemm(GemmRole::LmHead) => {
+                self.gemm(em, GemmRole::LmHead, self.tokens, v / self.t, self.h, 1)
+            }
+            K::Loss(LossPart::Whole | LossPart::Max) => {
+                let logits = self.tokens * v / self.t;
+                let b = if em.pass == Pass::Fwd { 12.0 } else { 4.0 };
                 em.push(
                     "softmax_ce",
                     OpKind::Elementwise {
@@ -1400,6 +1452,7 @@ impl Ctx<'_> {
                     b * logits / self.hbm,
                 );
             }
+            _ => {}
         }
     }
 
@@ -1462,40 +1515,14 @@ impl Ctx<'_> {
         em.comm(name, op, bytes, t_s, t_s * (1.0 - hide));
     }
 
-    /// A gather (forward) and a scatter-add into the embedding gradient (backward): not
-    /// charged by the analytical model (its traffic is one row per token). With tp > 1 the
-    /// embedding is vocabulary-parallel (Megatron's `VocabParallelEmbedding`): each rank's
-    /// partial rows are summed over tp in the forward (all-reduce, or with SP a
-    /// reduce-scatter into the sequence shards), and with SP the backward all-gathers the
-    /// output gradient's shards so every rank scatters every token's row.
+    /// The embedding's steps ([`def::embedding`]: the lookup and the vocabulary-parallel
+    /// reduction, [`Ctx::end_step`]), forward and backward.
     fn embedding(&self, out: &mut Vec<OpCost>) {
+        let ed = def::embedding();
         for pass in [Pass::Fwd, Pass::Bwd] {
-            let elems = self.tokens * self.h / self.seq_div;
             let mut em = Emit { out, pass };
-            em.push(
-                "embedding_lookup",
-                OpKind::Elementwise {
-                    what: "embedding_lookup",
-                    elems,
-                },
-                0.0,
-                0.0,
-                0.0,
-            );
-            if self.shape.tp <= 1 {
-                continue;
-            }
-            match (pass, self.shape.sp) {
-                (Pass::Fwd, false) => {
-                    self.tp_activation(&mut em, "tp_all_reduce_embed", Coll::AllReduce)
-                }
-                (Pass::Fwd, true) => {
-                    self.tp_activation(&mut em, "tp_reduce_scatter_embed", Coll::ReduceScatter)
-                }
-                (Pass::Bwd, true) => {
-                    self.tp_activation(&mut em, "tp_all_gather_embed", Coll::AllGather)
-                }
-                _ => {}
+            for s in ed.steps() {
+                self.end_step(&mut em, s.kind);
             }
         }
     }

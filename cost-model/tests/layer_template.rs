@@ -579,3 +579,103 @@ fn the_kept_values_are_what_the_frameworks_save() {
         assert_eq!(got, want, "{what:?}");
     }
 }
+
+/// The embedding's and the head's definitions are closed dataflows (each step reads what an
+/// earlier one defined; each backward rule reads what the forward defined), the loss is
+/// whole without TP and vocabulary-parallel (two parts, each with its all-reduce) with it,
+/// and what they keep for their backward is what the lowering kept when it wrote them by
+/// hand: the head its input and the final norm's statistics, the LM head's gathered
+/// input, the logits and the loss's statistics; the embedding nothing (its backward reads
+/// the token ids only).
+#[test]
+fn the_ends_are_closed_dataflows_and_keep_what_their_backward_reads() {
+    use shardwright_cost::layer::def::{self, LossPart, StepKind, Val};
+    for (tp, sp) in [(1, false), (2, false), (2, true)] {
+        let s = shape(tp, 1, 1, sp, Recompute::None);
+        for (d, input, out) in [
+            (def::embedding(), None, Val::X0),
+            (def::head(&s), Some(Val::X), Val::Stats),
+        ] {
+            let mut defined: Vec<Val> = input.into_iter().collect();
+            for st in d.steps() {
+                for v in st.ins.iter() {
+                    assert!(defined.contains(v), "{:?} reads {v:?} first", st.kind);
+                }
+                defined.extend(st.outs.iter());
+            }
+            assert!(defined.contains(&out));
+            for st in d.steps() {
+                for v in def::bwd_reads(st).iter() {
+                    assert!(defined.contains(v), "{:?}'s backward reads {v:?}", st.kind);
+                }
+            }
+            let n = def::ends_backward(&d).items().len();
+            assert_eq!(n, d.steps().len());
+        }
+        let loss: Vec<StepKind> = def::head(&s)
+            .steps()
+            .iter()
+            .map(|st| st.kind)
+            .filter(|k| matches!(k, StepKind::Loss(_) | StepKind::LossReduce(_)))
+            .collect();
+        let want = if tp > 1 {
+            vec![
+                StepKind::Loss(LossPart::Max),
+                StepKind::LossReduce(LossPart::Max),
+                StepKind::Loss(LossPart::Sum),
+                StepKind::LossReduce(LossPart::Sum),
+            ]
+        } else {
+            vec![StepKind::Loss(LossPart::Whole)]
+        };
+        assert_eq!(loss, want, "tp{tp}");
+        let mut kept: Vec<&str> = def::ends_kept(&def::head(&s))
+            .iter()
+            .map(|v| v.name())
+            .collect();
+        kept.sort_unstable();
+        assert_eq!(
+            kept,
+            ["logits", "max", "rstd", "stats", "x", "yg"],
+            "tp{tp}"
+        );
+        assert!(def::ends_kept(&def::embedding()).is_empty());
+    }
+}
+
+/// The head's template ops, costed from its steps, in the order the template has always
+/// listed them (the plans sum them in this order): per pass the final norm, the head's TP
+/// collectives (forward: the SP gather and the vocabulary-parallel loss's two
+/// reductions; backward: the input gradient's reduction), the LM head, the loss.
+#[test]
+fn the_head_template_lists_its_ops_in_pass_order() {
+    let j = job(DENSE);
+    let names = |tp: u32, sp: bool| -> Vec<(Pass, &'static str)> {
+        let s = shape(tp, 1, 1, sp, Recompute::None);
+        ops(&j, &s, LayerKind::Head)
+            .iter()
+            .map(|o| (o.pass, o.name))
+            .collect()
+    };
+    use Pass::{Bwd, Fwd};
+    let ends = |mid_f: &[&'static str], mid_b: &[&'static str]| {
+        let mut v = vec![(Fwd, "head_norm")];
+        v.extend(mid_f.iter().map(|n| (Fwd, *n)));
+        v.extend([(Fwd, "lm_head"), (Fwd, "softmax_ce"), (Bwd, "head_norm")]);
+        v.extend(mid_b.iter().map(|n| (Bwd, *n)));
+        v.extend([(Bwd, "lm_head"), (Bwd, "softmax_ce")]);
+        v
+    };
+    assert_eq!(names(1, false), ends(&[], &[]));
+    assert_eq!(
+        names(2, false),
+        ends(&["tp_loss_max", "tp_loss_sum"], &["tp_all_reduce_head"])
+    );
+    assert_eq!(
+        names(2, true),
+        ends(
+            &["tp_all_gather_head", "tp_loss_max", "tp_loss_sum"],
+            &["tp_reduce_scatter_head"]
+        )
+    );
+}

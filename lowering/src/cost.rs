@@ -18,7 +18,9 @@
 //!   the two permutations, the activation over the activation nodes by element count;
 //! - the LM head, the loss and the head's TP collectives (the SP gather before the LM head,
 //!   the input gradient's reduction, the vocabulary-parallel loss's two reductions) cost
-//!   the template's head ops; the embedding the template's (zero).
+//!   the template's head ops (the steps of `def::head`; the loss's time split over its two
+//!   vocabulary-parallel parts by bytes); the embedding the template's (zero; the steps of
+//!   `def::embedding`).
 //!
 //! What the template does not hold, the lowering adds with the cost model's formulas:
 //! data-parallel collectives and ZeRO gathers (ring formulas on the group's fabric, charged

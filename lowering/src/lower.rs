@@ -11,7 +11,10 @@
 //!    ZeRO-3 prefetch buffers and the framework reserve;
 //! 2. the pipeline schedule of the plan ([`shardwright_cost::schedule`]); a forward slot receives its
 //!    input from the previous virtual stage, runs the chunk's layers and sends the output
-//!    on; a backward slot mirrors it. Per layer (Megatron-LM layout), the steps of the
+//!    on; a backward slot mirrors it. The first virtual stage embeds instead of receiving
+//!    and the last runs the head and the loss instead of sending: the steps of
+//!    `def::embedding` and `def::head`, emitted (and walked in reverse) by
+//!    `lower/ends.rs`. Per layer (Megatron-LM layout), the steps of the
 //!    cost model's layer definition ([`shardwright_cost::layer::def`], the list its
 //!    template costs), emitted by `lower/steps.rs`, the backward walking them in reverse:
 //!    - attention block: norm, [SP all-gather], QKV GEMM (column-parallel), rotary,
@@ -61,10 +64,11 @@ use shardwright_spec::{Layout, Plan};
 use std::collections::BTreeMap;
 
 mod dp;
+mod ends;
 mod moe;
 mod steps;
 mod values;
-use values::{Vals, EMBED, HEAD, NONE};
+use values::{Vals, EMBED, NONE};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LowerError {
@@ -201,6 +205,7 @@ impl Prepared {
             // A dense model's second entry is never read (no layer is an MoE layer).
             defs: [false, self.job.model.is_moe()]
                 .map(|moe| steps::Defs::new(&self.job, &self.layout, moe)),
+            ends: ends::EndDefs::new(&self.layout),
             values,
         }
     }
@@ -313,6 +318,8 @@ struct Ctx<'a> {
     /// with its backward pass and the forward values it keeps: built once per lowering,
     /// read by every layer of every micro-batch ([`Ctx::layer_def`]).
     defs: [steps::Defs; 2],
+    /// The embedding's and the head's definitions, built once per lowering.
+    ends: ends::EndDefs,
     /// Whether the graphs name their values (dense models, unless the caller needs only
     /// the ops: the simulator).
     values: bool,
@@ -515,33 +522,6 @@ fn norm(tokens: u64, width: u64) -> Op {
         work: Work {
             flops: 0,
             bytes: 4 * tokens * width + 2 * width,
-        },
-    }
-}
-
-/// Token (and vocabulary-parallel) lookup of one micro-batch; its backward scatters the
-/// same rows into the gradient.
-fn embedding_op(d: &Dims) -> Op {
-    Op::Embedding {
-        tokens: d.t,
-        hidden: d.h,
-        vocab: d.vocab,
-        work: Work {
-            flops: 0,
-            bytes: 4 * d.t * d.h,
-        },
-    }
-}
-
-/// Softmax cross-entropy over the local vocabulary share (fp32 logits read and written),
-/// or one of its `parts` (the vocabulary-parallel forward's two passes over the logits).
-fn loss_op(d: &Dims, parts: u64) -> Op {
-    Op::Loss {
-        tokens: d.t,
-        vocab: d.vocab,
-        work: Work {
-            flops: 0,
-            bytes: 8 * d.t * d.vocab / parts,
         },
     }
 }
@@ -902,57 +882,6 @@ impl<'a> Ctx<'a> {
         dx
     }
 
-    /// The loss forward of micro-batch `mb` from the logits (`[t, v]`, fp32, the local
-    /// vocabulary share). Without TP one `loss` node leaves each token's largest logit
-    /// (`max`, `[t]`) and its target logit and log-sum-exp (`stats`, `[2, t]`). Under TP (the vocabulary-parallel cross-entropy): a first `loss` node
-    /// leaves the local maximum, an all-reduce (max) makes it global, a second `loss` node
-    /// takes the target logit (held by one rank, 0 elsewhere) and the sum of exponentials
-    /// relative to the global maximum over the local vocabulary, and an all-reduce (sum)
-    /// adds them over tp (Megatron-core's `_VocabParallelCrossEntropy` reduces those two
-    /// separately; its fused cross-entropy concatenates them into one all-reduce, as here).
-    /// The two nodes split the loss's work (each reads the logits once).
-    fn loss_fwd(&self, b: &mut Builder, mb: u32, logits: ValueId) {
-        let d = self.dims();
-        let at = (HEAD, mb);
-        let (_, labels) = b.data(mb, d.t);
-        let mbo = Some(mb);
-        let f32 = DType::F32;
-        if self.layout.tp <= 1 {
-            let id = b.compute(Pass::Fwd, mbo, None, loss_op(&d, 1));
-            let mx = b.act(at, "max", f32, &[d.t]);
-            let st = b.act(at, "stats", f32, &[2, d.t]);
-            b.set(id, &[logits, labels], &[mx, st]);
-            return;
-        }
-        let reduce = |b: &mut Builder, tensor: &str, reduce, per_token| {
-            b.collective(Coll {
-                stream: Stream::Comm,
-                pass: Pass::Fwd,
-                mb: mbo,
-                layer: None,
-                kind: CollectiveKind::AllReduce,
-                axis: GroupKind::Tp,
-                bytes: per_token * d.t * f32.bytes(),
-                dt: f32,
-                blocking: true,
-                tensor: Some(tensor.into()),
-                reduce,
-            })
-        };
-        let id = b.compute(Pass::Fwd, mbo, None, loss_op(&d, 2));
-        let lmax = b.act(at, "local_max", f32, &[d.t]);
-        b.set(id, &[logits, labels], &[lmax]);
-        let id = reduce(b, "loss.max", ReduceOp::Max, 1);
-        let mx = b.act(at, "max", f32, &[d.t]);
-        b.set_opt(id, &[lmax], &[mx]);
-        let id = b.compute(Pass::Fwd, mbo, None, loss_op(&d, 2));
-        let lst = b.act(at, "local_stats", f32, &[2, d.t]);
-        b.set(id, &[logits, labels, mx], &[lst]);
-        let id = reduce(b, "loss.target_sumexp", ReduceOp::Sum, 2);
-        let st = b.act(at, "stats", f32, &[2, d.t]);
-        b.set_opt(id, &[lst], &[st]);
-    }
-
     /// Emit the forward (or recompute) of one layer: its definition's steps
     /// ([`Ctx::layer_def`], the list the cost model's template costs), each by
     /// [`Ctx::step_fwd`]. The forward takes the micro-batch's hidden state and hands its
@@ -1230,162 +1159,6 @@ impl<'a> Ctx<'a> {
         } else {
             self.lc.dense_act_bytes
         }
-    }
-
-    /// The embedding of micro-batch `mb`: the (vocabulary-parallel) lookup of its tokens,
-    /// plus the learned positions when the model has them, summed over TP; the result is
-    /// the hidden state handed to the first layer.
-    fn embed_fwd(&self, b: &mut Builder, mb: u32) {
-        let d = self.dims();
-        let at = (EMBED, mb);
-        let (tok, _) = b.data(mb, d.t);
-        let mut ops = vec![tok, self.weight(b, None, Role::Embedding).0];
-        if self.job.model.learned_positions {
-            ops.push(self.weight(b, None, Role::PosEmbedding).0);
-        }
-        let id = b.compute(Pass::Fwd, Some(mb), None, embedding_op(&d));
-        let e = b.act(at, "e", d.w, &[d.t, d.h]);
-        b.set(id, &ops, &[e]);
-        // Vocabulary-parallel embedding: partial rows summed over TP.
-        let x = self.reduce_v(b, Pass::Fwd, at, e, "x0");
-        b.hand_on(at, x, false);
-        b.release_scope_but(at, &[], Pass::Fwd, None);
-    }
-
-    /// Its backward: (SP) every token's gradient gathered, scattered into the embedding's
-    /// gradient rows (and the positions').
-    fn embed_bwd(&self, b: &mut Builder, mb: u32) {
-        let d = self.dims();
-        let at = (EMBED, mb);
-        let dx = b.take_dcur(mb);
-        b.put(at, "dx", dx);
-        // SP: the sequence shards of the gradient gathered for the vocabulary-parallel
-        // embedding's backward (every tp rank scatters every token's row into its
-        // vocabulary shard).
-        let id = d.sp.then(|| {
-            b.collective(Coll {
-                stream: Stream::Comm,
-                pass: Pass::Bwd,
-                mb: Some(mb),
-                layer: None,
-                kind: CollectiveKind::AllGather,
-                axis: GroupKind::Tp,
-                bytes: d.t * d.h * d.w.bytes(),
-                dt: d.w,
-                blocking: true,
-                tensor: Some("embed.dgrad.gather".into()),
-                reduce: ReduceOp::Sum,
-            })
-        });
-        let dxg = match id.flatten() {
-            Some(id) => {
-                let g = b.act(at, "dxg", d.w, &[d.t, d.h]);
-                b.set(id, &[dx], &[g]);
-                g
-            }
-            None => dx,
-        };
-        let (tok, _) = b.data(mb, d.t);
-        let mut grads = vec![self.weight(b, None, Role::Embedding).1];
-        if self.job.model.learned_positions {
-            grads.push(self.weight(b, None, Role::PosEmbedding).1);
-        }
-        let id = b.compute(Pass::Bwd, Some(mb), None, embedding_op(&d));
-        b.set(id, &[dxg, tok], &grads);
-        b.release_scope_but(at, &[], Pass::Bwd, None);
-    }
-
-    /// The head's forward on micro-batch `mb`: final norm, (SP) gather, LM head GEMM into
-    /// fp32 logits, the loss; keeps what its backward reads.
-    fn head_fwd(&self, b: &mut Builder, mb: u32) {
-        let d = self.dims();
-        let at = (HEAD, mb);
-        let x = b.take_cur(mb);
-        b.put(at, "x", x);
-        let y = self.norm_fwd_v(b, Pass::Fwd, at, x, Role::FinalNorm, ("y", "rstd"));
-        let yg = self.gather_v(b, Pass::Fwd, at, y, "yg");
-        let head_w = self.head_weight();
-        let (wv, _) = self.weight(b, None, head_w);
-        let id = b.compute(
-            Pass::Fwd,
-            Some(mb),
-            None,
-            gemm(
-                GemmName::fwd(GemmRole::LmHead),
-                d.t,
-                d.vocab,
-                d.h,
-                d.w,
-                Some(ParamName::ends(head_w)),
-            ),
-        );
-        let logits = b.act(at, "logits", DType::F32, &[d.t, d.vocab]);
-        b.set(id, &[yg, wv], &[logits]);
-        self.loss_fwd(b, mb, logits);
-        b.release_scope_but(
-            at,
-            &["x", "rstd", "yg", "logits", "max", "stats"],
-            Pass::Fwd,
-            None,
-        );
-    }
-
-    /// Its backward: the logits' gradient, the LM head's data and weight gradients, the
-    /// TP reduction of the input gradient, the final norm's backward; hands the gradient
-    /// to the last layer and releases the scope.
-    fn head_bwd(&self, b: &mut Builder, mb: u32) {
-        let d = self.dims();
-        let at = (HEAD, mb);
-        let (_, labels) = b.data(mb, d.t);
-        let id = b.compute(Pass::Bwd, Some(mb), None, loss_op(&d, 1));
-        let dl = b.act(at, "dlogits", DType::F32, &[d.t, d.vocab]);
-        let ops = [
-            b.get(at, "logits"),
-            labels,
-            b.get(at, "max"),
-            b.get(at, "stats"),
-        ];
-        b.set(id, &ops, &[dl]);
-        let g = G {
-            role: GemmRole::LmHead,
-            m: d.t,
-            n: d.vocab,
-            k: d.h,
-        };
-        let yg = b.get(at, "yg");
-        let dyg = self.gemm_bwd_w(b, at, (&g, self.head_weight()), [dl, yg], "dyg");
-        // The head's input gradient is a partial sum over the vocabulary shards:
-        // reduce-scattered into the sequence shards with SP, else all-reduced (Megatron's
-        // column-parallel backward).
-        let id = b.collective(Coll {
-            stream: Stream::Comm,
-            pass: Pass::Bwd,
-            mb: Some(mb),
-            layer: None,
-            kind: if d.sp {
-                CollectiveKind::ReduceScatter
-            } else {
-                CollectiveKind::AllReduce
-            },
-            axis: GroupKind::Tp,
-            bytes: d.t * d.h * d.w.bytes(),
-            dt: d.w,
-            blocking: true,
-            tensor: Some("head.dgrad".into()),
-            reduce: ReduceOp::Sum,
-        });
-        let dy = match id {
-            Some(id) => {
-                let dy = b.act(at, "dy", d.w, &[d.ts, d.h]);
-                b.set(id, &[dyg], &[dy]);
-                dy
-            }
-            None => dyg,
-        };
-        let io = [dy, b.get(at, "x"), b.get(at, "rstd")];
-        let dx = self.norm_bwd_v(b, at, Role::FinalNorm, io, None);
-        b.hand_on(at, dx, true);
-        b.release_scope_but(at, &[], Pass::Bwd, None);
     }
 
     /// A forward slot: receive from the previous virtual stage (or embed), the chunk's

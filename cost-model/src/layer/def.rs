@@ -1,4 +1,5 @@
-//! The layer definition: the ordered forward steps of one transformer layer, as data.
+//! The layer definition: the ordered forward steps of one transformer layer (and of the
+//! embedding and the head), as data.
 //!
 //! [`forward`] lists, for a layer kind (dense or MoE) under one job and shape, the steps of
 //! the layer's forward in dataflow order, each a [`Step`] kind with the value keys
@@ -13,6 +14,12 @@
 //!   reverse, each by one backward rule, with the replays where they run) and releases at
 //!   the forward's end all but [`kept`]: what the backward rules ([`bwd_reads`]) and the
 //!   replays read of the forward's values before a replay defines them again.
+//!
+//! The model's two ends are defined the same way: [`embedding`] (the token lookup and the
+//! vocabulary-parallel embedding's reduction over tp) and [`head`] (the final norm, the SP
+//! gather, the LM head GEMM, the loss with the vocabulary-parallel loss's reductions).
+//! The template costs their steps (`Ctx::embedding`, `Ctx::head`), and the lowering emits
+//! them and walks [`ends_backward`] (their steps in reverse), keeping [`ends_kept`].
 //!
 //! The list holds no shapes: each consumer sizes a step from its own dimensions (the
 //! template in the model's float averages, the lowering in the rank's integer shards).
@@ -105,6 +112,20 @@ pub enum Val {
     P2r,
     /// The layer's output.
     Out,
+    /// The embedding's values ([`embedding`]): the looked-up rows (partial sums over the
+    /// vocabulary shards under TP) and the hidden state handed to the first layer.
+    E,
+    X0,
+    /// The head's values ([`head`]; its input is [`Val::X`]): the final norm's output and
+    /// statistics, the output gathered over tp (SP), then the logits ([`Val::Logits`], fp32,
+    /// the local vocabulary share), the loss's per-token maximum and its target logit with
+    /// log-sum-exp ([`Val::Stats`]), each under TP first this rank's share.
+    Y,
+    Rstd,
+    Yg,
+    Max,
+    LocalMax,
+    LocalStats,
 }
 
 impl Val {
@@ -153,6 +174,14 @@ impl Val {
             Val::Sp2 => "sp2",
             Val::P2r => "p2r",
             Val::Out => "out",
+            Val::E => "e",
+            Val::X0 => "x0",
+            Val::Y => "y",
+            Val::Rstd => "rstd",
+            Val::Yg => "yg",
+            Val::Max => "max",
+            Val::LocalMax => "local_max",
+            Val::LocalStats => "local_stats",
         }
     }
 }
@@ -193,6 +222,12 @@ impl Val {
             Val::Yc => "dr",
             Val::Su => "sdu",
             Val::Sa => "sda",
+            // The ends: the embedding's output gradient as it comes in, and gathered (SP);
+            // the head's.
+            Val::X0 => "dx",
+            Val::E => "dxg",
+            Val::Y => "dy",
+            Val::Yg => "dyg",
             // No backward step defines these: the residual branches' gradients are the
             // residual's, the rest have none of their own.
             _ => "",
@@ -253,6 +288,36 @@ pub enum StepKind {
     /// Experts split over tp under SP: the tp all-gather of the dispatched rows
     /// (`dispatch`) and the reduce-scatter of the experts' partial outputs (`combine`).
     ExpertTp(Dir),
+    /// The embedding's token lookup (and learned positions) of the micro-batch's tokens,
+    /// vocabulary-parallel under TP: `[] -> [e]`.
+    Embed,
+    /// The vocabulary-parallel embedding's sum of its partial rows over tp (all-reduce,
+    /// under SP a reduce-scatter into the sequence shards): `[e] -> [x0]`; without TP `e`
+    /// itself. Its backward, under SP, all-gathers the gradient's sequence shards.
+    EmbedReduce,
+    /// The final norm: `[x] -> [y, rstd]`.
+    FinalNorm,
+    /// Sequence parallelism's all-gather before the (column-parallel) LM head: `[y] ->
+    /// [yg]`; without SP `y` itself. Its backward reduces the input gradient, a partial
+    /// sum over the vocabulary shards, over tp (reduce-scatter under SP, else all-reduce).
+    HeadGather,
+    /// The softmax cross-entropy over the logits ([`LossPart`]).
+    Loss(LossPart),
+    /// The vocabulary-parallel loss's all-reduce over tp: `LossReduce(Max)`,
+    /// `[local_max] -> [max]` (max); `LossReduce(Sum)`, `[local_stats] -> [stats]` (sum).
+    LossReduce(LossPart),
+}
+
+/// The loss's parts: whole (no TP), `[logits] -> [max, stats]`; vocabulary-parallel
+/// (Megatron-core's `_VocabParallelCrossEntropy`), a first pass for the local maximum,
+/// `[logits] -> [local_max]` (`Max`), and a second for the target logit (held by one rank)
+/// and the sum of exponentials relative to the global maximum, `[logits, max] ->
+/// [local_stats]` (`Sum`), each followed by its [`StepKind::LossReduce`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LossPart {
+    Whole,
+    Max,
+    Sum,
 }
 
 /// One step: its kind, the keys of its operands and of its results.
@@ -453,6 +518,40 @@ fn moe_block(d: &mut LayerDef, job: &Job, mlp_tp: bool, stats: bool) {
     }
 }
 
+/// The embedding's forward steps: the token lookup, then the vocabulary-parallel sum of
+/// its partial rows (a step that moves nothing without TP). Its output `x0` is the hidden
+/// state the first layer takes.
+pub fn embedding() -> LayerDef {
+    use StepKind as K;
+    use Val::*;
+    let mut d = LayerDef::empty(false, false);
+    d.push(step(K::Embed, &[], &[E]));
+    d.push(step(K::EmbedReduce, &[E], &[X0]));
+    d
+}
+
+/// The head's forward steps under `shape`, from the last layer's output `x`: the final
+/// norm, the SP gather (a step that moves nothing without SP), the LM head GEMM into fp32
+/// logits, then the loss: whole without TP; vocabulary-parallel under TP, its two passes
+/// each followed by its reduction over tp ([`LossPart`]).
+pub fn head(shape: &LayerShape) -> LayerDef {
+    use StepKind as K;
+    use Val::*;
+    let mut d = LayerDef::empty(false, false);
+    d.push(step(K::FinalNorm, &[X], &[Y, Rstd]));
+    d.push(step(K::HeadGather, &[Y], &[Yg]));
+    d.push(step(K::Gemm(GemmRole::LmHead), &[Yg], &[Logits]));
+    if shape.tp > 1 {
+        d.push(step(K::Loss(LossPart::Max), &[Logits], &[LocalMax]));
+        d.push(step(K::LossReduce(LossPart::Max), &[LocalMax], &[Max]));
+        d.push(step(K::Loss(LossPart::Sum), &[Logits, Max], &[LocalStats]));
+        d.push(step(K::LossReduce(LossPart::Sum), &[LocalStats], &[Stats]));
+    } else {
+        d.push(step(K::Loss(LossPart::Whole), &[Logits], &[Max, Stats]));
+    }
+    d
+}
+
 /// Whether Megatron's fine-grained selective recompute with `mods` replays forward step
 /// `kind` of a dense (`moe = false`) or MoE layer: the attention core (`core_attn`); the
 /// dense MLP's gather, GEMMs and activation (`mlp`); the MoE block's steps but the
@@ -627,6 +726,10 @@ pub fn bwd_reads(s: &Step) -> Vals<4> {
         K::Attention => Vals::of(&[s.ins[0], s.ins[1], s.outs[0], s.outs[1]]),
         K::Permute(Dir::Combine) => Vals::of(&[s.ins[1], s.outs[0]]),
         K::Permute(Dir::Dispatch) => Vals::of(&[s.outs[1], Val::Stats]),
+        K::FinalNorm => Vals::of(&[s.ins[0], s.outs[1]]),
+        // The loss's backward, one rule for its parts (the first's): the logits and the
+        // reduced statistics.
+        K::Loss(LossPart::Whole | LossPart::Max) => Vals::of(&[Val::Logits, Val::Max, Val::Stats]),
         K::TpGather(_)
         | K::TpReduce(_)
         | K::CpGather
@@ -637,7 +740,12 @@ pub fn bwd_reads(s: &Step) -> Vals<4> {
         | K::EpA2a(_)
         | K::ExpertTp(_)
         | K::RopeK
-        | K::ActivationJoin => Vals::of(&[]),
+        | K::ActivationJoin
+        | K::Embed
+        | K::EmbedReduce
+        | K::HeadGather
+        | K::Loss(LossPart::Sum)
+        | K::LossReduce(_) => Vals::of(&[]),
     }
 }
 
@@ -661,6 +769,13 @@ pub struct Backward {
 }
 
 impl Backward {
+    fn empty() -> Backward {
+        Backward {
+            items: [BwdItem::Bwd(step(StepKind::Residual, &[], &[])); BWD_CAP],
+            len: 0,
+        }
+    }
+
     fn push(&mut self, i: BwdItem) {
         self.items[self.len] = i;
         self.len += 1;
@@ -676,6 +791,22 @@ impl Backward {
     pub fn items(&self) -> &[BwdItem] {
         &self.items[..self.len]
     }
+}
+
+/// The backward pass of the embedding or the head ([`embedding`], [`head`]): their steps
+/// in reverse, each its backward rule (no replays).
+pub fn ends_backward(d: &LayerDef) -> Backward {
+    let mut b = Backward::empty();
+    for s in d.steps().iter().rev() {
+        b.push(BwdItem::Bwd(*s));
+    }
+    b
+}
+
+/// What the embedding's or the head's forward `d` keeps for its backward
+/// ([`ends_backward`]), derived as a layer's ([`kept`]).
+pub fn ends_kept(d: &LayerDef) -> ValSet {
+    kept_in(d, &ends_backward(d), false)
 }
 
 /// Megatron's selective recompute modules on a layer of this kind (none under another
@@ -700,10 +831,7 @@ pub fn backward(job: &Job, shape: &LayerShape, moe: bool) -> Backward {
     use RecomputeModule as R;
     let fwd = forward(job, shape, moe);
     let mods = megatron_modules(job, shape, moe);
-    let mut b = Backward {
-        items: [BwdItem::Bwd(step(StepKind::Residual, &[], &[])); BWD_CAP],
-        len: 0,
-    };
+    let mut b = Backward::empty();
     for s in fwd.steps().iter().rev() {
         match s.kind {
             StepKind::Gemm(GemmRole::Proj) if mods.contains(&R::Layernorm) => {
@@ -731,7 +859,7 @@ pub fn backward(job: &Job, shape: &LayerShape, moe: bool) -> Backward {
 }
 
 /// The most keys a [`ValSet`] holds (more than [`Val`] has).
-const SET_CAP: usize = 48;
+const SET_CAP: usize = 56;
 
 /// A set of value keys, inline; reads as a slice, in the order added.
 #[derive(Clone, Copy, Debug)]
@@ -781,6 +909,13 @@ impl std::ops::Deref for ValSet {
 /// read, as Megatron's `discard_output_and_register_recompute` and MoE checkpoint do.)
 pub fn kept(job: &Job, shape: &LayerShape, moe: bool) -> ValSet {
     let fwd = forward(job, shape, moe);
+    let bwd = backward(job, shape, moe);
+    kept_in(&fwd, &bwd, shape.recompute == Recompute::Full)
+}
+
+/// What forward `fwd` keeps for backward pass `bwd` ([`kept`]); `full`: the whole forward
+/// runs again first.
+fn kept_in(fwd: &LayerDef, bwd: &Backward, full: bool) -> ValSet {
     let mut defined = ValSet::new();
     defined.insert(Val::X);
     for s in fwd.steps() {
@@ -800,12 +935,12 @@ pub fn kept(job: &Job, shape: &LayerShape, moe: bool) -> ValSet {
             again.insert(*v);
         }
     };
-    if shape.recompute == Recompute::Full {
+    if full {
         for s in fwd.steps() {
             visit(&s.ins, &s.outs);
         }
     }
-    for item in backward(job, shape, moe).items() {
+    for item in bwd.items() {
         match item {
             BwdItem::Replay(s) => visit(&s.ins, &s.outs),
             BwdItem::Bwd(s) => visit(&bwd_reads(s), &[]),

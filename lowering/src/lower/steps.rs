@@ -233,6 +233,12 @@ impl Ctx<'_> {
             | StepKind::MoeStats
             | StepKind::EpA2a(_)
             | StepKind::ExpertTp(_) => self.moe_step_fwd(b, w, s, x),
+            StepKind::Embed
+            | StepKind::EmbedReduce
+            | StepKind::FinalNorm
+            | StepKind::HeadGather
+            | StepKind::Loss(_)
+            | StepKind::LossReduce(_) => unreachable!("an end's step: lower/ends.rs"),
         }
     }
 
@@ -367,6 +373,12 @@ impl Ctx<'_> {
             StepKind::RopeK | StepKind::ActivationJoin => {
                 unreachable!("a replay's step has no backward of its own")
             }
+            StepKind::Embed
+            | StepKind::EmbedReduce
+            | StepKind::FinalNorm
+            | StepKind::HeadGather
+            | StepKind::Loss(_)
+            | StepKind::LossReduce(_) => unreachable!("an end's step: lower/ends.rs"),
         }
     }
 

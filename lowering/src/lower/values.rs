@@ -21,6 +21,9 @@
 //! operands) before a replay defines them again, so the recompute policy's replays
 //! decide it (full recompute keeps the layer input only; Megatron's selective modules drop
 //! what they rerun; torchtitan's op-level AC keeps what its replay does not define).
+//! The head's kept values are derived the same way (`def::ends_kept`: its input and the
+//! final norm's statistics, the gathered input of the LM head, the logits and the loss's
+//! statistics); the embedding keeps none.
 //! A layer's input belongs to its scope (released after its backward), its output to the
 //! next scope (the next layer, the head, or the send that hands it on). The
 //! data-parallel stream's and the optimizer's values are listed in the `dp` module.
