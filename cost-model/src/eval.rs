@@ -408,6 +408,30 @@ pub fn chunk_layers(layers: u32, chunks: u32, c: u32) -> (u32, u32) {
     (c * base + before, count)
 }
 
+/// [`chunk_layers`] of `model`'s decoder layers, its multi-token prediction modules
+/// (`mtp_layers`, each a transformer block on the last chunk, with the head) counted as
+/// layers of the last chunk: the split is [`chunk_layers`]'s of `num_layers + mtp_layers`,
+/// and the last chunk holds that many decoder layers fewer. Megatron-Bridge's DeepSeek-V3
+/// layout `Et|(tt|)*30mL` is this split of 61 layers and one module over 32 chunks: 1, 2 x
+/// 30 and 0 decoder layers (the last chunk the MTP module and the loss). When the last
+/// chunk has fewer layers than modules, the plain split.
+pub fn model_chunk_layers(model: &shardwright_spec::job::Model, chunks: u32, c: u32) -> (u32, u32) {
+    let (layers, mtp) = (model.num_layers, model.mtp_layers);
+    if mtp == 0 {
+        return chunk_layers(layers, chunks, c);
+    }
+    let last = chunk_layers(layers + mtp, chunks, chunks - 1).1;
+    if last < mtp {
+        return chunk_layers(layers, chunks, c);
+    }
+    let (start, count) = chunk_layers(layers + mtp, chunks, c);
+    if c + 1 == chunks {
+        (start, count - mtp)
+    } else {
+        (start, count)
+    }
+}
+
 /// Rank `j`'s load given how many layers precede it and how many it holds.
 pub fn rank_load(job: &Job, start: u32, count: u32, j: u32, p: u32) -> RankLoad {
     let dense_end = job.model.dense_layers();
@@ -1022,7 +1046,6 @@ pub fn uneven_walk_unless(
 fn uneven_stages(job: &Job, lc: &LayerCosts, layout: &Layout) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let p = layout.pp;
     let v = layout.vpp.max(1);
-    let layers = job.model.num_layers;
     let n = (p * v) as usize;
     let (mut fwd, mut bwd, mut act) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
     let fshare = if layout.recompute == Recompute::Full {
@@ -1033,7 +1056,7 @@ fn uneven_stages(job: &Job, lc: &LayerCosts, layout: &Layout) -> (Vec<f64>, Vec<
     // Most virtual stages hold what the one before holds: its time and bytes are reused.
     let mut last: Option<(RankLoad, f64, f64)> = None;
     for vs in 0..p * v {
-        let (s0, c) = chunk_layers(layers, p * v, vs);
+        let (s0, c) = model_chunk_layers(&job.model, p * v, vs);
         let mut part = rank_load(job, s0, c, vs % p, p);
         part.head = vs == p * v - 1;
         part.embedding = vs == 0;
@@ -1075,7 +1098,7 @@ fn balanced_load(job: &Job, p: u32, v: u32, j: u32) -> (RankLoad, u32) {
     };
     let mut n = 0;
     for i in 0..v {
-        let (s0, c) = chunk_layers(job.model.num_layers, p * v, i * p + j);
+        let (s0, c) = model_chunk_layers(&job.model, p * v, i * p + j);
         let part = rank_load(job, s0, c, j, p);
         load.dense_layers += part.dense_layers;
         load.moe_layers += part.moe_layers;
@@ -1242,7 +1265,7 @@ fn rank_sums(
         let (load, count) = match split {
             Split::Balanced => {
                 if v == 1 {
-                    start = chunk_layers(model.num_layers, p, j).0;
+                    start = model_chunk_layers(model, p, j).0;
                 }
                 balanced_load(job, p, v, j)
             }
@@ -2277,7 +2300,7 @@ mod tests {
                         1.0 / 3.0
                     };
                     for vs in 0..pp * v {
-                        let (s0, c) = chunk_layers(layers, pp * v, vs);
+                        let (s0, c) = model_chunk_layers(&job.model, pp * v, vs);
                         let mut part = rank_load(&job, s0, c, vs % pp, pp);
                         part.head = vs == pp * v - 1;
                         part.embedding = vs == 0;

@@ -159,3 +159,35 @@ fn deepseek_v3_mtp_module_work() {
         extra - block
     );
 }
+
+/// Megatron-Bridge's DeepSeek-V3 H100 recipe (pp 8, vpp 4: 32 virtual stages) lays the
+/// model out as `Et|(tt|)*30mL` (its `scripts/performance` configs): the embedding and
+/// one layer, thirty stages of two layers, then the MTP module and the loss alone. With
+/// one MTP module the split gives those decoder-layer counts, 1, 2 x 30, 0, in order and
+/// contiguous; without MTP the plain split (1, 2 x 29, 1, 1).
+#[test]
+fn the_mtp_module_takes_a_layer_slot_of_the_last_chunk() {
+    use shardwright_cost::eval::{chunk_layers, model_chunk_layers};
+    let with = deepseek_v3(1);
+    let split = |m: &shardwright_spec::job::Model| -> Vec<(u32, u32)> {
+        (0..32).map(|c| model_chunk_layers(m, 32, c)).collect()
+    };
+    let counts: Vec<u32> = split(&with.model).iter().map(|x| x.1).collect();
+    let mut recipe = vec![1];
+    recipe.extend([2; 30]);
+    recipe.push(0);
+    assert_eq!(counts, recipe);
+    let mut next = 0;
+    for (start, count) in split(&with.model) {
+        assert_eq!(start, next, "contiguous");
+        next += count;
+    }
+    assert_eq!(next, 61);
+    let without = deepseek_v3(0);
+    let plain: Vec<(u32, u32)> = (0..32).map(|c| chunk_layers(61, 32, c)).collect();
+    assert_eq!(split(&without.model), plain);
+    let mut plain_counts = vec![1];
+    plain_counts.extend([2; 29]);
+    plain_counts.extend([1, 1]);
+    assert_eq!(plain.iter().map(|x| x.1).collect::<Vec<_>>(), plain_counts);
+}

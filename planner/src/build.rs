@@ -190,8 +190,8 @@ fn stages(job: &Job, l: &Layout, ranks: &[RankEval]) -> Vec<Stage> {
             let layers = if v > 1 {
                 (0..v)
                     .map(|c| {
-                        let (first, count) = shardwright_cost::eval::chunk_layers(
-                            job.model.num_layers,
+                        let (first, count) = shardwright_cost::eval::model_chunk_layers(
+                            &job.model,
                             l.pp * v,
                             c * l.pp + j as u32,
                         );
