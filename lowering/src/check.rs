@@ -886,7 +886,9 @@ cluster: {gpu: H100-SXM, gpus_per_node: 8, num_gpus: 1}
     #[test]
     fn moe_collectives_have_exact_bytes() {
         // t = b s / cp tokens per micro-batch, k = 2, h = 256, E = 4, bf16 compute.
-        let cases: [(&str, u32, &[(&str, u64)]); 3] = [
+        // (layout, ep, each collective's name and its expected bytes)
+        type Case<'a> = (&'a str, u32, &'a [(&'a str, u64)]);
+        let cases: [Case; 3] = [
             // Whole experts: no tp gather of the routed rows, the statistics still summed
             // over the sequence's tp shards, the all-to-all over tp x ep = 2 ranks (its
             // bytes checked by the `bytes` rule: each rank's 512 x 2 routed rows).
