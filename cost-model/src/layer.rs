@@ -1183,7 +1183,7 @@ impl Ctx<'_> {
                     out.push(op);
                 }
             }
-            Recompute::Selective if !moe && crate::framework::op_level_ac(self.job.framework) => {
+            Recompute::Selective if def::op_level_ac(self.job, &self.shape, moe) => {
                 self.op_level_recompute(out)
             }
             Recompute::Selective => self.module_recompute(out, &lc),

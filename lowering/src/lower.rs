@@ -49,7 +49,7 @@
 //! plus recomputation (checked by [`crate::check`]).
 
 use crate::mesh::declare_groups;
-use shardwright_cost::eval::{chunk_layers, evaluate, Evaluation, LayerCosts, Split};
+use shardwright_cost::eval::{evaluate, model_chunk_layers, Evaluation, LayerCosts, Split};
 use shardwright_cost::layer::def::{self, Val};
 use shardwright_cost::schedule::{slots, Phase, Slot};
 use shardwright_ir::{
@@ -59,7 +59,7 @@ use shardwright_ir::{
 use shardwright_ir::{GemmName, GemmPass, GemmRole, ParamName, Role, ValueId};
 use shardwright_spec::job::Job;
 use shardwright_spec::mesh::{Coord, GroupKind, Mesh};
-use shardwright_spec::spec::{Norm, Recompute, RecomputeModule, Schedule};
+use shardwright_spec::spec::{Norm, Recompute, Schedule};
 use shardwright_spec::{Layout, Plan};
 use std::collections::BTreeMap;
 
@@ -109,7 +109,7 @@ fn stage_chunks(plan: &Plan, job: &Job) -> Result<Vec<Vec<(u32, u32)>>, LowerErr
         return Ok((0..p)
             .map(|j| {
                 (0..v)
-                    .map(|c| chunk_layers(layers, p * v, c * p + j))
+                    .map(|c| model_chunk_layers(&job.model, p * v, c * p + j))
                     .collect()
             })
             .collect());
@@ -574,20 +574,6 @@ impl<'a> Ctx<'a> {
         self.job.model.is_moe() && layer >= self.job.model.dense_layers()
     }
 
-    /// Whether `layer`'s MLP block gathers over tp before and reduces after: always, except
-    /// an MoE layer under sequence parallelism without shared experts (the router and the
-    /// dispatch work on the rank's sequence shard; split experts gather the routed rows
-    /// themselves, `L{l}.moe.experts_gather`).
-    fn block_tp(&self, layer: u32) -> bool {
-        let shared = self
-            .job
-            .model
-            .moe
-            .as_ref()
-            .is_some_and(|x| x.num_shared_experts > 0);
-        !(self.is_moe_layer(layer) && self.dims().sp && !shared)
-    }
-
     /// GEMMs of the MLP part of `layer` in forward order.
     fn mlp_gemms(&self, layer: u32, d: &Dims) -> Vec<G> {
         let t = self.layout.tp as u64;
@@ -988,22 +974,6 @@ impl<'a> Ctx<'a> {
             gemm(wg, g.k, g.n, g.m, w, weight),
         );
         (d, wn)
-    }
-
-    /// Selective recompute of `layer` as the cost model charges it: torchtitan's op-level
-    /// policy on a dense layer (`true`), else Megatron's modules; `None` without selective.
-    fn selective_policy(&self, layer: u32) -> Option<(bool, &[RecomputeModule])> {
-        if self.layout.recompute != Recompute::Selective {
-            return None;
-        }
-        let titan = !self.is_moe_layer(layer)
-            && shardwright_cost::framework::op_level_ac(self.job.framework);
-        Some((titan, &self.job.training.recompute_modules))
-    }
-
-    /// Whether Megatron-style selective recompute of `layer` reruns module `m`.
-    fn recomputes(&self, layer: u32, m: RecomputeModule) -> bool {
-        matches!(self.selective_policy(layer), Some((false, mods)) if mods.contains(&m))
     }
 
     /// A dropout's backward on `dy` (when the model has dropout), filed as `key`.

@@ -809,6 +809,11 @@ pub fn ends_kept(d: &LayerDef) -> ValSet {
     kept_in(d, &ends_backward(d), false)
 }
 
+/// Whether Megatron's selective recompute reruns module `m` on a layer of this kind.
+pub fn recomputes(job: &Job, shape: &LayerShape, moe: bool, m: RecomputeModule) -> bool {
+    megatron_modules(job, shape, moe).contains(&m)
+}
+
 /// Megatron's selective recompute modules on a layer of this kind (none under another
 /// policy, or under torchtitan's op-level AC).
 fn megatron_modules<'j>(job: &'j Job, shape: &LayerShape, moe: bool) -> &'j [RecomputeModule] {

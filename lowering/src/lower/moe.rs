@@ -118,7 +118,11 @@ impl Ctx<'_> {
             StepKind::Permute(Dir::Combine) => {
                 let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
                 let eo = b.act(at, out, d.w, &[d.ts * k, d.h]);
-                let rows = if self.block_tp(layer) { d.t } else { d.ts };
+                let rows = if self.layer_def(layer).fwd.mlp_tp {
+                    d.t
+                } else {
+                    d.ts
+                };
                 let ym = b.act(at, s.outs[1].name(), d.w, &[rows, d.h]);
                 let route = b.get(at, s.ins[1].name());
                 b.set(id, &[x, route], &[eo, ym]);
@@ -178,7 +182,11 @@ impl Ctx<'_> {
             }
             StepKind::Permute(Dir::Dispatch) => {
                 let id = b.compute(pass, mbo, lo, ew(ElementwiseKind::Permute, routed, 4));
-                let rows = if self.block_tp(layer) { d.t } else { d.ts };
+                let rows = if self.layer_def(layer).fwd.mlp_tp {
+                    d.t
+                } else {
+                    d.ts
+                };
                 let dn = b.act(at, "dn", d.w, &[rows, d.h]);
                 let dl = b.act(at, x.grad_name(), d.w, &[d.ts, e]);
                 let route = s.outs[1];
@@ -249,7 +257,7 @@ impl Ctx<'_> {
         let (wr, gr) = self.weight_of(b, layer, r);
         let weight = ParamName::layer(layer, r.role.weight());
         let (dgn, wgn) = self.gemm_bwd(b, Some(layer), mb, r, Some(weight));
-        let block_tp = self.block_tp(layer);
+        let block_tp = self.layer_def(layer).fwd.mlp_tp;
         let rows = if block_tp { d.t } else { d.ts };
         let dn2 = b.act(at, "dn2", d.w, &[rows, d.h]);
         let dl = g.get(Val::Logits);

@@ -73,6 +73,8 @@ pub(super) struct Defs {
     pub fwd: LayerDef,
     pub bwd: def::Backward,
     pub kept: def::ValSet,
+    /// Megatron's `core_attn` module reruns the attention core before its backward.
+    pub core_attn_replay: bool,
 }
 
 impl Defs {
@@ -82,6 +84,7 @@ impl Defs {
             fwd: def::forward(job, &shape, moe),
             bwd: def::backward(job, &shape, moe),
             kept: def::kept(job, &shape, moe),
+            core_attn_replay: def::recomputes(job, &shape, moe, RecomputeModule::CoreAttn),
         }
     }
 }
@@ -392,7 +395,7 @@ impl Ctx<'_> {
         let (mbo, lo) = (Some(mb), Some(layer));
         let r = def::bwd_reads(s);
         let [q, kvg, o, lse] = [0, 1, 2, 3].map(|i| b.get(at, r[i].name()));
-        let o = if self.recomputes(layer, RecomputeModule::CoreAttn) {
+        let o = if self.layer_def(layer).core_attn_replay {
             b.get(at, Val::ORc.name())
         } else {
             o
