@@ -893,13 +893,7 @@ impl<'a> Ctx<'a> {
         // The output is the next scope's; the forward keeps what the backward reads.
         let out = b.get(at, Val::Out.name());
         b.hand_on(at, out, false);
-        let keep: Vec<&'static str> = self
-            .layer_def(layer)
-            .kept
-            .iter()
-            .map(|v| v.name())
-            .collect();
-        b.release_scope_but(at, &keep, Pass::Fwd, Some(layer));
+        b.release_scope_but(at, &self.layer_def(layer).kept, Pass::Fwd, Some(layer));
     }
 
     /// A forward (or recompute) GEMM of `layer` reading its role's weight `L{layer}.{role}`.

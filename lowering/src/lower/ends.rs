@@ -8,10 +8,10 @@
 //! step kind ([`Ctx::end_bwd`]), and the forward releases at its end all but
 //! [`def::ends_kept`].
 
-use super::steps::Grads;
+use super::steps::{Defs, Grads};
 use super::values::{EMBED, HEAD};
 use super::{gemm, Builder, Coll, Ctx, Dims, G};
-use shardwright_cost::layer::def::{self, LayerDef, LossPart, Step, StepKind, Val};
+use shardwright_cost::layer::def::{self, LossPart, Step, StepKind, Val};
 use shardwright_cost::layer::LayerShape;
 use shardwright_ir::{CollectiveKind, DType, GemmName, GemmRole, Op, ParamName, Pass};
 use shardwright_ir::{ReduceOp, Role, Stream, ValueId, Work};
@@ -21,25 +21,15 @@ use shardwright_spec::mesh::GroupKind;
 /// The embedding's and the head's definitions under a plan: their forward steps, backward
 /// passes and kept values, built once per lowering.
 pub(super) struct EndDefs {
-    embed: LayerDef,
-    embed_bwd: def::Backward,
-    embed_kept: def::ValSet,
-    head: LayerDef,
-    head_bwd: def::Backward,
-    head_kept: def::ValSet,
+    embed: Defs,
+    head: Defs,
 }
 
 impl EndDefs {
     pub fn new(layout: &Layout) -> EndDefs {
-        let embed = def::embedding();
-        let head = def::head(&LayerShape::of(layout));
         EndDefs {
-            embed_bwd: def::ends_backward(&embed),
-            embed_kept: def::ends_kept(&embed),
-            head_bwd: def::ends_backward(&head),
-            head_kept: def::ends_kept(&head),
-            embed,
-            head,
+            embed: Defs::end(def::embedding()),
+            head: Defs::end(def::head(&LayerShape::of(layout))),
         }
     }
 }
@@ -76,14 +66,13 @@ impl Ctx<'_> {
     /// state handed to the first layer.
     pub(super) fn embed_fwd(&self, b: &mut Builder, mb: u32) {
         let at = (EMBED, mb);
-        let e = &self.ends;
-        for s in e.embed.steps() {
+        let e = &self.ends.embed;
+        for s in e.fwd.steps() {
             self.end_fwd(b, at, s);
         }
         let x = b.get(at, Val::X0.name());
         b.hand_on(at, x, false);
-        let keep: Vec<&'static str> = e.embed_kept.iter().map(|v| v.name()).collect();
-        b.release_scope_but(at, &keep, Pass::Fwd, None);
+        b.release_scope_but(at, &e.kept, Pass::Fwd, None);
     }
 
     /// Its backward: the steps in reverse from the incoming gradient.
@@ -93,7 +82,7 @@ impl Ctx<'_> {
         b.put(at, Val::X0.grad_name(), dx);
         let mut g = Grads::default();
         g.set(Val::X0, dx);
-        self.ends_bwd(b, at, &self.ends.embed_bwd, &mut g);
+        self.ends_bwd(b, at, &self.ends.embed.bwd, &mut g);
         b.release_scope_but(at, &[], Pass::Bwd, None);
     }
 
@@ -103,12 +92,11 @@ impl Ctx<'_> {
         let at = (HEAD, mb);
         let x = b.take_cur(mb);
         b.put(at, Val::X.name(), x);
-        let e = &self.ends;
-        for s in e.head.steps() {
+        let e = &self.ends.head;
+        for s in e.fwd.steps() {
             self.end_fwd(b, at, s);
         }
-        let keep: Vec<&'static str> = e.head_kept.iter().map(|v| v.name()).collect();
-        b.release_scope_but(at, &keep, Pass::Fwd, None);
+        b.release_scope_but(at, &e.kept, Pass::Fwd, None);
     }
 
     /// Its backward: the steps in reverse (the loss's, the LM head's data and weight
@@ -117,7 +105,7 @@ impl Ctx<'_> {
     pub(super) fn head_bwd(&self, b: &mut Builder, mb: u32) {
         let at = (HEAD, mb);
         let mut g = Grads::default();
-        self.ends_bwd(b, at, &self.ends.head_bwd, &mut g);
+        self.ends_bwd(b, at, &self.ends.head.bwd, &mut g);
         b.hand_on(at, g.get(Val::X), true);
         b.release_scope_but(at, &[], Pass::Bwd, None);
     }

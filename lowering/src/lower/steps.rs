@@ -87,6 +87,17 @@ impl Defs {
             core_attn_replay: def::recomputes(job, &shape, moe, RecomputeModule::CoreAttn),
         }
     }
+
+    /// An end of the model (the embedding, the head): its steps in reverse with no
+    /// replays ([`def::ends_backward`]), and what its forward keeps ([`def::ends_kept`]).
+    pub fn end(fwd: LayerDef) -> Defs {
+        Defs {
+            bwd: def::ends_backward(&fwd),
+            kept: def::ends_kept(&fwd),
+            core_attn_replay: false,
+            fwd,
+        }
+    }
 }
 
 impl Ctx<'_> {

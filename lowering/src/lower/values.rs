@@ -29,6 +29,7 @@
 //! data-parallel stream's and the optimizer's values are listed in the `dp` module.
 
 use super::Builder;
+use shardwright_cost::layer::def::Val;
 use shardwright_ir::text::push_int;
 use shardwright_ir::{DType, NodeId, ParamName, Pass, Role, Stream, ValueId, ValueKind};
 use std::collections::BTreeMap;
@@ -280,11 +281,11 @@ impl Builder<'_> {
         self.g.set_values(id, vals, shardwright_ir::ValueIds::new());
     }
 
-    /// Release the scope's values but `keep` (which stay filed under their keys).
+    /// Release the scope's values but those under the keys `keep` (which stay filed).
     pub(super) fn release_scope_but(
         &mut self,
         at: (u32, u32),
-        keep: &[&'static str],
+        keep: &[Val],
         pass: Pass,
         layer: Option<u32>,
     ) {
@@ -294,7 +295,10 @@ impl Builder<'_> {
         let Some(s) = self.v.scopes.get_mut(&at) else {
             return;
         };
-        let kept: Vec<ValueId> = keep.iter().filter_map(|k| s.vals.get(k).copied()).collect();
+        let kept: Vec<ValueId> = keep
+            .iter()
+            .filter_map(|k| s.vals.get(k.name()).copied())
+            .collect();
         let mut out: Vec<ValueId> = std::mem::take(&mut s.extra);
         s.vals.retain(|_, v| {
             if kept.contains(v) {
