@@ -107,6 +107,16 @@ pub const KNOWN_MLA: &[(&str, Mla, &str)] = &[
     ),
 ];
 
+/// The entry of a model-family table ([`KNOWN_HEAD_DIM`], [`KNOWN_MLA`], [`KNOWN_MTP`])
+/// whose key the run's model name contains (case-insensitive): (key, value, source).
+fn family_entry<'t, T>(
+    table: &'t [(&'static str, T, &'static str)],
+    m: &RunModel,
+) -> Option<&'t (&'static str, T, &'static str)> {
+    let name = m.name.as_deref().unwrap_or("").to_ascii_lowercase();
+    table.iter().find(|(k, ..)| name.contains(k))
+}
+
 /// Model families with multi-token prediction modules by default: (name substring, depth,
 /// where the config says so). A run whose name or notes say "no MTP" has none; a depth in
 /// the notes (`num_nextn_predict_layers N`, `mtp_num_layers N`, `MTP depth N`) wins.
@@ -150,8 +160,7 @@ fn mtp_layers(m: &RunModel, notes: &mut Vec<String>) -> u32 {
         }
         return d;
     }
-    let lower = m.name.as_deref().unwrap_or("").to_ascii_lowercase();
-    match KNOWN_MTP.iter().find(|(k, ..)| lower.contains(k)) {
+    match family_entry(KNOWN_MTP, m) {
         Some((_, d, why)) => {
             notes.push(format!(
                 "{d} multi-token prediction module(s) from the model family ({why}), on the last pipeline stage"
@@ -254,8 +263,7 @@ fn latent_attention(
     apply: bool,
     notes: &mut Vec<String>,
 ) -> Option<Mla> {
-    let name = m.name.as_deref().unwrap_or("").to_ascii_lowercase();
-    let (_, mla, why) = KNOWN_MLA.iter().find(|(k, ..)| name.contains(k))?;
+    let (_, mla, why) = family_entry(KNOWN_MLA, m)?;
     if !apply {
         let modelled =
             stated.unwrap_or((m.hidden_size / m.num_attention_heads.max(1) as u64) as u32);
@@ -719,8 +727,7 @@ fn head_dim(m: &RunModel, notes: &mut Vec<String>) -> Option<u32> {
     } else if let Some(d) = m.notes.as_deref().and_then(|n| number_after(n, "head_dim")) {
         (d, "model notes".to_string())
     } else {
-        let name = m.name.as_deref().unwrap_or("").to_ascii_lowercase();
-        match KNOWN_HEAD_DIM.iter().find(|(k, _, _)| name.contains(k)) {
+        match family_entry(KNOWN_HEAD_DIM, m) {
             Some((_, d, why)) => (*d, format!("model family ({why})")),
             None => return None,
         }
