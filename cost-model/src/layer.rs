@@ -1091,25 +1091,7 @@ impl Ctx<'_> {
         if !self.shape.sp || self.shape.tp <= 1 {
             return;
         }
-        let job = self.job;
-        let tp = self.shape.tp as u64;
-        let link = group_link(job, self.mesh.fabric(GroupKind::Tp));
-        let msg = self.tokens * k * self.h * 2.0;
-        let time = match kind {
-            Coll::AllGather => all_gather_s(msg, tp, link.gbps, link.latency_s),
-            _ => reduce_scatter_s(msg, tp, link.gbps, link.latency_s),
-        };
-        let hide = if crate::framework::mechanisms(job.framework).tp_overlap {
-            job.efficiency.tp_overlap
-        } else {
-            0.0
-        };
-        let op = OpKind::Collective {
-            kind,
-            group: GroupKind::Tp,
-            bytes: msg,
-        };
-        e.comm(name, op, msg, time, time * (1.0 - hide));
+        self.tp_collective(e, name, kind, self.tokens * k * self.h * 2.0);
     }
 }
 
@@ -1494,9 +1476,14 @@ impl Ctx<'_> {
     /// `tokens x h` tensor) outside the layers, hidden as the layers' TP collectives are
     /// (`tp_step`).
     fn tp_activation(&self, em: &mut Emit, name: &'static str, kind: Coll) {
+        self.tp_collective(em, name, kind, self.tokens * self.h * 2.0);
+    }
+
+    /// A tensor-parallel collective of `bytes` (the full tensor), hidden by the
+    /// framework's TP overlap share as the layers' TP collectives are.
+    fn tp_collective(&self, em: &mut Emit, name: &'static str, kind: Coll, bytes: f64) {
         let link = group_link(self.job, self.mesh.fabric(GroupKind::Tp));
         let (gbps, lat, tp) = (link.gbps, link.latency_s, self.shape.tp as u64);
-        let bytes = self.tokens * self.h * 2.0;
         let t_s = match kind {
             Coll::AllGather => all_gather_s(bytes, tp, gbps, lat),
             Coll::ReduceScatter => reduce_scatter_s(bytes, tp, gbps, lat),
