@@ -1201,33 +1201,81 @@ impl Ctx<'_> {
         .clamp(0.0, 1.0)
     }
 
-    /// Megatron-Core's EP all-to-all overlap (`--overlap-moe-expert-parallel-comm`,
-    /// `megatron/core/pipeline_parallel/combined_1f1b.py` and
-    /// `models/gpt/fine_grained_callables.py`, after DeepSeek-V3's DualPipe, arXiv
-    /// 2412.19437 §3.2.1): in the steady phase the forward of one micro-batch and the
-    /// backward of another run through an MoE layer together, each one's dispatch and
-    /// combine on a communication stream beside the other's attention and MLP compute. Per
-    /// pair of passes the layer's all-to-alls (`t`: forward, recompute and backward
-    /// dispatch and combine) run beside its compute (`c`: every GEMM, attention core and
-    /// elementwise op of the three passes), which the transfer slows by the communication
-    /// kernels' SM share `k` ([`Self::a2a_contention`]): exposed `max(t - c, k t)`
-    /// ([`crate::ring::contended_s`]), never more than without the overlap. The warm-up
-    /// and cool-down passes of the pipeline schedule, unpaired, are counted as paired.
+    /// Megatron-Core's EP all-to-all overlap (`--overlap-moe-expert-parallel-comm`, after
+    /// DeepSeek-V3's DualPipe, arXiv 2412.19437 §3.2.1): in the steady phase the forward
+    /// of one micro-batch (F) and the backward of another (B) run through an MoE layer
+    /// together, the all-to-alls on a communication stream and the rest on the compute
+    /// stream, in the order `TransformerLayerSchedulePlan.run` gives
+    /// (`megatron/core/models/common/model_chunk_schedule_plan.py`):
+    ///
+    /// ```text
+    /// comm:    combine_bwd      | dispatch_fwd -> dispatch_bwd    | combine_fwd
+    /// compute: pre_dispatch_fwd | mlp_bwd -> mlp_bwd_dw -> mlp_fwd | pre_dispatch_bwd
+    /// ```
+    ///
+    /// with each op waiting for its own pass's previous one: F's dispatch for its
+    /// attention block (`pre_dispatch`: everything before the dispatch), F's MLP for its
+    /// dispatch, F's combine for its MLP; B's MLP backward for its combine, B's dispatch
+    /// for the MLP's data gradient (the weight gradient, `mlp_bwd_dw`, half the expert
+    /// GEMMs' backward, runs after it), B's attention backward for its dispatch.
+    /// [`paired_schedule_s`] plays the two streams. While both run, the compute slows by
+    /// the communication kernels' SM share `k` ([`Self::a2a_contention`]); the all-to-alls
+    /// cost the layer `makespan + k x (time both streams are busy) - compute`, never
+    /// more than without the overlap. The warm-up and cool-down passes of the pipeline
+    /// schedule, unpaired, are counted as paired. Recomputed ops run with the backward of
+    /// their block (the expert MLP's with the MLP's, the rest with the attention's); a
+    /// replayed all-to-all (full recompute) stays where it was.
     fn paired_a2a_overlap(&self, ops: &mut [OpCost]) {
         let is_a2a = |o: &OpCost| matches!(o.name, "ep_dispatch" | "ep_combine");
-        let t: f64 = ops.iter().filter(|o| is_a2a(o)).map(|o| o.time_s).sum();
-        let before: f64 = ops.iter().filter(|o| is_a2a(o)).map(|o| o.exposed_s).sum();
-        let c: f64 = ops
+        let before: f64 = ops
             .iter()
-            .filter(|o| !matches!(o.kind, OpKind::Collective { .. }))
+            .filter(|o| is_a2a(o) && o.pass != Pass::Recompute)
             .map(|o| o.exposed_s)
             .sum();
         if before <= 0.0 {
             return;
         }
-        let after = crate::ring::contended_s(t, c, self.a2a_contention()).min(before);
+        let mut p = PairedLayer::default();
+        for pass in [Pass::Fwd, Pass::Bwd] {
+            // Where the pass is: 0 before its dispatch, 1 in the MLP, 2 after its combine.
+            let mut at = 0;
+            for o in ops.iter().filter(|o| o.pass == pass) {
+                let fwd = pass == Pass::Fwd;
+                match o.name {
+                    "ep_dispatch" => {
+                        *if fwd { &mut p.dispatch_f } else { &mut p.dispatch_b } += o.time_s;
+                        at = 1;
+                    }
+                    "ep_combine" => {
+                        *if fwd { &mut p.combine_f } else { &mut p.combine_b } += o.time_s;
+                        at = 2;
+                    }
+                    _ if fwd && at == 0 => p.pre_f += o.exposed_s,
+                    _ if fwd => p.mlp_f += o.exposed_s,
+                    _ if at == 0 => p.pre_b += o.exposed_s,
+                    // The expert GEMMs' backward is a data and a weight gradient of equal
+                    // work; only the data gradient gates B's dispatch.
+                    _ if matches!(o.kind, OpKind::Gemm { .. }) => {
+                        p.mlp_b += o.exposed_s / 2.0;
+                        p.mlp_b_dw += o.exposed_s / 2.0;
+                    }
+                    _ => p.mlp_b += o.exposed_s,
+                }
+            }
+        }
+        for o in ops.iter().filter(|o| o.pass == Pass::Recompute && !is_a2a(o)) {
+            if EXPERT_MLP_OPS.contains(&o.name) {
+                p.mlp_b += o.exposed_s;
+            } else {
+                p.pre_b += o.exposed_s;
+            }
+        }
+        let after = p.a2a_exposed_s(self.a2a_contention()).min(before);
         let scale = after / before;
-        for o in ops.iter_mut().filter(|o| is_a2a(o)) {
+        for o in ops
+            .iter_mut()
+            .filter(|o| is_a2a(o) && o.pass != Pass::Recompute)
+        {
             o.exposed_s *= scale;
             o.overlap = if o.time_s > 0.0 {
                 1.0 - o.exposed_s / o.time_s
@@ -1514,3 +1562,62 @@ impl Ctx<'_> {
         }
     }
 }
+
+/// The expert MLP's ops (a replay of one runs with the MLP's backward in
+/// [`Ctx::paired_a2a_overlap`]).
+const EXPERT_MLP_OPS: [&str; 6] = [
+    "expert_fc1",
+    "act",
+    "expert_fc2",
+    "shared_fc1",
+    "shared_act",
+    "shared_fc2",
+];
+
+/// One MoE layer's forward (F) and another micro-batch's backward (B) as Megatron-Core's
+/// paired schedule runs them ([`Ctx::paired_a2a_overlap`]): compute times of the blocks
+/// and the four all-to-alls' times, in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PairedLayer {
+    pub pre_f: f64,
+    pub mlp_f: f64,
+    pub pre_b: f64,
+    pub mlp_b: f64,
+    pub mlp_b_dw: f64,
+    pub dispatch_f: f64,
+    pub combine_f: f64,
+    pub dispatch_b: f64,
+    pub combine_b: f64,
+}
+
+impl PairedLayer {
+    /// The pair's makespan with the two streams in order and each op after its own pass's
+    /// previous one (see [`Ctx::paired_a2a_overlap`]).
+    pub fn makespan_s(&self) -> f64 {
+        let p = self;
+        // comm: combine_b, dispatch_f, dispatch_b, combine_f;
+        // compute: pre_f, mlp_b, mlp_b_dw, mlp_f, pre_b.
+        let cb = p.combine_b;
+        let pf = p.pre_f;
+        let df = cb.max(pf) + p.dispatch_f;
+        let mb = pf.max(cb) + p.mlp_b;
+        let mdw = mb + p.mlp_b_dw;
+        let db = df.max(mb) + p.dispatch_b;
+        let mf = mdw.max(df) + p.mlp_f;
+        let cf = db.max(mf) + p.combine_f;
+        let pb = mf.max(db) + p.pre_b;
+        cf.max(pb)
+    }
+
+    /// What the four all-to-alls add to the pair's compute: the makespan less the compute,
+    /// plus the slowdown `k` of the compute while both streams are busy.
+    pub fn a2a_exposed_s(&self, k: f64) -> f64 {
+        let p = self;
+        let compute = p.pre_f + p.mlp_f + p.pre_b + p.mlp_b + p.mlp_b_dw;
+        let comm = p.dispatch_f + p.combine_f + p.dispatch_b + p.combine_b;
+        let span = self.makespan_s();
+        let both = (compute + comm - span).max(0.0);
+        span - compute + k * both
+    }
+}
+

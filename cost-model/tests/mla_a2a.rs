@@ -162,11 +162,11 @@ fn ep_exposed(o: &[OpCost]) -> (f64, f64) {
         .fold((0.0, 0.0), |(t, e), x| (t + x.time_s, e + x.exposed_s))
 }
 
-/// With the overlap on, an MoE layer's all-to-alls hide behind the other micro-batch's
-/// compute and cost only the slowdown of that compute by the SMs DeepEP takes: 20 of the
-/// H100's 132 (Megatron-Core's `moe_deepep_num_sms` default; the H100 whitepaper's SM
-/// count), 15.15% of the transfer time while the compute outlasts it. Off (Megatron's
-/// default) they are exposed whole; dense layers are untouched.
+/// With the overlap on, an MoE layer's all-to-alls run beside the other micro-batch's
+/// compute: they cost at least the slowdown of that compute by the SMs DeepEP takes, 20 of
+/// the H100's 132 (Megatron-Core's `moe_deepep_num_sms` default; the H100 whitepaper's SM
+/// count), and never more than without the overlap. Off (Megatron's default) they are
+/// exposed whole; dense layers are untouched.
 #[test]
 fn paired_all_to_all_overlap_costs_the_sm_share() {
     let s = shape(2, 32, Recompute::None);
@@ -181,7 +181,8 @@ fn paired_all_to_all_overlap_costs_the_sm_share() {
     assert!(t_off > 0.0);
     assert_eq!(t_on, t_off);
     assert!((e_off - t_off).abs() < 1e-12 * t_off);
-    assert!((e_on / t_on - 20.0 / 132.0).abs() < 1e-9, "{}", e_on / t_on);
+    assert!(e_on < e_off, "{e_on} vs {e_off}");
+    assert!(e_on >= 20.0 / 132.0 * t_on * (1.0 - 1e-9), "{}", e_on / t_on);
     let dense = |j: &Job| {
         ops(j, &s, LayerKind::Dense)
             .iter()
@@ -191,10 +192,58 @@ fn paired_all_to_all_overlap_costs_the_sm_share() {
     assert_eq!(dense(&on), dense(&off));
 }
 
+/// The paired schedule played by hand from `TransformerLayerSchedulePlan.run`'s order
+/// (Megatron-Core `model_chunk_schedule_plan.py`): comm stream combine_bwd, dispatch_fwd,
+/// dispatch_bwd, combine_fwd; compute stream pre_dispatch_fwd, mlp_bwd, mlp_bwd_dw,
+/// mlp_fwd, pre_dispatch_bwd; each op also after its own pass's previous one.
+///
+/// All-to-alls of 2.5 against blocks of 1-2 (times in ms): combine_bwd [0, 2.5] beside
+/// pre_f [0, 1]; dispatch_fwd [2.5, 5] beside mlp_b [2.5, 3.5] and mlp_b_dw [3.5, 4.5];
+/// dispatch_bwd [5, 7.5] beside mlp_f [5, 6]; combine_fwd [7.5, 10] beside pre_b
+/// [7.5, 9.5]. Makespan 10 against 6 of compute; both streams busy for 6, so at an SM
+/// share of 0.2 the all-to-alls cost 10 - 6 + 0.2 x 6 = 5.2 of their 10.
+///
+/// Blocks of 2-3 against all-to-alls of 1: combine_bwd [0, 1], pre_f [0, 3];
+/// dispatch_fwd [3, 4], mlp_b [3, 5], mlp_b_dw [5, 7]; dispatch_bwd [5, 6]; mlp_f
+/// [7, 10]; combine_fwd [10, 11], pre_b [10, 13]. Every transfer hides: makespan 13, the
+/// compute's; the cost is the SM share of the transfers, 0.2 x 4.
+#[test]
+fn the_paired_schedule_by_hand() {
+    use shardwright_cost::layer::PairedLayer;
+    let long_a2a = PairedLayer {
+        pre_f: 1.0,
+        mlp_f: 1.0,
+        pre_b: 2.0,
+        mlp_b: 1.0,
+        mlp_b_dw: 1.0,
+        dispatch_f: 2.5,
+        combine_f: 2.5,
+        dispatch_b: 2.5,
+        combine_b: 2.5,
+    };
+    assert!((long_a2a.makespan_s() - 10.0).abs() < 1e-12);
+    assert!((long_a2a.a2a_exposed_s(0.2) - 5.2).abs() < 1e-12);
+    assert!((long_a2a.a2a_exposed_s(0.0) - 4.0).abs() < 1e-12);
+    let short_a2a = PairedLayer {
+        pre_f: 3.0,
+        mlp_f: 3.0,
+        pre_b: 3.0,
+        mlp_b: 2.0,
+        mlp_b_dw: 2.0,
+        dispatch_f: 1.0,
+        combine_f: 1.0,
+        dispatch_b: 1.0,
+        combine_b: 1.0,
+    };
+    assert!((short_a2a.makespan_s() - 13.0).abs() < 1e-12);
+    assert!((short_a2a.a2a_exposed_s(0.2) - 0.8).abs() < 1e-12);
+}
+
 /// An all-to-all longer than the compute beside it: the overhang is paid whole. A
 /// 64-expert, top-8 layer of hidden 7168 at ep 64 on a 10 GB/s inter-node link moves far
 /// more than its small experts compute, so the exposed time is at least the transfer
-/// minus the compute, and never more than without the overlap.
+/// minus the compute (all of the compute hidden behind it, the most the pairing allows),
+/// and never more than without the overlap.
 #[test]
 fn all_to_all_overhang_is_paid() {
     let yaml = |extra: &str| {
@@ -222,7 +271,7 @@ cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 64, hardware: {{inter_node
         .map(|x| x.exposed_s)
         .sum();
     assert!(t > c, "transfer {t} compute {c}");
-    assert!((e - (t - c)).abs() < 1e-9 * t, "{e} vs {}", t - c);
+    assert!(e >= (t - c) * (1.0 - 1e-9), "{e} vs {}", t - c);
     let (_, e_off) = ep_exposed(&ops(&off, &s, LayerKind::Moe));
     assert!(e <= e_off);
 }
