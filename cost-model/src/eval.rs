@@ -1991,8 +1991,10 @@ fn step_terms(
     let e = &job.efficiency;
     // Pipeline sends: forward activation and backward gradient per micro-batch per chunk
     // boundary; the fill/drain path crosses p-1 boundaries; steady-state sends of a rank sit
-    // between its compute slots. With interleaving a micro-batch leaves each rank once per
-    // chunk, v times (Narayanan et al. 2021, sec. 2.2.2: the communication grows by v).
+    // between its compute slots, or beside them where the framework overlaps the
+    // interleaved schedule's sends (`framework::Mechanisms::p2p_overlap_interleaved`). With
+    // interleaving a micro-batch leaves each rank once per chunk, v times (Narayanan et al.
+    // 2021, sec. 2.2.2: the communication grows by v).
     let pp_s = if p > 1 {
         let pp_link = group_link(job, mesh.fabric(GroupKind::Pp));
         let (lat, crosses) = (pp_link.latency_s, pp_link.fabric.crosses_nodes);
@@ -2020,7 +2022,16 @@ fn step_terms(
         } else {
             send_s(lc.p2p_bytes, gbps, lat)
         };
-        mech.p2p_transfers_per_microbatch * one * (v as f64 * m + p as f64 - 1.0)
+        let t = mech.p2p_transfers_per_microbatch * one;
+        if mech.p2p_overlap_interleaved && v > 1 {
+            // The fill/drain transfers wait; each steady-state one runs beside one chunk's
+            // compute, slowed as a DP collective slows it (`ring::contended_s`).
+            let chunk = compute_mb / v as f64;
+            let contention = 1.0 - e.dp_overlap;
+            t * (p as f64 - 1.0) + v as f64 * m * crate::ring::contended_s(t, chunk, contention)
+        } else {
+            t * (v as f64 * m + p as f64 - 1.0)
+        }
     } else {
         0.0
     };

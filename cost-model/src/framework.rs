@@ -11,6 +11,17 @@
 //!   pipeline engine runs `RecvActivation`, `SendActivation`, `RecvGrad`, `SendGrad` as
 //!   separate blocking instructions (`deepspeed/runtime/pipe/engine.py`), four transfer
 //!   times per micro-batch.
+//! - **Pipeline sends beside compute (interleaved schedule).** Megatron-Core's interleaved
+//!   1F1B posts the next chunk's receive and this chunk's send asynchronously and waits
+//!   for them only before the compute that needs them (`overlap_p2p_comm`,
+//!   `megatron/core/pipeline_parallel/schedules.py`), so a steady-state transfer runs
+//!   beside a chunk's compute. Megatron-LM turns it on for every interleaved run (flag
+//!   `--no-overlap-p2p-communication` to turn it off, `megatron/training/arguments.py`;
+//!   it is forced off without interleaving), and Megatron-Bridge / NeMo's
+//!   `CommOverlapConfig` sets `overlap_p2p_comm = True, batch_p2p_comm = False` whenever
+//!   the virtual pipeline size is above 1 (`src/megatron/bridge/training/comm_overlap.py`).
+//!   The warm-up and cool-down transfers still wait. DeepSpeed's blocking instructions
+//!   and torchtitan's schedules are left as they were (every transfer on the path).
 //! - **Pipeline send size.** Without sequence parallelism every TP rank holds the full
 //!   activation. Megatron splits the send over the TP ranks and all-gathers it on NVLink
 //!   after the receive (`scatter_gather_tensors_in_pipeline`, on by default), so each NIC
@@ -103,6 +114,9 @@ pub struct Mechanisms {
     /// Pipeline sends are split over the TP ranks (each sends `1/tp` of the activation)
     /// when sequence parallelism has not split it already.
     pub p2p_scatter_gather: bool,
+    /// Steady-state pipeline sends of the interleaved schedule run beside a chunk's
+    /// compute (Megatron-Core's `overlap_p2p_comm`); else every transfer is on the path.
+    pub p2p_overlap_interleaved: bool,
     /// DP gradient traffic overlaps the backward when pipelining (else fully exposed).
     pub dp_overlap_with_pp: bool,
     /// TP collectives can hide behind GEMMs (else fully exposed).
@@ -120,6 +134,7 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
         Framework::Megatron | Framework::Nemo => Mechanisms {
             p2p_transfers_per_microbatch: 2.0,
             p2p_scatter_gather: true,
+            p2p_overlap_interleaved: true,
             dp_overlap_with_pp: true,
             tp_overlap: true,
             selective: SelectiveAc::Modules,
@@ -129,6 +144,7 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
         Framework::Deepspeed => Mechanisms {
             p2p_transfers_per_microbatch: 4.0,
             p2p_scatter_gather: false,
+            p2p_overlap_interleaved: false,
             dp_overlap_with_pp: false,
             tp_overlap: false,
             selective: SelectiveAc::Modules,
@@ -138,6 +154,7 @@ pub fn mechanisms(f: Framework) -> Mechanisms {
         Framework::Torchtitan => Mechanisms {
             p2p_transfers_per_microbatch: 2.0,
             p2p_scatter_gather: false,
+            p2p_overlap_interleaved: false,
             dp_overlap_with_pp: true,
             tp_overlap: true,
             selective: SelectiveAc::EveryOtherMatmul,

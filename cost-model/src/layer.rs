@@ -1264,7 +1264,7 @@ impl Ctx<'_> {
             }
         }
         for o in ops.iter().filter(|o| o.pass == Pass::Recompute && !is_a2a(o)) {
-            if EXPERT_MLP_OPS.contains(&o.name) {
+            if in_expert_mlp(o) {
                 p.mlp_b += o.exposed_s;
             } else {
                 p.pre_b += o.exposed_s;
@@ -1563,16 +1563,18 @@ impl Ctx<'_> {
     }
 }
 
-/// The expert MLP's ops (a replay of one runs with the MLP's backward in
-/// [`Ctx::paired_a2a_overlap`]).
-const EXPERT_MLP_OPS: [&str; 6] = [
-    "expert_fc1",
-    "act",
-    "expert_fc2",
-    "shared_fc1",
-    "shared_act",
-    "shared_fc2",
-];
+/// Whether a replayed op belongs to the MoE block's MLP (its experts' or shared experts'
+/// GEMMs and activations), whose replay runs with the MLP's backward in
+/// [`Ctx::paired_a2a_overlap`].
+fn in_expert_mlp(o: &OpCost) -> bool {
+    use shardwright_ir::vocab::GemmRole as R;
+    match o.kind {
+        OpKind::Gemm { role, .. } => {
+            matches!(role, R::ExpertFc1 | R::ExpertFc2 | R::SharedFc1 | R::SharedFc2)
+        }
+        _ => matches!(o.name, "act" | "shared_act"),
+    }
+}
 
 /// One MoE layer's forward (F) and another micro-batch's backward (B) as Megatron-Core's
 /// paired schedule runs them ([`Ctx::paired_a2a_overlap`]): compute times of the blocks

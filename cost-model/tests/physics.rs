@@ -537,3 +537,65 @@ fn power_limit_slows_compute_by_the_sustained_clock() {
         .to_string();
     assert!(err.contains("cluster.hardware.power_limit_w"), "{err}");
 }
+
+/// Megatron-Core's interleaved schedule overlaps its pipeline sends
+/// (`overlap_p2p_comm`: on for every interleaved run in Megatron-LM, and set by
+/// Megatron-Bridge's `CommOverlapConfig` whenever the virtual pipeline size is above 1):
+/// only the p - 1 fill/drain transfers wait; each of the v m steady-state ones runs beside
+/// a chunk's compute, which outlasts it here, and costs the compute's slowdown by a
+/// collective beside it, `1 - dp_overlap` of the transfer. torchtitan's schedule keeps all
+/// v m + p - 1 transfers on the path.
+///
+/// Hand count of one transfer time: tp 8 fills a node, so the two pipeline stages sit on
+/// different nodes and each send crosses a NIC. With sequence parallelism a stage sends its
+/// 4096 / 8 tokens x 4096 x 2 bytes = 4,194,304 bytes; a micro-batch pays a forward and a
+/// backward transfer (Megatron's batched `send_forward_recv_backward`, torchtitan alike):
+/// t = 2 (4,194,304 B / (NIC x bus efficiency) + latency).
+#[test]
+fn interleaved_pipeline_sends_overlap_under_megatron() {
+    let spec = |framework: &str| {
+        format!(
+            "
+job:
+  model: {{arch: dense, num_layers: 8, hidden_size: 4096, num_attention_heads: 32,
+          ffn_hidden_size: 11008, ffn_activation: swiglu, vocab_size: 32000, seq_len: 4096}}
+  batch: {{global_batch: 8}}
+  framework: {framework}
+cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}}
+"
+        )
+    };
+    let l = Layout {
+        vpp: 2,
+        schedule: Schedule::Interleaved,
+        ..layout(8, 2, 1, 8, 1, Recompute::None, true)
+    };
+    let (p, v, m) = (2.0, 2.0, 8.0);
+    let p2p = |j: &Job| {
+        let lc = LayerCosts::new(j, 8, 1, 1, 1, true, Recompute::None);
+        evaluate(j, &lc, &l, Split::Balanced, false)
+            .estimate
+            .step
+            .pp_p2p_s
+    };
+    let meg = job(&spec("megatron"));
+    let tt = job(&spec("torchtitan"));
+    let hw = &meg.hardware;
+    let one = 4_194_304.0 / (hw.inter_node_gbps * 1e9 * meg.efficiency.inter_node_bus_eff)
+        + hw.inter_node_latency_s;
+    let t = 2.0 * one;
+    let tt_s = p2p(&tt);
+    assert!(
+        (tt_s / (t * (v * m + p - 1.0)) - 1.0).abs() < 1e-9,
+        "torchtitan {tt_s} vs {}",
+        t * (v * m + p - 1.0)
+    );
+    let k = 1.0 - meg.efficiency.dp_overlap;
+    let want = t * (p - 1.0) + v * m * k * t;
+    let meg_s = p2p(&meg);
+    assert!(
+        (meg_s / want - 1.0).abs() < 1e-9,
+        "megatron {meg_s} vs {want}"
+    );
+    assert!(meg_s < tt_s);
+}

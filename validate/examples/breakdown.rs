@@ -22,6 +22,10 @@ fn print_ops(pred: &shardwright_validate::Prediction) {
     let mesh = Mesh::from_degrees(l.tp, l.cp, l.ep, 1, 1, job.cluster.gpus_per_node)
         .with_whole_experts(l.folds_tp_into_ep());
     for kind in [LayerKind::Dense, LayerKind::Moe, LayerKind::Head] {
+        // A dense model has no MoE layer template (building one panics).
+        if kind == LayerKind::Moe && job.model.moe.is_none() {
+            continue;
+        }
         let ops = layer_ops(job, &mesh, &shape, kind);
         let total: f64 = ops.iter().map(|o| o.exposed_s).sum();
         println!("  {kind:?}: {:.3} ms exposed per micro-batch", total * 1e3);
