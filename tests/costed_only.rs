@@ -1,8 +1,10 @@
 //! Mechanisms the cost model charges but neither the lowering builds nor the exporters
 //! have flags for are refused with a message naming the field, not lowered or written as
 //! something else: multi-head latent attention (`job.model.mla`), multi-token prediction
-//! (`job.model.mtp_layers`) and the paired-1F1B EP all-to-all overlap
-//! (`job.moe_a2a_overlap`).
+//! (`job.model.mtp_layers`), the paired-1F1B EP all-to-all overlap
+//! (`job.moe_a2a_overlap`) and the kernels Megatron-Core runs unfused for a clamped GLU
+//! (`job.model.activation_clamp`), a YaRN rotary (`job.model.rope_scaling`) and MoE
+//! experts' biases (`job.model.linear_bias` on an MoE model).
 
 use shardwright_cost::{resolve, ResolveOptions};
 use shardwright_export::{export, Framework};
@@ -71,5 +73,15 @@ fn costed_only_mechanisms_are_refused() {
     let a2a = plan_of("", "  moe_a2a_overlap: true");
     for why in refusals(&a2a) {
         assert!(why.contains("job.moe_a2a_overlap"), "{why}");
+    }
+    // Megatron-Core's unfused kernels (cost-model/tests/unfused_elementwise.rs).
+    for (extra, field) in [
+        ("    activation_clamp: 7.0", "job.model.activation_clamp"),
+        ("    rope_scaling: yarn", "job.model.rope_scaling"),
+        ("    linear_bias: true", "job.model.linear_bias"),
+    ] {
+        for why in refusals(&plan_of(extra, "")) {
+            assert!(why.contains(field), "{why}");
+        }
     }
 }

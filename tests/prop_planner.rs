@@ -383,6 +383,8 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
                 attention_sink_tokens: 0,
                 mla: None,
                 mtp_layers: 0,
+                activation_clamp: None,
+                rope_scaling: Default::default(),
             },
             parallelism,
             precision: PrecisionSpec::default(),

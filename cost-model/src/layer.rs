@@ -35,7 +35,11 @@
 //! - Elementwise: bytes at HBM bandwidth (`elementwise_bytes_per_h` per element on the
 //!   hidden size for norms, residuals and rotary; half that on the MLP width for the
 //!   activation; the MoE token permutation; fp32 logits and softmax for the loss); the
-//!   backward twice the forward traffic.
+//!   backward twice the forward traffic. Kernels Megatron-Core runs unfused for some model
+//!   shapes (a clamped GLU's clamp, `act_clamp`; the experts' FC2 bias, `expert_bias`; the
+//!   YaRN rotary, `rope_unfused` on the rotary's step) are their counted bytes, forward and
+//!   backward each ([`GLU_CLAMP_BYTES`], [`EXPERT_FC2_BIAS_BYTES`],
+//!   [`UNFUSED_ROPE_EXTRA_BYTES`]).
 //! - Collectives: ring alpha-beta on the fabric of their group ([`Mesh::fabric`]).
 //!   `exposed_s` is what the step pays: `time_s * (1 - overlap)` with the calibrated
 //!   overlap share for TP and EP; for the CP ring each step's K/V transfer against the
@@ -66,7 +70,57 @@ use shardwright_ir::vocab::GemmRole;
 use shardwright_spec::job::{Job, Moe};
 use shardwright_spec::layout::Layout;
 use shardwright_spec::mesh::{GroupKind, Mesh};
-use shardwright_spec::spec::{MoeDispatcher, Recompute, RecomputeModule};
+use shardwright_spec::spec::{MoeDispatcher, Recompute, RecomputeModule, RopeScaling};
+
+/// Bytes (forward, backward) per element of the GLU's output (`[rows, f]`, half of FC1's
+/// `[rows, 2f]` output, 16-bit) that a clamped GLU's eager clamp moves ahead of
+/// Megatron-Core's fused activation (`megatron/core/fusions/fused_bias_geglu.py`
+/// `weighted_bias_quick_geglu_impl`, Megatron-LM b0cc2706dd:
+/// `x_glu, x_linear = input.chunk(2, -1)`; `torch.cat((x_glu.clamp(min=None, max=v),
+/// x_linear.clamp(min=-v, max=v)), -1)`), counted kernel by kernel as reads + writes:
+/// - forward: two clamps, each a read and a write of `f` (2 + 2 B each), and the cat's copy
+///   of `2f` (4 B per element of `2f`, 8 per element of `f`): 4 + 4 + 8 = 16 B.
+/// - backward (PyTorch `clamp_backward`, FunctionsManual.cpp: `where(self <= max, grad, 0)`
+///   for the gate half; `where((self >= min).logical_and_(self <= max), grad, 0)` for the
+///   linear half; the cat's backward is slices, the chunk's a `cat` of the two gradients):
+///   gate `le` 2 + 1 and `where` 1 + 2 + 2 = 8 B; linear `ge` 3, `le` 3, `logical_and_`
+///   3, `where` 5 = 14 B; the chunk's cat 8 B: 30 B.
+pub const GLU_CLAMP_BYTES: (f64, f64) = (16.0, 30.0);
+
+/// Bytes (forward, backward) per element of the experts' FC2 output (`[rows, h]`, 16-bit)
+/// that Megatron-Core's grouped MLP moves adding FC2's bias outside the GEMM
+/// (`megatron/core/transformer/moe/experts.py` `TEGroupedMLP`: `linear_fc2` with
+/// `skip_bias_add=True`, then `_apply_bias`: `torch.cat([t + b * p for t, b, p in
+/// zip(torch.split(out, tokens_per_expert), bias, torch.split(permuted_probs, ...))])
+/// .view(shape).to(dtype)`), with `permuted_probs` 16-bit (the router runs in the input's
+/// dtype when `moe_router_dtype` is unset, `router.py` `router_dtype = input.dtype`, and
+/// `topk_routing_with_score_function` casts the probabilities back `.type_as(logits)`):
+/// - forward: `b * p` writes `[n, h]` (2 B; `b` and `p` are vectors), `t + bp` reads two
+///   and writes one (6 B), the cat copies (4 B), `.to(dtype)` of the same dtype is no
+///   kernel: 12 B.
+/// - backward: the cat's and the add's backward are views; the split of `out` a `cat` of
+///   the chunks' gradients (4 B); `b * p`'s gradients `grad * p` summed over rows for the
+///   bias and `grad * b` summed over `h` for the probabilities (each a 4 B multiply and a
+///   2 B read by the reduction): 16 B.
+///
+/// FC1's bias is added in the GEMM's epilogue (`skip_bias_add=False`), free.
+pub const EXPERT_FC2_BIAS_BYTES: (f64, f64) = (12.0, 16.0);
+
+/// Bytes (forward, backward) per element of Q and K (16-bit) that Megatron-Core's unfused
+/// rotary (`megatron/core/models/common/embeddings/rope_utils.py`
+/// `_apply_rotary_pos_emb_bshd`: `t, t_pass = t[..., :rot_dim], t[..., rot_dim:]`; `t = (t
+/// * cos_) + (_rotate_half(t) * sin_)`; `torch.cat((t, t_pass), -1)`, with `_rotate_half`
+/// `x1, x2 = chunk(x, 2)`; `cat((-x2, x1))`) moves beyond the fused kernel's read and
+/// write (4 B each way, in the calibrated `hidden_ops`):
+/// - forward: `t * cos_` 4, `-x2` on half 2, the rotate cat 4, `* sin_` 4, the add 6, the
+///   final cat 4: 24 B, 20 over the fused 4.
+/// - backward: the two multiplies' `grad * cos_`, `grad * sin_` 4 + 4, the negation on
+///   half 2, the chunk's cat 4, accumulating the two gradients of `t` 6, the slices'
+///   backward (`slice_backward`: zeros then a copy into the slice) 6 and, for the empty
+///   `t_pass`, zeros 2, and accumulating those two 6: 34 B, 30 over the fused 4.
+///
+/// The per-token `cos`/`sin` tables (`freqs`, one head wide) are not counted.
+pub const UNFUSED_ROPE_EXTRA_BYTES: (f64, f64) = (20.0, 30.0);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Pass {
@@ -118,7 +172,7 @@ pub enum OpKind {
     Elementwise {
         /// `hidden_ops` (norms, residual adds, rotary on the hidden size), `act` (MLP
         /// activation), `permute` (MoE token permutation), `softmax_ce` (loss),
-        /// `embedding_lookup`.
+        /// `embedding_lookup`; unfused kernels `act_clamp`, `expert_bias`, `rope_unfused`.
         what: &'static str,
         elems: f64,
     },
@@ -410,6 +464,48 @@ impl Ctx<'_> {
             0.0,
             b,
             b / self.hbm,
+        );
+    }
+
+    /// An op Megatron-Core runs as eager PyTorch kernels outside its fusions, `elems`
+    /// elements moving `fwd` bytes each in the forward and a replay, `bwd` in the backward
+    /// (autograd's kernels counted as they are, not twice the forward), at HBM bandwidth.
+    fn unfused(&self, e: &mut Emit, what: &'static str, elems: f64, (fwd, bwd): (f64, f64)) {
+        let b = elems * if e.pass == Pass::Bwd { bwd } else { fwd };
+        e.push(
+            what,
+            OpKind::Elementwise { what, elems },
+            0.0,
+            b,
+            b / self.hbm,
+        );
+    }
+
+    /// The rotary on Q and K run unfused (`model.rope_scaling: yarn` under a framework with
+    /// fused elementwise kernels; eager PyTorch already charges its own rotary in
+    /// `hidden_ops`): [`UNFUSED_ROPE_EXTRA_BYTES`] per element of Q and K on this rank
+    /// (MLA: the rotary dims only, the key's shared by the heads).
+    fn unfused_rope(&self, e: &mut Emit) {
+        let job = self.job;
+        let m = &job.model;
+        if m.rope_scaling != RopeScaling::Yarn
+            || m.learned_positions
+            || crate::framework::eager_elementwise(job.framework, job.torch_compile)
+        {
+            return;
+        }
+        let width = match &m.mla {
+            Some(a) => {
+                let r = a.qk_rope_head_dim as f64;
+                m.num_attention_heads as f64 * r / self.t + r
+            }
+            None => (m.q_width() + m.k_width()) / self.t,
+        };
+        self.unfused(
+            e,
+            "rope_unfused",
+            self.tokens * width,
+            UNFUSED_ROPE_EXTRA_BYTES,
         );
     }
 
@@ -737,7 +833,8 @@ impl Ctx<'_> {
                 let mc = lc.moe_cx.as_ref().expect("an MoE step of an MoE layer");
                 self.moe_step(e, kind, mc)
             }
-            K::Norm(Block::Mlp) | K::Rope | K::RopeK | K::CpGather | K::Residual | K::Dropout => {}
+            K::Rope => self.unfused_rope(e),
+            K::Norm(Block::Mlp) | K::RopeK | K::CpGather | K::Residual | K::Dropout => {}
         }
     }
 
@@ -777,6 +874,11 @@ impl Ctx<'_> {
             act_elems,
             job.efficiency.elementwise_bytes_per_h * act_elems * act_x,
         );
+        // A clamped GLU's eager clamp over FC1's output (`width` is both halves), replayed
+        // with the activation.
+        if job.model.activation_clamp.is_some() {
+            self.unfused(e, "act_clamp", act_elems / 2.0, GLU_CLAMP_BYTES);
+        }
     }
 
     /// Input projections ([`flops::attention_projections`]): (rows, output width) of one
@@ -919,7 +1021,11 @@ impl Ctx<'_> {
                 experts_local,
             ),
             K::Gemm(GemmRole::ExpertFc2) => {
-                self.gemm(e, GemmRole::ExpertFc2, rows, h, fe_local, experts_local)
+                self.gemm(e, GemmRole::ExpertFc2, rows, h, fe_local, experts_local);
+                // FC2's bias, added per expert outside the grouped GEMM.
+                if m.linear_bias {
+                    self.unfused(e, "expert_bias", rows * h, EXPERT_FC2_BIAS_BYTES);
+                }
             }
             // Activation function on the MLP width: half the per-element bytes of the
             // hidden-size ops (16-bit values).
@@ -1243,11 +1349,19 @@ impl Ctx<'_> {
                 let fwd = pass == Pass::Fwd;
                 match o.name {
                     "ep_dispatch" => {
-                        *if fwd { &mut p.dispatch_f } else { &mut p.dispatch_b } += o.time_s;
+                        *if fwd {
+                            &mut p.dispatch_f
+                        } else {
+                            &mut p.dispatch_b
+                        } += o.time_s;
                         at = 1;
                     }
                     "ep_combine" => {
-                        *if fwd { &mut p.combine_f } else { &mut p.combine_b } += o.time_s;
+                        *if fwd {
+                            &mut p.combine_f
+                        } else {
+                            &mut p.combine_b
+                        } += o.time_s;
                         at = 2;
                     }
                     _ if fwd && at == 0 => p.pre_f += o.exposed_s,
@@ -1263,7 +1377,10 @@ impl Ctx<'_> {
                 }
             }
         }
-        for o in ops.iter().filter(|o| o.pass == Pass::Recompute && !is_a2a(o)) {
+        for o in ops
+            .iter()
+            .filter(|o| o.pass == Pass::Recompute && !is_a2a(o))
+        {
             if in_expert_mlp(o) {
                 p.mlp_b += o.exposed_s;
             } else {
@@ -1572,7 +1689,7 @@ fn in_expert_mlp(o: &OpCost) -> bool {
         OpKind::Gemm { role, .. } => {
             matches!(role, R::ExpertFc1 | R::ExpertFc2 | R::SharedFc1 | R::SharedFc2)
         }
-        _ => matches!(o.name, "act" | "shared_act"),
+        _ => matches!(o.name, "act" | "act_clamp" | "expert_bias" | "shared_act"),
     }
 }
 
@@ -1622,4 +1739,3 @@ impl PairedLayer {
         span - compute + k * both
     }
 }
-

@@ -141,6 +141,7 @@ fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) ->
         positive(errs, "job.model.params", p);
     }
     check_sliding_window(errs, ms);
+    check_activation_clamp(errs, ms);
     let mut model = Model {
         arch: ms.arch,
         num_layers: ms.num_layers,
@@ -165,6 +166,8 @@ fn resolve_model(errs: &mut Errs, warnings: &mut Vec<String>, ms: &ModelSpec) ->
         attention_sink_tokens: ms.attention_sink_tokens,
         mla: ms.mla,
         mtp_layers: ms.mtp_layers,
+        activation_clamp: ms.activation_clamp,
+        rope_scaling: ms.rope_scaling,
         params_total: 0.0,
         params_active: 0.0,
         params_stated: ms.params,
@@ -327,6 +330,23 @@ fn check_sliding_window(errs: &mut Errs, ms: &ModelSpec) {
             "job.model.sliding_window",
             "sliding_window_pattern and attention_sink_tokens need a sliding_window",
         );
+    }
+}
+
+/// A clamped GLU's clamp value: positive, on a gated activation (the clamp splits FC1's
+/// output into its gate and linear halves).
+fn check_activation_clamp(errs: &mut Errs, ms: &ModelSpec) {
+    if let Some(v) = ms.activation_clamp {
+        positive(errs, "job.model.activation_clamp", v);
+        if !ms.ffn_activation.gated() {
+            errs.push(
+                "job.model.activation_clamp",
+                format!(
+                    "clamps a gated activation's two halves; ffn_activation {:?} is not gated",
+                    ms.ffn_activation
+                ),
+            );
+        }
     }
 }
 

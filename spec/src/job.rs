@@ -5,7 +5,7 @@
 
 use crate::spec::{
     Activation, Arch, Dtype, Framework, Mla, MoeDispatcher, Norm, OptimizerKind, ParallelismSpec,
-    RecomputeModule, TierKind,
+    RecomputeModule, RopeScaling, TierKind,
 };
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -64,6 +64,15 @@ impl Job {
         if self.model.mtp_layers > 0 {
             return Some("multi-token prediction (job.model.mtp_layers)");
         }
+        if self.model.activation_clamp.is_some() {
+            return Some("the clamped GLU's unfused clamp (job.model.activation_clamp)");
+        }
+        if self.model.rope_scaling != RopeScaling::Rope {
+            return Some("the unfused YaRN rotary (job.model.rope_scaling)");
+        }
+        if self.model.linear_bias && self.model.moe.is_some() {
+            return Some("the experts' unfused FC2 bias (job.model.linear_bias on an MoE model)");
+        }
         if self.moe_a2a_overlap {
             return Some("the paired-1F1B EP all-to-all overlap (job.moe_a2a_overlap)");
         }
@@ -111,6 +120,15 @@ pub struct Model {
     /// `model.mtp_layers`; DeepSeek-V3: 1). Not counted in `params_total`.
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     pub mtp_layers: u32,
+    /// Clamp value of a clamped GLU (the spec's `model.activation_clamp`; gpt-oss: 7.0),
+    /// whose unfused clamp kernels the cost model charges.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_clamp: Option<f64>,
+    /// The rotary's frequency scaling (the spec's `model.rope_scaling`); `yarn` runs
+    /// unfused under Megatron-Core.
+    #[serde(default, skip_serializing_if = "RopeScaling::is_default")]
+    #[schemars(with = "String")]
+    pub rope_scaling: RopeScaling,
     /// Derived from the shape.
     pub params_total: f64,
     /// Parameters touched per token (MoE: k routed + shared experts).

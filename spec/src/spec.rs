@@ -202,6 +202,31 @@ impl Activation {
     }
 }
 
+/// How the rotary position embedding's frequencies are set (`model.rope_scaling`).
+#[derive(
+    Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// Plain RoPE (Su et al. 2021): Megatron-Core applies it with TE's fused kernel.
+    #[default]
+    Rope,
+    /// YaRN (Peng et al. 2023, arXiv 2309.00071; gpt-oss config.json `rope_scaling.rope_type
+    /// "yarn"`): the rotary with an attention scale `mscale != 1`. Megatron-Core runs it
+    /// unfused, as eager PyTorch on Q and K (`rope_utils.apply_rotary_pos_emb` falls back
+    /// to `_apply_rotary_pos_emb_bshd` when `mscale != 1.0`; Megatron-Bridge v0.3.0
+    /// `GPTModelProvider.provide` sets `apply_rope_fusion = False` for any
+    /// `position_embedding_type` other than "rope", `utils/fusions.py`
+    /// `validate_rope_fusion_compatibility`).
+    Yarn,
+}
+
+impl RopeScaling {
+    pub fn is_default(&self) -> bool {
+        *self == RopeScaling::Rope
+    }
+}
+
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[serde(rename_all = "snake_case")]
 pub enum Norm {
@@ -242,7 +267,10 @@ pub struct ModelSpec {
     /// Learned absolute position embeddings (GPT-2/3 style) add seq_len x hidden params.
     #[serde(default)]
     pub learned_positions: bool,
-    /// Biases on the linear layers (GPT-2/3, BLOOM, OPT).
+    /// Biases on the linear layers (GPT-2/3, BLOOM, OPT; gpt-oss's attention and experts,
+    /// config.json `attention_bias` and the experts' biases). On MoE experts Megatron-Core's
+    /// grouped MLP adds FC2's bias outside the GEMM, per expert and scaled by the routing
+    /// probability (`TEGroupedMLP._apply_bias`): charged as its HBM traffic.
     #[serde(default)]
     pub linear_bias: bool,
     /// Dropout on (training-time masks are stored as activations).
@@ -284,6 +312,19 @@ pub struct ModelSpec {
     /// head and a loss of its own. They sit on the last pipeline stage. Default 0.
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     pub mtp_layers: u32,
+    /// A clamped GLU (gpt-oss, config.json `swiglu_limit` 7.0; Megatron-Core
+    /// `activation_func_clamp_value`): before the gated activation the gate half of FC1's
+    /// output is clamped to at most this value and the linear half to `[-v, v]`.
+    /// Megatron-Core runs the clamp unfused, in eager PyTorch ahead of its fused activation
+    /// (`megatron/core/fusions/fused_bias_geglu.py` `weighted_bias_quick_geglu_impl`, and
+    /// the dense MLP's `bias_geglu_impl`): two clamp kernels and a `torch.cat` of the whole
+    /// FC1 output, and their autograd backward. Needs a gated activation. Absent: no clamp.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activation_clamp: Option<f64>,
+    /// The rotary embedding's frequency scaling ([`RopeScaling`]): `rope` (default) or
+    /// `yarn`, which Megatron-Core applies unfused.
+    #[serde(default, skip_serializing_if = "RopeScaling::is_default")]
+    pub rope_scaling: RopeScaling,
 }
 
 /// Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 §2.1; DeepSeek-V3, arXiv

@@ -15,6 +15,9 @@
 //! - **head_dim**: the file's `head_dim`, else `head_dim N` in the model notes, else the
 //!   model family's known value ([`KNOWN_HEAD_DIM`]), else hidden / heads; a model family
 //!   with multi-head latent attention ([`KNOWN_MLA`]) gets its `mla` dims instead.
+//! - **Unfused kernels** ([`KNOWN_UNFUSED`]): a clamped GLU (`ffn_activation` containing
+//!   "clamp", its value stated or the family's) sets `model.activation_clamp`; the model
+//!   family's config sets `model.rope_scaling` (YaRN) and `model.linear_bias`.
 //! - **MoE**: `num_routed_experts -> num_experts`, `expert_ffn_hidden ->
 //!   expert_ffn_hidden_size`; `first_k_dense` as the file states it (field or notes), else
 //!   the count that makes the shape's total match the stated total parameters, else 0, with
@@ -107,7 +110,8 @@ pub const KNOWN_MLA: &[(&str, Mla, &str)] = &[
     ),
 ];
 
-/// The entry of a model-family table ([`KNOWN_HEAD_DIM`], [`KNOWN_MLA`], [`KNOWN_MTP`])
+/// The entry of a model-family table ([`KNOWN_HEAD_DIM`], [`KNOWN_MLA`], [`KNOWN_MTP`],
+/// [`KNOWN_UNFUSED`])
 /// whose key the run's model name contains (case-insensitive): (key, value, source).
 fn family_entry<'t, T>(
     table: &'t [(&'static str, T, &'static str)],
@@ -115,6 +119,87 @@ fn family_entry<'t, T>(
 ) -> Option<&'t (&'static str, T, &'static str)> {
     let name = m.name.as_deref().unwrap_or("").to_ascii_lowercase();
     table.iter().find(|(k, ..)| name.contains(k))
+}
+
+/// What a model family's config states about the kernels Megatron-Core runs unfused for it:
+/// a clamped GLU's clamp value, the rotary's frequency scaling, and linear biases (the
+/// spec's `model.activation_clamp`, `model.rope_scaling`, `model.linear_bias`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UnfusedFacts {
+    pub activation_clamp: Option<f64>,
+    pub rope_scaling: RopeScaling,
+    pub linear_bias: bool,
+}
+
+/// Model families whose configs state a clamped GLU, a YaRN rotary or linear biases:
+/// (name substring, the facts, where the config says so).
+pub const KNOWN_UNFUSED: &[(&str, UnfusedFacts, &str)] = &[(
+    "gpt-oss",
+    UnfusedFacts {
+        activation_clamp: Some(7.0),
+        rope_scaling: RopeScaling::Yarn,
+        linear_bias: true,
+    },
+    "openai/gpt-oss-120b config.json: swiglu_limit 7.0, rope_scaling.rope_type yarn (factor 32), attention_bias true; its experts carry biases (openai/gpt-oss model.py mlp1_bias, mlp2_bias)",
+)];
+
+/// The clamp value of a clamped GLU the run states (`ffn_activation` containing "clamp":
+/// the number after "clamp"/"limit" in it, else its family's, [`KNOWN_UNFUSED`]), or its
+/// family's clamp when the activation says nothing of one; with a note either way.
+fn activation_clamp(m: &RunModel, notes: &mut Vec<String>) -> Option<f64> {
+    let stated = m.ffn_activation.as_deref().unwrap_or("");
+    let family =
+        family_entry(KNOWN_UNFUSED, m).and_then(|(_, f, why)| Some((f.activation_clamp?, *why)));
+    if stated.to_ascii_lowercase().contains("clamp") {
+        let number = ["clamp", "limit"]
+            .iter()
+            .find_map(|k| number_after(stated, k))
+            .map(f64::from);
+        match (number, family) {
+            (Some(v), _) => {
+                notes.push(format!("activation `{stated}`: clamped GLU at {v} as stated (its unfused clamp charged)"));
+                Some(v)
+            }
+            (None, Some((v, why))) => {
+                notes.push(format!("activation `{stated}`: clamped GLU at {v} from the model family ({why}), its unfused clamp charged"));
+                Some(v)
+            }
+            (None, None) => {
+                notes.push(format!("activation `{stated}`: clamp value not stated and no family value; modeled without the clamp"));
+                None
+            }
+        }
+    } else if let Some((v, why)) = family {
+        notes.push(format!(
+            "clamped GLU at {v} from the model family ({why}), its unfused clamp charged"
+        ));
+        Some(v)
+    } else {
+        None
+    }
+}
+
+/// The rotary's scaling and the linear biases of the run's model family ([`KNOWN_UNFUSED`]),
+/// with a note where they differ from the source's conventions (`gpt_style` biases).
+fn family_rope_and_bias(
+    m: &RunModel,
+    gpt_style: bool,
+    notes: &mut Vec<String>,
+) -> (RopeScaling, bool) {
+    match family_entry(KNOWN_UNFUSED, m) {
+        Some((_, f, why)) => {
+            if f.rope_scaling == RopeScaling::Yarn {
+                notes.push(format!(
+                    "rotary scaling yarn from the model family ({why}): Megatron-Core runs it unfused"
+                ));
+            }
+            if f.linear_bias && !gpt_style {
+                notes.push(format!("linear biases from the model family ({why})"));
+            }
+            (f.rope_scaling, f.linear_bias || gpt_style)
+        }
+        None => (RopeScaling::Rope, gpt_style),
+    }
 }
 
 /// Model families with multi-token prediction modules by default: (name substring, depth,
@@ -1182,6 +1267,8 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
             "positions from the model notes (ALiBi/rotary): no learned position table".into(),
         );
     }
+    let clamp = activation_clamp(m, notes);
+    let (rope_scaling, linear_bias) = family_rope_and_bias(m, conv.gpt_style, notes);
     Ok(ModelSpec {
         name: m.name.clone(),
         arch,
@@ -1202,7 +1289,7 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
         seq_len: m.seq_len,
         tied_embeddings: conv.gpt_style,
         learned_positions,
-        linear_bias: conv.gpt_style,
+        linear_bias,
         dropout: conv.gpt_style,
         flash_attention: conv.flash_attention,
         causal: true,
@@ -1212,6 +1299,8 @@ fn run_model(run: &Run, conv: &Conventions, notes: &mut Vec<String>) -> Result<M
         attention_sink_tokens: 0,
         mla,
         mtp_layers: mtp_layers(m, notes),
+        activation_clamp: clamp.filter(|_| activation.gated()),
+        rope_scaling,
     })
 }
 
@@ -1223,12 +1312,7 @@ fn run_activation(
 ) -> Result<Activation, String> {
     match m.ffn_activation.as_deref() {
         Some(a) => match parse_activation(a) {
-            Some(x) => {
-                if a.to_ascii_lowercase().contains("clamp") {
-                    notes.push(format!("activation `{a}` modeled as plain swiglu"));
-                }
-                Ok(x)
-            }
+            Some(x) => Ok(x),
             None => Err(format!("ffn_activation `{a}` not recognised")),
         },
         None if conv.megatron_gpt_default_ffn => Ok(Activation::Gelu),
@@ -1824,6 +1908,44 @@ mod tests {
         assert_eq!(lite.q_lora_rank, 0);
         m.name = Some("Llama 3 70B".into());
         assert_eq!(latent_attention(&m, None, true, &mut notes), None);
+    }
+
+    /// The unfused kernels' facts: gpt-oss (by its family name) gets its config's clamp 7.0,
+    /// YaRN rotary and linear biases; a clamped activation of another model takes the number
+    /// it states ("clamp 10"), or none without one; a Llama none of them.
+    #[test]
+    fn unfused_kernel_facts_from_the_activation_and_family() {
+        let mut m: RunModel = serde_json::from_str(
+            r#"{"name": "GPT-OSS 120B", "arch": "moe", "num_layers": 36,
+                "hidden_size": 2880, "num_attention_heads": 64, "vocab_size": 201088,
+                "seq_len": 4096, "ffn_activation": "swiglu (clamped)"}"#,
+        )
+        .unwrap();
+        let mut notes = Vec::new();
+        assert_eq!(activation_clamp(&m, &mut notes), Some(7.0));
+        assert!(notes[0].contains("swiglu_limit 7.0"), "{notes:?}");
+        assert_eq!(
+            family_rope_and_bias(&m, false, &mut notes),
+            (RopeScaling::Yarn, true)
+        );
+        m.name = Some("Some MoE".into());
+        m.ffn_activation = Some("swiglu (clamp 10)".into());
+        assert_eq!(activation_clamp(&m, &mut notes), Some(10.0));
+        m.ffn_activation = Some("swiglu (clamped)".into());
+        notes.clear();
+        assert_eq!(activation_clamp(&m, &mut notes), None);
+        assert!(notes[0].contains("not stated"), "{notes:?}");
+        m.name = Some("Llama 3 70B".into());
+        m.ffn_activation = Some("swiglu".into());
+        assert_eq!(activation_clamp(&m, &mut notes), None);
+        assert_eq!(
+            family_rope_and_bias(&m, false, &mut notes),
+            (RopeScaling::Rope, false)
+        );
+        assert_eq!(
+            family_rope_and_bias(&m, true, &mut notes),
+            (RopeScaling::Rope, true)
+        );
     }
 
     /// Multi-token prediction: a DeepSeek-V3 its name marks "(no MTP)" has none (as the
