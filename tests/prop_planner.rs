@@ -406,6 +406,7 @@ fn build(m: &RawModel, c: &RawCluster, l: &RawLayout) -> Case {
             moe_rank_imbalance: None,
             moe_force_balance: false,
             dp_comm_overlap: true,
+            pp_comm_overlap: true,
             moe_dispatcher: Default::default(),
             framework: Default::default(),
         },

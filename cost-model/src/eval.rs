@@ -2023,7 +2023,7 @@ fn step_terms(
             send_s(lc.p2p_bytes, gbps, lat)
         };
         let t = mech.p2p_transfers_per_microbatch * one;
-        if mech.p2p_overlap_interleaved && v > 1 {
+        if mech.p2p_overlap_interleaved && job.pp_comm_overlap && v > 1 {
             // The fill/drain transfers wait; each steady-state one runs beside one chunk's
             // compute, slowed as a DP collective slows it (`ring::contended_s`).
             let chunk = compute_mb / v as f64;

@@ -88,6 +88,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
         tp_comm_overlap: js.tp_comm_overlap,
         torch_compile: js.torch_compile,
         dp_comm_overlap: js.dp_comm_overlap,
+        pp_comm_overlap: js.pp_comm_overlap,
         moe_dispatcher: js.moe_dispatcher,
         moe_a2a_overlap: js.moe_a2a_overlap,
         moe_rank_imbalance: js.moe_rank_imbalance,

@@ -544,7 +544,7 @@ fn power_limit_slows_compute_by_the_sustained_clock() {
 /// only the p - 1 fill/drain transfers wait; each of the v m steady-state ones runs beside
 /// a chunk's compute, which outlasts it here, and costs the compute's slowdown by a
 /// collective beside it, `1 - dp_overlap` of the transfer. torchtitan's schedule keeps all
-/// v m + p - 1 transfers on the path.
+/// v m + p - 1 transfers on the path, and so does Megatron with `pp_comm_overlap: false`.
 ///
 /// Hand count of one transfer time: tp 8 fills a node, so the two pipeline stages sit on
 /// different nodes and each send crosses a NIC. With sequence parallelism a stage sends its
@@ -598,4 +598,12 @@ cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}}
         "megatron {meg_s} vs {want}"
     );
     assert!(meg_s < tt_s);
+    // `pp_comm_overlap: false` (Megatron-LM before October 2023, or
+    // `--no-overlap-p2p-communication`): every transfer on the path again.
+    let off = job(&spec("megatron").replace(
+        "  framework: megatron",
+        "  framework: megatron\n  pp_comm_overlap: false",
+    ));
+    assert!(!off.pp_comm_overlap);
+    assert!((p2p(&off) / tt_s - 1.0).abs() < 1e-9);
 }

@@ -687,6 +687,15 @@ fn megatron_job_options(f: &Flags, imp: &mut Imported) -> Result<(), ExportError
             "no --overlap-grad-reduce: gradient reduction after the last backward (dp_comm_overlap: false)".into(),
         );
     }
+    // The interleaved schedule overlaps its pipeline sends by default (Megatron-LM,
+    // `--no-overlap-p2p-communication` turns it off).
+    if f.has("no-overlap-p2p-communication") {
+        imp.job.insert("pp_comm_overlap".into(), json!(false));
+        imp.notes.push(
+            "--no-overlap-p2p-communication: pipeline sends on the path (pp_comm_overlap: false)"
+                .into(),
+        );
+    }
     match f.str("moe-token-dispatcher-type")? {
         None | Some("alltoall") | Some("allgather") => {}
         Some("flex") => {
@@ -1344,9 +1353,18 @@ mod tests {
         assert_eq!(plain.job["dp_comm_overlap"], json!(false));
         let overlapped = megatron(&format!("{base} --overlap-grad-reduce"), side).unwrap();
         assert!(overlapped.job.is_empty(), "{:?}", overlapped.job);
+        // The interleaved schedule's sends overlap unless the script turns it off.
+        let no_p2p = megatron(
+            &format!("{base} --overlap-grad-reduce --no-overlap-p2p-communication"),
+            side,
+        )
+        .unwrap();
+        assert_eq!(no_p2p.job.len(), 1, "{:?}", no_p2p.job);
+        assert_eq!(no_p2p.job["pp_comm_overlap"], json!(false));
         let e = megatron(&format!("{base} --moe-token-dispatcher-type ring"), side).unwrap_err();
         assert!(e.to_string().contains("--moe-token-dispatcher-type"), "{e}");
     }
+
 
     #[test]
     fn moe_layer_freq_forms() {

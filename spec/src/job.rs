@@ -37,6 +37,9 @@ pub struct Job {
     /// spec's field. False: the step's DP traffic is fully exposed.
     #[serde(default = "default_true", skip_serializing_if = "is_true")]
     pub dp_comm_overlap: bool,
+    /// Interleaved pipeline sends overlapped with compute; see the spec's field.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub pp_comm_overlap: bool,
     /// MoE token dispatcher (what crosses the network when EP spans nodes).
     #[serde(default, skip_serializing_if = "MoeDispatcher::is_default")]
     #[schemars(with = "String")]

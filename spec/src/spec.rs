@@ -57,6 +57,14 @@ pub struct JobSpec {
     /// without the flags. Default true.
     #[serde(default = "default_true", skip_serializing_if = "is_true")]
     pub dp_comm_overlap: bool,
+    /// The interleaved schedule's pipeline sends run beside compute (Megatron-Core's
+    /// `overlap_p2p_comm`: added to Megatron-LM in May 2023 and its default since October
+    /// 2023, `--no-overlap-p2p-communication` turns it off; Megatron-Bridge / NeMo set it
+    /// whenever the virtual pipeline size is above 1). `false`: every send waits, as in
+    /// Megatron-LM before it. Only frameworks that have the mechanism use it (Megatron,
+    /// NeMo; see the cost model's `framework` module). Default true.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub pp_comm_overlap: bool,
     /// The training framework that runs the job (default `megatron`). It decides which
     /// overlaps and communication implementations exist, never a free efficiency factor;
     /// see [`Framework`].

@@ -1131,6 +1131,11 @@ pub fn setup_run_in(
             // narayanan21's data-parallel-only rows (dp32, pp1) 15% too slow: those runs say
             // the reduction was hidden.
             dp_comm_overlap: recipe.filter(|r| !r.dp_comm_overlap).is_none(),
+            // Megatron-LM overlaps the interleaved schedule's sends by default from October
+            // 2023 (commit 4eeff55d1f, "Make overlap_p2p_comm the default"); a Megatron-family
+            // run of 2023 or before sent them on the path (`interleave_needs_pp_over_2` is the
+            // same version boundary).
+            pp_comm_overlap: !conv.interleave_needs_pp_over_2,
             framework: ctx.framework.unwrap_or_default(),
             moe_dispatcher: conv.moe_dispatcher,
             moe_a2a_overlap: recipe.is_some_and(|r| r.moe_a2a_overlap)
