@@ -485,6 +485,7 @@ pub fn build(
         "sequence_parallel": l.sequence_parallel,
         "tp_comm_overlap": job.tp_comm_overlap && l.sequence_parallel && l.tp > 1,
         "dp_comm_overlap": job.dp_comm_overlap,
+        "pp_comm_overlap": job.pp_comm_overlap,
         "moe_dispatcher": job.moe_dispatcher.name(),
         "schedule": schedule_name(l.schedule),
         "batch_dp": batch_dp,
