@@ -1701,3 +1701,41 @@ fn nemo_export_states_the_moe_shape() {
     }
     assert!(moe >= 2, "the bundled MoE specs");
 }
+
+/// The plan's pipeline-send overlap (`job.pp_comm_overlap`) reaches the engines on an
+/// interleaved plan: Megatron overlaps by default, so only a plan that turns it off writes
+/// `--no-overlap-p2p-communication` (in every recorded release's flag set); NeMo /
+/// Megatron-Bridge's `ModelParallelConfig` defaults to off, so the export states it either
+/// way (`model.overlap_p2p_comm`, and `batch_p2p_comm`, which must be its opposite).
+#[test]
+fn interleaved_plans_state_the_pipeline_send_overlap() {
+    let mut plan = golden_plan("llama3-405b-16k-h100");
+    assert!(plan.layout.vpp > 1 && plan.inputs.pp_comm_overlap);
+    let lines = |p: &Plan, fw: Framework| -> Vec<String> {
+        export(p, fw, None)
+            .unwrap()
+            .text
+            .lines()
+            .map(|l| l.trim().to_string())
+            .collect()
+    };
+    let on_meg = lines(&plan, Framework::Megatron);
+    assert!(!on_meg.iter().any(|l| l == "--no-overlap-p2p-communication"));
+    let on_nemo = lines(&plan, Framework::Nemo);
+    assert!(on_nemo.iter().any(|l| l == "model.overlap_p2p_comm=true"));
+    assert!(on_nemo.iter().any(|l| l == "model.batch_p2p_comm=false"));
+    plan.inputs.pp_comm_overlap = false;
+    let off_meg = lines(&plan, Framework::Megatron);
+    assert!(off_meg.iter().any(|l| l == "--no-overlap-p2p-communication"));
+    let off_nemo = lines(&plan, Framework::Nemo);
+    assert!(off_nemo.iter().any(|l| l == "model.overlap_p2p_comm=false"));
+    assert!(off_nemo.iter().any(|l| l == "model.batch_p2p_comm=true"));
+    for f in std::fs::read_dir(root().join("export/megatron/flags")).unwrap() {
+        let text = std::fs::read_to_string(f.unwrap().path()).unwrap();
+        assert!(text.lines().any(|l| l.trim() == "--no-overlap-p2p-communication"));
+    }
+    // Megatron-LM's validate_args needs pp > 2 to interleave without the overlap.
+    plan.layout.pp = 2;
+    let e = export(&plan, Framework::Megatron, None).unwrap_err().to_string();
+    assert!(e.contains("job.pp_comm_overlap") && e.contains("pp > 2"), "{e}");
+}

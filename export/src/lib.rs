@@ -259,6 +259,22 @@ pub fn export_for(
             "{what} is costed, not exported"
         )));
     }
+    // Megatron-LM's validate_args: an interleaved schedule without the overlapped sends
+    // needs more than two pipeline stages ("When interleaved schedule is used and p2p
+    // communication overlap is disabled, pipeline-model-parallel size should be greater
+    // than 2").
+    let l = &plan.layout;
+    if matches!(engine, Engine::Megatron(_))
+        && l.vpp > 1
+        && l.pp <= 2
+        && !plan.inputs.pp_comm_overlap
+    {
+        return Err(ExportError::Refused(format!(
+            "job.pp_comm_overlap is false on an interleaved plan at pp {}: Megatron-LM needs \
+             pp > 2 to interleave without overlapping the pipeline sends",
+            l.pp
+        )));
+    }
     let (ctx, mut warnings) = context::build(plan, fw, &engine)?;
     let (name, text) = template.unwrap_or((engine.template_file(), engine.default_template()));
     let text = render_template(name, text, &ctx)?;
