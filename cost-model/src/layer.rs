@@ -1345,23 +1345,20 @@ impl Ctx<'_> {
         for pass in [Pass::Fwd, Pass::Bwd] {
             // Where the pass is: 0 before its dispatch, 1 in the MLP, 2 after its combine.
             let mut at = 0;
+            let fwd = pass == Pass::Fwd;
             for o in ops.iter().filter(|o| o.pass == pass) {
-                let fwd = pass == Pass::Fwd;
+                let (dispatch, combine) = if fwd {
+                    (&mut p.dispatch_f, &mut p.combine_f)
+                } else {
+                    (&mut p.dispatch_b, &mut p.combine_b)
+                };
                 match o.name {
                     "ep_dispatch" => {
-                        *if fwd {
-                            &mut p.dispatch_f
-                        } else {
-                            &mut p.dispatch_b
-                        } += o.time_s;
+                        *dispatch += o.time_s;
                         at = 1;
                     }
                     "ep_combine" => {
-                        *if fwd {
-                            &mut p.combine_f
-                        } else {
-                            &mut p.combine_b
-                        } += o.time_s;
+                        *combine += o.time_s;
                         at = 2;
                     }
                     _ if fwd && at == 0 => p.pre_f += o.exposed_s,
