@@ -1726,16 +1726,25 @@ fn interleaved_plans_state_the_pipeline_send_overlap() {
     assert!(on_nemo.iter().any(|l| l == "model.batch_p2p_comm=false"));
     plan.inputs.pp_comm_overlap = false;
     let off_meg = lines(&plan, Framework::Megatron);
-    assert!(off_meg.iter().any(|l| l == "--no-overlap-p2p-communication"));
+    assert!(off_meg
+        .iter()
+        .any(|l| l == "--no-overlap-p2p-communication"));
     let off_nemo = lines(&plan, Framework::Nemo);
     assert!(off_nemo.iter().any(|l| l == "model.overlap_p2p_comm=false"));
     assert!(off_nemo.iter().any(|l| l == "model.batch_p2p_comm=true"));
     for f in std::fs::read_dir(root().join("export/megatron/flags")).unwrap() {
         let text = std::fs::read_to_string(f.unwrap().path()).unwrap();
-        assert!(text.lines().any(|l| l.trim() == "--no-overlap-p2p-communication"));
+        assert!(text
+            .lines()
+            .any(|l| l.trim() == "--no-overlap-p2p-communication"));
     }
     // Megatron-LM's validate_args needs pp > 2 to interleave without the overlap.
     plan.layout.pp = 2;
-    let e = export(&plan, Framework::Megatron, None).unwrap_err().to_string();
-    assert!(e.contains("job.pp_comm_overlap") && e.contains("pp > 2"), "{e}");
+    let e = export(&plan, Framework::Megatron, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("job.pp_comm_overlap") && e.contains("pp > 2"),
+        "{e}"
+    );
 }

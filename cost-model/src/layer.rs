@@ -1684,7 +1684,10 @@ fn in_expert_mlp(o: &OpCost) -> bool {
     use shardwright_ir::vocab::GemmRole as R;
     match o.kind {
         OpKind::Gemm { role, .. } => {
-            matches!(role, R::ExpertFc1 | R::ExpertFc2 | R::SharedFc1 | R::SharedFc2)
+            matches!(
+                role,
+                R::ExpertFc1 | R::ExpertFc2 | R::SharedFc1 | R::SharedFc2
+            )
         }
         _ => matches!(o.name, "act" | "act_clamp" | "expert_bias" | "shared_act"),
     }

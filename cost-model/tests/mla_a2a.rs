@@ -182,7 +182,11 @@ fn paired_all_to_all_overlap_costs_the_sm_share() {
     assert_eq!(t_on, t_off);
     assert!((e_off - t_off).abs() < 1e-12 * t_off);
     assert!(e_on < e_off, "{e_on} vs {e_off}");
-    assert!(e_on >= 20.0 / 132.0 * t_on * (1.0 - 1e-9), "{}", e_on / t_on);
+    assert!(
+        e_on >= 20.0 / 132.0 * t_on * (1.0 - 1e-9),
+        "{}",
+        e_on / t_on
+    );
     let dense = |j: &Job| {
         ops(j, &s, LayerKind::Dense)
             .iter()

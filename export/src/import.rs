@@ -1365,7 +1365,6 @@ mod tests {
         assert!(e.to_string().contains("--moe-token-dispatcher-type"), "{e}");
     }
 
-
     #[test]
     fn moe_layer_freq_forms() {
         assert_eq!(first_k_dense("1").unwrap(), 0);
