@@ -68,7 +68,16 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     let training = resolve_training(&mut errs, js, &hw);
     check_recompute_modules(&mut errs, js);
     let pins = &js.parallelism;
-    validate_pins(&mut errs, pins, &model, &cluster, &training);
+    let interleave_needs_pp_over_2 =
+        js.framework == shardwright_spec::spec::Framework::Megatron && !js.pp_comm_overlap;
+    validate_pins(
+        &mut errs,
+        pins,
+        &model,
+        &cluster,
+        &training,
+        interleave_needs_pp_over_2,
+    );
     let reliability = resolve_reliability(&mut errs, spec, &hw, &cluster);
     check_framework_options(&mut errs, js);
     if !errs.0.is_empty() {
@@ -834,7 +843,14 @@ pub fn pinned_axes(p: &ParallelismSpec, m: &Model) -> rules::Axes {
 
 /// The pinned `job.parallelism` degrees: each in range, together a fit for the world size,
 /// and within the layout rules the search applies.
-fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t: &Training) {
+fn validate_pins(
+    errs: &mut Errs,
+    p: &ParallelismSpec,
+    m: &Model,
+    c: &Cluster,
+    t: &Training,
+    interleave_needs_pp_over_2: bool,
+) {
     check_pin_ranges(errs, p);
     check_pinned_world(errs, p, c);
     // Layout rules on the pinned axes: the same rule set the search applies.
@@ -845,6 +861,7 @@ fn validate_pins(errs: &mut Errs, p: &ParallelismSpec, m: &Model, c: &Cluster, t
         even_pipeline_chunks: p.even_pipeline_chunks,
         global_batch: t.global_batch,
         grad_accum: t.grad_accum,
+        interleave_needs_pp_over_2,
     };
     let axes = pinned_axes(p, m);
     let broken = rules::violations(&ctx, &axes);
@@ -1104,6 +1121,12 @@ fn report_batch_violations(
         errs.push(
             "job.parallelism.vpp",
             format!("vpp={v} (interleaved schedule) needs the micro-batches per step to be a multiple of pp={pp}"),
+        );
+    }
+    if has(Rejection::InterleaveNeedsPpOver2) {
+        errs.push(
+            "job.parallelism.vpp",
+            format!("vpp={v} at pp={pp}: Megatron-LM interleaves at pp <= 2 only with the overlapped pipeline sends, which job.pp_comm_overlap turns off"),
         );
     }
     if has(Rejection::ScheduleVsVpp) {

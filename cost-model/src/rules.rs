@@ -9,7 +9,7 @@
 
 use shardwright_spec::job::{Job, Model};
 use shardwright_spec::layout::Layout;
-use shardwright_spec::spec::Schedule;
+use shardwright_spec::spec::{Framework, Schedule};
 use std::fmt;
 
 /// Context-parallel shards shorter than this many tokens are not allowed.
@@ -41,6 +41,11 @@ pub enum Rejection {
     UnevenPipelineChunks,
     /// The interleaved schedule needs a multiple of pp micro-batches.
     MicrobatchesVsInterleave,
+    /// Megatron-LM interleaves at pp <= 2 only with the overlapped pipeline sends
+    /// (`job.pp_comm_overlap`): `validate_args` asserts pp > 2 without them ("When
+    /// interleaved schedule is used and p2p communication overlap is disabled,
+    /// pipeline-model-parallel size should be greater than 2").
+    InterleaveNeedsPpOver2,
     /// Virtual stages (vpp > 1) and the interleaved schedule go together.
     ScheduleVsVpp,
     /// Not a layout rule: the evaluated memory exceeds HBM (counted by the search).
@@ -63,6 +68,7 @@ impl Rejection {
             Rejection::LayersVsInterleave => "layers_vs_interleave",
             Rejection::UnevenPipelineChunks => "uneven_pipeline_chunks",
             Rejection::MicrobatchesVsInterleave => "microbatches_vs_interleave",
+            Rejection::InterleaveNeedsPpOver2 => "interleave_needs_pp_over_2",
             Rejection::ScheduleVsVpp => "schedule_vs_vpp",
             Rejection::OutOfMemory => "out_of_memory",
         }
@@ -86,6 +92,9 @@ pub struct Ctx<'a> {
     pub global_batch: u64,
     /// `job.batch.grad_accum` when the spec states it.
     pub grad_accum: Option<u64>,
+    /// Interleaving needs pp > 2: Megatron-LM without the overlapped pipeline sends
+    /// (`job.pp_comm_overlap: false`).
+    pub interleave_needs_pp_over_2: bool,
 }
 
 impl<'a> Ctx<'a> {
@@ -97,6 +106,8 @@ impl<'a> Ctx<'a> {
             even_pipeline_chunks: job.pinned.even_pipeline_chunks,
             global_batch: job.training.global_batch,
             grad_accum: job.training.grad_accum,
+            interleave_needs_pp_over_2: job.framework == Framework::Megatron
+                && !job.pp_comm_overlap,
         }
     }
 }
@@ -203,6 +214,10 @@ fn visit(c: &Ctx<'_>, a: &Axes, f: &mut dyn FnMut(Rejection) -> bool) {
         if let Some(ga) = ga {
             rule!(pp > 0 && ga % pp != 0, Rejection::MicrobatchesVsInterleave);
         }
+        rule!(
+            c.interleave_needs_pp_over_2 && pp <= 2,
+            Rejection::InterleaveNeedsPpOver2
+        );
     }
     if let (true, Some(pp), Some(v)) = (c.even_pipeline_chunks, a.pp, a.vpp) {
         rule!(
