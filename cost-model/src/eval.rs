@@ -2022,15 +2022,15 @@ fn step_terms(
         } else {
             send_s(lc.p2p_bytes, gbps, lat)
         };
-        let t = mech.p2p_transfers_per_microbatch * one;
+        let per_mb = mech.p2p_transfers_per_microbatch * one;
         if mech.p2p_overlap_interleaved && job.pp_comm_overlap && v > 1 {
             // The fill/drain transfers wait; each steady-state one runs beside one chunk's
             // compute, slowed as a DP collective slows it (`ring::contended_s`).
             let chunk = compute_mb / v as f64;
-            let contention = 1.0 - e.dp_overlap;
-            t * (p as f64 - 1.0) + v as f64 * m * crate::ring::contended_s(t, chunk, contention)
+            let steady = crate::ring::contended_s(per_mb, chunk, e.nccl_contention());
+            per_mb * (p as f64 - 1.0) + v as f64 * m * steady
         } else {
-            t * (v as f64 * m + p as f64 - 1.0)
+            per_mb * (v as f64 * m + p as f64 - 1.0)
         }
     } else {
         0.0

@@ -673,7 +673,7 @@ impl Ctx<'_> {
             let block_bwd = 2.5 * core_fwd / rate(true) / cp as f64;
             // A transfer beside a block slows it to dp_overlap of its rate while in flight;
             // what outlasts the block is paid whole (`ring::contended_s`).
-            let contention = 1.0 - eff.dp_overlap;
+            let contention = eff.nccl_contention();
             let contend = |t: f64, b: f64| crate::ring::contended_s(t, b, contention);
             let (bytes, time, exposed) = if torch_ring {
                 // One all-gather of every rank's K/V per pass; the backward adds `cp` sends
@@ -1296,7 +1296,7 @@ impl Ctx<'_> {
     /// [`crate::ring::contended_s`]).
     fn a2a_contention(&self) -> f64 {
         let job = self.job;
-        let nccl = 1.0 - job.efficiency.dp_overlap;
+        let nccl = job.efficiency.nccl_contention();
         match (
             job.moe_dispatcher,
             crate::catalog::sm_count(&job.hardware.kind),

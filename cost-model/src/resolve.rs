@@ -69,7 +69,7 @@ pub fn resolve(spec: &SpecFile, opts: &ResolveOptions) -> Result<Resolved, SpecE
     check_recompute_modules(&mut errs, js);
     let pins = &js.parallelism;
     let interleave_needs_pp_over_2 =
-        js.framework == shardwright_spec::spec::Framework::Megatron && !js.pp_comm_overlap;
+        rules::interleave_needs_pp_over_2(js.framework, js.pp_comm_overlap);
     validate_pins(
         &mut errs,
         pins,

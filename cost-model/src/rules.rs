@@ -106,10 +106,18 @@ impl<'a> Ctx<'a> {
             even_pipeline_chunks: job.pinned.even_pipeline_chunks,
             global_batch: job.training.global_batch,
             grad_accum: job.training.grad_accum,
-            interleave_needs_pp_over_2: job.framework == Framework::Megatron
-                && !job.pp_comm_overlap,
+            interleave_needs_pp_over_2: interleave_needs_pp_over_2(
+                job.framework,
+                job.pp_comm_overlap,
+            ),
         }
     }
+}
+
+/// Whether interleaving needs pp > 2 ([`Rejection::InterleaveNeedsPpOver2`]): Megatron-LM
+/// without the overlapped pipeline sends (`job.pp_comm_overlap: false`).
+pub fn interleave_needs_pp_over_2(framework: Framework, pp_comm_overlap: bool) -> bool {
+    framework == Framework::Megatron && !pp_comm_overlap
 }
 
 /// The axes of a (possibly partial) layout; `None` = not known yet.

@@ -404,3 +404,13 @@ pub struct Efficiency {
     /// forward + backward.
     pub layer_overhead_s: f64,
 }
+
+impl Efficiency {
+    /// The compute's slowdown while an NCCL transfer runs beside it (its kernels take SMs
+    /// and HBM bandwidth): the share the DP collectives pay, `1 - dp_overlap`. The CP ring,
+    /// NCCL's EP all-to-all and the overlapped pipeline sends pay the same
+    /// (`ring::contended_s` in the cost model).
+    pub fn nccl_contention(&self) -> f64 {
+        1.0 - self.dp_overlap
+    }
+}
