@@ -97,8 +97,8 @@ fn launches(p: &Plan) -> Vec<(String, Result<Launch, launch::LaunchError>)> {
                 }
                 Err(e) => add(format!("attention {what} {s}"), Err(e)),
             }
-            // With SHARDWRIGHT_CUDA_ATTENTION=mma, bf16 calls of head_dim 64 or 128 run the
-            // tensor-core kernels.
+            // On sm_80 and newer (unless SHARDWRIGHT_CUDA_ATTENTION=scalar), bf16 calls of
+            // head_dim 64 or 128 run the tensor-core kernels.
             if launch::attn_uses_mma(launch::AttnImpl::Mma, dt, d) {
                 match launch::attention_mma(&a) {
                     Ok(x) => {
@@ -310,7 +310,17 @@ fn limits_are_enforced() {
 #[test]
 fn attention_kernel_dispatch() {
     use launch::{attention_for, attn_uses_mma, AttnImpl};
-    assert_eq!(AttnImpl::default(), AttnImpl::Scalar);
+    // Unset, the device picks: the tensor-core kernels from sm_80 (Ampere's mma.sync bf16
+    // shape and ldmatrix), the scalar ones on Volta and Turing.
+    for (sm, want) in [
+        (70, AttnImpl::Scalar),
+        (75, AttnImpl::Scalar),
+        (80, AttnImpl::Mma),
+        (86, AttnImpl::Mma),
+        (90, AttnImpl::Mma),
+    ] {
+        assert_eq!(AttnImpl::default_for(sm), want, "sm_{sm}");
+    }
     assert_eq!(AttnImpl::parse("mma"), Ok(AttnImpl::Mma));
     assert_eq!(AttnImpl::parse(" Scalar "), Ok(AttnImpl::Scalar));
     assert!(AttnImpl::parse("flash")

@@ -353,3 +353,76 @@ fn moe_steps_in_bf16_stay_near_the_cpu_reference() {
         false,
     );
 }
+
+/// Llama blocks whose heads are 64 and 128 wide, the head dims the tensor-core attention
+/// kernels (attention_mma.cu) cover, trained in bf16 with the scalar kernels and with the
+/// tensor-core ones (the default on sm_80 and newer): both within the bf16 bounds of the
+/// fp32 CPU reference, and the two runs' losses and gradient norms within the loss bound of
+/// each other. The other bf16 tests' heads are 16 wide and never reach the tensor cores.
+#[test]
+fn tensor_core_attention_trains_like_the_scalar_kernels() {
+    use shardwright_executor::cuda::launch::{attn_uses_mma, AttnImpl, Dtype};
+    let Some(g) = gpu_in(
+        "tensor_core_attention_trains_like_the_scalar_kernels",
+        Precision::Bf16,
+    ) else {
+        return;
+    };
+    // (hidden, heads, kv heads): heads of 64 (grouped 4:2) and of 128 (2:1).
+    let mut bad = Vec::new();
+    for (hidden, heads, kv) in [(256u64, 4u64, 2u64), (256, 2, 1)] {
+        let d = hidden / heads;
+        assert!(attn_uses_mma(AttnImpl::Mma, Dtype::Bf16, d), "d={d}");
+        let text = common::spec_text(false, common::LAYERS)
+            .replace("hidden_size: 32", &format!("hidden_size: {hidden}"))
+            .replace(
+                "num_attention_heads: 4",
+                &format!("num_attention_heads: {heads}"),
+            )
+            .replace("num_kv_heads: 2", &format!("num_kv_heads: {kv}"))
+            .replace("ffn_hidden_size: 64", "ffn_hidden_size: 512")
+            .replace("vocab_size: 64", "vocab_size: 256")
+            .replace("seq_len: 16", "seq_len: 160");
+        let tpl = common::template_of(&text);
+        let layouts: &[&str] = if kv % 2 == 0 {
+            &["ga4", "tp2,ga4,sp=on", "cp2,ga4"]
+        } else {
+            &["ga4", "cp2,ga4"]
+        };
+        for layout in layouts {
+            let plan = common::plan_for(&tpl, common::layout(layout));
+            let program = shardwright_lowering::lower(&plan).expect("lowers").program;
+            let cpu = run_program(&program, Cpu, &common::cfg(), STEPS)
+                .unwrap_or_else(|e| panic!("{layout} on the CPU: {e}"));
+            let mut runs = Vec::new();
+            for imp in [AttnImpl::Scalar, AttnImpl::Mma] {
+                let on_gpu =
+                    run_program(&program, g.with_attention_impl(imp), &common::cfg(), STEPS)
+                        .unwrap_or_else(|e| {
+                            panic!("d={d} {layout} {imp:?} on the GPU in bf16: {e}")
+                        });
+                let (s, t) = drift(&on_gpu, &cpu);
+                println!(
+                    "d={d} {layout} {imp:?}: against the fp32 CPU reference: losses / gradient norms {:.2e} ({}), gradients / weights {:.2e} ({})",
+                    s.0, s.1, t.0, t.1
+                );
+                if s.0 > BF16_LOSS_TOL || t.0 > BF16_TENSOR_TOL {
+                    bad.push(format!("d={d} {layout} {imp:?} against the CPU"));
+                }
+                runs.push(on_gpu);
+            }
+            let (s, t) = drift(&runs[1], &runs[0]);
+            println!(
+                "d={d} {layout}: mma against scalar: losses / gradient norms {:.2e} ({}), gradients / weights {:.2e} ({})",
+                s.0, s.1, t.0, t.1
+            );
+            if s.0 > BF16_LOSS_TOL {
+                bad.push(format!("d={d} {layout} mma against scalar"));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "bf16 runs outside their bounds (losses / gradient norms > {BF16_LOSS_TOL:e}, gradients / weights > {BF16_TENSOR_TOL:e}): {bad:?}"
+    );
+}

@@ -13,9 +13,11 @@
 #              shapes, then the backend's MLP block of that step in bf16 mode and in fp32
 #              mode) and scripts/gpu/torch_kernels.py (PyTorch on the same shapes):
 #              kernels.log, torch-kernels.json;
-#   mma        the tensor-core attention kernels (SHARDWRIGHT_CUDA_ATTENTION=mma) in the bf16
-#              training tests and the 1.1B bench with its profile (mma/); not in the default
-#              list: STEPS="check mma kernels" is the next device session's call;
+#   mma        the bf16 training tests and the 1.1B bench with its profile with the attention
+#              kernels forced to the tensor-core ones (SHARDWRIGHT_CUDA_ATTENTION=mma, the
+#              default on sm_80+ since 2026-11-27; `check` runs
+#              cuda_train::tensor_core_attention_trains_like_the_scalar_kernels), mma/; not
+#              in the default list;
 #   race       the multi-rank training tests of cuda_train RACE_REPEATS times (default 4),
 #              twice with SHARDWRIGHT_CUDA_SYNC=1, then once under compute-sanitizer's
 #              memcheck (race/ in logs.tgz);

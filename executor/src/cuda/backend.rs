@@ -80,8 +80,9 @@ pub struct Cuda {
     /// ordering problem from an arithmetic one; slow).
     sync: bool,
     precision: Precision,
-    /// `SHARDWRIGHT_CUDA_ATTENTION` (`scalar`, the default, or `mma`): which attention
-    /// kernels bf16 calls with head_dim 64 or 128 run ([`launch::attn_uses_mma`]).
+    /// `SHARDWRIGHT_CUDA_ATTENTION` (`scalar` or `mma`; unset: `mma` on sm_80 and newer,
+    /// [`AttnImpl::default_for`]): which attention kernels bf16 calls with head_dim 64 or
+    /// 128 run ([`launch::attn_uses_mma`]).
     attn: AttnImpl,
 }
 
@@ -266,15 +267,16 @@ impl Cuda {
 
     /// GPU `ordinal` in precision `precision`.
     pub fn new_with(ordinal: usize, precision: Precision) -> Result<Cuda, String> {
-        let attn = AttnImpl::from_env()?;
+        let asked = AttnImpl::from_env()?;
         let dev = Device::new(ordinal, &cuda_include_dir())?;
-        if attn == AttnImpl::Mma && dev.sm < 80 {
+        if asked == Some(AttnImpl::Mma) && dev.sm < 80 {
             return Err(format!(
                 "{}=mma: the tensor-core attention kernels need sm_80 or newer (GPU {ordinal} is sm_{})",
                 launch::ATTENTION_ENV,
                 dev.sm
             ));
         }
+        let attn = asked.unwrap_or(AttnImpl::default_for(dev.sm));
         let blas = Blas::new(&dev)?;
         Ok(Cuda {
             dev: Arc::new(dev),
@@ -327,7 +329,8 @@ impl Cuda {
         Ok(out)
     }
 
-    /// The attention kernels' switch this backend read from `SHARDWRIGHT_CUDA_ATTENTION`.
+    /// The attention kernels' switch: from `SHARDWRIGHT_CUDA_ATTENTION`, else the device's
+    /// default ([`AttnImpl::default_for`]).
     pub fn attention_impl(&self) -> AttnImpl {
         self.attn
     }

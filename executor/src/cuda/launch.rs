@@ -396,12 +396,12 @@ pub fn attention(dt: Dtype, a: &Attn) -> Result<AttnLaunches, LaunchError> {
     })
 }
 
-/// Which attention kernels the CUDA backend runs (`SHARDWRIGHT_CUDA_ATTENTION`): the scalar
-/// fp32-arithmetic kernels of attention.cu (the default), or, where they apply (see
-/// [`attn_uses_mma`]), the tensor-core kernels of attention_mma.cu.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Which attention kernels the CUDA backend runs (`SHARDWRIGHT_CUDA_ATTENTION`): the
+/// tensor-core kernels of attention_mma.cu where they apply (see [`attn_uses_mma`]; the
+/// default on sm_80 and newer), or the scalar fp32-arithmetic kernels of attention.cu (the
+/// default before sm_80, and every call the tensor-core kernels do not cover).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttnImpl {
-    #[default]
     Scalar,
     Mma,
 }
@@ -421,13 +421,25 @@ impl AttnImpl {
         }
     }
 
-    /// From [`ATTENTION_ENV`]; unset or empty is [`AttnImpl::Scalar`].
-    pub fn from_env() -> Result<AttnImpl, String> {
+    /// From [`ATTENTION_ENV`]; `None` where it is unset or empty (then the device picks:
+    /// [`AttnImpl::default_for`]).
+    pub fn from_env() -> Result<Option<AttnImpl>, String> {
         match std::env::var(ATTENTION_ENV) {
-            Ok(s) if !s.trim().is_empty() => {
-                AttnImpl::parse(&s).map_err(|e| format!("{ATTENTION_ENV}: {e}"))
-            }
-            _ => Ok(AttnImpl::Scalar),
+            Ok(s) if !s.trim().is_empty() => AttnImpl::parse(&s)
+                .map(Some)
+                .map_err(|e| format!("{ATTENTION_ENV}: {e}")),
+            _ => Ok(None),
+        }
+    }
+
+    /// The kernels a GPU of compute capability `sm` (major * 10 + minor) runs when
+    /// [`ATTENTION_ENV`] is unset: the tensor-core kernels from sm_80 (their `mma.sync`
+    /// bf16 shapes and `ldmatrix` need Ampere), the scalar ones before.
+    pub fn default_for(sm: u32) -> AttnImpl {
+        if sm >= 80 {
+            AttnImpl::Mma
+        } else {
+            AttnImpl::Scalar
         }
     }
 }
