@@ -2085,13 +2085,16 @@ fn step_terms(
     // max(traffic - compute, (1 - dp_overlap) * min(traffic, compute)).
     // A framework that reduces gradients only after the pipeline's last backward (DeepSpeed's
     // pipeline engine) hides nothing.
-    let dp_overlap = if p > 1 && !framework::mechanisms(job.framework).dp_overlap_with_pp {
-        0.0
-    } else {
-        e.dp_overlap
+    // (Not the formula at dp_overlap 0: with nothing beside it, the traffic is all exposed,
+    // while the formula lets a transfer longer than the compute run beside it.)
+    let after_pipeline = p > 1 && !framework::mechanisms(job.framework).dp_overlap_with_pp;
+    let hidden = |traffic: f64| {
+        if after_pipeline {
+            traffic
+        } else {
+            (traffic - compute_mb).max((1.0 - e.dp_overlap) * traffic.min(compute_mb))
+        }
     };
-    let hidden =
-        |traffic: f64| (traffic - compute_mb).max((1.0 - dp_overlap) * traffic.min(compute_mb));
     // Without `dp_comm_overlap` (legacy Megatron) the step's reduction starts after the last
     // backward and the parameter all-gather ends before the next forward: all exposed.
     // ZeRO-3's per-micro-batch gathers are prefetched by every framework that has them.

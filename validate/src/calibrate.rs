@@ -123,7 +123,7 @@ struct Param {
     set: fn(&mut Efficiency, f64),
 }
 
-fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
+fn params(with_moe: bool) -> Vec<Param> {
     let mut v = vec![
         Param {
             name: "gemm_max",
@@ -198,17 +198,6 @@ fn params(with_fp8: bool, with_moe: bool) -> Vec<Param> {
             set: |e, x| e.layer_overhead_s = x,
         },
     ];
-    if with_fp8 {
-        v.push(Param {
-            name: "fp8_gemm_rel",
-            shared: false,
-            relative: false,
-            lo: 0.4,
-            hi: 1.0,
-            get: |e| e.fp8_gemm_rel,
-            set: |e, x| e.fp8_gemm_rel = x,
-        });
-    }
     if with_moe {
         v.push(Param {
             name: "ep_overlap",
@@ -239,7 +228,7 @@ struct Slot {
 /// into `to` (of kind `to_kind`): shared values as they are, relative ones as the same factor
 /// on `to_kind`'s measured value.
 pub fn copy_shared(from: &Efficiency, from_kind: &str, to: &mut Efficiency, to_kind: &str) {
-    for p in params(true, true) {
+    for p in params(true) {
         if p.relative {
             let factor = (p.get)(from) / (p.get)(&initial_efficiency(from_kind));
             (p.set)(to, (p.get)(&initial_efficiency(to_kind)) * factor);
@@ -250,7 +239,7 @@ pub fn copy_shared(from: &Efficiency, from_kind: &str, to: &mut Efficiency, to_k
 }
 
 /// Fit every kind present in `cases` at once: the GPU's parameters (GEMM and attention
-/// rates, bus efficiencies, FP8 rate) per kind, the software's (elementwise traffic, TP/DP/EP
+/// rates, bus efficiencies) per kind, the software's (elementwise traffic, TP/DP/EP
 /// overlap shares, per-layer overhead) shared by all kinds, since they describe the
 /// frameworks' kernels and schedules, not the GPU. Kinds in `start` without a case keep
 /// their own GPU parameters and take the fitted software ones.
@@ -258,17 +247,14 @@ fn fit_joint(cases: &[Case], start: &BTreeMap<String, Efficiency>) -> BTreeMap<S
     let kinds: std::collections::BTreeSet<String> = cases.iter().map(|c| c.kind.clone()).collect();
     let mut slots: Vec<Slot> = Vec::new();
     let with_moe = cases.iter().any(|c| c.layout.ep > 1);
-    for p in params(false, with_moe)
+    for p in params(with_moe)
         .into_iter()
         .filter(|p| p.shared || p.relative)
     {
         slots.push(Slot { p, kind: None });
     }
     for k in &kinds {
-        let fp8 = cases
-            .iter()
-            .any(|c| c.kind == *k && c.job.training.fp8_gemms);
-        for p in params(fp8, false)
+        for p in params(false)
             .into_iter()
             .filter(|p| !p.shared && !p.relative)
         {
@@ -363,7 +349,7 @@ fn fit_joint(cases: &[Case], start: &BTreeMap<String, Efficiency>) -> BTreeMap<S
     let mut out = build(&x);
     // Keep the stored numbers short and stable.
     for e in out.values_mut() {
-        for p in params(true, true) {
+        for p in params(true) {
             let v = (p.get)(e);
             (p.set)(e, shardwright_spec::plan::round_sig(v, 4));
         }
@@ -580,7 +566,7 @@ pub fn calibrate(runs: &RunsFile, runs_bytes: &[u8], version: &str) -> Calibrati
                 runs_used: c2.len(),
                 runs_skipped: skipped.len(),
                 runs_per_kind: per_kind,
-                method: "one joint fit over all GPU kinds: minimize sum |ln(pred/published)| plus a prior toward the physical starting values, by bounded coordinate search (steps 1/4 .. 1/1024 of each range); software parameters (elementwise traffic, TP/DP/EP overlap, layer overhead, factors on each kind's measured GEMM and attention rates) shared by all kinds, bus efficiencies and FP8 rate per kind; GEMM curve shape fixed from the measured H100 GEMM table; layouts: published axes pinned, unpublished axes chosen by the planner; 2 rounds".into(),
+                method: "one joint fit over all GPU kinds: minimize sum |ln(pred/published)| plus a prior toward the physical starting values, by bounded coordinate search (steps 1/4 .. 1/1024 of each range); software parameters (elementwise traffic, TP/DP/EP overlap, layer overhead, factors on each kind's measured GEMM and attention rates) shared by all kinds, bus efficiencies per kind; FP8 GEMM rate measured, not fitted; GEMM curve shape fixed from the measured H100 GEMM table; layouts: published axes pinned, unpublished axes chosen by the planner; 2 rounds".into(),
             },
             kinds: p2,
         },

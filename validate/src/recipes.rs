@@ -178,7 +178,7 @@ pub fn apply_recipe_mtp(
         return;
     }
     match stated {
-        Some(d) if !crate::setup::reader_experiment("recipe_mtp") => notes.push(format!(
+        Some(d) if !crate::setup::reader_switch("recipe_mtp") => notes.push(format!(
             "the run states {d} multi-token prediction module(s); Megatron-Bridge recipe {} sets mtp_num_layers {} ({}): kept the run's (the recipe's with SHARDWRIGHT_VALIDATE_EXPERIMENTS=recipe_mtp)",
             r.recipe, r.mtp_layers, r.source
         )),
@@ -275,30 +275,24 @@ pub fn apply_recipe_conventions(
             r.source
         ));
     }
-    // The recipe's dispatcher is recorded, not applied: on H100 the Qwen3 and GPT-OSS
-    // recipes run Megatron-Core's `alltoall` dispatcher with the EP all-to-all overlapped
-    // with the other micro-batch's compute (`moe_a2a_overlap`), which the cost model has
-    // (`job.moe_a2a_overlap`) but this reader leaves off by default
-    // ([`crate::setup::reader_experiment`]). The dispatcher alone, without that overlap, put Qwen3-235B's row at
-    // -23% (from +14% with the flex-dispatcher convention of [`crate::setup::conventions`]),
-    // so the convention stays until the overlap is modelled. (Errors are predicted over
-    // published tokens/s: +14% is too fast.) Modelled from Megatron-Core's paired 1F1B
-    // layer schedule (`TransformerLayerSchedulePlan.run`; branch h26b-exp) with the
-    // recipes' dispatchers, the overlap hides most of the all-to-all and both MoE rows
-    // overshoot, fitted without the Megatron-Bridge rows: Qwen3-235B +23.5%, DeepSeek-V3
-    // +49% (from -9%); the model's MoE compute alone is 12.1 s of DeepSeek-V3's measured
-    // 25.3 s step, so the exposed all-to-all stands in for MoE costs the model lacks.
+    // The recipe's dispatcher (on H100 the Qwen3 and GPT-OSS recipes run Megatron-Core's
+    // `alltoall` dispatcher, with the EP all-to-all overlapped with the other micro-batch's
+    // compute, `moe_a2a_overlap`), applied by default ([`crate::setup::READER_DEFAULTS`]).
+    // The dispatcher alone, without that overlap, put Qwen3-235B's row at -23% (from +14%
+    // with the flex-dispatcher convention of [`crate::setup::conventions`]); with the
+    // overlap in Megatron-Core's two-stream order (`shardwright_cost::layer::PairedLayer`),
+    // MLA and the FP8 recipe costs it is +10.7% held out (`crate::setup::READER_DEFAULTS`).
     if let Some(d) = r.moe_dispatcher.filter(|_| run.model.moe.is_some()) {
-        if d != conv.moe_dispatcher && crate::setup::reader_experiment("dispatcher") {
+        if d != conv.moe_dispatcher && crate::setup::reader_switch("dispatcher") {
             notes.push(format!(
-                "MoE dispatcher {} from Megatron-Bridge recipe {} (SHARDWRIGHT_VALIDATE_EXPERIMENTS=dispatcher)",
+                "MoE dispatcher {} from Megatron-Bridge recipe {}",
                 dispatcher_name(d),
                 r.recipe
             ));
             conv.moe_dispatcher = d;
         } else if d != conv.moe_dispatcher {
             notes.push(format!(
-                "Megatron-Bridge recipe {} sets the {} dispatcher; kept {} (the recipe's EP all-to-all overlap is off in this reader)",
+                "Megatron-Bridge recipe {} sets the {} dispatcher; kept {} (SHARDWRIGHT_VALIDATE_EXPERIMENTS=no_dispatcher)",
                 r.recipe,
                 dispatcher_name(d),
                 dispatcher_name(conv.moe_dispatcher)
@@ -312,14 +306,14 @@ pub fn apply_recipe_conventions(
         ));
     }
     if r.moe_a2a_overlap && run.model.moe.is_some() {
-        let applied = crate::setup::reader_experiment("a2a_overlap");
+        let applied = crate::setup::reader_switch("a2a_overlap");
         notes.push(format!(
             "Megatron-Bridge recipe {} overlaps the EP all-to-all with the other micro-batch's compute (overlap_moe_expert_parallel_comm): {}",
             r.recipe,
             if applied {
                 "job.moe_a2a_overlap on"
             } else {
-                "recorded, not applied (job.moe_a2a_overlap off; on with SHARDWRIGHT_VALIDATE_EXPERIMENTS=a2a_overlap)"
+                "recorded, not applied (job.moe_a2a_overlap off: SHARDWRIGHT_VALIDATE_EXPERIMENTS=no_a2a_overlap)"
             }
         ));
     }
@@ -425,7 +419,7 @@ mod tests {
         let mut m = model(0);
         notes.clear();
         apply_recipe_mtp(r, Some(0), &mut m, &mut notes);
-        if !crate::setup::reader_experiment("recipe_mtp") {
+        if !crate::setup::reader_switch("recipe_mtp") {
             assert_eq!(m.mtp_layers, 0);
             assert!(notes[0].contains("kept the run's"), "{notes:?}");
         }

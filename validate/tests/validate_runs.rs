@@ -265,11 +265,17 @@ fn megatron_bridge_recipe_defaults() {
     assert_eq!(s.spec.job.parallelism.recompute, Some(Recompute::None));
     assert!(!s.spec.job.tp_comm_overlap);
     assert!(s.spec.job.recompute_modules.is_none());
-    // The recipe's alltoall dispatcher is said, not applied (its EP overlap is not modelled).
+    // The recipe's alltoall dispatcher and its EP all-to-all overlap are applied and said
+    // (`setup::READER_DEFAULTS`).
+    assert_eq!(
+        s.spec.job.moe_dispatcher,
+        shardwright_spec::spec::MoeDispatcher::Alltoall
+    );
+    assert!(s.spec.job.moe_a2a_overlap);
     assert!(s
         .notes
         .iter()
-        .any(|n| n.contains("sets the alltoall dispatcher")));
+        .any(|n| n.contains("MoE dispatcher alltoall from Megatron-Bridge recipe")));
 
     let s = setup_run(run(&f, "mbridge_2602_llama3_70b_fp8_h100_64gpu")).unwrap();
     assert_eq!(s.spec.job.parallelism.recompute, Some(Recompute::None));
@@ -278,9 +284,14 @@ fn megatron_bridge_recipe_defaults() {
 
     let s = setup_run(run(&f, "mbridge_2509_deepseekv3_h100_1024gpu")).unwrap();
     assert_eq!(s.spec.job.parallelism.recompute, Some(Recompute::Selective));
-    // mla_up_proj is not a module the cost model has; Megatron applies `mlp` to the
-    // dense layers.
-    assert_eq!(s.spec.job.recompute_modules, Some(vec![M::Mlp]));
+    // The recipe's modules: MLA's up-projections (the model is read with its latent
+    // attention, `setup::READER_DEFAULTS`) and `mlp`, which Megatron applies to the dense
+    // layers.
+    assert!(s.spec.job.model.mla.is_some());
+    assert_eq!(
+        s.spec.job.recompute_modules,
+        Some(vec![M::MlaUpProj, M::Mlp])
+    );
     assert!(!s.spec.job.dp_comm_overlap);
     assert!(!s.spec.job.tp_comm_overlap);
 
