@@ -1,6 +1,6 @@
 // Tensor-core attention for bf16 storage and head_dim exactly 64 or 128 (backend.rs:
-// `attention_fwd`, `attention_bwd` when `SHARDWRIGHT_CUDA_ATTENTION=mma`; other head dims
-// and fp32 storage use attention.cu). The semantics are attention.cu's (read its header):
+// `attention_fwd`, `attention_bwd`; the default on sm_80 and newer, `launch::AttnImpl`, unless
+// `SHARDWRIGHT_CUDA_ATTENTION=scalar`; other head dims and fp32 storage use attention.cu). The semantics are attention.cu's (read its header):
 // layouts q, o, dout `[batch, seq_q, heads, d]`, k, v `[batch, seq_kv, kv_heads, d]`, lse,
 // delta `[batch, heads, seq_q]` fp32; query head h reads kv head h / (heads / kv_heads);
 // query i at q_offset + i, key j at k_offset + j; causal and sliding-window visibility; a
@@ -89,8 +89,9 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
 
-// The instructions below need sm_80; on older devices (where the backend refuses
-// SHARDWRIGHT_CUDA_ATTENTION=mma) the file still compiles and loads, and these trap.
+// The instructions below need sm_80; on older devices (where the backend runs the scalar
+// kernels and refuses SHARDWRIGHT_CUDA_ATTENTION=mma) the file still compiles and loads,
+// and these trap.
 __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
