@@ -1655,10 +1655,11 @@ fn sum_squares_and_checksums_match_the_host() {
     reductions::<u16>(d);
 }
 
-/// Many ranges in one launch (`moves_*`, the QKV split's per-token rows): the CUDA
-/// backend's `gather`, `copy_ranges`, `scale_ranges` and `axpy_ranges` over 3,000 rows
-/// against the CPU reference: copies and scalings bit for bit, adds within one rounding
-/// (a fused multiply-add on the GPU); overlapping destinations (applied in order) too.
+/// Many ranges in one launch (`moves_*`, the QKV split's per-token rows; `moves_strided_*`
+/// where they are in arithmetic progression with one factor): the CUDA backend's `gather`,
+/// `copy_ranges`, `scale_ranges` and `axpy_ranges` over 3,000 rows against the CPU
+/// reference: copies and scalings bit for bit, adds within one rounding (a fused
+/// multiply-add on the GPU); overlapping destinations (applied in order) too.
 #[test]
 fn batched_ranges_match_the_cpu_reference() {
     use shardwright_executor::cuda::backend::Cuda;
@@ -1708,4 +1709,45 @@ fn batched_ranges_match_the_cpu_reference() {
             1e-5,
         );
     }
+    // Ranges in arithmetic progression with one factor run `moves_strided_*` (no offsets
+    // uploaded): ascending destinations, a source step of zero (one row broadcast), and
+    // more ranges (70,000) than the grid's y dimension holds (65,535).
+    let up: Vec<(usize, usize)> = (0..rows).map(|r| (r * w + lo, r * n)).collect();
+    let bcast: Vec<(usize, usize)> = (0..rows).map(|r| (lo, r * n)).collect();
+    for (what, m) in [("ascending", &up), ("broadcast", &bcast)] {
+        assert!(shardwright_executor::cuda::backend::progression(
+            &m.iter().map(|&(s, d)| (s, d, 1.0)).collect::<Vec<_>>()
+        )
+        .is_some());
+        let mut want = base.clone();
+        Cpu.copy_ranges(&mut want, &x, n, m);
+        let mut got = gpu.upload(&base);
+        gpu.copy_ranges(&mut got, &xg, n, m);
+        assert_eq!(gpu.download(&got), want, "copy_ranges ({what}, strided)");
+        let f: Vec<(usize, usize, f32)> = m.iter().map(|&(s, d)| (s, d, 0.75)).collect();
+        let mut want = base.clone();
+        Cpu.scale_ranges(&mut want, &x, n, &f);
+        let mut got = gpu.upload(&base);
+        gpu.scale_ranges(&mut got, &xg, n, &f);
+        assert_eq!(gpu.download(&got), want, "scale_ranges ({what}, strided)");
+        let mut want = base.clone();
+        Cpu.axpy_ranges(&mut want, &x, n, &f);
+        let mut got = gpu.upload(&base);
+        gpu.axpy_ranges(&mut got, &xg, n, &f);
+        close(
+            &format!("axpy_ranges ({what}, strided)"),
+            &gpu.download(&got),
+            &want,
+            1e-5,
+        );
+    }
+    let (many, k) = (70_000usize, 3usize);
+    let y = g.vec(many * 5, 1.0);
+    let yg = gpu.upload(&y);
+    let cols: Vec<(usize, usize)> = (0..many).map(|r| (r * 5 + 1, k)).collect();
+    assert_eq!(
+        gpu.download(&gpu.gather(&yg, &cols)),
+        Cpu.gather(&y, &cols),
+        "gather of 70,000 rows"
+    );
 }

@@ -467,3 +467,45 @@ fn embedding_segments_reproduce_the_reference_gradient() {
         want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
     );
 }
+
+/// Which range lists run `moves_strided_*` (`backend::progression`): per-row views of a 2-D
+/// tensor with one factor, by hand; not descending offsets, a second factor, one move, or
+/// an offset that breaks the step.
+#[test]
+fn strided_moves_are_arithmetic_progressions() {
+    use shardwright_executor::cuda::backend::progression;
+    // Columns 32..72 of 4 rows of 96, packed: (32 + 96 r, 40 r).
+    let rows: Vec<(usize, usize, f32)> = (0..4).map(|r| (32 + 96 * r, 40 * r, 1.0)).collect();
+    assert_eq!(progression(&rows), Some((32, 96, 0, 40, 1.0)));
+    // One row broadcast (source step 0), factor 0.5.
+    let b: Vec<(usize, usize, f32)> = (0..3).map(|r| (7, 10 + 5 * r, 0.5)).collect();
+    assert_eq!(progression(&b), Some((7, 0, 10, 5, 0.5)));
+    assert_eq!(progression(&[(0, 0, 1.0)]), None, "one move");
+    assert_eq!(
+        progression(&[(10, 0, 1.0), (5, 8, 1.0)]),
+        None,
+        "descending source"
+    );
+    assert_eq!(
+        progression(&[(0, 8, 1.0), (4, 0, 1.0)]),
+        None,
+        "descending destination"
+    );
+    assert_eq!(
+        progression(&[(0, 0, 1.0), (4, 8, 2.0), (8, 16, 1.0)]),
+        None,
+        "two factors"
+    );
+    assert_eq!(
+        progression(&[(0, 0, 1.0), (4, 8, 1.0), (9, 16, 1.0)]),
+        None,
+        "a broken step"
+    );
+    // The launch: y walks the ranges (at most 65,535 blocks), x one range's elements.
+    let l = launch::buffer_moves_strided(Dtype::Bf16, 70_000, 2048).unwrap();
+    assert_eq!((l.grid, l.block[0]), ([8, 65_535, 1], 256));
+    // A short range takes one warp: 3 values, 32 threads.
+    let l = launch::buffer_moves_strided(Dtype::F32, 10, 3).unwrap();
+    assert_eq!((l.grid, l.block[0]), ([1, 10, 1], 32));
+    assert!(launch::buffer_moves_strided(Dtype::F32, 0, 8).is_err());
+}

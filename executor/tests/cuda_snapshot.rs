@@ -2,7 +2,9 @@
 //! (`cuda::snapshot`, feature `cuda`): random tensors are uploaded, snapshotted for two
 //! ranks and two steps (the second reusing, and for a grown tensor reallocating, the pinned
 //! buffers), written by the asynchronous checkpointer, restored from disk and compared bit
-//! for bit with the host values they came from (NaN payloads and negative zero included).
+//! for bit with the host values they came from (NaN payloads and negative zero included),
+//! each upload queued behind a large one (the copies must wait for the device's stream:
+//! without that wait an H200 run restored a freshly uploaded tensor as zeros).
 //! Without a GPU the test prints `skipped: <reason>` and passes.
 #![cfg(feature = "cuda")]
 
@@ -40,6 +42,9 @@ fn pinned_snapshots_restore_bit_exactly() {
             w[0] = -0.0;
             w[1] = f32::from_bits(0x7fc0_1234); // a NaN with a payload
             let m = g.vec(777, 0.1);
+            // A 256 MiB upload queued first keeps the device's stream busy, so a copy
+            // that did not wait for it would read `w` and `m` before they land.
+            let _busy = dev.upload(&vec![0.5f32; 64 << 20]).unwrap();
             let (w_d, m_d) = (dev.upload(&w).unwrap(), dev.upload(&m).unwrap());
             let meta = serde_json::json!({ "step": step, "rank": rank });
             snapshot_device(

@@ -246,9 +246,30 @@ fn batchable(moves: &[(usize, usize, f32)], n: usize) -> bool {
     if moves.len() < 2 || n == 0 {
         return false;
     }
+    // Destinations already in ascending order (a tensor's rows, one after another) need no
+    // sort: a linear pass over thousands of per-token ranges, not an O(m log m) sort of
+    // them at every QKV split.
+    if moves.windows(2).all(|w| w[1].1 >= w[0].1.saturating_add(n)) {
+        return true;
+    }
     let mut d: Vec<usize> = moves.iter().map(|m| m.1).collect();
     d.sort_unstable();
     d.windows(2).all(|w| w[1] - w[0] >= n)
+}
+
+/// `moves` as an arithmetic progression with one factor, `(s0, s_step, d0, d_step, a)`:
+/// move `r` is `(s0 + r s_step, d0 + r d_step, a)` (steps of zero or more; two moves or
+/// more). The per-row views of a 2-D tensor (the QKV split's columns, token by token) are;
+/// `moves_strided_*` runs them without uploading the offsets.
+pub fn progression(moves: &[(usize, usize, f32)]) -> Option<(u64, u64, u64, u64, f32)> {
+    let (&(s0, d0, a), &(s1, d1, _)) = (moves.first()?, moves.get(1)?);
+    let (ss, ds) = (s1.checked_sub(s0)?, d1.checked_sub(d0)?);
+    let fits = moves.iter().enumerate().all(|(r, m)| {
+        r.checked_mul(ss).and_then(|o| o.checked_add(s0)) == Some(m.0)
+            && r.checked_mul(ds).and_then(|o| o.checked_add(d0)) == Some(m.1)
+            && m.2.to_bits() == a.to_bits()
+    });
+    fits.then_some((s0 as u64, ss as u64, d0 as u64, ds as u64, a))
 }
 
 fn suffix(k: Kind) -> &'static str {
@@ -687,6 +708,22 @@ impl Cuda {
         n: usize,
         moves: &[(usize, usize, f32)],
     ) {
+        let (count, nn) = (moves.len() as u64, n as u64);
+        if let Some((s0, ss, d0, ds, a)) = progression(moves) {
+            self.run(launch::buffer_moves_strided(dt, count, nn), |b| {
+                b.arg(y)
+                    .arg(x)
+                    .arg(&s0)
+                    .arg(&ss)
+                    .arg(&d0)
+                    .arg(&ds)
+                    .arg(&a)
+                    .arg(&count)
+                    .arg(&nn)
+                    .arg(&mode);
+            });
+            return;
+        }
         let src: Vec<u64> = moves.iter().map(|m| m.0 as u64).collect();
         let dst: Vec<u64> = moves.iter().map(|m| m.1 as u64).collect();
         let a: Vec<f32> = moves.iter().map(|m| m.2).collect();
@@ -695,7 +732,6 @@ impl Cuda {
             self.temp("range offsets", &dst),
             self.temp("range factors", &a),
         );
-        let (count, nn) = (moves.len() as u64, n as u64);
         self.run(launch::buffer_moves(dt, count, nn), |b| {
             b.arg(y)
                 .arg(x)

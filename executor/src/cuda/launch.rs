@@ -568,6 +568,23 @@ pub fn buffer_moves(dt: Dtype, count: u64, n: u64) -> Result<Launch, LaunchError
     elementwise(format!("moves_{}", dt.suffix()), count * n)
 }
 
+/// Most blocks along one strided range (`moves_strided_*`'s x), and most along the ranges (y;
+/// the device limit is 65,535: the kernel walks the rest).
+const STRIDED_MAX_X: u64 = 64;
+const STRIDED_MAX_Y: u64 = 65_535;
+
+/// `moves_strided_*` over `count` ranges of `n` elements in arithmetic progression.
+pub fn buffer_moves_strided(dt: Dtype, count: u64, n: u64) -> Result<Launch, LaunchError> {
+    let entry = format!("moves_strided_{}", dt.suffix());
+    if count == 0 || n == 0 {
+        return err(format!("{entry}: no elements ({count} ranges of {n})"));
+    }
+    // Whole warps, no more than a short range needs.
+    let block = (n.div_ceil(32) * 32).min(ELEMENTWISE_BLOCK as u64);
+    let x = n.div_ceil(block).clamp(1, STRIDED_MAX_X);
+    Launch::new(entry, [x, count.min(STRIDED_MAX_Y), 1], block as u32, 0)
+}
+
 /// Blocks of a whole-buffer reduction (`sum_squares_*`: one f64 partial per block, added
 /// on the host in order; `checksum_*`): the grid depends on `n` alone, so the order of
 /// the sums does too.

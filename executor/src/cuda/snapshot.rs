@@ -26,13 +26,17 @@ use std::sync::Arc;
 /// Page-locked staging buffers for one rank's snapshots, one per tensor name.
 pub struct PinnedStaging {
     stream: Arc<CudaStream>,
+    /// The device's stream, where everything that writes the tensors is queued.
+    main: Arc<CudaStream>,
     buffers: BTreeMap<String, PinnedHostSlice<f32>>,
 }
 
 impl PinnedStaging {
-    /// Staging on `dev`, with a stream of its own for the copies (cudarc's per-buffer
-    /// events order them after the kernels that wrote the tensors, and the next writes
-    /// after them).
+    /// Staging on `dev`, with a stream of its own for the copies. The device runs without
+    /// cudarc's per-buffer events (`Device::new`: one stream), so nothing orders a copy
+    /// after the work that wrote its tensor but [`PinnedStaging::stage`]'s wait on the
+    /// device's stream; the next writes come after `stage` returns, which waits for the
+    /// copies.
     pub fn new(dev: &Device) -> Result<PinnedStaging, String> {
         let stream = dev
             .ctx
@@ -40,6 +44,7 @@ impl PinnedStaging {
             .map_err(|e| format!("snapshot stream: {e}"))?;
         Ok(PinnedStaging {
             stream,
+            main: dev.stream.clone(),
             buffers: BTreeMap::new(),
         })
     }
@@ -65,6 +70,13 @@ impl PinnedStaging {
             }
         }
         let ctx = self.stream.context().clone();
+        // The copies start after everything queued on the device's stream so far (the
+        // uploads, kernels and collectives that wrote the tensors). Without this wait a
+        // copy could read a tensor before its last write: a checkpoint of stale values
+        // (seen on an H200: a freshly uploaded tensor snapshotted as zeros).
+        self.stream.join(&self.main).map_err(|e| {
+            format!("snapshot of rank {rank}: ordering after the device's work: {e}")
+        })?;
         for (name, t) in tensors {
             let fits = self.buffers.get(*name).is_some_and(|b| b.len() >= t.len());
             if !fits {
