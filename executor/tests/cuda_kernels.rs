@@ -1715,7 +1715,7 @@ fn batched_ranges_match_the_cpu_reference() {
     let up: Vec<(usize, usize)> = (0..rows).map(|r| (r * w + lo, r * n)).collect();
     let bcast: Vec<(usize, usize)> = (0..rows).map(|r| (lo, r * n)).collect();
     for (what, m) in [("ascending", &up), ("broadcast", &bcast)] {
-        assert!(shardwright_executor::cuda::backend::progression(
+        assert!(shardwright_executor::cuda::launch::progression(
             &m.iter().map(|&(s, d)| (s, d, 1.0)).collect::<Vec<_>>()
         )
         .is_some());

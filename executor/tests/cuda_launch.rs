@@ -473,7 +473,7 @@ fn embedding_segments_reproduce_the_reference_gradient() {
 /// an offset that breaks the step.
 #[test]
 fn strided_moves_are_arithmetic_progressions() {
-    use shardwright_executor::cuda::backend::progression;
+    use shardwright_executor::cuda::launch::progression;
     // Columns 32..72 of 4 rows of 96, packed: (32 + 96 r, 40 r).
     let rows: Vec<(usize, usize, f32)> = (0..4).map(|r| (32 + 96 * r, 40 * r, 1.0)).collect();
     assert_eq!(progression(&rows), Some((32, 96, 0, 40, 1.0)));

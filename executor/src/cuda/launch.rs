@@ -568,6 +568,21 @@ pub fn buffer_moves(dt: Dtype, count: u64, n: u64) -> Result<Launch, LaunchError
     elementwise(format!("moves_{}", dt.suffix()), count * n)
 }
 
+/// `moves` as an arithmetic progression with one factor, `(s0, s_step, d0, d_step, a)`:
+/// move `r` is `(s0 + r s_step, d0 + r d_step, a)` (steps of zero or more; two moves or
+/// more). The per-row views of a 2-D tensor (the QKV split's columns, token by token) are;
+/// `moves_strided_*` runs them without uploading the offsets.
+pub fn progression(moves: &[(usize, usize, f32)]) -> Option<(u64, u64, u64, u64, f32)> {
+    let (&(s0, d0, a), &(s1, d1, _)) = (moves.first()?, moves.get(1)?);
+    let (ss, ds) = (s1.checked_sub(s0)?, d1.checked_sub(d0)?);
+    let fits = moves.iter().enumerate().all(|(r, m)| {
+        r.checked_mul(ss).and_then(|o| o.checked_add(s0)) == Some(m.0)
+            && r.checked_mul(ds).and_then(|o| o.checked_add(d0)) == Some(m.1)
+            && m.2.to_bits() == a.to_bits()
+    });
+    fits.then_some((s0 as u64, ss as u64, d0 as u64, ds as u64, a))
+}
+
 /// Most blocks along one strided range (`moves_strided_*`'s x), and most along the ranges (y;
 /// the device limit is 65,535: the kernel walks the rest).
 const STRIDED_MAX_X: u64 = 64;
