@@ -25,7 +25,11 @@
 #              the tiny Llama on one rank and on eight, and the one-rank program as a
 #              one-process job on NCCL; losses side by side (program/);
 #   measure    scripts/gpu/measure_kernels.py: the cost model's kernel rates (kernel-rates.json),
-#              cut off at MEASURE_LIMIT_S (default 150) with what it saved so far.
+#              cut off at MEASURE_LIMIT_S (default 150) with what it saved so far;
+#   ncu        Nsight Compute on the tensor-core attention kernels of the kernel bench
+#              (`--clock-control none`; the first launch of each: forward, dK/dV and dQ at
+#              head_dim 64 and 128): throughput, occupancy, shared-memory and warp-stall
+#              sections (ncu.csv, ncu.log); not in the default list, never run yet.
 # Outputs go to $OUT (at most 8 files come back from the device tool: logs are packed).
 #
 # Prepare here:  scripts/gpu/session.sh --prepare   (test binaries, the release CLI with
@@ -87,6 +91,18 @@ if has measure; then
     timeout "${MEASURE_LIMIT_S:-150}" python3 scripts/gpu/measure_kernels.py "$out/kernel-rates.json" >"$out/measure.log" 2>&1
     echo "measure_kernels: exit $? ($(grep -c '^\[' "$out/measure.log") sections)"
     logs+=(measure.log)
+fi
+if has ncu; then
+    # Where the attention kernels' time goes (the next kernel work: README, CUDA section).
+    nc="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+    # The first launch of each tensor-core kernel (invocation numbers count per function).
+    timeout "${NCU_LIMIT_S:-150}" "$nc" --clock-control none --kernel-id ::regex:attn_mma_:1 \
+        --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --csv --page details "$sess/gpu_kernels" >"$out/ncu.csv" 2>"$out/ncu.log"
+    echo "ncu: exit $? ($(wc -l <"$out/ncu.csv") lines)"
+    grep -h "Duration\|Compute (SM) Throughput\|Memory Throughput\|Achieved Occupancy\|Registers Per Thread\|Shared Memory Configuration Size\|L1/TEX Hit Rate\|Executed Ipc Active" "$out/ncu.csv" | cut -c1-220 | head -60
+    logs+=(ncu.log)
 fi
 if has mma; then
     # The tensor-core attention kernels (SHARDWRIGHT_CUDA_ATTENTION=mma) in training: the
