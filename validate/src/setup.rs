@@ -356,14 +356,14 @@ pub fn reader_experiment(name: &str) -> bool {
 ///   `shardwright_cost::fp8`: the casts through HBM, the LM head at the BF16 rate).
 ///
 /// Held out (the h100 profile fitted without the `mbridge` source) with the measured FP8
-/// rate, rows Llama-3-70B / 405B / Qwen3-235B / GPT-OSS / DeepSeek-V3: none of the four
-/// -5.9 / +4.3 / +17.6 / +9.1 / -7.5% (mbridge median / p90 / max 7.5 / 14.2 / 17.6;
-/// leave-one-GPU-kind-out median 5.93, over its 5.32 bar); all four -12.7 / +2.0 / +10.7 /
-/// +9.1 / +12.9% (10.7 / 12.8 / 12.9; with DeepSpeed's pipeline fix of the same commit,
-/// leave-one-source / framework / GPU-kind out median / p90 5.93 / 13.29, 7.45 / 13.71,
-/// 4.84 / 12.93). Each alone or in threes leaves the DeepSeek-V3 row 21-26% off: MLA's
-/// attention core and the hidden all-to-all move it in opposite directions, the FP8 casts
-/// back.
+/// rate (0.913), rows Llama-3-70B / 405B / Qwen3-235B / GPT-OSS / DeepSeek-V3: all four
+/// -11.3 / +4.0 / +10.6 / +9.1 / +13.8% (mbridge median / p90 / max 10.6 / 12.8 / 13.8;
+/// leave-one-source / framework / GPU-kind out median / p90 5.91 / 13.56, 7.45 / 13.94,
+/// 5.24 / 13.24). Measured at the rate 0.887 first: none of the four -5.9 / +4.3 /
+/// +17.6 / +9.1 / -7.5% (7.5 / 14.2 / 17.6; leave-one-GPU-kind-out median 5.93, over its
+/// 5.32 bar); all four -12.7 / +2.0 / +10.7 / +9.1 / +12.9%. Each alone or in threes
+/// leaves the DeepSeek-V3 row 21-26% off: MLA's attention core and the hidden all-to-all
+/// move it in opposite directions, the FP8 casts back.
 pub const READER_DEFAULTS: &[&str] = &["mla", "dispatcher", "a2a_overlap", "fp8_costs"];
 
 /// Whether reader switch `name` is on: a [`READER_DEFAULTS`] switch unless
