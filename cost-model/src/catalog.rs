@@ -122,6 +122,38 @@ pub const CATALOG: &[CatalogEntry] = &[
             "DeepSeek-V3 report sec. 3.2.2: IB 50 GB/s per GPU; NVLink measured 160 GB/s",
         ],
     },
+    CatalogEntry {
+        names: &["B200", "B200-SXM", "B200-SXM-180GB", "HGX B200", "DGX B200", "b200"],
+        kind: "b200",
+        hbm_bytes: 183359.0 * MIB,
+        peak_bf16_flops: 2250e12,
+        peak_fp8_flops: 4500e12,
+        hbm_gbps: 8000.0,
+        nvlink_gbps: 900.0,
+        inter_node_gbps: 50.0,
+        pcie_gbps: 64.0,
+        tdp_w: 1000.0,
+        sources: &[
+            "NVIDIA HGX B200 at 1,000 W: 2,250 TFLOP/s dense BF16, 4,500 dense FP8 (glennklockwood.com/garden/processors/B200, from NVIDIA's Blackwell datasheet)",
+            "DGX B200: 8 GPUs, 1,440 GB HBM3e (180 GB each; nvidia-smi shows 183,359 MiB) at 64 TB/s (8 TB/s each), NVLink 5 14.4 TB/s aggregate (1.8 TB/s per GPU, 900 each way), 8x 400 Gb/s ConnectX-7 (50 GB/s per GPU); PCIe Gen5 x16",
+        ],
+    },
+    CatalogEntry {
+        names: &["GB200", "GB200-NVL72", "GB200 NVL72", "gb200"],
+        kind: "b200",
+        hbm_bytes: 189471.0 * MIB,
+        peak_bf16_flops: 2500e12,
+        peak_fp8_flops: 5000e12,
+        hbm_gbps: 8000.0,
+        nvlink_gbps: 900.0,
+        inter_node_gbps: 50.0,
+        pcie_gbps: 64.0,
+        tdp_w: 1200.0,
+        sources: &[
+            "NVIDIA GB200 (a B200 beside Grace) at 1,200 W: 2,500 TFLOP/s dense BF16, 5,000 dense FP8 (glennklockwood.com/garden/processors/B200)",
+            "GB200 NVL72: 13.4 TB HBM3e for 72 GPUs (186 GB each; nvidia-smi shows 189,471 MiB), 8 TB/s each, NVLink 5 1.8 TB/s per GPU (900 each way) across all 72 GPUs of the rack (gpus_per_node 72 for the NVLink domain), one 400 Gb/s ConnectX-7 per GPU",
+        ],
+    },
 ];
 
 /// Look up a catalog entry by name as people write it: any of its names (case-insensitive),
@@ -311,9 +343,43 @@ pub fn builtin_efficiency(kind: &str) -> Efficiency {
     static CAL: std::sync::OnceLock<std::collections::BTreeMap<String, Efficiency>> =
         std::sync::OnceLock::new();
     let cal = CAL.get_or_init(|| parse_profile(CALIBRATED_PROFILE_JSON).unwrap_or_default());
-    cal.get(kind)
-        .cloned()
-        .unwrap_or_else(|| initial_efficiency(kind))
+    if let Some(e) = cal.get(kind) {
+        return e.clone();
+    }
+    match reference_kind(kind).and_then(|r| cal.get(r).map(|e| (r, e))) {
+        Some((r, e)) => derived_from_reference(kind, r, e),
+        None => initial_efficiency(kind),
+    }
+}
+
+/// The calibrated kind whose fit an uncalibrated kind takes over: the GPU generation before
+/// it (Blackwell from Hopper).
+pub fn reference_kind(kind: &str) -> Option<&'static str> {
+    match kind {
+        "b200" => Some("h100"),
+        _ => None,
+    }
+}
+
+/// The profile of an uncalibrated `kind` from its reference kind's fit `fitted`, as
+/// calibrate's leave-one-GPU-kind-out treats a held-out kind: the software parameters
+/// (elementwise traffic, TP/DP/EP overlap shares, per-layer overhead) as fitted, since they
+/// describe the frameworks; the large-GEMM and attention levels as the same factor on the
+/// kind's own starting values; the rest (the curve's size scale, bus efficiencies, the FP8
+/// rate) the kind's own ([`initial_efficiency`]).
+pub fn derived_from_reference(kind: &str, reference: &str, fitted: &Efficiency) -> Efficiency {
+    let (own, base) = (initial_efficiency(kind), initial_efficiency(reference));
+    Efficiency {
+        profile: format!("{kind} from {}", fitted.profile),
+        gemm_max: own.gemm_max * fitted.gemm_max / base.gemm_max,
+        attn_eff: own.attn_eff * fitted.attn_eff / base.attn_eff,
+        elementwise_bytes_per_h: fitted.elementwise_bytes_per_h,
+        tp_overlap: fitted.tp_overlap,
+        dp_overlap: fitted.dp_overlap,
+        ep_overlap: fitted.ep_overlap,
+        layer_overhead_s: fitted.layer_overhead_s,
+        ..own
+    }
 }
 
 /// FP8 GEMMs' rate relative to BF16's for large GEMMs, as [`Efficiency::fp8_gemm_rel`]
@@ -363,6 +429,16 @@ pub fn initial_efficiency(kind: &str) -> Efficiency {
             dp_overlap: 0.8,
             ep_overlap: 0.0,
             layer_overhead_s: 20e-6,
+        },
+        // Blackwell (B200, GB200): no run of it is calibrated and no GEMM table was measured
+        // here. The H100's starting values as leads, with the curve's size scale scaled by
+        // the peak (2,250 / 989.4 TFLOP/s): its fixed costs are time, so a GPU 2.3x faster
+        // needs 2.3x the FLOPs to amortize them. [`builtin_efficiency`] then carries the
+        // H100 fit over ([`derived_from_reference`]).
+        "b200" => Efficiency {
+            profile: "b200-initial".into(),
+            gemm_flops0: 1.6e10 * 2250.0 / 989.4,
+            ..initial_efficiency("h100")
         },
         // A100: the same curve shape, saturating at a smaller GEMM (peak is 3.2x lower).
         _ => Efficiency {
@@ -453,11 +529,18 @@ mod tests {
         let kinds =
             parse_profile(CALIBRATED_PROFILE_JSON).expect("profiles/calibrated.json parses");
         for e in CATALOG {
-            assert!(
-                kinds.contains_key(e.kind),
-                "no calibrated profile for {}",
-                e.kind
-            );
+            // A kind without runs of its own takes its reference kind's fit.
+            let covered = kinds.contains_key(e.kind)
+                || reference_kind(e.kind).is_some_and(|r| kinds.contains_key(r));
+            assert!(covered, "no calibrated profile for {}", e.kind);
         }
+        // The b200 profile is the h100 fit carried over: the same software parameters, the
+        // GEMM level the same factor on its own start, the curve's size scale its own.
+        let (h, b) = (builtin_efficiency("h100"), builtin_efficiency("b200"));
+        assert_eq!(b.dp_overlap, h.dp_overlap);
+        assert_eq!(b.elementwise_bytes_per_h, h.elementwise_bytes_per_h);
+        let factor = |e: &Efficiency, k: &str| e.gemm_max / initial_efficiency(k).gemm_max;
+        assert!((factor(&b, "b200") - factor(&h, "h100")).abs() < 1e-12);
+        assert!((b.gemm_flops0 / 1.6e10 - 2250.0 / 989.4).abs() < 1e-9);
     }
 }

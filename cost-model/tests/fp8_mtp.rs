@@ -224,8 +224,8 @@ fn the_fp8_rate_is_the_measured_one() {
             let f = |k: &str| g[k].as_f64().unwrap_or_else(|| panic!("{k} in {g}"));
             let te = 3.0 / (1.0 / f("fp8_fast_tflops") + 2.0 / f("fp8_split_tflops"));
             let (m, n, k) = (f("m"), f("n"), f("k"));
-            let shape = gemm_curve(max, 2.0 * f0, ex, k0, m, n, k)
-                / gemm_curve(max, f0, ex, k0, m, n, k);
+            let shape =
+                gemm_curve(max, 2.0 * f0, ex, k0, m, n, k) / gemm_curve(max, f0, ex, k0, m, n, k);
             (te / (2.0 * f("tflops")), shape)
         })
         .collect();
@@ -247,7 +247,10 @@ fn the_fp8_rate_is_the_measured_one() {
         rms(&|s| FP8_GEMM_REL_HOPPER * s),
         rms(&|_| flat[flat.len() / 2]),
     );
-    assert!(curve < 0.06 && curve < one, "curve {curve:.3}, one factor {one:.3}");
+    assert!(
+        curve < 0.06 && curve < one,
+        "curve {curve:.3}, one factor {one:.3}"
+    );
     assert!((FP8_GEMM_REL_HOPPER - 0.875).abs() < 0.05);
     assert_eq!(initial_efficiency("h100").fp8_gemm_rel, FP8_GEMM_REL_HOPPER);
 }
