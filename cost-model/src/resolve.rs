@@ -543,9 +543,17 @@ fn resolve_cluster(errs: &mut Errs, cs: &ClusterSpec) -> Cluster {
     if !(reserve.is_finite() && reserve >= 0.0) {
         errs.push("cluster.framework_reserve_bytes", "must be >= 0");
     }
+    // One partly used node (64 GPUs of a 72-GPU NVLink domain): every group of every
+    // layout lies inside it, which a node of the world's size says exactly (the mesh's
+    // node blocks then divide evenly; `spec::mesh::Mesh::fabric`).
+    let gpus_per_node = if num_gpus < gpn && world > 0 {
+        world as u32
+    } else {
+        cs.gpus_per_node
+    };
     Cluster {
         num_gpus,
-        gpus_per_node: cs.gpus_per_node,
+        gpus_per_node,
         nodes: num_gpus.div_ceil(gpn),
         hot_spares: cs.hot_spares,
         world_size: world,

@@ -607,3 +607,31 @@ cluster: {{gpu: H100-SXM, gpus_per_node: 8, num_gpus: 16}}
     assert!(!off.pp_comm_overlap);
     assert!((p2p(&off) / tt_s - 1.0).abs() < 1e-9);
 }
+
+/// A cluster smaller than one node (6 GPUs of an 8-GPU NVLink node; 64 of a 72-GPU NVL72
+/// domain) is one partly used node: every group stays on NVLink. The same GPUs described
+/// as one full node (`gpus_per_node` = the GPU count) are the independent reference:
+/// the step must be the same, for a data-parallel ring of 6 (which no block of 8 divides)
+/// and for tp 3 x dp 2.
+#[test]
+fn a_partly_used_node_keeps_every_group_on_nvlink() {
+    for (tp, dp) in [(1, 6), (3, 2)] {
+        let step = |gpn: u32| {
+            let j = job(&DENSE.replace(
+                "gpus_per_node: 8, num_gpus: 8",
+                &format!("gpus_per_node: {gpn}, num_gpus: 6"),
+            ));
+            assert_eq!(j.cluster.gpus_per_node, 6, "one node of the world's size");
+            let lc = LayerCosts::new(&j, tp, 1, 1, 1, tp > 1, Recompute::None);
+            let l = layout(tp, 1, dp, 64 / dp as u64, 1, Recompute::None, tp > 1);
+            evaluate(&j, &lc, &l, Split::Balanced, false).estimate.step
+        };
+        let (partial, full) = (step(8), step(6));
+        assert!(partial.step_s > 0.0);
+        assert_eq!(partial.step_s, full.step_s, "tp {tp} dp {dp}");
+        assert_eq!(
+            partial.dp_comm_total_s, full.dp_comm_total_s,
+            "tp {tp} dp {dp}"
+        );
+    }
+}
