@@ -1244,6 +1244,7 @@ fn run_gpu(
             8
         }
     };
+    let gpus_per_node = nvl72_domain(entry, gpus_per_node, hw.num_gpus, notes);
     let mut hardware = gpu.overrides.clone();
     match hw.inter_node_bw_per_gpu_gbps {
         Some(g) if g > 0.0 => hardware.inter_node_gbps = Some(g / 8.0),
@@ -1258,6 +1259,38 @@ fn run_gpu(
         gpus_per_node,
         hardware,
     })
+}
+
+/// A GB200 NVL72 rack is one NVLink domain of 72 GPUs in compute trays of 4. NVIDIA's
+/// scheduling guidance for it (technical blog "Unlock exascale performance on NVIDIA
+/// GB200 NVL72 with Slurm topology-aware job scheduling", 2026: Slurm's topology/block
+/// plugin) puts large jobs (128+ GPUs) in segments of 16 trays, 64 GPUs of one rack, so a
+/// run of more GPUs than one rack that 64-GPU domains divide takes 64 whatever node size
+/// its record states (a tray's 4, the rack's 72), and a run of one rack or less is one
+/// domain (the cluster resolver makes a partly used node one of the world's size). Other
+/// GPUs keep the stated node.
+fn nvl72_domain(
+    entry: &catalog::CatalogEntry,
+    stated: u32,
+    num_gpus: u64,
+    notes: &mut Vec<String>,
+) -> u32 {
+    if entry.names[0] != "GB200" {
+        return stated;
+    }
+    let domain = if num_gpus <= 72 {
+        72
+    } else if num_gpus % 64 == 0 {
+        64
+    } else {
+        stated
+    };
+    if domain != stated {
+        notes.push(format!(
+            "GB200 NVL72: NVLink domain {domain} GPUs (the record states {stated} per node; large jobs run in 16-tray segments of 64 GPUs)"
+        ));
+    }
+    domain
 }
 
 /// The run's model as a spec: its published shape, with the source's architecture

@@ -791,3 +791,41 @@ fn a_new_clusters_runs_are_scored() {
     // Without the file's table the same GPU is not known.
     assert!(setup_run(run(&f, "mycluster_llama70b_gt_256gpu")).is_err());
 }
+
+/// A GB200 NVL72 run is read with the NVLink domain its rack gives the job: 64 GPUs (a
+/// 16-tray segment) for a 128-GPU run whatever node size the record states, the whole job
+/// for one of 72 or fewer; a B200 run keeps its stated 8.
+#[test]
+fn gb200_runs_take_the_nvl72_domain() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("heldout/blackwell-runs.json");
+    let f = load_runs(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let base = &f.runs[1];
+    for (gpu, gpus, stated, want) in [
+        ("GB200", 128u64, 4u32, 64u32),
+        ("GB200", 128, 72, 64),
+        ("GB200", 64, 4, 64),
+        ("B200", 128, 8, 8),
+    ] {
+        let mut r = base.clone();
+        r.hardware.gpu_type = gpu.into();
+        r.hardware.num_gpus = gpus;
+        r.hardware.gpus_per_node = Some(stated);
+        // tp 4 x pp 8 x cp 2 = 64 per replica.
+        r.parallelism.dp = Some((gpus / 64) as u32);
+        r.parallelism.grad_accum_steps = Some(64 / (gpus / 64));
+        let s = setup_run_in(&r, None).unwrap_or_else(|e| panic!("{gpu} {gpus}: {e:?}"));
+        let job = shardwright_cost::resolve(&s.spec, &Default::default())
+            .unwrap_or_else(|e| panic!("{gpu} {gpus}: {e}"))
+            .job;
+        assert_eq!(
+            job.cluster.gpus_per_node, want,
+            "{gpu} {gpus} stated {stated}"
+        );
+        assert_eq!(
+            s.notes.iter().any(|n| n.contains("NVL72")),
+            gpu == "GB200" && stated != want.min(72),
+            "{gpu} {gpus} stated {stated}: {:?}",
+            s.notes
+        );
+    }
+}
