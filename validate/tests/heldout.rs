@@ -74,17 +74,18 @@ fn torchtitan_runs_are_scored_fit_and_stay_accurate() {
 }
 
 /// Blackwell, a GPU generation no calibrated run comes from: NVIDIA's Megatron-Bridge
-/// DGX-B200 benchmarks (25.09: Llama 3 8B on 8 GPUs, Llama 3.1 405B on 128, FP8 current
-/// scaling), the published tokens/s/GPU being the independent figures. The b200 profile is
+/// DGX-B200 and DGX-GB200 benchmarks (25.09: Llama 3 8B on 8 B200 and on 8 GB200, Llama
+/// 3.1 405B on 128 B200, FP8 current scaling), the published tokens/s/GPU being the
+/// independent figures. The b200 profile is
 /// the H100 fit carried over as calibrate's leave-one-GPU-kind-out carries a held-out kind
 /// (`catalog::derived_from_reference`: software parameters as fitted, the GEMM and attention
 /// levels as the same factor on the kind's own start, the GEMM curve's size scale times the
-/// peak ratio). Written at -7.0% and -9.6%; before the B200 entries the runs were skipped
-/// (no catalog GPU of the family).
+/// peak ratio). Written at -7.0%, -3.2% and -9.6%; before the B200 and GB200 entries the
+/// runs were skipped (no catalog GPU of the family).
 #[test]
 fn blackwell_runs_are_scored_from_the_hopper_fit() {
     let (_, report) = common::score_all("heldout/blackwell-runs.json");
-    assert_eq!(report.rows.len(), 2, "both runs scored, none skipped");
+    assert_eq!(report.rows.len(), 3, "every run scored, none skipped");
     for r in &report.rows {
         eprintln!("{:45} {:+7.1}%", r.id, r.error_pct);
         assert!(
