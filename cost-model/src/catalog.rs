@@ -432,14 +432,22 @@ pub fn initial_efficiency(kind: &str) -> Efficiency {
         },
         // Blackwell (B200, GB200): no run of it is calibrated and no GEMM table was measured
         // here. The H100's starting values as leads, with the curve's size scale scaled by
-        // the peak (2,250 / 989.4 TFLOP/s): its fixed costs are time, so a GPU 2.3x faster
-        // needs 2.3x the FLOPs to amortize them. [`builtin_efficiency`] then carries the
-        // H100 fit over ([`derived_from_reference`]).
-        "b200" => Efficiency {
-            profile: "b200-initial".into(),
-            gemm_flops0: 1.6e10 * 2250.0 / 989.4,
-            ..initial_efficiency("h100")
-        },
+        // the catalog's peaks (B200 / H100: 2,250 / 989.4 TFLOP/s): its fixed costs are
+        // time, so a GPU 2.3x faster needs 2.3x the FLOPs to amortize them.
+        // [`builtin_efficiency`] then carries the H100 fit over ([`derived_from_reference`]).
+        "b200" => {
+            let h100 = initial_efficiency("h100");
+            let peak = |family: &str| {
+                find_family(family)
+                    .unwrap_or_else(|| panic!("the catalog has the {family}"))
+                    .peak_bf16_flops
+            };
+            Efficiency {
+                profile: "b200-initial".into(),
+                gemm_flops0: h100.gemm_flops0 * peak("B200") / peak("H100"),
+                ..h100
+            }
+        }
         // A100: the same curve shape, saturating at a smaller GEMM (peak is 3.2x lower).
         _ => Efficiency {
             profile: format!("{kind}-initial"),
